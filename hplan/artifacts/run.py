@@ -1,0 +1,52 @@
+"""The RunReport artifact: what a training run on a plan measured."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import asdict, dataclass
+from typing import Any, ClassVar
+
+from hplan.artifacts.io import check_schema, read_json, write_json
+from hplan.errors import HplanError
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class RunReport:
+    """Measured, never copied from the plan: the executor's probe and counters fill it."""
+
+    SCHEMA: ClassVar[str] = "hplan.run/1"
+    workload: str
+    device: str
+    steps: int
+    """Steps run in this invocation (after a resume: the new ones)."""
+    first_step: int
+    """Global index of the first step run here (0, or the resumed step)."""
+    losses: tuple[float, ...]
+    step_seconds: tuple[float, ...]
+    peak_resident_bytes: int
+    """Highest fast-tier bytes (model + non-model) the probe saw in any step."""
+    budget_bytes: int
+    bytes_moved_per_iter: int
+    """Measured h2d + d2h bytes of a steady-state step."""
+    planned_bytes_moved_per_iter: int
+    h2d_bytes_per_iter: int
+    d2h_bytes_per_iter: int
+    setup_bytes: int = 0
+    """Bytes moved once before the first step to reach the plan's initial residency."""
+    metrics_path: str | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        return {**asdict(self), "schema": self.SCHEMA}
+
+    def save(self, path: str | os.PathLike[str]) -> None:
+        write_json(path, self.to_dict())
+
+    @classmethod
+    def load(cls, path: str | os.PathLike[str]) -> RunReport:
+        obj = read_json(path, what="run report")
+        check_schema(obj, expected=cls.SCHEMA, path=path, what="run report")
+        fields = {k: v for k, v in obj.items() if k != "schema"}
+        try:
+            return cls(**{**fields, "losses": tuple(fields["losses"]), "step_seconds": tuple(fields["step_seconds"])})
+        except (KeyError, TypeError) as exc:
+            raise HplanError(f"{path} is an incomplete run report ({exc}); rerun `hplan run`") from None

@@ -1,0 +1,187 @@
+"""The Trace artifact: what one training step does with memory, op by op.
+
+A trace is one Parquet file: the timeline is the table (`pandas.read_parquet`
+loads it in one call) and the metadata below is JSON stored in the file's
+key-value metadata under ``hplan``, so the two can never drift apart.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, ClassVar
+
+import pandas as pd
+
+from hplan.artifacts.io import atomic_path, check_schema
+from hplan.errors import HplanError
+
+CATEGORIES: tuple[str, ...] = ("param", "grad", "optimizer", "activation", "temporary", "other")
+"""Memory categories; the first three are model data, the rest non-model data."""
+MODEL_CATEGORIES: tuple[str, ...] = CATEGORIES[:3]
+PHASES: tuple[str, ...] = ("forward", "backward", "optimizer")
+EVENT_KINDS: tuple[str, ...] = PHASES
+TIMELINE_COLUMNS: tuple[str, ...] = (
+    "iteration", "op_index", "op", "module", "phase", "event_index",
+    *(f"{c}_bytes" for c in CATEGORIES),
+    "model_bytes", "non_model_bytes", "total_bytes", "peak_bytes", "peak_non_model_bytes",
+    "reserved_bytes", "overhead_bytes", "seconds", "flops",
+)
+"""Timeline columns. `<category>_bytes` are live after the op; `peak_*` are the highest
+within it; `reserved_bytes` is the (measured or predicted) caching-allocator reservation;
+`overhead_bytes` is non-framework device memory (CUDA context, workspaces; NVML on CUDA, 0
+elsewhere); `event_index` is the steady-state event the op belongs to, -1 outside it."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class ParamInfo:
+    """One parameter (tied weights appear once) and the model data that belongs to it."""
+
+    name: str
+    """Canonical name: the first one `model.named_parameters()` gives."""
+    shape: tuple[int, ...]
+    dtype: str
+    bytes: int
+    """Bytes of the compute parameter."""
+    grad_bytes: int
+    optimizer_bytes: int
+    """Optimizer state for it: moments plus the fp32 master copy in mixed precision."""
+    modules: tuple[str, ...]
+    """Every module path that owns it directly (tied weights: several)."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Event:
+    """A point an executor can act on, and the window of ops until the next one."""
+
+    index: int
+    kind: str
+    """"forward" (module forward entry), "backward" (module backward entry) or "optimizer"."""
+    module: str
+    """Module path; "optimizer" for the optimizer step."""
+    params: tuple[str, ...]
+    """Parameters read or written (their data or gradients) in this event's window."""
+    non_model_peak_bytes: int
+    """Highest non-model bytes (activations, temporaries, other) within the window."""
+    op_start: int
+    op_end: int
+    """Ops [op_start, op_end) of the steady-state iteration belong to this event."""
+    seconds: float = 0.0
+    """Measured compute time of the window (0 when not measured, e.g. fake traces)."""
+    flops: int = 0
+    """Counted floating-point operations of the window."""
+
+    @property
+    def key(self) -> str:
+        """Stable label, e.g. ``backward:h.3.mlp.c_fc``; the executor matches on it."""
+        return f"{self.kind}:{self.module}"
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Trace:
+    """A per-operator memory timeline of a training step, plus what the planner needs."""
+
+    SCHEMA: ClassVar[str] = "hplan.trace/1"
+    workload: str
+    device: str
+    """How it was measured: "cpu", "fake" or "cuda"."""
+    precision: str
+    iterations: int
+    capture: str
+    """"fx" when torch.fx captured the step, "dispatch" for the fallback."""
+    params: tuple[ParamInfo, ...]
+    events: tuple[Event, ...]
+    """Events of the steady-state (last) iteration, in execution order."""
+    fingerprint: dict[str, Any]
+    """Identifies the workload (parameters, batch shape, precision); see hplan.artifacts.fingerprint."""
+    peak_bytes: int
+    peak_by_category: dict[str, int]
+    """Bytes per category at the moment of the steady-state peak."""
+    model_bytes: int
+    n_ops: int
+    """Ops in the steady-state iteration."""
+    allocator_slack_bytes: int = 0
+    """Reserved minus allocated at the peak (measured on CUDA, predicted otherwise)."""
+    overhead_bytes: int = 0
+    """Non-framework device memory (CUDA context, library workspaces); 0 off CUDA."""
+    step_seconds: float = 0.0
+    step_flops: int = 0
+    batch_size: int | None = None
+    seq_len: int | None = None
+    warnings: tuple[str, ...] = ()
+    timeline: pd.DataFrame = field(default_factory=pd.DataFrame, compare=False, repr=False)
+
+    def __post_init__(self) -> None:
+        if self.device not in ("cpu", "fake", "cuda"):
+            raise HplanError(f"trace device must be cpu, fake or cuda, got {self.device!r}")
+        if set(self.peak_by_category) != set(CATEGORIES):
+            raise HplanError(f"peak_by_category needs keys {CATEGORIES}, got {sorted(self.peak_by_category)}")
+
+    @property
+    def n_events(self) -> int:
+        return len(self.events)
+
+    def metadata(self) -> dict[str, Any]:
+        """Everything but the timeline, as JSON-ready data (with the schema)."""
+        meta = {f: getattr(self, f) for f in self.__dataclass_fields__ if f != "timeline"}
+        meta["params"] = [asdict(p) for p in self.params]
+        meta["events"] = [asdict(e) for e in self.events]
+        meta["schema"] = self.SCHEMA
+        return meta
+
+    def save(self, path: str | os.PathLike[str]) -> None:
+        """Write the trace as one Parquet file, atomically."""
+        import pyarrow as pa
+        import pyarrow.parquet as pq
+
+        table = pa.Table.from_pandas(self.timeline, preserve_index=False)
+        meta = dict(table.schema.metadata or {})
+        meta[b"hplan"] = json.dumps(self.metadata(), sort_keys=True).encode()
+        table = table.replace_schema_metadata(meta)
+        with atomic_path(path) as tmp:
+            pq.write_table(table, tmp)
+
+    @classmethod
+    def load(cls, path: str | os.PathLike[str]) -> Trace:
+        """Read a trace file, refusing other kinds, other versions and corrupt files in one line."""
+        meta, table = _read_parquet(path)
+        check_schema(meta, expected=cls.SCHEMA, path=path, what="trace")
+        return cls.from_metadata(meta, table)
+
+    @classmethod
+    def from_metadata(cls, meta: dict[str, Any], timeline: pd.DataFrame | None = None) -> Trace:
+        """Rebuild a Trace from `metadata()` output (and an optional timeline)."""
+        kwargs = {k: v for k, v in meta.items() if k in cls.__dataclass_fields__}
+        try:
+            kwargs["params"] = tuple(
+                ParamInfo(**{**p, "shape": tuple(p["shape"]), "modules": tuple(p["modules"])})
+                for p in meta["params"]
+            )
+            kwargs["events"] = tuple(Event(**{**e, "params": tuple(e["params"])}) for e in meta["events"])
+            kwargs["warnings"] = tuple(meta.get("warnings", ()))
+            return cls(**kwargs, timeline=timeline if timeline is not None else pd.DataFrame())
+        except (KeyError, TypeError) as exc:
+            raise HplanError(f"trace metadata is incomplete ({exc}); regenerate the trace") from None
+
+
+def _read_parquet(path: str | os.PathLike[str]) -> tuple[dict[str, Any], pd.DataFrame]:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    p = Path(path)
+    if not p.is_file():
+        raise HplanError(f"trace file {p} not found: check the path or run `hplan trace` first")
+    try:
+        table = pq.read_table(p)
+    except (pa.ArrowException, OSError):
+        raise HplanError(f"{p} is not a trace file (not valid Parquet); pass a file written by `hplan trace`") from None
+    raw = (table.schema.metadata or {}).get(b"hplan")
+    if raw is None:
+        raise HplanError(f"{p} is a Parquet file without hplan metadata, not a trace; run `hplan trace`")
+    try:
+        meta = json.loads(raw)
+    except json.JSONDecodeError:
+        raise HplanError(f"{p} has corrupt hplan metadata; regenerate it with `hplan trace`") from None
+    return meta, table.to_pandas()

@@ -1,0 +1,47 @@
+"""The `hplan` command: a thin Typer shell over the library; one module per command."""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+import typer
+
+from hplan import __version__
+from hplan.cli import common
+
+app = typer.Typer(
+    name="hplan",
+    help="Trace a PyTorch training step, plan which model data lives on the GPU, and train on the plan.",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+    rich_markup_mode="rich",
+)
+
+
+def _version(value: bool) -> None:
+    if value:
+        typer.echo(f"hplan {__version__}")
+        raise typer.Exit()
+
+
+@app.callback()
+def _root(
+    version: Annotated[bool, typer.Option("--version", callback=_version, is_eager=True, help="Print the version and exit.")] = False,
+    debug: Annotated[bool, typer.Option("--debug", help="Show tracebacks for errors.")] = False,
+) -> None:
+    common.set_debug(debug)
+
+
+def _register() -> None:
+    from hplan.cli import demo_cmd, plan_cmd, report_cmd, run_cmd, trace_cmd
+
+    for module in (trace_cmd, plan_cmd, run_cmd, report_cmd, demo_cmd):
+        module.register(app)
+
+
+_register()
+
+
+def main() -> None:
+    app()

@@ -1,0 +1,133 @@
+"""Module events and workload identity, shared by the tracer and the executor.
+
+The tracer records events with these hooks and the executor replays a plan with
+the same hooks, so the two always agree on what an event is and in which order
+events come. Imports torch: only the tracer and executor use this module.
+
+Events:
+- ``forward:<module>``: a module that owns parameters directly is about to run forward
+  (a module called twice yields two events).
+- ``backward:<module>``: autograd is about to compute that module's backward (a prehook on
+  the grad_fn of the module's output, so in-place ops on the output later do not matter).
+- ``optimizer:optimizer``: the optimizer step; the caller reports it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils._pytree import tree_leaves
+
+from hplan.artifacts.fingerprint import make_fingerprint
+
+EventCallback = Callable[[str, str], None]
+"""callback(kind, module_path) with kind "forward" or "backward"."""
+OPTIMIZER_MODULE = "optimizer"
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def canonical_params(model: nn.Module) -> dict[int, str]:
+    """id(parameter) → its canonical name (the first `named_parameters` gives; tied once)."""
+    return {id(p): name for name, p in model.named_parameters()}
+
+
+def param_owning_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    """Modules that own at least one trainable parameter directly, with their first path."""
+    seen: set[int] = set()
+    owners = []
+    for path, module in model.named_modules():
+        if id(module) in seen:
+            continue
+        seen.add(id(module))
+        if any(p.requires_grad for p in module.parameters(recurse=False)):
+            owners.append((path, module))
+    return owners
+
+
+def param_modules(model: nn.Module) -> dict[str, tuple[str, ...]]:
+    """Canonical parameter name → every module path owning it directly (tied weights: several)."""
+    names = canonical_params(model)
+    owners: dict[str, list[str]] = {name: [] for name in names.values()}
+    for path, module in param_owning_modules(model):
+        for p in module.parameters(recurse=False):
+            if id(p) in names:
+                owners[names[id(p)]].append(path)
+    return {k: tuple(v) for k, v in owners.items()}
+
+
+def describe_batch(batch: Any) -> str:
+    """Dtypes and shapes of the batch's tensors, e.g. "int64[4,32];int64[4,32]"."""
+    leaves = [x for x in tree_leaves(batch) if isinstance(x, torch.Tensor)]
+    return ";".join(f"{dtype_name(t.dtype)}[{','.join(str(int(s)) for s in t.shape)}]" for t in leaves)
+
+
+def workload_fingerprint(model: nn.Module, batch: Any, precision: str) -> dict[str, Any]:
+    """The fingerprint a plan carries and the executor checks before training."""
+    rows = [(name, tuple(p.shape), dtype_name(p.dtype)) for name, p in model.named_parameters()]
+    return make_fingerprint(params=rows, batch=describe_batch(batch), precision=precision)
+
+
+class EventHooks:
+    """Context manager reporting forward/backward entry of every parameter-owning module."""
+
+    def __init__(self, model: nn.Module, callback: EventCallback) -> None:
+        self._model = model
+        self._callback = callback
+        self._handles: list[Any] = []
+
+    def __enter__(self) -> EventHooks:
+        for path, module in param_owning_modules(self._model):
+            self._handles.append(module.register_forward_pre_hook(self._on_forward(path)))
+            self._handles.append(module.register_forward_hook(self._on_output(path)))
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
+
+    def _on_forward(self, path: str) -> Callable[..., None]:
+        def hook(module: nn.Module, args: Any) -> None:
+            self._callback("forward", path)
+
+        return hook
+
+    def _on_output(self, path: str) -> Callable[..., None]:
+        def hook(module: nn.Module, args: Any, output: Any) -> None:
+            nodes = _grad_nodes(output)
+            if not nodes:
+                return
+            fired = [False]
+
+            def prehook(grad_outputs: Any) -> None:
+                if not fired[0]:
+                    fired[0] = True
+                    self._callback("backward", path)
+
+            for node in nodes:
+                node.register_prehook(prehook)
+
+        return hook
+
+
+def _grad_nodes(output: Any) -> list[Any]:
+    nodes, seen = [], set()
+    for t in _tensors(output):
+        if t.requires_grad and t.grad_fn is not None and id(t.grad_fn) not in seen:
+            seen.add(id(t.grad_fn))
+            nodes.append(t.grad_fn)
+    return nodes
+
+
+def _tensors(output: Any) -> Iterator[torch.Tensor]:
+    if hasattr(output, "to_tuple") and callable(output.to_tuple):  # transformers ModelOutput
+        output = output.to_tuple()
+    for leaf in tree_leaves(output):
+        if isinstance(leaf, torch.Tensor):
+            yield leaf

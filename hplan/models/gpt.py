@@ -1,0 +1,175 @@
+"""A GPT-2-style decoder: tied embeddings, pre-LN blocks, causal attention.
+
+Parameters per model (d = width, L = layers, V = vocabulary, T = context):
+12·L·d² + 13·L·d (blocks) + (V + T)·d (embeddings; the LM head is tied) + 2·d (final LN).
+`param_count` evaluates it; tests check it against the built module and the
+presets against their nominal sizes (within 2%).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, replace
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from hplan.errors import HplanError
+from hplan.workload import Workload
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class GPTConfig:
+    n_layer: int
+    n_head: int
+    d_model: int
+    vocab_size: int = 50257
+    n_ctx: int = 1024
+    batch_size: int = 1
+    """Default batch size of the preset's workload."""
+    seq_len: int = 1024
+    """Default sequence length of the preset's workload."""
+
+
+PRESETS: dict[str, GPTConfig] = {
+    "tiny": GPTConfig(n_layer=2, n_head=2, d_model=64, vocab_size=256, n_ctx=64, batch_size=4, seq_len=32),
+    "small": GPTConfig(n_layer=4, n_head=4, d_model=128, vocab_size=1024, n_ctx=128, batch_size=8, seq_len=64),
+    "mini": GPTConfig(n_layer=6, n_head=6, d_model=384, vocab_size=4096, n_ctx=256, batch_size=8, seq_len=128),
+    "125m": GPTConfig(n_layer=12, n_head=12, d_model=768),
+    "350m": GPTConfig(n_layer=24, n_head=16, d_model=1024),
+    "1.3b": GPTConfig(n_layer=24, n_head=32, d_model=2048),
+    "6.7b": GPTConfig(n_layer=32, n_head=32, d_model=4096),
+    "13b": GPTConfig(n_layer=40, n_head=40, d_model=5120),
+    "18b": GPTConfig(n_layer=39, n_head=48, d_model=6144),
+}
+NOMINAL_PARAMS: dict[str, int] = {
+    "125m": 125_000_000, "350m": 350_000_000, "1.3b": 1_300_000_000,
+    "6.7b": 6_700_000_000, "13b": 13_000_000_000, "18b": 18_000_000_000,
+}
+CONFIG_KEYS = ("n_layer", "n_head", "d_model", "vocab_size", "n_ctx")
+
+
+def param_count(cfg: GPTConfig) -> int:
+    """Exact parameter count of `GPT(cfg)` (tied LM head counted once)."""
+    d, layers = cfg.d_model, cfg.n_layer
+    return 12 * layers * d * d + 13 * layers * d + (cfg.vocab_size + cfg.n_ctx) * d + 2 * d
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: GPTConfig) -> None:
+        super().__init__()
+        self.n_head = cfg.n_head
+        self.c_attn = nn.Linear(cfg.d_model, 3 * cfg.d_model)
+        self.c_proj = nn.Linear(cfg.d_model, cfg.d_model)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, c = x.shape
+        q, k, v = self.c_attn(x).split(c, dim=2)
+        q, k, v = (z.view(b, t, self.n_head, c // self.n_head).transpose(1, 2) for z in (q, k, v))
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.c_proj(y.transpose(1, 2).reshape(b, t, c))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: GPTConfig) -> None:
+        super().__init__()
+        self.c_fc = nn.Linear(cfg.d_model, 4 * cfg.d_model)
+        self.c_proj = nn.Linear(4 * cfg.d_model, cfg.d_model)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.c_proj(F.gelu(self.c_fc(x), approximate="tanh"))
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: GPTConfig) -> None:
+        super().__init__()
+        self.ln_1 = nn.LayerNorm(cfg.d_model)
+        self.attn = Attention(cfg)
+        self.ln_2 = nn.LayerNorm(cfg.d_model)
+        self.mlp = MLP(cfg)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.ln_1(x))
+        return x + self.mlp(self.ln_2(x))
+
+
+class GPT(nn.Module):
+    def __init__(self, cfg: GPTConfig) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.wte = nn.Embedding(cfg.vocab_size, cfg.d_model)
+        self.wpe = nn.Embedding(cfg.n_ctx, cfg.d_model)
+        self.h = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layer))
+        self.ln_f = nn.LayerNorm(cfg.d_model)
+        self.lm_head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
+        self.lm_head.weight = self.wte.weight
+        self.apply(self._init)
+        for name, p in self.named_parameters():
+            if name.endswith("c_proj.weight"):  # GPT-2's scaled residual init
+                nn.init.normal_(p, mean=0.0, std=0.02 / math.sqrt(2 * cfg.n_layer))
+
+    @staticmethod
+    def _init(module: nn.Module) -> None:
+        if isinstance(module, (nn.Linear, nn.Embedding)):
+            nn.init.normal_(module.weight, mean=0.0, std=0.02)
+        if isinstance(module, nn.Linear) and module.bias is not None:
+            nn.init.zeros_(module.bias)
+
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
+        t = idx.shape[1]
+        if t > self.cfg.n_ctx:
+            raise HplanError(f"sequence length {t} exceeds the model context {self.cfg.n_ctx}; lower --seq-len")
+        pos = torch.arange(t, device=idx.device)
+        x = self.wte(idx) + self.wpe(pos)
+        for block in self.h:
+            x = block(x)
+        logits = self.lm_head(self.ln_f(x))
+        if targets is None:
+            return logits
+        return F.cross_entropy(logits.view(-1, logits.size(-1)).float(), targets.reshape(-1))
+
+
+def resolve_config(size: str, overrides: dict[str, Any] | None = None) -> GPTConfig:
+    """The preset named `size`, with `overrides` (config keys only) applied."""
+    if size not in PRESETS:
+        raise HplanError(f"unknown gpt preset {size!r}: use one of {', '.join(PRESETS)}")
+    cfg = PRESETS[size]
+    extra = dict(overrides or {})
+    unknown = sorted(set(extra) - set(CONFIG_KEYS))
+    if unknown:
+        raise HplanError(f"unknown gpt option(s) {', '.join(unknown)}: use {', '.join(CONFIG_KEYS)}")
+    try:
+        cfg = replace(cfg, **{k: int(v) for k, v in extra.items()})
+    except ValueError:
+        raise HplanError(f"gpt options must be integers, got {extra}") from None
+    if cfg.d_model % cfg.n_head:
+        raise HplanError(f"d_model {cfg.d_model} is not divisible by n_head {cfg.n_head}")
+    return cfg
+
+
+def gpt_workload(
+    size: str, *, batch_size: int | None = None, seq_len: int | None = None, overrides: dict[str, Any] | None = None
+) -> Workload:
+    """The bundled GPT at `size`, trained with AdamW(lr=3e-4) on deterministic random tokens."""
+    cfg = resolve_config(size, overrides)
+    bsz = batch_size or cfg.batch_size
+    seq = seq_len or min(cfg.seq_len, cfg.n_ctx)
+    if seq > cfg.n_ctx:
+        raise HplanError(f"sequence length {seq} exceeds gpt:{size}'s context {cfg.n_ctx}; use --seq-len {cfg.n_ctx} or less")
+
+    def batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+        gen = torch.Generator().manual_seed(1_000_003 * (step + 1))
+        tokens = torch.randint(cfg.vocab_size, (bsz, seq + 1), generator=gen)
+        return tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
+
+    return Workload(
+        model=lambda: GPT(cfg),
+        batch=batch,
+        loss=lambda model, b: model(*b),
+        optimizer=lambda params: torch.optim.AdamW(params, lr=3e-4, weight_decay=0.1),
+        name=f"gpt:{size}",
+        batch_size=bsz,
+        seq_len=seq,
+    )

@@ -1,0 +1,56 @@
+"""Human size strings, parsed only at the edge; everything inside is integer bytes.
+
+`GB` is 10**9 bytes and `GiB` is 2**30 bytes, as the SI and IEC standards say.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+
+from hplan.errors import HplanError
+
+_UNITS: dict[str, int] = {
+    "": 1,
+    "B": 1,
+    "KB": 10**3,
+    "MB": 10**6,
+    "GB": 10**9,
+    "TB": 10**12,
+    "KIB": 2**10,
+    "MIB": 2**20,
+    "GIB": 2**30,
+    "TIB": 2**40,
+}
+_PATTERN = re.compile(r"^\s*(\d+(?:\.\d+)?|\.\d+)\s*([A-Za-z]*)\s*$")
+ACCEPTED = "a positive size such as 24GB (24*10^9 bytes), 24GiB (24*2^30), 512MB, 1.5TB or plain bytes"
+
+
+def parse_size(text: str | int, *, what: str = "size") -> int:
+    """Return the positive number of bytes `text` names, or raise HplanError listing the forms."""
+    if isinstance(text, bool):
+        raise HplanError(f"invalid {what} {text!r}: expected {ACCEPTED}")
+    if isinstance(text, int):
+        if text <= 0:
+            raise HplanError(f"invalid {what} {text}: expected {ACCEPTED}")
+        return text
+    match = _PATTERN.match(str(text))
+    unit = match.group(2).upper() if match else ""
+    if match is None or unit not in _UNITS:
+        raise HplanError(f"invalid {what} {text!r}: expected {ACCEPTED}")
+    value = float(match.group(1)) * _UNITS[unit]
+    n_bytes = int(round(value))
+    if n_bytes <= 0 or not math.isfinite(value):
+        raise HplanError(f"invalid {what} {text!r}: must be more than 0 bytes; expected {ACCEPTED}")
+    return n_bytes
+
+
+def format_size(n_bytes: int | float, *, binary: bool = False, digits: int = 2) -> str:
+    """Render bytes for people: decimal units (GB) unless `binary` (GiB)."""
+    base, names = (1024.0, ["B", "KiB", "MiB", "GiB", "TiB"]) if binary else (1000.0, ["B", "KB", "MB", "GB", "TB"])
+    value = float(n_bytes)
+    for name in names:
+        if abs(value) < base or name == names[-1]:
+            return f"{value:.0f} {name}" if name == "B" else f"{value:.{digits}f} {name}"
+        value /= base
+    raise AssertionError("unreachable")

@@ -1,0 +1,80 @@
+"""Turn a command-line workload spec into a Workload: a file, `gpt:<size>` or `hf:<Class>`."""
+
+from __future__ import annotations
+
+import importlib.util
+import inspect
+import sys
+from pathlib import Path
+from typing import Any
+
+from hplan.errors import HplanError
+from hplan.workload import Workload
+
+SPEC_FORMS = "path/to/file.py:function, gpt:<size> (e.g. gpt:125m) or hf:<ModelClass> (e.g. hf:GPT2LMHeadModel)"
+
+
+def load_workload(
+    spec: str,
+    *,
+    batch_size: int | None = None,
+    seq_len: int | None = None,
+    overrides: dict[str, Any] | None = None,
+    precision: str | None = None,
+) -> Workload:
+    """Resolve `spec`; options the spec cannot take are refused, never silently ignored."""
+    for name, value in (("batch size", batch_size), ("sequence length", seq_len)):
+        if value is not None and value <= 0:
+            raise HplanError(f"{name} must be a positive integer, got {value}")
+    if spec.startswith("gpt:"):
+        from hplan.models.gpt import gpt_workload
+
+        workload = gpt_workload(spec[4:], batch_size=batch_size, seq_len=seq_len, overrides=overrides)
+    elif spec.startswith("hf:"):
+        from hplan.models.hf import hf_workload
+
+        workload = hf_workload(spec[3:], batch_size=batch_size, seq_len=seq_len, overrides=overrides)
+    elif ":" in spec and spec.rsplit(":", 1)[0].endswith(".py"):
+        workload = _from_file(spec, batch_size=batch_size, seq_len=seq_len, overrides=overrides)
+    else:
+        raise HplanError(f"unknown workload spec {spec!r}: use {SPEC_FORMS}")
+    if precision is not None and precision != workload.precision:
+        from dataclasses import replace
+
+        workload = replace(workload, precision=precision)
+    return workload
+
+
+def _from_file(spec: str, *, batch_size: int | None, seq_len: int | None, overrides: dict[str, Any] | None) -> Workload:
+    path_text, func_name = spec.rsplit(":", 1)
+    path = Path(path_text)
+    if not path.is_file():
+        raise HplanError(f"workload file {path} not found: check the path in {spec!r}")
+    module_name = f"hplan_user_{abs(hash(str(path.resolve())))}"
+    loader_spec = importlib.util.spec_from_file_location(module_name, path)
+    if loader_spec is None or loader_spec.loader is None:
+        raise HplanError(f"cannot import {path}: is it a Python file?")
+    module = importlib.util.module_from_spec(loader_spec)
+    sys.modules[module_name] = module
+    try:
+        loader_spec.loader.exec_module(module)
+    except Exception as exc:  # the user's file failed; say where, not a traceback
+        raise HplanError(f"importing {path} failed: {type(exc).__name__}: {exc}") from exc
+    func = getattr(module, func_name, None)
+    if func is None or not callable(func):
+        raise HplanError(f"{path} has no function {func_name!r}: define `def {func_name}() -> hplan.Workload`")
+    kwargs = _accepted_kwargs(func, spec, batch_size=batch_size, seq_len=seq_len, **(overrides or {}))
+    result = func(**kwargs)
+    if not isinstance(result, Workload):
+        raise HplanError(f"{spec} returned {type(result).__name__}, not hplan.Workload; return hplan.Workload(...)")
+    return result
+
+
+def _accepted_kwargs(func: Any, spec: str, **options: Any) -> dict[str, Any]:
+    given = {k: v for k, v in options.items() if v is not None}
+    params = inspect.signature(func).parameters
+    takes_any = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
+    for key in given:
+        if key not in params and not takes_any:
+            raise HplanError(f"{spec} does not take option {key!r}: add a `{key}` parameter to the function or drop the option")
+    return given

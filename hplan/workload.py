@@ -1,0 +1,52 @@
+"""The Workload contract: what a user hands hplan to trace, plan and train.
+
+Everything is a factory, so fake and meta tracing can build the model without
+real memory, and every run of a step sees the same deterministic batch.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from typing import Any
+
+from hplan.errors import HplanError
+from hplan.precision import DEFAULT_RECIPE, get_recipe
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Workload:
+    """A training step described by four factories; other tools rely on these names."""
+
+    model: Callable[[], Any]
+    """Zero-argument factory returning a fresh `torch.nn.Module` (fp32; the recipe casts it)."""
+    batch: Callable[[int], Any]
+    """Deterministic batch for a step index (a tensor, or a tuple/dict of tensors)."""
+    loss: Callable[[Any, Any], Any]
+    """(model, batch) → scalar loss tensor."""
+    optimizer: Callable[[Iterable[Any]], Any]
+    """params → `torch.optim.Optimizer` (elementwise ones such as Adam/AdamW/SGD for offload)."""
+    name: str = "workload"
+    precision: str = DEFAULT_RECIPE
+    """"fp32", "bf16-mixed" or "fp16-mixed" (see hplan.precision)."""
+    seed: int = 0
+    """Seeds torch before the model is built, so every tool builds the same weights."""
+    batch_size: int | None = None
+    seq_len: int | None = None
+
+    def __post_init__(self) -> None:
+        for field_name in ("model", "batch", "loss", "optimizer"):
+            if not callable(getattr(self, field_name)):
+                raise HplanError(f"Workload.{field_name} must be callable (a factory), got {type(getattr(self, field_name)).__name__}")
+        get_recipe(self.precision)
+
+    def build_model(self) -> Any:
+        """Seed torch and build the model, cast to the recipe's compute dtype."""
+        import torch
+
+        torch.manual_seed(self.seed)
+        model = self.model()
+        if not isinstance(model, torch.nn.Module):
+            raise HplanError(f"workload {self.name!r}: model factory returned {type(model).__name__}, not a torch.nn.Module")
+        dtype = getattr(torch, get_recipe(self.precision).compute_dtype)
+        return model.to(dtype) if dtype != torch.float32 else model
