@@ -50,3 +50,13 @@ class RunReport:
             return cls(**{**fields, "losses": tuple(fields["losses"]), "step_seconds": tuple(fields["step_seconds"])})
         except (KeyError, TypeError) as exc:
             raise HplanError(f"{path} is an incomplete run report ({exc}); rerun `hplan run`") from None
+
+
+METRICS_COLUMNS: tuple[str, ...] = (
+    "step", "event_index", "event", "resident_bytes", "model_resident_bytes",
+    "h2d_bytes", "d2h_bytes", "loss", "step_seconds",
+)
+"""Columns of `hplan run --metrics OUT.parquet`: one row per (step, event) of the plan.
+`resident_bytes` is the fast-tier total (model + non-model) the probe measured in the
+event's window (its peak); `model_resident_bytes` the chunk storage resident then; the
+transfer columns count bytes copied at that event; `loss` and `step_seconds` repeat per step."""
