@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import json
 import os
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any, ClassVar
 
@@ -125,7 +125,7 @@ class Trace:
 
     def metadata(self) -> dict[str, Any]:
         """Everything but the timeline, as JSON-ready data (with the schema)."""
-        meta = {f: getattr(self, f) for f in self.__dataclass_fields__ if f != "timeline"}
+        meta = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "timeline"}
         meta["params"] = [asdict(p) for p in self.params]
         meta["events"] = [asdict(e) for e in self.events]
         meta["schema"] = self.SCHEMA
@@ -153,7 +153,8 @@ class Trace:
     @classmethod
     def from_metadata(cls, meta: dict[str, Any], timeline: pd.DataFrame | None = None) -> Trace:
         """Rebuild a Trace from `metadata()` output (and an optional timeline)."""
-        kwargs = {k: v for k, v in meta.items() if k in cls.__dataclass_fields__}
+        names = {f.name for f in fields(cls)} - {"timeline"}
+        kwargs = {k: v for k, v in meta.items() if k in names}
         try:
             kwargs["params"] = tuple(
                 ParamInfo(**{**p, "shape": tuple(p["shape"]), "modules": tuple(p["modules"])})
