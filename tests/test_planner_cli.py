@@ -1,0 +1,70 @@
+"""`hplan plan` end to end on synthetic traces: files, JSON, exit codes, one-line errors."""
+
+import json
+
+import pytest
+from typer.testing import CliRunner
+
+from hplan.artifacts import Plan
+from hplan.cli import app
+from hplan.planner import validate
+from hplan.planner.synthetic import gpt_trace
+
+runner = CliRunner()
+
+
+@pytest.fixture(scope="module")
+def trace_file(tmp_path_factory):
+    path = tmp_path_factory.mktemp("t") / "t.parquet"
+    gpt_trace(n_layer=2, d_model=64, vocab=256, n_ctx=64, batch=4, seq=32, n_head=2).save(path)
+    return path
+
+
+def test_plan_writes_a_valid_plan_and_prints_a_summary(trace_file, tmp_path):
+    out = tmp_path / "plan.json"
+    result = runner.invoke(app, ["plan", str(trace_file), "--gpu-mem", "3MB", "--compare", "-o", str(out)])
+    assert result.exit_code == 0, result.output
+    assert "bytes moved" in result.output and "Gemini" in result.output
+    validate(Plan.load(out))
+
+
+def test_json_has_summary_baselines_and_output(trace_file, tmp_path):
+    out = tmp_path / "plan.json"
+    result = runner.invoke(app, ["plan", str(trace_file), "--gpu-mem", "3MB", "--compare", "--json",
+                                 "--solver", "fast", "--chunk-size", "64KB", "--gpu", "a100-40gb", "-o", str(out)])
+    assert result.exit_code == 0, result.output
+    data = json.loads(result.stdout)
+    assert data["output"] == str(out) and len(data["baselines"]) == 3
+    assert {"feasible", "bytes_moved_per_iter", "min_gpu_bytes", "lower_bound_bytes"} <= set(data["summary"])
+
+
+def test_infeasible_budget_is_exit_2_with_the_minimum(trace_file, tmp_path):
+    out = tmp_path / "plan.json"
+    result = runner.invoke(app, ["plan", str(trace_file), "--gpu-mem", "1000", "-o", str(out)])
+    assert result.exit_code == 2 and not out.exists()
+    assert "needs at least" in result.output and len(result.output.strip().splitlines()) == 1
+    result = runner.invoke(app, ["plan", str(trace_file), "--gpu-mem", "1000", "--json", "-o", str(out)])
+    assert result.exit_code == 2 and not out.exists()
+    assert json.loads(result.stdout)["summary"]["min_gpu_bytes"] > 1000
+
+
+@pytest.mark.parametrize("args", [["--gpu-mem", "0"], ["--gpu-mem", "-3GB"], ["--gpu-mem", "lots"],
+                                  ["--gpu-mem", "3MB", "--chunk-size", "big"], ["--gpu-mem", "3MB", "--solver", "x"],
+                                  ["--gpu-mem", "3MB", "--gpu", "gtx480"]])
+def test_bad_options_are_one_line_exit_2(trace_file, tmp_path, args):
+    result = runner.invoke(app, ["plan", str(trace_file), *args, "-o", str(tmp_path / "p.json")])
+    assert result.exit_code == 2, result.output
+    assert "Traceback" not in result.output and len(result.output.strip().splitlines()) == 1
+
+
+def test_not_a_trace_is_exit_2(tmp_path):
+    bogus = tmp_path / "t.parquet"
+    bogus.write_text("hello")
+    result = runner.invoke(app, ["plan", str(bogus), "--gpu-mem", "3MB", "-o", str(tmp_path / "p.json")])
+    assert result.exit_code == 2 and "not a trace" in result.output
+
+
+def test_too_little_host_memory_is_exit_2(trace_file, tmp_path):
+    out = tmp_path / "plan.json"
+    result = runner.invoke(app, ["plan", str(trace_file), "--gpu-mem", "1500KB", "--cpu-mem", "1KB", "-o", str(out)])
+    assert result.exit_code == 2 and "host memory" in result.output and not out.exists()
