@@ -1,19 +1,59 @@
-"""`hplan run`: filled in by its issue; until then it says so instead of faking a result."""
+"""`hplan run`: a thin shell over hplan.executor.run_training; progress bar, or a JSON summary."""
 
 from __future__ import annotations
 
+from pathlib import Path
+from typing import Annotated
+
 import typer
 
-from hplan.errors import HplanError
+EPILOG = ("Example: hplan run gpt:tiny --plan plan.json --steps 20 --checkpoint ckpt/ --metrics m.parquet  "
+          "(a plan for another workload, or too big for this device, exits 2 before any step)")
 
 
 def register(app: typer.Typer) -> None:
-    @app.command("run")
-    def run_command() -> None:
-        """Not built yet."""
+    @app.command("run", epilog=EPILOG)
+    def run_command(
+        spec: Annotated[str, typer.Argument(help="Workload: file.py:function, gpt:<size> or hf:<Class>.")],
+        plan: Annotated[Path, typer.Option("--plan", help="Plan JSON written by `hplan plan`.")],
+        steps: Annotated[int, typer.Option("--steps", help="Train until this global step (resumed runs too).")],
+        device: Annotated[str, typer.Option("--device", help="cpu, or cuda (unverified in this release).")] = "cpu",
+        metrics: Annotated[Path | None, typer.Option("--metrics", help="Per-event metrics Parquet to write.")] = None,
+        checkpoint: Annotated[Path | None, typer.Option("--checkpoint", help="Save full state here each step.")
+                              ] = None,
+        resume: Annotated[bool, typer.Option("--resume", help="Continue from --checkpoint's saved state.")] = False,
+        batch_size: Annotated[int | None, typer.Option("--batch-size", help="Override the batch size.")] = None,
+        seq_len: Annotated[int | None, typer.Option("--seq-len", help="Override the sequence length.")] = None,
+        precision: Annotated[str | None, typer.Option("--precision", help="fp32, bf16-mixed or fp16-mixed.")] = None,
+        overrides: Annotated[list[str] | None, typer.Option("--set", help="Workload option key=value.")] = None,
+        as_json: Annotated[bool, typer.Option("--json", help="Print the run summary as JSON on stdout.")] = False,
+    ) -> None:
+        """Train on a plan, doing its fetches, evictions and updates at the planned events."""
         from hplan.cli.common import guarded
 
-        def body() -> None:
-            raise HplanError("'hplan run' is not built yet in this version")
+        guarded(lambda: _run(spec=spec, plan=plan, steps=steps, device=device, metrics=metrics,
+                             checkpoint=checkpoint, resume=resume, batch_size=batch_size, seq_len=seq_len,
+                             precision=precision, overrides=overrides, as_json=as_json))
 
-        guarded(body)
+
+def _run(*, spec: str, plan: Path, steps: int, device: str, metrics: Path | None, checkpoint: Path | None,
+         resume: bool, batch_size: int | None, seq_len: int | None, precision: str | None,
+         overrides: list[str] | None, as_json: bool) -> None:
+    from hplan.artifacts import Plan
+    from hplan.cli.common import emit_json, err_console, parse_overrides, progress_bar
+    from hplan.executor import run_training
+    from hplan.specs import load_workload
+
+    the_plan = Plan.load(plan)
+    workload = load_workload(spec, batch_size=batch_size, seq_len=seq_len, overrides=parse_overrides(overrides),
+                             precision=precision)
+    with progress_bar(f"training {workload.name}", quiet=as_json) as on_progress:
+        report = run_training(workload, the_plan, steps=steps, device=device, metrics_path=metrics,
+                              checkpoint_dir=checkpoint, resume=resume, on_progress=on_progress)
+    if as_json:
+        emit_json(report.to_dict())
+        return
+    err_console.print(f"{report.steps} steps from step {report.first_step}: final loss {report.losses[-1]:.4f}, "
+                      f"peak resident {report.peak_resident_bytes} B (budget {report.budget_bytes} B), "
+                      f"moved {report.bytes_moved_per_iter} B/iter (planned {report.planned_bytes_moved_per_iter})",
+                      highlight=False)

@@ -1,0 +1,98 @@
+"""The fast tier behind a tiny interface, so the CPU twin runs the same logic as CUDA.
+
+On CPU every copy is synchronous and `wait` is a no-op. On CUDA (unverified: this project has no
+GPU) host→device copies run on a side stream and record an event per buffer; compute waits on a
+buffer's event only when a step needs that chunk, so prefetches overlap compute.
+"""
+
+from __future__ import annotations
+
+import psutil
+import torch
+
+from hplan.errors import HplanError
+
+
+class FastTier:
+    """CPU twin: fast-tier buffers are ordinary CPU tensors, distinct from the host store."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+
+    def empty(self, nbytes: int) -> torch.Tensor:
+        """A fast-tier byte buffer of `nbytes`, allocated."""
+        return torch.empty(nbytes, dtype=torch.uint8, device=self.device)
+
+    def host_empty(self, nbytes: int) -> torch.Tensor:
+        return torch.empty(nbytes, dtype=torch.uint8)
+
+    def release(self, buf: torch.Tensor) -> None:
+        """Really free the storage; views and autograd's saved references stay valid (size-0 storage)."""
+        buf.untyped_storage().resize_(0)
+
+    def h2d(self, dst: torch.Tensor, src: torch.Tensor) -> None:
+        """Re-allocate `dst` and fill it in place from the host copy."""
+        dst.untyped_storage().resize_(src.untyped_storage().nbytes())
+        with torch.no_grad(), torch.autograd._unsafe_preserve_version_counter(dst):
+            dst.copy_(src)
+
+    def d2h(self, dst: torch.Tensor, src: torch.Tensor) -> None:
+        with torch.no_grad():
+            dst.copy_(src)
+
+    def wait(self, buf: torch.Tensor) -> None:
+        """Make compute wait for `buf`'s fetch (synchronous here)."""
+
+    def capacity_bytes(self) -> int:
+        """Memory a budget may claim: the host's available RAM."""
+        return int(psutil.virtual_memory().available)
+
+
+class CudaTier(FastTier):
+    """Pinned host copies, side-stream fetches with one event per buffer."""
+
+    def __init__(self, device: torch.device) -> None:
+        super().__init__(device)
+        self._side = torch.cuda.Stream(device)
+        self._ready: dict[int, torch.cuda.Event] = {}
+
+    def host_empty(self, nbytes: int) -> torch.Tensor:
+        return torch.empty(nbytes, dtype=torch.uint8).pin_memory()
+
+    def h2d(self, dst: torch.Tensor, src: torch.Tensor) -> None:
+        dst.untyped_storage().resize_(src.untyped_storage().nbytes())
+        self._side.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(self._side), torch.no_grad(), torch.autograd._unsafe_preserve_version_counter(dst):
+            dst.copy_(src, non_blocking=True)
+            event = torch.cuda.Event()
+            event.record(self._side)
+        self._ready[dst.untyped_storage().data_ptr()] = event
+
+    def d2h(self, dst: torch.Tensor, src: torch.Tensor) -> None:
+        self.wait(src)
+        with torch.no_grad():
+            dst.copy_(src)
+
+    def wait(self, buf: torch.Tensor) -> None:
+        event = self._ready.pop(buf.untyped_storage().data_ptr(), None)
+        if event is not None:
+            torch.cuda.current_stream(self.device).wait_event(event)
+
+    def release(self, buf: torch.Tensor) -> None:
+        self.wait(buf)
+        super().release(buf)
+
+    def capacity_bytes(self) -> int:
+        return int(torch.cuda.get_device_properties(self.device).total_memory)
+
+
+def make_tier(device: str) -> FastTier:
+    """The fast tier for `device` ("cpu" or "cuda[:n]")."""
+    dev = torch.device(device)
+    if dev.type == "cpu":
+        return FastTier(dev)
+    if dev.type == "cuda":
+        if not torch.cuda.is_available():
+            raise HplanError(f"device {device!r} requested but CUDA is not available here; use --device cpu")
+        return CudaTier(dev)
+    raise HplanError(f"unsupported device {device!r}: use cpu or cuda")

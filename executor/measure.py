@@ -1,0 +1,42 @@
+"""Window peaks of fast-tier non-model bytes, read from hplan's memory probe.
+
+The probe counts tensor storages allocated while it tracks; chunk refills resize existing storages
+(no dispatched allocation), so what it sees is the non-model memory: activations, temporaries,
+gradients before they are moved into their chunk.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from typing import Any
+
+
+def make_probe(device: str) -> Any:
+    """hplan.probe's probe for `device`; the dispatch stand-in while that module is not there."""
+    try:
+        from hplan.probe import make_probe as _make_probe
+    except ImportError:
+        from hplan.executor.stand_in_probe import StandInProbe
+
+        return StandInProbe(device)
+    return _make_probe(device)
+
+
+class WindowMeter:
+    """Peak non-model bytes between two plan events (the plan's `non_model_bytes` window)."""
+
+    def __init__(self, probe: Any) -> None:
+        self.probe = probe
+
+    @contextlib.contextmanager
+    def track(self) -> Iterator[None]:
+        with self.probe.track():
+            self.probe.reset_peak()
+            yield
+
+    def close_window(self) -> int:
+        """The peak since the previous call; starts the next window at the current level."""
+        peak = int(self.probe.max_allocated_bytes())
+        self.probe.reset_peak()
+        return peak

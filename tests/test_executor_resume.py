@@ -1,0 +1,62 @@
+"""Stop (cleanly, or by kill -9) and resume: the next steps' losses equal an uninterrupted run's."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import torch
+from executor_plans import build_plan
+from hplan.executor import run_training
+from hplan.executor.checkpoint import STATE_FILE
+
+from hplan.specs import load_workload
+
+GROUPS = frozenset({0, 1})
+
+
+def _setup(tmp_path):
+    workload = load_workload("gpt:tiny")
+    plan = build_plan(workload, gpu_groups=GROUPS, pinned=GROUPS)
+    plan.save(tmp_path / "plan.json")
+    return workload, plan
+
+
+def test_stop_after_five_then_resume(tmp_path):
+    workload, plan = _setup(tmp_path)
+    full = run_training(workload, plan, steps=10).losses
+    first = run_training(workload, plan, steps=5, checkpoint_dir=tmp_path / "ck")
+    second = run_training(workload, plan, steps=10, checkpoint_dir=tmp_path / "ck", resume=True)
+    assert first.losses == full[:5]
+    assert second.first_step == 5 and second.losses == full[5:]
+
+
+def test_kill_9_mid_run_then_resume(tmp_path):
+    workload, _ = _setup(tmp_path)
+    ck = tmp_path / "ck"
+    cmd = [sys.executable, "-c", "from hplan.cli import main; main()", "run", "gpt:tiny", "--plan",
+           str(tmp_path / "plan.json"), "--steps", "100000", "--checkpoint", str(ck)]
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 60
+        while _saved_step(ck) < 3 and time.monotonic() < deadline and proc.poll() is None:
+            time.sleep(0.05)
+        assert proc.poll() is None, "the run ended before it could be killed"
+        os.kill(proc.pid, signal.SIGKILL)
+    finally:
+        proc.wait()
+    assert proc.returncode == -signal.SIGKILL
+    done = _saved_step(ck)
+    assert done >= 3
+    resumed = run_training(workload, build_plan(workload, gpu_groups=GROUPS, pinned=GROUPS), steps=done + 5,
+                           checkpoint_dir=ck, resume=True)
+    full = run_training(workload, build_plan(workload, gpu_groups=GROUPS, pinned=GROUPS), steps=done + 5)
+    assert resumed.losses == full.losses[done:]
+
+
+def _saved_step(directory) -> int:
+    path = directory / STATE_FILE
+    return int(torch.load(path, weights_only=True)["global_step"]) if path.is_file() else 0
