@@ -1,0 +1,58 @@
+"""Matplotlib plumbing shared by every plot: Agg-only figures, byte units, atomic saving by suffix.
+
+Figures are built on `matplotlib.figure.Figure` with an Agg canvas, never through pyplot, so
+drawing a report neither needs a display nor changes the user's global backend or pyplot state.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from matplotlib.backends.backend_agg import FigureCanvasAgg
+from matplotlib.figure import Figure
+
+from hplan.artifacts.io import atomic_path
+from hplan.errors import HplanError
+
+IMAGE_FORMATS: tuple[str, ...] = ("png", "svg")
+CATEGORY_COLORS: dict[str, str] = {
+    "param": "#1f77b4", "grad": "#ff7f0e", "optimizer": "#2ca02c",
+    "activation": "#d62728", "temporary": "#9467bd", "other": "#8c8c8c",
+}
+CATEGORY_LABELS: dict[str, str] = {
+    "param": "parameters", "grad": "gradients", "optimizer": "optimizer state",
+    "activation": "activations", "temporary": "temporaries", "other": "other",
+}
+PHASE_COLORS: dict[str, str] = {"forward": "#e8f1fb", "backward": "#fdeee3", "optimizer": "#eaf6ea"}
+
+
+def new_figure(width: float, height: float) -> Figure:
+    """A Figure with its own Agg canvas (no pyplot, no global backend switch)."""
+    fig = Figure(figsize=(width, height), dpi=110, layout="constrained")
+    FigureCanvasAgg(fig)
+    return fig
+
+
+def image_format(path: str | os.PathLike[str]) -> str:
+    """The image format named by the file suffix; anything but .png/.svg is a user error."""
+    suffix = Path(path).suffix.lower().lstrip(".")
+    if suffix not in IMAGE_FORMATS:
+        raise HplanError(f"cannot write {Path(path).name}: the output must end in .png or .svg, e.g. -o timeline.png")
+    return suffix
+
+
+def save_figure(fig: Figure, path: str | os.PathLike[str]) -> None:
+    """Write the figure atomically in the format the suffix names."""
+    fmt = image_format(path)
+    with atomic_path(path) as tmp:
+        fig.savefig(tmp, format=fmt)
+
+
+def byte_unit(binary: bool) -> tuple[float, str]:
+    """(divisor, axis label) for GB (10^9 bytes) or GiB (2^30 bytes)."""
+    return (2.0**30, "GiB (2^30 bytes)") if binary else (1e9, "GB (10^9 bytes)")
+
+
+def unit_name(binary: bool) -> str:
+    return "GiB" if binary else "GB"

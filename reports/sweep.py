@@ -1,0 +1,77 @@
+"""The GPU-size sweep: bytes moved and predicted step time against GPU memory, hplan vs the baselines.
+
+[Note: sweep rows] `plot_sweep` reads the rows `hplan.planner.sweep` returns, one dict per GPU size:
+``gpu_bytes`` (int), ``feasible`` (bool), ``bytes_moved`` (int, per iteration), ``step_seconds``
+(float, predicted), ``min_gpu_bytes`` (int, smallest GPU with any schedule), and for every baseline
+``<key>_feasible``, ``<key>_bytes_moved``, ``<key>_step_seconds`` (keys such as ``zero_offload``,
+``gemini``, ``all_on_gpu``). Infeasible points are left out of the lines, not drawn as zero.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import numpy as np
+from matplotlib.axes import Axes
+
+from hplan.errors import HplanError
+from hplan.reports.figure import byte_unit, image_format, new_figure, save_figure, unit_name
+from hplan.sizes import format_size
+
+SWEEP_KEYS: tuple[str, ...] = ("gpu_bytes", "feasible", "bytes_moved", "step_seconds", "min_gpu_bytes")
+BASELINE_NAMES: dict[str, str] = {"zero_offload": "ZeRO-Offload (static)", "gemini": "Gemini (auto)",
+                                  "all_on_gpu": "all on GPU"}
+_SUFFIX = "_bytes_moved"
+
+
+def baseline_keys(rows: Sequence[Mapping[str, Any]]) -> list[str]:
+    """Baseline prefixes present in the rows, in column order."""
+    return [k[: -len(_SUFFIX)] for k in rows[0] if k.endswith(_SUFFIX) and k != "bytes_moved"] if rows else []
+
+
+def plot_sweep(rows: Sequence[Mapping[str, Any]], out: str | os.PathLike[str], *, workload: str = "",
+               binary: bool = False) -> None:
+    """Draw the sweep to a .png or .svg file: two panels sharing the GPU-memory axis."""
+    image_format(out)
+    if not rows:
+        raise HplanError("the sweep has no points; give a --range with at least one GPU size")
+    missing = [k for k in SWEEP_KEYS if k not in rows[0]]
+    if missing:
+        raise HplanError(f"sweep rows lack {missing}; they must come from hplan.planner.sweep")
+    rows = sorted(rows, key=lambda r: r["gpu_bytes"])
+    scale, label = byte_unit(binary)
+    fig = new_figure(11, 7.5)
+    moved_ax, time_ax = fig.subplots(2, 1, sharex=True)
+    gpu = np.array([r["gpu_bytes"] for r in rows], dtype=float) / scale
+    series = [("hplan", "", "#c00000", "o", 2.2)] + [
+        (BASELINE_NAMES.get(k, k), f"{k}_", color, marker, 1.3)
+        for k, color, marker in zip(baseline_keys(rows), ("#1f77b4", "#2ca02c", "#7f7f7f", "#9467bd"), "s^Dv")]
+    for name, prefix, color, marker, width in series:
+        ok = np.array([bool(r[f"{prefix}feasible"]) for r in rows])
+        moved = np.where(ok, [r[f"{prefix}bytes_moved"] / scale for r in rows], np.nan)
+        step = np.where(ok, [r[f"{prefix}step_seconds"] for r in rows], np.nan)
+        moved_ax.plot(gpu, moved, marker=marker, color=color, lw=width, ms=4, label=name)
+        time_ax.plot(gpu, step, marker=marker, color=color, lw=width, ms=4, label=name)
+    min_gpu = min(int(r["min_gpu_bytes"]) for r in rows)
+    left, right = min(gpu.min(), min_gpu / scale) * 0.9, gpu.max() * 1.03
+    for ax in (moved_ax, time_ax):
+        ax.set_xlim(left, right)
+        _mark_min(ax, left, min_gpu / scale, format_size(min_gpu, binary=binary))
+        ax.grid(alpha=0.3)
+        ax.set_ylim(bottom=0)
+    moved_ax.set_ylabel(f"moved per iteration, {unit_name(binary)}")
+    time_ax.set_ylabel("predicted step time, s")
+    time_ax.set_xlabel(f"GPU memory, {label}")
+    moved_ax.legend(loc="upper right", fontsize=8, title="policy (missing point = does not fit)", title_fontsize=8)
+    name = f"{workload}: " if workload else ""
+    fig.suptitle(f"{name}host↔GPU traffic and step time vs GPU memory (plans; lower is better)", fontsize=12)
+    save_figure(fig, out)
+
+
+def _mark_min(ax: Axes, left: float, x: float, text: str) -> None:
+    """Shade the sizes where nothing fits and mark the smallest feasible GPU."""
+    ax.axvspan(left, x, color="0.9", zorder=0, lw=0)
+    ax.axvline(x, color="black", ls=":", lw=1.2)
+    ax.text(x, 0.97, f" min GPU {text}", transform=ax.get_xaxis_transform(), va="top", fontsize=8)

@@ -1,0 +1,101 @@
+"""Hand-built artifacts for the report tests: a 3-layer model traced op by op, a valid 3-chunk plan
+and run metrics, at any op count (49 ops for the pictures, 100,000 for the speed check)."""
+
+import numpy as np
+import pandas as pd
+
+from hplan.artifacts import (
+    CATEGORIES, TIMELINE_COLUMNS, Budget, Chunk, Event, ParamInfo, Plan, PlanSummary, Step, Trace, make_fingerprint,
+    replay,
+)
+
+GB = 10**9
+LAYERS = ("h.0", "h.1", "h.2")
+PARAM, GRAD, OPTIM = 1 * GB, 1 * GB, 2 * GB
+"""Per layer: bytes of parameters, gradients and optimizer state."""
+
+
+def _events(ops_per_event: int) -> list[Event]:
+    order = [("forward", m) for m in LAYERS] + [("backward", m) for m in reversed(LAYERS)] + [("optimizer", "optimizer")]
+    events = []
+    for i, (kind, module) in enumerate(order):
+        params = tuple(f"{module}.weight" for module in ([module] if module != "optimizer" else LAYERS))
+        act = int(0.3 * GB * (i + 1 if i < 3 else max(6 - i, 0)))
+        events.append(Event(index=i, kind=kind, module=module, params=params, non_model_peak_bytes=act + GB // 5,
+                            op_start=i * ops_per_event, op_end=(i + 1) * ops_per_event, seconds=0.01, flops=10**9))
+    return events
+
+
+def _iteration(events: list[Event], ops_per_event: int, iteration: int) -> pd.DataFrame:
+    n = len(events) * ops_per_event
+    ev = np.arange(n) // ops_per_event
+    within = (np.arange(n) % ops_per_event) / ops_per_event
+    kinds = np.array([e.kind for e in events])[ev]
+    modules = np.array([e.module for e in events])[ev]
+    act_level = np.where(ev < 3, 0.3 * (ev + within), 0.3 * np.clip(6 - ev - within, 0, None)) * GB
+    grads = np.where(ev >= 3, np.minimum(ev - 2, 3), 0) * GRAD
+    temp = np.where(np.arange(n) % 5 == 2, GB // 5, 0)
+    frame = pd.DataFrame({c: np.zeros(n, dtype=np.int64) for c in TIMELINE_COLUMNS})
+    frame = frame.assign(iteration=iteration, op_index=np.arange(n), op=np.where(ev < 6, "aten::mm", "aten::_foreach_add_"),
+                         module=modules, phase=kinds, event_index=ev, param_bytes=3 * PARAM, grad_bytes=grads,
+                         optimizer_bytes=3 * OPTIM, activation_bytes=act_level.astype(np.int64), temporary_bytes=temp,
+                         other_bytes=GB // 10, seconds=1e-3, flops=10**6)
+    frame["model_bytes"] = frame[["param_bytes", "grad_bytes", "optimizer_bytes"]].sum(axis=1)
+    frame["non_model_bytes"] = frame[["activation_bytes", "temporary_bytes", "other_bytes"]].sum(axis=1)
+    frame["total_bytes"] = frame["model_bytes"] + frame["non_model_bytes"]
+    frame["peak_bytes"] = frame["total_bytes"] + np.where(np.arange(n) % 7 == 3, GB // 4, 0)
+    frame["peak_non_model_bytes"] = frame["non_model_bytes"]
+    frame["reserved_bytes"] = frame["peak_bytes"]
+    return frame
+
+
+def make_trace(ops_per_event: int = 7, iterations: int = 2, workload: str = "toy3") -> Trace:
+    """A 3-layer model with 7 events: forward, backward, optimizer."""
+    events = _events(ops_per_event)
+    timeline = pd.concat([_iteration(events, ops_per_event, it) for it in range(iterations)], ignore_index=True)
+    params = tuple(ParamInfo(name=f"{m}.weight", shape=(PARAM // 4,), dtype="float32", bytes=PARAM, grad_bytes=GRAD,
+                             optimizer_bytes=OPTIM, modules=(m,)) for m in LAYERS)
+    last = timeline[timeline["iteration"] == iterations - 1]
+    at = last.loc[last["peak_bytes"].idxmax()]
+    return Trace(
+        workload=workload, device="cpu", precision="fp32", iterations=iterations, capture="fx", params=params,
+        events=tuple(events), fingerprint=make_fingerprint(params=[(p.name, p.shape, p.dtype) for p in params],
+                                                           batch="f[4,128]", precision="fp32"),
+        peak_bytes=int(at["peak_bytes"]), peak_by_category={c: int(at[f"{c}_bytes"]) for c in CATEGORIES},
+        model_bytes=3 * (PARAM + GRAD + OPTIM), n_ops=len(last), step_seconds=0.07, step_flops=7 * 10**9,
+        timeline=timeline,
+    )
+
+
+def make_plan(trace: Trace) -> Plan:
+    """Three param chunks (params + grads), optimizer updates on the CPU, at most two chunks resident."""
+    size = PARAM + GRAD
+    chunks = tuple(Chunk(id=i, bytes=size, kind="param", tensors=(f"{m}.weight",)) for i, m in enumerate(LAYERS))
+    moves = [dict(fetch=(0,)), dict(fetch=(1,)), dict(evict=(0,), fetch=(2,)), {}, {},
+             dict(evict=(2,), writeback=(2,), fetch=(0,)), dict(evict=(0, 1), writeback=(0, 1), host_updates=(0, 1, 2))]
+    needs = [(0,), (1,), (2,), (2,), (1,), (0,), ()]
+    steps = tuple(Step(index=i, event=e.key, needs=needs[i], writes=needs[i] if e.kind == "backward" else (),
+                       non_model_bytes=e.non_model_peak_bytes, **moves[i]) for i, e in enumerate(trace.events))
+    summary = PlanSummary(feasible=True, h2d_bytes=4 * size, d2h_bytes=3 * size, bytes_moved_per_iter=7 * size,
+                          lower_bound_bytes=6 * size, predicted_peak_bytes=int(5.6 * GB), min_gpu_bytes=int(5.4 * GB),
+                          predicted_step_seconds=0.52, solver="hand")
+    plan = Plan(workload=trace.workload, budget=Budget(gpu_bytes=6 * GB, slack_bytes=GB // 5), chunks=chunks,
+                steps=steps, optimizer={0: "cpu", 1: "cpu", 2: "cpu"}, summary=summary, fingerprint=trace.fingerprint)
+    assert replay(plan).ok, replay(plan).violations
+    return plan
+
+
+def make_metrics(plan: Plan, steps: int = 2) -> pd.DataFrame:
+    """What a run on the plan would measure: a little above the plan, per (step, event)."""
+    states = replay(plan).states
+    rows = [{"step": s, "event_index": st.index, "event": st.event,
+             "resident_bytes": int((st.resident_bytes + plan.steps[st.index].non_model_bytes) * 1.03),
+             "model_resident_bytes": st.resident_bytes, "h2d_bytes": st.h2d_bytes, "d2h_bytes": st.d2h_bytes,
+             "loss": 2.0 - 0.1 * s, "step_seconds": 0.55} for s in range(steps) for st in states]
+    return pd.DataFrame(rows)
+
+
+def test_samples_are_valid():
+    trace = make_trace()
+    assert trace.n_ops == 49 and len(trace.timeline) == 98
+    assert replay(make_plan(trace)).ok
