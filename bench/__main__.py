@@ -1,0 +1,87 @@
+"""`python -m bench [--quick] [--out BENCHMARKS.md] [--only KEYS]`: run the suite, write BENCHMARKS.md.
+
+Each table runs in its own section: a failure prints "FAILED: reason" in its place and the suite
+goes on, but the process exits 1 so CI notices. The markdown is written atomically; figures go to
+`bench-figures/` beside it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shlex
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+from bench.context import Context
+from bench.harness import REPO_ROOT, SectionOutput, machine_description, render_document, run_section, utc_now
+
+SECTIONS: tuple[tuple[str, str, str], ...] = (
+    ("accuracy", "1. Tracer accuracy", "bench.accuracy"),
+    ("tracer", "2. Tracer cost", "bench.tracer_cost"),
+    ("movement", "3. Movement: bytes per iteration vs baselines", "bench.movement"),
+    ("planner", "4. Planner cost", "bench.planner_cost"),
+    ("executor", "5. Executor", "bench.executor_bench"),
+    ("headline", "6. The seed's headline, replayed as plans (not GPU measurements)", "bench.headline"),
+    ("plot", "7. Report cost", "bench.plot_cost"),
+)
+
+
+def section_fn(module: str, ctx: Context) -> Callable[[], SectionOutput]:
+    def call() -> SectionOutput:
+        import importlib
+
+        return importlib.import_module(module).run(ctx)
+
+    return call
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m bench", description=__doc__.splitlines()[0])
+    p.add_argument("--quick", action="store_true", help="small models, fewer repeats, skip gpt:6.7b–18b (≤ 3 min)")
+    p.add_argument("--out", type=Path, default=REPO_ROOT / "BENCHMARKS.md", help="markdown file to write")
+    p.add_argument("--only", default="", help="comma-separated section keys: " + ",".join(k for k, _, _ in SECTIONS))
+    return p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    args = parse_args(argv)
+    os.environ.setdefault("MPLBACKEND", "Agg")
+    keys = [k for k in args.only.split(",") if k]
+    unknown = set(keys) - {k for k, _, _ in SECTIONS}
+    if unknown:
+        print(f"unknown section(s) {', '.join(sorted(unknown))}: use {', '.join(k for k, _, _ in SECTIONS)}",
+              file=sys.stderr)
+        return 2
+    out = args.out.resolve()
+    if not out.parent.is_dir():
+        print(f"cannot write {out}: folder {out.parent} does not exist; create it first", file=sys.stderr)
+        return 2
+    machine = machine_description()
+    t0 = time.perf_counter()
+
+    def log(msg: str) -> None:
+        print(f"[{time.perf_counter() - t0:6.1f}s] {msg}" if msg.startswith("[bench]") else msg, file=sys.stderr,
+              flush=True)
+
+    ctx = Context(quick=args.quick, out_dir=out.parent, fig_dir=out.parent / "bench-figures", log=log)
+    results = [run_section(key, title, section_fn(module, ctx), log=log)
+               for key, title, module in SECTIONS if not keys or key in keys]
+    command = "python -m bench " + " ".join(shlex.quote(a) for a in argv)
+    text = render_document(command=command.strip(), machine=machine, date=utc_now(), sections=results,
+                           quick=args.quick, total_seconds=time.perf_counter() - t0)
+    from hplan.artifacts import atomic_path
+
+    with atomic_path(out) as tmp:
+        tmp.write_text(text)
+    failed = [r for r in results if not r.ok]
+    log(f"[bench] wrote {out} in {time.perf_counter() - t0:.0f} s; "
+        + (f"{len(failed)} section(s) FAILED: {', '.join(r.key for r in failed)}" if failed else "all sections ok"))
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

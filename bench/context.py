@@ -1,0 +1,66 @@
+"""State shared by the sections of one run: mode, output folders, and traces reused across tables."""
+
+from __future__ import annotations
+
+import tempfile
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from bench.harness import ChildResult, run_worker
+
+HEADLINE_SHAPE = (1, 1024)
+"""(batch, seq) of the fake GPT traces: the seed's headline setting and issue 3's 18b goal."""
+
+
+@dataclass(kw_only=True)
+class Context:
+    quick: bool
+    out_dir: Path
+    fig_dir: Path
+    log: Callable[[str], None] = print
+    work_dir: Path = field(default_factory=lambda: Path(tempfile.mkdtemp(prefix="hplan-bench-")))
+    fake_runs: dict[str, ChildResult] = field(default_factory=dict)
+    _traces: dict[str, Any] = field(default_factory=dict)
+
+    def fig_path(self, name: str) -> tuple[Path, str]:
+        """Absolute path to write a figure to, and its path relative to the markdown file."""
+        self.fig_dir.mkdir(parents=True, exist_ok=True)
+        path = self.fig_dir / name
+        try:
+            rel = path.relative_to(self.out_dir).as_posix()
+        except ValueError:
+            rel = path.as_posix()
+        return path, rel
+
+    def fake_run(self, spec: str) -> ChildResult:
+        """Fake-trace `spec` (batch 1, seq 1024) in a subprocess once per run; later calls reuse it.
+
+        The timeout keeps a stuck trace from eating the suite's time limit (3 min quick, 20 min full).
+        """
+        timeout = 120.0 if self.quick else 420.0
+        if spec not in self.fake_runs:
+            out = self.work_dir / (spec.replace(":", "_") + ".fake.parquet")
+            self.log(f"[bench]   fake trace {spec} (subprocess) …")
+            res = run_worker(["fake-trace", spec, str(out), *map(str, HEADLINE_SHAPE)], timeout=timeout)
+            res.payload.setdefault("path", str(out))
+            self.fake_runs[spec] = res
+            self.log(f"[bench]   fake trace {spec}: "
+                     + (f"{res.payload.get('trace_seconds', 0):.1f} s" if res.ok else res.error))
+        return self.fake_runs[spec]
+
+    def fake_trace(self, spec: str) -> Any:
+        """The Trace of `fake_run(spec)`, loaded once; raises when the trace failed."""
+        if spec not in self._traces:
+            res = self.fake_run(spec)
+            if not res.ok:
+                raise RuntimeError(f"fake trace of {spec} failed: {res.error}")
+            from hplan.artifacts import Trace
+
+            self._traces[spec] = Trace.load(res.payload["path"])
+        return self._traces[spec]
+
+    def drop_trace(self, spec: str) -> None:
+        """Forget a loaded trace to free memory (the file stays for later sections)."""
+        self._traces.pop(spec, None)

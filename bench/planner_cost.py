@@ -1,0 +1,136 @@
+"""Table 4 — planner cost: solve time vs trace size (events × chunks), and the 18b-at-24 GB goal.
+
+The scaling instances are GPT-shaped synthetic traces (`hplan.planner.synthetic.gpt_trace`: layers →
+events, chunk size → chunks), so the size axis is controlled exactly. Solve times are absolute CPU seconds
+because issue 4 states its goal that way (gpt:18b at 24 GB in ≤ 2 s with the fast solver).
+"""
+
+from __future__ import annotations
+
+from functools import partial
+from typing import Any
+
+from bench.context import Context
+from bench.harness import SectionOutput, Table, fmt_seconds, median, time_call
+
+GOAL_18B_SECONDS = 2.0
+
+
+def scaling_trace(n_layer: int) -> Any:
+    """A GPT-shaped synthetic trace (d = 1024, fp32 AdamW) from the planner's formula-built generator."""
+    from hplan.planner.synthetic import gpt_trace
+
+    return gpt_trace(n_layer=n_layer, d_model=1024, n_head=16, precision="fp32")
+
+
+def scaling_table(ctx: Context) -> tuple[Table, list[tuple[int, float, str]]]:
+    from hplan.planner import PlanOptions, make_plan
+
+    from hplan.artifacts import Budget
+
+    table = Table(headers=["instance", "events", "chunks", "events × chunks", "fast solve (median)",
+                           "exact solve", "exact / fast bytes"],
+                  caption="**Planner solve time vs trace size** (synthetic GPT-shaped traces, d = 1024, fp32 AdamW, "
+                          "budget = 30% of model data + non-model peak + 100 MB). Absolute CPU seconds on this machine.")
+    layers = (2, 6, 12) if ctx.quick else (2, 6, 12, 24, 48, 96)
+    chunk_mb = (64, 16) if ctx.quick else (64, 16, 4)
+    repeats = 1 if ctx.quick else 3
+    points: list[tuple[int, float, str]] = []
+    for n_layer in layers:
+        trace = scaling_trace(n_layer)
+        budget = Budget(gpu_bytes=int(0.3 * trace.model_bytes) + trace.peak_bytes - trace.model_bytes + 10**8)
+        for mb in chunk_mb:
+            times, plan = [], None
+            for _ in range(repeats):
+                t, plan = time_call(partial(make_plan, trace, budget, PlanOptions(solver="fast", chunk_bytes=mb * 10**6)))
+                times.append(t)
+            chunks, events = len(plan.chunks), trace.n_events
+            size = events * chunks
+            exact_cell, gap_cell = "— (too large for MILP here)", "—"
+            if size <= (1500 if ctx.quick else 4000) and plan.summary.feasible:
+                te, ex = time_call(partial(make_plan, trace, budget, PlanOptions(solver="exact", chunk_bytes=mb * 10**6)))
+                exact_cell = fmt_seconds(te, 3) + f" ({ex.summary.solver})"
+                points.append((size, te, "exact"))
+                if ex.summary.feasible and plan.summary.bytes_moved_per_iter:
+                    gap_cell = f"{ex.summary.bytes_moved_per_iter / plan.summary.bytes_moved_per_iter:.3f}"
+            feasible = "" if plan.summary.feasible else " (infeasible)"
+            table.add(f"{n_layer} layers, {mb} MB chunks{feasible}", events, chunks, size, fmt_seconds(median(times), 3),
+                      exact_cell, gap_cell)
+            points.append((size, median(times), "fast"))
+    k = growth_exponent([(x, t) for x, t, kind in points if kind == "fast"])
+    if k is not None:
+        table.notes.append(f"Fast solver: time ∝ (events × chunks)^{k:.2f} (least-squares slope on log-log axes).")
+    return table, points
+
+
+def growth_exponent(points: list[tuple[float, float]]) -> float | None:
+    """Slope of log(time) vs log(size): 1 means linear growth, 2 quadratic."""
+    import numpy as np
+
+    pts = [(x, t) for x, t in points if x > 0 and t > 0]
+    if len(pts) < 3:
+        return None
+    xs, ts = np.log([p[0] for p in pts]), np.log([p[1] for p in pts])
+    return float(np.polyfit(xs, ts, 1)[0])
+
+
+def real_table(ctx: Context) -> tuple[Table, list[str]]:
+    from hplan.planner import PlanOptions, make_plan
+
+    from hplan.artifacts import Budget
+
+    repeats = 1 if ctx.quick else 3
+    real = Table(headers=["trace", "GPU memory", "solver", "solve time", "goal"],
+                 caption="**Real fake traces** planned with the fast solver (median of repeats).")
+    heads = []
+    for spec in (["gpt:1.3b"] if ctx.quick else ["gpt:1.3b", "gpt:18b"]):
+        trace = ctx.fake_trace(spec)
+        solve = partial(make_plan, trace, Budget(gpu_bytes=24 * 10**9), PlanOptions(solver="fast"))
+        times = [time_call(solve)[0] for _ in range(repeats)]
+        goal = "—"
+        if spec == "gpt:18b":
+            met = median(times) <= GOAL_18B_SECONDS
+            goal = f"≤ {GOAL_18B_SECONDS:.0f} s: {'met' if met else 'MISSED'}"
+            heads.append(f"gpt:18b planned for 24 GB in {median(times):.2f} s with the fast solver (goal ≤ 2 s: "
+                         f"{'met' if met else 'missed'})")
+        real.add(spec, "24 GB", "fast", fmt_seconds(median(times), 3), goal)
+    if ctx.quick:
+        real.add("gpt:18b", "24 GB", "fast", "skipped in --quick", "—")
+    return real, heads
+
+
+def run(ctx: Context) -> SectionOutput:
+    out = SectionOutput()
+    scaling = out.part("scaling", lambda: scaling_table(ctx), log=ctx.log)
+    if scaling is not None:
+        out.tables.append(scaling[0])
+        fig = out.part("planner figure", lambda: plot(ctx, scaling[1]), log=ctx.log)
+        out.figures += [fig] if fig else []
+    real = out.part("real traces", lambda: real_table(ctx), log=ctx.log)
+    if real is not None:
+        out.tables.append(real[0])
+        out.headline += real[1]
+    return out
+
+
+def plot(ctx: Context, points: list[tuple[int, float, str]]) -> tuple[str, str]:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for kind, marker in (("fast", "o"), ("exact", "s")):
+        pts = [(s, t) for s, t, k in points if k == kind]
+        if pts:
+            ax.loglog(*zip(*pts), marker, label=f"{kind} solver")
+    ax.set(xlabel="events × chunks", ylabel="solve time (s, this CPU)", title="hplan planner: solve time vs size")
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    path, rel = ctx.fig_path("planner_cost.png")
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return "Planner solve time vs events × chunks (log-log)", rel
+
+

@@ -1,0 +1,136 @@
+"""The benchmark suite's pure helpers: markdown, medians and ratios, sections, machine, workers.
+
+No timing assertions here: the numbers themselves are the suite's output, not its tests.
+"""
+
+from __future__ import annotations
+
+import importlib
+import sys
+from pathlib import Path
+
+import pytest
+from artifact_samples import sample_plan, sample_trace
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # `bench` lives at the repo root, not in hplan
+harness = importlib.import_module("bench.harness")
+
+
+def test_render_table_pads_short_rows_and_escapes_pipes() -> None:
+    text = harness.render_table(["a", "b", "c"], [[1, "x|y"], [None, 2.5, "z"]])
+    lines = text.splitlines()
+    assert lines[0] == "| a | b | c |"
+    assert lines[1] == "| --- | --- | --- |"
+    assert lines[2] == "| 1 | x\\|y |  |"
+    assert lines[3] == "| — | 2.5 | z |"
+
+
+def test_render_table_refuses_rows_longer_than_the_header() -> None:
+    with pytest.raises(ValueError, match="3 cells but the table has 2"):
+        harness.render_table(["a", "b"], [[1, 2, 3]])
+
+
+def test_table_markdown_has_caption_table_and_notes_in_order() -> None:
+    table = harness.Table(headers=["x"], caption="**cap**", notes=["first", "second"])
+    table.add(1)
+    text = table.markdown()
+    assert text.index("**cap**") < text.index("| x |") < text.index("- first") < text.index("- second")
+
+
+def test_median_and_ratio_helpers() -> None:
+    assert harness.median([3.0, 1.0, 2.0]) == 2.0
+    assert harness.median([1.0, 2.0, 3.0, 10.0]) == 2.5
+    with pytest.raises(ValueError):
+        harness.median([])
+    assert harness.ratio(3, 2) == 1.5
+    assert harness.ratio(1, 0) is None and harness.ratio(None, 2) is None
+    assert harness.rel_diff(100, 99) == pytest.approx(0.01)
+    assert harness.rel_diff(99, 100) == harness.rel_diff(100, 99)
+    assert harness.rel_diff(0, 0) == 0.0
+    assert harness.median_ratio({"a": [2.0, 4.0, 6.0], "b": [1.0, 2.0, 3.0]}, "a", "b") == 2.0
+
+
+def test_formatters() -> None:
+    assert harness.fmt_ratio(1.234) == "1.23×"
+    assert harness.fmt_ratio(None) == "—" and harness.fmt_ratio(float("inf")) == "—"
+    assert harness.fmt_pct(0.0123) == "1.23%"
+    assert harness.fmt_bytes(24 * 10**9) == "24.00 GB"
+    assert harness.fmt_bytes(None) == "—"
+
+
+def test_interleaved_times_alternates_and_counts_repeats() -> None:
+    calls: list[str] = []
+    times = harness.interleaved_times({"a": lambda: calls.append("a"), "b": lambda: calls.append("b")}, repeats=3, warmup=1)
+    assert calls == ["a", "b"] * 4
+    assert {k: len(v) for k, v in times.items()} == {"a": 3, "b": 3}
+    assert all(t >= 0 for v in times.values() for t in v)
+
+
+def test_parse_last_json_skips_progress_lines() -> None:
+    text = 'tracing 50%\n{"a": 1}\nnoise {not json\n{"b": 2}\n'
+    assert harness.parse_last_json(text) == {"b": 2}
+    assert harness.parse_last_json("no json here") is None
+
+
+def test_machine_description_names_cpu_cores_ram_and_torch() -> None:
+    info = harness.machine_description()
+    for key in ("CPU", "cores", "RAM", "OS", "Python", "torch", "hplan commit"):
+        assert info[key], key
+    assert "GB" in info["RAM"]
+
+
+def test_run_section_turns_an_exception_into_failed() -> None:
+    def boom() -> object:
+        raise RuntimeError("tracer missing\nsecond line")
+
+    result = harness.run_section("x", "X", boom, log=lambda _msg: None)
+    assert not result.ok and result.error == "RuntimeError: tracer missing"
+    ok = harness.run_section("y", "Y", lambda: harness.SectionOutput(headline=["fine"]), log=lambda _msg: None)
+    assert ok.ok
+
+
+def test_part_failure_keeps_other_tables_and_marks_the_section_failed() -> None:
+    out = harness.SectionOutput()
+    assert out.part("good", lambda x: x + 1, 1, log=lambda _m: None) == 2
+    assert out.part("bad", lambda: 1 / 0, log=lambda _m: None) is None
+    assert out.failures == ["bad: ZeroDivisionError: division by zero"]
+    result = harness.SectionResult(key="s", title="S", output=out, error=None, seconds=0.0)
+    assert not result.ok
+
+
+def test_render_document_lists_failures_machine_and_command() -> None:
+    good = harness.SectionOutput(headline=["fast"], tables=[harness.Table(headers=["h"], rows=[[1]])])
+    sections = [harness.SectionResult(key="a", title="A", output=good, error=None, seconds=1.0),
+                harness.SectionResult(key="b", title="B", output=None, error="ImportError: no tracer", seconds=0.1)]
+    text = harness.render_document(command="python -m bench --quick", machine={"CPU": "test cpu"}, date="today",
+                           sections=sections, quick=True, total_seconds=12)
+    assert "`python -m bench --quick`" in text and "test cpu" in text
+    assert "FAILED: ImportError: no tracer" in text
+    assert "**A**: fast" in text and "FAILED sections**: B" in text
+    assert "never a measurement" in text
+
+
+def test_offloaded_bytes_counts_chunks_off_the_gpu_at_some_step() -> None:
+    # sample_plan fetches param chunk 0, evicts it at the optimizer step; optim chunk 1 never resides.
+    assert harness.offloaded_bytes(sample_plan()) == 1600
+
+
+def test_tiled_trace_repeats_the_last_iteration_to_the_requested_size() -> None:
+    tiled_trace = importlib.import_module("bench.plot_cost").tiled_trace
+
+    big = tiled_trace(sample_trace(), 100)
+    assert len(big.timeline) == 100 and big.n_ops == 100
+    assert list(big.timeline["op_index"]) == list(range(100))
+    assert big.timeline["total_bytes"].max() == sample_trace().timeline["total_bytes"].max()
+
+
+def test_worker_with_bad_arguments_reports_failure() -> None:
+    res = harness.run_worker(["no-such-command"], timeout=60)
+    assert not res.ok and "exit 2" in res.error
+
+
+def test_growth_exponent_recovers_a_power_law() -> None:
+    growth_exponent = importlib.import_module("bench.planner_cost").growth_exponent
+
+    assert growth_exponent([(x, 3e-6 * x**1.5) for x in (10, 100, 1000, 10000)]) == pytest.approx(1.5)
+    assert growth_exponent([(10, 1.0)]) is None
