@@ -100,7 +100,7 @@ class EventHooks:
 
     def _on_output(self, path: str) -> Callable[..., None]:
         def hook(module: nn.Module, args: Any, output: Any) -> None:
-            nodes = _grad_nodes(output)
+            nodes = grad_nodes(output)
             if not nodes:
                 return
             fired = [False]
@@ -116,7 +116,7 @@ class EventHooks:
         return hook
 
 
-def _grad_nodes(output: Any) -> list[Any]:
+def grad_nodes(output: Any) -> list[Any]:
     nodes, seen = [], set()
     for t in _tensors(output):
         if t.requires_grad and t.grad_fn is not None and id(t.grad_fn) not in seen:

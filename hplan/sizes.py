@@ -45,7 +45,7 @@ def parse_size(text: str | int, *, what: str = "size") -> int:
     return n_bytes
 
 
-def format_size(n_bytes: int | float, *, binary: bool = False, digits: int = 2) -> str:
+def format_size(n_bytes: float, *, binary: bool = False, digits: int = 2) -> str:
     """Render bytes for people: decimal units (GB) unless `binary` (GiB)."""
     base, names = (1024.0, ["B", "KiB", "MiB", "GiB", "TiB"]) if binary else (1000.0, ["B", "KB", "MB", "GB", "TB"])
     value = float(n_bytes)

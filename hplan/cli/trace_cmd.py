@@ -1,19 +1,99 @@
-"""`hplan trace`: filled in by its issue; until then it says so instead of faking a result."""
+"""`hplan trace`: a thin shell over hplan.tracer.trace_workload; a summary table, or JSON."""
 
 from __future__ import annotations
+
+from pathlib import Path
+from typing import TYPE_CHECKING, Annotated
 
 import typer
 
 from hplan.errors import HplanError
 
+if TYPE_CHECKING:
+    from hplan.artifacts import Trace
+
+EPILOG = ("Example: hplan trace gpt:125m --device fake -o t.parquet  "
+          "(fake tensors: no real memory, so gpt:18b traces on a laptop; --json prints the summary)")
+
 
 def register(app: typer.Typer) -> None:
-    @app.command("trace")
-    def trace_command() -> None:
-        """Not built yet."""
+    @app.command("trace", epilog=EPILOG)
+    def trace_command(
+        spec: Annotated[str, typer.Argument(help="Workload: file.py:function, gpt:<size> or hf:<Class>.")],
+        output: Annotated[Path, typer.Option("-o", "--output", help="Trace file to write (.parquet).")],
+        device: Annotated[str, typer.Option("--device", help="cpu (real run), fake (no memory) or cuda "
+                                            "(unverified in this release).")] = "cpu",
+        iters: Annotated[int, typer.Option("--iters", help="Iterations to run; the last is the steady state.")
+                         ] = 3,
+        batch_size: Annotated[int | None, typer.Option("--batch-size", help="Override the batch size.")] = None,
+        seq_len: Annotated[int | None, typer.Option("--seq-len", help="Override the sequence length.")] = None,
+        precision: Annotated[str | None, typer.Option("--precision", help="fp32, bf16-mixed or fp16-mixed.")] = None,
+        overrides: Annotated[list[str] | None, typer.Option("--set", help="Workload option key=value.")] = None,
+        as_json: Annotated[bool, typer.Option("--json", help="Print the summary as JSON on stdout.")] = False,
+    ) -> None:
+        """Record a training step's memory op by op: `hplan trace gpt:tiny -o t.parquet`."""
         from hplan.cli.common import guarded
 
-        def body() -> None:
-            raise HplanError("'hplan trace' is not built yet in this version")
+        guarded(lambda: _run(spec=spec, output=output, device=device, iters=iters, batch_size=batch_size,
+                             seq_len=seq_len, precision=precision, overrides=overrides, as_json=as_json))
 
-        guarded(body)
+
+def _run(*, spec: str, output: Path, device: str, iters: int, batch_size: int | None, seq_len: int | None,
+         precision: str | None, overrides: list[str] | None, as_json: bool) -> None:
+    from hplan.cli.common import emit_json, parse_overrides, progress_bar
+    from hplan.specs import load_workload
+
+    if output.suffix != ".parquet":
+        raise HplanError(f"trace output {output} must end in .parquet (the timeline is a Parquet table)")
+    workload = load_workload(spec, batch_size=batch_size, seq_len=seq_len, overrides=parse_overrides(overrides),
+                             precision=precision)
+    from hplan.tracer import trace_workload
+
+    with progress_bar(f"tracing {workload.name}", quiet=as_json) as on_progress:
+        trace = trace_workload(workload, device=device, iters=iters, on_progress=on_progress)
+    trace.save(output)
+    if as_json:
+        emit_json(summary(trace) | {"output": str(output)})
+    else:
+        print_summary(trace, output)
+
+
+def summary(trace: Trace) -> dict:
+    """The `--json` payload."""
+    return {"workload": trace.workload, "device": trace.device, "precision": trace.precision,
+            "peak_bytes": trace.peak_bytes, "peak_by_category": trace.peak_by_category,
+            "model_bytes": trace.model_bytes, "n_ops": trace.n_ops, "n_events": trace.n_events,
+            "iterations": trace.iterations, "capture": trace.capture,
+            "allocator_slack_bytes": trace.allocator_slack_bytes, "overhead_bytes": trace.overhead_bytes,
+            "step_flops": trace.step_flops, "warnings": list(trace.warnings)}
+
+
+def print_summary(trace: Trace, output: Path) -> None:
+    """Top modules by memory, categories at the peak, and the peak's op and module."""
+    from rich.console import Console
+    from rich.table import Table
+
+    from hplan.reports.views import find_peak, steady_ops, top_modules
+    from hplan.sizes import format_size
+
+    ops = steady_ops(trace)
+    peak = find_peak(ops)
+    console = Console()
+    cats = Table(title=f"{trace.workload} ({trace.device}): peak {format_size(trace.peak_bytes)} at "
+                       f"{peak.op} in {peak.phase} of {peak.module or 'the model'}")
+    cats.add_column("category")
+    cats.add_column("at the peak", justify="right")
+    for name, value in trace.peak_by_category.items():
+        cats.add_row(name, format_size(value))
+    console.print(cats)
+    top = Table(title="top modules by memory (model data owned + activations created)")
+    for col in ("module", "model data", "activations", "peak while running"):
+        top.add_column(col, justify="left" if col == "module" else "right")
+    for row in top_modules(trace, ops, n=10).itertuples():
+        top.add_row(str(row.module) or "(top)", format_size(row.model_data), format_size(row.activations_created),
+                    format_size(row.peak_while_running))
+    console.print(top)
+    for warning in trace.warnings:
+        console.print(f"[yellow]note:[/] {warning}", highlight=False)
+    console.print(f"{trace.n_ops} ops, {trace.n_events} events, model data {format_size(trace.model_bytes)}; "
+                  f"wrote {output}", highlight=False)

@@ -1,0 +1,217 @@
+"""The one place hplan reads device memory: a probe per device, with a CPU twin of the CUDA one.
+
+Both the tracer (around every operator) and the executor (per plan step) ask the same questions:
+bytes allocated now, the peak since the last reset, what the allocator reserved, and memory the
+framework does not account for. On CUDA the answers come from the caching allocator and NVML;
+on CPU and with fake tensors they come from a ledger of tensor storages fed by a dispatch mode,
+so the bookkeeping above the probe runs for real in CPU tests.
+
+The CUDA probe is unverified in this project (no GPU was available); see the README.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import weakref
+from collections.abc import Callable, Iterator
+from typing import Any, Protocol
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
+
+from hplan.errors import HplanError
+
+
+def storage_key(t: torch.Tensor) -> int:
+    """Identity of the storage behind `t` (views share it)."""
+    return t.untyped_storage()._cdata
+
+
+class StorageLedger:
+    """Live tensor storages, each with a category, and running totals (including the peak).
+
+    Frees are observed with a finalizer on the storage object, so a storage leaves the ledger
+    exactly when PyTorch releases it; `on_free` lets a caller see the order of frees.
+    """
+
+    def __init__(self, on_free: Callable[[int], None] | None = None) -> None:
+        self.live: dict[int, tuple[int, str]] = {}
+        self.by_category: dict[str, int] = {}
+        self.total = 0
+        self.peak = 0
+        self.on_free = on_free
+
+    def add(self, t: torch.Tensor, category: str) -> bool:
+        """Count `t`'s storage under `category` unless it is known already; True when new."""
+        storage = t.untyped_storage()
+        key = storage._cdata
+        if key in self.live:
+            return False
+        nbytes = storage.nbytes()
+        self.live[key] = (nbytes, category)
+        self.by_category[category] = self.by_category.get(category, 0) + nbytes
+        self.total += nbytes
+        self.peak = max(self.peak, self.total)
+        weakref.finalize(storage, self._free, key)
+        return True
+
+    def category(self, key: int) -> str | None:
+        entry = self.live.get(key)
+        return None if entry is None else entry[1]
+
+    def set_category(self, t: torch.Tensor, category: str, *, only_from: tuple[str, ...] | None = None) -> None:
+        """Move `t`'s storage to `category` (adding it if unseen); idempotent."""
+        key = storage_key(t)
+        entry = self.live.get(key)
+        if entry is None:
+            self.add(t, category)
+            return
+        nbytes, old = entry
+        if old == category or (only_from is not None and old not in only_from):
+            return
+        self.live[key] = (nbytes, category)
+        self.by_category[old] -= nbytes
+        self.by_category[category] = self.by_category.get(category, 0) + nbytes
+
+    def _free(self, key: int) -> None:
+        entry = self.live.pop(key, None)
+        if entry is None:
+            return
+        nbytes, category = entry
+        self.by_category[category] -= nbytes
+        self.total -= nbytes
+        if self.on_free is not None:
+            self.on_free(key)
+
+    def reset_peak(self) -> None:
+        self.peak = self.total
+
+
+class MemoryProbe(Protocol):
+    """What hplan asks of a device's memory; every answer in bytes."""
+
+    device: torch.device
+
+    def track(self) -> contextlib.AbstractContextManager[None]: ...
+    def allocated_bytes(self) -> int: ...
+    def max_allocated_bytes(self) -> int: ...
+    def reset_peak(self) -> None: ...
+    def reserved_bytes(self) -> int: ...
+    def overhead_bytes(self) -> int: ...
+
+
+class _Watch(TorchDispatchMode):
+    """Feeds every new storage an operator returns on the probe's device into the ledger."""
+
+    def __init__(self, ledger: StorageLedger, device_type: str) -> None:
+        super().__init__()
+        self.ledger, self.device_type = ledger, device_type
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        out = func(*args, **(kwargs or {}))
+        for t in new_outputs(args, kwargs, out):
+            if t.device.type == self.device_type:
+                self.ledger.add(t, "temporary")
+        return out
+
+
+def new_outputs(args: Any, kwargs: Any, out: Any) -> list[torch.Tensor]:
+    """Output tensors whose storage no input shares: what the operator allocated (in-place and
+    out= results are the caller's memory, even when it was created before tracking began)."""
+    outputs = [t for t in tree_leaves(out) if isinstance(t, torch.Tensor)]
+    if not outputs:
+        return outputs
+    inputs = {storage_key(t) for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)}
+    return [t for t in outputs if storage_key(t) not in inputs]
+
+
+class TensorProbe:
+    """CPU (and fake-tensor) twin of the CUDA probe: counts tensor storages created while tracking.
+
+    CPU memory has no caching allocator, so reserved equals allocated and there is no overhead;
+    the tracer predicts CUDA's reservation separately (hplan.tracer.allocator).
+    A caller that already runs its own dispatch mode passes its ledger and never calls `track`.
+    """
+
+    def __init__(self, device: str = "cpu", ledger: StorageLedger | None = None) -> None:
+        self.device = torch.device(device)
+        self.ledger = ledger if ledger is not None else StorageLedger()
+
+    @contextlib.contextmanager
+    def track(self) -> Iterator[None]:
+        with _Watch(self.ledger, self.device.type):
+            yield
+
+    def allocated_bytes(self) -> int:
+        return self.ledger.total
+
+    def max_allocated_bytes(self) -> int:
+        return self.ledger.peak
+
+    def reset_peak(self) -> None:
+        self.ledger.reset_peak()
+
+    def reserved_bytes(self) -> int:
+        return self.ledger.total
+
+    def overhead_bytes(self) -> int:
+        return 0
+
+
+class CudaProbe:
+    """The CUDA caching allocator and NVML (unverified here: no GPU in this project's CI).
+
+    Overhead = device memory NVML reports used minus what the caching allocator reserved: the CUDA
+    context, cuBLAS/cuDNN workspaces and other non-framework memory Gemini calls "non-model overhead".
+    """
+
+    def __init__(self, device: str = "cuda") -> None:
+        if not torch.cuda.is_available():
+            raise HplanError("--device cuda needs an NVIDIA GPU and a CUDA build of PyTorch; use --device cpu or fake")
+        self.device = torch.device(device)
+        self._nvml = _nvml_handle(self.device.index or 0)
+
+    @contextlib.contextmanager
+    def track(self) -> Iterator[None]:
+        yield
+
+    def allocated_bytes(self) -> int:
+        return int(torch.cuda.memory_allocated(self.device))
+
+    def max_allocated_bytes(self) -> int:
+        return int(torch.cuda.max_memory_allocated(self.device))
+
+    def reset_peak(self) -> None:
+        torch.cuda.reset_peak_memory_stats(self.device)
+
+    def reserved_bytes(self) -> int:
+        return int(torch.cuda.memory_reserved(self.device))
+
+    def overhead_bytes(self) -> int:
+        if self._nvml is None:
+            return 0
+        import pynvml
+
+        used = int(pynvml.nvmlDeviceGetMemoryInfo(self._nvml).used)
+        return max(0, used - self.reserved_bytes())
+
+
+def _nvml_handle(index: int) -> Any:
+    """An NVML handle for the GPU, or None when NVML is missing (overhead then reads 0)."""
+    try:
+        import pynvml
+
+        pynvml.nvmlInit()
+        return pynvml.nvmlDeviceGetHandleByIndex(index)
+    except Exception:  # NVML absent or driver mismatch: overhead is unknown, not fatal
+        return None
+
+
+def make_probe(device: str, ledger: StorageLedger | None = None) -> MemoryProbe:
+    """The probe for `device` ("cpu", "fake" or "cuda")."""
+    if device == "cuda":
+        return CudaProbe()
+    if device in ("cpu", "fake"):
+        return TensorProbe("cpu", ledger)  # fake tensors report the device they pretend to be on
+    raise HplanError(f"unknown device {device!r}: use cpu, fake or cuda")

@@ -1,0 +1,199 @@
+"""trace_workload: run warmup iterations of a workload's training step under the recorder.
+
+Iteration 1 is kept separately in the timeline (the optimizer creates its state lazily there);
+the events, peaks and per-parameter table describe the last, steady-state iteration.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from hplan.tracer.build import build_trace
+from hplan.tracer.modules import module_paths
+from hplan.tracer.recorder import Recorder, Window, on_accumulate, on_saved
+from torch import fx
+from torch.utils._pytree import tree_leaves, tree_map
+
+from hplan.artifacts.trace import Trace
+from hplan.errors import HplanError
+from hplan.hooks import EventHooks, canonical_params, workload_fingerprint
+from hplan.probe import StorageLedger, make_probe
+from hplan.training import TrainStep
+from hplan.workload import Workload
+
+DEVICES = ("cpu", "fake", "cuda")
+DEFAULT_ITERS = 3
+Progress = Callable[[int, int, str], None]
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Recording:
+    """Everything the recorder saw; `build_trace` turns it into the Trace artifact."""
+
+    workload: Workload
+    device: str
+    iterations: int
+    rows: list[tuple]
+    windows: list[Window]
+    trainer: TrainStep
+    batch: Any
+    graph: fx.Graph
+    grad_bytes: dict[str, int]
+    max_reserved_bytes: int
+    warnings: tuple[str, ...]
+
+
+def trace_workload(workload: Workload, *, device: str = "cpu", iters: int = DEFAULT_ITERS,
+                   on_progress: Progress | None = None) -> Trace:
+    """Trace `iters` iterations of the workload's full training step on `device` (cpu, fake or cuda)."""
+    return build_trace(record(workload, device=device, iters=iters, on_progress=on_progress))
+
+
+def record(workload: Workload, *, device: str = "cpu", iters: int = DEFAULT_ITERS,
+           on_progress: Progress | None = None) -> Recording:
+    """Run the iterations under the recorder and return what it saw (graph included)."""
+    if device not in DEVICES:
+        raise HplanError(f"unknown device {device!r}: use one of {', '.join(DEVICES)}")
+    if iters < 2:
+        raise HplanError(f"--iters must be at least 2 (iteration 1 creates optimizer state), got {iters}")
+    with _fake_mode(device) as fake:
+        trainer = _build(workload, device)
+        ledger = StorageLedger()
+        recorder = Recorder(probe=make_probe(device, ledger), ledger=ledger, fake=fake is not None,
+                            measure_time=device != "fake")
+        names = canonical_params(trainer.model)
+        _track_model_data(recorder, trainer, names)
+        grad_bytes: dict[str, int] = {}
+        with contextlib.ExitStack() as stack:
+            stack.enter_context(EventHooks(trainer.model, recorder.event))
+            stack.enter_context(module_paths(trainer.model, _setter(recorder)))
+            for p in trainer.params:
+                stack.callback(p.register_post_accumulate_grad_hook(on_accumulate(recorder, names[id(p)])).remove)
+            for it in range(1, iters + 1):
+                batch = _iteration(recorder, trainer, workload, it, device, build_graph=it == iters)
+                windows = recorder.finish_iteration()
+                _track_model_data(recorder, trainer, names)
+                if on_progress is not None:
+                    on_progress(it, iters, f"iteration {it}: {len(recorder.rows)} ops recorded")
+            grad_bytes = {names[id(p)]: p.numel() * p.element_size() for p in trainer.params}
+    if not windows:
+        raise HplanError(f"workload {workload.name!r}: no module with parameters ran forward; nothing to plan")
+    return Recording(workload=workload, device=device, iterations=iters, rows=recorder.rows, windows=windows,
+                     trainer=trainer, batch=batch, graph=recorder.graph.graph, grad_bytes=grad_bytes,
+                     max_reserved_bytes=recorder.allocator.max_reserved_bytes, warnings=_warnings(device))
+
+
+def _iteration(recorder: Recorder, trainer: TrainStep, workload: Workload, it: int, device: str,
+               *, build_graph: bool) -> Any:
+    """One recorded iteration; failures become one-line errors naming where they happened."""
+    recorder.start_iteration(it, build_graph=build_graph)
+    try:
+        with recorder, torch.autograd.graph.saved_tensors_hooks(*on_saved(recorder)):
+            batch = workload.batch(it - 1)
+            if device == "cuda":
+                batch = tree_map(lambda x: x.cuda() if isinstance(x, torch.Tensor) else x, batch)
+            for t in tree_leaves(batch):
+                if isinstance(t, torch.Tensor):
+                    recorder.track(t, "other")
+            loss = trainer.run(it - 1, batch, on_phase=recorder.set_phase)
+    except HplanError:
+        raise
+    except (torch.OutOfMemoryError, MemoryError) as exc:
+        raise HplanError(f"the training step ran out of memory in {_where(recorder)} ({_first_line(exc)}): "
+                         "trace with --device fake, or a smaller --batch-size / --seq-len") from None
+    except Exception as exc:  # the user's model or loss failed: say where, without a traceback
+        raise _step_error(exc, recorder) from None
+    if device != "fake" and not math.isfinite(float(loss)):
+        raise HplanError(f"the loss is {float(loss)} at iteration {it}: fix the model or loss "
+                         "(check the learning rate, inputs and initialisation) before tracing")
+    return batch
+
+
+def _step_error(exc: Exception, recorder: Recorder) -> HplanError:
+    text = f"{type(exc).__name__}: {_first_line(exc)}"
+    if type(exc).__name__ in ("DataDependentOutputException", "DynamicOutputShapeException",
+                              "GuardOnDataDependentSymNode", "UnsupportedOperatorException"):
+        return HplanError(f"fake tracing cannot run {_where(recorder)} ({text}): the model depends on tensor "
+                          "values; trace with --device cpu at a smaller size")
+    if "out of memory" in text or "can't allocate memory" in text:
+        return HplanError(f"the training step ran out of memory in {_where(recorder)}: trace with --device fake, "
+                          "or a smaller --batch-size / --seq-len")
+    return HplanError(f"the training step failed in {_where(recorder)}: {text}")
+
+
+def _where(recorder: Recorder) -> str:
+    return f"{recorder.phase} of {recorder.module or 'the model'} (op {recorder.op_index}, iteration {recorder.iteration})"
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip().splitlines()
+    return text[0][:200] if text else type(exc).__name__
+
+
+def _setter(recorder: Recorder) -> Callable[[str], None]:
+    def set_module(path: str) -> None:
+        recorder.module = path
+
+    return set_module
+
+
+def _track_model_data(recorder: Recorder, trainer: TrainStep, names: dict[int, str]) -> None:
+    """Name the storages that exist between iterations: parameters, buffers, optimizer state."""
+    for p in trainer.params:
+        recorder.track(p, "param", owner=names[id(p)])
+    for b in trainer.model.buffers():
+        recorder.track(b, "other")
+    master_of = {id(w): names[id(p)] for w, p in zip(trainer.master, trainer.params)}
+    if trainer.mixed:
+        for w in trainer.master:
+            recorder.track(w, "optimizer", owner=master_of[id(w)])
+    for w, state in trainer.optimizer.state.items():
+        for t in state.values():
+            if isinstance(t, torch.Tensor):
+                per_element = t.numel() == w.numel() and t.dim() > 0
+                recorder.track(t, "optimizer" if per_element else "other",
+                               owner=master_of.get(id(w)) if per_element else None)
+
+
+def _build(workload: Workload, device: str) -> TrainStep:
+    try:
+        model = workload.build_model()
+        if device == "cuda":
+            model = model.cuda()
+    except HplanError:
+        raise
+    except Exception as exc:  # the user's model factory failed
+        raise HplanError(f"building the model of {workload.name!r} failed: {type(exc).__name__}: "
+                         f"{_first_line(exc)}") from None
+    if not any(True for _ in model.parameters()):
+        raise HplanError(f"workload {workload.name!r} builds an empty model (no parameters): nothing to trace")
+    return TrainStep(workload, model)
+
+
+@contextlib.contextmanager
+def _fake_mode(device: str) -> Iterator[Any]:
+    """A FakeTensorMode for device "fake": tensors with shapes and dtypes but no memory."""
+    if device != "fake":
+        yield None
+        return
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode() as mode:
+        yield mode
+
+
+def _warnings(device: str) -> tuple[str, ...]:
+    if device == "fake":
+        return ("fake tensors run no kernels: op times are not measured, so step time is predicted from FLOPs",)
+    if device == "cuda":
+        return ("the CUDA path is unverified in hplan's own CI (no GPU there)",)
+    return ()
+
+
+def fingerprint_of(recording: Recording) -> dict[str, Any]:
+    return workload_fingerprint(recording.trainer.model, recording.batch, recording.workload.precision)

@@ -1,0 +1,211 @@
+"""The dispatch-level recorder: one timeline row and one torch.fx node per aten operator.
+
+It sits below autograd, so forward, backward and optimizer operators all pass through it. Around
+each operator it asks the probe for allocated / peak / reserved / overhead bytes, and it keeps a
+ledger of tensor storages by category, which makes model data exact on every device:
+- param / optimizer: the parameters, the optimizer's per-element state and fp32 master copies;
+- grad: a storage becomes a gradient when autograd accumulates it into ``.grad`` (before that it
+  is the temporary output of a backward operator, which is also what an executor sees);
+- activation: a storage autograd saves for backward (saved-tensor pack hook);
+- other: buffers, the batch, optimizer step counters; temporary: everything else.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from hplan.tracer.allocator import AllocatorModel
+from hplan.tracer.graph import GraphBuilder
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
+from torch.utils.flop_counter import flop_registry
+
+from hplan.errors import HplanError
+from hplan.probe import MemoryProbe, StorageLedger, new_outputs, storage_key
+
+_SCALAR = torch.ops.aten._local_scalar_dense.default
+_QUERIES = {torch.ops.prim.device.default}
+"""Metadata queries fake tensors dispatch: not operators of the step, so not recorded."""
+_SKIP_FLOPS: set[Any] = set()
+
+
+@dataclass(slots=True)
+class Window:
+    """The ops from one event to the next: what the planner needs of them."""
+
+    kind: str
+    module: str
+    op_start: int
+    params: dict[str, None] = field(default_factory=dict)
+    non_model_peak: int = 0
+    seconds: float = 0.0
+    flops: int = 0
+    op_end: int = -1
+
+
+class Recorder(TorchDispatchMode):
+    """Records every operator of the iterations run inside it."""
+
+    def __init__(self, *, probe: MemoryProbe, ledger: StorageLedger, fake: bool, measure_time: bool) -> None:
+        super().__init__()
+        self.probe, self.ledger, self.fake, self.measure_time = probe, ledger, fake, measure_time
+        self.allocator = AllocatorModel()
+        ledger.on_free = self._freed
+        self.owner: dict[int, str] = {}
+        """Storage key → parameter name, for parameters, their grads, master copies and optimizer state."""
+        self.rows: list[tuple] = []
+        self.windows: list[Window] = []
+        self.iteration, self.op_index, self.phase, self.module = 0, 0, "forward", ""
+        self.graph: GraphBuilder | None = None
+        self._names: dict[Any, str] = {}
+
+    # -- iteration structure, driven by the tracer's hooks -------------------------------------
+    def start_iteration(self, iteration: int, *, build_graph: bool) -> None:
+        self.iteration, self.op_index, self.phase, self.module = iteration, 0, "forward", ""
+        self.windows = [Window(kind="forward", module="", op_start=0)]
+        """The first window collects the ops before the first event; `finish_iteration` merges it."""
+        self.graph = GraphBuilder(self.owner) if build_graph else None
+
+    def set_phase(self, phase: str) -> None:
+        self.phase = phase
+        if phase == "optimizer":
+            self.event("optimizer", "optimizer")
+            self.windows[-1].params.update(dict.fromkeys(sorted(set(self.owner.values()))))
+
+    def event(self, kind: str, module: str) -> None:
+        """A plan event begins: the previous window ends here."""
+        self._close_window()
+        level = self.probe.allocated_bytes() - self._model_bytes()
+        self.windows.append(Window(kind=kind, module=module, op_start=self.op_index, non_model_peak=level))
+        self.module = module
+
+    def use(self, name: str) -> None:
+        """Parameter `name` is read or written in the current window (e.g. its gradient accumulated)."""
+        self.windows[-1].params[name] = None
+
+    def track(self, t: torch.Tensor, category: str, owner: str | None = None) -> None:
+        """Put a tensor that exists outside the recorded ops (parameter, state, batch) into the ledger."""
+        if self.ledger.add(t, category):
+            self.allocator.malloc(storage_key(t), t.untyped_storage().nbytes())
+        else:
+            self.ledger.set_category(t, category)
+        if owner is not None:
+            self.owner[storage_key(t)] = owner
+
+    def finish_iteration(self) -> list[Window]:
+        """Close the last window; fold the ops before the first event into it; return the windows."""
+        self._close_window()
+        head, *events = self.windows
+        if events:
+            first = events[0]
+            first.op_start = 0
+            first.params = {**head.params, **first.params}
+            first.non_model_peak = max(first.non_model_peak, head.non_model_peak)
+            first.seconds += head.seconds
+            first.flops += head.flops
+        return events
+
+    def _close_window(self) -> None:
+        self.windows[-1].op_end = self.op_index
+
+    # -- per operator --------------------------------------------------------------------------
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        if func in _QUERIES:
+            return func(*args, **kwargs)
+        self.probe.reset_peak()
+        start = time.perf_counter()
+        out = self._fake_scalar(args[0]) if func is _SCALAR and self.fake else func(*args, **kwargs)
+        seconds = time.perf_counter() - start if self.measure_time else 0.0
+        window = self.windows[-1]
+        inputs = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
+        outputs = [t for t in tree_leaves(out) if isinstance(t, torch.Tensor)]
+        for t in new_outputs(args, kwargs, out):
+            if self.ledger.add(t, "temporary"):
+                self.allocator.malloc(storage_key(t), t.untyped_storage().nbytes())
+        for t in inputs + outputs:
+            name = self.owner.get(storage_key(t))
+            if name is not None:
+                window.params[name] = None
+        flops = self._flops(func, args, kwargs, out)
+        if self.graph is not None:
+            self.graph.add(func, args, kwargs, out, phase=self.phase, module=self.module)
+        self._row(self._name(func), seconds, flops, window)
+        return out
+
+    def _row(self, op: str, seconds: float, flops: int, window: Window) -> None:
+        cats = self.ledger.by_category
+        allocated = self.probe.allocated_bytes()
+        peak = max(self.probe.max_allocated_bytes(), allocated)
+        param, grad, optim = cats.get("param", 0), cats.get("grad", 0), cats.get("optimizer", 0)
+        model = param + grad + optim
+        activation, other = cats.get("activation", 0), cats.get("other", 0)
+        non_model = allocated - model
+        temporary = non_model - activation - other  # on CUDA: everything the ledger cannot name
+        peak_non_model = peak - model  # Gemini's rule: non-model = peak allocated minus model data
+        window.non_model_peak = max(window.non_model_peak, peak_non_model)
+        window.seconds += seconds
+        window.flops += flops
+        reserved = self.probe.reserved_bytes() if self.probe.device.type == "cuda" else self.allocator.reserved_bytes
+        self.rows.append((self.iteration, self.op_index, op, self.module, self.phase, len(self.windows) - 2,
+                          param, grad, optim, activation, temporary, other, model, non_model, allocated, peak,
+                          peak_non_model, reserved, self.probe.overhead_bytes(), seconds, flops))
+        self.op_index += 1
+
+    def _freed(self, key: int) -> None:
+        """A storage was released: its address may be reused, so forget what it was."""
+        self.allocator.free(key)
+        self.owner.pop(key, None)
+
+    def _model_bytes(self) -> int:
+        cats = self.ledger.by_category
+        return cats.get("param", 0) + cats.get("grad", 0) + cats.get("optimizer", 0)
+
+    def _name(self, func: Any) -> str:
+        name = self._names.get(func)
+        if name is None:
+            name = self._names[func] = func._schema.name
+        return name
+
+    def _flops(self, func: Any, args: Any, kwargs: Any, out: Any) -> int:
+        counter = flop_registry.get(func.overloadpacket)
+        if counter is None or func in _SKIP_FLOPS:
+            return 0
+        try:
+            return int(counter(*args, **kwargs, out_val=out))
+        except Exception:  # an overload the formula does not cover: count nothing rather than guess
+            _SKIP_FLOPS.add(func)
+            return 0
+
+    def _fake_scalar(self, t: torch.Tensor) -> Any:
+        """Fake tensors hold no values; the optimizer's step counter is the one value we may invent."""
+        if self.phase != "optimizer":
+            where = f"{self.phase} of {self.module or 'the model'}"
+            raise HplanError(f"fake tracing hit a data-dependent operation (.item() or a branch on a tensor value) "
+                             f"in {where}: trace with --device cpu at a smaller size")
+        return self.iteration if not t.dtype.is_floating_point else float(self.iteration)
+
+
+def on_accumulate(recorder: Recorder, name: str) -> Callable[[torch.Tensor], None]:
+    """A post-accumulate-grad hook: the parameter's ``.grad`` is model data from now on."""
+
+    def hook(p: torch.Tensor) -> None:
+        if p.grad is not None:
+            recorder.track(p.grad, "grad", owner=name)
+            recorder.use(name)
+
+    return hook
+
+
+def on_saved(recorder: Recorder) -> tuple[Callable[[torch.Tensor], Any], Callable[[Any], torch.Tensor]]:
+    """Saved-tensor hooks: what autograd keeps for backward is an activation (unless it is named)."""
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        recorder.ledger.set_category(t, "activation", only_from=("temporary",))
+        return t
+
+    return pack, lambda t: t
