@@ -13,13 +13,9 @@ from typing import Any
 
 
 def make_probe(device: str) -> Any:
-    """hplan.probe's probe for `device`; the dispatch stand-in while that module is not there."""
-    try:
-        from hplan.probe import make_probe as _make_probe
-    except ImportError:
-        from hplan.executor.stand_in_probe import StandInProbe
+    """hplan.probe's probe for the executor's compute device (the same one the tracer samples)."""
+    from hplan.probe import make_probe as _make_probe
 
-        return StandInProbe(device)
     return _make_probe(device)
 
 
