@@ -1,15 +1,27 @@
-"""A model of PyTorch's CUDA caching allocator: what it would reserve for a recorded alloc/free sequence.
+"""A model of PyTorch's CUDA caching allocator: what it would reserve for a recorded malloc/free sequence.
 
-Predicted, not measured (and unverified against a GPU in this project). The rules follow
-c10/cuda/CUDACachingAllocator.cpp:
-- requests round up to 512 B; 0-byte requests take nothing;
-- rounded sizes up to 1 MiB come from the small pool, carved out of 2 MiB segments; larger ones from
-  the large pool: below 10 MiB a 20 MiB segment, otherwise a segment rounded up to 2 MiB;
-- a request takes the smallest free block of its pool that fits (ties: lowest address), splitting
-  off the rest when it is big enough (small pool: at least 512 B; large pool: more than 1 MiB);
-- a freed block merges with free neighbours of its segment; segments are never released (no
-  empty_cache), so the reservation only grows and its peak is what a plan must leave room for.
-Pure Python so it runs beside any trace; each operation is O(log n) in the number of free blocks.
+Traces taken on CPU or with fake tensors see only request sizes; a GPU reserves more than that
+(rounding, segment granularity, fragmentation). This module replays the requests through the rules
+of c10/cuda/CUDACachingAllocator.cpp (default settings, one device, one stream) so a plan can leave
+room for that slack on a GPU we do not have. It is a model: the numbers are predicted, not measured,
+and this project has not verified them against a real GPU.
+
+Rules modelled:
+- a request is rounded up to a multiple of 512 B (kMinBlockSize); a 0-byte request takes nothing;
+- rounded sizes up to 1 MiB (kSmallSize) use the small pool, whose segments are 2 MiB (kSmallBuffer);
+  larger ones use the large pool: below 10 MiB (kMinLargeAlloc) a 20 MiB segment (kLargeBuffer),
+  otherwise a segment of the size rounded up to 2 MiB (kRoundLarge);
+- a request takes the smallest free block of its pool that fits (ties: lowest address), and a new
+  segment only when none fits; the block is split when the rest is big enough to keep (small pool:
+  at least 512 B; large pool: more than 1 MiB), the request keeping the low end;
+- a freed block merges with free neighbours in its segment;
+- segments are never given back (no empty_cache, no out-of-memory retry), so the reservation only
+  grows, and its peak is what a plan must leave room for.
+Not modelled: streams and events, CUDA graph pools, expandable segments, max_split_size,
+roundup_power2_divisions, garbage_collection_threshold (all off by default).
+
+Pure Python (no torch) so it is cheap and testable anywhere. Free blocks are kept per pool in a list
+sorted by (size, address); each malloc/free is a few bisections plus an insertion.
 """
 
 from __future__ import annotations
@@ -17,21 +29,23 @@ from __future__ import annotations
 import bisect
 from dataclasses import dataclass
 
-MIN_BLOCK = 512
-SMALL_SIZE = 1 << 20
-SMALL_BUFFER = 2 << 20
-LARGE_BUFFER = 20 << 20
-MIN_LARGE_ALLOC = 10 << 20
-ROUND_LARGE = 2 << 20
+MIN_BLOCK = 512  # kMinBlockSize
+SMALL_SIZE = 1 << 20  # kSmallSize: largest request served from the small pool
+SMALL_BUFFER = 2 << 20  # kSmallBuffer: small-pool segment
+MIN_LARGE_ALLOC = 10 << 20  # kMinLargeAlloc: large requests below this get a kLargeBuffer segment
+LARGE_BUFFER = 20 << 20  # kLargeBuffer
+ROUND_LARGE = 2 << 20  # kRoundLarge: bigger segments are rounded up to this
 
 
 def round_size(nbytes: int) -> int:
-    """The allocator's request size: a multiple of 512 bytes."""
-    return 0 if nbytes <= 0 else -(-nbytes // MIN_BLOCK) * MIN_BLOCK
+    """Bytes the allocator hands out for a request: a multiple of 512 (0 for an empty request)."""
+    if nbytes < 0:
+        raise ValueError(f"negative allocation size: {nbytes}")
+    return -(-nbytes // MIN_BLOCK) * MIN_BLOCK
 
 
 def segment_size(size: int) -> int:
-    """Bytes reserved from the device when no cached block fits a rounded request."""
+    """Bytes reserved from the device (one cudaMalloc) when no cached block fits a rounded request."""
     if size <= SMALL_SIZE:
         return SMALL_BUFFER
     if size < MIN_LARGE_ALLOC:
@@ -39,101 +53,135 @@ def segment_size(size: int) -> int:
     return -(-size // ROUND_LARGE) * ROUND_LARGE
 
 
-@dataclass(slots=True)
+@dataclass(slots=True, eq=False)
 class _Block:
+    """A contiguous piece of one segment; prev/next are its neighbours in that segment."""
+
     addr: int
     size: int
     small: bool
-    segment: int
     free: bool = True
+    requested: int = 0  # rounded request size while allocated
     prev: _Block | None = None
     next: _Block | None = None
 
 
 class AllocatorModel:
-    """Replays malloc/free calls through the caching allocator's pools and reports the reservation."""
+    """Replays malloc/free calls through the caching allocator's pools and reports its reservation."""
 
     def __init__(self) -> None:
-        self._free: dict[bool, list[tuple[int, int]]] = {True: [], False: []}
-        """Per pool (small?): sorted (size, addr) of free blocks."""
-        self._by_addr: dict[int, _Block] = {}
+        # Free blocks per pool, sorted by (size, addr); the block rides along as the third item
+        # (never compared: addresses are unique).
+        self._small: list[tuple[int, int, _Block]] = []
+        self._large: list[tuple[int, int, _Block]] = []
         self._live: dict[int, _Block] = {}
-        self._next_addr = 0
-        self._segments = 0
-        self.allocated_bytes = 0
-        self.reserved_bytes = 0
-        self.max_reserved_bytes = 0
+        self._next_addr = 0  # segments get disjoint fake addresses, so ties break like real pointers
+        self._allocated = 0
+        self._reserved = 0
+        self._max_reserved = 0
+
+    @property
+    def allocated_bytes(self) -> int:
+        """Sum of the rounded sizes of live requests.
+
+        (torch.cuda.memory_allocated counts whole blocks instead, which adds a large block's
+        unsplit tail of at most 1 MiB.)
+        """
+        return self._allocated
+
+    @property
+    def reserved_bytes(self) -> int:
+        """Sum of segment sizes: what torch.cuda.memory_reserved would report."""
+        return self._reserved
+
+    @property
+    def max_reserved_bytes(self) -> int:
+        """Peak of reserved_bytes; equal to it here, since segments are never released."""
+        return self._max_reserved
 
     def malloc(self, key: int, nbytes: int) -> None:
-        """Allocate `nbytes` under `key` (which names it until `free`)."""
+        """Allocate `nbytes` under `key`, which names the allocation until `free(key)`.
+
+        A key that is still live is freed first: a caller keyed by storage identity sees a key come
+        back only after the old storage died, even if its free was not reported.
+        """
+        if key in self._live:
+            self.free(key)
         size = round_size(nbytes)
-        if size == 0 or key in self._live:
+        if size == 0:
             return
         small = size <= SMALL_SIZE
-        block = self._take(size, small) or self._new_segment(size, small)
-        self._split(block, size)
+        block = self._best_fit(size, small) or self._new_segment(size, small)
+        rest = block.size - size
+        if (rest >= MIN_BLOCK) if small else (rest > SMALL_SIZE):
+            self._split(block, size)
         block.free = False
+        block.requested = size
         self._live[key] = block
-        self.allocated_bytes += block.size
+        self._allocated += size
 
     def free(self, key: int) -> None:
-        """Release `key`'s block back to its pool; unknown keys are ignored (idempotent)."""
+        """Return `key`'s block to its pool, merged with free neighbours; unknown keys are ignored."""
         block = self._live.pop(key, None)
         if block is None:
             return
-        self.allocated_bytes -= block.size
+        self._allocated -= block.requested
+        block.requested = 0
         block.free = True
-        for neighbour in (block.prev, block.next):
-            if neighbour is not None and neighbour.free:
-                self._unlist(neighbour)
-                block = self._merge(block, neighbour)
+        after = block.next
+        if after is not None and after.free:
+            self._unlist(after)
+            self._absorb(block, after)
+        before = block.prev
+        if before is not None and before.free:
+            self._unlist(before)
+            self._absorb(before, block)
+            block = before
         self._list(block)
 
-    def _take(self, size: int, small: bool) -> _Block | None:
-        pool = self._free[small]
-        i = bisect.bisect_left(pool, (size, -1))
+    # -- internals ---------------------------------------------------------------------------------
+    def _pool(self, small: bool) -> list[tuple[int, int, _Block]]:
+        return self._small if small else self._large
+
+    def _best_fit(self, size: int, small: bool) -> _Block | None:
+        """Take the smallest free block of the pool with at least `size` bytes (lowest address on ties)."""
+        pool = self._pool(small)
+        i = bisect.bisect_left(pool, (size,))
         if i == len(pool):
             return None
-        block = self._by_addr[pool[i][1]]
-        self._unlist(block)
-        return block
+        return pool.pop(i)[2]
 
     def _new_segment(self, size: int, small: bool) -> _Block:
+        """Reserve a fresh segment for a request that no cached block fits."""
         seg = segment_size(size)
-        block = _Block(addr=self._next_addr, size=seg, small=small, segment=self._segments)
+        block = _Block(addr=self._next_addr, size=seg, small=small)
         self._next_addr += seg
-        self._segments += 1
-        self._by_addr[block.addr] = block
-        self.reserved_bytes += seg
-        self.max_reserved_bytes = max(self.max_reserved_bytes, self.reserved_bytes)
+        self._reserved += seg
+        self._max_reserved = max(self._max_reserved, self._reserved)
         return block
 
     def _split(self, block: _Block, size: int) -> None:
-        rest = block.size - size
-        if not (rest >= MIN_BLOCK if block.small else rest > SMALL_SIZE):
-            return
-        tail = _Block(addr=block.addr + size, size=rest, small=block.small, segment=block.segment,
-                      prev=block, next=block.next)
+        """Keep the first `size` bytes in `block`; the rest becomes a free block after it."""
+        tail = _Block(addr=block.addr + size, size=block.size - size, small=block.small, prev=block, next=block.next)
         if block.next is not None:
             block.next.prev = tail
-        block.next, block.size = tail, size
-        self._by_addr[tail.addr] = tail
+        block.next = tail
+        block.size = size
         self._list(tail)
 
-    def _merge(self, block: _Block, other: _Block) -> _Block:
-        first, second = (block, other) if block.addr < other.addr else (other, block)
+    @staticmethod
+    def _absorb(first: _Block, second: _Block) -> None:
+        """Merge `second` (the block right after `first`) into `first`."""
         first.size += second.size
         first.next = second.next
         if second.next is not None:
             second.next.prev = first
-        del self._by_addr[second.addr]
-        return first
 
     def _list(self, block: _Block) -> None:
-        bisect.insort(self._free[block.small], (block.size, block.addr))
+        bisect.insort(self._pool(block.small), (block.size, block.addr, block))
 
     def _unlist(self, block: _Block) -> None:
-        pool = self._free[block.small]
+        pool = self._pool(block.small)
         i = bisect.bisect_left(pool, (block.size, block.addr))
-        if i < len(pool) and pool[i] == (block.size, block.addr):
-            pool.pop(i)
+        assert pool[i][2] is block, "free-block index out of sync"
+        pool.pop(i)

@@ -43,9 +43,13 @@ def _categories_at(row: pd.Series) -> dict[str, int]:
 
 
 def _slack(rec: Recording, steady: pd.DataFrame, peak_bytes: int) -> int:
-    """Reserved minus allocated at the peak: measured on CUDA, predicted by the allocator model elsewhere."""
-    reserved = int(steady.reserved_bytes.max()) if rec.device == "cuda" else rec.max_reserved_bytes
-    return max(0, reserved - peak_bytes)
+    """Memory the caching allocator holds beyond what is allocated: measured on CUDA (reserved minus
+    allocated at the peak); elsewhere the allocator model's peak reservation for per-step allocations
+    minus their peak, since chunked model data is allocated once, exactly."""
+    if rec.device == "cuda":
+        return max(0, int(steady.reserved_bytes.max()) - peak_bytes)
+    per_step_peak = int((steady.peak_bytes - steady.model_bytes).max())
+    return max(0, rec.max_reserved_bytes - per_step_peak)
 
 
 def _events(rec: Recording) -> tuple[Event, ...]:

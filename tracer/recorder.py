@@ -30,6 +30,10 @@ from hplan.probe import MemoryProbe, StorageLedger, new_outputs, storage_key
 _SCALAR = torch.ops.aten._local_scalar_dense.default
 _QUERIES = {torch.ops.prim.device.default}
 """Metadata queries fake tensors dispatch: not operators of the step, so not recorded."""
+_CHUNKED = ("param", "grad", "optimizer")
+"""Model data an executor keeps in chunk buffers, allocated once and exactly: the allocator model leaves
+it out (a gradient leaves it when it is accumulated, as the executor then copies it into its chunk) and
+predicts the slack of what is allocated per step: activations, temporaries, gradients in flight."""
 _SKIP_FLOPS: set[Any] = set()
 
 
@@ -66,6 +70,10 @@ class Recorder(TorchDispatchMode):
     # -- iteration structure, driven by the tracer's hooks -------------------------------------
     def start_iteration(self, iteration: int, *, build_graph: bool) -> None:
         self.iteration, self.op_index, self.phase, self.module = iteration, 0, "forward", ""
+        self.allocator = AllocatorModel()
+        for key, (nbytes, category) in self.ledger.live.items():
+            if category not in _CHUNKED:
+                self.allocator.malloc(key, nbytes)
         self.windows = [Window(kind="forward", module="", op_start=0)]
         """The first window collects the ops before the first event; `finish_iteration` merges it."""
         self.graph = GraphBuilder(self.owner) if build_graph else None
@@ -89,10 +97,12 @@ class Recorder(TorchDispatchMode):
 
     def track(self, t: torch.Tensor, category: str, owner: str | None = None) -> None:
         """Put a tensor that exists outside the recorded ops (parameter, state, batch) into the ledger."""
-        if self.ledger.add(t, category):
-            self.allocator.malloc(storage_key(t), t.untyped_storage().nbytes())
-        else:
+        if not self.ledger.add(t, category):
             self.ledger.set_category(t, category)
+        if category in _CHUNKED:
+            self.allocator.free(storage_key(t))
+        else:
+            self.allocator.malloc(storage_key(t), t.untyped_storage().nbytes())
         if owner is not None:
             self.owner[storage_key(t)] = owner
 
@@ -150,7 +160,8 @@ class Recorder(TorchDispatchMode):
         window.non_model_peak = max(window.non_model_peak, peak_non_model)
         window.seconds += seconds
         window.flops += flops
-        reserved = self.probe.reserved_bytes() if self.probe.device.type == "cuda" else self.allocator.reserved_bytes
+        reserved = self.probe.reserved_bytes() if self.probe.device.type == "cuda" else \
+            model + self.allocator.reserved_bytes
         self.rows.append((self.iteration, self.op_index, op, self.module, self.phase, len(self.windows) - 2,
                           param, grad, optim, activation, temporary, other, model, non_model, allocated, peak,
                           peak_non_model, reserved, self.probe.overhead_bytes(), seconds, flops))
