@@ -23,9 +23,12 @@ from hplan.artifacts import Plan
 
 
 def attach(model: Any, optimizer: Any, plan: Plan, *, device: str = "cpu", batch_example: Any = None,
-           precision: str = "fp32") -> PlanRun:
-    """A context manager replaying `plan` in your loop; pass `batch_example` to have the fingerprint checked."""
-    return PlanRun(model, optimizer, plan, device=device, batch_example=batch_example, precision=precision)
+           precision: str = "fp32", measure: bool = True) -> PlanRun:
+    """A context manager replaying `plan` in your loop; pass `batch_example` to have the fingerprint checked.
+
+    `measure=False` drops the per-operator non-model probe (resident bytes then count model data only)."""
+    return PlanRun(model, optimizer, plan, device=device, batch_example=batch_example, precision=precision,
+                   measure=measure)
 
 
 __all__ = ["ChunkState", "EventRecord", "PlanRun", "attach", "run_training"]

@@ -56,7 +56,7 @@ class PlanRun:
     """Context manager replaying `plan` during a user's training loop; call `step()` after backward."""
 
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, plan: Plan, *, device: str = "cpu",
-                 batch_example: Any = None, precision: str = "fp32") -> None:
+                 batch_example: Any = None, precision: str = "fp32", measure: bool = True) -> None:
         from hplan.precision import get_recipe
 
         self.plan, self.model = plan, model
@@ -65,7 +65,8 @@ class PlanRun:
         opt_type, defaults = check_optimizer(optimizer)
         self._master = get_recipe(precision).master_dtype is not None
         self._setup = (opt_type, defaults)
-        self.meter = WindowMeter(make_probe(device))
+        self.meter = WindowMeter(make_probe(device)) if measure else None
+        """None: resident bytes are model data only (no non-model probe, so no per-op cost on CPU)."""
         self.store: ChunkStore | None = None
         self.updates: dict[int, ChunkUpdate] = {}
         self.cursor = 0
@@ -97,7 +98,8 @@ class PlanRun:
             store.mark_dirty(cid)
         self.setup_bytes, store.traffic.h2d = store.traffic.h2d, 0
         self._stack.enter_context(EventHooks(model, self.on_event))
-        self._stack.enter_context(self.meter.track())
+        if self.meter is not None:
+            self._stack.enter_context(self.meter.track())
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -176,7 +178,7 @@ class PlanRun:
 
     def _close_window(self) -> None:
         """Record the window that ends now (the previous step's) with the probe's peak in it."""
-        peak = self.meter.close_window()
+        peak = self.meter.close_window() if self.meter is not None else 0
         if self.cursor == 0:
             return
         step = self.plan.steps[self.cursor - 1]

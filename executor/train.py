@@ -20,11 +20,12 @@ Progress = Callable[[int, int, str], None]
 def run_training(workload: Workload, plan: Plan, *, steps: int, device: str = "cpu",
                  metrics_path: str | os.PathLike[str] | None = None,
                  checkpoint_dir: str | os.PathLike[str] | None = None, resume: bool = False,
-                 on_progress: Progress | None = None) -> RunReport:
+                 on_progress: Progress | None = None, measure: bool = True) -> RunReport:
     """Train until global step `steps` (from 0, or from the checkpoint with `resume`) replaying `plan`.
 
     Everything the report holds is measured: losses, step times, the probe's peak fast-tier bytes
-    and the bytes actually copied in the last (steady-state) iteration.
+    and the bytes actually copied in the last (steady-state) iteration. `measure=False` skips the
+    non-model probe (on CPU it watches every operator), so resident bytes are model data only.
     """
     if steps <= 0:
         raise HplanError(f"steps must be positive, got {steps}")
@@ -34,7 +35,8 @@ def run_training(workload: Workload, plan: Plan, *, steps: int, device: str = "c
     optimizer = workload.optimizer(model.parameters())
     batch = workload.batch(0)
     losses, seconds, rows, last, peak = [], [], [], [], 0
-    with PlanRun(model, optimizer, plan, device=device, batch_example=batch, precision=workload.precision) as run:
+    with PlanRun(model, optimizer, plan, device=device, batch_example=batch, precision=workload.precision,
+                 measure=measure) as run:
         first = load_checkpoint(checkpoint_dir, run) if resume else 0
         if first >= steps:
             raise HplanError(f"the checkpoint is already at step {first}; ask for more --steps than that")

@@ -18,14 +18,17 @@ from typing import Any, Protocol
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_leaves
 
 from hplan.errors import HplanError
 
 
-def storage_key(t: torch.Tensor) -> int:
-    """Identity of the storage behind `t` (views share it)."""
+def _storage_key_slow(t: torch.Tensor) -> int:
     return t.untyped_storage()._cdata
+
+
+storage_key: Callable[[torch.Tensor], int] = getattr(torch._C, "_storage_id", _storage_key_slow)
+"""Identity of the storage behind a tensor (views share it): the StorageImpl's address, read without
+building a Python storage object (the same number as ``untyped_storage()._cdata``)."""
 
 
 class StorageLedger:
@@ -116,13 +119,30 @@ class _Watch(TorchDispatchMode):
         return out
 
 
+def tensors_in(obj: Any, out: list[torch.Tensor] | None = None) -> list[torch.Tensor]:
+    """The tensors in an operator's arguments or results (lists, tuples, dicts), in order.
+
+    A hand-rolled walk: pytree's general one costs more than the operator on small models."""
+    out = [] if out is None else out
+    if isinstance(obj, torch.Tensor):
+        out.append(obj)
+    elif isinstance(obj, (list, tuple)):
+        for item in obj:
+            if isinstance(item, (torch.Tensor, list, tuple, dict)):
+                tensors_in(item, out)
+    elif isinstance(obj, dict):
+        for item in obj.values():
+            tensors_in(item, out)
+    return out
+
+
 def new_outputs(args: Any, kwargs: Any, out: Any) -> list[torch.Tensor]:
     """Output tensors whose storage no input shares: what the operator allocated (in-place and
     out= results are the caller's memory, even when it was created before tracking began)."""
-    outputs = [t for t in tree_leaves(out) if isinstance(t, torch.Tensor)]
+    outputs = tensors_in(out)
     if not outputs:
         return outputs
-    inputs = {storage_key(t) for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)}
+    inputs = {storage_key(t) for t in tensors_in(kwargs, tensors_in(args))}
     return [t for t in outputs if storage_key(t) not in inputs]
 
 

@@ -21,11 +21,10 @@ import torch
 from hplan.tracer.allocator import AllocatorModel
 from hplan.tracer.graph import GraphBuilder
 from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_leaves
 from torch.utils.flop_counter import flop_registry
 
 from hplan.errors import HplanError
-from hplan.probe import MemoryProbe, StorageLedger, new_outputs, storage_key
+from hplan.probe import MemoryProbe, StorageLedger, new_outputs, storage_key, tensors_in
 
 _SCALAR = torch.ops.aten._local_scalar_dense.default
 _QUERIES = {torch.ops.prim.device.default}
@@ -132,8 +131,8 @@ class Recorder(TorchDispatchMode):
         out = self._fake_scalar(args[0]) if func is _SCALAR and self.fake else func(*args, **kwargs)
         seconds = time.perf_counter() - start if self.measure_time else 0.0
         window = self.windows[-1]
-        inputs = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
-        outputs = [t for t in tree_leaves(out) if isinstance(t, torch.Tensor)]
+        inputs = tensors_in(kwargs, tensors_in(args))
+        outputs = tensors_in(out)
         for t in new_outputs(args, kwargs, out):
             if self.ledger.add(t, "temporary"):
                 self.allocator.malloc(storage_key(t), t.untyped_storage().nbytes())
