@@ -9,12 +9,12 @@ from __future__ import annotations
 
 import dataclasses
 
-import torch
 from hplan.executor.measure import make_probe
 
 from hplan.artifacts import Budget, Chunk, Plan, PlanSummary, Step, replay
 from hplan.hooks import EventHooks, param_modules, workload_fingerprint
 from hplan.precision import get_recipe
+from hplan.training import plain_losses  # noqa: F401  (re-exported for the tests)
 from hplan.workload import Workload
 
 
@@ -104,28 +104,3 @@ def _schedule(events, actions, start, pinned, non_model):
 def _summary(h2d: int, d2h: int, moved: int) -> PlanSummary:
     return PlanSummary(feasible=True, h2d_bytes=h2d, d2h_bytes=d2h, bytes_moved_per_iter=moved, lower_bound_bytes=0,
                        predicted_peak_bytes=0, min_gpu_bytes=0, predicted_step_seconds=0.0, solver="hand")
-
-
-def plain_losses(workload: Workload, steps: int) -> list[float]:
-    """Reference: plain PyTorch training of the same workload and seed (fp32 master copies when mixed)."""
-    model = workload.build_model()
-    params = list(model.parameters())
-    master = get_recipe(workload.precision).master_dtype is not None
-    work = [p.detach().float().clone() for p in params] if master else params
-    opt = workload.optimizer(work)
-    losses = []
-    for step in range(steps):
-        loss = workload.loss(model, workload.batch(step))
-        loss.backward()
-        if master:
-            for w, p in zip(work, params):
-                w.grad = p.grad.float()
-        opt.step()
-        if master:
-            with torch.no_grad():
-                for w, p in zip(work, params):
-                    p.copy_(w)
-        for p in params:
-            p.grad = None
-        losses.append(loss.item())
-    return losses
