@@ -85,7 +85,8 @@ def record(workload: Workload, *, device: str = "cpu", iters: int = DEFAULT_ITER
         raise HplanError(f"workload {workload.name!r}: no module with parameters ran forward; nothing to plan")
     return Recording(workload=workload, device=device, iterations=iters, rows=recorder.rows, windows=windows,
                      trainer=trainer, batch=batch, graph=recorder.graph.graph, grad_bytes=grad_bytes,
-                     max_reserved_bytes=recorder.allocator.max_reserved_bytes, warnings=_warnings(device))
+                     max_reserved_bytes=recorder.allocator.max_reserved_bytes,
+                     warnings=_warnings(device) + tuple(recorder.warnings))
 
 
 def _iteration(recorder: Recorder, trainer: TrainStep, workload: Workload, it: int, device: str,

@@ -29,6 +29,8 @@ from hplan.probe import MemoryProbe, StorageLedger, new_outputs, storage_key, te
 _SCALAR = torch.ops.aten._local_scalar_dense.default
 _QUERIES = {torch.ops.prim.device.default}
 """Metadata queries fake tensors dispatch: not operators of the step, so not recorded."""
+_DATA_DEPENDENT = {_SCALAR, torch.ops.aten.nonzero.default}
+"""Operators whose output depends on tensor values (`.item()`, `if tensor:`, boolean masks)."""
 _CHUNKED = ("param", "grad", "optimizer")
 """Model data an executor keeps in chunk buffers, allocated once and exactly: the allocator model leaves
 it out (a gradient leaves it when it is accumulated, as the executor then copies it into its chunk) and
@@ -65,6 +67,8 @@ class Recorder(TorchDispatchMode):
         self.iteration, self.op_index, self.phase, self.module = 0, 0, "forward", ""
         self.graph: GraphBuilder | None = None
         self._names: dict[Any, str] = {}
+        self.warnings: dict[str, None] = {}
+        """One-line notes for the user, in order, without repeats."""
 
     # -- iteration structure, driven by the tracer's hooks -------------------------------------
     def start_iteration(self, iteration: int, *, build_graph: bool) -> None:
@@ -126,6 +130,8 @@ class Recorder(TorchDispatchMode):
         kwargs = kwargs or {}
         if func in _QUERIES:
             return func(*args, **kwargs)
+        if func in _DATA_DEPENDENT and self.phase != "optimizer" and not self.fake:
+            self._note_data_dependent(func)
         self.probe.reset_peak()
         start = time.perf_counter()
         out = self._fake_scalar(args[0]) if func is _SCALAR and self.fake else func(*args, **kwargs)
@@ -190,6 +196,12 @@ class Recorder(TorchDispatchMode):
         except Exception:  # an overload the formula does not cover: count nothing rather than guess
             _SKIP_FLOPS.add(func)
             return 0
+
+    def _note_data_dependent(self, func: Any) -> None:
+        """What a graph of one run cannot promise: another batch may take another branch."""
+        where = f"{self.phase} of {self.module or 'the model'}"
+        self.warnings[f"{where} reads tensor values ({self._name(func)}): the graph and timeline are the path "
+                      "this batch took; batches that branch differently may use other memory"] = None
 
     def _fake_scalar(self, t: torch.Tensor) -> Any:
         """Fake tensors hold no values; the optimizer's step counter is the one value we may invent."""
