@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import pickle
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -18,15 +19,33 @@ import pandas as pd
 from hplan.artifacts.io import atomic_path
 from hplan.artifacts.plan import Plan
 from hplan.artifacts.trace import CATEGORIES, Trace
-from hplan.reports.downsample import envelope_indices
-from hplan.reports.views import planned_events, steady_ops
+from hplan.errors import HplanError
+
+from .downsample import envelope_indices
+from .views import planned_events, steady_ops
 
 SEGMENT_SPACING = 1 << 44
 """Each category gets its own fake address range (one segment), far apart so ranges never overlap."""
+EXPORT_FORMATS: dict[str, tuple[str, ...]] = {"snapshot": (".pickle", ".pkl"), "chrome": (".json",)}
+"""Each export format and the file suffixes it may be written to (the first is the usual one)."""
+
+
+def export_format(out: str | os.PathLike[str], fmt: str | None = None) -> str:
+    """The export format for `out`: `fmt` checked against the suffix, or inferred from it when None."""
+    if fmt is not None and fmt not in EXPORT_FORMATS:
+        raise HplanError(f"unknown export format {fmt!r}: use snapshot (PyTorch memory_viz) or chrome (Perfetto)")
+    suffix = Path(out).suffix.lower()
+    found = next((f for f, sufs in EXPORT_FORMATS.items() if suffix in sufs), None)
+    if found is None or (fmt is not None and found != fmt):
+        want = fmt or "snapshot or chrome"
+        examples = " or ".join(f"-o trace{EXPORT_FORMATS[f][0]}" for f in ([fmt] if fmt else EXPORT_FORMATS))
+        raise HplanError(f"cannot write {Path(out).name} as {want}: name the file e.g. {examples}")
+    return found
 
 
 def export_memory_snapshot(trace: Trace, out: str | os.PathLike[str]) -> dict[str, Any]:
     """Write the steady-state iteration as a `torch.cuda.memory._snapshot()`-style pickle; return it too."""
+    export_format(out, "snapshot")
     snapshot = memory_snapshot(trace)
     with atomic_path(out) as tmp:
         tmp.write_bytes(pickle.dumps(snapshot, protocol=4))
@@ -87,6 +106,7 @@ def _category_events(ops: pd.DataFrame, times: np.ndarray, cat: str, base: int,
 
 
 def _event(action: str, block: dict[str, Any], t: int) -> dict[str, Any]:
+    """One device-trace entry in the shape torch.cuda.memory._snapshot() writes."""
     return {"action": action, "addr": block["addr"], "size": block["size"], "stream": 0, "time_us": t,
             "frames": block["frames"], "category": block["category"]}
 
@@ -106,6 +126,7 @@ def _segment(base: int, live: list[dict[str, Any]], total: int, cat: str) -> dic
 
 def export_chrome_trace(trace: Trace, out: str | os.PathLike[str], *, plan: Plan | None = None) -> dict[str, Any]:
     """Write a Chrome trace JSON (opens in Perfetto / chrome://tracing); return it too."""
+    export_format(out, "chrome")
     data = chrome_trace(trace, plan=plan)
     with atomic_path(out) as tmp:
         tmp.write_text(json.dumps(data, separators=(",", ":")))
@@ -134,16 +155,18 @@ def chrome_trace(trace: Trace, *, plan: Plan | None = None) -> dict[str, Any]:
                     "dur": float(ends[hi] - start[lo]), "args": {"event_index": e.index, "params": len(e.params)}})
     out += _memory_counters(ops, start)
     if plan is not None:
-        out += _transfer_slices(trace, plan, start, ends)
+        out += _transfer_slices(trace, plan, start, ends, timed)
     unit = "µs (measured op times)" if timed else "op index (this trace has no timing; 1 µs per op)"
     return {"traceEvents": out, "displayTimeUnit": "ms", "otherData": {"workload": trace.workload, "time_axis": unit}}
 
 
 def _clip(i: int, n: int) -> int:
+    """An op index kept inside the iteration (event windows may end past the last op)."""
     return min(max(i, 0), n - 1)
 
 
 def _meta(name: str, pid: int, tid: int, value: str) -> dict[str, Any]:
+    """A metadata event naming a process or track in Perfetto."""
     return {"ph": "M", "pid": pid, "tid": tid, "name": name, "args": {"name": value}}
 
 
@@ -156,23 +179,35 @@ def _memory_counters(ops: pd.DataFrame, start: np.ndarray) -> list[dict[str, Any
              "args": {c: int(v) for c, v in zip(CATEGORIES, values[i])}} for i in keep]
 
 
-def _transfer_slices(trace: Trace, plan: Plan, start: np.ndarray, ends: np.ndarray) -> list[dict[str, Any]]:
-    """Each step's fetch and write-back as a slice starting at its event, lasting bytes / link speed
-    when the plan names a link speed, else the event's window."""
-    link = _link_bytes_per_s(plan)
+def _transfer_slices(trace: Trace, plan: Plan, start: np.ndarray, ends: np.ndarray,
+                     timed: bool) -> list[dict[str, Any]]:
+    """Each step's fetch and write-back as a slice from its event on. With measured op times a copy lasts
+    bytes / link speed and waits for the previous copy in its direction (one copy engine each way, so
+    slices on a track never overlap); without them it spans the event's window of ops."""
+    link = _link_bytes_per_s(plan) if timed else None
     out = [_meta("process_name", 2, 0, f"hplan plan: {plan.workload} on {plan.budget.gpu_bytes / 1e9:.2f} GB"),
            _meta("thread_name", 2, 1, "fetch host→GPU"), _meta("thread_name", 2, 2, "write-back GPU→host")]
     n = len(start)
+    free_at = {1: 0.0, 2: 0.0}
     for p in planned_events(trace, plan):
         lo, hi = _clip(p.op_start, n), _clip(p.op_end - 1, n)
         for tid, size, name in ((1, p.h2d_bytes, "fetch"), (2, p.d2h_bytes, "write-back")):
-            if size > 0:
-                dur = size / link * 1e6 if link else float(ends[hi] - start[lo])
-                out.append({"ph": "X", "pid": 2, "tid": tid, "name": f"{name} {size / 1e9:.3f} GB", "ts": float(start[lo]),
-                            "dur": dur, "args": {"bytes": size, "event": p.event, "step": p.index}})
+            if size <= 0:
+                continue
+            ts = max(float(start[lo]), free_at[tid])
+            dur = size / link * 1e6 if link else max(float(ends[hi]) - ts, 1.0)
+            free_at[tid] = ts + dur
+            out.append({"ph": "X", "pid": 2, "tid": tid, "name": f"{name} {size / 1e9:.3f} GB", "ts": ts,
+                        "dur": dur, "args": {"bytes": size, "event": p.event, "step": p.index}})
     return out
 
 
 def _link_bytes_per_s(plan: Plan) -> float | None:
+    """Host link speed the plan assumed: its own option, else its GPU preset's."""
+    from hplan.planner.options import GPU_PRESETS
+
     gbps = plan.options.get("link_gbps")
+    preset = GPU_PRESETS.get(str(plan.options.get("gpu", "")))
+    if not gbps and preset is not None:
+        gbps = preset.link_gbps
     return float(gbps) * 1e9 if gbps else None

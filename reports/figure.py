@@ -6,11 +6,13 @@ drawing a report neither needs a display nor changes the user's global backend o
 
 from __future__ import annotations
 
+import io
 import os
 from pathlib import Path
 
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
+from matplotlib.patches import Patch
 
 from hplan.artifacts.io import atomic_path
 from hplan.errors import HplanError
@@ -25,6 +27,8 @@ CATEGORY_LABELS: dict[str, str] = {
     "activation": "activations", "temporary": "temporaries", "other": "other",
 }
 PHASE_COLORS: dict[str, str] = {"forward": "#e8f1fb", "backward": "#fdeee3", "optimizer": "#eaf6ea"}
+_NO_URLS = {"png": {"Software": None}, "svg": {"Creator": None}}
+"""Matplotlib stamps its home page into every file; dropped so reports hold no URL at all."""
 
 
 def new_figure(width: float, height: float) -> Figure:
@@ -46,7 +50,19 @@ def save_figure(fig: Figure, path: str | os.PathLike[str]) -> None:
     """Write the figure atomically in the format the suffix names."""
     fmt = image_format(path)
     with atomic_path(path) as tmp:
-        fig.savefig(tmp, format=fmt)
+        fig.savefig(tmp, format=fmt, metadata=_NO_URLS[fmt])
+
+
+def png_bytes(fig: Figure) -> bytes:
+    """The figure as PNG bytes (for embedding in HTML), without matplotlib's URL stamp."""
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", metadata=_NO_URLS["png"])
+    return buf.getvalue()
+
+
+def phase_handles(phases: list[str]) -> list[Patch]:
+    """Legend entries for the phase shading, so narrow (unlabelled) phases can still be told apart."""
+    return [Patch(color=PHASE_COLORS.get(p, "#f4f4f4"), label=f"{p} phase (background)") for p in phases]
 
 
 def byte_unit(binary: bool) -> tuple[float, str]:
@@ -55,4 +71,5 @@ def byte_unit(binary: bool) -> tuple[float, str]:
 
 
 def unit_name(binary: bool) -> str:
+    """The short unit name the axes use."""
     return "GiB" if binary else "GB"

@@ -17,8 +17,9 @@ import numpy as np
 from matplotlib.axes import Axes
 
 from hplan.errors import HplanError
-from hplan.reports.figure import byte_unit, image_format, new_figure, save_figure, unit_name
 from hplan.sizes import format_size
+
+from .figure import byte_unit, image_format, new_figure, save_figure, unit_name
 
 SWEEP_KEYS: tuple[str, ...] = ("gpu_bytes", "feasible", "bytes_moved", "step_seconds", "min_gpu_bytes")
 BASELINE_NAMES: dict[str, str] = {"zero_offload": "ZeRO-Offload (static)", "gemini": "Gemini (auto)",
@@ -42,36 +43,42 @@ def plot_sweep(rows: Sequence[Mapping[str, Any]], out: str | os.PathLike[str], *
         raise HplanError(f"sweep rows lack {missing}; they must come from hplan.planner.sweep")
     rows = sorted(rows, key=lambda r: r["gpu_bytes"])
     scale, label = byte_unit(binary)
-    fig = new_figure(11, 7.5)
+    fig = new_figure(12, 7.5)
     moved_ax, time_ax = fig.subplots(2, 1, sharex=True)
     gpu = np.array([r["gpu_bytes"] for r in rows], dtype=float) / scale
-    series = [("hplan", "", "#c00000", "o", 2.2)] + [
-        (BASELINE_NAMES.get(k, k), f"{k}_", color, marker, 1.3)
+    series = [("hplan", "", "#c00000", "o", 2.2, 3)] + [
+        (BASELINE_NAMES.get(k, k), f"{k}_", color, marker, 1.3, 2)
         for k, color, marker in zip(baseline_keys(rows), ("#1f77b4", "#2ca02c", "#7f7f7f", "#9467bd"), "s^Dv")]
-    for name, prefix, color, marker, width in series:
+    for name, prefix, color, marker, width, z in series:
         ok = np.array([bool(r[f"{prefix}feasible"]) for r in rows])
         moved = np.where(ok, [r[f"{prefix}bytes_moved"] / scale for r in rows], np.nan)
         step = np.where(ok, [r[f"{prefix}step_seconds"] for r in rows], np.nan)
-        moved_ax.plot(gpu, moved, marker=marker, color=color, lw=width, ms=4, label=name)
-        time_ax.plot(gpu, step, marker=marker, color=color, lw=width, ms=4, label=name)
+        if not ok.any():
+            name += " (fits at no size here)"
+        moved_ax.plot(gpu, moved, marker=marker, color=color, lw=width, ms=4, label=name, zorder=z)
+        time_ax.plot(gpu, step, marker=marker, color=color, lw=width, ms=4, label=name, zorder=z)
     min_gpu = min(int(r["min_gpu_bytes"]) for r in rows)
     left, right = min(gpu.min(), min_gpu / scale) * 0.9, gpu.max() * 1.03
     for ax in (moved_ax, time_ax):
         ax.set_xlim(left, right)
         _mark_min(ax, left, min_gpu / scale, format_size(min_gpu, binary=binary))
         ax.grid(alpha=0.3)
-        ax.set_ylim(bottom=0)
+        ax.set_ylim(0, max(ax.get_ylim()[1], 1e-9) * 1.08)  # from zero, with room above the top line
     moved_ax.set_ylabel(f"moved per iteration, {unit_name(binary)}")
     time_ax.set_ylabel("predicted step time, s")
     time_ax.set_xlabel(f"GPU memory, {label}")
-    moved_ax.legend(loc="upper right", fontsize=8, title="policy (missing point = does not fit)", title_fontsize=8)
+    moved_ax.set_title("host↔GPU bytes moved per iteration (fetches + write-backs)", fontsize=10, loc="left")
+    time_ax.set_title("predicted step time (hplan's cost model for each policy)",
+                      fontsize=10, loc="left")
+    moved_ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1), fontsize=8, frameon=False,
+                    title="policy (no point = does not fit)", title_fontsize=8, alignment="left")
     name = f"{workload}: " if workload else ""
-    fig.suptitle(f"{name}host↔GPU traffic and step time vs GPU memory (plans; lower is better)", fontsize=12)
+    fig.suptitle(f"{name}plans across GPU sizes (lower is better)", fontsize=12)
     save_figure(fig, out)
 
 
 def _mark_min(ax: Axes, left: float, x: float, text: str) -> None:
-    """Shade the sizes where nothing fits and mark the smallest feasible GPU."""
-    ax.axvspan(left, x, color="0.9", zorder=0, lw=0)
-    ax.axvline(x, color="black", ls=":", lw=1.2)
-    ax.text(x, 0.97, f" min GPU {text}", transform=ax.get_xaxis_transform(), va="top", fontsize=8)
+    """Shade the sizes where nothing fits and mark the smallest feasible GPU (named in the legend, so the
+    label never sits on a line)."""
+    ax.axvspan(left, x, color="0.9", zorder=0, lw=0, label="nothing fits (below the minimum)")
+    ax.axvline(x, color="black", ls=":", lw=1.2, label=f"minimum GPU: {text}")

@@ -3,12 +3,12 @@ measurements laid out per event, and small summary tables. Plan semantics come f
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 import numpy as np
 import pandas as pd
 
-from hplan.artifacts.plan import Plan
+from hplan.artifacts.plan import BaselineResult, Plan
 from hplan.artifacts.replay import replay
 from hplan.artifacts.trace import CATEGORIES, Event, Trace
 from hplan.errors import HplanError
@@ -66,6 +66,17 @@ def _match_events(events: tuple[Event, ...], keys: list[str]) -> list[Event]:
         out.append(events[pos])
         pos += 1
     return out
+
+
+def plan_baselines(trace: Trace, plan: Plan) -> tuple[BaselineResult, ...]:
+    """Score the baselines at the plan's budget with the options that made it (for plans made without
+    --compare); the planner is torch-free, and imported here only when needed."""
+    from hplan.planner.baselines import simulate_baselines
+    from hplan.planner.options import PlanOptions
+
+    known = {f.name for f in fields(PlanOptions)}
+    options = PlanOptions(**{k: v for k, v in plan.options.items() if k in known})
+    return simulate_baselines(trace, plan.budget, options, plan.chunks or None)
 
 
 def measured_events(metrics: pd.DataFrame, n_events: int) -> pd.DataFrame:

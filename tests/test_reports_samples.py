@@ -5,7 +5,17 @@ import numpy as np
 import pandas as pd
 
 from hplan.artifacts import (
-    CATEGORIES, TIMELINE_COLUMNS, Budget, Chunk, Event, ParamInfo, Plan, PlanSummary, Step, Trace, make_fingerprint,
+    CATEGORIES,
+    TIMELINE_COLUMNS,
+    Budget,
+    Chunk,
+    Event,
+    ParamInfo,
+    Plan,
+    PlanSummary,
+    Step,
+    Trace,
+    make_fingerprint,
     replay,
 )
 
@@ -71,8 +81,9 @@ def make_plan(trace: Trace) -> Plan:
     """Three param chunks (params + grads), optimizer updates on the CPU, at most two chunks resident."""
     size = PARAM + GRAD
     chunks = tuple(Chunk(id=i, bytes=size, kind="param", tensors=(f"{m}.weight",)) for i, m in enumerate(LAYERS))
-    moves = [dict(fetch=(0,)), dict(fetch=(1,)), dict(evict=(0,), fetch=(2,)), {}, {},
-             dict(evict=(2,), writeback=(2,), fetch=(0,)), dict(evict=(0, 1), writeback=(0, 1), host_updates=(0, 1, 2))]
+    moves = [{"fetch": (0,)}, {"fetch": (1,)}, {"evict": (0,), "fetch": (2,)}, {}, {},
+             {"evict": (2,), "writeback": (2,), "fetch": (0,)},
+             {"evict": (0, 1), "writeback": (0, 1), "host_updates": (0, 1, 2)}]
     needs = [(0,), (1,), (2,), (2,), (1,), (0,), ()]
     steps = tuple(Step(index=i, event=e.key, needs=needs[i], writes=needs[i] if e.kind == "backward" else (),
                        non_model_bytes=e.non_model_peak_bytes, **moves[i]) for i, e in enumerate(trace.events))
@@ -99,3 +110,86 @@ def test_samples_are_valid():
     trace = make_trace()
     assert trace.n_ops == 49 and len(trace.timeline) == 98
     assert replay(make_plan(trace)).ok
+
+
+OP_NAMES = {"forward": ("aten::addmm", "aten::gelu", "aten::add", "aten::view"),
+            "backward": ("aten::mm", "aten::gelu_backward", "aten::sum", "aten::add_"),
+            "optimizer": ("aten::_foreach_mul_", "aten::_foreach_addcmul_", "aten::_foreach_sqrt", "aten::_foreach_add_")}
+
+
+def gpt_like_trace(n_layer: int = 4, ops_per_event: int = 6, d_model: int = 256) -> Trace:
+    """planner.synthetic.gpt_trace gives GPT-shaped events but one timeline row per event with only activation
+    bytes; this spreads every event over `ops_per_event` ops with the memory a real step has: parameters and
+    optimizer state live throughout, gradients appear as backward reaches each module, activations ramp to the
+    event's level, temporaries come and go, and some ops peak above what they leave live."""
+    from dataclasses import replace
+
+    from hplan.planner.synthetic import gpt_trace
+
+    base = gpt_trace(n_layer=n_layer, d_model=d_model, vocab=2048, n_ctx=256, seq=256, n_head=4, precision="fp32")
+    k = ops_per_event
+    events = tuple(replace(e, op_start=i * k, op_end=(i + 1) * k, seconds=max(e.flops, 10**6) / 2e13)
+                   for i, e in enumerate(base.events))
+    by_name = {p.name: p for p in base.params}
+    n = len(events) * k
+    ev = np.arange(n) // k
+    within = (np.arange(n) % k + 1) / k
+    level = np.array([e.non_model_peak_bytes for e in events], dtype=float)
+    before = np.concatenate([[0.0], level[:-1]])
+    grads, seen, done = [], set(), 0
+    for e in events:
+        if e.kind != "forward":
+            fresh = [p for p in e.params if p not in seen]
+            seen.update(fresh)
+            done += sum(by_name[p].grad_bytes for p in fresh)
+        grads.append(done)
+    rows = np.arange(n)
+    frame = pd.DataFrame({c: np.zeros(n, dtype=np.int64) for c in TIMELINE_COLUMNS})
+    frame = frame.assign(
+        iteration=0, op_index=rows, op=[OP_NAMES[events[i].kind][j % 4] for j, i in enumerate(ev)],
+        module=[events[i].module for i in ev], phase=[events[i].kind for i in ev], event_index=ev,
+        param_bytes=sum(p.bytes for p in base.params), grad_bytes=np.array(grads, dtype=np.int64)[ev],
+        optimizer_bytes=sum(p.optimizer_bytes for p in base.params),
+        activation_bytes=(before[ev] + (level[ev] - before[ev]) * within).astype(np.int64),
+        temporary_bytes=np.where(rows % 3 == 1, (0.1 * level[ev]).astype(np.int64), 0), other_bytes=4096,
+        seconds=[events[i].seconds / k for i in ev], flops=[events[i].flops // k for i in ev])
+    frame["model_bytes"] = frame[["param_bytes", "grad_bytes", "optimizer_bytes"]].sum(axis=1)
+    frame["non_model_bytes"] = frame[["activation_bytes", "temporary_bytes", "other_bytes"]].sum(axis=1)
+    frame["total_bytes"] = frame["model_bytes"] + frame["non_model_bytes"]
+    frame["peak_bytes"] = frame["total_bytes"] + np.where(rows % 5 == 2, frame["activation_bytes"] // 20, 0)
+    frame["peak_non_model_bytes"] = frame["peak_bytes"] - frame["model_bytes"]
+    frame["reserved_bytes"] = frame["peak_bytes"]
+    at = frame.loc[frame["peak_bytes"].idxmax()]
+    events = tuple(replace(e, non_model_peak_bytes=int(frame.loc[frame["event_index"] == e.index,
+                                                                 "peak_non_model_bytes"].max())) for e in events)
+    return replace(base, workload=f"gpt-like:{n_layer}x{d_model}", events=events, n_ops=n, timeline=frame,
+                   peak_bytes=int(at["peak_bytes"]), peak_by_category={c: int(at[f"{c}_bytes"]) for c in CATEGORIES},
+                   step_seconds=sum(e.seconds for e in events))
+
+
+def gpt_like_plan(trace: Trace, share: float = 0.5, **options) -> Plan:
+    """A real planner plan for about `share` of the way from the smallest GPU that fits to one that holds all."""
+    from hplan.planner import PlanOptions, make_plan
+
+    opts = PlanOptions(solver="fast", **options)
+    probe = make_plan(trace, Budget(gpu_bytes=4 * trace.peak_bytes), opts)
+    lo, hi = probe.summary.min_gpu_bytes, probe.summary.predicted_peak_bytes
+    plan = make_plan(trace, Budget(gpu_bytes=int(lo + share * max(hi - lo, 0)) + 1), opts)
+    assert plan.summary.feasible, plan.summary.bottleneck
+    return plan
+
+
+def test_synthetic_traces_lack_op_timelines_so_the_gpt_like_one_adds_them():
+    from hplan.planner.synthetic import gpt_trace
+
+    synthetic = gpt_trace(n_layer=2, d_model=64, vocab=128, n_ctx=32, seq=32, n_head=2, precision="fp32")
+    assert len(synthetic.timeline) == synthetic.n_events and synthetic.timeline["param_bytes"].max() == 0
+    trace = gpt_like_trace()
+    tl = trace.timeline
+    assert len(tl) == trace.n_ops == 6 * trace.n_events
+    cats = tl[[f"{c}_bytes" for c in CATEGORIES]].sum(axis=1)
+    assert (cats == tl["total_bytes"]).all() and (tl["peak_bytes"] >= tl["total_bytes"]).all()
+    assert set(tl["phase"]) == {"forward", "backward", "optimizer"} and tl["grad_bytes"].is_monotonic_increasing
+    assert trace.peak_bytes == tl["peak_bytes"].max()
+    plan = gpt_like_plan(trace)
+    assert replay(plan).ok and plan.summary.bytes_moved_per_iter > 0

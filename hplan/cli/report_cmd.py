@@ -23,23 +23,26 @@ JsonOpt = Annotated[bool, typer.Option("--json", help="Print a JSON summary on s
 
 
 def register(app: typer.Typer) -> None:
+    """Add plot, report, export and sweep to the `hplan` app."""
     @app.command("plot")
     def plot_command(
         trace: TraceArg,
         output: Annotated[Path, typer.Option("-o", "--output", help="Image to write: .png or .svg.")],
         plan: PlanOpt = None,
         metrics: MetricsOpt = None,
+        gpu_mem: Annotated[str | None, typer.Option("--gpu-mem", help="Without a plan: draw this GPU size, "
+                                                    "e.g. 24GB, to see how far the trace is from fitting.")] = None,
         binary: Annotated[bool, typer.Option("--binary", help="Label memory in GiB (2^30) instead of GB (10^9).")
                           ] = False,
         as_json: JsonOpt = False,
     ) -> None:
         """Draw memory per operator, stacked by category, phases shaded, peak marked.
 
-        Example: hplan plot t.parquet --plan plan.json -o timeline.png
+        Example: hplan plot t.parquet --plan plan.json --metrics m.parquet -o timeline.png
         """
         from hplan.cli.common import guarded
 
-        guarded(lambda: _plot(trace, output, plan, metrics, binary, as_json))
+        guarded(lambda: _plot(trace, output, plan, metrics, gpu_mem, binary, as_json))
 
     @app.command("report")
     def report_command(
@@ -60,15 +63,17 @@ def register(app: typer.Typer) -> None:
     @app.command("export")
     def export_command(
         trace: TraceArg,
-        fmt: Annotated[str, typer.Option("--format", help="snapshot (PyTorch memory_viz pickle) or chrome "
-                                                          "(Chrome trace JSON for Perfetto).")],
-        output: Annotated[Path, typer.Option("-o", "--output", help="File to write.")],
+        output: Annotated[Path, typer.Option("-o", "--output", help="File to write: .pickle (snapshot) or "
+                                                                    ".json (Chrome trace).")],
+        fmt: Annotated[str | None, typer.Option("--format", help="snapshot (PyTorch memory_viz pickle) or chrome "
+                                                "(Chrome trace JSON for Perfetto); default: from the -o suffix.")
+                       ] = None,
         plan: PlanOpt = None,
         as_json: JsonOpt = False,
     ) -> None:
         """Export the trace for other tools: memory_viz snapshot or Chrome trace (with the plan's transfers).
 
-        Example: hplan export t.parquet --format chrome --plan plan.json -o t.json  (open in ui.perfetto.dev)
+        Example: hplan export t.parquet --plan plan.json -o t.json  (open in Perfetto; -o t.pickle for memory_viz)
         """
         from hplan.cli.common import guarded
 
@@ -80,6 +85,10 @@ def register(app: typer.Typer) -> None:
         size_range: Annotated[str, typer.Option("--range", help="GPU sizes to try, FROM:TO, e.g. 4GB:80GB.")],
         output: Annotated[Path, typer.Option("-o", "--output", help="Plot to write: .png or .svg.")],
         points: Annotated[int, typer.Option("--points", min=2, max=200, help="GPU sizes in the range.")] = 12,
+        gpu: Annotated[str | None, typer.Option("--gpu", help="GPU preset for compute and link speed "
+                                                "(as in `hplan plan`; default rtx3090).")] = None,
+        binary: Annotated[bool, typer.Option("--binary", help="Label memory in GiB (2^30) instead of GB (10^9).")
+                          ] = False,
         as_json: JsonOpt = False,
     ) -> None:
         """Plan at GPU sizes across a range: bytes moved and step time vs memory, hplan against the baselines.
@@ -88,17 +97,17 @@ def register(app: typer.Typer) -> None:
         """
         from hplan.cli.common import guarded
 
-        guarded(lambda: _sweep(trace, size_range, points, output, as_json))
+        guarded(lambda: _sweep(trace, size_range, points, gpu, binary, output, as_json))
 
 
 def _inputs(trace: Path, plan: Path | None, metrics: Path | None) -> tuple[Trace, Plan | None, pd.DataFrame | None]:
     """Load the artifacts, refusing a plan made from another workload."""
-    from hplan.artifacts import Plan, Trace
+    from hplan.artifacts import Trace
     from hplan.artifacts.fingerprint import fingerprint_mismatch
     from hplan.reports.views import load_metrics
 
     t = Trace.load(trace)
-    p = Plan.load(plan) if plan is not None else None
+    p = _load_plan(plan) if plan is not None else None
     if p is not None:
         why = fingerprint_mismatch(p.fingerprint, t.fingerprint)
         if why:
@@ -107,54 +116,79 @@ def _inputs(trace: Path, plan: Path | None, metrics: Path | None) -> tuple[Trace
     return t, p, m
 
 
-def _plot(trace: Path, output: Path, plan: Path | None, metrics: Path | None, binary: bool, as_json: bool) -> None:
-    from hplan.reports import plot_timeline
+def _load_plan(path: Path) -> Plan:
+    """Plan.load, naming a Parquet file (a trace or metrics) passed as --plan instead of failing to decode it."""
+    from hplan.artifacts import Plan
 
+    if path.is_file():
+        with path.open("rb") as f:
+            if f.read(4) == b"PAR1":
+                raise HplanError(f"{path} is a Parquet file (a trace or metrics), not a plan; pass the JSON "
+                                 "written by `hplan plan`")
+    return Plan.load(path)
+
+
+def _plot(trace: Path, output: Path, plan: Path | None, metrics: Path | None, gpu_mem: str | None, binary: bool,
+          as_json: bool) -> None:
+    """Check the output name first, then load and draw (so bad input never costs a render)."""
+    from hplan.cli.common import size_option
+    from hplan.reports import plot_timeline
+    from hplan.reports.figure import image_format
+
+    image_format(output)  # refuse a bad suffix before any work
+    if gpu_mem is not None and plan is not None:
+        raise HplanError("--gpu-mem is for plots without a plan; the plan's own budget is drawn")
+    gpu_bytes = size_option(gpu_mem, what="--gpu-mem")
     t, p, m = _inputs(trace, plan, metrics)
-    plot_timeline(t, output, plan=p, metrics=m, binary=binary)
+    plot_timeline(t, output, plan=p, metrics=m, binary=binary, gpu_bytes=gpu_bytes)
     _done(as_json, {"output": str(output), "ops": t.n_ops, "peak_bytes": t.peak_bytes})
 
 
 def _report(trace: Path, output: Path, plan: Path | None, metrics: Path | None, as_json: bool) -> None:
+    """Check the suffix, load, write the HTML atomically."""
     from hplan.reports import write_report
 
+    if output.suffix.lower() not in (".html", ".htm"):
+        raise HplanError(f"cannot write {output.name}: the report is HTML, name it e.g. -o report.html")
     t, p, m = _inputs(trace, plan, metrics)
     write_report(t, output, plan=p, metrics=m)
     _done(as_json, {"output": str(output), "bytes": output.stat().st_size})
 
 
-def _export(trace: Path, fmt: str, output: Path, plan: Path | None, as_json: bool) -> None:
-    from hplan.reports import export_chrome_trace, export_memory_snapshot
+def _export(trace: Path, fmt: str | None, output: Path, plan: Path | None, as_json: bool) -> None:
+    """Pick the format from --format and the suffix (they must agree), then write it."""
+    from hplan.reports import export_chrome_trace, export_format, export_memory_snapshot
 
-    if fmt not in ("snapshot", "chrome"):
-        raise HplanError(f"unknown --format {fmt!r}: use snapshot (PyTorch memory_viz) or chrome (Perfetto)")
+    fmt = export_format(output, fmt)
+    if fmt == "snapshot" and plan is not None:
+        raise HplanError("--plan applies to the Chrome trace (-o FILE.json) only; the snapshot shows traced memory")
     t, p, _ = _inputs(trace, plan, None)
     if fmt == "snapshot":
-        if p is not None:
-            raise HplanError("--plan applies to --format chrome only; the snapshot shows the traced memory")
-        data = export_memory_snapshot(t, output)
-        count = len(data["device_traces"][0])
+        count = len(export_memory_snapshot(t, output)["device_traces"][0])
     else:
         count = len(export_chrome_trace(t, output, plan=p)["traceEvents"])
     _done(as_json, {"output": str(output), "format": fmt, "events": count})
 
 
-def _sweep(trace: Path, size_range: str, points: int, output: Path, as_json: bool) -> None:
+def _sweep(trace: Path, size_range: str, points: int, gpu: str | None, binary: bool, output: Path,
+           as_json: bool) -> None:
+    """Plan at each size, then print the table (or JSON) and draw the plot."""
     from hplan.artifacts import Trace
     from hplan.cli.common import emit_json
-    from hplan.planner import sweep
+    from hplan.planner import PlanOptions, sweep
     from hplan.reports import plot_sweep
     from hplan.reports.figure import image_format
 
     image_format(output)
     sizes = _sizes(size_range, points)
+    options = PlanOptions(gpu=gpu) if gpu is not None else PlanOptions()
     t = Trace.load(trace)
-    rows = sweep(t, sizes)
-    plot_sweep(rows, output, workload=t.workload)
+    rows = sweep(t, sizes, options)
+    plot_sweep(rows, output, workload=t.workload, binary=binary)
     if as_json:
         emit_json({"output": str(output), "rows": rows})
     else:
-        _print_sweep(rows, output)
+        _print_sweep(rows, output, binary)
 
 
 def _sizes(text: str, points: int) -> list[int]:
@@ -170,7 +204,8 @@ def _sizes(text: str, points: int) -> list[int]:
     return [round(lo + (hi - lo) * i / (points - 1)) for i in range(points)]
 
 
-def _print_sweep(rows: list[dict], output: Path) -> None:
+def _print_sweep(rows: list[dict], output: Path, binary: bool) -> None:
+    """The sweep as a table: one row per GPU size, hplan then each baseline."""
     from rich.console import Console
     from rich.table import Table
 
@@ -178,23 +213,26 @@ def _print_sweep(rows: list[dict], output: Path) -> None:
     from hplan.sizes import format_size
 
     keys = baseline_keys(rows)
-    table = Table(title=f"bytes moved per iteration (step time); min GPU {format_size(rows[0]['min_gpu_bytes'])}")
+    min_gpu = min(int(r["min_gpu_bytes"]) for r in rows)
+    table = Table(title=f"bytes moved per iteration (predicted step time); smallest GPU that fits: "
+                        f"{format_size(min_gpu, binary=binary)}")
     for col in ("GPU", "hplan", *(BASELINE_NAMES.get(k, k) for k in keys)):
         table.add_column(col, justify="right")
 
     def cell(row: dict, prefix: str) -> str:
         if not row[f"{prefix}feasible"]:
             return "does not fit"
-        return f"{format_size(row[f'{prefix}bytes_moved'])} ({row[f'{prefix}step_seconds']:.3f} s)"
+        return f"{format_size(row[f'{prefix}bytes_moved'], binary=binary)} ({row[f'{prefix}step_seconds']:.3f} s)"
 
     for row in rows:
-        table.add_row(format_size(row["gpu_bytes"]), cell(row, ""), *(cell(row, f"{k}_") for k in keys))
+        table.add_row(format_size(row["gpu_bytes"], binary=binary), cell(row, ""), *(cell(row, f"{k}_") for k in keys))
     console = Console()
     console.print(table)
     console.print(f"wrote {output}")
 
 
 def _done(as_json: bool, payload: dict) -> None:
+    """The JSON summary with --json, else one line naming the file."""
     from hplan.cli.common import emit_json
 
     if as_json:
