@@ -100,3 +100,26 @@ def test_fingerprint_mismatch_says_what_differs():
     fp = sample_trace().fingerprint
     assert fingerprint_mismatch(fp, fp) is None
     assert "batch shape" in fingerprint_mismatch(fp, fp | {"batch": "f[2]"})
+
+
+def test_binary_file_as_json_artifact_is_a_one_line_error(tmp_path):
+    from hplan.artifacts import Plan
+    from hplan.errors import HplanError
+
+    bad = tmp_path / "plan.json"
+    bad.write_bytes(b"\xff\xfe\x00binary")
+    with pytest.raises(HplanError, match="not UTF-8"):
+        Plan.load(bad)
+
+
+def test_atomic_writes_get_ordinary_permissions(tmp_path):
+    import os
+
+    from hplan.artifacts.io import write_json
+
+    old = os.umask(0o022)
+    try:
+        write_json(tmp_path / "x.json", {"a": 1})
+    finally:
+        os.umask(old)
+    assert os.stat(tmp_path / "x.json").st_mode & 0o777 == 0o644

@@ -29,9 +29,16 @@ def atomic_path(path: str | os.PathLike[str]) -> Iterator[Path]:
     tmp_path = Path(tmp)
     try:
         yield tmp_path
+        os.chmod(tmp_path, 0o666 & ~_umask())  # mkstemp makes 0600; outputs get the usual permissions
         os.replace(tmp_path, dest)
     finally:
         tmp_path.unlink(missing_ok=True)
+
+
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
 
 
 def write_json(path: str | os.PathLike[str], obj: dict[str, Any]) -> None:
@@ -49,7 +56,8 @@ def read_json(path: str | os.PathLike[str], *, what: str) -> dict[str, Any]:
     try:
         obj = json.loads(p.read_text())
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise HplanError(f"{p} is not a valid {what} file (corrupt JSON: {exc.msg}); regenerate it") from None
+        reason = exc.msg if isinstance(exc, json.JSONDecodeError) else "not UTF-8 text"
+        raise HplanError(f"{p} is not a valid {what} file (corrupt JSON: {reason}); regenerate it") from None
     if not isinstance(obj, dict):
         raise HplanError(f"{p} is not a {what} file; regenerate it")
     return obj
