@@ -86,10 +86,24 @@ def all_on_gpu(trace: Trace, budget: Budget, chunks: tuple[Chunk, ...], options:
 
 def simulate_baselines(trace: Trace, budget: Budget, options: PlanOptions | None = None,
                        chunks: tuple[Chunk, ...] | None = None) -> tuple[BaselineResult, ...]:
-    """Score each baseline on the same chunks (default: 64 per model, Gemini's typical chunk count)."""
+    """Score each baseline on its own granularity and, when given, on hplan's chunks too, keeping the
+    kinder score, so no baseline looks worse for hplan's choice. ZeRO-Offload moves parameters one by
+    one (one tensor per chunk); Gemini and all-on-GPU use 64 chunks per model, Gemini's typical count."""
     options = options or PlanOptions()
     budget = replace(budget, slack_bytes=resolve_slack(trace, budget, options))
-    if chunks is None:
-        total = sum(p.bytes + p.grad_bytes for p in trace.params)
-        chunks = make_chunks(group_params(trace, max(1, options.chunk_bytes or total // 64)))
-    return tuple(f(trace, budget, chunks, options) for f in (zero_offload, gemini, all_on_gpu))
+    total = sum(p.bytes + p.grad_bytes for p in trace.params)
+    own = {zero_offload: make_chunks(group_params(trace, 1)),
+           gemini: make_chunks(group_params(trace, max(1, options.chunk_bytes or total // 64)))}
+    own[all_on_gpu] = own[gemini]
+    results = []
+    for policy, own_chunks in own.items():
+        result = policy(trace, budget, own_chunks, options)
+        if chunks is not None and chunks != own_chunks:
+            result = _kinder(result, policy(trace, budget, chunks, options))
+        results.append(result)
+    return tuple(results)
+
+
+def _kinder(a: BaselineResult, b: BaselineResult) -> BaselineResult:
+    """Feasible beats infeasible; then fewer bytes moved."""
+    return min((a, b), key=lambda r: (not r.feasible, r.bytes_moved_per_iter))
