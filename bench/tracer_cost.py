@@ -93,6 +93,28 @@ def fake_rows(ctx: Context) -> tuple[Table, list[str]]:
     return table, headline
 
 
+def scaling_rows(ctx: Context) -> Table:
+    """Seconds per recorded op as depth grows: flat means no per-op cost growing with op count."""
+    import time
+
+    from hplan.specs import load_workload
+    from hplan.tracer import trace_workload
+
+    table = Table(headers=["layers (d=128, fake)", "ops / iter", "trace time", "µs per op", "÷ first row"],
+                  caption="**Scaling with depth** (issue 3: no per-op Python cost growing with the square of the "
+                          "op count): fake traces of gpt:small widened to more layers; µs per recorded op.")
+    first = None
+    for layers in ((6, 24) if ctx.quick else (6, 12, 24, 48)):
+        workload = load_workload("gpt:small", overrides={"n_layer": layers})
+        start = time.perf_counter()
+        trace = trace_workload(workload, device="fake")
+        seconds = time.perf_counter() - start
+        per_op = seconds / (trace.n_ops * trace.iterations) * 1e6
+        first = first or per_op
+        table.add(layers, trace.n_ops, fmt_seconds(seconds, 2), f"{per_op:.0f}", fmt_ratio(per_op / first))
+    return table
+
+
 def run(ctx: Context) -> SectionOutput:
     out = SectionOutput()
     overhead = out.part("real-trace overhead", lambda: overhead_rows(ctx), log=ctx.log)
@@ -101,6 +123,11 @@ def run(ctx: Context) -> SectionOutput:
         if overhead.rows:
             out.headline.append(f"real cpu trace costs {overhead.rows[0][3]} an untraced run of the same steps "
                                 f"({overhead.rows[0][0]}; goal ≤ 3×)")
+    scaling = out.part("scaling with depth", lambda: scaling_rows(ctx), log=ctx.log)
+    if scaling is not None:
+        out.tables.append(scaling)
+        out.headline.append(f"µs per recorded op from {scaling.rows[0][0]} to {scaling.rows[-1][0]} layers: "
+                            f"{scaling.rows[-1][4]} (flat = linear cost in op count)")
     fake = out.part("fake traces", lambda: fake_rows(ctx), log=ctx.log)
     if fake is not None:
         out.tables.append(fake[0])
