@@ -42,7 +42,8 @@ def _score(name: str, trace: Trace, budget: Budget, chunks: tuple[Chunk, ...], p
     rep = replay(plan)
     seconds = predict_seconds(steps, problem.sizes, schedule.initial,
                               event_seconds(trace, options.tflops(trace.precision)),
-                              options.link_bytes_per_s(), options.cpu_bytes_per_s(), sync=sync)
+                              options.link_bytes_per_s(), options.cpu_bytes_per_s(), sync=sync,
+                              overlap=options.overlap)
     return BaselineResult(name=name, feasible=rep.ok, bytes_moved_per_iter=rep.h2d_bytes + rep.d2h_bytes,
                           predicted_step_seconds=seconds, predicted_peak_bytes=rep.peak_bytes, note=note)
 

@@ -67,7 +67,7 @@ def evaluate(trace: Trace, chunks: tuple[Chunk, ...], gpu_groups: frozenset[int]
     steps, initial_dirty = to_steps(trace, problem, schedule)
     seconds = predict_seconds(steps, problem.sizes, schedule.initial,
                               event_seconds(trace, options.tflops(trace.precision)),
-                              options.link_bytes_per_s(), options.cpu_bytes_per_s())
+                              options.link_bytes_per_s(), options.cpu_bytes_per_s(), overlap=options.overlap)
     moved = sum(problem.sizes[c] for s in steps for c in (*s.fetch, *s.writeback))
     return Candidate(chunk_target=chunk_target, chunks=chunks, gpu_groups=gpu_groups, problem=problem,
                      schedule=schedule, steps=steps, initial_dirty=initial_dirty, seconds=seconds, moved=moved)

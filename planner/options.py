@@ -58,6 +58,9 @@ class PlanOptions:
     exact_limit: int = 2000
     """Largest chunks x steps the "auto" solver sends to the MILP. Measured 2026-11-22 on this machine:
     1848 cells (gpt 2-layer, one chunk per parameter) solve in 0.3-0.5 s; 5928 cells hit a 20 s limit."""
+    overlap: bool = True
+    """Transfers and CPU updates run beside compute (a GPU's copy engines). False models a fast tier
+    without them, such as hplan's CPU executor: every copy and host update adds to the step time."""
     compare: bool = False
     """Also score the baselines (ZeRO-Offload static, Gemini auto, all-on-GPU)."""
 

@@ -96,14 +96,20 @@ def event_seconds(trace: Trace, tflops: float) -> list[float]:
 
 
 def predict_seconds(steps: tuple[Step, ...], sizes: tuple[int, ...], initial: frozenset[int],
-                    seconds: list[float], link_bps: float, cpu_bps: float, *, sync: bool = False) -> float:
+                    seconds: list[float], link_bps: float, cpu_bps: float, *, sync: bool = False,
+                    overlap: bool = True) -> float:
     """Step time of one steady-state iteration: compute overlapped with one host link and the CPU optimizer.
 
     A step's transfers are issued when the previous event's compute ends (its hook fires); the link
     runs them in order (write-backs, then fetches); the event's compute starts when the chunks it
     needs have arrived (with `sync`, when all of this step's transfers are done, as in Gemini). CPU
-    optimizer updates start once their gradients are written back and run beside the GPU.
+    optimizer updates start once their gradients are written back and run beside the GPU. Without
+    `overlap` nothing runs beside anything: the step is compute + every copy + every host update.
     """
+    if not overlap:
+        copies = [sizes[c] for s in steps for c in (*s.writeback, *s.fetch)]
+        host = sum(sizes[c] for s in steps for c in s.host_updates)
+        return sum(seconds) + len(copies) * TRANSFER_LATENCY_S + sum(copies) / link_bps + host / cpu_bps
     link_free = compute_end = 0.0
     ready = {c: 0.0 for c in initial}
     written_back: dict[int, float] = {}
