@@ -34,6 +34,8 @@ def test_model_data_is_exact_to_the_byte(precision):
     assert (steady.optimizer_bytes == numel * per["optimizer"]).all()
     assert steady.grad_bytes.max() == numel * per["grad"]
     assert trace.model_bytes == numel * sum(per.values())
+    expected = ("exp_avg", "exp_avg_sq") + (("master",) if precision != "fp32" else ())
+    assert {p.optimizer_tensors for p in trace.params} == {expected}
 
 
 def test_timeline_columns_and_totals_add_up(tiny_cpu):

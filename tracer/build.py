@@ -67,16 +67,17 @@ def _param_table(rec: Recording) -> tuple[ParamInfo, ...]:
     trainer = rec.trainer
     owners = param_modules(trainer.model)
     names = {id(p): n for n, p in trainer.model.named_parameters()}
-    state_bytes = {}
+    state_bytes, state_names = {}, {}
     for w, p in zip(trainer.master, trainer.params):
         state = trainer.optimizer.state.get(w, {})
-        per_element = sum(_nbytes(t) for t in state.values()
-                          if isinstance(t, torch.Tensor) and t.dim() > 0 and t.numel() == w.numel())
-        state_bytes[id(p)] = per_element + (_nbytes(w) if trainer.mixed else 0)
+        per_element = {k: t for k, t in state.items()
+                       if isinstance(t, torch.Tensor) and t.dim() > 0 and t.numel() == w.numel()}
+        state_bytes[id(p)] = sum(map(_nbytes, per_element.values())) + (_nbytes(w) if trainer.mixed else 0)
+        state_names[id(p)] = tuple(per_element) + (("master",) if trainer.mixed else ())
     return tuple(
         ParamInfo(name=names[id(p)], shape=tuple(int(s) for s in p.shape), dtype=dtype_name(p.dtype),
                   bytes=_nbytes(p), grad_bytes=rec.grad_bytes[names[id(p)]], optimizer_bytes=state_bytes[id(p)],
-                  modules=owners[names[id(p)]])
+                  modules=owners[names[id(p)]], optimizer_tensors=state_names[id(p)])
         for p in trainer.params
     )
 

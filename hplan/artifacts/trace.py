@@ -50,6 +50,8 @@ class ParamInfo:
     """Optimizer state for it: moments plus the fp32 master copy in mixed precision."""
     modules: tuple[str, ...]
     """Every module path that owns it directly (tied weights: several)."""
+    optimizer_tensors: tuple[str, ...] = ()
+    """The optimizer-state tensors behind `optimizer_bytes`, e.g. ("exp_avg", "exp_avg_sq", "master")."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -157,7 +159,8 @@ class Trace:
         kwargs = {k: v for k, v in meta.items() if k in names}
         try:
             kwargs["params"] = tuple(
-                ParamInfo(**{**p, "shape": tuple(p["shape"]), "modules": tuple(p["modules"])})
+                ParamInfo(**{**p, "shape": tuple(p["shape"]), "modules": tuple(p["modules"]),
+                             "optimizer_tensors": tuple(p.get("optimizer_tensors", ()))})
                 for p in meta["params"]
             )
             kwargs["events"] = tuple(Event(**{**e, "params": tuple(e["params"])}) for e in meta["events"])
