@@ -49,4 +49,21 @@ class Workload:
         if not isinstance(model, torch.nn.Module):
             raise HplanError(f"workload {self.name!r}: model factory returned {type(model).__name__}, not a torch.nn.Module")
         dtype = getattr(torch, get_recipe(self.precision).compute_dtype)
-        return model.to(dtype) if dtype != torch.float32 else model
+        if dtype != torch.float32:
+            _cast_floating(model, dtype)
+        return model
+
+
+def _cast_floating(model: Any, dtype: Any) -> None:
+    """What `model.to(dtype)` does, in place: `.to` swaps parameter objects for tensor subclasses and
+    fails on the FakeTensors fake tracing builds; assigning `.data` keeps each Parameter (and ties)."""
+    import torch
+
+    with torch.no_grad():
+        for module in model.modules():
+            for p in module.parameters(recurse=False):
+                if p.is_floating_point():
+                    p.data = p.data.to(dtype)
+            for name, b in module.named_buffers(recurse=False):
+                if b is not None and b.is_floating_point():
+                    module._buffers[name] = b.to(dtype)

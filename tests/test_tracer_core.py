@@ -93,9 +93,10 @@ def test_module_reuse_gives_an_event_per_call():
     assert all("block.weight" in e.params for e in trace.events if e.module == "block")
 
 
-@pytest.mark.parametrize("spec", ["gpt:tiny", "examples/mlp_workload.py:workload"])
-def test_fake_and_cpu_agree_within_one_percent(spec):
-    workload = load_workload(spec)
+@pytest.mark.parametrize("spec, precision", [("gpt:tiny", "fp32"), ("gpt:tiny", "bf16-mixed"),
+                                             ("examples/mlp_workload.py:workload", "fp32")])
+def test_fake_and_cpu_agree_within_one_percent(spec, precision):
+    workload = load_workload(spec, precision=precision)
     cpu, fake = trace_workload(workload, device="cpu"), trace_workload(workload, device="fake")
     assert fake.n_ops == cpu.n_ops and [e.key for e in fake.events] == [e.key for e in cpu.events]
     for c in CATEGORIES:
