@@ -1,8 +1,9 @@
 """Plain PyTorch training of a Workload: the reference the tracer records and the executor must match.
 
 One iteration = loss, backward, optimizer step, gradients released. With a mixed-precision recipe
-the optimizer updates fp32 master copies (gradients upcast at the step, weights copied back rounded),
-so model data is exactly the recipe's bytes: compute weights + compute grads + master + moments.
+the optimizer updates fp32 master copies (gradients upcast at the step, one parameter at a time,
+weights copied back rounded), so model data is exactly the recipe's bytes: compute weights + compute
+grads + master + moments.
 Imports torch: only the tracer, the executor and tests use it.
 """
 
@@ -62,17 +63,29 @@ class TrainStep:
         return loss.detach()
 
     def _update(self) -> None:
-        if self.mixed:
-            for w, p in zip(self.master, self.params):
-                w.grad = None if p.grad is None else p.grad.float()
-        self.optimizer.step()
-        if self.mixed:
-            with torch.no_grad():
-                for w, p in zip(self.master, self.params):
-                    p.copy_(w)
-                    w.grad = None
+        if not self.mixed:
+            self.optimizer.step()
+        else:
+            self._update_masters()
         for p in self.params:
             p.grad = None
+
+    def _update_masters(self) -> None:
+        """One master at a time: upcast its gradient, step, copy back (rounded), free the fp32 gradient.
+
+        Element-wise optimizers skip parameters without a gradient, so stepping with one gradient at a
+        time is the same arithmetic as one step over all of them, while holding one fp32 gradient
+        instead of all, as an executor updating chunk by chunk does.
+        """
+        for w, p in zip(self.master, self.params):
+            if p.grad is None:
+                continue
+            w.grad = p.grad.float()
+            p.grad = None
+            self.optimizer.step()
+            w.grad = None
+            with torch.no_grad():
+                p.copy_(w)
 
     def state_tensors(self) -> list[torch.Tensor]:
         """Optimizer state: moments (and step counters), plus the fp32 master copies when mixed."""

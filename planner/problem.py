@@ -27,6 +27,8 @@ class Problem:
     """Chunks updated on the CPU at the step: they must be off the GPU then."""
     cap: tuple[int, ...]
     """Bytes of model data the step may hold: budget - slack - the step's non-model bytes."""
+    non_model: tuple[int, ...] = ()
+    """Each step's non-model bytes on the GPU (see `event_non_model`); empty in hand-made problems."""
 
     @property
     def n_steps(self) -> int:
@@ -92,14 +94,23 @@ def step_actions(trace: Trace, chunks: tuple[Chunk, ...], gpu_groups: frozenset[
     return out
 
 
+def event_non_model(event: Event, gpu_updates: bool) -> int:
+    """Non-model bytes an event holds on the GPU. The optimizer step's update temporaries live where
+    the updates run: with none on the GPU only what was live on entry stays there."""
+    if event.kind == "optimizer" and not gpu_updates and event.entry_non_model_bytes is not None:
+        return event.entry_non_model_bytes
+    return event.non_model_peak_bytes
+
+
 def build_problem(trace: Trace, chunks: tuple[Chunk, ...], gpu_groups: frozenset[int],
                   gpu_bytes: int, slack_bytes: int) -> Problem:
     actions = step_actions(trace, chunks, gpu_groups)
+    non_model = tuple(event_non_model(e, bool(gpu_groups)) for e in trace.events)
     return Problem(
         sizes=tuple(c.bytes for c in chunks),
         needs=tuple(a[0] for a in actions), writes=tuple(a[1] for a in actions),
         host=tuple(a[2] for a in actions),
-        cap=tuple(gpu_bytes - slack_bytes - e.non_model_peak_bytes for e in trace.events),
+        cap=tuple(gpu_bytes - slack_bytes - nm for nm in non_model), non_model=non_model,
     )
 
 
@@ -141,15 +152,15 @@ def min_gpu(trace: Trace, chunks: tuple[Chunk, ...], slack_bytes: int) -> MinGpu
     best: tuple[int, Event, int] | None = None
     for event, (needs, _, _) in zip(trace.events, actions):
         model = sum(sizes[c] for c in needs)
-        total = model + event.non_model_peak_bytes + slack_bytes
+        total = model + event_non_model(event, False) + slack_bytes
         if best is None or total > best[0]:
             best = (total, event, model)
     if best is None:
         return MinGpu(gpu_bytes=max(1, slack_bytes), bottleneck="the trace has no events")
     total, event, model = best
     phase = "the optimizer step" if event.kind == "optimizer" else f"{event.kind} of {event.module}"
-    words = (f"needs at least {format_size(total)}: {phase} holds {format_size(event.non_model_peak_bytes)} "
-             f"of activations and {format_size(model)} of parameters")
+    words = (f"needs at least {format_size(total)}: {phase} holds {format_size(event_non_model(event, False))} "
+             f"of non-model data (activations, temporaries) and {format_size(model)} of parameters")
     if slack_bytes:
         words += f" (plus {format_size(slack_bytes)} slack)"
     return MinGpu(gpu_bytes=max(1, total), bottleneck=words)

@@ -78,7 +78,8 @@ def to_steps(trace: Trace, problem: Problem, schedule: Schedule) -> tuple[tuple[
     backs, initial_dirty = writebacks(problem, schedule)
     steps = tuple(
         Step(index=t, event=e.key, needs=problem.needs[t], writes=problem.writes[t],
-             non_model_bytes=e.non_model_peak_bytes, evict=schedule.evict[t], fetch=schedule.fetch[t],
+             non_model_bytes=problem.non_model[t] if problem.non_model else e.non_model_peak_bytes,
+             evict=schedule.evict[t], fetch=schedule.fetch[t],
              writeback=backs[t], host_updates=problem.host[t])
         for t, e in enumerate(trace.events)
     )

@@ -57,7 +57,7 @@ def _events(rec: Recording) -> tuple[Event, ...]:
     return tuple(
         Event(index=i, kind=w.kind, module=w.module, params=tuple(sorted(w.params, key=order.__getitem__)),
               non_model_peak_bytes=max(0, int(w.non_model_peak)), op_start=w.op_start, op_end=w.op_end,
-              seconds=w.seconds, flops=w.flops)
+              seconds=w.seconds, flops=w.flops, entry_non_model_bytes=max(0, int(w.entry_non_model)))
         for i, w in enumerate(rec.windows)
     )
 

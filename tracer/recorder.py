@@ -47,6 +47,7 @@ class Window:
     op_start: int
     params: dict[str, None] = field(default_factory=dict)
     non_model_peak: int = 0
+    entry_non_model: int = 0
     seconds: float = 0.0
     flops: int = 0
     op_end: int = -1
@@ -91,7 +92,8 @@ class Recorder(TorchDispatchMode):
         """A plan event begins: the previous window ends here."""
         self._close_window()
         level = self.probe.allocated_bytes() - self._model_bytes()
-        self.windows.append(Window(kind=kind, module=module, op_start=self.op_index, non_model_peak=level))
+        self.windows.append(Window(kind=kind, module=module, op_start=self.op_index, non_model_peak=level,
+                                   entry_non_model=level))
         self.module = module
 
     def use(self, name: str) -> None:

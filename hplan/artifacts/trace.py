@@ -74,6 +74,9 @@ class Event:
     """Measured compute time of the window (0 when not measured, e.g. fake traces)."""
     flops: int = 0
     """Counted floating-point operations of the window."""
+    entry_non_model_bytes: int | None = None
+    """Non-model bytes live when the window opens. For the optimizer step this is what stays on the GPU
+    when every update runs on the CPU (the update temporaries then live in host memory); None: unknown."""
 
     @property
     def key(self) -> str:
