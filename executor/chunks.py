@@ -67,6 +67,8 @@ class ChunkStore:
             self._adopt(slot)
         for slot in self.slots.values():
             tier.release(slot.fast)
+        self._resident_bytes = self.scan_resident_bytes()
+        """Running sum of the storage changes fetch and evict measure: every event reads it, a scan is O(chunks)."""
 
     def param_slots(self) -> list[Slot]:
         return [s for s in self.slots.values() if s.chunk.kind == "param"]
@@ -110,8 +112,10 @@ class ChunkStore:
         slot = self.slots[cid]
         if slot.state.on_fast_tier:
             return
+        before = _nbytes(slot.fast)
         with torch.profiler.record_function(f"hplan::fetch::{cid}"):
             self.tier.h2d(slot.fast, slot.host)
+        self._resident_bytes += _nbytes(slot.fast) - before
         self.traffic.h2d += slot.chunk.bytes
         slot.state = ChunkState.RESIDENT
 
@@ -127,8 +131,10 @@ class ChunkStore:
             with torch.profiler.record_function(f"hplan::writeback::{cid}"):
                 self.tier.d2h(slot.host, slot.fast)
             self.traffic.d2h += slot.chunk.bytes
+        before = _nbytes(slot.fast)
         with torch.profiler.record_function(f"hplan::evict::{cid}"):
             self.tier.release(slot.fast)
+        self._resident_bytes += _nbytes(slot.fast) - before
         slot.state = ChunkState.HOST
 
     def mark_dirty(self, cid: int) -> None:
@@ -146,11 +152,19 @@ class ChunkStore:
             self.tier.wait(self.slots[cid].fast)
 
     def resident_bytes(self) -> int:
-        """Fast-tier chunk storage actually allocated now (measured, not from the plan)."""
-        return sum(s.fast.untyped_storage().nbytes() for s in self.slots.values())
+        """Fast-tier chunk storage actually allocated now (measured at each resize, not from the plan)."""
+        return self._resident_bytes
+
+    def scan_resident_bytes(self) -> int:
+        """The same figure by reading every chunk's storage: the check on the running sum."""
+        return sum(_nbytes(s.fast) for s in self.slots.values())
 
     def resident(self) -> set[int]:
         return {cid for cid, s in self.slots.items() if s.state.on_fast_tier}
+
+
+def _nbytes(buf: torch.Tensor) -> int:
+    return buf.untyped_storage().nbytes()
 
 
 def _plan_params(model: nn.Module, plan: Plan) -> dict[str, nn.Parameter]:

@@ -89,6 +89,8 @@ def test_attach_frees_evicted_storage_and_restores_the_model(fp32):
             allocated = slot.fast.untyped_storage().nbytes()
             assert allocated == (slot.chunk.bytes if cid in plan.initial_resident else 0)
             assert (slot.state is ChunkState.HOST) == (cid not in plan.initial_resident)
+        initial = sum(c.bytes for c in plan.chunks if c.id in plan.initial_resident)
+        assert run.store.resident_bytes() == run.store.scan_resident_bytes() == initial
         name = run.store.slots[2].chunk.tensors[0]
         assert run.store.params[name].untyped_storage().nbytes() == 0
     assert all(p.untyped_storage().nbytes() == p.numel() * p.element_size() for p in model.parameters())
