@@ -18,9 +18,10 @@ from bench.context import Context
 from bench.harness import SectionOutput, Table, fmt_bytes, fmt_ratio, median, offloaded_bytes, ratio, rel_diff
 
 PARITY_RTOL = 1e-5
-MIXED_PARITY_RTOL = 1e-4
-"""bf16-mixed tolerance, as in the executor's tests: fused CPU AdamW rounds differently from per-tensor AdamW."""
 """fp32 losses must agree this closely (relative) with plain PyTorch to count as loss parity."""
+MIXED_PARITY_RTOL = 1e-4
+"""bf16-mixed tolerance, as in the executor's tests: fused CPU AdamW rounds differently from per-tensor AdamW.
+The reference is plain PyTorch under the same recipe (fp32 masters, `hplan.training`), not bf16 AdamW."""
 
 
 def plain_run(workload: Any, steps: int) -> tuple[list[float], list[float]]:
@@ -106,7 +107,7 @@ def main_table(ctx: Context, opts: Any) -> Table:
 
     link = opts.link_gbps
     steps = 4 if ctx.quick else 8
-    repeats = 2 if ctx.quick else 3
+    repeats = 2 if ctx.quick else 5
     spec = "gpt:small" if ctx.quick else "gpt:mini"
     workload = load_workload(spec)
     trace = trace_workload(workload, device="cpu")
@@ -176,30 +177,79 @@ def run(ctx: Context) -> SectionOutput:
     cap = out.part("capacity", lambda: capacity_table(ctx, opts), log=ctx.log)
     if cap is not None:
         out.tables.append(cap)
-        best = [r for r in cap.rows if r[-1] == "yes"]
-        if best:
-            out.headline.append(f"capacity at loss parity: {best[-1][4]} model-state bytes per fast-tier byte "
-                                f"({best[-1][0]}; goal ≥ 20×, Gemini's headline > 10×)")
+        out.headline.extend(capacity_headline(cap))
     return out
+
+
+SMALL_VOCAB = 8192
+"""The capacity row that shows the executor without the stock 50k tied embedding bounding it."""
+
+
+def capacity_label(spec: str, kw: dict[str, Any]) -> str:
+    if not kw:
+        return spec
+    vocab = kw.get("overrides", {}).get("vocab_size")
+    extra = f", vocab_size={vocab}" if vocab else ""
+    return f"{spec} (batch {kw['batch_size']}, seq {kw['seq_len']}, {kw.get('precision', 'fp32')}{extra})"
+
+
+def capacity_headline(cap: Table) -> list[str]:
+    """The best stock-preset ratio, judged against the goal, and the small-vocabulary row beside it."""
+    ok = [r for r in cap.rows if r[-1] == "yes"]
+    stock = [r for r in ok if "vocab_size=" not in r[0]]
+    small = [r for r in ok if "vocab_size=" in r[0]]
+    lines = []
+    if stock:
+        best = max(stock, key=lambda r: float(r[4].rstrip("×")))
+        met = "met" if float(best[4].rstrip("×")) >= 20 else "missed: the stock preset's tied 50k embedding bounds it"
+        lines.append(f"capacity at loss parity: {best[4]} model-state bytes per fast-tier byte ({best[0]}; "
+                     f"goal ≥ 20×: {met}; Gemini's headline > 10×)")
+    if small:
+        lines.append(f"capacity at loss parity with an {SMALL_VOCAB}-token vocabulary: {small[-1][4]} ({small[-1][0]})")
+    return lines
+
+
+def same_kernels_diff(workload: Any, plan: Any, losses: list[float], steps: int) -> str:
+    """Loss diff vs plain PyTorch running the optimizer kernel the plan's updates run (fused CPU AdamW
+    when every chunk updates on the host): separates the executor from the kernel's own rounding."""
+    import torch
+    from hplan.executor.optim import check_optimizer
+    from hplan.training import plain_losses as recipe_losses
+
+    if set(plan.optimizer.values()) != {"cpu"}:
+        return "—"
+    def fused(params: Any) -> Any:
+        opt_type, defaults = check_optimizer(workload.optimizer([torch.zeros(1, requires_grad=True)]))
+        return opt_type(params, **{**defaults, "foreach": None, "fused": True})
+
+    return f"{max_loss_diff(losses, recipe_losses(replace(workload, optimizer=fused), steps)):.1e}"
 
 
 def capacity_table(ctx: Context, opts: Any) -> Table:
     """Smallest feasible fast tier for each workload, trained there and checked against plain PyTorch."""
     from hplan.executor import run_training
+    from hplan.training import plain_losses as recipe_losses
     from hplan.planner import min_gpu_bytes
     from hplan.tracer import trace_workload
 
     from hplan.specs import load_workload
 
     table = Table(headers=["workload", "model-state bytes", "fast-tier budget", "measured peak resident",
-                           "capacity ratio", "steps", "max loss diff vs plain", "loss parity"],
+                           "capacity ratio", "steps", "max loss diff vs plain",
+                           "… vs plain with the plan's optimizer kernel", "loss parity"],
                   caption="**Capacity at loss parity**: the smallest budget hplan plans for (its minimum, or the "
-                          "next feasible step up), trained on CPU and compared with plain PyTorch, same seed. "
+                          "next feasible step up), trained on CPU and compared with plain PyTorch under the same precision "
+                          "recipe, same seed; the second diff column uses the fused CPU AdamW the executor runs on host "
+                          "chunks, so any difference left there would be the executor's own. "
                           f"Parity: every loss within {PARITY_RTOL:g} relative ({MIXED_PARITY_RTOL:g} for bf16-mixed). Goal (issue 5): ≥ 20×. Planned "
-                          "without CUDA allocator slack, since this fast tier is CPU memory.")
+                          "without CUDA allocator slack, since this fast tier is CPU memory. The stock presets tie "
+                          "their 50k-token embedding to the LM head: its backward needs the embedding's weight-and-"
+                          "gradient chunk and full-size gradient temporaries at once, which bounds the ratio; the "
+                          f"last row uses a {SMALL_VOCAB}-token vocabulary to show the ratio without that bound.")
     cases = [("gpt:small", {})] if ctx.quick else [
         ("gpt:mini", {}), ("gpt:350m", {"batch_size": 1, "seq_len": 128}),
-        ("gpt:350m", {"batch_size": 1, "seq_len": 128, "precision": "bf16-mixed"})]
+        ("gpt:350m", {"batch_size": 1, "seq_len": 128, "precision": "bf16-mixed"}),
+        ("gpt:350m", {"batch_size": 1, "seq_len": 128, "precision": "bf16-mixed", "overrides": {"vocab_size": SMALL_VOCAB}})]
     steps = 3 if ctx.quick else 5
     for spec, kw in cases:
         ctx.log(f"[bench]   capacity: {spec} {kw}")
@@ -209,18 +259,19 @@ def capacity_table(ctx: Context, opts: Any) -> Table:
         plan = feasible_plan(trace, smallest, replace(opts, slack_bytes=0))
         if not plan.summary.feasible:
             table.add(spec, fmt_bytes(trace.model_bytes), f"no feasible plan near {fmt_bytes(smallest)}",
-                      "—", "—", "—", "—", "no")
+                      "—", "—", "—", "—", "—", "no")
             continue
-        label = spec + (f" (batch {kw['batch_size']}, seq {kw['seq_len']}, {kw.get('precision', 'fp32')})" if kw else "")
+        label = capacity_label(spec, kw)
         del trace
         gc.collect()
-        plain_losses, _ = plain_run(workload, steps)
+        reference = recipe_losses(workload, steps)
         rep = run_training(workload, plan, steps=steps, device="cpu")
-        diff = max_loss_diff(list(rep.losses), plain_losses)
+        diff = max_loss_diff(list(rep.losses), reference)
         held = rep.peak_resident_bytes <= plan.budget.gpu_bytes
         model_state = sum(c.bytes for c in plan.chunks)
         table.add(label, fmt_bytes(model_state), fmt_bytes(plan.budget.gpu_bytes), fmt_bytes(rep.peak_resident_bytes),
                   fmt_ratio(ratio(model_state, plan.budget.gpu_bytes), 1), steps, f"{diff:.1e}",
+                  same_kernels_diff(workload, plan, list(rep.losses), steps),
                   "yes" if diff <= (MIXED_PARITY_RTOL if "precision" in kw else PARITY_RTOL) and held else "no")
         del rep, plan
         gc.collect()

@@ -134,3 +134,28 @@ def test_growth_exponent_recovers_a_power_law() -> None:
 
     assert growth_exponent([(x, 3e-6 * x**1.5) for x in (10, 100, 1000, 10000)]) == pytest.approx(1.5)
     assert growth_exponent([(10, 1.0)]) is None
+
+
+def _capacity_table(rows: list[list[str]]) -> object:
+    table = harness.Table(headers=["workload", "model", "budget", "peak", "ratio", "steps", "diff", "same", "parity"])
+    for row in rows:
+        table.add(*row)
+    return table
+
+
+def test_capacity_headline_judges_the_stock_rows_and_keeps_the_small_vocabulary_apart() -> None:
+    executor_bench = importlib.import_module("bench.executor_bench")
+    stock = {"batch_size": 1, "seq_len": 128, "precision": "bf16-mixed"}
+    small = {**stock, "overrides": {"vocab_size": executor_bench.SMALL_VOCAB}}
+    label, small_label = executor_bench.capacity_label("gpt:350m", stock), executor_bench.capacity_label("gpt:350m", small)
+    assert label == "gpt:350m (batch 1, seq 128, bf16-mixed)" and "vocab_size=8192" in small_label
+    assert executor_bench.capacity_label("gpt:mini", {}) == "gpt:mini"
+    table = _capacity_table([[label, "", "", "", "11.0×", 5, "", "", "yes"],
+                             ["gpt:mini", "", "", "", "25.0×", 5, "", "", "no"],
+                             [small_label, "", "", "", "32.4×", 5, "", "", "yes"]])
+    lines = executor_bench.capacity_headline(table)
+    assert len(lines) == 2
+    assert "11.0×" in lines[0] and "missed" in lines[0] and "25.0×" not in lines[0]  # a row without parity never counts
+    assert "32.4×" in lines[1] and "8192-token" in lines[1]
+    met = executor_bench.capacity_headline(_capacity_table([[label, "", "", "", "21.0×", 5, "", "", "yes"]]))
+    assert met == [line for line in met if "goal ≥ 20×: met" in line] and len(met) == 1
