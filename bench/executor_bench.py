@@ -119,20 +119,22 @@ def main_table(ctx: Context, opts: Any) -> Table:
     over: dict[str, list[float]] = {"hplan": [], "plain": [], "tight": [], "hplan-off": [], "tight-off": []}
     reports: dict[str, Any] = {}
     plain_losses: list[float] = []
-    for _ in range(repeats):
+    runs = (("hplan-off", "hplan-off", resident, False), ("tight-off", "tight-off", tight, False),
+            ("hplan", "resident", resident, True), ("tight", "tight", tight, True))
+    for _ in range(repeats):  # probe-off runs right after plain, probe runs last: their garbage never lands in them
+        gc.collect()
         plain_losses, secs = plain_run(workload, steps)
         over["plain"].append(steady(secs))
-        reports["resident"] = run_training(workload, resident, steps=steps, device="cpu")
-        over["hplan"].append(steady(reports["resident"].step_seconds))
-        reports["tight"] = run_training(workload, tight, steps=steps, device="cpu")
-        over["tight"].append(steady(reports["tight"].step_seconds))
-        for key, plan in (("hplan-off", resident), ("tight-off", tight)):  # the runtime alone, no CPU probe
-            reports[key] = run_training(workload, plan, steps=steps, device="cpu", measure=False)
-            over[key].append(steady(reports[key].step_seconds))
+        for time_key, report_key, plan, measure in runs:
+            gc.collect()
+            reports[report_key] = run_training(workload, plan, steps=steps, device="cpu", measure=measure)
+            over[time_key].append(steady(reports[report_key].step_seconds))
     main = Table(headers=["setting", "budget", "model data offloaded", "step time ÷ plain PyTorch",
                           "step time ÷ plan's prediction", "measured / planned bytes per iter",
                           "peak resident ≤ budget", "max loss diff vs plain"],
-                 caption=f"**{spec}** ({steps} steps × {repeats} alternating repeats; medians of steady-state steps). "
+                 caption=f"**{spec}** ({steps} steps × {repeats} alternating repeats; medians of steady-state steps; "
+                         "each repeat runs plain PyTorch, then the probe-off runs, then the probe-on runs, with a "
+                         "garbage collection before each). "
                          f"Goals (issue 5): all-resident ≤ 1.05× plain; tight ≤ 1.2× predicted.")
     settings = (("all-resident plan, runtime only (probe off)", resident, "hplan-off", "hplan-off"),
                 ("tight budget (≥ half of model data offloaded), probe off", tight, "tight-off", "tight-off"),
