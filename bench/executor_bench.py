@@ -116,19 +116,19 @@ def main_table(ctx: Context, opts: Any) -> Table:
     # All-resident and tight plans vs plain PyTorch, alternating repeats so all see the same load.
     resident = make_plan(trace, Budget(gpu_bytes=4 * trace.peak_bytes), opts)
     tight = feasible_plan(trace, max(resident.summary.min_gpu_bytes, trace.peak_bytes - model_state // 2), opts)
-    over: dict[str, list[float]] = {"hplan": [], "plain": [], "tight": [], "hplan-off": [], "tight-off": []}
+    runs = (("resident-off", resident, False), ("tight-off", tight, False), ("resident", resident, True),
+            ("tight", tight, True))
+    over: dict[str, list[float]] = {key: [] for key in ("plain", *(run[0] for run in runs))}
     reports: dict[str, Any] = {}
     plain_losses: list[float] = []
-    runs = (("hplan-off", "hplan-off", resident, False), ("tight-off", "tight-off", tight, False),
-            ("hplan", "resident", resident, True), ("tight", "tight", tight, True))
     for _ in range(repeats):  # probe-off runs right after plain, probe runs last: their garbage never lands in them
         gc.collect()
         plain_losses, secs = plain_run(workload, steps)
         over["plain"].append(steady(secs))
-        for time_key, report_key, plan, measure in runs:
+        for key, plan, measure in runs:
             gc.collect()
-            reports[report_key] = run_training(workload, plan, steps=steps, device="cpu", measure=measure)
-            over[time_key].append(steady(reports[report_key].step_seconds))
+            reports[key] = run_training(workload, plan, steps=steps, device="cpu", measure=measure)
+            over[key].append(steady(reports[key].step_seconds))
     main = Table(headers=["setting", "budget", "model data offloaded", "step time ÷ plain PyTorch",
                           "step time ÷ plan's prediction", "measured / planned bytes per iter",
                           "peak resident ≤ budget", "max loss diff vs plain"],
@@ -136,13 +136,13 @@ def main_table(ctx: Context, opts: Any) -> Table:
                          "each repeat runs plain PyTorch, then the probe-off runs, then the probe-on runs, with a "
                          "garbage collection before each). "
                          f"Goals (issue 5): all-resident ≤ 1.05× plain; tight ≤ 1.2× predicted.")
-    settings = (("all-resident plan, runtime only (probe off)", resident, "hplan-off", "hplan-off"),
-                ("tight budget (≥ half of model data offloaded), probe off", tight, "tight-off", "tight-off"),
-                ("all-resident plan, with the CPU probe", resident, "resident", "hplan"),
-                ("tight budget, with the CPU probe", tight, "tight", "tight"))
-    for name, plan, report_key, time_key in settings:
-        rep = reports[report_key]
-        t = median(over[time_key])
+    settings = (("all-resident plan, runtime only (probe off)", resident, "resident-off"),
+                ("tight budget (≥ half of model data offloaded), probe off", tight, "tight-off"),
+                ("all-resident plan, with the CPU probe", resident, "resident"),
+                ("tight budget, with the CPU probe", tight, "tight"))
+    for name, plan, key in settings:
+        rep = reports[key]
+        t = median(over[key])
         main.add(name, fmt_bytes(plan.budget.gpu_bytes), fmt_bytes(offloaded_bytes(plan)),
                  fmt_ratio(ratio(t, median(over["plain"])), 3),
                  fmt_ratio(ratio(t, plan.summary.predicted_step_seconds), 2),
@@ -215,16 +215,15 @@ def same_kernels_diff(workload: Any, plan: Any, losses: list[float], steps: int)
     """Loss diff vs plain PyTorch running the optimizer kernel the plan's updates run (fused CPU AdamW
     when every chunk updates on the host): separates the executor from the kernel's own rounding."""
     import torch
-    from hplan.executor.optim import check_optimizer
+    from hplan.executor.optim import check_optimizer, host_options
     from hplan.training import plain_losses as recipe_losses
 
     if set(plan.optimizer.values()) != {"cpu"}:
         return "—"
-    def fused(params: Any) -> Any:
-        opt_type, defaults = check_optimizer(workload.optimizer([torch.zeros(1, requires_grad=True)]))
-        return opt_type(params, **{**defaults, "foreach": None, "fused": True})
-
-    return f"{max_loss_diff(losses, recipe_losses(replace(workload, optimizer=fused), steps)):.1e}"
+    opt_type, defaults = check_optimizer(workload.optimizer([torch.zeros(1, requires_grad=True)]))
+    options = host_options(defaults)
+    host = replace(workload, optimizer=lambda params: opt_type(params, **options))
+    return f"{max_loss_diff(losses, recipe_losses(host, steps)):.1e}"
 
 
 def capacity_table(ctx: Context, opts: Any) -> Table:

@@ -41,6 +41,15 @@ def check_optimizer(optimizer: torch.optim.Optimizer) -> tuple[type, dict[str, A
     return type(optimizer), {k: v for k, v in optimizer.defaults.items() if k in accepted}
 
 
+def host_options(defaults: dict[str, Any]) -> dict[str, Any]:
+    """Optimizer options for host-side updates: torch's fused CPU kernel unless the user chose an
+    implementation (the hybrid optimizer of issue 5; the bench's same-kernel reference uses it too)."""
+    options = dict(defaults)
+    if "fused" in options and options.get("foreach") is None and options["fused"] is None:
+        options["fused"] = True
+    return options
+
+
 class ChunkUpdate:
     """The optimizer of one param chunk, built over views of its buffers where the plan updates it."""
 
@@ -63,9 +72,7 @@ class ChunkUpdate:
         self.grad = flat(pid, self.dtype, 1)
         self.master = flat(self.oid, torch.float32, 0) if master else None
         work = self.master if master else self.param
-        options = dict(defaults)
-        if where == "cpu" and "fused" in options and options.get("foreach") is None and options["fused"] is None:
-            options["fused"] = True
+        options = host_options(defaults) if where == "cpu" else dict(defaults)
         self.opt = opt_type([work], **options)
         self.opt.state[work] = self._initial_state(work, names, options, first=int(master))
         self.work = work
