@@ -3,7 +3,8 @@
 [Note: executor step] At each observed event the run checks it is the plan's next event, closes
 the previous measurement window, then does the step: evictions (write-backs first), fetches,
 waits for the chunks the event needs, host optimizer updates; at the optimizer event also the
-fast-tier updates. Gradients reach their chunk through post-accumulate-grad hooks.
+fast-tier updates. Gradients reach their chunk through post-accumulate-grad hooks, or directly:
+a backward that writes through `hplan.grads` gets the chunk's gradient region as its target.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from torch import nn
 from hplan.artifacts import Plan, Step
 from hplan.artifacts.fingerprint import fingerprint_mismatch
 from hplan.errors import HplanError
+from hplan.grads import installed
 from hplan.hooks import OPTIMIZER_MODULE, EventHooks, workload_fingerprint
 
 
@@ -92,6 +94,8 @@ class PlanRun:
             self.updates[slot.chunk.id] = update
         for name, p in store.params.items():
             self._stack.callback(p.register_post_accumulate_grad_hook(self._grad_hook(name)).remove)
+        self._names = {id(p): name for name, p in store.params.items()}
+        self._stack.enter_context(installed(store.params.values(), self))
         for cid in self.plan.initial_resident:
             store.fetch(cid)
         for cid in self.plan.initial_dirty:
@@ -118,6 +122,8 @@ class PlanRun:
 
     def _grad_hook(self, name: str) -> Any:
         def hook(p: torch.Tensor) -> None:
+            if p.grad is None:  # the backward wrote it directly, through grad_target
+                return
             cid = self.store.owner[name]
             self.store.require([cid], f"gradient of {name} at plan step {self.cursor - 1}")
             with torch.no_grad():
@@ -130,6 +136,16 @@ class PlanRun:
             p.grad = None
 
         return hook
+
+    def grad_target(self, param: torch.Tensor) -> tuple[torch.Tensor, bool]:
+        """GradSink (hplan.grads): a direct gradient write lands in its chunk's gradient region."""
+        name = self._names[id(param)]
+        cid = self.store.owner[name]
+        self.store.require([cid], f"gradient of {name} at plan step {self.cursor - 1}")
+        first = name not in self._written
+        self._written.add(name)
+        self.store.mark_dirty(cid)
+        return self.store.grad_views[name], first
 
     def on_event(self, kind: str, module: str) -> None:
         """EventHooks' callback: check the event against the plan, then do the step."""

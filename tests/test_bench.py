@@ -143,12 +143,12 @@ def _capacity_table(rows: list[list[str]]) -> object:
     return table
 
 
-def test_capacity_headline_judges_the_stock_rows_and_keeps_the_small_vocabulary_apart() -> None:
+def test_capacity_headline_judges_the_stock_rows_and_keeps_the_ablation_apart() -> None:
     executor_bench = importlib.import_module("bench.executor_bench")
     stock = {"batch_size": 1, "seq_len": 128, "precision": "bf16-mixed"}
-    small = {**stock, "overrides": {"vocab_size": executor_bench.SMALL_VOCAB}}
+    small = {**stock, "overrides": executor_bench.ONE_SHARD}
     label, small_label = executor_bench.capacity_label("gpt:350m", stock), executor_bench.capacity_label("gpt:350m", small)
-    assert label == "gpt:350m (batch 1, seq 128, bf16-mixed)" and "vocab_size=8192" in small_label
+    assert label == "gpt:350m (batch 1, seq 128, bf16-mixed)" and "vocab_shard_rows=50257" in small_label
     assert executor_bench.capacity_label("gpt:mini", {}) == "gpt:mini"
     table = _capacity_table([[label, "", "", "", "11.0×", 5, "", "", "yes"],
                              ["gpt:mini", "", "", "", "25.0×", 5, "", "", "no"],
@@ -156,6 +156,6 @@ def test_capacity_headline_judges_the_stock_rows_and_keeps_the_small_vocabulary_
     lines = executor_bench.capacity_headline(table)
     assert len(lines) == 2
     assert "11.0×" in lines[0] and "missed" in lines[0] and "25.0×" not in lines[0]  # a row without parity never counts
-    assert "32.4×" in lines[1] and "8192-token" in lines[1]
+    assert "32.4×" in lines[1] and "one parameter" in lines[1]
     met = executor_bench.capacity_headline(_capacity_table([[label, "", "", "", "21.0×", 5, "", "", "yes"]]))
     assert met == [line for line in met if "goal ≥ 20×: met" in line] and len(met) == 1

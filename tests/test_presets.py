@@ -17,10 +17,10 @@ def test_presets_are_within_two_percent_of_nominal(size):
 
 def test_lm_head_is_tied_and_listed_once():
     model = GPT(PRESETS["tiny"])
-    assert model.lm_head.weight is model.wte.weight
+    assert model.lm_head[0].weight is model.wte[0].weight
     owners = param_modules(model)
-    assert owners["wte.weight"] == ("wte", "lm_head")
-    assert "lm_head.weight" not in owners
+    assert owners["wte.0.weight"] == ("wte.0", "lm_head.0")
+    assert "lm_head.0.weight" not in owners
 
 
 def test_events_cover_forward_and_backward_of_every_owner():
@@ -31,6 +31,6 @@ def test_events_cover_forward_and_backward_of_every_owner():
         model(idx, idx).backward()
     forward = [e for e in events if e.startswith("forward:")]
     backward = [e for e in events if e.startswith("backward:")]
-    assert forward[0] == "forward:wte" and forward[-1] == "forward:lm_head"
-    assert backward[0] == "backward:lm_head" and backward[-1] == "backward:wte"
+    assert forward[0] == "forward:wte.0" and forward[-1] == "forward:lm_head.0"
+    assert backward[0] == "backward:lm_head.0" and backward[-1] == "backward:wte.0"
     assert len(forward) == len(backward) == 2 + 2 + 6 * PRESETS["tiny"].n_layer

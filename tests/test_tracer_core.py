@@ -58,10 +58,10 @@ def test_iteration_one_creates_optimizer_state_lazily(tiny_cpu):
 
 def test_events_follow_modules_and_tied_weights(tiny_cpu):
     keys = [e.key for e in tiny_cpu.events]
-    assert keys[0] == "forward:wte" and keys[-1] == "optimizer:optimizer"
-    wte = [e.key for e in tiny_cpu.events if "wte.weight" in e.params]
-    assert wte[:4] == ["forward:wte", "forward:lm_head", "backward:lm_head", "backward:wte"]
-    assert [p.modules for p in tiny_cpu.params if p.name == "wte.weight"] == [("wte", "lm_head")]
+    assert keys[0] == "forward:wte.0" and keys[-1] == "optimizer:optimizer"
+    wte = [e.key for e in tiny_cpu.events if "wte.0.weight" in e.params]
+    assert wte[:4] == ["forward:wte.0", "forward:lm_head.0", "backward:lm_head.0", "backward:wte.0"]
+    assert [p.modules for p in tiny_cpu.params if p.name == "wte.0.weight"] == [("wte.0", "lm_head.0")]
     ends = [(e.op_start, e.op_end) for e in tiny_cpu.events]
     assert ends[0][0] == 0 and ends[-1][1] == tiny_cpu.n_ops
     assert all(a[1] == b[0] for a, b in zip(ends, ends[1:]))
@@ -112,7 +112,7 @@ def test_the_fx_graph_holds_every_steady_state_operator():
     steady = [r for r in rec.rows if r[0] == rec.iterations]
     assert len(ops) == len(steady)
     assert {n.meta["phase"] for n in ops} == {"forward", "backward", "optimizer"}
-    assert any(n.op == "placeholder" and n.name.startswith("wte_weight") for n in rec.graph.nodes)
+    assert any(n.op == "placeholder" and n.name.startswith("wte_0_weight") for n in rec.graph.nodes)
 
 
 def test_allocator_slack_is_predicted_for_cpu_traces(tiny_cpu):

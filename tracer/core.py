@@ -15,12 +15,13 @@ from typing import Any
 import torch
 from hplan.tracer.build import build_trace
 from hplan.tracer.modules import module_paths
-from hplan.tracer.recorder import Recorder, Window, on_accumulate, on_saved
+from hplan.tracer.recorder import Recorder, TracerSink, Window, on_accumulate, on_saved
 from torch import fx
 from torch.utils._pytree import tree_leaves, tree_map
 
 from hplan.artifacts.trace import Trace
 from hplan.errors import HplanError
+from hplan.grads import installed
 from hplan.hooks import EventHooks, canonical_params, workload_fingerprint
 from hplan.probe import StorageLedger, make_probe
 from hplan.training import TrainStep
@@ -74,6 +75,7 @@ def record(workload: Workload, *, device: str = "cpu", iters: int = DEFAULT_ITER
             stack.enter_context(module_paths(trainer.model, _setter(recorder)))
             for p in trainer.params:
                 stack.callback(p.register_post_accumulate_grad_hook(on_accumulate(recorder, names[id(p)])).remove)
+            stack.enter_context(installed(trainer.params, TracerSink(recorder, names)))
             for it in range(1, iters + 1):
                 batch = _iteration(recorder, trainer, workload, it, device, build_graph=it == iters)
                 windows = recorder.finish_iteration()

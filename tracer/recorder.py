@@ -5,7 +5,8 @@ each operator it asks the probe for allocated / peak / reserved / overhead bytes
 ledger of tensor storages by category, which makes model data exact on every device:
 - param / optimizer: the parameters, the optimizer's per-element state and fp32 master copies;
 - grad: a storage becomes a gradient when autograd accumulates it into ``.grad`` (before that it
-  is the temporary output of a backward operator, which is also what an executor sees);
+  is the temporary output of a backward operator, which is also what an executor sees), or from
+  its allocation when a backward writes the gradient directly (``hplan.grads``);
 - activation: a storage autograd saves for backward (saved-tensor pack hook);
 - other: buffers, the batch, optimizer step counters; temporary: everything else.
 """
@@ -223,6 +224,22 @@ def on_accumulate(recorder: Recorder, name: str) -> Callable[[torch.Tensor], Non
             recorder.use(name)
 
     return hook
+
+
+class TracerSink:
+    """GradSink (hplan.grads): a direct gradient write goes to ``.grad``, model data from its allocation."""
+
+    def __init__(self, recorder: Recorder, names: dict[int, str]) -> None:
+        self.recorder, self.names = recorder, names
+
+    def grad_target(self, param: torch.Tensor) -> tuple[torch.Tensor, bool]:
+        name = self.names[id(param)]
+        first = param.grad is None
+        if first:
+            param.grad = torch.empty_like(param)
+            self.recorder.track(param.grad, "grad", owner=name)
+        self.recorder.use(name)
+        return param.grad, first
 
 
 def on_saved(recorder: Recorder) -> tuple[Callable[[torch.Tensor], Any], Callable[[Any], torch.Tensor]]:

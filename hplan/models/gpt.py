@@ -1,4 +1,4 @@
-"""A GPT-2-style decoder: tied embeddings, pre-LN blocks, causal attention.
+"""A GPT-2-style decoder: tied embeddings (in vocabulary shards), pre-LN blocks, causal attention.
 
 Parameters per model (d = width, L = layers, V = vocabulary, T = context):
 12·L·d² + 13·L·d (blocks) + (V + T)·d (embeddings; the LM head is tied) + 2·d (final LN).
@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from hplan.errors import HplanError
+from hplan.models.vocab import EmbeddingShard, ShardedEmbedding, TiedHead
 from hplan.workload import Workload
 
 
@@ -27,6 +28,8 @@ class GPTConfig:
     d_model: int
     vocab_size: int = 50257
     n_ctx: int = 1024
+    vocab_shard_rows: int = 8192
+    """Rows per shard of the tied vocabulary matrix (see hplan.models.vocab)."""
     batch_size: int = 1
     """Default batch size of the preset's workload."""
     seq_len: int = 1024
@@ -48,7 +51,7 @@ NOMINAL_PARAMS: dict[str, int] = {
     "125m": 125_000_000, "350m": 350_000_000, "1.3b": 1_300_000_000,
     "6.7b": 6_700_000_000, "13b": 13_000_000_000, "18b": 18_000_000_000,
 }
-CONFIG_KEYS = ("n_layer", "n_head", "d_model", "vocab_size", "n_ctx")
+CONFIG_KEYS = ("n_layer", "n_head", "d_model", "vocab_size", "n_ctx", "vocab_shard_rows")
 
 
 def param_count(cfg: GPTConfig) -> int:
@@ -99,12 +102,11 @@ class GPT(nn.Module):
     def __init__(self, cfg: GPTConfig) -> None:
         super().__init__()
         self.cfg = cfg
-        self.wte = nn.Embedding(cfg.vocab_size, cfg.d_model)
+        self.wte = ShardedEmbedding(cfg.vocab_size, cfg.d_model, cfg.vocab_shard_rows)
         self.wpe = nn.Embedding(cfg.n_ctx, cfg.d_model)
         self.h = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layer))
         self.ln_f = nn.LayerNorm(cfg.d_model)
-        self.lm_head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
-        self.lm_head.weight = self.wte.weight
+        self.lm_head = TiedHead(self.wte)
         self.apply(self._init)
         for name, p in self.named_parameters():
             if name.endswith("c_proj.weight"):  # GPT-2's scaled residual init
@@ -112,7 +114,7 @@ class GPT(nn.Module):
 
     @staticmethod
     def _init(module: nn.Module) -> None:
-        if isinstance(module, (nn.Linear, nn.Embedding)):
+        if isinstance(module, (nn.Linear, nn.Embedding, EmbeddingShard)):
             nn.init.normal_(module.weight, mean=0.0, std=0.02)
         if isinstance(module, nn.Linear) and module.bias is not None:
             nn.init.zeros_(module.bias)
@@ -144,6 +146,8 @@ def resolve_config(size: str, overrides: dict[str, Any] | None = None) -> GPTCon
         cfg = replace(cfg, **{k: int(v) for k, v in extra.items()})
     except ValueError:
         raise HplanError(f"gpt options must be integers, got {extra}") from None
+    if cfg.vocab_shard_rows <= 0:
+        raise HplanError(f"vocab_shard_rows must be positive, got {cfg.vocab_shard_rows}")
     if cfg.d_model % cfg.n_head:
         raise HplanError(f"d_model {cfg.d_model} is not divisible by n_head {cfg.n_head}")
     return cfg
