@@ -108,3 +108,10 @@ def test_executor_writes_shard_gradients_into_offloaded_chunks(precision):
     assert max(abs(a - b) / abs(b) for a, b in zip(report.losses, reference, strict=True)) <= tolerance
     assert 0 < report.peak_resident_bytes <= plan.budget.gpu_bytes
     assert report.bytes_moved_per_iter == plan.summary.bytes_moved_per_iter
+
+
+def test_a_nonpositive_shard_size_is_refused_with_its_fix():
+    from hplan.errors import HplanError
+
+    with pytest.raises(HplanError, match="vocab_shard_rows must be positive"):
+        resolve_config("tiny", {"vocab_shard_rows": 0})
