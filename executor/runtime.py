@@ -25,7 +25,7 @@ from hplan.artifacts import Plan, Step
 from hplan.artifacts.fingerprint import fingerprint_mismatch
 from hplan.errors import HplanError
 from hplan.grads import installed
-from hplan.hooks import OPTIMIZER_MODULE, EventHooks, workload_fingerprint
+from hplan.hooks import OPTIMIZER_MODULE, EventHooks, canonical_params, workload_fingerprint
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -92,9 +92,9 @@ class PlanRun:
                                  master=self._master)
             update.init_host()
             self.updates[slot.chunk.id] = update
-        for name, p in store.params.items():
-            self._stack.callback(p.register_post_accumulate_grad_hook(self._grad_hook(name)).remove)
-        self._names = {id(p): name for name, p in store.params.items()}
+        for p in store.params.values():
+            self._stack.callback(p.register_post_accumulate_grad_hook(self._on_grad).remove)
+        self._names = canonical_params(model)
         self._stack.enter_context(installed(store.params.values(), self))
         for cid in self.plan.initial_resident:
             store.fetch(cid)
@@ -120,25 +120,20 @@ class PlanRun:
                 store.params[name].data = store.params[name].data.clone()
             store.evict(slot.chunk.id, writeback=False)
 
-    def _grad_hook(self, name: str) -> Any:
-        def hook(p: torch.Tensor) -> None:
-            if p.grad is None:  # the backward wrote it directly, through grad_target
-                return
-            cid = self.store.owner[name]
-            self.store.require([cid], f"gradient of {name} at plan step {self.cursor - 1}")
-            with torch.no_grad():
-                if name in self._written:
-                    self.store.grad_views[name].add_(p.grad)
-                else:
-                    self.store.grad_views[name].copy_(p.grad)
-            self._written.add(name)
-            self.store.mark_dirty(cid)
-            p.grad = None
-
-        return hook
+    def _on_grad(self, p: torch.Tensor) -> None:
+        """Post-accumulate-grad hook: move autograd's gradient into the chunk, through grad_target."""
+        if p.grad is None:  # the backward wrote it directly, through grad_target
+            return
+        target, first = self.grad_target(p)
+        with torch.no_grad():
+            if first:
+                target.copy_(p.grad)
+            else:
+                target.add_(p.grad)
+        p.grad = None
 
     def grad_target(self, param: torch.Tensor) -> tuple[torch.Tensor, bool]:
-        """GradSink (hplan.grads): a direct gradient write lands in its chunk's gradient region."""
+        """GradSink (hplan.grads): the parameter's gradient lives in its chunk's gradient region."""
         name = self._names[id(param)]
         cid = self.store.owner[name]
         self.store.require([cid], f"gradient of {name} at plan step {self.cursor - 1}")

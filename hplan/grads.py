@@ -40,6 +40,11 @@ def grad_target(param: torch.Tensor) -> tuple[torch.Tensor, bool]:
     sink = getattr(param, SINK_ATTR, None)
     if sink is not None:
         return sink.grad_target(param)
+    return plain_target(param)
+
+
+def plain_target(param: torch.Tensor) -> tuple[torch.Tensor, bool]:
+    """Plain PyTorch's home for a gradient: `param.grad`, allocated on the first write."""
     if param.grad is None:
         param.grad = torch.empty_like(param)
         return param.grad, True

@@ -25,6 +25,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import flop_registry
 
 from hplan.errors import HplanError
+from hplan.grads import plain_target
 from hplan.probe import MemoryProbe, StorageLedger, new_outputs, storage_key, tensors_in
 
 _SCALAR = torch.ops.aten._local_scalar_dense.default
@@ -234,12 +235,11 @@ class TracerSink:
 
     def grad_target(self, param: torch.Tensor) -> tuple[torch.Tensor, bool]:
         name = self.names[id(param)]
-        first = param.grad is None
+        target, first = plain_target(param)
         if first:
-            param.grad = torch.empty_like(param)
-            self.recorder.track(param.grad, "grad", owner=name)
+            self.recorder.track(target, "grad", owner=name)
         self.recorder.use(name)
-        return param.grad, first
+        return target, first
 
 
 def on_saved(recorder: Recorder) -> tuple[Callable[[torch.Tensor], Any], Callable[[Any], torch.Tensor]]:
