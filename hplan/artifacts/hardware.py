@@ -1,0 +1,99 @@
+"""The Hardware artifact: the machine a plan targets, as data (tiers, links, compute, world).
+
+[Note: hardware is data] Everything the planner needs to know about a machine lives here: how many bytes each
+tier may hold for this plan, how fast bytes move between tiers (per direction: links are full duplex), how fast
+the GPU computes and the host runs the optimizer, and how ranks group into nodes. The CLI builds one from presets
+and flags (`hplan.planner.presets`), the planner reads it, the plan records it, the executor asks it. Nothing else
+parses sizes, link speeds or world sizes.
+
+Units: bytes, and GB/s meaning 10^9 bytes per second per direction.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, fields
+from typing import Any, ClassVar
+
+from hplan.errors import HplanError
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Hardware:
+    """Tier capacities for this plan, link and compute rates, and the world of ranks."""
+
+    SCHEMA: ClassVar[str] = "hplan.hardware/1"
+    gpu: str = "custom"
+    """Preset name the numbers came from (or "custom"); informational."""
+    gpu_bytes: int
+    """Device memory the plan may use per rank, allocator slack included."""
+    host_bytes: int | None = None
+    """Host memory the plan may use for model data per rank; None means unbounded (two-tier plans)."""
+    nvme_bytes: int | None = None
+    """Disk space for model data per rank; None means there is no disk tier."""
+    slack_bytes: int = 0
+    """Device bytes kept free for allocator fragmentation and non-framework overhead (CUDA context)."""
+    tflops_16: float = 71.0
+    """Datasheet dense 16-bit tensor-core TFLOPS."""
+    tflops_32: float = 35.6
+    """Datasheet fp32 TFLOPS (no TF32)."""
+    efficiency: float = 0.5
+    """Share of datasheet TFLOPS a training step achieves (see hplan.planner.presets for the source)."""
+    h2d_gbps: float = 32.0
+    """Host→device link, GB/s."""
+    d2h_gbps: float = 32.0
+    """Device→host link, GB/s."""
+    nvme_read_gbps: float = 3.5
+    """Disk→host, GB/s."""
+    nvme_write_gbps: float = 3.0
+    """Host→disk, GB/s."""
+    cpu_optimizer_gbps: float = 26.5
+    """Host optimizer throughput in GB/s of model state updated (weight + grad + master + moments)."""
+    overlap: bool = True
+    """Transfers and host updates run beside compute (copy engines). False: a fast tier without them (the CPU
+    executor), where every copy and host update adds to the step time."""
+    gpus_per_node: int = 1
+    nodes: int = 1
+    intra_gbps: float = 150.0
+    """Per-GPU bandwidth of intra-node collectives (NVLink or PCIe), GB/s."""
+    inter_gbps: float = 12.5
+    """Per-node bandwidth of inter-node collectives (network), GB/s."""
+    host: str = ""
+    """Host preset the CPU optimizer rate came from; informational."""
+
+    def __post_init__(self) -> None:
+        for name in ("gpu_bytes", "host_bytes", "nvme_bytes", "slack_bytes", "gpus_per_node", "nodes"):
+            value = getattr(self, name)
+            if value is None:
+                continue
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise HplanError(f"hardware {name} must be an integer, got {value!r}")
+            floor = 0 if name == "slack_bytes" else 1
+            if value < floor:
+                raise HplanError(f"hardware {name} must be at least {floor}, got {value}")
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if isinstance(value, float) and not (math.isfinite(value) and value > 0):
+                raise HplanError(f"hardware {f.name.replace('_', '-')} must be a finite positive number, got {value}")
+        if self.efficiency > 1:
+            raise HplanError(f"hardware efficiency is a share of datasheet TFLOPS (0 < e ≤ 1), got {self.efficiency}")
+
+    @property
+    def ranks(self) -> int:
+        return self.gpus_per_node * self.nodes
+
+    def tflops(self, precision: str) -> float:
+        """Achieved TFLOPS for a precision recipe: fp32 uses the fp32 rate, mixed recipes the 16-bit one."""
+        peak = self.tflops_32 if precision == "fp32" else self.tflops_16
+        return peak * self.efficiency
+
+    def to_dict(self) -> dict[str, Any]:
+        return {**asdict(self), "schema": self.SCHEMA}
+
+    @classmethod
+    def from_dict(cls, obj: dict[str, Any]) -> Hardware:
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(obj) - known - {"schema"})
+        if unknown:
+            raise HplanError(f"hardware has unknown fields {unknown}; regenerate the plan with `hplan plan`")
+        return cls(**{k: v for k, v in obj.items() if k in known})
