@@ -8,14 +8,14 @@ from __future__ import annotations
 
 from typing import Any
 
-from hplan.artifacts import Budget, Plan, RunReport, Trace
+from hplan.artifacts import Hardware, Plan, RunReport, Trace
 from hplan.errors import HplanError
 from hplan.sizes import format_size, parse_size
 from hplan.workload import Workload
 
 __version__ = "0.1.0"
 __all__ = [
-    "Budget", "HplanError", "Plan", "RunReport", "Trace", "Workload", "__version__", "attach",
+    "Hardware", "HplanError", "Plan", "RunReport", "Trace", "Workload", "__version__", "attach",
     "format_size", "parse_size",
 ]
 

@@ -25,7 +25,9 @@ class Workload:
     loss: Callable[[Any, Any], Any]
     """(model, batch) → scalar loss tensor."""
     optimizer: Callable[[Iterable[Any]], Any]
-    """params → `torch.optim.Optimizer` (elementwise ones such as Adam/AdamW/SGD for offload)."""
+    """`model.parameters()` → `torch.optim.Optimizer`, as plain PyTorch builds it (param groups welcome; a
+    mixed-precision recipe swaps each group's parameters for fp32 masters afterwards). Element-wise torch
+    optimizers only (see hplan.optimizers)."""
     name: str = "workload"
     precision: str = DEFAULT_RECIPE
     """"fp32", "bf16-mixed" or "fp16-mixed" (see hplan.precision)."""
@@ -33,12 +35,34 @@ class Workload:
     """Seeds torch before the model is built, so every tool builds the same weights."""
     batch_size: int | None = None
     seq_len: int | None = None
+    accumulate: int = 1
+    """Micro-batches per optimizer step: step s trains on batch(s·accumulate + i) for i < accumulate, each
+    loss divided by `accumulate` before backward (the reported loss is their mean, undivided)."""
+    max_grad_norm: float | None = None
+    """Clip the global L2 norm of the gradients to this before every update, as
+    `torch.nn.utils.clip_grad_norm_` does (on the fp32 master gradients in mixed precision)."""
+    scheduler: Callable[[Any], Any] | None = None
+    """optimizer → LR scheduler (anything with `.step()`), stepped once after every optimizer step."""
 
     def __post_init__(self) -> None:
         for field_name in ("model", "batch", "loss", "optimizer"):
             if not callable(getattr(self, field_name)):
                 raise HplanError(f"Workload.{field_name} must be callable (a factory), got {type(getattr(self, field_name)).__name__}")
+        if self.scheduler is not None and not callable(self.scheduler):
+            raise HplanError(f"Workload.scheduler must be a factory (optimizer → scheduler), got "
+                             f"{type(self.scheduler).__name__}")
+        if isinstance(self.accumulate, bool) or not isinstance(self.accumulate, int) or self.accumulate < 1:
+            raise HplanError(f"Workload.accumulate must be a positive integer (micro-batches per step), "
+                             f"got {self.accumulate!r}")
+        if self.max_grad_norm is not None and not (isinstance(self.max_grad_norm, (int, float))
+                                                   and 0 < self.max_grad_norm < float("inf")):
+            raise HplanError(f"Workload.max_grad_norm must be a finite positive number or None, got "
+                             f"{self.max_grad_norm!r}")
         get_recipe(self.precision)
+
+    def micro_batch(self, step: int, micro: int) -> Any:
+        """The batch of micro-step `micro` of optimizer step `step`."""
+        return self.batch(step * self.accumulate + micro)
 
     def build_model(self) -> Any:
         """Seed torch and build the model, cast to the recipe's compute dtype."""

@@ -1,24 +1,28 @@
-"""The planner: Trace + Budget → Plan (which chunk is on the GPU at every event). Pure Python, no torch.
+"""The planner: Trace + Hardware → Plan (which region of model data is on the GPU at every event). No torch.
 
-make_plan searches chunk size and optimizer placement with a Belady-style solver, solves the chosen
-instance exactly (HiGHS MILP) when small enough, adds prefetch and predicts the step time;
-validate replays a plan through hplan.artifacts.replay; simulate_baselines and sweep score the
-policies users would otherwise run in the same simulator.
+make_plan searches chunking and optimizer placement with a Belady-style solver, solves the chosen instance
+exactly (HiGHS MILP) when small enough, adds prefetch and predicts the step time; validate replays a plan
+through hplan.artifacts.replay; simulate_baselines and sweep score the policies users would otherwise run.
 """
 
+from hplan.artifacts.hardware import Hardware
 from hplan.artifacts.trace import Trace
-from hplan.planner.baselines import simulate_baselines
 from hplan.planner.core import make_plan, validate
-from hplan.planner.options import GPU_PRESETS, PlanOptions
-from hplan.planner.problem import MinGpu, group_params, make_chunks, min_gpu
-from hplan.planner.sweep import BASELINE_KEYS, sweep
+from hplan.planner.options import GPU_PRESETS, PlanOptions, make_hardware
+from hplan.planner.problem import MinGpu, build, group_params, min_gpu
 
 
-def min_gpu_bytes(trace: Trace, slack_bytes: int | None = None) -> MinGpu:
-    """Smallest GPU budget with any schedule (one parameter per chunk, all updates on the CPU), with its bottleneck."""
-    slack = trace.allocator_slack_bytes + trace.overhead_bytes if slack_bytes is None else slack_bytes
-    return min_gpu(trace, make_chunks(group_params(trace, 1)), slack)
+def min_gpu_bytes(trace: Trace, hardware: Hardware | None = None) -> MinGpu:
+    """Smallest GPU budget with any schedule (module chunks, every update on the CPU), with its bottleneck.
+    Without `hardware`, slack is the trace's measured or predicted allocator slack plus overhead."""
+    hardware = hardware or Hardware(gpu_bytes=1, slack_bytes=default_slack(trace))
+    return min_gpu(trace, hardware)
 
 
-__all__ = ["BASELINE_KEYS", "GPU_PRESETS", "MinGpu", "PlanOptions", "make_plan", "min_gpu_bytes",
-           "simulate_baselines", "sweep", "validate"]
+def default_slack(trace: Trace) -> int:
+    """Allocator slack + non-framework overhead the trace measured (CUDA) or predicted (CPU, fake)."""
+    return trace.allocator_slack_bytes + trace.overhead_bytes
+
+
+__all__ = ["GPU_PRESETS", "Hardware", "MinGpu", "PlanOptions", "build", "default_slack", "group_params",
+           "make_hardware", "make_plan", "min_gpu_bytes", "validate"]

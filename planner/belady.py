@@ -1,11 +1,12 @@
-"""The fast solver: Belady's furthest-next-use eviction, aware of write-backs and varying capacity.
+"""The fast solver: Belady's furthest-next-use eviction, aware of liveness, write-backs and varying capacity.
 
-On equal-size chunks with no write-backs, evicting the chunk used furthest in the future is optimal
-(Belady 1966) and stays optimal when the capacity changes from step to step. Here sizes vary and
-dirty chunks cost a write-back, so ties in next use go to clean chunks first, then to larger ones.
-The schedule is cyclic: the iteration repeats, so the run is repeated from its own end state until
-it reproduces it (a steady state); if that does not happen within a few rounds, step 0 gets explicit
-fix-up evictions and fetches that restore the state the run started from.
+On equal-size items with no write-backs, evicting the item used furthest in the future is optimal (Belady 1966)
+and stays optimal when the capacity changes from step to step. Here sizes vary, dirty regions cost a write-back
+and dead content costs nothing to drop or to re-allocate, so victims are ranked: dead or forced off before its
+next use (free, or paid anyway) first, then furthest next use, clean before dirty, larger first.
+The schedule is cyclic: the run is repeated from its own end state until it reproduces it (a steady state); if
+that does not happen within a few rounds, step 0 gets explicit fix-up evictions and fetches that restore the
+state the run started from.
 """
 
 from __future__ import annotations
@@ -16,35 +17,35 @@ from dataclasses import dataclass
 from hplan.planner.problem import Problem
 
 ROUNDS = 6
-"""Repeats of the iteration looking for a steady state; 1194 random instances all settled in 2."""
+"""Repeats of the iteration looking for a steady state; random instances settle in 2."""
 NEVER = 1 << 60
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class Schedule:
-    """Movement only: which chunks leave and arrive at each step (write-backs are derived)."""
+    """Movement only: which regions leave and arrive at each step (write-backs and copy-or-allocate are derived)."""
 
     initial: frozenset[int]
     evict: tuple[tuple[int, ...], ...]
     fetch: tuple[tuple[int, ...], ...]
     fits: bool = True
-    """False when some step's needed chunks alone exceed its capacity."""
+    """False when some step's needed regions alone exceed its capacity."""
 
 
 class NextUse:
-    """Cyclic next-use lookups: distance to the next step needing a chunk (NEVER if a CPU update comes first)."""
+    """Cyclic lookups: steps until a region is next needed, and whether it must leave before that."""
 
     def __init__(self, problem: Problem) -> None:
         n = len(problem.sizes)
         self.steps = problem.n_steps
         self.uses: list[list[int]] = [[] for _ in range(n)]
-        self.hosts: list[list[int]] = [[] for _ in range(n)]
-        for t, cs in enumerate(problem.needs):
-            for c in cs:
-                self.uses[c].append(t)
-        for t, cs in enumerate(problem.host):
-            for c in cs:
-                self.hosts[c].append(t)
+        self.offs: list[list[int]] = [[] for _ in range(n)]
+        for t, rs in enumerate(problem.needs):
+            for r in rs:
+                self.uses[r].append(t)
+        for t, rs in enumerate(problem.off):
+            for r in rs:
+                self.offs[r].append(t)
 
     def _next(self, xs: list[int], t: int) -> int:
         if not xs:
@@ -52,51 +53,55 @@ class NextUse:
         i = bisect.bisect_right(xs, t)
         return xs[i] - t if i < len(xs) else xs[0] + self.steps - t
 
-    def distance(self, c: int, t: int) -> int:
-        use = self._next(self.uses[c], t)
-        return NEVER if self._next(self.hosts[c], t) < use else use
+    def distance(self, r: int, t: int) -> int:
+        """Steps after t until r is needed again; NEVER when it must leave the device first."""
+        use = self._next(self.uses[r], t)
+        return NEVER if self._next(self.offs[r], t) <= use else use
 
 
 def run_once(problem: Problem, start: frozenset[int], start_dirty: frozenset[int], nu: NextUse,
              cap: tuple[int, ...] | None = None
              ) -> tuple[list[tuple[int, ...]], list[tuple[int, ...]], frozenset[int], frozenset[int], bool]:
-    """One pass over the steps from a given state; returns evictions, fetches, end state, fits."""
+    """One pass over the steps from a given state; returns evictions, fetches, end state, end dirty set, fits."""
     caps = problem.cap if cap is None else cap
-    size = problem.sizes
+    size, live = problem.sizes, problem.live
     resident, dirty = set(start), set(start_dirty)
-    used = sum(size[c] for c in resident)
+    used = sum(size[r] for r in resident)
     evicts, fetches, fits = [], [], True
     for t in range(problem.n_steps):
         needs = problem.needs[t]
-        out = [c for c in problem.host[t] if c in resident]
-        for c in out:
-            resident.discard(c)
-            used -= size[c]
-        missing = [c for c in needs if c not in resident]
-        want = used + sum(size[c] for c in missing)
+        out = [r for r in problem.off[t] if r in resident]
+        for r in out:
+            resident.discard(r)
+            used -= size[r]
+        missing = [r for r in needs if r not in resident]
+        want = used + sum(size[r] for r in missing)
         if want > caps[t]:
             needed = set(needs)
-            victims = sorted((c for c in resident if c not in needed),
-                             key=lambda c: (-nu.distance(c, t), c in dirty, -size[c], c))
-            for c in victims:
+
+            def rank(r: int) -> tuple:
+                free = not live[r][t] or nu.distance(r, t) == NEVER
+                return (not free, -nu.distance(r, t), r in dirty and live[r][t], -size[r], r)
+
+            for r in sorted((r for r in resident if r not in needed), key=rank):
                 if want <= caps[t]:
                     break
-                resident.discard(c)
-                out.append(c)
-                used -= size[c]
-                want -= size[c]
+                resident.discard(r)
+                out.append(r)
+                used -= size[r]
+                want -= size[r]
             fits = fits and want <= caps[t]
         dirty -= set(out)
         resident.update(missing)
-        used += sum(size[c] for c in missing)
-        dirty.update(problem.writes[t])
+        used += sum(size[r] for r in missing)
+        dirty.update(problem.dirties[t])
         evicts.append(tuple(sorted(out)))
         fetches.append(tuple(sorted(missing)))
     return evicts, fetches, frozenset(resident), frozenset(dirty), fits
 
 
 def solve_fast(problem: Problem, cap: tuple[int, ...] | None = None) -> Schedule:
-    """Belady to a steady state; `cap` overrides the capacities (the Gemini baseline's margins)."""
+    """Belady to a steady state; `cap` overrides the capacities (a baseline's own memory rule)."""
     nu = NextUse(problem)
     state: tuple[frozenset[int], frozenset[int]] = (frozenset(), frozenset())
     for _ in range(ROUNDS):

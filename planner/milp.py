@@ -1,13 +1,13 @@
-"""The exact solver: the cyclic paging problem with write-backs as a MILP, solved by HiGHS.
+"""The exact solver: the cyclic paging problem with liveness and write-backs as a MILP, solved by HiGHS.
 
-Variables per chunk c and step t (t-1 wraps to the last step, which makes the schedule cyclic):
+Variables per region r and step t (t-1 wraps to the last step, which makes the schedule cyclic):
 x resident (binary), f fetched, d dirty, w written back (continuous in [0, 1]; integral at the
-optimum once x is). Minimise sum size_c * (f + w) subject to
-  f[c,t] >= x[c,t] - x[c,t-1]            a chunk that appears was fetched
-  w[c,t] >= d[c,t-1] - x[c,t]            a dirty chunk that leaves is written back
-  d[c,t] >= d[c,t-1] + x[c,t] - 1,  d <= x,  d[c,t] = 1 if written at t
-  x[c,t] = 1 if needed at t,  x[c,t] = 0 if CPU-updated at t
-  sum_c size_c * x[c,t] <= cap[t].
+optimum once x is). Minimise sum size_r * live[r][t] * (f + w) subject to
+  f[r,t] >= x[r,t] - x[r,t-1]            a region that appears was fetched (or allocated, when dead)
+  w[r,t] >= d[r,t-1] - x[r,t]            a dirty region that leaves is written back (free when dead)
+  d[r,t] >= d[r,t-1] + x[r,t] - 1,  d <= x,  d[r,t] = 1 if dirtied at t
+  x[r,t] = 1 if needed at t,  x[r,t] = 0 if it must be off the device at t
+  sum_r size_r * x[r,t] <= cap[t].
 """
 
 from __future__ import annotations
@@ -65,13 +65,14 @@ def solve_exact(problem: Problem) -> ExactResult:
     for t in range(steps):
         for c in problem.needs[t]:
             lower[idx(0, c, t)] = 1.0
-        for c in problem.writes[t]:
+        for c in problem.dirties[t]:
             lower[idx(2, c, t)] = 1.0
-        for c in problem.host[t]:
+        for c in problem.off[t]:
             upper[idx(0, c, t)] = 0.0
     if np.any(lower > upper):
         return ExactResult(schedule=None, lower_bound=0.0, optimal=False)
-    sizes = np.repeat(np.asarray(problem.sizes, dtype=float), steps)
+    live = np.asarray(problem.live, dtype=float).reshape(-1) if n else np.zeros(0)
+    sizes = np.repeat(np.asarray(problem.sizes, dtype=float), steps) * live
     cost = np.concatenate([np.zeros(nv), sizes, np.zeros(nv), sizes])
     matrix = coo_matrix((vals, (rows, cols)), shape=(len(lo), 4 * nv)).tocsr()
     result = milp(cost, constraints=LinearConstraint(matrix, lo, hi), bounds=Bounds(lower, upper),

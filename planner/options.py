@@ -1,9 +1,14 @@
-"""Planner options and GPU presets, each default written once with where its number comes from."""
+"""Planner options (how to solve) and GPU presets (what a named GPU is), each default written once.
+
+What the plan targets (capacities, link and compute rates, ranks) is a `Hardware` (hplan.artifacts.hardware);
+`make_hardware` builds one from a preset name and overrides. These options only steer the solver.
+"""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
+from hplan.artifacts.hardware import Hardware
 from hplan.errors import HplanError
 
 
@@ -31,62 +36,44 @@ GPU_PRESETS: dict[str, GpuPreset] = {p.name: p for p in (
     GpuPreset(name="a100-80gb", memory_bytes=80 * 10**9, tflops_16=312.0, tflops_32=19.5, link_gbps=32.0),
     GpuPreset(name="h100-80gb", memory_bytes=80 * 10**9, tflops_16=989.0, tflops_32=67.0, link_gbps=64.0),
 )}
-
+DEFAULT_GPU = "rtx3090"
+"""The seed's headline GPU: a 24 GB RTX 3090."""
 SOLVERS: tuple[str, ...] = ("auto", "exact", "fast")
+
+
+def make_hardware(gpu: str = DEFAULT_GPU, *, gpu_bytes: int | None = None, **overrides: object) -> Hardware:
+    """A Hardware for a GPU preset: its memory (unless `gpu_bytes`), compute and link rates, then overrides
+    (any Hardware field; None values are ignored)."""
+    if gpu not in GPU_PRESETS:
+        raise HplanError(f"unknown GPU preset {gpu!r}: use one of {', '.join(GPU_PRESETS)}")
+    preset = GPU_PRESETS[gpu]
+    known = {f.name for f in fields(Hardware)}
+    unknown = sorted(set(overrides) - known)
+    if unknown:
+        raise HplanError(f"unknown hardware option(s) {unknown}")
+    base = dict(gpu=gpu, gpu_bytes=gpu_bytes or preset.memory_bytes, tflops_16=preset.tflops_16,
+                tflops_32=preset.tflops_32, h2d_gbps=preset.link_gbps, d2h_gbps=preset.link_gbps)
+    return Hardware(**{**base, **{k: v for k, v in overrides.items() if v is not None}})
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class PlanOptions:
-    """How to plan; None means "derive it" (from the trace or the GPU preset)."""
+    """How to plan; None means "search" or "derive it"."""
 
     chunk_bytes: int | None = None
-    """Target bytes of a param chunk; None searches a few sizes for the best predicted step time."""
+    """Target weight bytes of a chunk; 0 = one chunk per module; None searches module chunks and a few sizes,
+    keeping the fewest bytes moved (then the shortest predicted step)."""
     solver: str = "auto"
     """"exact" (MILP), "fast" (Belady-style) or "auto" (exact when the instance is within exact_limit)."""
-    gpu: str = "rtx3090"
-    """GPU preset for compute and link speeds; the seed's headline GPU is a 24 GB RTX 3090."""
-    gpu_tflops: float | None = None
-    """Overrides the preset's TFLOPS (fp32 or fp16/bf16 by the trace's precision)."""
-    link_gbps: float | None = None
-    """Overrides the preset's host link, GB/s per direction."""
-    cpu_adam_gbps: float = 26.5
-    """CPU optimizer throughput in GB/s of model state (weight + grad + master + moments) updated.
-    Measured 2026-11-22 on this 2-core dev machine: torch 2.13 fused CPU AdamW, 1 thread,
-    16M fp32 parameters, best of 5 steps: 1.65e9 params/s x 16 B = 26.5 GB/s (foreach: 3.5 GB/s)."""
-    slack_bytes: int | None = None
-    """Allocator slack + overhead kept free; None takes trace.allocator_slack_bytes + overhead_bytes."""
     exact_limit: int = 2000
-    """Largest chunks x steps the "auto" solver sends to the MILP. Measured 2026-11-22 on this machine:
-    1848 cells (gpt 2-layer, one chunk per parameter) solve in 0.3-0.5 s; 5928 cells hit a 20 s limit."""
-    overlap: bool = True
-    """Transfers and CPU updates run beside compute (a GPU's copy engines). False models a fast tier
-    without them, such as hplan's CPU executor: every copy and host update adds to the step time."""
+    """Largest regions x steps the "auto" solver sends to the MILP."""
     compare: bool = False
-    """Also score the baselines (ZeRO-Offload static, Gemini auto, all-on-GPU)."""
+    """Also score the baselines (ZeRO-Offload, Gemini, all-on-GPU)."""
+    flips: bool = True
+    """Let a chunk's gradient reuse its weights' device storage where the recipe allows (Gemini's trick)."""
 
     def __post_init__(self) -> None:
         if self.solver not in SOLVERS:
             raise HplanError(f"unknown solver {self.solver!r}: use one of {', '.join(SOLVERS)}")
-        if self.gpu not in GPU_PRESETS:
-            raise HplanError(f"unknown GPU preset {self.gpu!r}: use one of {', '.join(GPU_PRESETS)}")
-        for name in ("gpu_tflops", "link_gbps", "cpu_adam_gbps"):
-            value = getattr(self, name)
-            if value is not None and not value > 0:
-                raise HplanError(f"{name.replace('_', '-')} must be positive, got {value}")
-        if self.chunk_bytes is not None and self.chunk_bytes <= 0:
-            raise HplanError(f"chunk size must be positive, got {self.chunk_bytes} bytes")
-        if self.slack_bytes is not None and self.slack_bytes < 0:
-            raise HplanError(f"slack must not be negative, got {self.slack_bytes} bytes")
-
-    def tflops(self, precision: str) -> float:
-        """Compute rate used for FLOP-based event times: fp32 traces use the fp32 figure."""
-        if self.gpu_tflops is not None:
-            return self.gpu_tflops
-        preset = GPU_PRESETS[self.gpu]
-        return preset.tflops_32 if precision == "fp32" else preset.tflops_16
-
-    def link_bytes_per_s(self) -> float:
-        return (self.link_gbps if self.link_gbps is not None else GPU_PRESETS[self.gpu].link_gbps) * 1e9
-
-    def cpu_bytes_per_s(self) -> float:
-        return self.cpu_adam_gbps * 1e9
+        if self.chunk_bytes is not None and self.chunk_bytes < 0:
+            raise HplanError(f"chunk size must not be negative, got {self.chunk_bytes} bytes")

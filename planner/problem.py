@@ -1,137 +1,279 @@
-"""From a Trace to the paging problem every solver works on: chunks, per-step needs, capacities.
+"""From a Trace to the paging problem every solver works on: chunks, regions, per-step needs, capacities.
 
-Chunks (see [Note: plan semantics] in hplan.artifacts.plan): parameters are grouped in first-use
-order; each group gives one "param" chunk (compute weights + gradients, exact bytes, no padding,
-because the executor allocates exactly this) and one "optim" chunk with the same tensors (master
-copy + moments). Param chunk of group g has id g, its optim chunk id n_groups + g.
+Chunks (see [Note: plan semantics] in hplan.artifacts.plan) group parameters in first-use order; a chunk never
+mixes dtypes or frozen with trainable parameters. Each chunk has regions (param, grad, master, state) with exact
+bytes, because the executor allocates exactly these. `build` turns a chunking and an optimizer placement into
+the plan's per-step region semantics (`Structure`) and the solver's view of it (`Problem`).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from hplan.artifacts.plan import Budget, Chunk
+from hplan.artifacts.hardware import Hardware
+from hplan.artifacts.plan import Chunk, Region
 from hplan.artifacts.trace import Event, ParamInfo, Trace
-from hplan.planner.options import PlanOptions
 from hplan.sizes import format_size
+
+MODULE_CHUNKS = 0
+"""Chunk target meaning "one chunk per module" (the finest chunking the planner offers)."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class Problem:
-    """A cyclic paging instance: which chunks each step needs, writes, must not hold; how much fits."""
+    """A cyclic paging instance over regions with liveness: what solvers see.
+
+    Cost of a schedule: every fetch of region r at step t costs sizes[r] when live[r][t] (otherwise it is an
+    allocation, free), and every eviction of a dirty region costs sizes[r] when live[r][t] (a write-back).
+    """
 
     sizes: tuple[int, ...]
     needs: tuple[tuple[int, ...], ...]
-    writes: tuple[tuple[int, ...], ...]
-    host: tuple[tuple[int, ...], ...]
-    """Chunks updated on the CPU at the step: they must be off the GPU then."""
+    """Regions resident during step t."""
+    dirties: tuple[tuple[int, ...], ...]
+    """Regions modified on the device at step t (dirty afterwards)."""
+    off: tuple[tuple[int, ...], ...]
+    """Regions that must not be resident at step t (host-side updates; weights a flip released)."""
     cap: tuple[int, ...]
-    """Bytes of model data the step may hold: budget - slack - the step's non-model bytes."""
+    """Bytes of regions allowed resident at step t: budget - slack - non-model (+ the gradients flips place
+    in their weights' storage)."""
+    live: tuple[tuple[bool, ...], ...]
+    """live[r][t]: the content region r holds when step t begins is read before it is overwritten."""
     non_model: tuple[int, ...] = ()
-    """Each step's non-model bytes on the GPU (see `event_non_model`); empty in hand-made problems."""
 
     @property
     def n_steps(self) -> int:
         return len(self.needs)
 
     def need_bytes(self, t: int) -> int:
-        return sum(self.sizes[c] for c in self.needs[t])
+        return sum(self.sizes[r] for r in self.needs[t])
 
 
-def group_params(trace: Trace, chunk_bytes: int) -> list[list[ParamInfo]]:
-    """Parameters in first-use order, packed greedily into groups of at most chunk_bytes (param+grad)."""
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Structure:
+    """What a plan's steps say besides movement: the region semantics of each event."""
+
+    chunks: tuple[Chunk, ...]
+    regions: tuple[Region, ...]
+    reads: tuple[tuple[int, ...], ...]
+    writes: tuple[tuple[int, ...], ...]
+    overwrites: tuple[tuple[int, ...], ...]
+    flips: tuple[tuple[int, ...], ...]
+    host_updates: tuple[tuple[int, ...], ...]
+    optimizer: dict[int, str]
+    by_chunk: dict[int, dict[str, int]]
+    """Chunk id → region kind → region id."""
+
+
+def param_order(trace: Trace) -> list[ParamInfo]:
+    """Parameters in first-use order (weights read or gradient written); never-used ones last."""
     by_name = {p.name: p for p in trace.params}
     order: dict[str, None] = {}
     for event in trace.events:
-        for name in event.params:
+        if event.kind == "optimizer":
+            continue
+        for name in (*event.params, *event.grads):
             if name in by_name:
                 order.setdefault(name, None)
-    for p in trace.params:  # never used by an event: still model data, placed last
+    for p in trace.params:
         order.setdefault(p.name, None)
+    return [by_name[n] for n in order]
+
+
+def group_params(trace: Trace, target_bytes: int = MODULE_CHUNKS) -> list[list[ParamInfo]]:
+    """Consecutive parameters (first-use order) in groups: one per module, or modules packed up to
+    `target_bytes` of weights. A group never mixes dtypes, or frozen with trainable parameters."""
     groups: list[list[ParamInfo]] = []
     current: list[ParamInfo] = []
-    current_bytes = 0
-    for name in order:
-        p = by_name[name]
-        size = p.bytes + p.grad_bytes
-        if current and current_bytes + size > chunk_bytes:
-            groups.append(current)
-            current, current_bytes = [], 0
+    weight = 0
+    for p in param_order(trace):
+        if current:
+            last = current[-1]
+            split = p.dtype != last.dtype or p.trainable != last.trainable
+            if target_bytes == MODULE_CHUNKS:
+                split = split or p.modules[:1] != last.modules[:1]
+            else:
+                split = split or weight + p.bytes > target_bytes
+            if split:
+                groups.append(current)
+                current, weight = [], 0
         current.append(p)
-        current_bytes += size
+        weight += p.bytes
     if current:
         groups.append(current)
     return groups
 
 
-def make_chunks(groups: list[list[ParamInfo]]) -> tuple[Chunk, ...]:
-    n = len(groups)
-    params = [Chunk(id=g, bytes=sum(p.bytes + p.grad_bytes for p in ps), kind="param",
-                    tensors=tuple(p.name for p in ps)) for g, ps in enumerate(groups)]
-    optim = [Chunk(id=n + g, bytes=sum(p.optimizer_bytes for p in ps), kind="optim",
-                   tensors=tuple(p.name for p in ps)) for g, ps in enumerate(groups)]
-    return tuple(params + optim)
+def make_regions(groups: list[list[ParamInfo]], master: bool) -> tuple[tuple[Chunk, ...], tuple[Region, ...]]:
+    """Chunks and their regions with exact bytes; region ids are dense, in chunk order."""
+    chunks, regions = [], []
+    for c, ps in enumerate(groups):
+        trainable = [p for p in ps if p.trainable]
+        chunks.append(Chunk(id=c, tensors=tuple(p.name for p in ps), trainable=tuple(p.name for p in trainable),
+                            dtype=ps[0].dtype))
+        master_bytes = sum(4 * (p.bytes // _itemsize(p)) for p in trainable) if master else 0
+        sizes = {"param": sum(p.bytes for p in ps), "grad": sum(p.grad_bytes for p in trainable),
+                 "master": master_bytes, "state": sum(p.optimizer_bytes for p in trainable) - master_bytes}
+        for kind in ("param", "grad", "master", "state"):
+            if kind == "param" or (trainable and sizes[kind] > 0):
+                regions.append(Region(id=len(regions), chunk=c, kind=kind, bytes=sizes[kind]))
+    return tuple(chunks), tuple(regions)
 
 
-def param_chunk_of(chunks: tuple[Chunk, ...]) -> dict[str, int]:
-    return {name: c.id for c in chunks if c.kind == "param" for name in c.tensors}
-
-
-def step_actions(trace: Trace, chunks: tuple[Chunk, ...], gpu_groups: frozenset[int]
-                 ) -> list[tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]]]:
-    """(needs, writes, host_updates) of every event, by the model the executor implements."""
-    owner = param_chunk_of(chunks)
-    n = len(chunks) // 2
-    out = []
-    for event in trace.events:
-        if event.kind == "optimizer":
-            gpu = tuple(sorted(c for g in gpu_groups for c in (g, n + g)))
-            host = tuple(sorted(c for g in range(n) if g not in gpu_groups for c in (g, n + g)))
-            out.append((gpu, gpu, host))
-            continue
-        needs = tuple(sorted({owner[name] for name in event.params if name in owner}))
-        out.append((needs, needs if event.kind == "backward" else (), ()))
-    return out
+def _itemsize(p: ParamInfo) -> int:
+    n = 1
+    for s in p.shape:
+        n *= s
+    return p.bytes // n if n else 1
 
 
 def event_non_model(event: Event, gpu_updates: bool) -> int:
-    """Non-model bytes an event holds on the GPU. The optimizer step's update temporaries live where
-    the updates run: with none on the GPU only what was live on entry stays there."""
+    """Non-model bytes an event holds on the GPU. The optimizer step's update temporaries live where the
+    updates run: with none on the GPU only what was live on entry stays there."""
     if event.kind == "optimizer" and not gpu_updates and event.entry_non_model_bytes is not None:
         return event.entry_non_model_bytes
     return event.non_model_peak_bytes
 
 
-def build_problem(trace: Trace, chunks: tuple[Chunk, ...], gpu_groups: frozenset[int],
-                  gpu_bytes: int, slack_bytes: int) -> Problem:
-    actions = step_actions(trace, chunks, gpu_groups)
-    non_model = tuple(event_non_model(e, bool(gpu_groups)) for e in trace.events)
-    return Problem(
-        sizes=tuple(c.bytes for c in chunks),
-        needs=tuple(a[0] for a in actions), writes=tuple(a[1] for a in actions),
-        host=tuple(a[2] for a in actions),
-        cap=tuple(gpu_bytes - slack_bytes - nm for nm in non_model), non_model=non_model,
-    )
+def build(trace: Trace, groups: list[list[ParamInfo]], gpu_chunks: frozenset[int], hardware: Hardware,
+          *, flips: bool = True) -> tuple[Structure, Problem]:
+    """The plan's region semantics for a chunking and optimizer placement, and the solver's problem."""
+    master = trace.precision != "fp32"
+    chunks, regions = make_regions(groups, master)
+    by_chunk: dict[int, dict[str, int]] = {}
+    for r in regions:
+        by_chunk.setdefault(r.chunk, {})[r.kind] = r.id
+    owner = {name: c.id for c in chunks for name in c.tensors}
+    n = len(trace.events)
+    opt = next((t for t, e in enumerate(trace.events) if e.kind == "optimizer"), n - 1)
+    reads = [set() for _ in range(n)]
+    writes = [set() for _ in range(n)]
+    overwrites = [set() for _ in range(n)]
+    first_write: dict[int, int] = {}
+    last_touch: dict[int, int] = {}
+    for t, e in enumerate(trace.events):
+        if e.kind == "optimizer":
+            continue
+        for name in e.params:
+            reads[t].add(by_chunk[owner[name]]["param"])
+            last_touch[owner[name]] = t
+        for c in {owner[name] for name in e.grads if name in owner}:
+            g = by_chunk[c].get("grad")
+            if g is None:
+                continue
+            (writes if c in first_write else overwrites)[t].add(g)
+            first_write.setdefault(c, t)
+            last_touch[c] = t
+    trainable = [c.id for c in chunks if c.trainable]
+    placement = {c: "gpu" if c in gpu_chunks else "cpu" for c in trainable}
+    host_updates = [set() for _ in range(n)]
+    for c in trainable:
+        regs = by_chunk[c]
+        if placement[c] == "gpu":
+            if c in first_write:
+                reads[opt].add(regs["grad"])
+            (overwrites if master else writes)[opt].add(regs["param"])
+            for kind in ("master", "state"):
+                if kind in regs:
+                    writes[opt].add(regs[kind])
+        else:
+            h = opt if trace.defer_updates or c not in last_touch else min(opt, last_touch[c] + 1)
+            host_updates[h].add(c)
+    flip_at = _flips(trace, chunks, by_chunk, first_write, placement, master) if flips else {}
+    flip_steps = [set() for _ in range(n)]
+    for c, t in flip_at.items():
+        flip_steps[t].add(c)
+    structure = Structure(chunks=chunks, regions=regions, reads=_tuples(reads), writes=_tuples(writes),
+                          overwrites=_tuples(overwrites), flips=_tuples(flip_steps),
+                          host_updates=_tuples(host_updates), optimizer=placement, by_chunk=by_chunk)
+    return structure, _problem(trace, structure, hardware, bool(gpu_chunks))
+
+
+def _flips(trace: Trace, chunks: tuple[Chunk, ...], by_chunk: dict[int, dict[str, int]],
+           first_write: dict[int, int], placement: dict[int, str], master: bool) -> dict[int, int]:
+    """Chunks whose gradient can take its weights' device storage, and at which step.
+
+    Allowed when every parameter of the chunk is trainable, its weights are all read before any of its
+    gradients is written (op order, from the trace), the first gradient write happens in the same step as the
+    last weight read, and the weights are not needed afterwards: a mixed-precision update rewrites them from the
+    master, and a host update (fp32) works on the host copy, which the device copy never modified."""
+    info = {p.name: p for p in trace.params}
+    out = {}
+    for c in chunks:
+        if c.id not in first_write or len(c.trainable) != len(c.tensors):
+            continue
+        if not master and placement.get(c.id) == "gpu":
+            continue
+        ps = [info[name] for name in c.tensors]
+        last_read = max(p.last_read_op for p in ps)
+        firsts = [p.first_grad_op for p in ps if p.first_grad_op >= 0]
+        t = first_write[c.id]
+        event = trace.events[t]
+        if firsts and last_read < min(firsts) and event.op_start <= last_read < event.op_end:
+            out[c.id] = t
+    return out
+
+
+def _problem(trace: Trace, s: Structure, hardware: Hardware, gpu_updates: bool) -> Problem:
+    n = len(trace.events)
+    sizes = tuple(r.bytes for r in s.regions)
+    needs = [set(a) | set(b) | set(c) for a, b, c in zip(s.reads, s.writes, s.overwrites)]
+    off = [set() for _ in range(n)]
+    for t, cs in enumerate(s.host_updates):
+        for c in cs:
+            off[t] |= set(s.by_chunk[c].values())
+    non_model = tuple(event_non_model(e, gpu_updates) for e in trace.events)
+    cap = [hardware.gpu_bytes - hardware.slack_bytes - nm for nm in non_model]
+    for t, cs in enumerate(s.flips):
+        for c in cs:
+            cap[t] += sizes[s.by_chunk[c]["grad"]]
+            off[(t + 1) % n].add(s.by_chunk[c]["param"])
+    dirties = [set(w) | set(o) for w, o in zip(s.writes, s.overwrites)]
+    return Problem(sizes=sizes, needs=_tuples(needs), dirties=_tuples(dirties), off=_tuples(off), cap=tuple(cap),
+                   live=_liveness(s, n), non_model=non_model)
+
+
+def _liveness(s: Structure, n: int) -> tuple[tuple[bool, ...], ...]:
+    """live[r][t], by the same cyclic backward analysis the validator runs on the finished plan."""
+    uses = [set(r) | set(w) for r, w in zip(s.reads, s.writes)]
+    defs = [set(o) - u for o, u in zip(s.overwrites, uses)]
+    for t, cs in enumerate(s.host_updates):
+        for c in cs:
+            regs = s.by_chunk[c]
+            uses[t] |= {regs[k] for k in ("grad", "master", "state") if k in regs}
+            (defs[t] if "master" in regs else uses[t]).add(regs["param"])
+    out = []
+    for r in range(len(s.regions)):
+        flags, state = [False] * n, False
+        for k in range(2 * n - 1, -1, -1):
+            t = k % n
+            if r in uses[t]:
+                state = True
+            elif r in defs[t]:
+                state = False
+            flags[t] = state
+        out.append(tuple(flags))
+    return tuple(out)
+
+
+def _tuples(sets: list[set[int]]) -> tuple[tuple[int, ...], ...]:
+    return tuple(tuple(sorted(x)) for x in sets)
 
 
 def lower_bound(problem: Problem) -> int:
-    """Bytes any cyclic schedule must move (valid for every solver, so gap = how far from proven).
-
-    Chunks needed at one step and CPU-updated at another are fetched at least once (written back
-    too when written on the GPU). At each step t, chunks needed somewhere that do not fit in
-    cap[t] must be off the GPU then, so fetched at some point: clean ones cost 1 byte per byte,
-    dirty ones 2, so the cheapest way to shed the excess sets a bound per step; take the worst step.
-    """
-    needed = {c for cs in problem.needs for c in cs}
-    written = {c for cs in problem.writes for c in cs}
-    forced = needed & {c for cs in problem.host for c in cs}
-    size = problem.sizes
-    bound = sum(size[c] * (2 if c in written else 1) for c in forced)
-    rest = needed - forced
-    rest_bytes = sum(size[c] for c in rest)
-    clean_bytes = sum(size[c] for c in rest - written)
-    excess = max([0] + [rest_bytes - cap for cap in problem.cap])
-    return bound + excess + max(0, excess - clean_bytes)
+    """Bytes any schedule must move, cheaply: regions that must be off the device at one step and hold live
+    content at a step that needs them are fetched at least once per iteration (plus written back when dirtied
+    on the device while live). Solvers report stronger bounds (the LP relaxation) when they run."""
+    bound = 0
+    for r, size in enumerate(problem.sizes):
+        forced = any(r in problem.off[t] for t in range(problem.n_steps))
+        needed_live = any(r in problem.needs[t] and problem.live[r][t] for t in range(problem.n_steps))
+        if forced and needed_live:
+            bound += size
+            if any(r in problem.dirties[t] and problem.live[r][(t + 1) % problem.n_steps]
+                   for t in range(problem.n_steps)):
+                bound += size
+    return bound
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -141,35 +283,31 @@ class MinGpu:
     """The event that sets the minimum, in words."""
 
 
-def min_gpu(trace: Trace, chunks: tuple[Chunk, ...], slack_bytes: int) -> MinGpu:
-    """Smallest budget with any schedule: the worst event's needed chunks + non-model + slack.
-
-    The optimizer step needs no chunk when every update runs on the CPU, so it costs only its
-    non-model bytes; any other step holds exactly what it needs, which is always achievable.
-    """
-    actions = step_actions(trace, chunks, frozenset())
-    sizes = [c.bytes for c in chunks]
-    best: tuple[int, Event, int] | None = None
-    for event, (needs, _, _) in zip(trace.events, actions):
-        model = sum(sizes[c] for c in needs)
-        total = model + event_non_model(event, False) + slack_bytes
+def min_gpu(trace: Trace, hardware: Hardware) -> MinGpu:
+    """Smallest budget with any schedule: module chunks, every update on the CPU; each step then holds exactly
+    what it touches (a flip's gradient in its weights' storage) + its non-model bytes + slack."""
+    structure, problem = build(trace, group_params(trace), frozenset(), hardware.__class__(
+        **{**_hw_fields(hardware), "gpu_bytes": 1, "slack_bytes": 0}))
+    best: tuple[int, int] | None = None
+    for t in range(problem.n_steps):
+        model = problem.need_bytes(t) - sum(problem.sizes[structure.by_chunk[c]["grad"]] for c in structure.flips[t])
+        total = model + problem.non_model[t] + hardware.slack_bytes
         if best is None or total > best[0]:
-            best = (total, event, model)
+            best = (total, t)
     if best is None:
-        return MinGpu(gpu_bytes=max(1, slack_bytes), bottleneck="the trace has no events")
-    total, event, model = best
+        return MinGpu(gpu_bytes=max(1, hardware.slack_bytes), bottleneck="the trace has no events")
+    total, t = best
+    event = trace.events[t]
+    model = total - problem.non_model[t] - hardware.slack_bytes
     phase = "the optimizer step" if event.kind == "optimizer" else f"{event.kind} of {event.module}"
-    words = (f"needs at least {format_size(total)}: {phase} holds {format_size(event_non_model(event, False))} "
-             f"of non-model data (activations, temporaries) and {format_size(model)} of parameters")
-    if slack_bytes:
-        words += f" (plus {format_size(slack_bytes)} slack)"
+    words = (f"needs at least {format_size(total)}: {phase} holds {format_size(problem.non_model[t])} of "
+             f"non-model data (activations, temporaries) and {format_size(model)} of model data")
+    if hardware.slack_bytes:
+        words += f" (plus {format_size(hardware.slack_bytes)} slack)"
     return MinGpu(gpu_bytes=max(1, total), bottleneck=words)
 
 
-def resolve_slack(trace: Trace, budget: Budget, options: PlanOptions) -> int:
-    """Options win, then a slack already in the budget, then what the trace measured or predicted."""
-    if options.slack_bytes is not None:
-        return options.slack_bytes
-    if budget.slack_bytes:
-        return budget.slack_bytes
-    return trace.allocator_slack_bytes + trace.overhead_bytes
+def _hw_fields(hardware: Hardware) -> dict:
+    from dataclasses import fields
+
+    return {f.name: getattr(hardware, f.name) for f in fields(hardware)}

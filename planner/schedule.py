@@ -1,44 +1,74 @@
-"""From a solver's movement to plan steps: prefetch, derived write-backs, predicted step time."""
+"""From a solver's movement to plan steps: prefetch, derived write-backs, copy-or-allocate, flips, step time."""
 
 from __future__ import annotations
 
+from hplan.artifacts.hardware import Hardware
 from hplan.artifacts.plan import Step
 from hplan.artifacts.trace import Trace
 from hplan.planner.belady import Schedule
-from hplan.planner.problem import Problem
+from hplan.planner.problem import Problem, Structure
+
+
+def drop_dead(problem: Problem, schedule: Schedule) -> Schedule:
+    """Keep a region resident only while it is needed or its content is live: dropping dead content is free,
+    lowers memory, and the re-arrival it may cause is an allocation (the content is still dead then, since
+    nothing touched it). Solvers indifferent to free residency (the MILP, Belady with room to spare) leave such
+    regions in place; a flip also needs its gradient to arrive exactly at its step."""
+    n, regions = problem.n_steps, len(problem.sizes)
+    held = [[False] * n for _ in range(regions)]
+    resident = set(schedule.initial)
+    for t in range(n):
+        resident -= set(schedule.evict[t])
+        resident |= set(schedule.fetch[t])
+        for r in resident:
+            held[r][t] = r in problem.needs[t] or problem.live[r][t]
+    evict = [[] for _ in range(n)]
+    fetch = [[] for _ in range(n)]
+    for r in range(regions):
+        for t in range(n):
+            before, now = held[r][t - 1], held[r][t]
+            if before and not now:
+                evict[t].append(r)
+            elif now and not before:
+                fetch[t].append(r)
+    initial = frozenset(r for r in range(regions) if held[r][n - 1])
+    return Schedule(initial=initial, evict=tuple(map(tuple, evict)), fetch=tuple(map(tuple, fetch)),
+                    fits=schedule.fits)
 
 
 def hoist_fetches(problem: Problem, schedule: Schedule) -> Schedule:
-    """Move each fetch to the earliest step after which the chunk can stay resident within budget.
+    """Move each copy (a fetch of live content) to the earliest step after which the region can stay resident
+    within capacity: traffic and write-backs stay the same, transfers overlap more compute.
 
-    A fetched chunk is clean and unused until the step that needs it, so moving its fetch earlier
-    changes neither traffic nor write-backs, only overlap. Earlier-needed fetches go first; a fetch
-    never crosses the chunk's own eviction or CPU update, nor the start of the iteration.
-    """
+    A fetched region is clean and unused until the step that needs it. A fetch never crosses the region's own
+    eviction or forced leave (a host update rewriting it), nor the start of the iteration. Allocations (dead
+    content) stay where they are: moving them earlier only holds memory."""
     size, steps = problem.sizes, problem.n_steps
     resident = set(schedule.initial)
     used = []
     for t in range(steps):
         resident -= set(schedule.evict[t])
         resident |= set(schedule.fetch[t])
-        used.append(sum(size[c] for c in resident))
+        used.append(sum(size[r] for r in resident))
     fetch = [list(f) for f in schedule.fetch]
     gone_at: dict[int, int] = {}
     for t in range(steps):
-        for c in problem.host[t]:
-            gone_at[c] = t
-        for c in schedule.evict[t]:
-            gone_at[c] = t
-        for c in schedule.fetch[t]:
-            floor = gone_at.get(c, -1) + 1 if c not in schedule.initial or c in gone_at else t
+        for r in problem.off[t]:
+            gone_at[r] = t
+        for r in schedule.evict[t]:
+            gone_at[r] = t
+        for r in schedule.fetch[t]:
+            if not problem.live[r][t]:
+                continue
+            floor = gone_at.get(r, -1) + 1 if r not in schedule.initial or r in gone_at else t
             s = t
-            while s - 1 >= floor and used[s - 1] + size[c] <= problem.cap[s - 1]:
+            while s - 1 >= floor and used[s - 1] + size[r] <= problem.cap[s - 1] and r not in problem.off[s - 1]:
                 s -= 1
             if s < t:
-                fetch[t].remove(c)
-                fetch[s].append(c)
+                fetch[t].remove(r)
+                fetch[s].append(r)
                 for k in range(s, t):
-                    used[k] += size[c]
+                    used[k] += size[r]
     return Schedule(initial=schedule.initial, evict=schedule.evict,
                     fetch=tuple(tuple(sorted(f)) for f in fetch), fits=schedule.fits)
 
@@ -49,41 +79,51 @@ def _dirty_pass(problem: Problem, schedule: Schedule, dirty0: frozenset[int]
     writebacks = []
     for t in range(problem.n_steps):
         out = set(schedule.evict[t])
-        writebacks.append(tuple(sorted(out & dirty)))
+        writebacks.append(tuple(sorted(r for r in out & dirty if problem.live[r][t])))
         dirty -= out
-        dirty.update(problem.writes[t])
+        dirty.update(problem.dirties[t])
     return writebacks, frozenset(dirty)
 
 
 def writebacks(problem: Problem, schedule: Schedule) -> tuple[list[tuple[int, ...]], frozenset[int]]:
-    """Write-backs of each step and the cyclic initial dirty set, by replaying dirtiness twice.
-
-    After one pass from "nothing dirty" the end state's dirty set is the steady one (a chunk's
-    dirtiness at the end depends only on this iteration's writes and evictions), so the second pass
-    from it is cyclic.
-    """
+    """Write-backs of each step (evicted, dirty, live) and the cyclic initial dirty set, by replaying dirtiness
+    twice: after one pass from "nothing dirty" the end state's dirty set is the steady one."""
     _, end_dirty = _dirty_pass(problem, schedule, frozenset())
     initial_dirty = end_dirty & schedule.initial
     return _dirty_pass(problem, schedule, initial_dirty)[0], initial_dirty
 
 
 def traffic(problem: Problem, schedule: Schedule) -> int:
-    """Bytes a schedule moves per iteration: fetched plus written back."""
+    """Bytes a schedule moves per iteration: live content fetched plus write-backs."""
     backs, _ = writebacks(problem, schedule)
-    return sum(problem.sizes[c] for cs in (*schedule.fetch, *backs) for c in cs)
+    fetched = sum(problem.sizes[r] for t, rs in enumerate(schedule.fetch) for r in rs if problem.live[r][t])
+    return fetched + sum(problem.sizes[r] for rs in backs for r in rs)
 
 
-def to_steps(trace: Trace, problem: Problem, schedule: Schedule) -> tuple[tuple[Step, ...], frozenset[int]]:
-    """Plan steps, one per trace event, with derived write-backs; also the initial dirty set."""
+def to_steps(trace: Trace, structure: Structure, problem: Problem, schedule: Schedule
+             ) -> tuple[tuple[Step, ...], frozenset[int]]:
+    """Plan steps, one per trace event; also the initial dirty set.
+
+    A flip replaces the allocation of the gradient at its step and the forced eviction of the weights at the
+    next step (the executor does both inside the step, when the first gradient arrives)."""
     backs, initial_dirty = writebacks(problem, schedule)
-    steps = tuple(
-        Step(index=t, event=e.key, needs=problem.needs[t], writes=problem.writes[t],
-             non_model_bytes=problem.non_model[t] if problem.non_model else e.non_model_peak_bytes,
-             evict=schedule.evict[t], fetch=schedule.fetch[t],
-             writeback=backs[t], host_updates=problem.host[t])
-        for t, e in enumerate(trace.events)
-    )
-    return steps, initial_dirty
+    n = problem.n_steps
+    flip_alloc = [{structure.by_chunk[c]["grad"] for c in structure.flips[t]} for t in range(n)]
+    flip_evict = [set() for _ in range(n)]
+    for t in range(n):
+        for c in structure.flips[t]:
+            flip_evict[(t + 1) % n].add(structure.by_chunk[c]["param"])
+    steps = []
+    for t, e in enumerate(trace.events):
+        arriving = set(schedule.fetch[t]) - flip_alloc[t]
+        steps.append(Step(
+            index=t, event=e.key, non_model_bytes=problem.non_model[t], reads=structure.reads[t],
+            writes=structure.writes[t], overwrites=structure.overwrites[t],
+            evict=tuple(sorted(set(schedule.evict[t]) - flip_evict[t])), writeback=backs[t],
+            fetch=tuple(sorted(r for r in arriving if problem.live[r][t])),
+            alloc=tuple(sorted(r for r in arriving if not problem.live[r][t])),
+            flips=structure.flips[t], host_updates=structure.host_updates[t]))
+    return tuple(steps), initial_dirty
 
 
 TRANSFER_LATENCY_S = 10e-6
@@ -91,43 +131,53 @@ TRANSFER_LATENCY_S = 10e-6
 pinned memory; it is why many small chunks lose to fewer large ones despite wasting fewer bytes."""
 
 
-def event_seconds(trace: Trace, tflops: float) -> list[float]:
-    """Measured compute time of each event, else its FLOPs at the GPU's rate."""
-    return [e.seconds if e.seconds > 0 else e.flops / (tflops * 1e12) for e in trace.events]
+def event_seconds(trace: Trace, hardware: Hardware) -> list[float]:
+    """Compute time of each event on the target: measured times when the trace ran on the same kind of device
+    (a CPU trace planned for the CPU executor, a CUDA trace for a GPU), otherwise FLOPs at the hardware's
+    achieved rate (a CPU or fake trace planned for a named GPU)."""
+    same = (trace.device == "cpu" and hardware.gpu == "cpu") or (trace.device == "cuda" and hardware.gpu != "cpu")
+    rate = hardware.tflops(trace.precision) * 1e12
+    return [e.seconds if same and e.seconds > 0 else e.flops / rate for e in trace.events]
 
 
-def predict_seconds(steps: tuple[Step, ...], sizes: tuple[int, ...], initial: frozenset[int],
-                    seconds: list[float], link_bps: float, cpu_bps: float, *, sync: bool = False,
-                    overlap: bool = True) -> float:
-    """Step time of one steady-state iteration: compute overlapped with one host link and the CPU optimizer.
+def predict_seconds(steps: tuple[Step, ...], sizes: dict[int, int], initial: frozenset[int], seconds: list[float],
+                    hardware: Hardware, host_bytes: dict[int, int], grad_of: dict[int, int], *,
+                    sync: bool = False) -> dict[str, float]:
+    """One steady-state iteration's time ("step") and its split (busy seconds of compute, each link direction
+    and the host optimizer).
 
-    A step's transfers are issued when the previous event's compute ends (its hook fires); the link
-    runs them in order (write-backs, then fetches); the event's compute starts when the chunks it
-    needs have arrived (with `sync`, when all of this step's transfers are done, as in Gemini). CPU
-    optimizer updates start once their gradients are written back and run beside the GPU. Without
-    `overlap` nothing runs beside anything: the step is compute + every copy + every host update.
-    """
-    if not overlap:
-        copies = [sizes[c] for s in steps for c in (*s.writeback, *s.fetch)]
-        host = sum(sizes[c] for s in steps for c in s.host_updates)
-        return sum(seconds) + len(copies) * TRANSFER_LATENCY_S + sum(copies) / link_bps + host / cpu_bps
-    link_free = compute_end = 0.0
-    ready = {c: 0.0 for c in initial}
-    written_back: dict[int, float] = {}
+    Links are full duplex: write-backs (device→host) and fetches (host→device) each queue on their own
+    direction. A step's transfers are issued when the previous event's compute ends (its hook fires); the
+    event's compute starts when the regions it needs have arrived (with `sync`, when all of this step's
+    transfers are done, as in Gemini). A host optimizer update of chunk c (`host_bytes[c]` bytes of model state
+    processed) starts when its step is issued, the host optimizer is free and c's gradient has been written
+    back; the iteration ends when both the device and the host optimizer are done. Without `hardware.overlap`
+    nothing runs beside anything: the step is compute + every copy + every host update."""
+    h2d_bps, d2h_bps = hardware.h2d_gbps * 1e9, hardware.d2h_gbps * 1e9
+    cpu_bps = hardware.cpu_optimizer_gbps * 1e9
+    up = [sizes[r] for s in steps for r in s.fetch]
+    down = [sizes[r] for s in steps for r in s.writeback]
+    host = sum(host_bytes[c] for s in steps for c in s.host_updates)
+    split = {"compute": sum(seconds), "h2d": len(up) * TRANSFER_LATENCY_S + sum(up) / h2d_bps,
+             "d2h": len(down) * TRANSFER_LATENCY_S + sum(down) / d2h_bps, "cpu_optimizer": host / cpu_bps}
+    if not hardware.overlap:
+        return {**split, "step": sum(split.values())}
+    up_free = down_free = compute_end = cpu_free = 0.0
+    ready = {r: 0.0 for r in initial}
+    written: dict[int, float] = {}
     for step, secs in zip(steps, seconds):
         issue = compute_end
-        for c in step.writeback:
-            link_free = max(link_free, issue) + TRANSFER_LATENCY_S + sizes[c] / link_bps
-            written_back[c] = link_free
-        for c in step.fetch:
-            link_free = max(link_free, issue) + TRANSFER_LATENCY_S + sizes[c] / link_bps
-            ready[c] = link_free
-        start = max([issue] + [ready.get(c, 0.0) for c in step.needs])
+        for r in step.writeback:
+            down_free = max(down_free, issue) + TRANSFER_LATENCY_S + sizes[r] / d2h_bps
+            written[r] = down_free
+        for r in step.fetch:
+            up_free = max(up_free, issue) + TRANSFER_LATENCY_S + sizes[r] / h2d_bps
+            ready[r] = up_free
+        start = max([issue] + [ready.get(r, 0.0) for r in step.needs])
         if sync:
-            start = max(start, link_free)
+            start = max(start, up_free, down_free)
         compute_end = start + secs
-        if step.host_updates:
-            cpu_start = max([issue] + [written_back.get(c, 0.0) for c in step.host_updates])
-            cpu_end = cpu_start + sum(sizes[c] for c in step.host_updates) / cpu_bps
-            compute_end = max(compute_end, cpu_end)
-    return compute_end
+        for c in step.host_updates:
+            begin = max(issue, cpu_free, written.get(grad_of.get(c, -1), 0.0))
+            cpu_free = begin + host_bytes[c] / cpu_bps
+    return {**split, "step": max(compute_end, cpu_free)}

@@ -13,7 +13,7 @@ import pandas as pd
 from hplan.artifacts.fingerprint import make_fingerprint
 from hplan.artifacts.trace import CATEGORIES, TIMELINE_COLUMNS, Event, ParamInfo, Trace
 
-BYTES_PER_ELEMENT = {"fp32": (4, 4, 8), "bf16-mixed": (2, 2, 12)}
+BYTES_PER_ELEMENT = {"fp32": (4, 4, 8), "bf16-mixed": (2, 2, 12), "fp16-mixed": (2, 2, 12)}
 """(param, grad, optimizer) bytes per element with AdamW; see hplan.precision."""
 
 
@@ -49,7 +49,8 @@ def _events(calls: list[tuple[str, tuple[str, ...], int, int]]) -> list[Event]:
     plan += [("backward", m, ps, nm, 2 * fl) for m, ps, nm, fl in reversed(calls)]
     plan.append(("optimizer", "optimizer", tuple(dict.fromkeys(p for _, ps, _, _ in calls for p in ps)), 0, 0))
     for i, (kind, module, ps, nm, fl) in enumerate(plan):
-        events.append(Event(index=i, kind=kind, module=module, params=ps, non_model_peak_bytes=nm,
+        grads = ps if kind in ("backward", "optimizer") else ()
+        events.append(Event(index=i, kind=kind, module=module, params=ps, grads=grads, non_model_peak_bytes=nm,
                             op_start=i, op_end=i + 1, flops=fl))
     return events
 

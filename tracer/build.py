@@ -9,6 +9,7 @@ import torch
 
 from hplan.artifacts.trace import CATEGORIES, TIMELINE_COLUMNS, Event, ParamInfo, Trace
 from hplan.hooks import dtype_name, param_modules, workload_fingerprint
+from hplan.optimizers import check_optimizer, state_spec
 
 if TYPE_CHECKING:
     from hplan.tracer.core import Recording
@@ -32,6 +33,9 @@ def build_trace(rec: Recording) -> Trace:
         overhead_bytes=int(steady.overhead_bytes.max()) if len(steady) else 0,
         step_seconds=float(steady.seconds.sum()), step_flops=int(steady.flops.sum()),
         batch_size=workload.batch_size, seq_len=workload.seq_len, warnings=rec.warnings, timeline=timeline,
+        accumulate=workload.accumulate, max_grad_norm=workload.max_grad_norm,
+        loss_scale="dynamic" if trainer.scaler is not None else None, defer_updates=trainer.defer_updates,
+        optimizer=type(trainer.optimizer).__name__, input_shapes=rec.input_shapes,
     )
 
 
@@ -53,33 +57,63 @@ def _slack(rec: Recording, steady: pd.DataFrame, peak_bytes: int) -> int:
 
 
 def _events(rec: Recording) -> tuple[Event, ...]:
+    """The steady iteration's events; non-model bytes are the envelope over every traced iteration (batch
+    shapes may differ), leaving out iteration 1's optimizer step (the optimizer's lazily created state)."""
     order = {name: i for i, name in enumerate(param_modules(rec.trainer.model))}
+    peak = [0] * len(rec.windows)
+    entry = [0] * len(rec.windows)
+    for it, windows in enumerate(rec.iteration_windows, start=1):
+        for i, w in enumerate(windows):
+            if it == 1 and w.kind == "optimizer" and len(rec.iteration_windows) > 1:
+                continue
+            peak[i] = max(peak[i], int(w.non_model_peak))
+            entry[i] = max(entry[i], int(w.entry_non_model))
+
+    def ordered(names: dict[str, None]) -> tuple[str, ...]:
+        return tuple(sorted(names, key=order.__getitem__))
+
     return tuple(
-        Event(index=i, kind=w.kind, module=w.module, params=tuple(sorted(w.params, key=order.__getitem__)),
-              non_model_peak_bytes=max(0, int(w.non_model_peak)), op_start=w.op_start, op_end=w.op_end,
-              seconds=w.seconds, flops=w.flops, entry_non_model_bytes=max(0, int(w.entry_non_model)))
+        Event(index=i, kind=w.kind, module=w.module, params=ordered(w.params), grads=ordered(w.grads),
+              micro=w.micro, non_model_peak_bytes=max(0, peak[i]), op_start=w.op_start, op_end=w.op_end,
+              seconds=w.seconds, flops=w.flops, entry_non_model_bytes=max(0, entry[i]))
         for i, w in enumerate(rec.windows)
     )
 
 
 def _param_table(rec: Recording) -> tuple[ParamInfo, ...]:
-    """One row per parameter (tied once), with its gradient and optimizer state measured from tensors."""
+    """One row per parameter (tied once, frozen ones too). A trainable parameter's gradient and optimizer
+    bytes are what the optimizer keeps for it (hplan.optimizers), whether or not this trace saw a gradient:
+    an unused parameter may get one later, and torch then creates its state."""
     trainer = rec.trainer
     owners = param_modules(trainer.model)
-    names = {id(p): n for n, p in trainer.model.named_parameters()}
-    state_bytes, state_names = {}, {}
-    for w, p in zip(trainer.master, trainer.params):
-        state = trainer.optimizer.state.get(w, {})
-        per_element = {k: t for k, t in state.items()
-                       if isinstance(t, torch.Tensor) and t.dim() > 0 and t.numel() == w.numel()}
-        state_bytes[id(p)] = sum(map(_nbytes, per_element.values())) + (_nbytes(w) if trainer.mixed else 0)
-        state_names[id(p)] = tuple(per_element) + (("master",) if trainer.mixed else ())
-    return tuple(
-        ParamInfo(name=names[id(p)], shape=tuple(int(s) for s in p.shape), dtype=dtype_name(p.dtype),
-                  bytes=_nbytes(p), grad_bytes=rec.grad_bytes[names[id(p)]], optimizer_bytes=state_bytes[id(p)],
-                  modules=owners[names[id(p)]], optimizer_tensors=state_names[id(p)])
-        for p in trainer.params
-    )
+    optimizer = trainer.optimizer
+    opt_name = check_optimizer(optimizer)
+    group_of = {id(w): i for i, g in enumerate(optimizer.param_groups) for w in g["params"]}
+    work = {id(p): w for w, p in zip(trainer.master, trainer.params)}
+    rows = []
+    for name, p in trainer.model.named_parameters():
+        row = dict(name=name, shape=tuple(int(s) for s in p.shape), dtype=dtype_name(p.dtype), bytes=_nbytes(p),
+                   modules=owners[name], last_read_op=rec.last_read.get(name, -1))
+        if not p.requires_grad:
+            rows.append(ParamInfo(**row, grad_bytes=0, optimizer_bytes=0, trainable=False, group=-1))
+            continue
+        w = work[id(p)]
+        group = group_of[id(w)]
+        spec = state_spec(opt_name, optimizer.param_groups[group])
+        state_bytes = len(spec.tensors) * _nbytes(w) + (_nbytes(w) if trainer.mixed else 0)
+        _check_state(opt_name, name, optimizer.state.get(w, {}), spec.tensors, w)
+        rows.append(ParamInfo(**row, grad_bytes=_nbytes(p), optimizer_bytes=state_bytes,
+                              optimizer_tensors=spec.tensors + (("master",) if trainer.mixed else ()),
+                              trainable=True, group=group, first_grad_op=rec.first_grad.get(name, -1)))
+    return tuple(rows)
+
+
+def _check_state(opt_name: str, name: str, state: dict, expected: tuple[str, ...], w: torch.Tensor) -> None:
+    """The state torch created must be what hplan.optimizers says, or the executor would lay it out wrongly."""
+    found = tuple(k for k, t in state.items() if isinstance(t, torch.Tensor) and t.dim() > 0)
+    if state and (sorted(found) != sorted(expected) or any(state[k].numel() != w.numel() for k in found)):
+        raise AssertionError(f"{opt_name} keeps per-element state {found} for {name}, hplan.optimizers expects "
+                             f"{expected}: an hplan bug, please report it")
 
 
 def _nbytes(t: torch.Tensor) -> int:

@@ -1,7 +1,10 @@
 """trace_workload: run warmup iterations of a workload's training step under the recorder.
 
-Iteration 1 is kept separately in the timeline (the optimizer creates its state lazily there);
-the events, peaks and per-parameter table describe the last, steady-state iteration.
+Iteration s trains on the workload's batches for optimizer step s (one per micro-step), so `iters` iterations
+see every batch shape those batches have. Every iteration must take the same event sequence (a data-dependent
+path is refused, naming the first differing event). The events and the per-parameter table describe the last,
+steady-state iteration; each event's non-model peak is the envelope (maximum) over all iterations, leaving out
+iteration 1's optimizer step, where the optimizer creates its state. The timeline keeps every iteration.
 """
 
 from __future__ import annotations
@@ -22,7 +25,7 @@ from torch.utils._pytree import tree_leaves, tree_map
 from hplan.artifacts.trace import Trace
 from hplan.errors import HplanError
 from hplan.grads import installed
-from hplan.hooks import EventHooks, canonical_params, workload_fingerprint
+from hplan.hooks import EventHooks, canonical_params, describe_batch, workload_fingerprint
 from hplan.probe import StorageLedger, make_probe
 from hplan.training import TrainStep
 from hplan.workload import Workload
@@ -44,9 +47,13 @@ class Recording:
     trainer: TrainStep
     batch: Any
     graph: fx.Graph
-    grad_bytes: dict[str, int]
     max_reserved_bytes: int
     warnings: tuple[str, ...]
+    iteration_windows: list[list[Window]]
+    """Every iteration's windows, for the envelope; `windows` is the last of them."""
+    first_grad: dict[str, int]
+    last_read: dict[str, int]
+    input_shapes: tuple[str, ...]
 
 
 def trace_workload(workload: Workload, *, device: str = "cpu", iters: int = DEFAULT_ITERS,
@@ -69,41 +76,52 @@ def record(workload: Workload, *, device: str = "cpu", iters: int = DEFAULT_ITER
                             measure_time=device != "fake")
         names = canonical_params(trainer.model)
         _track_model_data(recorder, trainer, names)
-        grad_bytes: dict[str, int] = {}
+        shapes: dict[str, None] = {}
+        per_iteration: list[list[Window]] = []
         with contextlib.ExitStack() as stack:
             stack.enter_context(EventHooks(trainer.model, recorder.event))
             stack.enter_context(module_paths(trainer.model, _setter(recorder)))
+            stack.callback(trainer.model.register_forward_pre_hook(_shape_hook(shapes), with_kwargs=True).remove)
             for p in trainer.params:
                 stack.callback(p.register_post_accumulate_grad_hook(on_accumulate(recorder, names[id(p)])).remove)
             stack.enter_context(installed(trainer.params, TracerSink(recorder, names)))
             for it in range(1, iters + 1):
                 batch = _iteration(recorder, trainer, workload, it, device, build_graph=it == iters)
-                windows = recorder.finish_iteration()
+                per_iteration.append(recorder.finish_iteration())
                 _track_model_data(recorder, trainer, names)
                 if on_progress is not None:
                     on_progress(it, iters, f"iteration {it}: {len(recorder.rows)} ops recorded")
-            grad_bytes = {names[id(p)]: p.numel() * p.element_size() for p in trainer.params}
+    windows = per_iteration[-1]
     if not windows:
         raise HplanError(f"workload {workload.name!r}: no module with parameters ran forward; nothing to plan")
+    _same_path(per_iteration, workload)
     return Recording(workload=workload, device=device, iterations=iters, rows=recorder.rows, windows=windows,
-                     trainer=trainer, batch=batch, graph=recorder.graph.graph, grad_bytes=grad_bytes,
+                     trainer=trainer, batch=batch, graph=recorder.graph.graph,
                      max_reserved_bytes=recorder.allocator.max_reserved_bytes,
-                     warnings=_warnings(device) + tuple(recorder.warnings))
+                     warnings=_warnings(device) + tuple(recorder.warnings), iteration_windows=per_iteration,
+                     first_grad=dict(recorder.first_grad), last_read=dict(recorder.last_read),
+                     input_shapes=tuple(shapes))
 
 
 def _iteration(recorder: Recorder, trainer: TrainStep, workload: Workload, it: int, device: str,
                *, build_graph: bool) -> Any:
     """One recorded iteration; failures become one-line errors naming where they happened."""
     recorder.start_iteration(it, build_graph=build_graph)
+    seen: list[Any] = []
+
+    def get_batch(micro: int) -> Any:
+        batch = workload.micro_batch(it - 1, micro)
+        if device == "cuda":
+            batch = tree_map(lambda x: x.cuda() if isinstance(x, torch.Tensor) else x, batch)
+        for t in tree_leaves(batch):
+            if isinstance(t, torch.Tensor):
+                recorder.track(t, "other")
+        seen.append(batch)
+        return batch
+
     try:
         with recorder, torch.autograd.graph.saved_tensors_hooks(*on_saved(recorder)):
-            batch = workload.batch(it - 1)
-            if device == "cuda":
-                batch = tree_map(lambda x: x.cuda() if isinstance(x, torch.Tensor) else x, batch)
-            for t in tree_leaves(batch):
-                if isinstance(t, torch.Tensor):
-                    recorder.track(t, "other")
-            loss = trainer.run(it - 1, batch, on_phase=recorder.set_phase)
+            loss = trainer.run(it - 1, get_batch=get_batch, on_phase=recorder.set_phase)
     except HplanError:
         raise
     except (torch.OutOfMemoryError, MemoryError) as exc:
@@ -114,7 +132,7 @@ def _iteration(recorder: Recorder, trainer: TrainStep, workload: Workload, it: i
     if device != "fake" and not math.isfinite(float(loss)):
         raise HplanError(f"the loss is {float(loss)} at iteration {it}: fix the model or loss "
                          "(check the learning rate, inputs and initialisation) before tracing")
-    return batch
+    return seen[0]
 
 
 def _step_error(exc: Exception, recorder: Recorder) -> HplanError:
@@ -145,9 +163,33 @@ def _setter(recorder: Recorder) -> Callable[[str], None]:
     return set_module
 
 
+def _shape_hook(shapes: dict[str, None]) -> Callable[..., None]:
+    """A root-module forward pre-hook collecting the signatures of the model's inputs."""
+
+    def hook(module: Any, args: Any, kwargs: Any) -> None:
+        shapes[describe_batch((args, kwargs))] = None
+
+    return hook
+
+
+def _same_path(per_iteration: list[list[Window]], workload: Workload) -> None:
+    """Refuse iterations that took different event sequences, naming the first difference."""
+    last = [(w.kind, w.module, w.micro) for w in per_iteration[-1]]
+    for it, windows in enumerate(per_iteration[:-1], start=1):
+        keys = [(w.kind, w.module, w.micro) for w in windows]
+        if keys == last:
+            continue
+        i = next((j for j, (a, b) in enumerate(zip(keys, last)) if a != b), min(len(keys), len(last)))
+        got = f"{keys[i][0]}:{keys[i][1]}" if i < len(keys) else "the end of the iteration"
+        want = f"{last[i][0]}:{last[i][1]}" if i < len(last) else "the end of the iteration"
+        raise HplanError(f"workload {workload.name!r}: iteration {it} takes another path than iteration "
+                         f"{len(per_iteration)} at event {i} ({got} instead of {want}); hplan plans one event "
+                         "sequence: make the step's control flow independent of the data")
+
+
 def _track_model_data(recorder: Recorder, trainer: TrainStep, names: dict[int, str]) -> None:
-    """Name the storages that exist between iterations: parameters, buffers, optimizer state."""
-    for p in trainer.params:
+    """Name the storages that exist between iterations: parameters (frozen too), buffers, optimizer state."""
+    for p in trainer.model.parameters():
         recorder.track(p, "param", owner=names[id(p)])
     for b in trainer.model.buffers():
         recorder.track(b, "other")

@@ -7,6 +7,11 @@ ledger of tensor storages by category, which makes model data exact on every dev
 - grad: a storage becomes a gradient when autograd accumulates it into ``.grad`` (before that it
   is the temporary output of a backward operator, which is also what an executor sees), or from
   its allocation when a backward writes the gradient directly (``hplan.grads``);
+
+Per event window it also records which parameters' *weights* are read (an operator takes a parameter's
+storage as input) and which parameters' *gradients* are written (autograd's accumulation hook, or a direct
+write): the planner needs both, and neither can be inferred from the event's kind (a recomputed forward under
+activation checkpointing writes gradients; a backward reads weights).
 - activation: a storage autograd saves for backward (saved-tensor pack hook);
 - other: buffers, the batch, optimizer step counters; temporary: everything else.
 """
@@ -48,6 +53,10 @@ class Window:
     module: str
     op_start: int
     params: dict[str, None] = field(default_factory=dict)
+    """Parameters whose weights are read in the window."""
+    grads: dict[str, None] = field(default_factory=dict)
+    """Parameters whose gradient is written (first write or accumulation) in the window."""
+    micro: int = 0
     non_model_peak: int = 0
     entry_non_model: int = 0
     seconds: float = 0.0
@@ -68,6 +77,11 @@ class Recorder(TorchDispatchMode):
         self.rows: list[tuple] = []
         self.windows: list[Window] = []
         self.iteration, self.op_index, self.phase, self.module = 0, 0, "forward", ""
+        self.micro = -1
+        self.first_grad: dict[str, int] = {}
+        """Parameter → op index of its gradient's first write in this iteration."""
+        self.last_read: dict[str, int] = {}
+        """Parameter → op index of the last forward/backward op reading its weights in this iteration."""
         self.graph: GraphBuilder | None = None
         self._names: dict[Any, str] = {}
         self.warnings: dict[str, None] = {}
@@ -76,6 +90,7 @@ class Recorder(TorchDispatchMode):
     # -- iteration structure, driven by the tracer's hooks -------------------------------------
     def start_iteration(self, iteration: int, *, build_graph: bool) -> None:
         self.iteration, self.op_index, self.phase, self.module = iteration, 0, "forward", ""
+        self.micro, self.first_grad, self.last_read = -1, {}, {}
         self.allocator = AllocatorModel()
         for key, (nbytes, category) in self.ledger.live.items():
             if category not in _CHUNKED:
@@ -86,21 +101,27 @@ class Recorder(TorchDispatchMode):
 
     def set_phase(self, phase: str) -> None:
         self.phase = phase
+        if phase == "forward":
+            self.micro += 1
+            self.windows[-1].micro = self.micro
         if phase == "optimizer":
             self.event("optimizer", "optimizer")
-            self.windows[-1].params.update(dict.fromkeys(sorted(set(self.owner.values()))))
+            names = dict.fromkeys(sorted(set(self.owner.values())))
+            self.windows[-1].params.update(names)
+            self.windows[-1].grads.update(names)
 
     def event(self, kind: str, module: str) -> None:
         """A plan event begins: the previous window ends here."""
         self._close_window()
         level = self.probe.allocated_bytes() - self._model_bytes()
         self.windows.append(Window(kind=kind, module=module, op_start=self.op_index, non_model_peak=level,
-                                   entry_non_model=level))
+                                   entry_non_model=level, micro=max(0, self.micro)))
         self.module = module
 
-    def use(self, name: str) -> None:
-        """Parameter `name` is read or written in the current window (e.g. its gradient accumulated)."""
-        self.windows[-1].params[name] = None
+    def grad_written(self, name: str) -> None:
+        """Parameter `name`'s gradient was written (first write or accumulation) just now."""
+        self.windows[-1].grads[name] = None
+        self.first_grad.setdefault(name, self.op_index)
 
     def track(self, t: torch.Tensor, category: str, owner: str | None = None) -> None:
         """Put a tensor that exists outside the recorded ops (parameter, state, batch) into the ledger."""
@@ -121,6 +142,7 @@ class Recorder(TorchDispatchMode):
             first = events[0]
             first.op_start = 0
             first.params = {**head.params, **first.params}
+            first.grads = {**head.grads, **first.grads}
             first.non_model_peak = max(first.non_model_peak, head.non_model_peak)
             first.seconds += head.seconds
             first.flops += head.flops
@@ -146,15 +168,26 @@ class Recorder(TorchDispatchMode):
         for t in new_outputs(args, kwargs, out):
             if self.ledger.add(t, "temporary"):
                 self.allocator.malloc(storage_key(t), t.untyped_storage().nbytes())
-        for t in inputs + outputs:
-            name = self.owner.get(storage_key(t))
-            if name is not None:
-                window.params[name] = None
+        if self.phase != "optimizer":
+            self._weight_reads(func, args, inputs + outputs, window)
         flops = self._flops(func, args, kwargs, out)
         if self.graph is not None:
             self.graph.add(func, args, kwargs, out, phase=self.phase, module=self.module)
         self._row(self._name(func), seconds, flops, window)
         return out
+
+    def _weight_reads(self, func: Any, args: Any, tensors: list[torch.Tensor], window: Window) -> None:
+        """Record the parameters whose weights this forward/backward op touches; refuse writes to them."""
+        for t in tensors:
+            key = storage_key(t)
+            name = self.owner.get(key)
+            if name is None or self.ledger.category(key) != "param":
+                continue
+            window.params[name] = None
+            self.last_read[name] = self.op_index
+            if any(t is m for m in _mutated(func, args)):
+                raise HplanError(f"the {self.phase} of {self.module or 'the model'} modifies parameter {name} in place "
+                                 f"({self._name(func)}); hplan only plans weight changes made by the optimizer")
 
     def _row(self, op: str, seconds: float, flops: int, window: Window) -> None:
         cats = self.ledger.by_category
@@ -220,11 +253,27 @@ def on_accumulate(recorder: Recorder, name: str) -> Callable[[torch.Tensor], Non
     """A post-accumulate-grad hook: the parameter's ``.grad`` is model data from now on."""
 
     def hook(p: torch.Tensor) -> None:
-        if p.grad is not None:
-            recorder.track(p.grad, "grad", owner=name)
-            recorder.use(name)
+        if p.grad is None:
+            return
+        if p.grad.layout != torch.strided:
+            raise HplanError(f"parameter {name} gets a sparse gradient ({p.grad.layout}); hplan plans dense "
+                             "gradients only: use dense gradients (e.g. nn.Embedding(sparse=False))")
+        recorder.track(p.grad, "grad", owner=name)
+        recorder.grad_written(name)
 
     return hook
+
+
+_MUTABLE: dict[Any, tuple[int, ...]] = {}
+
+
+def _mutated(func: Any, args: Any) -> list[torch.Tensor]:
+    """The positional tensor arguments an operator writes in place (its schema marks them `(a!)`)."""
+    idx = _MUTABLE.get(func)
+    if idx is None:
+        idx = _MUTABLE[func] = tuple(i for i, a in enumerate(func._schema.arguments)
+                                     if a.alias_info is not None and a.alias_info.is_write)
+    return [args[i] for i in idx if i < len(args) and isinstance(args[i], torch.Tensor)]
 
 
 class TracerSink:
@@ -238,7 +287,7 @@ class TracerSink:
         target, first = plain_target(param)
         if first:
             self.recorder.track(target, "grad", owner=name)
-        self.recorder.use(name)
+        self.recorder.grad_written(name)
         return target, first
 
 

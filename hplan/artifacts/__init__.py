@@ -1,15 +1,16 @@
 """Artifact types: the only thing every part of hplan shares. No torch here."""
 
 from hplan.artifacts.fingerprint import fingerprint_mismatch, make_fingerprint
+from hplan.artifacts.hardware import Hardware
 from hplan.artifacts.io import atomic_path, write_json
 from hplan.artifacts.plan import (
-    CHUNK_KINDS,
     OPTIMIZER_PLACES,
+    REGION_KINDS,
     BaselineResult,
-    Budget,
     Chunk,
     Plan,
     PlanSummary,
+    Region,
     Step,
 )
 from hplan.artifacts.replay import Replay, StepState, replay
@@ -26,19 +27,20 @@ from hplan.artifacts.trace import (
 
 __all__ = [
     "CATEGORIES",
-    "CHUNK_KINDS",
+    "REGION_KINDS",
     "METRICS_COLUMNS",
     "MODEL_CATEGORIES",
     "OPTIMIZER_PLACES",
     "PHASES",
     "TIMELINE_COLUMNS",
     "BaselineResult",
-    "Budget",
+    "Hardware",
     "Chunk",
     "Event",
     "ParamInfo",
     "Plan",
     "PlanSummary",
+    "Region",
     "Replay",
     "RunReport",
     "Step",

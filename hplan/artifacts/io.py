@@ -63,8 +63,9 @@ def read_json(path: str | os.PathLike[str], *, what: str) -> dict[str, Any]:
     return obj
 
 
-def check_schema(obj: dict[str, Any], *, expected: str, path: str | os.PathLike[str], what: str) -> None:
-    """Refuse an artifact of another kind or another version, saying which and what to do."""
+def check_schema(obj: dict[str, Any], *, expected: str, path: str | os.PathLike[str], what: str,
+                 regenerate: str = "") -> None:
+    """Refuse an artifact of another kind or another version, saying which and the command that remakes it."""
     found = obj.get("schema")
     kind, _, _ = expected.partition("/")
     if not isinstance(found, str) or "/" not in found:
@@ -73,6 +74,5 @@ def check_schema(obj: dict[str, Any], *, expected: str, path: str | os.PathLike[
     if found_kind != kind:
         raise HplanError(f"{path} is a {found_kind} file, not a {what} ({kind}); pass the right file")
     if found != expected:
-        raise HplanError(
-            f"{path} has schema {found}, but this hplan reads {expected}; regenerate it with this version"
-        )
+        how = f"`{regenerate}`" if regenerate else "this version of hplan"
+        raise HplanError(f"{path} has schema {found}, but this hplan reads {expected}; regenerate it with {how}")

@@ -1,23 +1,29 @@
-"""The Budget and Plan artifacts: a placement schedule anyone can check on their own.
+"""The Plan artifact: a placement schedule of model-data regions that anyone can check on their own.
 
-[Note: plan semantics] The plan is a cyclic schedule over the trace's steady-state
-events. Replaying it (see ``hplan.planner.validate``) works like this:
+[Note: plan semantics] Parameters are grouped into *chunks* (the layout unit). Each chunk has up to four
+*regions*, each with its own residency on the device and its own dirty bit: ``param`` (compute weights, frozen
+ones included), ``grad`` (gradients of its trainable parameters), ``master`` (fp32 master weights, mixed
+precision only) and ``state`` (optimizer per-element state). The plan is a cyclic schedule over the trace's
+steady-state events; replaying it (`hplan.artifacts.replay`, the one validator every consumer runs):
 
-- State: the set of chunks resident on the GPU and, among them, the dirty ones
-  (modified on the GPU since they were fetched). It starts at ``initial_resident``
-  / ``initial_dirty`` and must end there, because the iteration repeats.
-- At each step, in order: chunks in ``evict`` leave the GPU (each in ``writeback``
-  is copied device→host first; exactly the dirty ones must be listed there); then
-  chunks in ``fetch`` are copied host→device (clean); then the event runs: every
-  chunk in ``needs`` must be resident, every chunk in ``writes`` becomes dirty,
-  and every chunk in ``host_updates`` must *not* be resident (its optimizer update
-  runs on the CPU, on the host copy).
-- Memory after the fetches: resident chunk bytes + ``non_model_bytes`` +
-  ``budget.slack_bytes`` must be at most ``budget.gpu_bytes``.
-- Traffic per iteration: h2d = bytes fetched, d2h = bytes written back.
-
-Chunks of kind ``param`` hold compute parameters and their gradients; chunks of
-kind ``optim`` hold the fp32 master copy (mixed precision) and optimizer moments.
+- State: the resident regions and, among them, the dirty ones (newer on the device than on the host). It starts
+  at ``initial_resident`` / ``initial_dirty`` and must end there, because the iteration repeats.
+- Liveness: a region's *content* is live at a point when it is read before it is next overwritten. Reads are
+  a step's ``reads`` and ``writes`` (read-modify-write, e.g. gradient accumulation, a GPU optimizer update)
+  and what a host update reads; overwrites are a step's ``overwrites`` (a gradient's first write, the weights
+  a mixed-precision GPU update writes from the master) and the weights a host update rewrites.
+- At each step, in order: regions in ``evict`` leave the device (``writeback`` copies device→host first and
+  must be exactly the evicted regions that are dirty with live content); ``fetch`` copies host→device; ``alloc``
+  makes room without copying (only for dead content, e.g. a gradient before its first write); then the event
+  runs: everything in reads/writes/overwrites is resident, written regions become dirty, and the regions of
+  every chunk in ``host_updates`` (updated by the CPU optimizer on host copies) are off the device.
+- A chunk in ``flips`` passes its device storage from weights to gradients inside the step (Gemini's reuse of
+  the fp16 weight storage for the gradient): its param region is resident before and evicted by the step, its
+  grad region is allocated by the step (overwritten), and the step's memory counts the param region only.
+- Memory: resident bytes + ``non_model_bytes`` + ``hardware.slack_bytes`` ≤ ``hardware.gpu_bytes``.
+- Traffic per iteration: h2d = bytes fetched, d2h = bytes written back. Allocations and flips move nothing.
+- Every chunk with trainable parameters is updated exactly once per iteration: on the GPU at the optimizer step
+  (``optimizer[c] == "gpu"``) or on the host at the one step listing it in ``host_updates`` ("cpu").
 """
 
 from __future__ import annotations
@@ -26,42 +32,37 @@ import os
 from dataclasses import asdict, dataclass, field
 from typing import Any, ClassVar
 
+from hplan.artifacts.hardware import Hardware
 from hplan.artifacts.io import check_schema, read_json, write_json
 from hplan.errors import HplanError
 
-CHUNK_KINDS: tuple[str, ...] = ("param", "optim")
+REGION_KINDS: tuple[str, ...] = ("param", "grad", "master", "state")
 OPTIMIZER_PLACES: tuple[str, ...] = ("gpu", "cpu")
-
-
-@dataclass(frozen=True, kw_only=True, slots=True)
-class Budget:
-    """What the plan may use."""
-
-    SCHEMA: ClassVar[str] = "hplan.budget/1"
-    gpu_bytes: int
-    """Device memory the plan may use, allocator slack included."""
-    cpu_bytes: int | None = None
-    """Host memory for offloaded data; None means unbounded."""
-    slack_bytes: int = 0
-    """Reserved for allocator fragmentation and non-framework overhead (CUDA context)."""
-
-    def __post_init__(self) -> None:
-        if self.gpu_bytes <= 0:
-            raise HplanError(f"gpu memory must be positive, got {self.gpu_bytes} bytes")
-        if self.cpu_bytes is not None and self.cpu_bytes <= 0:
-            raise HplanError(f"cpu memory must be positive, got {self.cpu_bytes} bytes")
-        if self.slack_bytes < 0:
-            raise HplanError(f"slack must not be negative, got {self.slack_bytes} bytes")
+HOMES: tuple[str, ...] = ("host", "nvme")
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class Chunk:
+    """Parameters laid out together; every region of the chunk follows this order."""
+
     id: int
-    bytes: int
-    kind: str
-    """"param" (compute parameters + gradients) or "optim" (master weights + moments)."""
     tensors: tuple[str, ...]
-    """Parameter names whose data of this kind lives in the chunk, in layout order."""
+    """Parameter names (canonical), in layout order."""
+    trainable: tuple[str, ...]
+    """The trainable subset of `tensors` (same order): they alone have gradient, master and state regions."""
+    dtype: str
+    """Compute dtype of the weights and gradients."""
+    home: str = "host"
+    """Where the chunk's regions live when off the device: "host", or "nvme" (read through host staging)."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Region:
+    id: int
+    chunk: int
+    kind: str
+    """"param", "grad", "master" or "state" (see [Note: plan semantics])."""
+    bytes: int
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -69,13 +70,23 @@ class Step:
     index: int
     event: str
     """The trace event's key, e.g. "forward:h.0.attn.c_attn"."""
-    needs: tuple[int, ...]
-    writes: tuple[int, ...]
     non_model_bytes: int
+    reads: tuple[int, ...] = ()
+    writes: tuple[int, ...] = ()
+    overwrites: tuple[int, ...] = ()
     evict: tuple[int, ...] = ()
-    fetch: tuple[int, ...] = ()
     writeback: tuple[int, ...] = ()
+    fetch: tuple[int, ...] = ()
+    alloc: tuple[int, ...] = ()
+    flips: tuple[int, ...] = ()
+    """Chunk ids whose weights' device storage is reused for their gradients during this step."""
     host_updates: tuple[int, ...] = ()
+    """Chunk ids the CPU optimizer updates at this step, on host copies."""
+
+    @property
+    def needs(self) -> tuple[int, ...]:
+        """Regions the event touches on the device."""
+        return tuple(sorted({*self.reads, *self.writes, *self.overwrites}))
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -90,9 +101,14 @@ class PlanSummary:
     predicted_step_seconds: float
     solver: str
     gap: float = 0.0
-    """(bytes moved - lower bound) / max(bytes moved, 1)."""
+    """(bytes moved - lower bound) / max(bytes moved, 1): how far from proven optimal."""
+    optimal: bool = False
+    """True when the solver proved the schedule optimal for this chunking and optimizer placement."""
     bottleneck: str = ""
     """When infeasible or tight: the event that sets min_gpu_bytes, in words."""
+    seconds: dict[str, float] = field(default_factory=dict)
+    """Predicted time split: compute, h2d, d2h (busy link seconds), cpu_optimizer, and deferred (the extra
+    step time of waiting for every gradient before any update, for clipping or loss scaling)."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -109,23 +125,38 @@ class BaselineResult:
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class Plan:
-    SCHEMA: ClassVar[str] = "hplan.plan/1"
+    SCHEMA: ClassVar[str] = "hplan.plan/2"
     workload: str
-    budget: Budget
+    hardware: Hardware
     chunks: tuple[Chunk, ...]
+    regions: tuple[Region, ...]
     steps: tuple[Step, ...]
     optimizer: dict[int, str]
-    """Chunk id of each param chunk → "gpu" or "cpu": where its optimizer update runs."""
+    """Chunk id of each chunk with trainable parameters → "gpu" or "cpu": where its optimizer update runs."""
     summary: PlanSummary
     fingerprint: dict[str, Any]
     initial_resident: tuple[int, ...] = ()
     initial_dirty: tuple[int, ...] = ()
+    accumulate: int = 1
+    """Micro-steps per iteration (the steps repeat the forward/backward events per micro-step)."""
+    defer_updates: bool = False
+    """Every update waits for the optimizer step (clipping or loss scaling needs all gradients first)."""
+    input_shapes: tuple[str, ...] = ()
+    """Model-input signatures the plan was traced with; the executor refuses others before their forward."""
     options: dict[str, Any] = field(default_factory=dict)
-    """Solver options that produced the plan (chunk size, bandwidths, …)."""
+    """Solver options that produced the plan (chunking, solver, effort, …)."""
     baselines: tuple[BaselineResult, ...] = ()
+
+    @property
+    def gpu_bytes(self) -> int:
+        return self.hardware.gpu_bytes
+
+    def region_map(self) -> dict[int, Region]:
+        return {r.id: r for r in self.regions}
 
     def to_dict(self) -> dict[str, Any]:
         data = asdict(self)
+        data["hardware"] = self.hardware.to_dict()
         data["optimizer"] = {str(k): v for k, v in sorted(self.optimizer.items())}
         data["schema"] = self.SCHEMA
         return data
@@ -136,32 +167,45 @@ class Plan:
     @classmethod
     def load(cls, path: str | os.PathLike[str]) -> Plan:
         obj = read_json(path, what="plan")
-        check_schema(obj, expected=cls.SCHEMA, path=path, what="plan")
+        check_schema(obj, expected=cls.SCHEMA, path=path, what="plan",
+                     regenerate=f"hplan plan TRACE.parquet --gpu-mem SIZE -o {path}")
         try:
             return cls.from_dict(obj)
-        except (KeyError, TypeError, ValueError) as exc:
-            raise HplanError(f"{path} is an incomplete plan ({exc}); regenerate it with `hplan plan`") from None
+        except (KeyError, TypeError, ValueError, AttributeError) as exc:
+            raise HplanError(f"{path} is an incomplete plan ({type(exc).__name__}: {exc}); regenerate it with "
+                             "`hplan plan`") from None
 
     @classmethod
     def from_dict(cls, obj: dict[str, Any]) -> Plan:
         def ints(xs: Any) -> tuple[int, ...]:
-            return tuple(int(x) for x in xs)
+            return tuple(_int(x) for x in xs)
 
-        steps = tuple(
-            Step(**{**s, **{k: ints(s.get(k, ())) for k in
-                            ("needs", "writes", "evict", "fetch", "writeback", "host_updates")}})
-            for s in obj["steps"]
-        )
+        lists = ("reads", "writes", "overwrites", "evict", "writeback", "fetch", "alloc", "flips", "host_updates")
+        steps = tuple(Step(**{**s, **{k: ints(s.get(k, ())) for k in lists}}) for s in obj["steps"])
         return cls(
             workload=obj["workload"],
-            budget=Budget(**obj["budget"]),
-            chunks=tuple(Chunk(**{**c, "tensors": tuple(c["tensors"])}) for c in obj["chunks"]),
+            hardware=Hardware.from_dict(obj["hardware"]),
+            chunks=tuple(Chunk(**{**c, "tensors": tuple(c["tensors"]), "trainable": tuple(c["trainable"])})
+                         for c in obj["chunks"]),
+            regions=tuple(Region(**r) for r in obj["regions"]),
             steps=steps,
-            optimizer={int(k): v for k, v in obj["optimizer"].items()},
+            optimizer={_int(k): v for k, v in obj["optimizer"].items()},
             summary=PlanSummary(**obj["summary"]),
             fingerprint=obj["fingerprint"],
             initial_resident=ints(obj.get("initial_resident", ())),
             initial_dirty=ints(obj.get("initial_dirty", ())),
+            accumulate=_int(obj.get("accumulate", 1)),
+            defer_updates=bool(obj.get("defer_updates", False)),
+            input_shapes=tuple(obj.get("input_shapes", ())),
             options=obj.get("options", {}),
             baselines=tuple(BaselineResult(**b) for b in obj.get("baselines", ())),
         )
+
+
+def _int(x: Any) -> int:
+    """An integer field: JSON numbers that are whole (ids, bytes) only, never bools or floats like 1.5."""
+    if isinstance(x, bool) or not isinstance(x, (int, str)):
+        if isinstance(x, float) and x.is_integer():
+            return int(x)
+        raise ValueError(f"expected an integer, got {x!r}")
+    return int(x)

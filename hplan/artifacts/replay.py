@@ -1,14 +1,17 @@
-"""Replay a plan's steps and report memory and traffic, following [Note: plan semantics].
+"""Replay a plan following [Note: plan semantics]: the one validator, and the one reading of traffic and memory.
 
-Torch-free and shared: the planner's validator, the reports and the tests all
-read a plan through this one function, so they cannot disagree about what a plan means.
+Torch-free and shared: the planner's self-check, the executor (before step 0), the reports and the tests all
+read a plan through `replay`, so they cannot disagree about what a plan means or whether it is valid.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
-from hplan.artifacts.plan import Plan
+from hplan.artifacts.plan import HOMES, OPTIMIZER_PLACES, REGION_KINDS, Plan
+
+OPTIMIZER_EVENT = "optimizer:optimizer"
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -16,11 +19,11 @@ class StepState:
     index: int
     event: str
     resident: tuple[int, ...]
-    """Chunk ids on the GPU while the event runs (after evictions and fetches)."""
+    """Region ids on the device while the event runs (after evictions, fetches and allocations)."""
     resident_bytes: int
-    """Model data on the GPU while the event runs."""
+    """Model data on the device while the event runs (a flipped chunk's gradient shares its weights' bytes)."""
     total_bytes: int
-    """resident_bytes + the event's non-model bytes + the budget's slack."""
+    """resident_bytes + the event's non-model bytes + the hardware's slack."""
     h2d_bytes: int
     d2h_bytes: int
 
@@ -40,49 +43,181 @@ class Replay:
 
 
 def replay(plan: Plan) -> Replay:
-    """Walk the steps once from the initial state; collect states and every violation."""
-    size = {c.id: c.bytes for c in plan.chunks}
+    """Check the plan's structure, then walk its steps once from the initial state collecting every violation."""
+    problems = _structure(plan)
+    if problems:
+        return Replay(states=(), violations=tuple(problems), h2d_bytes=0, d2h_bytes=0, peak_bytes=0)
+    regions = plan.region_map()
+    size = {r.id: r.bytes for r in plan.regions}
+    by_chunk: dict[int, dict[str, int]] = {}
+    for r in plan.regions:
+        by_chunk.setdefault(r.chunk, {})[r.kind] = r.id
+    live = live_in(plan)
     resident, dirty = set(plan.initial_resident), set(plan.initial_dirty)
-    problems: list[str] = []
     if not dirty <= resident:
         problems.append(f"initial_dirty {sorted(dirty - resident)} not in initial_resident")
     states, h2d_total, d2h_total, peak = [], 0, 0, 0
-    for step in plan.steps:
+    budget, slack = plan.hardware.gpu_bytes, plan.hardware.slack_bytes
+    for t, step in enumerate(plan.steps):
         where = f"step {step.index} ({step.event})"
-        unknown = {*step.needs, *step.writes, *step.evict, *step.fetch, *step.writeback, *step.host_updates} - set(size)
-        if unknown:
-            problems.append(f"{where}: unknown chunk ids {sorted(unknown)}")
-            continue
-        not_resident = set(step.evict) - resident
-        if not_resident:
-            problems.append(f"{where}: evicts non-resident chunks {sorted(not_resident)}")
-        if set(step.writeback) != set(step.evict) & dirty:
-            problems.append(f"{where}: writeback {sorted(step.writeback)} must be exactly the dirty evicted chunks "
-                            f"{sorted(set(step.evict) & dirty)}")
-        d2h = sum(size[c] for c in step.writeback)
-        resident -= set(step.evict)
-        dirty -= set(step.evict)
-        already = set(step.fetch) & resident
-        if already:
-            problems.append(f"{where}: fetches already-resident chunks {sorted(already)}")
-        h2d = sum(size[c] for c in set(step.fetch) - resident)
-        resident |= set(step.fetch)
-        missing = set(step.needs) - resident
+        evict = set(step.evict)
+        if evict - resident:
+            problems.append(f"{where}: evicts non-resident regions {sorted(evict - resident)}")
+        must = {r for r in evict & dirty if live[r][t]}
+        if set(step.writeback) != must:
+            problems.append(f"{where}: writeback {sorted(step.writeback)} must be exactly the evicted regions that "
+                            f"are dirty with live content {sorted(must)}")
+        d2h = sum(size[r] for r in step.writeback)
+        resident -= evict
+        dirty -= evict
+        arriving = set(step.fetch) | set(step.alloc)
+        if arriving & resident:
+            problems.append(f"{where}: fetches or allocates already-resident regions {sorted(arriving & resident)}")
+        if set(step.fetch) & set(step.alloc):
+            problems.append(f"{where}: regions both fetched and allocated {sorted(set(step.fetch) & set(step.alloc))}")
+        lost = sorted(r for r in step.alloc if live[r][t])
+        if lost:
+            problems.append(f"{where}: allocates regions {lost} whose content is live (they must be fetched)")
+        h2d = sum(size[r] for r in step.fetch)
+        resident |= arriving
+        flipped_w, flipped_g = set(), set()
+        for c in step.flips:
+            w, g = by_chunk.get(c, {}).get("param"), by_chunk.get(c, {}).get("grad")
+            if w is None or g is None or w not in resident or g in resident or g not in step.overwrites:
+                problems.append(f"{where}: flip of chunk {c} needs its weights resident and its gradient overwritten "
+                                "here and not yet resident")
+                continue
+            if live[w][(t + 1) % len(plan.steps)] and w in dirty:
+                problems.append(f"{where}: flip of chunk {c} discards weights that are dirty and still live")
+            flipped_w.add(w)
+            flipped_g.add(g)
+        missing = set(step.needs) - resident - flipped_g
         if missing:
-            problems.append(f"{where}: needs chunks {sorted(missing)} that are not resident")
-        on_gpu = set(step.host_updates) & resident
-        if on_gpu:
-            problems.append(f"{where}: host-updated chunks {sorted(on_gpu)} are still on the GPU")
-        dirty |= set(step.writes) & resident
-        resident_bytes = sum(size[c] for c in resident)
-        total = resident_bytes + step.non_model_bytes + plan.budget.slack_bytes
-        if total > plan.budget.gpu_bytes:
-            problems.append(f"{where}: needs {total} bytes, budget is {plan.budget.gpu_bytes}")
+            problems.append(f"{where}: needs regions {sorted(missing)} that are not resident")
+        for c in step.host_updates:
+            on = sorted(set(by_chunk.get(c, {}).values()) & resident)
+            if on:
+                problems.append(f"{where}: chunk {c} is updated on the host while regions {on} are on the device")
+        resident_bytes = sum(size[r] for r in resident)
+        total = resident_bytes + step.non_model_bytes + slack
+        if total > budget:
+            problems.append(f"{where}: needs {total} bytes, budget is {budget}")
         peak = max(peak, total)
-        h2d_total, d2h_total = h2d_total + h2d, d2h_total + d2h
         states.append(StepState(index=step.index, event=step.event, resident=tuple(sorted(resident)),
                                 resident_bytes=resident_bytes, total_bytes=total, h2d_bytes=h2d, d2h_bytes=d2h))
+        resident = (resident - flipped_w) | flipped_g
+        dirty -= flipped_w
+        dirty |= (set(step.writes) | set(step.overwrites)) & resident
+        h2d_total, d2h_total = h2d_total + h2d, d2h_total + d2h
     if resident != set(plan.initial_resident) or dirty != set(plan.initial_dirty):
         problems.append("the schedule is not cyclic: its end state differs from initial_resident/initial_dirty")
-    return Replay(states=tuple(states), violations=tuple(problems), h2d_bytes=h2d_total,
-                  d2h_bytes=d2h_total, peak_bytes=peak)
+    del regions
+    return Replay(states=tuple(states), violations=tuple(problems), h2d_bytes=h2d_total, d2h_bytes=d2h_total,
+                  peak_bytes=peak)
+
+
+def live_in(plan: Plan) -> dict[int, list[bool]]:
+    """Region → per step: is the content present when step t begins read before it is next overwritten?
+
+    Cyclic backward analysis: scanning the steps twice in reverse settles every region (a read with no
+    overwrite anywhere keeps the content live throughout)."""
+    uses, defs = _uses_defs(plan)
+    n = len(plan.steps)
+    live: dict[int, list[bool]] = {}
+    for r in (reg.id for reg in plan.regions):
+        flags = [False] * n
+        state = False
+        for k in range(2 * n - 1, -1, -1):
+            t = k % n
+            if r in uses[t]:
+                state = True
+            elif r in defs[t]:
+                state = False
+            flags[t] = state
+        live[r] = flags
+    return live
+
+
+def _uses_defs(plan: Plan) -> tuple[list[set[int]], list[set[int]]]:
+    """Per step, the regions whose content is read, and those overwritten without being read (device or host)."""
+    by_chunk: dict[int, dict[str, int]] = {}
+    for r in plan.regions:
+        by_chunk.setdefault(r.chunk, {})[r.kind] = r.id
+    uses, defs = [], []
+    for step in plan.steps:
+        use, define = set(step.reads) | set(step.writes), set(step.overwrites) - set(step.reads) - set(step.writes)
+        for c in step.host_updates:
+            regions = by_chunk.get(c, {})
+            for kind in ("grad", "master", "state"):
+                if kind in regions:
+                    use.add(regions[kind])
+            if "param" in regions:  # the host update rewrites the weights from the master, or updates them in place
+                (define if "master" in regions else use).add(regions["param"])
+        uses.append(use)
+        defs.append(define - use)
+    return uses, defs
+
+
+def _structure(plan: Plan) -> list[str]:
+    """Ids that exist, kinds and numbers that make sense, one update per trainable chunk per iteration."""
+    problems: list[str] = []
+    chunks = {c.id: c for c in plan.chunks}
+    ids = [r.id for r in plan.regions]
+    if len(set(ids)) != len(ids) or len(chunks) != len(plan.chunks):
+        problems.append("region or chunk ids repeat")
+    for r in plan.regions:
+        if r.kind not in REGION_KINDS or r.chunk not in chunks or not _count(r.bytes):
+            problems.append(f"region {r.id} is malformed (kind {r.kind!r}, chunk {r.chunk}, bytes {r.bytes!r})")
+    for c in plan.chunks:
+        if c.home not in HOMES or not set(c.trainable) <= set(c.tensors):
+            problems.append(f"chunk {c.id} is malformed (home {c.home!r}, or trainable not a subset of tensors)")
+    known = set(ids)
+    for step in plan.steps:
+        listed = {*step.reads, *step.writes, *step.overwrites, *step.evict, *step.writeback, *step.fetch, *step.alloc}
+        if listed - known or {*step.flips, *step.host_updates} - set(chunks):
+            problems.append(f"step {step.index} ({step.event}) names regions or chunks that do not exist")
+        if not _count(step.non_model_bytes):
+            problems.append(f"step {step.index} has non_model_bytes {step.non_model_bytes!r}; it must be a "
+                            "non-negative integer")
+    if {*plan.initial_resident, *plan.initial_dirty} - known:
+        problems.append("initial_resident/initial_dirty name regions that do not exist")
+    trainable = {c.id for c in plan.chunks if c.trainable}
+    if set(plan.optimizer) != trainable or not set(plan.optimizer.values()) <= set(OPTIMIZER_PLACES):
+        problems.append("optimizer must map every chunk with trainable parameters to 'gpu' or 'cpu'")
+    hosts = [c for s in plan.steps for c in s.host_updates]
+    for c, where in plan.optimizer.items():
+        count = hosts.count(c)
+        if (where == "cpu" and count != 1) or (where == "gpu" and count):
+            problems.append(f"chunk {c} is updated on the host {count} times per iteration; plan.optimizer says "
+                            f"{where!r} (cpu: exactly once, gpu: never)")
+    problems += _gpu_updates(plan)
+    hw = plan.hardware
+    if hw.gpu_bytes <= 0 or not all(math.isfinite(x) for x in (plan.summary.predicted_step_seconds, plan.summary.gap)):
+        problems.append("the plan's budget or summary numbers are not finite and positive")
+    return problems
+
+
+def _gpu_updates(plan: Plan) -> list[str]:
+    """A GPU-updated chunk's update happens at the optimizer step, which must touch its regions that way."""
+    opt = [s for s in plan.steps if s.event == OPTIMIZER_EVENT]
+    gpu = [c for c, where in plan.optimizer.items() if where == "gpu"]
+    if not gpu:
+        return []
+    if len(opt) != 1:
+        return [f"the plan updates chunks {gpu[:3]} on the GPU but has {len(opt)} optimizer steps (needs one)"]
+    step, problems = opt[0], []
+    by_chunk: dict[int, dict[str, int]] = {}
+    for r in plan.regions:
+        by_chunk.setdefault(r.chunk, {})[r.kind] = r.id
+    touched = set(step.writes) | set(step.overwrites)
+    for c in gpu:
+        regions = by_chunk.get(c, {})
+        needed = {regions[k] for k in ("param", "master", "state") if k in regions}
+        if not needed <= touched:
+            problems.append(f"chunk {c} is updated on the GPU but the optimizer step does not write its regions "
+                            f"{sorted(needed - touched)}")
+    return problems
+
+
+def _count(x: object) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool) and x >= 0

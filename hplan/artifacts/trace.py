@@ -52,6 +52,15 @@ class ParamInfo:
     """Every module path that owns it directly (tied weights: several)."""
     optimizer_tensors: tuple[str, ...] = ()
     """The optimizer-state tensors behind `optimizer_bytes`, e.g. ("exp_avg", "exp_avg_sq", "master")."""
+    trainable: bool = True
+    """False for a frozen parameter (requires_grad=False): weights only, no gradient, no optimizer state."""
+    group: int = 0
+    """Index of the optimizer param group that updates it; -1 when frozen."""
+    first_grad_op: int = -1
+    """Op index (steady-state iteration) of its gradient's first write; -1 when it got no gradient."""
+    last_read_op: int = -1
+    """Op index of the last forward/backward op that read its weights; -1 when never read. A chunk whose
+    weights are all read before any of its gradients is written can reuse the weights' storage for them."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -77,6 +86,11 @@ class Event:
     entry_non_model_bytes: int | None = None
     """Non-model bytes live when the window opens. For the optimizer step this is what stays on the GPU
     when every update runs on the CPU (the update temporaries then live in host memory); None: unknown."""
+    grads: tuple[str, ...] = ()
+    """Parameters whose gradient was written (first write or accumulation) in this window. Recorded, not
+    inferred from the event's kind: with activation checkpointing a recomputed forward's window can hold them."""
+    micro: int = 0
+    """Micro-step (gradient accumulation) the event belongs to; the optimizer event has the last one."""
 
     @property
     def key(self) -> str:
@@ -88,7 +102,7 @@ class Event:
 class Trace:
     """A per-operator memory timeline of a training step, plus what the planner needs."""
 
-    SCHEMA: ClassVar[str] = "hplan.trace/1"
+    SCHEMA: ClassVar[str] = "hplan.trace/2"
     workload: str
     device: str
     """How it was measured: "cpu", "fake" or "cuda"."""
@@ -116,6 +130,20 @@ class Trace:
     batch_size: int | None = None
     seq_len: int | None = None
     warnings: tuple[str, ...] = ()
+    accumulate: int = 1
+    """Micro-batches per optimizer step (the events repeat per micro-step)."""
+    max_grad_norm: float | None = None
+    """Global-norm clipping the step applies (None: none)."""
+    loss_scale: str | None = None
+    """"dynamic" for fp16 dynamic loss scaling; None otherwise."""
+    defer_updates: bool = False
+    """Every optimizer update must wait until all gradients are final (clipping's global norm or the loss
+    scaler's overflow check): host updates cannot overlap backward."""
+    optimizer: str = ""
+    """torch.optim class name (see hplan.optimizers)."""
+    input_shapes: tuple[str, ...] = ()
+    """Dtypes and shapes of the model's inputs seen while tracing (one entry per distinct signature); the plan
+    covers exactly these, and the executor refuses a batch of another shape before its forward."""
     timeline: pd.DataFrame = field(default_factory=pd.DataFrame, compare=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -152,7 +180,8 @@ class Trace:
     def load(cls, path: str | os.PathLike[str]) -> Trace:
         """Read a trace file, refusing other kinds, other versions and corrupt files in one line."""
         meta, table = _read_parquet(path)
-        check_schema(meta, expected=cls.SCHEMA, path=path, what="trace")
+        check_schema(meta, expected=cls.SCHEMA, path=path, what="trace",
+                     regenerate=f"hplan trace {meta.get('workload', 'SPEC')} -o {path}")
         return cls.from_metadata(meta, table)
 
     @classmethod
@@ -166,8 +195,10 @@ class Trace:
                              "optimizer_tensors": tuple(p.get("optimizer_tensors", ()))})
                 for p in meta["params"]
             )
-            kwargs["events"] = tuple(Event(**{**e, "params": tuple(e["params"])}) for e in meta["events"])
+            kwargs["events"] = tuple(Event(**{**e, "params": tuple(e["params"]), "grads": tuple(e.get("grads", ()))})
+                                     for e in meta["events"])
             kwargs["warnings"] = tuple(meta.get("warnings", ()))
+            kwargs["input_shapes"] = tuple(meta.get("input_shapes", ()))
             return cls(**kwargs, timeline=timeline if timeline is not None else pd.DataFrame())
         except (KeyError, TypeError) as exc:
             raise HplanError(f"trace metadata is incomplete ({exc}); regenerate the trace") from None
