@@ -1,14 +1,20 @@
-"""The executor: replays a static plan during real training (issue 5).
+"""The executor: replays a static plan during real training.
 
-`run_training` trains a Workload on a plan; `attach` brings the plan to your own loop:
+`run_training` trains a Workload on a plan; `attach` brings the plan to your own, unchanged loop:
 
-    with hplan.attach(model, optimizer, plan, batch_example=batch) as run:
-        for batch in data:
-            loss_fn(model, batch).backward()
-            run.step()          # optimizer event: per-chunk updates, gradients zeroed
+    with hplan.attach(model, optimizer, plan) as run:
+        for step, batch in enumerate(data):
+            (loss_fn(model, batch) / accum).backward()     # hooks fetch and evict regions as the plan says
+            if (step + 1) % accum == 0:
+                torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)   # plain PyTorch's norm, same clipping
+                optimizer.step()                                            # the plan's per-chunk updates
+                scheduler.step()                                            # read at the next update
+                optimizer.zero_grad()
 
-Limits: elementwise optimizers (Adam, AdamW, SGD) with one param group; per-chunk optimizers are
-built from your optimizer's type and defaults, so your optimizer object itself is not stepped.
+Inside the block the optimizer's hyperparameters are read from its param groups at every update, its state
+lives in the plan's regions and is handed back on exit (and on `optimizer.state_dict()`). Supported: the
+element-wise torch optimizers of hplan.optimizers, any number of param groups, frozen parameters, gradient
+accumulation, clipping by global norm, activation checkpointing, fp16 dynamic loss scaling (`run.scale(loss)`).
 """
 
 from __future__ import annotations
@@ -16,19 +22,24 @@ from __future__ import annotations
 from typing import Any
 
 from hplan.executor.runtime import EventRecord, PlanRun
-from hplan.executor.state import ChunkState
+from hplan.executor.state import RegionState
 from hplan.executor.train import run_training
 
 from hplan.artifacts import Plan
 
 
 def attach(model: Any, optimizer: Any, plan: Plan, *, device: str = "cpu", batch_example: Any = None,
-           precision: str = "fp32", measure: bool = True) -> PlanRun:
-    """A context manager replaying `plan` in your loop; pass `batch_example` to have the fingerprint checked.
+           precision: str | None = None, measure: bool = True, budget_guard: str = "stop",
+           nonfinite: str = "ignore") -> PlanRun:
+    """A context manager replaying `plan` in your loop.
 
-    `measure=False` drops the per-operator non-model probe (resident bytes then count model data only)."""
+    `batch_example` has the workload fingerprint checked; `precision` defaults to the plan's recipe;
+    `measure=False` drops the per-operator non-model probe (resident bytes then count model data only);
+    `budget_guard="warn"` only warns when a step measures more than the plan's budget (default: stop);
+    `nonfinite="stop"` stops before updating with an inf/NaN gradient, "skip" skips that step (plans that defer
+    updates only); the default leaves them to you, as plain PyTorch does."""
     return PlanRun(model, optimizer, plan, device=device, batch_example=batch_example, precision=precision,
-                   measure=measure)
+                   measure=measure, budget_guard=budget_guard, nonfinite=nonfinite)
 
 
-__all__ = ["ChunkState", "EventRecord", "PlanRun", "attach", "run_training"]
+__all__ = ["EventRecord", "PlanRun", "RegionState", "attach", "run_training"]

@@ -30,6 +30,10 @@ class FastTier:
         """Really free the storage; views and autograd's saved references stay valid (size-0 storage)."""
         buf.untyped_storage().resize_(0)
 
+    def alloc(self, dst: torch.Tensor, nbytes: int) -> None:
+        """Re-allocate `dst` without filling it (its previous contents are dead)."""
+        dst.untyped_storage().resize_(nbytes)
+
     def h2d(self, dst: torch.Tensor, src: torch.Tensor) -> None:
         """Re-allocate `dst` and fill it in place from the host copy."""
         dst.untyped_storage().resize_(src.untyped_storage().nbytes())
@@ -43,6 +47,9 @@ class FastTier:
     def wait(self, buf: torch.Tensor) -> None:
         """Make compute wait for `buf`'s fetch (synchronous here)."""
 
+    exposes_host_grads = True
+    """Parameters' `.grad` may point at host copies (same device type): true for the CPU twin only."""
+
     def capacity_bytes(self) -> int:
         """Memory a budget may claim: the host's available RAM."""
         return int(psutil.virtual_memory().available)
@@ -50,6 +57,8 @@ class FastTier:
 
 class CudaTier(FastTier):
     """Pinned host copies, side-stream fetches with one event per buffer."""
+
+    exposes_host_grads = False
 
     def __init__(self, device: torch.device) -> None:
         super().__init__(device)

@@ -1,17 +1,26 @@
-"""run_training: a workload's training loop on a plan, measured, checkpointed, with metrics."""
+"""run_training: a workload's training loop on a plan, measured, checkpointed, with metrics.
+
+The loop is the reference's (hplan.training.TrainStep) — micro-steps with loss ÷ accumulate, fp16 loss scaling,
+clipping, the optimizer step, the scheduler step — run through `PlanRun`, so every number it reports is
+measured and its losses can be compared with plain PyTorch's step by step.
+"""
 
 from __future__ import annotations
 
+import math
 import os
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
-from hplan.executor.checkpoint import load_checkpoint, save_checkpoint
+import torch
+from hplan.executor.checkpoint import load_checkpoint, restore, save_checkpoint
 from hplan.executor.runtime import EventRecord, PlanRun
 
 from hplan.artifacts import METRICS_COLUMNS, Plan, RunReport, atomic_path
 from hplan.errors import HplanError
+from hplan.training import build_optimizer, check_loss
 from hplan.workload import Workload
 
 Progress = Callable[[int, int, str], None]
@@ -20,37 +29,49 @@ Progress = Callable[[int, int, str], None]
 def run_training(workload: Workload, plan: Plan, *, steps: int, device: str = "cpu",
                  metrics_path: str | os.PathLike[str] | None = None,
                  checkpoint_dir: str | os.PathLike[str] | None = None, resume: bool = False,
-                 on_progress: Progress | None = None, measure: bool = True) -> RunReport:
+                 on_progress: Progress | None = None, measure: bool = True, budget_guard: str = "stop",
+                 nonfinite: str = "stop") -> RunReport:
     """Train until global step `steps` (from 0, or from the checkpoint with `resume`) replaying `plan`.
 
-    Everything the report holds is measured: losses, step times, the probe's peak fast-tier bytes
-    and the bytes actually copied in the last (steady-state) iteration. `measure=False` skips the
-    non-model probe (on CPU it watches every operator), so resident bytes are model data only.
-    """
+    Everything the report holds is measured: losses, step times, the probe's peak fast-tier bytes and the bytes
+    actually copied in the last (steady-state) iteration. `measure=False` skips the non-model probe (on CPU it
+    watches every operator), so resident bytes are model data only. A non-finite loss stops the run naming the
+    step before anything of that step is updated or saved (`nonfinite="skip"` skips such steps instead, where
+    the plan defers updates)."""
     if steps <= 0:
         raise HplanError(f"steps must be positive, got {steps}")
     if resume and checkpoint_dir is None:
         raise HplanError("--resume needs --checkpoint DIR (where the state was saved)")
+    if workload.accumulate != plan.accumulate:
+        raise HplanError(f"the plan was traced with {plan.accumulate} micro-batches per step, the workload uses "
+                         f"{workload.accumulate}; re-trace with the same --accumulate")
     model = workload.build_model()
-    optimizer = workload.optimizer(model.parameters())
-    batch = workload.batch(0)
+    optimizer = build_optimizer(workload, model)
+    scheduler = workload.scheduler(optimizer) if workload.scheduler is not None else None
+    state = load_checkpoint(checkpoint_dir, plan) if resume else None
+    first = restore(state, model, optimizer, scheduler) if state is not None else 0
+    if first >= steps:
+        raise HplanError(f"the checkpoint is already at step {first}; ask for more --steps than that")
     losses, seconds, rows, last, peak = [], [], [], [], 0
-    with PlanRun(model, optimizer, plan, device=device, batch_example=batch, precision=workload.precision,
-                 measure=measure) as run:
-        first = load_checkpoint(checkpoint_dir, run) if resume else 0
-        if first >= steps:
-            raise HplanError(f"the checkpoint is already at step {first}; ask for more --steps than that")
+    with PlanRun(model, optimizer, plan, device=device, batch_example=workload.batch(0),
+                 precision=workload.precision, measure=measure, budget_guard=budget_guard,
+                 nonfinite=nonfinite) as run:
+        if state is not None and run.loss_scale is not None and state.get("loss_scale"):
+            run.loss_scale.load_state_dict(state["loss_scale"])
         for step in range(first, steps):
             start = time.perf_counter()
-            loss = workload.loss(model, _to(workload.batch(step), run.tier.device))
-            loss.backward()
+            loss = _iteration(workload, run, step, nonfinite)
+            if workload.max_grad_norm is not None:
+                run.clip_grad_norm_(workload.max_grad_norm)
             last = run.step()
-            losses.append(float(loss.item()))
+            if scheduler is not None:
+                scheduler.step()
+            losses.append(loss)
             peak = max([peak] + [r.resident_bytes for r in last])
             seconds.append(time.perf_counter() - start)
             rows += _rows(step, last, losses[-1], seconds[-1])
-            if checkpoint_dir is not None:
-                save_checkpoint(checkpoint_dir, run, global_step=step + 1)
+            if checkpoint_dir is not None and math.isfinite(loss):
+                save_checkpoint(checkpoint_dir, run, global_step=step + 1, scheduler=scheduler)
             if on_progress is not None:
                 on_progress(step + 1, steps, f"loss {losses[-1]:.4f}  {seconds[-1] * 1e3:.0f} ms  "
                                              f"resident {peak / 2**20:.2f} MiB")
@@ -60,13 +81,29 @@ def run_training(workload: Workload, plan: Plan, *, steps: int, device: str = "c
     h2d, d2h = sum(r.h2d_bytes for r in last), sum(r.d2h_bytes for r in last)
     return RunReport(workload=workload.name, device=device, steps=len(losses), first_step=first, losses=tuple(losses),
                      step_seconds=tuple(seconds), peak_resident_bytes=peak,
-                     budget_bytes=plan.budget.gpu_bytes, bytes_moved_per_iter=h2d + d2h,
+                     budget_bytes=plan.gpu_bytes, bytes_moved_per_iter=h2d + d2h,
                      planned_bytes_moved_per_iter=plan.summary.bytes_moved_per_iter, h2d_bytes_per_iter=h2d,
                      d2h_bytes_per_iter=d2h, setup_bytes=setup,
                      metrics_path=None if metrics_path is None else str(metrics_path))
 
 
-def _to(batch: object, device: object) -> object:
+def _iteration(workload: Workload, run: PlanRun, step: int, nonfinite: str) -> float:
+    """The micro-steps of one optimizer step; returns their mean loss (the reference's figure)."""
+    k = workload.accumulate
+    losses = []
+    for i in range(k):
+        batch = to_device(workload.micro_batch(step, i), run.tier.device)
+        loss = check_loss(workload, workload.loss(run.model, batch))
+        value = float(loss.detach())
+        if not math.isfinite(value) and nonfinite == "stop":
+            raise HplanError(f"the loss is {value} at step {step} (micro-batch {i}); stopped before updating or "
+                             "saving anything of this step — the last checkpoint holds the state before it")
+        run.scale(loss / k if k > 1 else loss).backward()
+        losses.append(loss.detach())
+    return float(losses[0] if k == 1 else torch.stack(losses).mean())
+
+
+def to_device(batch: Any, device: Any) -> Any:
     """The batch on the compute device (a no-op on CPU)."""
     from torch.utils._pytree import tree_map
 

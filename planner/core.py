@@ -11,7 +11,7 @@ from dataclasses import asdict, dataclass, replace
 
 from hplan.artifacts.hardware import Hardware
 from hplan.artifacts.plan import Plan, PlanSummary, Step
-from hplan.artifacts.replay import replay
+from hplan.artifacts.replay import replay, validate  # noqa: F401  (re-exported)
 from hplan.artifacts.trace import ParamInfo, Trace
 from hplan.errors import HplanError
 from hplan.planner.belady import Schedule, solve_fast
@@ -182,18 +182,3 @@ def _infeasible(trace: Trace, hardware: Hardware, min_bytes: int, bottleneck: st
     return Plan(workload=trace.workload, hardware=hardware, chunks=(), regions=(), steps=(), optimizer={},
                 summary=summary, fingerprint=trace.fingerprint, accumulate=trace.accumulate,
                 defer_updates=trace.defer_updates, input_shapes=trace.input_shapes, options=opts)
-
-
-def validate(plan: Plan) -> None:
-    """Raise HplanError naming the first broken rule of [Note: plan semantics]; checks the summary's traffic too.
-    Every consumer of a plan (run, attach, plot, report, export) calls this before using it."""
-    if not plan.summary.feasible:
-        raise HplanError(f"the plan is infeasible ({plan.summary.bottleneck}); plan for a larger --gpu-mem")
-    rep = replay(plan)
-    problems = list(rep.violations)
-    if rep.ok and (rep.h2d_bytes, rep.d2h_bytes) != (plan.summary.h2d_bytes, plan.summary.d2h_bytes):
-        problems.append(f"summary says {plan.summary.h2d_bytes}/{plan.summary.d2h_bytes} bytes h2d/d2h, "
-                        f"replay moves {rep.h2d_bytes}/{rep.d2h_bytes}")
-    if problems:
-        more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
-        raise HplanError(f"invalid plan: {problems[0]}{more}; regenerate it with `hplan plan`")

@@ -10,6 +10,7 @@ import math
 from dataclasses import dataclass
 
 from hplan.artifacts.plan import HOMES, OPTIMIZER_PLACES, REGION_KINDS, Plan
+from hplan.errors import HplanError
 
 OPTIMIZER_EVENT = "optimizer:optimizer"
 
@@ -221,3 +222,18 @@ def _gpu_updates(plan: Plan) -> list[str]:
 
 def _count(x: object) -> bool:
     return isinstance(x, int) and not isinstance(x, bool) and x >= 0
+
+
+def validate(plan: Plan) -> None:
+    """Raise HplanError naming the first broken rule of [Note: plan semantics]; checks the summary's traffic too.
+    Every consumer of a plan (run, attach, plot, report, export) calls this before using it."""
+    if not plan.summary.feasible:
+        raise HplanError(f"the plan is infeasible ({plan.summary.bottleneck}); plan for a larger --gpu-mem")
+    rep = replay(plan)
+    problems = list(rep.violations)
+    if rep.ok and (rep.h2d_bytes, rep.d2h_bytes) != (plan.summary.h2d_bytes, plan.summary.d2h_bytes):
+        problems.append(f"summary says {plan.summary.h2d_bytes}/{plan.summary.d2h_bytes} bytes h2d/d2h, "
+                        f"replay moves {rep.h2d_bytes}/{rep.d2h_bytes}")
+    if problems:
+        more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
+        raise HplanError(f"invalid plan: {problems[0]}{more}; regenerate it with `hplan plan`")

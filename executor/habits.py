@@ -1,0 +1,131 @@
+"""The user's training-loop habits, made to work inside `hplan.attach` without changing the loop.
+
+While a plan runs, the model's data lives in regions, not in the parameters' `.grad` or the optimizer's state.
+So for the duration of the block:
+- `optimizer.step()` is the plan's optimizer event (per-chunk updates); `optimizer.zero_grad()` and
+  `model.zero_grad()` are observed (gradients are consumed by each step; not zeroing between steps, which in
+  plain PyTorch accumulates across steps, is refused);
+- `torch.nn.utils.clip_grad_norm_` on managed parameters computes plain PyTorch's total norm over the gradient
+  regions, wherever they are, and clips the same way;
+- `optimizer.state_dict()` sees the state torch would hold, and `optimizer.load_state_dict()` loads into regions;
+- the model's root forward checks the batch shape against the shapes the plan was traced with.
+Each patch is undone on exit, whatever happened.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.nn.utils.clip_grad as clip_module
+from torch import nn
+
+from hplan.errors import HplanError
+from hplan.hooks import describe_batch
+
+if TYPE_CHECKING:
+    from hplan.executor.runtime import PlanRun
+
+_ACTIVE: list[PlanRun] = []
+"""Runs inside their block, for the clip_grad_norm_ patch (it must find the run owning the parameters)."""
+_ORIGINAL_CLIP = clip_module.clip_grad_norm_
+
+
+@contextlib.contextmanager
+def intercepted(run: PlanRun, optimizer: torch.optim.Optimizer, model: nn.Module) -> Iterator[None]:
+    """Every patch of this module for one run, undone on exit."""
+    with contextlib.ExitStack() as stack:
+        _patch(stack, optimizer, "step", _step(run, optimizer))
+        _patch(stack, optimizer, "zero_grad", _zero(run, optimizer.zero_grad))
+        _patch(stack, model, "zero_grad", _zero(run, model.zero_grad))
+        stack.enter_context(_clip_patch(run))
+        for register, hook in ((optimizer.register_state_dict_pre_hook, lambda opt: run.sync_state()),
+                               (optimizer.register_state_dict_post_hook, lambda opt, sd: run.release_state()),
+                               (optimizer.register_load_state_dict_pre_hook, run.stash_loaded_state),
+                               (optimizer.register_load_state_dict_post_hook, lambda opt: run.adopt_loaded_state())):
+            stack.callback(register(hook).remove)
+        if run.plan.input_shapes:
+            stack.callback(model.register_forward_pre_hook(_shape_check(run.plan.input_shapes),
+                                                           with_kwargs=True).remove)
+        yield
+
+
+def _patch(stack: contextlib.ExitStack, obj: Any, name: str, replacement: Callable[..., Any]) -> None:
+    """Set an instance attribute for the block; restore what the instance had (or remove ours)."""
+    had = name in vars(obj)
+    previous = vars(obj).get(name)
+    setattr(obj, name, replacement)
+
+    def restore() -> None:
+        if had:
+            setattr(obj, name, previous)
+        else:
+            delattr(obj, name)
+
+    stack.callback(restore)
+
+
+def _step(run: PlanRun, optimizer: torch.optim.Optimizer) -> Callable[..., Any]:
+    """optimizer.step(closure=None) → the plan's optimizer event. Marked as LR schedulers mark their own wrapper,
+    so a scheduler created before or inside the block neither warns nor wraps it again."""
+
+    def step(closure: Callable[[], Any] | None = None) -> Any:
+        if closure is not None:
+            raise HplanError("optimizer.step(closure) re-evaluates the model, which a plan cannot schedule; "
+                             "call optimizer.step() after backward")
+        optimizer._opt_called = True  # type: ignore[attr-defined]  (LR schedulers check it)
+        run.optimizer_event()
+        return None
+
+    step._wrapped_by_lr_sched = True  # type: ignore[attr-defined]
+    return step
+
+
+def _zero(run: PlanRun, original: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(original)
+    def zero_grad(*args: Any, **kwargs: Any) -> Any:
+        run.zeroed()
+        return original(*args, **kwargs)
+
+    return zero_grad
+
+
+@contextlib.contextmanager
+def _clip_patch(run: PlanRun) -> Iterator[None]:
+    """torch.nn.utils.clip_grad_norm_ (both the package and the module attribute) routes managed parameters to
+    the run; anything else goes to torch's own function."""
+    _ACTIVE.append(run)
+    previous = (torch.nn.utils.clip_grad_norm_, clip_module.clip_grad_norm_)
+    torch.nn.utils.clip_grad_norm_ = clip_module.clip_grad_norm_ = _clip  # type: ignore[assignment]
+    try:
+        yield
+    finally:
+        _ACTIVE.remove(run)
+        if not _ACTIVE:
+            torch.nn.utils.clip_grad_norm_, clip_module.clip_grad_norm_ = previous  # type: ignore[assignment]
+
+
+def _clip(parameters: Any, max_norm: float, norm_type: float = 2.0, error_if_nonfinite: bool = False,
+          foreach: bool | None = None) -> torch.Tensor:
+    params = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
+    for run in reversed(_ACTIVE):
+        if run.manages(params):
+            return run.clip_grad_norm_(max_norm, params=params, norm_type=norm_type,
+                                       error_if_nonfinite=error_if_nonfinite)
+    return _ORIGINAL_CLIP(params, max_norm, norm_type, error_if_nonfinite, foreach)
+
+
+def _shape_check(allowed: tuple[str, ...]) -> Callable[..., None]:
+    known = set(allowed)
+
+    def hook(module: nn.Module, args: Any, kwargs: Any) -> None:
+        shape = describe_batch((args, kwargs))
+        if shape not in known:
+            shown = ", ".join(sorted(known)[:4]) + (" …" if len(known) > 4 else "")
+            raise HplanError(f"batch shape {shape} was not traced (the plan covers {shown}); its memory is "
+                             "unplanned: re-trace with --iters covering this shape, or pad batches to a traced shape")
+
+    return hook

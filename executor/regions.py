@@ -1,0 +1,227 @@
+"""Region buffers that really hold the model: parameters, gradients, masters and optimizer state are views.
+
+Layout of a chunk's regions (exactly `region.bytes`, no padding), see [Note: plan semantics]:
+- param: the chunk's tensors in order, compute dtype; a parameter's `.data` is its view while the region is
+  resident, and an empty NaN placeholder of the same shape while it is not — reading a view of a freed
+  (0-byte) storage would crash the process, a placeholder gives NaN (which the non-finite guard reports);
+- grad: the trainable tensors, compute dtype;
+- master: the trainable tensors, fp32 (mixed precision only);
+- state: per trainable tensor, its optimizer's per-element states in hplan.optimizers order (fp32 with a
+  master copy, else the compute dtype).
+Every transition is idempotent (STYLE §3) and runs inside `record_function("hplan::<action>::<region>")`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+from hplan.executor.device import FastTier
+from hplan.executor.state import RegionState
+from torch import nn
+
+from hplan.artifacts import Plan, Region
+from hplan.errors import HplanError
+
+Key = str | tuple[str, str]
+"""A view's key inside its region: a parameter name, or (parameter name, state name) in a state region."""
+
+
+@dataclass(kw_only=True, slots=True)
+class Slot:
+    """One region: its fast-tier buffer (0 bytes when evicted), its host copy, its state and its views."""
+
+    region: Region
+    fast: torch.Tensor
+    host: torch.Tensor
+    state: RegionState = RegionState.HOST
+    fast_views: dict[Key, torch.Tensor] = field(default_factory=dict)
+    host_views: dict[Key, torch.Tensor] = field(default_factory=dict)
+
+
+@dataclass(kw_only=True, slots=True)
+class Traffic:
+    """Bytes actually copied, each way, since the last reset."""
+
+    h2d: int = 0
+    d2h: int = 0
+
+
+class RegionStore:
+    """Owns every region buffer and moves regions between the fast tier and the host store on request."""
+
+    def __init__(self, model: nn.Module, plan: Plan, tier: FastTier, *, master: bool,
+                 state_names: Callable[[str], tuple[str, ...]]) -> None:
+        self.tier = tier
+        self.params = plan_params(model, plan)
+        self.slots: dict[int, Slot] = {}
+        self.by_chunk: dict[int, dict[str, int]] = {}
+        self.chunk_of = {name: c.id for c in plan.chunks for name in c.tensors}
+        self.traffic = Traffic()
+        self.placeholders: dict[str, torch.Tensor] = {}
+        chunks = {c.id: c for c in plan.chunks}
+        for region in plan.regions:
+            self.by_chunk.setdefault(region.chunk, {})[region.kind] = region.id
+            slot = Slot(region=region, fast=tier.empty(region.bytes), host=tier.host_empty(region.bytes))
+            self.slots[region.id] = slot
+            layout = _layout(region, chunks[region.chunk].tensors, chunks[region.chunk].trainable, self.params,
+                             master, state_names)
+            need = sum(n * dtype.itemsize for _, n, dtype, _ in layout)
+            if need != region.bytes:
+                raise HplanError(f"plan's {region.kind} region {region.id} (chunk {region.chunk}) has {region.bytes} "
+                                 f"bytes but this model and optimizer need {need}; the plan was made for another "
+                                 "workload, precision or optimizer configuration — re-trace and re-plan it")
+            self._make_views(slot, layout)
+        for c in plan.chunks:
+            self._adopt_weights(c.tensors, self.by_chunk[c.id]["param"])
+        self._resident_bytes = 0
+        """Running sum of the fast-tier storage changes fetch, alloc and evict make: events read it."""
+
+    def _make_views(self, slot: Slot, layout: list[tuple[Key, int, torch.dtype, torch.Size]]) -> None:
+        """Views of the host buffer and of the fast buffer, which is allocated just long enough to make them
+        (views of a 0-byte storage fail their bounds check): one region at a time is ever allocated here."""
+        offset = 0
+        for key, numel, dtype, shape in layout:
+            nbytes = numel * dtype.itemsize
+            slot.fast_views[key] = slot.fast[offset:offset + nbytes].view(dtype).view(shape)
+            slot.host_views[key] = slot.host[offset:offset + nbytes].view(dtype).view(shape)
+            offset += nbytes
+        self.tier.release(slot.fast)
+
+    def _adopt_weights(self, names: tuple[str, ...], rid: int) -> None:
+        """Copy the parameters into the host copy of their weight region; point them at placeholders."""
+        slot = self.slots[rid]
+        with torch.no_grad():
+            for name in names:
+                p = self.params[name]
+                slot.host_views[name].copy_(p.detach())
+                self.placeholders[name] = _placeholder(p, self.tier.device)
+                p.data = self.placeholders[name]
+
+    # -- transitions ----------------------------------------------------------------------------------
+    def fetch(self, rid: int) -> None:
+        """host→fast: re-allocate and fill the region. No-op when resident."""
+        slot = self.slots[rid]
+        if slot.state.on_fast_tier:
+            return
+        with torch.profiler.record_function(f"hplan::fetch::{rid}"):
+            self.tier.h2d(slot.fast, slot.host)
+        self._arrived(slot)
+        self.traffic.h2d += slot.region.bytes
+
+    def alloc(self, rid: int) -> None:
+        """Make room for the region on the fast tier without copying (its contents are dead). No-op when resident."""
+        slot = self.slots[rid]
+        if slot.state.on_fast_tier:
+            return
+        with torch.profiler.record_function(f"hplan::alloc::{rid}"):
+            self.tier.alloc(slot.fast, slot.region.bytes)
+        self._arrived(slot)
+
+    def _arrived(self, slot: Slot) -> None:
+        self._resident_bytes += slot.region.bytes
+        slot.state = RegionState.RESIDENT
+        if slot.region.kind == "param":
+            for name, view in slot.fast_views.items():
+                self.params[name].data = view
+
+    def evict(self, rid: int, *, writeback: bool) -> None:
+        """Leave the fast tier, copying fast→host first when asked. No-op when not resident."""
+        slot = self.slots[rid]
+        if not slot.state.on_fast_tier:
+            return
+        if writeback and slot.state is RegionState.RESIDENT_DIRTY:
+            with torch.profiler.record_function(f"hplan::writeback::{rid}"):
+                self.tier.d2h(slot.host, slot.fast)
+            self.traffic.d2h += slot.region.bytes
+        if slot.region.kind == "param":
+            for name in slot.fast_views:
+                self.params[name].data = self.placeholders[name]
+        with torch.profiler.record_function(f"hplan::evict::{rid}"):
+            self.tier.release(slot.fast)
+        self._resident_bytes -= slot.region.bytes
+        slot.state = RegionState.HOST
+
+    def mark_dirty(self, rid: int) -> None:
+        slot = self.slots[rid]
+        if slot.state.on_fast_tier:
+            slot.state = RegionState.RESIDENT_DIRTY
+
+    def require(self, rids: tuple[int, ...] | list[int] | set[int], where: str) -> None:
+        """Raise unless every region is resident (a plan that misses one would corrupt training)."""
+        missing = sorted(r for r in rids if not self.slots[r].state.on_fast_tier)
+        if missing:
+            kinds = ", ".join(f"{self.slots[r].region.kind} of chunk {self.slots[r].region.chunk}" for r in missing[:3])
+            raise HplanError(f"{where}: regions {missing} ({kinds}) are needed but not on the fast tier; the run "
+                             "differs from the traced step — re-trace and re-plan this workload")
+        for r in rids:
+            self.tier.wait(self.slots[r].fast)
+
+    # -- reading ----------------------------------------------------------------------------------------
+    def current(self, rid: int, key: Key) -> torch.Tensor:
+        """The view holding the region's current contents: fast when resident, else host."""
+        slot = self.slots[rid]
+        return (slot.fast_views if slot.state.on_fast_tier else slot.host_views)[key]
+
+    def region(self, chunk: int, kind: str) -> int | None:
+        return self.by_chunk.get(chunk, {}).get(kind)
+
+    def resident_bytes(self) -> int:
+        """Fast-tier region storage allocated now (measured at each resize, not read from the plan)."""
+        return self._resident_bytes
+
+    def scan_resident_bytes(self) -> int:
+        """The same figure by reading every region's storage: the check on the running sum."""
+        return sum(s.fast.untyped_storage().nbytes() for s in self.slots.values())
+
+    def resident(self) -> set[int]:
+        return {rid for rid, s in self.slots.items() if s.state.on_fast_tier}
+
+    def restore_parameters(self) -> None:
+        """Give every parameter its own storage again with its current value (the model works without the plan)."""
+        with torch.no_grad():
+            for c, regions in self.by_chunk.items():
+                rid = regions["param"]
+                for name in self.slots[rid].fast_views:
+                    self.params[name].data = self.current(rid, name).clone()
+
+
+def _layout(region: Region, tensors: tuple[str, ...], trainable: tuple[str, ...], params: dict[str, nn.Parameter],
+            master: bool, state_names: Callable[[str], tuple[str, ...]]
+            ) -> list[tuple[Key, int, torch.dtype, torch.Size]]:
+    """(key, elements, dtype, shape) of each view in the region, in layout order."""
+    if region.kind == "param":
+        return [(n, params[n].numel(), params[n].dtype, params[n].shape) for n in tensors]
+    if region.kind == "grad":
+        return [(n, params[n].numel(), params[n].dtype, params[n].shape) for n in trainable]
+    if region.kind == "master":
+        return [(n, params[n].numel(), torch.float32, params[n].shape) for n in trainable]
+    out: list[tuple[Key, int, torch.dtype, torch.Size]] = []
+    for n in trainable:
+        dtype = torch.float32 if master else params[n].dtype
+        out += [((n, s), params[n].numel(), dtype, params[n].shape) for s in state_names(n)]
+    return out
+
+
+def _placeholder(p: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A tensor of p's shape and dtype over one element (NaN for floats): what an evicted parameter reads."""
+    fill = float("nan") if p.is_floating_point() else 0
+    return torch.full((1,), fill, dtype=p.dtype, device=device).expand(p.shape) if p.dim() else \
+        torch.full((), fill, dtype=p.dtype, device=device)
+
+
+def plan_params(model: nn.Module, plan: Plan) -> dict[str, nn.Parameter]:
+    """Canonical name → parameter, checking the plan's chunks cover each exactly once and agree on training."""
+    params = dict(model.named_parameters())
+    listed = [name for c in plan.chunks for name in c.tensors]
+    if sorted(listed) != sorted(params):
+        extra, missing = sorted(set(listed) - set(params)), sorted(set(params) - set(listed))
+        raise HplanError(f"plan chunks do not cover the model's parameters exactly once (unknown {extra[:3]}, "
+                         f"missing {missing[:3]}); regenerate the plan for this model")
+    trainable = {name for c in plan.chunks for name in c.trainable}
+    changed = sorted(n for n, p in params.items() if p.requires_grad != (n in trainable))
+    if changed:
+        raise HplanError(f"parameter {changed[0]} is {'trainable' if params[changed[0]].requires_grad else 'frozen'} "
+                         f"here but not in the plan ({len(changed)} such); re-trace with the same requires_grad flags")
+    return params
