@@ -21,6 +21,8 @@ def load_workload(
     seq_len: int | None = None,
     overrides: dict[str, Any] | None = None,
     precision: str | None = None,
+    accumulate: int | None = None,
+    max_grad_norm: float | None = None,
 ) -> Workload:
     """Resolve `spec`; options the spec cannot take are refused, never silently ignored."""
     for name, value in (("batch size", batch_size), ("sequence length", seq_len)):
@@ -38,11 +40,11 @@ def load_workload(
         workload = _from_file(spec, batch_size=batch_size, seq_len=seq_len, overrides=overrides)
     else:
         raise HplanError(f"unknown workload spec {spec!r}: use {SPEC_FORMS}")
-    if precision is not None and precision != workload.precision:
-        from dataclasses import replace
+    from dataclasses import replace
 
-        workload = replace(workload, precision=precision)
-    return workload
+    given = {k: v for k, v in (("precision", precision), ("accumulate", accumulate),
+                               ("max_grad_norm", max_grad_norm)) if v is not None}
+    return replace(workload, **given) if given else workload
 
 
 def _from_file(spec: str, *, batch_size: int | None, seq_len: int | None, overrides: dict[str, Any] | None) -> Workload:

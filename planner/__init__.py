@@ -10,6 +10,7 @@ from hplan.artifacts.trace import Trace
 from hplan.planner.core import make_plan, validate
 from hplan.planner.options import GPU_PRESETS, PlanOptions, make_hardware
 from hplan.planner.problem import MinGpu, build, group_params, min_gpu
+from hplan.planner.sweep import BASELINE_KEYS, sweep
 
 
 def min_gpu_bytes(trace: Trace, hardware: Hardware | None = None) -> MinGpu:
@@ -24,5 +25,5 @@ def default_slack(trace: Trace) -> int:
     return trace.allocator_slack_bytes + trace.overhead_bytes
 
 
-__all__ = ["GPU_PRESETS", "Hardware", "MinGpu", "PlanOptions", "build", "default_slack", "group_params",
-           "make_hardware", "make_plan", "min_gpu_bytes", "validate"]
+__all__ = ["BASELINE_KEYS", "GPU_PRESETS", "Hardware", "MinGpu", "PlanOptions", "build", "default_slack", "group_params",
+           "make_hardware", "make_plan", "min_gpu_bytes", "sweep", "validate"]

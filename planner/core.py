@@ -161,7 +161,7 @@ def _plan(trace: Trace, hardware: Hardware, best: Candidate, solver: str, bound:
                 initial_resident=tuple(sorted(best.schedule.initial)),
                 initial_dirty=tuple(sorted(best.initial_dirty)), accumulate=trace.accumulate,
                 defer_updates=trace.defer_updates, input_shapes=trace.input_shapes,
-                options={**opts, "chunk_bytes": best.chunk_target})
+                max_grad_norm=trace.max_grad_norm, options={**opts, "chunk_bytes": best.chunk_target})
     rep = replay(plan)
     if not rep.ok:
         raise AssertionError(f"hplan made an invalid plan ({rep.violations[0]}): an hplan bug, please report it")
@@ -181,4 +181,5 @@ def _infeasible(trace: Trace, hardware: Hardware, min_bytes: int, bottleneck: st
                           solver="none", bottleneck=bottleneck)
     return Plan(workload=trace.workload, hardware=hardware, chunks=(), regions=(), steps=(), optimizer={},
                 summary=summary, fingerprint=trace.fingerprint, accumulate=trace.accumulate,
-                defer_updates=trace.defer_updates, input_shapes=trace.input_shapes, options=opts)
+                defer_updates=trace.defer_updates, input_shapes=trace.input_shapes,
+                max_grad_norm=trace.max_grad_norm, options=opts)

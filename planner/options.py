@@ -36,6 +36,12 @@ GPU_PRESETS: dict[str, GpuPreset] = {p.name: p for p in (
     GpuPreset(name="a100-80gb", memory_bytes=80 * 10**9, tflops_16=312.0, tflops_32=19.5, link_gbps=32.0),
     GpuPreset(name="h100-80gb", memory_bytes=80 * 10**9, tflops_16=989.0, tflops_32=67.0, link_gbps=64.0),
 )}
+CPU_TIER = "cpu"
+"""The executor's CPU twin: a budgeted region of host memory as the fast tier. No copy engines (nothing overlaps),
+compute times are the trace's measured ones (a CPU trace), copies run at host memcpy speed."""
+CPU_TIER_COPY_GBPS = 2.4
+"""One-thread torch copy_ of 256 MiB on this 2-core dev machine, best of 5 (2026-11-23, under load from other
+jobs): the CPU tier's 'link'. It affects predicted step times only, never which bytes a plan moves."""
 DEFAULT_GPU = "rtx3090"
 """The seed's headline GPU: a 24 GB RTX 3090."""
 SOLVERS: tuple[str, ...] = ("auto", "exact", "fast")
@@ -44,13 +50,19 @@ SOLVERS: tuple[str, ...] = ("auto", "exact", "fast")
 def make_hardware(gpu: str = DEFAULT_GPU, *, gpu_bytes: int | None = None, **overrides: object) -> Hardware:
     """A Hardware for a GPU preset: its memory (unless `gpu_bytes`), compute and link rates, then overrides
     (any Hardware field; None values are ignored)."""
-    if gpu not in GPU_PRESETS:
-        raise HplanError(f"unknown GPU preset {gpu!r}: use one of {', '.join(GPU_PRESETS)}")
-    preset = GPU_PRESETS[gpu]
     known = {f.name for f in fields(Hardware)}
     unknown = sorted(set(overrides) - known)
     if unknown:
         raise HplanError(f"unknown hardware option(s) {unknown}")
+    if gpu == CPU_TIER:
+        if gpu_bytes is None:
+            raise HplanError("the cpu fast tier has no preset size: give its budget (--gpu-mem)")
+        base: dict[str, object] = dict(gpu=gpu, gpu_bytes=gpu_bytes, h2d_gbps=CPU_TIER_COPY_GBPS,
+                                       d2h_gbps=CPU_TIER_COPY_GBPS, overlap=False)
+        return Hardware(**{**base, **{k: v for k, v in overrides.items() if v is not None}})
+    if gpu not in GPU_PRESETS:
+        raise HplanError(f"unknown GPU preset {gpu!r}: use one of {', '.join(GPU_PRESETS)}, or {CPU_TIER}")
+    preset = GPU_PRESETS[gpu]
     base = dict(gpu=gpu, gpu_bytes=gpu_bytes or preset.memory_bytes, tflops_16=preset.tflops_16,
                 tflops_32=preset.tflops_32, h2d_gbps=preset.link_gbps, d2h_gbps=preset.link_gbps)
     return Hardware(**{**base, **{k: v for k, v in overrides.items() if v is not None}})

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from hplan.artifacts.plan import Budget
+from dataclasses import replace
+
+from hplan.artifacts.hardware import Hardware
 from hplan.artifacts.trace import Trace
 from hplan.planner.baselines import simulate_baselines
 from hplan.planner.core import make_plan
@@ -12,17 +14,17 @@ BASELINE_KEYS: tuple[str, ...] = ("zero_offload", "gemini", "all_on_gpu")
 """Column prefixes of sweep rows, in simulate_baselines' order."""
 
 
-def sweep(trace: Trace, gpu_sizes: list[int], options: PlanOptions | None = None) -> list[dict]:
-    """One row per GPU size: hplan's plan next to each baseline (for `hplan plan --sweep` tables and plots)."""
+def sweep(trace: Trace, gpu_sizes: list[int], hardware: Hardware, options: PlanOptions | None = None) -> list[dict]:
+    """One row per GPU size (the hardware's other numbers kept): hplan's plan next to each baseline."""
     options = options or PlanOptions()
     rows = []
     for gpu_bytes in gpu_sizes:
-        budget = Budget(gpu_bytes=gpu_bytes)
-        plan = make_plan(trace, budget, options)
+        target = replace(hardware, gpu_bytes=gpu_bytes)
+        plan = make_plan(trace, target, options)
         row = {"gpu_bytes": gpu_bytes, "feasible": plan.summary.feasible,
                "bytes_moved": plan.summary.bytes_moved_per_iter,
                "step_seconds": plan.summary.predicted_step_seconds, "min_gpu_bytes": plan.summary.min_gpu_bytes}
-        for key, b in zip(BASELINE_KEYS, simulate_baselines(trace, budget, options, plan.chunks or None)):
+        for key, b in zip(BASELINE_KEYS, simulate_baselines(trace, target)):
             row |= {f"{key}_feasible": b.feasible, f"{key}_bytes_moved": b.bytes_moved_per_iter,
                     f"{key}_step_seconds": b.predicted_step_seconds}
         rows.append(row)

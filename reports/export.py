@@ -185,7 +185,7 @@ def _transfer_slices(trace: Trace, plan: Plan, start: np.ndarray, ends: np.ndarr
     bytes / link speed and waits for the previous copy in its direction (one copy engine each way, so
     slices on a track never overlap); without them it spans the event's window of ops."""
     link = _link_bytes_per_s(plan) if timed else None
-    out = [_meta("process_name", 2, 0, f"hplan plan: {plan.workload} on {plan.budget.gpu_bytes / 1e9:.2f} GB"),
+    out = [_meta("process_name", 2, 0, f"hplan plan: {plan.workload} on {plan.gpu_bytes / 1e9:.2f} GB"),
            _meta("thread_name", 2, 1, "fetch host→GPU"), _meta("thread_name", 2, 2, "write-back GPU→host")]
     n = len(start)
     free_at = {1: 0.0, 2: 0.0}
@@ -203,11 +203,5 @@ def _transfer_slices(trace: Trace, plan: Plan, start: np.ndarray, ends: np.ndarr
 
 
 def _link_bytes_per_s(plan: Plan) -> float | None:
-    """Host link speed the plan assumed: its own option, else its GPU preset's."""
-    from hplan.planner.options import GPU_PRESETS
-
-    gbps = plan.options.get("link_gbps")
-    preset = GPU_PRESETS.get(str(plan.options.get("gpu", "")))
-    if not gbps and preset is not None:
-        gbps = preset.link_gbps
-    return float(gbps) * 1e9 if gbps else None
+    """Host link speed the plan assumed (its hardware's host→device rate)."""
+    return plan.hardware.h2d_gbps * 1e9

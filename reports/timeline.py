@@ -50,7 +50,7 @@ def timeline_figure(trace: Trace, *, plan: Plan | None = None, metrics: pd.DataF
     ops = steady_ops(trace)
     scale, ylabel = byte_unit(binary)
     planned = planned_events(trace, plan) if plan is not None else None
-    budget = plan.budget.gpu_bytes if plan is not None else gpu_bytes
+    budget = plan.gpu_bytes if plan is not None else gpu_bytes
     if planned is None:
         fig = new_figure(12, 5.4)
         axes = [fig.subplots()]
@@ -92,7 +92,7 @@ def _title(trace: Trace, plan: Plan | None, binary: bool) -> str:
     where = {"cuda": "measured on CUDA", "cpu": "measured on CPU", "fake": "fake-tensor simulation"}[trace.device]
     text = f"{trace.workload} ({trace.precision}, {where}): memory per operator"
     if plan is not None:
-        text += f"; plan for a {format_size(plan.budget.gpu_bytes, binary=binary)} GPU"
+        text += f"; plan for a {format_size(plan.gpu_bytes, binary=binary)} GPU"
     return text
 
 
@@ -157,19 +157,19 @@ def _draw_planned(ax: Axes, plan: Plan, planned: list[PlannedEvent], scale: floa
     model = [p.resident_bytes / scale for p in planned]
     x, y_model = _steps(planned, model)
     _, y_total = _steps(planned, [(p.resident_bytes + p.non_model_bytes) / scale for p in planned])
-    slack = plan.budget.slack_bytes / scale
+    slack = plan.hardware.slack_bytes / scale
     ax.fill_between(x, 0, y_model, step="post", color="#4c72b0", lw=0, label="planned model data on GPU")
     ax.fill_between(x, y_model, y_total, step="post", color=NON_MODEL_COLOR, lw=0,
                     label="non-model data (activations, temporaries)")
     if slack > 0:
         ax.fill_between(x, y_total, y_total + slack, step="post", color="0.8", lw=0,
                         label="kept free (allocator slack, overhead)")
-    budget = plan.budget.gpu_bytes / scale
+    budget = plan.gpu_bytes / scale
     ax.axhline(budget, color=BUDGET_COLOR, ls="--", lw=1.4,
-               label=f"GPU budget {format_size(plan.budget.gpu_bytes, binary=binary)}")
+               label=f"GPU budget {format_size(plan.gpu_bytes, binary=binary)}")
     ax.set_ylim(0, max(budget, float(y_total.max()) + slack) * 1.15)
     s = plan.summary
-    ax.set_title(f"planned: GPU-resident data per event ({len(planned)} events, {len(plan.chunks)} chunks; "
+    ax.set_title(f"planned: GPU-resident data per event ({len(planned)} events, {len(plan.regions)} regions; "
                  f"moves {format_size(s.bytes_moved_per_iter, binary=binary)} per iteration)", fontsize=10, loc="left")
 
 

@@ -3,13 +3,13 @@ measurements laid out per event, and small summary tables. Plan semantics come f
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 
 import numpy as np
 import pandas as pd
 
 from hplan.artifacts.plan import BaselineResult, Plan
-from hplan.artifacts.replay import replay
+from hplan.artifacts.replay import replay, validate
 from hplan.artifacts.trace import CATEGORIES, Event, Trace
 from hplan.errors import HplanError
 
@@ -44,9 +44,8 @@ class PlannedEvent:
 
 def planned_events(trace: Trace, plan: Plan) -> list[PlannedEvent]:
     """Replay the plan and place each step on its event's op range (steps match events in order)."""
+    validate(plan)
     result = replay(plan)
-    if not result.ok:
-        raise HplanError(f"plan for {plan.workload!r} is invalid ({result.violations[0]}); regenerate it with `hplan plan`")
     events = _match_events(trace.events, [s.event for s in plan.steps])
     return [PlannedEvent(index=st.index, event=st.event, op_start=ev.op_start, op_end=max(ev.op_end, ev.op_start + 1),
                          resident_bytes=st.resident_bytes, non_model_bytes=step.non_model_bytes,
@@ -69,14 +68,11 @@ def _match_events(events: tuple[Event, ...], keys: list[str]) -> list[Event]:
 
 
 def plan_baselines(trace: Trace, plan: Plan) -> tuple[BaselineResult, ...]:
-    """Score the baselines at the plan's budget with the options that made it (for plans made without
-    --compare); the planner is torch-free, and imported here only when needed."""
+    """Score the baselines on the plan's hardware (for plans made without --compare); the planner is
+    torch-free, and imported here only when needed."""
     from hplan.planner.baselines import simulate_baselines
-    from hplan.planner.options import PlanOptions
 
-    known = {f.name for f in fields(PlanOptions)}
-    options = PlanOptions(**{k: v for k, v in plan.options.items() if k in known})
-    return simulate_baselines(trace, plan.budget, options, plan.chunks or None)
+    return simulate_baselines(trace, plan.hardware)
 
 
 def measured_events(metrics: pd.DataFrame, n_events: int) -> pd.DataFrame:

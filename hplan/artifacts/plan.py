@@ -143,6 +143,8 @@ class Plan:
     """Every update waits for the optimizer step (clipping or loss scaling needs all gradients first)."""
     input_shapes: tuple[str, ...] = ()
     """Model-input signatures the plan was traced with; the executor refuses others before their forward."""
+    max_grad_norm: float | None = None
+    """The clipping the traced step applies (`hplan run` applies it too)."""
     options: dict[str, Any] = field(default_factory=dict)
     """Solver options that produced the plan (chunking, solver, effort, …)."""
     baselines: tuple[BaselineResult, ...] = ()
@@ -197,6 +199,7 @@ class Plan:
             accumulate=_int(obj.get("accumulate", 1)),
             defer_updates=bool(obj.get("defer_updates", False)),
             input_shapes=tuple(obj.get("input_shapes", ())),
+            max_grad_norm=obj.get("max_grad_norm"),
             options=obj.get("options", {}),
             baselines=tuple(BaselineResult(**b) for b in obj.get("baselines", ())),
         )

@@ -22,9 +22,8 @@ DEMO_OFFLOAD_FRACTION = 0.5
 
 def run_demo(*, out_dir: Path, steps: int, quiet: bool) -> dict[str, Any]:
     """Trace → plan (about half the model data offloaded) → plot → report → run; return a summary."""
-    from hplan.artifacts import Budget
     from hplan.executor import run_training
-    from hplan.planner import PlanOptions, make_plan
+    from hplan.planner import PlanOptions, default_slack, make_hardware, make_plan
     from hplan.reports import plot_timeline, write_report
     from hplan.specs import load_workload
     from hplan.tracer import trace_workload
@@ -37,10 +36,12 @@ def run_demo(*, out_dir: Path, steps: int, quiet: bool) -> dict[str, Any]:
     with progress_bar("tracing", quiet=quiet) as on_progress:
         trace = trace_workload(workload, device="cpu", iters=3, on_progress=on_progress)
     trace.save(paths["trace"])
-    probe = make_plan(trace, Budget(gpu_bytes=10 * trace.peak_bytes), PlanOptions(compare=False))
-    model_state = sum(c.bytes for c in probe.chunks)
-    budget = Budget(gpu_bytes=max(probe.summary.min_gpu_bytes,
-                                  trace.peak_bytes - int(DEMO_OFFLOAD_FRACTION * model_state)))
+    slack = default_slack(trace)
+    probe = make_plan(trace, make_hardware("cpu", gpu_bytes=10 * trace.peak_bytes, slack_bytes=slack))
+    model_state = sum(r.bytes for r in probe.regions)
+    budget = make_hardware("cpu", gpu_bytes=max(probe.summary.min_gpu_bytes,
+                                                trace.peak_bytes - int(DEMO_OFFLOAD_FRACTION * model_state)),
+                           slack_bytes=slack)
     plan = make_plan(trace, budget, PlanOptions(compare=True))
     plan.save(paths["plan"])
     with progress_bar("training on the plan", quiet=quiet) as on_progress:

@@ -21,18 +21,22 @@ def register(app: typer.Typer) -> None:
     @app.command("plan", epilog=EPILOG)
     def plan_command(
         trace: Annotated[Path, typer.Argument(help="Trace file written by `hplan trace`.")],
-        gpu_mem: Annotated[str, typer.Option("--gpu-mem", help="GPU memory budget, e.g. 24GB or 22GiB.")],
-        output: Annotated[Path, typer.Option("-o", "--output", help="Where to write the plan JSON.")],
+        gpu_mem: Annotated[str, typer.Option("--gpu-mem", help="GPU memory budget, e.g. 24GB or 22GiB; `min` plans "
+                                             "at the smallest budget any schedule fits.")],
+        output: Annotated[Path | None, typer.Option("-o", "--output", help="Where to write the plan JSON "
+                                                    "(optional with --json).")] = None,
         cpu_mem: Annotated[str | None, typer.Option("--cpu-mem", help="Host memory for offloaded data.")] = None,
         gpu: Annotated[str | None, typer.Option("--gpu", help="GPU preset for compute and link speed: rtx3090 "
-                                                "(default), rtx2060, v100-32gb, a100-40gb, a100-80gb, h100-80gb.")
-                       ] = None,
+                                                "(default), rtx2060, v100-32gb, a100-40gb, a100-80gb, h100-80gb, "
+                                                "or cpu (hplan's CPU fast tier).")] = None,
         gpu_tflops: Annotated[float | None, typer.Option("--gpu-tflops", help="Override the preset's TFLOPS.")] = None,
-        link_gbps: Annotated[float | None, typer.Option("--link-gbps", help="Host link GB/s per direction.")] = None,
+        link_gbps: Annotated[float | None, typer.Option("--link-gbps", help="Host link GB/s, each direction.")] = None,
+        cpu_adam_gbps: Annotated[float | None, typer.Option("--cpu-adam-gbps", help="Host optimizer throughput, GB/s "
+                                                            "of model state.")] = None,
         slack: Annotated[str | None, typer.Option("--slack", help="Memory kept free for allocator slack and "
                                                   "overhead (default: from the trace).")] = None,
-        chunk_size: Annotated[str | None, typer.Option("--chunk-size", help="Param chunk size, or auto (default).")
-                              ] = None,
+        chunk_size: Annotated[str | None, typer.Option("--chunk-size", help="auto (default: search), module (one "
+                                                       "chunk per module), or a size such as 64MB.")] = None,
         solver: Annotated[str | None, typer.Option("--solver", help="auto (default), exact (MILP) or fast (Belady).")
                           ] = None,
         compare: Annotated[bool, typer.Option("--compare", help="Also score ZeRO-Offload, Gemini, all-on-GPU.")
@@ -43,28 +47,37 @@ def register(app: typer.Typer) -> None:
         from hplan.cli.common import guarded
 
         guarded(lambda: _run(trace=trace, gpu_mem=gpu_mem, output=output, cpu_mem=cpu_mem, gpu=gpu,
-                             gpu_tflops=gpu_tflops, link_gbps=link_gbps, slack=slack, chunk_size=chunk_size,
-                             solver=solver, compare=compare, as_json=as_json))
+                             gpu_tflops=gpu_tflops, link_gbps=link_gbps, cpu_adam_gbps=cpu_adam_gbps, slack=slack,
+                             chunk_size=chunk_size, solver=solver, compare=compare, as_json=as_json))
 
 
-def _run(*, trace: Path, gpu_mem: str, output: Path, cpu_mem: str | None, gpu: str | None,
-         gpu_tflops: float | None, link_gbps: float | None, slack: str | None, chunk_size: str | None,
-         solver: str | None, compare: bool, as_json: bool) -> None:
-    from hplan.artifacts import Budget, Trace
+def _run(*, trace: Path, gpu_mem: str, output: Path | None, cpu_mem: str | None, gpu: str | None,
+         gpu_tflops: float | None, link_gbps: float | None, cpu_adam_gbps: float | None, slack: str | None,
+         chunk_size: str | None, solver: str | None, compare: bool, as_json: bool) -> None:
+    from hplan.artifacts import Trace
     from hplan.cli.common import emit_json, size_option
-    from hplan.planner import PlanOptions, make_plan, validate
+    from hplan.planner import PlanOptions, default_slack, make_hardware, make_plan, min_gpu_bytes, validate
 
-    budget = Budget(gpu_bytes=size_option(gpu_mem, what="--gpu-mem"), cpu_bytes=size_option(cpu_mem, what="--cpu-mem"))
-    slack_bytes = None
+    if output is None and not as_json:
+        raise HplanError("give -o PLAN.json to write the plan, or --json to print its summary")
+    loaded = Trace.load(trace)
+    slack_bytes = default_slack(loaded)
     if slack is not None:
         slack_bytes = 0 if slack.strip() in ("0", "0B") else size_option(slack, what="--slack")
-    chunk = None if chunk_size is None or chunk_size.strip().lower() == "auto" else \
-        size_option(chunk_size, what="--chunk-size")
-    given = {"solver": solver, "gpu": gpu}  # left out when not given, so PlanOptions' defaults apply
-    options = PlanOptions(chunk_bytes=chunk, gpu_tflops=gpu_tflops, link_gbps=link_gbps, slack_bytes=slack_bytes,
-                          compare=compare, **{k: v for k, v in given.items() if v is not None})
-    plan = make_plan(Trace.load(trace), budget, options)
-    payload: dict = {"summary": asdict(plan.summary)}
+    overrides = dict(slack_bytes=slack_bytes, host_bytes=size_option(cpu_mem, what="--cpu-mem"),
+                     h2d_gbps=link_gbps, d2h_gbps=link_gbps, cpu_optimizer_gbps=cpu_adam_gbps)
+    if gpu_tflops is not None:
+        overrides |= dict(tflops_16=gpu_tflops, tflops_32=gpu_tflops, efficiency=1.0)
+    preset = gpu or "rtx3090"
+    if gpu_mem.strip().lower() == "min":
+        floor = min_gpu_bytes(loaded, make_hardware(preset, gpu_bytes=1, **overrides)).gpu_bytes
+        hardware = make_hardware(preset, gpu_bytes=floor, **overrides)
+    else:
+        hardware = make_hardware(preset, gpu_bytes=size_option(gpu_mem, what="--gpu-mem"), **overrides)
+    options = PlanOptions(chunk_bytes=_chunk(chunk_size), compare=compare,
+                          **({"solver": solver} if solver is not None else {}))
+    plan = make_plan(loaded, hardware, options)
+    payload: dict = {"summary": asdict(plan.summary), "gpu_bytes": hardware.gpu_bytes}
     if compare:
         payload["baselines"] = [asdict(b) for b in plan.baselines]
     if not plan.summary.feasible:
@@ -72,14 +85,27 @@ def _run(*, trace: Path, gpu_mem: str, output: Path, cpu_mem: str | None, gpu: s
             emit_json(payload)
         raise HplanError(plan.summary.bottleneck)
     validate(plan)
-    plan.save(output)
+    if output is not None:
+        plan.save(output)
+        payload["output"] = str(output)
     if as_json:
-        emit_json(payload | {"output": str(output)})
+        emit_json(payload)
     else:
         _print_summary(plan, output)
 
 
-def _print_summary(plan: Plan, output: Path) -> None:
+def _chunk(text: str | None) -> int | None:
+    from hplan.cli.common import size_option
+    from hplan.planner.problem import MODULE_CHUNKS
+
+    if text is None or text.strip().lower() == "auto":
+        return None
+    if text.strip().lower() == "module":
+        return MODULE_CHUNKS
+    return size_option(text, what="--chunk-size")
+
+
+def _print_summary(plan: Plan, output: Path | None) -> None:
     from rich.console import Console
     from rich.table import Table
 
@@ -87,16 +113,21 @@ def _print_summary(plan: Plan, output: Path) -> None:
 
     s = plan.summary
     placed = list(plan.optimizer.values())
-    table = Table(title=f"plan for {plan.workload} on {format_size(plan.budget.gpu_bytes)}", show_header=False)
+    table = Table(title=f"plan for {plan.workload} on {format_size(plan.gpu_bytes)} ({plan.hardware.gpu})",
+                  show_header=False)
+    split = ", ".join(f"{k} {v:.3f} s" for k, v in s.seconds.items())
     for key, value in (
         ("bytes moved / iteration", f"{format_size(s.bytes_moved_per_iter)} "
                                     f"(h2d {format_size(s.h2d_bytes)}, d2h {format_size(s.d2h_bytes)})"),
-        ("lower bound", f"{format_size(s.lower_bound_bytes)} (gap {s.gap:.1%}, solver {s.solver})"),
+        ("lower bound", f"{format_size(s.lower_bound_bytes)} (gap {s.gap:.1%}, solver {s.solver}"
+                        f"{', optimal' if s.optimal else ''})"),
         ("predicted peak", format_size(s.predicted_peak_bytes)),
         ("minimum GPU", format_size(s.min_gpu_bytes)),
-        ("predicted step time", f"{s.predicted_step_seconds:.3f} s"),
-        ("chunks", f"{len(plan.chunks) // 2} groups, chunk size {format_size(plan.options.get('chunk_bytes', 0))}"),
-        ("optimizer", f"{placed.count('gpu')} groups on GPU, {placed.count('cpu')} on CPU"),
+        ("predicted step time", f"{s.predicted_step_seconds:.3f} s ({split}; a plan, not a measurement)"),
+        ("chunks", f"{len(plan.chunks)} chunks, {len(plan.regions)} regions, "
+                   f"{sum(len(st.flips) for st in plan.steps)} gradient-in-weight flips"),
+        ("optimizer", f"{placed.count('gpu')} chunks updated on the GPU, {placed.count('cpu')} on the CPU"
+                      f"{' (all after the last gradient: clipping or loss scaling)' if plan.defer_updates else ''}"),
     ):
         table.add_row(key, value)
     console = Console()
@@ -111,4 +142,5 @@ def _print_summary(plan: Plan, output: Path) -> None:
             base.add_row(b.name, "yes" if b.feasible else "no", format_size(b.bytes_moved_per_iter),
                          f"{b.predicted_step_seconds:.3f} s", format_size(b.predicted_peak_bytes))
         console.print(base)
-    console.print(f"wrote {output}")
+    if output is not None:
+        console.print(f"wrote {output}")

@@ -175,15 +175,14 @@ def _sweep(trace: Path, size_range: str, points: int, gpu: str | None, binary: b
     """Plan at each size, then print the table (or JSON) and draw the plot."""
     from hplan.artifacts import Trace
     from hplan.cli.common import emit_json
-    from hplan.planner import PlanOptions, sweep
+    from hplan.planner import default_slack, make_hardware, sweep
     from hplan.reports import plot_sweep
     from hplan.reports.figure import image_format
 
     image_format(output)
     sizes = _sizes(size_range, points)
-    options = PlanOptions(gpu=gpu) if gpu is not None else PlanOptions()
     t = Trace.load(trace)
-    rows = sweep(t, sizes, options)
+    rows = sweep(t, sizes, make_hardware(gpu or "rtx3090", gpu_bytes=sizes[0], slack_bytes=default_slack(t)))
     plot_sweep(rows, output, workload=t.workload, binary=binary)
     if as_json:
         emit_json({"output": str(output), "rows": rows})

@@ -26,6 +26,11 @@ def register(app: typer.Typer) -> None:
         seq_len: Annotated[int | None, typer.Option("--seq-len", help="Override the sequence length.")] = None,
         precision: Annotated[str | None, typer.Option("--precision", help="fp32, bf16-mixed or fp16-mixed.")] = None,
         overrides: Annotated[list[str] | None, typer.Option("--set", help="Workload option key=value.")] = None,
+        budget_guard: Annotated[str, typer.Option("--budget-guard", help="stop (default): a step measuring more than "
+                                                  "the plan's budget stops the run, exit 2; warn: only warn.")] = "stop",
+        on_nonfinite: Annotated[str, typer.Option("--on-nonfinite", help="stop (default): an inf/NaN loss or gradient "
+                                                  "stops the run, naming the step; skip: skip that step (plans that "
+                                                  "defer updates, e.g. with clipping).")] = "stop",
         as_json: Annotated[bool, typer.Option("--json", help="Print the run summary as JSON on stdout.")] = False,
     ) -> None:
         """Train on a plan, doing its fetches, evictions and updates at the planned events."""
@@ -33,23 +38,30 @@ def register(app: typer.Typer) -> None:
 
         guarded(lambda: _run(spec=spec, plan=plan, steps=steps, device=device, metrics=metrics,
                              checkpoint=checkpoint, resume=resume, batch_size=batch_size, seq_len=seq_len,
-                             precision=precision, overrides=overrides, as_json=as_json))
+                             precision=precision, overrides=overrides, as_json=as_json, budget_guard=budget_guard,
+                             on_nonfinite=on_nonfinite))
 
 
 def _run(*, spec: str, plan: Path, steps: int, device: str, metrics: Path | None, checkpoint: Path | None,
          resume: bool, batch_size: int | None, seq_len: int | None, precision: str | None,
-         overrides: list[str] | None, as_json: bool) -> None:
+         overrides: list[str] | None, as_json: bool, budget_guard: str = "stop", on_nonfinite: str = "stop") -> None:
     from hplan.artifacts import Plan
     from hplan.cli.common import emit_json, err_console, parse_overrides, progress_bar
     from hplan.executor import run_training
     from hplan.specs import load_workload
 
+    from hplan.errors import HplanError
+
     the_plan = Plan.load(plan)
+    if budget_guard not in ("stop", "warn") or on_nonfinite not in ("stop", "skip"):
+        raise HplanError("--budget-guard takes stop or warn, --on-nonfinite takes stop or skip")
     workload = load_workload(spec, batch_size=batch_size, seq_len=seq_len, overrides=parse_overrides(overrides),
-                             precision=precision)
+                             precision=precision, accumulate=the_plan.accumulate,
+                             max_grad_norm=the_plan.max_grad_norm)
     with progress_bar(f"training {workload.name}", quiet=as_json) as on_progress:
         report = run_training(workload, the_plan, steps=steps, device=device, metrics_path=metrics,
-                              checkpoint_dir=checkpoint, resume=resume, on_progress=on_progress)
+                              checkpoint_dir=checkpoint, resume=resume, on_progress=on_progress,
+                              budget_guard=budget_guard, nonfinite=on_nonfinite)
     if as_json:
         emit_json(report.to_dict())
         return

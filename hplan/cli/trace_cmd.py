@@ -23,8 +23,12 @@ def register(app: typer.Typer) -> None:
         output: Annotated[Path, typer.Option("-o", "--output", help="Trace file to write (.parquet).")],
         device: Annotated[str, typer.Option("--device", help="cpu (real run), fake (no memory) or cuda "
                                             "(unverified in this release).")] = "cpu",
-        iters: Annotated[int, typer.Option("--iters", help="Iterations to run; the last is the steady state.")
-                         ] = 3,
+        iters: Annotated[int, typer.Option("--iters", help="Optimizer steps to trace, over the workload's batches "
+                                           "0, 1, …; the plan covers every batch shape they have.")] = 3,
+        accumulate: Annotated[int | None, typer.Option("--accumulate", help="Micro-batches per optimizer step "
+                                                       "(gradient accumulation; default: the workload's).")] = None,
+        max_grad_norm: Annotated[float | None, typer.Option("--max-grad-norm", help="Clip gradients to this global "
+                                                            "norm every step (default: the workload's).")] = None,
         batch_size: Annotated[int | None, typer.Option("--batch-size", help="Override the batch size.")] = None,
         seq_len: Annotated[int | None, typer.Option("--seq-len", help="Override the sequence length.")] = None,
         precision: Annotated[str | None, typer.Option("--precision", help="fp32, bf16-mixed or fp16-mixed.")] = None,
@@ -35,18 +39,20 @@ def register(app: typer.Typer) -> None:
         from hplan.cli.common import guarded
 
         guarded(lambda: _run(spec=spec, output=output, device=device, iters=iters, batch_size=batch_size,
-                             seq_len=seq_len, precision=precision, overrides=overrides, as_json=as_json))
+                             seq_len=seq_len, precision=precision, overrides=overrides, as_json=as_json,
+                             accumulate=accumulate, max_grad_norm=max_grad_norm))
 
 
 def _run(*, spec: str, output: Path, device: str, iters: int, batch_size: int | None, seq_len: int | None,
-         precision: str | None, overrides: list[str] | None, as_json: bool) -> None:
+         precision: str | None, overrides: list[str] | None, as_json: bool, accumulate: int | None = None,
+         max_grad_norm: float | None = None) -> None:
     from hplan.cli.common import emit_json, parse_overrides, progress_bar
     from hplan.specs import load_workload
 
     if output.suffix != ".parquet":
         raise HplanError(f"trace output {output} must end in .parquet (the timeline is a Parquet table)")
     workload = load_workload(spec, batch_size=batch_size, seq_len=seq_len, overrides=parse_overrides(overrides),
-                             precision=precision)
+                             precision=precision, accumulate=accumulate, max_grad_norm=max_grad_norm)
     from hplan.tracer import trace_workload
 
     with progress_bar(f"tracing {workload.name}", quiet=as_json) as on_progress:
@@ -65,7 +71,9 @@ def summary(trace: Trace) -> dict:
             "model_bytes": trace.model_bytes, "n_ops": trace.n_ops, "n_events": trace.n_events,
             "iterations": trace.iterations, "capture": trace.capture,
             "allocator_slack_bytes": trace.allocator_slack_bytes, "overhead_bytes": trace.overhead_bytes,
-            "step_flops": trace.step_flops, "warnings": list(trace.warnings)}
+            "step_flops": trace.step_flops, "warnings": list(trace.warnings), "accumulate": trace.accumulate,
+            "max_grad_norm": trace.max_grad_norm, "defer_updates": trace.defer_updates,
+            "optimizer": trace.optimizer, "input_shapes": list(trace.input_shapes)}
 
 
 def print_summary(trace: Trace, output: Path) -> None:
