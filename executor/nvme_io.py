@@ -1,0 +1,301 @@
+"""Low-level disk I/O for the NVMe tier: aligned host buffers, O_DIRECT probing, whole-file transfers.
+
+Everything here is stateless; `hplan.executor.nvme.DiskStore` adds keys, threads and checksums on top.
+
+[Note: how bytes reach the disk] Transfers are `os.pwritev`/`os.preadv` straight between the caller's
+tensor memory (a memoryview of `tensor.numpy()`, no copy) and the file. CPython releases the GIL around
+both calls, so a small thread pool moves several regions at once while training code runs. Measured on
+this project's dev box (ext4 on a virtio disk, 256 MiB in 16 MiB files, medians of noisy runs on a shared
+machine): O_DIRECT pwritev/preadv 0.85 / 1.9 GB/s; buffered pwritev+fsync / preadv 0.2 / 0.9 GB/s;
+numpy tofile/fromfile 0.2-0.4 / 0.5-0.6 GB/s; torch.save/torch.load 0.2-0.3 / 0.3-0.6 GB/s. Rewriting an
+existing file in place ran at 0.85-0.9 GB/s where writing a fresh file (O_TRUNC, or a temp file renamed
+over the old one) ran at 0.4-0.55 GB/s (block allocation and, on a `discard` mount, freeing), so region
+files are overwritten in place and never truncated to zero first.
+
+[Note: O_DIRECT alignment] O_DIRECT needs the memory address, the file offset and the length to be
+multiples of the device's logical block size; ALIGNMENT (4096) covers every common device. Region sizes
+are exact (a truncation check needs the exact size), so the last partial block goes through a 4096-byte
+page-aligned bounce buffer: written whole, then the file is cut back with ftruncate; read back as a short
+read at end of file. DeepSpeed pads each swapped tensor to the alignment instead
+(deepspeed/runtime/swap_tensor/utils.py, SwapBuffer.allocate_tensor with aligned_numel).
+"""
+
+from __future__ import annotations
+
+import errno
+import mmap
+import os
+import threading
+import time
+import zlib
+from pathlib import Path
+
+import torch
+
+from hplan.errors import HplanError
+
+ALIGNMENT = 4096
+"""Bytes: the address, offset and length granularity used for O_DIRECT (≥ any logical block size)."""
+
+MAX_IO = 64 << 20
+"""Bytes per syscall: Linux moves at most ~2 GiB per call, and smaller calls make a disk-full error
+leave a short, detectable file rather than one huge failed call."""
+
+O_DIRECT: int = getattr(os, "O_DIRECT", 0)
+"""0 where the platform has no O_DIRECT (macOS): every store then runs buffered."""
+
+_PROBE_NAME = ".hplan-nvme-probe"
+
+
+def aligned_empty(nbytes: int, *, alignment: int = ALIGNMENT, pin_memory: bool = False) -> torch.Tensor:
+    """An uninitialised uint8 host tensor of `nbytes` whose first byte sits on an `alignment` boundary.
+
+    O_DIRECT transfers need aligned memory; torch's CPU allocator only promises 64 bytes. This
+    over-allocates by `alignment` bytes and returns a slice, so the storage holds `nbytes + alignment`
+    bytes: count `storage_bytes(nbytes)` when tracking host memory exactly. `pin_memory=True` pins the
+    allocation for CUDA copies (pinned then sliced, so the alignment is of the pinned memory).
+    """
+    if nbytes < 0 or alignment <= 0 or alignment & (alignment - 1):
+        raise HplanError(f"aligned_empty needs nbytes ≥ 0 and a power-of-two alignment, got {nbytes}, {alignment}")
+    base = torch.empty(nbytes + alignment, dtype=torch.uint8, pin_memory=pin_memory)
+    offset = (-base.data_ptr()) % alignment
+    return base[offset:offset + nbytes]
+
+
+def storage_bytes(nbytes: int, *, alignment: int = ALIGNMENT) -> int:
+    """Host bytes `aligned_empty(nbytes)` really allocates (for exact host-memory accounting)."""
+    return nbytes + alignment
+
+
+def is_aligned(t: torch.Tensor, alignment: int = ALIGNMENT) -> bool:
+    """True when `t`'s memory starts on an `alignment` boundary (an empty tensor always qualifies)."""
+    return t.numel() == 0 or t.data_ptr() % alignment == 0
+
+
+def byte_view(t: torch.Tensor, what: str) -> memoryview:
+    """A writable, zero-copy memoryview of a contiguous CPU uint8 tensor."""
+    if t.device.type != "cpu" or t.dtype != torch.uint8 or t.dim() != 1 or not t.is_contiguous():
+        raise HplanError(f"{what} needs a 1-D contiguous CPU uint8 tensor, got {t.dtype} {tuple(t.shape)} on "
+                         f"{t.device}; pass a host buffer such as hplan.executor.nvme.aligned_empty(n)")
+    if t.numel() == 0:
+        return memoryview(bytearray(0))
+    return memoryview(t.detach().numpy()).cast("B")
+
+
+def checksum(view: memoryview) -> int:
+    """CRC-32 of the bytes; zlib releases the GIL for inputs over 5 KiB.
+
+    Measured on 16 MiB: zlib.crc32 2.9 GB/s, blake2b 0.54, sha1 1.3, xxh3_64 12 (xxhash is not a
+    dependency). CRC-32 keeps pace with the disk here (0.9 GB/s write, ~2 GB/s read) and catches every
+    burst error up to 32 bits and a random change with probability 1 - 2⁻³²; it guards against accidents,
+    not an adversary (blake2b would, at a quarter of the speed).
+    """
+    return zlib.crc32(view)
+
+
+_bounce = threading.local()
+
+
+def _bounce_page() -> memoryview:
+    """This thread's page-aligned 4096-byte buffer for the partial last block (anonymous mmap is page aligned)."""
+    page = getattr(_bounce, "page", None)
+    if page is None:
+        page = _bounce.page = mmap.mmap(-1, ALIGNMENT)
+    return memoryview(page)
+
+
+def write_file(path: Path, view: memoryview, *, direct: bool) -> None:
+    """Overwrite `path` in place with exactly `view`'s bytes. Raises OSError (ENOSPC included) as-is.
+
+    `direct` needs `view` to start on an ALIGNMENT boundary (checked by the caller). Buffered writes end
+    with POSIX_FADV_DONTNEED, which starts writeback so dirty pages do not pile up in host memory.
+    """
+    n = len(view)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_CLOEXEC | (O_DIRECT if direct else 0), 0o644)
+    try:
+        bulk = n - n % ALIGNMENT if direct else n
+        _write_all(fd, view[:bulk], 0)
+        if bulk < n:
+            page = _bounce_page()
+            page[:n - bulk] = view[bulk:]
+            page[n - bulk:] = bytes(ALIGNMENT - (n - bulk))
+            _write_all(fd, page, bulk)
+        os.ftruncate(fd, n)
+        if not direct:
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
+
+
+def _write_all(fd: int, view: memoryview, offset: int) -> None:
+    done = 0
+    while done < len(view):
+        wrote = os.pwritev(fd, [view[done:done + MAX_IO]], offset + done)
+        if wrote <= 0:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        done += wrote
+
+
+def read_file(path: Path, view: memoryview, *, direct: bool) -> int:
+    """Fill `view` from `path`; returns the file's size (the caller compares it with the expected one).
+
+    Reads nothing when the size differs from len(view): a truncated or grown file is reported, not read.
+    Buffered reads end with POSIX_FADV_DONTNEED so the page cache does not keep a second copy.
+    """
+    n = len(view)
+    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | (O_DIRECT if direct else 0))
+    try:
+        size = os.fstat(fd).st_size
+        if size != n:
+            return size
+        bulk = n - n % ALIGNMENT if direct else n
+        _read_all(fd, view[:bulk], 0)
+        if bulk < n:
+            page = _bounce_page()
+            got = os.preadv(fd, [page], bulk)
+            if got != n - bulk:
+                raise OSError(errno.EIO, f"short read of the last block ({got} of {n - bulk} bytes)")
+            view[bulk:] = page[:n - bulk]
+        if not direct:
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        return size
+    finally:
+        os.close(fd)
+
+
+def _read_all(fd: int, view: memoryview, offset: int) -> None:
+    done = 0
+    while done < len(view):
+        got = os.preadv(fd, [view[done:done + MAX_IO]], offset + done)
+        if got <= 0:
+            raise OSError(errno.EIO, f"file ended after {offset + done} bytes")
+        done += got
+
+
+def dir_error(directory: Path, exc: OSError) -> HplanError:
+    """The one-line error for an OSError met while setting up or probing `directory`."""
+    if exc.errno == errno.EROFS:
+        return HplanError(f"nvme directory {directory} is on a read-only file system: pass a writable --nvme-dir")
+    if exc.errno in (errno.EACCES, errno.EPERM):
+        return HplanError(f"nvme directory {directory} is not writable ({exc.strerror}): fix its permissions "
+                          "or pass another --nvme-dir")
+    if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+        return HplanError(f"nvme directory {directory} is on a full disk ({exc.strerror}): free space there "
+                          "or pass an --nvme-dir on a larger disk")
+    return HplanError(f"cannot use nvme directory {directory}: {exc.strerror or exc}; check the disk and the path")
+
+
+def file_error(path: Path, exc: OSError, *, writing: bool) -> HplanError:
+    """The one-line error for an OSError met while moving a region's bytes."""
+    if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+        return HplanError(f"disk full while writing {path} ({exc.strerror}): free space under {path.parent} "
+                          "or pass an --nvme-dir on a larger disk")
+    if exc.errno in (errno.EROFS, errno.EACCES, errno.EPERM):
+        return dir_error(path.parent, exc)
+    verb = "writing" if writing else "reading"
+    return HplanError(f"I/O error {verb} {path}: {exc.strerror or exc}; check the disk (dmesg) and retry")
+
+
+def check_directory(directory: str | os.PathLike[str]) -> Path:
+    """`directory` as a resolved Path, or a one-line error when it is missing or not a directory."""
+    d = Path(directory).expanduser().resolve()
+    if not d.exists():
+        raise HplanError(f"nvme directory {d} does not exist: create it (mkdir -p {d}) or pass another --nvme-dir")
+    if not d.is_dir():
+        raise HplanError(f"nvme directory {d} is not a directory: pass a directory to --nvme-dir")
+    return d
+
+
+def probe_direct(directory: Path, direct: bool | str) -> str | None:
+    """Check `directory` takes writes and whether O_DIRECT works there; returns why not (None = it works).
+
+    Always writes, reads back and removes one aligned block, so an unwritable, read-only or full
+    directory fails here, at construction, with a one-line HplanError. `direct=False` skips O_DIRECT
+    ("disabled by the caller"); `direct=True` raises when the file system refuses it (tmpfs did before Linux 6.6; some network and FUSE
+    file systems still do).
+    """
+    if direct not in (True, False, "auto"):
+        raise HplanError(f"direct must be True, False or 'auto', got {direct!r}")
+    path = directory / _PROBE_NAME
+    block = memoryview(mmap.mmap(-1, ALIGNMENT))
+    reason: str | None = None
+    if direct is False:
+        reason = "O_DIRECT disabled by the caller (direct=False)"
+    elif not O_DIRECT:
+        reason = "this platform has no O_DIRECT"
+    try:
+        if reason is None:
+            try:
+                write_file(path, block, direct=True)
+                read_file(path, block, direct=True)
+            except OSError as exc:
+                if exc.errno != errno.EINVAL:
+                    raise
+                reason = f"the file system under {directory} refuses O_DIRECT ({exc.strerror})"
+        if reason is not None:
+            write_file(path, block, direct=False)
+    except OSError as exc:
+        raise dir_error(directory, exc) from None
+    finally:
+        path.unlink(missing_ok=True)
+    if reason is not None and direct is True:
+        raise HplanError(f"O_DIRECT is not available for {directory}: {reason}; pass direct='auto' to fall back "
+                         "to buffered I/O or use a directory on a disk file system")
+    return reason
+
+
+def measure_raw_bandwidth(directory: str | os.PathLike[str], nbytes: int) -> tuple[float, float]:
+    """Sequential (write, read) bandwidth of `directory` in bytes/second, as DiskStore moves bytes.
+
+    One stream of 16 MiB requests, O_DIRECT where the file system allows (else buffered). The scratch
+    file is written once untimed, then overwritten in place (timed, fsync included): the store's steady
+    state rewrites existing region files, and first-time block allocation is a file-system cost measured
+    above in [Note: how bytes reach the disk]. The read is timed after that.
+
+    Page cache: O_DIRECT bypasses it. Without O_DIRECT the file is fsynced and its pages are dropped with
+    POSIX_FADV_DONTNEED (no privileges needed), which works on disk file systems; on tmpfs the pages are
+    the storage (with or without O_DIRECT), so the figure is memory speed. A hypervisor's cache under a virtual disk cannot be
+    excluded from inside the guest. The scratch file is removed even on error.
+    """
+    if nbytes <= 0:
+        raise HplanError(f"measure_raw_bandwidth needs a positive byte count, got {nbytes}")
+    d = check_directory(directory)
+    direct = probe_direct(d, "auto") is None
+    request = min(16 << 20, -(-nbytes // ALIGNMENT) * ALIGNMENT)
+    nbytes = -(-nbytes // request) * request
+    buf = aligned_empty(request)
+    buf.copy_(torch.randint(0, 256, (request,), dtype=torch.uint8))  # incompressible, like model data
+    view = byte_view(buf, "measure_raw_bandwidth")
+    path = d / ".hplan-raw-bandwidth.scratch"
+    flags = os.O_CLOEXEC | (O_DIRECT if direct else 0)
+    try:
+        _timed_write(path, view, nbytes, flags)  # first pass allocates the file's blocks, untimed
+        write_s = _timed_write(path, view, nbytes, flags)  # second pass overwrites in place, as the store does
+        fd = os.open(path, os.O_RDONLY | flags)
+        try:
+            start = time.perf_counter()
+            for offset in range(0, nbytes, len(view)):
+                _read_all(fd, view, offset)
+            read_s = time.perf_counter() - start
+        finally:
+            os.close(fd)
+    except OSError as exc:
+        raise file_error(path, exc, writing=True) from None
+    finally:
+        path.unlink(missing_ok=True)
+    return nbytes / write_s, nbytes / read_s
+
+
+def _timed_write(path: Path, view: memoryview, nbytes: int, flags: int) -> float:
+    """Seconds to write `nbytes` sequentially in `view`-sized requests and fsync, then drop cached pages."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | flags, 0o644)
+    try:
+        start = time.perf_counter()
+        for offset in range(0, nbytes, len(view)):
+            _write_all(fd, view, offset)
+        os.fsync(fd)
+        seconds = time.perf_counter() - start
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        return seconds
+    finally:
+        os.close(fd)
