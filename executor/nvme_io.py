@@ -211,8 +211,8 @@ def probe_direct(directory: Path, direct: bool | str) -> str | None:
 
     Always writes, reads back and removes one aligned block, so an unwritable, read-only or full
     directory fails here, at construction, with a one-line HplanError. `direct=False` skips O_DIRECT
-    ("disabled by the caller"); `direct=True` raises when the file system refuses it (tmpfs did before Linux 6.6; some network and FUSE
-    file systems still do).
+    ("disabled by the caller"); `direct=True` raises when the file system refuses it (tmpfs did before
+    Linux 6.6; some network and FUSE file systems still do).
     """
     if direct not in (True, False, "auto"):
         raise HplanError(f"direct must be True, False or 'auto', got {direct!r}")
@@ -253,9 +253,10 @@ def measure_raw_bandwidth(directory: str | os.PathLike[str], nbytes: int) -> tup
     above in [Note: how bytes reach the disk]. The read is timed after that.
 
     Page cache: O_DIRECT bypasses it. Without O_DIRECT the file is fsynced and its pages are dropped with
-    POSIX_FADV_DONTNEED (no privileges needed), which works on disk file systems; on tmpfs the pages are
-    the storage (with or without O_DIRECT), so the figure is memory speed. A hypervisor's cache under a virtual disk cannot be
-    excluded from inside the guest. The scratch file is removed even on error.
+    POSIX_FADV_DONTNEED (no privileges needed), which works on disk file systems; on tmpfs the pages
+    are the storage (with or without O_DIRECT), so the figure is memory speed. A hypervisor's cache
+    under a virtual disk cannot be excluded from inside the guest. The scratch file is removed even on
+    error.
     """
     if nbytes <= 0:
         raise HplanError(f"measure_raw_bandwidth needs a positive byte count, got {nbytes}")
