@@ -15,7 +15,7 @@ check; regions may change size without an offset allocator; and concurrent O_DIR
 files never contend for one inode's lock. Files are overwritten in place, which measured twice as fast
 as writing fresh files here ([Note: how bytes reach the disk] in nvme_io.py).
 
-[Note: nvme crash safety] Every region has an exact size and a CRC-32 held in memory, recorded when its
+[Note: nvme crash safety] Every region has an exact size and a checksum held in memory, recorded when its
 write completes and checked (fstat size, then checksum of the bytes read) on every read, so a file
 truncated, grown or modified between steps, or torn by a kill during a write, is refused with an
 HplanError naming the file — never read silently. A write first invalidates the key: a write that fails
@@ -48,6 +48,7 @@ from hplan.executor.nvme_format import (
     MANIFEST_SCHEMA,
     Region,
     check_key,
+    checksum_function,
     dump_manifest,
     load_manifest,
     region_path,
@@ -56,7 +57,6 @@ from hplan.executor.nvme_io import (
     aligned_empty,
     byte_view,
     check_directory,
-    checksum,
     dir_error,
     file_error,
     is_aligned,
@@ -116,12 +116,13 @@ class DiskStore:
 
     `threads`: concurrent transfers (each one whole region). `direct`: "auto" uses O_DIRECT when the
     probe at construction succeeds, True requires it, False never uses it; `fallback_reason` says why a
-    store runs buffered (None when it uses O_DIRECT). `manifest`: what `commit()` returned, to resume.
+    store runs buffered (None when it uses O_DIRECT). `checksum`: "auto" (xxh3_64, else crc32), or a
+    name ([Note: nvme checksums]). `manifest`: what `commit()` returned, to resume (its algorithm wins).
     One store per directory at a time (an exclusive lock file guards it).
     """
 
     def __init__(self, directory: str | os.PathLike[str], *, threads: int = 4, direct: bool | str = "auto",
-                 manifest: Mapping[str, Any] | None = None) -> None:
+                 checksum: str = "auto", manifest: Mapping[str, Any] | None = None) -> None:
         if threads < 1:
             raise HplanError(f"DiskStore needs at least one I/O thread, got threads={threads}")
         self.directory = check_directory(directory)
@@ -142,8 +143,13 @@ class DiskStore:
             self._buffered = 0
             self._mutex = threading.Lock()
             if manifest is not None:
-                self._regions = load_manifest(manifest, self.directory)
+                algorithm, self._regions = load_manifest(manifest, self.directory)
+                if checksum not in ("auto", algorithm):
+                    raise HplanError(f"checksum={checksum!r} but the manifest was written with {algorithm}: "
+                                     "leave checksum='auto' when resuming")
+                checksum = algorithm
                 self._pinned = dict(self._regions)
+            self.checksum_name, self._checksum = checksum_function(checksum)
             self._pool = ThreadPoolExecutor(threads, thread_name_prefix="hplan-nvme")
         except BaseException:
             os.close(self._lock_fd)
@@ -209,7 +215,7 @@ class DiskStore:
         path = self._path(key, slot)
         direct = self.direct and is_aligned(src)
         with self._timed("write"):
-            crc = checksum(view)
+            crc = self._checksum(view)
             try:
                 write_file(path, view, direct=direct)
             except OSError as exc:
@@ -242,11 +248,11 @@ class DiskStore:
             if size != region.size:
                 raise HplanError(f"region file {path} is {size} bytes but {region.size} were written: it was "
                                  "truncated or replaced; restore it from its checkpoint or start the run again")
-            crc = checksum(view)
+            crc = self._checksum(view)
         if crc != region.checksum:
-            raise HplanError(f"region file {path} does not match its checksum ({crc:#010x}, written "
-                             f"{region.checksum:#010x}): it was modified or torn; restore it from its checkpoint "
-                             "or start the run again")
+            raise HplanError(f"region file {path} does not match its {self.checksum_name} checksum ({crc:#x}, "
+                             f"written {region.checksum:#x}): it was modified or torn; restore it from its "
+                             "checkpoint or start the run again")
         with self._mutex:
             self._count("read", len(view), direct)
 
@@ -288,7 +294,7 @@ class DiskStore:
             self._unsynced.clear()
             _fsync(self.directory)
             self._pinned = dict(self._regions)
-            return dump_manifest(self._regions)
+            return dump_manifest(self._regions, self.checksum_name)
 
     def check_free(self, nbytes: int) -> None:
         """Raise a one-line HplanError unless the directory's disk has `nbytes` free (check before a run)."""

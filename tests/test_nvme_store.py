@@ -11,15 +11,13 @@ import os
 import shutil
 import signal
 import subprocess
-import sys
-import textwrap
 from pathlib import Path
 
 import pytest
 import torch
 
 from hplan.errors import HplanError
-from hplan.executor import nvme_io
+from hplan.executor import nvme_format, nvme_io
 from hplan.executor.nvme import DiskStore, aligned_empty, is_aligned, measure_raw_bandwidth, storage_bytes
 
 SIZES = [0, 1, 4095, 4096, (1 << 20) + 3]
@@ -81,7 +79,7 @@ def test_unaligned_buffers_still_round_trip_buffered(tmp_path: Path) -> None:
 
 
 def test_many_concurrent_distinct_keys_and_counters(tmp_path: Path) -> None:
-    sizes = [(i * 37_813) % 300_000 + i for i in range(48)]
+    sizes = [(i * 37_813) % 200_000 + i for i in range(32)]
     srcs = {f"k{i}": rand(n, i) for i, n in enumerate(sizes)}
     with DiskStore(tmp_path, threads=4) as store:
         for key, src in srcs.items():
@@ -101,7 +99,7 @@ def test_many_concurrent_distinct_keys_and_counters(tmp_path: Path) -> None:
 
 
 def test_read_issued_right_after_a_write_sees_the_new_bytes(tmp_path: Path) -> None:
-    n = 8 << 20
+    n = 4 << 20
     with DiskStore(tmp_path, threads=4) as store:
         store.write_async("w", rand(n, 0)).result()
         for seed in range(1, 4):
@@ -112,9 +110,11 @@ def test_read_issued_right_after_a_write_sees_the_new_bytes(tmp_path: Path) -> N
             assert torch.equal(dst, new), seed
 
 
-def test_checksum_detects_a_flipped_byte(tmp_path: Path) -> None:
+@pytest.mark.parametrize("algorithm", ["xxh3_64", "crc32"])
+def test_checksum_detects_a_flipped_byte(tmp_path: Path, algorithm: str) -> None:
     n = (1 << 20) + 3
-    with DiskStore(tmp_path) as store:
+    with DiskStore(tmp_path, checksum=algorithm) as store:
+        assert store.checksum_name == algorithm
         store.write_async("f", rand(n, 5)).result()
         path = tmp_path / "f.0.region"
         with open(path, "r+b") as fh:
@@ -123,7 +123,7 @@ def test_checksum_detects_a_flipped_byte(tmp_path: Path) -> None:
             fh.seek(n // 2)
             fh.write(bytes([byte ^ 0x10]))
         store.read_async("f", aligned_empty(n))
-        with pytest.raises(HplanError, match="does not match its checksum") as exc:
+        with pytest.raises(HplanError, match="does not match its .*checksum") as exc:
             store.wait("f")
         assert str(path) in one_line(exc)
 
@@ -291,40 +291,65 @@ def test_commit_pins_versions_and_a_stale_manifest_is_caught(tmp_path: Path) -> 
         assert torch.equal(dst, v[1])
     with DiskStore(tmp_path, manifest=m0) as store:  # an older checkpoint's slot was reused: refused
         store.read_async("p", aligned_empty(n))
-        with pytest.raises(HplanError, match="does not match its checksum"):
+        with pytest.raises(HplanError, match="does not match its .*checksum"):
             store.wait("p")
     with pytest.raises(HplanError, match="schema"):
         DiskStore(tmp_path, manifest={"schema": "hplan.nvme-manifest/0", "regions": {}})
 
 
 def test_kill_9_during_writes_then_resume_reads_the_committed_bytes(tmp_path: Path) -> None:
-    """A real SIGKILL while a writer rewrites a region: the committed version survives, bit for bit."""
-    child = textwrap.dedent(f"""
-        import json, sys, torch
-        from hplan.executor.nvme import DiskStore, aligned_empty
-        store = DiskStore({str(tmp_path)!r})
-        buf = aligned_empty(8 << 20)
-        buf.copy_(torch.randint(0, 256, (8 << 20,), dtype=torch.uint8, generator=torch.Generator().manual_seed(1)))
-        store.write_async("k", buf)
-        open({str(tmp_path / "m.json")!r}, "w").write(json.dumps(store.commit()))
-        while True:
-            buf.add_(1)
-            store.write_async("k", buf).result()
-            print("ready", flush=True)  # after one rewrite: the kill lands in a later one
-    """)
-    proc = subprocess.Popen([sys.executable, "-c", child], stdout=subprocess.PIPE, text=True)
+    """A real SIGKILL while a forked writer rewrites a region: the committed version survives, bit for bit.
+
+    Forked rather than spawned (no second torch import); the child uses numpy and the store only, so no
+    OpenMP pool inherited from the parent runs after the fork."""
+    n = 8 << 20
+    committed = rand(n, 1)
+    expected = committed.clone()
+    ready_r, ready_w = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # child: never returns into pytest
+        try:
+            store = DiskStore(tmp_path)
+            store.write_async("k", committed)
+            (tmp_path / "m.json").write_text(json.dumps(store.commit()))
+            arr = committed.numpy()
+            while True:
+                arr += 1
+                store.write_async("k", committed).result()
+                os.write(ready_w, b"r")  # after one rewrite: the kill lands in a later one
+        finally:
+            os._exit(1)
+    os.close(ready_w)
     try:
-        assert proc.stdout is not None and proc.stdout.readline().strip() == "ready"
-        proc.send_signal(signal.SIGKILL)
+        assert os.read(ready_r, 1) == b"r"
     finally:
-        proc.wait(timeout=30)
-    manifest = json.loads((tmp_path / "m.json").read_text())
+        os.kill(pid, signal.SIGKILL)
+        os.waitpid(pid, 0)
+        os.close(ready_r)
     assert (tmp_path / "k.1.region").exists()  # the uncommitted slot the writer was rewriting
-    expected = torch.randint(0, 256, (8 << 20,), dtype=torch.uint8, generator=torch.Generator().manual_seed(1))
+    manifest = json.loads((tmp_path / "m.json").read_text())
     with DiskStore(tmp_path, manifest=manifest) as store:  # the dead writer's lock went with it
-        dst = aligned_empty(8 << 20)
+        dst = aligned_empty(n)
         store.read_async("k", dst).result()
         assert torch.equal(dst, expected)
+
+
+def test_checksum_choice_and_fallback(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    with DiskStore(tmp_path) as store:
+        assert store.checksum_name == "xxh3_64"
+        store.write_async("c", rand(9, 1))
+        manifest = store.commit()
+    assert manifest["checksum"] == "xxh3_64"
+    with pytest.raises(HplanError, match="leave checksum='auto'"):
+        DiskStore(tmp_path, checksum="crc32", manifest=manifest)
+    monkeypatch.setitem(nvme_format.CHECKSUMS, "xxh3_64", None)  # an environment without xxhash
+    with DiskStore(tmp_path) as store:
+        assert store.checksum_name == "crc32"
+    with pytest.raises(HplanError, match="pip install xxhash") as exc:
+        DiskStore(tmp_path, manifest=manifest)
+    one_line(exc)
+    with pytest.raises(HplanError, match="unknown checksum"):
+        DiskStore(tmp_path, checksum="md5")
 
 
 def test_aligned_empty() -> None:
