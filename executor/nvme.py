@@ -32,7 +32,6 @@ committed version survives a power loss too.
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import os
 import threading
 import time
@@ -57,9 +56,10 @@ from hplan.executor.nvme_io import (
     aligned_empty,
     byte_view,
     check_directory,
-    dir_error,
     file_error,
+    fsync_path,
     is_aligned,
+    lock_directory,
     measure_raw_bandwidth,
     probe_direct,
     read_file,
@@ -126,7 +126,7 @@ class DiskStore:
         if threads < 1:
             raise HplanError(f"DiskStore needs at least one I/O thread, got threads={threads}")
         self.directory = check_directory(directory)
-        self._lock_fd = _lock(self.directory)
+        self._lock_fd = lock_directory(self.directory, LOCK_NAME)
         try:
             self.fallback_reason: str | None = probe_direct(self.directory, direct)
             self.direct = self.fallback_reason is None
@@ -159,6 +159,7 @@ class DiskStore:
 
     def write_async(self, key: str, src: torch.Tensor) -> Future[None]:
         """Copy host tensor `src` (1-D contiguous uint8) to region `key`; `src` must not change until done."""
+        self._check_open()
         check_key(key)
         view = byte_view(src, f"writing region {key!r}")
         with self._mutex:
@@ -168,6 +169,7 @@ class DiskStore:
 
     def read_async(self, key: str, dst: torch.Tensor) -> Future[None]:
         """Copy region `key` into host tensor `dst` of the region's size, after any pending write of `key`."""
+        self._check_open()
         check_key(key)
         view = byte_view(dst, f"reading region {key!r}")
         with self._mutex:
@@ -256,6 +258,10 @@ class DiskStore:
         with self._mutex:
             self._count("read", len(view), direct)
 
+    def _check_open(self) -> None:
+        if self._lock_fd < 0:
+            raise HplanError(f"the DiskStore for {self.directory} is closed: open a new one to move more regions")
+
     def _valid(self, key: str) -> Region:
         """The key's current version, or the one-line reason there is none (caller holds the mutex)."""
         region = self._regions.get(key)
@@ -286,13 +292,17 @@ class DiskStore:
 
         Save the manifest (JSON-able) with the checkpoint before the next write: from now on writes go to
         the other slot, so these versions stay on disk for `DiskStore(dir, manifest=...)` to read.
+        Refuses while a region's last write failed, so a manifest never silently lacks a region.
         """
         self.wait_all()
         with self._mutex:
+            if self._failed:
+                key, why = next(iter(sorted(self._failed.items())))
+                raise HplanError(f"cannot commit {self.directory}: region {key!r} has no valid copy ({why})")
             for path in sorted(self._unsynced):
-                _fsync(path)
+                fsync_path(path)
             self._unsynced.clear()
-            _fsync(self.directory)
+            fsync_path(self.directory)
             self._pinned = dict(self._regions)
             return dump_manifest(self._regions, self.checksum_name)
 
@@ -369,31 +379,6 @@ def _after(prev: Future[None] | None) -> None:
     """
     if prev is not None:
         wait_futures([prev])
-
-
-def _lock(directory: Path) -> int:
-    """Take the directory's exclusive lock (creating the lock file is also the first writability check)."""
-    try:
-        fd = os.open(directory / LOCK_NAME, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
-    except OSError as exc:
-        raise dir_error(directory, exc) from None
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        os.close(fd)
-        raise HplanError(f"nvme directory {directory} is in use by another DiskStore (another hplan run?): "
-                         "stop it or pass a different --nvme-dir") from None
-    return fd
-
-
-def _fsync(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
-    try:
-        os.fsync(fd)
-    except OSError as exc:
-        raise file_error(path, exc, writing=True) from None
-    finally:
-        os.close(fd)
 
 
 __all__ = ["DiskStore", "IoStats", "MANIFEST_SCHEMA", "Region", "aligned_empty", "is_aligned",

@@ -28,7 +28,7 @@ from hplan.errors import HplanError
 try:
     import xxhash
 except ImportError:  # pragma: no cover - xxhash is a dependency; crc32 keeps an older environment working
-    xxhash = None
+    xxhash = None  # type: ignore[assignment]
 
 MANIFEST_SCHEMA = "hplan.nvme-manifest/1"
 

@@ -10,7 +10,10 @@ machine): O_DIRECT pwritev/preadv 0.85 / 1.9 GB/s; buffered pwritev+fsync / prea
 numpy tofile/fromfile 0.2-0.4 / 0.5-0.6 GB/s; torch.save/torch.load 0.2-0.3 / 0.3-0.6 GB/s. Rewriting an
 existing file in place ran at 0.85-0.9 GB/s where writing a fresh file (O_TRUNC, or a temp file renamed
 over the old one) ran at 0.4-0.55 GB/s (block allocation and, on a `discard` mount, freeing), so region
-files are overwritten in place and never truncated to zero first.
+files are overwritten in place and never truncated to zero first. With O_DIRECT the page cache keeps no
+second copy, so the host memory holding model data is exactly the caller's buffers (what a --cpu-mem
+budget counts); a buffer that is not 4096-aligned, or a store without O_DIRECT, goes through the page
+cache and drops the pages after each transfer (POSIX_FADV_DONTNEED).
 
 [Note: O_DIRECT alignment] O_DIRECT needs the memory address, the file offset and the length to be
 multiples of the device's logical block size; ALIGNMENT (4096) covers every common device. Region sizes
@@ -23,6 +26,7 @@ read at end of file. DeepSpeed pads each swapped tensor to the alignment instead
 from __future__ import annotations
 
 import errno
+import fcntl
 import mmap
 import os
 import threading
@@ -183,6 +187,32 @@ def file_error(path: Path, exc: OSError, *, writing: bool) -> HplanError:
         return dir_error(path.parent, exc)
     verb = "writing" if writing else "reading"
     return HplanError(f"I/O error {verb} {path}: {exc.strerror or exc}; check the disk (dmesg) and retry")
+
+
+def lock_directory(directory: Path, name: str) -> int:
+    """Take the directory's exclusive lock (creating the lock file is also the first writability check)."""
+    try:
+        fd = os.open(directory / name, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+    except OSError as exc:
+        raise dir_error(directory, exc) from None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        raise HplanError(f"nvme directory {directory} is in use by another DiskStore (another hplan run?): "
+                         "stop it or pass a different --nvme-dir") from None
+    return fd
+
+
+def fsync_path(path: Path) -> None:
+    """Flush a file or a directory entry to stable storage (commit makes a pinned version survive power loss)."""
+    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        os.fsync(fd)
+    except OSError as exc:
+        raise file_error(path, exc, writing=True) from None
+    finally:
+        os.close(fd)
 
 
 def check_directory(directory: str | os.PathLike[str]) -> Path:

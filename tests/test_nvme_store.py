@@ -164,7 +164,10 @@ def test_bad_requests_are_one_line_errors(tmp_path: Path) -> None:
             DiskStore(tmp_path)
         with pytest.raises(HplanError, match="needs .* GB"):
             store.check_free(1 << 60)
-    DiskStore(tmp_path).close()  # the lock is released on close
+    store = DiskStore(tmp_path)  # the lock was released on close
+    store.close()
+    with pytest.raises(HplanError, match="is closed"):
+        store.write_async("s", rand(1, 1))
 
 
 def test_missing_and_non_directory_paths(tmp_path: Path) -> None:
@@ -236,6 +239,9 @@ def test_disk_full_mid_write_leaves_no_valid_region(tmp_path: Path, monkeypatch:
         assert len(calls) == 2 and not (tmp_path / "m.1.region").exists()
         with pytest.raises(HplanError, match="last write failed"):
             store.read_async("m", aligned_empty(n))
+        with pytest.raises(HplanError, match="cannot commit .* region 'm' has no valid copy") as exc:
+            store.commit()  # a manifest never silently lacks a region
+        one_line(exc)
         calls.clear()
         store.write_async("fresh", new)
         with pytest.raises(HplanError, match="disk full"):
