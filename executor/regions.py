@@ -178,13 +178,11 @@ class RegionStore:
     def resident(self) -> set[int]:
         return {rid for rid, s in self.slots.items() if s.state.on_fast_tier}
 
-    def restore_parameters(self) -> None:
-        """Give every parameter its own storage again with its current value (the model works without the plan)."""
+    def parameter_values(self) -> dict[str, torch.Tensor]:
+        """Every parameter's current value in storage of its own (for the model to work without the plan)."""
         with torch.no_grad():
-            for c, regions in self.by_chunk.items():
-                rid = regions["param"]
-                for name in self.slots[rid].fast_views:
-                    self.params[name].data = self.current(rid, name).clone()
+            return {name: self.current(regions["param"], name).clone()
+                    for regions in self.by_chunk.values() for name in self.slots[regions["param"]].fast_views}
 
 
 def _layout(region: Region, tensors: tuple[str, ...], trainable: tuple[str, ...], params: dict[str, nn.Parameter],

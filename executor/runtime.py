@@ -92,6 +92,8 @@ class PlanRun:
         self.store: RegionStore | None = None
         self.updates: dict[int, ChunkUpdate] = {}
         self.cursor, self.records, self.setup_bytes = 0, [], 0
+        self.last_records: list[EventRecord] = []
+        """What the last completed iteration measured, one record per plan step."""
         self.written: set[str] = set()
         """Parameters whose gradient was written this iteration (first write overwrites, later ones add)."""
         self.clips: list[torch.Tensor] = []
@@ -155,11 +157,12 @@ class PlanRun:
         if store is None:
             return
         self.sync_state()
-        store.restore_parameters()
+        values = store.parameter_values()
         for rid in store.resident():
             store.evict(rid, writeback=False)
-        for p in store.params.values():
-            p.grad = None
+        for name, value in values.items():
+            store.params[name].data = value
+            store.params[name].grad = None
 
     # -- events ---------------------------------------------------------------------------------------
     def on_event(self, kind: str, module: str) -> None:
@@ -403,6 +406,7 @@ class PlanRun:
         self._updated.clear()
         self._zeroed = False
         records, self.records, self.cursor = self.records, [], 0
+        self.last_records = records
         return records
 
     def step(self) -> list[EventRecord]:

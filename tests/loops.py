@@ -1,0 +1,79 @@
+"""Test helpers: plans for a workload at a chosen offload, and the plain-PyTorch user loop run with or without
+`hplan.attach` — the same code both ways, so any difference is hplan's."""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any
+
+import torch
+
+import hplan
+from hplan.artifacts import Hardware, Plan, replay
+from hplan.planner import PlanOptions, default_slack, make_plan, min_gpu_bytes
+from hplan.tracer import trace_workload
+
+
+def plan_for(workload: hplan.Workload, *, extra: float = 0.0, solver: str = "fast", iters: int = 3,
+             trace: Any = None) -> Plan:
+    """A plan at the smallest fast tier any schedule fits, plus `extra` × the model data."""
+    trace = trace if trace is not None else trace_workload(workload, device="cpu", iters=iters)
+    floor = min_gpu_bytes(trace).gpu_bytes
+    hardware = Hardware(gpu="cpu", gpu_bytes=floor + int(extra * trace.model_bytes), slack_bytes=default_slack(trace),
+                        overlap=False)
+    plan = make_plan(trace, hardware, PlanOptions(solver=solver))
+    assert plan.summary.feasible, plan.summary.bottleneck
+    return plan
+
+
+def offloaded_share(plan: Plan) -> float:
+    """The least share of model data off the fast tier at any step."""
+    total = sum(r.bytes for r in plan.regions)
+    return 1 - max(s.resident_bytes for s in replay(plan).states) / total
+
+
+def user_loop(workload: hplan.Workload, steps: int, plan: Plan | None = None, *, optimizer: Any = None,
+              model: Any = None, scheduler: Any = None, **attach: Any) -> dict[str, Any]:
+    """The loop a user writes — micro-batches (loss ÷ accumulate), clipping, step, scheduler, zero_grad — in plain
+    PyTorch, or inside `hplan.attach(model, optimizer, plan)` when a plan is given. Returns losses, final weights,
+    the optimizer, the model and the run records."""
+    model = model if model is not None else workload.build_model()
+    optimizer = optimizer if optimizer is not None else workload.optimizer(model.parameters())
+    if scheduler is None and workload.scheduler is not None:
+        scheduler = workload.scheduler(optimizer)
+    ctx = hplan.attach(model, optimizer, plan, **attach) if plan is not None else contextlib.nullcontext()
+    losses, records = [], []
+    with ctx as run:
+        for step in range(steps):
+            total = 0.0
+            for i in range(workload.accumulate):
+                loss = workload.loss(model, workload.micro_batch(step, i))
+                (loss / workload.accumulate).backward()
+                total += loss.item()
+            if workload.max_grad_norm is not None:
+                torch.nn.utils.clip_grad_norm_(model.parameters(), workload.max_grad_norm)
+            optimizer.step()
+            if scheduler is not None:
+                scheduler.step()
+            optimizer.zero_grad()
+            losses.append(total / workload.accumulate)
+            if run is not None:
+                records.append(run.last_records)
+    weights = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    return {"losses": losses, "weights": weights, "optimizer": optimizer, "model": model, "records": records}
+
+
+def rel(a: list[float], b: list[float]) -> float:
+    return max(abs(x - y) / abs(y) for x, y in zip(a, b, strict=True))
+
+
+def weight_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
+    assert a.keys() == b.keys()
+    return max((a[k].double() - b[k].double()).abs().max().item() for k in a)
+
+
+def measured(records: list[Any], plan: Plan) -> tuple[int, int]:
+    """(peak fast-tier bytes measured, bytes moved in the last step) from run records."""
+    peak = max(r.resident_bytes for step in records for r in step)
+    moved = sum(r.h2d_bytes + r.d2h_bytes for r in records[-1])
+    return peak, moved
