@@ -1,36 +1,18 @@
-"""Planner options and GPU presets, each default written once with where its number comes from."""
+"""Planner options, each default written once with where its number comes from.
+
+GPU presets live in hplan.planner.presets (re-exported here so older imports keep working)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+from hplan.artifacts.hardware import Hardware
+from hplan.artifacts.plan import Budget
 from hplan.errors import HplanError
+from hplan.planner.presets import GPU_PRESETS, GpuPreset, make_hardware
 
+__all__ = ["GPU_PRESETS", "SOLVERS", "GpuPreset", "PlanOptions"]
 
-@dataclass(frozen=True, kw_only=True, slots=True)
-class GpuPreset:
-    """A GPU as the cost model sees it: memory, dense matmul throughput, host link."""
-
-    name: str
-    memory_bytes: int
-    tflops_16: float
-    """Published dense fp16/bf16 tensor-core TFLOPS (no sparsity)."""
-    tflops_32: float
-    """Published fp32 (non-tensor-core) TFLOPS; PyTorch's default for fp32 matmuls without TF32."""
-    link_gbps: float
-    """Host link, GB/s (10^9 B/s) per direction: the PCIe generation's x16 theoretical rate."""
-
-
-# Numbers from the vendors' datasheets: GeForce RTX 3090 / RTX 2060 (Ampere / Turing whitepapers),
-# V100, A100 and H100 (SXM) datasheets. PCIe x16 per direction: gen3 16 GB/s, gen4 32, gen5 64.
-GPU_PRESETS: dict[str, GpuPreset] = {p.name: p for p in (
-    GpuPreset(name="rtx3090", memory_bytes=24 * 10**9, tflops_16=71.0, tflops_32=35.6, link_gbps=32.0),
-    GpuPreset(name="rtx2060", memory_bytes=6 * 10**9, tflops_16=51.6, tflops_32=6.5, link_gbps=16.0),
-    GpuPreset(name="v100-32gb", memory_bytes=32 * 10**9, tflops_16=125.0, tflops_32=15.7, link_gbps=16.0),
-    GpuPreset(name="a100-40gb", memory_bytes=40 * 10**9, tflops_16=312.0, tflops_32=19.5, link_gbps=32.0),
-    GpuPreset(name="a100-80gb", memory_bytes=80 * 10**9, tflops_16=312.0, tflops_32=19.5, link_gbps=32.0),
-    GpuPreset(name="h100-80gb", memory_bytes=80 * 10**9, tflops_16=989.0, tflops_32=67.0, link_gbps=64.0),
-)}
 
 SOLVERS: tuple[str, ...] = ("auto", "exact", "fast")
 
@@ -90,3 +72,14 @@ class PlanOptions:
 
     def cpu_bytes_per_s(self) -> float:
         return self.cpu_adam_gbps * 1e9
+
+    def hardware(self, budget: Budget) -> Hardware:
+        """The Hardware these options and `budget` describe (the baselines' input): the GPU preset with the
+        overrides given here, the budget's capacities and slack as they are (resolve the slack first)."""
+        overrides: dict[str, float] = {}
+        if self.gpu_tflops is not None:
+            overrides.update(tflops_16=self.gpu_tflops, tflops_32=self.gpu_tflops)
+        link = self.link_bytes_per_s() / 1e9
+        return make_hardware(self.gpu, gpu_bytes=budget.gpu_bytes, host_bytes=budget.cpu_bytes,
+                             slack_bytes=budget.slack_bytes, h2d_gbps=link, d2h_gbps=link,
+                             cpu_optimizer_gbps=self.cpu_adam_gbps, overlap=self.overlap, **overrides)
