@@ -142,7 +142,7 @@ def make_plan(trace: Trace, budget: Budget, options: PlanOptions | None = None) 
         plan = _plan(trace, budget, best, solver, max(float(lower_bound(best.problem)), bound), smallest.gpu_bytes,
                      smallest.bottleneck, opts)
     if options.compare:
-        plan = replace(plan, baselines=simulate_baselines(trace, budget, options, plan.chunks or None))
+        plan = replace(plan, baselines=simulate_baselines(trace, options.hardware(budget)))
     return plan
 
 

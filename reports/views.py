@@ -76,7 +76,7 @@ def plan_baselines(trace: Trace, plan: Plan) -> tuple[BaselineResult, ...]:
 
     known = {f.name for f in fields(PlanOptions)}
     options = PlanOptions(**{k: v for k, v in plan.options.items() if k in known})
-    return simulate_baselines(trace, plan.budget, options, plan.chunks or None)
+    return simulate_baselines(trace, options.hardware(plan.budget))
 
 
 def measured_events(metrics: pd.DataFrame, n_events: int) -> pd.DataFrame:
