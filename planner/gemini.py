@@ -59,6 +59,7 @@ NOT_MODELLED = (
     "the fetch transients (host shard copy, fp32 staging of the first fetch) in Gemini's own cap; they are in "
     "predicted_peak_bytes",
     "gradient accumulation, gradient clipping norms, loss-scale overflow steps",
+    "pageable host memory (pin_memory False): copies are charged at the link's rate",
     "fp32 traces: Gemini always trains in fp16/bf16 (gemini_ddp.py:105); chunks use 2 B/element, the traced "
     "fp32 activations stay as traced",
 )

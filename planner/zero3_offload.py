@@ -48,9 +48,11 @@ CITATION = ("deepspeedai/DeepSpeed@edaa722 (v0.19.5): deepspeed/runtime/zero/par
 NOT_MODELLED = (
     "nested modules with direct parameters (a parent's parameters stay while its children run)",
     "gradient accumulation, loss-scale overflow steps, sub_group_size tiling of the CPU step (one pass assumed)",
-    "the host synchronisation in each fetch wait (PP:58-61 synchronises the compute stream): fetches are "
+    "the host synchronisation in each fetch wait (PP:77-79 synchronises the compute stream): fetches are "
     "modelled as overlapping compute once issued",
     "host-side fp32 -> 16-bit casts and per-copy launch latency",
+    "container modules (no direct parameters) are not trace events; DeepSpeed counts them as steps, which changes "
+    "only the release of a parameter marked for the very next step when max_reuse_distance is 0",
 )
 
 
@@ -171,7 +173,7 @@ def zero3_offload(trace: Trace, hardware: Hardware, config: Zero3Config = Zero3C
 
 
 def _prefetch(walk: _Walk, facts: Facts, config: Zero3Config, step: int, names: tuple[str, ...]) -> list[str]:
-    """C:434-470: pop this step's own entries, then walk ahead queueing parameters not on the device."""
+    """C:426-487: pop this step's own entries, then walk ahead queueing parameters not on the device."""
     own = {n for n in names if walk.marked[n] < step}
     popped: set[str] = set()
     while walk.queue and len(popped) < len(own):
