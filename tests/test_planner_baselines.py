@@ -187,11 +187,12 @@ def test_old_plan_files_still_load_baselines():
     assert loaded == BaselineResult(**old) and loaded.not_modelled == ()
 
 
-def test_compare_and_sweep_rows():
+def test_compare_and_sweep_rows(tmp_path):
     trace = random_trace(4, n_params=8, n_events=6)
     plan = make_plan(trace, Budget(gpu_bytes=20000), PlanOptions(compare=True, slack_bytes=0))
     assert [b.name.split(" ")[0] for b in plan.baselines] == ["ZeRO-Offload", "ZeRO-3", "Gemini", "all"]
-    assert Plan.from_dict(plan.to_dict()).baselines == plan.baselines
+    plan.save(tmp_path / "plan.json")
+    assert Plan.load(tmp_path / "plan.json").baselines == plan.baselines
     rows = sweep(trace, [1000, 4000, 20000], PlanOptions(slack_bytes=0))
     assert [r["gpu_bytes"] for r in rows] == [1000, 4000, 20000]
     for row in rows:
