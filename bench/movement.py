@@ -55,7 +55,7 @@ def movement_table(ctx: Context, spec: str) -> tuple[Table, list[tuple[int, int,
     for gb in BUDGETS_GB:
         budget = Budget(gpu_bytes=gb * 10**9)
         plan = make_plan(trace, budget, PlanOptions(compare=True))
-        own = simulate_baselines(trace, budget, PlanOptions())  # the baselines' own default chunking
+        own = simulate_baselines(trace, PlanOptions().hardware(plan.budget))
         s = plan.summary
         zero = kinder(baseline(plan.baselines, "zero"), baseline(own, "zero"))
         gem = kinder(baseline(plan.baselines, "gemini"), baseline(own, "gemini"))

@@ -1,71 +1,19 @@
-"""Planner options (how to solve) and GPU presets (what a named GPU is), each default written once.
+"""Planner options: how to solve, each default written once.
 
-What the plan targets (capacities, link and compute rates, ranks) is a `Hardware` (hplan.artifacts.hardware);
-`make_hardware` builds one from a preset name and overrides. These options only steer the solver.
+What a plan targets (capacities, link and compute rates, ranks) is a `Hardware` (hplan.artifacts.hardware), built
+from presets by `hplan.planner.presets.make_hardware`; these options only steer the solver.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 
-from hplan.artifacts.hardware import Hardware
 from hplan.errors import HplanError
+from hplan.planner.presets import GPU_PRESETS, GpuPreset, make_hardware
 
+__all__ = ["GPU_PRESETS", "SOLVERS", "GpuPreset", "PlanOptions", "make_hardware"]
 
-@dataclass(frozen=True, kw_only=True, slots=True)
-class GpuPreset:
-    """A GPU as the cost model sees it: memory, dense matmul throughput, host link."""
-
-    name: str
-    memory_bytes: int
-    tflops_16: float
-    """Published dense fp16/bf16 tensor-core TFLOPS (no sparsity)."""
-    tflops_32: float
-    """Published fp32 (non-tensor-core) TFLOPS; PyTorch's default for fp32 matmuls without TF32."""
-    link_gbps: float
-    """Host link, GB/s (10^9 B/s) per direction: the PCIe generation's x16 theoretical rate."""
-
-
-# Numbers from the vendors' datasheets: GeForce RTX 3090 / RTX 2060 (Ampere / Turing whitepapers),
-# V100, A100 and H100 (SXM) datasheets. PCIe x16 per direction: gen3 16 GB/s, gen4 32, gen5 64.
-GPU_PRESETS: dict[str, GpuPreset] = {p.name: p for p in (
-    GpuPreset(name="rtx3090", memory_bytes=24 * 10**9, tflops_16=71.0, tflops_32=35.6, link_gbps=32.0),
-    GpuPreset(name="rtx2060", memory_bytes=6 * 10**9, tflops_16=51.6, tflops_32=6.5, link_gbps=16.0),
-    GpuPreset(name="v100-32gb", memory_bytes=32 * 10**9, tflops_16=125.0, tflops_32=15.7, link_gbps=16.0),
-    GpuPreset(name="a100-40gb", memory_bytes=40 * 10**9, tflops_16=312.0, tflops_32=19.5, link_gbps=32.0),
-    GpuPreset(name="a100-80gb", memory_bytes=80 * 10**9, tflops_16=312.0, tflops_32=19.5, link_gbps=32.0),
-    GpuPreset(name="h100-80gb", memory_bytes=80 * 10**9, tflops_16=989.0, tflops_32=67.0, link_gbps=64.0),
-)}
-CPU_TIER = "cpu"
-"""The executor's CPU twin: a budgeted region of host memory as the fast tier. No copy engines (nothing overlaps),
-compute times are the trace's measured ones (a CPU trace), copies run at host memcpy speed."""
-CPU_TIER_COPY_GBPS = 2.4
-"""One-thread torch copy_ of 256 MiB on this 2-core dev machine, best of 5 (2026-11-23, under load from other
-jobs): the CPU tier's 'link'. It affects predicted step times only, never which bytes a plan moves."""
-DEFAULT_GPU = "rtx3090"
-"""The seed's headline GPU: a 24 GB RTX 3090."""
 SOLVERS: tuple[str, ...] = ("auto", "exact", "fast")
-
-
-def make_hardware(gpu: str = DEFAULT_GPU, *, gpu_bytes: int | None = None, **overrides: object) -> Hardware:
-    """A Hardware for a GPU preset: its memory (unless `gpu_bytes`), compute and link rates, then overrides
-    (any Hardware field; None values are ignored)."""
-    known = {f.name for f in fields(Hardware)}
-    unknown = sorted(set(overrides) - known)
-    if unknown:
-        raise HplanError(f"unknown hardware option(s) {unknown}")
-    if gpu == CPU_TIER:
-        if gpu_bytes is None:
-            raise HplanError("the cpu fast tier has no preset size: give its budget (--gpu-mem)")
-        base: dict[str, object] = dict(gpu=gpu, gpu_bytes=gpu_bytes, h2d_gbps=CPU_TIER_COPY_GBPS,
-                                       d2h_gbps=CPU_TIER_COPY_GBPS, overlap=False)
-        return Hardware(**{**base, **{k: v for k, v in overrides.items() if v is not None}})
-    if gpu not in GPU_PRESETS:
-        raise HplanError(f"unknown GPU preset {gpu!r}: use one of {', '.join(GPU_PRESETS)}, or {CPU_TIER}")
-    preset = GPU_PRESETS[gpu]
-    base = dict(gpu=gpu, gpu_bytes=gpu_bytes or preset.memory_bytes, tflops_16=preset.tflops_16,
-                tflops_32=preset.tflops_32, h2d_gbps=preset.link_gbps, d2h_gbps=preset.link_gbps)
-    return Hardware(**{**base, **{k: v for k, v in overrides.items() if v is not None}})
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -80,7 +28,7 @@ class PlanOptions:
     exact_limit: int = 2000
     """Largest regions x steps the "auto" solver sends to the MILP."""
     compare: bool = False
-    """Also score the baselines (ZeRO-Offload, Gemini, all-on-GPU)."""
+    """Also score the baselines (ZeRO-Offload, ZeRO-3 offload, Gemini, all-on-GPU)."""
     flips: bool = True
     """Let a chunk's gradient reuse its weights' device storage where the recipe allows (Gemini's trick)."""
 

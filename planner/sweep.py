@@ -10,7 +10,7 @@ from hplan.planner.baselines import simulate_baselines
 from hplan.planner.core import make_plan
 from hplan.planner.options import PlanOptions
 
-BASELINE_KEYS: tuple[str, ...] = ("zero_offload", "gemini", "all_on_gpu")
+BASELINE_KEYS: tuple[str, ...] = ("zero_offload", "zero3_offload", "gemini", "all_on_gpu")
 """Column prefixes of sweep rows, in simulate_baselines' order."""
 
 

@@ -86,6 +86,19 @@ def random_trace(seed: int, *, n_params: int = 6, n_events: int = 5, max_param_b
     return _trace(f"random:{seed}", "fp32", params, _events(calls))
 
 
+def chain_trace(numels: tuple[int, ...], *, precision: str = "fp16-mixed", non_model_bytes: int = 0,
+                flops: int = 0) -> Trace:
+    """A chain of modules m0, m1, ... each owning one parameter m<i>.w of numels[i] elements, forward in order,
+    backward in reverse, then the optimizer; every event holds `non_model_bytes` and does `flops` forward.
+    Small enough to work out by hand what a system does with it (the baselines' exact tests)."""
+    pb, gb, ob = BYTES_PER_ELEMENT[precision]
+    dtype = {"fp32": "float32", "bf16-mixed": "bfloat16", "fp16-mixed": "float16"}[precision]
+    params = [ParamInfo(name=f"m{i}.w", shape=(n,), dtype=dtype, bytes=n * pb, grad_bytes=n * gb,
+                        optimizer_bytes=n * ob, modules=(f"m{i}",)) for i, n in enumerate(numels)]
+    calls = [(f"m{i}", (f"m{i}.w",), non_model_bytes, flops) for i in range(len(numels))]
+    return _trace(f"chain:{len(numels)}", precision, params, _events(calls))
+
+
 def gpt_trace(*, n_layer: int = 39, d_model: int = 6144, vocab: int = 50257, n_ctx: int = 1024,
               batch: int = 1, seq: int = 1024, n_head: int = 48, precision: str = "bf16-mixed") -> Trace:
     """A GPT-2-shaped trace (defaults: the gpt:18b preset) built from formulas, no torch.
@@ -95,7 +108,8 @@ def gpt_trace(*, n_layer: int = 39, d_model: int = 6144, vocab: int = 50257, n_c
     event those not yet freed. FLOPs: 2·params·tokens forward, twice that backward.
     """
     pb, gb, ob = BYTES_PER_ELEMENT[precision]
-    dtype = "float32" if precision == "fp32" else "bfloat16"
+    dtype = {"fp32": "float32", "bf16-mixed": "bfloat16", "fp16-mixed": "float16"}[precision]
+    states = ("exp_avg", "exp_avg_sq") if precision == "fp32" else ("exp_avg", "exp_avg_sq", "master")
     tokens = batch * seq
     per_layer_act = seq * batch * d_model * 34 + 5 * n_head * seq * seq * batch
     params: list[ParamInfo] = []
@@ -105,7 +119,7 @@ def gpt_trace(*, n_layer: int = 39, d_model: int = 6144, vocab: int = 50257, n_c
         for s in shape:
             n *= s
         params.append(ParamInfo(name=name, shape=shape, dtype=dtype, bytes=n * pb, grad_bytes=n * gb,
-                                optimizer_bytes=n * ob, modules=modules))
+                                optimizer_bytes=n * ob, modules=modules, optimizer_tensors=states))
         return name
 
     def linear(mod: str, d_in: int, d_out: int) -> tuple[str, ...]:

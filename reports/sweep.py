@@ -22,8 +22,8 @@ from hplan.sizes import format_size
 from .figure import byte_unit, image_format, new_figure, save_figure, unit_name
 
 SWEEP_KEYS: tuple[str, ...] = ("gpu_bytes", "feasible", "bytes_moved", "step_seconds", "min_gpu_bytes")
-BASELINE_NAMES: dict[str, str] = {"zero_offload": "ZeRO-Offload (static)", "gemini": "Gemini (auto)",
-                                  "all_on_gpu": "all on GPU"}
+BASELINE_NAMES: dict[str, str] = {"zero_offload": "ZeRO-2 offload", "zero3_offload": "ZeRO-3 offload",
+                                  "gemini": "Gemini auto", "all_on_gpu": "all on GPU"}
 _SUFFIX = "_bytes_moved"
 
 

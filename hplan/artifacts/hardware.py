@@ -37,8 +37,9 @@ class Hardware:
     """Datasheet dense 16-bit tensor-core TFLOPS."""
     tflops_32: float = 35.6
     """Datasheet fp32 TFLOPS (no TF32)."""
-    efficiency: float = 0.5
-    """Share of datasheet TFLOPS a training step achieves (see hplan.planner.presets for the source)."""
+    efficiency: float = 0.30
+    """Share of datasheet TFLOPS a training step achieves: hplan.planner.presets.DEFAULT_EFFICIENCY, with its
+    source (a test keeps the two equal)."""
     h2d_gbps: float = 32.0
     """Host→device link, GB/s."""
     d2h_gbps: float = 32.0

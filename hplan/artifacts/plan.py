@@ -113,14 +113,32 @@ class PlanSummary:
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class BaselineResult:
-    """A published policy scored in hplan's simulator (a re-implementation, not the original)."""
+    """Another system simulated as its code runs, on the same trace and hardware (see hplan.planner.baselines).
+
+    Fields added after hplan.plan/1 first shipped have defaults, so older plan files still load."""
 
     name: str
     feasible: bool
+    """The system's own rule holds at every event (its cap, or the device memory minus the hardware's slack)."""
     bytes_moved_per_iter: int
+    """h2d_bytes + d2h_bytes."""
     predicted_step_seconds: float
     predicted_peak_bytes: int
+    """Highest device bytes at any event: its model data, its own buffers and transients, non-model data."""
     note: str = ""
+    h2d_bytes: int = 0
+    d2h_bytes: int = 0
+    min_gpu_bytes: int = 0
+    """Smallest device memory at which the same rule holds (0: not reported)."""
+    h2d_seconds: float = 0.0
+    """Busy time of the host-to-device link (links are full duplex: each direction has its own)."""
+    d2h_seconds: float = 0.0
+    compute_seconds: float = 0.0
+    """GPU compute at the hardware's efficiency."""
+    cpu_optimizer_seconds: float = 0.0
+    citation: str = ""
+    """The source files (repository, commit, path:lines) the simulation follows."""
+    not_modelled: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -201,7 +219,8 @@ class Plan:
             input_shapes=tuple(obj.get("input_shapes", ())),
             max_grad_norm=obj.get("max_grad_norm"),
             options=obj.get("options", {}),
-            baselines=tuple(BaselineResult(**b) for b in obj.get("baselines", ())),
+            baselines=tuple(BaselineResult(**{**b, "not_modelled": tuple(b.get("not_modelled", ()))})
+                            for b in obj.get("baselines", ())),
         )
 
 

@@ -133,7 +133,7 @@ def _print_summary(plan: Plan, output: Path | None) -> None:
     console = Console()
     console.print(table)
     if plan.baselines:
-        base = Table(title="baselines (re-implementations in hplan's simulator)")
+        base = Table(title="baselines (each system's code simulated on this trace; see hplan.planner.baselines)")
         for col in ("policy", "feasible", "bytes moved", "step time", "peak"):
             base.add_column(col)
         base.add_row("hplan", "yes", format_size(s.bytes_moved_per_iter), f"{s.predicted_step_seconds:.3f} s",

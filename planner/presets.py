@@ -1,0 +1,149 @@
+"""Hardware presets, each number with where it comes from, and `make_hardware` that turns them into a Hardware.
+
+[Note: preset sources] A number here is a datasheet value, a published measurement (cited), or measured on
+this project's dev machine (date and method given). GB/s means 10^9 bytes per second, per direction.
+
+- GPUs: memory and dense TFLOPS from the vendors' datasheets (GeForce RTX 3090 / RTX 2060: NVIDIA's Ampere /
+  Turing whitepapers; V100, A100, H100 SXM datasheets); host link = the PCIe generation's theoretical x16 rate
+  per direction (gen3 16 GB/s, gen4 32, gen5 64). Achieved PCIe copies are lower (about 80% on pinned memory);
+  scale a preset with `h2d_gbps=` / `d2h_gbps=` overrides when you have a measurement.
+- Compute efficiency (DEFAULT_EFFICIENCY): the share of datasheet TFLOPS one GPU sustains on a GPT training
+  step. Megatron-LM (Shoeybi et al. 2019, arXiv:1909.08053, abstract): "a strong single GPU baseline that
+  sustains 39 TeraFLOPs, which is 30% of peak FLOPs" (V100, GPT-2-style model, one GPU) -> 0.30.
+- Hosts (CPU optimizer rate, GB/s of model state updated: weight + grad + master + moments, 16 B per parameter
+  for AdamW in fp32 or a 16-bit mixed recipe):
+  * "deepspeed-cpu-adam": DeepSpeed PR #735 (github.com/deepspeedai/DeepSpeed/pull/735, 2021-02-08, by a
+    DeepSpeed author): DeepSpeedCPUAdam steps an 11.6B-parameter GPT-2 in 8.2 s (torch.optim.Adam: 56 s), so
+    11.6e9 / 8.2 = 1.41e9 params/s = 22.6 GB/s. Host not stated (DeepSpeed's V100 servers).
+  * "xeon-silver-4210r": DeepSpeed issue #1635 (2021-12-13): RTX 3090 + Xeon Silver 4210R, 1.35B parameters,
+    ZeRO-3 CPU-Adam update 21.77 s -> 6.2e7 params/s = 0.99 GB/s. A user report the reporter calls too slow;
+    kept as the published worst case for an RTX 3090 workstation.
+  * "this-machine-1t" / "this-machine-2t": measured 2026-11-23 16:53 UTC on this project's 2-core AMD EPYC dev
+    VM (shared, load average 2.3) with `python -m bench.cpu_optimizer_rate` (torch 2.13 fused CPU AdamW, one
+    fp32 tensor of 2^24 and of 2^26 elements, best of 10 / 5 steps): 1 thread 0.589-0.593e9 params/s
+    (9.4-9.5 GB/s), 2 threads 0.866-0.880e9 params/s (13.9-14.1 GB/s); the lower of each pair is kept.
+- NVMe (sequential read / write):
+  * "pcie3": Samsung 970 EVO Plus 1 TB, PCIe 3.0 x4: 3.5 / 3.3 GB/s (Samsung's launch specification, as printed
+    by cdrinfo.com, "Samsung Sets New Performance Levels for Consumer NVMe SSDs with 970 EVO Plus").
+  * "pcie4": PNY CS3040 2 TB, PCIe 4.0 x4: peak 5.6 / 4.3 GB/s (DeepSpeed docs/_tutorials/deepnvme.md:243,
+    which also measured 3.69 / 3.18 GB/s through DeepSpeed's aio path on it).
+  * "dgx2-per-gpu": ZeRO-Infinity's DGX-2 node reads NVMe at 28 GB/s for 16 GPUs (SC21 ZeRO-Infinity slides,
+    DeepSpeed docs/assets/files/SC21-ZeRO-Infinity.pdf: "NVMe -> GPU: 28 GB/s", and 1792 GB/s for 1024 GPUs)
+    -> 1.75 GB/s per GPU; the slides give one aggregate, used for both directions.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+from typing import Any
+
+from hplan.artifacts.hardware import Hardware
+from hplan.errors import HplanError
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class GpuPreset:
+    """A GPU as the cost model sees it: memory, dense matmul throughput, host link."""
+
+    name: str
+    memory_bytes: int
+    tflops_16: float
+    """Published dense fp16/bf16 tensor-core TFLOPS (no sparsity)."""
+    tflops_32: float
+    """Published fp32 (non-tensor-core) TFLOPS; PyTorch's default for fp32 matmuls without TF32."""
+    link_gbps: float
+    """Host link, GB/s (10^9 B/s) per direction: the PCIe generation's x16 theoretical rate."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class HostPreset:
+    """A host as the baselines' CPU optimizer sees it."""
+
+    name: str
+    cpu_optimizer_gbps: float
+    """GB/s of model state the CPU optimizer updates (16 B per AdamW parameter); see [Note: preset sources]."""
+    source: str
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class NvmePreset:
+    """A disk tier: sequential rates per direction."""
+
+    name: str
+    read_gbps: float
+    write_gbps: float
+    source: str
+
+
+GPU_PRESETS: dict[str, GpuPreset] = {p.name: p for p in (
+    GpuPreset(name="rtx3090", memory_bytes=24 * 10**9, tflops_16=71.0, tflops_32=35.6, link_gbps=32.0),
+    GpuPreset(name="rtx2060", memory_bytes=6 * 10**9, tflops_16=51.6, tflops_32=6.5, link_gbps=16.0),
+    GpuPreset(name="v100-32gb", memory_bytes=32 * 10**9, tflops_16=125.0, tflops_32=15.7, link_gbps=16.0),
+    GpuPreset(name="a100-40gb", memory_bytes=40 * 10**9, tflops_16=312.0, tflops_32=19.5, link_gbps=32.0),
+    GpuPreset(name="a100-80gb", memory_bytes=80 * 10**9, tflops_16=312.0, tflops_32=19.5, link_gbps=32.0),
+    GpuPreset(name="h100-80gb", memory_bytes=80 * 10**9, tflops_16=989.0, tflops_32=67.0, link_gbps=64.0),
+)}
+
+STATE_BYTES_PER_PARAM = 16
+"""AdamW model state per parameter the host rates are quoted in: 4+4+4+4 (fp32) or 2+2+12 (16-bit mixed)."""
+
+HOST_PRESETS: dict[str, HostPreset] = {p.name: p for p in (
+    HostPreset(name="deepspeed-cpu-adam", cpu_optimizer_gbps=11.6e9 / 8.2 * STATE_BYTES_PER_PARAM / 1e9,
+               source="DeepSpeed PR #735: DeepSpeedCPUAdam, 11.6B parameters in 8.2 s"),
+    HostPreset(name="xeon-silver-4210r", cpu_optimizer_gbps=1.35e9 / 21.77 * STATE_BYTES_PER_PARAM / 1e9,
+               source="DeepSpeed issue #1635: RTX 3090 + Xeon Silver 4210R, 1.35B parameters in 21.77 s"),
+    HostPreset(name="this-machine-1t", cpu_optimizer_gbps=0.589e9 * STATE_BYTES_PER_PARAM / 1e9,
+               source="measured 2026-11-23, bench.cpu_optimizer_rate, torch fused AdamW, 1 thread"),
+    HostPreset(name="this-machine-2t", cpu_optimizer_gbps=0.866e9 * STATE_BYTES_PER_PARAM / 1e9,
+               source="measured 2026-11-23, bench.cpu_optimizer_rate, torch fused AdamW, 2 threads"),
+)}
+
+NVME_PRESETS: dict[str, NvmePreset] = {p.name: p for p in (
+    NvmePreset(name="pcie3", read_gbps=3.5, write_gbps=3.3, source="Samsung 970 EVO Plus 1 TB specification"),
+    NvmePreset(name="pcie4", read_gbps=5.6, write_gbps=4.3, source="PNY CS3040 peak, DeepSpeed deepnvme tutorial"),
+    NvmePreset(name="dgx2-per-gpu", read_gbps=28.0 / 16, write_gbps=28.0 / 16,
+               source="ZeRO-Infinity SC21 slides: 28 GB/s NVMe->GPU per 16-GPU DGX-2 node"),
+)}
+
+DEFAULT_EFFICIENCY = 0.30
+"""Share of datasheet TFLOPS a single-GPU GPT training step sustains: Megatron-LM's single-V100 baseline, 39 TFLOPS
+= 30% of peak (Shoeybi et al. 2019, abstract). hplan.artifacts.hardware.Hardware uses the same default."""
+DEFAULT_HOST = "deepspeed-cpu-adam"
+"""The published CPU-Adam rate: both baselines' systems run a vectorised CPU Adam (DeepSpeedCPUAdam, or
+Colossal-AI's HybridAdam, which calls the same kind of AVX kernel)."""
+DEFAULT_NVME = "pcie3"
+CPU_TIER = "cpu"
+"""The executor's CPU twin as a "GPU": a budgeted region of host memory as the fast tier. No copy engines (nothing
+overlaps), compute times are the CPU trace's measured ones, host updates run on this machine's optimizer rate."""
+CPU_TIER_COPY_GBPS = 2.4
+"""One-thread torch copy_ of 256 MiB on this 2-core dev machine, best of 5 (2026-11-23, under load from other
+jobs): the CPU tier's "link". It changes predicted step times only, never the bytes a plan moves."""
+
+
+def make_hardware(gpu: str = "rtx3090", gpu_bytes: int | None = None, host_bytes: int | None = None,
+                  nvme_bytes: int | None = None, host: str = DEFAULT_HOST, nvme: str = DEFAULT_NVME,
+                  **overrides: Any) -> Hardware:
+    """A Hardware from presets: `gpu_bytes` defaults to the GPU's memory, `host_bytes` None is unbounded,
+    `nvme_bytes` None means no disk tier (the NVMe preset then only sets the rates a plan would use).
+    `overrides` replace any other Hardware field (e.g. h2d_gbps=25.0, efficiency=0.4, slack_bytes=...)."""
+    if gpu == CPU_TIER:
+        if gpu_bytes is None:
+            raise HplanError("the cpu fast tier has no preset size: give its budget (--gpu-mem)")
+        cpu = dict(gpu=CPU_TIER, gpu_bytes=gpu_bytes, host_bytes=host_bytes, nvme_bytes=nvme_bytes, overlap=False,
+                   h2d_gbps=CPU_TIER_COPY_GBPS, d2h_gbps=CPU_TIER_COPY_GBPS, host="this-machine-1t",
+                   cpu_optimizer_gbps=HOST_PRESETS["this-machine-1t"].cpu_optimizer_gbps)
+        return Hardware(**(cpu | overrides))
+    for kind, name, table in (("GPU", gpu, GPU_PRESETS), ("host", host, HOST_PRESETS), ("NVMe", nvme, NVME_PRESETS)):
+        if name not in table:
+            raise HplanError(f"unknown {kind} preset {name!r}: use one of {', '.join(table)}")
+    known = {f.name for f in fields(Hardware)}
+    unknown = sorted(set(overrides) - known)
+    if unknown:
+        raise HplanError(f"unknown hardware fields {unknown}: use some of {', '.join(sorted(known))}")
+    g, h, n = GPU_PRESETS[gpu], HOST_PRESETS[host], NVME_PRESETS[nvme]
+    values: dict[str, Any] = dict(
+        gpu=gpu, gpu_bytes=g.memory_bytes if gpu_bytes is None else gpu_bytes, host_bytes=host_bytes,
+        nvme_bytes=nvme_bytes, tflops_16=g.tflops_16, tflops_32=g.tflops_32, efficiency=DEFAULT_EFFICIENCY,
+        h2d_gbps=g.link_gbps, d2h_gbps=g.link_gbps, nvme_read_gbps=n.read_gbps, nvme_write_gbps=n.write_gbps,
+        cpu_optimizer_gbps=h.cpu_optimizer_gbps, host=host)
+    return Hardware(**(values | overrides))
