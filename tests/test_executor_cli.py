@@ -6,10 +6,9 @@ import dataclasses
 import json
 
 import pytest
-from executor_plans import build_plan
+from loops import plan_for
 from typer.testing import CliRunner
 
-from hplan.artifacts import Budget
 from hplan.cli import app
 from hplan.specs import load_workload
 
@@ -19,7 +18,7 @@ runner = CliRunner()
 @pytest.fixture(scope="module")
 def plan_file(tmp_path_factory):
     path = tmp_path_factory.mktemp("plans") / "plan.json"
-    build_plan(load_workload("gpt:tiny")).save(path)
+    plan_for(load_workload("gpt:tiny")).save(path)
     return path
 
 
@@ -51,7 +50,7 @@ def test_refuses_plan_for_another_workload(plan_file, tmp_path):
               str(tmp_path / "m.parquet")], "batch shape")
     assert not (tmp_path / "m.parquet").exists()
     _refused(["gpt:small", "--plan", str(plan_file), "--steps", "1"], "another workload")
-    _refused(["gpt:tiny", "--plan", str(plan_file), "--steps", "1", "--precision", "bf16-mixed"], "another workload")
+    _refused(["gpt:tiny", "--plan", str(plan_file), "--steps", "1", "--precision", "bf16-mixed"], "precision")
 
 
 def test_refuses_plan_of_another_schema(plan_file, tmp_path):
@@ -63,7 +62,8 @@ def test_refuses_plan_of_another_schema(plan_file, tmp_path):
 def test_refuses_budget_bigger_than_the_device(plan_file, tmp_path):
     from hplan.artifacts import Plan
 
-    huge = dataclasses.replace(Plan.load(plan_file), budget=Budget(gpu_bytes=1 << 60))
+    plan = Plan.load(plan_file)
+    huge = dataclasses.replace(plan, hardware=dataclasses.replace(plan.hardware, gpu_bytes=1 << 60))
     huge.save(tmp_path / "huge.json")
     _refused(["gpt:tiny", "--plan", str(tmp_path / "huge.json"), "--steps", "1"], "exceeds what cpu offers")
 

@@ -9,18 +9,17 @@ import sys
 import time
 
 import torch
-from executor_plans import build_plan
 from hplan.executor import run_training
 from hplan.executor.checkpoint import STATE_FILE
+from loops import plan_for
 
 from hplan.specs import load_workload
-
-GROUPS = frozenset({0, 1})
 
 
 def _setup(tmp_path):
     workload = load_workload("gpt:tiny")
-    plan = build_plan(workload, gpu_groups=GROUPS, pinned=GROUPS)
+    plan = plan_for(workload, extra=0.5)
+    assert set(plan.optimizer.values()) == {"gpu", "cpu"}
     plan.save(tmp_path / "plan.json")
     return workload, plan
 
@@ -35,7 +34,7 @@ def test_stop_after_five_then_resume(tmp_path):
 
 
 def test_kill_9_mid_run_then_resume(tmp_path):
-    workload, _ = _setup(tmp_path)
+    workload, plan = _setup(tmp_path)
     ck = tmp_path / "ck"
     cmd = [sys.executable, "-c", "from hplan.cli import main; main()", "run", "gpt:tiny", "--plan",
            str(tmp_path / "plan.json"), "--steps", "100000", "--checkpoint", str(ck)]
@@ -51,12 +50,26 @@ def test_kill_9_mid_run_then_resume(tmp_path):
     assert proc.returncode == -signal.SIGKILL
     done = _saved_step(ck)
     assert done >= 3
-    resumed = run_training(workload, build_plan(workload, gpu_groups=GROUPS, pinned=GROUPS), steps=done + 5,
-                           checkpoint_dir=ck, resume=True)
-    full = run_training(workload, build_plan(workload, gpu_groups=GROUPS, pinned=GROUPS), steps=done + 5)
+    resumed = run_training(workload, plan, steps=done + 5, checkpoint_dir=ck, resume=True)
+    full = run_training(workload, plan, steps=done + 5)
     assert resumed.losses == full.losses[done:]
 
 
 def _saved_step(directory) -> int:
     path = directory / STATE_FILE
     return int(torch.load(path, weights_only=True)["global_step"]) if path.is_file() else 0
+
+
+def test_resume_under_another_plan(tmp_path):
+    """Checkpoints hold the model's own state, not the plan's layout: a run resumes on a plan for another budget
+    with the same losses (host and fast-tier kernels agree bit for bit when the optimizer names its kernel)."""
+    import dataclasses
+
+    base = load_workload("gpt:tiny")
+    workload = dataclasses.replace(base, optimizer=lambda ps: torch.optim.AdamW(ps, lr=3e-4, weight_decay=0.1,
+                                                                              foreach=False))
+    tight, roomy = plan_for(workload), plan_for(workload, extra=3.0)
+    full = run_training(workload, tight, steps=6).losses
+    run_training(workload, tight, steps=3, checkpoint_dir=tmp_path / "ck")
+    second = run_training(workload, roomy, steps=6, checkpoint_dir=tmp_path / "ck", resume=True)
+    assert second.losses == full[3:]
