@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from hplan.errors import HplanError
@@ -33,6 +34,10 @@ GPU_PRESETS: dict[str, GpuPreset] = {p.name: p for p in (
 )}
 
 SOLVERS: tuple[str, ...] = ("auto", "exact", "fast")
+MIN_RATE = 1e-6
+"""Smallest TFLOPS or GB/s an option may give. Predicted times divide work by these rates: near the
+smallest floats (1e-320) they overflow to infinity, which standard JSON cannot hold; no real device
+is a million times slower than 1 GB/s or 1 TFLOPS, so the floor refuses typos, not hardware."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -71,8 +76,9 @@ class PlanOptions:
             raise HplanError(f"unknown GPU preset {self.gpu!r}: use one of {', '.join(GPU_PRESETS)}")
         for name in ("gpu_tflops", "link_gbps", "cpu_adam_gbps"):
             value = getattr(self, name)
-            if value is not None and not value > 0:
-                raise HplanError(f"{name.replace('_', '-')} must be positive, got {value}")
+            if value is not None and not (math.isfinite(value) and value >= MIN_RATE):
+                raise HplanError(f"{name.replace('_', '-')} must be a finite number of at least {MIN_RATE:g}, "
+                                 f"got {value}")
         if self.chunk_bytes is not None and self.chunk_bytes <= 0:
             raise HplanError(f"chunk size must be positive, got {self.chunk_bytes} bytes")
         if self.slack_bytes is not None and self.slack_bytes < 0:

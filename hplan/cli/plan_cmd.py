@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING, Annotated
 
 import typer
 
+from hplan.cli.base import HplanCommand
 from hplan.errors import HplanError
 
 if TYPE_CHECKING:
@@ -18,7 +19,7 @@ EPILOG = ("Example: hplan plan t.parquet --gpu-mem 24GB --compare -o plan.json  
 
 
 def register(app: typer.Typer) -> None:
-    @app.command("plan", epilog=EPILOG)
+    @app.command("plan", epilog=EPILOG, cls=HplanCommand)
     def plan_command(
         trace: Annotated[Path, typer.Argument(help="Trace file written by `hplan trace`.")],
         gpu_mem: Annotated[str, typer.Option("--gpu-mem", help="GPU memory budget, e.g. 24GB or 22GiB.")],
@@ -51,9 +52,14 @@ def _run(*, trace: Path, gpu_mem: str, output: Path, cpu_mem: str | None, gpu: s
          gpu_tflops: float | None, link_gbps: float | None, slack: str | None, chunk_size: str | None,
          solver: str | None, compare: bool, as_json: bool) -> None:
     from hplan.artifacts import Budget, Trace
-    from hplan.cli.common import emit_json, size_option
+    from hplan.artifacts.io import check_input, check_output
+    from hplan.cli.common import emit_json, positive_number, size_option
     from hplan.planner import PlanOptions, make_plan, validate
 
+    check_input(trace, what="trace")
+    check_output(output, inputs=[trace], what="plan output")
+    positive_number(gpu_tflops, what="--gpu-tflops")
+    positive_number(link_gbps, what="--link-gbps")
     budget = Budget(gpu_bytes=size_option(gpu_mem, what="--gpu-mem"), cpu_bytes=size_option(cpu_mem, what="--cpu-mem"))
     slack_bytes = None
     if slack is not None:
