@@ -196,6 +196,7 @@ ROWS: list[Row] = [
     Row("trace_hf_bool_field_not_a_bool", f"trace hf:GPT2LMHeadModel --set use_cache=maybe {TRACE_OUT}",
         needs="transformers"),
     Row("trace_hf_unknown_class", f"trace hf:NoSuchModel {TRACE_OUT}", needs="transformers"),
+    Row("trace_hf_seq_len_beyond_context", f"trace hf:GPT2LMHeadModel --seq-len 4096 {TRACE_OUT}", needs="transformers"),
     # plan
     Row("plan_output_is_the_trace", "plan {T} --gpu-mem 10MB -o {T}", process=True),
     Row("plan_output_links_to_the_trace", "plan {T} --gpu-mem 10MB -o {D}/p.json", link("p.json", "{T}")),

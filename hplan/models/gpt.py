@@ -9,6 +9,7 @@ presets against their nominal sizes (within 2%).
 from __future__ import annotations
 
 import math
+import numbers
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -152,7 +153,7 @@ def resolve_config(size: str, overrides: dict[str, Any] | None = None) -> GPTCon
 
 def _positive_int(key: str, value: Any) -> int:
     """Every gpt option is a size or a count: a positive integer (a string from --set is converted)."""
-    if isinstance(value, bool) or not isinstance(value, (int, str)):
+    if isinstance(value, bool) or not isinstance(value, (numbers.Integral, str)):
         raise HplanError(f"invalid gpt option {key}={value!r}: {key} must be positive (an integer, 1 or more)")
     return parse_int(key, str(value), minimum=1)
 

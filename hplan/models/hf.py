@@ -124,6 +124,10 @@ def hf_workload(
     config = build_config(cls, overrides)
     vocab = int(getattr(config, "vocab_size", 1000))
     bsz, seq = batch_size or DEFAULT_BATCH, seq_len or DEFAULT_SEQ
+    context = getattr(config, "max_position_embeddings", None)
+    if isinstance(context, int) and not isinstance(context, bool) and seq > context:
+        raise HplanError(f"sequence length {seq} exceeds hf:{name}'s context {context}; use --seq-len {context} or "
+                         "less, or raise it with --set max_position_embeddings=...")
 
     def batch(step: int) -> dict[str, torch.Tensor]:
         gen = torch.Generator().manual_seed(7919 * (step + 1))
