@@ -13,6 +13,7 @@ import hashlib
 import json
 import os
 import shlex
+import signal
 import subprocess
 import sys
 from collections.abc import Callable
@@ -25,6 +26,8 @@ from typer.testing import CliRunner
 from hplan.cli import app
 
 runner = CliRunner()
+ROW_TIMEOUT_S = 120
+"""A row that blocks (a FIFO opened by mistake) fails after this long instead of hanging the suite."""
 Setup = Callable[[Path, Path], None]
 """setup(artifacts_dir, row_dir): make the files a row needs inside row_dir."""
 
@@ -369,11 +372,21 @@ def snapshot(*folders: Path) -> dict[str, tuple]:
 def invoke(argv: list[str], *, process: bool, cwd: Path) -> tuple[int, str]:
     """(exit code, stderr) of `hplan argv`, in-process or as a real process."""
     if not process:
-        result = runner.invoke(app, argv)
+        def hung(signum: int, frame: object) -> None:  # e.g. a FIFO opened by mistake would block forever
+            raise TimeoutError(f"hplan {' '.join(argv)} did not finish in {ROW_TIMEOUT_S} s")
+
+        previous = signal.signal(signal.SIGALRM, hung)
+        signal.alarm(ROW_TIMEOUT_S)
+        try:
+            result = runner.invoke(app, argv)
+        finally:
+            signal.alarm(0)
+            signal.signal(signal.SIGALRM, previous)
+        assert not isinstance(result.exception, TimeoutError), result.exception
         return result.exit_code, result.stderr
     env = {**os.environ, "PYTHONDONTWRITEBYTECODE": "1", "COLUMNS": "80"}
     done = subprocess.run([sys.executable, "-c", "from hplan.cli import main; main()", *argv], cwd=cwd, env=env,
-                          capture_output=True, text=True, timeout=300)
+                          capture_output=True, text=True, timeout=ROW_TIMEOUT_S)
     return done.returncode, done.stderr
 
 

@@ -48,6 +48,7 @@ def _run(*, spec: str, plan: Path, steps: int, device: str, metrics: Path | None
     parse_device(device, kinds=("cpu", "cuda"), indexed=("cuda",))
     check_outputs(spec=spec, plan=plan, metrics=metrics, checkpoint=checkpoint)
     the_plan = Plan.load(plan)
+    _check_cuda_index(device)
     from hplan.executor import run_training
     from hplan.specs import load_workload
 
@@ -81,3 +82,15 @@ def check_outputs(*, spec: str, plan: Path, metrics: Path | None, checkpoint: Pa
         if metrics is not None and metrics.absolute().resolve().is_relative_to(checkpoint.absolute().resolve()):
             raise HplanError(f"--metrics {metrics} is inside --checkpoint {checkpoint}, which the checkpoint owns; "
                              "write the metrics elsewhere")
+
+
+def _check_cuda_index(device: str) -> None:
+    """`cuda:N` must name a GPU this machine has (torch only fails at the first allocation otherwise)."""
+    kind, _, index = device.partition(":")
+    if kind != "cuda" or not index:
+        return
+    import torch
+
+    count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if count and int(index) >= count:
+        raise HplanError(f"--device {device}: this machine has {count} GPU(s), cuda:0 to cuda:{count - 1}")
