@@ -8,8 +8,10 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from hplan.blame import first_line, register_user_file, user_frame
 from hplan.errors import HplanError
-from hplan.workload import Workload
+from hplan.options import annotation_of, convert, type_hints
+from hplan.workload import Workload, with_contract_checks
 
 SPEC_FORMS = "path/to/file.py:function, gpt:<size> (e.g. gpt:125m) or hf:<ModelClass> (e.g. hf:GPT2LMHeadModel)"
 
@@ -44,7 +46,15 @@ def load_workload(
 
     given = {k: v for k, v in (("precision", precision), ("accumulate", accumulate),
                                ("max_grad_norm", max_grad_norm)) if v is not None}
-    return replace(workload, **given) if given else workload
+    return with_contract_checks(replace(workload, **given) if given else workload)
+
+
+def spec_file(spec: str) -> Path | None:
+    """The workload file a `file.py:function` spec names (an input no output may replace), else None."""
+    if spec.startswith(("gpt:", "hf:")) or ":" not in spec:
+        return None
+    path_text = spec.rsplit(":", 1)[0]
+    return Path(path_text) if path_text.endswith(".py") else None
 
 
 def _from_file(spec: str, *, batch_size: int | None, seq_len: int | None, overrides: dict[str, Any] | None) -> Workload:
@@ -58,10 +68,13 @@ def _from_file(spec: str, *, batch_size: int | None, seq_len: int | None, overri
         raise HplanError(f"cannot import {path}: is it a Python file?")
     module = importlib.util.module_from_spec(loader_spec)
     sys.modules[module_name] = module
+    register_user_file(path)  # errors raised in this file are the workload's (see [Note: blame])
     try:
         loader_spec.loader.exec_module(module)
     except Exception as exc:  # the user's file failed; say where, not a traceback
-        raise HplanError(f"importing {path} failed: {type(exc).__name__}: {exc}") from exc
+        where = user_frame(exc)
+        at = f" ({where[0]}:{where[1]})" if where else ""
+        raise HplanError(f"importing {path} failed: {type(exc).__name__}: {first_line(exc)}{at}") from exc
     func = getattr(module, func_name, None)
     if func is None or not callable(func):
         raise HplanError(f"{path} has no function {func_name!r}: define `def {func_name}() -> hplan.Workload`")
@@ -73,10 +86,21 @@ def _from_file(spec: str, *, batch_size: int | None, seq_len: int | None, overri
 
 
 def _accepted_kwargs(func: Any, spec: str, **options: Any) -> dict[str, Any]:
+    """The options `func` takes, each converted to the type it declares (see hplan.options)."""
     given = {k: v for k, v in options.items() if v is not None}
-    params = inspect.signature(func).parameters
+    try:
+        params = inspect.signature(func).parameters
+    except (TypeError, ValueError):
+        raise HplanError(f"{spec} is not a plain function (no signature); define `def workload() -> hplan.Workload`") from None
     takes_any = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
-    for key in given:
-        if key not in params and not takes_any:
+    hints = type_hints(func)
+    out = {}
+    for key, value in given.items():
+        param = params.get(key)
+        if param is None and not takes_any or param is not None and param.kind in _POSITIONAL_ONLY:
             raise HplanError(f"{spec} does not take option {key!r}: add a `{key}` parameter to the function or drop the option")
-    return given
+        out[key] = value if param is None else convert(key, value, annotation_of(param, hints))
+    return out
+
+
+_POSITIONAL_ONLY = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.VAR_POSITIONAL)

@@ -6,6 +6,7 @@ real memory, and every run of a step sees the same deterministic batch.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
@@ -91,3 +92,52 @@ def _cast_floating(model: Any, dtype: Any) -> None:
             for name, b in module.named_buffers(recurse=False):
                 if b is not None and b.is_floating_point():
                     module._buffers[name] = b.to(dtype)
+
+
+def with_contract_checks(workload: Workload) -> Workload:
+    """The same workload, its loss and optimizer factories checked where they return.
+
+    A loss that is not a scalar tensor needing a gradient, or an optimizer factory returning
+    something else than a torch optimizer, otherwise fails deep inside the tracer or the executor
+    (`loss.backward()`, a missing `param_groups`) where it reads as an hplan bug. Checked here, the
+    error names the user's function. Valid results pass through untouched.
+    """
+    from dataclasses import replace
+
+    return replace(workload, loss=_checked_loss(workload.loss, workload.name),
+                   optimizer=_checked_optimizer(workload.optimizer, workload.name))
+
+
+def _where(fn: Any) -> str:
+    code = getattr(fn, "__code__", None)
+    return f" ({os.path.basename(code.co_filename)}:{code.co_firstlineno})" if code is not None else ""
+
+
+def _checked_loss(loss: Callable[[Any, Any], Any], name: str) -> Callable[[Any, Any], Any]:
+    def checked_loss(model: Any, batch: Any) -> Any:
+        import torch
+
+        value = loss(model, batch)
+        if not isinstance(value, torch.Tensor) or value.numel() != 1:
+            got = f"a tensor of shape {list(value.shape)}" if isinstance(value, torch.Tensor) else type(value).__name__
+            raise HplanError(f"workload {name!r}: the loss function{_where(loss)} returned {got}, not a scalar "
+                             "tensor; reduce it, e.g. with .mean()")
+        if not value.requires_grad:
+            raise HplanError(f"workload {name!r}: the loss{_where(loss)} does not require a gradient (computed "
+                             "under torch.no_grad, detached, or no trainable parameter used)")
+        return value
+
+    return checked_loss
+
+
+def _checked_optimizer(factory: Callable[[Iterable[Any]], Any], name: str) -> Callable[[Iterable[Any]], Any]:
+    def checked_optimizer(params: Iterable[Any]) -> Any:
+        import torch
+
+        optimizer = factory(params)
+        if not isinstance(optimizer, torch.optim.Optimizer):
+            raise HplanError(f"workload {name!r}: the optimizer factory{_where(factory)} returned "
+                             f"{type(optimizer).__name__}, not a torch.optim.Optimizer")
+        return optimizer
+
+    return checked_optimizer

@@ -123,3 +123,22 @@ def test_atomic_writes_get_ordinary_permissions(tmp_path):
     finally:
         os.umask(old)
     assert os.stat(tmp_path / "x.json").st_mode & 0o777 == 0o644
+
+
+def test_atomic_path_never_renames_onto_a_non_regular_file(tmp_path):
+    import os
+
+    from hplan.artifacts.io import atomic_path, check_output
+
+    dest = tmp_path / "out.json"
+    with pytest.raises(HplanError, match="FIFO"), atomic_path(dest) as tmp:
+        tmp.write_text("{}")
+        os.mkfifo(dest)  # appears while the output is being written: checked again before the rename
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out.json"] and not dest.is_file()
+    source = tmp_path / "in.json"
+    source.write_text("{}")
+    (tmp_path / "alias.json").symlink_to(source)
+    with pytest.raises(HplanError, match="same file as the input"):
+        check_output(tmp_path / "alias.json", inputs=[source])
+    with pytest.raises(HplanError, match="not a directory"):
+        check_output(source, kind="dir")

@@ -30,3 +30,15 @@ def test_bad_input_is_one_line_exit_2_without_traceback():
     result = runner.invoke(app, ["trace", "nope:spec", "-o", "x.parquet"])
     assert result.exit_code == 2
     assert "Traceback" not in result.output and len(result.output.strip().splitlines()) == 1
+
+
+@pytest.mark.parametrize("command", [*COMMANDS, "export", "sweep"])
+def test_flags_read_as_flags_in_help(command):
+    result = runner.invoke(app, [command, "--help"])
+    assert result.exit_code == 0 and "--json" in result.output and "<bool>" not in result.output
+
+
+def test_usage_errors_are_one_line_exit_2():
+    result = runner.invoke(app, ["plan", "t.parquet", "-o", "p.json"])  # --gpu-mem missing
+    assert result.exit_code == 2 and "--gpu-mem" in result.stderr and "plan --help" in result.stderr
+    assert len(result.stderr.strip().splitlines()) == 1

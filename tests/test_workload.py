@@ -90,3 +90,46 @@ def test_workload_fields_must_be_callables():
         hplan.Workload(model=1, batch=lambda s: s, loss=lambda m, b: b, optimizer=lambda p: p)
     with pytest.raises(hplan.HplanError, match="unknown precision"):
         hplan.Workload(model=list, batch=list, loss=max, optimizer=list, precision="fp8")
+
+
+def test_set_values_are_typed_by_the_workload_functions_annotations_and_defaults(tmp_path):
+    path = tmp_path / "typed.py"
+    path.write_text(textwrap.dedent("""
+        from typing import Optional
+        import torch, hplan
+
+        SEEN = {}
+
+        def workload(use_bias: bool = True, width: int = 8, lr: Optional[float] = None, tag="x", flag=False):
+            SEEN.update(use_bias=use_bias, width=width, lr=lr, tag=tag, flag=flag)
+            return hplan.Workload(model=lambda: torch.nn.Linear(2, 2), batch=lambda s: torch.ones(1, 2),
+                                  loss=lambda m, b: m(b).sum(), optimizer=lambda p: torch.optim.SGD(p, lr=0.1))
+    """))
+    import sys
+
+    load_workload(f"{path}:workload", overrides={"use_bias": "FALSE", "width": "16", "lr": "0.5", "tag": "y",
+                                                 "flag": "yes"})
+    seen = next(m for m in sys.modules.values() if getattr(m, "__file__", None) == str(path)).SEEN
+    assert seen == {"use_bias": False, "width": 16, "lr": 0.5, "tag": "y", "flag": True}
+    for key, value, expected in (("use_bias", "maybe", "bool"), ("width", "1.5", "int"), ("lr", "fast", "float")):
+        with pytest.raises(hplan.HplanError, match=f"invalid --set {key}={value}: {key} expects {expected}"):
+            load_workload(f"{path}:workload", overrides={key: value})
+
+
+def test_a_non_scalar_loss_is_named_where_it_returns():
+    import dataclasses
+
+    from hplan.workload import with_contract_checks
+
+    w = load_workload("gpt:tiny")
+    bad = with_contract_checks(dataclasses.replace(w, loss=lambda m, b: m(b[0])))
+    with pytest.raises(hplan.HplanError, match="not a scalar tensor"):
+        bad.loss(bad.build_model(), bad.batch(0))
+
+
+def test_hf_options_are_typed_and_checked_before_any_work():
+    pytest.importorskip("transformers")
+    for overrides, message in (({"n_head": "5"}, "refuses these options: ValueError"), ({"__class__": "x"}, "no option"),
+                               ({"n_layer": "abc"}, "expects int"), ({"n_layer": "0"}, "must be positive")):
+        with pytest.raises(hplan.HplanError, match=message):
+            load_workload("hf:GPT2LMHeadModel", overrides=overrides)

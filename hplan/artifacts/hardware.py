@@ -17,6 +17,10 @@ from typing import Any, ClassVar
 
 from hplan.errors import HplanError
 
+MIN_RATE = 1e-6
+"""Smallest TFLOPS or GB/s a hardware may state. Predicted times divide work by these rates: near the smallest
+floats they overflow to infinity, which standard JSON cannot hold; no real device is a million times slower
+than 1 GB/s or 1 TFLOPS, so the floor refuses typos, not hardware."""
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class Hardware:
@@ -74,10 +78,12 @@ class Hardware:
                 raise HplanError(f"hardware {name} must be at least {floor}, got {value}")
         for f in fields(self):
             value = getattr(self, f.name)
-            if isinstance(value, float) and not (math.isfinite(value) and value > 0):
-                raise HplanError(f"hardware {f.name.replace('_', '-')} must be a finite positive number, got {value}")
-        if self.efficiency > 1:
-            raise HplanError(f"hardware efficiency is a share of datasheet TFLOPS (0 < e ≤ 1), got {self.efficiency}")
+            if f.name == "efficiency":
+                if not (isinstance(value, (int, float)) and 0 < value <= 1):
+                    raise HplanError(f"hardware efficiency is a share of datasheet TFLOPS (0 < e ≤ 1), got {value!r}")
+            elif isinstance(value, float) and not (math.isfinite(value) and value >= MIN_RATE):
+                raise HplanError(f"hardware {f.name.replace('_', '-')} must be a finite number of at least "
+                                 f"{MIN_RATE:g}, got {value}")
 
     @property
     def ranks(self) -> int:

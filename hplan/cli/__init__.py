@@ -8,9 +8,11 @@ import typer
 
 from hplan import __version__
 from hplan.cli import common
+from hplan.cli.base import HplanGroup
 
 app = typer.Typer(
     name="hplan",
+    cls=HplanGroup,
     help="Trace a PyTorch training step, plan which model data lives on the GPU, and train on the plan.",
     no_args_is_help=True,
     add_completion=False,

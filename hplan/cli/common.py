@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 import sys
 import traceback
 from collections.abc import Callable, Iterator
@@ -15,8 +16,10 @@ from typing import Any, TypeVar
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
+from hplan.blame import describe_user_error, first_line, user_frame
 from hplan.errors import HplanError
 from hplan.sizes import parse_size
 
@@ -33,7 +36,12 @@ def set_debug(value: bool) -> None:
 
 
 def guarded(fn: Callable[[], T]) -> T:
-    """Run a command body, turning errors into one line and the right exit code."""
+    """Run a command body, turning errors into one line and the right exit code.
+
+    HplanError is bad input (exit 2). Any other exception raised by the user's workload code is
+    bad input too, blamed on the file and line that raised it (see [Note: blame] in hplan.blame);
+    everything else is an hplan bug (exit 1). `hplan --debug` prints the traceback in every case.
+    """
     try:
         return fn()
     except typer.Exit:
@@ -41,25 +49,42 @@ def guarded(fn: Callable[[], T]) -> T:
     except HplanError as exc:
         if _state["debug"]:
             traceback.print_exc()
-        err_console.print(f"[bold red]error:[/] {exc}", highlight=False, soft_wrap=True)
+        _say(f"[bold red]error:[/] {_located(exc)}")
         raise typer.Exit(exc.exit_code) from None
     except KeyboardInterrupt:
         err_console.print("interrupted")
         raise typer.Exit(130) from None
-    except Exception as exc:  # an hplan bug: say so in one line
+    except Exception as exc:
         if _state["debug"]:
             traceback.print_exc()
-        first = str(exc).splitlines()[0] if str(exc) else ""
-        err_console.print(
-            f"[bold red]internal error:[/] {type(exc).__name__}: {first} (rerun with --debug for the traceback)",
-            highlight=False, soft_wrap=True,
-        )
+        blamed = describe_user_error(exc)
+        if blamed is not None:
+            head, _, rest = blamed.partition(": ")
+            _say(f"[bold red]{escape(head)}:[/] {escape(rest)}")
+            raise typer.Exit(2) from None
+        first = first_line(exc)
+        _say(f"[bold red]internal error:[/] {escape(type(exc).__name__)}: {escape(first)} "
+             "(rerun with --debug for the traceback)")
         raise typer.Exit(1) from None
+
+
+def _located(exc: HplanError) -> str:
+    """The message, with the workload's file:line when it wraps an error raised by the user's code."""
+    text = " ".join(str(exc).split())
+    where = user_frame(exc)
+    if where is not None and f"{where[0]}:{where[1]}" not in text:
+        text += f" ({where[0]}:{where[1]})"
+    return escape(text)
+
+
+def _say(markup: str) -> None:
+    """One line on stderr (soft wrap: a long message is never broken into several lines)."""
+    err_console.print(markup, highlight=False, soft_wrap=True)
 
 
 def emit_json(obj: Any) -> None:
     """Print a machine-readable summary on stdout (nothing else goes to stdout with --json)."""
-    sys.stdout.write(json.dumps(obj, indent=2, sort_keys=True, default=_jsonable) + "\n")
+    sys.stdout.write(json.dumps(obj, indent=2, sort_keys=True, default=_jsonable, allow_nan=False) + "\n")
 
 
 def _jsonable(value: Any) -> Any:
@@ -75,14 +100,33 @@ def size_option(text: str | None, *, what: str) -> int | None:
 
 
 def parse_overrides(items: list[str] | None) -> dict[str, str]:
-    """`--set key=value` pairs → dict; refuses anything without an '='."""
+    """`--set key=value` pairs → dict; refuses a pair without '=', a key that is not a name, and a repeated key."""
     out: dict[str, str] = {}
     for item in items or []:
         key, sep, value = item.partition("=")
-        if not sep or not key:
-            raise HplanError(f"invalid --set {item!r}: use key=value, e.g. --set n_layer=2")
-        out[key.strip()] = value.strip()
+        key = key.strip()
+        if not sep or not key.isidentifier():
+            raise HplanError(f"invalid --set {item!r}: use key=value with a Python name as key, e.g. --set n_layer=2")
+        if key in out:
+            raise HplanError(f"--set {key} is given twice ({out[key]!r} and {value.strip()!r}); keep one")
+        out[key] = value.strip()
     return out
+
+
+def positive_number(value: float | None, *, what: str) -> float | None:
+    """A number option that must be finite and above zero (a rate, a speed); None passes."""
+    if value is not None and not (math.isfinite(value) and value > 0):
+        raise HplanError(f"invalid {what} {value}: use a finite number above 0")
+    return value
+
+
+def parse_device(text: str, *, kinds: tuple[str, ...], indexed: tuple[str, ...] = ()) -> str:
+    """Check a --device string before any work: one of `kinds`, `kind:N` for the `indexed` ones."""
+    kind, sep, index = text.partition(":")
+    if kind in kinds and (not sep or kind in indexed and index.isascii() and index.isdigit()):
+        return text
+    forms = ", ".join([*kinds, *(f"{k}:N" for k in indexed)])
+    raise HplanError(f"unknown device {text!r} (--device): use {forms}")
 
 
 @contextlib.contextmanager

@@ -12,12 +12,29 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
+from hplan.cli.base import HplanCommand
 from hplan.cli.common import emit_json, guarded, progress_bar
 from hplan.sizes import format_size
 
 DEMO_SPEC = "gpt:mini"
 DEMO_OFFLOAD_FRACTION = 0.5
 """Share of model data the demo's budget leaves off the fast tier (at least)."""
+
+
+DEMO_FILES = {"trace": "trace.parquet", "plan": "plan.json", "plot": "timeline.png", "report": "report.html",
+              "metrics": "metrics.parquet", "run": "run.json"}
+
+
+def demo_paths(out_dir: Path) -> dict[str, Path]:
+    """Where each demo output goes, checked before any work: a folder we may fill, files we may replace."""
+    from hplan.artifacts.io import check_output
+
+    check_output(out_dir, kind="dir", what="--out")
+    paths = {key: out_dir / name for key, name in DEMO_FILES.items()}
+    if out_dir.is_dir():
+        for path in paths.values():
+            check_output(path, what="demo output")
+    return paths
 
 
 def run_demo(*, out_dir: Path, steps: int, quiet: bool) -> dict[str, Any]:
@@ -28,10 +45,8 @@ def run_demo(*, out_dir: Path, steps: int, quiet: bool) -> dict[str, Any]:
     from hplan.specs import load_workload
     from hplan.tracer import trace_workload
 
+    paths = demo_paths(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    paths = {k: out_dir / v for k, v in {
-        "trace": "trace.parquet", "plan": "plan.json", "plot": "timeline.png", "report": "report.html",
-        "metrics": "metrics.parquet", "run": "run.json"}.items()}
     workload = load_workload(DEMO_SPEC)
     with progress_bar("tracing", quiet=quiet) as on_progress:
         trace = trace_workload(workload, device="cpu", iters=3, on_progress=on_progress)
@@ -77,7 +92,7 @@ def _print(summary: dict[str, Any]) -> None:
 
 
 def register(app: typer.Typer) -> None:
-    @app.command("demo")
+    @app.command("demo", cls=HplanCommand)
     def demo_command(
         out: Annotated[Path, typer.Option("--out", "-o", help="Folder for the outputs.")] = Path("hplan-demo"),
         steps: Annotated[int, typer.Option(help="Training steps to run on the plan.", min=1)] = 5,
@@ -87,5 +102,8 @@ def register(app: typer.Typer) -> None:
 
         Example: hplan demo --out hplan-demo
         """
-        summary = guarded(lambda: run_demo(out_dir=out, steps=steps, quiet=json_out))
-        emit_json(summary) if json_out else _print(summary)
+        def body() -> None:
+            summary = run_demo(out_dir=out, steps=steps, quiet=json_out)
+            emit_json(summary) if json_out else _print(summary)
+
+        guarded(body)

@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING, Annotated
 
 import typer
 
+from hplan.cli.base import HplanCommand
 from hplan.errors import HplanError
 
 if TYPE_CHECKING:
@@ -18,7 +19,7 @@ EPILOG = ("Example: hplan plan t.parquet --gpu-mem 24GB --compare -o plan.json  
 
 
 def register(app: typer.Typer) -> None:
-    @app.command("plan", epilog=EPILOG)
+    @app.command("plan", epilog=EPILOG, cls=HplanCommand)
     def plan_command(
         trace: Annotated[Path, typer.Argument(help="Trace file written by `hplan trace`.")],
         gpu_mem: Annotated[str, typer.Option("--gpu-mem", help="GPU memory budget, e.g. 24GB or 22GiB; `min` plans "
@@ -55,11 +56,17 @@ def _run(*, trace: Path, gpu_mem: str, output: Path | None, cpu_mem: str | None,
          gpu_tflops: float | None, link_gbps: float | None, cpu_adam_gbps: float | None, slack: str | None,
          chunk_size: str | None, solver: str | None, compare: bool, as_json: bool) -> None:
     from hplan.artifacts import Trace
-    from hplan.cli.common import emit_json, size_option
+    from hplan.artifacts.io import check_input, check_output
+    from hplan.cli.common import emit_json, positive_number, size_option
     from hplan.planner import PlanOptions, default_slack, make_hardware, make_plan, min_gpu_bytes, validate
 
     if output is None and not as_json:
         raise HplanError("give -o PLAN.json to write the plan, or --json to print its summary")
+    check_input(trace, what="trace")
+    if output is not None:
+        check_output(output, inputs=[trace], what="plan output")
+    for value, what in ((gpu_tflops, "--gpu-tflops"), (link_gbps, "--link-gbps"), (cpu_adam_gbps, "--cpu-adam-gbps")):
+        positive_number(value, what=what)
     loaded = Trace.load(trace)
     slack_bytes = default_slack(loaded)
     if slack is not None:

@@ -7,6 +7,7 @@ from typing import TYPE_CHECKING, Annotated
 
 import typer
 
+from hplan.cli.base import HplanCommand
 from hplan.errors import HplanError
 
 if TYPE_CHECKING:
@@ -24,7 +25,7 @@ JsonOpt = Annotated[bool, typer.Option("--json", help="Print a JSON summary on s
 
 def register(app: typer.Typer) -> None:
     """Add plot, report, export and sweep to the `hplan` app."""
-    @app.command("plot")
+    @app.command("plot", cls=HplanCommand)
     def plot_command(
         trace: TraceArg,
         output: Annotated[Path, typer.Option("-o", "--output", help="Image to write: .png or .svg.")],
@@ -44,7 +45,7 @@ def register(app: typer.Typer) -> None:
 
         guarded(lambda: _plot(trace, output, plan, metrics, gpu_mem, binary, as_json))
 
-    @app.command("report")
+    @app.command("report", cls=HplanCommand)
     def report_command(
         trace: TraceArg,
         output: Annotated[Path, typer.Option("-o", "--output", help="HTML file to write (opens offline).")],
@@ -60,7 +61,7 @@ def register(app: typer.Typer) -> None:
 
         guarded(lambda: _report(trace, output, plan, metrics, as_json))
 
-    @app.command("export")
+    @app.command("export", cls=HplanCommand)
     def export_command(
         trace: TraceArg,
         output: Annotated[Path, typer.Option("-o", "--output", help="File to write: .pickle (snapshot) or "
@@ -79,7 +80,7 @@ def register(app: typer.Typer) -> None:
 
         guarded(lambda: _export(trace, fmt, output, plan, as_json))
 
-    @app.command("sweep")
+    @app.command("sweep", cls=HplanCommand)
     def sweep_command(
         trace: TraceArg,
         size_range: Annotated[str, typer.Option("--range", help="GPU sizes to try, FROM:TO, e.g. 4GB:80GB.")],
@@ -98,6 +99,16 @@ def register(app: typer.Typer) -> None:
         from hplan.cli.common import guarded
 
         guarded(lambda: _sweep(trace, size_range, points, gpu, binary, output, as_json))
+
+
+def _check_paths(output: Path, trace: Path, plan: Path | None, metrics: Path | None) -> None:
+    """Before any work: every input a regular file, and the output no input and no non-regular file."""
+    from hplan.artifacts.io import check_input, check_output
+
+    for path, what in ((trace, "trace"), (plan, "plan"), (metrics, "metrics")):
+        if path is not None:
+            check_input(path, what=what)
+    check_output(output, inputs=[trace, plan, metrics])
 
 
 def _inputs(trace: Path, plan: Path | None, metrics: Path | None) -> tuple[Trace, Plan | None, pd.DataFrame | None]:
@@ -139,6 +150,7 @@ def _plot(trace: Path, output: Path, plan: Path | None, metrics: Path | None, gp
     if gpu_mem is not None and plan is not None:
         raise HplanError("--gpu-mem is for plots without a plan; the plan's own budget is drawn")
     gpu_bytes = size_option(gpu_mem, what="--gpu-mem")
+    _check_paths(output, trace, plan, metrics)
     t, p, m = _inputs(trace, plan, metrics)
     plot_timeline(t, output, plan=p, metrics=m, binary=binary, gpu_bytes=gpu_bytes)
     _done(as_json, {"output": str(output), "ops": t.n_ops, "peak_bytes": t.peak_bytes})
@@ -150,6 +162,7 @@ def _report(trace: Path, output: Path, plan: Path | None, metrics: Path | None, 
 
     if output.suffix.lower() not in (".html", ".htm"):
         raise HplanError(f"cannot write {output.name}: the report is HTML, name it e.g. -o report.html")
+    _check_paths(output, trace, plan, metrics)
     t, p, m = _inputs(trace, plan, metrics)
     write_report(t, output, plan=p, metrics=m)
     _done(as_json, {"output": str(output), "bytes": output.stat().st_size})
@@ -162,6 +175,7 @@ def _export(trace: Path, fmt: str | None, output: Path, plan: Path | None, as_js
     fmt = export_format(output, fmt)
     if fmt == "snapshot" and plan is not None:
         raise HplanError("--plan applies to the Chrome trace (-o FILE.json) only; the snapshot shows traced memory")
+    _check_paths(output, trace, plan, None)
     t, p, _ = _inputs(trace, plan, None)
     if fmt == "snapshot":
         count = len(export_memory_snapshot(t, output)["device_traces"][0])
@@ -181,6 +195,7 @@ def _sweep(trace: Path, size_range: str, points: int, gpu: str | None, binary: b
 
     image_format(output)
     sizes = _sizes(size_range, points)
+    _check_paths(output, trace, None, None)
     t = Trace.load(trace)
     rows = sweep(t, sizes, make_hardware(gpu or "rtx3090", gpu_bytes=sizes[0], slack_bytes=default_slack(t)))
     plot_sweep(rows, output, workload=t.workload, binary=binary)

@@ -7,12 +7,15 @@ from typing import Annotated
 
 import typer
 
+from hplan.cli.base import HplanCommand
+from hplan.errors import HplanError
+
 EPILOG = ("Example: hplan run gpt:tiny --plan plan.json --steps 20 --checkpoint ckpt/ --metrics m.parquet  "
           "(a plan for another workload, or too big for this device, exits 2 before any step)")
 
 
 def register(app: typer.Typer) -> None:
-    @app.command("run", epilog=EPILOG)
+    @app.command("run", epilog=EPILOG, cls=HplanCommand)
     def run_command(
         spec: Annotated[str, typer.Argument(help="Workload: file.py:function, gpt:<size> or hf:<Class>.")],
         plan: Annotated[Path, typer.Option("--plan", help="Plan JSON written by `hplan plan`.")],
@@ -46,15 +49,19 @@ def _run(*, spec: str, plan: Path, steps: int, device: str, metrics: Path | None
          resume: bool, batch_size: int | None, seq_len: int | None, precision: str | None,
          overrides: list[str] | None, as_json: bool, budget_guard: str = "stop", on_nonfinite: str = "stop") -> None:
     from hplan.artifacts import Plan
-    from hplan.cli.common import emit_json, err_console, parse_overrides, progress_bar
-    from hplan.executor import run_training
-    from hplan.specs import load_workload
+    from hplan.cli.common import emit_json, err_console, parse_device, parse_overrides, progress_bar
 
     from hplan.errors import HplanError
 
-    the_plan = Plan.load(plan)
+    parse_device(device, kinds=("cpu", "cuda"), indexed=("cuda",))
     if budget_guard not in ("stop", "warn") or on_nonfinite not in ("stop", "skip"):
         raise HplanError("--budget-guard takes stop or warn, --on-nonfinite takes stop or skip")
+    check_outputs(spec=spec, plan=plan, metrics=metrics, checkpoint=checkpoint)
+    the_plan = Plan.load(plan)
+    _check_cuda_index(device)
+    from hplan.executor import run_training
+    from hplan.specs import load_workload
+
     workload = load_workload(spec, batch_size=batch_size, seq_len=seq_len, overrides=parse_overrides(overrides),
                              precision=precision, accumulate=the_plan.accumulate,
                              max_grad_norm=the_plan.max_grad_norm)
@@ -69,3 +76,33 @@ def _run(*, spec: str, plan: Path, steps: int, device: str, metrics: Path | None
                       f"peak resident {report.peak_resident_bytes} B (budget {report.budget_bytes} B), "
                       f"moved {report.bytes_moved_per_iter} B/iter (planned {report.planned_bytes_moved_per_iter})",
                       highlight=False)
+
+
+def check_outputs(*, spec: str, plan: Path, metrics: Path | None, checkpoint: Path | None) -> None:
+    """Refuse, before any work, outputs that would replace an input or a non-regular file.
+
+    The checkpoint folder belongs to the checkpointer, so the metrics file may not live inside it.
+    """
+    from hplan.artifacts.io import check_input, check_output
+    from hplan.specs import spec_file
+
+    check_input(plan, what="plan")
+    if metrics is not None:
+        check_output(metrics, inputs=[plan, spec_file(spec)], what="--metrics")
+    if checkpoint is not None:
+        check_output(checkpoint, kind="dir", what="--checkpoint")
+        if metrics is not None and metrics.absolute().resolve().is_relative_to(checkpoint.absolute().resolve()):
+            raise HplanError(f"--metrics {metrics} is inside --checkpoint {checkpoint}, which the checkpoint owns; "
+                             "write the metrics elsewhere")
+
+
+def _check_cuda_index(device: str) -> None:
+    """`cuda:N` must name a GPU this machine has (torch only fails at the first allocation otherwise)."""
+    kind, _, index = device.partition(":")
+    if kind != "cuda" or not index:
+        return
+    import torch
+
+    count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if count and int(index) >= count:
+        raise HplanError(f"--device {device}: this machine has {count} GPU(s), cuda:0 to cuda:{count - 1}")

@@ -7,6 +7,7 @@ from typing import TYPE_CHECKING, Annotated
 
 import typer
 
+from hplan.cli.base import HplanCommand
 from hplan.errors import HplanError
 
 if TYPE_CHECKING:
@@ -17,7 +18,7 @@ EPILOG = ("Example: hplan trace gpt:125m --device fake -o t.parquet  "
 
 
 def register(app: typer.Typer) -> None:
-    @app.command("trace", epilog=EPILOG)
+    @app.command("trace", epilog=EPILOG, cls=HplanCommand)
     def trace_command(
         spec: Annotated[str, typer.Argument(help="Workload: file.py:function, gpt:<size> or hf:<Class>.")],
         output: Annotated[Path, typer.Option("-o", "--output", help="Trace file to write (.parquet).")],
@@ -46,11 +47,14 @@ def register(app: typer.Typer) -> None:
 def _run(*, spec: str, output: Path, device: str, iters: int, batch_size: int | None, seq_len: int | None,
          precision: str | None, overrides: list[str] | None, as_json: bool, accumulate: int | None = None,
          max_grad_norm: float | None = None) -> None:
-    from hplan.cli.common import emit_json, parse_overrides, progress_bar
-    from hplan.specs import load_workload
+    from hplan.artifacts.io import check_output
+    from hplan.cli.common import emit_json, parse_device, parse_overrides, progress_bar
+    from hplan.specs import load_workload, spec_file
 
+    parse_device(device, kinds=("cpu", "fake", "cuda"))
     if output.suffix != ".parquet":
         raise HplanError(f"trace output {output} must end in .parquet (the timeline is a Parquet table)")
+    check_output(output, inputs=[spec_file(spec)], what="trace output")
     workload = load_workload(spec, batch_size=batch_size, seq_len=seq_len, overrides=parse_overrides(overrides),
                              precision=precision, accumulate=accumulate, max_grad_norm=max_grad_norm)
     from hplan.tracer import trace_workload

@@ -9,6 +9,7 @@ presets against their nominal sizes (within 2%).
 from __future__ import annotations
 
 import math
+import numbers
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -18,6 +19,7 @@ from torch import nn
 
 from hplan.errors import HplanError
 from hplan.models.vocab import EmbeddingShard, ShardedEmbedding, TiedHead
+from hplan.options import parse_int
 from hplan.workload import Workload
 
 
@@ -142,15 +144,18 @@ def resolve_config(size: str, overrides: dict[str, Any] | None = None) -> GPTCon
     unknown = sorted(set(extra) - set(CONFIG_KEYS))
     if unknown:
         raise HplanError(f"unknown gpt option(s) {', '.join(unknown)}: use {', '.join(CONFIG_KEYS)}")
-    try:
-        cfg = replace(cfg, **{k: int(v) for k, v in extra.items()})
-    except ValueError:
-        raise HplanError(f"gpt options must be integers, got {extra}") from None
-    if cfg.vocab_shard_rows <= 0:
-        raise HplanError(f"vocab_shard_rows must be positive, got {cfg.vocab_shard_rows}")
+    cfg = replace(cfg, **{k: _positive_int(k, v) for k, v in extra.items()})
     if cfg.d_model % cfg.n_head:
-        raise HplanError(f"d_model {cfg.d_model} is not divisible by n_head {cfg.n_head}")
+        raise HplanError(f"d_model {cfg.d_model} is not divisible by n_head {cfg.n_head}: choose --set n_head "
+                         "and d_model so that n_head divides d_model")
     return cfg
+
+
+def _positive_int(key: str, value: Any) -> int:
+    """Every gpt option is a size or a count: a positive integer (a string from --set is converted)."""
+    if isinstance(value, bool) or not isinstance(value, (numbers.Integral, str)):
+        raise HplanError(f"invalid gpt option {key}={value!r}: {key} must be positive (an integer, 1 or more)")
+    return parse_int(key, str(value), minimum=1)
 
 
 def gpt_workload(

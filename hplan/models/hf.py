@@ -6,11 +6,13 @@ user gives (e.g. n_layer=2), define the architecture.
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 import torch
 
 from hplan.errors import HplanError
+from hplan.options import NONE_WORDS, parse_bool, parse_float, parse_int
 from hplan.workload import Workload
 
 DEFAULT_BATCH = 2
@@ -23,20 +25,95 @@ def _model_class(name: str) -> Any:
     except ImportError:
         raise HplanError("hf: workloads need transformers: pip install 'hplan[hf]'") from None
     cls = getattr(transformers, name, None)
-    if cls is None or not hasattr(cls, "config_class"):
+    if not isinstance(getattr(cls, "config_class", None), type):
         raise HplanError(f"transformers has no model class {name!r}: use a class such as GPT2LMHeadModel or BertForMaskedLM")
     return cls
 
 
-def _coerce(value: Any) -> Any:
+_SIZE_NAME = re.compile(r"^(n|num)_|_(size|dim|layers?|heads?|embd|positions|embeddings)$")
+"""Config fields that count or size something (n_layer, num_attention_heads, hidden_size, head_dim, ...):
+transformers accepts 0 or -1 there and builds an empty or broken model, so hplan refuses them."""
+
+
+def build_config(cls: Any, overrides: dict[str, Any] | None) -> Any:
+    """The config class's defaults with `overrides`, each converted to the type of the field's current
+    value; then a model is built on the meta device, so a config transformers cannot build (n_head not
+    dividing n_embd, ...) is refused here, before any work, with transformers' own message."""
+    config_cls = cls.config_class
+    fields = _public_fields(config_cls)
+    kwargs = {}
+    for key, value in (overrides or {}).items():
+        if key.startswith("_") or key not in fields:
+            sizes = sorted(f for f in fields if _SIZE_NAME.search(f)) or sorted(fields)
+            raise HplanError(f"{config_cls.__name__} has no option {key!r}; use one of its public fields "
+                             f"(e.g. {', '.join(sizes[:6])}, ...)")
+        kwargs[key] = _typed(key, value, fields[key])
+    try:
+        config = config_cls(**kwargs)
+        with torch.device("meta"):
+            cls(config)
+    except Exception as exc:  # transformers' own validation: its message is the explanation
+        raise HplanError(f"{config_cls.__name__} refuses these options: {type(exc).__name__}: {_message(exc)}") from exc
+    return config
+
+
+def _public_fields(config_cls: Any) -> dict[str, Any]:
+    """Settable fields and their default values: plain values only (no dicts, no private names)."""
+    try:
+        base = config_cls()
+    except Exception as exc:  # e.g. composite configs that need sub-configs
+        raise HplanError(f"{config_cls.__name__} cannot be built from its defaults ({type(exc).__name__}: "
+                         f"{_message(exc)}); hf: needs a model class whose config has defaults") from exc
+    names = set(base.to_dict()) | set(getattr(config_cls, "attribute_map", {}))
+    out = {}
+    for name in names:
+        value = getattr(base, name, None)
+        if not name.startswith("_") and (value is None or isinstance(value, (bool, int, float, str))):
+            out[name] = value
+    return out
+
+
+def _typed(key: str, value: Any, current: Any) -> Any:
+    """`value` converted to the type of the field's current value (a guess when that is None)."""
     if not isinstance(value, str):
         return value
-    for cast in (int, float):
+    if isinstance(current, bool):
+        return parse_bool(key, value)
+    if isinstance(current, int):
+        number = parse_int(key, value)
+    elif isinstance(current, float):
+        return parse_float(key, value)
+    elif isinstance(current, str):
+        return value
+    else:
+        return _guess(key, value)
+    if _SIZE_NAME.search(key) and number <= 0:
+        raise HplanError(f"invalid --set {key}={value}: {key} must be positive (an integer, 1 or more)")
+    return number
+
+
+def _guess(key: str, value: str) -> Any:
+    """A field whose default is None: none, an int, a float, a bool word, else the string."""
+    word = value.strip().lower()
+    if word in NONE_WORDS:
+        return None
+    for parse in (parse_int, parse_float, parse_bool):
         try:
-            return cast(value)
-        except ValueError:
-            pass
-    return {"true": True, "false": False}.get(value.lower(), value)
+            number = parse(key, value)
+        except HplanError:
+            continue
+        if isinstance(number, int) and not isinstance(number, bool) and _SIZE_NAME.search(key) and number <= 0:
+            raise HplanError(f"invalid --set {key}={value}: {key} must be positive (an integer, 1 or more)")
+        return number
+    return value
+
+
+def _message(exc: BaseException) -> str:
+    """transformers' message, its first line (two when the first only introduces the second)."""
+    lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
+    if not lines:
+        return ""
+    return " ".join(lines[:2]) if lines[0].endswith(":") and len(lines) > 1 else lines[0]
 
 
 def hf_workload(
@@ -44,13 +121,13 @@ def hf_workload(
 ) -> Workload:
     """A language-modelling step (input_ids → .loss with labels) for any `*LM*`-style class."""
     cls = _model_class(name)
-    config = cls.config_class()
-    for key, value in (overrides or {}).items():
-        if not hasattr(config, key):
-            raise HplanError(f"{cls.config_class.__name__} has no option {key!r}; check the config class's fields")
-        setattr(config, key, _coerce(value))
+    config = build_config(cls, overrides)
     vocab = int(getattr(config, "vocab_size", 1000))
     bsz, seq = batch_size or DEFAULT_BATCH, seq_len or DEFAULT_SEQ
+    context = getattr(config, "max_position_embeddings", None)
+    if isinstance(context, int) and not isinstance(context, bool) and seq > context:
+        raise HplanError(f"sequence length {seq} exceeds hf:{name}'s context {context}; use --seq-len {context} or "
+                         "less, or raise it with --set max_position_embeddings=...")
 
     def batch(step: int) -> dict[str, torch.Tensor]:
         gen = torch.Generator().manual_seed(7919 * (step + 1))

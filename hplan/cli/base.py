@@ -1,0 +1,75 @@
+"""The click classes behind `hplan`: usage errors in one line, flags that read as flags in --help.
+
+Typer prints a usage error (a missing option, `--steps abc`) as a usage line, a hint and a boxed
+message, and labels every boolean flag `<bool>` in --help as if it took a value (`--json <bool>`).
+hplan promises one line for every bad input (exit 2), and `--json` is a flag, so the group and
+its commands use these two small subclasses; everything else is Typer's own behaviour.
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Any
+
+from rich.markup import escape
+from typer import Abort
+from typer.core import TyperCommand, TyperGroup
+
+try:  # recent Typer vendors click as typer._click, whose exceptions are not click's own
+    from typer._click import Context, Parameter
+    from typer._click.exceptions import ClickException, NoArgsIsHelpError, UsageError
+except ImportError:  # older Typer runs on click itself
+    from click import Context, Parameter
+    from click.exceptions import ClickException, NoArgsIsHelpError, UsageError
+
+from hplan.cli.common import err_console
+
+
+def _flags_read_as_flags(params: list[Any]) -> list[Any]:
+    """Give boolean flags an empty metavar, so --help shows no value type after them."""
+    for param in params:
+        if getattr(param, "is_flag", False) and getattr(param, "metavar", "") is None:
+            param.metavar = ""
+    return params
+
+
+class HplanCommand(TyperCommand):
+    """A command whose --help shows `--json`, not `--json <bool>`."""
+
+    def get_params(self, ctx: Context) -> list[Parameter]:
+        return _flags_read_as_flags(super().get_params(ctx))
+
+
+class HplanGroup(TyperGroup):
+    """The `hplan` group: usage errors become one line on stderr with exit 2 (click's code)."""
+
+    def get_params(self, ctx: Context) -> list[Parameter]:
+        return _flags_read_as_flags(super().get_params(ctx))
+
+    def main(self, args: Any = None, prog_name: str | None = None, complete_var: str | None = None,
+             standalone_mode: bool = True, windows_expand_args: bool = True, **extra: Any) -> Any:
+        if not standalone_mode:  # a caller handling click's exceptions itself
+            return super().main(args, prog_name, complete_var, standalone_mode=False,
+                                windows_expand_args=windows_expand_args, **extra)
+        try:
+            code = super().main(args, prog_name, complete_var, standalone_mode=False,
+                                windows_expand_args=windows_expand_args, **extra)
+        except NoArgsIsHelpError as exc:  # bare `hplan` or a bare command: show the help
+            exc.show()
+            sys.exit(exc.exit_code)
+        except ClickException as exc:
+            err_console.print(f"[bold red]error:[/] {_one_line(exc)}", highlight=False, soft_wrap=True)
+            sys.exit(exc.exit_code)
+        except Abort:
+            err_console.print("aborted")
+            sys.exit(1)
+        sys.exit(code if isinstance(code, int) else 0)
+
+
+def _one_line(exc: ClickException) -> str:
+    """click's message on one line, pointing at the command's --help for usage errors."""
+    text = " ".join(exc.format_message().split())
+    ctx = getattr(exc, "ctx", None)
+    if isinstance(exc, UsageError) and ctx is not None:
+        text += f" (see `{ctx.command_path} --help`)"
+    return escape(text)

@@ -1,0 +1,446 @@
+"""Bad input, as a table: every row must exit 2 with exactly one line on stderr, no traceback, nothing
+written anywhere (no output, no temp file, no folder) and every input byte-identical afterwards.
+
+A row is data: a name, the command line (placeholders below) and an optional setup that prepares the
+row's own folder. To cover a new case, add a row. Placeholders: {A} the shared artifacts folder,
+{D} the row's scratch folder, {T} a trace, {P} its plan, {M} run metrics, {W} the workload spec
+(a file whose `--set mode=...` makes one of its factories fail), {WF} that file.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shlex
+import signal
+import subprocess
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from hplan.cli import app
+
+runner = CliRunner()
+ROW_TIMEOUT_S = 120
+"""A row that blocks (a FIFO opened by mistake) fails after this long instead of hanging the suite."""
+Setup = Callable[[Path, Path], None]
+"""setup(artifacts_dir, row_dir): make the files a row needs inside row_dir."""
+
+WORKLOAD = '''
+import torch
+from torch import nn
+import hplan
+
+
+def workload(mode: str = "ok", use_bias: bool = True, width: int = 8) -> hplan.Workload:
+    if mode == "function":
+        raise ValueError("the workload function failed")
+
+    def model():
+        if mode == "model":
+            raise ValueError("model factory failed")
+        return nn.Sequential(nn.Linear(8, width, bias=use_bias), nn.Linear(width, 4))
+
+    def batch(step):
+        if mode == "batch":
+            raise KeyError("batch factory failed")
+        return torch.randn(4, 8, generator=torch.Generator().manual_seed(step))
+
+    def loss(m, x):
+        if mode == "loss":
+            raise ZeroDivisionError("loss failed")
+        out = m(x)
+        return out if mode == "nonscalar" else out.pow(2).mean()
+
+    def optimizer(params):
+        if mode == "optimizer":
+            raise TypeError("optimizer factory failed")
+        return torch.optim.AdamW(params, lr=1e-3)
+
+    return hplan.Workload(model=model, batch=batch, loss=loss, optimizer=optimizer, name="bad-inputs")
+'''
+
+
+@dataclass(frozen=True)
+class Row:
+    name: str
+    argv: str
+    """The command line after `hplan`, with the placeholders of the module docstring."""
+    setup: Setup | None = None
+    process: bool = False
+    """Run as a real `hplan` process (real stderr) instead of in-process with CliRunner."""
+    needs: str | None = None
+    """A module the row needs (skipped without it)."""
+    unprivileged: bool = False
+    """Relies on permission bits, which do not stop root: skipped when running as root."""
+
+
+# Setups: each makes one thing in the row's folder.
+def fifo(name: str) -> Setup:
+    return lambda a, d: os.mkfifo(d / name)
+
+
+def folder(name: str, mode: int | None = None) -> Setup:
+    def make(a: Path, d: Path) -> None:
+        (d / name).mkdir(parents=True)
+        if mode is not None:
+            (d / name).chmod(mode)
+    return make
+
+
+def link(name: str, target: str) -> Setup:
+    return lambda a, d: (d / name).symlink_to(target.format(A=a, D=d, T=a / "t.parquet", P=a / "p.json"))
+
+
+def text(name: str, content: str | bytes) -> Setup:
+    def make(a: Path, d: Path) -> None:
+        (d / name).write_bytes(content if isinstance(content, bytes) else content.encode())
+    return make
+
+
+def truncated(name: str, source: str) -> Setup:
+    def make(a: Path, d: Path) -> None:
+        data = (a / source).read_bytes()
+        (d / name).write_bytes(data[: len(data) // 2])
+    return make
+
+
+def hardlink(name: str, source: str) -> Setup:
+    return lambda a, d: os.link(a / source, d / name)
+
+
+def edited_plan(name: str, edit: Callable[[dict], None]) -> Setup:
+    def make(a: Path, d: Path) -> None:
+        plan = json.loads((a / "p.json").read_text())
+        edit(plan)
+        (d / name).write_text(json.dumps(plan))
+    return make
+
+
+def both(*setups: Setup) -> Setup:
+    def make(a: Path, d: Path) -> None:
+        for setup in setups:
+            setup(a, d)
+    return make
+
+
+def _unknown_chunk(plan: dict) -> None:
+    plan["steps"][0]["needs"] = [*plan["steps"][0]["needs"], 9999]
+
+
+def _nan_budget(plan: dict) -> None:
+    plan["budget"]["gpu_bytes"] = float("nan")
+
+
+P = "--plan {P} --steps 2"
+TRACE_OUT = "-o {D}/t.parquet"
+ROWS: list[Row] = [
+    # trace: specs and options
+    Row("trace_unknown_spec", f"trace nope:spec {TRACE_OUT}"),
+    Row("trace_missing_workload_file", f"trace {{D}}/missing.py:workload {TRACE_OUT}"),
+    Row("trace_no_such_function", f"trace {{WF}}:nope {TRACE_OUT}"),
+    Row("trace_workload_returns_wrong_type", f"trace {{D}}/w.py:workload {TRACE_OUT}",
+        text("w.py", "def workload():\n    return 42\n")),
+    Row("trace_gpt_unknown_size", f"trace gpt:7t {TRACE_OUT}"),
+    Row("trace_gpt_n_head_zero", f"trace gpt:tiny --set n_head=0 {TRACE_OUT}"),
+    Row("trace_gpt_n_layer_negative", f"trace gpt:tiny --set n_layer=-1 {TRACE_OUT}"),
+    Row("trace_gpt_n_layer_text", f"trace gpt:tiny --set n_layer=abc {TRACE_OUT}"),
+    Row("trace_gpt_n_layer_float", f"trace gpt:tiny --set n_layer=1.5 {TRACE_OUT}"),
+    Row("trace_gpt_heads_do_not_divide", f"trace gpt:tiny --set n_head=3 {TRACE_OUT}"),
+    Row("trace_gpt_vocab_shard_zero", f"trace gpt:tiny --set vocab_shard_rows=0 {TRACE_OUT}"),
+    Row("trace_gpt_unknown_option", f"trace gpt:tiny --set dropout=0.1 {TRACE_OUT}"),
+    Row("trace_gpt_dunder_option", f"trace gpt:tiny --set __class__=x {TRACE_OUT}"),
+    Row("trace_set_without_equals", f"trace gpt:tiny --set n_layer {TRACE_OUT}"),
+    Row("trace_set_twice", f"trace gpt:tiny --set n_layer=1 --set n_layer=2 {TRACE_OUT}"),
+    Row("trace_batch_size_zero", f"trace gpt:tiny --batch-size 0 {TRACE_OUT}"),
+    Row("trace_seq_len_too_long", f"trace gpt:tiny --seq-len 4096 {TRACE_OUT}"),
+    Row("trace_one_iteration", f"trace gpt:tiny --iters 1 {TRACE_OUT}"),
+    Row("trace_iters_text", f"trace gpt:tiny --iters many {TRACE_OUT}"),
+    Row("trace_unknown_device", f"trace gpt:tiny --device tpu {TRACE_OUT}"),
+    Row("trace_malformed_device", f"trace gpt:tiny --device cuda:abc {TRACE_OUT}"),
+    Row("trace_unknown_precision", f"trace gpt:tiny --precision fp8 {TRACE_OUT}"),
+    Row("trace_missing_output", "trace gpt:tiny"),
+    Row("trace_file_bool_option_not_a_bool", f"trace {{W}} --set use_bias=maybe {TRACE_OUT}"),
+    Row("trace_file_int_option_not_an_int", f"trace {{W}} --set width=wide {TRACE_OUT}"),
+    Row("trace_file_unknown_option", f"trace {{W}} --set depth=3 {TRACE_OUT}"),
+    # trace: outputs
+    Row("trace_output_wrong_suffix", "trace gpt:tiny -o {D}/t.json"),
+    Row("trace_output_is_a_directory", "trace gpt:tiny -o {D}/t.parquet", folder("t.parquet")),
+    Row("trace_output_is_a_fifo", "trace gpt:tiny -o {D}/t.parquet", fifo("t.parquet")),
+    Row("trace_output_links_to_a_fifo", "trace gpt:tiny -o {D}/t.parquet",
+        both(fifo("pipe"), link("t.parquet", "{D}/pipe"))),
+    Row("trace_output_folder_missing", "trace gpt:tiny -o {D}/nope/t.parquet"),
+    Row("trace_output_folder_is_a_file", "trace gpt:tiny -o {D}/f/t.parquet", text("f", "x")),
+    Row("trace_output_folder_unwritable", "trace gpt:tiny -o {D}/ro/t.parquet", folder("ro", 0o555),
+        unprivileged=True),
+    # trace: errors raised by the user's workload code
+    Row("trace_workload_model_factory_raises", f"trace {{W}} --set mode=model {TRACE_OUT}"),
+    Row("trace_workload_batch_raises", f"trace {{W}} --set mode=batch {TRACE_OUT}"),
+    Row("trace_workload_loss_raises", f"trace {{W}} --set mode=loss {TRACE_OUT}"),
+    Row("trace_workload_optimizer_factory_raises", f"trace {{W}} --set mode=optimizer {TRACE_OUT}"),
+    Row("trace_workload_function_raises", f"trace {{W}} --set mode=function {TRACE_OUT}"),
+    Row("trace_workload_loss_not_scalar", f"trace {{W}} --set mode=nonscalar {TRACE_OUT}"),
+    Row("trace_workload_import_fails", f"trace {{D}}/w.py:workload {TRACE_OUT}",
+        text("w.py", "import hplan_no_such_module\n")),
+    Row("trace_workload_syntax_error", f"trace {{D}}/w.py:workload {TRACE_OUT}", text("w.py", "def workload(:\n")),
+    # trace: Hugging Face configs
+    Row("trace_hf_heads_do_not_divide", f"trace hf:GPT2LMHeadModel --set n_head=5 {TRACE_OUT}", needs="transformers"),
+    Row("trace_hf_dunder_option", f"trace hf:GPT2LMHeadModel --set __class__=x {TRACE_OUT}", needs="transformers"),
+    Row("trace_hf_private_option", f"trace hf:GPT2LMHeadModel --set _name_or_path=x {TRACE_OUT}",
+        needs="transformers"),
+    Row("trace_hf_layers_text", f"trace hf:GPT2LMHeadModel --set n_layer=abc {TRACE_OUT}", needs="transformers"),
+    Row("trace_hf_width_negative", f"trace hf:GPT2LMHeadModel --set n_embd=-8 {TRACE_OUT}", needs="transformers"),
+    Row("trace_hf_unknown_field", f"trace hf:GPT2LMHeadModel --set depth=3 {TRACE_OUT}", needs="transformers"),
+    Row("trace_hf_bool_field_not_a_bool", f"trace hf:GPT2LMHeadModel --set use_cache=maybe {TRACE_OUT}",
+        needs="transformers"),
+    Row("trace_hf_unknown_class", f"trace hf:NoSuchModel {TRACE_OUT}", needs="transformers"),
+    Row("trace_hf_seq_len_beyond_context", f"trace hf:GPT2LMHeadModel --seq-len 4096 {TRACE_OUT}", needs="transformers"),
+    # plan
+    Row("plan_output_is_the_trace", "plan {T} --gpu-mem 10MB -o {T}", process=True),
+    Row("plan_output_links_to_the_trace", "plan {T} --gpu-mem 10MB -o {D}/p.json", link("p.json", "{T}")),
+    Row("plan_output_hard_link_to_the_trace", "plan {T} --gpu-mem 10MB -o {D}/p.json", hardlink("p.json", "t.parquet")),
+    Row("plan_output_is_a_directory", "plan {T} --gpu-mem 10MB -o {D}"),
+    Row("plan_output_is_a_fifo", "plan {T} --gpu-mem 10MB -o {D}/p.json", fifo("p.json")),
+    Row("plan_output_links_to_a_device", "plan {T} --gpu-mem 10MB -o {D}/p.json", link("p.json", os.devnull)),
+    Row("plan_output_folder_missing", "plan {T} --gpu-mem 10MB -o {D}/nope/p.json"),
+    Row("plan_output_folder_unwritable", "plan {T} --gpu-mem 10MB -o {D}/ro/p.json", folder("ro", 0o555),
+        unprivileged=True),
+    Row("plan_trace_missing", "plan {D}/none.parquet --gpu-mem 10MB -o {D}/p.json"),
+    Row("plan_trace_is_a_plan", "plan {P} --gpu-mem 10MB -o {D}/p.json"),
+    Row("plan_trace_is_metrics", "plan {M} --gpu-mem 10MB -o {D}/p.json"),
+    Row("plan_trace_truncated", "plan {D}/t.parquet --gpu-mem 10MB -o {D}/p.json", truncated("t.parquet", "t.parquet")),
+    Row("plan_trace_random_bytes", "plan {D}/t.parquet --gpu-mem 10MB -o {D}/p.json",
+        text("t.parquet", bytes(range(256)) * 4)),
+    Row("plan_trace_empty", "plan {D}/t.parquet --gpu-mem 10MB -o {D}/p.json", text("t.parquet", b"")),
+    Row("plan_trace_is_a_directory", "plan {D}/t --gpu-mem 10MB -o {D}/p.json", folder("t")),
+    Row("plan_trace_is_a_fifo", "plan {D}/t.parquet --gpu-mem 10MB -o {D}/p.json", fifo("t.parquet")),
+    Row("plan_gpu_mem_unknown_unit", "plan {T} --gpu-mem 12XB -o {D}/p.json"),
+    Row("plan_gpu_mem_zero", "plan {T} --gpu-mem 0 -o {D}/p.json"),
+    Row("plan_gpu_mem_negative", "plan {T} --gpu-mem -5GB -o {D}/p.json"),
+    Row("plan_gpu_mem_too_small", "plan {T} --gpu-mem 1KB -o {D}/p.json"),
+    Row("plan_cpu_mem_zero", "plan {T} --gpu-mem 10MB --cpu-mem 0 -o {D}/p.json"),
+    Row("plan_link_infinite", "plan {T} --gpu-mem 10MB --link-gbps inf -o {D}/p.json"),
+    Row("plan_link_nan", "plan {T} --gpu-mem 10MB --link-gbps nan -o {D}/p.json"),
+    Row("plan_link_zero", "plan {T} --gpu-mem 10MB --link-gbps 0 -o {D}/p.json"),
+    Row("plan_link_negative", "plan {T} --gpu-mem 10MB --link-gbps -3 -o {D}/p.json"),
+    Row("plan_tflops_infinite", "plan {T} --gpu-mem 10MB --gpu-tflops inf -o {D}/p.json"),
+    Row("plan_tflops_subnormal", "plan {T} --gpu-mem 10MB --gpu-tflops 5e-324 -o {D}/p.json"),
+    Row("plan_unknown_solver", "plan {T} --gpu-mem 10MB --solver magic -o {D}/p.json"),
+    Row("plan_unknown_gpu", "plan {T} --gpu-mem 10MB --gpu gtx480 -o {D}/p.json"),
+    Row("plan_chunk_size_negative", "plan {T} --gpu-mem 10MB --chunk-size -1MB -o {D}/p.json"),
+    # run: devices, plans, outputs
+    Row("run_malformed_device", f"run gpt:tiny {P} --device cuda:abc", process=True),
+    Row("run_negative_device_index", f"run gpt:tiny {P} --device cuda:-1"),
+    Row("run_unknown_device", f"run gpt:tiny {P} --device tpu"),
+    Row("run_plan_missing", "run {W} --plan {D}/none.json --steps 2"),
+    Row("run_plan_is_a_trace", "run {W} --plan {T} --steps 2"),
+    Row("run_plan_is_metrics", "run {W} --plan {M} --steps 2"),
+    Row("run_plan_truncated", "run {W} --plan {D}/p.json --steps 2", truncated("p.json", "p.json")),
+    Row("run_plan_unknown_schema", "run {W} --plan {D}/p.json --steps 2",
+        edited_plan("p.json", lambda p: p.update(schema="hplan.plan/99"))),
+    Row("run_plan_not_a_plan_schema", "run {W} --plan {D}/p.json --steps 2",
+        edited_plan("p.json", lambda p: p.update(schema="hplan.trace/1"))),
+    Row("run_plan_with_nan", "run {W} --plan {D}/p.json --steps 2", edited_plan("p.json", _nan_budget)),
+    Row("run_plan_incomplete", "run {W} --plan {D}/p.json --steps 2", edited_plan("p.json", lambda p: p.pop("steps"))),
+    Row("run_plan_marked_infeasible", "run {W} --plan {D}/p.json --steps 2",
+        edited_plan("p.json", lambda p: p["summary"].update(feasible=False))),
+    Row("run_plan_of_another_workload", f"run gpt:tiny {P}"),
+    Row("run_metrics_is_the_plan", f"run {{W}} {P} --metrics {{P}}"),
+    Row("run_metrics_links_to_the_plan", f"run {{W}} {P} --metrics {{D}}/m.parquet", link("m.parquet", "{P}")),
+    Row("run_metrics_is_the_workload_file", f"run {{W}} {P} --metrics {{WF}}"),
+    Row("run_metrics_is_a_directory", f"run {{W}} {P} --metrics {{D}}"),
+    Row("run_metrics_is_a_fifo", f"run {{W}} {P} --metrics {{D}}/m.parquet", fifo("m.parquet")),
+    Row("run_metrics_folder_missing", f"run {{W}} {P} --metrics {{D}}/nope/m.parquet"),
+    Row("run_checkpoint_is_a_file", f"run {{W}} {P} --checkpoint {{D}}/ck", text("ck", "x")),
+    Row("run_checkpoint_is_a_fifo", f"run {{W}} {P} --checkpoint {{D}}/ck", fifo("ck")),
+    Row("run_checkpoint_under_a_file", f"run {{W}} {P} --checkpoint {{D}}/ck/sub", text("ck", "x")),
+    Row("run_checkpoint_unwritable", f"run {{W}} {P} --checkpoint {{D}}/ro/ck", folder("ro", 0o555),
+        unprivileged=True),
+    Row("run_metrics_inside_checkpoint", f"run {{W}} {P} --checkpoint {{D}}/ck --metrics {{D}}/ck/m.parquet",
+        folder("ck")),
+    Row("run_resume_without_checkpoint", f"run {{W}} {P} --resume"),
+    Row("run_steps_zero", "run {W} --plan {P} --steps 0"),
+    Row("run_steps_text", "run {W} --plan {P} --steps ten"),
+    Row("run_missing_plan_option", "run {W} --steps 2"),
+    # run: errors raised by the user's workload code
+    Row("run_workload_model_factory_raises", f"run {{W}} {P} --set mode=model"),
+    Row("run_workload_batch_raises", f"run {{W}} {P} --set mode=batch"),
+    Row("run_workload_loss_raises", f"run {{W}} {P} --set mode=loss"),
+    Row("run_workload_optimizer_factory_raises", f"run {{W}} {P} --set mode=optimizer"),
+    Row("run_workload_function_raises", f"run {{W}} {P} --set mode=function"),
+    Row("run_workload_loss_not_scalar", f"run {{W}} {P} --set mode=nonscalar"),
+    Row("run_workload_import_fails", f"run {{D}}/w.py:workload {P}", text("w.py", "raise RuntimeError('no GPU here')\n")),
+    Row("run_workload_bool_option_not_a_bool", f"run {{W}} {P} --set use_bias=2"),
+    # plot / report / export / sweep
+    Row("plot_output_links_to_the_trace", "plot {T} -o {D}/t.png", link("t.png", "{T}")),
+    Row("plot_output_wrong_suffix", "plot {T} -o {D}/t.jpg"),
+    Row("plot_output_is_a_directory", "plot {T} -o {D}/t.png", folder("t.png")),
+    Row("plot_output_is_a_fifo", "plot {T} -o {D}/t.png", fifo("t.png"), process=True),
+    Row("plot_output_folder_missing", "plot {T} -o {D}/nope/t.png"),
+    Row("plot_trace_is_a_plan", "plot {P} -o {D}/t.png"),
+    Row("plot_plan_is_a_trace", "plot {T} --plan {T} -o {D}/t.png"),
+    Row("plot_plan_budget_too_small", "plot {T} --plan {D}/p.json -o {D}/t.png",
+        edited_plan("p.json", lambda p: p["budget"].update(gpu_bytes=1))),
+    Row("plot_plan_unknown_chunk", "plot {T} --plan {D}/p.json -o {D}/t.png", edited_plan("p.json", _unknown_chunk)),
+    Row("plot_metrics_is_a_fifo", "plot {T} --metrics {D}/m.parquet -o {D}/t.png", fifo("m.parquet")),
+    Row("plot_metrics_random_bytes", "plot {T} --metrics {D}/m.parquet -o {D}/t.png", text("m.parquet", b"\x00" * 99)),
+    Row("plot_gpu_mem_with_plan", "plot {T} --plan {P} --gpu-mem 10MB -o {D}/t.png"),
+    Row("report_output_links_to_the_plan", "report {T} --plan {P} -o {D}/r.html", link("r.html", "{P}")),
+    Row("report_output_wrong_suffix", "report {T} -o {D}/r.pdf"),
+    Row("report_output_is_a_directory", "report {T} -o {D}/r.html", folder("r.html")),
+    Row("report_plan_budget_too_small", "report {T} --plan {D}/p.json -o {D}/r.html",
+        edited_plan("p.json", lambda p: p["budget"].update(gpu_bytes=1))),
+    Row("report_plan_unknown_chunk", "report {T} --plan {D}/p.json -o {D}/r.html", edited_plan("p.json", _unknown_chunk)),
+    Row("report_plan_unknown_schema", "report {T} --plan {D}/p.json -o {D}/r.html",
+        edited_plan("p.json", lambda p: p.update(schema="hplan.plan/99"))),
+    Row("report_metrics_missing", "report {T} --metrics {D}/m.parquet -o {D}/r.html"),
+    Row("export_output_is_the_plan", "export {T} --plan {P} -o {P}"),
+    Row("export_output_links_to_the_plan", "export {T} --plan {P} -o {D}/c.json", link("c.json", "{P}")),
+    Row("export_output_is_a_fifo", "export {T} -o {D}/c.json", fifo("c.json")),
+    Row("export_unknown_format", "export {T} --format svg -o {D}/c.json"),
+    Row("export_snapshot_with_plan", "export {T} --plan {P} -o {D}/s.pickle"),
+    Row("export_plan_truncated", "export {T} --plan {D}/p.json -o {D}/c.json", truncated("p.json", "p.json")),
+    Row("sweep_output_links_to_the_trace", "sweep {T} --range 1MB:10MB -o {D}/s.png", link("s.png", "{T}")),
+    Row("sweep_output_is_a_directory", "sweep {T} --range 1MB:10MB -o {D}/s.png", folder("s.png")),
+    Row("sweep_range_without_colon", "sweep {T} --range 10MB -o {D}/s.png"),
+    Row("sweep_range_reversed", "sweep {T} --range 10MB:1MB -o {D}/s.png"),
+    Row("sweep_one_point", "sweep {T} --range 1MB:10MB --points 1 -o {D}/s.png"),
+    Row("sweep_unknown_gpu", "sweep {T} --range 1MB:10MB --gpu gtx480 -o {D}/s.png"),
+    Row("sweep_trace_is_a_plan", "sweep {P} --range 1MB:10MB -o {D}/s.png"),
+    # demo
+    Row("demo_out_is_a_file", "demo --out {D}/out", text("out", "x")),
+    Row("demo_out_is_a_fifo", "demo --out {D}/out", fifo("out")),
+    Row("demo_out_under_a_file", "demo --out {D}/f/out", text("f", "x")),
+    Row("demo_out_holds_a_directory_at_its_trace", "demo --out {D}/out", folder("out/trace.parquet")),
+    Row("demo_out_holds_a_fifo_at_its_plan", "demo --out {D}/out", both(folder("out"), fifo("out/plan.json"))),
+    Row("demo_out_unwritable", "demo --out {D}/ro/out", folder("ro", 0o555), unprivileged=True),
+    Row("demo_steps_zero", "demo --out {D}/out --steps 0"),
+]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _one_click_command():
+    """Build the click command once: CliRunner rebuilds it from the Typer app on every call (~0.1 s)."""
+    import typer.main
+    import typer.testing
+
+    if not hasattr(typer.testing, "_get_command"):  # another Typer: keep its own behaviour
+        yield
+        return
+    command = typer.main.get_command(app)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(typer.testing, "_get_command", lambda _app: command)
+        yield
+
+
+@pytest.fixture(scope="module")
+def artifacts(tmp_path_factory) -> Path:
+    """The shared inputs: the workload file, its trace, a plan for it and one step's metrics."""
+    a = tmp_path_factory.mktemp("inputs")
+    (a / "wl.py").write_text(WORKLOAD)
+    spec = f"{a / 'wl.py'}:workload"
+    for argv in (["trace", spec, "-o", a / "t.parquet"], ["plan", a / "t.parquet", "--gpu-mem", "10MB", "-o", a / "p.json"],
+                 ["run", spec, "--plan", a / "p.json", "--steps", "1", "--metrics", a / "m.parquet"]):
+        result = runner.invoke(app, [str(x) for x in argv])
+        assert result.exit_code == 0, result.output
+    return a
+
+
+def snapshot(*folders: Path) -> dict[str, tuple]:
+    """Every entry under the folders: regular files by sha256, links by target, others by kind."""
+    out: dict[str, tuple] = {}
+    for top in folders:
+        for root, dirs, files in os.walk(top):
+            dirs[:] = [x for x in dirs if x != "__pycache__"]
+            for name in dirs + files:
+                path = Path(root, name)
+                st = path.lstat()
+                if path.is_symlink():
+                    out[str(path)] = ("link", os.readlink(path))
+                elif path.is_file():
+                    out[str(path)] = ("file", hashlib.sha256(path.read_bytes()).hexdigest())
+                else:
+                    out[str(path)] = ("other", st.st_mode >> 12)
+    return out
+
+
+def invoke(argv: list[str], *, process: bool, cwd: Path) -> tuple[int, str]:
+    """(exit code, stderr) of `hplan argv`, in-process or as a real process."""
+    if not process:
+        def hung(signum: int, frame: object) -> None:  # e.g. a FIFO opened by mistake would block forever
+            raise TimeoutError(f"hplan {' '.join(argv)} did not finish in {ROW_TIMEOUT_S} s")
+
+        previous = signal.signal(signal.SIGALRM, hung)
+        signal.alarm(ROW_TIMEOUT_S)
+        try:
+            result = runner.invoke(app, argv)
+        finally:
+            signal.alarm(0)
+            signal.signal(signal.SIGALRM, previous)
+        assert not isinstance(result.exception, TimeoutError), result.exception
+        return result.exit_code, result.stderr
+    env = {**os.environ, "PYTHONDONTWRITEBYTECODE": "1", "COLUMNS": "80"}
+    done = subprocess.run([sys.executable, "-c", "from hplan.cli import main; main()", *argv], cwd=cwd, env=env,
+                          capture_output=True, text=True, timeout=ROW_TIMEOUT_S)
+    return done.returncode, done.stderr
+
+
+@pytest.mark.parametrize("row", ROWS, ids=[r.name for r in ROWS])
+def test_bad_input_is_refused_in_one_line_and_touches_nothing(row: Row, artifacts: Path, tmp_path: Path) -> None:
+    if row.needs:
+        pytest.importorskip(row.needs)
+    if row.unprivileged and os.geteuid() == 0:
+        pytest.skip("permission bits do not stop root")
+    d = tmp_path / "row"
+    d.mkdir()
+    if row.setup is not None:
+        row.setup(artifacts, d)
+    names = {"A": artifacts, "D": d, "T": artifacts / "t.parquet", "P": artifacts / "p.json",
+             "M": artifacts / "m.parquet", "WF": artifacts / "wl.py", "W": f"{artifacts / 'wl.py'}:workload"}
+    argv = [part.format(**names) for part in shlex.split(row.argv)]
+    before = snapshot(artifacts, d)
+    try:
+        code, stderr = invoke(argv, process=row.process, cwd=d)
+    finally:
+        for path in d.rglob("*"):  # give back write permission so the tmp folder can be removed
+            if path.is_dir() and not path.is_symlink():
+                path.chmod(0o755)
+    lines = stderr.strip().splitlines()
+    assert code == 2, f"exit {code}: {stderr}"
+    assert len(lines) == 1 and lines[0].strip(), f"not one line: {stderr!r}"
+    assert "Traceback" not in stderr and "internal error" not in stderr, stderr
+    assert snapshot(artifacts, d) == before, "a file was written, removed or changed"
+
+
+def test_there_are_at_least_80_rows_covering_every_command() -> None:
+    assert len(ROWS) >= 80 and len({r.name for r in ROWS}) == len(ROWS)
+    commands = {r.argv.split()[0] for r in ROWS}
+    assert commands == {"trace", "plan", "run", "plot", "report", "export", "sweep", "demo"}
+
+
+def test_a_genuine_hplan_bug_is_still_exit_1_internal_error(artifacts: Path, tmp_path: Path, monkeypatch) -> None:
+    import hplan.planner
+
+    def broken(*args: object, **kwargs: object) -> None:
+        raise KeyError("a bug in the planner")
+
+    monkeypatch.setattr(hplan.planner, "make_plan", broken)
+    result = runner.invoke(app, ["plan", str(artifacts / "t.parquet"), "--gpu-mem", "10MB", "-o", str(tmp_path / "p.json")])
+    assert result.exit_code == 1
+    assert len(result.stderr.strip().splitlines()) == 1 and "internal error: KeyError" in result.stderr
+    assert not (tmp_path / "p.json").exists()
+
+
+def test_a_workload_error_names_its_line_and_debug_shows_the_traceback(artifacts: Path, tmp_path: Path) -> None:
+    argv = ["trace", f"{artifacts / 'wl.py'}:workload", "--set", "mode=optimizer", "-o", str(tmp_path / "t.parquet")]
+    result = runner.invoke(app, argv)
+    line = WORKLOAD.splitlines().index('            raise TypeError("optimizer factory failed")') + 1
+    assert result.exit_code == 2
+    assert result.stderr.strip() == f"error in your workload: TypeError: optimizer factory failed (wl.py:{line})"
+    result = runner.invoke(app, ["--debug", *argv])
+    assert result.exit_code == 2 and "Traceback" in result.stderr and "optimizer factory failed" in result.stderr
