@@ -125,7 +125,9 @@ def make_hardware(gpu: str = "rtx3090", gpu_bytes: int | None = None, host_bytes
                   **overrides: Any) -> Hardware:
     """A Hardware from presets: `gpu_bytes` defaults to the GPU's memory, `host_bytes` None is unbounded,
     `nvme_bytes` None means no disk tier (the NVMe preset then only sets the rates a plan would use).
-    `overrides` replace any other Hardware field (e.g. h2d_gbps=25.0, efficiency=0.4, slack_bytes=...)."""
+    `overrides` replace any other Hardware field (e.g. h2d_gbps=25.0, efficiency=0.4, slack_bytes=...); an
+    override of None means "not given" (the preset's value stays)."""
+    overrides = {k: v for k, v in overrides.items() if v is not None}
     if gpu == CPU_TIER:
         if gpu_bytes is None:
             raise HplanError("the cpu fast tier has no preset size: give its budget (--gpu-mem)")

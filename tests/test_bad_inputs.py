@@ -130,11 +130,41 @@ def both(*setups: Setup) -> Setup:
 
 
 def _unknown_chunk(plan: dict) -> None:
-    plan["steps"][0]["needs"] = [*plan["steps"][0]["needs"], 9999]
+    plan["steps"][0]["reads"] = [*plan["steps"][0]["reads"], 9999]
 
 
 def _nan_budget(plan: dict) -> None:
-    plan["budget"]["gpu_bytes"] = float("nan")
+    plan["hardware"]["gpu_bytes"] = float("nan")
+
+
+def _smaller_budget(plan: dict) -> None:
+    plan["hardware"]["gpu_bytes"] = plan["hardware"]["gpu_bytes"] // 2
+
+
+def _huge_step(plan: dict) -> None:
+    plan["steps"][1]["non_model_bytes"] = 10**15
+
+
+def _host_update_dropped(plan: dict) -> None:
+    step = next(s for s in plan["steps"] if s["host_updates"])
+    step["host_updates"] = step["host_updates"][1:]
+
+
+def _placement_flipped(plan: dict) -> None:
+    chunk = next(iter(plan["optimizer"]))
+    plan["optimizer"][chunk] = "gpu" if plan["optimizer"][chunk] == "cpu" else "cpu"
+
+
+def _initial_unknown(plan: dict) -> None:
+    plan["initial_resident"] = [*plan["initial_resident"], 4242]
+
+
+def _negative_bytes(plan: dict) -> None:
+    plan["regions"][0]["bytes"] = -5
+
+
+def _float_ids(plan: dict) -> None:
+    plan["steps"][0]["reads"] = [0.5]
 
 
 P = "--plan {P} --steps 2"
@@ -246,6 +276,22 @@ ROWS: list[Row] = [
     Row("run_plan_not_a_plan_schema", "run {W} --plan {D}/p.json --steps 2",
         edited_plan("p.json", lambda p: p.update(schema="hplan.trace/1"))),
     Row("run_plan_with_nan", "run {W} --plan {D}/p.json --steps 2", edited_plan("p.json", _nan_budget)),
+    Row("run_plan_budget_halved", "run {W} --plan {D}/p.json --steps 2", edited_plan("p.json", _smaller_budget)),
+    Row("run_plan_one_step_huge", "run {W} --plan {D}/p.json --steps 2", edited_plan("p.json", _huge_step)),
+    Row("run_plan_host_update_dropped", "run {W} --plan {D}/p.json --steps 2",
+        edited_plan("p.json", _host_update_dropped)),
+    Row("run_plan_placement_flipped", "run {W} --plan {D}/p.json --steps 2", edited_plan("p.json", _placement_flipped)),
+    Row("run_plan_unknown_region", "run {W} --plan {D}/p.json --steps 2", edited_plan("p.json", _unknown_chunk)),
+    Row("run_plan_unknown_initial_region", "run {W} --plan {D}/p.json --steps 2",
+        edited_plan("p.json", _initial_unknown)),
+    Row("run_plan_optimizer_empty", "run {W} --plan {D}/p.json --steps 2",
+        edited_plan("p.json", lambda p: p.update(optimizer={}))),
+    Row("run_plan_optimizer_a_list", "run {W} --plan {D}/p.json --steps 2",
+        edited_plan("p.json", lambda p: p.update(optimizer=[]))),
+    Row("run_plan_negative_bytes", "run {W} --plan {D}/p.json --steps 2", edited_plan("p.json", _negative_bytes)),
+    Row("run_plan_fractional_ids", "run {W} --plan {D}/p.json --steps 2", edited_plan("p.json", _float_ids)),
+    Row("run_plan_old_schema", "run {W} --plan {D}/p.json --steps 2",
+        edited_plan("p.json", lambda p: p.update(schema="hplan.plan/1"))),
     Row("run_plan_incomplete", "run {W} --plan {D}/p.json --steps 2", edited_plan("p.json", lambda p: p.pop("steps"))),
     Row("run_plan_marked_infeasible", "run {W} --plan {D}/p.json --steps 2",
         edited_plan("p.json", lambda p: p["summary"].update(feasible=False))),
@@ -285,7 +331,7 @@ ROWS: list[Row] = [
     Row("plot_trace_is_a_plan", "plot {P} -o {D}/t.png"),
     Row("plot_plan_is_a_trace", "plot {T} --plan {T} -o {D}/t.png"),
     Row("plot_plan_budget_too_small", "plot {T} --plan {D}/p.json -o {D}/t.png",
-        edited_plan("p.json", lambda p: p["budget"].update(gpu_bytes=1))),
+        edited_plan("p.json", lambda p: p["hardware"].update(gpu_bytes=1))),
     Row("plot_plan_unknown_chunk", "plot {T} --plan {D}/p.json -o {D}/t.png", edited_plan("p.json", _unknown_chunk)),
     Row("plot_metrics_is_a_fifo", "plot {T} --metrics {D}/m.parquet -o {D}/t.png", fifo("m.parquet")),
     Row("plot_metrics_random_bytes", "plot {T} --metrics {D}/m.parquet -o {D}/t.png", text("m.parquet", b"\x00" * 99)),
@@ -294,7 +340,7 @@ ROWS: list[Row] = [
     Row("report_output_wrong_suffix", "report {T} -o {D}/r.pdf"),
     Row("report_output_is_a_directory", "report {T} -o {D}/r.html", folder("r.html")),
     Row("report_plan_budget_too_small", "report {T} --plan {D}/p.json -o {D}/r.html",
-        edited_plan("p.json", lambda p: p["budget"].update(gpu_bytes=1))),
+        edited_plan("p.json", lambda p: p["hardware"].update(gpu_bytes=1))),
     Row("report_plan_unknown_chunk", "report {T} --plan {D}/p.json -o {D}/r.html", edited_plan("p.json", _unknown_chunk)),
     Row("report_plan_unknown_schema", "report {T} --plan {D}/p.json -o {D}/r.html",
         edited_plan("p.json", lambda p: p.update(schema="hplan.plan/99"))),
@@ -344,7 +390,7 @@ def artifacts(tmp_path_factory) -> Path:
     a = tmp_path_factory.mktemp("inputs")
     (a / "wl.py").write_text(WORKLOAD)
     spec = f"{a / 'wl.py'}:workload"
-    for argv in (["trace", spec, "-o", a / "t.parquet"], ["plan", a / "t.parquet", "--gpu-mem", "10MB", "-o", a / "p.json"],
+    for argv in (["trace", spec, "-o", a / "t.parquet"], ["plan", a / "t.parquet", "--gpu-mem", "min", "-o", a / "p.json"],
                  ["run", spec, "--plan", a / "p.json", "--steps", "1", "--metrics", a / "m.parquet"]):
         result = runner.invoke(app, [str(x) for x in argv])
         assert result.exit_code == 0, result.output
