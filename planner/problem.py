@@ -261,18 +261,22 @@ def _tuples(sets: list[set[int]]) -> tuple[tuple[int, ...], ...]:
 
 
 def lower_bound(problem: Problem) -> int:
-    """Bytes any schedule must move, cheaply: regions that must be off the device at one step and hold live
-    content at a step that needs them are fetched at least once per iteration (plus written back when dirtied
-    on the device while live). Solvers report stronger bounds (the LP relaxation) when they run."""
+    """Bytes any schedule must move, cheaply: a region that must be off the device at step h and is needed at
+    its next need u returns somewhere in (h, u]; when its content is live at every such step, that costs its
+    size at least once per iteration. Solvers report stronger bounds (the LP relaxation) when they run."""
+    n = problem.n_steps
     bound = 0
     for r, size in enumerate(problem.sizes):
-        forced = any(r in problem.off[t] for t in range(problem.n_steps))
-        needed_live = any(r in problem.needs[t] and problem.live[r][t] for t in range(problem.n_steps))
-        if forced and needed_live:
-            bound += size
-            if any(r in problem.dirties[t] and problem.live[r][(t + 1) % problem.n_steps]
-                   for t in range(problem.n_steps)):
+        offs = [t for t in range(n) if r in problem.off[t]]
+        needs = [t for t in range(n) if r in problem.needs[t]]
+        if not offs or not needs:
+            continue
+        for h in offs:
+            u = next((h + k) % n for k in range(1, n + 1) if (h + k) % n in needs)
+            window = [(h + k) % n for k in range(1, (u - h) % n + 1)]
+            if all(problem.live[r][t] for t in window):
                 bound += size
+                break
     return bound
 
 

@@ -3,7 +3,8 @@
 import pandas as pd
 
 from hplan.artifacts import (
-    CATEGORIES, TIMELINE_COLUMNS, Budget, Chunk, Event, ParamInfo, Plan, PlanSummary, Step, Trace, make_fingerprint,
+    CATEGORIES, TIMELINE_COLUMNS, Chunk, Event, Hardware, ParamInfo, Plan, PlanSummary, Region, Step, Trace,
+    make_fingerprint,
 )
 
 
@@ -28,16 +29,18 @@ def sample_trace() -> Trace:
 
 
 def sample_plan() -> Plan:
-    chunks = (Chunk(id=0, bytes=800, kind="param", tensors=("fc.weight",)),
-              Chunk(id=1, bytes=800, kind="optim", tensors=("fc.weight",)))
+    """One fp32 parameter: weights (400 B) up for forward, gradient allocated in backward and written back for
+    the host update (optimizer state, 800 B, never on the device)."""
+    chunks = (Chunk(id=0, tensors=("fc.weight",), trainable=("fc.weight",), dtype="float32"),)
+    regions = (Region(id=0, chunk=0, kind="param", bytes=400), Region(id=1, chunk=0, kind="grad", bytes=400),
+               Region(id=2, chunk=0, kind="state", bytes=800))
     steps = (
-        Step(index=0, event="forward:fc", needs=(0,), writes=(), non_model_bytes=50, fetch=(0,)),
-        Step(index=1, event="backward:fc", needs=(0,), writes=(0,), non_model_bytes=50),
-        Step(index=2, event="optimizer:optimizer", needs=(), writes=(), non_model_bytes=0, evict=(0,),
-             writeback=(0,), host_updates=(0, 1)),
+        Step(index=0, event="forward:fc", reads=(0,), non_model_bytes=50, fetch=(0,)),
+        Step(index=1, event="backward:fc", reads=(0,), overwrites=(1,), non_model_bytes=50, alloc=(1,)),
+        Step(index=2, event="optimizer:optimizer", non_model_bytes=0, evict=(0, 1), writeback=(1,), host_updates=(0,)),
     )
-    summary = PlanSummary(feasible=True, h2d_bytes=800, d2h_bytes=800, bytes_moved_per_iter=1600,
-                          lower_bound_bytes=1600, predicted_peak_bytes=850, min_gpu_bytes=850,
+    summary = PlanSummary(feasible=True, h2d_bytes=400, d2h_bytes=400, bytes_moved_per_iter=800,
+                          lower_bound_bytes=800, predicted_peak_bytes=850, min_gpu_bytes=850,
                           predicted_step_seconds=0.01, solver="hand")
-    return Plan(workload="sample", budget=Budget(gpu_bytes=1000), chunks=chunks, steps=steps,
+    return Plan(workload="sample", hardware=Hardware(gpu_bytes=1000), chunks=chunks, regions=regions, steps=steps,
                 optimizer={0: "cpu"}, summary=summary, fingerprint=sample_trace().fingerprint)

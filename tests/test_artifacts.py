@@ -5,7 +5,7 @@ import pandas as pd
 import pytest
 
 from artifact_samples import sample_plan, sample_trace
-from hplan import Budget, HplanError, Plan, RunReport, Trace
+from hplan import Hardware, HplanError, Plan, RunReport, Trace
 from hplan.artifacts import fingerprint_mismatch, replay
 
 
@@ -27,7 +27,7 @@ def test_plan_round_trip_is_byte_stable(tmp_path):
     Plan.load(a).save(b)
     assert a.read_bytes() == b.read_bytes()
     assert Plan.load(a) == plan
-    assert json.loads(a.read_text())["schema"] == "hplan.plan/1"
+    assert json.loads(a.read_text())["schema"] == "hplan.plan/2"
 
 
 def test_run_report_round_trip(tmp_path):
@@ -53,7 +53,7 @@ def test_refusals_are_one_line(tmp_path):
     cases.append(err.value)
     future = json.loads(plan_path.read_text()) | {"schema": "hplan.plan/9"}
     plan_path.write_text(json.dumps(future))
-    with pytest.raises(HplanError, match="hplan.plan/9.*reads hplan.plan/1") as err:
+    with pytest.raises(HplanError, match="hplan.plan/9.*reads hplan.plan/2; regenerate it with `hplan plan ") as err:
         Plan.load(plan_path)
     cases.append(err.value)
     (tmp_path / "corrupt.json").write_text("{not json")
@@ -81,19 +81,25 @@ def test_failed_write_leaves_no_file(tmp_path):
         trace.save(tmp_path / "no" / "such" / "t.parquet")
 
 
-def test_budget_checks():
-    with pytest.raises(HplanError, match="positive"):
-        Budget(gpu_bytes=0)
-    with pytest.raises(HplanError, match="negative"):
-        Budget(gpu_bytes=10, slack_bytes=-1)
+def test_hardware_checks():
+    with pytest.raises(HplanError, match="at least 1"):
+        Hardware(gpu_bytes=0)
+    with pytest.raises(HplanError, match="at least 0"):
+        Hardware(gpu_bytes=10, slack_bytes=-1)
+    with pytest.raises(HplanError, match="finite"):
+        Hardware(gpu_bytes=10, h2d_gbps=float("inf"))
+    with pytest.raises(HplanError, match="integer"):
+        Hardware(gpu_bytes=10.5)
     with pytest.raises(Exception):
-        Budget(10)  # keyword-only
+        Hardware(10)  # keyword-only
+    hw = Hardware(gpu_bytes=10, gpus_per_node=4, nodes=2)
+    assert hw.ranks == 8 and Hardware.from_dict(hw.to_dict()) == hw
 
 
 def test_replay_of_sample_plan_is_valid_and_counts_traffic():
     result = replay(sample_plan())
     assert result.ok, result.violations
-    assert (result.h2d_bytes, result.d2h_bytes, result.peak_bytes) == (800, 800, 850)
+    assert (result.h2d_bytes, result.d2h_bytes, result.peak_bytes) == (400, 400, 850)
 
 
 def test_fingerprint_mismatch_says_what_differs():

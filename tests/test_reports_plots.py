@@ -91,9 +91,9 @@ def test_a_plan_that_moves_nothing_says_so(tmp_path):
     trace = gpt_like_trace()
     from hplan.planner import PlanOptions, make_plan
 
-    from hplan.artifacts import Budget
+    from hplan.artifacts import Hardware
 
-    plan = make_plan(trace, Budget(gpu_bytes=4 * trace.peak_bytes), PlanOptions(solver="fast"))
+    plan = make_plan(trace, Hardware(gpu_bytes=4 * trace.peak_bytes), PlanOptions(solver="fast"))
     assert plan.summary.bytes_moved_per_iter == 0
     fig = timeline_figure(trace, plan=plan)
     assert any("no transfers" in t.get_text() for t in fig.axes[2].texts)

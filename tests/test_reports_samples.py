@@ -7,12 +7,13 @@ import pandas as pd
 from hplan.artifacts import (
     CATEGORIES,
     TIMELINE_COLUMNS,
-    Budget,
     Chunk,
     Event,
+    Hardware,
     ParamInfo,
     Plan,
     PlanSummary,
+    Region,
     Step,
     Trace,
     make_fingerprint,
@@ -78,20 +79,29 @@ def make_trace(ops_per_event: int = 7, iterations: int = 2, workload: str = "toy
 
 
 def make_plan(trace: Trace) -> Plan:
-    """Three param chunks (params + grads), optimizer updates on the CPU, at most two chunks resident."""
-    size = PARAM + GRAD
-    chunks = tuple(Chunk(id=i, bytes=size, kind="param", tensors=(f"{m}.weight",)) for i, m in enumerate(LAYERS))
-    moves = [{"fetch": (0,)}, {"fetch": (1,)}, {"evict": (0,), "fetch": (2,)}, {}, {},
-             {"evict": (2,), "writeback": (2,), "fetch": (0,)},
-             {"evict": (0, 1), "writeback": (0, 1), "host_updates": (0, 1, 2)}]
-    needs = [(0,), (1,), (2,), (2,), (1,), (0,), ()]
-    steps = tuple(Step(index=i, event=e.key, needs=needs[i], writes=needs[i] if e.kind == "backward" else (),
-                       non_model_bytes=e.non_model_peak_bytes, **moves[i]) for i, e in enumerate(trace.events))
-    summary = PlanSummary(feasible=True, h2d_bytes=4 * size, d2h_bytes=3 * size, bytes_moved_per_iter=7 * size,
-                          lower_bound_bytes=6 * size, predicted_peak_bytes=int(5.6 * GB), min_gpu_bytes=int(5.4 * GB),
-                          predicted_step_seconds=0.52, solver="hand")
-    plan = Plan(workload=trace.workload, budget=Budget(gpu_bytes=6 * GB, slack_bytes=GB // 5), chunks=chunks,
-                steps=steps, optimizer={0: "cpu", 1: "cpu", 2: "cpu"}, summary=summary, fingerprint=trace.fingerprint)
+    """Three chunks (weights, gradients, optimizer state), updates on the CPU as each gradient is final: weights
+    stream up (layer 0's twice), each gradient is allocated in its backward and written back once."""
+    chunks = tuple(Chunk(id=i, tensors=(f"{m}.weight",), trainable=(f"{m}.weight",), dtype="float32")
+                   for i, m in enumerate(LAYERS))
+    regions = tuple(Region(id=3 * i + k, chunk=i, kind=kind, bytes=size) for i in range(3)
+                    for k, (kind, size) in enumerate((("param", PARAM), ("grad", GRAD), ("state", OPTIM))))
+    w, g = (lambda i: 3 * i), (lambda i: 3 * i + 1)
+    moves = [{"fetch": (w(0),)}, {"fetch": (w(1),)}, {"evict": (w(0),), "fetch": (w(2),)},
+             {"alloc": (g(2),), "overwrites": (g(2),)},
+             {"evict": (w(2), g(2)), "writeback": (g(2),), "alloc": (g(1),), "overwrites": (g(1),),
+              "host_updates": (2,)},
+             {"evict": (w(1), g(1)), "writeback": (g(1),), "fetch": (w(0),), "alloc": (g(0),), "overwrites": (g(0),),
+              "host_updates": (1,)},
+             {"evict": (w(0), g(0)), "writeback": (g(0),), "host_updates": (0,)}]
+    reads = [(w(0),), (w(1),), (w(2),), (w(2),), (w(1),), (w(0),), ()]
+    steps = tuple(Step(index=i, event=e.key, reads=reads[i], non_model_bytes=e.non_model_peak_bytes, **moves[i])
+                  for i, e in enumerate(trace.events))
+    summary = PlanSummary(feasible=True, h2d_bytes=4 * PARAM, d2h_bytes=3 * GRAD, bytes_moved_per_iter=4 * PARAM + 3 * GRAD,
+                          lower_bound_bytes=3 * PARAM + 3 * GRAD, predicted_peak_bytes=int(4.5 * GB),
+                          min_gpu_bytes=int(3.3 * GB), predicted_step_seconds=0.52, solver="hand")
+    plan = Plan(workload=trace.workload, hardware=Hardware(gpu_bytes=6 * GB, slack_bytes=GB // 5), chunks=chunks,
+                regions=regions, steps=steps, optimizer={0: "cpu", 1: "cpu", 2: "cpu"}, summary=summary,
+                fingerprint=trace.fingerprint)
     assert replay(plan).ok, replay(plan).violations
     return plan
 
@@ -172,9 +182,9 @@ def gpt_like_plan(trace: Trace, share: float = 0.5, **options) -> Plan:
     from hplan.planner import PlanOptions, make_plan
 
     opts = PlanOptions(solver="fast", **options)
-    probe = make_plan(trace, Budget(gpu_bytes=4 * trace.peak_bytes), opts)
+    probe = make_plan(trace, Hardware(gpu_bytes=4 * trace.peak_bytes), opts)
     lo, hi = probe.summary.min_gpu_bytes, probe.summary.predicted_peak_bytes
-    plan = make_plan(trace, Budget(gpu_bytes=int(lo + share * max(hi - lo, 0)) + 1), opts)
+    plan = make_plan(trace, Hardware(gpu_bytes=int(lo + share * max(hi - lo, 0)) + 1), opts)
     assert plan.summary.feasible, plan.summary.bottleneck
     return plan
 
