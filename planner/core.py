@@ -11,15 +11,16 @@ from dataclasses import asdict, dataclass, replace
 
 from hplan.artifacts.hardware import Hardware
 from hplan.artifacts.plan import Plan, PlanSummary, Step
-from hplan.artifacts.replay import replay, validate  # noqa: F401  (re-exported)
+from hplan.artifacts.replay import Replay, replay, validate  # noqa: F401  (re-exported)
 from hplan.artifacts.trace import ParamInfo, Trace
 from hplan.errors import HplanError
 from hplan.planner.belady import Schedule, solve_fast
 from hplan.planner.milp import solve_exact
 from hplan.planner.options import PlanOptions
 from hplan.planner.problem import (
-    MODULE_CHUNKS, Problem, Structure, build, group_params, lower_bound, min_gpu,
+    MODULE_CHUNKS, PARAM_CHUNKS, Problem, Structure, build, group_params, lower_bound, min_gpu, partly_used,
 )
+from hplan.sizes import format_size
 from hplan.planner.schedule import drop_dead, event_seconds, hoist_fetches, predict_seconds, to_steps
 
 CHUNKS_PER_MODEL: tuple[int, ...] = (256, 64, 16)
@@ -49,10 +50,13 @@ class Candidate:
 
 
 def chunk_targets(trace: Trace, options: PlanOptions) -> list[int]:
+    """Module chunks and a few coarser sizes; one chunk per parameter too when an event uses part of a module's
+    chunk (tied weights), where the finer chunking holds less."""
     if options.chunk_bytes is not None:
         return [options.chunk_bytes]
     total = sum(p.bytes for p in trace.params)
-    return [MODULE_CHUNKS] + sorted({max(1, total // m) for m in CHUNKS_PER_MODEL})
+    finest = [PARAM_CHUNKS] if partly_used(trace, group_params(trace, MODULE_CHUNKS)) else []
+    return finest + [MODULE_CHUNKS] + sorted({max(2, total // m) for m in CHUNKS_PER_MODEL})
 
 
 def host_update_bytes(structure: Structure) -> dict[int, int]:
@@ -165,6 +169,11 @@ def _plan(trace: Trace, hardware: Hardware, best: Candidate, solver: str, bound:
     rep = replay(plan)
     if not rep.ok:
         raise AssertionError(f"hplan made an invalid plan ({rep.violations[0]}): an hplan bug, please report it")
+    host_need = host_bytes_needed(plan, rep)
+    if hardware.host_bytes is not None and host_need > hardware.host_bytes:
+        bottleneck = (f"needs {format_size(host_need)} of host memory for the model data off the GPU, more than "
+                      f"the {format_size(hardware.host_bytes)} given (--cpu-mem)")
+        return _infeasible(trace, hardware, min_bytes, bottleneck, opts)
     moved = rep.h2d_bytes + rep.d2h_bytes
     lb = min(int(bound + 0.5), moved)
     summary = PlanSummary(feasible=True, h2d_bytes=rep.h2d_bytes, d2h_bytes=rep.d2h_bytes,
@@ -173,6 +182,12 @@ def _plan(trace: Trace, hardware: Hardware, best: Candidate, solver: str, bound:
                           gap=(moved - lb) / max(moved, 1), optimal=optimal or moved == lb, bottleneck=bottleneck,
                           seconds={k: v for k, v in best.seconds.items() if k != "step"})
     return replace(plan, summary=summary)
+
+
+def host_bytes_needed(plan: Plan, rep: Replay) -> int:
+    """Host memory for model data: the host copy of every region that leaves the device at some step."""
+    always = set(plan.initial_resident).intersection(*(set(s.resident) for s in rep.states))
+    return sum(r.bytes for r in plan.regions if r.id not in always)
 
 
 def _infeasible(trace: Trace, hardware: Hardware, min_bytes: int, bottleneck: str, opts: dict) -> Plan:

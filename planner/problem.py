@@ -16,7 +16,9 @@ from hplan.artifacts.trace import Event, ParamInfo, Trace
 from hplan.sizes import format_size
 
 MODULE_CHUNKS = 0
-"""Chunk target meaning "one chunk per module" (the finest chunking the planner offers)."""
+"""Chunk target meaning "one chunk per module"."""
+PARAM_CHUNKS = 1
+"""Chunk target meaning "one chunk per parameter" (the finest chunking: every parameter is larger than a byte)."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -288,10 +290,9 @@ class MinGpu:
 
 
 def min_gpu(trace: Trace, hardware: Hardware) -> MinGpu:
-    """Smallest budget with any schedule: module chunks, every update on the CPU; each step then holds exactly
-    what it touches (a flip's gradient in its weights' storage) + its non-model bytes + slack."""
-    structure, problem = build(trace, group_params(trace), frozenset(), hardware.__class__(
-        **{**_hw_fields(hardware), "gpu_bytes": 1, "slack_bytes": 0}))
+    """Smallest budget with any schedule: one chunk per parameter, every update on the CPU; each step then holds
+    exactly what it touches (a flip's gradient in its weights' storage) + its non-model bytes + slack."""
+    structure, problem = build(trace, group_params(trace, PARAM_CHUNKS), frozenset(), hardware)
     best: tuple[int, int] | None = None
     for t in range(problem.n_steps):
         model = problem.need_bytes(t) - sum(problem.sizes[structure.by_chunk[c]["grad"]] for c in structure.flips[t])
@@ -311,7 +312,14 @@ def min_gpu(trace: Trace, hardware: Hardware) -> MinGpu:
     return MinGpu(gpu_bytes=max(1, total), bottleneck=words)
 
 
-def _hw_fields(hardware: Hardware) -> dict:
-    from dataclasses import fields
-
-    return {f.name: getattr(hardware, f.name) for f in fields(hardware)}
+def partly_used(trace: Trace, groups: list[list[ParamInfo]]) -> bool:
+    """Does some event touch only part of a group (e.g. a tied weight read by another module)? Then a finer
+    chunking can hold less at that event."""
+    sets = [{p.name for p in g} for g in groups]
+    for e in trace.events:
+        if e.kind == "optimizer":
+            continue
+        used = set(e.params) | set(e.grads)
+        if any(used & g and not g <= used for g in sets):
+            return True
+    return False
