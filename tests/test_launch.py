@@ -1,0 +1,134 @@
+"""executor.launch: N ranks that succeed return their results; a rank that raises, dies or hangs fails the
+call promptly with one line naming it, and no rank process outlives the call."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+import torch
+import torch.distributed as dist
+
+from hplan.errors import HplanError
+from hplan.executor.launch import RankInfo, launch
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def _rank_processes() -> list[psutil.Process]:
+    """Children of this test process that are ranks (multiprocessing's resource tracker may stay: it is ours)."""
+    out = []
+    for child in psutil.Process().children(recursive=True):
+        try:
+            if "resource_tracker" not in " ".join(child.cmdline()):
+                out.append(child)
+        except psutil.NoSuchProcess:
+            pass
+    return out
+
+
+def _sum_ranks(info: RankInfo, scale: float) -> tuple[int, int, float, int]:
+    x = torch.tensor([float(info.rank + 1) * scale])
+    dist.all_reduce(x)
+    return info.rank, info.world_size, float(x.item()), torch.get_num_threads()
+
+
+def _fail_on_rank1(info: RankInfo, how: str) -> None:
+    x = torch.ones(4)
+    dist.all_reduce(x)
+    if info.rank == 1:
+        if how == "raise":
+            raise ValueError("boom on purpose")
+        if how == "kill":
+            os.kill(os.getpid(), signal.SIGKILL)
+        if how == "exit":
+            os._exit(3)
+        if how == "hang":
+            time.sleep(120)
+    for _ in range(100):  # rank 0 keeps calling collectives: it must not hang on the dead peer
+        dist.all_reduce(x)
+        time.sleep(0.05)
+
+
+def _hang_on_rank1(info: RankInfo) -> int:
+    if info.rank == 1:
+        time.sleep(120)
+    return info.rank
+
+
+def test_two_ranks_return_their_results():
+    before = time.monotonic()
+    results = launch(_sum_ranks, 0.5, nprocs=2, timeout_s=60)
+    assert results == [(0, 2, 1.5, 1), (1, 2, 1.5, 1)]
+    assert time.monotonic() - before < 15
+    assert _rank_processes() == []
+
+
+@pytest.mark.parametrize("how, expected", [
+    ("raise", "rank 1 of 2 failed: ValueError: boom on purpose"),
+    ("kill", "rank 1 of 2 died from signal SIGKILL without raising"),
+    ("exit", "rank 1 of 2 exited with code 3 without raising"),
+])
+def test_a_failing_rank_is_named_promptly(how, expected):
+    before = time.monotonic()
+    with pytest.raises(HplanError) as err:
+        launch(_fail_on_rank1, how, nprocs=2, timeout_s=60, collective_timeout_s=30)
+    assert expected in str(err.value)
+    assert "\n" not in str(err.value)
+    assert time.monotonic() - before < 15
+    assert _rank_processes() == []
+
+
+def test_collective_timeout_fails_the_waiting_rank():
+    """Rank 1 stops calling collectives (alive, sleeping): rank 0's all_reduce times out after 2 s."""
+    before = time.monotonic()
+    with pytest.raises(HplanError, match=r"rank 0 of 2 failed: RuntimeError: .*Timed out"):
+        launch(_fail_on_rank1, "hang", nprocs=2, timeout_s=60, collective_timeout_s=2)
+    assert time.monotonic() - before < 15
+    assert _rank_processes() == []
+
+
+def test_watchdog_stops_a_hung_rank():
+    before = time.monotonic()
+    with pytest.raises(HplanError, match=r"ranks \[1\] of 2 still running after 8 s \(launch watchdog\)"):
+        launch(_hang_on_rank1, nprocs=2, timeout_s=8)
+    assert time.monotonic() - before < 15
+    assert _rank_processes() == []
+
+
+def test_bad_requests_are_refused_before_spawning():
+    with pytest.raises(HplanError, match="nprocs"):
+        launch(_sum_ranks, 1.0, nprocs=0)
+    with pytest.raises(HplanError, match="module-level function"):
+        launch(lambda info: info.rank, nprocs=2, timeout_s=30)
+    with pytest.raises(HplanError, match="collective_timeout_s"):
+        launch(_sum_ranks, 1.0, nprocs=2, collective_timeout_s=0)
+    assert _rank_processes() == []
+
+
+@pytest.mark.slow
+def test_under_torchrun_every_rank_returns_all_results(tmp_path):
+    """torchrun sets RANK/WORLD_SIZE/MASTER_*: launch joins that group instead of spawning."""
+    script = tmp_path / "main.py"
+    script.write_text(
+        "import json, sys\n"
+        f"sys.path.insert(0, {str(Path(__file__).parent)!r})\n"
+        "from test_launch import _sum_ranks\n"
+        "from hplan.executor.launch import launch\n"
+        "print('RESULT', json.dumps(launch(_sum_ranks, 1.0, collective_timeout_s=30)), flush=True)\n")
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                           str(script)], capture_output=True, text=True, timeout=90, cwd=tmp_path,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT")]
+    assert len(lines) == 2
+    threads = [r[3] for r in __import__("json").loads(lines[0][7:])]
+    assert all(line == lines[0] for line in lines)
+    assert [r[:3] for r in __import__("json").loads(lines[0][7:])] == [[0, 2, 3.0], [1, 2, 3.0]]
+    assert threads == [1, 1]
