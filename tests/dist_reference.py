@@ -125,7 +125,8 @@ def _fsdp2_rank(info: RankInfo, spec: str, steps: int) -> dict[str, Any]:
         return None
 
     losses, seconds = _train(info, workload, model, optimizer, steps, sync)
-    weights = {name: p.detach().full_tensor() for name, p in model.named_parameters()}  # collective: every rank calls it
+    # full_tensor() is an all-gather: every rank must call it, in the same order
+    weights = {name: p.detach().full_tensor() for name, p in model.named_parameters()}
     return _rank_record(info, losses, seconds, weights)
 
 

@@ -97,7 +97,8 @@ def _battery(info: RankInfo) -> dict:
     busy = torch.randn(64, 64) @ torch.randn(64, 64)
     pending.wait()
     pending.wait()  # idempotent
-    out["async_ag"] = bool(torch.equal(gathered, torch.arange(1, n + 1, dtype=torch.float32).repeat_interleave(1 << 16)))
+    ranks = torch.arange(1, n + 1, dtype=torch.float32)
+    out["async_ag"] = bool(torch.equal(gathered, ranks.repeat_interleave(1 << 16)))
     avg = torch.full((5,), float(r + 1))
     comm.all_reduce(avg, async_op=True).wait()
     out["async_ar"] = avg.tolist()
