@@ -40,6 +40,9 @@ from typing import Any
 from hplan.errors import HplanError
 
 TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+RENDEZVOUS_S = 120.0
+"""Seconds every spawned rank may take to start (import torch) before the run is abandoned; the parent's
+watchdog (`timeout_s`) still bounds the whole call."""
 GRACE_S = 2.0
 """Seconds the surviving ranks get to fail by themselves (and record why) after the first failure."""
 
@@ -64,8 +67,8 @@ def launch(fn: Callable[..., Any], *args: Any, nprocs: int | None = None, backen
            timeout_s: float = 300.0, collective_timeout_s: float = 60.0, threads: int | None = 1) -> list[Any]:
     """Run `fn(RankInfo, *args)` on every rank and return the per-rank results (picklable), rank order.
 
-    `timeout_s` bounds the whole call (watchdog); `collective_timeout_s` bounds each collective and the
-    rendezvous. `threads` sets `torch.set_num_threads` in each spawned rank (None leaves torch's default:
+    `timeout_s` bounds the whole call (watchdog); `collective_timeout_s` bounds each collective once all
+    ranks have started (spawned ranks first wait up to RENDEZVOUS_S for each other). `threads` sets `torch.set_num_threads` in each spawned rank (None leaves torch's default:
     N ranks × all cores oversubscribes the machine). `fn` must be importable (a module-level function).
     """
     for name, value in (("timeout_s", timeout_s), ("collective_timeout_s", collective_timeout_s)):
@@ -171,8 +174,10 @@ def _rank_main(rank: int, fn: Callable[..., Any], args: tuple[Any, ...], config:
     try:
         if config.threads is not None:
             torch.set_num_threads(config.threads)
+        store = dist.TCPStore("127.0.0.1", config.port, config.world, False,
+                              datetime.timedelta(seconds=RENDEZVOUS_S))
+        _arrive(store, config.world)
         timeout = datetime.timedelta(seconds=config.collective_timeout_s)
-        store = dist.TCPStore("127.0.0.1", config.port, config.world, False, timeout)
         dist.init_process_group(config.backend, store=store, rank=rank, world_size=config.world, timeout=timeout)
         result = fn(RankInfo(rank=rank, world_size=config.world, local_rank=rank, backend=config.backend), *args)
         _write_atomic(workdir / f"rank{rank}.pkl", pickle.dumps(result))
@@ -183,6 +188,18 @@ def _rank_main(rank: int, fn: Callable[..., Any], args: tuple[Any, ...], config:
         traceback.print_exc(file=sys.stderr)
         sys.stderr.flush()
         os._exit(1)  # skip interpreter teardown: a broken process group can block it
+
+
+def _arrive(store: Any, world: int) -> None:
+    """Wait (up to RENDEZVOUS_S) until every rank has started, so a short collective timeout is not spent on
+    a peer still importing torch: on a busy machine rank start-up differs by many seconds."""
+    store.add("hplan/arrived", 1)
+    deadline = time.monotonic() + RENDEZVOUS_S
+    while int(store.add("hplan/arrived", 0)) < world:
+        if time.monotonic() > deadline:
+            raise HplanError(f"not all {world} ranks started within {RENDEZVOUS_S:g} s; the machine is overloaded "
+                             "or a rank failed to start (see its stderr)")
+        time.sleep(0.05)
 
 
 def _die_with_parent(parent: int) -> None:

@@ -1,5 +1,9 @@
 """executor.launch: N ranks that succeed return their results; a rank that raises, dies or hangs fails the
-call promptly with one line naming it, and no rank process outlives the call."""
+call promptly with one line naming it, and no rank process outlives the call.
+
+"Promptly" is measured from the moment the failing rank fails (it writes a timestamp just before), not from
+the call: starting two ranks that import torch takes 3-5 s on an idle 2-core machine and over 20 s when
+the machine is shared, which says nothing about failure handling."""
 
 from __future__ import annotations
 
@@ -39,10 +43,15 @@ def _sum_ranks(info: RankInfo, scale: float) -> tuple[int, int, float, int]:
     return info.rank, info.world_size, float(x.item()), torch.get_num_threads()
 
 
-def _fail_on_rank1(info: RankInfo, how: str) -> None:
+DETECT_S = 10.0
+"""Failure to HplanError: the survivors' grace period (2 s), SIGTERM/SIGKILL (≤ 1 s) and exits, with room."""
+
+
+def _fail_on_rank1(info: RankInfo, how: str, stamp: str) -> None:
     x = torch.ones(4)
     dist.all_reduce(x)
     if info.rank == 1:
+        Path(stamp).write_text(repr(time.time()))
         if how == "raise":
             raise ValueError("boom on purpose")
         if how == "kill":
@@ -62,11 +71,13 @@ def _hang_on_rank1(info: RankInfo) -> int:
     return info.rank
 
 
+def _since(stamp: Path) -> float:
+    return time.time() - float(stamp.read_text())
+
+
 def test_two_ranks_return_their_results():
-    before = time.monotonic()
     results = launch(_sum_ranks, 0.5, nprocs=2, timeout_s=60)
     assert results == [(0, 2, 1.5, 1), (1, 2, 1.5, 1)]
-    assert time.monotonic() - before < 15
     assert _rank_processes() == []
 
 
@@ -75,30 +86,32 @@ def test_two_ranks_return_their_results():
     ("kill", "rank 1 of 2 died from signal SIGKILL without raising"),
     ("exit", "rank 1 of 2 exited with code 3 without raising"),
 ])
-def test_a_failing_rank_is_named_promptly(how, expected):
-    before = time.monotonic()
+def test_a_failing_rank_is_named_promptly(how, expected, tmp_path):
+    stamp = tmp_path / "failed_at"
     with pytest.raises(HplanError) as err:
-        launch(_fail_on_rank1, how, nprocs=2, timeout_s=60, collective_timeout_s=30)
+        launch(_fail_on_rank1, how, str(stamp), nprocs=2, timeout_s=120, collective_timeout_s=60)
+    assert _since(stamp) < DETECT_S
     assert expected in str(err.value)
     assert "\n" not in str(err.value)
-    assert time.monotonic() - before < 15
     assert _rank_processes() == []
 
 
-def test_collective_timeout_fails_the_waiting_rank():
-    """Rank 1 stops calling collectives (alive, sleeping): rank 0's all_reduce times out after 2 s."""
-    before = time.monotonic()
-    with pytest.raises(HplanError, match=r"rank 0 of 2 failed: RuntimeError: .*Timed out"):
-        launch(_fail_on_rank1, "hang", nprocs=2, timeout_s=60, collective_timeout_s=2)
-    assert time.monotonic() - before < 15
+def test_collective_timeout_fails_the_waiting_rank(tmp_path):
+    """Rank 1 stops calling collectives (alive, sleeping): rank 0's all_reduce times out after 5 s."""
+    stamp = tmp_path / "hung_at"
+    with pytest.raises(HplanError, match=r"rank 0 of 2 failed: RuntimeError: .*Timed out waiting 5000ms"):
+        launch(_fail_on_rank1, "hang", str(stamp), nprocs=2, timeout_s=120, collective_timeout_s=5)
+    assert _since(stamp) < 5 + DETECT_S
     assert _rank_processes() == []
 
 
 def test_watchdog_stops_a_hung_rank():
+    """Rank 1 never returns; at timeout_s the watchdog stops it (and rank 0 too if the machine was too busy
+    for it to have finished starting)."""
     before = time.monotonic()
-    with pytest.raises(HplanError, match=r"ranks \[1\] of 2 still running after 8 s \(launch watchdog\)"):
+    with pytest.raises(HplanError, match=r"ranks \[(0, )?1\] of 2 still running after 8 s \(launch watchdog\)"):
         launch(_hang_on_rank1, nprocs=2, timeout_s=8)
-    assert time.monotonic() - before < 15
+    assert time.monotonic() - before < 8 + DETECT_S
     assert _rank_processes() == []
 
 
