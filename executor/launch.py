@@ -67,15 +67,17 @@ def launch(fn: Callable[..., Any], *args: Any, nprocs: int | None = None, backen
            timeout_s: float = 300.0, collective_timeout_s: float = 60.0, threads: int | None = 1) -> list[Any]:
     """Run `fn(RankInfo, *args)` on every rank and return the per-rank results (picklable), rank order.
 
-    `timeout_s` bounds the whole call (watchdog); `collective_timeout_s` bounds each collective once all
-    ranks have started (spawned ranks first wait up to RENDEZVOUS_S for each other). `threads` sets `torch.set_num_threads` in each spawned rank (None leaves torch's default:
-    N ranks × all cores oversubscribes the machine). `fn` must be importable (a module-level function).
+    `timeout_s` bounds the whole call (watchdog; spawn only: torchrun has its own agent); `collective_timeout_s`
+    bounds each collective once all ranks have started (spawned ranks first wait up to RENDEZVOUS_S for each
+    other). `threads` sets `torch.set_num_threads` in every rank (None leaves torch's default, one thread per
+    core: N ranks × all cores oversubscribes the machine). `fn` must be importable (a module-level function).
     """
     for name, value in (("timeout_s", timeout_s), ("collective_timeout_s", collective_timeout_s)):
         if not value > 0:
             raise HplanError(f"launch {name} must be positive seconds, got {value}")
     if under_torchrun():
-        return _run_in_place(fn, args, nprocs=nprocs, backend=backend, collective_timeout_s=collective_timeout_s)
+        return _run_in_place(fn, args, nprocs=nprocs, backend=backend, collective_timeout_s=collective_timeout_s,
+                             threads=threads)
     if nprocs is None or isinstance(nprocs, bool) or not isinstance(nprocs, int) or nprocs < 1:
         raise HplanError(f"launch needs nprocs ≥ 1 ranks (or run under torchrun), got {nprocs!r}")
     return _spawn(fn, args, nprocs=nprocs, backend=backend, timeout_s=timeout_s,
@@ -83,8 +85,9 @@ def launch(fn: Callable[..., Any], *args: Any, nprocs: int | None = None, backen
 
 
 def _run_in_place(fn: Callable[..., Any], args: tuple[Any, ...], *, nprocs: int | None, backend: str,
-                  collective_timeout_s: float) -> list[Any]:
+                  collective_timeout_s: float, threads: int | None) -> list[Any]:
     """torchrun: this process is one rank; results are exchanged so every rank returns the same list."""
+    import torch
     import torch.distributed as dist
 
     missing = [v for v in TORCHRUN_VARS if v not in os.environ]
@@ -96,6 +99,8 @@ def _run_in_place(fn: Callable[..., Any], args: tuple[Any, ...], *, nprocs: int 
         raise HplanError(f"launch asked for {nprocs} ranks but torchrun started {world}; use --nproc-per-node "
                          f"{nprocs} or drop nprocs")
     info = RankInfo(rank=rank, world_size=world, local_rank=int(os.environ.get("LOCAL_RANK", rank)), backend=backend)
+    if threads is not None:
+        torch.set_num_threads(threads)
     owned = not dist.is_initialized()
     if owned:
         dist.init_process_group(backend, init_method="env://", rank=rank, world_size=world,
@@ -124,7 +129,7 @@ def _spawn(fn: Callable[..., Any], args: tuple[Any, ...], *, nprocs: int, backen
     import torch.distributed as dist
     import torch.multiprocessing as tmp
 
-    store = dist.TCPStore("127.0.0.1", 0, None, True, datetime.timedelta(seconds=collective_timeout_s),
+    store = dist.TCPStore("127.0.0.1", 0, None, True, datetime.timedelta(seconds=RENDEZVOUS_S),
                           wait_for_workers=False)
     workdir = Path(tempfile.mkdtemp(prefix="hplan-launch-"))
     config = _Config(world=nprocs, port=store.port, workdir=str(workdir), backend=backend,
