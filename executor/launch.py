@@ -1,0 +1,314 @@
+"""Run one function on N ranks, so a failure anywhere is one clear error here, never a hang.
+
+Two ways in, one contract (`launch(fn, *args) -> [result of rank 0, …, result of rank N-1]`):
+- **Spawn** (`nprocs=N`, no torchrun variables in the environment): N processes started with
+  `torch.multiprocessing.start_processes(start_method="spawn")`, rendezvous through a `TCPStore` this
+  process opens on a port the OS picks (port 0) and holds until the ranks are gone, so no other job can
+  take the port between choosing and binding it.
+- **torchrun** (`RANK`, `WORLD_SIZE`, `MASTER_ADDR`, `MASTER_PORT` set): this process is one rank; it
+  joins the group with `env://`, runs `fn`, and all ranks exchange results with `all_gather_object`.
+
+[Note: launch failure handling] Three layers stop a broken run:
+1. the process group's `timeout` bounds every collective (gloo raises "Timed out waiting …" and closes
+   the pair), so a rank waiting on a peer that stopped calling collectives fails by itself;
+2. a peer that dies makes gloo fail the survivors' collectives at once ("Connection reset/closed by peer");
+3. the parent's watchdog waits on the ranks' process sentinels: at the first non-zero exit it gives the
+   others a short grace period, then SIGTERM, then SIGKILL; at `timeout_s` it stops everyone. Each rank
+   also asks the kernel to SIGKILL it if this process dies (`PR_SET_PDEATHSIG`), so no rank outlives it.
+The error names the rank that failed *first*: a rank that died without raising (signal, `os._exit`), else
+the earliest recorded exception — the survivors' "connection closed by peer" errors come after the cause.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import datetime
+import multiprocessing.connection
+import os
+import pickle
+import shutil
+import signal
+import sys
+import tempfile
+import time
+import traceback
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from hplan.errors import HplanError
+
+TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+RENDEZVOUS_S = 120.0
+"""Seconds every spawned rank may take to start (import torch) before the run is abandoned; the parent's
+watchdog (`timeout_s`) still bounds the whole call."""
+GRACE_S = 2.0
+"""Seconds the surviving ranks get to fail by themselves (and record why) after the first failure."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class RankInfo:
+    """Who this process is in the run; passed as `fn`'s first argument."""
+
+    rank: int
+    world_size: int
+    local_rank: int
+    """Index on this machine (torchrun's LOCAL_RANK; the rank itself under spawn)."""
+    backend: str
+
+
+def under_torchrun() -> bool:
+    """True when the environment describes this process as one rank of a torchrun job."""
+    return "RANK" in os.environ and "WORLD_SIZE" in os.environ
+
+
+def launch(fn: Callable[..., Any], *args: Any, nprocs: int | None = None, backend: str = "gloo",
+           timeout_s: float = 300.0, collective_timeout_s: float = 60.0, threads: int | None = 1) -> list[Any]:
+    """Run `fn(RankInfo, *args)` on every rank and return the per-rank results (picklable), rank order.
+
+    `timeout_s` bounds the whole call (watchdog; spawn only: torchrun has its own agent); `collective_timeout_s`
+    bounds each collective once all ranks have started (spawned ranks first wait up to RENDEZVOUS_S for each
+    other). `threads` sets `torch.set_num_threads` in every rank (None leaves torch's default, one thread per
+    core: N ranks × all cores oversubscribes the machine). `fn` must be importable (a module-level function).
+    """
+    for name, value in (("timeout_s", timeout_s), ("collective_timeout_s", collective_timeout_s)):
+        if not value > 0:
+            raise HplanError(f"launch {name} must be positive seconds, got {value}")
+    if under_torchrun():
+        return _run_in_place(fn, args, nprocs=nprocs, backend=backend, collective_timeout_s=collective_timeout_s,
+                             threads=threads)
+    if nprocs is None or isinstance(nprocs, bool) or not isinstance(nprocs, int) or nprocs < 1:
+        raise HplanError(f"launch needs nprocs ≥ 1 ranks (or run under torchrun), got {nprocs!r}")
+    return _spawn(fn, args, nprocs=nprocs, backend=backend, timeout_s=timeout_s,
+                  collective_timeout_s=collective_timeout_s, threads=threads)
+
+
+def _run_in_place(fn: Callable[..., Any], args: tuple[Any, ...], *, nprocs: int | None, backend: str,
+                  collective_timeout_s: float, threads: int | None) -> list[Any]:
+    """torchrun: this process is one rank; results are exchanged so every rank returns the same list."""
+    import torch
+    import torch.distributed as dist
+
+    missing = [v for v in TORCHRUN_VARS if v not in os.environ]
+    if missing:
+        raise HplanError(f"RANK is set but {', '.join(missing)} is not: launch under torchrun, or unset RANK "
+                         "to let launch spawn the ranks")
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    if nprocs is not None and nprocs != world:
+        raise HplanError(f"launch asked for {nprocs} ranks but torchrun started {world}; use --nproc-per-node "
+                         f"{nprocs} or drop nprocs")
+    info = RankInfo(rank=rank, world_size=world, local_rank=int(os.environ.get("LOCAL_RANK", rank)), backend=backend)
+    if threads is not None:
+        torch.set_num_threads(threads)
+    owned = not dist.is_initialized()
+    if owned:
+        dist.init_process_group(backend, init_method="env://", rank=rank, world_size=world,
+                                timeout=datetime.timedelta(seconds=collective_timeout_s))
+    try:
+        try:
+            result = fn(info, *args)
+        except HplanError:
+            raise
+        except Exception as exc:
+            raise HplanError(f"rank {rank} of {world} failed: {_one_line(exc)}") from exc
+        gathered: list[Any] = [None] * world
+        try:
+            dist.all_gather_object(gathered, result)
+        except Exception as exc:
+            raise HplanError(f"rank {rank} of {world}: exchanging results failed, a peer probably failed first "
+                             f"({_one_line(exc)}); see the other ranks' errors") from exc
+        return gathered
+    finally:
+        if owned and dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def _spawn(fn: Callable[..., Any], args: tuple[Any, ...], *, nprocs: int, backend: str, timeout_s: float,
+           collective_timeout_s: float, threads: int | None) -> list[Any]:
+    import torch.distributed as dist
+    import torch.multiprocessing as tmp
+
+    store = dist.TCPStore("127.0.0.1", 0, None, True, datetime.timedelta(seconds=RENDEZVOUS_S),
+                          wait_for_workers=False)
+    workdir = Path(tempfile.mkdtemp(prefix="hplan-launch-"))
+    config = _Config(world=nprocs, port=store.port, workdir=str(workdir), backend=backend,
+                     collective_timeout_s=collective_timeout_s, threads=threads, parent=os.getpid())
+    procs: list[Any] = []
+    try:
+        try:
+            context = tmp.start_processes(_rank_main, args=(fn, args, config), nprocs=nprocs, join=False,
+                                          start_method="spawn")
+        except (pickle.PicklingError, AttributeError, TypeError) as exc:
+            raise HplanError(f"launch could not send the function or its arguments to the ranks ({_one_line(exc)}); "
+                             "pass a module-level function and picklable arguments") from None
+        procs = list(context.processes)
+        failed, stopped = _supervise(procs, timeout_s)
+        if stopped and failed is None:
+            raise HplanError(f"ranks {stopped} of {nprocs} still running after {timeout_s:g} s (launch watchdog); "
+                             "find the hang or raise timeout_s")
+        if failed is not None:
+            raise HplanError(_failure_message(procs, workdir, stopped))
+        return [_read_result(workdir, rank, procs[rank].exitcode) for rank in range(nprocs)]
+    finally:
+        _stop(procs)
+        shutil.rmtree(workdir, ignore_errors=True)
+        del store
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class _Config:
+    """What every spawned rank needs to join the group and report back."""
+
+    world: int
+    port: int
+    workdir: str
+    backend: str
+    collective_timeout_s: float
+    threads: int | None
+    parent: int
+
+
+def _rank_main(rank: int, fn: Callable[..., Any], args: tuple[Any, ...], config: _Config) -> None:
+    """A spawned rank: die with the parent, join the group, run `fn`, leave a result or an error record."""
+    _die_with_parent(config.parent)
+    import torch
+    import torch.distributed as dist
+
+    workdir = Path(config.workdir)
+    try:
+        if config.threads is not None:
+            torch.set_num_threads(config.threads)
+        store = dist.TCPStore("127.0.0.1", config.port, config.world, False,
+                              datetime.timedelta(seconds=RENDEZVOUS_S))
+        _arrive(store, config.world)
+        timeout = datetime.timedelta(seconds=config.collective_timeout_s)
+        dist.init_process_group(config.backend, store=store, rank=rank, world_size=config.world, timeout=timeout)
+        result = fn(RankInfo(rank=rank, world_size=config.world, local_rank=rank, backend=config.backend), *args)
+        _write_atomic(workdir / f"rank{rank}.pkl", pickle.dumps(result))
+        dist.destroy_process_group()
+    except BaseException as exc:
+        record = {"time": time.time(), "error": _one_line(exc)}
+        _write_atomic(workdir / f"rank{rank}.err", pickle.dumps(record))
+        traceback.print_exc(file=sys.stderr)
+        sys.stderr.flush()
+        os._exit(1)  # skip interpreter teardown: a broken process group can block it
+
+
+def _arrive(store: Any, world: int) -> None:
+    """Wait (up to RENDEZVOUS_S) until every rank has started, so a short collective timeout is not spent on
+    a peer still importing torch: on a busy machine rank start-up differs by many seconds."""
+    store.add("hplan/arrived", 1)
+    deadline = time.monotonic() + RENDEZVOUS_S
+    while int(store.add("hplan/arrived", 0)) < world:
+        if time.monotonic() > deadline:
+            raise HplanError(f"not all {world} ranks started within {RENDEZVOUS_S:g} s; the machine is overloaded "
+                             "or a rank failed to start (see its stderr)")
+        time.sleep(0.05)
+
+
+def _die_with_parent(parent: int) -> None:
+    """Linux: have the kernel SIGKILL this rank when the launching process dies (no orphans)."""
+    try:
+        libc = ctypes.CDLL("libc.so.6", use_errno=True)
+        libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG = 1
+    except OSError:  # not glibc/Linux: the parent's watchdog still stops us
+        return
+    if os.getppid() != parent:  # the parent died before prctl took effect
+        os._exit(1)
+
+
+def _supervise(procs: list[Any], timeout_s: float) -> tuple[int | None, list[int]]:
+    """Wait for all ranks; on the first failure or at the deadline stop the rest.
+
+    Returns (index of the first rank seen failing or None, ranks this function had to stop)."""
+    deadline = time.monotonic() + timeout_s
+    pending = {p.sentinel: i for i, p in enumerate(procs)}
+    failed: int | None = None
+    while pending and failed is None:
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            return None, _stop(procs)
+        for sentinel in multiprocessing.connection.wait(list(pending), timeout=min(remaining, 1.0)):
+            index = pending.pop(sentinel)
+            procs[index].join()
+            if procs[index].exitcode != 0 and failed is None:
+                failed = index
+    if failed is None:
+        return None, []
+    grace = time.monotonic() + GRACE_S
+    for p in procs:
+        p.join(max(0.0, grace - time.monotonic()))
+    return failed, _stop(procs)
+
+
+def _stop(procs: list[Any]) -> list[int]:
+    """SIGTERM, then SIGKILL after a second, every rank still alive; returns their indices."""
+    alive = [i for i, p in enumerate(procs) if p.is_alive()]
+    for i in alive:
+        procs[i].terminate()
+    deadline = time.monotonic() + 1.0
+    for i in alive:
+        procs[i].join(max(0.0, deadline - time.monotonic()))
+        if procs[i].is_alive():
+            procs[i].kill()
+            procs[i].join()
+    return alive
+
+
+def _failure_message(procs: list[Any], workdir: Path, stopped: list[int]) -> str:
+    """One line naming the rank that failed first and why."""
+    world = len(procs)
+    records: dict[int, dict[str, Any]] = {}
+    silent: list[int] = []
+    for rank, p in enumerate(procs):
+        if rank in stopped or p.exitcode == 0:
+            continue
+        path = workdir / f"rank{rank}.err"
+        if path.exists():
+            records[rank] = pickle.loads(path.read_bytes())
+        else:
+            silent.append(rank)
+    def others(cause: int) -> str:
+        later = sorted(r for r in [*records, *silent] if r != cause)
+        parts = ([f"failed after it: {later}"] if later else []) + ([f"stopped: {stopped}"] if stopped else [])
+        return "; ".join(parts) or "the other ranks had finished"
+
+    if silent:
+        rank = silent[0]
+        code = procs[rank].exitcode
+        how = (f"died from signal {_signal_name(-code)}" if code < 0 else f"exited with code {code}")
+        return (f"rank {rank} of {world} {how} without raising ({others(rank)}); check that rank for os._exit, "
+                "the OOM killer or an external kill")
+    if not records:  # exit code 0 but no result: handled by _read_result; keep a message anyway
+        return f"a rank of {world} failed without a record; rerun with fewer ranks to isolate it"
+    rank = min(records, key=lambda r: (records[r]["time"], r))
+    return f"rank {rank} of {world} failed: {records[rank]['error']} ({others(rank)}); its traceback is on stderr above"
+
+
+def _read_result(workdir: Path, rank: int, exitcode: int | None) -> Any:
+    path = workdir / f"rank{rank}.pkl"
+    if not path.exists():
+        raise HplanError(f"rank {rank} exited (code {exitcode}) without returning a result; do not call sys.exit "
+                         "in the launched function")
+    return pickle.loads(path.read_bytes())
+
+
+def _write_atomic(path: Path, data: bytes) -> None:
+    tmp = path.with_suffix(".tmp")
+    tmp.write_bytes(data)
+    os.replace(tmp, path)
+
+
+def _signal_name(number: int) -> str:
+    try:
+        return signal.Signals(number).name
+    except ValueError:
+        return f"#{number}"
+
+
+def _one_line(exc: BaseException) -> str:
+    text = " ".join(str(exc).split())
+    if len(text) > 300:
+        text = text[:297] + "..."
+    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__

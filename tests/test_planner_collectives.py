@@ -1,0 +1,158 @@
+"""planner.collectives: per-rank bytes and seconds of each shard-factor choice, checked against numbers
+computed by hand (module docstring formulas) on a 2-node × 4-GPU world: intra 100 GB/s, inter 10 GB/s,
+a model whose parameters and gradients are 800 bytes each (so shards stay integers)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from hplan.errors import HplanError
+from hplan.planner.collectives import (CommOptions, Group, ShardFactors, StateBytes, World, baseline,
+                                       collective_cost, iteration_collectives)
+
+WORLD = World(gpus_per_node=4, nodes=2, intra_gbps=100, inter_gbps=10)
+STATE = StateBytes(params=800, grads=800, optim=4800)
+
+
+def run(name_or_factors, options=None, world=WORLD, state=STATE):
+    if isinstance(name_or_factors, str):
+        factors, opts = baseline(name_or_factors, world)
+    else:
+        factors, opts = name_or_factors, CommOptions()
+    return iteration_collectives(factors, state, world, options or opts)
+
+
+def summary(breakdown):
+    return [(c.state, c.phase, c.op, c.group.size, c.sent_bytes, c.count, c.algorithm) for c in breakdown]
+
+
+def test_planner_collectives_do_not_import_torch():
+    code = "import sys, hplan.planner.collectives; assert 'torch' not in sys.modules"
+    subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_ddp_all_reduces_gradients_hierarchically():
+    # all-reduce of 800 B over 8 ranks: sends 2·7/8·800 = 1400 B. Ring: 14 steps of 100 B paced by the
+    # 10 GB/s network = 1.4e-7 s. Two-level: intra RS+AG 2·3/4·800 B at 100 GB/s = 1.2e-8 s, plus the
+    # node's network share 2·(1/2)·800 = 800 B at 10 GB/s = 8e-8 s: 9.2e-8 s, the faster.
+    total, seconds, parts = run("ddp")
+    assert total == 1400
+    assert seconds == pytest.approx(9.2e-8)
+    assert summary(parts) == [("G", "gradient_sync", "all_reduce", 8, 1400, 1, "hierarchical")]
+    assert parts[0].inter_node_bytes == 800
+    ring = iteration_collectives(ShardFactors(P=1, G=1, OS=1), STATE, WORLD, CommOptions(algorithm="ring"))
+    assert ring[1] == pytest.approx(1.4e-7) and ring[2][0].inter_node_bytes == 1400
+
+
+def test_zero3_gathers_twice_and_reduce_scatters():
+    # three collectives of 7/8·800 = 700 B each; each two-level: network 1/2·800 B at 10 GB/s (4e-8 s)
+    # + intra 3/4·800 B at 100 GB/s (6e-9 s) = 4.6e-8 s
+    total, seconds, parts = run("zero3")
+    assert total == 2100
+    assert seconds == pytest.approx(3 * 4.6e-8)
+    assert summary(parts) == [("P", "forward", "all_gather", 8, 700, 1, "hierarchical"),
+                              ("P", "backward", "all_gather", 8, 700, 1, "hierarchical"),
+                              ("G", "backward", "reduce_scatter", 8, 700, 1, "hierarchical")]
+    assert sum(c.inter_node_bytes for c in parts) == 1200  # 3M · (m-1)/m, ZeRO's 3Ψ across nodes
+
+
+def test_mics_keeps_gathers_in_the_node_and_syncs_gradients_in_two_hops():
+    # AG, AG, RS over the node's 4 GPUs: 3/4·800 = 600 B each, 6e-9 s each. Then the 200 B gradient
+    # shard is all-reduced between the 2 ranks holding it (one per node, 4 such pairs share the link):
+    # 2·1/2·200 = 200 B per rank; 2 steps of 100 B at 10/4 GB/s = 8e-8 s.
+    total, seconds, parts = run("mics")
+    assert total == 3 * 600 + 200
+    assert seconds == pytest.approx(3 * 6e-9 + 8e-8)
+    assert parts[-1].group == Group(size=2, per_node=1, nodes=2, concurrent=4)
+    assert summary(parts)[-1] == ("G", "gradient_sync", "all_reduce", 2, 200, 1, "ring")
+
+
+def test_amsp_mixed_choice_replicated_params_partial_grads_full_optimizer():
+    # P=1, G=4, OS=8: RS of 800 B in the node (600 B, 6e-9 s); RS of the 200 B shard between its 2 holders
+    # (100 B, one step of 100 B at 2.5 GB/s = 4e-8 s); after the update, all-gather of the 800 B weights
+    # over all 8 ranks (700 B, 4.6e-8 s two-level).
+    factors = ShardFactors(P=1, G=4, OS=8)
+    total, seconds, parts = run(factors)
+    assert total == 600 + 100 + 700
+    assert seconds == pytest.approx(6e-9 + 4e-8 + 4.6e-8)
+    assert [c.phase for c in parts] == ["backward", "gradient_sync", "after_update"]
+    assert STATE.per_rank(factors) == {"P": 800, "G": 200, "OS": 600}
+
+
+def test_zeropp_cuts_cross_node_bytes_four_times():
+    # qwZ: forward AG of 400 B (int8) over 8 → 350 B, network 1/2·400 = 200 B; hpZ: backward AG of 800 B
+    # inside the node → 600 B, no network; qgZ: RS of 200 B (int4) over 8 → 175 B, network 100 B.
+    total, seconds, parts = run("zero++")
+    assert total == 350 + 600 + 175
+    assert sum(c.inter_node_bytes for c in parts) == 300  # 0.75M·(m-1)/m: ZeRO++'s "3M → 0.75M"
+    assert seconds == pytest.approx((2e-8 + 3e-9) + 6e-9 + (1e-8 + 1.5e-9))
+    assert [c.group.nodes for c in parts] == [2, 1, 2]
+
+
+def test_one_node_reproduces_zero_paper_volumes():
+    world = World(gpus_per_node=8, intra_gbps=150, inter_gbps=12.5)
+    state = StateBytes(params=8000, grads=8000, optim=48000)
+    per = {name: run(name, world=world, state=state)[0] for name in ("ddp", "zero1", "zero2", "zero3")}
+    assert per == {"ddp": 14000, "zero1": 14000, "zero2": 14000, "zero3": 21000}  # 2Ψ, 2Ψ, 2Ψ, 3Ψ × 7/8
+
+
+def test_gradient_accumulation_costs_sharded_gradients_every_micro_batch():
+    world = World(gpus_per_node=8, intra_gbps=150, inter_gbps=12.5)
+    state = StateBytes(params=8000, grads=8000, optim=48000)
+    four = CommOptions(micro_batches=4)
+    ddp = iteration_collectives(ShardFactors(P=1, G=1, OS=1), state, world, four)
+    zero2 = iteration_collectives(ShardFactors(P=1, G=8, OS=8), state, world, four)
+    assert ddp[0] == 14000  # local accumulation, one all-reduce
+    assert zero2[0] == 4 * 7000 + 7000  # a reduce-scatter per micro-batch, one all-gather after the update
+    zero3 = iteration_collectives(ShardFactors(P=8, G=8, OS=8), state, world, four)
+    assert zero3[0] == 4 * 3 * 7000
+
+
+def test_reshard_after_forward_options():
+    keep = iteration_collectives(ShardFactors(P=8, G=8, OS=8), STATE, WORLD, CommOptions(reshard_after_forward=False))
+    assert [c.phase for c in keep[2]] == ["forward", "backward"] and keep[0] == 1400
+    node = iteration_collectives(ShardFactors(P=8, G=8, OS=8), STATE, WORLD, CommOptions(reshard_after_forward=4))
+    assert node[2][1].group == Group(size=4, per_node=4, nodes=1, concurrent=1)
+    with pytest.raises(HplanError, match="reshard_after_forward=3"):
+        iteration_collectives(ShardFactors(P=8, G=8, OS=8), STATE, WORLD, CommOptions(reshard_after_forward=3))
+
+
+def test_bad_factors_are_refused_with_the_allowed_values():
+    with pytest.raises(HplanError, match=r"P=3 .*pick one of \[1, 2, 4, 8\]"):
+        ShardFactors(P=3, G=8, OS=8).check(WORLD)
+    with pytest.raises(HplanError, match="P \\| G \\| OS"):
+        ShardFactors(P=4, G=2, OS=8).check(WORLD)
+    with pytest.raises(HplanError, match="unknown baseline"):
+        baseline("zero4", WORLD)
+    with pytest.raises(HplanError):
+        World(gpus_per_node=0, intra_gbps=1, inter_gbps=1)
+
+
+def test_latency_terms_count_ring_steps():
+    world = World(gpus_per_node=4, nodes=1, intra_gbps=100, inter_gbps=10, intra_latency_s=1e-6)
+    cost = collective_cost("all_reduce", 800, Group(size=4, per_node=4, nodes=1, concurrent=1), world)
+    assert cost.seconds == pytest.approx(6 * (1e-6 + 200 / 100e9))
+
+
+def test_world_from_hardware_artifact():
+    from hplan.artifacts.hardware import Hardware
+
+    hw = Hardware(gpu_bytes=80 * 10**9, gpus_per_node=8, nodes=4, intra_gbps=300.0, inter_gbps=25.0)
+    world = World.from_hardware(hw)
+    assert (world.ranks, world.intra_gbps, world.inter_gbps) == (32, 300.0, 25.0)
+
+
+def test_executor_counters_equal_the_planned_bytes():
+    """Inside one node the executor's ring counters and the planner's per-rank bytes are one formula."""
+    from hplan.executor.collectives import ring_bytes
+
+    world = World(gpus_per_node=4, intra_gbps=100, inter_gbps=10)
+    group = Group(size=4, per_node=4, nodes=1, concurrent=1)
+    for op in ("all_gather", "reduce_scatter", "all_reduce"):
+        for numel in (4, 5, 12, 1023):  # fp32 elements; uneven sizes pad to a multiple of 4 elements
+            padded = 4 * 4 * -(-numel // 4)
+            measured = ring_bytes(op, padded_bytes=padded, payload_bytes=4 * numel, group_size=4).sent
+            assert collective_cost(op, 4 * numel, group, world, itemsize=4).sent_bytes == measured
