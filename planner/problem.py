@@ -313,13 +313,15 @@ def min_gpu(trace: Trace, hardware: Hardware) -> MinGpu:
 
 
 def partly_used(trace: Trace, groups: list[list[ParamInfo]]) -> bool:
-    """Does some event touch only part of a group (e.g. a tied weight read by another module)? Then a finer
+    """Does some event read only part of a group's weights or write only part of its gradients (a tied weight
+    read by another module; a Linear's backward, which reads its weight but not its bias)? Then a finer
     chunking can hold less at that event."""
-    sets = [{p.name for p in g} for g in groups]
+    weights = [{p.name for p in g} for g in groups]
+    grads = [{p.name for p in g if p.trainable} for g in groups]
     for e in trace.events:
         if e.kind == "optimizer":
             continue
-        used = set(e.params) | set(e.grads)
-        if any(used & g and not g <= used for g in sets):
+        reads, writes = set(e.params), set(e.grads)
+        if any(reads & g and not g <= reads for g in weights) or any(writes & g and not g <= writes for g in grads):
             return True
     return False
