@@ -38,14 +38,19 @@ def canonical_params(model: nn.Module) -> dict[int, str]:
 
 
 def param_owning_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
-    """Modules that own at least one trainable parameter directly, with their first path."""
+    """Modules that own at least one parameter directly, frozen or trainable, with their first path.
+
+    Frozen ones too: a frozen module's weights must be resident when it runs, and only an event at its forward
+    makes that a plan step. Without one (LoRA's frozen embedding and base layers), its reads fall in whatever
+    window is open — before an iteration's first event, that is the previous optimizer step's, where the tracer
+    cannot put them."""
     seen: set[int] = set()
     owners = []
     for path, module in model.named_modules():
         if id(module) in seen:
             continue
         seen.add(id(module))
-        if any(p.requires_grad for p in module.parameters(recurse=False)):
+        if any(True for _ in module.parameters(recurse=False)):
             owners.append((path, module))
     return owners
 
