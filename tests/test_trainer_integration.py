@@ -126,6 +126,21 @@ def test_trainer_with_hplan_equals_plain_trainer(build, overrides, tmp_path):
     assert not any(p.grad is not None for p in ours.model.parameters())
 
 
+def test_trainer_with_peft_lora_and_checkpointing(tmp_path):
+    """The usual PEFT recipe: Trainer over a LoRA model (its no-decay group is empty), checkpointing on."""
+    peft = pytest.importorskip("peft")
+
+    def lora() -> torch.nn.Module:
+        cfg = transformers.LlamaConfig(vocab_size=VOCAB, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+        config = peft.LoraConfig(r=4, lora_alpha=8, lora_dropout=0.1, target_modules=["q_proj", "v_proj"])
+        return peft.get_peft_model(transformers.LlamaForCausalLM(cfg), config)
+
+    plain, ours, _ = compare(lora, tmp_path, steps=10, n=40, gradient_checkpointing=True)
+    assert [len(g["params"]) for g in plain.optimizer.param_groups] == [8, 0]
+    assert rel(losses(ours), losses(plain)) <= 1e-5 and weight_diff(ours.model, plain.model) <= 1e-6
+
+
 def test_norm_only_checkpoints_and_evaluation_leave_the_plan(tmp_path):
     """max_grad_norm=0: Trainer still reads the norm each step (the plan defers updates); saving and evaluating
     every 3 steps happen outside the block, on the real weights and optimizer state."""
