@@ -141,11 +141,13 @@ def test_trainer_with_peft_lora_and_checkpointing(tmp_path):
     assert rel(losses(ours), losses(plain)) <= 1e-5 and weight_diff(ours.model, plain.model) <= 1e-6
 
 
-def test_norm_only_checkpoints_and_evaluation_leave_the_plan(tmp_path):
-    """max_grad_norm=0: Trainer still reads the norm each step (the plan defers updates); saving and evaluating
-    every 3 steps happen outside the block, on the real weights and optimizer state."""
+def test_norm_only_checkpoints_evaluation_and_resume(tmp_path):
+    """max_grad_norm=0: Trainer still reads the norm each step (the plan defers updates); evaluating (at start
+    too) and saving every 3 steps happen outside the block, on the real weights and optimizer state; a Trainer
+    resuming from hplan's checkpoint under the plan continues as the plain run did."""
     evals = Tokens(8, seed=2)
-    extra = {"max_grad_norm": 0.0, "save_strategy": "steps", "save_steps": 3, "eval_strategy": "steps", "eval_steps": 3}
+    extra = {"max_grad_norm": 0.0, "save_strategy": "steps", "save_steps": 3, "eval_strategy": "steps", "eval_steps": 3,
+             "eval_on_start": True}
     plain = trainer(llama, tmp_path / "plain", Tokens(40), evals, max_steps=6, **extra)
     plain.train()
     ours = trainer(llama, tmp_path / "hplan", Tokens(40), evals, max_steps=6, **extra)
@@ -171,6 +173,13 @@ def test_norm_only_checkpoints_and_evaluation_leave_the_plan(tmp_path):
         opt_theirs = torch.load(tmp_path / "plain" / f"checkpoint-{step}" / "optimizer.pt", weights_only=True)
         assert opt_mine["state"].keys() == opt_theirs["state"].keys()
         torch.testing.assert_close(opt_mine["state"], opt_theirs["state"], rtol=1e-5, atol=1e-7)
+    resumed = trainer(llama, tmp_path / "resumed", Tokens(40), evals, max_steps=6, **extra)
+    again = HplanCallback(plan)
+    resumed.add_callback(again)
+    resumed.train(resume_from_checkpoint=str(tmp_path / "hplan" / "checkpoint-3"))
+    assert (callback.steps, again.steps) == (6, 3)
+    assert rel(losses(resumed)[-3:], losses(plain)[-3:]) <= 1e-5
+    assert weight_diff(resumed.model, plain.model) <= 1e-6
 
 
 def test_workload_is_the_trainers_own_step(tmp_path):

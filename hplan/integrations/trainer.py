@@ -49,11 +49,12 @@ DEFAULT_STEPS = 3
 class HplanCallback(TrainerCallback):
     """Trains the Trainer's optimizer steps on `plan` (`hplan.attach` around Trainer's own loop).
 
-    The block opens at `on_train_begin` and closes before anything that reads the whole model outside a training
-    step — checkpoint saving, evaluation, the end of training (Trainer saves and evaluates right after
-    `on_step_end`) — then opens again at the next `on_step_begin`: inside the block, weights live in the plan's
-    regions and an offloaded one is a placeholder, which a checkpoint must never see. `attach_options` go to
-    `hplan.attach` (`device` defaults to the Trainer's `args.device`)."""
+    The block opens at each optimizer step's `on_step_begin` (`on_train_begin` only checks the arguments: Trainer
+    may evaluate right after it, `eval_on_start`) and closes before anything that reads the whole model outside a
+    training step — checkpoint saving, evaluation, the end of training (Trainer saves and evaluates right after
+    `on_step_end`): inside the block, weights live in the plan's regions and an offloaded one is a placeholder,
+    which a checkpoint or an evaluation must never see. Between steps that do none of these the block stays open.
+    `attach_options` go to `hplan.attach` (`device` defaults to the Trainer's `args.device`)."""
 
     def __init__(self, plan: Plan, **attach_options: Any) -> None:
         self.plan = plan
@@ -80,7 +81,6 @@ class HplanCallback(TrainerCallback):
         check_args(args, self.plan, train_dataloader, state.max_steps)
         self._model, self._optimizer = model, unwrap_optimizer(optimizer)
         self._device = str(self.options.get("device", args.device))
-        self._enter()
 
     def on_step_begin(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
                       **kwargs: Any) -> None:
@@ -189,8 +189,7 @@ def workload_from_trainer(trainer: Trainer, *, steps: int = DEFAULT_STEPS) -> hp
 
     def model() -> torch.nn.Module:
         built = copy.deepcopy(snapshot)
-        if args.activation_checkpointing:
-            _enable_checkpointing(built, args)
+        _enable_checkpointing(built, args)
         return built
 
     def batch(i: int) -> tuple[dict[str, Any], Any]:
@@ -249,15 +248,18 @@ def _loss_normalised_per_step(trainer: Trainer, count: Any) -> bool:
 
 
 def _enable_checkpointing(model: torch.nn.Module, args: TrainingArguments) -> None:
-    """Activation checkpointing as `Trainer.train()` enables it (transformers' default: non-reentrant)."""
-    kwargs = dict(args.activation_checkpointing_kwargs or {})
-    every, offload = kwargs.pop("every_n_layers", 1), kwargs.pop("offload", False)
+    """Activation checkpointing as `Trainer.train()` enables it (transformers' default: non-reentrant). The
+    arguments are `activation_checkpointing*` in transformers 5, `gradient_checkpointing*` before (an alias now)."""
+    enabled = getattr(args, "activation_checkpointing", None)
+    if not (enabled if enabled is not None else getattr(args, "gradient_checkpointing", False)):
+        return
+    kwargs = dict(getattr(args, "activation_checkpointing_kwargs", None)
+                  or getattr(args, "gradient_checkpointing_kwargs", None) or {})
+    layers = {k: kwargs.pop(k) for k in ("every_n_layers", "offload") if k in kwargs}
     if hasattr(model, "activation_checkpointing_enable"):
-        model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs or None,
-                                              every_n_layers=every, offload=offload)
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs or None, **layers)
     else:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs or None,
-                                            every_n_layers=every, offload=offload)
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs or None, **layers)
 
 
 def _optimizer_factory(trainer: Trainer, snapshot: torch.nn.Module, names: list[str]) -> Any:
