@@ -126,6 +126,7 @@ def test_trainer_with_hplan_equals_plain_trainer(build, overrides, tmp_path):
     assert not any(p.grad is not None for p in ours.model.parameters())
 
 
+@pytest.mark.slow
 def test_trainer_with_peft_lora_and_checkpointing(tmp_path):
     """The usual PEFT recipe: Trainer over a LoRA model (its no-decay group is empty), checkpointing on."""
     peft = pytest.importorskip("peft")
