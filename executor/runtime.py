@@ -315,8 +315,9 @@ class PlanRun:
         master gradients (unscaled) and the clip applies to them at the update, as the reference does."""
         if self._updated:
             raise HplanError(f"clip_grad_norm_ was called after chunks {sorted(self._updated)[:3]} were already "
-                             "updated this iteration; re-trace with max_grad_norm set (Workload.max_grad_norm) so the "
-                             "plan defers updates until the norm is known")
+                             "updated this iteration; re-trace with max_grad_norm set (Workload.max_grad_norm, or "
+                             "Workload.defer_updates=True to only read the norm) so the plan defers updates until the "
+                             "norm is known")
         wanted = [self._names[id(p)] for p in (params or self.store.params.values()) if id(p) in self._names]
         names = [n for n in wanted if n in self.written]
         grads = self._grads(names)

@@ -5,8 +5,8 @@ the same hooks, so the two always agree on what an event is and in which order
 events come. Imports torch: only the tracer and executor use this module.
 
 Events:
-- ``forward:<module>``: a module that owns parameters directly (trainable or frozen) is about to run
-  forward (a module called twice yields two events).
+- ``forward:<module>``: a module that owns parameters directly is about to run forward
+  (a module called twice yields two events).
 - ``backward:<module>``: autograd is about to compute that module's backward (a prehook on
   the grad_fn of the module's output, so in-place ops on the output later do not matter).
 - ``optimizer:optimizer``: the optimizer step; the caller reports it.
@@ -38,8 +38,12 @@ def canonical_params(model: nn.Module) -> dict[int, str]:
 
 
 def param_owning_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
-    """Modules that own at least one parameter directly (frozen ones too: their weights are placed and fetched
-    like any others, so their forward must be an event), with their first path."""
+    """Modules that own at least one parameter directly, frozen or trainable, with their first path.
+
+    Frozen ones too: a frozen module's weights must be resident when it runs, and only an event at its forward
+    makes that a plan step. Without one (LoRA's frozen embedding and base layers), its reads fall in whatever
+    window is open — before an iteration's first event, that is the previous optimizer step's, where the tracer
+    cannot put them."""
     seen: set[int] = set()
     owners = []
     for path, module in model.named_modules():

@@ -50,8 +50,9 @@ class TrainStep:
 
     @property
     def defer_updates(self) -> bool:
-        """Every update waits for all gradients: the global norm (clipping) or the overflow check (scaler)."""
-        return self.workload.max_grad_norm is not None or self.scaler is not None
+        """Every update waits for all gradients: the global norm (clipping, or a loop that reads it: the workload's
+        defer_updates) or the overflow check (scaler)."""
+        return self.workload.max_grad_norm is not None or self.scaler is not None or self.workload.defer_updates
 
     def run(self, step: int, get_batch: Callable[[int], Any] | None = None,
             on_phase: PhaseCallback | None = None) -> torch.Tensor:

@@ -44,6 +44,10 @@ class Workload:
     `torch.nn.utils.clip_grad_norm_` does (on the fp32 master gradients in mixed precision)."""
     scheduler: Callable[[Any], Any] | None = None
     """optimizer → LR scheduler (anything with `.step()`), stepped once after every optimizer step."""
+    defer_updates: bool = False
+    """Hold every update until the optimizer step even without clipping or loss scaling, for loops that read the
+    global gradient norm before each step (transformers' Trainer logs it every step through
+    `clip_grad_norm_(…, inf)`): the norm needs every gradient before any chunk is updated."""
 
     def __post_init__(self) -> None:
         for field_name in ("model", "batch", "loss", "optimizer"):
@@ -59,6 +63,8 @@ class Workload:
                                                    and 0 < self.max_grad_norm < float("inf")):
             raise HplanError(f"Workload.max_grad_norm must be a finite positive number or None, got "
                              f"{self.max_grad_norm!r}")
+        if not isinstance(self.defer_updates, bool):
+            raise HplanError(f"Workload.defer_updates must be True or False, got {self.defer_updates!r}")
         get_recipe(self.precision)
 
     def micro_batch(self, step: int, micro: int) -> Any:

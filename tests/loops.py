@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import contextlib
+import math
 from typing import Any
 
 import torch
@@ -64,12 +65,19 @@ def user_loop(workload: hplan.Workload, steps: int, plan: Plan | None = None, *,
 
 
 def rel(a: list[float], b: list[float]) -> float:
-    return max(abs(x - y) / abs(y) for x, y in zip(a, b, strict=True))
+    return _nan_max(abs(x - y) / abs(y) for x, y in zip(a, b, strict=True))
 
 
 def weight_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
     assert a.keys() == b.keys()
-    return max((a[k].double() - b[k].double()).abs().max().item() for k in a)
+    return _nan_max((a[k].double() - b[k].double()).abs().max().item() for k in a)
+
+
+def _nan_max(values: Any) -> float:
+    """max() that returns NaN when any value is NaN (Python's max keeps or drops a NaN depending on its position,
+    so a NaN weight could pass a `<= tol` check)."""
+    values = list(values)
+    return math.nan if any(math.isnan(v) for v in values) else max(values)
 
 
 def measured(records: list[Any], plan: Plan) -> tuple[int, int]:

@@ -138,6 +138,12 @@ class Recorder(TorchDispatchMode):
         """Close the last window; fold the ops before the first event into it; return the windows."""
         self._close_window()
         head, *events = self.windows
+        if head.params:
+            # at run time these reads happen before the plan's first step, inside the previous optimizer step
+            name = next(iter(head.params))
+            raise HplanError(f"parameter {name} is read before any module owning parameters runs forward (outside "
+                             "every module's forward); hplan's steps begin at module forwards: read it inside one "
+                             "(call the module instead of using its weight directly)")
         if events:
             first = events[0]
             first.op_start = 0

@@ -1,0 +1,249 @@
+"""transformers' Trainer with HplanCallback trains exactly as the plain Trainer does, with the user's own
+TrainingArguments (warmup + decay schedule, decay/no-decay groups, clipping, accumulation, checkpointing), at least
+half the model data offloaded, inside the plan's budget, moving exactly the planned bytes."""
+
+from __future__ import annotations
+
+import dataclasses
+import types
+
+import pytest
+import torch
+import transformers
+from hplan.planner import PlanOptions, default_slack, make_plan, min_gpu_bytes
+from loops import offloaded_share
+from transformers import Trainer, TrainingArguments
+
+import hplan
+from hplan.artifacts import Hardware
+from hplan.errors import HplanError
+from hplan.integrations.trainer import (
+    HplanCallback,
+    check_args,
+    trace_trainer,
+    unwrap_optimizer,
+    workload_from_trainer,
+)
+
+VOCAB, SEQ = 256, 16
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    """Two shared cores: torch's default thread pool makes a 1 s Trainer run take a minute here."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+class Tokens(torch.utils.data.Dataset):
+    """Fixed-length random token rows; labels = inputs (causal LM)."""
+
+    def __init__(self, n: int, seed: int = 1) -> None:
+        self.ids = torch.randint(VOCAB, (n, SEQ), generator=torch.Generator().manual_seed(seed))
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+        return {"input_ids": self.ids[i], "labels": self.ids[i]}
+
+
+def llama() -> torch.nn.Module:
+    cfg = transformers.LlamaConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+    return transformers.LlamaForCausalLM(cfg)
+
+
+def gpt2() -> torch.nn.Module:
+    """Dropout on: the hplan run must draw the same random numbers as the plain one."""
+    cfg = transformers.GPT2Config(vocab_size=VOCAB, n_embd=64, n_layer=2, n_head=4, n_positions=64)
+    return transformers.GPT2LMHeadModel(cfg)
+
+
+def arguments(out, **overrides) -> TrainingArguments:
+    options = {"output_dir": str(out), "max_steps": 20, "per_device_train_batch_size": 2,
+               "gradient_accumulation_steps": 2, "learning_rate": 1e-3, "warmup_steps": 3,
+               "lr_scheduler_type": "cosine", "weight_decay": 0.1, "max_grad_norm": 1.0, "logging_steps": 1,
+               "save_strategy": "no", "report_to": [], "use_cpu": True, "seed": 0, "disable_tqdm": True}
+    return TrainingArguments(**{**options, **overrides})
+
+
+def trainer(build, out, data, evals=None, **overrides) -> Trainer:
+    torch.manual_seed(0)
+    return Trainer(model=build(), args=arguments(out, **overrides), train_dataset=data, eval_dataset=evals)
+
+
+def plan_at_floor(trace):
+    """The smallest fast tier any schedule fits (a CPU budget)."""
+    hardware = Hardware(gpu="cpu", gpu_bytes=min_gpu_bytes(trace).gpu_bytes, slack_bytes=default_slack(trace),
+                        overlap=False)
+    plan = make_plan(trace, hardware, PlanOptions(solver="fast"))
+    assert plan.summary.feasible, plan.summary.bottleneck
+    return plan
+
+
+def losses(t: Trainer) -> list[float]:
+    return [h["loss"] for h in t.state.log_history if "loss" in h and "eval_loss" not in h]
+
+
+def rel(a: list[float], b: list[float]) -> float:
+    return max(abs(x - y) / abs(y) for x, y in zip(a, b, strict=True))
+
+
+def weight_diff(a: torch.nn.Module, b: torch.nn.Module) -> float:
+    sa, sb = a.state_dict(), b.state_dict()
+    assert sa.keys() == sb.keys()
+    return max((sa[k].double() - sb[k].double()).abs().max().item() for k in sa)
+
+
+def compare(build, tmp_path, steps: int = 20, n: int = 80, **overrides) -> tuple[Trainer, Trainer, HplanCallback]:
+    """The plain Trainer and the same Trainer with HplanCallback, on the same model, data and arguments."""
+    plain = trainer(build, tmp_path / "plain", Tokens(n), max_steps=steps, **overrides)
+    plain.train()
+    ours = trainer(build, tmp_path / "hplan", Tokens(n), max_steps=steps, **overrides)
+    plan = plan_at_floor(trace_trainer(ours))
+    assert offloaded_share(plan) >= 0.5
+    callback = HplanCallback(plan)
+    ours.add_callback(callback)
+    ours.train()
+    assert callback.run is None and callback.steps == steps
+    assert 0 < callback.peak_resident_bytes <= plan.gpu_bytes
+    assert sum(r.h2d_bytes + r.d2h_bytes for r in callback.last_records) == plan.summary.bytes_moved_per_iter
+    return plain, ours, callback
+
+
+@pytest.mark.parametrize("build, overrides", [
+    (llama, {}),
+    (gpt2, {"lr_scheduler_type": "linear", "gradient_checkpointing": True}),
+], ids=["llama-cosine", "gpt2-linear-checkpointing"])
+def test_trainer_with_hplan_equals_plain_trainer(build, overrides, tmp_path):
+    plain, ours, _ = compare(build, tmp_path, **overrides)
+    assert len(plain.optimizer.param_groups) == 2 and plain.optimizer.param_groups[0]["weight_decay"] == 0.1
+    assert len(losses(plain)) == 20 and rel(losses(ours), losses(plain)) <= 1e-5
+    assert weight_diff(ours.model, plain.model) <= 1e-6
+    assert not any(p.grad is not None for p in ours.model.parameters())
+
+
+@pytest.mark.slow
+def test_trainer_with_peft_lora_and_checkpointing(tmp_path):
+    """The usual PEFT recipe: Trainer over a LoRA model (its no-decay group is empty), checkpointing on."""
+    peft = pytest.importorskip("peft")
+
+    def lora() -> torch.nn.Module:
+        cfg = transformers.LlamaConfig(vocab_size=VOCAB, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+        config = peft.LoraConfig(r=4, lora_alpha=8, lora_dropout=0.1, target_modules=["q_proj", "v_proj"])
+        return peft.get_peft_model(transformers.LlamaForCausalLM(cfg), config)
+
+    plain, ours, _ = compare(lora, tmp_path, steps=10, n=40, gradient_checkpointing=True)
+    assert [len(g["params"]) for g in plain.optimizer.param_groups] == [8, 0]
+    assert rel(losses(ours), losses(plain)) <= 1e-5 and weight_diff(ours.model, plain.model) <= 1e-6
+
+
+def test_norm_only_checkpoints_evaluation_and_resume(tmp_path):
+    """max_grad_norm=0: Trainer still reads the norm each step (the plan defers updates); evaluating (at start
+    too) and saving every 3 steps happen outside the block, on the real weights and optimizer state; a Trainer
+    resuming from hplan's checkpoint under the plan continues as the plain run did."""
+    evals = Tokens(8, seed=2)
+    extra = {"max_grad_norm": 0.0, "save_strategy": "steps", "save_steps": 3, "eval_strategy": "steps", "eval_steps": 3,
+             "eval_on_start": True}
+    plain = trainer(llama, tmp_path / "plain", Tokens(40), evals, max_steps=6, **extra)
+    plain.train()
+    ours = trainer(llama, tmp_path / "hplan", Tokens(40), evals, max_steps=6, **extra)
+    trace = trace_trainer(ours)
+    assert trace.defer_updates and trace.max_grad_norm is None and trace.accumulate == 2
+    plan = plan_at_floor(trace)
+    callback = HplanCallback(plan)
+    ours.add_callback(callback)
+    ours.train()
+    assert rel(losses(ours), losses(plain)) <= 1e-5 and len(losses(plain)) == 6
+    grad_norms = [h["grad_norm"] for h in ours.state.log_history if "grad_norm" in h]
+    assert rel(grad_norms, [h["grad_norm"] for h in plain.state.log_history if "grad_norm" in h]) <= 1e-5
+    assert rel([h["eval_loss"] for h in ours.state.log_history if "eval_loss" in h],
+               [h["eval_loss"] for h in plain.state.log_history if "eval_loss" in h]) <= 1e-5
+    from safetensors.torch import load_file
+
+    for step in (3, 6):
+        mine = load_file(tmp_path / "hplan" / f"checkpoint-{step}" / "model.safetensors")
+        theirs = load_file(tmp_path / "plain" / f"checkpoint-{step}" / "model.safetensors")
+        assert all(torch.isfinite(v).all() for v in mine.values())
+        assert max((mine[k] - theirs[k]).abs().max().item() for k in theirs) <= 1e-6
+        opt_mine = torch.load(tmp_path / "hplan" / f"checkpoint-{step}" / "optimizer.pt", weights_only=True)
+        opt_theirs = torch.load(tmp_path / "plain" / f"checkpoint-{step}" / "optimizer.pt", weights_only=True)
+        assert opt_mine["state"].keys() == opt_theirs["state"].keys()
+        torch.testing.assert_close(opt_mine["state"], opt_theirs["state"], rtol=1e-5, atol=1e-7)
+    resumed = trainer(llama, tmp_path / "resumed", Tokens(40), evals, max_steps=6, **extra)
+    again = HplanCallback(plan)
+    resumed.add_callback(again)
+    resumed.train(resume_from_checkpoint=str(tmp_path / "hplan" / "checkpoint-3"))
+    assert (callback.steps, again.steps) == (6, 3)
+    assert rel(losses(resumed)[-3:], losses(plain)[-3:]) <= 1e-5
+    assert weight_diff(resumed.model, plain.model) <= 1e-6
+
+
+def test_workload_is_the_trainers_own_step(tmp_path):
+    t = trainer(llama, tmp_path, Tokens(16), max_steps=4, max_grad_norm=0.0)
+    w = workload_from_trainer(t, steps=2)
+    assert (w.accumulate, w.max_grad_norm, w.defer_updates) == (2, None, True)
+    model = w.build_model()
+    optimizer = w.optimizer(model.parameters())
+    names = {id(p): n for n, p in model.named_parameters()}
+    decay = [names[id(p)] for p in optimizer.param_groups[0]["params"]]
+    assert [g["weight_decay"] for g in optimizer.param_groups] == [0.1, 0.0]
+    assert "model.norm.weight" not in decay and "lm_head.weight" in decay
+    assert type(optimizer) is torch.optim.AdamW and optimizer.defaults["lr"] == 1e-3
+    _, count = w.batch(0)
+    # num_items_in_batch counts the shifted labels of both micro-batches of the step, as Trainer counts them
+    assert float(count) == 2 * 2 * (SEQ - 1) and w.batch(1)[1] is count
+    loss = w.loss(model, w.batch(0))
+    assert torch.isfinite(loss) and loss.ndim == 0
+    with pytest.raises(HplanError, match="trace at most 2 steps"):
+        w.batch(4)
+
+
+def test_trace_leaves_the_rng_alone(tmp_path):
+    t = trainer(llama, tmp_path, Tokens(16), max_steps=4)
+    before = torch.get_rng_state()
+    trace_trainer(t, steps=2)
+    assert torch.equal(before, torch.get_rng_state())
+
+
+def test_unwraps_accelerate_optimizer():
+    from accelerate import Accelerator
+
+    inner = torch.optim.AdamW([torch.nn.Parameter(torch.zeros(2))])
+    wrapper = Accelerator(cpu=True).prepare(inner)
+    assert type(wrapper).__name__ == "AcceleratedOptimizer"
+    assert unwrap_optimizer(wrapper) is inner and unwrap_optimizer(inner) is inner
+
+
+@pytest.mark.parametrize("overrides, plan, batches, match", [
+    ({"bf16": True}, None, None, "autocast"),
+    ({"torch_compile": True}, None, None, "compiles the model"),
+    ({}, {"accumulate": 1, "defer_updates": True}, None, "traced with 1 micro-batches"),
+    ({}, {"accumulate": 2, "defer_updates": False}, None, "defer"),
+    ({}, {"accumulate": 2, "defer_updates": True}, 41, "gets 1 of 2 micro-batches"),
+])
+def test_refuses_what_the_plan_cannot_follow(overrides, plan, batches, match, tmp_path):
+    args = arguments(tmp_path, **overrides)
+    plan = types.SimpleNamespace(**plan) if plan is not None else None
+    with pytest.raises(HplanError, match=match):
+        check_args(args, plan, list(range(batches)) if batches else None, max_steps=21)
+
+
+def test_exact_multiple_of_accumulation_is_accepted(tmp_path):
+    check_args(arguments(tmp_path), types.SimpleNamespace(accumulate=2, defer_updates=True), list(range(41)),
+               max_steps=20)
+
+
+def test_defer_updates_flag_reaches_the_trace():
+    from hplan.training import TrainStep
+
+    w = hplan.Workload(model=lambda: torch.nn.Linear(2, 2), batch=lambda i: torch.ones(1, 2),
+                       loss=lambda m, b: m(b).sum(), optimizer=lambda ps: torch.optim.SGD(ps, lr=0.1))
+    assert not TrainStep(w).defer_updates
+    assert TrainStep(dataclasses.replace(w, defer_updates=True)).defer_updates
+    with pytest.raises(HplanError, match="defer_updates"):
+        dataclasses.replace(w, defer_updates="yes")
