@@ -87,7 +87,9 @@ def test_state_dict_round_trip_into_fresh_objects():
     plan = plan_for(workload)
     ref = user_loop(workload, 6)
     first = user_loop(workload, 3, plan)
-    saved = {"model": first["model"].state_dict(), "optimizer": first["optimizer"].state_dict()}
+    rng_after_first = torch.get_rng_state()
+    saved = {"model": first["model"].state_dict(), "optimizer": first["optimizer"].state_dict(),
+             "rng": rng_after_first}  # GPT-2 uses dropout: a resumed job restores the RNG too
     plain3 = user_loop(workload, 3)
     plain_sd = plain3["optimizer"].state_dict()
     assert saved["optimizer"]["param_groups"] == plain_sd["param_groups"]
@@ -97,6 +99,7 @@ def test_state_dict_round_trip_into_fresh_objects():
     model.load_state_dict(saved["model"])
     optimizer = workload.optimizer(model.parameters())
     optimizer.load_state_dict(saved["optimizer"])
+    torch.set_rng_state(saved["rng"])
     shifted = dataclasses.replace(workload, batch=lambda step: workload.batch(step + 3))
     second = user_loop(shifted, 3, plan, model=model, optimizer=optimizer)
     assert first["losses"] + second["losses"] == ref["losses"]
