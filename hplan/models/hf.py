@@ -6,6 +6,7 @@ user gives (e.g. n_layer=2), define the architecture.
 
 from __future__ import annotations
 
+import copy
 from typing import Any
 
 import torch
@@ -58,10 +59,13 @@ def hf_workload(
         return {"input_ids": ids, "labels": ids.clone()}
 
     def build() -> torch.nn.Module:
-        model = cls(config)
-        if hasattr(model.config, "use_cache"):
-            model.config.use_cache = False
-        return model
+        # A fresh copy per build: every tool (cpu trace, fake trace, executor) must build the same model, and
+        # submodules copy the config at construction (T5's decoder stack does), so `use_cache` is switched off
+        # before construction; setting it on the built model's shared config changed only the next build.
+        fresh = copy.deepcopy(config)
+        if hasattr(fresh, "use_cache"):
+            fresh.use_cache = False  # training step: no key/value cache
+        return cls(fresh)
 
     return Workload(
         model=build,
