@@ -14,6 +14,7 @@ from typing import Any
 
 import torch
 from hplan.tracer.build import build_trace
+from hplan.tracer.fake import FakeKernels
 from hplan.tracer.modules import module_paths
 from hplan.tracer.recorder import Recorder, TracerSink, Window, on_accumulate, on_saved
 from torch import fx
@@ -186,7 +187,7 @@ def _fake_mode(device: str) -> Iterator[Any]:
         return
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    with FakeTensorMode() as mode:
+    with FakeTensorMode() as mode, FakeKernels():
         yield mode
 
 
