@@ -6,7 +6,6 @@ user gives (e.g. n_layer=2), define the architecture.
 
 from __future__ import annotations
 
-import copy
 from typing import Any
 
 import torch
@@ -58,14 +57,14 @@ def hf_workload(
         ids = torch.randint(vocab, (bsz, seq), generator=gen)
         return {"input_ids": ids, "labels": ids.clone()}
 
+    # Before the first build, not on a built model: submodules copy the config at construction (T5's decoder
+    # stack does), so switching use_cache off afterwards reached only the next build, and the first build (a cpu
+    # trace) and the second (a fake trace) of one workload were different models.
+    if hasattr(config, "use_cache"):
+        config.use_cache = False  # a training step: no key/value cache
+
     def build() -> torch.nn.Module:
-        # A fresh copy per build: every tool (cpu trace, fake trace, executor) must build the same model, and
-        # submodules copy the config at construction (T5's decoder stack does), so `use_cache` is switched off
-        # before construction; setting it on the built model's shared config changed only the next build.
-        fresh = copy.deepcopy(config)
-        if hasattr(fresh, "use_cache"):
-            fresh.use_cache = False  # training step: no key/value cache
-        return cls(fresh)
+        return cls(config)
 
     return Workload(
         model=build,
