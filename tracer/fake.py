@@ -23,13 +23,22 @@ Plain `FakeTensorMode` drifts from the real run in two ways, each corrected belo
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+import sys
+import weakref
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
+from hplan.tracer.recorder import Recorder
+from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode, unset_fake_temporarily
 from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_map_only
+
+from hplan.probe import storage_key, tensors_in
 
 Kernel = Callable[[Any, tuple, dict], Any]
+aten = torch.ops.aten
 
 PAGE_BYTES = 4096
 """oneDNN starts every region of an RNN workspace on a page boundary."""
@@ -92,18 +101,210 @@ def _mkldnn_rnn_layer_backward(func: Any, args: tuple, kwargs: dict) -> Any:
 
 
 KERNELS: dict[Any, Kernel] = {
-    torch.ops.aten.mkldnn_rnn_layer.default: _mkldnn_rnn_layer,
-    torch.ops.aten.mkldnn_rnn_layer_backward.default: _mkldnn_rnn_layer_backward,
+    aten.mkldnn_rnn_layer.default: _mkldnn_rnn_layer,
+    aten.mkldnn_rnn_layer_backward.default: _mkldnn_rnn_layer_backward,
 }
 """Operators whose meta kernel returns outputs of other sizes than the CPU kernel, with the correction."""
 
 
+KNOWN_LIMIT_BYTES = 1 << 22
+"""Largest new tensor whose values a fake trace computes for real (4 MiB): position ids and padding masks of
+half a million tokens fit, while weights, activations and attention-sized masks stay shapes only."""
+_VALUE = "_hplan_values"
+"""Attribute of a fake storage: the real storage holding its values (dies with the fake storage)."""
+_UNDEFINED_VALUES = {aten.empty.memory_format, aten.empty_strided.default, aten.empty_like.default,
+                     aten.new_empty.default, aten.new_empty_strided.default, aten.empty_permuted.default,
+                     aten.resize_.default, aten.set_.source_Storage, aten.set_.source_Storage_storage_offset}
+"""Operators whose results hold no defined values, so nothing is known after them."""
+
+
+class KnownValues:
+    """Real values behind fake tensors that the real run computes from shapes and constants alone.
+
+    A fake storage gets a real twin when an operator creates it from known inputs only (constants, aranges,
+    zeros, draws from a generator the trace has followed, or other known tensors) and it is small
+    (`KNOWN_LIMIT_BYTES`). Views share their base's storage, hence its twin; an operator that writes into a
+    storage either updates the twin (its inputs known) or forgets it. Weights are built by random
+    initialisers on fake tensors and activations derive from them, so they never get a twin.
+    """
+
+    def __init__(self) -> None:
+        self._writes: dict[Any, tuple[tuple[int, str], ...]] = {}
+        """Per operator: positions / names of the arguments it writes into (its schema's `(a!)`)."""
+        self._lost: weakref.WeakSet[torch.Generator] = weakref.WeakSet()
+        """Generators that drew numbers the trace did not compute: their later draws differ from the real run."""
+
+    @staticmethod
+    def known(t: torch.Tensor) -> bool:
+        return not isinstance(t, FakeTensor) or hasattr(t.untyped_storage(), _VALUE)
+
+    @staticmethod
+    def value(t: torch.Tensor) -> torch.Tensor | None:
+        """The real tensor holding fake tensor `t`'s values (a view of its storage's twin), or None."""
+        if not isinstance(t, FakeTensor):
+            return t  # a constant FakeTensorMode lifts: its own value
+        twin = getattr(t.untyped_storage(), _VALUE, None)
+        if twin is None:
+            return None
+        with unset_fake_temporarily():
+            return torch.empty(0, dtype=t.dtype).set_(twin, t.storage_offset(), t.shape, t.stride())
+
+    def after(self, func: Any, args: tuple, kwargs: dict, out: Any) -> None:
+        """Keep twins right after FakeTensorMode ran `func`: compute new ones, update or forget written ones."""
+        inputs = tensors_in(kwargs, tensors_in(args))
+        written = self._written(func, args, kwargs)
+        generator = kwargs.get("generator")
+        if all(map(self.known, inputs)):
+            shared = {storage_key(t) for t in inputs}
+            fresh = [t for t in tensors_in(out) if storage_key(t) not in shared]
+            if not written and not fresh:
+                return  # a view or a query: it shares its input's storage, twin included
+            if self._computable(func, fresh, generator) and self._compute(func, args, kwargs, out, fresh):
+                return
+        elif not written and generator is None:
+            return  # the common case: weights or activations in, nothing known to keep or forget
+        if isinstance(generator, torch.Generator):
+            self._lost.add(generator)
+        for t in written:
+            if hasattr(t.untyped_storage(), _VALUE):
+                delattr(t.untyped_storage(), _VALUE)
+
+    def _written(self, func: Any, args: tuple, kwargs: dict) -> list[torch.Tensor]:
+        where = self._writes.get(func)
+        if where is None:
+            where = self._writes[func] = tuple((i, a.name) for i, a in enumerate(func._schema.arguments)
+                                               if a.alias_info is not None and a.alias_info.is_write)
+        if not where:
+            return []
+        picked = [args[i] if i < len(args) else kwargs.get(name) for i, name in where]
+        return [t for t in tensors_in(picked) if isinstance(t, FakeTensor)]
+
+    def _computable(self, func: Any, fresh: list[torch.Tensor], generator: Any) -> bool:
+        """Inputs known: run the real kernel unless its result is undefined, random or too large."""
+        if func in _UNDEFINED_VALUES:
+            return False
+        if torch.Tag.nondeterministic_seeded in func.tags:
+            # draws from the global generator: the fake run skips most draws, so its sequence is not the real one
+            if not isinstance(generator, torch.Generator) or generator in self._lost:
+                return False
+        return sum(t.untyped_storage().nbytes() for t in fresh) <= KNOWN_LIMIT_BYTES
+
+    def _compute(self, func: Any, args: tuple, kwargs: dict, out: Any, fresh: list[torch.Tensor]) -> bool:
+        """Run the real kernel on the twins (writes land in the written storages' twins); twin the fresh outputs."""
+        real_args, real_kwargs = tree_map_only(torch.Tensor, self.value, (args, kwargs))
+        try:
+            with unset_fake_temporarily():
+                real_out = func(*real_args, **real_kwargs)
+        except Exception:  # the twins cannot run what the fake did (e.g. a stride the kernel refuses): unknown
+            return False
+        fresh_ids = {id(t) for t in fresh}
+        taken = {storage_key(t) for t in tensors_in((real_args, real_kwargs))}
+        for fake_t, real_t in zip(tensors_in(out), tensors_in(real_out)):
+            if id(fake_t) in fresh_ids:
+                _twin(fake_t, real_t, shared=storage_key(real_t) in taken)
+        return True
+
+
+def _twin(fake: torch.Tensor, real: torch.Tensor, *, shared: bool) -> None:
+    """Give `fake`'s storage a real twin holding `real`'s values in `fake`'s layout (real kernels may choose
+    other strides than meta kernels, or return an input where the meta kernel allocates: `shared`); a storage
+    the tensor does not cover exactly stays unknown."""
+    storage = fake.untyped_storage()
+    covers = fake.storage_offset() == 0 and storage.nbytes() == fake.numel() * fake.element_size() and _dense(fake)
+    if real.shape != fake.shape or real.dtype != fake.dtype or not covers:
+        return
+    with unset_fake_temporarily():
+        if not shared and real.stride() == fake.stride() and real.storage_offset() == 0 \
+                and real.untyped_storage().nbytes() == storage.nbytes():
+            twin = real.untyped_storage()
+        else:
+            twin = torch.UntypedStorage(storage.nbytes())
+            torch.empty(0, dtype=fake.dtype).set_(twin, 0, fake.shape, fake.stride()).copy_(real)
+    setattr(storage, _VALUE, twin)
+
+
+def _dense(t: torch.Tensor) -> bool:
+    """Every element at its own offset, no gaps: the strides are a permutation of contiguous strides."""
+    expected = 1
+    for size, stride in sorted(((n, s) for n, s in zip(t.shape, t.stride()) if n != 1), key=lambda p: p[1]):
+        if stride != expected:
+            return False
+        expected *= size
+    return True
+
+
 class FakeKernels(TorchDispatchMode):
-    """Sits between the recorder and FakeTensorMode: corrects the outputs of `KERNELS`."""
+    """Sits between the recorder and FakeTensorMode: corrects `KERNELS`' outputs and keeps known values."""
+
+    def __init__(self, values: KnownValues) -> None:
+        super().__init__()
+        self.values = values
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
         kernel = KERNELS.get(func)
         if kernel is not None:
             return kernel(func, args, kwargs)
-        return func(*args, **kwargs)
+        out = func(*args, **kwargs)
+        self.values.after(func, args, kwargs, out)
+        return out
+
+
+class FakeRecorder(Recorder):
+    """The recorder of fake traces: a value read (`.item()`, `if tensor:`) gets the real value when it is known.
+
+    The read stays a recorded operator, as in a cpu trace, with the same note that the path depends on values.
+    """
+
+    def __init__(self, *, values: KnownValues, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.values = values
+
+    def _fake_scalar(self, t: torch.Tensor) -> Any:
+        real = self.values.value(t)
+        if real is None:
+            return super()._fake_scalar(t)
+        if self.phase != "optimizer":
+            self._note_data_dependent(aten._local_scalar_dense.default)
+        with unset_fake_temporarily():
+            return real.item()
+
+
+@contextlib.contextmanager
+def _transformers_reads_known_values(values: KnownValues) -> Iterator[None]:
+    """transformers' `is_tracing(tensor)` counts every FakeTensor as traced (values unavailable, as under
+    torch.compile) and then skips value checks, e.g. "are these position ids one sequence per row?" before it
+    drops the causal mask for SDPA's `is_causal`, materialising a (batch, 1, seq, seq) mask the real run never
+    builds. While tracing, a fake tensor whose values are known counts as what it stands for: a real tensor."""
+    utils = sys.modules.get("transformers.utils.import_utils")
+    original = getattr(utils, "is_fake_tensor", None)
+    if original is None:
+        yield
+        return
+    utils.is_fake_tensor = lambda x: original(x) and not values.known(x)  # type: ignore[union-attr]
+    try:
+        yield
+    finally:
+        utils.is_fake_tensor = original  # type: ignore[union-attr]
+
+
+class FakeExecution:
+    """What `fake_mode` sets up: the FakeTensorMode, the known values, and the recorder that reads them."""
+
+    def __init__(self, mode: FakeTensorMode, values: KnownValues) -> None:
+        self.mode, self.values = mode, values
+
+    def recorder(self, **kwargs: Any) -> Recorder:
+        return FakeRecorder(values=self.values, **kwargs)
+
+
+@contextlib.contextmanager
+def fake_mode(device: str) -> Iterator[FakeExecution | None]:
+    """For device "fake": fake tensors (shapes and dtypes, no memory) that behave like the real CPU run
+    (see [Note: what a fake trace models]); None for real devices."""
+    if device != "fake":
+        yield None
+        return
+    values = KnownValues()
+    with FakeTensorMode() as mode, FakeKernels(values), _transformers_reads_known_values(values):
+        yield FakeExecution(mode, values)
