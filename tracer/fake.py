@@ -63,10 +63,11 @@ def onednn_lstm_workspace_bytes(seq: int, batch: int, input_size: int, hidden: i
     page-aligned: the gates of every step (`seq·batch·ld(4·hidden)`), the hidden output of every step
     (`seq·batch·ld(hidden)`), three copies of the layer/iteration states (`2·(seq+1)·batch·ld(max(input,
     hidden))`), the cell states and their gradients (`2·(seq+1)·batch·hidden`, the latter in fp32), where
-    `ld` pads to oneDNN's leading dimension. Read from oneDNN's rnn_utils (set_workspace_sizes, set_offsets)
-    and checked against this build's kernel (oneDNN 3.12 in torch 2.13) over random shapes in
-    tests/test_fake_kernels.py; bf16 LSTMs run oneDNN only on CPUs with bf16 instructions, where the element
-    sizes follow the input dtype (unverified on this project's AVX2 machines).
+    `ld` pads to oneDNN's leading dimension. The layout follows oneDNN's rnn_utils (set_workspace_sizes,
+    set_offsets); the oneDNN 3.12 in torch 2.13 no longer keeps the layer and iteration state gradients there
+    (measured). Checked against this build's kernel over random shapes in tests/test_fake_kernels.py. bf16
+    LSTMs run oneDNN only on CPUs with bf16 instructions, where the element sizes follow the input dtype
+    (unverified on this project's AVX2 machines).
     """
     states = 2 * (seq + 1) * batch * _good_ld(max(input_size, hidden), itemsize) * itemsize
     regions = (
@@ -84,7 +85,7 @@ def _mkldnn_rnn_layer(func: Any, args: tuple, kwargs: dict) -> Any:
     output, hy, cy, workspace = func(*args, **kwargs)
     if not torch.is_grad_enabled():
         return output, hy, cy, workspace
-    x, cx = args[0], args[6]
+    x, cx = args[0], args[6]  # the kernel reads (seq, batch) from dims 0 and 1 whatever batch_first says
     hidden = args[10] if len(args) > 10 else kwargs["hidden_size"]
     nbytes = onednn_lstm_workspace_bytes(x.shape[0], x.shape[1], x.shape[2], hidden, itemsize=x.element_size(),
                                          cell_itemsize=cx.element_size())
