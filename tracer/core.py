@@ -11,12 +11,13 @@ from __future__ import annotations
 
 import contextlib
 import math
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 from hplan.tracer.build import build_trace
+from hplan.tracer.fake import fake_mode
 from hplan.tracer.modules import module_paths
 from hplan.tracer.recorder import Recorder, TracerSink, Window, on_accumulate, on_saved
 from torch import fx
@@ -69,11 +70,11 @@ def record(workload: Workload, *, device: str = "cpu", iters: int = DEFAULT_ITER
         raise HplanError(f"unknown device {device!r}: use one of {', '.join(DEVICES)}")
     if iters < 2:
         raise HplanError(f"--iters must be at least 2 (iteration 1 creates optimizer state), got {iters}")
-    with _fake_mode(device) as fake:
+    with fake_mode(device) as fake:
         trainer = _build(workload, device)
         ledger = StorageLedger()
-        recorder = Recorder(probe=make_probe(device, ledger), ledger=ledger, fake=fake is not None,
-                            measure_time=device != "fake")
+        recorder = (Recorder if fake is None else fake.recorder)(probe=make_probe(device, ledger), ledger=ledger,
+                                                                 fake=fake is not None, measure_time=device != "fake")
         names = canonical_params(trainer.model)
         _track_model_data(recorder, trainer, names)
         shapes: dict[str, None] = {}
@@ -218,18 +219,6 @@ def _build(workload: Workload, device: str) -> TrainStep:
     if not any(True for _ in model.parameters()):
         raise HplanError(f"workload {workload.name!r} builds an empty model (no parameters): nothing to trace")
     return TrainStep(workload, model)
-
-
-@contextlib.contextmanager
-def _fake_mode(device: str) -> Iterator[Any]:
-    """A FakeTensorMode for device "fake": tensors with shapes and dtypes but no memory."""
-    if device != "fake":
-        yield None
-        return
-    from torch._subclasses.fake_tensor import FakeTensorMode
-
-    with FakeTensorMode() as mode:
-        yield mode
 
 
 def _warnings(device: str) -> tuple[str, ...]:

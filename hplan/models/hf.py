@@ -134,11 +134,14 @@ def hf_workload(
         ids = torch.randint(vocab, (bsz, seq), generator=gen)
         return {"input_ids": ids, "labels": ids.clone()}
 
+    # Before the first build, not on a built model: submodules copy the config at construction (T5's decoder
+    # stack does), so switching use_cache off afterwards reached only the next build, and the first build (a cpu
+    # trace) and the second (a fake trace) of one workload were different models.
+    if hasattr(config, "use_cache"):
+        config.use_cache = False  # a training step: no key/value cache
+
     def build() -> torch.nn.Module:
-        model = cls(config)
-        if hasattr(model.config, "use_cache"):
-            model.config.use_cache = False
-        return model
+        return cls(config)
 
     return Workload(
         model=build,

@@ -1,0 +1,311 @@
+"""Fake tensors that run the step the way the real CPU run does: what `--device fake` models, and how.
+
+[Note: what a fake trace models]
+A fake trace models the same execution as a cpu trace of the same workload: PyTorch's eager CPU kernels,
+chosen by the same dispatch (oneDNN's LSTM, the CPU attention kernels that `scaled_dot_product_attention`
+selects), in the same Python code paths of the model. It is checked against the cpu trace (within 1% per
+category and per event, tests/test_fake_accuracy.py), because on this project's machines that is the
+execution that can be measured. It does not model CUDA's kernels: a GPU runs cuDNN's LSTM (whose reserve
+space is laid out differently from oneDNN's workspace) and CUDA attention kernels, and a CUDA library's
+private workspaces are invisible here as they are in a cpu trace. A plan for a GPU made from a fake trace
+therefore inherits CPU kernel-private buffers; `--device cuda` measures the GPU's own.
+
+Plain `FakeTensorMode` drifts from the real run in two ways, each corrected below:
+- a meta kernel returns outputs of another size than the real kernel (`aten::mkldnn_rnn_layer` returns an
+  empty workspace where oneDNN's training workspace is ~16x the layer's output; its backward returns one
+  tensor twice where the real kernel returns two);
+- code branches on tensor values (transformers asks whether position ids are packed before it skips the
+  attention mask), which fake tensors do not hold, so it takes its general path instead. Values that the
+  real run computes from shapes and constants alone (aranges, counters, masks derived from them) are
+  computed for real here, on small tensors only (see `KNOWN_LIMIT_BYTES`), so such branches go the way
+  the real run goes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import sys
+import weakref
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+from hplan.tracer.recorder import Recorder
+from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode, unset_fake_temporarily
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_map_only
+
+from hplan.probe import storage_key, tensors_in
+
+Kernel = Callable[[Any, tuple, dict], Any]
+aten = torch.ops.aten
+
+PAGE_BYTES = 4096
+"""oneDNN starts every region of an RNN workspace on a page boundary."""
+
+
+def _good_ld(dim: int, itemsize: int) -> int:
+    """oneDNN's padded leading dimension: a multiple of 64 bytes, never a multiple of 256 elements."""
+    per_line = 64 // itemsize
+    ld = -(-dim // per_line) * per_line
+    return ld + per_line if ld % 256 == 0 else ld
+
+
+def _pages(nbytes: int) -> int:
+    return -(-nbytes // PAGE_BYTES) * PAGE_BYTES
+
+
+def onednn_lstm_workspace_bytes(seq: int, batch: int, input_size: int, hidden: int, *, itemsize: int = 4,
+                                cell_itemsize: int = 4) -> int:
+    """Bytes of the workspace oneDNN's forward-training LSTM keeps for backward (one layer, one direction).
+
+    PyTorch's `mkldnn_rnn_layer` allocates it as a uint8 tensor whenever grad mode is on. Its regions, each
+    page-aligned: the gates of every step (`seq·batch·ld(4·hidden)`), the hidden output of every step
+    (`seq·batch·ld(hidden)`), three copies of the layer/iteration states (`2·(seq+1)·batch·ld(max(input,
+    hidden))`), the cell states and their gradients (`2·(seq+1)·batch·hidden`, the latter in fp32), where
+    `ld` pads to oneDNN's leading dimension. The layout follows oneDNN's rnn_utils (set_workspace_sizes,
+    set_offsets); the oneDNN 3.12 in torch 2.13 no longer keeps the layer and iteration state gradients there
+    (measured). Checked against this build's kernel over random shapes in tests/test_fake_kernels.py. bf16
+    LSTMs run oneDNN only on CPUs with bf16 instructions, where the element sizes follow the input dtype
+    (unverified on this project's AVX2 machines).
+    """
+    states = 2 * (seq + 1) * batch * _good_ld(max(input_size, hidden), itemsize) * itemsize
+    regions = (
+        seq * batch * _good_ld(4 * hidden, itemsize) * itemsize,
+        seq * batch * _good_ld(hidden, itemsize) * itemsize,
+        states, states, states,
+        2 * (seq + 1) * batch * hidden * cell_itemsize,
+        2 * (seq + 1) * batch * hidden * 4,
+    )
+    return sum(_pages(r) for r in regions)
+
+
+def _mkldnn_rnn_layer(func: Any, args: tuple, kwargs: dict) -> Any:
+    """The real kernel allocates oneDNN's training workspace whenever grad mode is on; the meta kernel none."""
+    output, hy, cy, workspace = func(*args, **kwargs)
+    if not torch.is_grad_enabled():
+        return output, hy, cy, workspace
+    x, cx = args[0], args[6]  # the kernel reads (seq, batch) from dims 0 and 1 whatever batch_first says
+    hidden = args[10] if len(args) > 10 else kwargs["hidden_size"]
+    nbytes = onednn_lstm_workspace_bytes(x.shape[0], x.shape[1], x.shape[2], hidden, itemsize=x.element_size(),
+                                         cell_itemsize=cx.element_size())
+    return output, hy, cy, torch.empty(nbytes, dtype=torch.uint8, device=x.device)
+
+
+def _mkldnn_rnn_layer_backward(func: Any, args: tuple, kwargs: dict) -> Any:
+    """The meta kernel returns the bias gradient twice (one storage); the real kernel returns a copy as the
+    second, so the two biases' gradients are two tensors, as they are once accumulated into ``.grad``."""
+    dx, dw1, dw2, db, db2, dhx, dcx = func(*args, **kwargs)
+    if db2 is db:
+        db2 = torch.empty_like(db)
+    return dx, dw1, dw2, db, db2, dhx, dcx
+
+
+KERNELS: dict[Any, Kernel] = {
+    aten.mkldnn_rnn_layer.default: _mkldnn_rnn_layer,
+    aten.mkldnn_rnn_layer_backward.default: _mkldnn_rnn_layer_backward,
+}
+"""Operators whose meta kernel returns outputs of other sizes than the CPU kernel, with the correction."""
+
+
+KNOWN_LIMIT_BYTES = 1 << 22
+"""Largest new tensor whose values a fake trace computes for real (4 MiB): position ids and padding masks of
+half a million tokens fit, while weights, activations and attention-sized masks stay shapes only."""
+_VALUE = "_hplan_values"
+"""Attribute of a fake storage: the real storage holding its values (dies with the fake storage)."""
+_UNDEFINED_VALUES = {aten.empty.memory_format, aten.empty_strided.default, aten.empty_like.default,
+                     aten.new_empty.default, aten.new_empty_strided.default, aten.empty_permuted.default,
+                     aten.resize_.default, aten.set_.source_Storage, aten.set_.source_Storage_storage_offset}
+"""Operators whose results hold no defined values, so nothing is known after them."""
+
+
+class KnownValues:
+    """Real values behind fake tensors that the real run computes from shapes and constants alone.
+
+    A fake storage gets a real twin when an operator creates it from known inputs only (constants, aranges,
+    zeros, draws from a generator the trace has followed, or other known tensors) and it is small
+    (`KNOWN_LIMIT_BYTES`). Views share their base's storage, hence its twin; an operator that writes into a
+    storage either updates the twin (its inputs known) or forgets it. Weights are built by random
+    initialisers on fake tensors and activations derive from them, so they never get a twin.
+    """
+
+    def __init__(self) -> None:
+        self._writes: dict[Any, tuple[tuple[int, str], ...]] = {}
+        """Per operator: positions / names of the arguments it writes into (its schema's `(a!)`)."""
+        self._lost: weakref.WeakSet[torch.Generator] = weakref.WeakSet()
+        """Generators that drew numbers the trace did not compute: their later draws differ from the real run."""
+
+    @staticmethod
+    def known(t: torch.Tensor) -> bool:
+        return not isinstance(t, FakeTensor) or hasattr(t.untyped_storage(), _VALUE)
+
+    @staticmethod
+    def value(t: torch.Tensor) -> torch.Tensor | None:
+        """The real tensor holding fake tensor `t`'s values (a view of its storage's twin), or None."""
+        if not isinstance(t, FakeTensor):
+            return t  # a constant FakeTensorMode lifts: its own value
+        twin = getattr(t.untyped_storage(), _VALUE, None)
+        if twin is None:
+            return None
+        with unset_fake_temporarily():
+            return torch.empty(0, dtype=t.dtype).set_(twin, t.storage_offset(), t.shape, t.stride())
+
+    def after(self, func: Any, args: tuple, kwargs: dict, out: Any) -> None:
+        """Keep twins right after FakeTensorMode ran `func`: compute new ones, update or forget written ones."""
+        inputs = tensors_in(kwargs, tensors_in(args))
+        written = self._written(func, args, kwargs)
+        generator = kwargs.get("generator")
+        if all(map(self.known, inputs)):
+            shared = {storage_key(t) for t in inputs}
+            fresh = [t for t in tensors_in(out) if storage_key(t) not in shared]
+            if not written and not fresh:
+                return  # a view or a query: it shares its input's storage, twin included
+            if self._computable(func, fresh, generator) and self._compute(func, args, kwargs, out, fresh):
+                return
+        elif not written and generator is None:
+            return  # the common case: weights or activations in, nothing known to keep or forget
+        if isinstance(generator, torch.Generator):
+            self._lost.add(generator)
+        for t in written:
+            if hasattr(t.untyped_storage(), _VALUE):
+                delattr(t.untyped_storage(), _VALUE)
+
+    def _written(self, func: Any, args: tuple, kwargs: dict) -> list[torch.Tensor]:
+        where = self._writes.get(func)
+        if where is None:
+            where = self._writes[func] = tuple((i, a.name) for i, a in enumerate(func._schema.arguments)
+                                               if a.alias_info is not None and a.alias_info.is_write)
+        if not where:
+            return []
+        picked = [args[i] if i < len(args) else kwargs.get(name) for i, name in where]
+        return [t for t in tensors_in(picked) if isinstance(t, FakeTensor)]
+
+    def _computable(self, func: Any, fresh: list[torch.Tensor], generator: Any) -> bool:
+        """Inputs known: run the real kernel unless its result is undefined, random or too large."""
+        if func in _UNDEFINED_VALUES:
+            return False
+        if torch.Tag.nondeterministic_seeded in func.tags:
+            # draws from the global generator: the fake run skips most draws, so its sequence is not the real one
+            if not isinstance(generator, torch.Generator) or generator in self._lost:
+                return False
+        return sum(t.untyped_storage().nbytes() for t in fresh) <= KNOWN_LIMIT_BYTES
+
+    def _compute(self, func: Any, args: tuple, kwargs: dict, out: Any, fresh: list[torch.Tensor]) -> bool:
+        """Run the real kernel on the twins (writes land in the written storages' twins); twin the fresh outputs."""
+        real_args, real_kwargs = tree_map_only(torch.Tensor, self.value, (args, kwargs))
+        try:
+            with unset_fake_temporarily():
+                real_out = func(*real_args, **real_kwargs)
+        except Exception:  # the twins cannot run what the fake did (e.g. a stride the kernel refuses): unknown
+            return False
+        fresh_ids = {id(t) for t in fresh}
+        taken = {storage_key(t) for t in tensors_in((real_args, real_kwargs))}
+        for fake_t, real_t in zip(tensors_in(out), tensors_in(real_out)):
+            if id(fake_t) in fresh_ids:
+                _twin(fake_t, real_t, shared=storage_key(real_t) in taken)
+        return True
+
+
+def _twin(fake: torch.Tensor, real: torch.Tensor, *, shared: bool) -> None:
+    """Give `fake`'s storage a real twin holding `real`'s values in `fake`'s layout (real kernels may choose
+    other strides than meta kernels, or return an input where the meta kernel allocates: `shared`); a storage
+    the tensor does not cover exactly stays unknown."""
+    storage = fake.untyped_storage()
+    covers = fake.storage_offset() == 0 and storage.nbytes() == fake.numel() * fake.element_size() and _dense(fake)
+    if real.shape != fake.shape or real.dtype != fake.dtype or not covers:
+        return
+    with unset_fake_temporarily():
+        if not shared and real.stride() == fake.stride() and real.storage_offset() == 0 \
+                and real.untyped_storage().nbytes() == storage.nbytes():
+            twin = real.untyped_storage()
+        else:
+            twin = torch.UntypedStorage(storage.nbytes())
+            torch.empty(0, dtype=fake.dtype).set_(twin, 0, fake.shape, fake.stride()).copy_(real)
+    setattr(storage, _VALUE, twin)
+
+
+def _dense(t: torch.Tensor) -> bool:
+    """Every element at its own offset, no gaps: the strides are a permutation of contiguous strides."""
+    expected = 1
+    for size, stride in sorted(((n, s) for n, s in zip(t.shape, t.stride()) if n != 1), key=lambda p: p[1]):
+        if stride != expected:
+            return False
+        expected *= size
+    return True
+
+
+class FakeKernels(TorchDispatchMode):
+    """Sits between the recorder and FakeTensorMode: corrects `KERNELS`' outputs and keeps known values."""
+
+    def __init__(self, values: KnownValues) -> None:
+        super().__init__()
+        self.values = values
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        kernel = KERNELS.get(func)
+        if kernel is not None:
+            return kernel(func, args, kwargs)
+        out = func(*args, **kwargs)
+        self.values.after(func, args, kwargs, out)
+        return out
+
+
+class FakeRecorder(Recorder):
+    """The recorder of fake traces: a value read (`.item()`, `if tensor:`) gets the real value when it is known.
+
+    The read stays a recorded operator, as in a cpu trace, with the same note that the path depends on values.
+    """
+
+    def __init__(self, *, values: KnownValues, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.values = values
+
+    def _fake_scalar(self, t: torch.Tensor) -> Any:
+        real = self.values.value(t)
+        if real is None:
+            return super()._fake_scalar(t)
+        if self.phase != "optimizer":
+            self._note_data_dependent(aten._local_scalar_dense.default)
+        with unset_fake_temporarily():
+            return real.item()
+
+
+@contextlib.contextmanager
+def _transformers_reads_known_values(values: KnownValues) -> Iterator[None]:
+    """transformers' `is_tracing(tensor)` counts every FakeTensor as traced (values unavailable, as under
+    torch.compile) and then skips value checks, e.g. "are these position ids one sequence per row?" before it
+    drops the causal mask for SDPA's `is_causal`, materialising a (batch, 1, seq, seq) mask the real run never
+    builds. While tracing, a fake tensor whose values are known counts as what it stands for: a real tensor."""
+    utils = sys.modules.get("transformers.utils.import_utils")
+    original = getattr(utils, "is_fake_tensor", None)
+    if original is None:
+        yield
+        return
+    utils.is_fake_tensor = lambda x: original(x) and not values.known(x)  # type: ignore[union-attr]
+    try:
+        yield
+    finally:
+        utils.is_fake_tensor = original  # type: ignore[union-attr]
+
+
+class FakeExecution:
+    """What `fake_mode` sets up: the FakeTensorMode, the known values, and the recorder that reads them."""
+
+    def __init__(self, mode: FakeTensorMode, values: KnownValues) -> None:
+        self.mode, self.values = mode, values
+
+    def recorder(self, **kwargs: Any) -> Recorder:
+        return FakeRecorder(values=self.values, **kwargs)
+
+
+@contextlib.contextmanager
+def fake_mode(device: str) -> Iterator[FakeExecution | None]:
+    """For device "fake": fake tensors (shapes and dtypes, no memory) that behave like the real CPU run
+    (see [Note: what a fake trace models]); None for real devices."""
+    if device != "fake":
+        yield None
+        return
+    values = KnownValues()
+    with FakeTensorMode() as mode, FakeKernels(values), _transformers_reads_known_values(values):
+        yield FakeExecution(mode, values)
