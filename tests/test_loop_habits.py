@@ -174,3 +174,43 @@ def test_unsupported_optimizer_is_refused_at_trace_time():
     workload = dataclasses.replace(load_workload("gpt:tiny"), optimizer=lambda ps: torch.optim.LBFGS(ps))
     with pytest.raises(HplanError, match="LBFGS is not supported: it needs a closure"):
         trace_workload(workload, device="cpu")
+
+
+def test_fp16_overflow_skips_the_step_like_grad_scaler_and_moves_as_planned():
+    """A loss scale so large that fp16 gradients overflow: the step updates nothing, the scale halves, the next
+    steps train — and every step still moves exactly the planned bytes."""
+    workload = load_workload("gpt:tiny", precision="fp16-mixed")
+    plan = plan_for(workload)
+    assert plan.defer_updates
+    model = workload.build_model()
+    optimizer = workload.optimizer(model.parameters())
+    with hplan.attach(model, optimizer, plan) as run:
+        run.loss_scale.load_state_dict({"scale": 2.0**40, "growth_tracker": 0})
+        before = run.store.parameter_values()
+        run.scale(workload.loss(model, workload.batch(0))).backward()
+        records = run.step()
+        assert run.skipped == 1 and run.loss_scale.value == 2.0**39
+        after = run.store.parameter_values()
+        assert all(torch.equal(before[k], after[k]) for k in before)
+        assert sum(r.h2d_bytes + r.d2h_bytes for r in records) == plan.summary.bytes_moved_per_iter
+        run.loss_scale.load_state_dict({"scale": 2.0**10, "growth_tracker": 0})
+        run.scale(workload.loss(model, workload.batch(1))).backward()
+        records = run.step()
+        assert run.skipped == 1 and sum(r.h2d_bytes + r.d2h_bytes for r in records) == \
+            plan.summary.bytes_moved_per_iter
+        assert any(not torch.equal(before[k], v) for k, v in run.store.parameter_values().items())
+
+
+def test_sparse_gradients_are_refused_at_trace_time():
+    class Sparse(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.emb = torch.nn.Embedding(10, 4, sparse=True)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.emb(x).pow(2).mean()
+
+    workload = hplan.Workload(model=Sparse, batch=lambda s: torch.arange(4), loss=lambda m, x: m(x),
+                              optimizer=lambda ps: torch.optim.SGD(ps, lr=0.1))
+    with pytest.raises(HplanError, match="makes a torch.sparse_coo tensor .* use dense gradients"):
+        trace_workload(workload, device="cpu")

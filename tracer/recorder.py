@@ -171,6 +171,11 @@ class Recorder(TorchDispatchMode):
         window = self.windows[-1]
         inputs = tensors_in(kwargs, tensors_in(args))
         outputs = tensors_in(out)
+        for t in inputs + outputs:
+            if t.layout != torch.strided:
+                raise HplanError(f"the {self.phase} of {self.module or 'the model'} makes a {t.layout} tensor "
+                                 f"({self._name(func)}): hplan plans dense tensors only — use dense gradients and "
+                                 "weights (e.g. nn.Embedding(sparse=False))")
         for t in new_outputs(args, kwargs, out):
             if self.ledger.add(t, "temporary"):
                 self.allocator.malloc(storage_key(t), t.untyped_storage().nbytes())
