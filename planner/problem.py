@@ -8,7 +8,9 @@ the plan's per-step region semantics (`Structure`) and the solver's view of it (
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+
+import numpy as np
 
 from hplan.artifacts.hardware import Hardware
 from hplan.artifacts.plan import Chunk, Region
@@ -40,6 +42,8 @@ class Problem:
     live: tuple[tuple[bool, ...], ...]
     """live[r][t]: the content region r holds when step t begins is read before it is overwritten."""
     non_model: tuple[int, ...] = ()
+    _dense: list[Dense] = field(default_factory=list, compare=False, repr=False)
+    """Cache of `dense()` (a problem is immutable, so its arrays are made once)."""
 
     @property
     def n_steps(self) -> int:
@@ -47,6 +51,45 @@ class Problem:
 
     def need_bytes(self, t: int) -> int:
         return sum(self.sizes[r] for r in self.needs[t])
+
+    def dense(self) -> Dense:
+        """The problem as regions x steps arrays: solvers and schedule passes read these, not the tuples."""
+        if not self._dense:
+            self._dense.append(Dense.of(self))
+        return self._dense[0]
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Dense:
+    """Numpy views of a Problem (regions x steps boolean matrices; bytes as int64)."""
+
+    size: np.ndarray
+    cap: np.ndarray
+    need: np.ndarray
+    off: np.ndarray
+    live: np.ndarray
+
+    @classmethod
+    def of(cls, problem: Problem, live: np.ndarray | None = None) -> Dense:
+        shape = (len(problem.sizes), problem.n_steps)
+        return cls(size=np.array(problem.sizes, dtype=np.int64), cap=np.array(problem.cap, dtype=np.int64),
+                   need=_matrix(problem.needs, shape), off=_matrix(problem.off, shape),
+                   live=np.array(problem.live, dtype=bool).reshape(shape) if live is None else live)
+
+
+def _matrix(per_step: tuple[tuple[int, ...], ...], shape: tuple[int, int]) -> np.ndarray:
+    x = np.zeros(shape, dtype=bool)
+    for t, rs in enumerate(per_step):
+        x[list(rs), t] = True
+    return x
+
+
+def next_event(events: np.ndarray) -> np.ndarray:
+    """Per row and step t, the step of the next event at or after t, cyclically, unwrapped into [t, t + n);
+    2n where the row has no event. `events` is a rows x n boolean matrix."""
+    n = events.shape[1]
+    idx = np.where(np.concatenate([events, events], axis=1), np.arange(2 * n), 2 * n)
+    return np.minimum.accumulate(idx[:, ::-1], axis=1)[:, ::-1][:, :n]
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -229,31 +272,30 @@ def _problem(trace: Trace, s: Structure, hardware: Hardware, gpu_updates: bool) 
             cap[t] += sizes[s.by_chunk[c]["grad"]]
             off[(t + 1) % n].add(s.by_chunk[c]["param"])
     dirties = [set(w) | set(o) for w, o in zip(s.writes, s.overwrites)]
-    return Problem(sizes=sizes, needs=_tuples(needs), dirties=_tuples(dirties), off=_tuples(off), cap=tuple(cap),
-                   live=_liveness(s, n), non_model=non_model)
+    live = _liveness(s, n)
+    problem = Problem(sizes=sizes, needs=_tuples(needs), dirties=_tuples(dirties), off=_tuples(off), cap=tuple(cap),
+                      live=tuple(map(tuple, live.tolist())), non_model=non_model)
+    problem._dense.append(Dense.of(problem, live))
+    return problem
 
 
-def _liveness(s: Structure, n: int) -> tuple[tuple[bool, ...], ...]:
-    """live[r][t], by the same cyclic backward analysis the validator runs on the finished plan."""
-    uses = [set(r) | set(w) for r, w in zip(s.reads, s.writes)]
-    defs = [set(o) - u for o, u in zip(s.overwrites, uses)]
-    for t, cs in enumerate(s.host_updates):
-        for c in cs:
+def _liveness(s: Structure, n: int) -> np.ndarray:
+    """live[r, t], by the same cyclic backward analysis the validator runs on the finished plan: the content
+    entering step t is live iff r's next use-or-overwrite at or after t (cyclically) is a use; a region with no
+    use is never live."""
+    shape = (len(s.regions), n)
+    uses = np.zeros(shape, dtype=bool)
+    defs = np.zeros(shape, dtype=bool)
+    for t in range(n):
+        uses[list(s.reads[t]) + list(s.writes[t]), t] = True
+        defs[list(s.overwrites[t]), t] = True
+        for c in s.host_updates[t]:
             regs = s.by_chunk[c]
-            uses[t] |= {regs[k] for k in ("grad", "master", "state") if k in regs}
-            (defs[t] if "master" in regs else uses[t]).add(regs["param"])
-    out = []
-    for r in range(len(s.regions)):
-        flags, state = [False] * n, False
-        for k in range(2 * n - 1, -1, -1):
-            t = k % n
-            if r in uses[t]:
-                state = True
-            elif r in defs[t]:
-                state = False
-            flags[t] = state
-        out.append(tuple(flags))
-    return tuple(out)
+            uses[[regs[k] for k in ("grad", "master", "state") if k in regs], t] = True
+            (defs if "master" in regs else uses)[regs["param"], t] = True
+    nxt = next_event(uses | defs)
+    found = nxt < 2 * n
+    return found & np.take_along_axis(uses, np.where(found, nxt % n, 0), axis=1)
 
 
 def _tuples(sets: list[set[int]]) -> tuple[tuple[int, ...], ...]:
@@ -264,16 +306,13 @@ def lower_bound(problem: Problem) -> int:
     """Bytes any schedule must move, cheaply: regions that must be off the device at one step and hold live
     content at a step that needs them are fetched at least once per iteration (plus written back when dirtied
     on the device while live). Solvers report stronger bounds (the LP relaxation) when they run."""
-    bound = 0
-    for r, size in enumerate(problem.sizes):
-        forced = any(r in problem.off[t] for t in range(problem.n_steps))
-        needed_live = any(r in problem.needs[t] and problem.live[r][t] for t in range(problem.n_steps))
-        if forced and needed_live:
-            bound += size
-            if any(r in problem.dirties[t] and problem.live[r][(t + 1) % problem.n_steps]
-                   for t in range(problem.n_steps)):
-                bound += size
-    return bound
+    n = problem.n_steps
+    forced, needed_live, dirtied_live = set(), set(), set()
+    for t in range(n):
+        forced.update(problem.off[t])
+        needed_live.update(r for r in problem.needs[t] if problem.live[r][t])
+        dirtied_live.update(r for r in problem.dirties[t] if problem.live[r][(t + 1) % n])
+    return sum(problem.sizes[r] * (1 + (r in dirtied_live)) for r in forced & needed_live)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
