@@ -39,6 +39,7 @@ GPU_PRESETS: dict[str, GpuPreset] = {p.name: p for p in (
 DEFAULT_GPU = "rtx3090"
 """The seed's headline GPU: a 24 GB RTX 3090."""
 SOLVERS: tuple[str, ...] = ("auto", "exact", "fast")
+MAX_EFFORT = 3
 
 
 def make_hardware(gpu: str = DEFAULT_GPU, *, gpu_bytes: int | None = None, **overrides: object) -> Hardware:
@@ -64,9 +65,12 @@ class PlanOptions:
     """Target weight bytes of a chunk; 0 = one chunk per module; None searches module chunks and a few sizes,
     keeping the fewest bytes moved (then the shortest predicted step)."""
     solver: str = "auto"
-    """"exact" (MILP), "fast" (Belady-style) or "auto" (exact when the instance is within exact_limit)."""
-    exact_limit: int = 2000
-    """Largest regions x steps the "auto" solver sends to the MILP."""
+    """"auto" (the fast search, then exact improvement as `effort` says), "fast" (Belady-style only, as effort 0)
+    or "exact" (branch and bound on the chosen candidate until optimal: no work limit, may take long)."""
+    effort: int = 1
+    """0..3: how much exact solving follows the fast search (see hplan.planner.core): 0 none, 1 the winner with
+    up to 1,000 branch-and-bound nodes, 2 the best of each chunking with 10,000, 3 every candidate with
+    100,000. Limits count work, not seconds, so a plan does not depend on the machine's load."""
     compare: bool = False
     """Also score the baselines (ZeRO-Offload, Gemini, all-on-GPU)."""
     flips: bool = True
@@ -75,5 +79,7 @@ class PlanOptions:
     def __post_init__(self) -> None:
         if self.solver not in SOLVERS:
             raise HplanError(f"unknown solver {self.solver!r}: use one of {', '.join(SOLVERS)}")
+        if isinstance(self.effort, bool) or not isinstance(self.effort, int) or not 0 <= self.effort <= MAX_EFFORT:
+            raise HplanError(f"effort must be an integer from 0 to {MAX_EFFORT}, got {self.effort!r}")
         if self.chunk_bytes is not None and self.chunk_bytes < 0:
             raise HplanError(f"chunk size must not be negative, got {self.chunk_bytes} bytes")
