@@ -1,10 +1,10 @@
-"""make_plan: search chunking and optimizer placement with the fast solver, then improve the winner exactly.
+"""make_plan: search chunking and optimizer placement, solving each candidate, then close the winner's gap.
 
-The search (`planner.search`) scores candidates with Belady in interval normal form. Then, by `effort`:
-0 keeps that schedule; 1 (default) runs branch and bound (`planner.exact`) on the winner from it; 2 does so for
-the best candidate of every chunking and re-ranks them; 3 for every candidate the search scored, with larger
-node limits. Every plan reports the LP bound of its problem, or the branch-and-bound bound when stronger, and
-says "optimal" only when the gap is closed to under one byte ([Note: honest optimality]).
+The search (`planner.search`) scores candidates with branch and bound on the interval model (`planner.exact`)
+under a small node limit, or at effort 0 with the fast heuristics. Then the winner (at effort 2 the best of
+every chunking, at 3 every candidate) gets a larger node budget, and the plan reports the bound it ended with:
+branch and bound's, or the LP bound when stronger, and "optimal" only when the gap is closed to under one byte
+([Note: honest optimality]). Node limits count work, not seconds: the same plan on any machine load.
 """
 
 from __future__ import annotations
@@ -16,24 +16,31 @@ from hplan.artifacts.plan import Plan, PlanSummary
 from hplan.artifacts.replay import replay
 from hplan.artifacts.trace import Trace
 from hplan.errors import HplanError
-from hplan.planner.exact import lp_bound, memory_rows, solve_milp
+from hplan.planner.exact import lp_bound, solve_milp
 from hplan.planner.options import PlanOptions
 from hplan.planner.problem import min_gpu
 from hplan.planner.search import Finished, Progress, Scored, Search, finish, planned_evaluations
 
-NODE_LIMITS: tuple[int, ...] = (0, 1_000, 10_000, 100_000)
-"""Branch-and-bound nodes per exact solve at each effort (work, not time: the same plan on any machine load)."""
+SEARCH_NODES: tuple[int, ...] = (0, 50, 1_000, 10_000)
+"""Branch-and-bound nodes per candidate during the search, by effort (0: heuristics only)."""
+FINAL_NODES: tuple[int, ...] = (0, 1_000, 10_000, 100_000)
+"""Nodes for the candidates `_exact_targets` picks, by effort, when the search's solve left a gap."""
 UNLIMITED_NODES = 2**31 - 1
 """`solver="exact"`: branch and bound until the gap is closed."""
 
 
+def _effort(options: PlanOptions) -> int:
+    return 0 if options.solver == "fast" else options.effort
+
+
 def _exact_targets(search: Search, best: Scored, options: PlanOptions) -> list[Scored]:
-    """Candidates worth an exact solve at this effort, the search's winner first."""
-    if options.solver == "fast" or (options.solver == "auto" and options.effort == 0):
+    """Candidates worth a larger node budget at this effort, the search's winner first."""
+    effort = _effort(options)
+    if effort == 0:
         return []
-    if options.solver == "exact" or options.effort == 1:
+    if options.solver == "exact" or effort == 1:
         return [best]
-    if options.effort == 2:
+    if effort == 2:
         per_chunking: dict[int, Scored] = {}
         for cand in search.solved:
             per_chunking[cand.chunk_target] = search.better(per_chunking.get(cand.chunk_target), cand) or cand
@@ -51,7 +58,9 @@ def make_plan(trace: Trace, hardware: Hardware, options: PlanOptions | None = No
     if not trace.events:
         raise HplanError("the trace has no events: re-run `hplan trace` on a workload with parameters")
     smallest = min_gpu(trace, hardware)
-    search = Search(trace, hardware, options, on_progress, planned_evaluations(trace, options) + 2)
+    effort = _effort(options)
+    search = Search(trace, hardware, options, on_progress, planned_evaluations(trace, options) + 2,
+                    nodes=SEARCH_NODES[effort] if options.solver != "exact" else SEARCH_NODES[1])
     best = search.run()
     opts = {k: v for k, v in asdict(options).items() if k != "compare"}
     if best is None:
@@ -69,30 +78,30 @@ def make_plan(trace: Trace, hardware: Hardware, options: PlanOptions | None = No
 
 
 def _improve(search: Search, best: Scored, options: PlanOptions) -> tuple[Scored, Finished, str, int, bool]:
-    """Exact solves per effort; returns the winner, its steps, the solver's name, its bound and optimality."""
-    targets = _exact_targets(search, best, options)
+    """Larger node budgets per effort; returns the winner, its steps, the solver's name, its bound and
+    whether it is proven optimal."""
+    targets = [c for c in _exact_targets(search, best, options) if c.result is None or not c.result.optimal
+               and (c is best or c.result.lower_bound <= best.moved)]  # others cannot beat the winner
     search.total = search.done + len(targets) + 1
-    nodes = UNLIMITED_NODES if options.solver == "exact" else NODE_LIMITS[options.effort]
-    results = {}
+    nodes = UNLIMITED_NODES if options.solver == "exact" else FINAL_NODES[_effort(options)]
     for cand in targets:
         search.tick(f"exact solve of {len(cand.problem.sizes)} regions x {cand.problem.n_steps} steps")
-        rows = memory_rows(cand.model)
-        result = solve_milp(cand.model, cand.keep, max_nodes=nodes, rows=rows)
+        result = solve_milp(cand.model, cand.keep, max_nodes=nodes)
         if result.keep is not None and result.cost is not None and result.cost <= cand.moved:
             cand.keep, cand.moved, cand.finished = result.keep, result.cost, None
-        results[id(cand)] = (result, rows)
+        cand.result = result
     winner = None
-    for cand in [best] + [c for c in targets if c is not best]:
+    for cand in [best] + targets:
         winner = search.better(winner, cand)
     assert winner is not None
     search.tick("bounding")
-    if id(winner) in results:
-        result, rows = results[id(winner)]
-        bound = max(result.lower_bound, lp_bound(winner.model, rows)) if not result.optimal else result.lower_bound
-        solver = "exact" if result.optimal else "exact (node limit)"
-        optimal = result.optimal
+    result = winner.result
+    optimal = result is not None and result.optimal
+    if optimal:
+        bound = winner.moved
     else:
-        bound, solver, optimal = lp_bound(winner.model), "fast", False
+        bound = max(result.lower_bound if result is not None else 0, lp_bound(winner.model))
+    solver = "fast" if result is None else "exact" if optimal else "exact (node limit)"
     done = finish(search.trace, search.hardware, winner)
     bound = min(bound, done.moved)
     return winner, done, solver, bound, optimal or bound == done.moved

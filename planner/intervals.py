@@ -109,6 +109,22 @@ class IntervalModel:
         """The normal-form schedule as movement (evictions and fetches per step)."""
         return schedule_of(self.resident(keep), fits=bool(np.all(self.free >= 0)))
 
+    def greedy(self) -> np.ndarray:
+        """A quick feasible keep vector: gaps in order of shortest inside first (the interval form of Belady's
+        "evict what is used furthest away"), larger first on ties, each kept when it fits at every step inside
+        it. The exact solver uses it as its fallback."""
+        n = self.problem.n_steps
+        room = self.free.copy()
+        keep = np.zeros(self.n_gaps, dtype=bool)
+        if np.any(room < 0):
+            return keep
+        for i in np.lexsort((np.arange(self.n_gaps), -self.size, self.end - self.start)):
+            inside = np.arange(self.start[i] + 1, self.end[i]) % n
+            if np.all(room[inside] >= self.size[i]):
+                room[inside] -= self.size[i]
+                keep[i] = True
+        return keep
+
     def keep_of(self, schedule: Schedule) -> np.ndarray:
         """The gaps a schedule keeps resident throughout: its normal form (never costs more, see the Note)."""
         x = resident_of(self.problem, schedule)
@@ -179,7 +195,7 @@ def build_intervals(problem: Problem) -> IntervalModel:
             ends.append(b)
             spans.append(span)
         close()
-    free = np.array([problem.cap[t] - problem.need_bytes(t) for t in range(n)], dtype=np.int64)
+    free = problem.room()
     span_arr = np.array(spans, dtype=np.int64)
     sizes_arr = np.array(span_size, dtype=np.int64)
     # A span with a forced live drop always writes back (counted in `constant`): its gaps add nothing more.

@@ -52,6 +52,11 @@ class Problem:
     def need_bytes(self, t: int) -> int:
         return sum(self.sizes[r] for r in self.needs[t])
 
+    def room(self) -> np.ndarray:
+        """Per step, cap - bytes of the regions needed there (negative: the step cannot fit)."""
+        dense = self.dense()
+        return dense.cap - dense.size @ dense.need if self.n_steps else np.zeros(0, dtype=np.int64)
+
     def dense(self) -> Dense:
         """The problem as regions x steps arrays: solvers and schedule passes read these, not the tuples."""
         if not self._dense:

@@ -87,7 +87,7 @@ def brute_force(p: Problem) -> int:
 def test_interval_model_is_exact_on_tiny_problems():
     """Every keep vector's cost is its schedule's traffic, and the cheapest feasible one is the brute-force
     optimum over all schedules: the normal form loses nothing."""
-    for seed in range(120):
+    for seed in range(80):
         p = random_problem(seed, n_regions=3 + seed % 2, n_steps=5, max_size=3, slack=4)
         model = build_intervals(p)
         costs = []
@@ -100,7 +100,7 @@ def test_interval_model_is_exact_on_tiny_problems():
 
 
 def test_exact_solver_matches_brute_force_and_bounds_hold():
-    for seed in range(150):
+    for seed in range(100):
         p = random_problem(seed, n_regions=4, n_steps=5, max_size=3, slack=4)
         model = build_intervals(p)
         best = brute_force(p)
@@ -210,7 +210,7 @@ def test_search_pruning_never_loses_the_best():
             self.best_moved = float("inf")
             return out
 
-    for seed in range(30):
+    for seed in range(15):
         trace = random_trace(seed, n_params=6, n_events=4)
         hardware = Hardware(gpu_bytes=3000 + 500 * (seed % 4))
         best = Search(trace, hardware, PlanOptions()).run()
