@@ -65,12 +65,14 @@ class PlanOptions:
     """Target weight bytes of a chunk; 0 = one chunk per module; None searches module chunks and a few sizes,
     keeping the fewest bytes moved (then the shortest predicted step)."""
     solver: str = "auto"
-    """"auto" (the fast search, then exact improvement as `effort` says), "fast" (Belady-style only, as effort 0)
-    or "exact" (branch and bound on the chosen candidate until optimal: no work limit, may take long)."""
+    """"auto" (as `effort` says), "fast" (heuristics only, as effort 0) or "exact" (effort 1's search, then
+    branch and bound on the winner until its gap is closed: no work limit, may take long)."""
     effort: int = 1
-    """0..3: how much exact solving follows the fast search (see hplan.planner.core): 0 none, 1 the winner with
-    up to 1,000 branch-and-bound nodes, 2 the best of each chunking with 10,000, 3 every candidate with
-    100,000. Limits count work, not seconds, so a plan does not depend on the machine's load."""
+    """0..3, work spent on optimality (hplan.planner.core): 0 scores candidates with the fast heuristics only;
+    1 solves each candidate by branch and bound (50 nodes), then the winner with up to 1,000; 2 uses 1,000
+    nodes per candidate, then 10,000 for the best of each chunking; 3 uses 10,000, scores every placement near
+    the best, then 100,000 for every candidate. Limits count nodes, not seconds, so a plan does not depend on
+    the machine's load."""
     compare: bool = False
     """Also score the baselines (ZeRO-Offload, Gemini, all-on-GPU)."""
     flips: bool = True
