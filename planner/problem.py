@@ -83,10 +83,7 @@ class Dense:
 
 
 def _matrix(per_step: tuple[tuple[int, ...], ...], shape: tuple[int, int]) -> np.ndarray:
-    x = np.zeros(shape, dtype=bool)
-    for t, rs in enumerate(per_step):
-        x[list(rs), t] = True
-    return x
+    return _scatter([(r, t) for t, rs in enumerate(per_step) for r in rs], shape)
 
 
 def next_event(events: np.ndarray) -> np.ndarray:
@@ -288,19 +285,29 @@ def _liveness(s: Structure, n: int) -> np.ndarray:
     """live[r, t], by the same cyclic backward analysis the validator runs on the finished plan: the content
     entering step t is live iff r's next use-or-overwrite at or after t (cyclically) is a use; a region with no
     use is never live."""
-    shape = (len(s.regions), n)
-    uses = np.zeros(shape, dtype=bool)
-    defs = np.zeros(shape, dtype=bool)
+    use_at: list[tuple[int, int]] = []
+    def_at: list[tuple[int, int]] = []
     for t in range(n):
-        uses[list(s.reads[t]) + list(s.writes[t]), t] = True
-        defs[list(s.overwrites[t]), t] = True
+        use_at += [(r, t) for r in (*s.reads[t], *s.writes[t])]
+        def_at += [(r, t) for r in s.overwrites[t]]
         for c in s.host_updates[t]:
             regs = s.by_chunk[c]
-            uses[[regs[k] for k in ("grad", "master", "state") if k in regs], t] = True
-            (defs if "master" in regs else uses)[regs["param"], t] = True
+            use_at += [(regs[k], t) for k in ("grad", "master", "state") if k in regs]
+            (def_at if "master" in regs else use_at).append((regs["param"], t))
+    shape = (len(s.regions), n)
+    uses, defs = _scatter(use_at, shape), _scatter(def_at, shape)
     nxt = next_event(uses | defs)
     found = nxt < 2 * n
     return found & np.take_along_axis(uses, np.where(found, nxt % n, 0), axis=1)
+
+
+def _scatter(pairs: list[tuple[int, int]], shape: tuple[int, int]) -> np.ndarray:
+    """A boolean matrix true at the (row, column) pairs."""
+    x = np.zeros(shape, dtype=bool)
+    if pairs:
+        rows, cols = zip(*pairs)
+        x[list(rows), list(cols)] = True
+    return x
 
 
 def _tuples(sets: list[set[int]]) -> tuple[tuple[int, ...], ...]:
