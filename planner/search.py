@@ -119,7 +119,7 @@ class Search:
         self.on_progress, self.total, self.done = on_progress, total, 0
         self.best_moved: float = float("inf")
         self.solved: list[Scored] = []
-        """Every candidate the fast solver scored, in scoring order."""
+        """Every candidate scored, in scoring order."""
 
     def tick(self, message: str, steps: int = 1) -> None:
         self.done = min(self.total, self.done + steps)
