@@ -123,8 +123,9 @@ def _plan(trace: Trace, hardware: Hardware, best: Scored, done: Finished, solver
     if not rep.ok:
         raise AssertionError(f"hplan made an invalid plan ({rep.violations[0]}): an hplan bug, please report it")
     moved = rep.h2d_bytes + rep.d2h_bytes
-    if moved != done.moved:
-        raise AssertionError(f"replay moves {moved} bytes, the solver counted {done.moved}: an hplan bug")
+    if not moved == done.moved == best.moved:
+        raise AssertionError(f"replay moves {moved} bytes, the plan steps {done.moved}, the solver counted "
+                             f"{best.moved}: an hplan bug, please report it")
     lb = min(bound, moved)
     summary = PlanSummary(feasible=True, h2d_bytes=rep.h2d_bytes, d2h_bytes=rep.d2h_bytes,
                           bytes_moved_per_iter=moved, lower_bound_bytes=lb, predicted_peak_bytes=rep.peak_bytes,
