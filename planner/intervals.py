@@ -52,7 +52,7 @@ class IntervalModel:
     end: np.ndarray
     """Need step b closing the gap, unwrapped: a+1 < end <= a+n."""
     size: np.ndarray
-    """Bytes of the gap's region (float, for the solver); a drop costs this as a fetch."""
+    """Bytes of the gap's region (int64); dropping the gap costs this as a fetch."""
     span: np.ndarray
     """Dirty span whose write-back a drop of this gap triggers (live content), or -1."""
     span_size: np.ndarray
