@@ -1,8 +1,9 @@
 """The planner: Trace + Hardware → Plan (which region of model data is on the GPU at every event). No torch.
 
-make_plan searches chunking and optimizer placement with a Belady-style solver, solves the chosen instance
-exactly (HiGHS MILP) when small enough, adds prefetch and predicts the step time; validate replays a plan
-through hplan.artifacts.replay; simulate_baselines and sweep score the policies users would otherwise run.
+make_plan searches chunking and optimizer placement, solving each candidate's interval model by branch and
+bound (HiGHS) as PlanOptions.effort allows, reports a certified lower bound, adds prefetch and predicts the step
+time; validate replays a plan through hplan.artifacts.replay; simulate_baselines and sweep score the policies
+users would otherwise run.
 """
 
 from hplan.artifacts.hardware import Hardware

@@ -11,10 +11,11 @@ state the run started from.
 
 from __future__ import annotations
 
-import bisect
 from dataclasses import dataclass
 
-from hplan.planner.problem import Problem
+import numpy as np
+
+from hplan.planner.problem import Problem, next_event
 
 ROUNDS = 6
 """Repeats of the iteration looking for a steady state; random instances settle in 2."""
@@ -33,38 +34,38 @@ class Schedule:
 
 
 class NextUse:
-    """Cyclic lookups: steps until a region is next needed, and whether it must leave before that."""
+    """Cyclic lookups, as a regions x steps array: steps until a region is next needed after t, NEVER when it
+    must leave the device first (or is never needed)."""
 
     def __init__(self, problem: Problem) -> None:
-        n = len(problem.sizes)
-        self.steps = problem.n_steps
-        self.uses: list[list[int]] = [[] for _ in range(n)]
-        self.offs: list[list[int]] = [[] for _ in range(n)]
-        for t, rs in enumerate(problem.needs):
-            for r in rs:
-                self.uses[r].append(t)
-        for t, rs in enumerate(problem.off):
-            for r in rs:
-                self.offs[r].append(t)
-
-    def _next(self, xs: list[int], t: int) -> int:
-        if not xs:
-            return NEVER
-        i = bisect.bisect_right(xs, t)
-        return xs[i] - t if i < len(xs) else xs[0] + self.steps - t
+        dense = problem.dense()
+        use, leave = _steps_until(dense.need), _steps_until(dense.off)
+        self.dist = np.where(leave <= use, NEVER, use)
 
     def distance(self, r: int, t: int) -> int:
         """Steps after t until r is needed again; NEVER when it must leave the device first."""
-        use = self._next(self.uses[r], t)
-        return NEVER if self._next(self.offs[r], t) <= use else use
+        return int(self.dist[r, t])
+
+
+def _steps_until(events: np.ndarray) -> np.ndarray:
+    """Per region and step t: steps from t to the next event strictly after t (cyclic), NEVER without one."""
+    n = events.shape[1]
+    if n == 0:
+        return np.zeros(events.shape, dtype=np.int64)
+    after = next_event(events)[:, np.r_[1:n, 0]] + np.r_[np.zeros(n - 1, dtype=np.int64), n]
+    return np.where(after < 2 * n, after - np.arange(n), NEVER)
 
 
 def run_once(problem: Problem, start: frozenset[int], start_dirty: frozenset[int], nu: NextUse,
              cap: tuple[int, ...] | None = None
              ) -> tuple[list[tuple[int, ...]], list[tuple[int, ...]], frozenset[int], frozenset[int], bool]:
-    """One pass over the steps from a given state; returns evictions, fetches, end state, end dirty set, fits."""
+    """One pass over the steps from a given state; returns evictions, fetches, end state, end dirty set, fits.
+
+    Victims in rank order (see the module doc): free (dead, or forced off before its next use) first, then
+    furthest next use, clean before dirty-and-live, larger first, lower id first."""
     caps = problem.cap if cap is None else cap
-    size, live = problem.sizes, problem.live
+    dense = problem.dense()
+    size, live = problem.sizes, dense.live
     resident, dirty = set(start), set(start_dirty)
     used = sum(size[r] for r in resident)
     evicts, fetches, fits = [], [], True
@@ -77,21 +78,20 @@ def run_once(problem: Problem, start: frozenset[int], start_dirty: frozenset[int
         missing = [r for r in needs if r not in resident]
         want = used + sum(size[r] for r in missing)
         if want > caps[t]:
-            needed = set(needs)
-
-            def rank(r: int) -> tuple:
-                free = not live[r][t] or nu.distance(r, t) == NEVER
-                return (not free, -nu.distance(r, t), r in dirty and live[r][t], -size[r], r)
-
-            for r in sorted((r for r in resident if r not in needed), key=rank):
-                if want <= caps[t]:
-                    break
-                resident.discard(r)
-                out.append(r)
-                used -= size[r]
-                want -= size[r]
+            cand = np.array(sorted(resident.difference(needs)), dtype=np.int64)
+            dist = nu.dist[cand, t]
+            free = ~live[cand, t] | (dist == NEVER)
+            dirty_live = np.isin(cand, list(dirty)) & live[cand, t]
+            order = cand[np.lexsort((cand, -dense.size[cand], dirty_live, -dist, ~free))]
+            freed = np.cumsum(dense.size[order])
+            victims = order[: int(np.searchsorted(freed, want - caps[t], side="left")) + 1].tolist()
+            resident.difference_update(victims)
+            out += victims
+            drop = sum(size[r] for r in victims)
+            used -= drop
+            want -= drop
             fits = fits and want <= caps[t]
-        dirty -= set(out)
+        dirty.difference_update(out)
         resident.update(missing)
         used += sum(size[r] for r in missing)
         dirty.update(problem.dirties[t])

@@ -1,4 +1,8 @@
-"""The exact solver: the cyclic paging problem with liveness and write-backs as a MILP, solved by HiGHS.
+"""A reference solver: the time-indexed MILP of the paging problem (scipy's HiGHS), for tests and benchmarks.
+
+The planner solves the interval model (`planner.exact`), which rests on the normal-form argument in
+[Note: interval normal form]. This model makes no such argument (any residency at any step), so agreeing
+with it on small instances checks that argument; it is far larger and slower, so nothing else uses it.
 
 Variables per region r and step t (t-1 wraps to the last step, which makes the schedule cyclic):
 x resident (binary), f fetched, d dirty, w written back (continuous in [0, 1]; integral at the
@@ -21,20 +25,17 @@ from scipy.sparse import coo_matrix
 from hplan.planner.belady import Schedule
 from hplan.planner.problem import Problem
 
-TIME_LIMIT_S = 10.0
-"""HiGHS stops here and returns its best plan and bound (solver "exact (time limit)"); instances under
-PlanOptions.exact_limit finish in well under a second."""
-
 
 @dataclass(frozen=True, kw_only=True, slots=True)
-class ExactResult:
+class TimeIndexedResult:
     schedule: Schedule | None
     """None when HiGHS found no feasible schedule."""
     lower_bound: float
     optimal: bool
 
 
-def solve_exact(problem: Problem) -> ExactResult:
+def solve_time_indexed(problem: Problem) -> TimeIndexedResult:
+    """Solve to optimality (gap under one byte; no time or node limit: small instances only)."""
     n, steps = len(problem.sizes), problem.n_steps
     nv = n * steps
 
@@ -70,19 +71,19 @@ def solve_exact(problem: Problem) -> ExactResult:
         for c in problem.off[t]:
             upper[idx(0, c, t)] = 0.0
     if np.any(lower > upper):
-        return ExactResult(schedule=None, lower_bound=0.0, optimal=False)
+        return TimeIndexedResult(schedule=None, lower_bound=0.0, optimal=False)
     live = np.asarray(problem.live, dtype=float).reshape(-1) if n else np.zeros(0)
     sizes = np.repeat(np.asarray(problem.sizes, dtype=float), steps) * live
     cost = np.concatenate([np.zeros(nv), sizes, np.zeros(nv), sizes])
     matrix = coo_matrix((vals, (rows, cols)), shape=(len(lo), 4 * nv)).tocsr()
     result = milp(cost, constraints=LinearConstraint(matrix, lo, hi), bounds=Bounds(lower, upper),
                   integrality=np.concatenate([np.ones(nv), np.zeros(3 * nv)]),
-                  options={"time_limit": TIME_LIMIT_S, "disp": False})
+                  options={"disp": False, "mip_rel_gap": 0.0})
     bound = float(getattr(result, "mip_dual_bound", 0.0) or 0.0)
     if result.x is None:
-        return ExactResult(schedule=None, lower_bound=bound, optimal=False)
+        return TimeIndexedResult(schedule=None, lower_bound=bound, optimal=False)
     x = np.round(result.x[:nv]).reshape(n, steps).astype(bool)
-    return ExactResult(schedule=_schedule(x), lower_bound=bound if result.status != 0 else float(result.fun),
+    return TimeIndexedResult(schedule=_schedule(x), lower_bound=bound if result.status != 0 else float(result.fun),
                        optimal=result.status == 0)
 
 

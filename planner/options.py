@@ -14,6 +14,7 @@ from hplan.planner.presets import GPU_PRESETS, GpuPreset, make_hardware
 __all__ = ["GPU_PRESETS", "SOLVERS", "GpuPreset", "PlanOptions", "make_hardware"]
 
 SOLVERS: tuple[str, ...] = ("auto", "exact", "fast")
+MAX_EFFORT = 3
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -24,9 +25,14 @@ class PlanOptions:
     """Target weight bytes of a chunk; 0 = one chunk per module; None searches module chunks and a few sizes,
     keeping the fewest bytes moved (then the shortest predicted step)."""
     solver: str = "auto"
-    """"exact" (MILP), "fast" (Belady-style) or "auto" (exact when the instance is within exact_limit)."""
-    exact_limit: int = 2000
-    """Largest regions x steps the "auto" solver sends to the MILP."""
+    """"auto" (as `effort` says), "fast" (heuristics only, as effort 0) or "exact" (effort 1's search, then
+    branch and bound on the winner until its gap is closed: no work limit, may take long)."""
+    effort: int = 1
+    """0..3, work spent on optimality (hplan.planner.core): 0 scores candidates with the fast heuristics only;
+    1 solves each candidate by branch and bound (50 nodes), then the winner with up to 1,000; 2 uses 1,000
+    nodes per candidate, then 10,000 for the best of each chunking; 3 uses 10,000, scores every placement near
+    the best, then 100,000 for every candidate. Limits count nodes, not seconds, so a plan does not depend on
+    the machine's load."""
     compare: bool = False
     """Also score the baselines (ZeRO-Offload, ZeRO-3 offload, Gemini, all-on-GPU)."""
     flips: bool = True
@@ -35,5 +41,7 @@ class PlanOptions:
     def __post_init__(self) -> None:
         if self.solver not in SOLVERS:
             raise HplanError(f"unknown solver {self.solver!r}: use one of {', '.join(SOLVERS)}")
+        if isinstance(self.effort, bool) or not isinstance(self.effort, int) or not 0 <= self.effort <= MAX_EFFORT:
+            raise HplanError(f"effort must be an integer from 0 to {MAX_EFFORT}, got {self.effort!r}")
         if self.chunk_bytes is not None and self.chunk_bytes < 0:
             raise HplanError(f"chunk size must not be negative, got {self.chunk_bytes} bytes")

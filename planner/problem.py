@@ -8,7 +8,9 @@ the plan's per-step region semantics (`Structure`) and the solver's view of it (
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+
+import numpy as np
 
 from hplan.artifacts.hardware import Hardware
 from hplan.artifacts.plan import Chunk, Region
@@ -42,6 +44,8 @@ class Problem:
     live: tuple[tuple[bool, ...], ...]
     """live[r][t]: the content region r holds when step t begins is read before it is overwritten."""
     non_model: tuple[int, ...] = ()
+    _dense: list[Dense] = field(default_factory=list, compare=False, repr=False)
+    """Cache of `dense()` (a problem is immutable, so its arrays are made once)."""
 
     @property
     def n_steps(self) -> int:
@@ -49,6 +53,47 @@ class Problem:
 
     def need_bytes(self, t: int) -> int:
         return sum(self.sizes[r] for r in self.needs[t])
+
+    def room(self) -> np.ndarray:
+        """Per step, cap - bytes of the regions needed there (negative: the step cannot fit)."""
+        dense = self.dense()
+        return dense.cap - dense.size @ dense.need if self.n_steps else np.zeros(0, dtype=np.int64)
+
+    def dense(self) -> Dense:
+        """The problem as regions x steps arrays: solvers and schedule passes read these, not the tuples."""
+        if not self._dense:
+            self._dense.append(Dense.of(self))
+        return self._dense[0]
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Dense:
+    """Numpy views of a Problem (regions x steps boolean matrices; bytes as int64)."""
+
+    size: np.ndarray
+    cap: np.ndarray
+    need: np.ndarray
+    off: np.ndarray
+    live: np.ndarray
+
+    @classmethod
+    def of(cls, problem: Problem, live: np.ndarray | None = None) -> Dense:
+        shape = (len(problem.sizes), problem.n_steps)
+        return cls(size=np.array(problem.sizes, dtype=np.int64), cap=np.array(problem.cap, dtype=np.int64),
+                   need=_matrix(problem.needs, shape), off=_matrix(problem.off, shape),
+                   live=np.array(problem.live, dtype=bool).reshape(shape) if live is None else live)
+
+
+def _matrix(per_step: tuple[tuple[int, ...], ...], shape: tuple[int, int]) -> np.ndarray:
+    return _scatter([(r, t) for t, rs in enumerate(per_step) for r in rs], shape)
+
+
+def next_event(events: np.ndarray) -> np.ndarray:
+    """Per row and step t, the step of the next event at or after t, cyclically, unwrapped into [t, t + n);
+    2n where the row has no event. `events` is a rows x n boolean matrix."""
+    n = events.shape[1]
+    idx = np.where(np.concatenate([events, events], axis=1), np.arange(2 * n), 2 * n)
+    return np.minimum.accumulate(idx[:, ::-1], axis=1)[:, ::-1][:, :n]
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -231,31 +276,40 @@ def _problem(trace: Trace, s: Structure, hardware: Hardware, gpu_updates: bool) 
             cap[t] += sizes[s.by_chunk[c]["grad"]]
             off[(t + 1) % n].add(s.by_chunk[c]["param"])
     dirties = [set(w) | set(o) for w, o in zip(s.writes, s.overwrites)]
-    return Problem(sizes=sizes, needs=_tuples(needs), dirties=_tuples(dirties), off=_tuples(off), cap=tuple(cap),
-                   live=_liveness(s, n), non_model=non_model)
+    live = _liveness(s, n)
+    problem = Problem(sizes=sizes, needs=_tuples(needs), dirties=_tuples(dirties), off=_tuples(off), cap=tuple(cap),
+                      live=tuple(map(tuple, live.tolist())), non_model=non_model)
+    problem._dense.append(Dense.of(problem, live))
+    return problem
 
 
-def _liveness(s: Structure, n: int) -> tuple[tuple[bool, ...], ...]:
-    """live[r][t], by the same cyclic backward analysis the validator runs on the finished plan."""
-    uses = [set(r) | set(w) for r, w in zip(s.reads, s.writes)]
-    defs = [set(o) - u for o, u in zip(s.overwrites, uses)]
-    for t, cs in enumerate(s.host_updates):
-        for c in cs:
+def _liveness(s: Structure, n: int) -> np.ndarray:
+    """live[r, t], by the same cyclic backward analysis the validator runs on the finished plan: the content
+    entering step t is live iff r's next use-or-overwrite at or after t (cyclically) is a use; a region with no
+    use is never live."""
+    use_at: list[tuple[int, int]] = []
+    def_at: list[tuple[int, int]] = []
+    for t in range(n):
+        use_at += [(r, t) for r in (*s.reads[t], *s.writes[t])]
+        def_at += [(r, t) for r in s.overwrites[t]]
+        for c in s.host_updates[t]:
             regs = s.by_chunk[c]
-            uses[t] |= {regs[k] for k in ("grad", "master", "state") if k in regs}
-            (defs[t] if "master" in regs else uses[t]).add(regs["param"])
-    out = []
-    for r in range(len(s.regions)):
-        flags, state = [False] * n, False
-        for k in range(2 * n - 1, -1, -1):
-            t = k % n
-            if r in uses[t]:
-                state = True
-            elif r in defs[t]:
-                state = False
-            flags[t] = state
-        out.append(tuple(flags))
-    return tuple(out)
+            use_at += [(regs[k], t) for k in ("grad", "master", "state") if k in regs]
+            (def_at if "master" in regs else use_at).append((regs["param"], t))
+    shape = (len(s.regions), n)
+    uses, defs = _scatter(use_at, shape), _scatter(def_at, shape)
+    nxt = next_event(uses | defs)
+    found = nxt < 2 * n
+    return found & np.take_along_axis(uses, np.where(found, nxt % n, 0), axis=1)
+
+
+def _scatter(pairs: list[tuple[int, int]], shape: tuple[int, int]) -> np.ndarray:
+    """A boolean matrix true at the (row, column) pairs."""
+    x = np.zeros(shape, dtype=bool)
+    if pairs:
+        rows, cols = zip(*pairs)
+        x[list(rows), list(cols)] = True
+    return x
 
 
 def _tuples(sets: list[set[int]]) -> tuple[tuple[int, ...], ...]:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import numpy as np
+
 from hplan.artifacts.hardware import Hardware
 from hplan.artifacts.plan import Step
 from hplan.artifacts.trace import Trace
@@ -9,31 +11,38 @@ from hplan.planner.belady import Schedule
 from hplan.planner.problem import Problem, Structure
 
 
+def resident_of(problem: Problem, schedule: Schedule) -> np.ndarray:
+    """Regions x steps booleans: resident while step t runs (after its evictions and fetches)."""
+    n_regions, n = len(problem.sizes), problem.n_steps
+    x = np.zeros((n_regions, n), dtype=bool)
+    state = np.zeros(n_regions, dtype=bool)
+    state[list(schedule.initial)] = True
+    for t in range(n):
+        state[list(schedule.evict[t])] = False
+        state[list(schedule.fetch[t])] = True
+        x[:, t] = state
+    return x
+
+
+def schedule_of(x: np.ndarray, *, fits: bool = True) -> Schedule:
+    """Movement from a residency matrix (cyclic: step 0 follows the last step)."""
+    before = np.roll(x, 1, axis=1)
+    out = (before & ~x).T
+    into = (x & ~before).T
+    evict = tuple(tuple(np.flatnonzero(row).tolist()) for row in out)
+    fetch = tuple(tuple(np.flatnonzero(row).tolist()) for row in into)
+    initial = frozenset(np.flatnonzero(x[:, -1]).tolist()) if x.shape[1] else frozenset()
+    return Schedule(initial=initial, evict=evict, fetch=fetch, fits=fits)
+
+
 def drop_dead(problem: Problem, schedule: Schedule) -> Schedule:
     """Keep a region resident only while it is needed or its content is live: dropping dead content is free,
     lowers memory, and the re-arrival it may cause is an allocation (the content is still dead then, since
     nothing touched it). Solvers indifferent to free residency (the MILP, Belady with room to spare) leave such
     regions in place; a flip also needs its gradient to arrive exactly at its step."""
-    n, regions = problem.n_steps, len(problem.sizes)
-    held = [[False] * n for _ in range(regions)]
-    resident = set(schedule.initial)
-    for t in range(n):
-        resident -= set(schedule.evict[t])
-        resident |= set(schedule.fetch[t])
-        for r in resident:
-            held[r][t] = r in problem.needs[t] or problem.live[r][t]
-    evict = [[] for _ in range(n)]
-    fetch = [[] for _ in range(n)]
-    for r in range(regions):
-        for t in range(n):
-            before, now = held[r][t - 1], held[r][t]
-            if before and not now:
-                evict[t].append(r)
-            elif now and not before:
-                fetch[t].append(r)
-    initial = frozenset(r for r in range(regions) if held[r][n - 1])
-    return Schedule(initial=initial, evict=tuple(map(tuple, evict)), fetch=tuple(map(tuple, fetch)),
-                    fits=schedule.fits)
+    dense = problem.dense()
+    held = resident_of(problem, schedule) & (dense.need | dense.live)
+    return schedule_of(held, fits=schedule.fits)
 
 
 def hoist_fetches(problem: Problem, schedule: Schedule) -> Schedule:
@@ -42,14 +51,12 @@ def hoist_fetches(problem: Problem, schedule: Schedule) -> Schedule:
 
     A fetched region is clean and unused until the step that needs it. A fetch never crosses the region's own
     eviction or forced leave (a host update rewriting it), nor the start of the iteration. Allocations (dead
-    content) stay where they are: moving them earlier only holds memory."""
+    content) stay where they are: moving them earlier only holds memory. Fetches are hoisted in step order,
+    each taking the room the earlier ones left."""
     size, steps = problem.sizes, problem.n_steps
-    resident = set(schedule.initial)
-    used = []
-    for t in range(steps):
-        resident -= set(schedule.evict[t])
-        resident |= set(schedule.fetch[t])
-        used.append(sum(size[r] for r in resident))
+    dense = problem.dense()
+    used = dense.size @ resident_of(problem, schedule) if steps else np.zeros(0, np.int64)
+    cap = dense.cap
     fetch = [list(f) for f in schedule.fetch]
     gone_at: dict[int, int] = {}
     for t in range(steps):
@@ -61,14 +68,14 @@ def hoist_fetches(problem: Problem, schedule: Schedule) -> Schedule:
             if not problem.live[r][t]:
                 continue
             floor = gone_at.get(r, -1) + 1 if r not in schedule.initial or r in gone_at else t
-            s = t
-            while s - 1 >= floor and used[s - 1] + size[r] <= problem.cap[s - 1] and r not in problem.off[s - 1]:
-                s -= 1
+            if floor >= t:
+                continue
+            blocked = np.flatnonzero(used[floor:t] + size[r] > cap[floor:t])
+            s = floor + int(blocked[-1]) + 1 if blocked.size else floor
             if s < t:
                 fetch[t].remove(r)
                 fetch[s].append(r)
-                for k in range(s, t):
-                    used[k] += size[r]
+                used[s:t] += size[r]
     return Schedule(initial=schedule.initial, evict=schedule.evict,
                     fetch=tuple(tuple(sorted(f)) for f in fetch), fits=schedule.fits)
 

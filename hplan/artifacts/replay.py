@@ -120,21 +120,27 @@ def replay(plan: Plan) -> Replay:
 def live_in(plan: Plan) -> dict[int, list[bool]]:
     """Region → per step: is the content present when step t begins read before it is next overwritten?
 
-    Cyclic backward analysis: scanning the steps twice in reverse settles every region (a read with no
-    overwrite anywhere keeps the content live throughout)."""
+    Cyclic backward analysis: the content entering step t is live iff the region's next use-or-overwrite at or
+    after t (wrapping to the iteration's start) is a use; a region never used is never live. Each region walks
+    its own events only, so this is linear in the plan's size."""
     uses, defs = _uses_defs(plan)
     n = len(plan.steps)
+    events: dict[int, list[tuple[int, bool]]] = {reg.id: [] for reg in plan.regions}
+    for t in range(n):
+        for r in uses[t]:
+            events[r].append((t, True))
+        for r in defs[t]:
+            events[r].append((t, False))
     live: dict[int, list[bool]] = {}
-    for r in (reg.id for reg in plan.regions):
-        flags = [False] * n
-        state = False
-        for k in range(2 * n - 1, -1, -1):
-            t = k % n
-            if r in uses[t]:
-                state = True
-            elif r in defs[t]:
-                state = False
-            flags[t] = state
+    for r, evs in events.items():
+        flags: list[bool] = []
+        if any(use for _, use in evs):
+            evs.sort()
+            for t, use in evs:
+                flags.extend([use] * (t + 1 - len(flags)))
+            flags.extend([evs[0][1]] * (n - len(flags)))
+        else:
+            flags = [False] * n
         live[r] = flags
     return live
 

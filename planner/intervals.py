@@ -1,0 +1,207 @@
+"""The interval form of a paging problem: one keep-or-drop decision per gap between two events of a region.
+
+[Note: interval normal form] Call a step where region r is needed or must be off the device an *event* of r.
+Between two consecutive events a < b of r (cyclically; a region with one event has the gap from it to itself
+one iteration later) nothing touches r, so its content and its liveness are the same at every step a+1..b
+(`live[r][a+1] == live[r][b]`: liveness only changes at a use or an overwrite, and both are events). Take any
+feasible schedule and a gap where r is needed at a and b:
+
+- if r stays resident over a+1..b-1 keep it that way ("keep");
+- otherwise the schedule brings r back somewhere in a+1..b, which costs size·live (an allocation when dead),
+  and its first eviction in the gap writes back iff r is dirty then, with the same liveness. Replacing r's
+  residency in the gap by "evict at a+1, fetch at b" ("drop") costs no more and holds less memory at every
+  step, and leaves r clean at b exactly as before.
+
+A gap ending at an off step is a forced drop (evict right after a: earliest frees most); one starting at an off
+step fetches at b (latest frees most); off→off stays off. Hence some optimal schedule is in this normal form,
+and a schedule is determined by one binary per *free gap* (need→need, live content, at least one step inside).
+Dead gaps are always dropped (free, and it frees memory); gaps with no step inside are always kept.
+
+Write-backs: a region is dirtied at some need steps and cleaned by any eviction, in particular at every off
+step. A *dirty span* runs from a dirtying step to the next dirtying or off step; its gaps are those starting at
+need steps inside it. Inside a span there is no overwrite and no host update, so the content is live up to its
+last use and dead after: liveness is monotone along the span, so the first drop in the span writes back iff
+*some* drop in it has live content. One write-back per span: z_s >= 1 - y_i for each live free gap i of span
+s, and z_s = 1 when the span holds a forced live drop.
+
+Memory at step t = needed bytes + sizes of kept free gaps whose inside contains t. This is the model
+`planner.exact` hands to HiGHS; it has far fewer columns than a time-indexed model and a tighter relaxation.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from hplan.errors import HplanError
+from hplan.planner.belady import Schedule
+from hplan.planner.problem import Problem
+from hplan.planner.schedule import resident_of, schedule_of
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class IntervalModel:
+    """Free gaps (the binaries), dirty spans and the memory each step has for kept gaps."""
+
+    problem: Problem
+    region: np.ndarray
+    """Region of each free gap."""
+    start: np.ndarray
+    """Need step a opening the gap; the inside is a+1 .. end-1 (mod n)."""
+    end: np.ndarray
+    """Need step b closing the gap, unwrapped: a+1 < end <= a+n."""
+    size: np.ndarray
+    """Bytes of the gap's region (int64); dropping the gap costs this as a fetch."""
+    span: np.ndarray
+    """Dirty span whose write-back a drop of this gap triggers (live content), or -1."""
+    span_size: np.ndarray
+    """Bytes written back per span (its region's size)."""
+    constant: int
+    """Bytes every normal-form schedule moves: fetches after off steps, forced live write-backs."""
+    free: np.ndarray
+    """cap[t] - needed bytes at t: room for kept gaps (int64)."""
+
+    @property
+    def n_gaps(self) -> int:
+        return len(self.region)
+
+    @property
+    def n_spans(self) -> int:
+        return len(self.span_size)
+
+    def inside(self, i: int) -> np.ndarray:
+        """Steps inside gap i (mod n)."""
+        n = self.problem.n_steps
+        return np.arange(self.start[i] + 1, self.end[i]) % n
+
+    def cost(self, keep: np.ndarray) -> int:
+        """Bytes moved by the normal-form schedule keeping the gaps where keep is true."""
+        keep = np.asarray(keep, dtype=bool)
+        dropped = ~keep
+        fetch = int(self.size[dropped].sum())
+        hit = np.zeros(self.n_spans, dtype=bool)
+        live_span = self.span >= 0
+        hit[self.span[dropped & live_span]] = True
+        return self.constant + fetch + int(self.span_size[hit].sum())
+
+    def load(self, keep: np.ndarray) -> np.ndarray:
+        """Bytes of kept gaps resident at each step."""
+        n = self.problem.n_steps
+        delta = np.zeros(2 * n + 1, dtype=np.int64)
+        k = np.flatnonzero(np.asarray(keep, dtype=bool))
+        np.add.at(delta, self.start[k] + 1, self.size[k].astype(np.int64))
+        np.add.at(delta, self.end[k], -self.size[k].astype(np.int64))
+        run = np.cumsum(delta)[: 2 * n]
+        return run[:n] + run[n:]
+
+    def feasible(self, keep: np.ndarray) -> bool:
+        return bool(np.all(self.load(keep) <= self.free))
+
+    def resident(self, keep: np.ndarray) -> np.ndarray:
+        """Boolean regions x steps matrix of the normal-form schedule."""
+        x = self.problem.dense().need.copy()
+        for i in np.flatnonzero(np.asarray(keep, dtype=bool)):
+            x[self.region[i], self.inside(i)] = True
+        return x
+
+    def schedule(self, keep: np.ndarray) -> Schedule:
+        """The normal-form schedule as movement (evictions and fetches per step)."""
+        return schedule_of(self.resident(keep), fits=bool(np.all(self.free >= 0)))
+
+    def greedy(self) -> np.ndarray:
+        """A quick feasible keep vector: gaps in order of shortest inside first (the interval form of Belady's
+        "evict what is used furthest away"), larger first on ties, each kept when it fits at every step inside
+        it. The exact solver uses it as its fallback."""
+        n = self.problem.n_steps
+        room = self.free.copy()
+        keep = np.zeros(self.n_gaps, dtype=bool)
+        if np.any(room < 0):
+            return keep
+        for i in np.lexsort((np.arange(self.n_gaps), -self.size, self.end - self.start)):
+            inside = np.arange(self.start[i] + 1, self.end[i]) % n
+            if np.all(room[inside] >= self.size[i]):
+                room[inside] -= self.size[i]
+                keep[i] = True
+        return keep
+
+    def keep_of(self, schedule: Schedule) -> np.ndarray:
+        """The gaps a schedule keeps resident throughout: its normal form (never costs more, see the Note)."""
+        x = resident_of(self.problem, schedule)
+        keep = np.zeros(self.n_gaps, dtype=bool)
+        for i in range(self.n_gaps):
+            keep[i] = bool(x[self.region[i], self.inside(i)].all())
+        return keep
+
+
+def build_intervals(problem: Problem) -> IntervalModel:
+    """The interval model of a problem (see [Note: interval normal form])."""
+    n = problem.n_steps
+    events: list[list[tuple[int, bool]]] = [[] for _ in problem.sizes]  # (step, is_need)
+    for t, rs in enumerate(problem.needs):
+        for r in rs:
+            events[r].append((t, True))
+    for t, rs in enumerate(problem.off):
+        for r in rs:
+            events[r].append((t, False))
+    dirty_at = [set() for _ in problem.sizes]
+    for t, rs in enumerate(problem.dirties):
+        for r in rs:
+            dirty_at[r].add(t)
+    regions, starts, ends, spans, span_size = [], [], [], [], []
+    constant = 0
+    for r, evs in enumerate(events):
+        if not evs:
+            continue
+        evs.sort()
+        steps = [t for t, _ in evs]
+        if len(set(steps)) != len(steps):
+            t = next(t for t in steps if steps.count(t) > 1)
+            raise HplanError(f"region {r} is both needed and forced off the device at step {t}: an hplan bug")
+        size, live = problem.sizes[r], problem.live[r]
+        # Start the walk at a span boundary (a dirtying or off step) when there is one, so spans never wrap.
+        first = next((k for k, (t, need) in enumerate(evs) if not need or t in dirty_at[r]), 0)
+        evs = evs[first:] + evs[:first]
+        span, forced = -1, False
+
+        def close() -> None:
+            nonlocal constant
+            if span >= 0 and forced:  # a forced live drop: this span always writes back once
+                constant += size
+                span_size[span] = 0
+
+        for k, (a, need) in enumerate(evs):
+            b, b_need = evs[(k + 1) % len(evs)]
+            if b <= a:
+                b += n
+            if not need:  # off step: the region is clean after it, and fetched (or allocated) at b if needed
+                close()
+                span, forced = -1, False
+                if b_need and live[b % n]:
+                    constant += size
+                continue
+            if a in dirty_at[r]:
+                close()
+                span, forced = len(span_size), False
+                span_size.append(size)
+            alive = live[(a + 1) % n]
+            if not b_need:  # forced drop right after a
+                forced = forced or (span >= 0 and alive)
+                continue
+            if b == a + 1 or not alive:  # nothing inside: kept for free; dead: dropped for free
+                continue
+            regions.append(r)
+            starts.append(a)
+            ends.append(b)
+            spans.append(span)
+        close()
+    free = problem.room()
+    span_arr = np.array(spans, dtype=np.int64)
+    sizes_arr = np.array(span_size, dtype=np.int64)
+    # A span with a forced live drop always writes back (counted in `constant`): its gaps add nothing more.
+    if len(span_arr) and len(sizes_arr):
+        span_arr = np.where((span_arr >= 0) & (sizes_arr[np.maximum(span_arr, 0)] == 0), -1, span_arr)
+    return IntervalModel(problem=problem, region=np.array(regions, dtype=np.int64),
+                         start=np.array(starts, dtype=np.int64), end=np.array(ends, dtype=np.int64),
+                         size=np.array([problem.sizes[r] for r in regions], dtype=np.int64), span=span_arr,
+                         span_size=sizes_arr, constant=constant, free=free)
