@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 from hplan.artifacts import Hardware, replay
 from hplan.planner import PlanOptions, make_plan, validate
 from hplan.planner.belady import solve_fast
-from hplan.planner.milp import solve_exact
+from hplan.planner.milp import solve_time_indexed as solve_exact
 from hplan.planner.problem import Problem, lower_bound
 from hplan.planner.schedule import traffic
 from hplan.planner.synthetic import random_trace
