@@ -145,7 +145,8 @@ def restore(state: dict[str, Any], model: nn.Module, optimizer: torch.optim.Opti
     if scheduler is not None and state.get("scheduler") is not None:
         scheduler.load_state_dict(state["scheduler"])
     torch.set_rng_state(state["rng"]["cpu"])
-    cuda = [state["rng"][k] for k in sorted((k for k in state["rng"] if k.startswith("cuda")), key=lambda k: int(k[4:]))]
+    devices = sorted((k for k in state["rng"] if k.startswith("cuda")), key=lambda k: int(k[4:]))
+    cuda = [state["rng"][k] for k in devices]
     if cuda and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(cuda)
     return state["global_step"]

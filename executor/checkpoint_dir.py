@@ -123,7 +123,7 @@ class CheckpointDir:
             return None
         steps = self.step_folders()
         if steps:
-            return f"{steps[0].name}, the newest of {len(steps)}"
+            return steps[0].name + (f" and {len(steps) - 1} older" if len(steps) > 1 else "")
         if (self.root / POINTER).exists():
             return POINTER
         return OLD_FORMAT if (self.root / OLD_FORMAT).exists() else None

@@ -74,7 +74,8 @@ def _run(*, spec: str, plan: Path, steps: int, device: str, metrics: Path | None
     with progress_bar(f"training {workload.name}", quiet=as_json) as on_progress:
         report = run_training(workload, the_plan, steps=steps, device=device, metrics_path=metrics,
                               checkpoint_dir=checkpoint, resume=resume, overwrite=overwrite,
-                              on_progress=on_progress, on_warning=warn_line, budget_guard=budget_guard, nonfinite=on_nonfinite)
+                              on_progress=on_progress, on_warning=warn_line, budget_guard=budget_guard,
+                              nonfinite=on_nonfinite)
     if as_json:
         emit_json(report.to_dict())
         return
