@@ -8,19 +8,22 @@
 This module knows nothing of torch: it moves folders, hashes files and decides which checkpoint is good;
 hplan.executor.checkpoint decides what goes inside a folder.
 
-[Note: checkpoint commit] A save writes into a fresh hidden folder `.step-000041.<random>.tmp`, then fsyncs
-every file, then writes `manifest.json` (each file's size and checksum, the global step) last, then renames
-the folder to `step-000041`, then replaces `latest.json`, and only then removes folders the pointer no longer
-names. The pointer is the commit point: a `kill -9` anywhere before its rename leaves the previous pointer
-and every folder it names untouched, and the temp folder (or a `.trash-*` folder, see `_install`) is removed
-at the next start, under the lock. A folder is trusted only when its manifest exists and every file it lists
-has the listed size and checksum, so a torn, truncated, replaced or bit-flipped file is refused naming it,
-and the run falls back to the previous folder the pointer names. Without a readable pointer the step
-folders are tried newest first. Checksums use the NVMe tier's algorithms ([Note: nvme checksums]).
+[Note: checkpoint commit] A save writes into a fresh hidden folder `.step-000041.<random>.tmp`, fsyncs every
+file, writes `manifest.json` (each file's size and checksum, the global step) last, renames the folder to
+`step-000041`, replaces `latest.json` (naming the new folder and the one this run resumed from or saved
+before), and only then removes the folders the pointer no longer names. A folder is trusted only when its
+manifest exists and every file it lists has the listed size and checksum, so a torn, truncated, replaced or
+bit-flipped file is refused naming it. Resume tries the pointer's folders in order (newest first) and
+nothing else, so a folder of another run (before an --overwrite run's first save) is never mixed in; a
+folder renamed into place whose pointer update a kill prevented is simply not used, and goes at the next
+save. Without a readable pointer, the step folders are tried newest first. A `kill -9` at any moment thus
+leaves the pointer's folders intact; its temp folder (or a `.trash-*` folder, see `_install`) is removed at
+the next start, under the lock. Checksums use the NVMe tier's algorithms ([Note: nvme checksums]).
 
-Several ranks (issue 17) fit unchanged: every rank writes its shard files into the same temp folder, and
-after the format's barrier one rank builds the manifest over all of them and commits; the manifest records
-each file, so a missing or damaged shard of any rank is named the same way.
+Several ranks (issue 17) fit the same layout: every rank writes its shard files into one temp folder (the
+name chosen by rank 0 and broadcast), and after the format's barrier rank 0 builds the manifest over all of
+them and commits, holding the lock (flock is node-local: on a shared file system across nodes only rank 0
+may lock). The manifest records every file, so a missing or damaged shard of any rank is named the same way.
 """
 
 from __future__ import annotations
