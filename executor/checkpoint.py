@@ -95,7 +95,10 @@ def save_checkpoint(directory: CheckpointDir, run: PlanRun, *, global_step: int,
 
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message=_NO_DIST)
-            dcp.save(state, storage_writer=dcp.FileSystemWriter(str(folder)), no_dist=True)
+            try:
+                dcp.save(state, storage_writer=dcp.FileSystemWriter(str(folder)), no_dist=True)
+            except dcp.api.CheckpointException as exc:
+                raise _unwrap(exc) from None
         return {"format": FORMAT, "world_size": 1, "fingerprint": fingerprint, "torch": torch.__version__}
 
     return directory.save(global_step, write)
@@ -170,12 +173,25 @@ def _read(folder: Path) -> dict[str, Any]:
             _set(template, paths[key], torch.empty(meta.size, dtype=meta.properties.dtype))
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message=_NO_DIST)
-            dcp.load(template, storage_reader=dcp.FileSystemReader(str(folder)), no_dist=True)
+            try:
+                dcp.load(template, storage_reader=dcp.FileSystemReader(str(folder)), no_dist=True)
+            except dcp.api.CheckpointException as exc:
+                raise _unwrap(exc) from None
     except Exception as exc:  # verified bytes that DCP cannot read: another writer or torch; say so in one line
         raise HplanError(f"checkpoint {folder} passed its checksums but DCP cannot read it ({type(exc).__name__}: "
                          f"{str(exc).splitlines()[0] if str(exc) else ''}); was it written by another tool or "
                          "torch version?") from None
     return template
+
+
+def _unwrap(exc: BaseException) -> Exception:
+    """The first rank's own error inside DCP's CheckpointException — a BaseException, which would slip past
+    every `except Exception` (the CLI's included) and print a traceback."""
+    failures = getattr(exc, "failures", {}) or {}
+    for error, _trace in failures.values():
+        if isinstance(error, Exception):
+            return error
+    return RuntimeError(f"torch.distributed.checkpoint failed: {str(exc).splitlines()[0]}")
 
 
 def _set(root: dict[str, Any], path: tuple[Any, ...], value: Any) -> None:

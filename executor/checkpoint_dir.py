@@ -184,7 +184,10 @@ class CheckpointDir:
         if self._fd < 0:
             raise HplanError(f"the checkpoint directory {self.root} was closed; open it again to save")
         name = folder_name(global_step)
-        tmp = Path(tempfile.mkdtemp(prefix=f".{name}.", suffix=".tmp", dir=self.root))
+        try:
+            tmp = Path(tempfile.mkdtemp(prefix=f".{name}.", suffix=".tmp", dir=self.root))
+        except OSError as exc:
+            raise _save_error(self.root, exc) from None
         try:
             info = write(tmp)
             tmp.chmod(0o777 & ~_umask())  # mkdtemp makes 0700; a checkpoint gets the usual permissions
@@ -192,15 +195,20 @@ class CheckpointDir:
             write_manifest(tmp, global_step=global_step, info=info)
             _pause()
             final = _install(tmp, self.root / name)
-        except BaseException:
+        except BaseException as exc:
             shutil.rmtree(tmp, ignore_errors=True)
+            if isinstance(exc, OSError):
+                raise _save_error(self.root, exc) from None
             raise
         _pause()
         keep = [name, *[n for n in self.previous if n != name]][:KEEP]
-        with atomic_path(self.root / POINTER) as out:
-            out.write_text(json.dumps({"schema": POINTER_SCHEMA, "latest": keep[0], "previous": keep[1:]}) + "\n")
-            _fsync(out)
-        _fsync(self.root)
+        try:
+            with atomic_path(self.root / POINTER) as out:
+                out.write_text(json.dumps({"schema": POINTER_SCHEMA, "latest": keep[0], "previous": keep[1:]}) + "\n")
+                _fsync(out)
+            _fsync(self.root)
+        except OSError as exc:
+            raise _save_error(self.root, exc) from None
         self.previous = keep
         _pause()
         self._remove_unlisted(set(keep))
@@ -353,6 +361,12 @@ def _install(tmp: Path, final: Path) -> Path:
     if trash is not None:
         shutil.rmtree(trash, ignore_errors=True)
     return final
+
+
+def _save_error(root: Path, exc: OSError) -> HplanError:
+    """A save that the file system refused (disk full, permissions): the previous checkpoint is untouched."""
+    return HplanError(f"cannot save a checkpoint in {root}: {exc.strerror or exc} — the previous checkpoint there is "
+                      "intact; free space or pass another --checkpoint, then --resume")
 
 
 def _lock(root: Path) -> int:

@@ -235,6 +235,22 @@ def test_non_finite_weights_are_never_saved(prepared, tmp_path):
     assert all(torch.isfinite(t).all() for t in state["params"].values())
 
 
+def test_a_full_disk_during_a_save_is_exit_2_and_leaves_the_previous_checkpoint(prepared, tmp_path, monkeypatch):
+    import errno
+
+    import torch.distributed.checkpoint as dcp
+
+    def full(*args, **kwargs):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    ck = _copy(prepared, tmp_path)
+    before = sorted(p.name for p in ck.iterdir())
+    monkeypatch.setattr(dcp.FileSystemWriter, "write_data", full)
+    with pytest.raises(HplanError, match=r"cannot save a checkpoint in .*No space left on device.*intact"):
+        _resume(prepared, ck)
+    assert sorted(p.name for p in ck.iterdir()) == before and verify(ck / "step-000004").global_step == SAVED
+
+
 # -- lock, overwrite, leftovers -------------------------------------------------------------------------------
 
 def test_a_second_run_on_a_locked_directory_is_refused(prepared, tmp_path):
