@@ -83,6 +83,11 @@ def _say(markup: str) -> None:
     err_console.print(markup, highlight=False, soft_wrap=True)
 
 
+def warn_line(message: str) -> None:
+    """A warning the run survives (e.g. a damaged checkpoint skipped), one line on stderr."""
+    _say(f"[bold yellow]warning:[/] {escape(' '.join(message.split()))}")
+
+
 def emit_json(obj: Any) -> None:
     """Print a machine-readable summary on stdout (nothing else goes to stdout with --json)."""
     sys.stdout.write(json.dumps(obj, indent=2, sort_keys=True, default=_jsonable, allow_nan=False) + "\n")
