@@ -394,6 +394,7 @@ class PlanRun:
     # -- iteration end, measurement -------------------------------------------------------------------
     def optimizer_event(self) -> list[EventRecord]:
         """The optimizer event: checks the iteration followed the whole plan, then per-chunk updates."""
+        self.optimizer._opt_called = True  # type: ignore[attr-defined]  (what LR schedulers check)
         self.on_event("optimizer", OPTIMIZER_MODULE)
         if self.cursor != len(self.plan.steps):
             step = self.plan.steps[self.cursor]
