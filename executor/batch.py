@@ -11,6 +11,7 @@ bit for bit (tests/test_optimizers.py checks the result against torch).
 from __future__ import annotations
 
 import torch
+from hplan.executor.gradients import Clip, apply_clips
 from hplan.executor.trace_ranges import action
 from hplan.executor.update import IMPLEMENTATION, ChunkUpdate
 
@@ -42,7 +43,7 @@ class UpdateBatch:
         return opt
 
     def step(self, written: set[str], *, inv_scale: torch.Tensor | None = None,
-             clip: tuple[torch.Tensor, ...] = ()) -> None:
+             clip: tuple[Clip, ...] = ()) -> None:
         """Every member's update: written parameters stepped, the others skipped (as torch skips them)."""
         with action(f"hplan::update_batch::{len(self.updates)}"), torch.no_grad():
             for key, members in self.members.items():
@@ -57,8 +58,7 @@ class UpdateBatch:
                         continue
                     if u.master:
                         grad = u.fp32_grads({n}, inv_scale)[n]
-                        for c in clip:
-                            grad.mul_(c.to(grad.device))
+                        apply_clips(clip, n, grad)
                     else:
                         grad = u.grad[n]
                     grads[(id(u), n)] = grad

@@ -5,8 +5,8 @@ So for the duration of the block:
 - `optimizer.step()` is the plan's optimizer event (per-chunk updates); `optimizer.zero_grad()` and
   `model.zero_grad()` are observed (gradients are consumed by each step; not zeroing between steps, which in
   plain PyTorch accumulates across steps, is refused);
-- `torch.nn.utils.clip_grad_norm_` on managed parameters computes plain PyTorch's total norm over the gradient
-  regions, wherever they are, and clips the same way;
+- `torch.nn.utils.clip_grad_norm_` / `clip_grad_value_` on managed parameters compute plain PyTorch's result over
+  the gradient regions, wherever they are; a user's `GradScaler.unscale_` is checked (see `_unscale`);
 - `optimizer.state_dict()` sees the state torch would hold, and `optimizer.load_state_dict()` loads into regions;
 - the model's root forward checks the batch shape against the shapes the plan was traced with.
 Each patch is undone on exit, whatever happened.
@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.utils.clip_grad as clip_module
+from torch.amp.grad_scaler import GradScaler
 from torch import nn
 
 from hplan.errors import HplanError
@@ -32,6 +33,8 @@ if TYPE_CHECKING:
 _ACTIVE: list[PlanRun] = []
 """Runs inside their block, for the clip_grad_norm_ patch (it must find the run owning the parameters)."""
 _ORIGINAL_CLIP = clip_module.clip_grad_norm_
+_ORIGINAL_VALUE = clip_module.clip_grad_value_
+_ORIGINAL_UNSCALE = GradScaler.unscale_
 
 
 @contextlib.contextmanager
@@ -42,6 +45,7 @@ def intercepted(run: PlanRun, optimizer: torch.optim.Optimizer, model: nn.Module
         _patch(stack, optimizer, "zero_grad", _zero(run, optimizer.zero_grad))
         _patch(stack, model, "zero_grad", _zero(run, model.zero_grad))
         stack.enter_context(_clip_patch(run))
+        _patch_module_attr(stack, torch, "compile", _no_compile(run, torch.compile))
         for register, hook in ((optimizer.register_state_dict_pre_hook, lambda opt: run.sync_state()),
                                (optimizer.register_state_dict_post_hook, lambda opt, sd: run.release_state()),
                                (optimizer.register_load_state_dict_pre_hook, run.stash_loaded_state),
@@ -66,6 +70,27 @@ def _patch(stack: contextlib.ExitStack, obj: Any, name: str, replacement: Callab
             delattr(obj, name)
 
     stack.callback(restore)
+
+
+def _patch_module_attr(stack: contextlib.ExitStack, module: Any, name: str, replacement: Any) -> None:
+    previous = getattr(module, name)
+    setattr(module, name, replacement)
+    stack.callback(setattr, module, name, previous)
+
+
+def _no_compile(run: PlanRun, original: Callable[..., Any]) -> Callable[..., Any]:
+    """torch.compile of the running model (or a module of it) would run eager under the plan's hooks and so differ
+    from the compiled model without a word: refused. Anything else compiles as usual."""
+
+    @functools.wraps(original)
+    def compile_(model: Any = None, *args: Any, **kwargs: Any) -> Any:
+        target = getattr(model, "__self__", model)
+        if isinstance(target, nn.Module) and run.manages(list(target.parameters())):
+            raise HplanError("torch.compile of a model inside its attach block is not supported (the plan runs it "
+                             "per module, eager); compile outside hplan, or train eager inside the block")
+        return original(model, *args, **kwargs)
+
+    return compile_
 
 
 def _step(run: PlanRun, optimizer: torch.optim.Optimizer) -> Callable[..., Any]:
@@ -94,17 +119,21 @@ def _zero(run: PlanRun, original: Callable[..., Any]) -> Callable[..., Any]:
 
 @contextlib.contextmanager
 def _clip_patch(run: PlanRun) -> Iterator[None]:
-    """torch.nn.utils.clip_grad_norm_ (both the package and the module attribute) routes managed parameters to
-    the run; anything else goes to torch's own function."""
+    """torch.nn.utils.clip_grad_norm_ / clip_grad_value_ (the package and the module attributes) route managed
+    parameters to the run, anything else to torch's own functions; GradScaler.unscale_ of the run's optimizer is
+    checked (see _unscale)."""
     _ACTIVE.append(run)
-    previous = (torch.nn.utils.clip_grad_norm_, clip_module.clip_grad_norm_)
+    previous = (torch.nn.utils.clip_grad_norm_, torch.nn.utils.clip_grad_value_, GradScaler.unscale_)
     torch.nn.utils.clip_grad_norm_ = clip_module.clip_grad_norm_ = _clip  # type: ignore[assignment]
+    torch.nn.utils.clip_grad_value_ = clip_module.clip_grad_value_ = _clip_value  # type: ignore[assignment]
+    GradScaler.unscale_ = _unscale  # type: ignore[method-assign]
     try:
         yield
     finally:
         _ACTIVE.remove(run)
         if not _ACTIVE:
-            torch.nn.utils.clip_grad_norm_, clip_module.clip_grad_norm_ = previous  # type: ignore[assignment]
+            torch.nn.utils.clip_grad_norm_, torch.nn.utils.clip_grad_value_, GradScaler.unscale_ = previous
+            clip_module.clip_grad_norm_, clip_module.clip_grad_value_ = previous[:2]
 
 
 def _clip(parameters: Any, max_norm: float, norm_type: float = 2.0, error_if_nonfinite: bool = False,
@@ -115,6 +144,23 @@ def _clip(parameters: Any, max_norm: float, norm_type: float = 2.0, error_if_non
             return run.clip_grad_norm_(max_norm, params=params, norm_type=norm_type,
                                        error_if_nonfinite=error_if_nonfinite)
     return _ORIGINAL_CLIP(params, max_norm, norm_type, error_if_nonfinite, foreach)
+
+
+def _clip_value(parameters: Any, clip_value: float, foreach: bool | None = None) -> None:
+    params = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
+    for run in reversed(_ACTIVE):
+        if run.manages(params):
+            return run.clip_grad_value_(clip_value, params=params)
+    return _ORIGINAL_VALUE(params, clip_value, foreach)
+
+
+def _unscale(scaler: GradScaler, optimizer: torch.optim.Optimizer) -> None:
+    """A user's own GradScaler on a run's optimizer: its unscale_ divides `.grad` in place, which the run sees only
+    if no chunk was updated yet (a deferred plan) and the gradients are visible as `.grad` (the CPU fast tier)."""
+    for run in reversed(_ACTIVE):
+        if run.optimizer is optimizer:
+            run.check_user_unscale()
+    return _ORIGINAL_UNSCALE(scaler, optimizer)
 
 
 def _shape_check(allowed: tuple[str, ...]) -> Callable[..., None]:

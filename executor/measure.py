@@ -9,7 +9,20 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
+from dataclasses import dataclass
 from typing import Any
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class EventRecord:
+    """What one plan step measured: its window's peak and the bytes copied at it."""
+
+    index: int
+    event: str
+    resident_bytes: int
+    model_resident_bytes: int
+    h2d_bytes: int
+    d2h_bytes: int
 
 
 def make_probe(device: str) -> Any:

@@ -182,9 +182,25 @@ class RegionStore:
 
     def parameter_values(self) -> dict[str, torch.Tensor]:
         """Every parameter's current value in storage of its own (for the model to work without the plan)."""
+        return {name: self.param_value(name) for regions in self.by_chunk.values()
+                for name in self.slots[regions["param"]].fast_views}
+
+    def param_value(self, name: str) -> torch.Tensor:
+        """One parameter's current value, copied (model.state_dict() inside a block)."""
         with torch.no_grad():
-            return {name: self.current(regions["param"], name).clone()
-                    for regions in self.by_chunk.values() for name in self.slots[regions["param"]].fast_views}
+            return self.current(self.by_chunk[self.chunk_of[name]]["param"], name).clone()
+
+    def current_shape(self, name: str) -> torch.Size:
+        return self.slots[self.by_chunk[self.chunk_of[name]]["param"]].host_views[name].shape
+
+    def write_param(self, name: str, value: torch.Tensor) -> None:
+        """Set one parameter's value (model.load_state_dict() inside a block): the host copy, and the fast copy
+        when resident, so every later eviction, with or without write-back, keeps it."""
+        slot = self.slots[self.by_chunk[self.chunk_of[name]]["param"]]
+        with torch.no_grad():
+            slot.host_views[name].copy_(value)
+            if slot.state.on_fast_tier:
+                slot.fast_views[name].copy_(value)
 
 
 def _layout(region: Region, tensors: tuple[str, ...], trainable: tuple[str, ...], params: dict[str, nn.Parameter],

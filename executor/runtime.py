@@ -13,26 +13,29 @@ all run at the optimizer step, after the overflow check; a skipped step still mo
 from __future__ import annotations
 
 import contextlib
-from dataclasses import dataclass
 from typing import Any, Self
 
 import torch
+from hplan.executor.admission import check_plan, check_state_regions
 from hplan.executor.batch import UpdateBatch
-from hplan.executor.device import FastTier, make_tier
+from hplan.executor.device import make_tier
+from hplan.executor.evaluation import EvalPass
+from hplan.executor.gradients import Clip, GradientOps
 from hplan.executor.habits import intercepted
-from hplan.executor.measure import WindowMeter, make_probe
+from hplan.executor.measure import EventRecord, WindowMeter, make_probe
 from hplan.executor.regions import RegionStore
 from hplan.executor.scale import LossScale
 from hplan.executor.state import RegionState
+from hplan.executor.statesync import StateSync
+from hplan.executor.tripwires import FIX, EagerWatch
 from hplan.executor.update import ChunkUpdate
 from torch import nn
 
 from hplan.artifacts import Plan, Step
-from hplan.artifacts.fingerprint import fingerprint_mismatch
 from hplan.artifacts.replay import OPTIMIZER_EVENT, live_in, validate
 from hplan.errors import HplanError
 from hplan.grads import installed
-from hplan.hooks import OPTIMIZER_MODULE, EventHooks, canonical_params, workload_fingerprint
+from hplan.hooks import OPTIMIZER_MODULE, EventHooks, canonical_params, refuse_compiled
 from hplan.optimizers import check_optimizer, state_spec
 from hplan.precision import get_recipe
 
@@ -40,40 +43,14 @@ GUARDS = ("stop", "warn")
 NONFINITE = ("ignore", "stop", "skip")
 
 
-@dataclass(frozen=True, kw_only=True, slots=True)
-class EventRecord:
-    """What one plan step measured: its window's peak and the bytes copied at it."""
-
-    index: int
-    event: str
-    resident_bytes: int
-    model_resident_bytes: int
-    h2d_bytes: int
-    d2h_bytes: int
-
-
-def check_plan(plan: Plan, model: nn.Module, batch: Any, precision: str, tier: FastTier) -> None:
-    """Refuse, before any step, a plan made for another workload or too big for this device."""
-    if plan.fingerprint.get("precision", precision) != precision:
-        raise HplanError(f"the plan was made for precision {plan.fingerprint['precision']!r}, this run uses "
-                         f"{precision!r}; re-trace and re-plan with the same precision")
-    if batch is not None:
-        diff = fingerprint_mismatch(plan.fingerprint, workload_fingerprint(model, batch, precision))
-        if diff and not diff.startswith("batch shape"):
-            raise HplanError(f"the plan was made for another workload: {diff}; re-trace and re-plan this workload")
-    capacity = tier.capacity_bytes()
-    if plan.gpu_bytes > capacity:
-        raise HplanError(f"the plan's budget ({plan.gpu_bytes} bytes) exceeds what {tier.device} offers "
-                         f"({capacity} bytes); re-plan with a smaller --gpu-mem")
-
-
-class PlanRun:
+class PlanRun(GradientOps, StateSync):
     """Context manager replaying `plan` during a user's training loop (see hplan.executor.attach)."""
 
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, plan: Plan, *, device: str = "cpu",
                  batch_example: Any = None, precision: str | None = None, measure: bool = True,
                  budget_guard: str = "stop", nonfinite: str = "ignore") -> None:
         validate(plan)
+        refuse_compiled(model)
         if budget_guard not in GUARDS or nonfinite not in NONFINITE:
             raise HplanError(f"budget_guard must be one of {GUARDS} and nonfinite one of {NONFINITE}")
         self.plan, self.model, self.optimizer = plan, model, optimizer
@@ -97,7 +74,7 @@ class PlanRun:
         """What the last completed iteration measured, one record per plan step."""
         self.written: set[str] = set()
         """Parameters whose gradient was written this iteration (first write overwrites, later ones add)."""
-        self.clips: list[torch.Tensor] = []
+        self.clips: list[Clip] = []
         self.found_inf = False
         self.skipped = 0
         self._pending_flips: set[int] = set()
@@ -111,6 +88,17 @@ class PlanRun:
         self._stack = contextlib.ExitStack()
         self._pending: tuple[int, int, int] = (0, 0, 0)
         """(model resident bytes, h2d, d2h) of the step whose window is open."""
+        self.watch = None if plan.defer_updates else EagerWatch(optimizer)
+        """Checks, at optimizer.step(), that nothing the early (in-backward) updates read has changed since."""
+        self.evaluating: EvalPass | None = None
+        self.eval_bytes_moved = 0
+        """Bytes moved for evaluation forwards between iterations (not part of the plan's per-iteration figure)."""
+        self.iteration = 0
+        """Optimizer steps completed in this block (for messages)."""
+        self._skip_next = False
+        self.user_skipped = 0
+        """Iterations whose optimizer.step() the loop skipped (nothing updated, as in plain PyTorch)."""
+        self._has_backward = any(s.event.startswith("backward:") for s in plan.steps)
 
     # -- lifecycle ------------------------------------------------------------------------------------
     def __enter__(self) -> Self:
@@ -130,6 +118,7 @@ class PlanRun:
             for key, buf in module._buffers.items():
                 if buf is not None:
                     module._buffers[key] = buf.to(self.tier.device)
+        check_state_regions(plan, state_names, self.opt_name)
         self.store = store = RegionStore(model, plan, self.tier, master=self.master, state_names=state_names)
         for c in plan.chunks:
             if c.trainable:
@@ -149,6 +138,7 @@ class PlanRun:
         self.setup_bytes, store.traffic.h2d = store.traffic.h2d, 0
         self._stack.enter_context(EventHooks(model, self.on_event))
         self._stack.enter_context(intercepted(self, optimizer, model))
+        self.model_state_hooks(model, self._stack)
         if self.meter is not None:
             self._stack.enter_context(self.meter.track())
         return self
@@ -156,6 +146,7 @@ class PlanRun:
     def __exit__(self, *exc: object) -> None:
         """Remove hooks, give the optimizer its state and every parameter its own storage back."""
         self._stack.close()
+        self.evaluating = None
         store = self.store
         if store is None:
             return
@@ -172,13 +163,28 @@ class PlanRun:
         """EventHooks' callback: check the event against the plan, then do the step."""
         actual = f"{kind}:{module}"
         steps = self.plan.steps
+        if self.evaluating is not None and self.evaluating.on_event(kind, actual):
+            return
+        self.evaluating = None
+        if kind == "forward" and actual == steps[0].event and self.cursor < len(steps) and \
+                steps[self.cursor].event == OPTIMIZER_EVENT:
+            self._skipped_step()
+        if kind == "forward" and self.cursor == 0 and actual == steps[0].event and not torch.is_grad_enabled():
+            self.evaluating = EvalPass(self)
+            self.evaluating.on_event(kind, actual)
+            return
         if self.cursor >= len(steps):
             raise HplanError(f"event {actual!r} after the plan's last step ({len(steps)} steps); "
                              "call optimizer.step() (or run.step()) once per iteration or re-plan this workload")
         step = steps[self.cursor]
         if step.event != actual:
-            raise HplanError(f"event mismatch at plan step {step.index}: expected {step.event!r}, got {actual!r}; "
-                             "re-trace and re-plan this workload")
+            hint = (" (a forward without backward? evaluate under torch.no_grad())" if kind == "forward"
+                    and step.event.startswith("backward:") else "")
+            raise HplanError(f"event mismatch in iteration {self.iteration} at plan step {step.index}: expected "
+                             f"{step.event!r}, got {actual!r}{hint}; the run differs from the traced step — re-trace "
+                             "and re-plan this workload")
+        if kind == "backward":
+            self._zeroed = False
         if self.cursor == 0 and not self._zeroed:
             raise HplanError("a new iteration began without optimizer.zero_grad() (or model.zero_grad()) after the "
                              "last optimizer.step(); plain PyTorch would add the gradients across steps, which the "
@@ -226,6 +232,8 @@ class PlanRun:
         batch.step(self.written, inv_scale=self.loss_scale.inverse() if self.loss_scale else None,
                    clip=tuple(self.clips) if self.master else ())
         self._updated.update(chunks)
+        if self.watch is not None and step.event != OPTIMIZER_EVENT:
+            self.watch.updated_early(len(chunks))
         for c in chunks:
             if self.updates[c].where == "gpu":
                 for kind in ("param", "master", "state"):
@@ -235,12 +243,13 @@ class PlanRun:
 
     def _optimizer_updates(self, step: Step) -> None:
         """The optimizer step: deferred host updates and every fast-tier update, after the global checks."""
-        skip = False
-        if self.plan.defer_updates and (self.loss_scale is not None or self.nonfinite != "ignore"):
+        skip = by_user = self._skip_next
+        self._skip_next = False
+        if not skip and self.plan.defer_updates and (self.loss_scale is not None or self.nonfinite != "ignore"):
             skip = self._any_nonfinite()
             if skip and self.loss_scale is None and self.nonfinite == "stop":
                 raise HplanError("a gradient is not finite (inf or NaN); stopping before any update of this step")
-        if self.loss_scale is not None:
+        if self.loss_scale is not None and not by_user:
             self.loss_scale.update(skip)
         if skip:
             self.skipped += 1
@@ -300,9 +309,11 @@ class PlanRun:
         code reading gradients between backward and the step sees them (and writes to them land in regions)."""
         self._queued = False
         for name in self.written:
-            rid = self.store.region(self.store.chunk_of[name], "grad")
-            self.store.params[name].grad = self.store.current(rid, name)
+            c = self.store.chunk_of[name]
+            grad = self.store.params[name].grad = self.store.current(self.store.region(c, "grad"), name)
             self._shown.add(name)
+            if self.watch is not None and c in self._updated:
+                self.watch.shown(name, grad)
 
     def _hide_grads(self) -> None:
         """Before any event: autograd must not accumulate into a shown view behind the regions' bookkeeping."""
@@ -310,110 +321,25 @@ class PlanRun:
             self.store.params[name].grad = None
         self._shown.clear()
 
-    # -- clipping, loss scaling, non-finite values ----------------------------------------------------
-    def manages(self, params: list[torch.Tensor]) -> bool:
-        store = self.store
-        return store is not None and any(id(p) in self._names and self._names[id(p)] in store.chunk_of for p in params)
-
-    def clip_grad_norm_(self, max_norm: float, *, params: list[torch.Tensor] | None = None, norm_type: float = 2.0,
-                        error_if_nonfinite: bool = False) -> torch.Tensor:
-        """Plain PyTorch's clip_grad_norm_ over the gradients written this iteration (the given parameters'),
-        computed where the gradients are; returns the total norm. With a master recipe the norm is of the fp32
-        master gradients (unscaled) and the clip applies to them at the update, as the reference does."""
-        if self._updated:
-            raise HplanError(f"clip_grad_norm_ was called after chunks {sorted(self._updated)[:3]} were already "
-                             "updated this iteration; re-trace with max_grad_norm set (Workload.max_grad_norm, or "
-                             "Workload.defer_updates=True to only read the norm) so the plan defers updates until the "
-                             "norm is known")
-        wanted = [self._names[id(p)] for p in (params or self.store.params.values()) if id(p) in self._names]
-        names = [n for n in wanted if n in self.written]
-        grads = self._grads(names)
-        if not grads:
-            return torch.zeros(())
-        norms = [torch.linalg.vector_norm(g, norm_type) for g in grads]
-        total = torch.linalg.vector_norm(torch.stack([n.to(norms[0].device) for n in norms]), norm_type)
-        if error_if_nonfinite and not torch.isfinite(total):
-            raise HplanError(f"the total norm of the gradients is {float(total)}; it cannot be clipped")
-        coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
-        if self.master:
-            self.clips.append(coef)
-        else:
-            with torch.no_grad():
-                for g in grads:
-                    g.mul_(coef.to(g.device))
-        return total
-
-    def _grads(self, names: list[str]) -> list[torch.Tensor]:
-        """Current gradients in the given order: region views, or fp32 master gradients (unscaled, clipped by
-        earlier calls) with a master recipe."""
-        store = self.store
-        if not self.master:
-            return [store.current(store.region(store.chunk_of[n], "grad"), n) for n in names]
-        inv = self.loss_scale.inverse() if self.loss_scale else None
-        out = []
-        for n in names:
-            g = self.updates[store.chunk_of[n]].fp32_grads({n}, inv)[n]
-            for c in self.clips:
-                g.mul_(c.to(g.device))
-            out.append(g)
-        return out
-
-    def _any_nonfinite(self, names: list[str] | None = None) -> bool:
-        """Is any written gradient inf or NaN? One norm per gradient, in one foreach call (a finite gradient's
-        norm overflows only beyond 1e38 in fp32 or bf16, far past any gradient worth stepping with)."""
-        grads = self._grads(sorted(self.written) if names is None else names)
-        if not grads:
-            return False
-        norms = torch._foreach_norm(grads)
-        return not bool(torch.isfinite(torch.stack([n.float().cpu() for n in norms])).all())
-
-    def _check_finite(self, chunks: tuple[int, ...] | list[int], step: Step) -> None:
-        names = [n for c in chunks for n in self.updates[c].names if n in self.written]
-        if self._any_nonfinite(names):
-            raise HplanError(f"a gradient is not finite (inf or NaN) at plan step {step.index} ({step.event}); "
-                             "stopping before updating with it")
-
-    def scale(self, loss: torch.Tensor) -> torch.Tensor:
-        """The loss times the current loss scale (fp16-mixed), or the loss itself; call `.backward()` on it."""
-        return loss if self.loss_scale is None else self.loss_scale.scale(loss)
-
-    # -- optimizer state ------------------------------------------------------------------------------
-    def sync_state(self) -> None:
-        """Fill the user's optimizer.state with the state torch would hold (fresh tensors)."""
-        self.optimizer.state.clear()
-        for update in self.updates.values():
-            self.optimizer.state.update(update.materialize())
-
-    def release_state(self) -> None:
-        """state_dict post-hook: the returned dict holds the fresh tensors; the optimizer holds none again."""
-        self.optimizer.state.clear()
-
-    def stash_loaded_state(self, optimizer: torch.optim.Optimizer, state_dict: dict[str, Any]) -> None:
-        """load_state_dict pre-hook: keep the dict as given (torch then casts state to each parameter's dtype)."""
-        self._loaded = state_dict
-
-    def adopt_loaded_state(self) -> None:
-        """load_state_dict post-hook: the loaded state (full precision, from the stashed dict) moves into regions."""
-        loaded, self._loaded = self._loaded, None
-        if loaded is not None:
-            by_index = {i: p for i, p in enumerate(p for g in self.optimizer.param_groups for p in g["params"])}
-            for index, state in loaded.get("state", {}).items():
-                p = by_index.get(int(index))
-                if p is not None:
-                    self.optimizer.state[p] = dict(state)
-        for update in self.updates.values():
-            update.adopt()
-        self.optimizer.state.clear()
-
     # -- iteration end, measurement -------------------------------------------------------------------
     def optimizer_event(self) -> list[EventRecord]:
-        """The optimizer event: checks the iteration followed the whole plan, then per-chunk updates."""
+        """optimizer.step(): checks the iteration followed the whole plan and changed nothing the early updates
+        read, then the per-chunk updates."""
         self.optimizer._opt_called = True  # type: ignore[attr-defined]  (what LR schedulers check)
+        if self._zeroed and self._has_backward and self.evaluating is None:
+            raise HplanError(f"zero_grad() was called between backward() and optimizer.step() (iteration "
+                             f"{self.iteration}): plain PyTorch would then step without those gradients, which the "
+                             "plan does not schedule; zero gradients after optimizer.step() or before the forward")
+        if self.watch is not None:
+            self.watch.check(self.iteration)
+        return self._end_iteration()
+
+    def _end_iteration(self) -> list[EventRecord]:
         self.on_event("optimizer", OPTIMIZER_MODULE)
         if self.cursor != len(self.plan.steps):
             step = self.plan.steps[self.cursor]
-            raise HplanError(f"iteration ended at plan step {self.cursor - 1} but the plan expects {step.event!r} "
-                             f"next ({len(self.plan.steps)} steps); re-trace and re-plan this workload")
+            raise HplanError(f"iteration {self.iteration} ended at plan step {self.cursor - 1} but the plan expects "
+                             f"{step.event!r} next ({len(self.plan.steps)} steps); re-trace and re-plan this workload")
         self._close_window()
         self._complete_flips()
         self._hide_grads()
@@ -421,9 +347,29 @@ class PlanRun:
         self.clips.clear()
         self._updated.clear()
         self._zeroed = False
+        self.iteration += 1
         records, self.records, self.cursor = self.records, [], 0
         self.last_records = records
         return records
+
+    def _skipped_step(self) -> None:
+        """A forward began where the plan expects optimizer.step(): the loop skipped the step (GradScaler on an
+        overflow, a loop skipping bad batches). Plain PyTorch then updates nothing; the plan still moves what it
+        moves, and nothing is updated — possible only if no chunk was updated during backward."""
+        if not self._zeroed:
+            raise HplanError(f"a new forward began after backward without optimizer.step() or zero_grad() (iteration "
+                             f"{self.iteration}): to accumulate gradients over K micro-batches, trace with --accumulate "
+                             "K (Workload.accumulate); to skip a step, call zero_grad() before the next forward")
+        if self._updated:
+            raise HplanError(f"optimizer.step() was skipped in iteration {self.iteration} (GradScaler on an overflow? "
+                             f"a skipped batch?) after {len(self._updated)} chunks were updated during backward; "
+                             f"{FIX}")
+        self._skip_next = True
+        self.user_skipped += 1
+        if self.watch is not None:
+            self.watch.reset()
+        self._end_iteration()
+        self._zeroed = True
 
     def step(self) -> list[EventRecord]:
         """The optimizer event, then gradients zeroed (as `optimizer.step(); optimizer.zero_grad()`)."""
@@ -444,15 +390,20 @@ class PlanRun:
         record = EventRecord(index=step.index, event=step.event, resident_bytes=model + peak,
                              model_resident_bytes=model, h2d_bytes=h2d, d2h_bytes=d2h)
         self.records.append(record)
-        if record.resident_bytes > self.plan.gpu_bytes:
-            message = (f"plan step {step.index} ({step.event}) used {record.resident_bytes} bytes of the fast tier, "
-                       f"over the plan's budget of {self.plan.gpu_bytes}; the run differs from the traced step — "
-                       "re-trace (e.g. with the shapes this run uses) and re-plan")
-            if self.budget_guard == "stop":
-                raise HplanError(message)
-            import warnings
+        self.guard_budget(record.resident_bytes, f"plan step {step.index} ({step.event})")
 
-            warnings.warn(message, stacklevel=2)
+    def guard_budget(self, used: int, where: str) -> None:
+        """Measured fast-tier bytes above the plan's budget stop the run (or warn, when asked)."""
+        if used <= self.plan.gpu_bytes:
+            return
+        message = (f"{where} used {used} bytes of the fast tier in iteration {self.iteration}, over the plan's "
+                   f"budget of {self.plan.gpu_bytes}; the run differs from the traced step — re-trace (e.g. with "
+                   "the shapes this run uses) and re-plan")
+        if self.budget_guard == "stop":
+            raise HplanError(message)
+        import warnings
+
+        warnings.warn(message, stacklevel=3)
 
 
 def state_of(run: PlanRun, rid: int) -> RegionState:

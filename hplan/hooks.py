@@ -22,6 +22,7 @@ from torch import nn
 from torch.utils._pytree import tree_leaves
 
 from hplan.artifacts.fingerprint import make_fingerprint
+from hplan.errors import HplanError
 
 EventCallback = Callable[[str, str], None]
 """callback(kind, module_path) with kind "forward" or "backward"."""
@@ -30,6 +31,14 @@ OPTIMIZER_MODULE = "optimizer"
 
 def dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
+
+
+def refuse_compiled(model: nn.Module) -> None:
+    """A torch.compile'd model runs its graph without the per-module events a plan is keyed on (and hplan runs
+    eager), so it would train differently from the compiled model without a word: refuse it."""
+    if getattr(model, "_orig_mod", None) is not None or getattr(model, "_compiled_call_impl", None) is not None:
+        raise HplanError("the model is wrapped by torch.compile, which hplan cannot trace or run per module; pass "
+                         "the model itself (compile is not supported inside a plan)")
 
 
 def canonical_params(model: nn.Module) -> dict[int, str]:

@@ -25,6 +25,7 @@ def load_workload(
     precision: str | None = None,
     accumulate: int | None = None,
     max_grad_norm: float | None = None,
+    defer_updates: bool | None = None,
 ) -> Workload:
     """Resolve `spec`; options the spec cannot take are refused, never silently ignored."""
     for name, value in (("batch size", batch_size), ("sequence length", seq_len)):
@@ -45,7 +46,7 @@ def load_workload(
     from dataclasses import replace
 
     given = {k: v for k, v in (("precision", precision), ("accumulate", accumulate),
-                               ("max_grad_norm", max_grad_norm)) if v is not None}
+                               ("max_grad_norm", max_grad_norm), ("defer_updates", defer_updates)) if v is not None}
     return with_contract_checks(replace(workload, **given) if given else workload)
 
 

@@ -359,8 +359,9 @@ def min_gpu(trace: Trace, hardware: Hardware) -> MinGpu:
     event = trace.events[t]
     model = total - problem.non_model[t] - hardware.slack_bytes
     phase = "the optimizer step" if event.kind == "optimizer" else f"{event.kind} of {event.module}"
-    words = (f"needs at least {format_size(total)}: {phase} holds {format_size(problem.non_model[t])} of "
-             f"non-model data (activations, temporaries) and {format_size(model)} of model data")
+    words = (f"needs at least {format_size(total)} ({total:,} bytes): {phase} holds "
+             f"{format_size(problem.non_model[t])} of non-model data (activations, temporaries) and "
+             f"{format_size(model)} of model data")
     if hardware.slack_bytes:
         words += f" (plus {format_size(hardware.slack_bytes)} slack)"
     return MinGpu(gpu_bytes=max(1, total), bottleneck=words)

@@ -1,6 +1,7 @@
 """`hplan plan` end to end on synthetic traces: files, JSON, exit codes, one-line errors."""
 
 import json
+import re
 
 import pytest
 from typer.testing import CliRunner
@@ -46,6 +47,16 @@ def test_infeasible_budget_is_exit_2_with_the_minimum(trace_file, tmp_path):
     result = runner.invoke(app, ["plan", str(trace_file), "--gpu-mem", "1000", "--json", "-o", str(out)])
     assert result.exit_code == 2 and not out.exists()
     assert json.loads(result.stdout)["summary"]["min_gpu_bytes"] > 1000
+
+
+def test_the_minimum_in_the_message_is_exact_bytes_that_plan(trace_file, tmp_path):
+    """The one-line refusal names the minimum to the byte, so typing it back in plans (a rounded "2.36 MB" may not)."""
+    result = runner.invoke(app, ["plan", str(trace_file), "--gpu-mem", "1000", "-o", str(tmp_path / "x.json")])
+    exact = re.search(r"\(([\d,]+) bytes\)", result.output).group(1).replace(",", "")
+    result = runner.invoke(app, ["plan", str(trace_file), "--gpu-mem", exact, "-o", str(tmp_path / "plan.json")])
+    assert result.exit_code == 0, result.output
+    result = runner.invoke(app, ["plan", str(trace_file), "--gpu-mem", str(int(exact) - 1), "-o", str(tmp_path / "y.json")])
+    assert result.exit_code == 2
 
 
 @pytest.mark.parametrize("args", [["--gpu-mem", "0"], ["--gpu-mem", "-3GB"], ["--gpu-mem", "lots"],

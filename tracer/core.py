@@ -26,7 +26,7 @@ from torch.utils._pytree import tree_leaves, tree_map
 from hplan.artifacts.trace import Trace
 from hplan.errors import HplanError
 from hplan.grads import installed
-from hplan.hooks import EventHooks, canonical_params, describe_batch, workload_fingerprint
+from hplan.hooks import EventHooks, canonical_params, describe_batch, refuse_compiled, workload_fingerprint
 from hplan.probe import StorageLedger, make_probe
 from hplan.training import TrainStep
 from hplan.workload import Workload
@@ -216,6 +216,7 @@ def _build(workload: Workload, device: str) -> TrainStep:
     except Exception as exc:  # the user's model factory failed
         raise HplanError(f"building the model of {workload.name!r} failed: {type(exc).__name__}: "
                          f"{_first_line(exc)}") from None
+    refuse_compiled(model)
     if not any(True for _ in model.parameters()):
         raise HplanError(f"workload {workload.name!r} builds an empty model (no parameters): nothing to trace")
     return TrainStep(workload, model)

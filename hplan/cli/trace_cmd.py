@@ -30,6 +30,10 @@ def register(app: typer.Typer) -> None:
                                                        "(gradient accumulation; default: the workload's).")] = None,
         max_grad_norm: Annotated[float | None, typer.Option("--max-grad-norm", help="Clip gradients to this global "
                                                             "norm every step (default: the workload's).")] = None,
+        defer_updates: Annotated[bool | None, typer.Option(
+            "--defer-updates/--no-defer-updates", help="Hold every update until optimizer.step(), for loops that "
+            "read or change gradients or the learning rate between backward and step (default: the workload's).")
+        ] = None,
         batch_size: Annotated[int | None, typer.Option("--batch-size", help="Override the batch size.")] = None,
         seq_len: Annotated[int | None, typer.Option("--seq-len", help="Override the sequence length.")] = None,
         precision: Annotated[str | None, typer.Option("--precision", help="fp32, bf16-mixed or fp16-mixed.")] = None,
@@ -41,12 +45,12 @@ def register(app: typer.Typer) -> None:
 
         guarded(lambda: _run(spec=spec, output=output, device=device, iters=iters, batch_size=batch_size,
                              seq_len=seq_len, precision=precision, overrides=overrides, as_json=as_json,
-                             accumulate=accumulate, max_grad_norm=max_grad_norm))
+                             accumulate=accumulate, max_grad_norm=max_grad_norm, defer_updates=defer_updates))
 
 
 def _run(*, spec: str, output: Path, device: str, iters: int, batch_size: int | None, seq_len: int | None,
          precision: str | None, overrides: list[str] | None, as_json: bool, accumulate: int | None = None,
-         max_grad_norm: float | None = None) -> None:
+         max_grad_norm: float | None = None, defer_updates: bool | None = None) -> None:
     from hplan.artifacts.io import check_output
     from hplan.cli.common import emit_json, parse_device, parse_overrides, progress_bar
     from hplan.specs import load_workload, spec_file
@@ -56,7 +60,8 @@ def _run(*, spec: str, output: Path, device: str, iters: int, batch_size: int | 
         raise HplanError(f"trace output {output} must end in .parquet (the timeline is a Parquet table)")
     check_output(output, inputs=[spec_file(spec)], what="trace output")
     workload = load_workload(spec, batch_size=batch_size, seq_len=seq_len, overrides=parse_overrides(overrides),
-                             precision=precision, accumulate=accumulate, max_grad_norm=max_grad_norm)
+                             precision=precision, accumulate=accumulate, max_grad_norm=max_grad_norm,
+                             defer_updates=defer_updates)
     from hplan.tracer import trace_workload
 
     with progress_bar(f"tracing {workload.name}", quiet=as_json) as on_progress:

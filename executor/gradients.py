@@ -1,0 +1,148 @@
+"""What a loop does to gradients between backward() and optimizer.step(), done on the gradient regions.
+
+Inside a plan the gradients live in regions (on the fast tier or the host), not in `.grad`, so torch's own
+`clip_grad_norm_` / `clip_grad_value_` would see nothing. `GradientOps` gives PlanRun the same operations over
+the regions: the same total norm, the same clamp, the same result as plain PyTorch. With a master recipe the
+low-precision gradient regions are not what the update reads (it reads fp32, unscaled gradients), so clips
+are recorded as in-place operations applied to the fp32 gradient at the update, in the order they were made.
+A clip after chunks were updated during backward cannot be honoured and is refused (see executor.tripwires).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from hplan.errors import HplanError
+from hplan.executor.tripwires import FIX
+
+if TYPE_CHECKING:
+    from hplan.executor.regions import RegionStore
+    from hplan.executor.scale import LossScale
+    from hplan.executor.update import ChunkUpdate
+
+_LATE = "{what} was called after chunks {chunks} were already updated this iteration; " + FIX
+
+
+class GradientOps:
+    """Mixin of PlanRun: clipping, loss scaling and finiteness checks over the gradient regions."""
+
+    store: RegionStore | None
+    master: bool
+    loss_scale: LossScale | None
+    updates: dict[int, ChunkUpdate]
+    written: set[str]
+    clips: list[Clip]
+    _names: dict[int, str]
+    _updated: set[int]
+
+    def manages(self, params: list[torch.Tensor]) -> bool:
+        store = self.store
+        return store is not None and any(id(p) in self._names and self._names[id(p)] in store.chunk_of for p in params)
+
+    def _written_of(self, params: list[torch.Tensor] | None, what: str) -> list[str]:
+        if self._updated:
+            raise HplanError(_LATE.format(what=what, chunks=sorted(self._updated)[:3]))
+        wanted = [self._names[id(p)] for p in (params or self.store.params.values()) if id(p) in self._names]
+        return [n for n in wanted if n in self.written]
+
+    def clip_grad_norm_(self, max_norm: float, *, params: list[torch.Tensor] | None = None, norm_type: float = 2.0,
+                        error_if_nonfinite: bool = False) -> torch.Tensor:
+        """Plain PyTorch's clip_grad_norm_ over the gradients written this iteration (the given parameters'),
+        computed where the gradients are; returns the total norm. With a master recipe the norm is of the fp32
+        master gradients (unscaled) and the clip applies to them at the update, as the reference does."""
+        grads = self._grads(self._written_of(params, "clip_grad_norm_"))
+        if not grads:
+            return torch.zeros(())
+        norms = [torch.linalg.vector_norm(g, norm_type) for g in grads]
+        total = torch.linalg.vector_norm(torch.stack([n.to(norms[0].device) for n in norms]), norm_type)
+        if error_if_nonfinite and not torch.isfinite(total):
+            raise HplanError(f"the total norm of the gradients is {float(total)}; it cannot be clipped")
+        coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+        if self.master:
+            self.clips.append(Clip(_subset(names, self.written), lambda g: g.mul_(coef.to(g.device))))
+        else:
+            with torch.no_grad():
+                for g in grads:
+                    g.mul_(coef.to(g.device))
+        return total
+
+    def clip_grad_value_(self, clip_value: float, *, params: list[torch.Tensor] | None = None) -> None:
+        """Plain PyTorch's clip_grad_value_: every written gradient clamped to [-clip_value, clip_value] (the fp32
+        master gradient at the update, with a master recipe)."""
+        names = self._written_of(params, "clip_grad_value_")
+        value = float(clip_value)
+        if self.master:
+            self.clips.append(Clip(_subset(names, self.written), lambda g: g.clamp_(-value, value)))
+            return
+        with torch.no_grad():
+            for g in self._grads(names):
+                g.clamp_(-value, value)
+
+    def check_user_unscale(self) -> None:
+        """A user's GradScaler is about to unscale `.grad` in place: refuse where that cannot reach the update."""
+        if self.loss_scale is not None:
+            raise HplanError("this run's fp16-mixed recipe scales the loss itself (loss = run.scale(loss)); drop "
+                             "the GradScaler, or trace with precision fp32 to keep your own")
+        if self._updated:
+            raise HplanError(f"GradScaler.unscale_ ran after {len(self._updated)} chunks were updated during backward "
+                             f"with the scaled gradients; {FIX}")
+        if not self.store.tier.exposes_host_grads:
+            raise HplanError("a GradScaler unscales `.grad`, which this device keeps in the plan's regions; use "
+                             "precision fp16-mixed (hplan scales the loss itself)")
+
+    def _grads(self, names: list[str]) -> list[torch.Tensor]:
+        """Current gradients in the given order: region views, or fp32 master gradients (unscaled, with the
+        earlier clips applied) with a master recipe."""
+        store = self.store
+        if not self.master:
+            return [store.current(store.region(store.chunk_of[n], "grad"), n) for n in names]
+        inv = self.loss_scale.inverse() if self.loss_scale else None
+        out = []
+        for n in names:
+            g = self.updates[store.chunk_of[n]].fp32_grads({n}, inv)[n]
+            apply_clips(self.clips, n, g)
+            out.append(g)
+        return out
+
+    def _any_nonfinite(self, names: list[str] | None = None) -> bool:
+        """Is any written gradient inf or NaN? One norm per gradient, in one foreach call (a finite gradient's
+        norm overflows only beyond 1e38 in fp32 or bf16, far past any gradient worth stepping with)."""
+        grads = self._grads(sorted(self.written) if names is None else names)
+        if not grads:
+            return False
+        norms = torch._foreach_norm(grads)
+        return not bool(torch.isfinite(torch.stack([n.float().cpu() for n in norms])).all())
+
+    def _check_finite(self, chunks: tuple[int, ...] | list[int], step: Any) -> None:
+        names = [n for c in chunks for n in self.updates[c].names if n in self.written]
+        if self._any_nonfinite(names):
+            raise HplanError(f"a gradient is not finite (inf or NaN) at plan step {step.index} ({step.event}); "
+                             "stopping before updating with it")
+
+    def scale(self, loss: torch.Tensor) -> torch.Tensor:
+        """The loss times the current loss scale (fp16-mixed), or the loss itself; call `.backward()` on it."""
+        return loss if self.loss_scale is None else self.loss_scale.scale(loss)
+
+
+@dataclass(frozen=True, slots=True)
+class Clip:
+    """One clip of a master-recipe iteration: an in-place edit of fp32 gradients, of some parameters (None: all
+    written this iteration), replayed at the update in the order the loop made them."""
+
+    names: frozenset[str] | None
+    op: Callable[[torch.Tensor], Any]
+
+
+def _subset(names: list[str], written: set[str]) -> frozenset[str] | None:
+    return None if set(names) == written else frozenset(names)
+
+
+def apply_clips(clips: list[Clip] | tuple[Clip, ...], name: str, grad: torch.Tensor) -> None:
+    """Replay the iteration's clips on one parameter's fp32 gradient, in order."""
+    for clip in clips:
+        if clip.names is None or name in clip.names:
+            clip.op(grad)
