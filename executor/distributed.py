@@ -356,6 +356,10 @@ class DistRun:
     def zeroed(self) -> None:
         self._zeroed = True
 
+    def scale(self, loss: torch.Tensor) -> torch.Tensor:
+        """The loss itself (no loss scaling on many ranks); kept so loops written for one rank run unchanged."""
+        return loss
+
     def _counters(self) -> tuple[int, int, int, int]:
         t = self.store.traffic
         return t.h2d, t.d2h, self.comm.sent, self.comm.wire

@@ -29,6 +29,7 @@ from torch import nn
 from hplan.artifacts import Plan, Step
 from hplan.artifacts.fingerprint import fingerprint_mismatch
 from hplan.artifacts.replay import OPTIMIZER_EVENT, live_in, validate
+from hplan.artifacts.shard import one_rank_only
 from hplan.errors import HplanError
 from hplan.grads import installed
 from hplan.hooks import OPTIMIZER_MODULE, EventHooks, canonical_params, workload_fingerprint
@@ -73,6 +74,7 @@ class PlanRun:
                  batch_example: Any = None, precision: str | None = None, measure: bool = True,
                  budget_guard: str = "stop", nonfinite: str = "ignore") -> None:
         validate(plan)
+        one_rank_only(plan)  # many-rank plans run in hplan.executor.distributed
         if budget_guard not in GUARDS or nonfinite not in NONFINITE:
             raise HplanError(f"budget_guard must be one of {GUARDS} and nonfinite one of {NONFINITE}")
         self.plan, self.model, self.optimizer = plan, model, optimizer

@@ -38,6 +38,25 @@ def numel(p: ParamInfo) -> int:
     return n
 
 
+def state_slots(p: ParamInfo) -> int:
+    """Per-element optimizer tensors of a parameter (the master copy excluded): from the trace's names, else
+    from its optimizer bytes (synthetic traces name none)."""
+    named = [t for t in p.optimizer_tensors if t != "master"]
+    if named or p.optimizer_tensors:
+        return len(named)
+    n = numel(p)
+    if n == 0:
+        return 0
+    itemsize = p.bytes // n
+    master = 4 * n if itemsize < 4 else 0  # a 16-bit recipe keeps an fp32 master (hplan.precision)
+    state_itemsize = 4 if master else itemsize
+    slots, rest = divmod(p.optimizer_bytes - master, n * state_itemsize)
+    if rest or slots < 0:
+        raise HplanError(f"parameter {p.name}: {p.optimizer_bytes} optimizer bytes are not whole per-element "
+                         f"tensors of {n} elements; re-trace it")
+    return slots
+
+
 def sharding_for(groups: list[list[ParamInfo]], factors: Sharding) -> Sharding:
     """The factors with each chunk's element count and optimizer slots (chunk ids = group indices)."""
     chunk_numel, slots = {}, {}
@@ -45,7 +64,7 @@ def sharding_for(groups: list[list[ParamInfo]], factors: Sharding) -> Sharding:
         chunk_numel[c] = sum(numel(p) for p in ps)
         trainable = [p for p in ps if p.trainable]
         if trainable:
-            slots[c] = max(len([t for t in p.optimizer_tensors if t != "master"]) for p in trainable)
+            slots[c] = max(state_slots(p) for p in trainable)
     return Sharding(P=factors.P, G=factors.G, OS=factors.OS, chunk_numel=chunk_numel, state_slots=slots)
 
 

@@ -57,7 +57,8 @@ class RunReport:
         check_schema(obj, expected=cls.SCHEMA, path=path, what="run report")
         fields = {k: v for k, v in obj.items() if k != "schema"}
         try:
-            return cls(**{**fields, "losses": tuple(fields["losses"]), "step_seconds": tuple(fields["step_seconds"])})
+            return cls(**{**fields, "losses": tuple(fields["losses"]), "step_seconds": tuple(fields["step_seconds"]),
+                          "ranks": tuple(fields.get("ranks", ()))})
         except (KeyError, TypeError) as exc:
             raise HplanError(f"{path} is an incomplete run report ({exc}); rerun `hplan run`") from None
 

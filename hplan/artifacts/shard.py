@@ -347,3 +347,11 @@ def shard_problems(plan: Plan) -> list[str]:
         problems.append(f"summary says {plan.summary.collective_bytes_per_rank} collective bytes per rank, the "
                         f"steps send {total}")
     return problems
+
+
+def one_rank_only(plan: Plan) -> None:
+    """Refuse a many-rank plan where one process would run it (its regions are shards of the model)."""
+    if plan.sharding is not None:
+        n = plan.hardware.ranks
+        raise HplanError(f"the plan is for {n} ranks (shard factors {plan.sharding.factors}); run it with "
+                         f"`hplan run --nproc {n}`, under torchrun, or re-plan without --gpus/--nodes/--shard")

@@ -80,3 +80,58 @@ def summary_rows(plan: Plan) -> list[tuple[str, str]]:
                           f"({plan.options.get('shard', 'searched')})"),
         ("collectives / iteration", f"{format_size(s.collective_bytes_per_rank)} sent per rank in {calls} calls"),
     ]
+
+
+def many_rank_run(nproc: int | None, plan: Any) -> bool:
+    """Does `hplan run` go to the many-rank executor? With --nproc, under torchrun, or for a plan with shard
+    factors (whose run then asks for --nproc); a plan file that cannot be read goes the usual way, which says why."""
+    import json
+    import os
+
+    if nproc is not None or ("RANK" in os.environ and "WORLD_SIZE" in os.environ):
+        return True
+    try:
+        with open(plan) as f:
+            return bool(json.load(f).get("sharding"))
+    except (OSError, ValueError, AttributeError):
+        return False
+
+
+def run_many(*, spec: str, plan: Any, steps: int, device: str, metrics: Any, checkpoint: Any, resume: bool,
+             batch_size: int | None, seq_len: int | None, precision: str | None, overrides: list[str] | None,
+             as_json: bool, budget_guard: str, on_nonfinite: str, nproc: int | None) -> None:
+    """`hplan run --nproc N` (or under torchrun): hplan.executor.dist_train.run_distributed, one summary."""
+    import os
+
+    from hplan.artifacts import Plan
+    from hplan.cli.common import emit_json, err_console, parse_device, parse_overrides
+    from hplan.cli.run_cmd import check_outputs
+
+    parse_device(device, kinds=("cpu", "cuda"))
+    if nproc is not None and (isinstance(nproc, bool) or nproc < 1):
+        raise HplanError(f"--nproc must be a positive number of ranks, got {nproc}")
+    if metrics is not None:
+        raise HplanError("--metrics is one process's per-event table; it is not written for many ranks yet (use "
+                         "--json: it reports every rank)")
+    if budget_guard not in ("stop", "warn") or on_nonfinite != "stop":
+        raise HplanError("many ranks take --budget-guard stop or warn, and --on-nonfinite stop only")
+    check_outputs(spec=spec, plan=plan, metrics=None, checkpoint=checkpoint)
+    the_plan = Plan.load(plan)
+    from hplan.executor.dist_train import run_distributed
+
+    load = dict(batch_size=batch_size, seq_len=seq_len, overrides=parse_overrides(overrides), precision=precision,
+                accumulate=the_plan.accumulate, max_grad_norm=the_plan.max_grad_norm)
+    report = run_distributed(spec, the_plan, nproc=nproc, steps=steps, device=device, load=load,
+                             checkpoint_dir=checkpoint, resume=resume, budget_guard=budget_guard)
+    if os.environ.get("RANK", "0") != "0":  # torchrun: every rank has the report; rank 0 prints it
+        return
+    if as_json:
+        emit_json(report.to_dict())
+        return
+    worst = max(report.ranks, key=lambda r: r["peak_resident_bytes"])
+    err_console.print(f"{report.steps} steps on {report.world_size} ranks from step {report.first_step}: final loss "
+                      f"{report.losses[-1]:.4f} (mean over ranks); peak resident {worst['peak_resident_bytes']} B on "
+                      f"rank {worst['rank']} (budget {report.budget_bytes} B); per rank moved "
+                      f"{report.bytes_moved_per_iter} B/iter (planned {report.planned_bytes_moved_per_iter}), "
+                      f"collectives {report.ranks[0]['collective_bytes_per_iter']} B/iter (planned "
+                      f"{report.planned_collective_bytes_per_iter})", highlight=False)
