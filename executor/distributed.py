@@ -174,6 +174,10 @@ class DistRun:
         store = self.store
         if store is None or exc_type is not None:
             return
+        pending = [c for s in self.plan.steps for c in s.collectives if c.purpose == "update_gather" and c.before]
+        for call in pending:  # host-updated pieces reach the other ranks at the next read: do it now
+            store.fetch(call.region)
+            self.comm.run(call, store, first_scatter=False)
         values = {c.id: self.comm.gather_full(store, c.id) for c in self.plan.chunks}
         for rid in store.resident():
             store.evict(rid, writeback=False)
