@@ -77,3 +77,28 @@ def test_a_rank_that_dies_stops_the_run_in_one_line(trace, tmp_path):
     from hplan.executor.dist_checkpoint import read_pointer
 
     assert read_pointer(tmp_path / "ck")["global_step"] == 2
+
+
+def _four_ranks(info, spec, plans, steps):
+    return [dist_hplan.train_attached(info, spec, dist_hplan.Plan.from_dict(p), steps) for p in plans]
+
+
+@pytest.mark.slow
+def test_four_ranks_nested_shards_and_replica_groups(trace):
+    """4 ranks (one node): gradient shards over pairs with optimizer pieces over all four (two-stage
+    update gathers over strided and block groups), and optimizer state over pairs with all-reduces across the
+    two replicas (stride 2), against one process accumulating 4 micro-batches."""
+    settings = [(1, 2, 4), (2, 2, 4), (1, 1, 2), (4, 4, 4)]
+    plans = [dist_hplan.plan_at(trace, f, ranks=4, solver="fast") for f in settings]
+    results = launch(_four_ranks, SPEC, [p.to_dict() for p in plans], 4, nprocs=4, timeout_s=600,
+                     collective_timeout_s=300)
+    expected = ref.accumulated(SPEC, 4, 4)
+    for i, (f, plan) in enumerate(zip(settings, plans)):
+        got = [r[i] for r in results]
+        assert ref.max_rel_loss_diff(got[0]["losses"], expected.losses) <= TOL, f
+        assert ref.max_abs_weight_diff(got[0]["weights"], expected.weights) <= TOL, f
+        assert all(g["checksum"] == got[0]["checksum"] for g in got), f
+        for g in got:
+            assert g["peak"] <= plan.gpu_bytes, f
+            assert g["moved"] == plan.summary.bytes_moved_per_iter, f
+            assert g["collective"] == plan.summary.collective_bytes_per_rank, f
