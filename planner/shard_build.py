@@ -89,27 +89,31 @@ def structure_steps(trace: Trace, s: Structure) -> list[Step]:
 def shard_build(trace: Trace, groups: list[list[ParamInfo]], gpu_chunks: frozenset[int], hardware: Hardware,
                 factors: Sharding) -> tuple[Structure, Problem, Sharding]:
     """`planner.problem.build` for one rank under the factors (see the module docstring)."""
-    base, _ = build(trace, groups, gpu_chunks, hardware, flips=False)
+    base, plain = build(trace, groups, gpu_chunks, hardware, flips=False)
     sharding = sharding_for(groups, factors)
     regions = shard_regions(base, sharding)
     writes = [set(w) for w in base.writes]
+    changed = False
     if factors.OS > factors.P:
+        first_read: dict[int, int] = {}
+        for t, rs in enumerate(base.reads):
+            if trace.events[t].kind != "optimizer":
+                for r in rs:
+                    first_read.setdefault(r, t)
         for c, where in base.optimizer.items():
-            if where != "cpu":
-                continue
             w = base.by_chunk[c]["param"]
-            first = next((t for t, rs in enumerate(base.reads) if w in rs and trace.events[t].kind != "optimizer"),
-                         None)
-            if first is not None:
-                writes[first].add(w)
+            if where == "cpu" and w in first_read:
+                writes[first_read[w]].add(w)
+                changed = True
     structure = Structure(chunks=base.chunks, regions=regions, reads=base.reads,
                           writes=tuple(tuple(sorted(w)) for w in writes), overwrites=base.overwrites,
                           flips=base.flips, host_updates=base.host_updates, optimizer=base.optimizer,
                           by_chunk=base.by_chunk)
     _, gathered = derive(structure_steps(trace, structure), structure.chunks, regions, structure.optimizer, sharding,
                          hardware.ranks)
-    plain = _problem(trace, structure, hardware, bool(gpu_chunks))
-    problem = Problem(sizes=plain.sizes, needs=plain.needs, dirties=plain.dirties, off=plain.off,
+    if changed:  # new writes change liveness and dirtiness; otherwise only sizes and capacities differ
+        plain = _problem(trace, structure, hardware, bool(gpu_chunks))
+    problem = Problem(sizes=tuple(r.bytes for r in regions), needs=plain.needs, dirties=plain.dirties, off=plain.off,
                       cap=tuple(c - g for c, g in zip(plain.cap, gathered)), live=plain.live,
                       non_model=plain.non_model)
     return structure, problem, sharding

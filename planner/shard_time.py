@@ -32,9 +32,11 @@ def call_seconds(call: Collective, world: World) -> float:
 
 def predict_shard_seconds(steps: tuple[Step, ...] | list[Step], sizes: dict[int, int], initial: frozenset[int],
                           seconds: list[float], hardware: Hardware, host_bytes: dict[int, int],
-                          grad_of: dict[int, int]) -> dict[str, float]:
+                          grad_of: dict[int, int], *, prefetch: bool = False) -> dict[str, float]:
     """One steady-state iteration's time ("step") and its split: busy seconds of compute, each host-link
-    direction, the host optimizer, and the network queue per collective op."""
+    direction, the host optimizer, and the network queue per collective op. `prefetch` issues a step's `before`
+    calls when the previous step's compute starts (one module ahead, as ZeRO-3, MiCS and FSDP2 do): for pricing
+    those systems; hplan's executor gathers at the step itself, so its plans are priced without."""
     world = World.from_hardware(hardware)
     h2d_bps, d2h_bps = hardware.h2d_gbps * 1e9, hardware.d2h_gbps * 1e9
     cpu_bps = hardware.cpu_optimizer_gbps * 1e9
@@ -52,7 +54,7 @@ def predict_shard_seconds(steps: tuple[Step, ...] | list[Step], sizes: dict[int,
              "d2h": len(down) * TRANSFER_LATENCY_S + sum(down) / d2h_bps, "cpu_optimizer": host / cpu_bps, **busy}
     if not hardware.overlap:
         return {**split, "step": sum(split.values())}
-    up_free = down_free = compute_end = cpu_free = net_free = 0.0
+    up_free = down_free = compute_end = cpu_free = net_free = started = 0.0
     ready = {r: 0.0 for r in initial}
     synced: dict[int, float] = {}
     written: dict[int, float] = {}
@@ -67,11 +69,11 @@ def predict_shard_seconds(steps: tuple[Step, ...] | list[Step], sizes: dict[int,
         gathered = issue
         for call in step.collectives:
             if call.before:
-                net_free = max(net_free, issue, ready.get(call.region, 0.0)) + cost[call]
+                net_free = max(net_free, started if prefetch else issue, ready.get(call.region, 0.0)) + cost[call]
                 gathered = net_free
         needs = [ready.get(r, 0.0) for r in step.needs] + [synced.get(r, 0.0) for r in step.reads]
         start = max([issue, gathered] + needs)
-        compute_end = start + secs
+        compute_end, started = start + secs, start
         for call in step.collectives:
             if not call.before:
                 net_free = max(net_free, compute_end) + cost[call]

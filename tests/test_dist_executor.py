@@ -102,3 +102,25 @@ def test_four_ranks_nested_shards_and_replica_groups(trace):
             assert g["peak"] <= plan.gpu_bytes, f
             assert g["moved"] == plan.summary.bytes_moved_per_iter, f
             assert g["collective"] == plan.summary.collective_bytes_per_rank, f
+
+
+@pytest.mark.slow
+def test_torchrun_runs_the_cli_and_reports_every_rank(trace, tmp_path):
+    """`torchrun ... hplan run --json`: each process is one rank; rank 0 prints one report with both ranks."""
+    import json
+
+    plan = dist_hplan.plan_at(trace, (2, 2, 2))
+    plan.save(tmp_path / "plan.json")
+    hplan_script = os.path.join(os.path.dirname(sys.executable), "hplan")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", hplan_script,
+           "run", SPEC, "--plan", str(tmp_path / "plan.json"), "--steps", "3", "--json"]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    assert done.returncode == 0, done.stderr[-2000:]
+    report = json.loads(done.stdout[done.stdout.index("{"):])
+    expected = ref.accumulated(SPEC, 2, 3)
+    assert ref.max_rel_loss_diff(report["losses"], expected.losses) <= TOL
+    assert [r["rank"] for r in report["ranks"]] == [0, 1] and report["world_size"] == 2
+    for r in report["ranks"]:
+        assert r["collective_bytes_per_iter"] == r["planned_collective_bytes_per_iter"]
+        assert r["bytes_moved_per_iter"] == r["planned_bytes_moved_per_iter"]
+        assert r["peak_resident_bytes"] <= r["budget_bytes"]

@@ -230,6 +230,15 @@ def derive(steps: tuple[Step, ...] | list[Step], chunks: tuple[Chunk, ...], regi
         by_chunk.setdefault(r.chunk, {})[r.kind] = r.id
     micro = _micro_index(steps)
     opt = next((t for t, s in enumerate(steps) if s.event == OPTIMIZER_EVENT), None)
+    read_at: dict[int, list[int]] = {}
+    write_at: dict[int, list[int]] = {}
+    for t, st in enumerate(steps):  # one pass: each region's reading and writing steps, in order
+        if t == opt:
+            continue
+        for r in st.reads:
+            read_at.setdefault(r, []).append(t)
+        for r in {*st.writes, *st.overwrites}:
+            write_at.setdefault(r, []).append(t)
     before: list[list[Collective]] = [[] for _ in range(n_steps)]
     after: list[list[Collective]] = [[] for _ in range(n_steps)]
     gathered = [0] * n_steps
@@ -240,7 +249,7 @@ def derive(steps: tuple[Step, ...] | list[Step], chunks: tuple[Chunk, ...], regi
         size = itemsizes(c, regs)
         w, g = regs.get("param"), regs.get("grad")
         full = sharding.full_numel(c.id, trainable)
-        reads = [t for t, s in enumerate(steps) if w in s.reads and t != opt]
+        reads = read_at.get(w, [])
         s = sharding.piece(c.id) if trainable else 0
         shard_g = (OS // G) * s
         upd: list[Collective] = []
@@ -264,7 +273,7 @@ def derive(steps: tuple[Step, ...] | list[Step], chunks: tuple[Chunk, ...], regi
                 gathered[t] += full * size["param"]
         if g is None:
             continue
-        writes = [t for t, st in enumerate(steps) if (g in st.writes or g in st.overwrites) and t != opt]
+        writes = write_at.get(g, [])
         if not writes:
             continue
         spans: dict[int, list[int]] = {}
