@@ -66,7 +66,8 @@ def check_resumable(directory: str | os.PathLike[str], plan: Plan, world: int) -
                          "resume with a plan of the same factors (--shard)")
     mine = {k: plan.fingerprint.get(k) for k in ("params_sha", "precision")}
     if info.get("fingerprint") != mine:
-        raise HplanError(f"checkpoint {directory} was written for another model or precision; resume with the same ones")
+        raise HplanError(f"checkpoint {directory} was written for another model or precision; resume with the same "
+                         "ones")
     if not (Path(directory) / info["latest"]).is_dir():
         raise HplanError(f"checkpoint {directory} names {info['latest']}, which is missing; the checkpoint is damaged")
     return info

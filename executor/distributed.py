@@ -61,9 +61,9 @@ def check_world(plan: Plan, world: int) -> None:
         raise HplanError(f"the plan is for one GPU but this run has {world} ranks; re-plan with --gpus/--nodes "
                          f"giving {world} ranks (or run without --nproc/torchrun)")
     if plan.hardware.ranks != world:
-        raise HplanError(f"the plan was made for {plan.hardware.ranks} ranks ({plan.hardware.gpus_per_node} per node × "
-                         f"{plan.hardware.nodes}) but this run has {world}; re-plan with --gpus/--nodes for {world} "
-                         f"ranks or run with --nproc {plan.hardware.ranks}")
+        hw = plan.hardware
+        raise HplanError(f"the plan was made for {hw.ranks} ranks ({hw.gpus_per_node} per node × {hw.nodes}) but this "
+                         f"run has {world}; re-plan with --gpus/--nodes for {world} ranks or run with --nproc {hw.ranks}")
     if plan.defer_updates or plan.max_grad_norm is not None:
         raise HplanError("clipping by global norm (or deferred updates) is not supported on many ranks yet: it needs "
                          "the norm over every rank's gradient shards; re-trace without max_grad_norm")
@@ -112,10 +112,11 @@ class DistRun:
         self._stack = contextlib.ExitStack()
         self.sync_at: dict[int, int] = {}
         """Grad region → the step after whose event its sync ends (÷N): the last step writing it."""
+        kinds = {r.id: r.kind for r in plan.regions}
         for t, s in enumerate(plan.steps):
             if s.event != OPTIMIZER_EVENT:
                 for r in (*s.writes, *s.overwrites):
-                    if plan.region_map()[r].kind == "grad":
+                    if kinds[r] == "grad":
                         self.sync_at[r] = t
 
     # -- lifecycle ------------------------------------------------------------------------------------
@@ -142,7 +143,8 @@ class DistRun:
                 continue
             mine = tuple(n for n in c.trainable if store.layouts[c.id].in_piece(n) is not None)
             if mine:
-                update = ChunkUpdate(store, replace(c, trainable=mine), where=plan.optimizer[c.id],  # type: ignore[arg-type]
+                piece = replace(c, trainable=mine)  # the update sees only this rank's piece of the chunk
+                update = ChunkUpdate(store, piece, where=plan.optimizer[c.id],  # type: ignore[arg-type]
                                      optimizer=optimizer, opt_name=self.opt_name, master=self.master, group_of=by_name)
                 update.adopt()
                 self.updates[c.id] = update

@@ -249,7 +249,7 @@ class ShardStore:
 
     # -- transient full copies ------------------------------------------------------------------------
     def open_full(self, buf: torch.Tensor, *, zero: bool) -> torch.Tensor:
-        """Allocate a full-copy buffer (idempotent); returns its typed flat view's base bytes."""
+        """Allocate a full-copy buffer (idempotent; zero-filled when asked) and return it (uint8)."""
         if buf.untyped_storage().nbytes() == 0:
             nbytes = buf.numel()
             self.tier.alloc(buf, nbytes)
