@@ -98,11 +98,9 @@ def _state(run: Any, *, global_step: int, scheduler: Any) -> dict[str, Any]:
             regions[str(rid)] = store.typed(rid, host=not slot.state.on_fast_tier).detach().clone()
     steps = {}
     for update in run.updates.values():
-        for g, names in update.groups.items():
-            private = update.private[g]
-            for n in names:
-                if n in update.started and "step" in private.state[update.work[n]]:
-                    steps[n] = float(private.state[update.work[n]]["step"])
+        for n in update.names:
+            if n in update.started and "step" in update.states[n]:
+                steps[n] = float(update.states[n]["step"])
     extra = {"global_step": global_step, "steps": steps,
              "scheduler": scheduler.state_dict() if scheduler is not None else None,
              "rng": torch.get_rng_state()}
@@ -161,14 +159,12 @@ def load(directory: str | os.PathLike[str], run: Any) -> dict[str, Any]:
             store.typed(int(rid), host=True).copy_(value)
     extra = _unpack(template[key]["extra"])
     for update in run.updates.values():
-        for g, names in update.groups.items():
-            private = update.private[g]
-            for n in names:
-                if n in extra["steps"]:
-                    state = private.state[update.work[n]]
-                    state["step"] = torch.tensor(extra["steps"][n], dtype=torch.float32,
-                                                 device=state["step"].device if "step" in state else "cpu")
-                    update.started.add(n)
+        for n in update.names:
+            if n in extra["steps"]:
+                state = update.states[n]  # the dict the update's optimizer steps with: changed in place
+                state["step"] = torch.tensor(extra["steps"][n], dtype=torch.float32,
+                                             device=state["step"].device if "step" in state else "cpu")
+                update.started.add(n)
     torch.set_rng_state(extra["rng"])
     return {"global_step": int(extra["global_step"]), "scheduler": extra["scheduler"], "path": str(folder)}
 

@@ -29,6 +29,7 @@ from hplan.executor.habits import intercepted
 from hplan.executor.measure import WindowMeter, make_probe
 from hplan.executor.runtime import check_plan
 from hplan.executor.shard_store import ShardStore
+from hplan.executor.batch import UpdateBatch
 from hplan.executor.update import ChunkUpdate
 from torch import nn
 
@@ -101,6 +102,8 @@ class DistRun:
         self.cursor = 0
         self.written: set[str] = set()
         self._updated: set[int] = set()
+        self._batches: dict[tuple[int, ...], UpdateBatch] = {}
+        """Chunks updated at one step → their batch (the same sets every iteration)."""
         self._scattered: set[int] = set()
         self._gathered: set[int] = set()
         self._previous: Step | None = None
@@ -257,28 +260,29 @@ class DistRun:
                 if call.purpose == "update_gather":
                     store.mark_dirty(call.region)
         if step.event == OPTIMIZER_EVENT:
-            for c in sorted(step.host_updates):
-                self._update(c)
-            for c in sorted(c for c, u in self.updates.items() if u.where == "gpu"):
-                self._update(c)
+            self._update(sorted(step.host_updates) + sorted(c for c, u in self.updates.items() if u.where == "gpu"))
             self._after(step)
         else:
-            for c in step.host_updates:
-                self._update(c)
+            self._update(step.host_updates)
             self._previous = step
         self._sample()
 
-    def _update(self, c: int) -> None:
-        self._updated.add(c)
-        update = self.updates.get(c)
-        if update is None:  # this rank's piece of the chunk is padding only
+    def _update(self, chunks: tuple[int, ...] | list[int]) -> None:
+        """These chunks' updates together: one optimizer call per place and param group (UpdateBatch)."""
+        self._updated.update(chunks)
+        mine = tuple(c for c in chunks if c in self.updates)  # a piece that is padding only has no update
+        if not mine:
             return
-        update.step(self.written)
-        if update.where == "gpu":
-            for kind in ("param", "master", "state"):
-                rid = self.store.region(c, kind)
-                if rid is not None:
-                    self.store.mark_dirty(rid)
+        batch = self._batches.get(mine)
+        if batch is None:
+            batch = self._batches[mine] = UpdateBatch([self.updates[c] for c in mine])
+        batch.step(self.written)
+        for c in mine:
+            if self.updates[c].where == "gpu":
+                for kind in ("param", "master", "state"):
+                    rid = self.store.region(c, kind)
+                    if rid is not None:
+                        self.store.mark_dirty(rid)
 
     # -- gradients ------------------------------------------------------------------------------------
     def _on_grad(self, p: torch.Tensor) -> None:

@@ -42,6 +42,18 @@ OPTIMIZER_PLACES: tuple[str, ...] = ("gpu", "cpu")
 HOMES: tuple[str, ...] = ("host", "nvme")
 
 
+def host_update_effects(regions: dict[str, int]) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """What a host (CPU) optimizer update of a chunk does to its regions' contents, as (read, overwritten):
+    it reads the gradient, master and state and updates the last two in place; the weights are rewritten from
+    the master with a mixed-precision recipe (overwritten), or updated in place without one (read). The planner
+    and the validator both take this rule from here."""
+    read = [regions[k] for k in ("grad", "master", "state") if k in regions]
+    overwritten = []
+    if "param" in regions:
+        (overwritten if "master" in regions else read).append(regions["param"])
+    return tuple(read), tuple(overwritten)
+
+
 @dataclass(frozen=True, kw_only=True, slots=True)
 class Chunk:
     """Parameters laid out together; every region of the chunk follows this order."""
@@ -112,8 +124,10 @@ class PlanSummary:
     bottleneck: str = ""
     """When infeasible or tight: the event that sets min_gpu_bytes, in words."""
     seconds: dict[str, float] = field(default_factory=dict)
-    """Predicted time split: compute, h2d, d2h (busy link seconds), cpu_optimizer, and deferred (the extra
-    step time of waiting for every gradient before any update, for clipping or loss scaling)."""
+    """Predicted time split: compute, h2d, d2h (busy link seconds), cpu_optimizer, and — for plans that defer
+    updates (clipping, loss scaling) — deferred: the estimated step time lost because host updates can no
+    longer overlap the backward pass (hplan.planner.core.deferral_seconds); many-rank plans add all_gather,
+    reduce_scatter and all_reduce (busy network seconds)."""
     collective_bytes_per_rank: int = 0
     """Many-rank plans: bytes each rank sends per iteration in its collectives (ring model; it receives as many)."""
     shard: dict[str, int] = field(default_factory=dict)

@@ -14,6 +14,7 @@ from hplan.errors import HplanError
 if TYPE_CHECKING:
     from hplan.artifacts import Plan, Trace
     from hplan.artifacts.shard import Sharding
+    from hplan.cli.common import OnProgress as Progress
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -23,7 +24,8 @@ class ManyRanks:
     overrides: dict[str, Any]
     factors: Sharding | None
 
-    def plan(self, trace: Trace, preset: str, gpu_mem: str, chunk_bytes: int | None, solver: str | None) -> Plan:
+    def plan(self, trace: Trace, preset: str, gpu_mem: str, chunk_bytes: int | None, solver: str | None, *,
+             effort: int = 1, on_progress: Progress | None = None) -> Plan:
         from hplan.cli.common import size_option
         from hplan.planner import PlanOptions, make_hardware
         from hplan.planner.shard import make_shard_plan, min_gpu_sharded
@@ -38,8 +40,9 @@ class ManyRanks:
         else:
             gpu_bytes = size_option(gpu_mem, what="--gpu-mem")
         hardware = make_hardware(preset, gpu_bytes=gpu_bytes, **self.overrides)
-        options = PlanOptions(chunk_bytes=chunk_bytes, **({"solver": solver} if solver is not None else {}))
-        return make_shard_plan(trace, hardware, options, factors=self.factors)
+        options = PlanOptions(chunk_bytes=chunk_bytes, effort=effort,
+                              **({"solver": solver} if solver is not None else {}))
+        return make_shard_plan(trace, hardware, options, factors=self.factors, on_progress=on_progress)
 
 
 def world_overrides(world: dict[str, Any], overrides: dict[str, Any], *, compare: bool) -> ManyRanks | None:
