@@ -27,6 +27,8 @@ SECTIONS: tuple[tuple[str, str, str], ...] = (
     ("executor", "5. Executor", "bench.executor_bench"),
     ("headline", "6. The seed's headline, replayed as plans (not GPU measurements)", "bench.headline"),
     ("plot", "7. Report cost", "bench.plot_cost"),
+    ("multigpu", "8. Many GPUs: shard factors vs ZeRO-3, MiCS, ZeRO++ (plans) and a 2-rank CPU run (measured)",
+     "bench.multigpu"),
 )
 
 

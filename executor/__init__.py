@@ -37,7 +37,14 @@ def attach(model: Any, optimizer: Any, plan: Plan, *, device: str = "cpu", batch
     `measure=False` drops the per-operator non-model probe (resident bytes then count model data only);
     `budget_guard="warn"` only warns when a step measures more than the plan's budget (default: stop);
     `nonfinite="stop"` stops before updating with an inf/NaN gradient, "skip" skips that step (plans that defer
-    updates only); the default leaves them to you, as plain PyTorch does."""
+    updates only); the default leaves them to you, as plain PyTorch does.
+    A many-rank plan (`hplan plan --gpus N`) runs on this rank of an initialised torch.distributed job (torchrun):
+    hplan.executor.distributed.DistRun."""
+    if plan.sharding is not None:  # many ranks: hplan.executor.distributed
+        from hplan.executor.distributed import DistRun
+
+        return DistRun(model, optimizer, plan, device=device, batch_example=batch_example, measure=measure,
+                       budget_guard=budget_guard)  # type: ignore[return-value]
     return PlanRun(model, optimizer, plan, device=device, batch_example=batch_example, precision=precision,
                    measure=measure, budget_guard=budget_guard, nonfinite=nonfinite)
 

@@ -33,6 +33,7 @@ from torch import nn
 
 from hplan.artifacts import Plan, Step
 from hplan.artifacts.replay import OPTIMIZER_EVENT, live_in, validate
+from hplan.artifacts.shard import one_rank_only
 from hplan.errors import HplanError
 from hplan.grads import installed
 from hplan.hooks import OPTIMIZER_MODULE, EventHooks, canonical_params, refuse_compiled
@@ -51,6 +52,7 @@ class PlanRun(GradientOps, StateSync):
                  budget_guard: str = "stop", nonfinite: str = "ignore") -> None:
         validate(plan)
         refuse_compiled(model)
+        one_rank_only(plan)  # many-rank plans run in hplan.executor.distributed
         if budget_guard not in GUARDS or nonfinite not in NONFINITE:
             raise HplanError(f"budget_guard must be one of {GUARDS} and nonfinite one of {NONFINITE}")
         self.plan, self.model, self.optimizer = plan, model, optimizer

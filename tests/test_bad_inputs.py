@@ -170,6 +170,24 @@ def both(*setups: Setup) -> Setup:
     return make
 
 
+def two_rank_plan(name: str) -> Setup:
+    """A plan of the shared trace for 2 CPU ranks (hplan plan --gpus 2), in the row's folder."""
+    def make(a: Path, d: Path) -> None:
+        result = runner.invoke(app, ["plan", str(a / "t.parquet"), "--gpu-mem", "1GB", "--gpu", "cpu", "--gpus", "2",
+                                     "-o", str(d / name)])
+        assert result.exit_code == 0, result.output
+    return make
+
+
+def sharded_checkpoint(name: str, *, world: int) -> Setup:
+    """A sharded checkpoint folder whose pointer says it was written by `world` ranks."""
+    def make(a: Path, d: Path) -> None:
+        (d / name / "step-000001").mkdir(parents=True)
+        (d / name / "latest.json").write_text(json.dumps({"schema": "hplan.dist-checkpoint/1", "latest": "step-000001",
+                                                          "world_size": world, "global_step": 1}))
+    return make
+
+
 def _unknown_chunk(plan: dict) -> None:
     plan["steps"][0]["reads"] = [*plan["steps"][0]["reads"], 9999]
 
@@ -419,6 +437,26 @@ ROWS: list[Row] = [
     Row("sweep_one_point", "sweep {T} --range 1MB:10MB --points 1 -o {D}/s.png"),
     Row("sweep_unknown_gpu", "sweep {T} --range 1MB:10MB --gpu gtx480 -o {D}/s.png"),
     Row("sweep_trace_is_a_plan", "sweep {P} --range 1MB:10MB -o {D}/s.png"),
+    # many ranks (issue 17)
+    Row("plan_gpus_not_divisible_by_shard", "plan {T} --gpu-mem 1GB --gpus 8 --shard P=1,G=3,OS=3 -o {D}/p.json"),
+    Row("plan_shard_params_inside_grads", "plan {T} --gpu-mem 1GB --gpus 8 --shard P=2,G=4,OS=8 -o {D}/p.json"),
+    Row("plan_shard_factor_missing", "plan {T} --gpu-mem 1GB --gpus 2 --shard P=1,G=2 -o {D}/p.json"),
+    Row("plan_shard_more_than_ranks", "plan {T} --gpu-mem 1GB --gpus 2 --shard P=4,G=4,OS=4 -o {D}/p.json"),
+    Row("plan_gpus_zero", "plan {T} --gpu-mem 1GB --gpus 0 -o {D}/p.json"),
+    Row("plan_inter_gbps_negative", "plan {T} --gpu-mem 1GB --gpus 2 --inter-gbps -3 -o {D}/p.json"),
+    Row("plan_many_ranks_with_compare", "plan {T} --gpu-mem 1GB --gpus 2 --compare -o {D}/p.json"),
+    Row("run_plan_for_another_world_size", "run {W} --plan {D}/p2.json --steps 2 --nproc 3", two_rank_plan("p2.json")),
+    Row("run_many_rank_plan_without_nproc", "run {W} --plan {D}/p2.json --steps 2", two_rank_plan("p2.json")),
+    Row("run_one_rank_plan_with_nproc", "run {W} " + P + " --nproc 2"),
+    Row("run_nproc_zero", "run {W} --plan {D}/p2.json --steps 2 --nproc 0", two_rank_plan("p2.json")),
+    Row("run_many_ranks_with_metrics", "run {W} --plan {D}/p2.json --steps 2 --nproc 2 --metrics {D}/m.parquet",
+        two_rank_plan("p2.json")),
+    Row("run_checkpoint_from_another_world_size",
+        "run {W} --plan {D}/p2.json --steps 2 --nproc 2 --resume --checkpoint {D}/ck",
+        both(two_rank_plan("p2.json"), sharded_checkpoint("ck", world=4))),
+    Row("run_resume_without_a_sharded_checkpoint",
+        "run {W} --plan {D}/p2.json --steps 2 --nproc 2 --resume --checkpoint {D}/ck",
+        both(two_rank_plan("p2.json"), folder("ck"))),
     # demo
     Row("demo_out_is_a_file", "demo --out {D}/out", text("out", "x")),
     Row("demo_out_is_a_fifo", "demo --out {D}/out", fifo("out")),

@@ -168,5 +168,6 @@ def test_two_ranks():
             assert rs_wire >= 1.9 * rs_model  # gloo's reduce-scatter sends an all-reduce's bytes (finding)
 
 
+@pytest.mark.slow  # uneven shards are also checked without ranks in test_shard_layout_pads_at_the_end
 def test_three_ranks_uneven():
     _check(launch(_battery, nprocs=3, timeout_s=60, collective_timeout_s=30), 3)

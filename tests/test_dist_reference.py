@@ -14,6 +14,7 @@ import dist_reference as ref
 TOL = 1e-5
 
 
+@pytest.mark.slow  # the fast suite checks FSDP2 against accumulation in test_dist_executor's one launch
 def test_fsdp2_three_steps_match_accumulation():
     expected = ref.accumulated("gpt:tiny", 2, 3)
     got = ref.fsdp2("gpt:tiny", 2, 3, timeout_s=120)

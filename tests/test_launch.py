@@ -82,10 +82,11 @@ def test_two_ranks_return_their_results():
     assert _rank_processes() == []
 
 
+# kill and exit each cost a spawn (~6 s): slow; tests/test_dist_executor.py's dying rank exits in the fast suite
 @pytest.mark.parametrize("how, expected", [
     ("raise", "rank 1 of 2 failed: ValueError: boom on purpose"),
-    ("kill", "rank 1 of 2 died from signal SIGKILL without raising"),
-    ("exit", "rank 1 of 2 exited with code 3 without raising"),
+    pytest.param("kill", "rank 1 of 2 died from signal SIGKILL without raising", marks=pytest.mark.slow),
+    pytest.param("exit", "rank 1 of 2 exited with code 3 without raising", marks=pytest.mark.slow),
 ])
 def test_a_failing_rank_is_named_promptly(how, expected, tmp_path):
     stamp = tmp_path / "failed_at"

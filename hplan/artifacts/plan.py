@@ -34,6 +34,7 @@ from typing import Any, ClassVar
 
 from hplan.artifacts.hardware import Hardware
 from hplan.artifacts.io import check_schema, read_json, write_json
+from hplan.artifacts.shard import Collective, Sharding
 from hplan.errors import HplanError
 
 REGION_KINDS: tuple[str, ...] = ("param", "grad", "master", "state")
@@ -94,6 +95,10 @@ class Step:
     """Chunk ids whose weights' device storage is reused for their gradients during this step."""
     host_updates: tuple[int, ...] = ()
     """Chunk ids the CPU optimizer updates at this step, on host copies."""
+    collectives: tuple[Collective, ...] = ()
+    """Many-rank plans: the calls of this step, in order ([Note: plan collectives] in hplan.artifacts.shard)."""
+    gathered_bytes: int = 0
+    """Many-rank plans: transient device bytes beside the regions (full weight copies, full gradients, staging)."""
 
     @property
     def needs(self) -> tuple[int, ...]:
@@ -121,7 +126,12 @@ class PlanSummary:
     seconds: dict[str, float] = field(default_factory=dict)
     """Predicted time split: compute, h2d, d2h (busy link seconds), cpu_optimizer, and — for plans that defer
     updates (clipping, loss scaling) — deferred: the estimated step time lost because host updates can no
-    longer overlap the backward pass (hplan.planner.core.deferral_seconds)."""
+    longer overlap the backward pass (hplan.planner.core.deferral_seconds); many-rank plans add all_gather,
+    reduce_scatter and all_reduce (busy network seconds)."""
+    collective_bytes_per_rank: int = 0
+    """Many-rank plans: bytes each rank sends per iteration in its collectives (ring model; it receives as many)."""
+    shard: dict[str, int] = field(default_factory=dict)
+    """Many-rank plans: the shard factors, {"P": k, "G": k, "OS": k}; empty for one rank."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -179,6 +189,9 @@ class Plan:
     options: dict[str, Any] = field(default_factory=dict)
     """Solver options that produced the plan (chunking, solver, effort, …)."""
     baselines: tuple[BaselineResult, ...] = ()
+    sharding: Sharding | None = None
+    """Many-rank plans: shard factors and per-chunk element counts ([Note: shard layout]); None for one rank.
+    The plan is then one rank's, for `hardware.ranks` ranks, and only a run with that many ranks may use it."""
 
     @property
     def gpu_bytes(self) -> int:
@@ -214,7 +227,9 @@ class Plan:
             return tuple(_int(x) for x in xs)
 
         lists = ("reads", "writes", "overwrites", "evict", "writeback", "fetch", "alloc", "flips", "host_updates")
-        steps = tuple(Step(**{**s, **{k: ints(s.get(k, ())) for k in lists}}) for s in obj["steps"])
+        steps = tuple(Step(**{**s, **{k: ints(s.get(k, ())) for k in lists},
+                              "collectives": tuple(Collective(**c) for c in s.get("collectives", ()))})
+                      for s in obj["steps"])
         return cls(
             workload=obj["workload"],
             hardware=Hardware.from_dict(obj["hardware"]),
@@ -234,6 +249,7 @@ class Plan:
             options=obj.get("options", {}),
             baselines=tuple(BaselineResult(**{**b, "not_modelled": tuple(b.get("not_modelled", ()))})
                             for b in obj.get("baselines", ())),
+            sharding=Sharding.from_dict(obj["sharding"]) if obj.get("sharding") else None,
         )
 
 

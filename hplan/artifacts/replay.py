@@ -10,6 +10,7 @@ import math
 from dataclasses import dataclass
 
 from hplan.artifacts.plan import HOMES, OPTIMIZER_PLACES, REGION_KINDS, Plan, host_update_effects
+from hplan.artifacts.shard import shard_problems
 from hplan.errors import HplanError
 
 OPTIMIZER_EVENT = "optimizer:optimizer"
@@ -100,7 +101,7 @@ def replay(plan: Plan) -> Replay:
             if on:
                 problems.append(f"{where}: chunk {c} is updated on the host while regions {on} are on the device")
         resident_bytes = sum(size[r] for r in resident)
-        total = resident_bytes + step.non_model_bytes + slack
+        total = resident_bytes + step.non_model_bytes + step.gathered_bytes + slack
         if total > budget:
             problems.append(f"{where}: needs {total} bytes, budget is {budget}")
         peak = max(peak, total)
@@ -112,6 +113,7 @@ def replay(plan: Plan) -> Replay:
         h2d_total, d2h_total = h2d_total + h2d, d2h_total + d2h
     if resident != set(plan.initial_resident) or dirty != set(plan.initial_dirty):
         problems.append("the schedule is not cyclic: its end state differs from initial_resident/initial_dirty")
+    problems += shard_problems(plan)  # many ranks: factors, shard sizes, collectives (hplan.artifacts.shard)
     del regions
     return Replay(states=tuple(states), violations=tuple(problems), h2d_bytes=h2d_total, d2h_bytes=d2h_total,
                   peak_bytes=peak)

@@ -34,6 +34,16 @@ class RunReport:
     setup_bytes: int = 0
     """Bytes moved once before the first step to reach the plan's initial residency."""
     metrics_path: str | None = None
+    world_size: int = 1
+    """Ranks that trained (a many-rank plan's `hardware.ranks`); 1 for one process."""
+    planned_collective_bytes_per_iter: int = 0
+    """Many ranks: the plan's collective bytes sent per rank per iteration (ring model)."""
+    ranks: tuple[dict[str, Any], ...] = ()
+    """Many ranks: one entry per rank, measured on that rank — peak_resident_bytes, bytes_moved_per_iter (h2d +
+    d2h, also split), collective_bytes_per_iter (ring-model bytes of the calls it made),
+    collective_wire_bytes_per_iter (socket bytes written meanwhile, gloo on Linux) — beside the plan's
+    planned_collective_bytes_per_iter, planned_bytes_moved_per_iter and budget_bytes. The top-level transfer
+    fields are rank 0's; peak_resident_bytes is the highest of any rank."""
 
     def to_dict(self) -> dict[str, Any]:
         return {**asdict(self), "schema": self.SCHEMA}
@@ -47,7 +57,8 @@ class RunReport:
         check_schema(obj, expected=cls.SCHEMA, path=path, what="run report")
         fields = {k: v for k, v in obj.items() if k != "schema"}
         try:
-            return cls(**{**fields, "losses": tuple(fields["losses"]), "step_seconds": tuple(fields["step_seconds"])})
+            return cls(**{**fields, "losses": tuple(fields["losses"]), "step_seconds": tuple(fields["step_seconds"]),
+                          "ranks": tuple(fields.get("ranks", ()))})
         except (KeyError, TypeError) as exc:
             raise HplanError(f"{path} is an incomplete run report ({exc}); rerun `hplan run`") from None
 

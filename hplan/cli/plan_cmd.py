@@ -45,18 +45,30 @@ def register(app: typer.Typer) -> None:
         compare: Annotated[bool, typer.Option("--compare", help="Also score ZeRO-Offload, Gemini, all-on-GPU.")
                            ] = False,
         as_json: Annotated[bool, typer.Option("--json", help="Print the summary as JSON on stdout.")] = False,
+        gpus: Annotated[int, typer.Option("--gpus", help="Data-parallel ranks (GPUs) per node; the trace is one "
+                                          "rank's micro-batch.")] = 1,
+        nodes: Annotated[int, typer.Option("--nodes", help="Nodes; ranks = --gpus × --nodes.")] = 1,
+        intra_gbps: Annotated[float | None, typer.Option("--intra-gbps", help="Per-GPU intra-node collective "
+                                                         "bandwidth, GB/s (NVLink, PCIe).")] = None,
+        inter_gbps: Annotated[float | None, typer.Option("--inter-gbps", help="Per-node network bandwidth, GB/s.")
+                              ] = None,
+        shard: Annotated[str | None, typer.Option("--shard", help="Force shard factors, e.g. P=1,G=8,OS=64 (default: "
+                                                  "the fastest that fits).")] = None,
     ) -> None:
         """Plan which model data lives on the GPU at every event: `hplan plan t.parquet --gpu-mem 24GB -o plan.json`."""
         from hplan.cli.common import guarded
 
         guarded(lambda: _run(trace=trace, gpu_mem=gpu_mem, output=output, cpu_mem=cpu_mem, gpu=gpu,
                              gpu_tflops=gpu_tflops, link_gbps=link_gbps, cpu_adam_gbps=cpu_adam_gbps, slack=slack,
-                             chunk_size=chunk_size, solver=solver, effort=effort, compare=compare, as_json=as_json))
+                             chunk_size=chunk_size, solver=solver, effort=effort, compare=compare, as_json=as_json,
+                             world=dict(gpus=gpus, nodes=nodes, intra_gbps=intra_gbps, inter_gbps=inter_gbps,
+                                        shard=shard)))
 
 
 def _run(*, trace: Path, gpu_mem: str, output: Path | None, cpu_mem: str | None, gpu: str | None,
          gpu_tflops: float | None, link_gbps: float | None, cpu_adam_gbps: float | None, slack: str | None,
-         chunk_size: str | None, solver: str | None, compare: bool, as_json: bool, effort: int = 1) -> None:
+         chunk_size: str | None, solver: str | None, compare: bool, as_json: bool, effort: int = 1,
+         world: dict | None = None) -> None:
     from hplan.artifacts import Trace
     from hplan.artifacts.io import check_input, check_output
     from hplan.cli.common import emit_json, positive_number, progress_bar, size_option
@@ -78,15 +90,24 @@ def _run(*, trace: Path, gpu_mem: str, output: Path | None, cpu_mem: str | None,
     if gpu_tflops is not None:
         overrides |= dict(tflops_16=gpu_tflops, tflops_32=gpu_tflops, efficiency=1.0)
     preset = gpu or "rtx3090"
-    if gpu_mem.strip().lower() == "min":
+    from hplan.cli.world import world_overrides
+
+    many = world_overrides(world or {}, overrides, compare=compare)  # many ranks: hplan.cli.world
+    if many is not None:
+        with progress_bar(f"planning {loaded.workload}", quiet=as_json, after_s=1.0) as on_progress:
+            plan = many.plan(loaded, preset, gpu_mem, _chunk(chunk_size), solver, effort=effort,
+                             on_progress=on_progress)
+    elif gpu_mem.strip().lower() == "min":
         floor = min_gpu_bytes(loaded, make_hardware(preset, gpu_bytes=1, **overrides)).gpu_bytes
         hardware = make_hardware(preset, gpu_bytes=floor, **overrides)
     else:
         hardware = make_hardware(preset, gpu_bytes=size_option(gpu_mem, what="--gpu-mem"), **overrides)
-    options = PlanOptions(chunk_bytes=_chunk(chunk_size), compare=compare, effort=effort,
-                          **({"solver": solver} if solver is not None else {}))
-    with progress_bar(f"planning {loaded.workload}", quiet=as_json, after_s=1.0) as on_progress:
-        plan = make_plan(loaded, hardware, options, on_progress=on_progress)
+    if many is None:
+        options = PlanOptions(chunk_bytes=_chunk(chunk_size), compare=compare, effort=effort,
+                              **({"solver": solver} if solver is not None else {}))
+        with progress_bar(f"planning {loaded.workload}", quiet=as_json, after_s=1.0) as on_progress:
+            plan = make_plan(loaded, hardware, options, on_progress=on_progress)
+    hardware = plan.hardware
     payload: dict = {"summary": asdict(plan.summary), "gpu_bytes": hardware.gpu_bytes}
     if compare:
         payload["baselines"] = [asdict(b) for b in plan.baselines]
@@ -138,6 +159,7 @@ def _print_summary(plan: Plan, output: Path | None) -> None:
                    f"{sum(len(st.flips) for st in plan.steps)} gradient-in-weight flips"),
         ("optimizer", f"{placed.count('gpu')} chunks updated on the GPU, {placed.count('cpu')} on the CPU"
                       f"{' (all after the last gradient: clipping or loss scaling)' if plan.defer_updates else ''}"),
+        *_world_rows(plan),
     ):
         table.add_row(key, value)
     console = Console()
@@ -154,3 +176,10 @@ def _print_summary(plan: Plan, output: Path | None) -> None:
         console.print(base)
     if output is not None:
         console.print(f"wrote {output}")
+
+
+def _world_rows(plan: Plan) -> list[tuple[str, str]]:
+    """Many-rank plans: the factors and the collectives (hplan.cli.world)."""
+    from hplan.cli.world import summary_rows
+
+    return summary_rows(plan)

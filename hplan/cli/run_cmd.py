@@ -38,10 +38,19 @@ def register(app: typer.Typer) -> None:
                                                   "stops the run, naming the step; skip: skip that step (plans that "
                                                   "defer updates, e.g. with clipping).")] = "stop",
         as_json: Annotated[bool, typer.Option("--json", help="Print the run summary as JSON on stdout.")] = False,
+        nproc: Annotated[int | None, typer.Option("--nproc", help="Ranks to spawn for a many-rank plan (gloo on "
+                                                  "CPU, NCCL on CUDA); under torchrun, leave it out.")] = None,
     ) -> None:
         """Train on a plan, doing its fetches, evictions and updates at the planned events."""
         from hplan.cli.common import guarded
+        from hplan.cli.world import many_rank_run
 
+        if many_rank_run(nproc, plan):  # many ranks: hplan.cli.world → hplan.executor.dist_train
+            guarded(lambda: _run_many(spec=spec, plan=plan, steps=steps, device=device, metrics=metrics,
+                                      checkpoint=checkpoint, resume=resume, batch_size=batch_size, seq_len=seq_len,
+                                      precision=precision, overrides=overrides, as_json=as_json,
+                                      budget_guard=budget_guard, on_nonfinite=on_nonfinite, nproc=nproc))
+            return
         guarded(lambda: _run(spec=spec, plan=plan, steps=steps, device=device, metrics=metrics,
                              checkpoint=checkpoint, resume=resume, overwrite=overwrite, batch_size=batch_size,
                              seq_len=seq_len,
@@ -113,3 +122,15 @@ def _check_cuda_index(device: str) -> None:
     count = torch.cuda.device_count() if torch.cuda.is_available() else 0
     if count and int(index) >= count:
         raise HplanError(f"--device {device}: this machine has {count} GPU(s), cuda:0 to cuda:{count - 1}")
+
+
+def _run_many(*, spec: str, plan: Path, steps: int, device: str, metrics: Path | None, checkpoint: Path | None,
+              resume: bool, batch_size: int | None, seq_len: int | None, precision: str | None,
+              overrides: list[str] | None, as_json: bool, budget_guard: str, on_nonfinite: str,
+              nproc: int | None) -> None:
+    """`hplan run --nproc N` / under torchrun (hplan.cli.world)."""
+    from hplan.cli.world import run_many
+
+    run_many(spec=spec, plan=plan, steps=steps, device=device, metrics=metrics, checkpoint=checkpoint, resume=resume,
+             batch_size=batch_size, seq_len=seq_len, precision=precision, overrides=overrides, as_json=as_json,
+             budget_guard=budget_guard, on_nonfinite=on_nonfinite, nproc=nproc)

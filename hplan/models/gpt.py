@@ -48,6 +48,11 @@ PRESETS: dict[str, GPTConfig] = {
     "6.7b": GPTConfig(n_layer=32, n_head=32, d_model=4096),
     "13b": GPTConfig(n_layer=40, n_head=40, d_model=5120),
     "18b": GPTConfig(n_layer=39, n_head=48, d_model=6144),
+    # LLaMA-7B / 13B shapes (Touvron et al. 2023, Table 2: d 4096 / 5120, 32 / 40 layers and heads, context 2048,
+    # 32,000-token vocabulary) on this GPT block: a 4d GELU MLP instead of SwiGLU's three 2.7d matrices, and
+    # tied embeddings, so 6.58 B / 12.7 B parameters instead of 6.7 B / 13.0 B. For many-GPU plans (issue 17).
+    "llama-7b-shaped": GPTConfig(n_layer=32, n_head=32, d_model=4096, vocab_size=32000, n_ctx=2048, seq_len=2048),
+    "llama-13b-shaped": GPTConfig(n_layer=40, n_head=40, d_model=5120, vocab_size=32000, n_ctx=2048, seq_len=2048),
 }
 NOMINAL_PARAMS: dict[str, int] = {
     "125m": 125_000_000, "350m": 350_000_000, "1.3b": 1_300_000_000,

@@ -1,0 +1,180 @@
+"""Sharded checkpoints of a many-rank run: each rank writes its own shards with torch.distributed.checkpoint (DCP).
+
+    DIR/latest.json              {"schema": ..., "latest": "step-000010", "world_size": 2, "shard": {...}, ...}
+    DIR/step-000010/             DCP's `.metadata` + one `__<rank>_0.distcp` per rank
+
+What a rank saves is what it holds: its shard of every parameter, master and optimizer-state region (current
+contents, wherever they are), its per-parameter optimizer step counters, its RNG state, and the global step and
+LR scheduler (the same on every rank). Gradients are dead between iterations and not saved. Keys carry the rank
+(`rank1/region/12`), so DCP never merges two ranks' different shards as one replicated tensor.
+Commit order: every rank writes into `DIR/.step-000010.tmp` (DCP's save is collective and ends with a barrier),
+rank 0 renames it to `step-000010`, replaces `latest.json` atomically, then removes older step folders but the
+previous one. A kill before the rename leaves the previous checkpoint as latest.
+Resume needs the same world size and shard factors: a rank's keys are its shards under the plan's layout
+([Note: shard layout] in hplan.artifacts.shard), and another world size cuts chunks into other pieces. DCP could
+reshard if every region were saved as a DTensor over the logical chunk; hplan refuses instead, in one line
+(`check_resumable`, run before any rank starts). hplan.executor.checkpoint (one process) is untouched; when its
+verified step folders land, these files belong inside them.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import shutil
+from pathlib import Path
+from typing import Any
+
+from hplan.artifacts import Plan, atomic_path
+from hplan.errors import HplanError
+
+SCHEMA = "hplan.dist-checkpoint/1"
+POINTER = "latest.json"
+
+
+def _folder(step: int) -> str:
+    return f"step-{step:06d}"
+
+
+def read_pointer(directory: str | os.PathLike[str]) -> dict[str, Any]:
+    """The pointer of a sharded checkpoint directory, or a one-line refusal."""
+    path = Path(directory) / POINTER
+    if not path.is_file():
+        legacy = Path(directory) / "state.pt"
+        what = " (it holds a one-process checkpoint: resume it without --nproc)" if legacy.exists() else ""
+        raise HplanError(f"no sharded checkpoint in {directory}{what}; run once with --checkpoint {directory} first")
+    try:
+        info = json.loads(path.read_text())
+    except (OSError, ValueError) as exc:
+        raise HplanError(f"{path} cannot be read ({type(exc).__name__}); the checkpoint is damaged") from None
+    if info.get("schema") != SCHEMA:
+        raise HplanError(f"{path} is not an hplan sharded checkpoint (schema {info.get('schema')!r})")
+    return info
+
+
+def check_resumable(directory: str | os.PathLike[str], plan: Plan, world: int) -> dict[str, Any]:
+    """Refuse, before any rank starts, a checkpoint of another world size, factors or model (torch-free)."""
+    info = read_pointer(directory)
+    if info.get("world_size") != world:
+        raise HplanError(f"checkpoint {directory} was written by {info.get('world_size')} ranks, this run has {world}; "
+                         f"resume with --nproc {info.get('world_size')} (resharding to another world size is not "
+                         "supported)")
+    shard = plan.summary.shard or (plan.sharding.factors if plan.sharding else {})
+    if info.get("shard") != shard:
+        raise HplanError(f"checkpoint {directory} holds shards for factors {info.get('shard')}, the plan uses {shard}; "
+                         "resume with a plan of the same factors (--shard)")
+    mine = {k: plan.fingerprint.get(k) for k in ("params_sha", "precision")}
+    if info.get("fingerprint") != mine:
+        raise HplanError(f"checkpoint {directory} was written for another model or precision; resume with the same "
+                         "ones")
+    if not (Path(directory) / info["latest"]).is_dir():
+        raise HplanError(f"checkpoint {directory} names {info['latest']}, which is missing; the checkpoint is damaged")
+    return info
+
+
+def _pack(obj: Any) -> Any:
+    import torch
+
+    buf = io.BytesIO()
+    torch.save(obj, buf)
+    return torch.frombuffer(bytearray(buf.getvalue()), dtype=torch.uint8)
+
+
+def _unpack(t: Any) -> Any:
+    import torch
+
+    return torch.load(io.BytesIO(t.numpy().tobytes()), weights_only=True)
+
+
+def _state(run: Any, *, global_step: int, scheduler: Any) -> dict[str, Any]:
+    """This rank's saved state (see the module docstring)."""
+    import torch
+
+    store, key = run.store, f"rank{run.rank}"
+    regions = {}
+    for rid, slot in store.slots.items():
+        if slot.region.kind != "grad":
+            regions[str(rid)] = store.typed(rid, host=not slot.state.on_fast_tier).detach().clone()
+    steps = {}
+    for update in run.updates.values():
+        for n in update.names:
+            if n in update.started and "step" in update.states[n]:
+                steps[n] = float(update.states[n]["step"])
+    extra = {"global_step": global_step, "steps": steps,
+             "scheduler": scheduler.state_dict() if scheduler is not None else None,
+             "rng": torch.get_rng_state()}
+    return {key: {"regions": regions, "extra": _pack(extra)}}
+
+
+def save(directory: str | os.PathLike[str], run: Any, *, global_step: int, scheduler: Any = None) -> None:
+    """Collective: every rank writes its shards; rank 0 commits the folder and the pointer."""
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+
+    root = Path(directory)
+    tmp = root / f".{_folder(global_step)}.tmp"
+    if run.rank == 0:
+        root.mkdir(parents=True, exist_ok=True)
+        shutil.rmtree(tmp, ignore_errors=True)
+    dist.barrier()
+    dcp.save(_state(run, global_step=global_step, scheduler=scheduler), checkpoint_id=str(tmp))
+    dist.barrier()
+    if run.rank == 0:
+        final = root / _folder(global_step)
+        shutil.rmtree(final, ignore_errors=True)
+        os.replace(tmp, final)
+        previous = None
+        if (root / POINTER).is_file():
+            previous = json.loads((root / POINTER).read_text()).get("latest")
+        plan = run.plan
+        info = {"schema": SCHEMA, "latest": final.name, "previous": previous, "global_step": global_step,
+                "world_size": run.world, "shard": plan.sharding.factors,
+                "fingerprint": {k: plan.fingerprint.get(k) for k in ("params_sha", "precision")}}
+        with atomic_path(root / POINTER) as path:
+            Path(path).write_text(json.dumps(info, indent=2))
+        for old in root.glob("step-*"):
+            if old.name not in (final.name, previous):
+                shutil.rmtree(old, ignore_errors=True)
+    dist.barrier()
+
+
+def load(directory: str | os.PathLike[str], run: Any) -> dict[str, Any]:
+    """Collective: read this rank's shards of the latest checkpoint into the run's region host copies and step
+    counters (call from DistRun's on_setup, before the initial fetches); returns global step and scheduler."""
+    import torch
+    import torch.distributed.checkpoint as dcp
+
+    info = check_resumable(directory, run.plan, run.world)
+    store, key = run.store, f"rank{run.rank}"
+    template = {key: {"regions": {str(rid): store.typed(rid, host=True).clone()
+                                  for rid, slot in store.slots.items() if slot.region.kind != "grad"},
+                      "extra": torch.empty(0, dtype=torch.uint8)}}
+    folder = Path(directory) / info["latest"]
+    extra_size = _extra_size(folder, key)
+    template[key]["extra"] = torch.empty(extra_size, dtype=torch.uint8)
+    dcp.load(template, checkpoint_id=str(folder))
+    with torch.no_grad():
+        for rid, value in template[key]["regions"].items():
+            store.typed(int(rid), host=True).copy_(value)
+    extra = _unpack(template[key]["extra"])
+    for update in run.updates.values():
+        for n in update.names:
+            if n in extra["steps"]:
+                state = update.states[n]  # the dict the update's optimizer steps with: changed in place
+                state["step"] = torch.tensor(extra["steps"][n], dtype=torch.float32,
+                                             device=state["step"].device if "step" in state else "cpu")
+                update.started.add(n)
+    torch.set_rng_state(extra["rng"])
+    return {"global_step": int(extra["global_step"]), "scheduler": extra["scheduler"], "path": str(folder)}
+
+
+def _extra_size(folder: Path, key: str) -> int:
+    """Bytes of the packed extras this rank saved, from DCP's metadata (its tensors' sizes)."""
+    import torch.distributed.checkpoint as dcp
+
+    meta = dcp.FileSystemReader(str(folder)).read_metadata()
+    entry = meta.state_dict_metadata.get(f"{key}.extra")
+    if entry is None:
+        raise HplanError(f"checkpoint {folder} has no shards for {key}; it was written by another world size")
+    return int(entry.size[0])

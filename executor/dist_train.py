@@ -1,0 +1,155 @@
+"""run_distributed: a workload trained on N ranks with a many-rank plan — `hplan run --nproc N`, or torchrun.
+
+Rank r trains step s on the workload's micro-batches `batch((s·N + r)·k + i)`, i < k (k = accumulate; k = 1 gives
+`batch(s·N + r)`), each loss ÷ k before backward; the plan's gradient syncs sum over ranks and divide by N. So
+the reference is one process accumulating the N·k micro-batches of step s (each loss ÷ N·k) before one
+optimizer step, and the loss reported per step is the mean over ranks (an all-reduce outside the plan's calls,
+not counted in its bytes). Every number in the report is measured per rank ([Note: distributed executor step]).
+Ranks start through hplan.executor.launch: a rank that fails or dies makes the run fail with one line naming it;
+checkpoints are saved after each step (hplan.executor.dist_checkpoint), so a failed run loses at most a step.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from hplan.artifacts import Plan, RunReport
+from hplan.errors import HplanError
+
+DIE_ENV = "HPLAN_TEST_DIE_AT"
+"""Tests only: "RANK:STEP" makes that rank exit abruptly (os._exit) at that step, as a crashed process would."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Job:
+    """Everything a rank needs, picklable."""
+
+    spec: str
+    load: dict[str, Any]
+    """Keyword arguments of hplan.specs.load_workload besides the spec."""
+    plan: dict[str, Any]
+    steps: int
+    device: str
+    checkpoint: str | None
+    resume: bool
+    measure: bool
+    budget_guard: str
+
+
+def run_distributed(spec: str, plan: Plan, *, nproc: int | None, steps: int, device: str = "cpu",
+                    load: dict[str, Any] | None = None, checkpoint_dir: str | os.PathLike[str] | None = None,
+                    resume: bool = False, measure: bool = True, budget_guard: str = "stop",
+                    timeout_s: float = 3600.0, collective_timeout_s: float = 300.0) -> RunReport:
+    """Train `spec` to global step `steps` on the plan's ranks (spawned, or this torchrun job's)."""
+    from hplan.executor.dist_checkpoint import check_resumable
+    from hplan.executor.distributed import check_world
+    from hplan.executor.launch import launch, under_torchrun
+
+    if steps <= 0:
+        raise HplanError(f"steps must be positive, got {steps}")
+    world = int(os.environ["WORLD_SIZE"]) if under_torchrun() else nproc
+    if world is None:
+        raise HplanError(f"the plan is for {plan.hardware.ranks} ranks: give --nproc {plan.hardware.ranks} or launch "
+                         "under torchrun")
+    check_world(plan, world)
+    if resume:
+        if checkpoint_dir is None:
+            raise HplanError("--resume needs --checkpoint DIR (where the state was saved)")
+        check_resumable(checkpoint_dir, plan, world)
+    backend = "nccl" if device.startswith("cuda") else "gloo"
+    job = Job(spec=spec, load=load or {}, plan=plan.to_dict(), steps=steps, device=device,
+              checkpoint=None if checkpoint_dir is None else str(checkpoint_dir), resume=resume, measure=measure,
+              budget_guard=budget_guard)
+    results = launch(rank_main, job, nprocs=None if under_torchrun() else world, backend=backend,
+                     timeout_s=timeout_s, collective_timeout_s=collective_timeout_s)
+    return report(spec, plan, results, device)
+
+
+def rank_main(info: Any, job: Job) -> dict[str, Any]:
+    """One rank's training loop (module level: spawned ranks import it)."""
+    import torch
+    import torch.distributed as dist
+    from hplan.executor import dist_checkpoint
+    from hplan.executor.distributed import DistRun
+    from hplan.executor.train import to_device
+
+    from hplan.specs import load_workload
+    from hplan.training import build_optimizer, check_loss
+
+    plan = Plan.from_dict(job.plan)
+    workload = load_workload(job.spec, **job.load)
+    if workload.accumulate != plan.accumulate:
+        raise HplanError(f"the plan was traced with {plan.accumulate} micro-batches per step, the workload uses "
+                         f"{workload.accumulate}; re-trace with the same --accumulate")
+    device = f"cuda:{info.local_rank}" if job.device == "cuda" else job.device
+    if device.startswith("cuda"):
+        torch.cuda.set_device(torch.device(device))
+    model = workload.build_model()
+    optimizer = build_optimizer(workload, model)
+    scheduler = workload.scheduler(optimizer) if workload.scheduler is not None else None
+    resumed: dict[str, Any] = {}
+
+    def setup(run: DistRun) -> None:
+        if job.resume:
+            resumed.update(dist_checkpoint.load(job.checkpoint, run))
+
+    n, r, k = info.world_size, info.rank, workload.accumulate
+    die = os.environ.get(DIE_ENV, "")
+    losses, seconds = [], []
+    with DistRun(model, optimizer, plan, device=device, batch_example=workload.batch(0), measure=job.measure,
+                 budget_guard=job.budget_guard, on_setup=setup) as run:
+        first = resumed.get("global_step", 0)
+        if scheduler is not None and resumed.get("scheduler") is not None:
+            scheduler.load_state_dict(resumed["scheduler"])
+        if first >= job.steps:
+            raise HplanError(f"the checkpoint is already at step {first}; ask for more --steps than that")
+        for step in range(first, job.steps):
+            if die == f"{r}:{step}":
+                os._exit(3)
+            start = time.perf_counter()
+            micro = []
+            for i in range(k):
+                batch = to_device(workload.batch((step * n + r) * k + i), device)
+                loss = check_loss(workload, workload.loss(run.model, batch))
+                if not math.isfinite(float(loss.detach())):
+                    raise HplanError(f"rank {r}: the loss is {float(loss.detach())} at step {step}; stopped before "
+                                     "updating anything of this step")
+                (loss / k if k > 1 else loss).backward()
+                micro.append(loss.detach())
+            last = run.step()
+            if scheduler is not None:
+                scheduler.step()
+            seconds.append(time.perf_counter() - start)
+            total = torch.stack(micro).mean().reshape(1).to(device)
+            dist.all_reduce(total)
+            losses.append(float(total) / n)
+            if job.checkpoint is not None:
+                dist_checkpoint.save(job.checkpoint, run, global_step=step + 1, scheduler=scheduler)
+    return {"rank": r, "first_step": first, "losses": losses, "seconds": seconds,
+            "peak_resident_bytes": run.peak, "h2d_bytes_per_iter": last.h2d_bytes, "d2h_bytes_per_iter": last.d2h_bytes,
+            "collective_bytes_per_iter": last.collective_bytes, "collective_wire_bytes_per_iter": last.wire_bytes}
+
+
+def report(spec: str, plan: Plan, results: list[dict[str, Any]], device: str) -> RunReport:
+    """One report: losses and times of rank 0 (every rank computes the same global mean), and a per-rank entry."""
+    head = results[0]
+    planned = plan.summary.collective_bytes_per_rank
+    ranks = tuple({"rank": x["rank"], "peak_resident_bytes": x["peak_resident_bytes"],
+                   "bytes_moved_per_iter": x["h2d_bytes_per_iter"] + x["d2h_bytes_per_iter"],
+                   "h2d_bytes_per_iter": x["h2d_bytes_per_iter"], "d2h_bytes_per_iter": x["d2h_bytes_per_iter"],
+                   "collective_bytes_per_iter": x["collective_bytes_per_iter"],
+                   "collective_wire_bytes_per_iter": x["collective_wire_bytes_per_iter"],
+                   "planned_collective_bytes_per_iter": planned,
+                   "planned_bytes_moved_per_iter": plan.summary.bytes_moved_per_iter,
+                   "budget_bytes": plan.gpu_bytes} for x in results)
+    return RunReport(workload=spec, device=device, steps=len(head["losses"]), first_step=head["first_step"],
+                     losses=tuple(head["losses"]), step_seconds=tuple(head["seconds"]),
+                     peak_resident_bytes=max(x["peak_resident_bytes"] for x in results), budget_bytes=plan.gpu_bytes,
+                     bytes_moved_per_iter=head["h2d_bytes_per_iter"] + head["d2h_bytes_per_iter"],
+                     planned_bytes_moved_per_iter=plan.summary.bytes_moved_per_iter,
+                     h2d_bytes_per_iter=head["h2d_bytes_per_iter"], d2h_bytes_per_iter=head["d2h_bytes_per_iter"],
+                     world_size=len(results), planned_collective_bytes_per_iter=planned, ranks=ranks)

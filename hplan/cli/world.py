@@ -1,0 +1,140 @@
+"""`hplan plan --gpus/--nodes/--intra-gbps/--inter-gbps/--shard`: the many-rank options, kept out of plan_cmd.
+
+Builds the Hardware's world from the flags (STYLE §10: the CLI only builds it) and calls
+hplan.planner.shard.make_shard_plan; a one-rank invocation without --shard stays on `make_plan`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from hplan.errors import HplanError
+
+if TYPE_CHECKING:
+    from hplan.artifacts import Plan, Trace
+    from hplan.artifacts.shard import Sharding
+    from hplan.cli.common import OnProgress as Progress
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class ManyRanks:
+    """A many-rank planning request: the hardware overrides with the world, and any forced factors."""
+
+    overrides: dict[str, Any]
+    factors: Sharding | None
+
+    def plan(self, trace: Trace, preset: str, gpu_mem: str, chunk_bytes: int | None, solver: str | None, *,
+             effort: int = 1, on_progress: Progress | None = None) -> Plan:
+        from hplan.cli.common import size_option
+        from hplan.planner import PlanOptions, make_hardware
+        from hplan.planner.shard import make_shard_plan, min_gpu_sharded
+        from hplan.artifacts.shard import factor_choices
+
+        if gpu_mem.strip().lower() == "min":
+            probe = make_hardware(preset, gpu_bytes=1, **self.overrides)
+            if self.factors is not None:
+                self.factors.check(probe.ranks, probe.gpus_per_node)
+            choices = [self.factors] if self.factors else factor_choices(probe.ranks, probe.gpus_per_node)
+            gpu_bytes = min(min_gpu_sharded(trace, probe, f) for f in choices)
+        else:
+            gpu_bytes = size_option(gpu_mem, what="--gpu-mem")
+        hardware = make_hardware(preset, gpu_bytes=gpu_bytes, **self.overrides)
+        options = PlanOptions(chunk_bytes=chunk_bytes, effort=effort,
+                              **({"solver": solver} if solver is not None else {}))
+        return make_shard_plan(trace, hardware, options, factors=self.factors, on_progress=on_progress)
+
+
+def world_overrides(world: dict[str, Any], overrides: dict[str, Any], *, compare: bool) -> ManyRanks | None:
+    """None for one rank without --shard (the one-GPU planner); else the many-rank request. Adds the link
+    speeds to `overrides` either way (the plan records them)."""
+    from hplan.cli.common import positive_number
+    from hplan.planner.shard import parse_shard
+
+    gpus, nodes = world.get("gpus", 1), world.get("nodes", 1)
+    for value, flag in ((gpus, "--gpus"), (nodes, "--nodes")):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise HplanError(f"{flag} must be a positive integer, got {value!r}")
+    for key, flag in (("intra_gbps", "--intra-gbps"), ("inter_gbps", "--inter-gbps")):
+        positive_number(world.get(key), what=flag)
+        overrides[key] = world.get(key)
+    shard = world.get("shard")
+    if gpus * nodes == 1 and shard is None:
+        return None
+    if compare:
+        raise HplanError("--compare scores one-GPU offload systems; drop it for --gpus/--nodes/--shard plans (the "
+                         "many-GPU baselines are in `python -m bench --only multigpu`)")
+    factors = parse_shard(shard) if shard is not None else None
+    return ManyRanks(overrides={**overrides, "gpus_per_node": gpus, "nodes": nodes}, factors=factors)
+
+
+def summary_rows(plan: Plan) -> list[tuple[str, str]]:
+    """Rows of the terminal summary for a many-rank plan (none for one rank)."""
+    from hplan.sizes import format_size
+
+    if plan.sharding is None:
+        return []
+    s, hw = plan.summary, plan.hardware
+    calls = sum(len(st.collectives) for st in plan.steps)
+    return [
+        ("ranks", f"{hw.ranks} ({hw.gpus_per_node} per node × {hw.nodes} nodes; intra {hw.intra_gbps:g} GB/s, "
+                  f"inter {hw.inter_gbps:g} GB/s); the trace is one rank's micro-batch"),
+        ("shard factors", f"P={s.shard['P']}, G={s.shard['G']}, OS={s.shard['OS']} "
+                          f"({plan.options.get('shard', 'searched')})"),
+        ("collectives / iteration", f"{format_size(s.collective_bytes_per_rank)} sent per rank in {calls} calls"),
+    ]
+
+
+def many_rank_run(nproc: int | None, plan: Any) -> bool:
+    """Does `hplan run` go to the many-rank executor? With --nproc, under torchrun, or for a plan with shard
+    factors (whose run then asks for --nproc); a plan file that cannot be read goes the usual way, which says why."""
+    import json
+    import os
+
+    if nproc is not None or ("RANK" in os.environ and "WORLD_SIZE" in os.environ):
+        return True
+    try:
+        with open(plan) as f:
+            return bool(json.load(f).get("sharding"))
+    except (OSError, ValueError, AttributeError):
+        return False
+
+
+def run_many(*, spec: str, plan: Any, steps: int, device: str, metrics: Any, checkpoint: Any, resume: bool,
+             batch_size: int | None, seq_len: int | None, precision: str | None, overrides: list[str] | None,
+             as_json: bool, budget_guard: str, on_nonfinite: str, nproc: int | None) -> None:
+    """`hplan run --nproc N` (or under torchrun): hplan.executor.dist_train.run_distributed, one summary."""
+    import os
+
+    from hplan.artifacts import Plan
+    from hplan.cli.common import emit_json, err_console, parse_device, parse_overrides
+    from hplan.cli.run_cmd import check_outputs
+
+    parse_device(device, kinds=("cpu", "cuda"))
+    if nproc is not None and (isinstance(nproc, bool) or nproc < 1):
+        raise HplanError(f"--nproc must be a positive number of ranks, got {nproc}")
+    if metrics is not None:
+        raise HplanError("--metrics is one process's per-event table; it is not written for many ranks yet (use "
+                         "--json: it reports every rank)")
+    if budget_guard not in ("stop", "warn") or on_nonfinite != "stop":
+        raise HplanError("many ranks take --budget-guard stop or warn, and --on-nonfinite stop only")
+    check_outputs(spec=spec, plan=plan, metrics=None, checkpoint=checkpoint)
+    the_plan = Plan.load(plan)
+    from hplan.executor.dist_train import run_distributed
+
+    load = dict(batch_size=batch_size, seq_len=seq_len, overrides=parse_overrides(overrides), precision=precision,
+                accumulate=the_plan.accumulate, max_grad_norm=the_plan.max_grad_norm)
+    report = run_distributed(spec, the_plan, nproc=nproc, steps=steps, device=device, load=load,
+                             checkpoint_dir=checkpoint, resume=resume, budget_guard=budget_guard)
+    if os.environ.get("RANK", "0") != "0":  # torchrun: every rank has the report; rank 0 prints it
+        return
+    if as_json:
+        emit_json(report.to_dict())
+        return
+    worst = max(report.ranks, key=lambda r: r["peak_resident_bytes"])
+    err_console.print(f"{report.steps} steps on {report.world_size} ranks from step {report.first_step}: final loss "
+                      f"{report.losses[-1]:.4f} (mean over ranks); peak resident {worst['peak_resident_bytes']} B on "
+                      f"rank {worst['rank']} (budget {report.budget_bytes} B); per rank moved "
+                      f"{report.bytes_moved_per_iter} B/iter (planned {report.planned_bytes_moved_per_iter}), "
+                      f"collectives {report.ranks[0]['collective_bytes_per_iter']} B/iter (planned "
+                      f"{report.planned_collective_bytes_per_iter})", highlight=False)

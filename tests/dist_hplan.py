@@ -1,0 +1,96 @@
+"""hplan on N ranks, as a user's loop, for the tests and the bench: rank bodies (module level: spawned ranks
+import them) and the plans they run. See tests/dist_reference.py for the references they are compared with."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+import hplan
+from hplan.artifacts import Hardware, Plan, Trace
+from hplan.artifacts.shard import Sharding
+from hplan.executor.launch import RankInfo
+from hplan.specs import load_workload
+
+
+def plan_at(trace: Trace, factors: tuple[int, int, int], *, ranks: int = 2, room: float = 0.3,
+            solver: str = "auto") -> Plan:
+    """A plan for `ranks` CPU ranks under the factors, at the smallest per-rank budget any schedule needs plus
+    `room` × this rank's model data: below full residency for room < 1, so the plan offloads."""
+    from hplan.planner import PlanOptions, default_slack
+    from hplan.planner.presets import make_hardware
+    from hplan.planner.shard import make_shard_plan, min_gpu_sharded
+
+    f = Sharding(P=factors[0], G=factors[1], OS=factors[2])
+    probe = make_hardware("cpu", gpu_bytes=1, gpus_per_node=ranks, slack_bytes=default_slack(trace))
+    floor = min_gpu_sharded(trace, probe, f)
+    full = make_shard_plan(trace, _with_bytes(probe, 10**12), PlanOptions(chunk_bytes=0), factors=f)
+    model_bytes = sum(r.bytes for r in full.regions)
+    plan = make_shard_plan(trace, _with_bytes(probe, floor + int(room * model_bytes)), PlanOptions(solver=solver),
+                           factors=f)
+    assert plan.summary.feasible, plan.summary.bottleneck
+    return plan
+
+
+def _with_bytes(hardware: Hardware, gpu_bytes: int) -> Hardware:
+    from dataclasses import replace
+
+    return replace(hardware, gpu_bytes=gpu_bytes)
+
+
+def train_attached(info: RankInfo, spec: str, plan: Plan, steps: int, *, first: int = 0,
+                   checkpoint: tuple[str, str] | None = None) -> dict[str, Any]:
+    """A user's plain loop inside `hplan.attach` on this rank: batch(s·N + r), loss mean over ranks.
+    `checkpoint` = ("save", dir) saves after the last step, ("load", dir) resumes from it first."""
+    from hplan.executor import dist_checkpoint
+    from hplan.executor.distributed import DistRun
+
+    n, r = info.world_size, info.rank
+    workload = load_workload(spec)
+    model = workload.build_model()
+    optimizer = workload.optimizer(model.parameters())
+    losses, seconds, iters = [], [], []
+    setup = (lambda run: dist_checkpoint.load(checkpoint[1], run)) if checkpoint and checkpoint[0] == "load" else None
+    run = DistRun(model, optimizer, plan, batch_example=workload.batch(0), on_setup=setup) if setup else \
+        hplan.attach(model, optimizer, plan, batch_example=workload.batch(0))
+    with run:
+        for step in range(first, steps):
+            start = time.perf_counter()
+            loss = workload.loss(model, workload.batch(step * n + r))
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            seconds.append(time.perf_counter() - start)
+            total = loss.detach().clone()
+            dist.all_reduce(total)
+            losses.append(float(total) / n)
+            iters.append(run.last)
+        if checkpoint and checkpoint[0] == "save":
+            dist_checkpoint.save(checkpoint[1], run, global_step=steps)
+    weights = {name: p.detach().clone() for name, p in model.named_parameters()}
+    last = iters[-1]
+    return {"losses": losses, "seconds": seconds, "peak": max(i.peak_resident_bytes for i in iters),
+            "moved": last.h2d_bytes + last.d2h_bytes, "collective": last.collective_bytes, "wire": last.wire_bytes,
+            "checksum": [float(w.double().sum()) for w in weights.values()],
+            "weights": weights if r == 0 else None}
+
+
+def settings_rank(info: RankInfo, spec: str, plans: list[dict[str, Any]], steps: int, ckpt: str) -> dict[str, Any]:
+    """Every check of the executor test in one launch: each plan for `steps` steps, then a stop at half way and a
+    resume from a checkpoint under the second plan, then FSDP2 on the same model and seed."""
+    import dist_reference
+
+    torch.manual_seed(0)
+    out: dict[str, Any] = {"settings": [train_attached(info, spec, Plan.from_dict(p), steps) for p in plans]}
+    plan = Plan.from_dict(plans[1])
+    half = steps // 2
+    train_attached(info, spec, plan, half, checkpoint=("save", ckpt))
+    out["resumed"] = train_attached(info, spec, plan, steps, first=half, checkpoint=("load", ckpt))["losses"]
+    out["fsdp2"] = dist_reference._fsdp2_rank(info, spec, steps)
+    out["ckpt_files"] = sorted(p.name for p in Path(ckpt).iterdir()) if info.rank == 0 else []
+    return out
+

@@ -1,0 +1,189 @@
+"""Many-rank plans (issue 17), torch-free: per-rank sizes and collective bytes by hand, the cost model agrees,
+the chosen factors are the fastest, trace once plan for N, and the validator refuses tampered plans."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from dataclasses import replace
+
+import pytest
+
+from hplan.artifacts import Plan
+from hplan.artifacts.replay import replay, validate
+from hplan.artifacts.shard import Sharding, factor_choices, group_ranks
+from hplan.errors import HplanError
+from hplan.planner import PlanOptions, make_hardware, make_plan
+from hplan.planner.collectives import CommOptions, ShardFactors, StateBytes, World, iteration_collectives
+from hplan.planner.shard import make_shard_plan, parse_shard
+from hplan.planner.synthetic import chain_trace, gpt_trace
+
+MODULE = PlanOptions(chunk_bytes=0)
+
+
+def hw(ranks_per_node: int, nodes: int = 1, gpu_bytes: int = 10**9, **kw):
+    return make_hardware("a100-80gb", gpu_bytes=gpu_bytes, gpus_per_node=ranks_per_node, nodes=nodes, slack_bytes=0,
+                         **kw)
+
+
+def plan_for(trace, hardware, p, g, os_):
+    plan = make_shard_plan(trace, hardware, MODULE, factors=Sharding(P=p, G=g, OS=os_))
+    assert plan.summary.feasible, plan.summary.bottleneck
+    validate(plan)
+    return plan
+
+
+def test_planner_and_cli_world_are_pure():
+    code = "import sys, hplan.planner.shard, hplan.cli.world; assert 'torch' not in sys.modules"
+    subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_per_rank_region_bytes_and_collective_bytes_by_hand():
+    """Chain m0, m1, m2 of 10, 7 and 4 fp32 elements (AdamW: two state tensors), 4 ranks, P=1, G=2, OS=4.
+    Pieces s = ⌈n/4⌉ = 3, 2, 1; per rank: weights 4s, gradients 2s, state 2s elements of 4 bytes."""
+    trace = chain_trace((10, 7, 4), precision="fp32")
+    plan = plan_for(trace, hw(4), 1, 2, 4)
+    sizes = {(r.chunk, r.kind): r.bytes for r in plan.regions}
+    for c, s in enumerate((3, 2, 1)):
+        assert sizes[(c, "param")] == 4 * s * 4
+        assert sizes[(c, "grad")] == 2 * s * 4
+        assert sizes[(c, "state")] == 2 * s * 4
+    # per chunk: gradient reduce-scatter over 2 ranks of 4s elements sends 2s·4 B; the sync reduce-scatter over
+    # the 2 holders of the same gradient shard (stride 2) sends s·4; no all-reduce (OS = all ranks); the updated
+    # pieces gather back over stride 2 (s·4) then over the gradient pair (2s·4): 6s·4 B per chunk
+    assert plan.summary.collective_bytes_per_rank == sum(6 * s * 4 for s in (3, 2, 1)) == 144
+    calls = [(st.event, c.purpose, c.op, c.size, c.stride) for st in plan.steps for c in st.collectives
+             if plan.region_map()[c.region].chunk == 0]
+    assert calls == [("backward:m0", "scatter", "reduce_scatter", 2, 1),
+                     ("backward:m0", "sync", "reduce_scatter", 2, 2),
+                     ("optimizer:optimizer", "update_gather", "all_gather", 2, 2),
+                     ("optimizer:optimizer", "update_gather", "all_gather", 2, 1)]
+    # the full gradient of m0 (4s = 12 elements) lives in its backward step, with the sync's staging piece
+    backward_m0 = next(st for st in plan.steps if st.event == "backward:m0")
+    assert backward_m0.gathered_bytes == (12 + 3) * 4
+
+
+def test_full_sharding_gathers_weights_before_each_use():
+    """ZeRO-3 on 2 ranks: each read step all-gathers the chunk (⌈n/2⌉·4 B sent), the gradient is reduce-scattered
+    once: per chunk 3·⌈n/2⌉·4 B, ZeRO's 3Ψ·(N-1)/N."""
+    trace = chain_trace((10, 7), precision="fp32")
+    plan = plan_for(trace, hw(2), 2, 2, 2)
+    assert plan.summary.collective_bytes_per_rank == 3 * (5 + 4) * 4
+    forward_m1 = next(st for st in plan.steps if st.event == "forward:m1")
+    assert [(c.purpose, c.before, c.numel) for c in forward_m1.collectives] == [("gather", True, 8)]
+    assert forward_m1.gathered_bytes == 8 * 4
+    assert {r.kind: r.bytes for r in plan.regions if r.chunk == 1} == {"param": 16, "grad": 16, "state": 32}
+
+
+@pytest.mark.parametrize("gpn,nodes", [(8, 1), (8, 2)])
+def test_collective_bytes_agree_with_the_cost_model(gpn, nodes):
+    """planner.collectives prices whole states; per-chunk plans must send the same when nothing pads."""
+    numels = (64 * 16, 32 * 16, 128 * 16)
+    trace = chain_trace(numels, precision="fp32")
+    hardware = hw(gpn, nodes)
+    world = World.from_hardware(hardware)
+    total = sum(numels) * 4
+    for f in factor_choices(hardware.ranks, gpn):
+        plan = plan_for(trace, hardware, f.P, f.G, f.OS)
+        want, _, _ = iteration_collectives(ShardFactors(P=f.P, G=f.G, OS=f.OS),
+                                           StateBytes(params=total, grads=total, optim=2 * total), world,
+                                           CommOptions())
+        assert plan.summary.collective_bytes_per_rank == want, f
+
+
+def test_the_chosen_factors_are_the_fastest_that_fit():
+    trace = gpt_trace(n_layer=2, d_model=256, vocab=1024, n_ctx=128, seq=128, n_head=4, precision="fp32")
+    hardware = hw(4, gpu_bytes=60 * 10**6)
+    chosen = make_shard_plan(trace, hardware, PlanOptions(chunk_bytes=0, solver="fast"))
+    assert chosen.summary.feasible
+    times = {}
+    for f in factor_choices(4, 4):
+        forced = make_shard_plan(trace, hardware, PlanOptions(chunk_bytes=0, solver="fast"), factors=f)
+        if forced.summary.feasible:
+            times[(f.P, f.G, f.OS)] = forced.summary.predicted_step_seconds
+    best = min(times.values())
+    assert chosen.summary.predicted_step_seconds == pytest.approx(best, rel=1e-12)
+    s = chosen.summary
+    assert times[(s.shard["P"], s.shard["G"], s.shard["OS"])] == pytest.approx(best, rel=1e-12)
+    assert set(s.seconds) >= {"compute", "h2d", "d2h", "cpu_optimizer", "all_gather", "reduce_scatter", "all_reduce"}
+
+
+def test_trace_once_plan_for_n():
+    """One rank's trace, the world size and the factors fix every rank's memory: sizes ÷ factors (padded), the
+    same on every rank, and the predicted peak is the replayed one."""
+    trace = chain_trace((1000, 300, 77), precision="fp32")
+    one = make_plan(trace, hw(1), MODULE)
+    n1 = plan_for(trace, hw(1), 1, 1, 1)  # one rank: the one-GPU plan's regions exactly
+    assert [(r.kind, r.bytes) for r in n1.regions] == [(r.kind, r.bytes) for r in one.regions]
+    assert n1.summary.collective_bytes_per_rank == 0
+    for n in (2, 4, 8):
+        plan = plan_for(trace, hw(n), n, n, n)
+        for c, numel in enumerate((1000, 300, 77)):
+            s = -(-numel // n)
+            assert {r.kind: r.bytes for r in plan.regions if r.chunk == c} == {"param": 4 * s, "grad": 4 * s,
+                                                                              "state": 8 * s}
+        rep = replay(plan)
+        assert rep.peak_bytes == plan.summary.predicted_peak_bytes
+        assert all(st.total_bytes == st.resident_bytes + s.non_model_bytes + s.gathered_bytes
+                   for st, s in zip(rep.states, plan.steps))
+
+
+def test_offload_and_sharding_combine_under_a_tight_budget():
+    """Below what full residency needs, the plan offloads shards and still validates; the host↔GPU bytes are
+    those of the shards."""
+    trace = chain_trace((4000, 4000, 4000), precision="fp32")
+    roomy = plan_for(trace, hw(2), 1, 2, 2)
+    tight = make_shard_plan(trace, hw(2, gpu_bytes=roomy.summary.predicted_peak_bytes - 20_000), MODULE,
+                            factors=Sharding(P=1, G=2, OS=2))
+    assert roomy.summary.bytes_moved_per_iter == 0
+    assert tight.summary.feasible and tight.summary.bytes_moved_per_iter > 0
+    validate(tight)
+
+
+def test_plan_json_carries_shard_and_round_trips(tmp_path):
+    plan = plan_for(chain_trace((10, 7), precision="fp32"), hw(2), 1, 2, 2)
+    plan.save(tmp_path / "p.json")
+    data = json.loads((tmp_path / "p.json").read_text())
+    assert data["summary"]["shard"] == {"P": 1, "G": 2, "OS": 2}
+    assert data["summary"]["collective_bytes_per_rank"] == plan.summary.collective_bytes_per_rank
+    assert Plan.load(tmp_path / "p.json") == plan
+
+
+def test_validator_refuses_tampered_collectives_and_sizes():
+    plan = plan_for(chain_trace((10, 7), precision="fp32"), hw(2), 2, 2, 2)
+    dropped = replace(plan, steps=tuple(replace(s, collectives=()) for s in plan.steps))
+    with pytest.raises(HplanError, match="collectives or gathered bytes"):
+        validate(dropped)
+    shrunk = replace(plan, regions=tuple(replace(r, bytes=r.bytes // 2) if r.kind == "state" else r
+                                         for r in plan.regions))
+    with pytest.raises(HplanError, match="shard layout"):
+        validate(shrunk)
+    other_world = replace(plan, hardware=replace(plan.hardware, gpus_per_node=3))
+    with pytest.raises(HplanError, match="shard factor"):
+        validate(other_world)
+
+
+def test_groups_and_factor_choices():
+    assert group_ranks(5, 2, 1) == (4, 5)
+    assert group_ranks(5, 2, 4) == (1, 5)  # the holders of one shard index across 4-rank groups
+    assert group_ranks(6, 4, 2) == (0, 2, 4, 6)
+    assert {(f.P, f.G, f.OS) for f in factor_choices(2, 2)} == {(1, 1, 1), (1, 1, 2), (1, 2, 2), (2, 2, 2)}
+    assert all(f.P in (1, f.G) and f.OS % f.G == 0 for f in factor_choices(1024, 8))
+
+
+@pytest.mark.parametrize("text,match", [
+    ("P=1,G=2", "all three"), ("P=1,G=2,OS=x", "positive integers"), ("P=1,P=1,OS=2", "positive integers"),
+    ("Q=1,G=1,OS=1", "positive integers"), ("P=0,G=1,OS=1", "each ≥ 1"),
+])
+def test_shard_option_is_parsed_or_refused(text, match):
+    with pytest.raises(HplanError, match=match):
+        parse_shard(text)
+    assert parse_shard(" os=8, g=8 ,p=1") == Sharding(P=1, G=8, OS=8)
+
+
+@pytest.mark.parametrize("p,g,os_,match", [(1, 3, 3, "divisor"), (2, 4, 8, "must be 1 or equal G"),
+                                          (1, 4, 2, "divide the next"), (16, 16, 16, "divisor")])
+def test_factors_that_do_not_fit_the_world_are_refused(p, g, os_, match):
+    with pytest.raises(HplanError, match=match):
+        make_shard_plan(chain_trace((8,), precision="fp32"), hw(8), MODULE, factors=Sharding(P=p, G=g, OS=os_))
