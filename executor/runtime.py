@@ -23,6 +23,7 @@ from hplan.executor.measure import WindowMeter, make_probe
 from hplan.executor.regions import RegionStore
 from hplan.executor.scale import LossScale
 from hplan.executor.state import RegionState
+from hplan.executor.tiers import check_host_memory, host_tier, make_store, needs_nvme_dir
 from hplan.executor.update import ChunkUpdate
 from torch import nn
 
@@ -71,7 +72,7 @@ class PlanRun:
 
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, plan: Plan, *, device: str = "cpu",
                  batch_example: Any = None, precision: str | None = None, measure: bool = True,
-                 budget_guard: str = "stop", nonfinite: str = "ignore") -> None:
+                 budget_guard: str = "stop", nonfinite: str = "ignore", nvme_dir: str | None = None) -> None:
         validate(plan)
         if budget_guard not in GUARDS or nonfinite not in NONFINITE:
             raise HplanError(f"budget_guard must be one of {GUARDS} and nonfinite one of {NONFINITE}")
@@ -79,6 +80,11 @@ class PlanRun:
         self.precision = precision or plan.fingerprint.get("precision", "fp32")
         self.tier = make_tier(device)
         check_plan(plan, model, batch_example, self.precision, self.tier)
+        check_host_memory(plan)  # issue 16: the host tier (hplan.executor.tiers)
+        if needs_nvme_dir(plan) and nvme_dir is None:
+            raise HplanError(f"the plan keeps {len(plan.nvme_chunks())} chunks on NVMe: pass --nvme-dir DIR (a "
+                             "directory on the disk to use)")
+        self.nvme_dir = nvme_dir
         self.opt_name = check_optimizer(optimizer)
         self.master = get_recipe(self.precision).master_dtype is not None
         self.loss_scale = LossScale(self.tier.device) if self.precision == "fp16-mixed" else None
@@ -127,12 +133,16 @@ class PlanRun:
             for key, buf in module._buffers.items():
                 if buf is not None:
                     module._buffers[key] = buf.to(self.tier.device)
-        self.store = store = RegionStore(model, plan, self.tier, master=self.master, state_names=state_names)
+        self.store = store = make_store(model, plan, self.tier, master=self.master, state_names=state_names,
+                                        nvme_dir=self.nvme_dir)
+        self.host = host_tier(store)
         for c in plan.chunks:
             if c.trainable:
                 update = ChunkUpdate(store, c, where=plan.optimizer[c.id], optimizer=optimizer, opt_name=self.opt_name,
                                      master=self.master, group_of=by_name)
+                self.host.stage_chunk(c.id)
                 update.adopt()
+                self.host.settle_chunk(c.id)
                 self.updates[c.id] = update
         optimizer.state.clear()  # hplan holds the state in regions until the block ends
         self._names = names
@@ -163,6 +173,7 @@ class PlanRun:
         for name, value in values.items():
             store.params[name].data = value
             store.params[name].grad = None
+        self.host.close()
 
     # -- events ---------------------------------------------------------------------------------------
     def on_event(self, kind: str, module: str) -> None:
@@ -194,6 +205,7 @@ class PlanRun:
 
     def _do_step(self, step: Step) -> None:
         store = self.store
+        self.host.begin_step(step)
         writeback = set(step.writeback)
         for rid in step.evict:
             store.evict(rid, writeback=rid in writeback)
@@ -214,10 +226,14 @@ class PlanRun:
         update = self.updates[c]
         if update.where == "cpu" and set(self.store.by_chunk[c].values()) & self.store.resident():
             raise HplanError(f"plan step {step.index} updates chunk {c} on the host while it is on the fast tier")
+        if update.where == "cpu":
+            self.host.begin_update(step, c)
         if self.nonfinite != "ignore" and not self.plan.defer_updates:
             self._check_finite(c)
         update.step(self.written, inv_scale=self.loss_scale.inverse() if self.loss_scale else None,
                     clip=tuple(self.clips) if self.master else ())
+        if update.where == "cpu":
+            self.host.end_update(step, c)
         self._updated.add(c)
         if update.where == "gpu":
             for kind in ("param", "master", "state"):
@@ -236,6 +252,9 @@ class PlanRun:
             self.loss_scale.update(skip)
         if skip:
             self.skipped += 1
+            for c in sorted(step.host_updates):  # the host tier still stages and writes as planned
+                self.host.begin_update(step, c)
+                self.host.end_update(step, c)
             for c, update in self.updates.items():
                 if update.where == "gpu" and self.master:
                     update.copy_masters()
@@ -388,7 +407,9 @@ class PlanRun:
                 if p is not None:
                     self.optimizer.state[p] = dict(state)
         for update in self.updates.values():
+            self.host.stage_chunk(update.chunk.id)
             update.adopt()
+            self.host.settle_chunk(update.chunk.id)
         self.optimizer.state.clear()
 
     # -- iteration end, measurement -------------------------------------------------------------------

@@ -17,6 +17,7 @@ from typing import Any
 import torch
 from hplan.executor.checkpoint import load_checkpoint, restore, save_checkpoint
 from hplan.executor.runtime import EventRecord, PlanRun
+from hplan.executor.tiers import tier_fields
 
 from hplan.artifacts import METRICS_COLUMNS, Plan, RunReport, atomic_path
 from hplan.errors import HplanError
@@ -30,14 +31,14 @@ def run_training(workload: Workload, plan: Plan, *, steps: int, device: str = "c
                  metrics_path: str | os.PathLike[str] | None = None,
                  checkpoint_dir: str | os.PathLike[str] | None = None, resume: bool = False,
                  on_progress: Progress | None = None, measure: bool = True, budget_guard: str = "stop",
-                 nonfinite: str = "stop") -> RunReport:
+                 nonfinite: str = "stop", nvme_dir: str | os.PathLike[str] | None = None) -> RunReport:
     """Train until global step `steps` (from 0, or from the checkpoint with `resume`) replaying `plan`.
 
     Everything the report holds is measured: losses, step times, the probe's peak fast-tier bytes and the bytes
     actually copied in the last (steady-state) iteration. `measure=False` skips the non-model probe (on CPU it
     watches every operator), so resident bytes are model data only. A non-finite loss stops the run naming the
     step before anything of that step is updated or saved (`nonfinite="skip"` skips such steps instead, where
-    the plan defers updates)."""
+    the plan defers updates). `nvme_dir`: where a plan with a disk tier keeps its NVMe-homed regions."""
     if steps <= 0:
         raise HplanError(f"steps must be positive, got {steps}")
     if resume and checkpoint_dir is None:
@@ -55,7 +56,7 @@ def run_training(workload: Workload, plan: Plan, *, steps: int, device: str = "c
     losses, seconds, rows, last, peak = [], [], [], [], 0
     with PlanRun(model, optimizer, plan, device=device, batch_example=workload.batch(0),
                  precision=workload.precision, measure=measure, budget_guard=budget_guard,
-                 nonfinite=nonfinite) as run:
+                 nonfinite=nonfinite, nvme_dir=None if nvme_dir is None else str(nvme_dir)) as run:
         if state is not None and run.loss_scale is not None and state.get("loss_scale"):
             run.loss_scale.load_state_dict(state["loss_scale"])
         for step in range(first, steps):
@@ -76,6 +77,7 @@ def run_training(workload: Workload, plan: Plan, *, steps: int, device: str = "c
                 on_progress(step + 1, steps, f"loss {losses[-1]:.4f}  {seconds[-1] * 1e3:.0f} ms  "
                                              f"resident {peak / 2**20:.2f} MiB")
         setup = run.setup_bytes
+        tiers = tier_fields(run.store)  # issue 16: host-tier and disk measurements (empty for two tiers)
     if metrics_path is not None:
         _write_metrics(metrics_path, rows)
     h2d, d2h = sum(r.h2d_bytes for r in last), sum(r.d2h_bytes for r in last)
@@ -84,7 +86,7 @@ def run_training(workload: Workload, plan: Plan, *, steps: int, device: str = "c
                      budget_bytes=plan.gpu_bytes, bytes_moved_per_iter=h2d + d2h,
                      planned_bytes_moved_per_iter=plan.summary.bytes_moved_per_iter, h2d_bytes_per_iter=h2d,
                      d2h_bytes_per_iter=d2h, setup_bytes=setup,
-                     metrics_path=None if metrics_path is None else str(metrics_path))
+                     metrics_path=None if metrics_path is None else str(metrics_path), **tiers)
 
 
 def _iteration(workload: Workload, run: PlanRun, step: int, nonfinite: str) -> float:

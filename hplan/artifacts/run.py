@@ -34,6 +34,22 @@ class RunReport:
     setup_bytes: int = 0
     """Bytes moved once before the first step to reach the plan's initial residency."""
     metrics_path: str | None = None
+    peak_host_model_bytes: int = 0
+    """Highest host memory holding model data at any phase (staging buffers, measured as a running sum of
+    allocations; 0 for a two-tier plan, which keeps every host copy)."""
+    planned_peak_host_model_bytes: int = 0
+    host_budget_bytes: int = 0
+    """The plan's --cpu-mem (0: unbounded)."""
+    nvme_read_bytes_per_iter: int = 0
+    """Disk→host bytes the last iteration issued (every one completed and checksum-verified before use)."""
+    nvme_write_bytes_per_iter: int = 0
+    planned_nvme_read_bytes_per_iter: int = 0
+    planned_nvme_write_bytes_per_iter: int = 0
+    peak_rss_bytes: int = 0
+    """The process's resident memory, sampled at every host phase (a cross-check that sees everything)."""
+    nvme_read_gbps: float = 0.0
+    """Achieved disk read bandwidth during the steps: bytes / seconds with a read in flight (GB/s)."""
+    nvme_write_gbps: float = 0.0
 
     def to_dict(self) -> dict[str, Any]:
         return {**asdict(self), "schema": self.SCHEMA}
