@@ -44,6 +44,39 @@ def plan_tiers(trace: Trace, plan: Plan, *, nodes: int) -> Plan:
     `nodes`: branch-and-bound nodes for the host-tier solve (0: the interval greedy only)."""
     hw = plan.hardware
     assert hw.host_bytes is not None and hw.nvme_bytes is not None
+    tiered = _plan_tiers(trace, plan, nodes)
+    if tiered.summary.feasible or not tiered.summary.min_cpu_bytes:
+        return tiered
+    late = _plan_tiers(trace, unhoisted(plan), nodes)  # prefetched device copies need their host copies early
+    if late.summary.feasible or late.summary.min_cpu_bytes < tiered.summary.min_cpu_bytes:
+        return late
+    return tiered
+
+
+def unhoisted(plan: Plan) -> Plan:
+    """The same plan with every copy to the device made at the step that first needs it, not earlier: the
+    prefetch pass hoists copies as far as device memory allows, and a region copied early must be staged in
+    host memory early too, so without prefetch a plan needs less host memory (and overlaps less)."""
+    fetch: list[set[int]] = [set(s.fetch) for s in plan.steps]
+    n = len(plan.steps)
+    for t, step in enumerate(plan.steps):
+        for r in step.fetch:
+            u = next((t + k) % n for k in range(n) if r in plan.steps[(t + k) % n].needs or
+                     (k > 0 and r in plan.steps[(t + k) % n].evict))
+            if u != t and r in plan.steps[u].needs and u > t:
+                fetch[t].discard(r)
+                fetch[u].add(r)
+    steps = tuple(replace(s, fetch=tuple(sorted(f))) for s, f in zip(plan.steps, fetch, strict=True))
+    late = replace(plan, steps=steps)
+    rep = replay(late)
+    if not rep.ok:
+        raise AssertionError(f"hplan made an invalid plan without prefetch ({rep.violations[0]}): an hplan bug")
+    return replace(late, summary=replace(plan.summary, predicted_peak_bytes=rep.peak_bytes))
+
+
+def _plan_tiers(trace: Trace, plan: Plan, nodes: int) -> Plan:
+    hw = plan.hardware
+    assert hw.host_bytes is not None
     rep = replay(plan)
     tier_list = sorted({r.id for r in plan.regions} - device_only(plan, [s.resident for s in rep.states]))
     tier = frozenset(tier_list)
