@@ -78,7 +78,8 @@ class TieredStore(RegionStore):
         self._layout: dict[int, staging.Layout] = {}
         self._reads: dict[int, Future[None]] = {}
         """Region → its read in flight (waited for where the content is first used)."""
-        self._cache: tuple[int, staging.Staged, dict[object, torch.Tensor]] | None = None
+        self._cache: dict[int, tuple[staging.Staged, dict[object, torch.Tensor]]] = {}
+        """Regions of one chunk read outside the plan (values for a checkpoint or on exit), by region id."""
         self._started = False
         self._writes: set[int] = set()
         """The current phase's disk writes not issued yet."""
@@ -131,8 +132,7 @@ class TieredStore(RegionStore):
         staging.point_at(slot.host, slot.host_views, self._layout[rid], buffer)
         self._buffers[rid] = buffer
         self.host_model_bytes += buffer.nbytes
-        if self._cache is not None and self._cache[0] == rid:
-            self._cache = None
+        self._cache.pop(rid, None)
 
     def _drop(self, rid: int) -> None:
         self._wait(rid)
@@ -306,23 +306,24 @@ class TieredStore(RegionStore):
             self._issue_write(rid)
 
     def current(self, rid: int, key: Any) -> torch.Tensor:
-        """As RegionStore's; a region on disk and not staged is read into a one-region cache (values for a
-        checkpoint or the model handed back on exit: reads outside the plan, counted apart)."""
+        """As RegionStore's; a region on disk and not staged is read into a cache holding one chunk's regions
+        (values for a checkpoint or the model handed back on exit: reads outside the plan, counted apart)."""
         slot = self.slots[rid]
         if slot.state.on_fast_tier or self.staged(rid) or rid not in self.on_disk or not self._written(rid):
             return super().current(rid, key)
-        if self._cache is None or self._cache[0] != rid:
-            self._cache = None
+        if rid not in self._cache:
+            if any(self.slots[r].region.chunk != slot.region.chunk for r in self._cache):
+                self._cache.clear()
             buffer = staging.allocate(slot.region.bytes)
             self._read(rid, buffer)
             self._wait(rid)
             self.extra_read_bytes += buffer.nbytes
-            self._cache = (rid, buffer, staging.views_into(buffer, self._layout[rid]))
-        return self._cache[2][key]
+            self._cache[rid] = (buffer, staging.views_into(buffer, self._layout[rid]))
+        return self._cache[rid][1][key]
 
     def close(self) -> None:
         """Finish transfers, release the directory and remove the region files (state lives in checkpoints)."""
-        self._cache = None
+        self._cache.clear()
         if self.disk is None:
             return
         disk, self.disk = self.disk, None

@@ -154,3 +154,29 @@ def test_tiered_plan_round_trips_through_json(tmp_path):
     again = Plan.load(tmp_path / "p.json")
     assert again == plan
     validate(again)
+
+
+def test_without_prefetch_the_plan_stays_valid_and_needs_no_more_host_memory():
+    from hplan.planner.tiers import unhoisted
+
+    plan = make_plan(hand_trace(), Hardware(gpu_bytes=3 * (W + G)), PlanOptions(chunk_bytes=0, solver="exact"))
+    late = unhoisted(plan)
+    assert replay(late).ok
+    assert late.summary.bytes_moved_per_iter == plan.summary.bytes_moved_per_iter
+    first_use = {r: min(t for t, st in enumerate(plan.steps) if r in st.needs) for st in plan.steps for r in st.fetch}
+    assert all(t == first_use[r] or r in late.steps[t].needs for t, st in enumerate(late.steps) for r in st.fetch)
+
+
+def test_the_gpu_by_host_map(tmp_path):
+    from hplan.planner.sweep_tiers import sweep_tiers
+    from hplan.reports.tier_map import plot_tier_map
+
+    rows = sweep_tiers(hand_trace(), [W + G, 2 * (W + G)], [W + G + S - 4096, W + G + S, 3 * (W + G + S)],
+                       Hardware(gpu_bytes=1, nvme_bytes=10**6))
+    fits = {(r["gpu_bytes"], r["cpu_bytes"]): r["feasible"] for r in rows}
+    assert fits[(W + G, W + G + S - 4096)] is False and fits[(W + G, W + G + S)] is True
+    assert all(r["min_cpu_bytes"] == W + G + S for r in rows if r["gpu_bytes"] == W + G)
+    full = next(r for r in rows if r["cpu_bytes"] == 3 * (W + G + S) and r["gpu_bytes"] == W + G)
+    assert full["nvme_read_bytes"] == 0 and full["step_seconds"] > 0
+    plot_tier_map(rows, tmp_path / "map.png", workload="hand", nvme_bytes=10**6)
+    assert (tmp_path / "map.png").stat().st_size > 10_000

@@ -1,0 +1,176 @@
+"""Section — the third tier (issue 16): training with model data on disk, the disk bandwidth it gets, and plans
+for one GPU with an NVMe drive.
+
+(a) Capacity: a GPT trained by `hplan run` from a real disk with the fast tier at its minimum and the host budget
+    near its minimum; model state ÷ (fast tier + host budget), at loss parity with plain PyTorch. Goal ≥ 5×.
+(b) Disk bandwidth: what the executor's DiskStore achieved during that run (bytes ÷ seconds with a transfer in
+    flight, per direction) ÷ the raw sequential bandwidth of the same directory, measured in the same run just
+    before and after (`measure_raw_bandwidth`, four streams like the store's four threads). Goal ≥ 0.7.
+(c) Plans, labelled as plans: the largest gpt preset certified for one RTX 3090 + 64 GB of RAM + a 2 TB PCIe 4
+    NVMe drive at published rates, and the DGX-2 single-GPU view (V100-32GB + 1.5 TB + the node's NVMe) next to
+    ZeRO-Infinity's published figures.
+
+Every process that holds a model runs as its own `hplan` command (trace, plan, run), so its memory is its own.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+from bench.context import Context
+from bench.harness import SectionOutput, Table, fmt_bytes, fmt_ratio, fmt_seconds, median, ratio, rel_diff
+
+MIXED_PARITY_RTOL = 1e-4
+"""bf16-mixed loss parity (relative), as in the executor's tests."""
+ZERO_INFINITY = ("ZeRO-Infinity (SC21 slides, DeepSpeed docs/assets/files/SC21-ZeRO-Infinity.pdf): 1T parameters "
+                 "on a single DGX-2 node (16 V100-32GB, 1.5 TB RAM, NVMe at 28 GB/s NVMe→GPU); GPT-3 fine-tuned on "
+                 "one node. Published claims, not reproduced here.")
+RIG_PRESETS = ("gpt:6.7b", "gpt:13b", "gpt:18b", "gpt:30b", "gpt:70b", "gpt:175b")
+RIG_PRESETS_QUICK = ("gpt:1.3b",)
+
+
+def hplan(*args: str) -> str:
+    """Run one `hplan` command in its own process; its stdout (a failure raises with the stderr's last line)."""
+    proc = subprocess.run([sys.executable, "-c", "from hplan.cli import main; main()", *args], capture_output=True,
+                          text=True, check=False)
+    if proc.returncode != 0:
+        raise RuntimeError(f"hplan {args[0]} failed: {(proc.stderr.strip().splitlines() or ['?'])[-1][:300]}")
+    return proc.stdout
+
+
+def executor_table(ctx: Context) -> tuple[Table, dict[str, float]]:
+    from hplan.executor.nvme import measure_raw_bandwidth
+    from hplan.specs import load_workload
+    from hplan.training import plain_losses
+
+    spec, shape = ("gpt:mini", ("--batch-size", "8", "--seq-len", "128")) if ctx.quick else \
+        ("gpt:350m", ("--batch-size", "1", "--seq-len", "64"))
+    steps = 3 if ctx.quick else 5
+    work = ctx.work_dir / "nvme-tier"
+    disk = work / "disk"
+    disk.mkdir(parents=True, exist_ok=True)
+    try:
+        workload_args = (spec, "--precision", "bf16-mixed", *shape)
+        ctx.log(f"[bench]   nvme: trace {spec} on CPU")
+        hplan("trace", *workload_args, "--iters", "2", "-o", str(work / "t.parquet"))
+        from hplan.artifacts import Trace
+
+        state = Trace.load(work / "t.parquet").model_bytes
+        probe = 128 << 20 if ctx.quick else 512 << 20
+        raw = [measure_raw_bandwidth(disk, probe)]
+        plan_args = ("plan", str(work / "t.parquet"), "--gpu", "cpu", "--gpu-mem", "min", "--nvme", "100GB",
+                     "--nvme-write-gbps", f"{raw[0][0] / 1e9:.3f}", "--nvme-read-gbps", f"{raw[0][1] / 1e9:.3f}")
+        roomy = json.loads(hplan(*plan_args, "--cpu-mem", "1TB", "--json"))
+        host = int(roomy["summary"]["min_cpu_bytes"] * 1.25)
+        summary = json.loads(hplan(*plan_args, "--cpu-mem", f"{host}B", "--json", "-o", str(work / "p.json")))
+        ctx.log(f"[bench]   nvme: run {steps} steps from disk")
+        report = json.loads(hplan("run", *workload_args, "--plan", str(work / "p.json"), "--steps", str(steps),
+                                  "--nvme-dir", str(disk), "--json"))
+        raw.append(measure_raw_bandwidth(disk, probe))
+        reference = plain_losses(load_workload(spec, precision="bf16-mixed", batch_size=int(shape[1]),
+                                               seq_len=int(shape[3])), steps)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    s, gpu = summary["summary"], summary["gpu_bytes"]
+    diff = max(rel_diff(a, b) for a, b in zip(report["losses"], reference, strict=True))
+    parity = diff <= MIXED_PARITY_RTOL and report["peak_host_model_bytes"] <= host
+    raw_w, raw_r = median([w for w, _ in raw]) / 1e9, median([r for _, r in raw]) / 1e9
+    got_r, got_w = report["nvme_read_gbps"], report["nvme_write_gbps"]
+    table = Table(headers=["", spec + " bf16-mixed"], caption=f"**Training from disk** ({steps} steps, `hplan run "
+                  "--nvme-dir` on this machine's disk; fast tier at its minimum, host budget 1.25× its minimum).")
+    cap = ratio(state, gpu + host)
+    rows = [
+        ("model state (weights, gradients, fp32 masters, AdamW moments)", fmt_bytes(state)),
+        ("fast tier (--gpu-mem min) + host budget (--cpu-mem)", f"{fmt_bytes(gpu)} + {fmt_bytes(host)}"),
+        ("(a) capacity: model state ÷ (fast tier + host budget)", f"{fmt_ratio(cap, 1)} (goal ≥ 5×)"),
+        ("max loss diff vs plain PyTorch (relative)", f"{diff:.1e} ({'parity' if parity else 'NO parity'})"),
+        ("host model-data peak, measured / budget", f"{fmt_bytes(report['peak_host_model_bytes'])} / "
+                                                    f"{fmt_bytes(host)}"),
+        ("process RSS peak (all of it: fast tier, activations, Python)", fmt_bytes(report["peak_rss_bytes"])),
+        ("disk read per iteration, measured / planned", f"{fmt_bytes(report['nvme_read_bytes_per_iter'])} / "
+                                                       f"{fmt_bytes(s['nvme_read_bytes'])}"),
+        ("disk write per iteration, measured / planned", f"{fmt_bytes(report['nvme_write_bytes_per_iter'])} / "
+                                                        f"{fmt_bytes(s['nvme_write_bytes'])}"),
+        ("raw sequential read / write (same directory, same run)", f"{raw_r:.2f} / {raw_w:.2f} GB/s"),
+        ("(b) achieved read ÷ raw", f"{got_r:.2f} GB/s ÷ {raw_r:.2f} = {fmt_ratio(ratio(got_r, raw_r), 2)} (goal ≥ 0.7)"),
+        ("(b) achieved write ÷ raw", f"{got_w:.2f} GB/s ÷ {raw_w:.2f} = {fmt_ratio(ratio(got_w, raw_w), 2)} (goal ≥ 0.7)"),
+        ("step time, measured (median) / predicted", f"{fmt_seconds(median(report['step_seconds'][1:] or report['step_seconds']))}"
+                                                      f" / {fmt_seconds(s['predicted_step_seconds'])}"),
+    ]
+    for row in rows:
+        table.add(*row)
+    table.notes.append("Achieved bandwidth is bytes ÷ seconds with at least one transfer of that direction in flight "
+                       "(DiskStore's own clock), reads and writes sharing the disk; raw is `measure_raw_bandwidth` "
+                       "(four streams of 16 MiB O_DIRECT requests, fsync after writing), the median of one "
+                       "measurement before and one after the run. The plan used the rates measured before it.")
+    return table, {"capacity": cap or 0.0, "read": ratio(got_r, raw_r) or 0.0, "write": ratio(got_w, raw_w) or 0.0,
+                   "parity": float(parity)}
+
+
+def plans_table(ctx: Context) -> tuple[Table, list[str]]:
+    from hplan.planner import PlanOptions, make_hardware, make_plan
+
+    from hplan.models.gpt import PRESETS, param_count
+
+    rigs = (("RTX 3090 (24 GB) + 64 GB RAM + 2 TB PCIe 4 NVMe (5.6 / 4.3 GB/s)",
+             make_hardware("rtx3090", host_bytes=64 * 10**9, nvme_bytes=2 * 10**12, nvme="pcie4")),
+            ("DGX-2, one GPU's view: V100-32GB + 1.5 TB RAM + the node's NVMe (28 GB/s)",
+             make_hardware("v100-32gb", host_bytes=15 * 10**11, nvme_bytes=30 * 10**12,
+                           nvme_read_gbps=28.0, nvme_write_gbps=28.0)))
+    table = Table(headers=["machine (a plan, not a measurement)", "workload", "params", "fits", "host peak",
+                           "disk used", "disk read + write / iter", "predicted step time (split)"],
+                  caption="**Plans for one GPU with NVMe** — hplan's simulator on fake traces (batch 1, seq 1024, fp32 "
+                          "AdamW: 16 B of model state per parameter), at published rates; nothing here ran on that "
+                          "hardware.")
+    best: dict[str, str] = {}
+    for spec in (RIG_PRESETS_QUICK if ctx.quick else RIG_PRESETS):
+        if out_part(ctx, spec) is None:
+            table.add("—", spec, "—", "FAILED (fake trace)", "—", "—", "—", "—")
+            continue
+        trace = ctx.fake_trace(spec)
+        n = param_count(PRESETS[spec.split(":")[1]])
+        for name, hw in rigs:
+            plan = make_plan(trace, hw, PlanOptions(solver="fast"))
+            s = plan.summary
+            if not s.feasible:
+                table.add(name, spec, f"{n / 1e9:.1f} B", f"no: {s.bottleneck[:120]}", "—", "—", "—", "—")
+                continue
+            split = ", ".join(f"{k} {v:.1f}" for k, v in s.seconds.items() if v >= 0.05)
+            table.add(name, spec, f"{n / 1e9:.1f} B", "yes", fmt_bytes(s.predicted_host_peak_bytes),
+                      fmt_bytes(s.nvme_bytes_used), fmt_bytes(s.nvme_read_bytes + s.nvme_write_bytes),
+                      f"{s.predicted_step_seconds:.1f} s ({split})")
+            best[name] = f"{spec} ({n / 1e9:.1f} B params): predicted {s.predicted_step_seconds:.1f} s per step"
+        ctx.drop_trace(spec)
+    table.notes.append(ZERO_INFINITY)
+    if ctx.quick:
+        table.notes.append("--quick plans only " + ", ".join(RIG_PRESETS_QUICK) + ".")
+    return table, [f"{name}: largest certified {what} (plan)" for name, what in best.items()]
+
+
+def out_part(ctx: Context, spec: str) -> Any:
+    try:
+        return ctx.fake_trace(spec)
+    except RuntimeError as exc:
+        ctx.log(f"[bench]   {exc}")
+        return None
+
+
+def run(ctx: Context) -> SectionOutput:
+    out = SectionOutput()
+    measured = out.part("training from disk", lambda: executor_table(ctx), log=ctx.log)
+    if measured is not None:
+        table, key = measured
+        out.tables.append(table)
+        out.headline.append(f"capacity from disk {key['capacity']:.1f}× model state per fast-tier + host byte "
+                            f"(goal ≥ 5×, {'at' if key['parity'] else 'WITHOUT'} loss parity); disk achieved ÷ raw: "
+                            f"read {key['read']:.2f}, write {key['write']:.2f} (goal ≥ 0.7)")
+    plans = out.part("plans with NVMe", lambda: plans_table(ctx), log=ctx.log)
+    if plans is not None:
+        out.tables.append(plans[0])
+        out.headline.extend(plans[1])
+    return out
