@@ -335,11 +335,14 @@ class TieredStore(RegionStore):
                     region_path(disk.directory, self._key(rid), slot).unlink(missing_ok=True)
 
     def disk_stats(self) -> dict[str, float]:
-        """Achieved disk bandwidth since the first step (bytes per busy second, DiskStore's own clock)."""
+        """Disk figures since the first step, on DiskStore's own clock: bytes per second with a transfer of that
+        direction in flight, and the bytes and seconds with any transfer in flight (reads and writes share it)."""
         if self.disk is None:
-            return {"nvme_read_gbps": 0.0, "nvme_write_gbps": 0.0}
+            return {}
         s = self.disk.stats()
-        return {"nvme_read_gbps": s.read_bandwidth / 1e9, "nvme_write_gbps": s.write_bandwidth / 1e9}
+        return {"nvme_read_gbps": s.read_bandwidth / 1e9, "nvme_write_gbps": s.write_bandwidth / 1e9,
+                "nvme_read_bytes": s.read_bytes, "nvme_write_bytes": s.write_bytes,
+                "nvme_busy_seconds": s.busy_seconds}
 
 
 class NoHostTier:

@@ -4,8 +4,10 @@ memory or NVMe (issue 16, [Note: host tier] in hplan.artifacts.plan).
 Host memory is a cache of the disk exactly as the GPU is a cache of host memory, so the host tier is the same
 paging problem one level down, solved by the same interval model (`planner.intervals`, `planner.exact`):
 
-- the "steps" are host phases: per plan step its device transfers, then each host update (so the CPU optimizer
-  streams chunk by chunk, ZeRO-Infinity's pipelined optimizer swap);
+- the "steps" are host phases: per plan step its device transfers, then each host update, so the CPU optimizer
+  streams chunk by chunk as in ZeRO-Infinity's pipelined optimizer swap (DeepSpeed
+  deepspeed/runtime/swap_tensor/pipelined_optimizer_swapper.py: the next sub-group's state is read while the
+  current one updates, the previous one's written meanwhile); here reads run as far ahead as host memory allows;
 - a region is *needed* (staged) where a write-back lands in host memory, where a fetch copies from it, and in
   its chunk's host update; with deferred updates (clipping, loss scaling) every gradient is needed at every
   phase, because the global norm reads all of them;

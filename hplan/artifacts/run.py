@@ -50,6 +50,11 @@ class RunReport:
     nvme_read_gbps: float = 0.0
     """Achieved disk read bandwidth during the steps: bytes / seconds with a read in flight (GB/s)."""
     nvme_write_gbps: float = 0.0
+    nvme_read_bytes: int = 0
+    """Disk bytes read during the steps, all of them (completed transfers)."""
+    nvme_write_bytes: int = 0
+    nvme_busy_seconds: float = 0.0
+    """Seconds during the steps with any disk transfer in flight (reads and writes share the disk)."""
 
     def to_dict(self) -> dict[str, Any]:
         return {**asdict(self), "schema": self.SCHEMA}
