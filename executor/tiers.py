@@ -54,13 +54,13 @@ def make_store(model: nn.Module, plan: Plan, tier: FastTier, *, master: bool, st
 
 
 def check_host_memory(plan: Plan) -> None:
-    """Refuse, before any step, a host budget this machine cannot give (available RAM now)."""
-    budget = plan.hardware.host_bytes
-    if plan.tiered and budget is not None:
+    """Refuse, before any step, a plan whose host memory for model data this machine cannot give now."""
+    need = plan.summary.predicted_host_peak_bytes
+    if plan.tiered:
         available = int(psutil.virtual_memory().available)
-        if budget > available:
-            raise HplanError(f"the plan's host budget ({budget / 1e9:.2f} GB, --cpu-mem) exceeds the "
-                             f"{available / 1e9:.2f} GB of memory available here; re-plan with a smaller --cpu-mem "
+        if need > available:
+            raise HplanError(f"the plan holds up to {need / 1e9:.2f} GB of model data in host memory but "
+                             f"{available / 1e9:.2f} GB is available here; re-plan with a smaller --cpu-mem "
                              "(the plan names the smallest that works)")
 
 

@@ -181,6 +181,11 @@ def nvme_plan(name: str, edit: Callable[[dict], None] | None = None) -> Setup:
     return make
 
 
+def _host_peak_huge(plan: dict) -> None:
+    plan["hardware"]["host_bytes"] = 10**15
+    plan["summary"]["predicted_host_peak_bytes"] = 10**15
+
+
 def _read_dropped(plan: dict) -> None:
     step = next(s for s in plan["steps"] if any(ph["nvme_read"] for ph in s["host"]))
     phase = next(ph for ph in step["host"] if ph["nvme_read"])
@@ -392,7 +397,7 @@ ROWS: list[Row] = [
     Row("run_nvme_dir_unwritable", f"run {{W}} {NV} --nvme-dir {{D}}/ro", both(nvme_plan("n.json"), folder("ro", 0o555)),
         unprivileged=True),
     Row("run_nvme_host_budget_above_this_machine", f"run {{W}} {NV} --nvme-dir {{D}}/nv",
-        both(nvme_plan("n.json", lambda p: p["hardware"].update(host_bytes=10**15)), folder("nv"))),
+        both(nvme_plan("n.json", _host_peak_huge), folder("nv"))),
     Row("run_nvme_plan_read_removed", f"run {{W}} {NV} --nvme-dir {{D}}/nv",
         both(nvme_plan("n.json", _read_dropped), folder("nv"))),
     # demo
