@@ -111,14 +111,15 @@ def _plan_tiers(trace: Trace, plan: Plan, nodes: int) -> Plan:
     tiered = replace(plan, chunks=tuple(replace(c, home=homes[c.id]) for c in plan.chunks), steps=steps,
                      initial_staged=tuple(sorted(tier_list[i] for i in schedule.initial)),
                      initial_host_dirty=tuple(sorted(tier_list[i] for i in initial_dirty)))
+    used = sum(stage[r] for r in on_disk)
+    if used > hw.nvme_bytes:
+        why = (f"needs {format_size(used)} of disk for the NVMe-homed model data with {format_size(hw.host_bytes)} "
+               f"of host memory, more than the {format_size(hw.nvme_bytes)} given (--nvme)")
+        return _infeasible(plan, min_cpu, why)
     host = replay(tiered).host
     if host is None or host.violations:
         raise AssertionError(f"hplan made an invalid host tier ({host.violations[0] if host else 'no phases'}): an "
                              "hplan bug, please report it")
-    if host.nvme_bytes_used > hw.nvme_bytes:
-        why = (f"needs {format_size(host.nvme_bytes_used)} of disk for the NVMe-homed model data, more than the "
-               f"{format_size(hw.nvme_bytes)} given (--nvme)")
-        return _infeasible(plan, min_cpu, why)
     seconds = predict_tier_seconds(tiered, accesses, event_seconds(trace, hw))
     s = plan.summary
     summary = replace(s, nvme_read_bytes=host.nvme_read_bytes, nvme_write_bytes=host.nvme_write_bytes,
