@@ -92,6 +92,7 @@ class TieredStore(RegionStore):
         """Staging bytes allocated now (running sum of allocations and drops)."""
         self.peak_host_model_bytes = 0
         self.peak_rss_bytes = 0
+        self.peak_rss_staging_bytes = 0
         self._process = psutil.Process()
         self.disk: DiskStore | None = None
         if self.on_disk:
@@ -287,7 +288,10 @@ class TieredStore(RegionStore):
         self.iter_bytes[1] += self._buffers[rid].nbytes
 
     def _sample(self) -> None:
+        """The process's RSS, and on Linux its shared-memory part: the staging mappings' resident pages (nothing
+        else in hplan maps shared memory), the OS's own count of what `host_model_bytes` tracks."""
         self.peak_rss_bytes = max(self.peak_rss_bytes, self._process.memory_info().rss)
+        self.peak_rss_staging_bytes = max(self.peak_rss_staging_bytes, _rss_shmem())
 
     # -- transitions ------------------------------------------------------------------------------------
     def fetch(self, rid: int) -> None:
@@ -384,4 +388,17 @@ def tier_fields(store: RegionStore) -> dict[str, Any]:
             "nvme_read_bytes_per_iter": read, "nvme_write_bytes_per_iter": write,
             "planned_nvme_read_bytes_per_iter": s.nvme_read_bytes,
             "planned_nvme_write_bytes_per_iter": s.nvme_write_bytes,
-            "peak_rss_bytes": store.peak_rss_bytes, **store.disk_stats()}
+            "peak_rss_bytes": store.peak_rss_bytes, "peak_rss_staging_bytes": store.peak_rss_staging_bytes,
+            **store.disk_stats()}
+
+
+def _rss_shmem() -> int:
+    """RssShmem of this process in bytes (Linux /proc; 0 where it is not available)."""
+    try:
+        with open("/proc/self/status", encoding="ascii") as f:
+            for line in f:
+                if line.startswith("RssShmem:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 0

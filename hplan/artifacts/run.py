@@ -47,6 +47,8 @@ class RunReport:
     planned_nvme_write_bytes_per_iter: int = 0
     peak_rss_bytes: int = 0
     """The process's resident memory, sampled at every host phase (a cross-check that sees everything)."""
+    peak_rss_staging_bytes: int = 0
+    """The resident pages of the staging buffers as the OS counts them (Linux RssShmem), at the same samples."""
     nvme_read_gbps: float = 0.0
     """Achieved disk read bandwidth during the steps: bytes / seconds with a read in flight (GB/s)."""
     nvme_write_gbps: float = 0.0
