@@ -23,6 +23,7 @@ SECTIONS: tuple[tuple[str, str, str], ...] = (
     ("tracer", "2. Tracer cost", "bench.tracer_cost"),
     ("movement", "3. Movement: bytes per iteration vs baselines", "bench.movement"),
     ("planner", "4. Planner cost", "bench.planner_cost"),
+    ("optimality", "4b. Optimality of the default plan", "bench.optimality"),
     ("executor", "5. Executor", "bench.executor_bench"),
     ("headline", "6. The seed's headline, replayed as plans (not GPU measurements)", "bench.headline"),
     ("plot", "7. Report cost", "bench.plot_cost"),

@@ -34,33 +34,35 @@ class Context:
             rel = path.as_posix()
         return path, rel
 
-    def fake_run(self, spec: str) -> ChildResult:
-        """Fake-trace `spec` (batch 1, seq 1024) in a subprocess once per run; later calls reuse it.
+    def fake_run(self, spec: str, precision: str = "fp32") -> ChildResult:
+        """Fake-trace `spec` (batch 1, seq 1024) in `precision` in a subprocess once per run; later calls reuse it.
 
         The timeout keeps a stuck trace from eating the suite's time limit (3 min quick, 20 min full).
         """
         timeout = 120.0 if self.quick else 420.0
-        if spec not in self.fake_runs:
-            out = self.work_dir / (spec.replace(":", "_") + ".fake.parquet")
-            self.log(f"[bench]   fake trace {spec} (subprocess) …")
-            res = run_worker(["fake-trace", spec, str(out), *map(str, HEADLINE_SHAPE)], timeout=timeout)
+        key = f"{spec}@{precision}"
+        if key not in self.fake_runs:
+            out = self.work_dir / (spec.replace(":", "_") + f".{precision}.fake.parquet")
+            self.log(f"[bench]   fake trace {spec} {precision} (subprocess) …")
+            res = run_worker(["fake-trace", spec, str(out), *map(str, HEADLINE_SHAPE), precision], timeout=timeout)
             res.payload.setdefault("path", str(out))
-            self.fake_runs[spec] = res
-            self.log(f"[bench]   fake trace {spec}: "
+            self.fake_runs[key] = res
+            self.log(f"[bench]   fake trace {spec} {precision}: "
                      + (f"{res.payload.get('trace_seconds', 0):.1f} s" if res.ok else res.error))
-        return self.fake_runs[spec]
+        return self.fake_runs[key]
 
-    def fake_trace(self, spec: str) -> Any:
-        """The Trace of `fake_run(spec)`, loaded once; raises when the trace failed."""
-        if spec not in self._traces:
-            res = self.fake_run(spec)
+    def fake_trace(self, spec: str, precision: str = "fp32") -> Any:
+        """The Trace of `fake_run(spec, precision)`, loaded once; raises when the trace failed."""
+        key = f"{spec}@{precision}"
+        if key not in self._traces:
+            res = self.fake_run(spec, precision)
             if not res.ok:
-                raise RuntimeError(f"fake trace of {spec} failed: {res.error}")
+                raise RuntimeError(f"fake trace of {spec} ({precision}) failed: {res.error}")
             from hplan.artifacts import Trace
 
-            self._traces[spec] = Trace.load(res.payload["path"])
-        return self._traces[spec]
+            self._traces[key] = Trace.load(res.payload["path"])
+        return self._traces[key]
 
-    def drop_trace(self, spec: str) -> None:
+    def drop_trace(self, spec: str, precision: str = "fp32") -> None:
         """Forget a loaded trace to free memory (the file stays for later sections)."""
-        self._traces.pop(spec, None)
+        self._traces.pop(f"{spec}@{precision}", None)

@@ -83,29 +83,26 @@ def steady(xs: tuple[float, ...] | list[float]) -> float:
     return median(list(xs[1:]) if len(xs) > 1 else list(xs))
 
 
-def feasible_plan(trace: Any, budget_bytes: int, options: Any) -> Any:
+def feasible_plan(trace: Any, budget_bytes: int, hardware: Any) -> Any:
     """The plan at the smallest of budget × (1, 1.1, 1.25, 1.5, 2) that is feasible."""
     from hplan.planner import make_plan
 
-    from hplan.artifacts import Budget
-
     plan = None
     for factor in (1.0, 1.1, 1.25, 1.5, 2.0):
-        plan = make_plan(trace, Budget(gpu_bytes=int(budget_bytes * factor)), options)
+        plan = make_plan(trace, replace(hardware, gpu_bytes=int(budget_bytes * factor)))
         if plan.summary.feasible:
             return plan
     return plan
 
 
-def main_table(ctx: Context, opts: Any) -> Table:
+def main_table(ctx: Context, hw: Any) -> Table:
     from hplan.executor import run_training
     from hplan.planner import make_plan
     from hplan.tracer import trace_workload
 
-    from hplan.artifacts import Budget
     from hplan.specs import load_workload
 
-    link = opts.link_gbps
+    link = hw.h2d_gbps
     steps = 4 if ctx.quick else 8
     repeats = 2 if ctx.quick else 5
     spec = "gpt:small" if ctx.quick else "gpt:mini"
@@ -114,8 +111,8 @@ def main_table(ctx: Context, opts: Any) -> Table:
     model_state = trace.model_bytes
 
     # All-resident and tight plans vs plain PyTorch, alternating repeats so all see the same load.
-    resident = make_plan(trace, Budget(gpu_bytes=4 * trace.peak_bytes), opts)
-    tight = feasible_plan(trace, max(resident.summary.min_gpu_bytes, trace.peak_bytes - model_state // 2), opts)
+    resident = make_plan(trace, replace(hw, gpu_bytes=4 * trace.peak_bytes))
+    tight = feasible_plan(trace, max(resident.summary.min_gpu_bytes, trace.peak_bytes - model_state // 2), hw)
     runs = (("resident-off", resident, False), ("tight-off", tight, False), ("resident", resident, True),
             ("tight", tight, True))
     over: dict[str, list[float]] = {key: [] for key in ("plain", *(run[0] for run in runs))}
@@ -143,32 +140,33 @@ def main_table(ctx: Context, opts: Any) -> Table:
     for name, plan, key in settings:
         rep = reports[key]
         t = median(over[key])
-        main.add(name, fmt_bytes(plan.budget.gpu_bytes), fmt_bytes(offloaded_bytes(plan)),
+        main.add(name, fmt_bytes(plan.gpu_bytes), fmt_bytes(offloaded_bytes(plan)),
                  fmt_ratio(ratio(t, median(over["plain"])), 3),
                  fmt_ratio(ratio(t, plan.summary.predicted_step_seconds), 2),
                  f"{fmt_bytes(rep.bytes_moved_per_iter)} / {fmt_bytes(rep.planned_bytes_moved_per_iter)}",
-                 f"{fmt_bytes(rep.peak_resident_bytes)} ≤ {fmt_bytes(plan.budget.gpu_bytes)}: "
-                 f"{'yes' if rep.peak_resident_bytes <= plan.budget.gpu_bytes else 'NO'}",
+                 f"{fmt_bytes(rep.peak_resident_bytes)} ≤ {fmt_bytes(plan.gpu_bytes)}: "
+                 f"{'yes' if rep.peak_resident_bytes <= plan.gpu_bytes else 'NO'}",
                  f"{max_loss_diff(list(rep.losses), plain_losses):.1e}")
     main.notes.append("The CPU probe is a dispatch mode that sees every operator to measure non-model bytes (on "
                       "CUDA the allocator's counters do this for free); probe-off runs show the runtime's own cost, "
                       "probe-on runs are the ones whose peak resident bytes are measured (probe-off rows show "
                       "model data only).")
-    main.notes.append("The executor updates each chunk with one fused AdamW call on its flat buffer, while plain "
-                      "PyTorch runs the workload's optimizer as written (per tensor on CPU): ratios under 1× "
-                      "come from that, not from skipped work (losses match).")
+    main.notes.append("Host-side updates run torch's fused CPU AdamW, while plain PyTorch runs the workload's "
+                      "optimizer as written (the per-tensor kernel on CPU): ratios under 1× come from that, not "
+                      "from skipped work (losses match within the stated tolerance).")
     main.notes.append(f"Plans made for this machine: link {link:.1f} GB/s (a host memcpy) and CPU AdamW "
-                      f"{opts.cpu_adam_gbps:.1f} GB/s of model state (fused, on a flat buffer), both measured in this "
-                      "run, with `overlap=False`: the CPU executor copies and updates synchronously.")
+                      f"{hw.cpu_optimizer_gbps:.1f} GB/s of model state (fused), both measured in this run, with "
+                      "`overlap=False`: the CPU executor copies and updates synchronously.")
     return main
 
 
 def run(ctx: Context) -> SectionOutput:
-    from hplan.planner import PlanOptions
+    from hplan.planner import make_hardware
 
-    opts = PlanOptions(link_gbps=memcpy_gbps(), cpu_adam_gbps=adam_gbps(), overlap=False)
+    link = memcpy_gbps()
+    hw = make_hardware("cpu", gpu_bytes=1, h2d_gbps=link, d2h_gbps=link, cpu_optimizer_gbps=adam_gbps())
     out = SectionOutput()
-    main = out.part("overhead and tight budget", lambda: main_table(ctx, opts), log=ctx.log)
+    main = out.part("overhead and tight budget", lambda: main_table(ctx, hw), log=ctx.log)
     if main is not None:
         out.tables.append(main)
         out.headline.append(f"executor on {main.caption.split('**')[1]}: all-resident "
@@ -176,7 +174,7 @@ def run(ctx: Context) -> SectionOutput:
                             f"tight budget {main.rows[1][4]} its predicted step time (goal ≤ 1.2×; "
                             f"{main.rows[3][4]} with the probe); measured / planned bytes {main.rows[3][5]}")
     gc.collect()
-    cap = out.part("capacity", lambda: capacity_table(ctx, opts), log=ctx.log)
+    cap = out.part("capacity", lambda: capacity_table(ctx, hw), log=ctx.log)
     if cap is not None:
         out.tables.append(cap)
         out.headline.extend(capacity_headline(cap))
@@ -215,18 +213,20 @@ def same_kernels_diff(workload: Any, plan: Any, losses: list[float], steps: int)
     """Loss diff vs plain PyTorch running the optimizer kernel the plan's updates run (fused CPU AdamW
     when every chunk updates on the host): separates the executor from the kernel's own rounding."""
     import torch
-    from hplan.executor.optim import check_optimizer, host_options
+    from hplan.executor.update import host_options
     from hplan.training import plain_losses as recipe_losses
 
     if set(plan.optimizer.values()) != {"cpu"}:
         return "—"
-    opt_type, defaults = check_optimizer(workload.optimizer([torch.zeros(1, requires_grad=True)]))
-    options = host_options(defaults)
+    probe = workload.optimizer([torch.nn.Parameter(torch.zeros(1))])
+    opt_type, options = type(probe), host_options({k: v for k, v in probe.defaults.items()
+                                                    if k in ("lr", "betas", "eps", "weight_decay", "amsgrad",
+                                                             "fused", "foreach")})
     host = replace(workload, optimizer=lambda params: opt_type(params, **options))
     return f"{max_loss_diff(losses, recipe_losses(host, steps)):.1e}"
 
 
-def capacity_table(ctx: Context, opts: Any) -> Table:
+def capacity_table(ctx: Context, hw: Any) -> Table:
     """Smallest feasible fast tier for each workload, trained there and checked against plain PyTorch."""
     from hplan.executor import run_training
     from hplan.training import plain_losses as recipe_losses
@@ -256,8 +256,8 @@ def capacity_table(ctx: Context, opts: Any) -> Table:
         ctx.log(f"[bench]   capacity: {spec} {kw}")
         workload = load_workload(spec, **kw)
         trace = trace_workload(workload, device="cpu")
-        smallest = min_gpu_bytes(trace, slack_bytes=0).gpu_bytes  # a CPU fast tier has no caching allocator
-        plan = feasible_plan(trace, smallest, replace(opts, slack_bytes=0))
+        smallest = min_gpu_bytes(trace, replace(hw, slack_bytes=0)).gpu_bytes  # a CPU tier has no caching allocator
+        plan = feasible_plan(trace, smallest, replace(hw, slack_bytes=0))
         if not plan.summary.feasible:
             table.add(spec, fmt_bytes(trace.model_bytes), f"no feasible plan near {fmt_bytes(smallest)}",
                       "—", "—", "—", "—", "—", "no")
@@ -268,10 +268,10 @@ def capacity_table(ctx: Context, opts: Any) -> Table:
         reference = recipe_losses(workload, steps)
         rep = run_training(workload, plan, steps=steps, device="cpu")
         diff = max_loss_diff(list(rep.losses), reference)
-        held = rep.peak_resident_bytes <= plan.budget.gpu_bytes
-        model_state = sum(c.bytes for c in plan.chunks)
-        table.add(label, fmt_bytes(model_state), fmt_bytes(plan.budget.gpu_bytes), fmt_bytes(rep.peak_resident_bytes),
-                  fmt_ratio(ratio(model_state, plan.budget.gpu_bytes), 1), steps, f"{diff:.1e}",
+        held = rep.peak_resident_bytes <= plan.gpu_bytes
+        model_state = sum(r.bytes for r in plan.regions)
+        table.add(label, fmt_bytes(model_state), fmt_bytes(plan.gpu_bytes), fmt_bytes(rep.peak_resident_bytes),
+                  fmt_ratio(ratio(model_state, plan.gpu_bytes), 1), steps, f"{diff:.1e}",
                   same_kernels_diff(workload, plan, list(rep.losses), steps),
                   "yes" if diff <= (MIXED_PARITY_RTOL if "precision" in kw else PARITY_RTOL) and held else "no")
         del rep, plan

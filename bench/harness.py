@@ -357,12 +357,9 @@ def render_document(*, command: str, machine: dict[str, str], date: str, section
 
 
 def offloaded_bytes(plan: Any) -> int:
-    """Model-data bytes the plan keeps off the GPU at some step: what needs a home in host memory.
-
-    Same rule as the planner's host-memory check: every chunk not resident at all steps.
-    """
+    """Model-data bytes the plan keeps off the GPU at some step: what needs a home in host memory (the
+    planner's own host-memory rule)."""
     from hplan.artifacts import replay
+    from hplan.planner.core import host_bytes_needed
 
-    rep = replay(plan)
-    always = set(plan.initial_resident).intersection(*(set(s.resident) for s in rep.states))
-    return sum(c.bytes for c in plan.chunks if c.id not in always)
+    return host_bytes_needed(plan, replay(plan))

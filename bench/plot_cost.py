@@ -60,13 +60,12 @@ def cost_table(ctx: Context, spec: str) -> tuple[Table, str]:
 
 
 def timeline_figure(ctx: Context, spec: str) -> tuple[str, str]:
-    from hplan.planner import PlanOptions, make_plan
+    from hplan.planner import PlanOptions, make_hardware, make_plan
     from hplan.reports import plot_timeline
 
-    from hplan.artifacts import Budget
 
     trace = ctx.fake_trace(spec)
-    plan = make_plan(trace, Budget(gpu_bytes=24 * 10**9), PlanOptions(solver="fast"))
+    plan = make_plan(trace, make_hardware("rtx3090"), PlanOptions(solver="fast"))
     fig, rel = ctx.fig_path(f"timeline_{spec.replace(':', '_')}_24GB.png")
     plot_timeline(trace, fig, plan=plan if plan.summary.feasible else None)
     return f"{spec} fake trace with its 24 GB plan (hplan plot; a plan, not a GPU measurement)", rel

@@ -27,6 +27,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import torch
+from hplan.executor.trace_ranges import action
 import torch.distributed as dist
 
 from hplan.errors import HplanError
@@ -162,7 +163,7 @@ class ChunkComm:
         target, finish = self._staged(full, lay, copy_back=True)
         call = ring_bytes("all_gather", padded_bytes=lay.padded_numel * full.element_size(),
                           payload_bytes=lay.numel * full.element_size(), group_size=self.world)
-        with torch.profiler.record_function("hplan::all_gather"):
+        with action("hplan::all_gather"):
             if self.world > 1:
                 work = dist.all_gather_single(target, shard, group=self.group, async_op=async_op)
             else:
@@ -182,7 +183,7 @@ class ChunkComm:
         call = ring_bytes("reduce_scatter", padded_bytes=lay.padded_numel * full.element_size(),
                           payload_bytes=lay.numel * full.element_size(), group_size=self.world)
         finish = [lambda: shard.div_(self.world)] if average and self.world > 1 else []
-        with torch.profiler.record_function("hplan::reduce_scatter"):
+        with action("hplan::reduce_scatter"):
             if self.world > 1:
                 work = dist.reduce_scatter_single(shard, source, group=self.group, async_op=async_op)
             else:
@@ -199,7 +200,7 @@ class ChunkComm:
         call = ring_bytes("all_reduce", padded_bytes=lay.padded_numel * buf.element_size(),
                           payload_bytes=lay.numel * buf.element_size(), group_size=self.world)
         finish = [lambda: buf.div_(self.world)] if average and self.world > 1 else []
-        with torch.profiler.record_function("hplan::all_reduce"):
+        with action("hplan::all_reduce"):
             work = dist.all_reduce(buf, group=self.group, async_op=async_op) if self.world > 1 else None
         self.counter.add(call if self.world > 1 else _zero(call))
         return Pending(work, finish)

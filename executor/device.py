@@ -49,6 +49,8 @@ class FastTier:
 
     exposes_host_grads = True
     """Parameters' `.grad` may point at host copies (same device type): true for the CPU twin only."""
+    waits = False
+    """Copies complete asynchronously, so compute must wait for a fetched buffer (CUDA's side stream)."""
 
     def capacity_bytes(self) -> int:
         """Memory a budget may claim: the host's available RAM."""
@@ -59,6 +61,7 @@ class CudaTier(FastTier):
     """Pinned host copies, side-stream fetches with one event per buffer."""
 
     exposes_host_grads = False
+    waits = True
 
     def __init__(self, device: torch.device) -> None:
         super().__init__(device)

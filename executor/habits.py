@@ -76,7 +76,6 @@ def _step(run: PlanRun, optimizer: torch.optim.Optimizer) -> Callable[..., Any]:
         if closure is not None:
             raise HplanError("optimizer.step(closure) re-evaluates the model, which a plan cannot schedule; "
                              "call optimizer.step() after backward")
-        optimizer._opt_called = True  # type: ignore[attr-defined]  (LR schedulers check it)
         run.optimizer_event()
         return None
 

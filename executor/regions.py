@@ -17,6 +17,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
+from hplan.executor.trace_ranges import action
 from hplan.executor.device import FastTier
 from hplan.executor.state import RegionState
 from torch import nn
@@ -105,7 +106,7 @@ class RegionStore:
         slot = self.slots[rid]
         if slot.state.on_fast_tier:
             return
-        with torch.profiler.record_function(f"hplan::fetch::{rid}"):
+        with action(f"hplan::fetch::{rid}"):
             self.tier.h2d(slot.fast, slot.host)
         self._arrived(slot)
         self.traffic.h2d += slot.region.bytes
@@ -115,7 +116,7 @@ class RegionStore:
         slot = self.slots[rid]
         if slot.state.on_fast_tier:
             return
-        with torch.profiler.record_function(f"hplan::alloc::{rid}"):
+        with action(f"hplan::alloc::{rid}"):
             self.tier.alloc(slot.fast, slot.region.bytes)
         self._arrived(slot)
 
@@ -132,13 +133,13 @@ class RegionStore:
         if not slot.state.on_fast_tier:
             return
         if writeback and slot.state is RegionState.RESIDENT_DIRTY:
-            with torch.profiler.record_function(f"hplan::writeback::{rid}"):
+            with action(f"hplan::writeback::{rid}"):
                 self.tier.d2h(slot.host, slot.fast)
             self.traffic.d2h += slot.region.bytes
         if slot.region.kind == "param":
             for name in slot.fast_views:
                 self.params[name].data = self.placeholders[name]
-        with torch.profiler.record_function(f"hplan::evict::{rid}"):
+        with action(f"hplan::evict::{rid}"):
             self.tier.release(slot.fast)
         self._resident_bytes -= slot.region.bytes
         slot.state = RegionState.HOST
@@ -155,8 +156,9 @@ class RegionStore:
             kinds = ", ".join(f"{self.slots[r].region.kind} of chunk {self.slots[r].region.chunk}" for r in missing[:3])
             raise HplanError(f"{where}: regions {missing} ({kinds}) are needed but not on the fast tier; the run "
                              "differs from the traced step — re-trace and re-plan this workload")
-        for r in rids:
-            self.tier.wait(self.slots[r].fast)
+        if self.tier.waits:
+            for r in rids:
+                self.tier.wait(self.slots[r].fast)
 
     # -- reading ----------------------------------------------------------------------------------------
     def current(self, rid: int, key: Key) -> torch.Tensor:

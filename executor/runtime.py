@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from typing import Any, Self
 
 import torch
+from hplan.executor.batch import UpdateBatch
 from hplan.executor.device import FastTier, make_tier
 from hplan.executor.habits import intercepted
 from hplan.executor.measure import WindowMeter, make_probe
@@ -106,6 +107,8 @@ class PlanRun:
         self.found_inf = False
         self.skipped = 0
         self._pending_flips: set[int] = set()
+        self._batches: dict[tuple[int, ...], UpdateBatch] = {}
+        """Chunks updated at one step → their batch (the same sets every iteration)."""
         self._shown: set[str] = set()
         self._queued = False
         self._updated: set[int] = set()
@@ -218,28 +221,42 @@ class PlanRun:
         self._pending_flips = set(step.flips)
         if step.event == OPTIMIZER_EVENT:
             self._optimizer_updates(step)
-        else:
-            for c in step.host_updates:
-                self._update(c, step)
+        elif step.host_updates:
+            self._update(step.host_updates, step)
 
-    def _update(self, c: int, step: Step) -> None:
-        update = self.updates[c]
-        if update.where == "cpu" and set(self.store.by_chunk[c].values()) & self.store.resident():
-            raise HplanError(f"plan step {step.index} updates chunk {c} on the host while it is on the fast tier")
-        if update.where == "cpu":
+    def _update(self, chunks: tuple[int, ...] | list[int], step: Step) -> None:
+        """The updates of these chunks, together (one optimizer call per place and param group). With a host
+        tier each host update runs in its own plan phase (its regions staged, then written back), so those
+        chunks are stepped one at a time; the same element-wise arithmetic either way."""
+        for c in chunks:
+            if self.updates[c].where == "cpu" and set(self.store.by_chunk[c].values()) & self.store.resident():
+                raise HplanError(f"plan step {step.index} updates chunk {c} on the host while it is on the fast tier")
+        phased = sorted(c for c in chunks if self.host.phased and self.updates[c].where == "cpu")
+        for c in phased:
             self.host.begin_update(step, c)
-        if self.nonfinite != "ignore" and not self.plan.defer_updates:
-            self._check_finite(c)
-        update.step(self.written, inv_scale=self.loss_scale.inverse() if self.loss_scale else None,
-                    clip=tuple(self.clips) if self.master else ())
-        if update.where == "cpu":
+            self._step_batch([c], step)
             self.host.end_update(step, c)
-        self._updated.add(c)
-        if update.where == "gpu":
-            for kind in ("param", "master", "state"):
-                rid = self.store.region(c, kind)
-                if rid is not None:
-                    self.store.mark_dirty(rid)
+        rest = [c for c in chunks if c not in phased]
+        if rest:
+            self._step_batch(rest, step)
+
+    def _step_batch(self, chunks: list[int], step: Step) -> None:
+        """Check (unless deferred) and step these chunks' updates as one UpdateBatch; fast-tier regions dirty."""
+        if self.nonfinite != "ignore" and not self.plan.defer_updates:
+            self._check_finite(chunks, step)
+        key = tuple(chunks)
+        batch = self._batches.get(key)
+        if batch is None:
+            batch = self._batches[key] = UpdateBatch([self.updates[c] for c in chunks])
+        batch.step(self.written, inv_scale=self.loss_scale.inverse() if self.loss_scale else None,
+                   clip=tuple(self.clips) if self.master else ())
+        self._updated.update(chunks)
+        for c in chunks:
+            if self.updates[c].where == "gpu":
+                for kind in ("param", "master", "state"):
+                    rid = self.store.region(c, kind)
+                    if rid is not None:
+                        self.store.mark_dirty(rid)
 
     def _optimizer_updates(self, step: Step) -> None:
         """The optimizer step: deferred host updates and every fast-tier update, after the global checks."""
@@ -260,10 +277,9 @@ class PlanRun:
                     update.copy_masters()
                     self.store.mark_dirty(self.store.region(c, "param"))
             return
-        for c in sorted(step.host_updates):
-            self._update(c, step)
-        for c in sorted(c for c, u in self.updates.items() if u.where == "gpu"):
-            self._update(c, step)
+        chunks = sorted(step.host_updates) + sorted(c for c, u in self.updates.items() if u.where == "gpu")
+        if chunks:
+            self._update(chunks, step)
 
     # -- gradients ------------------------------------------------------------------------------------
     def _on_grad(self, p: torch.Tensor) -> None:
@@ -370,13 +386,20 @@ class PlanRun:
             out.append(g)
         return out
 
-    def _any_nonfinite(self) -> bool:
-        return any(not bool(torch.isfinite(g).all()) for g in self._grads(sorted(self.written)))
+    def _any_nonfinite(self, names: list[str] | None = None) -> bool:
+        """Is any written gradient inf or NaN? One norm per gradient, in one foreach call (a finite gradient's
+        norm overflows only beyond 1e38 in fp32 or bf16, far past any gradient worth stepping with)."""
+        grads = self._grads(sorted(self.written) if names is None else names)
+        if not grads:
+            return False
+        norms = torch._foreach_norm(grads)
+        return not bool(torch.isfinite(torch.stack([n.float().cpu() for n in norms])).all())
 
-    def _check_finite(self, c: int) -> None:
-        names = [n for n in self.updates[c].names if n in self.written]
-        if any(not bool(torch.isfinite(g).all()) for g in self._grads(names)):
-            raise HplanError(f"a gradient of chunk {c} is not finite (inf or NaN) at step; stopping before its update")
+    def _check_finite(self, chunks: tuple[int, ...] | list[int], step: Step) -> None:
+        names = [n for c in chunks for n in self.updates[c].names if n in self.written]
+        if self._any_nonfinite(names):
+            raise HplanError(f"a gradient is not finite (inf or NaN) at plan step {step.index} ({step.event}); "
+                             "stopping before updating with it")
 
     def scale(self, loss: torch.Tensor) -> torch.Tensor:
         """The loss times the current loss scale (fp16-mixed), or the loss itself; call `.backward()` on it."""
@@ -415,6 +438,7 @@ class PlanRun:
     # -- iteration end, measurement -------------------------------------------------------------------
     def optimizer_event(self) -> list[EventRecord]:
         """The optimizer event: checks the iteration followed the whole plan, then per-chunk updates."""
+        self.optimizer._opt_called = True  # type: ignore[attr-defined]  (what LR schedulers check)
         self.on_event("optimizer", OPTIMIZER_MODULE)
         if self.cursor != len(self.plan.steps):
             step = self.plan.steps[self.cursor]

@@ -67,6 +67,9 @@ def check_host_memory(plan: Plan) -> None:
 class TieredStore(RegionStore):
     """A RegionStore whose host copies are staged and dropped as the plan's host phases say (module doc)."""
 
+    phased = True
+    """Each host update runs in its own plan phase (PlanRun steps those chunks one at a time)."""
+
     def __init__(self, model: nn.Module, plan: Plan, tier: FastTier, *, master: bool, state_names: Any,
                  nvme_dir: str | os.PathLike[str] | None) -> None:
         self.plan = plan
@@ -351,6 +354,9 @@ class TieredStore(RegionStore):
 
 class NoHostTier:
     """The host-tier hooks of a two-tier run: every host copy always exists, so there is nothing to do."""
+
+    phased = False
+    """Host updates need no phase of their own (PlanRun batches them)."""
 
     def begin_step(self, step: Step) -> None:
         pass

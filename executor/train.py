@@ -10,12 +10,14 @@ from __future__ import annotations
 import math
 import os
 import time
+import warnings
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
 from hplan.executor.checkpoint import load_checkpoint, restore, save_checkpoint
+from hplan.executor.checkpoint_dir import CheckpointDir
 from hplan.executor.runtime import EventRecord, PlanRun
 from hplan.executor.tiers import tier_fields
 
@@ -25,20 +27,26 @@ from hplan.training import build_optimizer, check_loss
 from hplan.workload import Workload
 
 Progress = Callable[[int, int, str], None]
+Warn = Callable[[str], None]
 
 
 def run_training(workload: Workload, plan: Plan, *, steps: int, device: str = "cpu",
                  metrics_path: str | os.PathLike[str] | None = None,
                  checkpoint_dir: str | os.PathLike[str] | None = None, resume: bool = False,
-                 on_progress: Progress | None = None, measure: bool = True, budget_guard: str = "stop",
-                 nonfinite: str = "stop", nvme_dir: str | os.PathLike[str] | None = None) -> RunReport:
+                 overwrite: bool = False, on_progress: Progress | None = None, on_warning: Warn | None = None,
+                 measure: bool = True, budget_guard: str = "stop", nonfinite: str = "stop",
+                 nvme_dir: str | os.PathLike[str] | None = None) -> RunReport:
     """Train until global step `steps` (from 0, or from the checkpoint with `resume`) replaying `plan`.
 
     Everything the report holds is measured: losses, step times, the probe's peak fast-tier bytes and the bytes
     actually copied in the last (steady-state) iteration. `measure=False` skips the non-model probe (on CPU it
     watches every operator), so resident bytes are model data only. A non-finite loss stops the run naming the
     step before anything of that step is updated or saved (`nonfinite="skip"` skips such steps instead, where
-    the plan defers updates). `nvme_dir`: where a plan with a disk tier keeps its NVMe-homed regions."""
+    the plan defers updates). `nvme_dir`: where a plan with a disk tier keeps its NVMe-homed regions.
+
+    `checkpoint_dir` is locked for the run and gets a verified checkpoint after every step (see
+    hplan.executor.checkpoint_dir); it must hold none unless `resume` (continue from the newest good one,
+    `on_warning` told about each damaged one skipped) or `overwrite` (this run's first save replaces them)."""
     if steps <= 0:
         raise HplanError(f"steps must be positive, got {steps}")
     if resume and checkpoint_dir is None:
@@ -46,10 +54,26 @@ def run_training(workload: Workload, plan: Plan, *, steps: int, device: str = "c
     if workload.accumulate != plan.accumulate:
         raise HplanError(f"the plan was traced with {plan.accumulate} micro-batches per step, the workload uses "
                          f"{workload.accumulate}; re-trace with the same --accumulate")
+    warn = on_warning if on_warning is not None else _warn
+    checkpoints = CheckpointDir(checkpoint_dir, resume=resume, overwrite=overwrite) \
+        if checkpoint_dir is not None else None
+    try:
+        state = load_checkpoint(checkpoints, plan, warn=warn) if checkpoints is not None and resume else None
+        return _train(workload, plan, steps=steps, device=device, metrics_path=metrics_path, state=state,
+                      checkpoints=checkpoints, on_progress=on_progress, measure=measure, budget_guard=budget_guard,
+                      nonfinite=nonfinite, nvme_dir=nvme_dir)
+    finally:
+        if checkpoints is not None:
+            checkpoints.close()
+
+
+def _train(workload: Workload, plan: Plan, *, steps: int, device: str, metrics_path: str | os.PathLike[str] | None,
+           state: dict[str, Any] | None, checkpoints: CheckpointDir | None, on_progress: Progress | None,
+           measure: bool, budget_guard: str, nonfinite: str,
+           nvme_dir: str | os.PathLike[str] | None) -> RunReport:
     model = workload.build_model()
     optimizer = build_optimizer(workload, model)
     scheduler = workload.scheduler(optimizer) if workload.scheduler is not None else None
-    state = load_checkpoint(checkpoint_dir, plan) if resume else None
     first = restore(state, model, optimizer, scheduler) if state is not None else 0
     if first >= steps:
         raise HplanError(f"the checkpoint is already at step {first}; ask for more --steps than that")
@@ -71,8 +95,8 @@ def run_training(workload: Workload, plan: Plan, *, steps: int, device: str = "c
             peak = max([peak] + [r.resident_bytes for r in last])
             seconds.append(time.perf_counter() - start)
             rows += _rows(step, last, losses[-1], seconds[-1])
-            if checkpoint_dir is not None and math.isfinite(loss):
-                save_checkpoint(checkpoint_dir, run, global_step=step + 1, scheduler=scheduler)
+            if checkpoints is not None and math.isfinite(loss):
+                save_checkpoint(checkpoints, run, global_step=step + 1, scheduler=scheduler)
             if on_progress is not None:
                 on_progress(step + 1, steps, f"loss {losses[-1]:.4f}  {seconds[-1] * 1e3:.0f} ms  "
                                              f"resident {peak / 2**20:.2f} MiB")
@@ -87,6 +111,10 @@ def run_training(workload: Workload, plan: Plan, *, steps: int, device: str = "c
                      planned_bytes_moved_per_iter=plan.summary.bytes_moved_per_iter, h2d_bytes_per_iter=h2d,
                      d2h_bytes_per_iter=d2h, setup_bytes=setup,
                      metrics_path=None if metrics_path is None else str(metrics_path), **tiers)
+
+
+def _warn(message: str) -> None:
+    warnings.warn(message, stacklevel=3)
 
 
 def _iteration(workload: Workload, run: PlanRun, step: int, nonfinite: str) -> float:

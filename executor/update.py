@@ -1,10 +1,12 @@
 """Per-chunk optimizer updates, where the plan runs them, with the user's optimizer as it is configured now.
 
 Each chunk's update is the user's optimizer class stepping over per-parameter views of the chunk's regions (the
-fast tier's for a GPU update, the host copies' for a host update), one private instance per user param group
-present in the chunk. That keeps torch's own semantics: per-parameter step counters, parameters without a
-gradient skipped (their state untouched), the group's hyperparameters — copied from the user's
-`optimizer.param_groups` before every update, so LR schedulers work unchanged. Element-wise optimizers
+fast tier's for a GPU update, the host copies' for a host update), with each user param group's options. That
+keeps torch's own semantics: per-parameter step counters, parameters without a gradient skipped (their state
+untouched), the group's hyperparameters — copied from the user's `optimizer.param_groups` before every update,
+so LR schedulers work unchanged. A ChunkUpdate holds the views, the options and the per-parameter state;
+`hplan.executor.batch.UpdateBatch` runs the optimizer calls, one per place and group for all chunks updated at
+the same step. Element-wise optimizers
 (hplan.optimizers) make per-chunk steps the same arithmetic as one `optimizer.step()`.
 Mixed precision: the update runs on the fp32 master with the gradient upcast (unscaled and clipped there, as
 the reference does), then every weight of the chunk is rewritten from its master (rounded) — a skipped
@@ -59,11 +61,16 @@ class ChunkUpdate:
             self.groups.setdefault(group_of[n], []).append(n)
         self.specs = {n: state_spec(opt_name, optimizer.param_groups[group_of[n]]) for n in self.names}
         self.state_views = {n: {s: view("state", (n, s)) for s in self.specs[n].tensors} for n in self.names}
-        self.private = {g: self._private(g, [self.work[n] for n in names]) for g, names in self.groups.items()}
+        self.options = {g: self._options(g, [self.work[n] for n in names]) for g, names in self.groups.items()}
+        """Per user param group: the constructor options an update runs with (the place's implementation)."""
+        self.group_of = {n: g for g, names in self.groups.items() for n in names}
+        self.states: dict[str, dict[str, Any]] = {n: {} for n in self.names}
+        """Per parameter: its optimizer state as torch keeps it, per-element tensors being region views."""
         self.started: set[str] = set()
         """Parameters with optimizer state, as torch would have it: updated once, or adopted from the user."""
 
-    def _private(self, group: int, works: list[torch.Tensor]) -> torch.optim.Optimizer:
+    def _options(self, group: int, works: list[torch.Tensor]) -> dict[str, Any]:
+        """The group's options for this place, checked by constructing the optimizer once over the views."""
         cls = type(self.user)
         accepted = inspect.signature(cls).parameters
         options = {k: v for k, v in self.user.param_groups[group].items()
@@ -72,9 +79,10 @@ class ChunkUpdate:
         if self.where == "cpu":
             options = host_options(options)
         try:
-            return cls(works, **options)
+            cls(works, **options)
         except (RuntimeError, ValueError):  # no fused kernel for this optimizer or device: torch's default one
-            return cls(works, **{**options, "fused": None} if "fused" in options else options)
+            options = {**options, "fused": None} if "fused" in options else options
+        return options
 
     # -- state ----------------------------------------------------------------------------------------
     def adopt(self) -> None:
@@ -82,8 +90,7 @@ class ChunkUpdate:
         state_dict, Adagrad's eager init), or start fresh as torch would; a master starts as the weights."""
         store = self.store
         for g, names in self.groups.items():
-            private = self.private[g]
-            group = private.param_groups[0]
+            group = self.options[g]
             for n in names:
                 p = store.params[n]
                 work = self.work[n]
@@ -99,7 +106,8 @@ class ChunkUpdate:
                     self._take(n, given, state, host, group)
                     self.started.add(n)
                 views = {s: self.state_views[n][s] for s in self.specs[n].tensors if s in state}
-                private.state[work] = {**state, **views}
+                self.states[n].clear()
+                self.states[n].update({**state, **views})
 
     def _take(self, n: str, given: dict[str, Any], state: dict[str, Any], host: dict[str, torch.Tensor],
               group: dict[str, Any]) -> None:
@@ -123,11 +131,10 @@ class ChunkUpdate:
         """The state torch would hold for this chunk's parameters, as fresh tensors keyed by parameter."""
         out = {}
         for g, names in self.groups.items():
-            private = self.private[g]
             for n in names:
                 if n not in self.started:
                     continue
-                state = private.state[self.work[n]]
+                state = self.states[n]
                 entry: dict[str, Any] = {}
                 for key, value in state.items():
                     if key in self.state_views[n]:
@@ -153,38 +160,6 @@ class ChunkUpdate:
                 out[n] = g
         return out
 
-    def step(self, written: set[str], *, inv_scale: torch.Tensor | None = None,
-             clip: tuple[torch.Tensor, ...] = ()) -> None:
-        """One update of the written parameters; `clip` coefficients multiply master-precision gradients in
-        order (a fp32 recipe clips its gradients in place before, as torch does)."""
-        side = self.where
-        with torch.profiler.record_function(f"hplan::update_{side}::{self.chunk.id}"), torch.no_grad():
-            for g, names in self.groups.items():
-                private = self.private[g]
-                group = private.param_groups[0]
-                for key, value in self.user.param_groups[g].items():
-                    if key != "params" and key not in IMPLEMENTATION:
-                        group[key] = value
-                if self.master:
-                    grads = self.fp32_grads(set(names) & written, inv_scale)
-                    for n, grad in grads.items():
-                        for c in clip:
-                            grad.mul_(c.to(grad.device))
-                else:
-                    grads = {n: self.grad[n] for n in names if n in written}
-                if not grads:
-                    continue
-                for n in names:
-                    self.work[n].grad = grads.get(n)
-                private.step()
-                for n in names:
-                    self.work[n].grad = None
-                    if n in grads:
-                        self._keep_lazy_state(private, n)
-                        self.started.add(n)
-            if self.master:
-                self.copy_masters()
-
     def copy_masters(self) -> None:
         """Every weight of the chunk := its master, rounded (a skipped step needs it too: the plan has dropped
         the weights a mixed-precision update rewrites)."""
@@ -192,9 +167,9 @@ class ChunkUpdate:
             for n in self.names:
                 self.weight[n].copy_(self.master_of[n])
 
-    def _keep_lazy_state(self, private: torch.optim.Optimizer, n: str) -> None:
+    def keep_lazy_state(self, n: str) -> None:
         """State torch created from the first gradient (SGD momentum with dampening) moves into the region."""
-        state = private.state[self.work[n]]
+        state = self.states[n]
         for key, view in self.state_views[n].items():
             value = state.get(key)
             if value is not None and value is not view:

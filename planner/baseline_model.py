@@ -150,6 +150,30 @@ class Timeline:
         return max(self.free.values())
 
 
+def gradient_flushes(facts: Facts, bucket_size: int) -> dict[int, list[str]]:
+    """Backward step -> parameters whose gradients leave DeepSpeed's contiguous bucket there. Stage 2
+    (stage_1_and_2.py:1200-1206) and stage 3 (stage3.py:1519-1541) share the rule: a gradient that would
+    overflow a non-empty bucket flushes it first; whatever remains is flushed at the last backward step."""
+    flushes: dict[int, list[str]] = {}
+    bucket: list[str] = []
+    elements, last = 0, -1
+    for step, names in enumerate(facts.step_params):
+        if facts.steps[step].kind != "backward":
+            continue
+        last = step
+        for name in names:
+            if facts.grad_done.get(name) != step or facts.numel[name] == 0:
+                continue
+            if elements + facts.numel[name] > bucket_size and bucket:
+                flushes.setdefault(step, []).extend(bucket)
+                bucket, elements = [], 0
+            bucket.append(name)
+            elements += facts.numel[name]
+    if bucket:
+        flushes.setdefault(last, []).extend(bucket)
+    return flushes
+
+
 def result(name: str, *, feasible: bool, h2d: int, d2h: int, peak: int, min_gpu: int, timeline: Timeline | None,
            note: str, citation: str, not_modelled: tuple[str, ...]) -> BaselineResult:
     """A BaselineResult with the timeline's split (busy seconds per resource) and makespan."""

@@ -20,6 +20,7 @@ from hplan.errors import HplanError
 from hplan.planner.exact import lp_bound, solve_milp
 from hplan.planner.options import PlanOptions
 from hplan.planner.problem import min_gpu
+from hplan.planner.schedule import event_seconds
 from hplan.planner.search import Finished, Progress, Scored, Search, finish, planned_evaluations
 
 SEARCH_NODES: tuple[int, ...] = (0, 50, 1_000, 10_000)
@@ -133,17 +134,31 @@ def _plan(trace: Trace, hardware: Hardware, best: Scored, done: Finished, solver
         raise AssertionError(f"replay moves {moved} bytes, the plan steps {done.moved}, the solver counted "
                              f"{best.moved}: an hplan bug, please report it")
     lb = min(bound, moved)
+    seconds = {k: v for k, v in done.seconds.items() if k != "step"}
+    if trace.defer_updates:
+        seconds["deferred"] = deferral_seconds(trace, hardware, seconds["cpu_optimizer"])
     summary = PlanSummary(feasible=True, h2d_bytes=rep.h2d_bytes, d2h_bytes=rep.d2h_bytes,
                           bytes_moved_per_iter=moved, lower_bound_bytes=lb, predicted_peak_bytes=rep.peak_bytes,
                           min_gpu_bytes=min_bytes, predicted_step_seconds=done.seconds["step"], solver=solver,
                           gap=(moved - lb) / max(moved, 1), optimal=optimal, bottleneck=bottleneck,
-                          seconds={k: v for k, v in done.seconds.items() if k != "step"})
+                          seconds=seconds)
     plan = replace(plan, summary=summary)
     if hardware.host_bytes is not None and hardware.nvme_bytes is not None:  # issue 16: the host tier
         from hplan.planner.tiers import plan_tiers
 
         plan = plan_tiers(trace, plan, nodes=FINAL_NODES[0 if opts.get("solver") == "fast" else opts["effort"]])
     return plan
+
+
+def deferral_seconds(trace: Trace, hardware: Hardware, cpu_optimizer_seconds: float) -> float:
+    """What waiting for every gradient before any update (clipping's global norm, the loss scaler's overflow check)
+    costs per step, estimated: host updates that could have overlapped the backward pass now run after it, so up to
+    the shorter of the two is added. Nothing overlaps on a fast tier without copy engines, so nothing is lost there."""
+    if not hardware.overlap:
+        return 0.0
+    times = event_seconds(trace, hardware)
+    backward = sum(t for t, e in zip(times, trace.events) if e.kind == "backward")
+    return min(cpu_optimizer_seconds, backward)
 
 
 def host_bytes_needed(plan: Plan, rep: Replay) -> int:

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from hplan.artifacts.hardware import Hardware
-from hplan.artifacts.plan import Chunk, Region
+from hplan.artifacts.plan import Chunk, Region, host_update_effects
 from hplan.artifacts.trace import Event, ParamInfo, Trace
 from hplan.sizes import format_size
 
@@ -293,9 +293,9 @@ def _liveness(s: Structure, n: int) -> np.ndarray:
         use_at += [(r, t) for r in (*s.reads[t], *s.writes[t])]
         def_at += [(r, t) for r in s.overwrites[t]]
         for c in s.host_updates[t]:
-            regs = s.by_chunk[c]
-            use_at += [(regs[k], t) for k in ("grad", "master", "state") if k in regs]
-            (def_at if "master" in regs else use_at).append((regs["param"], t))
+            read, overwritten = host_update_effects(s.by_chunk[c])
+            use_at += [(r, t) for r in read]
+            def_at += [(r, t) for r in overwritten]
     shape = (len(s.regions), n)
     uses, defs = _scatter(use_at, shape), _scatter(def_at, shape)
     nxt = next_event(uses | defs)

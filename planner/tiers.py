@@ -122,6 +122,8 @@ def _plan_tiers(trace: Trace, plan: Plan, nodes: int) -> Plan:
                              "hplan bug, please report it")
     seconds = predict_tier_seconds(tiered, accesses, event_seconds(trace, hw))
     s = plan.summary
+    if "deferred" in s.seconds:  # the two-tier estimate of what deferring updates costs, kept beside the split
+        seconds["deferred"] = s.seconds["deferred"]
     summary = replace(s, nvme_read_bytes=host.nvme_read_bytes, nvme_write_bytes=host.nvme_write_bytes,
                       min_cpu_bytes=min_cpu, predicted_host_peak_bytes=host.peak_bytes,
                       nvme_bytes_used=host.nvme_bytes_used, predicted_step_seconds=seconds.pop("step"),

@@ -35,7 +35,7 @@ from dataclasses import dataclass
 from hplan.artifacts.hardware import Hardware
 from hplan.artifacts.plan import BaselineResult
 from hplan.artifacts.trace import Trace
-from hplan.planner.baseline_model import Facts, Timeline, peak_of, read_trace, result
+from hplan.planner.baseline_model import Facts, Timeline, gradient_flushes, peak_of, read_trace, result
 from hplan.precision import DTYPE_BYTES
 from hplan.sizes import format_size
 
@@ -92,28 +92,6 @@ def persistent(facts: Facts, config: Zero3Config) -> set[str]:
     return keep
 
 
-def grad_flushes(facts: Facts, bucket_size: int) -> dict[int, list[str]]:
-    """S3:1519-1541: flush when the next gradient would overflow a non-empty bucket; the rest at the end."""
-    flushes: dict[int, list[str]] = {}
-    bucket: list[str] = []
-    elements, last = 0, -1
-    for step, names in enumerate(facts.step_params):
-        if facts.steps[step].kind != "backward":
-            continue
-        last = step
-        for name in names:
-            if facts.grad_done.get(name) != step:
-                continue
-            if elements + facts.numel[name] > bucket_size and elements > 0:
-                flushes.setdefault(step, []).extend(bucket)
-                bucket, elements = [], 0
-            bucket.append(name)
-            elements += facts.numel[name]
-    if bucket:
-        flushes.setdefault(last, []).extend(bucket)
-    return flushes
-
-
 def zero3_offload(trace: Trace, hardware: Hardware, config: Zero3Config = Zero3Config(),
                   facts: Facts | None = None) -> BaselineResult:
     """Simulate one steady iteration of the coordinator, the gradient bucket and the CPU step."""
@@ -124,7 +102,7 @@ def zero3_offload(trace: Trace, hardware: Hardware, config: Zero3Config = Zero3C
     trainable = facts.trainable
     elem = DTYPE_BYTES[facts.params[trainable[0]].dtype] if trainable else 2
     ipg = config.reduce_bucket_size * elem
-    flushes = grad_flushes(facts, config.reduce_bucket_size)
+    flushes = gradient_flushes(facts, config.reduce_bucket_size)
     walk = _Walk(queue=deque((n, s) for s, names in enumerate(order) for n in names),
                  marked=defaultdict(lambda: -10**10), on_device=set(keep), in_flight=set())
     tl = Timeline(hardware)

@@ -32,7 +32,7 @@ from dataclasses import dataclass
 from hplan.artifacts.hardware import Hardware
 from hplan.artifacts.plan import BaselineResult
 from hplan.artifacts.trace import Trace
-from hplan.planner.baseline_model import Facts, Timeline, peak_of, read_trace, result
+from hplan.planner.baseline_model import Facts, Timeline, gradient_flushes, peak_of, read_trace, result
 from hplan.precision import DTYPE_BYTES
 from hplan.sizes import format_size
 
@@ -62,30 +62,6 @@ class Zero2Config:
     """Stage 2 default (config.py:385): flushes on the current stream, one bucket buffer."""
 
 
-def flush_plan(facts: Facts, bucket_size: int) -> dict[int, list[str]]:
-    """Backward step -> parameters whose gradients leave the bucket there, following S:1200-1206: a parameter
-    that would overflow the bucket flushes it first; whatever remains is flushed at the last backward step."""
-    flushes: dict[int, list[str]] = {}
-    bucket: list[str] = []
-    elements = 0
-    last = -1
-    for step, names in enumerate(facts.step_params):
-        if facts.steps[step].kind != "backward":
-            continue
-        last = step
-        for name in names:
-            if facts.grad_done.get(name) != step or facts.numel[name] == 0:
-                continue
-            if elements + facts.numel[name] > bucket_size and bucket:
-                flushes.setdefault(step, []).extend(bucket)
-                bucket, elements = [], 0
-            bucket.append(name)
-            elements += facts.numel[name]
-    if bucket:
-        flushes.setdefault(last, []).extend(bucket)
-    return flushes
-
-
 def zero_offload(trace: Trace, hardware: Hardware, config: Zero2Config = Zero2Config(),
                  facts: Facts | None = None) -> BaselineResult:
     """Simulate one steady iteration; see the module docstring for the rules and their sources."""
@@ -95,7 +71,7 @@ def zero_offload(trace: Trace, hardware: Hardware, config: Zero2Config = Zero2Co
     temp_buffer = max((facts.params[n].bytes for n in trainable), default=0)
     elem = DTYPE_BYTES[facts.params[trainable[0]].dtype] if trainable else 2
     bucket_bytes = config.reduce_bucket_size * elem * (2 if config.overlap_comm else 1)
-    flushes = flush_plan(facts, config.reduce_bucket_size)
+    flushes = gradient_flushes(facts, config.reduce_bucket_size)
     graded = [n for n in trainable if n in facts.grad_done]
     first_hook = min(facts.grad_done.values(), default=len(facts.steps))
     last_backward = max((i for i, e in enumerate(facts.steps) if e.kind == "backward"), default=-1)

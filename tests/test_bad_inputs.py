@@ -122,6 +122,47 @@ def edited_plan(name: str, edit: Callable[[dict], None]) -> Setup:
     return make
 
 
+def checkpointed(name: str, damage: Callable[[Path], None] | None = None) -> Setup:
+    """A real one-step checkpoint in folder `name` (so only one: no fallback), then `damage` on its step folder."""
+    def make(a: Path, d: Path) -> None:
+        argv = ["run", f"{a / 'wl.py'}:workload", "--plan", str(a / "p.json"), "--steps", "1", "--checkpoint",
+                str(d / name)]
+        result = runner.invoke(app, argv)
+        assert result.exit_code == 0, result.stderr
+        if damage is not None:
+            damage(d / name / "step-000001")
+    return make
+
+
+def _flip_shard_byte(folder: Path) -> None:
+    shard = folder / "__0_0.distcp"
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 2] ^= 0x01
+    shard.write_bytes(bytes(data))
+
+
+def _step_negative(folder: Path) -> None:
+    manifest = json.loads((folder / "manifest.json").read_text())
+    manifest["global_step"] = -5
+    (folder / "manifest.json").write_text(json.dumps(manifest))
+
+
+_HELD: list[int] = []
+"""Lock file descriptors a row's setup holds; closed after the row (see `_release_locks`)."""
+
+
+def locked(name: str) -> Setup:
+    """Folder `name` whose DIR/.lock this test process holds, as a concurrent `hplan run` would."""
+    def make(a: Path, d: Path) -> None:
+        import fcntl
+
+        (d / name).mkdir()
+        fd = os.open(d / name / ".lock", os.O_RDWR | os.O_CREAT, 0o644)
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        _HELD.append(fd)
+    return make
+
+
 def both(*setups: Setup) -> Setup:
     def make(a: Path, d: Path) -> None:
         for setup in setups:
@@ -336,6 +377,26 @@ ROWS: list[Row] = [
     Row("run_metrics_inside_checkpoint", f"run {{W}} {P} --checkpoint {{D}}/ck --metrics {{D}}/ck/m.parquet",
         folder("ck")),
     Row("run_resume_without_checkpoint", f"run {{W}} {P} --resume"),
+    Row("run_resume_checkpoint_folder_missing", f"run {{W}} {P} --checkpoint {{D}}/ck --resume"),
+    Row("run_resume_checkpoint_folder_empty", f"run {{W}} {P} --checkpoint {{D}}/ck --resume", folder("ck")),
+    Row("run_resume_and_overwrite", f"run {{W}} {P} --checkpoint {{D}}/ck --resume --overwrite", checkpointed("ck")),
+    Row("run_overwrite_without_checkpoint", f"run {{W}} {P} --overwrite"),
+    Row("run_into_a_checkpoint_without_resume", f"run {{W}} {P} --checkpoint {{D}}/ck", checkpointed("ck")),
+    Row("run_into_an_old_state_pt_without_resume", f"run {{W}} {P} --checkpoint {{D}}/ck",
+        both(folder("ck"), text("ck/state.pt", b"old"))),
+    Row("run_resume_an_old_state_pt", f"run {{W}} {P} --checkpoint {{D}}/ck --resume",
+        both(folder("ck"), text("ck/state.pt", b"old"))),
+    Row("run_checkpoint_locked_by_another_run", f"run {{W}} {P} --checkpoint {{D}}/ck", locked("ck")),
+    Row("run_resume_checkpoint_flipped_byte", f"run {{W}} {P} --checkpoint {{D}}/ck --resume",
+        checkpointed("ck", _flip_shard_byte)),
+    Row("run_resume_checkpoint_truncated", f"run {{W}} {P} --checkpoint {{D}}/ck --resume",
+        checkpointed("ck", lambda f: (f / "__0_0.distcp").write_bytes(b"\x80"))),
+    Row("run_resume_checkpoint_random_bytes", f"run {{W}} {P} --checkpoint {{D}}/ck --resume",
+        checkpointed("ck", lambda f: (f / ".metadata").write_bytes(os.urandom((f / ".metadata").stat().st_size)))),
+    Row("run_resume_checkpoint_file_missing", f"run {{W}} {P} --checkpoint {{D}}/ck --resume",
+        checkpointed("ck", lambda f: (f / ".metadata").unlink())),
+    Row("run_resume_checkpoint_step_negative", f"run {{W}} {P} --checkpoint {{D}}/ck --resume",
+        checkpointed("ck", _step_negative)),
     Row("run_steps_zero", "run {W} --plan {P} --steps 0"),
     Row("run_steps_text", "run {W} --plan {P} --steps ten"),
     Row("run_missing_plan_option", "run {W} --steps 2"),
@@ -424,6 +485,13 @@ def _one_click_command():
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(typer.testing, "_get_command", lambda _app: command)
         yield
+
+
+@pytest.fixture(autouse=True)
+def _release_locks():
+    yield
+    while _HELD:
+        os.close(_HELD.pop())
 
 
 @pytest.fixture(scope="module")

@@ -22,7 +22,7 @@ from loops import user_loop, weight_diff
 from hplan.artifacts import Hardware, Plan
 from hplan.errors import HplanError
 from hplan.executor import run_training
-from hplan.executor.checkpoint import STATE_FILE
+from hplan.executor.checkpoint_dir import saved_step
 from hplan.planner import PlanOptions, default_slack, make_plan, min_gpu_bytes
 from hplan.specs import load_workload
 from hplan.tracer import trace_workload
@@ -103,7 +103,7 @@ def test_kill_9_mid_run_then_resume_bit_identical(bf16, tmp_path):
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
         deadline = time.monotonic() + 90
-        while _saved_step(ck) < 2 and time.monotonic() < deadline and proc.poll() is None:
+        while saved_step(ck) < 2 and time.monotonic() < deadline and proc.poll() is None:
             time.sleep(0.05)
         assert proc.poll() is None, "the run ended before it could be killed"
         os.kill(proc.pid, signal.SIGKILL)
@@ -111,19 +111,11 @@ def test_kill_9_mid_run_then_resume_bit_identical(bf16, tmp_path):
         proc.wait()
     assert proc.returncode == -signal.SIGKILL
     assert region_files(nv)  # killed: its scratch files are still there, and the resumed run overwrites them
-    done = _saved_step(ck)
+    done = saved_step(ck)
     resumed = run_training(workload, plan, steps=done + 2, checkpoint_dir=ck, resume=True, nvme_dir=nv)
     (tmp_path / "fresh").mkdir()
     full = run_training(workload, plan, steps=done + 2, nvme_dir=tmp_path / "fresh")
     assert resumed.losses == full.losses[done:]
-
-
-def _saved_step(directory: Path) -> int:
-    path = directory / STATE_FILE
-    try:
-        return int(torch.load(path, weights_only=True)["global_step"]) if path.is_file() else 0
-    except Exception:  # noqa: BLE001 - a save in progress: try again
-        return 0
 
 
 @pytest.mark.parametrize("damage", ["modified", "truncated"])
@@ -165,7 +157,7 @@ def test_a_full_disk_is_refused_before_any_step(bf16, tmp_path, monkeypatch):
     with pytest.raises(HplanError, match="GB free but needs") as err:
         run_training(workload, plan, steps=2, nvme_dir=tmp_path, checkpoint_dir=tmp_path / "ck")
     assert "\n" not in str(err.value)
-    assert not (tmp_path / "ck").exists() and region_files(tmp_path) == []
+    assert not list((tmp_path / "ck").glob("step-*")) and region_files(tmp_path) == []  # nothing saved or left
 
 
 def test_a_plan_with_nvme_chunks_needs_a_directory(bf16):

@@ -10,7 +10,7 @@ import time
 
 import torch
 from hplan.executor import run_training
-from hplan.executor.checkpoint import STATE_FILE
+from hplan.executor.checkpoint_dir import saved_step
 from loops import plan_for
 
 from hplan.specs import load_workload
@@ -56,8 +56,7 @@ def test_kill_9_mid_run_then_resume(tmp_path):
 
 
 def _saved_step(directory) -> int:
-    path = directory / STATE_FILE
-    return int(torch.load(path, weights_only=True)["global_step"]) if path.is_file() else 0
+    return saved_step(directory)
 
 
 def test_resume_under_another_plan(tmp_path):

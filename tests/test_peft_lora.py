@@ -18,17 +18,11 @@ transformers = pytest.importorskip("transformers")
 VOCAB, STEPS = 512, 5
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Two shared cores: torch's default thread pool oversubscribes them."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def lora_llama() -> torch.nn.Module:
-    cfg = transformers.LlamaConfig(vocab_size=VOCAB, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+    cfg = transformers.LlamaConfig(vocab_size=VOCAB, hidden_size=128, intermediate_size=256, num_hidden_layers=4,
                                    num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
     lora = peft.LoraConfig(r=4, lora_alpha=8, lora_dropout=0.1, target_modules=["q_proj", "v_proj"])
     return peft.get_peft_model(transformers.LlamaForCausalLM(cfg), lora)
@@ -61,11 +55,12 @@ def test_lora_plan_offloads_the_frozen_base(plan):
     assert not any(r.kind == "grad" for r in plan.regions if not plan.chunks[r.chunk].trainable)
 
 
-@pytest.mark.parametrize("options, tolerance", [({}, 1e-5), ({"fused": True}, 0.0)], ids=["default", "fused"])
+@pytest.mark.parametrize("options, tolerance", [({}, 1e-4), ({"fused": True}, 0.0)], ids=["default", "fused"])
 def test_lora_trains_like_plain_pytorch(plan, options, tolerance):
     """Host-side updates run torch's fused CPU AdamW unless the user chose a kernel (executor/update.py,
     host_options): with the default (single-tensor) reference that differs by an ulp per update, which Adam
-    magnifies where LoRA's gradients are near zero (lora_A while lora_B is still ~0): ~2e-6 after 5 steps.
+    magnifies where LoRA's gradients are near zero (lora_A while lora_B is still ~0): ~1e-5 in the weights after
+    5 steps, while losses agree within 1e-5 relative as the README states.
     With the same kernel on both sides the run is bit-identical."""
     workload = dataclasses.replace(WORKLOAD, optimizer=adamw(**options))
     ref = user_loop(workload, STEPS)

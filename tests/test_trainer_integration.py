@@ -28,13 +28,7 @@ from hplan.integrations.trainer import (
 VOCAB, SEQ = 256, 16
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Two shared cores: torch's default thread pool makes a 1 s Trainer run take a minute here."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 class Tokens(torch.utils.data.Dataset):

@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from hplan.artifacts.plan import Plan, staging_bytes
+from hplan.artifacts.plan import Plan, host_update_effects, staging_bytes
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -76,9 +76,7 @@ def phase_accesses(plan: Plan, tier: frozenset[int]) -> list[PhaseAccess]:
             regs = by_chunk.get(c, {})
             mine = frozenset(regs.values()) & tier
             master = "master" in regs
-            use = {regs[k] for k in ("grad", "master", "state") if k in regs}
-            define = set()
-            (define if master else use).add(regs["param"])
+            use, define = host_update_effects(regs)  # what the update reads and overwrites: one shared rule
             dirty = {regs[k] for k in ("param", "master", "state") if k in regs}
             out.append(PhaseAccess(step=t, phase=j, chunk=c, need=mine, use=frozenset(use) & tier,
                                    define=frozenset(define) & tier, dirty=frozenset(dirty) & tier,

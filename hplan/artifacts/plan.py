@@ -71,6 +71,18 @@ def staging_bytes(nbytes: int) -> int:
     return -(-nbytes // STAGING_ALIGNMENT) * STAGING_ALIGNMENT
 
 
+def host_update_effects(regions: dict[str, int]) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """What a host (CPU) optimizer update of a chunk does to its regions' contents, as (read, overwritten):
+    it reads the gradient, master and state and updates the last two in place; the weights are rewritten from
+    the master with a mixed-precision recipe (overwritten), or updated in place without one (read). The planner
+    and the validator both take this rule from here."""
+    read = [regions[k] for k in ("grad", "master", "state") if k in regions]
+    overwritten = []
+    if "param" in regions:
+        (overwritten if "master" in regions else read).append(regions["param"])
+    return tuple(read), tuple(overwritten)
+
+
 @dataclass(frozen=True, kw_only=True, slots=True)
 class Chunk:
     """Parameters laid out together; every region of the chunk follows this order."""
@@ -153,9 +165,10 @@ class PlanSummary:
     bottleneck: str = ""
     """When infeasible or tight: the event that sets min_gpu_bytes, in words."""
     seconds: dict[str, float] = field(default_factory=dict)
-    """Predicted time split: compute, h2d, d2h (busy link seconds), cpu_optimizer, and deferred (the extra
-    step time of waiting for every gradient before any update, for clipping or loss scaling); with a disk
-    tier also nvme_read, nvme_write (busy disk seconds) and nvme_stall (step time added by waiting on disk)."""
+    """Predicted time split: compute, h2d, d2h (busy link seconds), cpu_optimizer, and — for plans that defer
+    updates (clipping, loss scaling) — deferred: the estimated step time lost because host updates can no
+    longer overlap the backward pass (hplan.planner.core.deferral_seconds); with a disk tier also nvme_read,
+    nvme_write (busy disk seconds) and nvme_stall (step time added by waiting on disk)."""
     nvme_read_bytes: int = 0
     """Disk→host bytes per iteration ([Note: host tier]); 0 in a two-tier plan."""
     nvme_write_bytes: int = 0

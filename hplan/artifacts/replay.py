@@ -10,7 +10,7 @@ import math
 from dataclasses import dataclass
 
 from hplan.artifacts.host_replay import HostReplay, replay_host
-from hplan.artifacts.plan import HOMES, OPTIMIZER_PLACES, REGION_KINDS, Plan
+from hplan.artifacts.plan import HOMES, OPTIMIZER_PLACES, REGION_KINDS, Plan, host_update_effects
 from hplan.errors import HplanError
 
 OPTIMIZER_EVENT = "optimizer:optimizer"
@@ -159,12 +159,9 @@ def _uses_defs(plan: Plan) -> tuple[list[set[int]], list[set[int]]]:
     for step in plan.steps:
         use, define = set(step.reads) | set(step.writes), set(step.overwrites) - set(step.reads) - set(step.writes)
         for c in step.host_updates:
-            regions = by_chunk.get(c, {})
-            for kind in ("grad", "master", "state"):
-                if kind in regions:
-                    use.add(regions[kind])
-            if "param" in regions:  # the host update rewrites the weights from the master, or updates them in place
-                (define if "master" in regions else use).add(regions["param"])
+            read, overwritten = host_update_effects(by_chunk.get(c, {}))
+            use.update(read)
+            define.update(overwritten)
         uses.append(use)
         defs.append(define - use)
     return uses, defs

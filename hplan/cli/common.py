@@ -10,6 +10,7 @@ import contextlib
 import json
 import math
 import sys
+import time
 import traceback
 from collections.abc import Callable, Iterator
 from typing import Any, TypeVar
@@ -82,6 +83,11 @@ def _say(markup: str) -> None:
     err_console.print(markup, highlight=False, soft_wrap=True)
 
 
+def warn_line(message: str) -> None:
+    """A warning the run survives (e.g. a damaged checkpoint skipped), one line on stderr."""
+    _say(f"[bold yellow]warning:[/] {escape(' '.join(message.split()))}")
+
+
 def emit_json(obj: Any) -> None:
     """Print a machine-readable summary on stdout (nothing else goes to stdout with --json)."""
     sys.stdout.write(json.dumps(obj, indent=2, sort_keys=True, default=_jsonable, allow_nan=False) + "\n")
@@ -130,17 +136,28 @@ def parse_device(text: str, *, kinds: tuple[str, ...], indexed: tuple[str, ...] 
 
 
 @contextlib.contextmanager
-def progress_bar(label: str, *, quiet: bool = False) -> Iterator[OnProgress | None]:
-    """A rich progress bar on a terminal; None (silent) when piped or when `quiet`."""
+def progress_bar(label: str, *, quiet: bool = False, after_s: float = 0.0) -> Iterator[OnProgress | None]:
+    """A rich progress bar on a terminal, shown once the work has taken `after_s` seconds (quick work shows
+    none); None (silent) when piped or when `quiet`."""
     if quiet or not sys.stderr.isatty():
         yield None
         return
     columns = (TextColumn("{task.description}"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
                TextColumn("{task.fields[message]}"), TimeElapsedColumn())
-    with Progress(*columns, console=err_console, transient=True) as bar:
-        task = bar.add_task(label, total=None, message="")
+    bar = Progress(*columns, console=err_console, transient=True)
+    start = time.monotonic()
+    task: list[Any] = []
 
-        def update(done: int, total: int, message: str) -> None:
-            bar.update(task, completed=done, total=total, message=message)
+    def update(done: int, total: int, message: str) -> None:
+        if not task:
+            if time.monotonic() - start < after_s:
+                return
+            bar.start()
+            task.append(bar.add_task(label, total=None, message=""))
+        bar.update(task[0], completed=done, total=total, message=message)
 
+    try:
         yield update
+    finally:
+        if task:
+            bar.stop()

@@ -39,8 +39,10 @@ def register(app: typer.Typer) -> None:
                                                   "overhead (default: from the trace).")] = None,
         chunk_size: Annotated[str | None, typer.Option("--chunk-size", help="auto (default: search), module (one "
                                                        "chunk per module), or a size such as 64MB.")] = None,
-        solver: Annotated[str | None, typer.Option("--solver", help="auto (default), exact (MILP) or fast (Belady).")
-                          ] = None,
+        solver: Annotated[str | None, typer.Option("--solver", help="auto (default), exact (branch and bound until "
+                                                   "proven optimal) or fast (heuristics only).")] = None,
+        effort: Annotated[int, typer.Option("--effort", help="0 (heuristics) to 3: more effort buys more optimality, "
+                                            "deterministically (work limits, never time).")] = 1,
         compare: Annotated[bool, typer.Option("--compare", help="Also score ZeRO-Offload, Gemini, all-on-GPU.")
                            ] = False,
         as_json: Annotated[bool, typer.Option("--json", help="Print the summary as JSON on stdout.")] = False,
@@ -63,17 +65,18 @@ def register(app: typer.Typer) -> None:
                      nvme_write_gbps=nvme_write_gbps)
         guarded(lambda: _run(trace=trace, gpu_mem=gpu_mem, output=output, cpu_mem=cpu_mem, gpu=gpu,
                              gpu_tflops=gpu_tflops, link_gbps=link_gbps, cpu_adam_gbps=cpu_adam_gbps, slack=slack,
-                             chunk_size=chunk_size, solver=solver, compare=compare, as_json=as_json, **tiers))
+                             chunk_size=chunk_size, solver=solver, effort=effort, compare=compare, as_json=as_json,
+                             **tiers))
 
 
 def _run(*, trace: Path, gpu_mem: str, output: Path | None, cpu_mem: str | None, gpu: str | None,
          gpu_tflops: float | None, link_gbps: float | None, cpu_adam_gbps: float | None, slack: str | None,
-         chunk_size: str | None, solver: str | None, compare: bool, as_json: bool, nvme: str | None = None,
-         host: str | None = None, nvme_preset: str | None = None, nvme_read_gbps: float | None = None,
-         nvme_write_gbps: float | None = None) -> None:
+         chunk_size: str | None, solver: str | None, compare: bool, as_json: bool, effort: int = 1,
+         nvme: str | None = None, host: str | None = None, nvme_preset: str | None = None,
+         nvme_read_gbps: float | None = None, nvme_write_gbps: float | None = None) -> None:
     from hplan.artifacts import Trace
     from hplan.artifacts.io import check_input, check_output
-    from hplan.cli.common import emit_json, positive_number, size_option
+    from hplan.cli.common import emit_json, positive_number, progress_bar, size_option
     from hplan.planner import PlanOptions, default_slack, make_hardware, make_plan, min_gpu_bytes, validate
 
     if output is None and not as_json:
@@ -99,9 +102,10 @@ def _run(*, trace: Path, gpu_mem: str, output: Path | None, cpu_mem: str | None,
         hardware = make_hardware(preset, gpu_bytes=floor, **overrides)
     else:
         hardware = make_hardware(preset, gpu_bytes=size_option(gpu_mem, what="--gpu-mem"), **overrides)
-    options = PlanOptions(chunk_bytes=_chunk(chunk_size), compare=compare,
+    options = PlanOptions(chunk_bytes=_chunk(chunk_size), compare=compare, effort=effort,
                           **({"solver": solver} if solver is not None else {}))
-    plan = make_plan(loaded, hardware, options)
+    with progress_bar(f"planning {loaded.workload}", quiet=as_json, after_s=1.0) as on_progress:
+        plan = make_plan(loaded, hardware, options, on_progress=on_progress)
     payload: dict = {"summary": asdict(plan.summary), "gpu_bytes": hardware.gpu_bytes}
     if compare:
         payload["baselines"] = [asdict(b) for b in plan.baselines]

@@ -25,9 +25,12 @@ def register(app: typer.Typer) -> None:
         steps: Annotated[int, typer.Option("--steps", help="Train until this global step (resumed runs too).")],
         device: Annotated[str, typer.Option("--device", help="cpu, or cuda (unverified in this release).")] = "cpu",
         metrics: Annotated[Path | None, typer.Option("--metrics", help="Per-event metrics Parquet to write.")] = None,
-        checkpoint: Annotated[Path | None, typer.Option("--checkpoint", help="Save full state here each step.")
-                              ] = None,
-        resume: Annotated[bool, typer.Option("--resume", help="Continue from --checkpoint's saved state.")] = False,
+        checkpoint: Annotated[Path | None, typer.Option("--checkpoint", help="Save full, checksummed state here "
+                                                         "each step (locked while the run lasts).")] = None,
+        resume: Annotated[bool, typer.Option("--resume", help="Continue from --checkpoint's newest good state "
+                                             "(a damaged one falls back to the previous, with a warning).")] = False,
+        overwrite: Annotated[bool, typer.Option("--overwrite", help="Start afresh in a --checkpoint folder that "
+                                                "holds checkpoints; the first save replaces them.")] = False,
         batch_size: Annotated[int | None, typer.Option("--batch-size", help="Override the batch size.")] = None,
         seq_len: Annotated[int | None, typer.Option("--seq-len", help="Override the sequence length.")] = None,
         precision: Annotated[str | None, typer.Option("--precision", help="fp32, bf16-mixed or fp16-mixed.")] = None,
@@ -46,23 +49,26 @@ def register(app: typer.Typer) -> None:
         from hplan.cli.common import guarded
 
         guarded(lambda: _run(spec=spec, plan=plan, steps=steps, device=device, metrics=metrics,
-                             checkpoint=checkpoint, resume=resume, batch_size=batch_size, seq_len=seq_len,
+                             checkpoint=checkpoint, resume=resume, overwrite=overwrite, batch_size=batch_size,
+                             seq_len=seq_len,
                              precision=precision, overrides=overrides, as_json=as_json, budget_guard=budget_guard,
                              on_nonfinite=on_nonfinite, nvme_dir=nvme_dir))
 
 
 def _run(*, spec: str, plan: Path, steps: int, device: str, metrics: Path | None, checkpoint: Path | None,
-         resume: bool, batch_size: int | None, seq_len: int | None, precision: str | None,
+         resume: bool, overwrite: bool, batch_size: int | None, seq_len: int | None, precision: str | None,
          overrides: list[str] | None, as_json: bool, budget_guard: str = "stop", on_nonfinite: str = "stop",
          nvme_dir: Path | None = None) -> None:
     from hplan.artifacts import Plan
-    from hplan.cli.common import emit_json, err_console, parse_device, parse_overrides, progress_bar
+    from hplan.cli.common import emit_json, err_console, parse_device, parse_overrides, progress_bar, warn_line
 
     from hplan.errors import HplanError
 
     parse_device(device, kinds=("cpu", "cuda"), indexed=("cuda",))
     if budget_guard not in ("stop", "warn") or on_nonfinite not in ("stop", "skip"):
         raise HplanError("--budget-guard takes stop or warn, --on-nonfinite takes stop or skip")
+    if overwrite and checkpoint is None:
+        raise HplanError("--overwrite replaces the checkpoints of --checkpoint DIR: pass --checkpoint too")
     check_outputs(spec=spec, plan=plan, metrics=metrics, checkpoint=checkpoint)
     the_plan = Plan.load(plan)
     _check_nvme_dir(the_plan, plan, nvme_dir)
@@ -75,8 +81,9 @@ def _run(*, spec: str, plan: Path, steps: int, device: str, metrics: Path | None
                              max_grad_norm=the_plan.max_grad_norm)
     with progress_bar(f"training {workload.name}", quiet=as_json) as on_progress:
         report = run_training(workload, the_plan, steps=steps, device=device, metrics_path=metrics,
-                              checkpoint_dir=checkpoint, resume=resume, on_progress=on_progress,
-                              budget_guard=budget_guard, nonfinite=on_nonfinite, nvme_dir=nvme_dir)
+                              checkpoint_dir=checkpoint, resume=resume, overwrite=overwrite,
+                              on_progress=on_progress, on_warning=warn_line, budget_guard=budget_guard,
+                              nonfinite=on_nonfinite, nvme_dir=nvme_dir)
     if as_json:
         emit_json(report.to_dict())
         return

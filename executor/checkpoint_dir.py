@@ -1,0 +1,407 @@
+"""The checkpoint directory: one folder per saved step, a manifest per folder, a pointer, a lock.
+
+    DIR/.lock                   flock'ed by the run that owns DIR (the OS drops it when the process dies)
+    DIR/latest.json             {"latest": "step-000040", "previous": ["step-000039"]}, replaced atomically
+    DIR/step-000040/            the files of one checkpoint (whatever the format writes) + manifest.json
+    DIR/step-000039/            the previous good one, kept so a damaged latest falls back to it
+
+This module knows nothing of torch: it moves folders, hashes files and decides which checkpoint is good;
+hplan.executor.checkpoint decides what goes inside a folder.
+
+[Note: checkpoint commit] A save writes into a fresh hidden folder `.step-000041.<random>.tmp`, fsyncs every
+file, writes `manifest.json` (each file's size and checksum, the global step) last, renames the folder to
+`step-000041`, replaces `latest.json` (naming the new folder and the one this run resumed from or saved
+before), and only then removes the folders the pointer no longer names. A folder is trusted only when its
+manifest exists and every file it lists has the listed size and checksum, so a torn, truncated, replaced or
+bit-flipped file is refused naming it. Resume tries the pointer's folders in order (newest first) and
+nothing else, so a folder of another run (before an --overwrite run's first save) is never mixed in; a
+folder renamed into place whose pointer update a kill prevented is simply not used, and goes at the next
+save. Without a readable pointer, the step folders are tried newest first. A `kill -9` at any moment thus
+leaves the pointer's folders intact; its temp folder (or a `.trash-*` folder, see `_install`) is removed at
+the next start, under the lock. Checksums use the NVMe tier's algorithms ([Note: nvme checksums]).
+
+Several ranks (issue 17) fit the same layout: every rank writes its shard files into one temp folder (the
+name chosen by rank 0 and broadcast), and after the format's barrier rank 0 builds the manifest over all of
+them and commits, holding the lock (flock is node-local: on a shared file system across nodes only rank 0
+may lock). The manifest records every file, so a missing or damaged shard of any rank is named the same way.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import os
+import re
+import shutil
+import tempfile
+import time
+import zlib
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from hplan.executor.nvme_format import checksum_function
+
+from hplan.artifacts.io import atomic_path
+from hplan.errors import HplanError
+
+SCHEMA = "hplan.checkpoint/1"
+POINTER_SCHEMA = "hplan.checkpoint-pointer/1"
+MANIFEST = "manifest.json"
+POINTER = "latest.json"
+LOCK = ".lock"
+KEEP = 2
+"""Folders the pointer names after a save: the new one and the one it was built on (the fallback)."""
+OLD_FORMAT = "state.pt"
+"""The single-file checkpoint of hplan before manifests; recognised so it is never silently mixed in."""
+PAUSE_ENV = "HPLAN_TEST_SAVE_PAUSE_S"
+"""Tests only: seconds to sleep between the phases of a save, so a `kill -9` can be aimed inside one."""
+
+_STEP = re.compile(r"step-(\d{6,})")
+_LEFTOVER = re.compile(r"\.step-\d+\..*\.tmp|\.trash-.*|\.(latest\.json|state\.pt)\..*\.tmp")
+_BLOCK = 1 << 24
+
+Warn = Callable[[str], None]
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Checkpoint:
+    """A verified checkpoint folder."""
+
+    path: Path
+    global_step: int
+    """Optimizer steps done when it was saved (the folder's number)."""
+    info: dict[str, Any]
+    """What the writer recorded beside the files (format, fingerprint, world size)."""
+
+
+def folder_name(global_step: int) -> str:
+    return f"step-{global_step:06d}"
+
+
+class CheckpointDir:
+    """A checkpoint directory owned by this process until `close()` (see the module doc for the layout).
+
+    `resume`: the directory must already hold a checkpoint; otherwise it must hold none unless `overwrite`
+    (then this run's first save replaces them). Cheap refusals happen before anything is written; the lock is
+    then taken, leftovers of a killed save removed, and the same checks repeated under the lock.
+    """
+
+    def __init__(self, directory: str | os.PathLike[str], *, resume: bool, overwrite: bool = False) -> None:
+        if resume and overwrite:
+            raise HplanError("--resume continues the checkpoint and --overwrite replaces it: pass only one")
+        self.root = Path(directory)
+        self.previous: list[str] = []
+        """Folders this run's next save keeps as fallbacks (newest first): what it resumed from or last saved."""
+        self._fd = -1
+        self._check(resume, overwrite)
+        self.root.mkdir(parents=True, exist_ok=True)
+        self._fd = _lock(self.root)
+        try:
+            self._remove_leftovers()
+            self._check(resume, overwrite)
+        except BaseException:
+            self.close()
+            raise
+
+    def _check(self, resume: bool, overwrite: bool) -> None:
+        if self.root.exists() and not self.root.is_dir():
+            raise HplanError(f"--checkpoint {self.root} is not a directory; name a folder")
+        held = self.holds()
+        if resume and held is None:
+            where = "the folder does not exist" if not self.root.exists() else "it holds no step folder"
+            raise HplanError(f"no checkpoint in {self.root} ({where}): run once with --checkpoint {self.root} "
+                             "before --resume")
+        if resume and held == OLD_FORMAT:
+            raise HplanError(f"{self.root} holds a {OLD_FORMAT} of an older hplan, which this one cannot verify; "
+                             "start again with --overwrite")
+        if not resume and not overwrite and held is not None:
+            raise HplanError(f"{self.root} already holds a checkpoint ({held}): pass --resume to continue it or "
+                             "--overwrite to replace it")
+
+    def holds(self) -> str | None:
+        """What checkpoint the directory holds, in words, or None (read-only; also before the lock)."""
+        if not self.root.is_dir():
+            return None
+        steps = self.step_folders()
+        if steps:
+            return steps[0].name + (f" and {len(steps) - 1} older" if len(steps) > 1 else "")
+        if (self.root / POINTER).exists():
+            return POINTER
+        return OLD_FORMAT if (self.root / OLD_FORMAT).exists() else None
+
+    def step_folders(self) -> list[Path]:
+        """Step folders, newest first (names only; nothing is verified)."""
+        found = [p for p in self.root.iterdir() if _STEP.fullmatch(p.name) and p.is_dir()]
+        return sorted(found, key=lambda p: int(p.name[5:]), reverse=True)
+
+    # -- resume -------------------------------------------------------------------------------------------
+
+    def find_good(self, warn: Warn) -> Checkpoint:
+        """The newest checkpoint that verifies, warning about each damaged one skipped on the way.
+
+        Candidates are the pointer's folders in its order; without a readable pointer, the step folders
+        newest first. None good: one HplanError naming the directory and every problem."""
+        candidates, notes = self._candidates()
+        problems: list[str] = []
+        for path in candidates:
+            try:
+                found = verify(path)
+            except HplanError as exc:
+                problems.append(str(exc))
+                continue
+            for note in notes:
+                warn(note)
+            for problem in problems:
+                warn(f"{problem}; falling back to {found.path}")
+            self.previous = [found.path.name]
+            return found
+        reasons = "; ".join(notes + problems) or "no step folder"
+        raise HplanError(f"no good checkpoint in {self.root}: {reasons}; restore the folder from a backup or start "
+                         "again with --overwrite")
+
+    def _candidates(self) -> tuple[list[Path], list[str]]:
+        pointer = self.root / POINTER
+        try:
+            data = json.loads(pointer.read_text())
+            names = [data["latest"], *data["previous"]]
+            if data.get("schema") != POINTER_SCHEMA or not all(isinstance(n, str) and _STEP.fullmatch(n)
+                                                               for n in names):
+                raise ValueError("unexpected content")
+        except FileNotFoundError:
+            return self.step_folders(), []
+        except (OSError, ValueError, KeyError, TypeError) as exc:
+            why = exc.strerror if isinstance(exc, OSError) else type(exc).__name__
+            return self.step_folders(), [f"{pointer} is damaged ({why}); trying the step folders newest first"]
+        return [self.root / n for n in names], []
+
+    # -- save ---------------------------------------------------------------------------------------------
+
+    def save(self, global_step: int, write: Callable[[Path], dict[str, Any]]) -> Path:
+        """Commit one checkpoint: `write(folder)` fills a temp folder and returns the `info` to record;
+        see [Note: checkpoint commit] for the order of the rest. Returns the new folder."""
+        if self._fd < 0:
+            raise HplanError(f"the checkpoint directory {self.root} was closed; open it again to save")
+        name = folder_name(global_step)
+        try:
+            tmp = Path(tempfile.mkdtemp(prefix=f".{name}.", suffix=".tmp", dir=self.root))
+        except OSError as exc:
+            raise _save_error(self.root, exc) from None
+        try:
+            info = write(tmp)
+            tmp.chmod(0o777 & ~_umask())  # mkdtemp makes 0700; a checkpoint gets the usual permissions
+            _pause()
+            write_manifest(tmp, global_step=global_step, info=info)
+            _pause()
+            final = _install(tmp, self.root / name)
+        except BaseException as exc:
+            shutil.rmtree(tmp, ignore_errors=True)
+            if isinstance(exc, OSError):
+                raise _save_error(self.root, exc) from None
+            raise
+        _pause()
+        keep = [name, *[n for n in self.previous if n != name]][:KEEP]
+        try:
+            with atomic_path(self.root / POINTER) as out:
+                out.write_text(json.dumps({"schema": POINTER_SCHEMA, "latest": keep[0], "previous": keep[1:]}) + "\n")
+                _fsync(out)
+            _fsync(self.root)
+        except OSError as exc:
+            raise _save_error(self.root, exc) from None
+        self.previous = keep
+        _pause()
+        self._remove_unlisted(set(keep))
+        return final
+
+    def _remove_unlisted(self, keep: set[str]) -> None:
+        """After a commit: step folders the pointer does not name (older ones, another run's after
+        --overwrite) and an old-format state file."""
+        for path in self.step_folders():
+            if path.name not in keep:
+                shutil.rmtree(path, ignore_errors=True)
+        (self.root / OLD_FORMAT).unlink(missing_ok=True)
+
+    def _remove_leftovers(self) -> None:
+        """Temp and trash folders of saves killed half way (ours by name; nothing else is touched)."""
+        for path in self.root.iterdir():
+            if _LEFTOVER.fullmatch(path.name):
+                if path.is_dir() and not path.is_symlink():
+                    shutil.rmtree(path, ignore_errors=True)
+                else:
+                    path.unlink(missing_ok=True)
+
+    def close(self) -> None:
+        """Release the lock (idempotent)."""
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1
+
+    def __enter__(self) -> CheckpointDir:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+# -- manifest -----------------------------------------------------------------------------------------------
+
+def write_manifest(folder: Path, *, global_step: int, info: dict[str, Any]) -> None:
+    """fsync every file of `folder`, then write its manifest last (atomically, fsynced)."""
+    algorithm, _ = checksum_function("auto")
+    files = {}
+    for rel in sorted(_files(folder)):
+        path = folder / rel
+        _fsync(path)
+        files[rel] = {"bytes": path.stat().st_size, "checksum": f"{file_checksum(path, algorithm):016x}"}
+    manifest = {"schema": SCHEMA, "global_step": global_step, "checksum": algorithm, "files": files, "info": info}
+    with atomic_path(folder / MANIFEST) as out:
+        out.write_text(json.dumps(manifest, indent=1, sort_keys=True, allow_nan=False) + "\n")
+        _fsync(out)
+    _fsync(folder)
+
+
+def verify(folder: Path) -> Checkpoint:
+    """The checkpoint in `folder` if its manifest is sound and every listed file matches it, else a
+    one-line HplanError naming the first file that does not."""
+    path = folder / MANIFEST
+    try:
+        manifest = json.loads(path.read_text())
+    except FileNotFoundError:
+        what = "is missing" if folder.is_dir() else "is missing (so is its folder)"
+        raise HplanError(f"checkpoint manifest {path} {what}") from None
+    except (OSError, UnicodeDecodeError, ValueError) as exc:
+        raise HplanError(f"checkpoint manifest {path} cannot be read ({type(exc).__name__})") from None
+    if not isinstance(manifest, dict) or manifest.get("schema") != SCHEMA:
+        raise HplanError(f"checkpoint manifest {path} is not a {SCHEMA} manifest")
+    step = manifest.get("global_step")
+    if type(step) is not int or step < 0:
+        raise HplanError(f"checkpoint manifest {path} has global_step {step!r}, not a step count (an integer ≥ 0)")
+    if folder.name != folder_name(step):
+        raise HplanError(f"checkpoint manifest {path} says global_step {step} but its folder is {folder.name}")
+    algorithm, files, info = manifest.get("checksum"), manifest.get("files"), manifest.get("info", {})
+    try:
+        checksum_function(algorithm if isinstance(algorithm, str) else "?")
+    except HplanError:
+        raise HplanError(f"checkpoint manifest {path} names an unknown checksum {algorithm!r}") from None
+    if not isinstance(files, dict) or not files or not isinstance(info, dict):
+        raise HplanError(f"checkpoint manifest {path} lists no files")
+    for rel, entry in sorted(files.items()):
+        _check_file(folder, rel, entry, algorithm, path)
+    return Checkpoint(path=folder, global_step=step, info=info)
+
+
+def _check_file(folder: Path, rel: str, entry: Any, algorithm: str, manifest: Path) -> None:
+    if not isinstance(rel, str) or Path(rel).is_absolute() or ".." in Path(rel).parts or rel == MANIFEST:
+        raise HplanError(f"checkpoint manifest {manifest} lists a file outside its folder: {rel!r}")
+    try:
+        size, expected = int(entry["bytes"]), int(entry["checksum"], 16)
+    except (TypeError, KeyError, ValueError):
+        raise HplanError(f"checkpoint manifest {manifest} has a malformed entry for {rel}") from None
+    path = folder / rel
+    try:
+        actual = path.stat().st_size
+    except OSError:
+        raise HplanError(f"checkpoint file {path} is missing") from None
+    if actual != size:
+        raise HplanError(f"checkpoint file {path} is {actual} bytes, the manifest says {size} (truncated or "
+                         "replaced)")
+    if file_checksum(path, algorithm) != expected:
+        raise HplanError(f"checkpoint file {path} does not match its {algorithm} checksum (its bytes changed)")
+
+
+def file_checksum(path: Path, algorithm: str) -> int:
+    """The file's checksum, read in 16 MiB blocks (a shard can be larger than the memory to spare)."""
+    if algorithm == "xxh3_64":
+        import xxhash
+
+        h = xxhash.xxh3_64()
+        with open(path, "rb") as f:
+            while block := f.read(_BLOCK):
+                h.update(block)
+        return h.intdigest()
+    crc = 0
+    with open(path, "rb") as f:
+        while block := f.read(_BLOCK):
+            crc = zlib.crc32(block, crc)
+    return crc
+
+
+def saved_step(directory: str | os.PathLike[str]) -> int:
+    """The global step the pointer names (0 when there is none); read-only, nothing verified — for progress
+    displays and tests, never for deciding what to resume from."""
+    try:
+        data = json.loads((Path(directory) / POINTER).read_text())
+        return int(data["latest"][5:])
+    except (OSError, ValueError, KeyError, TypeError):
+        return 0
+
+
+# -- helpers ------------------------------------------------------------------------------------------------
+
+def _files(folder: Path) -> Iterator[str]:
+    """Regular files under `folder` as relative paths, the manifest excluded."""
+    for root, _, names in os.walk(folder):
+        for n in names:
+            rel = os.path.relpath(os.path.join(root, n), folder)
+            if rel != MANIFEST:
+                yield rel
+
+
+def _install(tmp: Path, final: Path) -> Path:
+    """Rename the finished temp folder onto `final`. A folder already there (a damaged one being redone
+    after a fallback, or another run's after --overwrite) is renamed aside first — a rename cannot replace
+    a non-empty folder — and removed after; a kill in between leaves a `.trash-*` folder for the next start."""
+    trash = None
+    if final.exists():
+        trash = Path(tempfile.mkdtemp(prefix=f".trash-{final.name}.", dir=final.parent))
+        os.rename(final, trash / final.name)
+    os.rename(tmp, final)
+    _fsync(final.parent)
+    if trash is not None:
+        shutil.rmtree(trash, ignore_errors=True)
+    return final
+
+
+def _save_error(root: Path, exc: OSError) -> HplanError:
+    """A save that the file system refused (disk full, permissions): the previous checkpoint is untouched."""
+    return HplanError(f"cannot save a checkpoint in {root}: {exc.strerror or exc} — the previous checkpoint there is "
+                      "intact; free space or pass another --checkpoint, then --resume")
+
+
+def _lock(root: Path) -> int:
+    """flock DIR/.lock, or say who holds it. The lock file is never removed (removing it would let two runs
+    lock two different files)."""
+    try:
+        fd = os.open(root / LOCK, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+    except OSError as exc:
+        raise HplanError(f"cannot create the lock file {root / LOCK}: {exc.strerror}; check the folder's "
+                         "permissions") from None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        raise HplanError(f"checkpoint directory {root} is in use by another hplan run (it holds {root / LOCK}); "
+                         "wait for it to finish or pass another --checkpoint") from None
+    return fd
+
+
+def _fsync(path: Path) -> None:
+    """Flush a file or a folder entry, so a committed checkpoint survives a power loss too."""
+    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
+def _pause() -> None:
+    seconds = os.environ.get(PAUSE_ENV)
+    if seconds:
+        time.sleep(float(seconds))
