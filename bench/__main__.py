@@ -27,6 +27,7 @@ SECTIONS: tuple[tuple[str, str, str], ...] = (
     ("executor", "5. Executor", "bench.executor_bench"),
     ("headline", "6. The seed's headline, replayed as plans (not GPU measurements)", "bench.headline"),
     ("plot", "7. Report cost", "bench.plot_cost"),
+    ("nvme", "8. Third tier: NVMe", "bench.nvme"),
 )
 
 
