@@ -19,7 +19,6 @@ import json
 import shutil
 import subprocess
 import sys
-from pathlib import Path
 from typing import Any
 
 from bench.context import Context

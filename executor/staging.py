@@ -94,3 +94,16 @@ def _contiguous(shape: torch.Size) -> tuple[int, ...]:
         strides.append(acc)
         acc *= max(s, 1)
     return tuple(reversed(strides))
+
+
+def rss_shmem() -> int:
+    """RssShmem of this process in bytes (Linux /proc; 0 where it is not available): the staging mappings' resident
+    pages, since nothing else in hplan maps shared memory."""
+    try:
+        with open("/proc/self/status", encoding="ascii") as f:
+            for line in f:
+                if line.startswith("RssShmem:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 0

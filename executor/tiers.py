@@ -294,7 +294,7 @@ class TieredStore(RegionStore):
         """The process's RSS, and on Linux its shared-memory part: the staging mappings' resident pages (nothing
         else in hplan maps shared memory), the OS's own count of what `host_model_bytes` tracks."""
         self.peak_rss_bytes = max(self.peak_rss_bytes, self._process.memory_info().rss)
-        self.peak_rss_staging_bytes = max(self.peak_rss_staging_bytes, _rss_shmem())
+        self.peak_rss_staging_bytes = max(self.peak_rss_staging_bytes, staging.rss_shmem())
 
     # -- transitions ------------------------------------------------------------------------------------
     def fetch(self, rid: int) -> None:
@@ -396,15 +396,3 @@ def tier_fields(store: RegionStore) -> dict[str, Any]:
             "planned_nvme_write_bytes_per_iter": s.nvme_write_bytes,
             "peak_rss_bytes": store.peak_rss_bytes, "peak_rss_staging_bytes": store.peak_rss_staging_bytes,
             **store.disk_stats()}
-
-
-def _rss_shmem() -> int:
-    """RssShmem of this process in bytes (Linux /proc; 0 where it is not available)."""
-    try:
-        with open("/proc/self/status", encoding="ascii") as f:
-            for line in f:
-                if line.startswith("RssShmem:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return 0
