@@ -29,6 +29,7 @@ SECTIONS: tuple[tuple[str, str, str], ...] = (
     ("plot", "7. Report cost", "bench.plot_cost"),
     ("multigpu", "8. Many GPUs: shard factors vs ZeRO-3, MiCS, ZeRO++ (plans) and a 2-rank CPU run (measured)",
      "bench.multigpu"),
+    ("nvme", "9. Third tier: NVMe", "bench.nvme"),
 )
 
 

@@ -30,14 +30,15 @@ from hplan.artifacts import Plan
 
 def attach(model: Any, optimizer: Any, plan: Plan, *, device: str = "cpu", batch_example: Any = None,
            precision: str | None = None, measure: bool = True, budget_guard: str = "stop",
-           nonfinite: str = "ignore") -> PlanRun:
+           nonfinite: str = "ignore", nvme_dir: str | None = None) -> PlanRun:
     """A context manager replaying `plan` in your loop.
 
     `batch_example` has the workload fingerprint checked; `precision` defaults to the plan's recipe;
     `measure=False` drops the per-operator non-model probe (resident bytes then count model data only);
     `budget_guard="warn"` only warns when a step measures more than the plan's budget (default: stop);
     `nonfinite="stop"` stops before updating with an inf/NaN gradient, "skip" skips that step (plans that defer
-    updates only); the default leaves them to you, as plain PyTorch does.
+    updates only); the default leaves them to you, as plain PyTorch does; `nvme_dir` is where a plan made with a
+    disk tier keeps its NVMe-homed regions (hplan.executor.tiers).
     A many-rank plan (`hplan plan --gpus N`) runs on this rank of an initialised torch.distributed job (torchrun):
     hplan.executor.distributed.DistRun."""
     if plan.sharding is not None:  # many ranks: hplan.executor.distributed
@@ -46,7 +47,7 @@ def attach(model: Any, optimizer: Any, plan: Plan, *, device: str = "cpu", batch
         return DistRun(model, optimizer, plan, device=device, batch_example=batch_example, measure=measure,
                        budget_guard=budget_guard)  # type: ignore[return-value]
     return PlanRun(model, optimizer, plan, device=device, batch_example=batch_example, precision=precision,
-                   measure=measure, budget_guard=budget_guard, nonfinite=nonfinite)
+                   measure=measure, budget_guard=budget_guard, nonfinite=nonfinite, nvme_dir=nvme_dir)
 
 
 __all__ = ["EventRecord", "PlanRun", "RegionState", "attach", "run_training"]

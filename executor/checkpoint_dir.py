@@ -28,7 +28,6 @@ may lock). The manifest records every file, so a missing or damaged shard of any
 
 from __future__ import annotations
 
-import fcntl
 import json
 import os
 import re
@@ -41,9 +40,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from hplan.executor.durable import current_umask, fsync_path, lock_exclusive, write_durably
 from hplan.executor.nvme_format import checksum_function
 
-from hplan.artifacts.io import atomic_path
 from hplan.errors import HplanError
 
 SCHEMA = "hplan.checkpoint/1"
@@ -190,7 +189,7 @@ class CheckpointDir:
             raise _save_error(self.root, exc) from None
         try:
             info = write(tmp)
-            tmp.chmod(0o777 & ~_umask())  # mkdtemp makes 0700; a checkpoint gets the usual permissions
+            tmp.chmod(0o777 & ~current_umask())  # mkdtemp makes 0700; a checkpoint gets the usual permissions
             _pause()
             write_manifest(tmp, global_step=global_step, info=info)
             _pause()
@@ -203,10 +202,8 @@ class CheckpointDir:
         _pause()
         keep = [name, *[n for n in self.previous if n != name]][:KEEP]
         try:
-            with atomic_path(self.root / POINTER) as out:
-                out.write_text(json.dumps({"schema": POINTER_SCHEMA, "latest": keep[0], "previous": keep[1:]}) + "\n")
-                _fsync(out)
-            _fsync(self.root)
+            write_durably(self.root / POINTER,
+                          json.dumps({"schema": POINTER_SCHEMA, "latest": keep[0], "previous": keep[1:]}) + "\n")
         except OSError as exc:
             raise _save_error(self.root, exc) from None
         self.previous = keep
@@ -252,13 +249,10 @@ def write_manifest(folder: Path, *, global_step: int, info: dict[str, Any]) -> N
     files = {}
     for rel in sorted(_files(folder)):
         path = folder / rel
-        _fsync(path)
+        fsync_path(path)
         files[rel] = {"bytes": path.stat().st_size, "checksum": f"{file_checksum(path, algorithm):016x}"}
     manifest = {"schema": SCHEMA, "global_step": global_step, "checksum": algorithm, "files": files, "info": info}
-    with atomic_path(folder / MANIFEST) as out:
-        out.write_text(json.dumps(manifest, indent=1, sort_keys=True, allow_nan=False) + "\n")
-        _fsync(out)
-    _fsync(folder)
+    write_durably(folder / MANIFEST, json.dumps(manifest, indent=1, sort_keys=True, allow_nan=False) + "\n")
 
 
 def verify(folder: Path) -> Checkpoint:
@@ -357,7 +351,7 @@ def _install(tmp: Path, final: Path) -> Path:
         trash = Path(tempfile.mkdtemp(prefix=f".trash-{final.name}.", dir=final.parent))
         os.rename(final, trash / final.name)
     os.rename(tmp, final)
-    _fsync(final.parent)
+    fsync_path(final.parent)
     if trash is not None:
         shutil.rmtree(trash, ignore_errors=True)
     return final
@@ -370,35 +364,14 @@ def _save_error(root: Path, exc: OSError) -> HplanError:
 
 
 def _lock(root: Path) -> int:
-    """flock DIR/.lock, or say who holds it. The lock file is never removed (removing it would let two runs
-    lock two different files)."""
-    try:
-        fd = os.open(root / LOCK, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
-    except OSError as exc:
-        raise HplanError(f"cannot create the lock file {root / LOCK}: {exc.strerror}; check the folder's "
-                         "permissions") from None
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        os.close(fd)
-        raise HplanError(f"checkpoint directory {root} is in use by another hplan run (it holds {root / LOCK}); "
-                         "wait for it to finish or pass another --checkpoint") from None
-    return fd
+    """flock DIR/.lock, or say who holds it (hplan.executor.durable.lock_exclusive)."""
+    def cannot_create(exc: OSError) -> HplanError:
+        return HplanError(f"cannot create the lock file {root / LOCK}: {exc.strerror}; check the folder's "
+                          "permissions")
 
-
-def _fsync(path: Path) -> None:
-    """Flush a file or a folder entry, so a committed checkpoint survives a power loss too."""
-    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _umask() -> int:
-    mask = os.umask(0)
-    os.umask(mask)
-    return mask
+    return lock_exclusive(root / LOCK, cannot_create=cannot_create,
+                          busy=f"checkpoint directory {root} is in use by another hplan run (it holds "
+                               f"{root / LOCK}); wait for it to finish or pass another --checkpoint")
 
 
 def _pause() -> None:

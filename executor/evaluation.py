@@ -27,6 +27,9 @@ class EvalPass:
     """The evaluation forwards between two training iterations."""
 
     def __init__(self, run: PlanRun) -> None:
+        if run.host.phased:
+            raise HplanError("evaluation inside an attach block with a disk tier is not supported yet (the plan's "
+                             "host phases stage regions for training events only); evaluate between blocks")
         self.run = run
         self.cursor = 0
         """The next plan step an evaluation event replays (0 ≤ cursor < first backward step)."""

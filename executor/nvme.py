@@ -86,6 +86,8 @@ class IoStats:
     """Wall seconds during which at least one write was in flight."""
     buffered: int
     """Transfers that did not use O_DIRECT (store in buffered mode, or an unaligned host buffer)."""
+    busy_seconds: float = 0.0
+    """Wall seconds during which any transfer (read or write) was in flight: the disk's busy time."""
 
     @property
     def read_bandwidth(self) -> float:
@@ -139,7 +141,7 @@ class DiskStore:
             self._pending: dict[str, Future[None]] = {}
             """Key → its last submitted transfer; each transfer waits for the one before it on the same key."""
             self._unsynced: set[Path] = set()
-            self._busy = {"read": _Busy(), "write": _Busy()}
+            self._busy = {"read": _Busy(), "write": _Busy(), "any": _Busy()}
             self._buffered = 0
             self._mutex = threading.Lock()
             if manifest is not None:
@@ -319,7 +321,8 @@ class DiskStore:
         with self._mutex:
             r, w = self._busy["read"], self._busy["write"]
             return IoStats(read_bytes=r.bytes, write_bytes=w.bytes, reads=r.ops, writes=w.ops,
-                           read_seconds=r.now_seconds(), write_seconds=w.now_seconds(), buffered=self._buffered)
+                           read_seconds=r.now_seconds(), write_seconds=w.now_seconds(), buffered=self._buffered,
+                           busy_seconds=self._busy["any"].now_seconds())
 
     def reset_stats(self) -> None:
         with self._mutex:
@@ -350,18 +353,20 @@ class DiskStore:
 
     @contextlib.contextmanager
     def _timed(self, direction: str) -> Iterator[None]:
-        busy = self._busy[direction]
+        both = (self._busy[direction], self._busy["any"])
         with self._mutex:
-            if busy.active == 0:
-                busy.since = time.perf_counter()
-            busy.active += 1
+            for busy in both:
+                if busy.active == 0:
+                    busy.since = time.perf_counter()
+                busy.active += 1
         try:
             yield
         finally:
             with self._mutex:
-                busy.active -= 1
-                if busy.active == 0:
-                    busy.seconds += time.perf_counter() - busy.since
+                for busy in both:
+                    busy.active -= 1
+                    if busy.active == 0:
+                        busy.seconds += time.perf_counter() - busy.since
 
     def _count(self, direction: str, nbytes: int, direct: bool) -> None:
         """Record a completed transfer (caller holds the mutex)."""

@@ -26,7 +26,6 @@ read at end of file. DeepSpeed pads each swapped tensor to the alignment instead
 from __future__ import annotations
 
 import errno
-import fcntl
 import mmap
 import os
 import threading
@@ -35,6 +34,8 @@ from collections.abc import Callable
 from pathlib import Path
 
 import torch
+from hplan.executor.durable import fsync_path as durable_fsync
+from hplan.executor.durable import lock_exclusive
 
 from hplan.errors import HplanError
 
@@ -191,28 +192,14 @@ def file_error(path: Path, exc: OSError, *, writing: bool) -> HplanError:
 
 def lock_directory(directory: Path, name: str) -> int:
     """Take the directory's exclusive lock (creating the lock file is also the first writability check)."""
-    try:
-        fd = os.open(directory / name, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
-    except OSError as exc:
-        raise dir_error(directory, exc) from None
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        os.close(fd)
-        raise HplanError(f"nvme directory {directory} is in use by another DiskStore (another hplan run?): "
-                         "stop it or pass a different --nvme-dir") from None
-    return fd
+    return lock_exclusive(directory / name, cannot_create=lambda exc: dir_error(directory, exc),
+                          busy=f"nvme directory {directory} is in use by another DiskStore (another hplan run?): "
+                               "stop it or pass a different --nvme-dir")
 
 
 def fsync_path(path: Path) -> None:
     """Flush a file or a directory entry to stable storage (commit makes a pinned version survive power loss)."""
-    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
-    try:
-        os.fsync(fd)
-    except OSError as exc:
-        raise file_error(path, exc, writing=True) from None
-    finally:
-        os.close(fd)
+    durable_fsync(path, on_error=lambda exc: file_error(path, exc, writing=True))
 
 
 def check_directory(directory: str | os.PathLike[str]) -> Path:

@@ -23,11 +23,12 @@ from hplan.executor.evaluation import EvalPass
 from hplan.executor.gradients import Clip, GradientOps
 from hplan.executor.habits import intercepted
 from hplan.executor.measure import EventRecord, WindowMeter, make_probe
-from hplan.executor.regions import RegionStore
 from hplan.executor.scale import LossScale
 from hplan.executor.state import RegionState
 from hplan.executor.statesync import StateSync
+from hplan.executor.tiers import check_host_memory, host_tier, make_store, needs_nvme_dir
 from hplan.executor.tripwires import FIX, EagerWatch
+from hplan.executor.update_steps import UpdateSteps
 from hplan.executor.update import ChunkUpdate
 from torch import nn
 
@@ -44,15 +45,20 @@ GUARDS = ("stop", "warn")
 NONFINITE = ("ignore", "stop", "skip")
 
 
-class PlanRun(GradientOps, StateSync):
+class PlanRun(UpdateSteps, GradientOps, StateSync):
     """Context manager replaying `plan` during a user's training loop (see hplan.executor.attach)."""
 
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, plan: Plan, *, device: str = "cpu",
                  batch_example: Any = None, precision: str | None = None, measure: bool = True,
-                 budget_guard: str = "stop", nonfinite: str = "ignore") -> None:
+                 budget_guard: str = "stop", nonfinite: str = "ignore", nvme_dir: str | None = None) -> None:
         validate(plan)
         refuse_compiled(model)
         one_rank_only(plan)  # many-rank plans run in hplan.executor.distributed
+        check_host_memory(plan)  # issue 16: the host tier (hplan.executor.tiers)
+        if needs_nvme_dir(plan) and nvme_dir is None:
+            raise HplanError(f"the plan keeps {len(plan.nvme_chunks())} chunks on NVMe: pass --nvme-dir DIR (a "
+                             "directory on the disk to use)")
+        self.nvme_dir = nvme_dir
         if budget_guard not in GUARDS or nonfinite not in NONFINITE:
             raise HplanError(f"budget_guard must be one of {GUARDS} and nonfinite one of {NONFINITE}")
         self.plan, self.model, self.optimizer = plan, model, optimizer
@@ -69,7 +75,8 @@ class PlanRun(GradientOps, StateSync):
         self.meter = WindowMeter(make_probe(device)) if measure else None
         """None: resident bytes are model data only (no non-model probe, so no per-op cost on CPU)."""
         self.live = live_in(plan)
-        self.store: RegionStore | None = None
+        self.store: Any = None
+        """RegionStore, or TieredStore with a host tier (hplan.executor.tiers)."""
         self.updates: dict[int, ChunkUpdate] = {}
         self.cursor, self.records, self.setup_bytes = 0, [], 0
         self.last_records: list[EventRecord] = []
@@ -121,12 +128,16 @@ class PlanRun(GradientOps, StateSync):
                 if buf is not None:
                     module._buffers[key] = buf.to(self.tier.device)
         check_state_regions(plan, state_names, self.opt_name)
-        self.store = store = RegionStore(model, plan, self.tier, master=self.master, state_names=state_names)
+        self.store = store = make_store(model, plan, self.tier, master=self.master, state_names=state_names,
+                                        nvme_dir=self.nvme_dir)
+        self.host = host_tier(store)
         for c in plan.chunks:
             if c.trainable:
                 update = ChunkUpdate(store, c, where=plan.optimizer[c.id], optimizer=optimizer, opt_name=self.opt_name,
                                      master=self.master, group_of=by_name)
+                self.host.stage_chunk(c.id)
                 update.adopt()
+                self.host.settle_chunk(c.id)
                 self.updates[c.id] = update
         optimizer.state.clear()  # hplan holds the state in regions until the block ends
         self._names = names
@@ -159,6 +170,7 @@ class PlanRun(GradientOps, StateSync):
         for name, value in values.items():
             store.params[name].data = value
             store.params[name].grad = None
+        self.host.close()
 
     # -- events ---------------------------------------------------------------------------------------
     def on_event(self, kind: str, module: str) -> None:
@@ -205,6 +217,7 @@ class PlanRun(GradientOps, StateSync):
 
     def _do_step(self, step: Step) -> None:
         store = self.store
+        self.host.begin_step(step)
         writeback = set(step.writeback)
         for rid in step.evict:
             store.evict(rid, writeback=rid in writeback)
@@ -219,50 +232,6 @@ class PlanRun(GradientOps, StateSync):
             self._optimizer_updates(step)
         elif step.host_updates:
             self._update(step.host_updates, step)
-
-    def _update(self, chunks: tuple[int, ...] | list[int], step: Step) -> None:
-        """The updates of these chunks, together (one optimizer call per place and param group)."""
-        for c in chunks:
-            if self.updates[c].where == "cpu" and set(self.store.by_chunk[c].values()) & self.store.resident():
-                raise HplanError(f"plan step {step.index} updates chunk {c} on the host while it is on the fast tier")
-        if self.nonfinite != "ignore" and not self.plan.defer_updates:
-            self._check_finite(chunks, step)
-        key = tuple(chunks)
-        batch = self._batches.get(key)
-        if batch is None:
-            batch = self._batches[key] = UpdateBatch([self.updates[c] for c in chunks])
-        batch.step(self.written, inv_scale=self.loss_scale.inverse() if self.loss_scale else None,
-                   clip=tuple(self.clips) if self.master else ())
-        self._updated.update(chunks)
-        if self.watch is not None and step.event != OPTIMIZER_EVENT:
-            self.watch.updated_early(len(chunks))
-        for c in chunks:
-            if self.updates[c].where == "gpu":
-                for kind in ("param", "master", "state"):
-                    rid = self.store.region(c, kind)
-                    if rid is not None:
-                        self.store.mark_dirty(rid)
-
-    def _optimizer_updates(self, step: Step) -> None:
-        """The optimizer step: deferred host updates and every fast-tier update, after the global checks."""
-        skip = by_user = self._skip_next
-        self._skip_next = False
-        if not skip and self.plan.defer_updates and (self.loss_scale is not None or self.nonfinite != "ignore"):
-            skip = self._any_nonfinite()
-            if skip and self.loss_scale is None and self.nonfinite == "stop":
-                raise HplanError("a gradient is not finite (inf or NaN); stopping before any update of this step")
-        if self.loss_scale is not None and not by_user:
-            self.loss_scale.update(skip)
-        if skip:
-            self.skipped += 1
-            for c, update in self.updates.items():
-                if update.where == "gpu" and self.master:
-                    update.copy_masters()
-                    self.store.mark_dirty(self.store.region(c, "param"))
-            return
-        chunks = sorted(step.host_updates) + sorted(c for c, u in self.updates.items() if u.where == "gpu")
-        if chunks:
-            self._update(chunks, step)
 
     # -- gradients ------------------------------------------------------------------------------------
     def _on_grad(self, p: torch.Tensor) -> None:

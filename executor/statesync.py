@@ -36,6 +36,8 @@ class StateSync:
     master: bool
     cursor: int
     _loaded: dict[str, Any] | None
+    host: Any
+    """hplan.executor.tiers.TieredStore or NoHostTier."""
 
     # -- optimizer -------------------------------------------------------------------------------------
     def sync_state(self) -> None:
@@ -62,7 +64,9 @@ class StateSync:
                 if p is not None:
                     self.optimizer.state[p] = dict(state)
         for update in self.updates.values():
+            self.host.stage_chunk(update.chunk.id)
             update.adopt()
+            self.host.settle_chunk(update.chunk.id)
         self.optimizer.state.clear()
 
     # -- model -----------------------------------------------------------------------------------------
@@ -95,6 +99,9 @@ class StateSync:
                 value = state_dict.get(prefix + key)
                 if value is None:
                     continue
+                if self.host.phased:
+                    raise HplanError("model.load_state_dict() inside an attach block with a disk tier is not "
+                                     "supported (its regions are staged by the plan's phases); load before the block")
                 if self.master:
                     raise HplanError("model.load_state_dict() inside an attach block with a mixed-precision recipe "
                                      "would leave the fp32 master weights behind; load the weights before the block")

@@ -19,6 +19,7 @@ import torch
 from hplan.executor.checkpoint import load_checkpoint, restore, save_checkpoint
 from hplan.executor.checkpoint_dir import CheckpointDir
 from hplan.executor.runtime import EventRecord, PlanRun
+from hplan.executor.tiers import tier_fields
 
 from hplan.artifacts import METRICS_COLUMNS, Plan, RunReport, atomic_path
 from hplan.errors import HplanError
@@ -33,14 +34,15 @@ def run_training(workload: Workload, plan: Plan, *, steps: int, device: str = "c
                  metrics_path: str | os.PathLike[str] | None = None,
                  checkpoint_dir: str | os.PathLike[str] | None = None, resume: bool = False,
                  overwrite: bool = False, on_progress: Progress | None = None, on_warning: Warn | None = None,
-                 measure: bool = True, budget_guard: str = "stop", nonfinite: str = "stop") -> RunReport:
+                 measure: bool = True, budget_guard: str = "stop", nonfinite: str = "stop",
+                 nvme_dir: str | os.PathLike[str] | None = None) -> RunReport:
     """Train until global step `steps` (from 0, or from the checkpoint with `resume`) replaying `plan`.
 
     Everything the report holds is measured: losses, step times, the probe's peak fast-tier bytes and the bytes
     actually copied in the last (steady-state) iteration. `measure=False` skips the non-model probe (on CPU it
     watches every operator), so resident bytes are model data only. A non-finite loss stops the run naming the
     step before anything of that step is updated or saved (`nonfinite="skip"` skips such steps instead, where
-    the plan defers updates).
+    the plan defers updates). `nvme_dir`: where a plan with a disk tier keeps its NVMe-homed regions.
 
     `checkpoint_dir` is locked for the run and gets a verified checkpoint after every step (see
     hplan.executor.checkpoint_dir); it must hold none unless `resume` (continue from the newest good one,
@@ -59,7 +61,7 @@ def run_training(workload: Workload, plan: Plan, *, steps: int, device: str = "c
         state = load_checkpoint(checkpoints, plan, warn=warn) if checkpoints is not None and resume else None
         return _train(workload, plan, steps=steps, device=device, metrics_path=metrics_path, state=state,
                       checkpoints=checkpoints, on_progress=on_progress, measure=measure, budget_guard=budget_guard,
-                      nonfinite=nonfinite)
+                      nonfinite=nonfinite, nvme_dir=nvme_dir)
     finally:
         if checkpoints is not None:
             checkpoints.close()
@@ -67,7 +69,8 @@ def run_training(workload: Workload, plan: Plan, *, steps: int, device: str = "c
 
 def _train(workload: Workload, plan: Plan, *, steps: int, device: str, metrics_path: str | os.PathLike[str] | None,
            state: dict[str, Any] | None, checkpoints: CheckpointDir | None, on_progress: Progress | None,
-           measure: bool, budget_guard: str, nonfinite: str) -> RunReport:
+           measure: bool, budget_guard: str, nonfinite: str,
+           nvme_dir: str | os.PathLike[str] | None) -> RunReport:
     model = workload.build_model()
     optimizer = build_optimizer(workload, model)
     scheduler = workload.scheduler(optimizer) if workload.scheduler is not None else None
@@ -77,7 +80,7 @@ def _train(workload: Workload, plan: Plan, *, steps: int, device: str, metrics_p
     losses, seconds, rows, last, peak = [], [], [], [], 0
     with PlanRun(model, optimizer, plan, device=device, batch_example=workload.batch(0),
                  precision=workload.precision, measure=measure, budget_guard=budget_guard,
-                 nonfinite=nonfinite) as run:
+                 nonfinite=nonfinite, nvme_dir=None if nvme_dir is None else str(nvme_dir)) as run:
         if state is not None and run.loss_scale is not None and state.get("loss_scale"):
             run.loss_scale.load_state_dict(state["loss_scale"])
         for step in range(first, steps):
@@ -98,6 +101,7 @@ def _train(workload: Workload, plan: Plan, *, steps: int, device: str, metrics_p
                 on_progress(step + 1, steps, f"loss {losses[-1]:.4f}  {seconds[-1] * 1e3:.0f} ms  "
                                              f"resident {peak / 2**20:.2f} MiB")
         setup = run.setup_bytes
+        tiers = tier_fields(run.store)  # issue 16: host-tier and disk measurements (empty for two tiers)
     if metrics_path is not None:
         _write_metrics(metrics_path, rows)
     h2d, d2h = sum(r.h2d_bytes for r in last), sum(r.d2h_bytes for r in last)
@@ -106,7 +110,7 @@ def _train(workload: Workload, plan: Plan, *, steps: int, device: str, metrics_p
                      budget_bytes=plan.gpu_bytes, bytes_moved_per_iter=h2d + d2h,
                      planned_bytes_moved_per_iter=plan.summary.bytes_moved_per_iter, h2d_bytes_per_iter=h2d,
                      d2h_bytes_per_iter=d2h, setup_bytes=setup,
-                     metrics_path=None if metrics_path is None else str(metrics_path))
+                     metrics_path=None if metrics_path is None else str(metrics_path), **tiers)
 
 
 def _warn(message: str) -> None:

@@ -125,7 +125,7 @@ def _plan(trace: Trace, hardware: Hardware, best: Scored, done: Finished, solver
     if not rep.ok:
         raise AssertionError(f"hplan made an invalid plan ({rep.violations[0]}): an hplan bug, please report it")
     host_need = host_bytes_needed(plan, rep)
-    if hardware.host_bytes is not None and host_need > hardware.host_bytes:
+    if hardware.host_bytes is not None and hardware.nvme_bytes is None and host_need > hardware.host_bytes:
         bottleneck = (f"needs {format_size(host_need)} of host memory for the model data off the GPU, more than "
                       f"the {format_size(hardware.host_bytes)} given (--cpu-mem)")
         return _infeasible(trace, hardware, min_bytes, bottleneck, opts)
@@ -142,7 +142,12 @@ def _plan(trace: Trace, hardware: Hardware, best: Scored, done: Finished, solver
                           min_gpu_bytes=min_bytes, predicted_step_seconds=done.seconds["step"], solver=solver,
                           gap=(moved - lb) / max(moved, 1), optimal=optimal, bottleneck=bottleneck,
                           seconds=seconds)
-    return replace(plan, summary=summary)
+    plan = replace(plan, summary=summary)
+    if hardware.host_bytes is not None and hardware.nvme_bytes is not None:  # issue 16: the host tier
+        from hplan.planner.tiers import plan_tiers
+
+        plan = plan_tiers(trace, plan, nodes=FINAL_NODES[0 if opts.get("solver") == "fast" else opts["effort"]])
+    return plan
 
 
 def deferral_seconds(trace: Trace, hardware: Hardware, cpu_optimizer_seconds: float) -> float:

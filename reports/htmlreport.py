@@ -124,6 +124,17 @@ def _plan(plan: Plan) -> str:
             ("predicted peak", format_size(s.predicted_peak_bytes)), ("minimum GPU", format_size(s.min_gpu_bytes)),
             ("predicted step time", f"{s.predicted_step_seconds:.3f} s"), ("solver", s.solver),
             ("chunks / regions", f"{len(plan.chunks)} / {len(plan.regions)}"), ("optimizer updates", f"{placed.count('gpu')} on GPU, {placed.count('cpu')} on CPU")]
+    if plan.tiered:  # issue 16: the third tier
+        from hplan.artifacts.host_replay import homes_of
+
+        homes = homes_of(plan)
+        rows += [("host memory (--cpu-mem)", f"{format_size(plan.hardware.host_bytes or 0)}: peak "
+                                             f"{format_size(s.predicted_host_peak_bytes)}, smallest that works "
+                                             f"{format_size(s.min_cpu_bytes)}"),
+                 ("disk per iteration", f"read {format_size(s.nvme_read_bytes)}, write {format_size(s.nvme_write_bytes)}"
+                                        f" ({s.seconds.get('nvme_stall', 0.0):.3f} s of the step waits on disk)"),
+                 ("model data homes", f"GPU only {format_size(homes['gpu-only'])}, host {format_size(homes['host'])}, "
+                                      f"NVMe {format_size(homes['nvme'])}")]
     if s.bottleneck:
         rows.append(("bottleneck", s.bottleneck))
     return _table(None, rows)

@@ -55,12 +55,17 @@ def timeline_figure(trace: Trace, *, plan: Plan | None = None, metrics: pd.DataF
         fig = new_figure(12, 5.4)
         axes = [fig.subplots()]
     else:
-        fig = new_figure(12, 10)
-        axes = list(fig.subplots(3, 1, sharex=True, height_ratios=[3, 3, 1.4]))
+        tiered = plan is not None and plan.tiered  # issue 16: two more panels, reports/tiers.py
+        fig = new_figure(12, 10 + 4 * tiered)
+        axes = list(fig.subplots(3 + 2 * tiered, 1, sharex=True, height_ratios=[3, 3, 1.4] + [2.4, 1.4] * tiered))
     _draw_traced(axes[0], ops, scale, binary, budget, planned is not None)
     if planned is not None and plan is not None:
         _draw_planned(axes[1], plan, planned, scale, binary)
         _draw_transfers(axes[2], planned, scale, binary)
+        if plan.tiered:
+            from .tiers import draw_tiers
+
+            draw_tiers(axes[3], axes[4], plan, planned, scale, binary)
     if metrics is not None:
         ranges = _event_ranges(trace, planned)
         _draw_measured(axes[1] if planned is not None else axes[0], measured_events(metrics, len(ranges)), ranges, scale)
@@ -73,8 +78,8 @@ def timeline_figure(trace: Trace, *, plan: Plan | None = None, metrics: pd.DataF
     n = max(int(ops["x"].iloc[-1]) + 1, 1)
     for ax in axes:
         _shade_phases(ax, ops, label=ax is axes[0])
-        ax.set_ylabel(f"copied per event, {unit_name(binary)}" if planned is not None and ax is axes[-1]
-                      else f"memory, {ylabel}")
+        copies = planned is not None and (ax is axes[-1] or ax is axes[2])
+        ax.set_ylabel(f"copied per event, {unit_name(binary)}" if copies else f"memory, {ylabel}")
         ax.grid(axis="y", alpha=0.3)
         ax.set_xlim(0, n)
         ax.xaxis.set_major_formatter(StrMethodFormatter("{x:,.0f}"))

@@ -226,7 +226,33 @@ def _float_ids(plan: dict) -> None:
     plan["steps"][0]["reads"] = [0.5]
 
 
+def nvme_plan(name: str, edit: Callable[[dict], None] | None = None) -> Setup:
+    """A plan of the shared trace with a disk tier (issue 16): host memory for one chunk's update, the rest on
+    NVMe; `edit` changes its JSON."""
+    def make(a: Path, d: Path) -> None:
+        argv = ["plan", a / "t.parquet", "--gpu-mem", "min", "--cpu-mem", "16KB", "--nvme", "1GB", "-o", d / name]
+        result = runner.invoke(app, [str(x) for x in argv])
+        assert result.exit_code == 0, result.output
+        if edit is not None:
+            plan = json.loads((d / name).read_text())
+            edit(plan)
+            (d / name).write_text(json.dumps(plan))
+    return make
+
+
+def _host_peak_huge(plan: dict) -> None:
+    plan["hardware"]["host_bytes"] = 10**15
+    plan["summary"]["predicted_host_peak_bytes"] = 10**15
+
+
+def _read_dropped(plan: dict) -> None:
+    step = next(s for s in plan["steps"] if any(ph["nvme_read"] for ph in s["host"]))
+    phase = next(ph for ph in step["host"] if ph["nvme_read"])
+    phase["nvme_read"] = phase["nvme_read"][1:]
+
+
 P = "--plan {P} --steps 2"
+NV = "--plan {D}/n.json --steps 2"
 TRACE_OUT = "-o {D}/t.parquet"
 ROWS: list[Row] = [
     # trace: specs and options
@@ -457,6 +483,26 @@ ROWS: list[Row] = [
     Row("run_resume_without_a_sharded_checkpoint",
         "run {W} --plan {D}/p2.json --steps 2 --nproc 2 --resume --checkpoint {D}/ck",
         both(two_rank_plan("p2.json"), folder("ck"))),
+    # the third tier (issue 16): plan --cpu-mem/--nvme, run --nvme-dir
+    Row("plan_cpu_mem_below_the_minimum", "plan {T} --gpu-mem min --cpu-mem 4KB --nvme 1GB -o {D}/p.json"),
+    Row("plan_nvme_size_text", "plan {T} --gpu-mem min --cpu-mem 1GB --nvme lots -o {D}/p.json"),
+    Row("plan_nvme_preset_unknown", "plan {T} --gpu-mem min --cpu-mem 1GB --nvme 1TB --nvme-preset floppy -o {D}/p.json"),
+    Row("plan_host_preset_unknown", "plan {T} --gpu-mem min --cpu-mem 1GB --nvme 1TB --host abacus -o {D}/p.json"),
+    Row("plan_nvme_read_rate_zero", "plan {T} --gpu-mem min --cpu-mem 1GB --nvme 1TB --nvme-read-gbps 0 -o {D}/p.json"),
+    Row("plan_nvme_too_small", "plan {T} --gpu-mem min --cpu-mem 16KB --nvme 1KB -o {D}/p.json"),
+    Row("run_nvme_plan_without_nvme_dir", f"run {{W}} {NV}", nvme_plan("n.json")),
+    Row("run_nvme_dir_missing", f"run {{W}} {NV} --nvme-dir {{D}}/nope", nvme_plan("n.json")),
+    Row("run_nvme_dir_is_a_file", f"run {{W}} {NV} --nvme-dir {{D}}/f", both(nvme_plan("n.json"), text("f", "x"))),
+    Row("run_nvme_dir_unwritable", f"run {{W}} {NV} --nvme-dir {{D}}/ro", both(nvme_plan("n.json"), folder("ro", 0o555)),
+        unprivileged=True),
+    Row("run_nvme_host_budget_above_this_machine", f"run {{W}} {NV} --nvme-dir {{D}}/nv",
+        both(nvme_plan("n.json", _host_peak_huge), folder("nv"))),
+    Row("run_nvme_plan_read_removed", f"run {{W}} {NV} --nvme-dir {{D}}/nv",
+        both(nvme_plan("n.json", _read_dropped), folder("nv"))),
+    # the two together are refused, not half-applied
+    Row("plan_nvme_with_many_gpus", "plan {T} --gpu-mem 1GB --gpus 2 --cpu-mem 1GB --nvme 1TB -o {D}/p.json"),
+    Row("run_many_rank_plan_with_nvme_dir", "run {W} --plan {D}/p2.json --steps 2 --nproc 2 --nvme-dir {D}",
+        two_rank_plan("p2.json")),
     # demo
     Row("demo_out_is_a_file", "demo --out {D}/out", text("out", "x")),
     Row("demo_out_is_a_fifo", "demo --out {D}/out", fifo("out")),

@@ -24,6 +24,29 @@ steady-state events; replaying it (`hplan.artifacts.replay`, the one validator e
 - Traffic per iteration: h2d = bytes fetched, d2h = bytes written back. Allocations and flips move nothing.
 - Every chunk with trainable parameters is updated exactly once per iteration: on the GPU at the optimizer step
   (``optimizer[c] == "gpu"``) or on the host at the one step listing it in ``host_updates`` ("cpu").
+
+[Note: host tier] A plan for a machine with a disk tier (``hardware.nvme_bytes`` set) also schedules host memory;
+its steps then carry ``host`` phases (empty in a two-tier plan, which assumes every host copy always exists).
+Regions resident on the device at every step are *device-only*: after setup they have no host copy. Every
+other region (a *host-tier* region) is either *staged* (its host copy exists, in a page-aligned buffer of
+``staging_bytes(r)`` = its bytes rounded up to ``STAGING_ALIGNMENT``, so disk transfers run O_DIRECT) or not
+(its content lives in a file under the run's NVMe directory, or is dead). A region read or written in any
+phase has such a file (written at setup) and its chunk is homed on "nvme"; a chunk homed on "host" never touches
+the disk, so its regions are dropped only while their content is dead. Each step has phases: phase 0 holds the
+step's device transfers (write-backs need a staged buffer to land in, fetches need staged content), phase j ≥ 1
+the j-th host update in ``sorted(host_updates)`` (every host-tier region of that chunk staged), so the CPU
+optimizer streams chunk by chunk. In each phase, in order: ``drop`` frees buffers (a pending disk write of the
+region completes first); ``alloc`` stages without reading (dead content only); ``nvme_read`` stages and reads
+disk→host (waited on where the content is used, so a read placed in an earlier phase is a prefetch); the
+phase's host modifications happen (write-backs land, the host update runs) and make those regions host-dirty;
+``nvme_write`` writes host→disk, after which the region is clean. A region whose content is live (read again
+before being overwritten, by a fetch or a host update) may be dropped only while its disk file is current:
+it has one, and it was written after the region's last host modification.
+Host memory at a phase = staged bytes + the phase's host-update temporaries (the fp32 gradients of a
+master recipe: the chunk's master bytes) ≤ ``hardware.host_bytes``. Disk traffic per iteration = staging
+bytes read and written. Staging starts at ``initial_staged`` / ``initial_host_dirty`` and ends there.
+The fields this adds have defaults meaning "two tiers", so the schema stays hplan.plan/2: older files load as
+two-tier plans, and an older hplan refuses a file with these fields as incomplete instead of misreading it.
 """
 
 from __future__ import annotations
@@ -40,6 +63,13 @@ from hplan.errors import HplanError
 REGION_KINDS: tuple[str, ...] = ("param", "grad", "master", "state")
 OPTIMIZER_PLACES: tuple[str, ...] = ("gpu", "cpu")
 HOMES: tuple[str, ...] = ("host", "nvme")
+STAGING_ALIGNMENT = 4096
+"""Bytes: host staging buffers and disk transfers are whole multiples of this (O_DIRECT's granularity)."""
+
+
+def staging_bytes(nbytes: int) -> int:
+    """Host bytes a staged region occupies and disk bytes one transfer of it moves (see [Note: host tier])."""
+    return -(-nbytes // STAGING_ALIGNMENT) * STAGING_ALIGNMENT
 
 
 def host_update_effects(regions: dict[str, int]) -> tuple[tuple[int, ...], tuple[int, ...]]:
@@ -79,6 +109,20 @@ class Region:
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
+class HostPhase:
+    """Host-tier actions of one phase of a step, as region ids (see [Note: host tier])."""
+
+    drop: tuple[int, ...] = ()
+    """Staging buffers freed first (each after its pending disk write completes)."""
+    alloc: tuple[int, ...] = ()
+    """Buffers staged without reading: their content is dead (e.g. a write-back lands in it)."""
+    nvme_read: tuple[int, ...] = ()
+    """Buffers staged and filled from disk; the read is waited on where the content is first used."""
+    nvme_write: tuple[int, ...] = ()
+    """Disk writes issued after this phase's host modifications; they clean the region."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
 class Step:
     index: int
     event: str
@@ -99,6 +143,8 @@ class Step:
     """Many-rank plans: the calls of this step, in order ([Note: plan collectives] in hplan.artifacts.shard)."""
     gathered_bytes: int = 0
     """Many-rank plans: transient device bytes beside the regions (full weight copies, full gradients, staging)."""
+    host: tuple[HostPhase, ...] = ()
+    """Host-tier phases (see [Note: host tier]): empty in a two-tier plan, else 1 + len(host_updates)."""
 
     @property
     def needs(self) -> tuple[int, ...]:
@@ -127,11 +173,22 @@ class PlanSummary:
     """Predicted time split: compute, h2d, d2h (busy link seconds), cpu_optimizer, and — for plans that defer
     updates (clipping, loss scaling) — deferred: the estimated step time lost because host updates can no
     longer overlap the backward pass (hplan.planner.core.deferral_seconds); many-rank plans add all_gather,
-    reduce_scatter and all_reduce (busy network seconds)."""
+    reduce_scatter and all_reduce (busy network seconds); with a disk tier also nvme_read, nvme_write (busy disk
+    seconds) and nvme_stall (step time added by waiting on disk)."""
     collective_bytes_per_rank: int = 0
     """Many-rank plans: bytes each rank sends per iteration in its collectives (ring model; it receives as many)."""
     shard: dict[str, int] = field(default_factory=dict)
     """Many-rank plans: the shard factors, {"P": k, "G": k, "OS": k}; empty for one rank."""
+    nvme_read_bytes: int = 0
+    """Disk→host bytes per iteration ([Note: host tier]); 0 in a two-tier plan."""
+    nvme_write_bytes: int = 0
+    """Host→disk bytes per iteration."""
+    min_cpu_bytes: int = 0
+    """Smallest host budget (--cpu-mem) any staging of this GPU schedule fits (0: not computed, two tiers)."""
+    predicted_host_peak_bytes: int = 0
+    """Highest host memory for model data at any phase: staged bytes + host-update temporaries."""
+    nvme_bytes_used: int = 0
+    """Disk space the NVMe-homed regions take (one file each, staging bytes)."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -192,10 +249,23 @@ class Plan:
     sharding: Sharding | None = None
     """Many-rank plans: shard factors and per-chunk element counts ([Note: shard layout]); None for one rank.
     The plan is then one rank's, for `hardware.ranks` ranks, and only a run with that many ranks may use it."""
+    initial_staged: tuple[int, ...] = ()
+    """Host-tier regions staged when an iteration begins (see [Note: host tier])."""
+    initial_host_dirty: tuple[int, ...] = ()
+    """Staged regions newer in host memory than on disk when an iteration begins."""
 
     @property
     def gpu_bytes(self) -> int:
         return self.hardware.gpu_bytes
+
+    @property
+    def tiered(self) -> bool:
+        """Does the plan schedule host memory (a disk tier, [Note: host tier])?"""
+        return any(step.host for step in self.steps)
+
+    def nvme_chunks(self) -> tuple[int, ...]:
+        """Ids of the chunks homed on NVMe."""
+        return tuple(c.id for c in self.chunks if c.home == "nvme")
 
     def region_map(self) -> dict[int, Region]:
         return {r.id: r for r in self.regions}
@@ -227,7 +297,12 @@ class Plan:
             return tuple(_int(x) for x in xs)
 
         lists = ("reads", "writes", "overwrites", "evict", "writeback", "fetch", "alloc", "flips", "host_updates")
-        steps = tuple(Step(**{**s, **{k: ints(s.get(k, ())) for k in lists},
+        phase_lists = ("drop", "alloc", "nvme_read", "nvme_write")
+
+        def phases(xs: Any) -> tuple[HostPhase, ...]:
+            return tuple(HostPhase(**{k: ints(p.get(k, ())) for k in phase_lists}) for p in xs)
+
+        steps = tuple(Step(**{**s, **{k: ints(s.get(k, ())) for k in lists}, "host": phases(s.get("host", ())),
                               "collectives": tuple(Collective(**c) for c in s.get("collectives", ()))})
                       for s in obj["steps"])
         return cls(
@@ -250,6 +325,8 @@ class Plan:
             baselines=tuple(BaselineResult(**{**b, "not_modelled": tuple(b.get("not_modelled", ()))})
                             for b in obj.get("baselines", ())),
             sharding=Sharding.from_dict(obj["sharding"]) if obj.get("sharding") else None,
+            initial_staged=ints(obj.get("initial_staged", ())),
+            initial_host_dirty=ints(obj.get("initial_host_dirty", ())),
         )
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from hplan.artifacts.host_replay import HostReplay, replay_host
 from hplan.artifacts.plan import HOMES, OPTIMIZER_PLACES, REGION_KINDS, Plan, host_update_effects
 from hplan.artifacts.shard import shard_problems
 from hplan.errors import HplanError
@@ -38,6 +39,8 @@ class Replay:
     h2d_bytes: int
     d2h_bytes: int
     peak_bytes: int
+    host: HostReplay | None = None
+    """The host tier's replay ([Note: host tier]); None for a two-tier plan."""
 
     @property
     def ok(self) -> bool:
@@ -115,8 +118,10 @@ def replay(plan: Plan) -> Replay:
         problems.append("the schedule is not cyclic: its end state differs from initial_resident/initial_dirty")
     problems += shard_problems(plan)  # many ranks: factors, shard sizes, collectives (hplan.artifacts.shard)
     del regions
+    host = replay_host(plan, [s.resident for s in states]) if plan.tiered and not problems else None
+    problems += host.violations if host is not None else []
     return Replay(states=tuple(states), violations=tuple(problems), h2d_bytes=h2d_total, d2h_bytes=d2h_total,
-                  peak_bytes=peak)
+                  peak_bytes=peak, host=host)
 
 
 def live_in(plan: Plan) -> dict[int, list[bool]]:
@@ -239,6 +244,10 @@ def validate(plan: Plan) -> None:
     if rep.ok and (rep.h2d_bytes, rep.d2h_bytes) != (plan.summary.h2d_bytes, plan.summary.d2h_bytes):
         problems.append(f"summary says {plan.summary.h2d_bytes}/{plan.summary.d2h_bytes} bytes h2d/d2h, "
                         f"replay moves {rep.h2d_bytes}/{rep.d2h_bytes}")
+    disk = (rep.host.nvme_read_bytes, rep.host.nvme_write_bytes) if rep.host is not None else (0, 0)
+    if rep.ok and disk != (plan.summary.nvme_read_bytes, plan.summary.nvme_write_bytes):
+        problems.append(f"summary says {plan.summary.nvme_read_bytes}/{plan.summary.nvme_write_bytes} bytes disk "
+                        f"read/write, replay moves {disk[0]}/{disk[1]}")
     if problems:
         more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
         raise HplanError(f"invalid plan: {problems[0]}{more}; regenerate it with `hplan plan`")

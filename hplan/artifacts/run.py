@@ -44,6 +44,29 @@ class RunReport:
     collective_wire_bytes_per_iter (socket bytes written meanwhile, gloo on Linux) — beside the plan's
     planned_collective_bytes_per_iter, planned_bytes_moved_per_iter and budget_bytes. The top-level transfer
     fields are rank 0's; peak_resident_bytes is the highest of any rank."""
+    peak_host_model_bytes: int = 0
+    """Highest host memory holding model data at any phase (staging buffers, measured as a running sum of
+    allocations; 0 for a two-tier plan, which keeps every host copy)."""
+    planned_peak_host_model_bytes: int = 0
+    host_budget_bytes: int = 0
+    """The plan's --cpu-mem (0: unbounded)."""
+    nvme_read_bytes_per_iter: int = 0
+    """Disk→host bytes the last iteration issued (every one completed and checksum-verified before use)."""
+    nvme_write_bytes_per_iter: int = 0
+    planned_nvme_read_bytes_per_iter: int = 0
+    planned_nvme_write_bytes_per_iter: int = 0
+    peak_rss_bytes: int = 0
+    """The process's resident memory, sampled at every host phase (a cross-check that sees everything)."""
+    peak_rss_staging_bytes: int = 0
+    """The resident pages of the staging buffers as the OS counts them (Linux RssShmem), at the same samples."""
+    nvme_read_gbps: float = 0.0
+    """Achieved disk read bandwidth during the steps: bytes / seconds with a read in flight (GB/s)."""
+    nvme_write_gbps: float = 0.0
+    nvme_read_bytes: int = 0
+    """Disk bytes read during the steps, all of them (completed transfers)."""
+    nvme_write_bytes: int = 0
+    nvme_busy_seconds: float = 0.0
+    """Seconds during the steps with any disk transfer in flight (reads and writes share the disk)."""
 
     def to_dict(self) -> dict[str, Any]:
         return {**asdict(self), "schema": self.SCHEMA}

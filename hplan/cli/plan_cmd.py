@@ -15,7 +15,8 @@ if TYPE_CHECKING:
     from hplan.artifacts import Plan
 
 EPILOG = ("Example: hplan plan t.parquet --gpu-mem 24GB --compare -o plan.json  "
-          "(infeasible budgets exit 2 naming the smallest GPU that works; --json prints the summary)")
+          "(infeasible budgets exit 2 naming the smallest GPU that works; --json prints the summary). "
+          "Third tier: hplan plan t.parquet --gpu-mem 24GB --cpu-mem 64GB --nvme 2TB -o plan.json")
 
 
 def register(app: typer.Typer) -> None:
@@ -54,21 +55,36 @@ def register(app: typer.Typer) -> None:
                               ] = None,
         shard: Annotated[str | None, typer.Option("--shard", help="Force shard factors, e.g. P=1,G=8,OS=64 (default: "
                                                   "the fastest that fits).")] = None,
+        nvme: Annotated[str | None, typer.Option("--nvme", help="Disk space for model data (e.g. 2TB): plans a third "
+                                                 "tier, host memory (--cpu-mem) staging what lives on NVMe.")] = None,
+        host: Annotated[str | None, typer.Option("--host", help="Host preset for the CPU optimizer rate: "
+                                                 "deepspeed-cpu-adam (default), xeon-silver-4210r, this-machine-1t, "
+                                                 "this-machine-2t.")] = None,
+        nvme_preset: Annotated[str | None, typer.Option("--nvme-preset", help="Disk preset for read/write rates: "
+                                                        "pcie3 (default), pcie4, dgx2-per-gpu.")] = None,
+        nvme_read_gbps: Annotated[float | None, typer.Option("--nvme-read-gbps", help="Override the disk read "
+                                                             "rate, GB/s.")] = None,
+        nvme_write_gbps: Annotated[float | None, typer.Option("--nvme-write-gbps", help="Override the disk write "
+                                                              "rate, GB/s.")] = None,
     ) -> None:
         """Plan which model data lives on the GPU at every event: `hplan plan t.parquet --gpu-mem 24GB -o plan.json`."""
         from hplan.cli.common import guarded
 
+        tiers = dict(nvme=nvme, host=host, nvme_preset=nvme_preset, nvme_read_gbps=nvme_read_gbps,
+                     nvme_write_gbps=nvme_write_gbps)
         guarded(lambda: _run(trace=trace, gpu_mem=gpu_mem, output=output, cpu_mem=cpu_mem, gpu=gpu,
                              gpu_tflops=gpu_tflops, link_gbps=link_gbps, cpu_adam_gbps=cpu_adam_gbps, slack=slack,
                              chunk_size=chunk_size, solver=solver, effort=effort, compare=compare, as_json=as_json,
                              world=dict(gpus=gpus, nodes=nodes, intra_gbps=intra_gbps, inter_gbps=inter_gbps,
-                                        shard=shard)))
+                                        shard=shard), **tiers))
 
 
 def _run(*, trace: Path, gpu_mem: str, output: Path | None, cpu_mem: str | None, gpu: str | None,
          gpu_tflops: float | None, link_gbps: float | None, cpu_adam_gbps: float | None, slack: str | None,
          chunk_size: str | None, solver: str | None, compare: bool, as_json: bool, effort: int = 1,
-         world: dict | None = None) -> None:
+         world: dict | None = None, nvme: str | None = None, host: str | None = None,
+         nvme_preset: str | None = None, nvme_read_gbps: float | None = None,
+         nvme_write_gbps: float | None = None) -> None:
     from hplan.artifacts import Trace
     from hplan.artifacts.io import check_input, check_output
     from hplan.cli.common import emit_json, positive_number, progress_bar, size_option
@@ -89,10 +105,15 @@ def _run(*, trace: Path, gpu_mem: str, output: Path | None, cpu_mem: str | None,
                      h2d_gbps=link_gbps, d2h_gbps=link_gbps, cpu_optimizer_gbps=cpu_adam_gbps)
     if gpu_tflops is not None:
         overrides |= dict(tflops_16=gpu_tflops, tflops_32=gpu_tflops, efficiency=1.0)
+    overrides |= tier_overrides(nvme=nvme, host=host, nvme_preset=nvme_preset, nvme_read_gbps=nvme_read_gbps,
+                                nvme_write_gbps=nvme_write_gbps, cpu_adam_gbps=cpu_adam_gbps)
     preset = gpu or "rtx3090"
     from hplan.cli.world import world_overrides
 
     many = world_overrides(world or {}, overrides, compare=compare)  # many ranks: hplan.cli.world
+    if many is not None and nvme is not None:
+        raise HplanError("--nvme with --gpus/--nodes is not supported yet (the disk tier plans one process); plan "
+                         "the disk tier for one GPU, or many GPUs without --nvme")
     if many is not None:
         with progress_bar(f"planning {loaded.workload}", quiet=as_json, after_s=1.0) as on_progress:
             plan = many.plan(loaded, preset, gpu_mem, _chunk(chunk_size), solver, effort=effort,
@@ -123,6 +144,28 @@ def _run(*, trace: Path, gpu_mem: str, output: Path | None, cpu_mem: str | None,
         emit_json(payload)
     else:
         _print_summary(plan, output)
+
+
+def tier_overrides(*, nvme: str | None, host: str | None, nvme_preset: str | None,
+                   nvme_read_gbps: float | None, nvme_write_gbps: float | None,
+                   cpu_adam_gbps: float | None = None) -> dict:
+    """Hardware overrides for the third tier (issue 16): disk space, disk rates (preset, then flags), host preset."""
+    from hplan.cli.common import positive_number, size_option
+    from hplan.planner.presets import HOST_PRESETS, NVME_PRESETS
+
+    for value, what in ((nvme_read_gbps, "--nvme-read-gbps"), (nvme_write_gbps, "--nvme-write-gbps")):
+        positive_number(value, what=what)
+    out: dict = {"nvme_bytes": size_option(nvme, what="--nvme")}
+    for name, table, what in ((nvme_preset, NVME_PRESETS, "--nvme-preset"), (host, HOST_PRESETS, "--host")):
+        if name is not None and name not in table:
+            raise HplanError(f"unknown {what} {name!r}: use one of {', '.join(table)}")
+    if nvme_preset is not None:
+        out |= dict(nvme_read_gbps=NVME_PRESETS[nvme_preset].read_gbps,
+                    nvme_write_gbps=NVME_PRESETS[nvme_preset].write_gbps)
+    if host is not None:
+        out |= dict(host=host, cpu_optimizer_gbps=cpu_adam_gbps or HOST_PRESETS[host].cpu_optimizer_gbps)
+    return out | {k: v for k, v in (("nvme_read_gbps", nvme_read_gbps), ("nvme_write_gbps", nvme_write_gbps))
+                  if v is not None}
 
 
 def _chunk(text: str | None) -> int | None:
@@ -162,6 +205,8 @@ def _print_summary(plan: Plan, output: Path | None) -> None:
         *_world_rows(plan),
     ):
         table.add_row(key, value)
+    if plan.tiered:
+        _tier_rows(plan, table)
     console = Console()
     console.print(table)
     if plan.baselines:
@@ -183,3 +228,21 @@ def _world_rows(plan: Plan) -> list[tuple[str, str]]:
     from hplan.cli.world import summary_rows
 
     return summary_rows(plan)
+
+
+def _tier_rows(plan: Plan, table: object) -> None:
+    """The third tier's lines of the summary (issue 16): disk traffic, host memory, homes."""
+    from hplan.artifacts.host_replay import homes_of
+    from hplan.sizes import format_size
+
+    s, hw = plan.summary, plan.hardware
+    homes = homes_of(plan)
+    for key, value in (
+        ("disk / iteration", f"read {format_size(s.nvme_read_bytes)}, write {format_size(s.nvme_write_bytes)} "
+                             f"({hw.nvme_read_gbps:g} / {hw.nvme_write_gbps:g} GB/s)"),
+        ("host memory", f"peak {format_size(s.predicted_host_peak_bytes)} of {format_size(hw.host_bytes or 0)} "
+                        f"(smallest that works: {format_size(s.min_cpu_bytes)})"),
+        ("model data homes", f"GPU only {format_size(homes['gpu-only'])}, host {format_size(homes['host'])}, "
+                             f"NVMe {format_size(homes['nvme'])} (disk used {format_size(s.nvme_bytes_used)})"),
+    ):
+        table.add_row(key, value)  # type: ignore[attr-defined]

@@ -91,13 +91,27 @@ def register(app: typer.Typer) -> None:
         binary: Annotated[bool, typer.Option("--binary", help="Label memory in GiB (2^30) instead of GB (10^9).")
                           ] = False,
         as_json: JsonOpt = False,
+        cpu_range: Annotated[str | None, typer.Option("--cpu-range", help="Host memory sizes too, FROM:TO (needs "
+                                                      "--nvme): a GPU × host map of where it fits and its step "
+                                                      "time.")] = None,
+        cpu_points: Annotated[int, typer.Option("--cpu-points", min=2, max=100, help="Host sizes in --cpu-range.")
+                              ] = 8,
+        nvme: Annotated[str | None, typer.Option("--nvme", help="Disk space for model data, e.g. 2TB (with "
+                                                 "--cpu-range).")] = None,
+        nvme_preset: Annotated[str | None, typer.Option("--nvme-preset", help="Disk preset: pcie3 (default), pcie4, "
+                                                        "dgx2-per-gpu.")] = None,
     ) -> None:
         """Plan at GPU sizes across a range: bytes moved and step time vs memory, hplan against the baselines.
 
-        Example: hplan sweep t.parquet --range 4GB:80GB --points 12 -o sweep.png
+        Example: hplan sweep t.parquet --range 4GB:80GB --points 12 -o sweep.png; with a disk tier,
+        hplan sweep t.parquet --range 8GB:24GB --cpu-range 16GB:128GB --nvme 2TB -o map.png
         """
         from hplan.cli.common import guarded
 
+        if cpu_range is not None or nvme is not None:
+            guarded(lambda: _sweep_tiers(trace, size_range, points, cpu_range, cpu_points, nvme, nvme_preset, gpu,
+                                         binary, output, as_json))
+            return
         guarded(lambda: _sweep(trace, size_range, points, gpu, binary, output, as_json))
 
 
@@ -203,6 +217,36 @@ def _sweep(trace: Path, size_range: str, points: int, gpu: str | None, binary: b
         emit_json({"output": str(output), "rows": rows})
     else:
         _print_sweep(rows, output, binary)
+
+
+def _sweep_tiers(trace: Path, size_range: str, points: int, cpu_range: str | None, cpu_points: int,
+                 nvme: str | None, nvme_preset: str | None, gpu: str | None, binary: bool, output: Path,
+                 as_json: bool) -> None:
+    """The GPU × host map (issue 16): plan each GPU size once, then its host tier at each host size."""
+    from hplan.artifacts import Trace
+    from hplan.cli.common import emit_json
+    from hplan.cli.plan_cmd import tier_overrides
+    from hplan.planner import default_slack, make_hardware
+    from hplan.planner.sweep_tiers import sweep_tiers
+    from hplan.reports.figure import image_format
+    from hplan.reports.tier_map import plot_tier_map
+
+    if cpu_range is None or nvme is None:
+        raise HplanError("the GPU × host map needs both --cpu-range FROM:TO and --nvme SIZE")
+    image_format(output)
+    sizes, cpus = _sizes(size_range, points), _sizes(cpu_range, cpu_points)
+    overrides = tier_overrides(nvme=nvme, host=None, nvme_preset=nvme_preset, nvme_read_gbps=None,
+                               nvme_write_gbps=None)
+    _check_paths(output, trace, None, None)
+    t = Trace.load(trace)
+    hardware = make_hardware(gpu or "rtx3090", gpu_bytes=sizes[0], slack_bytes=default_slack(t), **overrides)
+    rows = sweep_tiers(t, sizes, cpus, hardware)
+    plot_tier_map(rows, output, workload=t.workload, nvme_bytes=hardware.nvme_bytes, binary=binary)
+    if as_json:
+        emit_json({"output": str(output), "rows": rows})
+    else:
+        fits = sum(r["feasible"] for r in rows)
+        typer.echo(f"{fits} of {len(rows)} (GPU, host) pairs fit; wrote {output}")
 
 
 def _sizes(text: str, points: int) -> list[int]:

@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated
 
 import typer
 
 from hplan.cli.base import HplanCommand
 from hplan.errors import HplanError
+
+if TYPE_CHECKING:
+    from hplan.artifacts import Plan
 
 EPILOG = ("Example: hplan run gpt:tiny --plan plan.json --steps 20 --checkpoint ckpt/ --metrics m.parquet  "
           "(a plan for another workload, or too big for this device, exits 2 before any step)")
@@ -40,12 +43,18 @@ def register(app: typer.Typer) -> None:
         as_json: Annotated[bool, typer.Option("--json", help="Print the run summary as JSON on stdout.")] = False,
         nproc: Annotated[int | None, typer.Option("--nproc", help="Ranks to spawn for a many-rank plan (gloo on "
                                                   "CPU, NCCL on CUDA); under torchrun, leave it out.")] = None,
+        nvme_dir: Annotated[Path | None, typer.Option("--nvme-dir", help="Directory on the disk where a plan made "
+                                                      "with --nvme keeps its NVMe-homed model data (needed then).")
+                            ] = None,
     ) -> None:
         """Train on a plan, doing its fetches, evictions and updates at the planned events."""
         from hplan.cli.common import guarded
         from hplan.cli.world import many_rank_run
 
         if many_rank_run(nproc, plan):  # many ranks: hplan.cli.world → hplan.executor.dist_train
+            if nvme_dir is not None:
+                guarded(lambda: _refuse("--nvme-dir is for one-process plans made with --nvme; a many-rank plan "
+                                        "keeps no disk tier: leave --nvme-dir out"))
             guarded(lambda: _run_many(spec=spec, plan=plan, steps=steps, device=device, metrics=metrics,
                                       checkpoint=checkpoint, resume=resume, batch_size=batch_size, seq_len=seq_len,
                                       precision=precision, overrides=overrides, as_json=as_json,
@@ -55,12 +64,13 @@ def register(app: typer.Typer) -> None:
                              checkpoint=checkpoint, resume=resume, overwrite=overwrite, batch_size=batch_size,
                              seq_len=seq_len,
                              precision=precision, overrides=overrides, as_json=as_json, budget_guard=budget_guard,
-                             on_nonfinite=on_nonfinite))
+                             on_nonfinite=on_nonfinite, nvme_dir=nvme_dir))
 
 
 def _run(*, spec: str, plan: Path, steps: int, device: str, metrics: Path | None, checkpoint: Path | None,
          resume: bool, overwrite: bool, batch_size: int | None, seq_len: int | None, precision: str | None,
-         overrides: list[str] | None, as_json: bool, budget_guard: str = "stop", on_nonfinite: str = "stop") -> None:
+         overrides: list[str] | None, as_json: bool, budget_guard: str = "stop", on_nonfinite: str = "stop",
+         nvme_dir: Path | None = None) -> None:
     from hplan.artifacts import Plan
     from hplan.cli.common import emit_json, err_console, parse_device, parse_overrides, progress_bar, warn_line
 
@@ -73,6 +83,7 @@ def _run(*, spec: str, plan: Path, steps: int, device: str, metrics: Path | None
         raise HplanError("--overwrite replaces the checkpoints of --checkpoint DIR: pass --checkpoint too")
     check_outputs(spec=spec, plan=plan, metrics=metrics, checkpoint=checkpoint)
     the_plan = Plan.load(plan)
+    _check_nvme_dir(the_plan, plan, nvme_dir)
     _check_cuda_index(device)
     from hplan.executor import run_training
     from hplan.specs import load_workload
@@ -84,7 +95,7 @@ def _run(*, spec: str, plan: Path, steps: int, device: str, metrics: Path | None
         report = run_training(workload, the_plan, steps=steps, device=device, metrics_path=metrics,
                               checkpoint_dir=checkpoint, resume=resume, overwrite=overwrite,
                               on_progress=on_progress, on_warning=warn_line, budget_guard=budget_guard,
-                              nonfinite=on_nonfinite)
+                              nonfinite=on_nonfinite, nvme_dir=nvme_dir)
     if as_json:
         emit_json(report.to_dict())
         return
@@ -92,6 +103,11 @@ def _run(*, spec: str, plan: Path, steps: int, device: str, metrics: Path | None
                       f"peak resident {report.peak_resident_bytes} B (budget {report.budget_bytes} B), "
                       f"moved {report.bytes_moved_per_iter} B/iter (planned {report.planned_bytes_moved_per_iter})",
                       highlight=False)
+    if report.host_budget_bytes:
+        err_console.print(f"host model data peak {report.peak_host_model_bytes} B (budget {report.host_budget_bytes} "
+                          f"B); disk read/write {report.nvme_read_bytes_per_iter}/{report.nvme_write_bytes_per_iter} "
+                          f"B/iter (planned {report.planned_nvme_read_bytes_per_iter}/"
+                          f"{report.planned_nvme_write_bytes_per_iter})", highlight=False)
 
 
 def check_outputs(*, spec: str, plan: Path, metrics: Path | None, checkpoint: Path | None) -> None:
@@ -110,6 +126,21 @@ def check_outputs(*, spec: str, plan: Path, metrics: Path | None, checkpoint: Pa
         if metrics is not None and metrics.absolute().resolve().is_relative_to(checkpoint.absolute().resolve()):
             raise HplanError(f"--metrics {metrics} is inside --checkpoint {checkpoint}, which the checkpoint owns; "
                              "write the metrics elsewhere")
+
+
+def _refuse(message: str) -> None:
+    raise HplanError(message)
+
+
+def _check_nvme_dir(plan: Plan, path: Path, nvme_dir: Path | None) -> None:
+    """Before any work: a plan with NVMe-homed chunks needs --nvme-dir, a directory (issue 16)."""
+    from hplan.executor.tiers import needs_nvme_dir
+
+    if nvme_dir is None and needs_nvme_dir(plan):
+        raise HplanError(f"{path} keeps {len(plan.nvme_chunks())} chunks on NVMe (planned with --nvme): pass "
+                         "--nvme-dir DIR, a directory on the disk to use")
+    if nvme_dir is not None and not nvme_dir.is_dir():
+        raise HplanError(f"--nvme-dir {nvme_dir} is not a directory: create it (mkdir -p {nvme_dir}) or pass another")
 
 
 def _check_cuda_index(device: str) -> None:

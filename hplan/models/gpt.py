@@ -53,10 +53,16 @@ PRESETS: dict[str, GPTConfig] = {
     # tied embeddings, so 6.58 B / 12.7 B parameters instead of 6.7 B / 13.0 B. For many-GPU plans (issue 17).
     "llama-7b-shaped": GPTConfig(n_layer=32, n_head=32, d_model=4096, vocab_size=32000, n_ctx=2048, seq_len=2048),
     "llama-13b-shaped": GPTConfig(n_layer=40, n_head=40, d_model=5120, vocab_size=32000, n_ctx=2048, seq_len=2048),
+    # The third tier's presets (issue 16): OPT-30B's shape (Zhang et al. 2022, Table 1), 86 layers of 8192 (this
+    # block's 70B; Llama-2-70B's 80 layers use another block), GPT-3 175B's (Brown et al. 2020, Table 2.1).
+    "30b": GPTConfig(n_layer=48, n_head=56, d_model=7168),
+    "70b": GPTConfig(n_layer=86, n_head=64, d_model=8192),
+    "175b": GPTConfig(n_layer=96, n_head=96, d_model=12288),
 }
 NOMINAL_PARAMS: dict[str, int] = {
     "125m": 125_000_000, "350m": 350_000_000, "1.3b": 1_300_000_000,
     "6.7b": 6_700_000_000, "13b": 13_000_000_000, "18b": 18_000_000_000,
+    "30b": 30_000_000_000, "70b": 70_000_000_000, "175b": 175_000_000_000,
 }
 CONFIG_KEYS = ("n_layer", "n_head", "d_model", "vocab_size", "n_ctx", "vocab_shard_rows")
 

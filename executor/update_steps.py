@@ -1,0 +1,100 @@
+"""PlanRun's updates: the plan's host and fast-tier updates as UpdateBatch calls, phased per chunk where a host
+tier stages them, and the optimizer step's global checks (loss scale, non-finite gradients, a skipped step). A
+mixin of hplan.executor.runtime.PlanRun, kept apart to keep that file readable; see [Note: executor step] there
+for when each runs."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from hplan.executor.batch import UpdateBatch
+from hplan.executor.gradients import Clip
+from hplan.executor.scale import LossScale
+from hplan.executor.tripwires import EagerWatch
+from hplan.executor.update import ChunkUpdate
+
+from hplan.artifacts import Plan, Step
+from hplan.artifacts.replay import OPTIMIZER_EVENT
+from hplan.errors import HplanError
+
+
+class UpdateSteps:
+    """Update methods of PlanRun (which sets every attribute declared here)."""
+
+    plan: Plan
+    store: Any
+    updates: dict[int, ChunkUpdate]
+    host: Any
+    """hplan.executor.tiers.TieredStore or NoHostTier."""
+    written: set[str]
+    clips: list[Clip]
+    master: bool
+    loss_scale: LossScale | None
+    nonfinite: str
+    skipped: int
+    watch: EagerWatch | None
+    _batches: dict[tuple[int, ...], UpdateBatch]
+    _updated: set[int]
+    _skip_next: bool
+
+    def _update(self, chunks: tuple[int, ...] | list[int], step: Step) -> None:
+        """The updates of these chunks, together (one optimizer call per place and param group). With a host
+        tier each host update runs in its own plan phase (its regions staged, then written back), so those
+        chunks are stepped one at a time; the same element-wise arithmetic either way."""
+        for c in chunks:
+            if self.updates[c].where == "cpu" and set(self.store.by_chunk[c].values()) & self.store.resident():
+                raise HplanError(f"plan step {step.index} updates chunk {c} on the host while it is on the fast tier")
+        phased = sorted(c for c in chunks if self.host.phased and self.updates[c].where == "cpu")
+        for c in phased:
+            self.host.begin_update(step, c)
+            self._step_batch([c], step)
+            self.host.end_update(step, c)
+        rest = [c for c in chunks if c not in phased]
+        if rest:
+            self._step_batch(rest, step)
+        if self.watch is not None and step.event != OPTIMIZER_EVENT:
+            self.watch.updated_early(len(chunks))
+
+    def _step_batch(self, chunks: list[int], step: Step) -> None:
+        """Check (unless deferred) and step these chunks' updates as one UpdateBatch; fast-tier regions dirty."""
+        if self.nonfinite != "ignore" and not self.plan.defer_updates:
+            self._check_finite(chunks, step)  # type: ignore[attr-defined]  (GradientOps)
+        key = tuple(chunks)
+        batch = self._batches.get(key)
+        if batch is None:
+            batch = self._batches[key] = UpdateBatch([self.updates[c] for c in chunks])
+        batch.step(self.written, inv_scale=self.loss_scale.inverse() if self.loss_scale else None,
+                   clip=tuple(self.clips) if self.master else ())
+        self._updated.update(chunks)
+        for c in chunks:
+            if self.updates[c].where == "gpu":
+                for kind in ("param", "master", "state"):
+                    rid = self.store.region(c, kind)
+                    if rid is not None:
+                        self.store.mark_dirty(rid)
+
+    def _optimizer_updates(self, step: Step) -> None:
+        """The optimizer step: deferred host updates and every fast-tier update, after the global checks. A step
+        the loop skipped (or one with non-finite gradients) updates nothing; the host tier still stages and
+        writes as planned."""
+        skip = by_user = self._skip_next
+        self._skip_next = False
+        if not skip and self.plan.defer_updates and (self.loss_scale is not None or self.nonfinite != "ignore"):
+            skip = self._any_nonfinite()  # type: ignore[attr-defined]  (GradientOps)
+            if skip and self.loss_scale is None and self.nonfinite == "stop":
+                raise HplanError("a gradient is not finite (inf or NaN); stopping before any update of this step")
+        if self.loss_scale is not None and not by_user:
+            self.loss_scale.update(skip)
+        if skip:
+            self.skipped += 1
+            for c in sorted(step.host_updates):
+                self.host.begin_update(step, c)
+                self.host.end_update(step, c)
+            for c, update in self.updates.items():
+                if update.where == "gpu" and self.master:
+                    update.copy_masters()
+                    self.store.mark_dirty(self.store.region(c, "param"))
+            return
+        chunks = sorted(step.host_updates) + sorted(c for c, u in self.updates.items() if u.where == "gpu")
+        if chunks:
+            self._update(chunks, step)

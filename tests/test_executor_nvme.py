@@ -1,0 +1,166 @@
+"""The third tier at run time (issue 16): training with model data on a real disk, in tmp dirs.
+
+The fast tier sits at its minimum and host memory at most a fifth of the model state, so most regions live in
+files and move through page-aligned staging buffers; the run must train exactly like plain PyTorch, hold no
+more host memory than planned and move exactly the planned disk bytes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from loops import user_loop, weight_diff
+
+from hplan.artifacts import Hardware, Plan
+from hplan.errors import HplanError
+from hplan.executor import run_training
+from hplan.executor.checkpoint_dir import saved_step
+from hplan.planner import PlanOptions, default_slack, make_plan, min_gpu_bytes
+from hplan.specs import load_workload
+from hplan.tracer import trace_workload
+from hplan.training import plain_losses
+
+
+def tier_plan(workload, *, share: float = 0.2, trace=None) -> Plan:
+    """Fast tier at its minimum, host budget `share` of the model state, a disk."""
+    trace = trace if trace is not None else trace_workload(workload, device="cpu", iters=2)
+    floor = min_gpu_bytes(trace).gpu_bytes
+    hardware = Hardware(gpu="cpu", gpu_bytes=floor, slack_bytes=default_slack(trace), overlap=False,
+                        host_bytes=int(share * trace.model_bytes), nvme_bytes=10**9)
+    plan = make_plan(trace, hardware, PlanOptions(solver="fast"))
+    assert plan.summary.feasible, plan.summary.bottleneck
+    assert plan.nvme_chunks(), "the plan keeps nothing on disk"
+    return plan
+
+
+@pytest.fixture(scope="module")
+def bf16():
+    workload = load_workload("gpt:tiny", precision="bf16-mixed")
+    return workload, tier_plan(workload)
+
+
+def region_files(d: Path) -> list[str]:
+    return sorted(p.name for p in d.glob("*.region"))
+
+
+def test_bf16_mixed_trains_like_pytorch_from_disk_within_the_host_budget(bf16, tmp_path):
+    workload, plan = bf16
+    report = run_training(workload, plan, steps=4, nvme_dir=tmp_path)
+    assert list(report.losses) == plain_losses(workload, 4)  # same kernels: bit-identical
+    s = plan.summary
+    assert 0 < report.peak_host_model_bytes <= report.host_budget_bytes == plan.hardware.host_bytes
+    assert report.peak_host_model_bytes == report.planned_peak_host_model_bytes <= s.predicted_host_peak_bytes
+    if sys.platform == "linux":  # the OS's count of the staging pages (RssShmem) agrees with the running sum
+        assert 0.5 * report.peak_host_model_bytes <= report.peak_rss_staging_bytes <= report.peak_host_model_bytes
+    assert (report.nvme_read_bytes_per_iter, report.nvme_write_bytes_per_iter) == (s.nvme_read_bytes,
+                                                                                  s.nvme_write_bytes) != (0, 0)
+    assert report.bytes_moved_per_iter == s.bytes_moved_per_iter
+    assert report.peak_resident_bytes <= plan.gpu_bytes
+    assert region_files(tmp_path) == []  # the run's files are scratch: state lives in checkpoints
+
+
+def test_fp32_user_loop_gives_plain_pytorchs_weights(tmp_path):
+    """The user's own loop inside hplan.attach; with the kernel named (fused AdamW, which host updates run)
+    weights and moments are bit-identical to plain PyTorch's."""
+    base = load_workload("gpt:tiny")
+    workload = dataclasses.replace(base, optimizer=lambda ps: torch.optim.AdamW(ps, lr=3e-4, weight_decay=0.1,
+                                                                              fused=True))
+    plan = tier_plan(workload)
+    ref = user_loop(workload, 4)
+    got = user_loop(workload, 4, plan, nvme_dir=str(tmp_path))
+    assert got["losses"] == ref["losses"]
+    assert weight_diff(got["weights"], ref["weights"]) == 0
+    state, ref_state = got["optimizer"].state_dict()["state"], ref["optimizer"].state_dict()["state"]
+    assert all(torch.equal(state[i]["exp_avg"], ref_state[i]["exp_avg"]) for i in ref_state)
+
+
+def test_stop_then_resume_with_state_on_disk(bf16, tmp_path):
+    workload, plan = bf16
+    for sub in ("a", "b"):
+        (tmp_path / sub).mkdir()
+    full = run_training(workload, plan, steps=4, nvme_dir=tmp_path / "a").losses
+    first = run_training(workload, plan, steps=2, nvme_dir=tmp_path / "b", checkpoint_dir=tmp_path / "ck")
+    second = run_training(workload, plan, steps=4, nvme_dir=tmp_path / "b", checkpoint_dir=tmp_path / "ck",
+                          resume=True)
+    assert first.losses + second.losses == full
+
+
+def test_kill_9_mid_run_then_resume_bit_identical(bf16, tmp_path):
+    workload, plan = bf16
+    plan.save(tmp_path / "plan.json")
+    ck, nv = tmp_path / "ck", tmp_path / "nvme"
+    nv.mkdir()
+    cmd = [sys.executable, "-c", "from hplan.cli import main; main()", "run", "gpt:tiny", "--precision", "bf16-mixed",
+           "--plan", str(tmp_path / "plan.json"), "--steps", "100000", "--checkpoint", str(ck), "--nvme-dir", str(nv)]
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 90
+        while saved_step(ck) < 2 and time.monotonic() < deadline and proc.poll() is None:
+            time.sleep(0.05)
+        assert proc.poll() is None, "the run ended before it could be killed"
+        os.kill(proc.pid, signal.SIGKILL)
+    finally:
+        proc.wait()
+    assert proc.returncode == -signal.SIGKILL
+    assert region_files(nv)  # killed: its scratch files are still there, and the resumed run overwrites them
+    done = saved_step(ck)
+    resumed = run_training(workload, plan, steps=done + 2, checkpoint_dir=ck, resume=True, nvme_dir=nv)
+    (tmp_path / "fresh").mkdir()
+    full = run_training(workload, plan, steps=done + 2, nvme_dir=tmp_path / "fresh")
+    assert resumed.losses == full.losses[done:]
+
+
+@pytest.mark.parametrize("damage", ["modified", "truncated"])
+def test_a_region_file_changed_between_steps_is_refused_naming_it(bf16, tmp_path, damage):
+    workload, plan = bf16
+    model = workload.build_model()
+    optimizer = workload.optimizer(model.parameters())
+    import hplan
+
+    with pytest.raises(HplanError) as err, hplan.attach(model, optimizer, plan, nvme_dir=str(tmp_path),
+                                                          precision="bf16-mixed"):
+        for step in range(3):
+            workload.loss(model, workload.micro_batch(step, 0)).backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            victim = max(tmp_path.glob("*.region"), key=lambda p: p.stat().st_size)
+            with victim.open("r+b") as f:
+                if damage == "truncated":
+                    f.truncate(victim.stat().st_size // 2)
+                else:
+                    f.seek(100)
+                    byte = f.read(1)
+                    f.seek(100)
+                    f.write(bytes([byte[0] ^ 0xFF]))
+    message = str(err.value)
+    assert "\n" not in message and ".region" in message
+    assert ("checksum" in message) if damage == "modified" else ("truncated" in message)
+
+
+def test_a_full_disk_is_refused_before_any_step(bf16, tmp_path, monkeypatch):
+    workload, plan = bf16
+    real = os.statvfs
+
+    class Full:
+        def __init__(self, st: os.statvfs_result) -> None:
+            self.f_frsize, self.f_bavail = st.f_frsize, 1
+
+    monkeypatch.setattr(os, "statvfs", lambda path: Full(real(path)))
+    with pytest.raises(HplanError, match="GB free but needs") as err:
+        run_training(workload, plan, steps=2, nvme_dir=tmp_path, checkpoint_dir=tmp_path / "ck")
+    assert "\n" not in str(err.value)
+    assert not list((tmp_path / "ck").glob("step-*")) and region_files(tmp_path) == []  # nothing saved or left
+
+
+def test_a_plan_with_nvme_chunks_needs_a_directory(bf16):
+    workload, plan = bf16
+    with pytest.raises(HplanError, match="pass --nvme-dir DIR"):
+        run_training(workload, plan, steps=1)
