@@ -20,8 +20,8 @@ RELATIVE = 0.01
 FLOOR_BYTES = 1024
 FAST = ("lstm", "llama", "cnn-batchnorm")
 """A representative subset that runs unmarked: a corrected kernel (LSTM), a value-dependent transformers path
-(Llama), buffers and convolutions (CNN). The bundled GPT in both precisions is also checked unmarked, per
-category, by tests/test_tracer_core.py."""
+(Llama), buffers and convolutions (CNN). The bundled GPT in fp32, bf16-mixed and fp16-mixed is also checked
+unmarked, per category, by tests/test_tracer_core.py."""
 
 _TRACES: dict[str, tuple[Trace, Trace]] = {}
 

@@ -102,8 +102,11 @@ def test_module_reuse_gives_an_event_per_call():
 
 
 @pytest.mark.parametrize("spec, precision", [("gpt:tiny", "fp32"), ("gpt:tiny", "bf16-mixed"),
+                                             ("gpt:tiny", "fp16-mixed"),
                                              ("examples/mlp_workload.py:workload", "fp32")])
 def test_fake_and_cpu_agree_within_one_percent(spec, precision):
+    # fp16-mixed: GradScaler's overflow flag is computed from gradient values, which fake tensors lack; the fake
+    # trace must still take the optimizer step (creating AdamW's moments on the masters), as the cpu run does
     workload = load_workload(spec, precision=precision)
     cpu, fake = trace_workload(workload, device="cpu"), trace_workload(workload, device="fake")
     assert fake.n_ops == cpu.n_ops and [e.key for e in fake.events] == [e.key for e in cpu.events]

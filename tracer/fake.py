@@ -10,7 +10,7 @@ space is laid out differently from oneDNN's workspace) and CUDA attention kernel
 private workspaces are invisible here as they are in a cpu trace. A plan for a GPU made from a fake trace
 therefore inherits CPU kernel-private buffers; `--device cuda` measures the GPU's own.
 
-Plain `FakeTensorMode` drifts from the real run in two ways, each corrected below:
+Plain `FakeTensorMode` drifts from the real run in three ways, each corrected below:
 - a meta kernel returns outputs of another size than the real kernel (`aten::mkldnn_rnn_layer` returns an
   empty workspace where oneDNN's training workspace is ~16x the layer's output; its backward returns one
   tensor twice where the real kernel returns two);
@@ -18,7 +18,12 @@ Plain `FakeTensorMode` drifts from the real run in two ways, each corrected belo
   attention mask), which fake tensors do not hold, so it takes its general path instead. Values that the
   real run computes from shapes and constants alone (aranges, counters, masks derived from them) are
   computed for real here, on small tensors only (see `KNOWN_LIMIT_BYTES`), so such branches go the way
-  the real run goes.
+  the real run goes;
+- fp16's GradScaler reads an overflow flag that the real run computes from gradient values (inf/NaN or not)
+  and skips the optimizer step when it is set. Fake gradients hold no values, so the flag would be unknown
+  and the recorder would invent a nonzero value, skipping every step (no optimizer state is ever created).
+  The run a plan is for takes its steps, so fake gradients count as finite: the flag keeps its known
+  value, 0 (see `FINITE_CHECKS`).
 """
 
 from __future__ import annotations
@@ -117,6 +122,10 @@ _UNDEFINED_VALUES = {aten.empty.memory_format, aten.empty_strided.default, aten.
                      aten.new_empty.default, aten.new_empty_strided.default, aten.empty_permuted.default,
                      aten.resize_.default, aten.set_.source_Storage, aten.set_.source_Storage_storage_offset}
 """Operators whose results hold no defined values, so nothing is known after them."""
+FINITE_CHECKS = {aten._amp_foreach_non_finite_check_and_unscale_.default: "found_inf"}
+"""Operators that set an overflow flag (the named argument) when a gradient holds inf/NaN. With unknown
+gradients the flag keeps its value (no overflow), as in the run a plan is for: GradScaler then takes the
+optimizer step, which creates the optimizer's state, instead of skipping every step."""
 
 
 class KnownValues:
@@ -166,6 +175,10 @@ class KnownValues:
             return  # the common case: weights or activations in, nothing known to keep or forget
         if isinstance(generator, torch.Generator):
             self._lost.add(generator)
+        flag = FINITE_CHECKS.get(func)
+        if flag is not None:  # gradients count as finite: the overflow flag is not written (see FINITE_CHECKS)
+            kept = self._argument(func, args, kwargs, flag)
+            written = [t for t in written if t is not kept]
         for t in written:
             if hasattr(t.untyped_storage(), _VALUE):
                 delattr(t.untyped_storage(), _VALUE)
@@ -179,6 +192,12 @@ class KnownValues:
             return []
         picked = [args[i] if i < len(args) else kwargs.get(name) for i, name in where]
         return [t for t in tensors_in(picked) if isinstance(t, FakeTensor)]
+
+    @staticmethod
+    def _argument(func: Any, args: tuple, kwargs: dict, name: str) -> Any:
+        """The argument `name` of a call to `func` (positional or keyword)."""
+        i = next(i for i, a in enumerate(func._schema.arguments) if a.name == name)
+        return args[i] if i < len(args) else kwargs.get(name)
 
     def _computable(self, func: Any, fresh: list[torch.Tensor], generator: Any) -> bool:
         """Inputs known: run the real kernel unless its result is undefined, random or too large."""
