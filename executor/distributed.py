@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 from hplan.executor.device import make_tier
 from hplan.executor.dist_comm import PlanComm
-from hplan.executor.habits import intercepted
+from hplan.executor.habits import intercepted, with_step_hooks
 from hplan.executor.measure import WindowMeter, make_probe
 from hplan.executor.runtime import check_plan
 from hplan.executor.shard_store import ShardStore
@@ -342,6 +342,7 @@ class DistRun:
     # -- iteration end, measurement -------------------------------------------------------------------
     def optimizer_event(self) -> None:
         """The optimizer event; checks the iteration followed the whole plan, records what it measured."""
+        self.optimizer._opt_called = True  # type: ignore[attr-defined]  (what LR schedulers check)
         self.on_event("optimizer", OPTIMIZER_MODULE)
         if self.cursor != len(self.plan.steps):
             raise HplanError(f"iteration ended at plan step {self.cursor - 1} but the plan has "
@@ -357,8 +358,8 @@ class DistRun:
         self.cursor = 0
 
     def step(self) -> Iteration:
-        """The optimizer event, then gradients zeroed."""
-        self.optimizer_event()
+        """The optimizer event (between the optimizer's step hooks), then gradients zeroed."""
+        with_step_hooks(self.optimizer, self.optimizer_event)
         self.zeroed()
         assert self.last is not None
         return self.last

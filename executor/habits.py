@@ -101,11 +101,27 @@ def _step(run: PlanRun, optimizer: torch.optim.Optimizer) -> Callable[..., Any]:
         if closure is not None:
             raise HplanError("optimizer.step(closure) re-evaluates the model, which a plan cannot schedule; "
                              "call optimizer.step() after backward")
-        run.optimizer_event()
+        with_step_hooks(optimizer, run.optimizer_event)
         return None
 
     step._wrapped_by_lr_sched = True  # type: ignore[attr-defined]
     return step
+
+
+def with_step_hooks(optimizer: torch.optim.Optimizer, body: Callable[[], Any]) -> Any:
+    """`body` (the plan's optimizer event) between the optimizer's step pre- and post-hooks, global ones too, in
+    torch's order (Optimizer.profile_hook_step), so hooks registered on the user's optimizer (EMA, logging) fire
+    once per step as in plain PyTorch. A pre-hook may not rewrite step()'s arguments: there are none to rewrite."""
+    from torch.optim.optimizer import _global_optimizer_post_hooks, _global_optimizer_pre_hooks
+
+    for hook in (*_global_optimizer_pre_hooks.values(), *optimizer._optimizer_step_pre_hooks.values()):
+        if hook(optimizer, (), {}) is not None:
+            raise HplanError("an optimizer step pre-hook returned new arguments for step(), which a plan cannot "
+                             "honour; return None from the hook")
+    out = body()
+    for hook in (*optimizer._optimizer_step_post_hooks.values(), *_global_optimizer_post_hooks.values()):
+        hook(optimizer, (), {})
+    return out
 
 
 def _zero(run: PlanRun, original: Callable[..., Any]) -> Callable[..., Any]:

@@ -21,7 +21,7 @@ from hplan.executor.batch import UpdateBatch
 from hplan.executor.device import make_tier
 from hplan.executor.evaluation import EvalPass
 from hplan.executor.gradients import Clip, GradientOps
-from hplan.executor.habits import intercepted
+from hplan.executor.habits import intercepted, with_step_hooks
 from hplan.executor.measure import EventRecord, WindowMeter, make_probe
 from hplan.executor.scale import LossScale
 from hplan.executor.state import RegionState
@@ -344,7 +344,7 @@ class PlanRun(UpdateSteps, GradientOps, StateSync):
 
     def step(self) -> list[EventRecord]:
         """The optimizer event, then gradients zeroed (as `optimizer.step(); optimizer.zero_grad()`)."""
-        records = self.optimizer_event()
+        records = with_step_hooks(self.optimizer, self.optimizer_event)
         self.zeroed()
         return records
 

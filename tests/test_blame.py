@@ -67,3 +67,19 @@ def test_an_error_wrapped_by_hplan_keeps_the_users_location(user_module):
 
 def test_errors_outside_any_workload_file_are_not_blamed_on_the_user():
     assert user_frame(_raised(int, "x")) is None
+
+
+def test_assigning_to_a_frozen_workload_is_the_users_error(tmp_path):
+    """A frozen dataclass's generated __setattr__ (exec'd in hplan.workload's globals) refusing the user's
+    assignment is the user's error at the assigning line, not an hplan bug."""
+    path = tmp_path / "frozen_user.py"
+    path.write_text("def assign(w):\n    w.loss = None\n")
+    register_user_file(path)
+    spec = importlib.util.spec_from_file_location("frozen_user_for_blame", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    import hplan
+
+    workload = hplan.Workload(model=lambda: None, batch=lambda s: None, loss=lambda m, b: None,
+                              optimizer=lambda p: None)
+    assert user_frame(_raised(module.assign, workload)) == ("frozen_user.py", 2)

@@ -237,3 +237,39 @@ def test_torch_compile_is_refused(plans):
         with hplan.attach(model, sgd(model.parameters()), plans[True]):
             torch.compile(model)
     assert torch.compile is original  # restored on exit
+
+
+def test_optimizer_step_hooks_fire_once_per_step(plans):
+    """Hooks on the user's optimizer (EMA, logging) fire as in plain PyTorch; an EMA kept from model.state_dict()
+    in a post-hook equals plain PyTorch's, and a scheduler stepped after optimizer.step() does not warn."""
+    import warnings
+
+    def train(plan: hplan.Plan | None) -> tuple[list[str], dict[str, torch.Tensor]]:
+        wl = workload(True)
+        model = wl.build_model()
+        optimizer = wl.optimizer(model.parameters())
+        scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.5)
+        calls: list[str] = []
+        ema: dict[str, torch.Tensor] = {}
+
+        def post(opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+            calls.append("post")
+            for k, v in model.state_dict().items():
+                ema[k] = v.clone() if k not in ema else 0.9 * ema[k] + 0.1 * v
+
+        optimizer.register_step_pre_hook(lambda opt, args, kwargs: calls.append("pre"))
+        optimizer.register_step_post_hook(post)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", UserWarning)
+            with hplan.attach(model, optimizer, plan) if plan is not None else contextlib.nullcontext():
+                for step in range(3):
+                    wl.loss(model, wl.batch(step)).backward()
+                    optimizer.step()
+                    scheduler.step()
+                    optimizer.zero_grad()
+        return calls, ema
+
+    got, ref = train(plans[True]), train(None)
+    assert got[0] == ref[0] == ["pre", "post"] * 3
+    for key, value in ref[1].items():
+        assert torch.equal(got[1][key], value), key
