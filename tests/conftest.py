@@ -15,3 +15,13 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(before)
+
+
+@pytest.fixture(autouse=True)
+def _torch_threads_given_back():
+    """A test that changes torch's thread count without restoring it would change every later in-process run's
+    matmul reductions (an ulp in the losses), so runs compared with a CLI subprocess would differ."""
+    before = torch.get_num_threads()
+    yield
+    if torch.get_num_threads() != before:
+        torch.set_num_threads(before)

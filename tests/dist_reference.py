@@ -62,8 +62,18 @@ def _workload_checked(workload: Workload) -> Workload:
 
 
 def accumulated(spec: str, world: int, steps: int, *, threads: int = 1) -> RefRun:
-    """Single process: per step, N micro-batches `batch(s·N + r)`, each loss ÷ N, one optimizer step."""
+    """Single process: per step, N micro-batches `batch(s·N + r)`, each loss ÷ N, one optimizer step.
+    Runs with `threads` torch threads and gives the caller's count back after: a count left behind changes
+    every later run's matmul reductions in this process (and so its losses, by an ulp)."""
+    before = torch.get_num_threads()
     torch.set_num_threads(threads)
+    try:
+        return _accumulated(spec, world, steps)
+    finally:
+        torch.set_num_threads(before)
+
+
+def _accumulated(spec: str, world: int, steps: int) -> RefRun:
     workload = _workload(spec)
     model = workload.build_model()
     optimizer = workload.optimizer(model.parameters())

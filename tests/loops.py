@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import os
 from typing import Any
 
 import torch
@@ -85,3 +86,10 @@ def measured(records: list[Any], plan: Plan) -> tuple[int, int]:
     peak = max(r.resident_bytes for step in records for r in step)
     moved = sum(r.h2d_bytes + r.d2h_bytes for r in records[-1])
     return peak, moved
+
+
+def cli_env(**extra: str) -> dict[str, str]:
+    """The environment for an `hplan` CLI run in a subprocess whose losses are compared bitwise to a run in this
+    process: the same torch thread count (OMP_NUM_THREADS), since a different count splits matmul reductions
+    differently and moves losses by an ulp (bf16-mixed gpt:tiny: 5.5459003 with two threads, 5.5459514 with one)."""
+    return {**os.environ, "OMP_NUM_THREADS": str(torch.get_num_threads()), **extra}

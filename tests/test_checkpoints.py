@@ -24,7 +24,7 @@ import torch
 from hplan.executor import run_training
 from hplan.executor.checkpoint import load_checkpoint
 from hplan.executor.checkpoint_dir import PAUSE_ENV, CheckpointDir, saved_step, verify
-from loops import plan_for
+from loops import cli_env, plan_for
 from typer.testing import CliRunner
 
 from hplan.cli import app
@@ -322,7 +322,7 @@ def test_kill_9_at_random_moments_resumes_bit_identically(prepared, tmp_path):
     full = run_training(load_workload(spec), plan, steps=steps).losses
     base = [sys.executable, "-c", "from hplan.cli import main; main()", "run", spec, "--plan", str(plan_file),
             "--steps", str(steps), "--checkpoint", str(ck)]
-    env = {**os.environ, PAUSE_ENV: "0.15"}
+    env = cli_env(**{PAUSE_ENV: "0.15"})
     where: list[str] = []
     for kill in range(4):
         committed = sorted(ck.glob("step-*"))
@@ -348,7 +348,7 @@ def test_kill_9_at_random_moments_resumes_bit_identically(prepared, tmp_path):
     print(f"kills landed: {where} (seed {seed})")  # shown with pytest -s
     assert where[0] != "training", f"kills landed at {where} (seed {seed})"
     resume = ["--resume"] if list(ck.glob("step-*")) else []
-    done = subprocess.run(base + resume + ["--json"], capture_output=True, text=True, timeout=300)
+    done = subprocess.run(base + resume + ["--json"], env=cli_env(), capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr
     report = json.loads(done.stdout)
     assert report["losses"] == list(full[report["first_step"]:steps]), f"kills at {where}, seed {seed}"

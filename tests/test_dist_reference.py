@@ -52,3 +52,17 @@ def test_references_refuse_mixed_precision():
     assert load_workload("gpt:tiny").precision == "fp32"
     with pytest.raises(HplanError, match="fp32 only"):
         ref._workload_checked(load_workload("gpt:tiny", precision="bf16-mixed"))
+
+
+def test_the_accumulated_reference_gives_the_thread_count_back():
+    """It computes with one thread but must not leave this process there: later modules' in-process runs would
+    then differ by an ulp from their CLI subprocesses (test_executor_nvme's kill -9 test did, after this)."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)  # not the reference's one
+    try:
+        ref.accumulated("gpt:tiny", 1, 1)
+        assert torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(before)

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from loops import user_loop, weight_diff
+from loops import cli_env, user_loop, weight_diff
 
 from hplan.artifacts import Hardware, Plan
 from hplan.errors import HplanError
@@ -100,7 +100,7 @@ def test_kill_9_mid_run_then_resume_bit_identical(bf16, tmp_path):
     nv.mkdir()
     cmd = [sys.executable, "-c", "from hplan.cli import main; main()", "run", "gpt:tiny", "--precision", "bf16-mixed",
            "--plan", str(tmp_path / "plan.json"), "--steps", "100000", "--checkpoint", str(ck), "--nvme-dir", str(nv)]
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    proc = subprocess.Popen(cmd, env=cli_env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
         deadline = time.monotonic() + 90
         while saved_step(ck) < 2 and time.monotonic() < deadline and proc.poll() is None:

@@ -11,7 +11,7 @@ import time
 import torch
 from hplan.executor import run_training
 from hplan.executor.checkpoint_dir import saved_step
-from loops import plan_for
+from loops import cli_env, plan_for
 
 from hplan.specs import load_workload
 
@@ -38,7 +38,7 @@ def test_kill_9_mid_run_then_resume(tmp_path):
     ck = tmp_path / "ck"
     cmd = [sys.executable, "-c", "from hplan.cli import main; main()", "run", "gpt:tiny", "--plan",
            str(tmp_path / "plan.json"), "--steps", "100000", "--checkpoint", str(ck)]
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    proc = subprocess.Popen(cmd, env=cli_env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
         deadline = time.monotonic() + 60
         while _saved_step(ck) < 3 and time.monotonic() < deadline and proc.poll() is None:
