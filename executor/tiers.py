@@ -316,6 +316,8 @@ class TieredStore(RegionStore):
         """As RegionStore's; a region on disk and not staged is read into a cache holding one chunk's regions
         (values for a checkpoint or the model handed back on exit: reads outside the plan, counted apart)."""
         slot = self.slots[rid]
+        if self.staged(rid):
+            self._wait_read(rid)  # a read hoisted into the staging buffer lands before anyone reads it
         if slot.state.on_fast_tier or self.staged(rid) or rid not in self.on_disk or not self._written(rid):
             return super().current(rid, key)
         if rid not in self._cache:
