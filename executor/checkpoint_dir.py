@@ -112,6 +112,10 @@ class CheckpointDir:
             where = "the folder does not exist" if not self.root.exists() else "it holds no step folder"
             raise HplanError(f"no checkpoint in {self.root} ({where}): run once with --checkpoint {self.root} "
                              "before --resume")
+        ranks = _written_by_ranks(self.root / POINTER)
+        if resume and ranks:
+            raise HplanError(f"checkpoint {self.root} was written by {ranks} ranks, this run has 1; resume with "
+                             f"--nproc {ranks} and a plan for {ranks} ranks (resharding is not supported)")
         if resume and held == OLD_FORMAT:
             raise HplanError(f"{self.root} holds a {OLD_FORMAT} of an older hplan, which this one cannot verify; "
                              "start again with --overwrite")
@@ -340,6 +344,17 @@ def _files(folder: Path) -> Iterator[str]:
             rel = os.path.relpath(os.path.join(root, n), folder)
             if rel != MANIFEST:
                 yield rel
+
+
+def _written_by_ranks(pointer: Path) -> int:
+    """The world size of a many-rank checkpoint's pointer (hplan.executor.dist_checkpoint), else 0."""
+    try:
+        data = json.loads(pointer.read_text())
+    except (OSError, ValueError):
+        return 0
+    world = data.get("world_size") if isinstance(data, dict) and data.get("schema", "").startswith(
+        "hplan.dist-checkpoint/") else None
+    return world if type(world) is int and world > 1 else 0
 
 
 def _install(tmp: Path, final: Path) -> Path:

@@ -28,6 +28,7 @@ from typing import Any
 
 from hplan.artifacts import Plan, atomic_path
 from hplan.errors import HplanError
+from hplan.executor.checkpoint_dir import write_manifest
 
 SCHEMA = "hplan.dist-checkpoint/1"
 POINTER = "latest.json"
@@ -68,9 +69,26 @@ def check_resumable(directory: str | os.PathLike[str], plan: Plan, world: int) -
     if info.get("fingerprint") != mine:
         raise HplanError(f"checkpoint {directory} was written for another model or precision; resume with the same "
                          "ones")
-    if not (Path(directory) / info["latest"]).is_dir():
-        raise HplanError(f"checkpoint {directory} names {info['latest']}, which is missing; the checkpoint is damaged")
-    return info
+    return choose_folder(directory, info)
+
+
+def choose_folder(directory: str | os.PathLike[str], info: dict[str, Any]) -> dict[str, Any]:
+    """The pointer with `latest` set to the newest step folder whose manifest and every file check out (each
+    file's checksum, as one-process checkpoints do), and `warning` saying so when that is the previous one."""
+    from hplan.executor.checkpoint_dir import verify
+
+    problems = []
+    for rank, name in enumerate(n for n in (info.get("latest"), info.get("previous")) if isinstance(n, str)):
+        try:
+            verify(Path(directory) / name)
+        except HplanError as exc:
+            problems.append(str(exc))
+            continue
+        warning = (f"checkpoint {directory}: {problems[0]}; resuming from the previous step folder {name}"
+                   if rank else None)
+        return {**info, "latest": name, "warning": warning}
+    raise HplanError(f"no good checkpoint in {directory}: {'; '.join(problems) or 'the pointer names no folder'}; "
+                     "restore the folder from a backup or start again without --resume")
 
 
 def _pack(obj: Any) -> Any:
@@ -124,6 +142,7 @@ def save(directory: str | os.PathLike[str], run: Any, *, global_step: int, sched
         final = root / _folder(global_step)
         shutil.rmtree(final, ignore_errors=True)
         os.replace(tmp, final)
+        write_manifest(final, global_step=global_step, info={"world_size": run.world})  # last: checksums of all
         previous = None
         if (root / POINTER).is_file():
             previous = json.loads((root / POINTER).read_text()).get("latest")

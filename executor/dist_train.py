@@ -11,6 +11,8 @@ checkpoints are saved after each step (hplan.executor.dist_checkpoint), so a fai
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import math
 import os
 import time
@@ -43,7 +45,8 @@ class Job:
 def run_distributed(spec: str, plan: Plan, *, nproc: int | None, steps: int, device: str = "cpu",
                     load: dict[str, Any] | None = None, checkpoint_dir: str | os.PathLike[str] | None = None,
                     resume: bool = False, measure: bool = True, budget_guard: str = "stop",
-                    timeout_s: float = 3600.0, collective_timeout_s: float = 300.0) -> RunReport:
+                    timeout_s: float = 3600.0, collective_timeout_s: float = 300.0,
+                    on_warning: Callable[[str], None] | None = None) -> RunReport:
     """Train `spec` to global step `steps` on the plan's ranks (spawned, or this torchrun job's)."""
     from hplan.executor.dist_checkpoint import check_resumable
     from hplan.executor.distributed import check_world
@@ -59,7 +62,9 @@ def run_distributed(spec: str, plan: Plan, *, nproc: int | None, steps: int, dev
     if resume:
         if checkpoint_dir is None:
             raise HplanError("--resume needs --checkpoint DIR (where the state was saved)")
-        check_resumable(checkpoint_dir, plan, world)
+        warning = check_resumable(checkpoint_dir, plan, world).get("warning")
+        if warning and on_warning is not None:
+            on_warning(warning)
     backend = "nccl" if device.startswith("cuda") else "gloo"
     job = Job(spec=spec, load=load or {}, plan=plan.to_dict(), steps=steps, device=device,
               checkpoint=None if checkpoint_dir is None else str(checkpoint_dir), resume=resume, measure=measure,

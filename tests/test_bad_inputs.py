@@ -480,6 +480,8 @@ ROWS: list[Row] = [
     Row("run_checkpoint_from_another_world_size",
         "run {W} --plan {D}/p2.json --steps 2 --nproc 2 --resume --checkpoint {D}/ck",
         both(two_rank_plan("p2.json"), sharded_checkpoint("ck", world=4))),
+    Row("run_one_rank_plan_resuming_a_sharded_checkpoint", "run {W} " + P + " --resume --checkpoint {D}/ck",
+        sharded_checkpoint("ck", world=2)),
     Row("run_resume_without_a_sharded_checkpoint",
         "run {W} --plan {D}/p2.json --steps 2 --nproc 2 --resume --checkpoint {D}/ck",
         both(two_rank_plan("p2.json"), folder("ck"))),

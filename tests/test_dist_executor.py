@@ -77,6 +77,29 @@ def test_a_rank_that_dies_stops_the_run_in_one_line(trace, tmp_path):
     from hplan.executor.dist_checkpoint import read_pointer
 
     assert read_pointer(tmp_path / "ck")["global_step"] == 2
+    # A flipped byte in the newest shard: resume falls back to step 1 with one warning line (never trains on it).
+    shard = max((tmp_path / "ck" / "step-000002").glob("*.distcp"), key=lambda f: f.stat().st_size)
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 2] ^= 0x40
+    shard.write_bytes(bytes(data))
+    cmd = [sys.executable, "-c", "from hplan.cli import main; main()", "run", SPEC, "--plan",
+           str(tmp_path / "plan.json"), "--steps", "3", "--nproc", "2", "--checkpoint", str(tmp_path / "ck"),
+           "--resume", "--json"]
+    env = {**os.environ, "COLUMNS": "300"}
+    done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    warnings = [line for line in done.stderr.splitlines() if line.startswith("warning:")]
+    assert len(warnings) == 1 and "step-000002" in warnings[0] and "step-000001" in warnings[0], done.stderr
+    import json
+
+    assert json.loads(done.stdout)["first_step"] == 1
+    # Nothing good left (the new step-000003 and its previous both damaged): exit 2, one line.
+    for folder in ("step-000003", "step-000002"):
+        target = tmp_path / "ck" / folder
+        if target.is_dir():
+            (max(target.glob("*.distcp"), key=lambda f: f.stat().st_size)).write_bytes(b"x")
+    done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 2 and "no good checkpoint" in done.stderr, done.stderr
 
 
 def _four_ranks(info, spec, plans, steps):

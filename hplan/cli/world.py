@@ -107,7 +107,7 @@ def run_many(*, spec: str, plan: Any, steps: int, device: str, metrics: Any, che
     import os
 
     from hplan.artifacts import Plan
-    from hplan.cli.common import emit_json, err_console, parse_device, parse_overrides
+    from hplan.cli.common import emit_json, err_console, parse_device, parse_overrides, warn_line
     from hplan.cli.run_cmd import check_outputs
 
     parse_device(device, kinds=("cpu", "cuda"))
@@ -125,7 +125,8 @@ def run_many(*, spec: str, plan: Any, steps: int, device: str, metrics: Any, che
     load = dict(batch_size=batch_size, seq_len=seq_len, overrides=parse_overrides(overrides), precision=precision,
                 accumulate=the_plan.accumulate, max_grad_norm=the_plan.max_grad_norm)
     report = run_distributed(spec, the_plan, nproc=nproc, steps=steps, device=device, load=load,
-                             checkpoint_dir=checkpoint, resume=resume, budget_guard=budget_guard)
+                             checkpoint_dir=checkpoint, resume=resume, budget_guard=budget_guard,
+                             on_warning=warn_line if os.environ.get("RANK", "0") == "0" else None)
     if os.environ.get("RANK", "0") != "0":  # torchrun: every rank has the report; rank 0 prints it
         return
     if as_json:
