@@ -190,8 +190,9 @@ def _rank_main(rank: int, fn: Callable[..., Any], args: tuple[Any, ...], config:
     except BaseException as exc:
         record = {"time": time.time(), "error": _one_line(exc)}
         _write_atomic(workdir / f"rank{rank}.err", pickle.dumps(record))
-        traceback.print_exc(file=sys.stderr)
-        sys.stderr.flush()
+        if os.environ.get("HPLAN_DEBUG"):  # one line by default (the parent's); `hplan --debug` shows tracebacks
+            traceback.print_exc(file=sys.stderr)
+            sys.stderr.flush()
         os._exit(1)  # skip interpreter teardown: a broken process group can block it
 
 
@@ -283,7 +284,7 @@ def _failure_message(procs: list[Any], workdir: Path, stopped: list[int]) -> str
     if not records:  # exit code 0 but no result: handled by _read_result; keep a message anyway
         return f"a rank of {world} failed without a record; rerun with fewer ranks to isolate it"
     rank = min(records, key=lambda r: (records[r]["time"], r))
-    return f"rank {rank} of {world} failed: {records[rank]['error']} ({others(rank)}); its traceback is on stderr above"
+    return f"rank {rank} of {world} failed: {records[rank]['error']} ({others(rank)}); `hplan --debug` shows each rank's traceback"
 
 
 def _read_result(workdir: Path, rank: int, exitcode: int | None) -> Any:
@@ -308,6 +309,15 @@ def _signal_name(number: int) -> str:
 
 
 def _one_line(exc: BaseException) -> str:
+    from hplan.blame import user_frame
+
+    where = user_frame(exc)
+    if where is not None:  # the user's workload raised it: say where, as the one-process CLI does
+        return f"error in your workload: {_text(exc)} ({where[0]}:{where[1]})"
+    return _text(exc)
+
+
+def _text(exc: BaseException) -> str:
     text = " ".join(str(exc).split())
     if len(text) > 300:
         text = text[:297] + "..."

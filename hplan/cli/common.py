@@ -6,6 +6,8 @@ Library code raises HplanError; only here does it become an exit code:
 
 from __future__ import annotations
 
+import os
+
 import contextlib
 import json
 import math
@@ -34,6 +36,8 @@ _state = {"debug": False}
 
 def set_debug(value: bool) -> None:
     _state["debug"] = value
+    if value:  # ranks spawned by `hplan run --nproc` inherit it (hplan.executor.launch prints tracebacks then)
+        os.environ["HPLAN_DEBUG"] = "1"
 
 
 def guarded(fn: Callable[[], T]) -> T:
