@@ -23,6 +23,7 @@ bytes, so the prefetch pass and the time model run only on tied candidates.
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -230,26 +231,7 @@ class Search:
         per_chunk: dict[int, dict[str, int]] = {}
         for r in regions:
             per_chunk.setdefault(r.chunk, {})[r.kind] = r.bytes
-        read, written = set(), set()
-        for e in self.trace.events:
-            if e.kind != "optimizer":
-                read.update(e.params)
-                written.update(e.grads)
-        opt = next((t for t, e in enumerate(self.trace.events) if e.kind == "optimizer"), -1)
-        opt_room = self.hardware.gpu_bytes - self.hardware.slack_bytes - event_non_model(self.trace.events[opt], True)
-        others = np.delete(cpu_only.room(), opt) if opt >= 0 else cpu_only.room()
-        room = int(others.min()) if len(others) else opt_room
-        k_max, at_opt, kept = 0, 0, 0
-        for c in trainable:
-            at_opt += sum(per_chunk[c].values())
-            kept += per_chunk[c].get("master", 0) + per_chunk[c].get("state", 0)
-            if at_opt > opt_room or kept > room:
-                break
-            k_max += 1
-        own = [per_chunk[c]["param"] * any(p.name in read for p in groups[c])
-               + per_chunk[c].get("grad", 0) * any(p.name in written for p in groups[c]) for c in trainable]
-        forced = [sum(own[k:]) for k in range(len(trainable) + 1)]
-        return k_max, forced
+        return cpu_split(self.trace, self.hardware, cpu_only, trainable, groups, per_chunk)
 
     def run(self) -> Scored | None:
         best = None
@@ -261,3 +243,29 @@ class Search:
 def planned_evaluations(trace: Trace, options: PlanOptions) -> int:
     """An upper estimate of fast-solver runs, for progress totals."""
     return len(chunk_targets(trace, options)) * (8 + 2 * REFINE_ROUNDS)
+
+
+def cpu_split(trace: Trace, hardware: Hardware, cpu_only: Any, trainable: list[int], groups: Any,
+              per_chunk: dict[int, dict[str, int]]) -> tuple[int, list[int]]:
+    """How many leading trainable chunks can keep their optimizer on the GPU (at the optimizer step and across
+    the iteration), and for each split k the bytes the CPU-updated chunks k… must move at least (one rank's
+    sizes, or a shard's: `per_chunk` decides)."""
+    read, written = set(), set()
+    for e in trace.events:
+        if e.kind != "optimizer":
+            read.update(e.params)
+            written.update(e.grads)
+    opt = next((t for t, e in enumerate(trace.events) if e.kind == "optimizer"), -1)
+    opt_room = hardware.gpu_bytes - hardware.slack_bytes - event_non_model(trace.events[opt], True)
+    others = np.delete(cpu_only.room(), opt) if opt >= 0 else cpu_only.room()
+    room = int(others.min()) if len(others) else opt_room
+    k_max, at_opt, kept = 0, 0, 0
+    for c in trainable:
+        at_opt += sum(per_chunk[c].values())
+        kept += per_chunk[c].get("master", 0) + per_chunk[c].get("state", 0)
+        if at_opt > opt_room or kept > room:
+            break
+        k_max += 1
+    own = [per_chunk[c]["param"] * any(p.name in read for p in groups[c])
+           + per_chunk[c].get("grad", 0) * any(p.name in written for p in groups[c]) for c in trainable]
+    return k_max, [sum(own[k:]) for k in range(len(trainable) + 1)]

@@ -26,9 +26,9 @@ from hplan.planner.exact import ExactResult, lp_bound, memory_rows, solve_milp
 from hplan.planner.intervals import build_intervals
 from hplan.planner.options import PlanOptions
 from hplan.planner.problem import (
-    Problem, Structure, _problem, build, event_non_model, make_regions,
+    Problem, Structure, _problem, build, make_regions,
 )
-from hplan.planner.search import Progress, Scored, Search
+from hplan.planner.search import Progress, Scored, Search, cpu_split
 
 
 def numel(p: ParamInfo) -> int:
@@ -169,25 +169,7 @@ class ShardSearch(Search):
             c = chunks[r.chunk]
             size = itemsizes(c, by_chunk[c.id])[r.kind]
             per_chunk.setdefault(r.chunk, {})[r.kind] = sharding.region_numel(c.id, r.kind, bool(c.trainable)) * size
-        read, written = set(), set()
-        for e in self.trace.events:
-            if e.kind != "optimizer":
-                read.update(e.params)
-                written.update(e.grads)
-        opt = next((t for t, e in enumerate(self.trace.events) if e.kind == "optimizer"), -1)
-        opt_room = self.hardware.gpu_bytes - self.hardware.slack_bytes - event_non_model(self.trace.events[opt], True)
-        others = np.delete(cpu_only.room(), opt) if opt >= 0 else cpu_only.room()
-        room = int(others.min()) if len(others) else opt_room
-        k_max, at_opt, kept = 0, 0, 0
-        for c in trainable:
-            at_opt += sum(per_chunk[c].values())
-            kept += per_chunk[c].get("master", 0) + per_chunk[c].get("state", 0)
-            if at_opt > opt_room or kept > room:
-                break
-            k_max += 1
-        own = [per_chunk[c]["param"] * any(p.name in read for p in groups[c])
-               + per_chunk[c].get("grad", 0) * any(p.name in written for p in groups[c]) for c in trainable]
-        return k_max, [sum(own[k:]) for k in range(len(trainable) + 1)]
+        return cpu_split(self.trace, self.hardware, cpu_only, trainable, groups, per_chunk)
 
     def all_resident(self, target: int) -> Scored | None:
         """Every region resident throughout and every update on the GPU, when that fits: it moves nothing, so
