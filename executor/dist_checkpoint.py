@@ -78,14 +78,14 @@ def choose_folder(directory: str | os.PathLike[str], info: dict[str, Any]) -> di
     from hplan.executor.checkpoint_dir import verify
 
     problems = []
-    for rank, name in enumerate(n for n in (info.get("latest"), info.get("previous")) if isinstance(n, str)):
+    for i, name in enumerate(n for n in (info.get("latest"), info.get("previous")) if isinstance(n, str)):
         try:
             verify(Path(directory) / name)
         except HplanError as exc:
             problems.append(str(exc))
             continue
         warning = (f"checkpoint {directory}: {problems[0]}; resuming from the previous step folder {name}"
-                   if rank else None)
+                   if i else None)
         return {**info, "latest": name, "warning": warning}
     raise HplanError(f"no good checkpoint in {directory}: {'; '.join(problems) or 'the pointer names no folder'}; "
                      "restore the folder from a backup or start again without --resume")

@@ -25,6 +25,7 @@ import torch
 import torch.distributed as dist
 from hplan.executor.device import make_tier
 from hplan.executor.dist_comm import PlanComm
+from hplan.executor.gradients import move_grad
 from hplan.executor.habits import intercepted, with_step_hooks
 from hplan.executor.measure import WindowMeter, make_probe
 from hplan.executor.runtime import check_plan
@@ -286,15 +287,8 @@ class DistRun:
 
     # -- gradients ------------------------------------------------------------------------------------
     def _on_grad(self, p: torch.Tensor) -> None:
-        if p.grad is None:
-            return
-        target, first = self.grad_target(p)
-        with torch.no_grad():
-            if first:
-                target.copy_(p.grad)
-            else:
-                target.add_(p.grad)
-        p.grad = None
+        """Post-accumulate-grad hook: autograd's gradient into its region, through grad_target."""
+        move_grad(p, self.grad_target)
 
     def grad_target(self, param: torch.Tensor) -> tuple[torch.Tensor, bool]:
         """GradSink: the full-shape gradient view (the grad region, or the chunk's full gradient buffer)."""

@@ -146,3 +146,17 @@ def apply_clips(clips: list[Clip] | tuple[Clip, ...], name: str, grad: torch.Ten
     for clip in clips:
         if clip.names is None or name in clip.names:
             clip.op(grad)
+
+
+def move_grad(p: torch.Tensor, grad_target: Callable[[torch.Tensor], tuple[torch.Tensor, bool]]) -> None:
+    """Post-accumulate-grad hook body: move autograd's gradient into its region (the first write of the iteration
+    overwrites, later ones add), then drop it. Nothing to do when the backward wrote through grad_target."""
+    if p.grad is None:
+        return
+    target, first = grad_target(p)
+    with torch.no_grad():
+        if first:
+            target.copy_(p.grad)
+        else:
+            target.add_(p.grad)
+    p.grad = None

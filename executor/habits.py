@@ -45,7 +45,7 @@ def intercepted(run: PlanRun, optimizer: torch.optim.Optimizer, model: nn.Module
         _patch(stack, optimizer, "zero_grad", _zero(run, optimizer.zero_grad))
         _patch(stack, model, "zero_grad", _zero(run, model.zero_grad))
         stack.enter_context(_clip_patch(run))
-        _patch_module_attr(stack, torch, "compile", _no_compile(run, torch.compile))
+        _patch(stack, torch, "compile", _no_compile(run, torch.compile))
         for register, hook in ((optimizer.register_state_dict_pre_hook, lambda opt: run.sync_state()),
                                (optimizer.register_state_dict_post_hook, lambda opt, sd: run.release_state()),
                                (optimizer.register_load_state_dict_pre_hook, run.stash_loaded_state),
@@ -70,12 +70,6 @@ def _patch(stack: contextlib.ExitStack, obj: Any, name: str, replacement: Callab
             delattr(obj, name)
 
     stack.callback(restore)
-
-
-def _patch_module_attr(stack: contextlib.ExitStack, module: Any, name: str, replacement: Any) -> None:
-    previous = getattr(module, name)
-    setattr(module, name, replacement)
-    stack.callback(setattr, module, name, previous)
 
 
 def _no_compile(run: PlanRun, original: Callable[..., Any]) -> Callable[..., Any]:

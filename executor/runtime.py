@@ -20,7 +20,7 @@ from hplan.executor.admission import check_plan, check_state_regions
 from hplan.executor.batch import UpdateBatch
 from hplan.executor.device import make_tier
 from hplan.executor.evaluation import EvalPass
-from hplan.executor.gradients import Clip, GradientOps
+from hplan.executor.gradients import Clip, GradientOps, move_grad
 from hplan.executor.habits import intercepted, with_step_hooks
 from hplan.executor.measure import EventRecord, WindowMeter, make_probe
 from hplan.executor.scale import LossScale
@@ -235,16 +235,8 @@ class PlanRun(UpdateSteps, GradientOps, StateSync):
 
     # -- gradients ------------------------------------------------------------------------------------
     def _on_grad(self, p: torch.Tensor) -> None:
-        """Post-accumulate-grad hook: move autograd's gradient into its region, through grad_target."""
-        if p.grad is None:  # the backward wrote it directly, through grad_target
-            return
-        target, first = self.grad_target(p)
-        with torch.no_grad():
-            if first:
-                target.copy_(p.grad)
-            else:
-                target.add_(p.grad)
-        p.grad = None
+        """Post-accumulate-grad hook: autograd's gradient into its region, through grad_target."""
+        move_grad(p, self.grad_target)
 
     def grad_target(self, param: torch.Tensor) -> tuple[torch.Tensor, bool]:
         """GradSink (hplan.grads): the parameter's gradient lives in its chunk's gradient region."""

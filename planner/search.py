@@ -136,6 +136,11 @@ class Search:
     def score(self, target: int, groups: list[list[ParamInfo]], gpu_chunks: frozenset[int]) -> Scored | None:
         """Build and solve (see the module doc); None when it cannot fit."""
         structure, problem = build(self.trace, groups, gpu_chunks, self.hardware, flips=self.options.flips)
+        return self.solve(target, groups, gpu_chunks, structure, problem)
+
+    def solve(self, target: int, groups: list[list[ParamInfo]], gpu_chunks: frozenset[int], structure: Structure,
+              problem: Problem) -> Scored | None:
+        """Solve one built problem (exact with an LP-bound prune, or the fast heuristics); None when it cannot fit."""
         if np.any(problem.room() < 0):
             return None
         model = build_intervals(problem)

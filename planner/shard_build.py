@@ -21,8 +21,6 @@ from hplan.artifacts.plan import Region, Step
 from hplan.artifacts.shard import Sharding, derive, itemsizes
 from hplan.artifacts.trace import ParamInfo, Trace
 from hplan.errors import HplanError
-from hplan.planner.belady import solve_fast
-from hplan.planner.exact import ExactResult, lp_bound, memory_rows, solve_milp
 from hplan.planner.intervals import build_intervals
 from hplan.planner.options import PlanOptions
 from hplan.planner.problem import (
@@ -133,27 +131,7 @@ class ShardSearch(Search):
         """As Search.score, on `shard_build`'s problem."""
         structure, problem, sharding = shard_build(self.trace, groups, gpu_chunks, self.hardware, self.factors)
         self.shardings[target] = sharding
-        if np.any(problem.room() < 0):
-            return None
-        model = build_intervals(problem)
-        keep, result = model.greedy(), None
-        if self.nodes:
-            rows = memory_rows(model)
-            bound = lp_bound(model, rows)
-            if bound > self.best_moved:
-                result = ExactResult(keep=keep, cost=model.cost(keep), lower_bound=bound, optimal=False,
-                                     status="pruned by the LP bound")
-            else:
-                result = solve_milp(model, keep, max_nodes=self.nodes, rows=rows)
-                keep = result.keep if result.keep is not None else keep
-        else:
-            belady = model.keep_of(solve_fast(problem))
-            keep = belady if model.cost(belady) < model.cost(keep) else keep
-        scored = Scored(chunk_target=target, groups=groups, gpu_chunks=gpu_chunks, structure=structure,
-                        problem=problem, model=model, keep=keep, moved=model.cost(keep), result=result)
-        self.best_moved = min(self.best_moved, scored.moved)
-        self.solved.append(scored)
-        return scored
+        return self.solve(target, groups, gpu_chunks, structure, problem)
 
     def _limits(self, groups: list[list[ParamInfo]], trainable: list[int], cpu_only: Problem
                 ) -> tuple[int, list[int]]:
