@@ -8,13 +8,17 @@ contents, wherever they are), its per-parameter optimizer step counters, its RNG
 LR scheduler (the same on every rank). Gradients are dead between iterations and not saved. Keys carry the rank
 (`rank1/region/12`), so DCP never merges two ranks' different shards as one replicated tensor.
 Commit order: every rank writes into `DIR/.step-000010.tmp` (DCP's save is collective and ends with a barrier),
-rank 0 renames it to `step-000010`, replaces `latest.json` atomically, then removes older step folders but the
-previous one. A kill before the rename leaves the previous checkpoint as latest.
+rank 0 renames it to `step-000010`, writes its manifest, replaces `latest.json` atomically, then removes the
+step folders but the new one and its fallback. The fallback is the folder this run resumed from (not the
+pointer's latest, which may be the damaged one it skipped) or saved last; a fresh run (`--overwrite`) keeps
+none of the earlier run's folders. A kill before the pointer is replaced leaves the previous checkpoint as latest.
 Resume needs the same world size and shard factors: a rank's keys are its shards under the plan's layout
 ([Note: shard layout] in hplan.artifacts.shard), and another world size cuts chunks into other pieces. DCP could
 reshard if every region were saved as a DTensor over the logical chunk; hplan refuses instead, in one line
-(`check_resumable`, run before any rank starts). hplan.executor.checkpoint (one process) is untouched; when its
-verified step folders land, these files belong inside them.
+(`check_resumable`, run before any rank starts, chooses the folder every rank then loads). A run that does not
+resume refuses a folder holding a checkpoint unless told to overwrite it (`check_fresh`). Each step folder gets
+the one-process checkpoints' manifest (hplan.executor.checkpoint_dir.write_manifest); what leaves hplan is
+`model.pt`, the final weights by name (`save_weights`).
 """
 
 from __future__ import annotations
@@ -32,9 +36,12 @@ from hplan.executor.checkpoint_dir import write_manifest
 
 SCHEMA = "hplan.dist-checkpoint/1"
 POINTER = "latest.json"
+WEIGHTS = "model.pt"
+"""The run's final weights by parameter name, beside the step folders: what leaves hplan (see save_weights)."""
+WEIGHTS_FORMAT = "hplan.final-weights/1"
 
 
-def _folder(step: int) -> str:
+def folder_name(step: int) -> str:
     return f"step-{step:06d}"
 
 
@@ -125,13 +132,29 @@ def _state(run: Any, *, global_step: int, scheduler: Any) -> dict[str, Any]:
     return {key: {"regions": regions, "extra": _pack(extra)}}
 
 
-def save(directory: str | os.PathLike[str], run: Any, *, global_step: int, scheduler: Any = None) -> None:
-    """Collective: every rank writes its shards; rank 0 commits the folder and the pointer."""
+def check_fresh(directory: str | os.PathLike[str], *, overwrite: bool) -> None:
+    """Before any rank starts, a run that does not resume: refuse a directory that holds a checkpoint (of many
+    ranks or one process) unless `overwrite`, so another run's state is never replaced by accident."""
+    root = Path(directory)
+    if root.exists() and not root.is_dir():
+        raise HplanError(f"--checkpoint {root} is not a directory; name a folder")
+    if overwrite or not root.is_dir():
+        return
+    held = sorted(p.name for p in root.iterdir() if p.name.startswith("step-") or p.name in (POINTER, "state.pt"))
+    if held:
+        raise HplanError(f"{root} already holds a checkpoint ({', '.join(held[-2:])}): pass --resume to continue it "
+                         "or --overwrite to replace it")
+
+
+def save(directory: str | os.PathLike[str], run: Any, *, global_step: int, scheduler: Any = None,
+         fallback: str | None = None) -> None:
+    """Collective: every rank writes its shards; rank 0 commits the folder and the pointer, naming `fallback`
+    (the folder this run resumed from or saved last; None for a fresh run's first save) as the previous one."""
     import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
 
     root = Path(directory)
-    tmp = root / f".{_folder(global_step)}.tmp"
+    tmp = root / f".{folder_name(global_step)}.tmp"
     if run.rank == 0:
         root.mkdir(parents=True, exist_ok=True)
         shutil.rmtree(tmp, ignore_errors=True)
@@ -139,40 +162,58 @@ def save(directory: str | os.PathLike[str], run: Any, *, global_step: int, sched
     dcp.save(_state(run, global_step=global_step, scheduler=scheduler), checkpoint_id=str(tmp))
     dist.barrier()
     if run.rank == 0:
-        final = root / _folder(global_step)
+        final = root / folder_name(global_step)
         shutil.rmtree(final, ignore_errors=True)
         os.replace(tmp, final)
         write_manifest(final, global_step=global_step, info={"world_size": run.world})  # last: checksums of all
-        previous = None
-        if (root / POINTER).is_file():
-            previous = json.loads((root / POINTER).read_text()).get("latest")
+        previous = fallback if fallback != final.name else None
         plan = run.plan
         info = {"schema": SCHEMA, "latest": final.name, "previous": previous, "global_step": global_step,
                 "world_size": run.world, "shard": plan.sharding.factors,
                 "fingerprint": {k: plan.fingerprint.get(k) for k in ("params_sha", "precision")}}
         with atomic_path(root / POINTER) as path:
             Path(path).write_text(json.dumps(info, indent=2))
-        for old in root.glob("step-*"):
+        if fallback is None:  # a fresh run: the weights of the run it replaces are not this run's
+            (root / WEIGHTS).unlink(missing_ok=True)
+        for old in [*root.glob("step-*"), *root.glob(".step-*.tmp")]:
             if old.name not in (final.name, previous):
                 shutil.rmtree(old, ignore_errors=True)
     dist.barrier()
 
 
-def load(directory: str | os.PathLike[str], run: Any) -> dict[str, Any]:
-    """Collective: read this rank's shards of the latest checkpoint into the run's region host copies and step
-    counters (call from DistRun's on_setup, before the initial fetches); returns global step and scheduler."""
+def save_weights(directory: str | os.PathLike[str], model: Any, *, global_step: int) -> Path:
+    """Rank 0, after the run's block (every parameter holds its full value): `DIR/model.pt`, a plain
+    `torch.save` of {"model": model.state_dict() on the CPU, "global_step", "format"}, written atomically.
+
+    The step folders hold each rank's plan regions, which only hplan (same world size and factors) reads back;
+    this file is the run's result in the model's own terms, for `model.load_state_dict(torch.load(f)["model"])`
+    without hplan. Optimizer state stays sharded in the step folders."""
+    import torch
+
+    path = Path(directory) / WEIGHTS
+    weights = {k: v.detach().to("cpu", copy=True) for k, v in model.state_dict().items()}
+    with atomic_path(path) as tmp:
+        torch.save({"format": WEIGHTS_FORMAT, "global_step": global_step, "model": weights}, tmp)
+    return path
+
+
+def load(directory: str | os.PathLike[str], run: Any, folder: str | None = None) -> dict[str, Any]:
+    """Collective: read this rank's shards of step folder `folder` (the one `check_resumable` chose before the
+    ranks started, so all agree; None: choose it here) into the run's region host copies and step counters
+    (call from DistRun's on_setup, before the initial fetches); returns global step and scheduler."""
     import torch
     import torch.distributed.checkpoint as dcp
 
-    info = check_resumable(directory, run.plan, run.world)
+    if folder is None:
+        folder = check_resumable(directory, run.plan, run.world)["latest"]
+
     store, key = run.store, f"rank{run.rank}"
     template = {key: {"regions": {str(rid): store.typed(rid, host=True).clone()
                                   for rid, slot in store.slots.items() if slot.region.kind != "grad"},
                       "extra": torch.empty(0, dtype=torch.uint8)}}
-    folder = Path(directory) / info["latest"]
-    extra_size = _extra_size(folder, key)
-    template[key]["extra"] = torch.empty(extra_size, dtype=torch.uint8)
-    dcp.load(template, checkpoint_id=str(folder))
+    path = Path(directory) / folder
+    template[key]["extra"] = torch.empty(_extra_size(path, key), dtype=torch.uint8)
+    dcp.load(template, checkpoint_id=str(path))
     with torch.no_grad():
         for rid, value in template[key]["regions"].items():
             store.typed(int(rid), host=True).copy_(value)
@@ -185,7 +226,7 @@ def load(directory: str | os.PathLike[str], run: Any) -> dict[str, Any]:
                                              device=state["step"].device if "step" in state else "cpu")
                 update.started.add(n)
     torch.set_rng_state(extra["rng"])
-    return {"global_step": int(extra["global_step"]), "scheduler": extra["scheduler"], "path": str(folder)}
+    return {"global_step": int(extra["global_step"]), "scheduler": extra["scheduler"], "path": str(path)}
 
 
 def _extra_size(folder: Path, key: str) -> int:

@@ -37,18 +37,19 @@ class Job:
     steps: int
     device: str
     checkpoint: str | None
-    resume: bool
+    resume_from: str | None
+    """The step folder to resume from (chosen and verified before the ranks start), or None for a fresh run."""
     measure: bool
     budget_guard: str
 
 
 def run_distributed(spec: str, plan: Plan, *, nproc: int | None, steps: int, device: str = "cpu",
                     load: dict[str, Any] | None = None, checkpoint_dir: str | os.PathLike[str] | None = None,
-                    resume: bool = False, measure: bool = True, budget_guard: str = "stop",
+                    resume: bool = False, overwrite: bool = False, measure: bool = True, budget_guard: str = "stop",
                     timeout_s: float = 3600.0, collective_timeout_s: float = 300.0,
                     on_warning: Callable[[str], None] | None = None) -> RunReport:
     """Train `spec` to global step `steps` on the plan's ranks (spawned, or this torchrun job's)."""
-    from hplan.executor.dist_checkpoint import check_resumable
+    from hplan.executor.dist_checkpoint import check_fresh, check_resumable
     from hplan.executor.distributed import check_world
     from hplan.executor.launch import launch, under_torchrun
 
@@ -59,15 +60,22 @@ def run_distributed(spec: str, plan: Plan, *, nproc: int | None, steps: int, dev
         raise HplanError(f"the plan is for {plan.hardware.ranks} ranks: give --nproc {plan.hardware.ranks} or launch "
                          "under torchrun")
     check_world(plan, world)
+    if resume and overwrite:
+        raise HplanError("--resume continues the checkpoint and --overwrite replaces it: pass only one")
+    resume_from = None
     if resume:
         if checkpoint_dir is None:
             raise HplanError("--resume needs --checkpoint DIR (where the state was saved)")
-        warning = check_resumable(checkpoint_dir, plan, world).get("warning")
-        if warning and on_warning is not None:
-            on_warning(warning)
+        chosen = check_resumable(checkpoint_dir, plan, world)
+        resume_from = chosen["latest"]
+        if chosen.get("warning") and on_warning is not None:
+            on_warning(chosen["warning"])
+    elif checkpoint_dir is not None:
+        check_fresh(checkpoint_dir, overwrite=overwrite)
     backend = "nccl" if device.startswith("cuda") else "gloo"
     job = Job(spec=spec, load=load or {}, plan=plan.to_dict(), steps=steps, device=device,
-              checkpoint=None if checkpoint_dir is None else str(checkpoint_dir), resume=resume, measure=measure,
+              checkpoint=None if checkpoint_dir is None else str(checkpoint_dir), resume_from=resume_from,
+              measure=measure,
               budget_guard=budget_guard)
     results = launch(rank_main, job, nprocs=None if under_torchrun() else world, backend=backend,
                      timeout_s=timeout_s, collective_timeout_s=collective_timeout_s)
@@ -99,12 +107,13 @@ def rank_main(info: Any, job: Job) -> dict[str, Any]:
     resumed: dict[str, Any] = {}
 
     def setup(run: DistRun) -> None:
-        if job.resume:
-            resumed.update(dist_checkpoint.load(job.checkpoint, run))
+        if job.resume_from is not None:
+            resumed.update(dist_checkpoint.load(job.checkpoint, run, job.resume_from))
 
     n, r, k = info.world_size, info.rank, workload.accumulate
     die = os.environ.get(DIE_ENV, "")
     losses, seconds = [], []
+    fallback = job.resume_from
     with DistRun(model, optimizer, plan, device=device, batch_example=workload.batch(0), measure=job.measure,
                  budget_guard=job.budget_guard, on_setup=setup) as run:
         first = resumed.get("global_step", 0)
@@ -133,7 +142,11 @@ def rank_main(info: Any, job: Job) -> dict[str, Any]:
             dist.all_reduce(total)
             losses.append(float(total) / n)
             if job.checkpoint is not None:
-                dist_checkpoint.save(job.checkpoint, run, global_step=step + 1, scheduler=scheduler)
+                dist_checkpoint.save(job.checkpoint, run, global_step=step + 1, scheduler=scheduler,
+                                     fallback=fallback)
+                fallback = dist_checkpoint.folder_name(step + 1)
+    if job.checkpoint is not None and r == 0:
+        dist_checkpoint.save_weights(job.checkpoint, model, global_step=job.steps)
     return {"rank": r, "first_step": first, "losses": losses, "seconds": seconds,
             "peak_resident_bytes": run.peak, "h2d_bytes_per_iter": last.h2d_bytes, "d2h_bytes_per_iter": last.d2h_bytes,
             "collective_bytes_per_iter": last.collective_bytes, "collective_wire_bytes_per_iter": last.wire_bytes}

@@ -83,7 +83,7 @@ def test_a_rank_that_dies_stops_the_run_in_one_line(trace, tmp_path):
     data[len(data) // 2] ^= 0x40
     shard.write_bytes(bytes(data))
     cmd = [sys.executable, "-c", "from hplan.cli import main; main()", "run", SPEC, "--plan",
-           str(tmp_path / "plan.json"), "--steps", "3", "--nproc", "2", "--checkpoint", str(tmp_path / "ck"),
+           str(tmp_path / "plan.json"), "--steps", "2", "--nproc", "2", "--checkpoint", str(tmp_path / "ck"),
            "--resume", "--json"]
     env = {**os.environ, "COLUMNS": "300"}
     done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
@@ -93,13 +93,49 @@ def test_a_rank_that_dies_stops_the_run_in_one_line(trace, tmp_path):
     import json
 
     assert json.loads(done.stdout)["first_step"] == 1
-    # Nothing good left (the new step-000003 and its previous both damaged): exit 2, one line.
-    for folder in ("step-000003", "step-000002"):
+    # The new step-000002 keeps the folder the run resumed from as its fallback (not the damaged one it replaced).
+    assert {k: read_pointer(tmp_path / "ck")[k] for k in ("latest", "previous")} == {
+        "latest": "step-000002", "previous": "step-000001"}
+    # Nothing good left (the new step-000002 and its fallback both damaged): exit 2, one line.
+    for folder in ("step-000002", "step-000001"):
         target = tmp_path / "ck" / folder
         if target.is_dir():
             (max(target.glob("*.distcp"), key=lambda f: f.stat().st_size)).write_bytes(b"x")
     done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 2 and "no good checkpoint" in done.stderr, done.stderr
+
+
+def test_a_fresh_run_never_replaces_a_checkpoint_unasked(trace, tmp_path):
+    """Without --resume, a folder holding a checkpoint is refused in one line and left as it was; --overwrite
+    starts afresh, and its first save keeps none of the earlier run's folders as a fallback."""
+    plan = dist_hplan.plan_at(trace, (2, 2, 2))
+    plan.save(tmp_path / "plan.json")
+    ck = tmp_path / "ck"
+    cmd = [sys.executable, "-c", "from hplan.cli import main; main()", "run", SPEC, "--plan",
+           str(tmp_path / "plan.json"), "--steps", "2", "--nproc", "2", "--checkpoint", str(ck)]
+    env = {**os.environ, "COLUMNS": "300"}
+    assert subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300).returncode == 0
+    before = {p.relative_to(ck): p.read_bytes() for p in ck.rglob("*") if p.is_file()}
+    done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 2 and "already holds a checkpoint" in done.stderr and "--overwrite" in done.stderr
+    assert len(done.stderr.strip().splitlines()) == 1, done.stderr
+    assert {p.relative_to(ck): p.read_bytes() for p in ck.rglob("*") if p.is_file()} == before
+    done = subprocess.run([*cmd[:-6], "--steps", "1", "--nproc", "2", "--checkpoint", str(ck), "--overwrite"],
+                          env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    from hplan.executor.dist_checkpoint import read_pointer
+
+    pointer = read_pointer(ck)
+    assert pointer["latest"] == "step-000001" and pointer["previous"] is None
+    assert sorted(p.name for p in ck.iterdir() if p.name.startswith("step-")) == ["step-000001"]
+    # The final weights leave hplan by parameter name (audit 17 D5): plain torch.load, equal to plain PyTorch.
+    import torch
+
+    saved = torch.load(ck / "model.pt", weights_only=True)
+    assert saved["global_step"] == 1
+    expected = ref.accumulated(SPEC, 2, 1).weights
+    assert set(expected) <= set(saved["model"])  # every parameter (and the model's buffers)
+    assert ref.max_abs_weight_diff({k: saved["model"][k] for k in expected}, expected) <= TOL
 
 
 def _four_ranks(info, spec, plans, steps):

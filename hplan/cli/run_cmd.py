@@ -56,7 +56,8 @@ def register(app: typer.Typer) -> None:
                 guarded(lambda: _refuse("--nvme-dir is for one-process plans made with --nvme; a many-rank plan "
                                         "keeps no disk tier: leave --nvme-dir out"))
             guarded(lambda: _run_many(spec=spec, plan=plan, steps=steps, device=device, metrics=metrics,
-                                      checkpoint=checkpoint, resume=resume, batch_size=batch_size, seq_len=seq_len,
+                                      checkpoint=checkpoint, resume=resume, overwrite=overwrite,
+                                      batch_size=batch_size, seq_len=seq_len,
                                       precision=precision, overrides=overrides, as_json=as_json,
                                       budget_guard=budget_guard, on_nonfinite=on_nonfinite, nproc=nproc))
             return
@@ -156,12 +157,15 @@ def _check_cuda_index(device: str) -> None:
 
 
 def _run_many(*, spec: str, plan: Path, steps: int, device: str, metrics: Path | None, checkpoint: Path | None,
-              resume: bool, batch_size: int | None, seq_len: int | None, precision: str | None,
+              resume: bool, overwrite: bool, batch_size: int | None, seq_len: int | None, precision: str | None,
               overrides: list[str] | None, as_json: bool, budget_guard: str, on_nonfinite: str,
               nproc: int | None) -> None:
     """`hplan run --nproc N` / under torchrun (hplan.cli.world)."""
     from hplan.cli.world import run_many
 
+    if overwrite and checkpoint is None:
+        raise HplanError("--overwrite replaces the checkpoints of --checkpoint DIR: pass --checkpoint too")
     run_many(spec=spec, plan=plan, steps=steps, device=device, metrics=metrics, checkpoint=checkpoint, resume=resume,
+             overwrite=overwrite,
              batch_size=batch_size, seq_len=seq_len, precision=precision, overrides=overrides, as_json=as_json,
              budget_guard=budget_guard, on_nonfinite=on_nonfinite, nproc=nproc)

@@ -101,6 +101,7 @@ def many_rank_run(nproc: int | None, plan: Any) -> bool:
 
 
 def run_many(*, spec: str, plan: Any, steps: int, device: str, metrics: Any, checkpoint: Any, resume: bool,
+             overwrite: bool,
              batch_size: int | None, seq_len: int | None, precision: str | None, overrides: list[str] | None,
              as_json: bool, budget_guard: str, on_nonfinite: str, nproc: int | None) -> None:
     """`hplan run --nproc N` (or under torchrun): hplan.executor.dist_train.run_distributed, one summary."""
@@ -125,7 +126,7 @@ def run_many(*, spec: str, plan: Any, steps: int, device: str, metrics: Any, che
     load = dict(batch_size=batch_size, seq_len=seq_len, overrides=parse_overrides(overrides), precision=precision,
                 accumulate=the_plan.accumulate, max_grad_norm=the_plan.max_grad_norm)
     report = run_distributed(spec, the_plan, nproc=nproc, steps=steps, device=device, load=load,
-                             checkpoint_dir=checkpoint, resume=resume, budget_guard=budget_guard,
+                             checkpoint_dir=checkpoint, resume=resume, overwrite=overwrite, budget_guard=budget_guard,
                              on_warning=warn_line if os.environ.get("RANK", "0") == "0" else None)
     if os.environ.get("RANK", "0") != "0":  # torchrun: every rank has the report; rank 0 prints it
         return
