@@ -12,6 +12,9 @@ from bench.harness import ChildResult, run_worker
 
 HEADLINE_SHAPE = (1, 1024)
 """(batch, seq) of the fake GPT traces: the seed's headline setting and issue 3's 18b goal."""
+BF16_TOO_SLOW = 8.0
+"""A CPU whose bf16 matmul is this many times slower than fp32 has no bf16 units (torch falls back to a scalar
+kernel for some layouts): a bf16-mixed gpt:350m step then takes minutes, so the full runs train fp32 instead."""
 
 
 @dataclass(kw_only=True)
@@ -23,6 +26,35 @@ class Context:
     work_dir: Path = field(default_factory=lambda: Path(tempfile.mkdtemp(prefix="hplan-bench-")))
     fake_runs: dict[str, ChildResult] = field(default_factory=dict)
     _traces: dict[str, Any] = field(default_factory=dict)
+    _bf16: float | None = None
+
+    def bf16_slowdown(self) -> float:
+        """bf16 ÷ fp32 seconds of the matmul a linear layer's backward runs (grad_out @ W, both row-major),
+        measured once per run on this CPU."""
+        if self._bf16 is None:
+            import time
+
+            import torch
+
+            def seconds(dtype: torch.dtype) -> float:
+                a, b = torch.randn(64, 1024, dtype=dtype), torch.randn(1024, 1024, dtype=dtype)
+                a @ b
+                start = time.perf_counter()
+                for _ in range(3):
+                    a @ b
+                return (time.perf_counter() - start) / 3
+
+            self._bf16 = seconds(torch.bfloat16) / seconds(torch.float32)
+            self.log(f"[bench]   bf16 matmul on this CPU: {self._bf16:.1f}× the fp32 time")
+        return self._bf16
+
+    def bf16_note(self) -> str:
+        return (f"this CPU's bf16 matmul (grad_out @ W, 64×1024 @ 1024×1024) took {self.bf16_slowdown():.0f}× the "
+                "fp32 time in this run (no bf16 units: torch falls back to a scalar kernel), so a bf16-mixed gpt:350m step "
+                "would take minutes")
+
+    def bf16_affordable(self) -> bool:
+        return self.bf16_slowdown() < BF16_TOO_SLOW
 
     def fig_path(self, name: str) -> tuple[Path, str]:
         """Absolute path to write a figure to, and its path relative to the markdown file."""

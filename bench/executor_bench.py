@@ -252,6 +252,11 @@ def capacity_table(ctx: Context, hw: Any) -> Table:
         ("gpt:350m", {"batch_size": 1, "seq_len": 128, "precision": "bf16-mixed"}),
         ("gpt:350m", {"batch_size": 1, "seq_len": 128, "precision": "bf16-mixed", "overrides": ONE_SHARD})]
     steps = 3 if ctx.quick else 5
+    if not ctx.bf16_affordable():
+        skipped = [capacity_label(spec, kw) for spec, kw in cases if "precision" in kw]
+        cases = [(spec, kw) for spec, kw in cases if "precision" not in kw]
+        if skipped:
+            table.notes.append(f"Not run in this run: {'; '.join(skipped)}: {ctx.bf16_note()}.")
     for spec, kw in cases:
         ctx.log(f"[bench]   capacity: {spec} {kw}")
         workload = load_workload(spec, **kw)

@@ -130,7 +130,7 @@ class ChildResult:
     wall_seconds: float
     """Parent-side wall time of the whole child (interpreter start and imports included)."""
     peak_rss_bytes: int
-    """The child's own ru_maxrss (Linux reports KiB; converted to bytes)."""
+    """The child's own peak RSS in bytes (`self_peak_rss_bytes`, reported by the child)."""
     payload: dict[str, Any]
     error: str = ""
 
@@ -174,9 +174,19 @@ def parse_last_json(text: str) -> dict[str, Any] | None:
 
 
 def self_peak_rss_bytes() -> int:
-    """This process's peak RSS in bytes (ru_maxrss is KiB on Linux, bytes on macOS)."""
+    """This process's peak RSS in bytes: VmHWM on Linux, the high-water mark of this program's own memory.
+
+    Not ru_maxrss there: Linux carries it across exec from the process that spawned us, so a worker started by
+    a suite holding 11 GB reports 11 GB whatever it used itself. (macOS: ru_maxrss, in bytes.)"""
     import resource
 
+    try:
+        with open("/proc/self/status") as status:
+            for line in status:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     return int(peak if sys.platform == "darwin" else peak * 1024)
 

@@ -26,6 +26,7 @@ from bench.harness import SectionOutput, Table, fmt_bytes, fmt_ratio, fmt_second
 
 MIXED_PARITY_RTOL = 1e-4
 """bf16-mixed loss parity (relative), as in the executor's tests."""
+FP32_PARITY_RTOL = 1e-5
 ZERO_INFINITY = ("ZeRO-Infinity (SC21 slides, DeepSpeed docs/assets/files/SC21-ZeRO-Infinity.pdf): 1T parameters "
                  "on a single DGX-2 node (16 V100-32GB, 1.5 TB RAM, NVMe at 28 GB/s NVMe→GPU); GPT-3 fine-tuned on "
                  "one node. Published claims, not reproduced here.")
@@ -48,18 +49,21 @@ def hplan(*args: str) -> str:
     return proc.stdout
 
 
-def executor_table(ctx: Context) -> tuple[Table, dict[str, float]]:
+def executor_table(ctx: Context) -> tuple[Table, dict[str, Any]]:
     from hplan.executor.nvme import measure_raw_bandwidth
     from hplan.specs import load_workload
     from hplan.training import plain_losses
 
     spec, shape = QUICK_RUN if ctx.quick else FULL_RUN
     steps = 3 if ctx.quick else 5
+    precision, tolerance = "bf16-mixed", MIXED_PARITY_RTOL
+    if not ctx.quick and not ctx.bf16_affordable():  # same 16 B of model state per parameter either way
+        precision, tolerance = "fp32", FP32_PARITY_RTOL
     work = ctx.work_dir / "nvme-tier"
     disk = work / "disk"
     disk.mkdir(parents=True, exist_ok=True)
     try:
-        workload_args = (spec, "--precision", "bf16-mixed", *shape)
+        workload_args = (spec, "--precision", precision, *shape)
         ctx.log(f"[bench]   nvme: trace {spec} on CPU")
         hplan("trace", *workload_args, "--iters", "2", "-o", str(work / "t.parquet"))
         from hplan.artifacts import Trace
@@ -76,22 +80,23 @@ def executor_table(ctx: Context) -> tuple[Table, dict[str, float]]:
         report = json.loads(hplan("run", *workload_args, "--plan", str(work / "p.json"), "--steps", str(steps),
                                   "--nvme-dir", str(disk), "--json"))
         raw.append(measure_raw_bandwidth(disk, probe))
-        reference = plain_losses(load_workload(spec, precision="bf16-mixed", batch_size=int(shape[1]),
+        reference = plain_losses(load_workload(spec, precision=precision, batch_size=int(shape[1]),
                                                seq_len=int(shape[3])), steps)
     finally:
         shutil.rmtree(work, ignore_errors=True)
     s, gpu = summary["summary"], summary["gpu_bytes"]
     diff = max(rel_diff(a, b) for a, b in zip(report["losses"], reference, strict=True))
-    parity = diff <= MIXED_PARITY_RTOL and report["peak_host_model_bytes"] <= host
+    parity = diff <= tolerance and report["peak_host_model_bytes"] <= host
     raw_w, raw_r = median([w for w, _ in raw]) / 1e9, median([r for _, r in raw]) / 1e9
     got_r, got_w = report["nvme_read_gbps"], report["nvme_write_gbps"]
-    table = Table(headers=["", spec + " bf16-mixed"], caption=f"**Training from disk** ({steps} steps, `hplan run "
+    table = Table(headers=["", f"{spec} {precision}"], caption=f"**Training from disk** ({steps} steps, `hplan run "
                   "--nvme-dir` on this machine's disk; fast tier at its minimum, host budget 1.25× its minimum).")
     cap = ratio(state, gpu + host)
     busy = report["nvme_busy_seconds"]
     combined = ratio(report["nvme_read_bytes"] / (raw_r * 1e9) + report["nvme_write_bytes"] / (raw_w * 1e9), busy)
     rows = [
-        ("model state (weights, gradients, fp32 masters, AdamW moments)", fmt_bytes(state)),
+        ("model state (weights, gradients, " + ("" if precision == "fp32" else "fp32 masters, ") + "AdamW moments)",
+         fmt_bytes(state)),
         ("fast tier (--gpu-mem min) + host budget (--cpu-mem)", f"{fmt_bytes(gpu)} + {fmt_bytes(host)}"),
         ("(a) capacity: model state ÷ (fast tier + host budget)", f"{fmt_ratio(cap, 1)} (goal ≥ 5×)"),
         ("max loss diff vs plain PyTorch (relative)", f"{diff:.1e} ({'parity' if parity else 'NO parity'})"),
@@ -116,33 +121,30 @@ def executor_table(ctx: Context) -> tuple[Table, dict[str, float]]:
                        "(DiskStore's own clock), reads and writes sharing the disk; raw is `measure_raw_bandwidth` "
                        "(four streams of 16 MiB O_DIRECT requests, fsync after writing), the median of one "
                        "measurement before and one after the run. The plan used the rates measured before it.")
+    if precision == "fp32":
+        table.notes.append(f"Trained in fp32, not bf16-mixed: {ctx.bf16_note()}. fp32 AdamW holds the same 16 B "
+                           "of model state per parameter (4 weight + 4 gradient + 8 moments; bf16-mixed: 2 + 2 + 4 master + 8), "
+                           "so the model state and the capacity question are the same.")
     if ctx.quick:
         table.notes.append("--quick trains gpt:tiny: its regions are kilobytes, so each transfer is one request's "
                            "latency and (b) is far below the sequential rate; its activations outweigh its model "
                            "state, so (a) is below 1×. The full run (gpt:350m) is the one that judges both goals.")
-    return table, {"capacity": cap or 0.0, "read": ratio(got_r, raw_r) or 0.0, "write": ratio(got_w, raw_w) or 0.0,
+    return table, {"what": f"{spec} {precision}", "capacity": cap or 0.0, "read": ratio(got_r, raw_r) or 0.0, "write": ratio(got_w, raw_w) or 0.0,
                    "combined": combined or 0.0, "parity": float(parity)}
 
 
 def fake_trace(ctx: Context, spec: str) -> tuple[Any, float, int]:
-    """Fake-trace `spec` in bf16-mixed at PLAN_SHAPE in its own process: (trace, seconds, its peak RSS bytes)."""
-    import os
-    import time
-
+    """Fake-trace `spec` in bf16-mixed at PLAN_SHAPE in its own process (bench.worker): (trace, the trace's
+    seconds, the worker's own peak RSS bytes)."""
+    from bench.harness import run_worker
     from hplan.artifacts import Trace
 
     out = ctx.work_dir / f"{spec.replace(':', '_')}.nvme.parquet"
-    cmd = [sys.executable, "-c", "from hplan.cli import main; main()", "trace", spec, "--device", "fake",
-           "--precision", "bf16-mixed", "--batch-size", str(PLAN_SHAPE[0]), "--seq-len", str(PLAN_SHAPE[1]),
-           "-o", str(out)]
-    start = time.perf_counter()
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-    _, status, usage = os.wait4(proc.pid, 0)
-    seconds = time.perf_counter() - start
-    if os.waitstatus_to_exitcode(status) != 0:
-        raise RuntimeError(f"fake trace of {spec} failed: {(proc.stderr.read().decode().strip() or '?')[-300:]}")
+    res = run_worker(["fake-trace", spec, str(out), *map(str, PLAN_SHAPE), "bf16-mixed"], timeout=900.0)
+    if not res.ok:
+        raise RuntimeError(f"fake trace of {spec} failed: {res.error}")
     try:
-        return Trace.load(out), seconds, usage.ru_maxrss * 1024
+        return Trace.load(out), float(res.payload["trace_seconds"]), res.peak_rss_bytes
     finally:
         out.unlink(missing_ok=True)
 
@@ -162,7 +164,7 @@ def plans_table(ctx: Context) -> tuple[Table, list[str], Table]:
                   caption=f"**Plans for one GPU with NVMe** — hplan's simulator on fake traces (bf16-mixed AdamW: 16 B "
                           f"of model state per parameter; batch {PLAN_SHAPE[0]}, sequence {PLAN_SHAPE[1]}), at "
                           "published rates; nothing here ran on that hardware.")
-    traced = Table(headers=["workload", "fake trace seconds", "fake tracer peak RSS"],
+    traced = Table(headers=["workload", "fake trace seconds", "fake tracer peak RSS (its own process)"],
                    caption="Fake traces of the presets (each in its own process).")
     best: dict[str, str] = {}
     for spec in RIG_PRESETS:
@@ -200,7 +202,8 @@ def run(ctx: Context) -> SectionOutput:
     if measured is not None:
         table, key = measured
         out.tables.append(table)
-        out.headline.append(f"capacity from disk {key['capacity']:.1f}× model state per fast-tier + host byte "
+        out.headline.append(f"capacity from disk ({key['what']}) {key['capacity']:.1f}× model state per fast-tier + "
+                            "host byte "
                             f"(goal ≥ 5×, {'at' if key['parity'] else 'WITHOUT'} loss parity); disk achieved ÷ raw: "
                             f"read {key['read']:.2f}, write {key['write']:.2f}, both on one disk "
                             f"{key['combined']:.2f} (goal ≥ 0.7)")

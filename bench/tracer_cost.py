@@ -68,7 +68,7 @@ def fake_rows(ctx: Context) -> tuple[Table, list[str]]:
     table = Table(headers=["workload (batch 1, seq 1024, AdamW)", "params", "fake trace time", "peak RSS",
                            "ops / iter", "events", "predicted peak (unplanned)", "goal"],
                   caption="**Fake traces** (no real memory): trace time inside the worker process and the "
-                          "worker's peak RSS (ru_maxrss; interpreter and torch import included).")
+                          "worker's own peak RSS (VmHWM; interpreter and torch import included).")
     headline: list[str] = []
     specs = FAKE_SPECS_QUICK if ctx.quick else FAKE_SPECS_FULL
     for spec in FAKE_SPECS_FULL:

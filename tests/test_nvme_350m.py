@@ -1,7 +1,9 @@
 """Issue 16's CPU test on a real disk: gpt:350m in bf16-mixed (5.68 GB of model state) with the fast tier at its
 minimum and a host budget of a fifth of the model state; ten steps through the CLI (trace, plan, run) equal
 plain PyTorch's losses, the measured host model-data peak stays within --cpu-mem and the disk bytes read and
-written equal the plan's.
+written equal the plan's. The same in fp32 (also 16 B of model state per parameter: 4 weight + 4 gradient + 8
+AdamW moments), which runs where the CPU has no bf16 units: there torch's bf16 matmul falls back to a scalar
+kernel and a bf16 gpt:350m step takes minutes, so the bf16 case is skipped, saying so.
 
 Slow (minutes) and heavy: the trace and the reference hold the whole model state in memory (~7 GB), the run
 keeps about 4 GB of region files in a tmp dir (removed when it ends). Batch 1, sequence 64.
@@ -19,8 +21,25 @@ import pytest
 from hplan.specs import load_workload
 from hplan.training import plain_losses
 
-WORKLOAD = ["gpt:350m", "--precision", "bf16-mixed", "--batch-size", "1", "--seq-len", "64"]
+SHAPE = ["--batch-size", "1", "--seq-len", "64"]
 STEPS = 10
+TOLERANCE = {"bf16-mixed": 1e-4, "fp32": 1e-5}
+
+
+def bf16_slowdown() -> float:
+    """bf16 ÷ fp32 seconds of a linear layer's backward matmul (grad_out @ W) on this CPU."""
+    import time
+
+    import torch
+
+    def seconds(dtype: torch.dtype) -> float:
+        a, b = torch.randn(64, 1024, dtype=dtype), torch.randn(1024, 1024, dtype=dtype)
+        a @ b
+        start = time.perf_counter()
+        a @ b
+        return time.perf_counter() - start
+
+    return seconds(torch.bfloat16) / seconds(torch.float32)
 
 
 def hplan(*args: str) -> str:
@@ -31,10 +50,15 @@ def hplan(*args: str) -> str:
 
 
 @pytest.mark.slow
-def test_gpt_350m_bf16_trains_from_disk_within_a_fifth_of_its_state(tmp_path: Path) -> None:
+@pytest.mark.parametrize("precision", ["bf16-mixed", "fp32"])
+def test_gpt_350m_trains_from_disk_within_a_fifth_of_its_state(tmp_path: Path, precision: str) -> None:
+    if precision == "bf16-mixed" and (slow := bf16_slowdown()) > 8:
+        pytest.skip(f"this CPU's bf16 matmul takes {slow:.0f}x the fp32 time (no bf16 units): the fp32 case checks "
+                    "the same bytes")
+    workload_args = ["gpt:350m", "--precision", precision, *SHAPE]
     trace, plan, nvme = tmp_path / "t.parquet", tmp_path / "p.json", tmp_path / "nvme"
     nvme.mkdir()
-    hplan("trace", *WORKLOAD, "--iters", "2", "-o", str(trace))
+    hplan("trace", *workload_args, "--iters", "2", "-o", str(trace))
     from hplan.artifacts import Trace
 
     state = Trace.load(trace).model_bytes
@@ -42,13 +66,14 @@ def test_gpt_350m_bf16_trains_from_disk_within_a_fifth_of_its_state(tmp_path: Pa
     cpu = state // 5
     summary = json.loads(hplan("plan", str(trace), "--gpu", "cpu", "--gpu-mem", "min", "--cpu-mem", f"{cpu}B",
                                "--nvme", "20GB", "--json", "-o", str(plan)))["summary"]
-    report = json.loads(hplan("run", *WORKLOAD, "--plan", str(plan), "--steps", str(STEPS), "--nvme-dir", str(nvme),
+    report = json.loads(hplan("run", *workload_args, "--plan", str(plan), "--steps", str(STEPS),
+                              "--nvme-dir", str(nvme),
                               "--json"))
     assert not list(nvme.glob("*.region"))
-    reference = plain_losses(load_workload("gpt:350m", precision="bf16-mixed", batch_size=1, seq_len=64), STEPS)
+    reference = plain_losses(load_workload("gpt:350m", precision=precision, batch_size=1, seq_len=64), STEPS)
     print(json.dumps({"model_state": state, "cpu_budget": cpu, "summary": summary, "report": report,
                       "reference": reference}))
-    assert max(abs(a - b) / abs(b) for a, b in zip(report["losses"], reference, strict=True)) <= 1e-4
+    assert max(abs(a - b) / abs(b) for a, b in zip(report["losses"], reference, strict=True)) <= TOLERANCE[precision]
     assert 0 < report["peak_host_model_bytes"] <= cpu
     assert (report["nvme_read_bytes_per_iter"], report["nvme_write_bytes_per_iter"]) == (
         summary["nvme_read_bytes"], summary["nvme_write_bytes"]) == (
