@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import math
 import os
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -93,3 +94,25 @@ def cli_env(**extra: str) -> dict[str, str]:
     process: the same torch thread count (OMP_NUM_THREADS), since a different count splits matmul reductions
     differently and moves losses by an ulp (bf16-mixed gpt:tiny: 5.5459003 with two threads, 5.5459514 with one)."""
     return {**os.environ, "OMP_NUM_THREADS": str(torch.get_num_threads()), **extra}
+
+
+def kill_after_save(cmd: list[str], checkpoint: Path, *, step: int, timeout_s: float) -> int:
+    """Start the CLI `cmd`, `kill -9` it once `checkpoint` holds a save of at least `step`, and return the step
+    saved when it died (asserting it was killed, not finished)."""
+    import signal
+    import subprocess
+    import time
+
+    from hplan.executor.checkpoint_dir import saved_step
+
+    proc = subprocess.Popen(cmd, env=cli_env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + timeout_s
+        while saved_step(checkpoint) < step and time.monotonic() < deadline and proc.poll() is None:
+            time.sleep(0.05)
+        assert proc.poll() is None, "the run ended before it could be killed"
+        os.kill(proc.pid, signal.SIGKILL)
+    finally:
+        proc.wait()
+    assert proc.returncode == -signal.SIGKILL
+    return saved_step(checkpoint)

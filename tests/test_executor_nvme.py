@@ -9,20 +9,16 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import signal
-import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
 import torch
-from loops import cli_env, user_loop, weight_diff
+from loops import kill_after_save, user_loop, weight_diff
 
 from hplan.artifacts import Hardware, Plan
 from hplan.errors import HplanError
 from hplan.executor import run_training
-from hplan.executor.checkpoint_dir import saved_step
 from hplan.planner import PlanOptions, default_slack, make_plan, min_gpu_bytes
 from hplan.specs import load_workload
 from hplan.tracer import trace_workload
@@ -100,18 +96,8 @@ def test_kill_9_mid_run_then_resume_bit_identical(bf16, tmp_path):
     nv.mkdir()
     cmd = [sys.executable, "-c", "from hplan.cli import main; main()", "run", "gpt:tiny", "--precision", "bf16-mixed",
            "--plan", str(tmp_path / "plan.json"), "--steps", "100000", "--checkpoint", str(ck), "--nvme-dir", str(nv)]
-    proc = subprocess.Popen(cmd, env=cli_env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    try:
-        deadline = time.monotonic() + 90
-        while saved_step(ck) < 2 and time.monotonic() < deadline and proc.poll() is None:
-            time.sleep(0.05)
-        assert proc.poll() is None, "the run ended before it could be killed"
-        os.kill(proc.pid, signal.SIGKILL)
-    finally:
-        proc.wait()
-    assert proc.returncode == -signal.SIGKILL
+    done = kill_after_save(cmd, ck, step=2, timeout_s=90)
     assert region_files(nv)  # killed: its scratch files are still there, and the resumed run overwrites them
-    done = saved_step(ck)
     resumed = run_training(workload, plan, steps=done + 2, checkpoint_dir=ck, resume=True, nvme_dir=nv)
     (tmp_path / "fresh").mkdir()
     full = run_training(workload, plan, steps=done + 2, nvme_dir=tmp_path / "fresh")

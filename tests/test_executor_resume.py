@@ -2,16 +2,11 @@
 
 from __future__ import annotations
 
-import os
-import signal
-import subprocess
 import sys
-import time
 
 import torch
 from hplan.executor import run_training
-from hplan.executor.checkpoint_dir import saved_step
-from loops import cli_env, plan_for
+from loops import kill_after_save, plan_for
 
 from hplan.specs import load_workload
 
@@ -38,25 +33,11 @@ def test_kill_9_mid_run_then_resume(tmp_path):
     ck = tmp_path / "ck"
     cmd = [sys.executable, "-c", "from hplan.cli import main; main()", "run", "gpt:tiny", "--plan",
            str(tmp_path / "plan.json"), "--steps", "100000", "--checkpoint", str(ck)]
-    proc = subprocess.Popen(cmd, env=cli_env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    try:
-        deadline = time.monotonic() + 60
-        while _saved_step(ck) < 3 and time.monotonic() < deadline and proc.poll() is None:
-            time.sleep(0.05)
-        assert proc.poll() is None, "the run ended before it could be killed"
-        os.kill(proc.pid, signal.SIGKILL)
-    finally:
-        proc.wait()
-    assert proc.returncode == -signal.SIGKILL
-    done = _saved_step(ck)
+    done = kill_after_save(cmd, ck, step=3, timeout_s=60)
     assert done >= 3
     resumed = run_training(workload, plan, steps=done + 5, checkpoint_dir=ck, resume=True)
     full = run_training(workload, plan, steps=done + 5)
     assert resumed.losses == full.losses[done:]
-
-
-def _saved_step(directory) -> int:
-    return saved_step(directory)
 
 
 def test_resume_under_another_plan(tmp_path):
