@@ -10,6 +10,8 @@ import io
 import os
 from pathlib import Path
 
+import numpy as np
+from matplotlib.axes import Axes
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 from matplotlib.patches import Patch
@@ -73,3 +75,18 @@ def byte_unit(binary: bool) -> tuple[float, str]:
 def unit_name(binary: bool) -> str:
     """The short unit name the axes use."""
     return "GiB" if binary else "GB"
+
+
+def traffic_stems(ax: Axes, xs: np.ndarray, items: list[object], series: tuple[tuple[str, int, str, str], ...], *,
+                  scale: float, binary: bool) -> None:
+    """Per item, a stem of bytes moved: up (sign 1) or down (-1) for each (attribute, sign, color, label) of
+    `series`, labelled with the total; items that move nothing of a kind get no stem."""
+    from hplan.sizes import format_size
+
+    for attr, sign, color, label in series:
+        vals = np.array([getattr(t, attr) for t in items], dtype=float) / scale
+        hit = vals > 0
+        total = format_size(sum(getattr(t, attr) for t in items), binary=binary)
+        ax.vlines(xs[hit], 0, sign * vals[hit], color=color, lw=1.6)
+        ax.plot(xs[hit], sign * vals[hit], ls="none", marker="^" if sign > 0 else "v", ms=5, color=color,
+                label=f"{label}: {total}", clip_on=False)

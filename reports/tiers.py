@@ -17,7 +17,7 @@ from hplan.artifacts.plan import Plan, staging_bytes
 from hplan.artifacts.replay import replay
 from hplan.sizes import format_size
 
-from .figure import unit_name
+from .figure import traffic_stems, unit_name
 from .views import PlannedEvent
 
 TIER_COLORS = {"gpu": "#4c72b0", "host": "#dd8452", "disk": "#8c8c8c"}
@@ -84,14 +84,9 @@ def draw_tiers(mem_ax: Axes, io_ax: Axes, plan: Plan, planned: list[PlannedEvent
     x0 = np.array([p.op_start for p in planned], dtype=float)
     io_ax.axhline(0, color="0.3", lw=0.6)
     top = max([t.read_bytes for t in tiers] + [t.write_bytes for t in tiers] + [1])
-    for attr, sign, color, label in (("read_bytes", 1, "#6a4c93", f"disk read ({hw.nvme_read_gbps:g} GB/s)"),
-                                     ("write_bytes", -1, "#b5838d", f"disk write ({hw.nvme_write_gbps:g} GB/s)")):
-        vals = np.array([getattr(t, attr) for t in tiers], dtype=float) / scale
-        hit = vals > 0
-        total = format_size(sum(getattr(t, attr) for t in tiers), binary=binary)
-        io_ax.vlines(x0[hit], 0, sign * vals[hit], color=color, lw=1.6)
-        io_ax.plot(x0[hit], sign * vals[hit], ls="none", marker="^" if sign > 0 else "v", ms=5, color=color,
-                   label=f"{label}: {total}", clip_on=False)
+    traffic_stems(io_ax, x0, tiers, (("read_bytes", 1, "#6a4c93", f"disk read ({hw.nvme_read_gbps:g} GB/s)"),
+                                     ("write_bytes", -1, "#b5838d", f"disk write ({hw.nvme_write_gbps:g} GB/s)")),
+                  scale=scale, binary=binary)
     io_ax.set_ylim(-1.3 * top / scale, 1.3 * top / scale)
     io_ax.set_title(f"disk traffic at each event ({format_size(s.nvme_read_bytes + s.nvme_write_bytes, binary=binary)}"
                     f" per iteration; predicted disk time {s.seconds.get('nvme_read', 0) + s.seconds.get('nvme_write', 0):.3f} s)",

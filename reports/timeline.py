@@ -24,6 +24,7 @@ from .figure import (
     new_figure,
     phase_handles,
     save_figure,
+    traffic_stems,
     unit_name,
 )
 from .views import PlannedEvent, find_peak, measured_events, phase_runs, planned_events, steady_ops
@@ -191,14 +192,9 @@ def _draw_transfers(ax: Axes, planned: list[PlannedEvent], scale: float, binary:
                 bbox={"boxstyle": "round,pad=0.3", "fc": "white", "ec": "0.8"})
         ax.set_title("transfers at each event (none)", fontsize=10, loc="left")
         return
-    for attr, sign, color, label in (("h2d_bytes", 1, "#2a9d8f", "fetch host→GPU (up)"),
-                                     ("d2h_bytes", -1, "#e76f51", "write-back GPU→host (down)")):
-        vals = np.array([getattr(p, attr) for p in planned], dtype=float) / scale
-        hit = vals > 0
-        moved = format_size(sum(getattr(p, attr) for p in planned), binary=binary)
-        ax.vlines(xs[hit], 0, sign * vals[hit], color=color, lw=1.6)
-        ax.plot(xs[hit], sign * vals[hit], ls="none", marker="^" if sign > 0 else "v", ms=5, color=color,
-                label=f"{label}: {moved}", clip_on=False)
+    traffic_stems(ax, xs, planned, (("h2d_bytes", 1, "#2a9d8f", "fetch host→GPU (up)"),
+                                    ("d2h_bytes", -1, "#e76f51", "write-back GPU→host (down)")),
+                  scale=scale, binary=binary)
     top = max(max(p.h2d_bytes for p in planned), max(p.d2h_bytes for p in planned))
     ax.set_ylim(-1.3 * top / scale, 1.3 * top / scale)
     ax.set_title(f"transfers at each event ({format_size(total, binary=binary)} per iteration)", fontsize=10, loc="left")
