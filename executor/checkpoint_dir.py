@@ -79,6 +79,24 @@ def folder_name(global_step: int) -> str:
     return f"step-{global_step:06d}"
 
 
+def holds(root: Path) -> str | None:
+    """What checkpoint `root` holds (of one process or many ranks), in words, or None; reads names only."""
+    if not root.is_dir():
+        return None
+    steps = step_folders(root)
+    if steps:
+        return steps[0].name + (f" and {len(steps) - 1} older" if len(steps) > 1 else "")
+    if (root / POINTER).exists():
+        return POINTER
+    return OLD_FORMAT if (root / OLD_FORMAT).exists() else None
+
+
+def step_folders(root: Path) -> list[Path]:
+    """Step folders, newest first (names only; nothing is verified)."""
+    found = [p for p in root.iterdir() if _STEP.fullmatch(p.name) and p.is_dir()]
+    return sorted(found, key=lambda p: int(p.name[5:]), reverse=True)
+
+
 class CheckpointDir:
     """A checkpoint directory owned by this process until `close()` (see the module doc for the layout).
 
@@ -125,19 +143,11 @@ class CheckpointDir:
 
     def holds(self) -> str | None:
         """What checkpoint the directory holds, in words, or None (read-only; also before the lock)."""
-        if not self.root.is_dir():
-            return None
-        steps = self.step_folders()
-        if steps:
-            return steps[0].name + (f" and {len(steps) - 1} older" if len(steps) > 1 else "")
-        if (self.root / POINTER).exists():
-            return POINTER
-        return OLD_FORMAT if (self.root / OLD_FORMAT).exists() else None
+        return holds(self.root)
 
     def step_folders(self) -> list[Path]:
         """Step folders, newest first (names only; nothing is verified)."""
-        found = [p for p in self.root.iterdir() if _STEP.fullmatch(p.name) and p.is_dir()]
-        return sorted(found, key=lambda p: int(p.name[5:]), reverse=True)
+        return step_folders(self.root)
 
     # -- resume -------------------------------------------------------------------------------------------
 

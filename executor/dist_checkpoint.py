@@ -32,17 +32,12 @@ from typing import Any
 
 from hplan.artifacts import Plan, atomic_path
 from hplan.errors import HplanError
-from hplan.executor.checkpoint_dir import write_manifest
+from hplan.executor.checkpoint_dir import POINTER, folder_name, holds, write_manifest
 
 SCHEMA = "hplan.dist-checkpoint/1"
-POINTER = "latest.json"
 WEIGHTS = "model.pt"
 """The run's final weights by parameter name, beside the step folders: what leaves hplan (see save_weights)."""
 WEIGHTS_FORMAT = "hplan.final-weights/1"
-
-
-def folder_name(step: int) -> str:
-    return f"step-{step:06d}"
 
 
 def read_pointer(directory: str | os.PathLike[str]) -> dict[str, Any]:
@@ -138,12 +133,10 @@ def check_fresh(directory: str | os.PathLike[str], *, overwrite: bool) -> None:
     root = Path(directory)
     if root.exists() and not root.is_dir():
         raise HplanError(f"--checkpoint {root} is not a directory; name a folder")
-    if overwrite or not root.is_dir():
-        return
-    held = sorted(p.name for p in root.iterdir() if p.name.startswith("step-") or p.name in (POINTER, "state.pt"))
-    if held:
-        raise HplanError(f"{root} already holds a checkpoint ({', '.join(held[-2:])}): pass --resume to continue it "
-                         "or --overwrite to replace it")
+    held = None if overwrite else holds(root)
+    if held is not None:
+        raise HplanError(f"{root} already holds a checkpoint ({held}): pass --resume to continue it or --overwrite "
+                         "to replace it")
 
 
 def save(directory: str | os.PathLike[str], run: Any, *, global_step: int, scheduler: Any = None,

@@ -87,6 +87,7 @@ def rank_main(info: Any, job: Job) -> dict[str, Any]:
     import torch
     import torch.distributed as dist
     from hplan.executor import dist_checkpoint
+    from hplan.executor.checkpoint_dir import folder_name
     from hplan.executor.distributed import DistRun
     from hplan.executor.train import to_device
 
@@ -144,7 +145,7 @@ def rank_main(info: Any, job: Job) -> dict[str, Any]:
             if job.checkpoint is not None:
                 dist_checkpoint.save(job.checkpoint, run, global_step=step + 1, scheduler=scheduler,
                                      fallback=fallback)
-                fallback = dist_checkpoint.folder_name(step + 1)
+                fallback = folder_name(step + 1)
     if job.checkpoint is not None and r == 0:
         dist_checkpoint.save_weights(job.checkpoint, model, global_step=job.steps)
     return {"rank": r, "first_step": first, "losses": losses, "seconds": seconds,
