@@ -8,13 +8,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from bench.harness import ChildResult, run_worker
+from bench.harness import BF16_TOO_SLOW, ChildResult, run_worker
 
 HEADLINE_SHAPE = (1, 1024)
 """(batch, seq) of the fake GPT traces: the seed's headline setting and issue 3's 18b goal."""
-BF16_TOO_SLOW = 8.0
-"""A CPU whose bf16 matmul is this many times slower than fp32 has no bf16 units (torch falls back to a scalar
-kernel for some layouts): a bf16-mixed gpt:350m step then takes minutes, so the full runs train fp32 instead."""
 
 
 @dataclass(kw_only=True)
@@ -29,22 +26,11 @@ class Context:
     _bf16: float | None = None
 
     def bf16_slowdown(self) -> float:
-        """bf16 ÷ fp32 seconds of the matmul a linear layer's backward runs (grad_out @ W, both row-major),
-        measured once per run on this CPU."""
+        """`bench.harness.bf16_matmul_slowdown`, measured once per run."""
         if self._bf16 is None:
-            import time
+            from bench.harness import bf16_matmul_slowdown
 
-            import torch
-
-            def seconds(dtype: torch.dtype) -> float:
-                a, b = torch.randn(64, 1024, dtype=dtype), torch.randn(1024, 1024, dtype=dtype)
-                a @ b
-                start = time.perf_counter()
-                for _ in range(3):
-                    a @ b
-                return (time.perf_counter() - start) / 3
-
-            self._bf16 = seconds(torch.bfloat16) / seconds(torch.float32)
+            self._bf16 = bf16_matmul_slowdown()
             self.log(f"[bench]   bf16 matmul on this CPU: {self._bf16:.1f}× the fp32 time")
         return self._bf16
 

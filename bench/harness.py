@@ -173,6 +173,27 @@ def parse_last_json(text: str) -> dict[str, Any] | None:
     return None
 
 
+BF16_TOO_SLOW = 8.0
+"""A CPU whose bf16 matmul is this many times slower than fp32 has no bf16 units (torch falls back to a scalar
+kernel for some layouts): a bf16-mixed gpt:350m step then takes minutes, so the full runs train fp32 instead."""
+
+
+def bf16_matmul_slowdown() -> float:
+    """bf16 ÷ fp32 seconds of the matmul a linear layer's backward runs (grad_out @ W, 64×1024 @ 1024×1024, both
+    row-major) on this CPU: far above 1 where the CPU has no bf16 units and torch falls back to a scalar kernel."""
+    import torch
+
+    def seconds(dtype: torch.dtype) -> float:
+        a, b = torch.randn(64, 1024, dtype=dtype), torch.randn(1024, 1024, dtype=dtype)
+        a @ b
+        start = time.perf_counter()
+        for _ in range(3):
+            a @ b
+        return (time.perf_counter() - start) / 3
+
+    return seconds(torch.bfloat16) / seconds(torch.float32)
+
+
 def self_peak_rss_bytes() -> int:
     """This process's peak RSS in bytes: VmHWM on Linux, the high-water mark of this program's own memory.
 

@@ -18,28 +18,13 @@ from pathlib import Path
 
 import pytest
 
+from bench.harness import BF16_TOO_SLOW, bf16_matmul_slowdown
 from hplan.specs import load_workload
 from hplan.training import plain_losses
 
 SHAPE = ["--batch-size", "1", "--seq-len", "64"]
 STEPS = 10
 TOLERANCE = {"bf16-mixed": 1e-4, "fp32": 1e-5}
-
-
-def bf16_slowdown() -> float:
-    """bf16 ÷ fp32 seconds of a linear layer's backward matmul (grad_out @ W) on this CPU."""
-    import time
-
-    import torch
-
-    def seconds(dtype: torch.dtype) -> float:
-        a, b = torch.randn(64, 1024, dtype=dtype), torch.randn(1024, 1024, dtype=dtype)
-        a @ b
-        start = time.perf_counter()
-        a @ b
-        return time.perf_counter() - start
-
-    return seconds(torch.bfloat16) / seconds(torch.float32)
 
 
 def hplan(*args: str) -> str:
@@ -52,7 +37,7 @@ def hplan(*args: str) -> str:
 @pytest.mark.slow
 @pytest.mark.parametrize("precision", ["bf16-mixed", "fp32"])
 def test_gpt_350m_trains_from_disk_within_a_fifth_of_its_state(tmp_path: Path, precision: str) -> None:
-    if precision == "bf16-mixed" and (slow := bf16_slowdown()) > 8:
+    if precision == "bf16-mixed" and (slow := bf16_matmul_slowdown()) > BF16_TOO_SLOW:
         pytest.skip(f"this CPU's bf16 matmul takes {slow:.0f}x the fp32 time (no bf16 units): the fp32 case checks "
                     "the same bytes")
     workload_args = ["gpt:350m", "--precision", precision, *SHAPE]
