@@ -263,6 +263,8 @@ ROWS: list[Row] = [
     # trace: specs and options
     Row("trace_unknown_spec", f"trace nope:spec {TRACE_OUT}"),
     Row("trace_missing_workload_file", f"trace {{D}}/missing.py:workload {TRACE_OUT}"),
+    Row("trace_seq_len_given_twice", f"trace gpt:tiny --seq-len 8 --set seq_len=4 {TRACE_OUT}"),
+    Row("trace_set_batch_size_not_positive", f"trace {{W}} --set batch_size=0 {TRACE_OUT}"),
     Row("trace_no_such_function", f"trace {{WF}}:nope {TRACE_OUT}"),
     Row("trace_workload_returns_wrong_type", f"trace {{D}}/w.py:workload {TRACE_OUT}",
         text("w.py", "def workload():\n    return 42\n")),
