@@ -229,3 +229,25 @@ def test_trace_set_seq_len_on_the_command_line(project, tmp_path):
                                       "-o", str(tmp_path / "t.parquet")])
     assert result.exit_code == 0, result.output
     assert _seen(project / "sized.py")["seq_len"] == 32 and '"float32[4,32]"' in result.stdout
+
+
+def test_set_takes_several_pairs_in_either_form(project, tmp_path):
+    """The help shows `--set KEY=VALUE`; `--set a=1 b=2` and `--set a=1 --set b=2` both give both."""
+    from typer.testing import CliRunner
+
+    from hplan.cli import app
+    from hplan.cli.base import expand_set_values
+
+    spec = f"{project / 'sized.py'}:workload"
+    for argv in (["trace", spec, "--set", "seq_len=24", "batch_size=3"],
+                 ["trace", "--set", "seq_len=24", "batch_size=3", spec],
+                 ["trace", spec, "--set=seq_len=24", "batch_size=3"],
+                 ["trace", spec, "--set", "seq_len=24", "--set", "batch_size=3"]):
+        result = CliRunner().invoke(app, [*argv, "-o", str(tmp_path / "t.parquet")])
+        assert result.exit_code == 0, result.output
+        assert _seen(project / "sized.py") == {"batch_size": 3, "seq_len": 24}
+    assert expand_set_values(["run", "--set", "a=1", "b=2", "gpt:tiny", "c=3"]) == \
+        ["run", "--set", "a=1", "--set", "b=2", "gpt:tiny", "c=3"]
+    assert expand_set_values(["x", "--", "--set", "a=1", "b=2"]) == ["x", "--", "--set", "a=1", "b=2"]
+    help_text = CliRunner().invoke(app, ["trace", "--help"]).output
+    assert "KEY=VALUE" in help_text and "list[str]" not in help_text
