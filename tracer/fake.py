@@ -29,6 +29,7 @@ Plain `FakeTensorMode` drifts from the real run in three ways, each corrected be
 from __future__ import annotations
 
 import contextlib
+import logging
 import sys
 import weakref
 from collections.abc import Callable, Iterator
@@ -253,6 +254,24 @@ def _dense(t: torch.Tensor) -> bool:
     return True
 
 
+FAILED_OPERATOR = "_hplan_fake_operator"
+"""Attribute of an exception raised while FakeTensorMode ran an operator: that operator."""
+_FAKE_LOG = "torch._subclasses.fake_tensor"
+"""FakeTensorMode logs every failing meta kernel with its traceback (some 20 lines) before raising; the tracer
+reports the failure in one line naming the operator instead, so this logger is quiet while a fake trace runs."""
+
+
+def failed_operator(exc: BaseException) -> str | None:
+    """`aten::name` of the operator a fake trace could not run, when `exc` (or its cause) came from one."""
+    seen = 0
+    while exc is not None and seen < 8:
+        func = getattr(exc, FAILED_OPERATOR, None)
+        if func is not None:
+            return "aten::" + str(getattr(func, "_opname", func))
+        exc, seen = exc.__cause__ or exc.__context__, seen + 1
+    return None
+
+
 class FakeKernels(TorchDispatchMode):
     """Sits between the recorder and FakeTensorMode: corrects `KERNELS`' outputs and keeps known values."""
 
@@ -263,9 +282,14 @@ class FakeKernels(TorchDispatchMode):
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
         kernel = KERNELS.get(func)
-        if kernel is not None:
-            return kernel(func, args, kwargs)
-        out = func(*args, **kwargs)
+        try:
+            if kernel is not None:
+                return kernel(func, args, kwargs)
+            out = func(*args, **kwargs)
+        except Exception as exc:  # the fake (meta) kernel refused: say which operator (see `failed_operator`)
+            if not hasattr(exc, FAILED_OPERATOR):
+                setattr(exc, FAILED_OPERATOR, func)
+            raise
         self.values.after(func, args, kwargs, out)
         return out
 
@@ -326,5 +350,11 @@ def fake_mode(device: str) -> Iterator[FakeExecution | None]:
         yield None
         return
     values = KnownValues()
-    with FakeTensorMode() as mode, FakeKernels(values), _transformers_reads_known_values(values):
-        yield FakeExecution(mode, values)
+    log = logging.getLogger(_FAKE_LOG)
+    level = log.level
+    log.setLevel(logging.CRITICAL)
+    try:
+        with FakeTensorMode() as mode, FakeKernels(values), _transformers_reads_known_values(values):
+            yield FakeExecution(mode, values)
+    finally:
+        log.setLevel(level)
