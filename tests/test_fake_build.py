@@ -113,7 +113,7 @@ def test_a_constructor_no_fake_build_can_run_names_the_module_and_the_cpu():
         trace_workload(w, device="fake")
     message = str(err.value)
     assert "with fake tensors failed in _ReadsValues (DataDependentOutputException" in message
-    assert "trace with --device cpu" in message
+    assert "trace with `device` cpu" in message  # the CLI says --device (hplan.cli.common.cli_terms)
     assert trace_workload(w, device="cpu").n_ops > 0
 
 

@@ -112,7 +112,7 @@ def test_set_values_are_typed_by_the_workload_functions_annotations_and_defaults
     seen = next(m for m in sys.modules.values() if getattr(m, "__file__", None) == str(path)).SEEN
     assert seen == {"use_bias": False, "width": 16, "lr": 0.5, "tag": "y", "flag": True}
     for key, value, expected in (("use_bias", "maybe", "bool"), ("width", "1.5", "int"), ("lr", "fast", "float")):
-        with pytest.raises(hplan.HplanError, match=f"invalid --set {key}={value}: {key} expects {expected}"):
+        with pytest.raises(hplan.HplanError, match=f"invalid {key}={value} in `overrides`: {key} expects {expected}"):
             load_workload(f"{path}:workload", overrides={key: value})
 
 

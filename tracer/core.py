@@ -70,7 +70,7 @@ def record(workload: Workload, *, device: str = "cpu", iters: int = DEFAULT_ITER
     if device not in DEVICES:
         raise HplanError(f"unknown device {device!r}: use one of {', '.join(DEVICES)}")
     if iters < 2:
-        raise HplanError(f"--iters must be at least 2 (iteration 1 creates optimizer state), got {iters}")
+        raise HplanError(f"`iters` must be at least 2 (iteration 1 creates optimizer state), got {iters}")
     with fake_mode(device) as fake:
         trainer, notes = _build(workload, device)
         ledger = StorageLedger()
@@ -128,7 +128,7 @@ def _iteration(recorder: Recorder, trainer: TrainStep, workload: Workload, it: i
         raise
     except (torch.OutOfMemoryError, MemoryError) as exc:
         raise HplanError(f"the training step ran out of memory in {_where(recorder)} ({_first_line(exc)}): "
-                         "trace with --device fake, or a smaller --batch-size / --seq-len") from None
+                         "trace with `device` fake, or a smaller `batch_size` / `seq_len`") from exc
     except Exception as exc:  # the user's model or loss failed: say where in one line (--debug shows the cause)
         raise _step_error(exc, recorder) from exc
     if device != "fake" and not math.isfinite(float(loss)):
@@ -141,15 +141,15 @@ def _step_error(exc: Exception, recorder: Recorder) -> HplanError:
     text = f"{type(exc).__name__}: {_first_line(exc)}"
     op = failed_operator(exc)
     if op is not None and type(exc).__name__ != "DataDependentOutputException":
-        return HplanError(f"fake tensors cannot run {op} in {_where(recorder)} ({text}); trace with --device cpu, "
+        return HplanError(f"fake tensors cannot run {op} in {_where(recorder)} ({text}); trace with `device` cpu, "
                           "which runs the real kernels")
     if type(exc).__name__ in ("DataDependentOutputException", "DynamicOutputShapeException",
                               "GuardOnDataDependentSymNode", "UnsupportedOperatorException"):
         return HplanError(f"fake tracing cannot run {_where(recorder)} ({text}): the model depends on tensor "
-                          "values; trace with --device cpu at a smaller size")
+                          "values; trace with `device` cpu at a smaller size")
     if "out of memory" in text or "can't allocate memory" in text:
-        return HplanError(f"the training step ran out of memory in {_where(recorder)}: trace with --device fake, "
-                          "or a smaller --batch-size / --seq-len")
+        return HplanError(f"the training step ran out of memory in {_where(recorder)}: trace with `device` fake, "
+                          "or a smaller `batch_size` / `seq_len`")
     return HplanError(f"the training step failed in {_where(recorder)}: {text}")
 
 

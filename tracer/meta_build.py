@@ -41,7 +41,7 @@ def build_on_meta(workload: Workload, fake_error: BaseException) -> nn.Module:
             raise  # fails the same way on any device: the model factory's own error
         raise HplanError(f"building the model of {workload.name!r} with fake tensors failed in "
                          f"{_failing_module(fake_error)} ({type(fake_error).__name__}: {_first_line(fake_error)}); "
-                         "trace with --device cpu, which builds it with real tensors") from fake_error
+                         "trace with `device` cpu, which builds it with real tensors") from fake_error
     return to_fake(model)
 
 
