@@ -33,7 +33,7 @@ def register(app: typer.Typer) -> None:
         metrics: MetricsOpt = None,
         gpu_mem: Annotated[str | None, typer.Option("--gpu-mem", help="Without a plan: draw this GPU size, "
                                                     "e.g. 24GB, to see how far the trace is from fitting.")] = None,
-        binary: Annotated[bool, typer.Option("--binary", help="Label memory in GiB (2^30) instead of GB (10^9).")
+        binary: Annotated[bool, typer.Option("--binary", help="Label memory in binary units (MiB, GiB: powers of 2^10) instead of decimal ones (MB, GB).")
                           ] = False,
         as_json: JsonOpt = False,
     ) -> None:
@@ -88,7 +88,7 @@ def register(app: typer.Typer) -> None:
         points: Annotated[int, typer.Option("--points", min=2, max=200, help="GPU sizes in the range.")] = 12,
         gpu: Annotated[str | None, typer.Option("--gpu", help="GPU preset for compute and link speed "
                                                 "(as in `hplan plan`; default rtx3090).")] = None,
-        binary: Annotated[bool, typer.Option("--binary", help="Label memory in GiB (2^30) instead of GB (10^9).")
+        binary: Annotated[bool, typer.Option("--binary", help="Label memory in binary units (MiB, GiB: powers of 2^10) instead of decimal ones (MB, GB).")
                           ] = False,
         as_json: JsonOpt = False,
         cpu_range: Annotated[str | None, typer.Option("--cpu-range", help="Host memory sizes too, FROM:TO (needs "
