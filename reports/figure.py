@@ -67,7 +67,9 @@ def phase_handles(phases: list[str]) -> list[Patch]:
     return [Patch(color=PHASE_COLORS.get(p, "#f4f4f4"), label=f"{p} phase (background)") for p in phases]
 
 
-_UNITS = {False: (1e3, ("B", "KB", "MB", "GB", "TB"), "10^{}"), True: (2.0**10, ("B", "KiB", "MiB", "GiB", "TiB"), "2^{}")}
+_UNITS = {False: (1e3, ("B", "KB", "MB", "GB", "TB"), "10^{}"),
+          True: (2.0**10, ("B", "KiB", "MiB", "GiB", "TiB"), "2^{}")}
+"""Per `binary`: the step between units, their names and how the axis label writes the power."""
 
 
 def byte_unit(largest: float, binary: bool) -> tuple[float, str]:

@@ -55,7 +55,8 @@ def test_library_errors_name_python_arguments_and_the_cli_names_its_flags(tmp_pa
     from hplan.specs import load_workload
     from hplan.tracer import trace_workload
 
-    assert cli_terms("a smaller `gpu_bytes`; `hplan trace` or `other`") == "a smaller --gpu-mem; `hplan trace` or `other`"
+    assert cli_terms("a smaller `gpu_bytes`; `hplan trace` or `other`") == \
+        "a smaller --gpu-mem; `hplan trace` or `other`"
     assert all(flag.startswith("--") for flag in FLAGS.values())
     workload = load_workload("gpt:tiny")
     trace = trace_workload(workload, iters=2)

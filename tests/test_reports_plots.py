@@ -137,9 +137,9 @@ def _tick_texts(ax) -> list[str]:
     return [t.get_text() for t in ax.get_yticklabels() if t.get_text()]
 
 
-@pytest.mark.parametrize(("peak", "binary", "unit"), [(2.5e6, False, "MB (10^6 bytes)"), (5e9, False, "GB (10^9 bytes)"),
-                                                      (3e4, False, "KB (10^3 bytes)"), (2.5e6, True, "MiB (2^20 bytes)"),
-                                                      (5e12, True, "TiB (2^40 bytes)")])
+@pytest.mark.parametrize(("peak", "binary", "unit"), [
+    (2.5e6, False, "MB (10^6 bytes)"), (5e9, False, "GB (10^9 bytes)"), (3e4, False, "KB (10^3 bytes)"),
+    (2.5e6, True, "MiB (2^20 bytes)"), (5e12, True, "TiB (2^40 bytes)")])
 def test_axes_take_their_unit_from_the_data(peak, binary, unit):
     """Megabytes are labelled in MB (ticks like 0.5, 1.0), not as 0.0005 GB; gigabytes in GB."""
     from dataclasses import replace

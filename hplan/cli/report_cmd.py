@@ -22,6 +22,8 @@ MetricsOpt = Annotated[Path | None, typer.Option("--metrics", help="Metrics Parq
                                                                    "draw measured over planned memory.")]
 JsonOpt = Annotated[bool, typer.Option("--json", help="Print a JSON summary on stdout.")]
 
+BINARY_HELP = "Label memory in binary units (MiB, GiB) instead of decimal ones (MB, GB)."
+
 
 def register(app: typer.Typer) -> None:
     """Add plot, report, export and sweep to the `hplan` app."""
@@ -33,8 +35,7 @@ def register(app: typer.Typer) -> None:
         metrics: MetricsOpt = None,
         gpu_mem: Annotated[str | None, typer.Option("--gpu-mem", help="Without a plan: draw this GPU size, "
                                                     "e.g. 24GB, to see how far the trace is from fitting.")] = None,
-        binary: Annotated[bool, typer.Option("--binary", help="Label memory in binary units (MiB, GiB: powers of 2^10) instead of decimal ones (MB, GB).")
-                          ] = False,
+        binary: Annotated[bool, typer.Option("--binary", help=BINARY_HELP)] = False,
         as_json: JsonOpt = False,
     ) -> None:
         """Draw memory per operator, stacked by category, phases shaded, peak marked.
@@ -88,8 +89,7 @@ def register(app: typer.Typer) -> None:
         points: Annotated[int, typer.Option("--points", min=2, max=200, help="GPU sizes in the range.")] = 12,
         gpu: Annotated[str | None, typer.Option("--gpu", help="GPU preset for compute and link speed "
                                                 "(as in `hplan plan`; default rtx3090).")] = None,
-        binary: Annotated[bool, typer.Option("--binary", help="Label memory in binary units (MiB, GiB: powers of 2^10) instead of decimal ones (MB, GB).")
-                          ] = False,
+        binary: Annotated[bool, typer.Option("--binary", help=BINARY_HELP)] = False,
         as_json: JsonOpt = False,
         cpu_range: Annotated[str | None, typer.Option("--cpu-range", help="Host memory sizes too, FROM:TO (needs "
                                                       "--nvme): a GPU × host map of where it fits and its step "

@@ -177,7 +177,8 @@ def gpt_workload(
     bsz = batch_size or cfg.batch_size
     seq = seq_len or min(cfg.seq_len, cfg.n_ctx)
     if seq > cfg.n_ctx:
-        raise HplanError(f"sequence length {seq} exceeds gpt:{size}'s context {cfg.n_ctx}; use `seq_len` {cfg.n_ctx} or less")
+        raise HplanError(f"sequence length {seq} exceeds gpt:{size}'s context {cfg.n_ctx}; use `seq_len` {cfg.n_ctx} "
+                         "or less")
 
     def batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
         gen = torch.Generator().manual_seed(1_000_003 * (step + 1))
