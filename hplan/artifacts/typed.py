@@ -18,6 +18,7 @@ Cross-field rules (an event's parameters exist, op ranges lie within the trace) 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import types
 import typing
@@ -46,12 +47,12 @@ def typed(cls: type, data: Any, *, path: str = "", minimum: Mapping[str, int] | 
 def _dataclass(cls: type, data: Any, path: str, minimum: dict[str, int], skip: frozenset[str] = frozenset()) -> Any:
     if not isinstance(data, dict):
         raise FieldError(path or "the metadata", f"expected an object, got {_kind(data)}")
-    fields = {f.name: f for f in dataclasses.fields(cls) if f.name not in skip}
+    fields, hints = _fields(cls)
+    fields = {name: f for name, f in fields.items() if name not in skip}
     unknown = sorted(set(data) - set(fields) - skip)
     if unknown:
         raise FieldError(_join(path, unknown[0]), f"unknown field (this hplan knows {cls.__name__} fields "
                                                   f"{', '.join(sorted(fields))})")
-    hints = typing.get_type_hints(cls)
     values = {}
     for name, f in fields.items():
         if name not in data:
@@ -60,6 +61,12 @@ def _dataclass(cls: type, data: Any, path: str, minimum: dict[str, int], skip: f
             continue
         values[name] = _value(hints[name], data[name], _join(path, name), name, minimum)
     return cls(**values)
+
+
+@functools.cache
+def _fields(cls: type) -> tuple[dict[str, dataclasses.Field], dict[str, Any]]:
+    """A dataclass's fields and resolved annotations (resolving them is slow: once per class)."""
+    return {f.name: f for f in dataclasses.fields(cls)}, typing.get_type_hints(cls)
 
 
 def _value(hint: Any, value: Any, path: str, name: str, minimum: dict[str, int]) -> Any:
