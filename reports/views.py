@@ -8,6 +8,7 @@ from dataclasses import dataclass
 import numpy as np
 import pandas as pd
 
+from hplan.artifacts.io import open_input
 from hplan.artifacts.plan import BaselineResult, Plan
 from hplan.artifacts.replay import replay, validate
 from hplan.artifacts.trace import CATEGORIES, Event, Trace
@@ -104,17 +105,16 @@ def load_metrics(path: str) -> pd.DataFrame:
     import pyarrow.parquet as pq
 
     fix = "pass the file written by `hplan run --metrics`"
-    try:
-        pf = pq.ParquetFile(path)
-        names = set(pf.schema_arrow.names)
-        missing = [c for c in METRICS_USED if c not in names]
-        if missing:
-            raise HplanError(f"metrics file {path} lacks the column {missing[0]!r}; {fix}")
-        table = pf.read(columns=list(METRICS_USED), use_pandas_metadata=False)
-    except (FileNotFoundError, IsADirectoryError):
-        raise HplanError(f"metrics file {path} not found: check the path or run `hplan run --metrics`") from None
-    except (pa.ArrowException, OSError, ValueError):
-        raise HplanError(f"{path} is not a metrics file (not valid Parquet); {fix}") from None
+    with open_input(path, what="metrics") as f:
+        try:
+            pf = pq.ParquetFile(f)
+            names = set(pf.schema_arrow.names)
+            missing = [c for c in METRICS_USED if c not in names]
+            if missing:
+                raise HplanError(f"metrics file {path} lacks the column {missing[0]!r}; {fix}")
+            table = pf.read(columns=list(METRICS_USED), use_pandas_metadata=False)
+        except (pa.ArrowException, OSError, ValueError):
+            raise HplanError(f"{path} is not a metrics file (not valid Parquet); {fix}") from None
     for name in METRICS_USED:
         column = table.column(name)
         floating = name == "step_seconds"

@@ -181,3 +181,15 @@ def test_a_trace_with_too_many_rows_is_refused_before_any_column_is_read(tmp_pat
     monkeypatch.setattr(pq.ParquetFile, "read", lambda *a, **k: pytest.fail("read a column of a refused trace"))
     with pytest.raises(HplanError, match="5000000 timeline rows"):
         Trace.load(tmp_path / "t.parquet", columns=("iteration",))
+
+
+def test_an_input_swapped_for_a_fifo_after_the_check_is_refused_without_blocking(tmp_path, monkeypatch):
+    """open_input checks the file it opened (non-blocking), not only the path it checked before."""
+    import os
+
+    import hplan.artifacts.io as io
+
+    os.mkfifo(tmp_path / "p.json")
+    monkeypatch.setattr(io, "check_input", lambda path, what: tmp_path / "p.json")  # the check saw a regular file
+    with pytest.raises(HplanError, match="is a FIFO"):
+        read_json(tmp_path / "p.json", what="plan")

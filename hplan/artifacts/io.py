@@ -24,7 +24,7 @@ import stat
 import tempfile
 from collections.abc import Iterable, Iterator
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, BinaryIO, Literal
 
 import numpy as np
 
@@ -102,6 +102,21 @@ def check_input(path: PathLike, *, what: str) -> Path:
     if not stat.S_ISREG(st.st_mode):
         raise HplanError(f"{what} {p} is {_describe(p, st)}, not a {what} file; pass the file hplan wrote")
     return p
+
+
+def open_input(path: PathLike, *, what: str) -> BinaryIO:
+    """`path` opened for reading, refused in one line unless it is a regular file (checked on the open file
+    descriptor, so nothing swapped in after `check_input` — a FIFO that would block — is read)."""
+    p = check_input(path, what=what)
+    try:
+        fd = os.open(p, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError as exc:
+        raise HplanError(f"cannot read {what} file {p}: {exc.strerror}; check its permissions") from None
+    st = os.fstat(fd)
+    if not stat.S_ISREG(st.st_mode):
+        os.close(fd)
+        raise HplanError(f"{what} {p} is {_kind_of(st.st_mode)}, not a {what} file; pass the file hplan wrote")
+    return os.fdopen(fd, "rb")
 
 
 def _describe(p: Path, st: os.stat_result) -> str:
@@ -227,11 +242,12 @@ def _key_of(text: str, exc: BaseException) -> str:
 
 def read_json(path: str | os.PathLike[str], *, what: str, regenerate: str = "") -> dict[str, Any]:
     """Read a JSON artifact (an object), turning a missing or corrupt file into a one-line HplanError."""
-    p = check_input(path, what=what)
-    try:
-        data = p.read_bytes()
-    except OSError as exc:
-        raise HplanError(f"cannot read {what} file {p}: {exc.strerror}; check its permissions") from None
+    p = Path(path)
+    with open_input(p, what=what) as f:
+        try:
+            data = f.read()
+        except OSError as exc:
+            raise HplanError(f"cannot read {what} file {p}: {exc.strerror}; check its permissions") from None
     obj = parse_json(data, source=p, what=what, regenerate=regenerate)
     if not isinstance(obj, dict):
         raise HplanError(f"{p} is not a {what} file; regenerate it{f' with `{regenerate}`' if regenerate else ''}")

@@ -20,12 +20,12 @@ import os
 from collections.abc import Iterable
 from dataclasses import replace
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, BinaryIO
 
 import numpy as np
 import pandas as pd
 
-from hplan.artifacts.io import check_input, parse_json
+from hplan.artifacts.io import open_input, parse_json
 from hplan.artifacts.typed import INT64_END, FieldError, typed
 from hplan.errors import HplanError
 
@@ -50,12 +50,17 @@ def max_rows(iterations: int, n_ops: int, n_params: int) -> int:
 
 def load_trace(cls: type[Trace], path: str | os.PathLike[str], columns: Iterable[str] | None) -> Trace:
     """See [Note: trace validation]. `columns`: the timeline columns to read (None: every one hplan writes)."""
+    p = Path(path)
+    with open_input(p, what="trace") as f:
+        pf, raw = _open(p, f)
+        return _load(cls, p, pf, raw, columns)
+
+
+def _load(cls: type[Trace], p: Path, pf: Any, raw: bytes, columns: Iterable[str] | None) -> Trace:
     from hplan.artifacts.io import check_schema
     from hplan.artifacts.trace import TIMELINE_COLUMNS
 
-    p = check_input(path, what="trace")
-    regenerate = "hplan trace SPEC -o " + str(p)
-    pf, raw = _open(p)
+    regenerate = f"hplan trace SPEC -o {p}"
     meta = parse_json(raw, source=p, what="trace", regenerate=regenerate)
     if not isinstance(meta, dict):
         raise HplanError(f"{p} has hplan metadata that is not an object; regenerate it with `{regenerate}`")
@@ -71,21 +76,20 @@ def load_trace(cls: type[Trace], path: str | os.PathLike[str], columns: Iterable
                          f"`{regenerate}`") from None
     except HplanError as exc:  # a rule of the dataclass itself (e.g. an unknown device)
         raise HplanError(f"{p} is not a valid trace ({exc}); regenerate it with `{regenerate}`") from None
-    wanted = [c for c in (TIMELINE_COLUMNS if columns is None else columns)]
+    wanted = list(TIMELINE_COLUMNS if columns is None else columns)
     unknown = sorted(set(wanted) - set(TIMELINE_COLUMNS))
     if unknown:
         raise ValueError(f"not timeline columns: {unknown}")  # a caller's mistake, not the file's
-    timeline = _timeline(pf, p, trace, wanted, regenerate)
-    return replace(trace, timeline=timeline)
+    return replace(trace, timeline=_timeline(pf, p, trace, wanted, regenerate))
 
 
-def _open(p: Path) -> tuple[Any, bytes]:
-    """The Parquet footer (no column data) and the raw hplan metadata."""
+def _open(p: Path, f: BinaryIO) -> tuple[Any, bytes]:
+    """The Parquet footer (no column data) and the raw hplan metadata of the open file `f`."""
     import pyarrow as pa
     import pyarrow.parquet as pq
 
     try:
-        pf = pq.ParquetFile(p)
+        pf = pq.ParquetFile(f)
         kv = pf.metadata.metadata or {}
     except (pa.ArrowException, OSError, ValueError):
         raise HplanError(f"{p} is not a trace file (not valid Parquet); pass a file written by `hplan trace`") from None
