@@ -1,3 +1,10 @@
+"""transformers' Trainer on an hplan plan: trace the Trainer's own step, plan it, add HplanCallback, train.
+
+Run it: `python examples/trainer.py` (a tiny GPT-2 from its config, random weights, nothing downloaded; CPU, well
+under a minute). On a machine without a GPU the fast tier is host memory, as in examples/own_loop.py, so the
+script runs where it is shown; with a GPU it plans for the memory that GPU has free (unverified in hplan's CI).
+"""
+
 import tempfile
 
 import torch
