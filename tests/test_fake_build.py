@@ -81,7 +81,7 @@ def test_an_operator_without_a_fake_kernel_is_one_line_naming_it(tmp_path, caplo
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and "Traceback" not in result.stderr
     assert "fake tensors cannot run aten::_grouped_mm in forward of model.layers.0.mlp.experts" in lines[0]
-    assert "--device cpu" in lines[0] and not out.exists()
+    assert "the real kernel runs it: trace with --device cpu" in lines[0] and not out.exists()
     assert not [r for r in caplog.records if r.name.startswith("torch._subclasses")]
     assert logging.getLogger("torch._subclasses.fake_tensor").level == logging.NOTSET  # given back
 
@@ -152,3 +152,18 @@ def test_debug_shows_the_users_frame_of_a_failing_step(tmp_path: Path):
     result = runner.invoke(app, ["--debug", *argv])
     assert result.exit_code == 2 and "wl.py\", line 10, in <lambda>" in result.stderr, result.stderr
     assert load_workload(f"{tmp_path / 'wl.py'}:workload").name == "workload"
+
+
+def test_a_call_wrong_on_every_device_is_the_models_error_not_a_missing_fake_kernel(tmp_path: Path):
+    """The fake kernel of aten::mm refuses a shape mismatch, and so does the real one (hplan tries it on zeros of
+    the same shapes): the error is the model's, reported as a cpu trace reports it, without sending to the cpu."""
+    (tmp_path / "wl.py").write_text(FAILING.replace('raise ValueError("no such layer size")',
+                                                    "return torch.nn.Linear(4, 3)")
+                                    .replace("torch.ones(2, 4)", "torch.ones(2, 5)"))
+    for device in ("fake", "cpu"):
+        result = runner.invoke(app, ["trace", f"{tmp_path / 'wl.py'}:workload", "--device", device,
+                                     "-o", str(tmp_path / "t.parquet")])
+        line = result.stderr.strip()
+        assert result.exit_code == 2 and len(line.splitlines()) == 1
+        assert line.startswith("error: the training step failed in forward of Linear") and "(wl.py:10)" in line
+        assert "fake tensors cannot run" not in line

@@ -139,10 +139,11 @@ def _iteration(recorder: Recorder, trainer: TrainStep, workload: Workload, it: i
 
 def _step_error(exc: Exception, recorder: Recorder) -> HplanError:
     text = f"{type(exc).__name__}: {_first_line(exc)}"
-    op = failed_operator(exc)
-    if op is not None and type(exc).__name__ != "DataDependentOutputException":
-        return HplanError(f"fake tensors cannot run {op} in {_where(recorder)} ({text}); trace with `device` cpu, "
-                          "which runs the real kernels")
+    failed = failed_operator(exc)
+    if failed is not None and failed[1] is not False and type(exc).__name__ != "DataDependentOutputException":
+        why = "the real kernel runs it" if failed[1] else "the real kernels may run it"
+        return HplanError(f"fake tensors cannot run {failed[0]} in {_where(recorder)} ({text}); {why}: trace with "
+                          "`device` cpu")
     if type(exc).__name__ in ("DataDependentOutputException", "DynamicOutputShapeException",
                               "GuardOnDataDependentSymNode", "UnsupportedOperatorException"):
         return HplanError(f"fake tracing cannot run {_where(recorder)} ({text}): the model depends on tensor "
