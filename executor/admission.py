@@ -26,7 +26,7 @@ def check_plan(plan: Plan, model: nn.Module, batch: Any, precision: str, tier: F
     capacity = tier.capacity_bytes()
     if plan.gpu_bytes > capacity:
         raise HplanError(f"the plan's budget ({plan.gpu_bytes} bytes) exceeds what {tier.device} offers "
-                         f"({capacity} bytes); re-plan with a smaller --gpu-mem")
+                         f"({capacity} bytes); plan for this device with a smaller `gpu_bytes` (at most {capacity})")
 
 
 def check_state_regions(plan: Plan, state_names: Callable[[str], tuple[str, ...]], opt_name: str) -> None:

@@ -105,6 +105,6 @@ def make_tier(device: str) -> FastTier:
         return FastTier(dev)
     if dev.type == "cuda":
         if not torch.cuda.is_available():
-            raise HplanError(f"device {device!r} requested but CUDA is not available here; use --device cpu")
+            raise HplanError(f"device {device!r} requested but CUDA is not available here; use `device` cpu")
         return CudaTier(dev)
     raise HplanError(f"unsupported device {device!r}: use cpu or cuda")

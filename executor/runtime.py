@@ -321,8 +321,8 @@ class PlanRun(UpdateSteps, GradientOps, StateSync):
         moves, and nothing is updated — possible only if no chunk was updated during backward."""
         if not self._zeroed:
             raise HplanError(f"a new forward began after backward without optimizer.step() or zero_grad() (iteration "
-                             f"{self.iteration}): to accumulate gradients over K micro-batches, trace with --accumulate "
-                             "K (Workload.accumulate); to skip a step, call zero_grad() before the next forward")
+                             f"{self.iteration}): to accumulate gradients over K micro-batches, trace with "
+                             "`accumulate` K (Workload.accumulate); to skip a step, call zero_grad() before the next forward")
         if self._updated:
             raise HplanError(f"optimizer.step() was skipped in iteration {self.iteration} (GradScaler on an overflow? "
                              f"a skipped batch?) after {len(self._updated)} chunks were updated during backward; "

@@ -50,10 +50,10 @@ def run_training(workload: Workload, plan: Plan, *, steps: int, device: str = "c
     if steps <= 0:
         raise HplanError(f"steps must be positive, got {steps}")
     if resume and checkpoint_dir is None:
-        raise HplanError("--resume needs --checkpoint DIR (where the state was saved)")
+        raise HplanError("`resume` needs `checkpoint_dir` DIR (where the state was saved)")
     if workload.accumulate != plan.accumulate:
         raise HplanError(f"the plan was traced with {plan.accumulate} micro-batches per step, the workload uses "
-                         f"{workload.accumulate}; re-trace with the same --accumulate")
+                         f"{workload.accumulate}; re-trace with the same `accumulate`")
     warn = on_warning if on_warning is not None else _warn
     checkpoints = CheckpointDir(checkpoint_dir, resume=resume, overwrite=overwrite) \
         if checkpoint_dir is not None else None
@@ -76,7 +76,7 @@ def _train(workload: Workload, plan: Plan, *, steps: int, device: str, metrics_p
     scheduler = workload.scheduler(optimizer) if workload.scheduler is not None else None
     first = restore(state, model, optimizer, scheduler) if state is not None else 0
     if first >= steps:
-        raise HplanError(f"the checkpoint is already at step {first}; ask for more --steps than that")
+        raise HplanError(f"the checkpoint is already at step {first}; ask for more `steps` than that")
     losses, seconds, rows, last, peak = [], [], [], [], 0
     with PlanRun(model, optimizer, plan, device=device, batch_example=workload.batch(0),
                  precision=workload.precision, measure=measure, budget_guard=budget_guard,

@@ -39,7 +39,7 @@ def parse_int(key: str, text: str, *, minimum: int | None = None) -> int:
         raise _refuse(key, "int", text) from None
     if minimum is not None and value < minimum:
         bound = "positive (an integer, 1 or more)" if minimum == 1 else f"an integer >= {minimum}"
-        raise HplanError(f"invalid --set {key}={text}: {key} must be {bound}")
+        raise HplanError(f"invalid {key}={text} in `overrides`: {key} must be {bound}")
     return value
 
 
@@ -50,7 +50,7 @@ def parse_float(key: str, text: str) -> float:
     except ValueError:
         raise _refuse(key, "float", text) from None
     if not math.isfinite(value):
-        raise HplanError(f"invalid --set {key}={text}: {key} must be a finite number")
+        raise HplanError(f"invalid {key}={text} in `overrides`: {key} must be a finite number")
     return value
 
 
@@ -113,4 +113,4 @@ def _name(annotation: Any) -> str:
 
 
 def _refuse(key: str, expected: str, text: str) -> HplanError:
-    return HplanError(f"invalid --set {key}={text}: {key} expects {expected}, got {text!r}")
+    return HplanError(f"invalid {key}={text} in `overrides`: {key} expects {expected}, got {text!r}")

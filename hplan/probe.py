@@ -188,7 +188,7 @@ class CudaProbe:
 
     def __init__(self, device: str = "cuda") -> None:
         if not torch.cuda.is_available():
-            raise HplanError("--device cuda needs an NVIDIA GPU and a CUDA build of PyTorch; use --device cpu or fake")
+            raise HplanError("`device` cuda needs an NVIDIA GPU and a CUDA build of PyTorch; use `device` cpu or fake")
         self.device = torch.device(device)
         self._nvml = _nvml_handle(self.device.index or 0)
 

@@ -2,15 +2,19 @@
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import importlib.util
 import inspect
 import sys
+from collections.abc import Callable, Iterator
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 from hplan.blame import first_line, register_user_file, user_frame
 from hplan.errors import HplanError
-from hplan.options import annotation_of, convert, type_hints
+from hplan.options import annotation_of, convert, parse_int, type_hints
 from hplan.workload import Workload, with_contract_checks
 
 SPEC_FORMS = "path/to/file.py:function, gpt:<size> (e.g. gpt:125m) or hf:<ModelClass> (e.g. hf:GPT2LMHeadModel)"
@@ -27,7 +31,11 @@ def load_workload(
     max_grad_norm: float | None = None,
     defer_updates: bool | None = None,
 ) -> Workload:
-    """Resolve `spec`; options the spec cannot take are refused, never silently ignored."""
+    """Resolve `spec`; options the spec cannot take are refused, never silently ignored. `batch_size` and
+    `seq_len` may also come as overrides (`--set seq_len=32` means `--seq-len 32`), but only once."""
+    overrides = dict(overrides or {})
+    batch_size = _sized_option("batch_size", batch_size, overrides)
+    seq_len = _sized_option("seq_len", seq_len, overrides)
     for name, value in (("batch size", batch_size), ("sequence length", seq_len)):
         if value is not None and value <= 0:
             raise HplanError(f"{name} must be a positive integer, got {value}")
@@ -43,11 +51,20 @@ def load_workload(
         workload = _from_file(spec, batch_size=batch_size, seq_len=seq_len, overrides=overrides)
     else:
         raise HplanError(f"unknown workload spec {spec!r}: use {SPEC_FORMS}")
-    from dataclasses import replace
-
     given = {k: v for k, v in (("precision", precision), ("accumulate", accumulate),
                                ("max_grad_norm", max_grad_norm), ("defer_updates", defer_updates)) if v is not None}
     return with_contract_checks(replace(workload, **given) if given else workload)
+
+
+def _sized_option(key: str, value: int | None, overrides: dict[str, Any]) -> int | None:
+    """`key` from its own argument or from `overrides` (removed there), converted to an int; refused when both
+    give one, since a workload function would otherwise receive it twice."""
+    if key not in overrides:
+        return value
+    given = overrides.pop(key)
+    if value is not None:
+        raise HplanError(f"{key} is given twice, as {value} and as the override {key}={given}; keep one")
+    return parse_int(key, given, minimum=1) if isinstance(given, str) else given
 
 
 def spec_file(spec: str) -> Path | None:
@@ -70,20 +87,53 @@ def _from_file(spec: str, *, batch_size: int | None, seq_len: int | None, overri
     module = importlib.util.module_from_spec(loader_spec)
     sys.modules[module_name] = module
     register_user_file(path)  # errors raised in this file are the workload's (see [Note: blame])
-    try:
-        loader_spec.loader.exec_module(module)
-    except Exception as exc:  # the user's file failed; say where, not a traceback
-        where = user_frame(exc)
-        at = f" ({where[0]}:{where[1]})" if where else ""
-        raise HplanError(f"importing {path} failed: {type(exc).__name__}: {first_line(exc)}{at}") from exc
-    func = getattr(module, func_name, None)
-    if func is None or not callable(func):
-        raise HplanError(f"{path} has no function {func_name!r}: define `def {func_name}() -> hplan.Workload`")
-    kwargs = _accepted_kwargs(func, spec, batch_size=batch_size, seq_len=seq_len, **(overrides or {}))
-    result = func(**kwargs)
+    folder = str(path.resolve().parent)
+    with on_import_path(folder):
+        try:
+            loader_spec.loader.exec_module(module)
+        except Exception as exc:  # the user's file failed; say where, not a traceback
+            where = user_frame(exc)
+            at = f" ({where[0]}:{where[1]})" if where else ""
+            raise HplanError(f"importing {path} failed: {type(exc).__name__}: {first_line(exc)}{at}") from exc
+        func = getattr(module, func_name, None)
+        if func is None or not callable(func):
+            raise HplanError(f"{path} has no function {func_name!r}: define `def {func_name}() -> hplan.Workload`")
+        kwargs = _accepted_kwargs(func, spec, batch_size=batch_size, seq_len=seq_len, **(overrides or {}))
+        result = func(**kwargs)
     if not isinstance(result, Workload):
         raise HplanError(f"{spec} returned {type(result).__name__}, not hplan.Workload; return hplan.Workload(...)")
-    return result
+    factories = {name: _importing_from(getattr(result, name), folder) for name in _FACTORIES
+                 if getattr(result, name) is not None}
+    return replace(result, **factories)
+
+
+_FACTORIES = ("model", "batch", "loss", "optimizer", "scheduler")
+
+
+@contextlib.contextmanager
+def on_import_path(folder: str) -> Iterator[None]:
+    """`folder` first on sys.path while the block runs, as `python file.py` puts the file's folder there (so a
+    workload file imports helper modules beside it), and gone again after: the caller's process is unchanged."""
+    if folder in sys.path:
+        yield
+        return
+    sys.path.insert(0, folder)
+    try:
+        yield
+    finally:
+        with contextlib.suppress(ValueError):
+            sys.path.remove(folder)
+
+
+def _importing_from(factory: Callable[..., Any], folder: str) -> Callable[..., Any]:
+    """`factory` with the workload file's folder on the import path while it runs (a factory may import a helper
+    module lazily); `__wrapped__` leads to the user's own function (hplan.workload names it in errors)."""
+    @functools.wraps(factory)
+    def in_folder(*args: Any, **kwargs: Any) -> Any:
+        with on_import_path(folder):
+            return factory(*args, **kwargs)
+
+    return in_folder
 
 
 def _accepted_kwargs(func: Any, spec: str, **options: Any) -> dict[str, Any]:

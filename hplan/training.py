@@ -137,7 +137,7 @@ def build_optimizer(workload: Workload, model: nn.Module) -> torch.optim.Optimiz
         optimizer = workload.optimizer(model.parameters())
     except ValueError as exc:  # torch refuses an empty parameter list this way
         raise HplanError(f"workload {workload.name!r}: building the optimizer failed ({exc}); "
-                         "pass the params it is given to the optimizer") from None
+                         "pass the params it is given to the optimizer") from exc
     check_optimizer(optimizer)
     owned = {id(p) for group in optimizer.param_groups for p in group["params"]}
     names = {id(p): n for n, p in model.named_parameters()}

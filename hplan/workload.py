@@ -6,6 +6,7 @@ real memory, and every run of a step sees the same deterministic batch.
 
 from __future__ import annotations
 
+import inspect
 import os
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
@@ -103,7 +104,8 @@ def _cast_floating(model: Any, dtype: Any) -> None:
 def with_contract_checks(workload: Workload) -> Workload:
     """The same workload, its loss and optimizer factories checked where they return.
 
-    A loss that is not a scalar tensor needing a gradient, or an optimizer factory returning
+    A loss that is not a scalar tensor (needing a gradient, where gradients are enabled: under `torch.no_grad()`
+    the same loss evaluates a model), or an optimizer factory returning
     something else than a torch optimizer, otherwise fails deep inside the tracer or the executor
     (`loss.backward()`, a missing `param_groups`) where it reads as an hplan bug. Checked here, the
     error names the user's function. Valid results pass through untouched.
@@ -115,7 +117,7 @@ def with_contract_checks(workload: Workload) -> Workload:
 
 
 def _where(fn: Any) -> str:
-    code = getattr(fn, "__code__", None)
+    code = getattr(inspect.unwrap(fn), "__code__", None)
     return f" ({os.path.basename(code.co_filename)}:{code.co_firstlineno})" if code is not None else ""
 
 
@@ -128,7 +130,7 @@ def _checked_loss(loss: Callable[[Any, Any], Any], name: str) -> Callable[[Any, 
             got = f"a tensor of shape {list(value.shape)}" if isinstance(value, torch.Tensor) else type(value).__name__
             raise HplanError(f"workload {name!r}: the loss function{_where(loss)} returned {got}, not a scalar "
                              "tensor; reduce it, e.g. with .mean()")
-        if not value.requires_grad:
+        if not value.requires_grad and torch.is_grad_enabled():  # under no_grad it is an evaluation: no gradient
             raise HplanError(f"workload {name!r}: the loss{_where(loss)} does not require a gradient (computed "
                              "under torch.no_grad, detached, or no trainable parameter used)")
         return value

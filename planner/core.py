@@ -127,7 +127,7 @@ def _plan(trace: Trace, hardware: Hardware, best: Scored, done: Finished, solver
     host_need = host_bytes_needed(plan, rep)
     if hardware.host_bytes is not None and hardware.nvme_bytes is None and host_need > hardware.host_bytes:
         bottleneck = (f"needs {format_size(host_need)} of host memory for the model data off the GPU, more than "
-                      f"the {format_size(hardware.host_bytes)} given (--cpu-mem)")
+                      f"the {format_size(hardware.host_bytes)} given (`host_bytes`)")
         return _infeasible(trace, hardware, min_bytes, bottleneck, opts)
     moved = rep.h2d_bytes + rep.d2h_bytes
     if not moved == done.moved == best.moved:

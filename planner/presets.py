@@ -130,7 +130,7 @@ def make_hardware(gpu: str = "rtx3090", gpu_bytes: int | None = None, host_bytes
     overrides = {k: v for k, v in overrides.items() if v is not None}
     if gpu == CPU_TIER:
         if gpu_bytes is None:
-            raise HplanError("the cpu fast tier has no preset size: give its budget (--gpu-mem)")
+            raise HplanError("the cpu fast tier has no preset size: give its budget as `gpu_bytes`")
         cpu = dict(gpu=CPU_TIER, gpu_bytes=gpu_bytes, host_bytes=host_bytes, nvme_bytes=nvme_bytes, overlap=False,
                    h2d_gbps=CPU_TIER_COPY_GBPS, d2h_gbps=CPU_TIER_COPY_GBPS, host="this-machine-1t",
                    cpu_optimizer_gbps=HOST_PRESETS["this-machine-1t"].cpu_optimizer_gbps)

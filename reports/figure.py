@@ -67,14 +67,27 @@ def phase_handles(phases: list[str]) -> list[Patch]:
     return [Patch(color=PHASE_COLORS.get(p, "#f4f4f4"), label=f"{p} phase (background)") for p in phases]
 
 
-def byte_unit(binary: bool) -> tuple[float, str]:
-    """(divisor, axis label) for GB (10^9 bytes) or GiB (2^30 bytes)."""
-    return (2.0**30, "GiB (2^30 bytes)") if binary else (1e9, "GB (10^9 bytes)")
+_UNITS = {False: (1e3, ("B", "KB", "MB", "GB", "TB"), "10^{}"),
+          True: (2.0**10, ("B", "KiB", "MiB", "GiB", "TiB"), "2^{}")}
+"""Per `binary`: the step between units, their names and how the axis label writes the power."""
 
 
-def unit_name(binary: bool) -> str:
-    """The short unit name the axes use."""
-    return "GiB" if binary else "GB"
+def byte_unit(largest: float, binary: bool) -> tuple[float, str]:
+    """(divisor, axis label, e.g. "MB (10^6 bytes)") of the largest unit in which `largest` bytes is at least 1,
+    so an axis of megabytes is labelled in MB, not as 0.0005 GB; decimal units, or binary ones with `binary`."""
+    step, names, power = _UNITS[binary]
+    k = 0
+    while k + 1 < len(names) and abs(largest) >= step ** (k + 1):
+        k += 1
+    exponent = 3 * k if not binary else 10 * k
+    return step**k, f"{names[k]} ({power.format(exponent)} bytes)" if k else "bytes"
+
+
+def unit_name(scale: float, binary: bool) -> str:
+    """The short name of the unit `byte_unit` chose (its divisor `scale`), e.g. "MB"."""
+    step, names, _ = _UNITS[binary]
+    k = min(range(len(names)), key=lambda i: abs(step**i - scale))
+    return "bytes" if k == 0 else names[k]
 
 
 def traffic_stems(ax: Axes, xs: np.ndarray, items: list[object], series: tuple[tuple[str, int, str, str], ...], *,

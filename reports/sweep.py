@@ -42,7 +42,7 @@ def plot_sweep(rows: Sequence[Mapping[str, Any]], out: str | os.PathLike[str], *
     if missing:
         raise HplanError(f"sweep rows lack {missing}; they must come from hplan.planner.sweep")
     rows = sorted(rows, key=lambda r: r["gpu_bytes"])
-    scale, label = byte_unit(binary)
+    scale, label = byte_unit(max(r["gpu_bytes"] for r in rows), binary)
     fig = new_figure(12, 7.5)
     moved_ax, time_ax = fig.subplots(2, 1, sharex=True)
     gpu = np.array([r["gpu_bytes"] for r in rows], dtype=float) / scale
@@ -64,7 +64,7 @@ def plot_sweep(rows: Sequence[Mapping[str, Any]], out: str | os.PathLike[str], *
         _mark_min(ax, left, min_gpu / scale, format_size(min_gpu, binary=binary))
         ax.grid(alpha=0.3)
         ax.set_ylim(0, max(ax.get_ylim()[1], 1e-9) * 1.08)  # from zero, with room above the top line
-    moved_ax.set_ylabel(f"moved per iteration, {unit_name(binary)}")
+    moved_ax.set_ylabel(f"moved per iteration, {unit_name(scale, binary)}")
     time_ax.set_ylabel("predicted step time, s")
     time_ax.set_xlabel(f"GPU memory, {label}")
     moved_ax.set_title("host↔GPU bytes moved per iteration (fetches + write-backs)", fontsize=10, loc="left")

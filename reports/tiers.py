@@ -80,7 +80,7 @@ def draw_tiers(mem_ax: Axes, io_ax: Axes, plan: Plan, planned: list[PlannedEvent
     mem_ax.set_ylim(0, max(ax_top(mem_ax), 1e-9) * 1.15)
     mem_ax.set_title(f"three tiers per event (host peak {format_size(s.predicted_host_peak_bytes, binary=binary)}; "
                      f"{format_size(s.nvme_bytes_used, binary=binary)} on disk)", fontsize=10, loc="left")
-    mem_ax.set_ylabel(f"memory, {unit_name(binary)}")
+    mem_ax.set_ylabel(f"memory, {unit_name(scale, binary)}")
     x0 = np.array([p.op_start for p in planned], dtype=float)
     io_ax.axhline(0, color="0.3", lw=0.6)
     top = max([t.read_bytes for t in tiers] + [t.write_bytes for t in tiers] + [1])
@@ -91,7 +91,7 @@ def draw_tiers(mem_ax: Axes, io_ax: Axes, plan: Plan, planned: list[PlannedEvent
     io_ax.set_title(f"disk traffic at each event ({format_size(s.nvme_read_bytes + s.nvme_write_bytes, binary=binary)}"
                     f" per iteration; predicted disk time {s.seconds.get('nvme_read', 0) + s.seconds.get('nvme_write', 0):.3f} s)",
                     fontsize=10, loc="left")
-    io_ax.set_ylabel(f"copied per event, {unit_name(binary)}")
+    io_ax.set_ylabel(f"copied per event, {unit_name(scale, binary)}")
 
 
 def ax_top(ax: Axes) -> float:

@@ -49,9 +49,9 @@ def timeline_figure(trace: Trace, *, plan: Plan | None = None, metrics: pd.DataF
     and the transfers below it on the same op axis. `gpu_bytes` draws a GPU size when there is no plan
     (a plan's own budget wins), so "why does this not fit" is visible without planning."""
     ops = steady_ops(trace)
-    scale, ylabel = byte_unit(binary)
     planned = planned_events(trace, plan) if plan is not None else None
     budget = plan.gpu_bytes if plan is not None else gpu_bytes
+    scale, ylabel = byte_unit(_largest(ops, planned, plan, budget), binary)
     if planned is None:
         fig = new_figure(12, 5.4)
         axes = [fig.subplots()]
@@ -80,7 +80,7 @@ def timeline_figure(trace: Trace, *, plan: Plan | None = None, metrics: pd.DataF
     for ax in axes:
         _shade_phases(ax, ops, label=ax is axes[0])
         copies = planned is not None and (ax is axes[-1] or ax is axes[2])
-        ax.set_ylabel(f"copied per event, {unit_name(binary)}" if copies else f"memory, {ylabel}")
+        ax.set_ylabel(f"copied per event, {unit_name(scale, binary)}" if copies else f"memory, {ylabel}")
         ax.grid(axis="y", alpha=0.3)
         ax.set_xlim(0, n)
         ax.xaxis.set_major_formatter(StrMethodFormatter("{x:,.0f}"))
@@ -91,6 +91,16 @@ def timeline_figure(trace: Trace, *, plan: Plan | None = None, metrics: pd.DataF
     axes[-1].set_xlabel(f"operator index in the steady-state iteration ({len(ops):,} ops)")
     fig.suptitle(_title(trace, plan, binary), fontsize=12)
     return fig
+
+
+def _largest(ops: pd.DataFrame, planned: list[PlannedEvent] | None, plan: Plan | None, budget: int | None) -> float:
+    """The most bytes any memory panel draws: the unit of every axis is picked from it."""
+    values = [float(ops["total_bytes"].max()), float(budget or 0)]
+    if "peak_bytes" in ops.columns:
+        values.append(float(ops["peak_bytes"].max()))
+    if planned and plan is not None:
+        values.append(max(p.resident_bytes + p.non_model_bytes for p in planned) + plan.hardware.slack_bytes)
+    return max(values)
 
 
 def _title(trace: Trace, plan: Plan | None, binary: bool) -> str:

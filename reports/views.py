@@ -8,10 +8,16 @@ from dataclasses import dataclass
 import numpy as np
 import pandas as pd
 
+from hplan.artifacts.io import open_input
 from hplan.artifacts.plan import BaselineResult, Plan
 from hplan.artifacts.replay import replay, validate
 from hplan.artifacts.trace import CATEGORIES, Event, Trace
 from hplan.errors import HplanError
+
+
+TIMELINE_USED: tuple[str, ...] = ("iteration", "op_index", "op", "module", "phase", *(f"{c}_bytes" for c in CATEGORIES),
+                                  "total_bytes", "peak_bytes", "seconds")
+"""The timeline columns reports draw from: `Trace.load(path, columns=TIMELINE_USED)` reads only these."""
 
 
 def steady_ops(trace: Trace) -> pd.DataFrame:
@@ -86,16 +92,43 @@ def measured_events(metrics: pd.DataFrame, n_events: int) -> pd.DataFrame:
     return last.sort_values("event_index").reset_index(drop=True)
 
 
-def load_metrics(path: str) -> pd.DataFrame:
-    """Read a run-metrics Parquet file, refusing anything else in one line."""
-    import pyarrow as pa
+METRICS_USED: tuple[str, ...] = ("step", "event_index", "resident_bytes", "model_resident_bytes", "h2d_bytes",
+                                  "d2h_bytes", "step_seconds")
+"""The run-metrics columns reports use (hplan.artifacts.run.METRICS_COLUMNS); `load_metrics` reads only these."""
 
-    try:
-        return pd.read_parquet(path)
-    except (FileNotFoundError, IsADirectoryError):
-        raise HplanError(f"metrics file {path} not found: check the path or run `hplan run --metrics`") from None
-    except (pa.ArrowException, OSError, ValueError):
-        raise HplanError(f"{path} is not a metrics file (not valid Parquet); pass `hplan run --metrics` output") from None
+
+def load_metrics(path: str) -> pd.DataFrame:
+    """Read the columns of a run-metrics Parquet file that reports use, refusing anything else in one line:
+    another file, a missing column, and a column of another type than `hplan run --metrics` writes (integers;
+    finite, non-negative step seconds) or with missing values."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    fix = "pass the file written by `hplan run --metrics`"
+    with open_input(path, what="metrics") as f:
+        try:
+            pf = pq.ParquetFile(f)
+            names = set(pf.schema_arrow.names)
+            missing = [c for c in METRICS_USED if c not in names]
+            if missing:
+                raise HplanError(f"metrics file {path} lacks the column {missing[0]!r}; {fix}")
+            table = pf.read(columns=list(METRICS_USED), use_pandas_metadata=False)
+        except (pa.ArrowException, OSError, ValueError):
+            raise HplanError(f"{path} is not a metrics file (not valid Parquet); {fix}") from None
+    for name in METRICS_USED:
+        column = table.column(name)
+        floating = name == "step_seconds"
+        if not (pa.types.is_integer(column.type) or floating and pa.types.is_floating(column.type)):
+            raise HplanError(f"metrics file {path}: column {name!r} holds {column.type}, not "
+                             f"{'numbers' if floating else 'integers'}; {fix}")
+        values = np.asarray(column.to_numpy(zero_copy_only=False), dtype=float if floating else None)
+        if column.null_count or floating and not np.isfinite(values).all():
+            raise HplanError(f"metrics file {path}: column {name!r} has missing or non-finite values; {fix}")
+        low = -1 if name == "event_index" else 0
+        bad = values[(values < low) | (values >= 2**63)] if len(values) else values
+        if len(bad):
+            raise HplanError(f"metrics file {path}: column {name!r} holds {bad[0]}, out of range; {fix}")
+    return table.replace_schema_metadata(None).to_pandas()
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

@@ -42,3 +42,39 @@ def test_usage_errors_are_one_line_exit_2():
     result = runner.invoke(app, ["plan", "t.parquet", "-o", "p.json"])  # --gpu-mem missing
     assert result.exit_code == 2 and "--gpu-mem" in result.stderr and "plan --help" in result.stderr
     assert len(result.stderr.strip().splitlines()) == 1
+
+
+def test_library_errors_name_python_arguments_and_the_cli_names_its_flags(tmp_path):
+    """[Note: arguments in messages]: a Python caller reads `gpu_bytes`, the same error from `hplan` reads --gpu-mem."""
+    import dataclasses
+
+    import hplan
+    from hplan.cli.common import cli_terms
+    from hplan.errors import FLAGS
+    from hplan.planner import make_hardware, make_plan
+    from hplan.specs import load_workload
+    from hplan.tracer import trace_workload
+
+    assert cli_terms("a smaller `gpu_bytes`; `hplan trace` or `other`") == \
+        "a smaller --gpu-mem; `hplan trace` or `other`"
+    assert all(flag.startswith("--") for flag in FLAGS.values())
+    workload = load_workload("gpt:tiny")
+    trace = trace_workload(workload, iters=2)
+    plan = make_plan(trace, make_hardware("cpu", gpu_bytes=trace.peak_bytes * 4))
+    huge = dataclasses.replace(plan, hardware=dataclasses.replace(plan.hardware, gpu_bytes=1 << 60))
+    model = workload.build_model()
+    with pytest.raises(hplan.HplanError) as err:
+        hplan.attach(model, workload.optimizer(model.parameters()), huge)
+    assert "smaller `gpu_bytes`" in str(err.value) and "--" not in str(err.value)
+    with pytest.raises(hplan.HplanError) as err:
+        load_workload("gpt:tiny", overrides={"n_layer": "two"})
+    assert "in `overrides`" in str(err.value) and "--set" not in str(err.value)
+    with pytest.raises(hplan.HplanError, match="`iters` must be at least 2"):
+        trace_workload(workload, iters=1)
+    with pytest.raises(hplan.HplanError, match="give its budget as `gpu_bytes`"):
+        make_hardware("cpu")
+    huge.save(tmp_path / "huge.json")
+    result = runner.invoke(app, ["run", "gpt:tiny", "--plan", str(tmp_path / "huge.json"), "--steps", "1"])
+    assert result.exit_code == 2 and "smaller --gpu-mem" in result.stderr and "`" not in result.stderr
+    result = runner.invoke(app, ["trace", "gpt:tiny", "--set", "n_layer=two", "-o", str(tmp_path / "t.parquet")])
+    assert result.exit_code == 2 and "invalid n_layer=two in --set" in result.stderr

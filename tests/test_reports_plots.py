@@ -2,6 +2,7 @@
 
 Plotting speed (issue 6: 100,000 ops in <= 10 s) is measured in bench/plot_cost.py, not timed here."""
 
+import re
 import subprocess
 import sys
 
@@ -67,7 +68,8 @@ def test_100k_ops_are_downsampled_without_losing_the_peak(tmp_path):
     drawn = max(len(p.vertices) for c in traced.collections for p in c.get_paths())
     assert drawn < 50_000, "each layer should be drawn from a few thousand rows (all 100,000 would be ~400,000 points)"
     top = max(p.vertices[:, 1].max() for c in traced.collections for p in c.get_paths())
-    assert top * 1e9 == pytest.approx(trace.timeline["peak_bytes"].max(), rel=1e-9)
+    scale = 10 ** int(re.search(r"\(10\^(\d+) bytes\)", traced.get_ylabel()).group(1))
+    assert top * scale == pytest.approx(trace.timeline["peak_bytes"].max(), rel=1e-9)
     assert any(f"peak {format_size(trace.peak_bytes)}" in t.get_text() for t in traced.texts)
     plot_timeline(trace, tmp_path / "big.png", plan=gpt_like_plan(trace))
     _check_png(tmp_path / "big.png")
@@ -80,7 +82,7 @@ def test_gpt_like_trace_with_a_real_plan_and_run_metrics(tmp_path):
     plot_timeline(trace, out, plan=plan, metrics=make_metrics(plan))
     text = out.read_text()
     for needle in ("gpt-like:4x256", "GPU budget", "planned model data on GPU", "fetch host→GPU", "write-back",
-                   "measured: all GPU memory", "backward phase", "GB (10^9 bytes)", "lm_head"):
+                   "measured: all GPU memory", "backward phase", "MB (10^6 bytes)", "lm_head"):
         assert needle in text, needle
     assert "matplotlib.org" not in text
     plot_timeline(trace, tmp_path / "gpt.png", plan=plan, metrics=make_metrics(plan))
@@ -128,3 +130,37 @@ def test_plotting_leaves_the_users_backend_alone(tmp_path):
             "from test_reports_samples import make_trace; from hplan.reports import plot_timeline; "
             f"plot_timeline(make_trace(), {str(tmp_path / 'x.png')!r}); assert matplotlib.get_backend() == 'svg'")
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def _tick_texts(ax) -> list[str]:
+    ax.figure.canvas.draw()
+    return [t.get_text() for t in ax.get_yticklabels() if t.get_text()]
+
+
+@pytest.mark.parametrize(("peak", "binary", "unit"), [
+    (2.5e6, False, "MB (10^6 bytes)"), (5e9, False, "GB (10^9 bytes)"), (3e4, False, "KB (10^3 bytes)"),
+    (2.5e6, True, "MiB (2^20 bytes)"), (5e12, True, "TiB (2^40 bytes)")])
+def test_axes_take_their_unit_from_the_data(peak, binary, unit):
+    """Megabytes are labelled in MB (ticks like 0.5, 1.0), not as 0.0005 GB; gigabytes in GB."""
+    from dataclasses import replace
+
+    trace = gpt_like_trace(n_layer=2)
+    factor = peak / trace.timeline["peak_bytes"].max()
+    scaled = replace(trace, timeline=trace.timeline.assign(
+        **{c: (trace.timeline[c] * factor).astype("int64") for c in trace.timeline.columns if c.endswith("_bytes")}))
+    fig = timeline_figure(scaled, binary=binary)
+    ax = fig.axes[0]
+    assert ax.get_ylabel() == f"memory, {unit}"
+    values = [float(t.replace("\u2212", "-")) for t in _tick_texts(ax)]
+    assert max(values) >= 1 and all(len(t.split(".")[-1]) <= 2 for t in _tick_texts(ax))
+
+
+def test_sweep_axes_take_their_unit_from_the_data(tmp_path):
+    from hplan.reports.sweep import plot_sweep as draw
+
+    mb = 10**6
+    rows = [{"gpu_bytes": g * mb, "feasible": True, "bytes_moved": (10 - g) * mb, "step_seconds": 0.1,
+             "min_gpu_bytes": 2 * mb} for g in range(2, 9)]
+    draw(rows, tmp_path / "s.svg")
+    text = (tmp_path / "s.svg").read_text()
+    assert "MB (10^6 bytes)" in text and "GB (10^9 bytes)" not in text

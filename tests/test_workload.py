@@ -112,7 +112,7 @@ def test_set_values_are_typed_by_the_workload_functions_annotations_and_defaults
     seen = next(m for m in sys.modules.values() if getattr(m, "__file__", None) == str(path)).SEEN
     assert seen == {"use_bias": False, "width": 16, "lr": 0.5, "tag": "y", "flag": True}
     for key, value, expected in (("use_bias", "maybe", "bool"), ("width", "1.5", "int"), ("lr", "fast", "float")):
-        with pytest.raises(hplan.HplanError, match=f"invalid --set {key}={value}: {key} expects {expected}"):
+        with pytest.raises(hplan.HplanError, match=f"invalid {key}={value} in `overrides`: {key} expects {expected}"):
             load_workload(f"{path}:workload", overrides={key: value})
 
 
@@ -133,3 +133,121 @@ def test_hf_options_are_typed_and_checked_before_any_work():
                                ({"n_layer": "abc"}, "expects int"), ({"n_layer": "0"}, "must be positive")):
         with pytest.raises(hplan.HplanError, match=message):
             load_workload("hf:GPT2LMHeadModel", overrides=overrides)
+
+
+WORKLOAD_WITH_SIZES = """
+import torch, hplan
+from helper_beside import make_model
+
+SEEN = {}
+
+
+def workload(batch_size: int = 4, seq_len: int = 8) -> hplan.Workload:
+    SEEN.update(batch_size=batch_size, seq_len=seq_len)
+
+    def loss(model, x):
+        import lazy_beside  # a factory may import a helper module only when it runs
+        return model(x).pow(2).mean() * lazy_beside.SCALE
+
+    return hplan.Workload(model=lambda: make_model(seq_len), loss=loss,
+                          batch=lambda s: torch.randn(batch_size, seq_len, generator=torch.Generator().manual_seed(s)),
+                          optimizer=lambda p: torch.optim.SGD(p, lr=0.1), batch_size=batch_size, seq_len=seq_len)
+"""
+
+
+@pytest.fixture
+def project(tmp_path):
+    """A workload file with helper modules beside it, as a user's project folder has them."""
+    (tmp_path / "helper_beside.py").write_text("import torch\n\ndef make_model(width):\n"
+                                               "    return torch.nn.Linear(width, 2)\n")
+    (tmp_path / "lazy_beside.py").write_text("SCALE = 2.0\n")
+    (tmp_path / "sized.py").write_text(WORKLOAD_WITH_SIZES)
+    return tmp_path
+
+
+def _seen(path):
+    import sys
+
+    return next(m for m in sys.modules.values() if getattr(m, "__file__", None) == str(path)).SEEN
+
+
+def test_set_seq_len_and_batch_size_reach_a_function_that_takes_them(project):
+    """`--set seq_len=32` means `--seq-len 32` (it used to pass seq_len twice: a TypeError)."""
+    spec = f"{project / 'sized.py'}:workload"
+    w = load_workload(spec, overrides={"seq_len": "32", "batch_size": "2"})
+    assert _seen(project / "sized.py") == {"batch_size": 2, "seq_len": 32} and w.batch(0).shape == (2, 32)
+    load_workload(spec, seq_len=16, batch_size=3)
+    assert _seen(project / "sized.py") == {"batch_size": 3, "seq_len": 16}
+    with pytest.raises(hplan.HplanError, match="seq_len is given twice, as 16 and as the override seq_len=32"):
+        load_workload(spec, seq_len=16, overrides={"seq_len": "32"})
+    with pytest.raises(hplan.HplanError, match="batch_size must be positive"):
+        load_workload(spec, overrides={"batch_size": "0"})
+    assert load_workload("gpt:tiny", overrides={"seq_len": "16"}).seq_len == 16
+
+
+def test_a_workload_file_imports_modules_beside_it_from_any_folder(project, monkeypatch, tmp_path_factory):
+    """As `python sized.py` would: the file's folder is on the import path while hplan runs the file and its
+    factories, and only then (the caller's sys.path is left as it was)."""
+    import sys
+
+    monkeypatch.chdir(tmp_path_factory.mktemp("elsewhere"))
+    for name in ("helper_beside", "lazy_beside"):
+        sys.modules.pop(name, None)
+    before = list(sys.path)
+    w = load_workload(f"{project / 'sized.py'}:workload")
+    assert sys.path == before
+    model = w.build_model()
+    loss = w.loss(model, w.batch(0))  # imports lazy_beside now
+    assert loss.requires_grad and sys.path == before and "lazy_beside" in sys.modules
+
+
+def test_the_workload_loss_evaluates_under_no_grad(project):
+    """`load_workload(...).loss` is the user's loss: reusable for evaluation under torch.no_grad()."""
+    for spec in (f"{project / 'sized.py'}:workload", "gpt:tiny"):
+        w = load_workload(spec)
+        model = w.build_model()
+        with torch.no_grad():
+            loss = w.loss(model, w.batch(0))
+        assert loss.ndim == 0 and not loss.requires_grad
+        assert torch.equal(loss, w.loss(model, w.batch(0)).detach())
+    detached = load_workload(f"{project / 'sized.py'}:workload")
+    import dataclasses
+
+    from hplan.workload import with_contract_checks
+
+    bad = with_contract_checks(dataclasses.replace(detached, loss=lambda m, b: m(b).sum().detach()))
+    with pytest.raises(hplan.HplanError, match="does not require a gradient"):
+        bad.loss(bad.build_model(), bad.batch(0))
+
+
+def test_trace_set_seq_len_on_the_command_line(project, tmp_path):
+    from typer.testing import CliRunner
+
+    from hplan.cli import app
+
+    result = CliRunner().invoke(app, ["trace", f"{project / 'sized.py'}:workload", "--set", "seq_len=32", "--json",
+                                      "-o", str(tmp_path / "t.parquet")])
+    assert result.exit_code == 0, result.output
+    assert _seen(project / "sized.py")["seq_len"] == 32 and '"float32[4,32]"' in result.stdout
+
+
+def test_set_takes_several_pairs_in_either_form(project, tmp_path):
+    """The help shows `--set KEY=VALUE`; `--set a=1 b=2` and `--set a=1 --set b=2` both give both."""
+    from typer.testing import CliRunner
+
+    from hplan.cli import app
+    from hplan.cli.base import expand_set_values
+
+    spec = f"{project / 'sized.py'}:workload"
+    for argv in (["trace", spec, "--set", "seq_len=24", "batch_size=3"],
+                 ["trace", "--set", "seq_len=24", "batch_size=3", spec],
+                 ["trace", spec, "--set=seq_len=24", "batch_size=3"],
+                 ["trace", spec, "--set", "seq_len=24", "--set", "batch_size=3"]):
+        result = CliRunner().invoke(app, [*argv, "-o", str(tmp_path / "t.parquet")])
+        assert result.exit_code == 0, result.output
+        assert _seen(project / "sized.py") == {"batch_size": 3, "seq_len": 24}
+    assert expand_set_values(["run", "--set", "a=1", "b=2", "gpt:tiny", "c=3"]) == \
+        ["run", "--set", "a=1", "--set", "b=2", "gpt:tiny", "c=3"]
+    assert expand_set_values(["x", "--", "--set", "a=1", "b=2"]) == ["x", "--", "--set", "a=1", "b=2"]
+    help_text = CliRunner().invoke(app, ["trace", "--help"]).output
+    assert "KEY=VALUE" in help_text and "list[str]" not in help_text

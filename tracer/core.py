@@ -17,7 +17,8 @@ from typing import Any
 
 import torch
 from hplan.tracer.build import build_trace
-from hplan.tracer.fake import fake_mode
+from hplan.tracer.fake import failed_operator, fake_mode
+from hplan.tracer.meta_build import BUFFERS_UNKNOWN, build_on_meta
 from hplan.tracer.modules import module_paths
 from hplan.tracer.recorder import Recorder, TracerSink, Window, on_accumulate, on_saved
 from torch import fx
@@ -69,9 +70,9 @@ def record(workload: Workload, *, device: str = "cpu", iters: int = DEFAULT_ITER
     if device not in DEVICES:
         raise HplanError(f"unknown device {device!r}: use one of {', '.join(DEVICES)}")
     if iters < 2:
-        raise HplanError(f"--iters must be at least 2 (iteration 1 creates optimizer state), got {iters}")
+        raise HplanError(f"`iters` must be at least 2 (iteration 1 creates optimizer state), got {iters}")
     with fake_mode(device) as fake:
-        trainer = _build(workload, device)
+        trainer, notes = _build(workload, device)
         ledger = StorageLedger()
         recorder = (Recorder if fake is None else fake.recorder)(probe=make_probe(device, ledger), ledger=ledger,
                                                                  fake=fake is not None, measure_time=device != "fake")
@@ -99,7 +100,7 @@ def record(workload: Workload, *, device: str = "cpu", iters: int = DEFAULT_ITER
     return Recording(workload=workload, device=device, iterations=iters, rows=recorder.rows, windows=windows,
                      trainer=trainer, batch=batch, graph=recorder.graph.graph,
                      max_reserved_bytes=recorder.allocator.max_reserved_bytes,
-                     warnings=_warnings(device) + tuple(recorder.warnings), iteration_windows=per_iteration,
+                     warnings=_warnings(device) + notes + tuple(recorder.warnings), iteration_windows=per_iteration,
                      first_grad=dict(recorder.first_grad), last_read=dict(recorder.last_read),
                      input_shapes=tuple(shapes))
 
@@ -127,9 +128,9 @@ def _iteration(recorder: Recorder, trainer: TrainStep, workload: Workload, it: i
         raise
     except (torch.OutOfMemoryError, MemoryError) as exc:
         raise HplanError(f"the training step ran out of memory in {_where(recorder)} ({_first_line(exc)}): "
-                         "trace with --device fake, or a smaller --batch-size / --seq-len") from None
-    except Exception as exc:  # the user's model or loss failed: say where, without a traceback
-        raise _step_error(exc, recorder) from None
+                         "trace with `device` fake, or a smaller `batch_size` / `seq_len`") from exc
+    except Exception as exc:  # the user's model or loss failed: say where in one line (--debug shows the cause)
+        raise _step_error(exc, recorder) from exc
     if device != "fake" and not math.isfinite(float(loss)):
         raise HplanError(f"the loss is {float(loss)} at iteration {it}: fix the model or loss "
                          "(check the learning rate, inputs and initialisation) before tracing")
@@ -138,13 +139,18 @@ def _iteration(recorder: Recorder, trainer: TrainStep, workload: Workload, it: i
 
 def _step_error(exc: Exception, recorder: Recorder) -> HplanError:
     text = f"{type(exc).__name__}: {_first_line(exc)}"
+    failed = failed_operator(exc)
+    if failed is not None and failed[1] is not False and type(exc).__name__ != "DataDependentOutputException":
+        why = "the real kernel runs it" if failed[1] else "the real kernels may run it"
+        return HplanError(f"fake tensors cannot run {failed[0]} in {_where(recorder)} ({text}); {why}: trace with "
+                          "`device` cpu")
     if type(exc).__name__ in ("DataDependentOutputException", "DynamicOutputShapeException",
                               "GuardOnDataDependentSymNode", "UnsupportedOperatorException"):
         return HplanError(f"fake tracing cannot run {_where(recorder)} ({text}): the model depends on tensor "
-                          "values; trace with --device cpu at a smaller size")
+                          "values; trace with `device` cpu at a smaller size")
     if "out of memory" in text or "can't allocate memory" in text:
-        return HplanError(f"the training step ran out of memory in {_where(recorder)}: trace with --device fake, "
-                          "or a smaller --batch-size / --seq-len")
+        return HplanError(f"the training step ran out of memory in {_where(recorder)}: trace with `device` fake, "
+                          "or a smaller `batch_size` / `seq_len`")
     return HplanError(f"the training step failed in {_where(recorder)}: {text}")
 
 
@@ -206,20 +212,28 @@ def _track_model_data(recorder: Recorder, trainer: TrainStep, names: dict[int, s
                                owner=master_of.get(id(w)) if per_element else None)
 
 
-def _build(workload: Workload, device: str) -> TrainStep:
+def _build(workload: Workload, device: str) -> tuple[TrainStep, tuple[str, ...]]:
+    """The model and its training step, and warnings about how it was built ([Note: fake model build])."""
+    notes: tuple[str, ...] = ()
     try:
-        model = workload.build_model()
+        try:
+            model = workload.build_model()
+        except Exception as exc:
+            if device != "fake" or isinstance(exc, HplanError):
+                raise
+            model = build_on_meta(workload, exc)  # a constructor fake tensors cannot run
+            notes = (BUFFERS_UNKNOWN,) if any(True for _ in model.buffers()) else ()
         if device == "cuda":
             model = model.cuda()
     except HplanError:
         raise
-    except Exception as exc:  # the user's model factory failed
+    except Exception as exc:  # the user's model factory failed; --debug shows its frame (the cause)
         raise HplanError(f"building the model of {workload.name!r} failed: {type(exc).__name__}: "
-                         f"{_first_line(exc)}") from None
+                         f"{_first_line(exc)}") from exc
     refuse_compiled(model)
     if not any(True for _ in model.parameters()):
         raise HplanError(f"workload {workload.name!r} builds an empty model (no parameters): nothing to trace")
-    return TrainStep(workload, model)
+    return TrainStep(workload, model), notes
 
 
 def _warnings(device: str) -> tuple[str, ...]:

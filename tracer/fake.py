@@ -29,6 +29,7 @@ Plain `FakeTensorMode` drifts from the real run in three ways, each corrected be
 from __future__ import annotations
 
 import contextlib
+import logging
 import sys
 import weakref
 from collections.abc import Callable, Iterator
@@ -253,6 +254,53 @@ def _dense(t: torch.Tensor) -> bool:
     return True
 
 
+FAILED_OPERATOR = "_hplan_fake_operator"
+"""Attribute of an exception raised while FakeTensorMode ran an operator: that operator."""
+_FAKE_LOG = "torch._subclasses.fake_tensor"
+"""FakeTensorMode logs every failing meta kernel with its traceback (some 20 lines) before raising; the tracer
+reports the failure in one line naming the operator instead, so this logger is quiet while a fake trace runs."""
+
+
+REAL_KERNEL_RUNS = "_hplan_real_kernel_runs"
+"""Attribute beside FAILED_OPERATOR: whether the real CPU kernel ran the same call (see `_real_kernel_runs`)."""
+
+
+def failed_operator(exc: BaseException) -> tuple[str, bool | None] | None:
+    """(`aten::name`, whether the real kernel runs that call: None when not tried) of the operator a fake trace
+    could not run, when `exc` (or its cause) came from one."""
+    seen = 0
+    while exc is not None and seen < 8:
+        func = getattr(exc, FAILED_OPERATOR, None)
+        if func is not None:
+            return "aten::" + str(getattr(func, "_opname", func)), getattr(exc, REAL_KERNEL_RUNS, None)
+        exc, seen = exc.__cause__ or exc.__context__, seen + 1
+    return None
+
+
+def _real_kernel_runs(func: Any, args: tuple, kwargs: dict, values: KnownValues) -> bool | None:
+    """Whether the real kernel runs a call its fake kernel refused, on real tensors of the same shapes, dtypes and
+    strides (known values where the trace has them, else zeros): False means the call is wrong on any device (a
+    shape mismatch in the model), True that only the fake kernel is missing. None: too large to try."""
+    fakes = [t for t in tensors_in(kwargs, tensors_in(args)) if isinstance(t, FakeTensor)]
+    if sum(t.untyped_storage().nbytes() for t in fakes) > KNOWN_LIMIT_BYTES:
+        return None
+
+    def real(t: torch.Tensor) -> torch.Tensor:
+        known = values.value(t)
+        if known is not None:
+            return known
+        base = torch.zeros(t.untyped_storage().nbytes() // max(t.element_size(), 1), dtype=t.dtype)
+        return base.as_strided(t.shape, t.stride(), t.storage_offset())
+
+    try:
+        with unset_fake_temporarily():
+            real_args, real_kwargs = tree_map_only(FakeTensor, real, (args, kwargs))
+            func(*real_args, **real_kwargs)
+    except Exception:
+        return False
+    return True
+
+
 class FakeKernels(TorchDispatchMode):
     """Sits between the recorder and FakeTensorMode: corrects `KERNELS`' outputs and keeps known values."""
 
@@ -263,9 +311,15 @@ class FakeKernels(TorchDispatchMode):
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
         kernel = KERNELS.get(func)
-        if kernel is not None:
-            return kernel(func, args, kwargs)
-        out = func(*args, **kwargs)
+        try:
+            if kernel is not None:
+                return kernel(func, args, kwargs)
+            out = func(*args, **kwargs)
+        except Exception as exc:  # the fake (meta) kernel refused: say which operator (see `failed_operator`)
+            if not hasattr(exc, FAILED_OPERATOR):
+                setattr(exc, FAILED_OPERATOR, func)
+                setattr(exc, REAL_KERNEL_RUNS, _real_kernel_runs(func, args, kwargs, self.values))
+            raise
         self.values.after(func, args, kwargs, out)
         return out
 
@@ -326,5 +380,11 @@ def fake_mode(device: str) -> Iterator[FakeExecution | None]:
         yield None
         return
     values = KnownValues()
-    with FakeTensorMode() as mode, FakeKernels(values), _transformers_reads_known_values(values):
-        yield FakeExecution(mode, values)
+    log = logging.getLogger(_FAKE_LOG)
+    level = log.level
+    log.setLevel(logging.CRITICAL)
+    try:
+        with FakeTensorMode() as mode, FakeKernels(values), _transformers_reads_known_values(values):
+            yield FakeExecution(mode, values)
+    finally:
+        log.setLevel(level)

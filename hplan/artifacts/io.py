@@ -17,12 +17,16 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 import os
+import re
 import stat
 import tempfile
 from collections.abc import Iterable, Iterator
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, BinaryIO, Literal
+
+import numpy as np
 
 from hplan.errors import HplanError
 
@@ -100,6 +104,21 @@ def check_input(path: PathLike, *, what: str) -> Path:
     return p
 
 
+def open_input(path: PathLike, *, what: str) -> BinaryIO:
+    """`path` opened for reading, refused in one line unless it is a regular file (checked on the open file
+    descriptor, so nothing swapped in after `check_input` — a FIFO that would block — is read)."""
+    p = check_input(path, what=what)
+    try:
+        fd = os.open(p, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError as exc:
+        raise HplanError(f"cannot read {what} file {p}: {exc.strerror}; check its permissions") from None
+    st = os.fstat(fd)
+    if not stat.S_ISREG(st.st_mode):
+        os.close(fd)
+        raise HplanError(f"{what} {p} is {_kind_of(st.st_mode)}, not a {what} file; pass the file hplan wrote")
+    return os.fdopen(fd, "rb")
+
+
 def _describe(p: Path, st: os.stat_result) -> str:
     kind = "a regular file" if stat.S_ISREG(st.st_mode) else _kind_of(st.st_mode)
     return f"a symlink to {kind}" if p.is_symlink() else kind
@@ -154,30 +173,84 @@ def write_json(path: str | os.PathLike[str], obj: dict[str, Any]) -> None:
         tmp.write_text(text)
 
 
-class _NonStandard(ValueError):
-    """NaN or Infinity in a JSON input: Python's json reads them, standard JSON has no such values."""
+MAX_JSON_DEPTH = 64
+"""Deepest nesting of arrays and objects hplan reads. Its own files nest at most 6 deep; a file nested
+100 000 deep would exhaust Python's recursion in the parser or in any code that walks the result."""
+MAX_JSON_INT_DIGITS = 64
+"""Longest run of digits in a number hplan reads. Byte counts and ids fit in 20; Python refuses to parse integers
+of over 4300 digits, and converting long ones costs quadratic time."""
+_STRING = re.compile(r'"(?:[^"\\]|\\.)*"', re.S)
+_NOT_BRACKET = re.compile(r"[^\[\]{}]+")
+_LONG_NUMBER = re.compile("[0-9]{%d}" % (MAX_JSON_INT_DIGITS + 1))
+
+
+class _BadJSON(ValueError):
+    """A JSON value hplan refuses although Python's json would read it (see `parse_json`)."""
 
 
 def _refuse_constant(name: str) -> Any:
-    raise _NonStandard(f"non-standard value {name}")
+    raise _BadJSON(f"non-standard value {name}")
 
 
-def read_json(path: str | os.PathLike[str], *, what: str) -> dict[str, Any]:
-    """Read a JSON artifact, turning a missing or corrupt file into a one-line HplanError."""
-    p = check_input(path, what=what)
+def _finite_float(text: str) -> float:
+    value = float(text)
+    if not math.isfinite(value):
+        raise _BadJSON(f"a number out of range ({text[:20]}{'...' if len(text) > 20 else ''})")
+    return value
+
+
+def _check_shape(text: str) -> None:
+    """Refuse deep nesting and long numbers before parsing, in C-speed passes over the text with its strings
+    removed (no recursion, no per-value Python calls)."""
+    bare = _STRING.sub('""', text)
+    brackets = np.frombuffer(_NOT_BRACKET.sub("", bare).encode("ascii"), dtype=np.uint8)
+    opens = (brackets == ord("[")) | (brackets == ord("{"))
+    depth = int(np.cumsum(np.where(opens, 1, -1)).max(initial=0))
+    if depth > MAX_JSON_DEPTH:
+        raise _BadJSON(f"nested {depth} deep, at most {MAX_JSON_DEPTH}")
+    long = _LONG_NUMBER.search(bare)
+    if long is not None:
+        raise _BadJSON(f"a number of over {MAX_JSON_INT_DIGITS} digits")
+
+
+def parse_json(data: str | bytes, *, source: str | os.PathLike[str], what: str, regenerate: str = "") -> Any:
+    """Parse JSON from a file someone else may have written, refusing in one line (HplanError) what standard JSON
+    has no place for or hplan could not hold: invalid text, NaN/Infinity, numbers out of range, integers of over
+    `MAX_JSON_INT_DIGITS` digits and nesting deeper than `MAX_JSON_DEPTH`. The one JSON reader of hplan: every
+    artifact, trace metadata and checkpoint file goes through it. `regenerate` names the command that remakes it."""
+    fix = f"regenerate it with `{regenerate}`" if regenerate else "regenerate it"
     try:
-        text = p.read_text()
+        text = data.decode("utf-8") if isinstance(data, bytes) else data
     except UnicodeDecodeError:
-        raise HplanError(f"{p} is not a valid {what} file (corrupt JSON: not UTF-8 text); regenerate it") from None
-    except OSError as exc:
-        raise HplanError(f"cannot read {what} file {p}: {exc.strerror}; check its permissions") from None
+        raise HplanError(f"{source} is not a valid {what} file (corrupt JSON: not UTF-8 text); {fix}") from None
     try:
-        obj = json.loads(text, parse_constant=_refuse_constant)
-    except (json.JSONDecodeError, _NonStandard) as exc:
-        reason = exc.msg if isinstance(exc, json.JSONDecodeError) else str(exc)
-        raise HplanError(f"{p} is not a valid {what} file (corrupt JSON: {reason}); regenerate it") from None
+        _check_shape(text)
+        return json.loads(text, parse_constant=_refuse_constant, parse_float=_finite_float)
+    except (json.JSONDecodeError, _BadJSON, RecursionError, ValueError) as exc:
+        reason = exc.msg if isinstance(exc, json.JSONDecodeError) else \
+            "nested too deeply" if isinstance(exc, RecursionError) else str(exc) + _key_of(text, exc)
+        raise HplanError(f"{source} is not a valid {what} file (corrupt JSON: {reason}); {fix}") from None
+
+
+def _key_of(text: str, exc: BaseException) -> str:
+    """' at "key"': the object key the refused value of `exc` follows, when it directly follows one."""
+    value = {"non-standard value NaN": "NaN", "non-standard value Infinity": "Infinity",
+             "non-standard value -Infinity": "-Infinity"}.get(str(exc), "-?[0-9.eE+]{%d,}" % MAX_JSON_INT_DIGITS)
+    found = re.search(r'"([^"\\]{1,80})"\s*:\s*' + value, text)
+    return f' at "{found.group(1)}"' if found else ""
+
+
+def read_json(path: str | os.PathLike[str], *, what: str, regenerate: str = "") -> dict[str, Any]:
+    """Read a JSON artifact (an object), turning a missing or corrupt file into a one-line HplanError."""
+    p = Path(path)
+    with open_input(p, what=what) as f:
+        try:
+            data = f.read()
+        except OSError as exc:
+            raise HplanError(f"cannot read {what} file {p}: {exc.strerror}; check its permissions") from None
+    obj = parse_json(data, source=p, what=what, regenerate=regenerate)
     if not isinstance(obj, dict):
-        raise HplanError(f"{p} is not a {what} file; regenerate it")
+        raise HplanError(f"{p} is not a {what} file; regenerate it{f' with `{regenerate}`' if regenerate else ''}")
     return obj
 
 

@@ -282,9 +282,9 @@ class Plan:
 
     @classmethod
     def load(cls, path: str | os.PathLike[str]) -> Plan:
-        obj = read_json(path, what="plan")
-        check_schema(obj, expected=cls.SCHEMA, path=path, what="plan",
-                     regenerate=f"hplan plan TRACE.parquet --gpu-mem SIZE -o {path}")
+        regenerate = f"hplan plan TRACE.parquet --gpu-mem SIZE -o {path}"
+        obj = read_json(path, what="plan", regenerate=regenerate)
+        check_schema(obj, expected=cls.SCHEMA, path=path, what="plan", regenerate=regenerate)
         try:
             return cls.from_dict(obj)
         except (KeyError, TypeError, ValueError, AttributeError) as exc:

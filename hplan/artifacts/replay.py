@@ -238,7 +238,7 @@ def validate(plan: Plan) -> None:
     """Raise HplanError naming the first broken rule of [Note: plan semantics]; checks the summary's traffic too.
     Every consumer of a plan (run, attach, plot, report, export) calls this before using it."""
     if not plan.summary.feasible:
-        raise HplanError(f"the plan is infeasible ({plan.summary.bottleneck}); plan for a larger --gpu-mem")
+        raise HplanError(f"the plan is infeasible ({plan.summary.bottleneck}); plan for a larger `gpu_bytes`")
     rep = replay(plan)
     problems = list(rep.violations)
     if rep.ok and (rep.h2d_bytes, rep.d2h_bytes) != (plan.summary.h2d_bytes, plan.summary.d2h_bytes):

@@ -9,13 +9,13 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field, fields
-from pathlib import Path
 from typing import Any, ClassVar
 
 import pandas as pd
 
-from hplan.artifacts.io import atomic_path, check_schema
+from hplan.artifacts.io import atomic_path
 from hplan.errors import HplanError
 
 CATEGORIES: tuple[str, ...] = ("param", "grad", "optimizer", "activation", "temporary", "other")
@@ -177,49 +177,10 @@ class Trace:
             pq.write_table(table, tmp)
 
     @classmethod
-    def load(cls, path: str | os.PathLike[str]) -> Trace:
-        """Read a trace file, refusing other kinds, other versions and corrupt files in one line."""
-        meta, table = _read_parquet(path)
-        check_schema(meta, expected=cls.SCHEMA, path=path, what="trace",
-                     regenerate=f"hplan trace {meta.get('workload', 'SPEC')} -o {path}")
-        return cls.from_metadata(meta, table)
+    def load(cls, path: str | os.PathLike[str], *, columns: Iterable[str] | None = None) -> Trace:
+        """Read a trace file, refusing other kinds, other versions, corrupt and edited files in one line (see
+        [Note: trace validation] in hplan.artifacts.trace_file). `columns`: the timeline columns to read, None
+        for all of TIMELINE_COLUMNS, () for none (the planner reads only the metadata)."""
+        from hplan.artifacts.trace_file import load_trace
 
-    @classmethod
-    def from_metadata(cls, meta: dict[str, Any], timeline: pd.DataFrame | None = None) -> Trace:
-        """Rebuild a Trace from `metadata()` output (and an optional timeline)."""
-        names = {f.name for f in fields(cls)} - {"timeline"}
-        kwargs = {k: v for k, v in meta.items() if k in names}
-        try:
-            kwargs["params"] = tuple(
-                ParamInfo(**{**p, "shape": tuple(p["shape"]), "modules": tuple(p["modules"]),
-                             "optimizer_tensors": tuple(p.get("optimizer_tensors", ()))})
-                for p in meta["params"]
-            )
-            kwargs["events"] = tuple(Event(**{**e, "params": tuple(e["params"]), "grads": tuple(e.get("grads", ()))})
-                                     for e in meta["events"])
-            kwargs["warnings"] = tuple(meta.get("warnings", ()))
-            kwargs["input_shapes"] = tuple(meta.get("input_shapes", ()))
-            return cls(**kwargs, timeline=timeline if timeline is not None else pd.DataFrame())
-        except (KeyError, TypeError) as exc:
-            raise HplanError(f"trace metadata is incomplete ({exc}); regenerate the trace") from None
-
-
-def _read_parquet(path: str | os.PathLike[str]) -> tuple[dict[str, Any], pd.DataFrame]:
-    import pyarrow as pa
-    import pyarrow.parquet as pq
-
-    p = Path(path)
-    if not p.is_file():
-        raise HplanError(f"trace file {p} not found: check the path or run `hplan trace` first")
-    try:
-        table = pq.read_table(p)
-    except (pa.ArrowException, OSError):
-        raise HplanError(f"{p} is not a trace file (not valid Parquet); pass a file written by `hplan trace`") from None
-    raw = (table.schema.metadata or {}).get(b"hplan")
-    if raw is None:
-        raise HplanError(f"{p} is a Parquet file without hplan metadata, not a trace; run `hplan trace`")
-    try:
-        meta = json.loads(raw)
-    except json.JSONDecodeError:
-        raise HplanError(f"{p} has corrupt hplan metadata; regenerate it with `hplan trace`") from None
-    return meta, table.to_pandas()
+        return load_trace(cls, path, columns)

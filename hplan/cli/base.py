@@ -8,6 +8,7 @@ its commands use these two small subclasses; everything else is Typer's own beha
 
 from __future__ import annotations
 
+import re
 import sys
 from typing import Any
 
@@ -48,6 +49,7 @@ class HplanGroup(TyperGroup):
 
     def main(self, args: Any = None, prog_name: str | None = None, complete_var: str | None = None,
              standalone_mode: bool = True, windows_expand_args: bool = True, **extra: Any) -> Any:
+        args = expand_set_values(sys.argv[1:] if args is None else list(args))
         if not standalone_mode:  # a caller handling click's exceptions itself
             return super().main(args, prog_name, complete_var, standalone_mode=False,
                                 windows_expand_args=windows_expand_args, **extra)
@@ -64,6 +66,29 @@ class HplanGroup(TyperGroup):
             err_console.print("aborted")
             sys.exit(1)
         sys.exit(code if isinstance(code, int) else 0)
+
+
+SET_HELP = "Workload option KEY=VALUE; several as --set a=1 b=2 or --set a=1 --set b=2."
+_PAIR = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*=")
+
+
+def expand_set_values(args: list[str]) -> list[str]:
+    """`--set a=1 b=2` as `--set a=1 --set b=2`: the key=value words right after a --set value are more of them.
+
+    click options take one value each, so the first form, which the help's `--set KEY=VALUE` invites, used to
+    end in "unexpected extra argument". Only words shaped `name=...` continue a --set, and no spec a command takes
+    (`file.py:function`, `gpt:…`, `hf:…`) has that shape, so a positional argument after them is never taken."""
+    out: list[str] = []
+    in_set = False
+    for i, word in enumerate(args):
+        if word == "--":
+            return out + args[i:]
+        if in_set and _PAIR.match(word):
+            out += ["--set", word]
+            continue
+        in_set = (i > 0 and args[i - 1] == "--set" and not word.startswith("-")) or word.startswith("--set=")
+        out.append(word)
+    return out
 
 
 def _one_line(exc: ClickException) -> str:

@@ -11,6 +11,7 @@ import os
 import contextlib
 import json
 import math
+import re
 import sys
 import time
 import traceback
@@ -23,7 +24,7 @@ from rich.markup import escape
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
 from hplan.blame import describe_user_error, first_line, user_frame
-from hplan.errors import HplanError
+from hplan.errors import FLAGS, HplanError
 from hplan.sizes import parse_size
 
 OnProgress = Callable[[int, int, str], None]
@@ -75,9 +76,19 @@ def guarded(fn: Callable[[], T]) -> T:
         raise typer.Exit(1) from None
 
 
+def cli_terms(text: str) -> str:
+    """A library message as the CLI says it: each backticked Python argument (`gpu_bytes`) becomes the flag
+    that sets it (--gpu-mem); see [Note: arguments in messages] in hplan.errors."""
+    return _ARGUMENT.sub(lambda m: FLAGS.get(m.group(1), m.group(0)), text)
+
+
+_ARGUMENT = re.compile(r"`([a-z_]+)`")
+
+
 def _located(exc: HplanError) -> str:
-    """The message, with the workload's file:line when it wraps an error raised by the user's code."""
-    text = " ".join(str(exc).split())
+    """The message in the CLI's terms, with the workload's file:line when it wraps an error raised by the user's
+    code."""
+    text = cli_terms(" ".join(str(exc).split()))
     where = user_frame(exc)
     if where is not None and f"{where[0]}:{where[1]}" not in text:
         text += f" ({where[0]}:{where[1]})"

@@ -97,7 +97,7 @@ def _run(*, trace: Path, gpu_mem: str, output: Path | None, cpu_mem: str | None,
         check_output(output, inputs=[trace], what="plan output")
     for value, what in ((gpu_tflops, "--gpu-tflops"), (link_gbps, "--link-gbps"), (cpu_adam_gbps, "--cpu-adam-gbps")):
         positive_number(value, what=what)
-    loaded = Trace.load(trace)
+    loaded = Trace.load(trace, columns=())  # the planner reads the metadata only: no timeline column
     slack_bytes = default_slack(loaded)
     if slack is not None:
         slack_bytes = 0 if slack.strip() in ("0", "0B") else size_option(slack, what="--slack")

@@ -22,6 +22,8 @@ MetricsOpt = Annotated[Path | None, typer.Option("--metrics", help="Metrics Parq
                                                                    "draw measured over planned memory.")]
 JsonOpt = Annotated[bool, typer.Option("--json", help="Print a JSON summary on stdout.")]
 
+BINARY_HELP = "Label memory in binary units (MiB, GiB) instead of decimal ones (MB, GB)."
+
 
 def register(app: typer.Typer) -> None:
     """Add plot, report, export and sweep to the `hplan` app."""
@@ -33,8 +35,7 @@ def register(app: typer.Typer) -> None:
         metrics: MetricsOpt = None,
         gpu_mem: Annotated[str | None, typer.Option("--gpu-mem", help="Without a plan: draw this GPU size, "
                                                     "e.g. 24GB, to see how far the trace is from fitting.")] = None,
-        binary: Annotated[bool, typer.Option("--binary", help="Label memory in GiB (2^30) instead of GB (10^9).")
-                          ] = False,
+        binary: Annotated[bool, typer.Option("--binary", help=BINARY_HELP)] = False,
         as_json: JsonOpt = False,
     ) -> None:
         """Draw memory per operator, stacked by category, phases shaded, peak marked.
@@ -88,8 +89,7 @@ def register(app: typer.Typer) -> None:
         points: Annotated[int, typer.Option("--points", min=2, max=200, help="GPU sizes in the range.")] = 12,
         gpu: Annotated[str | None, typer.Option("--gpu", help="GPU preset for compute and link speed "
                                                 "(as in `hplan plan`; default rtx3090).")] = None,
-        binary: Annotated[bool, typer.Option("--binary", help="Label memory in GiB (2^30) instead of GB (10^9).")
-                          ] = False,
+        binary: Annotated[bool, typer.Option("--binary", help=BINARY_HELP)] = False,
         as_json: JsonOpt = False,
         cpu_range: Annotated[str | None, typer.Option("--cpu-range", help="Host memory sizes too, FROM:TO (needs "
                                                       "--nvme): a GPU × host map of where it fits and its step "
@@ -129,9 +129,9 @@ def _inputs(trace: Path, plan: Path | None, metrics: Path | None) -> tuple[Trace
     """Load the artifacts, refusing a plan made from another workload."""
     from hplan.artifacts import Trace
     from hplan.artifacts.fingerprint import fingerprint_mismatch
-    from hplan.reports.views import load_metrics
+    from hplan.reports.views import TIMELINE_USED, load_metrics
 
-    t = Trace.load(trace)
+    t = Trace.load(trace, columns=TIMELINE_USED)
     p = _load_plan(plan) if plan is not None else None
     if p is not None:
         why = fingerprint_mismatch(p.fingerprint, t.fingerprint)
@@ -210,7 +210,7 @@ def _sweep(trace: Path, size_range: str, points: int, gpu: str | None, binary: b
     image_format(output)
     sizes = _sizes(size_range, points)
     _check_paths(output, trace, None, None)
-    t = Trace.load(trace)
+    t = Trace.load(trace, columns=())  # the planner reads the metadata only
     rows = sweep(t, sizes, make_hardware(gpu or "rtx3090", gpu_bytes=sizes[0], slack_bytes=default_slack(t)))
     plot_sweep(rows, output, workload=t.workload, binary=binary)
     if as_json:
@@ -238,7 +238,7 @@ def _sweep_tiers(trace: Path, size_range: str, points: int, cpu_range: str | Non
     overrides = tier_overrides(nvme=nvme, host=None, nvme_preset=nvme_preset, nvme_read_gbps=None,
                                nvme_write_gbps=None)
     _check_paths(output, trace, None, None)
-    t = Trace.load(trace)
+    t = Trace.load(trace, columns=())  # the planner reads the metadata only
     hardware = make_hardware(gpu or "rtx3090", gpu_bytes=sizes[0], slack_bytes=default_slack(t), **overrides)
     rows = sweep_tiers(t, sizes, cpus, hardware)
     plot_tier_map(rows, output, workload=t.workload, nvme_bytes=hardware.nvme_bytes, binary=binary)

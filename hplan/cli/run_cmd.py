@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING, Annotated
 
 import typer
 
-from hplan.cli.base import HplanCommand
+from hplan.cli.base import HplanCommand, SET_HELP
 from hplan.errors import HplanError
 
 if TYPE_CHECKING:
@@ -34,7 +34,7 @@ def register(app: typer.Typer) -> None:
         batch_size: Annotated[int | None, typer.Option("--batch-size", help="Override the batch size.")] = None,
         seq_len: Annotated[int | None, typer.Option("--seq-len", help="Override the sequence length.")] = None,
         precision: Annotated[str | None, typer.Option("--precision", help="fp32, bf16-mixed or fp16-mixed.")] = None,
-        overrides: Annotated[list[str] | None, typer.Option("--set", help="Workload option key=value.")] = None,
+        overrides: Annotated[list[str] | None, typer.Option("--set", metavar="KEY=VALUE", help=SET_HELP)] = None,
         budget_guard: Annotated[str, typer.Option("--budget-guard", help="stop (default): a step measuring more than "
                                                   "the plan's budget stops the run, exit 2; warn: only warn.")] = "stop",
         on_nonfinite: Annotated[str, typer.Option("--on-nonfinite", help="stop (default): an inf/NaN loss or gradient "

@@ -88,15 +88,15 @@ def summary_rows(plan: Plan) -> list[tuple[str, str]]:
 def many_rank_run(nproc: int | None, plan: Any) -> bool:
     """Does `hplan run` go to the many-rank executor? With --nproc, under torchrun, or for a plan with shard
     factors (whose run then asks for --nproc); a plan file that cannot be read goes the usual way, which says why."""
-    import json
     import os
+
+    from hplan.artifacts.io import read_json
 
     if nproc is not None or ("RANK" in os.environ and "WORLD_SIZE" in os.environ):
         return True
     try:
-        with open(plan) as f:
-            return bool(json.load(f).get("sharding"))
-    except (OSError, ValueError, AttributeError):
+        return bool(read_json(plan, what="plan").get("sharding"))
+    except HplanError:
         return False
 
 

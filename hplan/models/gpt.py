@@ -135,7 +135,7 @@ class GPT(nn.Module):
     def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
         t = idx.shape[1]
         if t > self.cfg.n_ctx:
-            raise HplanError(f"sequence length {t} exceeds the model context {self.cfg.n_ctx}; lower --seq-len")
+            raise HplanError(f"sequence length {t} exceeds the model context {self.cfg.n_ctx}; lower `seq_len`")
         pos = torch.arange(t, device=idx.device)
         x = self.wte(idx) + self.wpe(pos)
         for block in self.h:
@@ -157,8 +157,8 @@ def resolve_config(size: str, overrides: dict[str, Any] | None = None) -> GPTCon
         raise HplanError(f"unknown gpt option(s) {', '.join(unknown)}: use {', '.join(CONFIG_KEYS)}")
     cfg = replace(cfg, **{k: _positive_int(k, v) for k, v in extra.items()})
     if cfg.d_model % cfg.n_head:
-        raise HplanError(f"d_model {cfg.d_model} is not divisible by n_head {cfg.n_head}: choose --set n_head "
-                         "and d_model so that n_head divides d_model")
+        raise HplanError(f"d_model {cfg.d_model} is not divisible by n_head {cfg.n_head}: choose n_head "
+                         "and d_model in `overrides` so that n_head divides d_model")
     return cfg
 
 
@@ -177,7 +177,8 @@ def gpt_workload(
     bsz = batch_size or cfg.batch_size
     seq = seq_len or min(cfg.seq_len, cfg.n_ctx)
     if seq > cfg.n_ctx:
-        raise HplanError(f"sequence length {seq} exceeds gpt:{size}'s context {cfg.n_ctx}; use --seq-len {cfg.n_ctx} or less")
+        raise HplanError(f"sequence length {seq} exceeds gpt:{size}'s context {cfg.n_ctx}; use `seq_len` {cfg.n_ctx} "
+                         "or less")
 
     def batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
         gen = torch.Generator().manual_seed(1_000_003 * (step + 1))

@@ -88,7 +88,7 @@ def _typed(key: str, value: Any, current: Any) -> Any:
     else:
         return _guess(key, value)
     if _SIZE_NAME.search(key) and number <= 0:
-        raise HplanError(f"invalid --set {key}={value}: {key} must be positive (an integer, 1 or more)")
+        raise HplanError(f"invalid {key}={value} in `overrides`: {key} must be positive (an integer, 1 or more)")
     return number
 
 
@@ -103,7 +103,7 @@ def _guess(key: str, value: str) -> Any:
         except HplanError:
             continue
         if isinstance(number, int) and not isinstance(number, bool) and _SIZE_NAME.search(key) and number <= 0:
-            raise HplanError(f"invalid --set {key}={value}: {key} must be positive (an integer, 1 or more)")
+            raise HplanError(f"invalid {key}={value} in `overrides`: {key} must be positive (an integer, 1 or more)")
         return number
     return value
 
@@ -126,8 +126,8 @@ def hf_workload(
     bsz, seq = batch_size or DEFAULT_BATCH, seq_len or DEFAULT_SEQ
     context = getattr(config, "max_position_embeddings", None)
     if isinstance(context, int) and not isinstance(context, bool) and seq > context:
-        raise HplanError(f"sequence length {seq} exceeds hf:{name}'s context {context}; use --seq-len {context} or "
-                         "less, or raise it with --set max_position_embeddings=...")
+        raise HplanError(f"sequence length {seq} exceeds hf:{name}'s context {context}; use `seq_len` {context} or "
+                         "less, or raise max_position_embeddings in `overrides`")
 
     def batch(step: int) -> dict[str, torch.Tensor]:
         gen = torch.Generator().manual_seed(7919 * (step + 1))
