@@ -32,6 +32,7 @@ import json
 import os
 import re
 import shutil
+import stat
 import tempfile
 import time
 import zlib
@@ -40,7 +41,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from hplan.executor.durable import current_umask, fsync_path, lock_exclusive, write_durably
+from hplan.executor.durable import (current_umask, fsync_path, lock_exclusive, open_regular, read_regular,
+                                    write_durably)
 from hplan.executor.nvme_format import checksum_function
 
 from hplan.errors import HplanError
@@ -73,6 +75,8 @@ class Checkpoint:
     """Optimizer steps done when it was saved (the folder's number)."""
     info: dict[str, Any]
     """What the writer recorded beside the files (format, fingerprint, world size)."""
+    files: dict[str, int]
+    """Every file the manifest lists and this check verified (relative path → bytes)."""
 
 
 def folder_name(global_step: int) -> str:
@@ -177,7 +181,7 @@ class CheckpointDir:
     def _candidates(self) -> tuple[list[Path], list[str]]:
         pointer = self.root / POINTER
         try:
-            data = json.loads(pointer.read_text())
+            data = json.loads(read_regular(pointer))
             names = [data["latest"], *data["previous"]]
             if data.get("schema") != POINTER_SCHEMA or not all(isinstance(n, str) and _STEP.fullmatch(n)
                                                                for n in names):
@@ -272,14 +276,28 @@ def write_manifest(folder: Path, *, global_step: int, info: dict[str, Any]) -> N
 def verify(folder: Path) -> Checkpoint:
     """The checkpoint in `folder` if its manifest is sound and every listed file matches it, else a
     one-line HplanError naming the first file that does not."""
+    return _manifest(folder, checksums=True)
+
+
+def listed_files(folder: Path) -> dict[str, int]:
+    """The files the manifest of `folder` lists (relative path → bytes), each checked to be a regular file of
+    that size but not re-hashed: for ranks loading a folder the launcher verified before they started."""
+    return dict(_manifest(folder, checksums=False).files)
+
+
+def _manifest(folder: Path, *, checksums: bool) -> Checkpoint:
     path = folder / MANIFEST
+    if folder.is_symlink():
+        raise HplanError(f"checkpoint folder {folder} is a symbolic link, which hplan does not follow; restore the "
+                         "folder from a backup or start again with --overwrite")
     try:
-        manifest = json.loads(path.read_text())
+        manifest = json.loads(read_regular(path))
     except FileNotFoundError:
         what = "is missing" if folder.is_dir() else "is missing (so is its folder)"
         raise HplanError(f"checkpoint manifest {path} {what}") from None
     except (OSError, UnicodeDecodeError, ValueError) as exc:
-        raise HplanError(f"checkpoint manifest {path} cannot be read ({type(exc).__name__})") from None
+        why = exc.strerror if isinstance(exc, OSError) and exc.strerror else type(exc).__name__
+        raise HplanError(f"checkpoint manifest {path} cannot be read ({why})") from None
     if not isinstance(manifest, dict) or manifest.get("schema") != SCHEMA:
         raise HplanError(f"checkpoint manifest {path} is not a {SCHEMA} manifest")
     step = manifest.get("global_step")
@@ -294,12 +312,14 @@ def verify(folder: Path) -> Checkpoint:
         raise HplanError(f"checkpoint manifest {path} names an unknown checksum {algorithm!r}") from None
     if not isinstance(files, dict) or not files or not isinstance(info, dict):
         raise HplanError(f"checkpoint manifest {path} lists no files")
-    for rel, entry in sorted(files.items()):
-        _check_file(folder, rel, entry, algorithm, path)
-    return Checkpoint(path=folder, global_step=step, info=info)
+    sizes = {rel: _check_file(folder, rel, entry, algorithm if checksums else None, path)
+             for rel, entry in sorted(files.items())}
+    return Checkpoint(path=folder, global_step=step, info=info, files=sizes)
 
 
-def _check_file(folder: Path, rel: str, entry: Any, algorithm: str, manifest: Path) -> None:
+def _check_file(folder: Path, rel: str, entry: Any, algorithm: str | None, manifest: Path) -> int:
+    """The listed file's size once it is a regular file (no link) of the listed size and, unless `algorithm` is
+    None, checksum."""
     if not isinstance(rel, str) or Path(rel).is_absolute() or ".." in Path(rel).parts or rel == MANIFEST:
         raise HplanError(f"checkpoint manifest {manifest} lists a file outside its folder: {rel!r}")
     try:
@@ -308,14 +328,23 @@ def _check_file(folder: Path, rel: str, entry: Any, algorithm: str, manifest: Pa
         raise HplanError(f"checkpoint manifest {manifest} has a malformed entry for {rel}") from None
     path = folder / rel
     try:
-        actual = path.stat().st_size
+        st = path.lstat()
     except OSError:
         raise HplanError(f"checkpoint file {path} is missing") from None
-    if actual != size:
-        raise HplanError(f"checkpoint file {path} is {actual} bytes, the manifest says {size} (truncated or "
+    if not stat.S_ISREG(st.st_mode) or any(p.is_symlink() for p in path.parents if p != folder and
+                                             p.is_relative_to(folder)):
+        raise HplanError(f"checkpoint file {path} is not a regular file (a link, a folder or a FIFO); hplan writes "
+                         "none of those — restore the folder from a backup or start again with --overwrite")
+    if st.st_size != size:
+        raise HplanError(f"checkpoint file {path} is {st.st_size} bytes, the manifest says {size} (truncated or "
                          "replaced)")
-    if file_checksum(path, algorithm) != expected:
+    try:
+        actual = None if algorithm is None else file_checksum(path, algorithm)
+    except OSError as exc:  # replaced by a link or a FIFO since the lstat above
+        raise HplanError(f"checkpoint file {path} cannot be read ({exc.strerror or exc})") from None
+    if actual is not None and actual != expected:
         raise HplanError(f"checkpoint file {path} does not match its {algorithm} checksum (its bytes changed)")
+    return size
 
 
 def file_checksum(path: Path, algorithm: str) -> int:
@@ -324,12 +353,12 @@ def file_checksum(path: Path, algorithm: str) -> int:
         import xxhash
 
         h = xxhash.xxh3_64()
-        with open(path, "rb") as f:
+        with open_regular(path) as f:
             while block := f.read(_BLOCK):
                 h.update(block)
         return h.intdigest()
     crc = 0
-    with open(path, "rb") as f:
+    with open_regular(path) as f:
         while block := f.read(_BLOCK):
             crc = zlib.crc32(block, crc)
     return crc
@@ -339,7 +368,7 @@ def saved_step(directory: str | os.PathLike[str]) -> int:
     """The global step the pointer names (0 when there is none); read-only, nothing verified — for progress
     displays and tests, never for deciding what to resume from."""
     try:
-        data = json.loads((Path(directory) / POINTER).read_text())
+        data = json.loads(read_regular(Path(directory) / POINTER))
         return int(data["latest"][5:])
     except (OSError, ValueError, KeyError, TypeError):
         return 0
@@ -359,7 +388,7 @@ def _files(folder: Path) -> Iterator[str]:
 def _written_by_ranks(pointer: Path) -> int:
     """The world size of a many-rank checkpoint's pointer (hplan.executor.dist_checkpoint), else 0."""
     try:
-        data = json.loads(pointer.read_text())
+        data = json.loads(read_regular(pointer))
     except (OSError, ValueError):
         return 0
     world = data.get("world_size") if isinstance(data, dict) and data.get("schema", "").startswith(

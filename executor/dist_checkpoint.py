@@ -57,7 +57,8 @@ def read_pointer(directory: str | os.PathLike[str]) -> dict[str, Any]:
 
 
 def check_resumable(directory: str | os.PathLike[str], plan: Plan, world: int) -> dict[str, Any]:
-    """Refuse, before any rank starts, a checkpoint of another world size, factors or model (torch-free)."""
+    """Refuse, before any rank starts, a checkpoint of another world size, factors or model, or one whose metadata
+    is not DCP's own (hplan.executor.dcp_safe)."""
     info = read_pointer(directory)
     if info.get("world_size") != world:
         raise HplanError(f"checkpoint {directory} was written by {info.get('world_size')} ranks, this run has {world}; "
@@ -79,13 +80,16 @@ def choose_folder(directory: str | os.PathLike[str], info: dict[str, Any]) -> di
     file's checksum, as one-process checkpoints do), and `warning` saying so when that is the previous one."""
     from hplan.executor.checkpoint_dir import verify
 
+    from hplan.executor.dcp_safe import read_metadata
+
     problems = []
     for i, name in enumerate(n for n in (info.get("latest"), info.get("previous")) if isinstance(n, str)):
         try:
-            verify(Path(directory) / name)
+            found = verify(Path(directory) / name)
         except HplanError as exc:
             problems.append(str(exc))
             continue
+        read_metadata(found.path, found.files)  # verified bytes that are not hplan's metadata: refused, no fallback
         warning = (f"checkpoint {directory}: {problems[0]}; resuming from the previous step folder {name}"
                    if i else None)
         return {**info, "latest": name, "warning": warning}
@@ -101,10 +105,17 @@ def _pack(obj: Any) -> Any:
     return torch.frombuffer(bytearray(buf.getvalue()), dtype=torch.uint8)
 
 
-def _unpack(t: Any) -> Any:
+def _unpack(t: Any, folder: Path) -> dict[str, Any]:
     import torch
 
-    return torch.load(io.BytesIO(t.numpy().tobytes()), weights_only=True)
+    try:
+        extra = torch.load(io.BytesIO(t.numpy().tobytes()), weights_only=True)
+    except Exception as exc:
+        raise HplanError(f"checkpoint {folder} has unreadable training state ({type(exc).__name__}); restore it or "
+                         "start again") from None
+    if not isinstance(extra, dict) or not {"global_step", "steps", "scheduler", "rng"} <= set(extra):
+        raise HplanError(f"checkpoint {folder} has no training state record; restore it or start again")
+    return extra
 
 
 def _state(run: Any, *, global_step: int, scheduler: Any) -> dict[str, Any]:
@@ -200,17 +211,30 @@ def load(directory: str | os.PathLike[str], run: Any, folder: str | None = None)
     if folder is None:
         folder = check_resumable(directory, run.plan, run.world)["latest"]
 
+    from hplan.executor.checkpoint_dir import listed_files
+    from hplan.executor.dcp_safe import SafePlanner, SafeReader, read_metadata
+
     store, key = run.store, f"rank{run.rank}"
+    path = Path(directory) / folder
+    metadata = read_metadata(path, listed_files(path))  # never DCP's pickle.load ([Note: safe DCP metadata])
     template = {key: {"regions": {str(rid): store.typed(rid, host=True).clone()
                                   for rid, slot in store.slots.items() if slot.region.kind != "grad"},
-                      "extra": torch.empty(0, dtype=torch.uint8)}}
-    path = Path(directory) / folder
-    template[key]["extra"] = torch.empty(_extra_size(path, key), dtype=torch.uint8)
-    dcp.load(template, checkpoint_id=str(path))
+                      "extra": torch.empty(_extra_size(path, metadata, key), dtype=torch.uint8)}}
+    try:
+        dcp.load(template, storage_reader=SafeReader(path, metadata), planner=SafePlanner())
+    except dcp.api.CheckpointException as exc:
+        from hplan.executor.checkpoint import _unwrap
+
+        error = _unwrap(exc)
+        if isinstance(error, HplanError):
+            raise error from None
+        raise HplanError(f"checkpoint {path} passed its checksums but this rank cannot read its shards "
+                         f"({type(error).__name__}: {' '.join(str(error).split())[:200]}); resume with the plan and "
+                         "world size it was written for") from None
     with torch.no_grad():
         for rid, value in template[key]["regions"].items():
             store.typed(int(rid), host=True).copy_(value)
-    extra = _unpack(template[key]["extra"])
+    extra = _unpack(template[key]["extra"], path)
     for update in run.updates.values():
         for n in update.names:
             if n in extra["steps"]:
@@ -222,12 +246,9 @@ def load(directory: str | os.PathLike[str], run: Any, folder: str | None = None)
     return {"global_step": int(extra["global_step"]), "scheduler": extra["scheduler"], "path": str(path)}
 
 
-def _extra_size(folder: Path, key: str) -> int:
-    """Bytes of the packed extras this rank saved, from DCP's metadata (its tensors' sizes)."""
-    import torch.distributed.checkpoint as dcp
-
-    meta = dcp.FileSystemReader(str(folder)).read_metadata()
-    entry = meta.state_dict_metadata.get(f"{key}.extra")
-    if entry is None:
+def _extra_size(folder: Path, metadata: Any, key: str) -> int:
+    """Bytes of the packed extras this rank saved, from DCP's (checked) metadata."""
+    entry = metadata.state_dict_metadata.get(f"{key}.extra")
+    if entry is None or len(entry.size) != 1:
         raise HplanError(f"checkpoint {folder} has no shards for {key}; it was written by another world size")
     return int(entry.size[0])

@@ -24,6 +24,7 @@ import torch
 from hplan.executor import run_training
 from hplan.executor.checkpoint import load_checkpoint
 from hplan.executor.checkpoint_dir import PAUSE_ENV, CheckpointDir, saved_step, verify
+import hostile
 from loops import cli_env, plan_for
 from typer.testing import CliRunner
 
@@ -162,7 +163,17 @@ DAMAGES = {
     "global_step_negative": ("manifest.json", _edit_manifest(global_step=-5)),
     "global_step_not_an_integer": ("manifest.json", _edit_manifest(global_step="4")),
     "global_step_fractional": ("manifest.json", _edit_manifest(global_step=4.5)),
+    "shard_replaced_by_a_link": (SHARD, lambda f: _link_aside(f / SHARD)),
+    "manifest_replaced_by_a_fifo": ("manifest.json", lambda f: ((f / "manifest.json").unlink(),
+                                                                os.mkfifo(f / "manifest.json"))),
 }
+
+
+def _link_aside(path: Path) -> None:
+    """The file moved out of the folder and a symbolic link left in its place (same bytes: checksums match)."""
+    aside = path.parent.parent / f"{path.parent.name}-{path.name}"
+    path.rename(aside)
+    path.symlink_to(aside)
 
 
 @pytest.mark.parametrize("kind", DAMAGES)
@@ -210,6 +221,62 @@ def test_no_good_checkpoint_is_exit_2_naming_the_directory_and_each_problem(prep
     assert result.exit_code == 2 and len(result.stderr.strip().splitlines()) == 1
     assert f"no good checkpoint in {ck}" in " ".join(result.stderr.split())
     assert sorted(p.name for p in ck.glob("step-*")) == ["step-000003", "step-000004"]  # nothing removed
+
+
+# -- hostile folders ([Note: safe DCP metadata]) -------------------------------------------------------------
+
+HOSTILE = {
+    "metadata_is_a_pickle_that_runs_code": (hostile.plant_pickle, "names posix.system"),
+    "code_hidden_inside_real_metadata": (hostile.plant_inside_metadata, "names posix.system"),
+    "a_bytes_entry_whose_pickle_runs_code": (hostile.plant_bytes_entry, "hplan writes tensors only"),
+}
+
+
+@pytest.mark.parametrize("kind", HOSTILE)
+def test_a_checkpoint_that_would_run_code_is_refused_in_one_line(prepared, tmp_path, kind):
+    """Whoever can write the folder forges a pickle and recomputes the manifest: resume exits 2 in one line naming
+    the file, before anything runs (no marker), and does not fall back past it (this is not damage)."""
+    ck = _copy(prepared, tmp_path)
+    plant, expected = HOSTILE[kind]
+    marker = tmp_path / "ran-code"
+    plant(ck / "step-000004", marker)
+    hostile.prove_hostile(ck / "step-000004", marker)
+    result = _cli(prepared, "--steps", "5", "--checkpoint", str(ck), "--resume")
+    message = " ".join(result.stderr.split())
+    assert result.exit_code == 2 and len(result.stderr.strip().splitlines()) == 1, result.stderr
+    assert f"{ck / 'step-000004' / '.metadata'}" in message and expected in message, message
+    assert not marker.exists()
+    assert sorted(p.name for p in ck.glob("step-*")) == ["step-000003", "step-000004"]  # nothing removed
+
+
+def test_forged_storage_entries_are_refused_before_reading_or_allocating(prepared, tmp_path):
+    """Entries pointing outside the folder (here at a FIFO, which would block a reader forever) or claiming 2^40
+    elements: exit 2 naming the metadata, nothing opened or allocated."""
+    ck = _copy(prepared, tmp_path)
+    os.mkfifo(tmp_path / "pipe")
+    hostile.plant_outside_path(ck / "step-000004", "../../pipe")
+    with pytest.raises(HplanError, match=r"\.metadata points at '\.\./\.\./pipe', which is not a data file"):
+        _resume(prepared, ck)
+    ck = tmp_path / "ck2"
+    shutil.copytree(prepared[4], ck)
+    hostile.plant_huge_size(ck / "step-000004")
+    with pytest.raises(HplanError, match=r"\.metadata says entry .* holds 4398046511104 bytes but stores"):
+        _resume(prepared, ck)
+
+
+def test_resume_never_calls_dcps_own_unpickling(prepared, tmp_path, monkeypatch):
+    """torch's DCP reader (pickle.load of .metadata) and its planner's torch.load(weights_only=False) are never
+    reached: with both made to fail, a resume still continues bit for bit."""
+    import torch.distributed.checkpoint.default_planner as planner
+    import torch.distributed.checkpoint.filesystem as filesystem
+
+    def forbidden(*args, **kwargs):
+        raise AssertionError("DCP's own unpickling was called")
+
+    monkeypatch.setattr(filesystem.pickle, "load", forbidden)
+    monkeypatch.setattr(planner.DefaultLoadPlanner, "load_bytes", forbidden)
+    report, warnings = _resume(prepared, _copy(prepared, tmp_path))
+    assert not warnings and report.losses == prepared[3][SAVED:]
 
 
 # -- non-finite values ----------------------------------------------------------------------------------------
