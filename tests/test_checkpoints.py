@@ -43,18 +43,34 @@ import torch
 from torch import nn
 import hplan
 
+MARK = 12345.0
+"""A batch whose first value is MARK makes the loss's gradient infinite (the loss itself stays finite)."""
 
-def workload(nan_at: int = -1, inf_lr_at: int = -1) -> hplan.Workload:
+
+class Blow(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, g):
+        return g * math.inf
+
+
+def workload(nan_at: int = -1, inf_lr_at: int = -1, inf_grad_at: int = -1) -> hplan.Workload:
     def model():
         return nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Dropout(0.1), nn.Linear(32, 32), nn.ReLU(),
                              nn.Linear(32, 4))
 
     def batch(step):
         x = torch.randn(8, 16, generator=torch.Generator().manual_seed(step))
+        if step == inf_grad_at:
+            x[0, 0] = MARK
         return x * float("nan") if step == nan_at else x
 
     def loss(m, x):
-        return m(x.to(m[0].weight.dtype)).float().pow(2).mean()
+        out = m(x.to(m[0].weight.dtype)).float()
+        return (Blow.apply(out) if bool(x[0, 0] == MARK) else out).pow(2).mean()
 
     def scheduler(opt):
         return torch.optim.lr_scheduler.LambdaLR(opt, lambda s: math.inf if 0 <= inf_lr_at <= s else 0.9 ** s)
@@ -288,6 +304,24 @@ def test_a_nan_loss_at_step_k_stops_there_and_leaves_the_checkpoint_of_step_k_mi
     assert saved_step(ck) == 3 and verify(ck / "step-000003").global_step == 3
     report, warnings = _resume(prepared, ck)
     assert not warnings and report.losses == prepared[3][3:]
+
+
+def test_a_non_finite_gradient_is_named_by_its_training_step(prepared, tmp_path):
+    """An infinite gradient (finite loss) at step 2, in a first run and in a resumed one: exit 2 naming step 2 (the
+    plan step is detail), nothing of step 2 updated or saved."""
+    ck = tmp_path / "ck"
+    for args in ((), ("--resume",)):
+        if args:  # resume from step 1 and meet the same gradient again: the step is counted from the checkpoint
+            shutil.rmtree(ck)
+            assert _cli(prepared, "--steps", "1", "--checkpoint", str(ck)).exit_code == 0
+        result = _cli(prepared, "--steps", str(STEPS), "--checkpoint", str(ck), *args, inf_grad_at=2)
+        message = " ".join(result.stderr.split())
+        assert result.exit_code == 2 and len(result.stderr.strip().splitlines()) == 1, result.stderr
+        assert "is not finite (inf or NaN) at step 2 (seen at plan step" in message, message
+        assert saved_step(ck) == 2
+    with CheckpointDir(ck, resume=True) as directory:
+        state = load_checkpoint(directory, prepared[2], warn=pytest.fail)
+    assert all(torch.isfinite(t).all() for t in state["params"].values())
 
 
 def test_non_finite_weights_are_never_saved(prepared, tmp_path):
