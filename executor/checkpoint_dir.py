@@ -17,7 +17,7 @@ bit-flipped file is refused naming it. Resume tries the pointer's folders in ord
 nothing else, so a folder of another run (before an --overwrite run's first save) is never mixed in; a
 folder renamed into place whose pointer update a kill prevented is simply not used, and goes at the next
 save. Without a readable pointer, the step folders are tried newest first. A `kill -9` at any moment thus
-leaves the pointer's folders intact; its temp folder (or a `.trash-*` folder, see `_install`) is removed at
+leaves the pointer's folders intact; its temp folder (or a `.trash-*` folder, see `install`) is removed at
 the next start, under the lock. Checksums use the NVMe tier's algorithms ([Note: nvme checksums]).
 
 Several ranks (issue 17) fit the same layout: every rank writes its shard files into one temp folder (the
@@ -118,7 +118,7 @@ class CheckpointDir:
         self._fd = -1
         self._check(resume, overwrite)
         self.root.mkdir(parents=True, exist_ok=True)
-        self._fd = _lock(self.root)
+        self._fd = lock(self.root)
         try:
             self._remove_leftovers()
             self._check(resume, overwrite)
@@ -211,7 +211,7 @@ class CheckpointDir:
             _pause()
             write_manifest(tmp, global_step=global_step, info=info)
             _pause()
-            final = _install(tmp, self.root / name)
+            final = install(tmp, self.root / name)
         except BaseException as exc:
             shutil.rmtree(tmp, ignore_errors=True)
             if isinstance(exc, OSError):
@@ -238,13 +238,7 @@ class CheckpointDir:
         (self.root / OLD_FORMAT).unlink(missing_ok=True)
 
     def _remove_leftovers(self) -> None:
-        """Temp and trash folders of saves killed half way (ours by name; nothing else is touched)."""
-        for path in self.root.iterdir():
-            if _LEFTOVER.fullmatch(path.name):
-                if path.is_dir() and not path.is_symlink():
-                    shutil.rmtree(path, ignore_errors=True)
-                else:
-                    path.unlink(missing_ok=True)
+        remove_leftovers(self.root)
 
     def close(self) -> None:
         """Release the lock (idempotent)."""
@@ -396,7 +390,7 @@ def _written_by_ranks(pointer: Path) -> int:
     return world if type(world) is int and world > 1 else 0
 
 
-def _install(tmp: Path, final: Path) -> Path:
+def install(tmp: Path, final: Path) -> Path:
     """Rename the finished temp folder onto `final`. A folder already there (a damaged one being redone
     after a fallback, or another run's after --overwrite) is renamed aside first — a rename cannot replace
     a non-empty folder — and removed after; a kill in between leaves a `.trash-*` folder for the next start."""
@@ -417,8 +411,20 @@ def _save_error(root: Path, exc: OSError) -> HplanError:
                       "intact; free space or pass another --checkpoint, then --resume")
 
 
-def _lock(root: Path) -> int:
-    """flock DIR/.lock, or say who holds it (hplan.executor.durable.lock_exclusive)."""
+def remove_leftovers(root: Path) -> None:
+    """Temp and trash folders of saves killed half way (ours by name; nothing else is touched). Call under the
+    lock: one process or many ranks, whoever holds DIR/.lock owns what is in DIR."""
+    for path in root.iterdir():
+        if _LEFTOVER.fullmatch(path.name):
+            if path.is_dir() and not path.is_symlink():
+                shutil.rmtree(path, ignore_errors=True)
+            else:
+                path.unlink(missing_ok=True)
+
+
+def lock(root: Path) -> int:
+    """flock DIR/.lock, or say who holds it (hplan.executor.durable.lock_exclusive): the one lock of a checkpoint
+    folder, taken by a one-process run and by a many-rank run's rank 0 (or its launcher) alike."""
     def cannot_create(exc: OSError) -> HplanError:
         return HplanError(f"cannot create the lock file {root / LOCK}: {exc.strerror}; check the folder's "
                           "permissions")

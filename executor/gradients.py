@@ -137,10 +137,10 @@ def first_nonfinite(names: list[str], grads: list[torch.Tensor]) -> str | None:
     return names[int((~finite).nonzero()[0, 0])]
 
 
-def nonfinite_message(name: str, training_step: int, step: Any) -> str:
+def nonfinite_message(name: str, training_step: int, step: Any, where: str = "") -> str:
     """[Note: naming the step] Errors name the training step (the loop's `step`: 0-based, as the loss guard and
-    checkpoint folders count), with the plan step where it showed as detail."""
-    return (f"the gradient of {name} is not finite (inf or NaN) at step {training_step} (seen at plan step "
+    checkpoint folders count), with the plan step where it showed as detail; `where` e.g. " on rank 1"."""
+    return (f"the gradient of {name} is not finite (inf or NaN) at step {training_step}{where} (seen at plan step "
             f"{step.index}, {step.event}); stopped before updating with it")
 
 

@@ -318,6 +318,13 @@ def _failure_message(procs: list[Any], workdir: Path, stopped: list[int]) -> str
     if not records:  # exit code 0 but no result: handled by _read_result; keep a message anyway
         return f"a rank of {world} failed without a record; rerun with fewer ranks to isolate it"
     rank = min(records, key=lambda r: (records[r]["time"], r))
+    same = sorted(r for r in records if records[r]["error"] == records[rank]["error"])
+    if len(same) > 1:  # the ranks agreed on one error (e.g. a refusal every rank raises): say it once
+        later = sorted(r for r in [*records, *silent] if r not in same)
+        rest = "; ".join(([f"failed after them: {later}"] if later else []) + ([f"stopped: {stopped}"] if stopped
+                                                                                 else []))
+        return (f"ranks {same} of {world} failed: {records[rank]['error']}{f' ({rest})' if rest else ''}; "
+                "`hplan --debug` shows each rank's traceback")
     return f"rank {rank} of {world} failed: {records[rank]['error']} ({others(rank)}); `hplan --debug` shows each rank's traceback"
 
 

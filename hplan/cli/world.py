@@ -87,17 +87,66 @@ def summary_rows(plan: Plan) -> list[tuple[str, str]]:
 
 def many_rank_run(nproc: int | None, plan: Any) -> bool:
     """Does `hplan run` go to the many-rank executor? With --nproc, under torchrun, or for a plan with shard
-    factors (whose run then asks for --nproc); a plan file that cannot be read goes the usual way, which says why."""
-    import json
+    factors (whose run then asks for --nproc) — except a world of one with a one-GPU plan, which is one process
+    (RANK=0 WORLD_SIZE=1, or --nproc 1). A plan file that cannot be read goes the usual way, which says why."""
+    world = nproc if nproc is not None else env_world()
+    sharded = plan_is_sharded(plan)
+    if world == 1 and sharded is False:
+        return False
+    return world is not None or bool(sharded)
+
+
+def env_world() -> int | None:
+    """WORLD_SIZE when the environment describes a torchrun (or env://) rank, else None; refused when not a
+    positive integer."""
     import os
 
-    if nproc is not None or ("RANK" in os.environ and "WORLD_SIZE" in os.environ):
-        return True
+    if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
+        return None
+    try:
+        world = int(os.environ["WORLD_SIZE"])
+    except ValueError:
+        world = 0
+    if world < 1:
+        raise HplanError(f"WORLD_SIZE={os.environ['WORLD_SIZE']!r} is not a positive number of ranks; launch under "
+                         "torchrun, or unset RANK and WORLD_SIZE")
+    return world
+
+
+def plan_is_sharded(plan: Any) -> bool | None:
+    """Whether the plan file is a many-rank plan (has shard factors); None when it cannot be read as JSON."""
+    import json
+
     try:
         with open(plan) as f:
             return bool(json.load(f).get("sharding"))
-    except (OSError, ValueError, AttributeError):
-        return False
+    except (OSError, ValueError, AttributeError, RecursionError):
+        return None
+
+
+def one_process_plan_on_ranks(plan: Any, nproc: int | None, *, nvme_dir: bool) -> str | None:
+    """The refusal for a one-GPU plan asked to run on several ranks, or None: the fix is to drop --nproc (or
+    torchrun), and a disk-tier plan cannot be re-planned for many ranks at all."""
+    import json
+
+    if plan_is_sharded(plan) is not False:
+        return None
+    world = nproc if nproc is not None else env_world()
+    if world is None or world == 1:
+        return None
+    try:
+        with open(plan) as f:
+            disk = any(c.get("home") == "nvme" for c in json.load(f).get("chunks", []) if isinstance(c, dict))
+    except (OSError, ValueError, AttributeError, RecursionError):
+        disk = False
+    asked = f"--nproc {world}" if nproc is not None else f"torchrun (WORLD_SIZE={world})"
+    drop = "drop --nproc" if nproc is not None else "run it without torchrun"
+    if disk:
+        keep = " and keep --nvme-dir" if nvme_dir else " and pass --nvme-dir DIR"
+        return (f"{plan} is a one-process plan with a disk tier (--nvme) but {asked} asks for {world} ranks: {drop}"
+                f"{keep} (many ranks keep no disk tier)")
+    return (f"{plan} is a plan for one GPU but {asked} asks for {world} ranks: {drop}, or re-plan with --gpus "
+            f"{world} for {world} ranks")
 
 
 def run_many(*, spec: str, plan: Any, steps: int, device: str, metrics: Any, checkpoint: Any, resume: bool,
