@@ -12,8 +12,10 @@ hplan.executor.checkpoint decides what goes inside a folder.
 file, writes `manifest.json` (each file's size and checksum, the global step) last, renames the folder to
 `step-000041`, replaces `latest.json` (naming the new folder and the one this run resumed from or saved
 before), and only then removes the folders the pointer no longer names. A folder is trusted only when its
-manifest exists and every file it lists has the listed size and checksum, so a torn, truncated, replaced or
-bit-flipped file is refused naming it. Resume tries the pointer's folders in order (newest first) and
+manifest exists and every file it lists is a regular file (never read through a link or from a FIFO) with the
+listed size and checksum, so a torn, truncated, replaced or bit-flipped file is refused naming it. The checksums
+catch damage, not malice (they have no key): what a folder holds is read without running code
+([Note: safe DCP metadata] in hplan.executor.dcp_safe). Resume tries the pointer's folders in order (newest first) and
 nothing else, so a folder of another run (before an --overwrite run's first save) is never mixed in; a
 folder renamed into place whose pointer update a kill prevented is simply not used, and goes at the next
 save. Without a readable pointer, the step folders are tried newest first. A `kill -9` at any moment thus

@@ -265,6 +265,20 @@ def test_a_checkpoint_that_would_run_code_is_refused_in_one_line(prepared, tmp_p
     assert sorted(p.name for p in ck.glob("step-*")) == ["step-000003", "step-000004"]  # nothing removed
 
 
+@pytest.mark.parametrize("module, name", [("posix", "system"), ("builtins", "eval"), ("builtins", "getattr"),
+                                          ("torch", "load"), ("torch", "_C"), ("torch.serialization", "load"),
+                                          ("torch._utils", "_rebuild_tensor_v2"), ("copyreg", "_reconstructor"),
+                                          ("pathlib", "Path.write_text"), ("torch", "Size.__new__"),
+                                          ("torch.distributed.checkpoint.metadata", "torch")])
+def test_the_metadata_unpickler_admits_nothing_but_dcp_metadata(module, name):
+    """The allowlist: what DCP's metadata is made of resolves, any other global is refused, dotted names too."""
+    from hplan.executor.dcp_safe import _allowed
+
+    assert _allowed(module, name) is None
+    assert _allowed("torch", "Size") is torch.Size and _allowed("torch", "bfloat16") is torch.bfloat16
+    assert _allowed("torch.distributed.checkpoint.metadata", "Metadata") is not None
+
+
 def test_forged_storage_entries_are_refused_before_reading_or_allocating(prepared, tmp_path):
     """Entries pointing outside the folder (here at a FIFO, which would block a reader forever) or claiming 2^40
     elements: exit 2 naming the metadata, nothing opened or allocated."""
