@@ -34,24 +34,19 @@ import json
 import os
 import re
 import shutil
-import stat
 import tempfile
 import time
-import zlib
-from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from hplan.executor.durable import (current_umask, fsync_path, lock_exclusive, open_regular, read_regular,
-                                    write_durably)
-from hplan.executor.nvme_format import checksum_function
+from hplan.executor.checkpoint_manifest import (Checkpoint, file_checksum, folder_name, listed_files,  # noqa: F401
+                                                 verify, write_manifest)  # re-exported: the manifest's names
+from hplan.executor.durable import current_umask, fsync_path, lock_exclusive, read_regular, write_durably
 
 from hplan.errors import HplanError
 
-SCHEMA = "hplan.checkpoint/1"
 POINTER_SCHEMA = "hplan.checkpoint-pointer/1"
-MANIFEST = "manifest.json"
 POINTER = "latest.json"
 LOCK = ".lock"
 KEEP = 2
@@ -63,26 +58,8 @@ PAUSE_ENV = "HPLAN_TEST_SAVE_PAUSE_S"
 
 _STEP = re.compile(r"step-(\d{6,})")
 _LEFTOVER = re.compile(r"\.step-\d+\..*\.tmp|\.trash-.*|\.(latest\.json|state\.pt)\..*\.tmp")
-_BLOCK = 1 << 24
 
 Warn = Callable[[str], None]
-
-
-@dataclass(frozen=True, kw_only=True, slots=True)
-class Checkpoint:
-    """A verified checkpoint folder."""
-
-    path: Path
-    global_step: int
-    """Optimizer steps done when it was saved (the folder's number)."""
-    info: dict[str, Any]
-    """What the writer recorded beside the files (format, fingerprint, world size)."""
-    files: dict[str, int]
-    """Every file the manifest lists and this check verified (relative path → bytes)."""
-
-
-def folder_name(global_step: int) -> str:
-    return f"step-{global_step:06d}"
 
 
 def holds(root: Path) -> str | None:
@@ -120,7 +97,7 @@ class CheckpointDir:
         self._fd = -1
         self._check(resume, overwrite)
         self.root.mkdir(parents=True, exist_ok=True)
-        self._fd = lock(self.root)
+        self._fd = _lock(self.root)
         try:
             self._remove_leftovers()
             self._check(resume, overwrite)
@@ -255,111 +232,6 @@ class CheckpointDir:
         self.close()
 
 
-# -- manifest -----------------------------------------------------------------------------------------------
-
-def write_manifest(folder: Path, *, global_step: int, info: dict[str, Any]) -> None:
-    """fsync every file of `folder`, then write its manifest last (atomically, fsynced)."""
-    algorithm, _ = checksum_function("auto")
-    files = {}
-    for rel in sorted(_files(folder)):
-        path = folder / rel
-        fsync_path(path)
-        files[rel] = {"bytes": path.stat().st_size, "checksum": f"{file_checksum(path, algorithm):016x}"}
-    manifest = {"schema": SCHEMA, "global_step": global_step, "checksum": algorithm, "files": files, "info": info}
-    write_durably(folder / MANIFEST, json.dumps(manifest, indent=1, sort_keys=True, allow_nan=False) + "\n")
-
-
-def verify(folder: Path) -> Checkpoint:
-    """The checkpoint in `folder` if its manifest is sound and every listed file matches it, else a
-    one-line HplanError naming the first file that does not."""
-    return _manifest(folder, checksums=True)
-
-
-def listed_files(folder: Path) -> dict[str, int]:
-    """The files the manifest of `folder` lists (relative path → bytes), each checked to be a regular file of
-    that size but not re-hashed: for ranks loading a folder the launcher verified before they started."""
-    return dict(_manifest(folder, checksums=False).files)
-
-
-def _manifest(folder: Path, *, checksums: bool) -> Checkpoint:
-    path = folder / MANIFEST
-    if folder.is_symlink():
-        raise HplanError(f"checkpoint folder {folder} is a symbolic link, which hplan does not follow; restore the "
-                         "folder from a backup or start again with --overwrite")
-    try:
-        manifest = json.loads(read_regular(path))
-    except FileNotFoundError:
-        what = "is missing" if folder.is_dir() else "is missing (so is its folder)"
-        raise HplanError(f"checkpoint manifest {path} {what}") from None
-    except (OSError, UnicodeDecodeError, ValueError) as exc:
-        why = exc.strerror if isinstance(exc, OSError) and exc.strerror else type(exc).__name__
-        raise HplanError(f"checkpoint manifest {path} cannot be read ({why})") from None
-    if not isinstance(manifest, dict) or manifest.get("schema") != SCHEMA:
-        raise HplanError(f"checkpoint manifest {path} is not a {SCHEMA} manifest")
-    step = manifest.get("global_step")
-    if type(step) is not int or step < 0:
-        raise HplanError(f"checkpoint manifest {path} has global_step {step!r}, not a step count (an integer ≥ 0)")
-    if folder.name != folder_name(step):
-        raise HplanError(f"checkpoint manifest {path} says global_step {step} but its folder is {folder.name}")
-    algorithm, files, info = manifest.get("checksum"), manifest.get("files"), manifest.get("info", {})
-    try:
-        checksum_function(algorithm if isinstance(algorithm, str) else "?")
-    except HplanError:
-        raise HplanError(f"checkpoint manifest {path} names an unknown checksum {algorithm!r}") from None
-    if not isinstance(files, dict) or not files or not isinstance(info, dict):
-        raise HplanError(f"checkpoint manifest {path} lists no files")
-    sizes = {rel: _check_file(folder, rel, entry, algorithm if checksums else None, path)
-             for rel, entry in sorted(files.items())}
-    return Checkpoint(path=folder, global_step=step, info=info, files=sizes)
-
-
-def _check_file(folder: Path, rel: str, entry: Any, algorithm: str | None, manifest: Path) -> int:
-    """The listed file's size once it is a regular file (no link) of the listed size and, unless `algorithm` is
-    None, checksum."""
-    if not isinstance(rel, str) or Path(rel).is_absolute() or ".." in Path(rel).parts or rel == MANIFEST:
-        raise HplanError(f"checkpoint manifest {manifest} lists a file outside its folder: {rel!r}")
-    try:
-        size, expected = int(entry["bytes"]), int(entry["checksum"], 16)
-    except (TypeError, KeyError, ValueError):
-        raise HplanError(f"checkpoint manifest {manifest} has a malformed entry for {rel}") from None
-    path = folder / rel
-    try:
-        st = path.lstat()
-    except OSError:
-        raise HplanError(f"checkpoint file {path} is missing") from None
-    if not stat.S_ISREG(st.st_mode) or any(p.is_symlink() for p in path.parents if p != folder and
-                                             p.is_relative_to(folder)):
-        raise HplanError(f"checkpoint file {path} is not a regular file (a link, a folder or a FIFO); hplan writes "
-                         "none of those — restore the folder from a backup or start again with --overwrite")
-    if st.st_size != size:
-        raise HplanError(f"checkpoint file {path} is {st.st_size} bytes, the manifest says {size} (truncated or "
-                         "replaced)")
-    try:
-        actual = None if algorithm is None else file_checksum(path, algorithm)
-    except OSError as exc:  # replaced by a link or a FIFO since the lstat above
-        raise HplanError(f"checkpoint file {path} cannot be read ({exc.strerror or exc})") from None
-    if actual is not None and actual != expected:
-        raise HplanError(f"checkpoint file {path} does not match its {algorithm} checksum (its bytes changed)")
-    return size
-
-
-def file_checksum(path: Path, algorithm: str) -> int:
-    """The file's checksum, read in 16 MiB blocks (a shard can be larger than the memory to spare)."""
-    if algorithm == "xxh3_64":
-        import xxhash
-
-        h = xxhash.xxh3_64()
-        with open_regular(path) as f:
-            while block := f.read(_BLOCK):
-                h.update(block)
-        return h.intdigest()
-    crc = 0
-    with open_regular(path) as f:
-        while block := f.read(_BLOCK):
-            crc = zlib.crc32(block, crc)
-    return crc
-
-
 def saved_step(directory: str | os.PathLike[str]) -> int:
     """The global step the pointer names (0 when there is none); read-only, nothing verified — for progress
     displays and tests, never for deciding what to resume from."""
@@ -371,15 +243,6 @@ def saved_step(directory: str | os.PathLike[str]) -> int:
 
 
 # -- helpers ------------------------------------------------------------------------------------------------
-
-def _files(folder: Path) -> Iterator[str]:
-    """Regular files under `folder` as relative paths, the manifest excluded."""
-    for root, _, names in os.walk(folder):
-        for n in names:
-            rel = os.path.relpath(os.path.join(root, n), folder)
-            if rel != MANIFEST:
-                yield rel
-
 
 def _written_by_ranks(pointer: Path) -> int:
     """The world size of a many-rank checkpoint's pointer (hplan.executor.dist_checkpoint), else 0."""
@@ -424,9 +287,8 @@ def remove_leftovers(root: Path) -> None:
                 path.unlink(missing_ok=True)
 
 
-def lock(root: Path) -> int:
-    """flock DIR/.lock, or say who holds it (hplan.executor.durable.lock_exclusive): the one lock of a checkpoint
-    folder, taken by a one-process run and by a many-rank run's rank 0 (or its launcher) alike."""
+def _lock(root: Path) -> int:
+    """flock DIR/.lock, or say who holds it (hplan.executor.durable.lock_exclusive)."""
     def cannot_create(exc: OSError) -> HplanError:
         return HplanError(f"cannot create the lock file {root / LOCK}: {exc.strerror}; check the folder's "
                           "permissions")
@@ -434,6 +296,12 @@ def lock(root: Path) -> int:
     return lock_exclusive(root / LOCK, cannot_create=cannot_create,
                           busy=f"checkpoint directory {root} is in use by another hplan run (it holds "
                                f"{root / LOCK}); wait for it to finish or pass another --checkpoint")
+
+
+def lock(root: Path) -> int:
+    """The one lock of a checkpoint folder, taken by a one-process run and by a many-rank run's launcher (or rank 0
+    under torchrun) alike; the returned fd's closing releases it."""
+    return _lock(root)
 
 
 def _pause() -> None:
