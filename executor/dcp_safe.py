@@ -113,6 +113,8 @@ def _problem(md: Any, files: Mapping[str, int]) -> str | None:
     """What is wrong with unpickled metadata for a checkpoint of tensors only, or None."""
     if type(md) is not dcp_metadata.Metadata or not isinstance(md.state_dict_metadata, dict):
         return f"holds a {type(md).__name__}, not DCP metadata"
+    if md.storage_meta is not None and type(md.storage_meta) is not dcp_metadata.StorageMeta:
+        return "has a malformed storage record"
     stored: dict[str, int] = {}
     if not isinstance(md.storage_data, dict):
         return "has no storage index"
@@ -134,6 +136,8 @@ def _problem(md: Any, files: Mapping[str, int]) -> str | None:
             isinstance(v, tuple) and v and all(type(p) in (str, int) for p in v) for v in md.planner_data.values())):
         return "has a malformed key index"
     for key, entry in md.state_dict_metadata.items():
+        if not isinstance(key, str):
+            return "has a key that is not a name"
         if type(entry) is not dcp_metadata.TensorStorageMetadata:
             return f"holds entry {key!r} as {type(entry).__name__}; hplan writes tensors only"
         problem = _tensor_problem(key, entry, stored.get(key, 0))

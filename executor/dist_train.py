@@ -110,7 +110,7 @@ def _claim_on_rank0(info: Any, job: Job, plan: Plan, on_warning: Callable[[str],
     import torch.distributed as dist
     from hplan.executor.dist_checkpoint import claim
 
-    held, outcome = None, [None]
+    held, outcome, failure = None, [None], None
     if info.rank == 0:
         try:
             resume, overwrite = job.claim_on_rank0
@@ -118,9 +118,12 @@ def _claim_on_rank0(info: Any, job: Job, plan: Plan, on_warning: Callable[[str],
             outcome = [{"folder": held.resume_from}]
             if held.warning and on_warning is not None:
                 on_warning(held.warning)
-        except HplanError as exc:
-            outcome = [{"error": str(exc)}]
+        except Exception as exc:  # told to every rank first, so none waits for a rank 0 that has stopped
+            failure, outcome = exc, [{"error": str(exc) if isinstance(exc, HplanError) else
+                                      f"rank 0 could not claim the checkpoint folder ({type(exc).__name__})"}]
     dist.broadcast_object_list(outcome, src=0)
+    if failure is not None:
+        raise failure
     if "error" in outcome[0]:
         raise HplanError(outcome[0]["error"])
     return held, outcome[0]["folder"]
