@@ -1,8 +1,8 @@
 """Hostile checkpoint folders, made as an attacker who can write the folder would make them: forge a file, then
 recompute the manifest (its checksums have no key). Used by the one-process and many-rank checkpoint tests.
 
-Each forgery's pickle really runs code when unpickled the way DCP does (`prove_hostile` checks that in a
-child process), so a test that resumes it and finds no marker file cannot pass by accident.
+Each forgery's pickle really runs code when unpickled the way DCP does (`prove_hostile` checks that), so a test
+that resumes it and finds no marker file cannot pass by accident.
 """
 
 from __future__ import annotations
@@ -11,8 +11,6 @@ import io
 import json
 import os
 import pickle
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -99,14 +97,18 @@ def plant_huge_size(folder: Path) -> None:
 
 def prove_hostile(folder: Path, marker: Path) -> None:
     """Load the folder the way torch's own DCP reader would (pickle.load of .metadata, then the default planner's
-    torch.load of byte entries) in a child process, and check the marker appears: the forgery works."""
-    script = ("import pickle, sys, torch\n"
-              "md = pickle.load(open(sys.argv[1] + '/.metadata', 'rb'))\n"
-              "from torch.distributed.checkpoint.metadata import BytesStorageMetadata\n"
-              "for i, info in md.storage_data.items():\n"
-              "    if isinstance(md.state_dict_metadata.get(i.fqn), BytesStorageMetadata):\n"
-              "        f = open(sys.argv[1] + '/' + info.relative_path, 'rb'); f.seek(info.offset)\n"
-              "        import io; torch.load(io.BytesIO(f.read(info.length)), weights_only=False)\n")
-    subprocess.run([sys.executable, "-c", script, str(folder)], capture_output=True, timeout=120)
+    torch.load(weights_only=False) of byte entries) and check the marker appears: the forgery works. (Its code only
+    touches the marker, in the test's temp folder.)"""
+    from torch.distributed.checkpoint.metadata import BytesStorageMetadata
+
+    try:
+        md = metadata(folder)
+        for index, info in md.storage_data.items():
+            if isinstance(md.state_dict_metadata.get(index.fqn), BytesStorageMetadata):
+                with open(folder / info.relative_path, "rb") as f:
+                    f.seek(info.offset)
+                    torch.load(io.BytesIO(f.read(info.length)), weights_only=False)
+    except Exception:  # the forgery's payload returns os.system's exit code where an object belongs
+        pass
     assert marker.exists(), "the forgery does not run code: the test would prove nothing"
     marker.unlink()
