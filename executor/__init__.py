@@ -45,7 +45,7 @@ def attach(model: Any, optimizer: Any, plan: Plan, *, device: str = "cpu", batch
         from hplan.executor.distributed import DistRun
 
         return DistRun(model, optimizer, plan, device=device, batch_example=batch_example, measure=measure,
-                       budget_guard=budget_guard)  # type: ignore[return-value]
+                       budget_guard=budget_guard, nonfinite=nonfinite)  # type: ignore[return-value]
     return PlanRun(model, optimizer, plan, device=device, batch_example=batch_example, precision=precision,
                    measure=measure, budget_guard=budget_guard, nonfinite=nonfinite, nvme_dir=nvme_dir)
 

@@ -21,7 +21,8 @@ Today one process writes whole tensors and `_read` builds its template from DCP'
 rank will pass its own sharded state (DTensors) to the same calls and DCP plans the reads across shards.
 Every value is a tensor: the small non-tensor state (global step, scheduler, loss scale) is one uint8
 tensor holding a torch.save of it, read back with `weights_only=True`, so DCP never unpickles our values.
-DCP's own `.metadata` is a pickle: load checkpoints you trust (the checksum catches damage, not malice).
+DCP's own `.metadata` is a pickle: hplan reads it with an allowlist unpickler and never lets DCP unpickle
+anything ([Note: safe DCP metadata] in hplan.executor.dcp_safe), so a checkpoint folder cannot run code.
 
 [Note: finite checkpoints] A checkpoint never holds a non-finite weight or optimizer value: the run already
 stops before updating on a non-finite loss or gradient, and the save checks every parameter and optimizer
@@ -115,7 +116,7 @@ def load_checkpoint(directory: CheckpointDir, plan: Plan, *, warn: Callable[[str
     if found.info.get("format") != FORMAT or found.info.get("world_size") != 1:
         raise HplanError(f"checkpoint {found.path} is {found.info.get('format')!r} for world size "
                          f"{found.info.get('world_size')!r}; this run reads {FORMAT} for one process")
-    state = _read(found.path)
+    state = _read(found.path, found.files)
     extra = _unpack(state.get("extra"), found.path)
     if extra.get("global_step") != found.global_step:
         raise HplanError(f"checkpoint {found.path} holds global step {extra.get('global_step')!r} but its manifest "
@@ -158,25 +159,31 @@ def restore(state: dict[str, Any], model: nn.Module, optimizer: torch.optim.Opti
     return state["global_step"]
 
 
-def _read(folder: Path) -> dict[str, Any]:
-    """Load a whole DCP checkpoint without knowing its shapes: the template is built from DCP's own index."""
+def _read(folder: Path, files: dict[str, int]) -> dict[str, Any]:
+    """Load a whole DCP checkpoint without knowing its shapes: the template is built from DCP's own index, read
+    without running code (see [Note: safe DCP metadata] in hplan.executor.dcp_safe); `files` are the ones its
+    manifest verified."""
     import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+    from hplan.executor.dcp_safe import SafePlanner, SafeReader, read_metadata
 
+    metadata = read_metadata(folder, files)  # refuses in one line naming the file
+    paths = metadata.planner_data or {}
+    unknown = sorted(k for k in metadata.state_dict_metadata if k not in paths)
+    if unknown:
+        raise HplanError(f"checkpoint {folder} holds entry {unknown[0]!r} without a key path; it was not written by "
+                         "hplan — restore the folder from a backup or start again with --overwrite")
+    template: dict[str, Any] = {}
     try:
-        metadata = dcp.FileSystemReader(str(folder)).read_metadata()
-        paths = metadata.planner_data or {}
-        template: dict[str, Any] = {}
         for key, meta in metadata.state_dict_metadata.items():
-            if not isinstance(meta, TensorStorageMetadata) or key not in paths:
-                raise ValueError(f"entry {key} is not a tensor hplan wrote")
             _set(template, paths[key], torch.empty(meta.size, dtype=meta.properties.dtype))
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message=_NO_DIST)
             try:
-                dcp.load(template, storage_reader=dcp.FileSystemReader(str(folder)), no_dist=True)
+                dcp.load(template, storage_reader=SafeReader(folder, metadata), planner=SafePlanner(), no_dist=True)
             except dcp.api.CheckpointException as exc:
                 raise _unwrap(exc) from None
+    except HplanError:
+        raise
     except Exception as exc:  # verified bytes that DCP cannot read: another writer or torch; say so in one line
         raise HplanError(f"checkpoint {folder} passed its checksums but DCP cannot read it ({type(exc).__name__}: "
                          f"{str(exc).splitlines()[0] if str(exc) else ''}); was it written by another tool or "

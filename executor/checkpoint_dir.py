@@ -12,12 +12,14 @@ hplan.executor.checkpoint decides what goes inside a folder.
 file, writes `manifest.json` (each file's size and checksum, the global step) last, renames the folder to
 `step-000041`, replaces `latest.json` (naming the new folder and the one this run resumed from or saved
 before), and only then removes the folders the pointer no longer names. A folder is trusted only when its
-manifest exists and every file it lists has the listed size and checksum, so a torn, truncated, replaced or
-bit-flipped file is refused naming it. Resume tries the pointer's folders in order (newest first) and
+manifest exists and every file it lists is a regular file (never read through a link or from a FIFO) with the
+listed size and checksum, so a torn, truncated, replaced or bit-flipped file is refused naming it. The checksums
+catch damage, not malice (they have no key): what a folder holds is read without running code
+([Note: safe DCP metadata] in hplan.executor.dcp_safe). Resume tries the pointer's folders in order (newest first) and
 nothing else, so a folder of another run (before an --overwrite run's first save) is never mixed in; a
 folder renamed into place whose pointer update a kill prevented is simply not used, and goes at the next
 save. Without a readable pointer, the step folders are tried newest first. A `kill -9` at any moment thus
-leaves the pointer's folders intact; its temp folder (or a `.trash-*` folder, see `_install`) is removed at
+leaves the pointer's folders intact; its temp folder (or a `.trash-*` folder, see `install`) is removed at
 the next start, under the lock. Checksums use the NVMe tier's algorithms ([Note: nvme checksums]).
 
 Several ranks (issue 17) fit the same layout: every rank writes its shard files into one temp folder (the
@@ -34,20 +36,17 @@ import re
 import shutil
 import tempfile
 import time
-import zlib
-from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from hplan.executor.durable import current_umask, fsync_path, lock_exclusive, write_durably
-from hplan.executor.nvme_format import checksum_function
+from hplan.executor.checkpoint_manifest import (Checkpoint, file_checksum, folder_name, listed_files,  # noqa: F401
+                                                 verify, write_manifest)  # re-exported: the manifest's names
+from hplan.executor.durable import current_umask, fsync_path, lock_exclusive, read_regular, write_durably
 
 from hplan.errors import HplanError
 
-SCHEMA = "hplan.checkpoint/1"
 POINTER_SCHEMA = "hplan.checkpoint-pointer/1"
-MANIFEST = "manifest.json"
 POINTER = "latest.json"
 LOCK = ".lock"
 KEEP = 2
@@ -59,24 +58,8 @@ PAUSE_ENV = "HPLAN_TEST_SAVE_PAUSE_S"
 
 _STEP = re.compile(r"step-(\d{6,})")
 _LEFTOVER = re.compile(r"\.step-\d+\..*\.tmp|\.trash-.*|\.(latest\.json|state\.pt)\..*\.tmp")
-_BLOCK = 1 << 24
 
 Warn = Callable[[str], None]
-
-
-@dataclass(frozen=True, kw_only=True, slots=True)
-class Checkpoint:
-    """A verified checkpoint folder."""
-
-    path: Path
-    global_step: int
-    """Optimizer steps done when it was saved (the folder's number)."""
-    info: dict[str, Any]
-    """What the writer recorded beside the files (format, fingerprint, world size)."""
-
-
-def folder_name(global_step: int) -> str:
-    return f"step-{global_step:06d}"
 
 
 def holds(root: Path) -> str | None:
@@ -177,7 +160,7 @@ class CheckpointDir:
     def _candidates(self) -> tuple[list[Path], list[str]]:
         pointer = self.root / POINTER
         try:
-            data = json.loads(pointer.read_text())
+            data = json.loads(read_regular(pointer))
             names = [data["latest"], *data["previous"]]
             if data.get("schema") != POINTER_SCHEMA or not all(isinstance(n, str) and _STEP.fullmatch(n)
                                                                for n in names):
@@ -207,7 +190,7 @@ class CheckpointDir:
             _pause()
             write_manifest(tmp, global_step=global_step, info=info)
             _pause()
-            final = _install(tmp, self.root / name)
+            final = install(tmp, self.root / name)
         except BaseException as exc:
             shutil.rmtree(tmp, ignore_errors=True)
             if isinstance(exc, OSError):
@@ -234,13 +217,7 @@ class CheckpointDir:
         (self.root / OLD_FORMAT).unlink(missing_ok=True)
 
     def _remove_leftovers(self) -> None:
-        """Temp and trash folders of saves killed half way (ours by name; nothing else is touched)."""
-        for path in self.root.iterdir():
-            if _LEFTOVER.fullmatch(path.name):
-                if path.is_dir() and not path.is_symlink():
-                    shutil.rmtree(path, ignore_errors=True)
-                else:
-                    path.unlink(missing_ok=True)
+        remove_leftovers(self.root)
 
     def close(self) -> None:
         """Release the lock (idempotent)."""
@@ -255,91 +232,11 @@ class CheckpointDir:
         self.close()
 
 
-# -- manifest -----------------------------------------------------------------------------------------------
-
-def write_manifest(folder: Path, *, global_step: int, info: dict[str, Any]) -> None:
-    """fsync every file of `folder`, then write its manifest last (atomically, fsynced)."""
-    algorithm, _ = checksum_function("auto")
-    files = {}
-    for rel in sorted(_files(folder)):
-        path = folder / rel
-        fsync_path(path)
-        files[rel] = {"bytes": path.stat().st_size, "checksum": f"{file_checksum(path, algorithm):016x}"}
-    manifest = {"schema": SCHEMA, "global_step": global_step, "checksum": algorithm, "files": files, "info": info}
-    write_durably(folder / MANIFEST, json.dumps(manifest, indent=1, sort_keys=True, allow_nan=False) + "\n")
-
-
-def verify(folder: Path) -> Checkpoint:
-    """The checkpoint in `folder` if its manifest is sound and every listed file matches it, else a
-    one-line HplanError naming the first file that does not."""
-    path = folder / MANIFEST
-    try:
-        manifest = json.loads(path.read_text())
-    except FileNotFoundError:
-        what = "is missing" if folder.is_dir() else "is missing (so is its folder)"
-        raise HplanError(f"checkpoint manifest {path} {what}") from None
-    except (OSError, UnicodeDecodeError, ValueError) as exc:
-        raise HplanError(f"checkpoint manifest {path} cannot be read ({type(exc).__name__})") from None
-    if not isinstance(manifest, dict) or manifest.get("schema") != SCHEMA:
-        raise HplanError(f"checkpoint manifest {path} is not a {SCHEMA} manifest")
-    step = manifest.get("global_step")
-    if type(step) is not int or step < 0:
-        raise HplanError(f"checkpoint manifest {path} has global_step {step!r}, not a step count (an integer ≥ 0)")
-    if folder.name != folder_name(step):
-        raise HplanError(f"checkpoint manifest {path} says global_step {step} but its folder is {folder.name}")
-    algorithm, files, info = manifest.get("checksum"), manifest.get("files"), manifest.get("info", {})
-    try:
-        checksum_function(algorithm if isinstance(algorithm, str) else "?")
-    except HplanError:
-        raise HplanError(f"checkpoint manifest {path} names an unknown checksum {algorithm!r}") from None
-    if not isinstance(files, dict) or not files or not isinstance(info, dict):
-        raise HplanError(f"checkpoint manifest {path} lists no files")
-    for rel, entry in sorted(files.items()):
-        _check_file(folder, rel, entry, algorithm, path)
-    return Checkpoint(path=folder, global_step=step, info=info)
-
-
-def _check_file(folder: Path, rel: str, entry: Any, algorithm: str, manifest: Path) -> None:
-    if not isinstance(rel, str) or Path(rel).is_absolute() or ".." in Path(rel).parts or rel == MANIFEST:
-        raise HplanError(f"checkpoint manifest {manifest} lists a file outside its folder: {rel!r}")
-    try:
-        size, expected = int(entry["bytes"]), int(entry["checksum"], 16)
-    except (TypeError, KeyError, ValueError):
-        raise HplanError(f"checkpoint manifest {manifest} has a malformed entry for {rel}") from None
-    path = folder / rel
-    try:
-        actual = path.stat().st_size
-    except OSError:
-        raise HplanError(f"checkpoint file {path} is missing") from None
-    if actual != size:
-        raise HplanError(f"checkpoint file {path} is {actual} bytes, the manifest says {size} (truncated or "
-                         "replaced)")
-    if file_checksum(path, algorithm) != expected:
-        raise HplanError(f"checkpoint file {path} does not match its {algorithm} checksum (its bytes changed)")
-
-
-def file_checksum(path: Path, algorithm: str) -> int:
-    """The file's checksum, read in 16 MiB blocks (a shard can be larger than the memory to spare)."""
-    if algorithm == "xxh3_64":
-        import xxhash
-
-        h = xxhash.xxh3_64()
-        with open(path, "rb") as f:
-            while block := f.read(_BLOCK):
-                h.update(block)
-        return h.intdigest()
-    crc = 0
-    with open(path, "rb") as f:
-        while block := f.read(_BLOCK):
-            crc = zlib.crc32(block, crc)
-    return crc
-
-
 def saved_step(directory: str | os.PathLike[str]) -> int:
     """The global step the pointer names (0 when there is none); read-only, nothing verified — for progress
     displays and tests, never for deciding what to resume from."""
     try:
-        data = json.loads((Path(directory) / POINTER).read_text())
+        data = json.loads(read_regular(Path(directory) / POINTER))
         return int(data["latest"][5:])
     except (OSError, ValueError, KeyError, TypeError):
         return 0
@@ -347,19 +244,10 @@ def saved_step(directory: str | os.PathLike[str]) -> int:
 
 # -- helpers ------------------------------------------------------------------------------------------------
 
-def _files(folder: Path) -> Iterator[str]:
-    """Regular files under `folder` as relative paths, the manifest excluded."""
-    for root, _, names in os.walk(folder):
-        for n in names:
-            rel = os.path.relpath(os.path.join(root, n), folder)
-            if rel != MANIFEST:
-                yield rel
-
-
 def _written_by_ranks(pointer: Path) -> int:
     """The world size of a many-rank checkpoint's pointer (hplan.executor.dist_checkpoint), else 0."""
     try:
-        data = json.loads(pointer.read_text())
+        data = json.loads(read_regular(pointer))
     except (OSError, ValueError):
         return 0
     world = data.get("world_size") if isinstance(data, dict) and data.get("schema", "").startswith(
@@ -367,7 +255,7 @@ def _written_by_ranks(pointer: Path) -> int:
     return world if type(world) is int and world > 1 else 0
 
 
-def _install(tmp: Path, final: Path) -> Path:
+def install(tmp: Path, final: Path) -> Path:
     """Rename the finished temp folder onto `final`. A folder already there (a damaged one being redone
     after a fallback, or another run's after --overwrite) is renamed aside first — a rename cannot replace
     a non-empty folder — and removed after; a kill in between leaves a `.trash-*` folder for the next start."""
@@ -388,6 +276,17 @@ def _save_error(root: Path, exc: OSError) -> HplanError:
                       "intact; free space or pass another --checkpoint, then --resume")
 
 
+def remove_leftovers(root: Path) -> None:
+    """Temp and trash folders of saves killed half way (ours by name; nothing else is touched). Call under the
+    lock: one process or many ranks, whoever holds DIR/.lock owns what is in DIR."""
+    for path in root.iterdir():
+        if _LEFTOVER.fullmatch(path.name):
+            if path.is_dir() and not path.is_symlink():
+                shutil.rmtree(path, ignore_errors=True)
+            else:
+                path.unlink(missing_ok=True)
+
+
 def _lock(root: Path) -> int:
     """flock DIR/.lock, or say who holds it (hplan.executor.durable.lock_exclusive)."""
     def cannot_create(exc: OSError) -> HplanError:
@@ -397,6 +296,12 @@ def _lock(root: Path) -> int:
     return lock_exclusive(root / LOCK, cannot_create=cannot_create,
                           busy=f"checkpoint directory {root} is in use by another hplan run (it holds "
                                f"{root / LOCK}); wait for it to finish or pass another --checkpoint")
+
+
+def lock(root: Path) -> int:
+    """The one lock of a checkpoint folder, taken by a one-process run and by a many-rank run's launcher (or rank 0
+    under torchrun) alike; the returned fd's closing releases it."""
+    return _lock(root)
 
 
 def _pause() -> None:

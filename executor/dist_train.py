@@ -41,6 +41,9 @@ class Job:
     """The step folder to resume from (chosen and verified before the ranks start), or None for a fresh run."""
     measure: bool
     budget_guard: str
+    claim_on_rank0: tuple[bool, bool] | None = None
+    """Under torchrun (no launching process of ours): (resume, overwrite) for rank 0 to claim the checkpoint
+    folder itself and tell every rank what it found (`_claim_on_rank0`); None when the launcher holds it."""
 
 
 def run_distributed(spec: str, plan: Plan, *, nproc: int | None, steps: int, device: str = "cpu",
@@ -48,42 +51,86 @@ def run_distributed(spec: str, plan: Plan, *, nproc: int | None, steps: int, dev
                     resume: bool = False, overwrite: bool = False, measure: bool = True, budget_guard: str = "stop",
                     timeout_s: float = 3600.0, collective_timeout_s: float = 300.0,
                     on_warning: Callable[[str], None] | None = None) -> RunReport:
-    """Train `spec` to global step `steps` on the plan's ranks (spawned, or this torchrun job's)."""
-    from hplan.executor.dist_checkpoint import check_fresh, check_resumable
+    """Train `spec` to global step `steps` on the plan's ranks (spawned, or this torchrun job's).
+
+    With `checkpoint_dir`, the folder is claimed (hplan.executor.dist_checkpoint.claim: its lock, then every check
+    of what the run will write) before any rank starts — by this process for spawned ranks, by rank 0 under
+    torchrun — and held until the ranks are done."""
+    from hplan.executor.dist_checkpoint import claim
     from hplan.executor.distributed import check_world
     from hplan.executor.launch import launch, under_torchrun
 
     if steps <= 0:
         raise HplanError(f"steps must be positive, got {steps}")
-    world = int(os.environ["WORLD_SIZE"]) if under_torchrun() else nproc
+    torchrun = under_torchrun()
+    world = int(os.environ["WORLD_SIZE"]) if torchrun else nproc
     if world is None:
         raise HplanError(f"the plan is for {plan.hardware.ranks} ranks: give --nproc {plan.hardware.ranks} or launch "
                          "under torchrun")
     check_world(plan, world)
     if resume and overwrite:
         raise HplanError("--resume continues the checkpoint and --overwrite replaces it: pass only one")
-    resume_from = None
-    if resume:
-        if checkpoint_dir is None:
-            raise HplanError("--resume needs --checkpoint DIR (where the state was saved)")
-        chosen = check_resumable(checkpoint_dir, plan, world)
-        resume_from = chosen["latest"]
-        if chosen.get("warning") and on_warning is not None:
-            on_warning(chosen["warning"])
-    elif checkpoint_dir is not None:
-        check_fresh(checkpoint_dir, overwrite=overwrite)
+    if resume and checkpoint_dir is None:
+        raise HplanError("--resume needs --checkpoint DIR (where the state was saved)")
+    held = None
+    if checkpoint_dir is not None and not torchrun:
+        held = claim(checkpoint_dir, plan, world, resume=resume, overwrite=overwrite)
+        if held.warning and on_warning is not None:
+            on_warning(held.warning)
     backend = "nccl" if device.startswith("cuda") else "gloo"
     job = Job(spec=spec, load=load or {}, plan=plan.to_dict(), steps=steps, device=device,
-              checkpoint=None if checkpoint_dir is None else str(checkpoint_dir), resume_from=resume_from,
-              measure=measure,
-              budget_guard=budget_guard)
-    results = launch(rank_main, job, nprocs=None if under_torchrun() else world, backend=backend,
-                     timeout_s=timeout_s, collective_timeout_s=collective_timeout_s)
+              checkpoint=None if checkpoint_dir is None else str(checkpoint_dir),
+              resume_from=held.resume_from if held else None, measure=measure, budget_guard=budget_guard,
+              claim_on_rank0=(resume, overwrite) if torchrun and checkpoint_dir is not None else None)
+    try:
+        results = launch(rank_main, job, on_warning if torchrun else None, nprocs=None if torchrun else world,
+                         backend=backend, timeout_s=timeout_s, collective_timeout_s=collective_timeout_s)
+    finally:
+        if held is not None:
+            held.close()
     return report(spec, plan, results, device)
 
 
-def rank_main(info: Any, job: Job) -> dict[str, Any]:
+def rank_main(info: Any, job: Job, on_warning: Callable[[str], None] | None = None) -> dict[str, Any]:
     """One rank's training loop (module level: spawned ranks import it)."""
+    plan = Plan.from_dict(job.plan)
+    held, resume_from = None, job.resume_from
+    if job.claim_on_rank0 is not None:
+        held, resume_from = _claim_on_rank0(info, job, plan, on_warning)
+    try:
+        return _train(info, job, plan, resume_from)
+    finally:
+        if held is not None:  # rank 0 releases the folder after its last write (model.pt)
+            held.close()
+
+
+def _claim_on_rank0(info: Any, job: Job, plan: Plan, on_warning: Callable[[str], None] | None) -> tuple[Any, Any]:
+    """Under torchrun: rank 0 claims the checkpoint folder; every rank learns the folder to resume from, or the
+    refusal, which every rank then raises (no rank starts training on a folder it may not use)."""
+    import torch.distributed as dist
+    from hplan.executor.dist_checkpoint import claim
+
+    held, outcome, failure = None, [None], None
+    if info.rank == 0:
+        try:
+            resume, overwrite = job.claim_on_rank0
+            held = claim(job.checkpoint, plan, info.world_size, resume=resume, overwrite=overwrite)
+            outcome = [{"folder": held.resume_from}]
+            if held.warning and on_warning is not None:
+                on_warning(held.warning)
+        except Exception as exc:  # told to every rank first, so none waits for a rank 0 that has stopped
+            failure, outcome = exc, [{"error": str(exc) if isinstance(exc, HplanError) else
+                                      f"rank 0 could not claim the checkpoint folder ({type(exc).__name__})"}]
+    dist.broadcast_object_list(outcome, src=0)
+    if failure is not None:
+        raise failure
+    if "error" in outcome[0]:
+        raise HplanError(outcome[0]["error"])
+    return held, outcome[0]["folder"]
+
+
+def _train(info: Any, job: Job, plan: Plan, resume_from: str | None) -> dict[str, Any]:
+    """The training loop of one rank (see the module docstring), from `resume_from` when given."""
     import torch
     import torch.distributed as dist
     from hplan.executor import dist_checkpoint
@@ -94,7 +141,6 @@ def rank_main(info: Any, job: Job) -> dict[str, Any]:
     from hplan.specs import load_workload
     from hplan.training import build_optimizer, check_loss
 
-    plan = Plan.from_dict(job.plan)
     workload = load_workload(job.spec, **job.load)
     if workload.accumulate != plan.accumulate:
         raise HplanError(f"the plan was traced with {plan.accumulate} micro-batches per step, the workload uses "
@@ -108,16 +154,16 @@ def rank_main(info: Any, job: Job) -> dict[str, Any]:
     resumed: dict[str, Any] = {}
 
     def setup(run: DistRun) -> None:
-        if job.resume_from is not None:
-            resumed.update(dist_checkpoint.load(job.checkpoint, run, job.resume_from))
+        if resume_from is not None:
+            resumed.update(dist_checkpoint.load(job.checkpoint, run, resume_from))
 
     n, r, k = info.world_size, info.rank, workload.accumulate
     die = os.environ.get(DIE_ENV, "")
     losses, seconds = [], []
-    fallback = job.resume_from
+    fallback = resume_from
     with DistRun(model, optimizer, plan, device=device, batch_example=workload.batch(0), measure=job.measure,
-                 budget_guard=job.budget_guard, on_setup=setup) as run:
-        first = resumed.get("global_step", 0)
+                 budget_guard=job.budget_guard, nonfinite="stop", on_setup=setup) as run:
+        first = run.first_step = resumed.get("global_step", 0)
         if scheduler is not None and resumed.get("scheduler") is not None:
             scheduler.load_state_dict(resumed["scheduler"])
         if first >= job.steps:
@@ -131,8 +177,9 @@ def rank_main(info: Any, job: Job) -> dict[str, Any]:
                 batch = to_device(workload.batch((step * n + r) * k + i), device)
                 loss = check_loss(workload, workload.loss(run.model, batch))
                 if not math.isfinite(float(loss.detach())):
-                    raise HplanError(f"rank {r}: the loss is {float(loss.detach())} at step {step}; stopped before "
-                                     "updating anything of this step")
+                    raise HplanError(f"the loss is {float(loss.detach())} at step {step} on rank {r} (micro-batch "
+                                     f"{i}); stopped before updating or saving anything of this step — the last "
+                                     "checkpoint holds the state before it")
                 (loss / k if k > 1 else loss).backward()
                 micro.append(loss.detach())
             last = run.step()

@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 from hplan.executor.device import make_tier
 from hplan.executor.dist_comm import PlanComm
-from hplan.executor.gradients import move_grad
+from hplan.executor.gradients import first_nonfinite, move_grad, nonfinite_message
 from hplan.executor.habits import intercepted, with_step_hooks
 from hplan.executor.measure import WindowMeter, make_probe
 from hplan.executor.runtime import check_plan
@@ -78,7 +78,7 @@ class DistRun:
 
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, plan: Plan, *, device: str = "cpu",
                  batch_example: Any = None, measure: bool = True, budget_guard: str = "stop",
-                 on_setup: Callable[[DistRun], None] | None = None) -> None:
+                 nonfinite: str = "ignore", on_setup: Callable[[DistRun], None] | None = None) -> None:
         if not dist.is_available() or not dist.is_initialized():
             raise HplanError("a many-rank plan needs torch.distributed initialised: run `hplan run --nproc N` or "
                              "your script under torchrun (init_process_group before hplan.attach)")
@@ -91,7 +91,14 @@ class DistRun:
         check_plan(plan, model, batch_example, self.precision, self.tier)
         self.opt_name = check_optimizer(optimizer)
         self.master = get_recipe(self.precision).master_dtype is not None
-        self.budget_guard = budget_guard
+        if nonfinite not in ("ignore", "stop"):
+            raise HplanError(f"nonfinite must be 'ignore' or 'stop' on many ranks, got {nonfinite!r}")
+        self.budget_guard, self.nonfinite = budget_guard, nonfinite
+        """nonfinite="stop": a rank whose gradient piece holds an inf or NaN stops before updating with it (as one
+        process's run; hplan run's choice); "ignore" leaves it to the loop, as plain PyTorch (attach's default)."""
+        self.iteration = 0
+        self.first_step = 0
+        """The training step of this block's first iteration: messages name first_step + iteration."""
         self.on_setup = on_setup
         """Called once the regions and updates exist, before the initial fetches (a resume loads shards here)."""
         self.meter = WindowMeter(make_probe(device)) if measure else None
@@ -261,19 +268,22 @@ class DistRun:
                 if call.purpose == "update_gather":
                     store.mark_dirty(call.region)
         if step.event == OPTIMIZER_EVENT:
-            self._update(sorted(step.host_updates) + sorted(c for c, u in self.updates.items() if u.where == "gpu"))
+            self._update(sorted(step.host_updates) + sorted(c for c, u in self.updates.items() if u.where == "gpu"),
+                         step)
             self._after(step)
         else:
-            self._update(step.host_updates)
+            self._update(step.host_updates, step)
             self._previous = step
         self._sample()
 
-    def _update(self, chunks: tuple[int, ...] | list[int]) -> None:
+    def _update(self, chunks: tuple[int, ...] | list[int], step: Step) -> None:
         """These chunks' updates together: one optimizer call per place and param group (UpdateBatch)."""
         self._updated.update(chunks)
         mine = tuple(c for c in chunks if c in self.updates)  # a piece that is padding only has no update
         if not mine:
             return
+        if self.nonfinite == "stop":
+            self._check_finite(mine, step)
         batch = self._batches.get(mine)
         if batch is None:
             batch = self._batches[mine] = UpdateBatch([self.updates[c] for c in mine])
@@ -284,6 +294,20 @@ class DistRun:
                     rid = self.store.region(c, kind)
                     if rid is not None:
                         self.store.mark_dirty(rid)
+
+    def _check_finite(self, chunks: tuple[int, ...], step: Step) -> None:
+        """This rank's gradient pieces about to be used, all finite — or stop, naming the parameter and the training
+        step. Each rank checks its own pieces (no extra collective): a rank that stops makes the others' next
+        collective fail, so nothing of this step is saved anywhere ([Note: launch failure handling])."""
+        names, grads = [], []
+        for c in chunks:
+            u = self.updates[c]
+            written = [n for n in u.names if n in self.written]
+            names += written
+            grads += list(u.fp32_grads(set(written), None).values()) if u.master else [u.grad[n] for n in written]
+        bad = first_nonfinite(names, grads)
+        if bad is not None:
+            raise HplanError(nonfinite_message(bad, self.first_step + self.iteration, step, f" on rank {self.rank}"))
 
     # -- gradients ------------------------------------------------------------------------------------
     def _on_grad(self, p: torch.Tensor) -> None:
@@ -350,6 +374,7 @@ class DistRun:
         self._scattered.clear()
         self._zeroed = False
         self.cursor = 0
+        self.iteration += 1
 
     def step(self) -> Iteration:
         """The optimizer event (between the optimizer's step hooks), then gradients zeroed."""

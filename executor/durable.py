@@ -2,15 +2,19 @@
 
 Both own a directory for the length of a run and must survive `kill -9` and power loss: an exclusive lock
 the OS drops when the process dies (flock, node-local), fsync of a file or a folder entry, and a small file
-replaced atomically and made durable. Each caller words its own errors.
+replaced atomically and made durable, and reading a file only when it is a regular one (never through a link or
+from a FIFO someone planted). Each caller words its own errors.
 """
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import os
+import stat
 from collections.abc import Callable
 from pathlib import Path
+from typing import BinaryIO
 
 from hplan.artifacts.io import atomic_path
 from hplan.errors import HplanError
@@ -60,3 +64,26 @@ def current_umask() -> int:
     mask = os.umask(0)
     os.umask(mask)
     return mask
+
+
+def open_regular(path: Path) -> BinaryIO:
+    """Open `path` for reading only if it is a regular file reached without following a link: O_NOFOLLOW, and
+    O_NONBLOCK so that a FIFO cannot block the open (fstat then refuses it). Raises OSError otherwise
+    (FileNotFoundError when missing), so callers word it as any unreadable file."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError as exc:
+        if exc.errno == errno.ELOOP:
+            raise OSError(errno.ELOOP, "a symbolic link, which hplan does not follow", str(path)) from None
+        raise
+    f = os.fdopen(fd, "rb")
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        f.close()
+        raise OSError(errno.EINVAL, "not a regular file", str(path))
+    return f
+
+
+def read_regular(path: Path) -> bytes:
+    """The bytes of a regular file (see open_regular)."""
+    with open_regular(path) as f:
+        return f.read()

@@ -109,23 +109,39 @@ class GradientOps:
         return out
 
     def _any_nonfinite(self, names: list[str] | None = None) -> bool:
-        """Is any written gradient inf or NaN? One norm per gradient, in one foreach call (a finite gradient's
-        norm overflows only beyond 1e38 in fp32 or bf16, far past any gradient worth stepping with)."""
-        grads = self._grads(sorted(self.written) if names is None else names)
-        if not grads:
-            return False
-        norms = torch._foreach_norm(grads)
-        return not bool(torch.isfinite(torch.stack([n.float().cpu() for n in norms])).all())
+        """Is any written gradient inf or NaN (see first_nonfinite)?"""
+        names = sorted(self.written) if names is None else names
+        return first_nonfinite(names, self._grads(names)) is not None
 
     def _check_finite(self, chunks: tuple[int, ...] | list[int], step: Any) -> None:
         names = [n for c in chunks for n in self.updates[c].names if n in self.written]
-        if self._any_nonfinite(names):
-            raise HplanError(f"a gradient is not finite (inf or NaN) at plan step {step.index} ({step.event}); "
-                             "stopping before updating with it")
+        bad = first_nonfinite(names, self._grads(names))
+        if bad is not None:
+            raise HplanError(nonfinite_message(bad, self.training_step(), step))
 
     def scale(self, loss: torch.Tensor) -> torch.Tensor:
         """The loss times the current loss scale (fp16-mixed), or the loss itself; call `.backward()` on it."""
         return loss if self.loss_scale is None else self.loss_scale.scale(loss)
+
+
+def first_nonfinite(names: list[str], grads: list[torch.Tensor]) -> str | None:
+    """The name of the first gradient holding an inf or NaN, or None. One norm per gradient, in one foreach call
+    (a finite gradient's norm overflows only beyond 1e38 in fp32 or bf16, far past any gradient worth stepping
+    with)."""
+    if not grads:
+        return None
+    norms = torch._foreach_norm(grads)
+    finite = torch.isfinite(torch.stack([n.float().cpu() for n in norms]))
+    if bool(finite.all()):
+        return None
+    return names[int((~finite).nonzero()[0, 0])]
+
+
+def nonfinite_message(name: str, training_step: int, step: Any, where: str = "") -> str:
+    """[Note: naming the step] Errors name the training step (the loop's `step`: 0-based, as the loss guard and
+    checkpoint folders count), with the plan step where it showed as detail; `where` e.g. " on rank 1"."""
+    return (f"the gradient of {name} is not finite (inf or NaN) at step {training_step}{where} (seen at plan step "
+            f"{step.index}, {step.event}); stopped before updating with it")
 
 
 @dataclass(frozen=True, slots=True)

@@ -17,17 +17,25 @@ Two ways in, one contract (`launch(fn, *args) -> [result of rank 0, …, result 
    also asks the kernel to SIGKILL it if this process dies (`PR_SET_PDEATHSIG`), so no rank outlives it.
 The error names the rank that failed *first*: a rank that died without raising (signal, `os._exit`), else
 the earliest recorded exception — the survivors' "connection closed by peer" errors come after the cause.
+
+[Note: launch workdir] Spawned ranks hand their results back as pickles (any picklable value) and their errors
+as JSON, in a folder `_private_workdir` creates for this call alone (mkdtemp: a new random name, mode 0700,
+owned by this user; never a path from the user or the environment besides TMPDIR) and removes afterwards, so
+no other user can plant a pickle the parent would load. The ranks' rendezvous (a TCPStore on 127.0.0.1, or
+MASTER_ADDR under torchrun) is torch.distributed's and has no authentication: run ranks on hosts you trust.
 """
 
 from __future__ import annotations
 
 import ctypes
 import datetime
+import json
 import multiprocessing.connection
 import os
 import pickle
 import shutil
 import signal
+import stat
 import sys
 import tempfile
 import time
@@ -103,8 +111,11 @@ def _run_in_place(fn: Callable[..., Any], args: tuple[Any, ...], *, nprocs: int 
         torch.set_num_threads(threads)
     owned = not dist.is_initialized()
     if owned:
-        dist.init_process_group(backend, init_method="env://", rank=rank, world_size=world,
-                                timeout=datetime.timedelta(seconds=collective_timeout_s))
+        try:
+            dist.init_process_group(backend, init_method="env://", rank=rank, world_size=world,
+                                    timeout=datetime.timedelta(seconds=collective_timeout_s))
+        except (dist.DistNetworkError, dist.DistStoreError) as exc:
+            raise HplanError(_rendezvous_failure(exc, rank)) from None
     try:
         try:
             result = fn(info, *args)
@@ -124,6 +135,29 @@ def _run_in_place(fn: Callable[..., Any], args: tuple[Any, ...], *, nprocs: int 
             dist.destroy_process_group()
 
 
+def _rendezvous_failure(exc: Exception, rank: int) -> str:
+    """One line for an env:// rendezvous that failed: the port taken (rank 0 binds MASTER_PORT) or unreachable."""
+    addr, port = os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT")
+    if "EADDRINUSE" in str(exc) or "address already in use" in str(exc).lower():
+        return (f"MASTER_PORT {port} on {addr} is already in use by another process, so rank 0 cannot listen on it; "
+                "set MASTER_PORT to a free port (torchrun: --master-port, or --standalone to pick one)")
+    return (f"rank {rank} could not join the process group at {addr}:{port} ({_text(exc)}); check MASTER_ADDR and "
+            "MASTER_PORT and that rank 0 is running")
+
+
+def _private_workdir() -> Path:
+    """A folder only this run (this user) can write: rank results come back through it as pickles, so it must be
+    new and ours — mkdtemp creates it 0700 with a random name under the temp folder, never a path a user names —
+    and the check below refuses one that is not (a temp folder on a file system that ignores modes)."""
+    workdir = Path(tempfile.mkdtemp(prefix="hplan-launch-"))
+    st = os.lstat(workdir)
+    if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.geteuid() or st.st_mode & 0o077:
+        shutil.rmtree(workdir, ignore_errors=True)
+        raise HplanError(f"the temp folder {workdir.parent} does not keep new folders private (mode "
+                         f"{oct(st.st_mode & 0o777)}); point TMPDIR at a local folder of yours")
+    return workdir
+
+
 def _spawn(fn: Callable[..., Any], args: tuple[Any, ...], *, nprocs: int, backend: str, timeout_s: float,
            collective_timeout_s: float, threads: int | None) -> list[Any]:
     import torch.distributed as dist
@@ -131,7 +165,7 @@ def _spawn(fn: Callable[..., Any], args: tuple[Any, ...], *, nprocs: int, backen
 
     store = dist.TCPStore("127.0.0.1", 0, None, True, datetime.timedelta(seconds=RENDEZVOUS_S),
                           wait_for_workers=False)
-    workdir = Path(tempfile.mkdtemp(prefix="hplan-launch-"))
+    workdir = _private_workdir()
     config = _Config(world=nprocs, port=store.port, workdir=str(workdir), backend=backend,
                      collective_timeout_s=collective_timeout_s, threads=threads, parent=os.getpid())
     procs: list[Any] = []
@@ -189,7 +223,7 @@ def _rank_main(rank: int, fn: Callable[..., Any], args: tuple[Any, ...], config:
         dist.destroy_process_group()
     except BaseException as exc:
         record = {"time": time.time(), "error": _one_line(exc)}
-        _write_atomic(workdir / f"rank{rank}.err", pickle.dumps(record))
+        _write_atomic(workdir / f"rank{rank}.err", json.dumps(record).encode())
         if os.environ.get("HPLAN_DEBUG"):  # one line by default (the parent's); `hplan --debug` shows tracebacks
             traceback.print_exc(file=sys.stderr)
             sys.stderr.flush()
@@ -267,7 +301,7 @@ def _failure_message(procs: list[Any], workdir: Path, stopped: list[int]) -> str
             continue
         path = workdir / f"rank{rank}.err"
         if path.exists():
-            records[rank] = pickle.loads(path.read_bytes())
+            records[rank] = json.loads(path.read_bytes())
         else:
             silent.append(rank)
     def others(cause: int) -> str:
@@ -284,6 +318,13 @@ def _failure_message(procs: list[Any], workdir: Path, stopped: list[int]) -> str
     if not records:  # exit code 0 but no result: handled by _read_result; keep a message anyway
         return f"a rank of {world} failed without a record; rerun with fewer ranks to isolate it"
     rank = min(records, key=lambda r: (records[r]["time"], r))
+    same = sorted(r for r in records if records[r]["error"] == records[rank]["error"])
+    if len(same) > 1:  # the ranks agreed on one error (e.g. a refusal every rank raises): say it once
+        later = sorted(r for r in [*records, *silent] if r not in same)
+        rest = "; ".join(([f"failed after them: {later}"] if later else []) + ([f"stopped: {stopped}"] if stopped
+                                                                                 else []))
+        return (f"ranks {same} of {world} failed: {records[rank]['error']}{f' ({rest})' if rest else ''}; "
+                "`hplan --debug` shows each rank's traceback")
     return f"rank {rank} of {world} failed: {records[rank]['error']} ({others(rank)}); `hplan --debug` shows each rank's traceback"
 
 
@@ -311,6 +352,8 @@ def _signal_name(number: int) -> str:
 def _one_line(exc: BaseException) -> str:
     from hplan.blame import user_frame
 
+    if isinstance(exc, HplanError):  # hplan's own refusals already speak to the user
+        return " ".join(str(exc).split())
     where = user_frame(exc)
     if where is not None:  # the user's workload raised it: say where, as the one-process CLI does
         return f"error in your workload: {_text(exc)} ({where[0]}:{where[1]})"

@@ -104,6 +104,9 @@ class PlanRun(UpdateSteps, GradientOps, StateSync):
         """Bytes moved for evaluation forwards between iterations (not part of the plan's per-iteration figure)."""
         self.iteration = 0
         """Optimizer steps completed in this block (for messages)."""
+        self.first_step = 0
+        """The training step of this block's first iteration (run_training sets it when resuming): messages name
+        `first_step + iteration` ([Note: naming the step] in hplan.executor.gradients)."""
         self._skip_next = False
         self.user_skipped = 0
         """Iterations whose optimizer.step() the loop skipped (nothing updated, as in plain PyTorch)."""
@@ -333,6 +336,10 @@ class PlanRun(UpdateSteps, GradientOps, StateSync):
             self.watch.reset()
         self._end_iteration()
         self._zeroed = True
+
+    def training_step(self) -> int:
+        """The training step in progress (the loop's 0-based step; see `first_step`)."""
+        return self.first_step + self.iteration
 
     def step(self) -> list[EventRecord]:
         """The optimizer event, then gradients zeroed (as `optimizer.step(); optimizer.zero_grad()`)."""

@@ -81,6 +81,7 @@ def _train(workload: Workload, plan: Plan, *, steps: int, device: str, metrics_p
     with PlanRun(model, optimizer, plan, device=device, batch_example=workload.batch(0),
                  precision=workload.precision, measure=measure, budget_guard=budget_guard,
                  nonfinite=nonfinite, nvme_dir=None if nvme_dir is None else str(nvme_dir)) as run:
+        run.first_step = first
         if state is not None and run.loss_scale is not None and state.get("loss_scale"):
             run.loss_scale.load_state_dict(state["loss_scale"])
         for step in range(first, steps):

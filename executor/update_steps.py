@@ -82,7 +82,9 @@ class UpdateSteps:
         if not skip and self.plan.defer_updates and (self.loss_scale is not None or self.nonfinite != "ignore"):
             skip = self._any_nonfinite()  # type: ignore[attr-defined]  (GradientOps)
             if skip and self.loss_scale is None and self.nonfinite == "stop":
-                raise HplanError("a gradient is not finite (inf or NaN); stopping before any update of this step")
+                at = self.training_step()  # type: ignore[attr-defined]  (PlanRun)
+                raise HplanError(f"a gradient is not finite (inf or NaN) at step {at}; stopped before any update of "
+                                 "this step")
         if self.loss_scale is not None and not by_user:
             self.loss_scale.update(skip)
         if skip:

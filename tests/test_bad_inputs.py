@@ -28,6 +28,7 @@ from hostile_files import (
 )
 from typer.testing import CliRunner
 
+import hostile
 from hplan.cli import app
 
 runner = CliRunner()
@@ -144,6 +145,13 @@ def _flip_shard_byte(folder: Path) -> None:
     data = bytearray(shard.read_bytes())
     data[len(data) // 2] ^= 0x01
     shard.write_bytes(bytes(data))
+
+
+def _link_aside(path: Path) -> None:
+    """The file moved beside the checkpoint folder, a symbolic link left in its place (checksums still match)."""
+    aside = path.parent.parent.parent / path.name
+    path.rename(aside)
+    path.symlink_to(aside)
 
 
 def _step_negative(folder: Path) -> None:
@@ -574,6 +582,19 @@ ROWS: list[Row] = [
     Row("export_plan_nested_100000_deep", "export {T} --plan {D}/p.json -o {D}/c.json", deep_json("p.json")),
     Row("report_plan_5000_digit_integer", "report {T} --plan {D}/p.json -o {D}/r.html",
         plan_with("p.json", long_integer)),
+    # issue 22: hostile checkpoints (a marker file in the row's folder would show code ran) and many-rank launches
+    Row("run_resume_checkpoint_metadata_runs_code", f"run {{W}} {P} --checkpoint {{D}}/ck --resume",
+        checkpointed("ck", lambda f: hostile.plant_pickle(f, f.parent.parent / "ran-code"))),
+    Row("run_resume_checkpoint_bytes_entry_runs_code", f"run {{W}} {P} --checkpoint {{D}}/ck --resume",
+        checkpointed("ck", lambda f: hostile.plant_bytes_entry(f, f.parent.parent / "ran-code"))),
+    Row("run_resume_checkpoint_shard_is_a_link", f"run {{W}} {P} --checkpoint {{D}}/ck --resume",
+        checkpointed("ck", lambda f: _link_aside(f / "__0_0.distcp"))),
+    Row("run_many_ranks_model_pt_is_a_directory", "run {W} --plan {D}/p2.json --steps 2 --nproc 2 --checkpoint {D}/ck",
+        both(two_rank_plan("p2.json"), folder("ck/model.pt"))),
+    Row("run_many_ranks_checkpoint_locked", "run {W} --plan {D}/p2.json --steps 2 --nproc 2 --checkpoint {D}/ck "
+        "--overwrite", both(two_rank_plan("p2.json"), locked("ck"))),
+    Row("run_nvme_plan_with_nproc", f"run {{W}} {NV} --nproc 2 --nvme-dir {{D}}/nv", both(nvme_plan("n.json"),
+                                                                                          folder("nv"))),
     # demo
     Row("demo_out_is_a_file", "demo --out {D}/out", text("out", "x")),
     Row("demo_out_is_a_fifo", "demo --out {D}/out", fifo("out")),

@@ -24,6 +24,7 @@ import torch
 from hplan.executor import run_training
 from hplan.executor.checkpoint import load_checkpoint
 from hplan.executor.checkpoint_dir import PAUSE_ENV, CheckpointDir, saved_step, verify
+import hostile
 from loops import cli_env, plan_for
 from typer.testing import CliRunner
 
@@ -42,18 +43,34 @@ import torch
 from torch import nn
 import hplan
 
+MARK = 12345.0
+"""A batch whose first value is MARK makes the loss's gradient infinite (the loss itself stays finite)."""
 
-def workload(nan_at: int = -1, inf_lr_at: int = -1) -> hplan.Workload:
+
+class Blow(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, g):
+        return g * math.inf
+
+
+def workload(nan_at: int = -1, inf_lr_at: int = -1, inf_grad_at: int = -1) -> hplan.Workload:
     def model():
         return nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Dropout(0.1), nn.Linear(32, 32), nn.ReLU(),
                              nn.Linear(32, 4))
 
     def batch(step):
         x = torch.randn(8, 16, generator=torch.Generator().manual_seed(step))
+        if step == inf_grad_at:
+            x[0, 0] = MARK
         return x * float("nan") if step == nan_at else x
 
     def loss(m, x):
-        return m(x.to(m[0].weight.dtype)).float().pow(2).mean()
+        out = m(x.to(m[0].weight.dtype)).float()
+        return (Blow.apply(out) if bool(x[0, 0] == MARK) else out).pow(2).mean()
 
     def scheduler(opt):
         return torch.optim.lr_scheduler.LambdaLR(opt, lambda s: math.inf if 0 <= inf_lr_at <= s else 0.9 ** s)
@@ -162,7 +179,17 @@ DAMAGES = {
     "global_step_negative": ("manifest.json", _edit_manifest(global_step=-5)),
     "global_step_not_an_integer": ("manifest.json", _edit_manifest(global_step="4")),
     "global_step_fractional": ("manifest.json", _edit_manifest(global_step=4.5)),
+    "shard_replaced_by_a_link": (SHARD, lambda f: _link_aside(f / SHARD)),
+    "manifest_replaced_by_a_fifo": ("manifest.json", lambda f: ((f / "manifest.json").unlink(),
+                                                                os.mkfifo(f / "manifest.json"))),
 }
+
+
+def _link_aside(path: Path) -> None:
+    """The file moved out of the folder and a symbolic link left in its place (same bytes: checksums match)."""
+    aside = path.parent.parent / f"{path.parent.name}-{path.name}"
+    path.rename(aside)
+    path.symlink_to(aside)
 
 
 @pytest.mark.parametrize("kind", DAMAGES)
@@ -212,6 +239,76 @@ def test_no_good_checkpoint_is_exit_2_naming_the_directory_and_each_problem(prep
     assert sorted(p.name for p in ck.glob("step-*")) == ["step-000003", "step-000004"]  # nothing removed
 
 
+# -- hostile folders ([Note: safe DCP metadata]) -------------------------------------------------------------
+
+HOSTILE = {
+    "metadata_is_a_pickle_that_runs_code": (hostile.plant_pickle, "names posix.system"),
+    "code_hidden_inside_real_metadata": (hostile.plant_inside_metadata, "names posix.system"),
+    "a_bytes_entry_whose_pickle_runs_code": (hostile.plant_bytes_entry, "hplan writes tensors only"),
+}
+
+
+@pytest.mark.parametrize("kind", HOSTILE)
+def test_a_checkpoint_that_would_run_code_is_refused_in_one_line(prepared, tmp_path, kind):
+    """Whoever can write the folder forges a pickle and recomputes the manifest: resume exits 2 in one line naming
+    the file, before anything runs (no marker), and does not fall back past it (this is not damage)."""
+    ck = _copy(prepared, tmp_path)
+    plant, expected = HOSTILE[kind]
+    marker = tmp_path / "ran-code"
+    plant(ck / "step-000004", marker)
+    hostile.prove_hostile(ck / "step-000004", marker)
+    result = _cli(prepared, "--steps", "5", "--checkpoint", str(ck), "--resume")
+    message = " ".join(result.stderr.split())
+    assert result.exit_code == 2 and len(result.stderr.strip().splitlines()) == 1, result.stderr
+    assert f"{ck / 'step-000004' / '.metadata'}" in message and expected in message, message
+    assert not marker.exists()
+    assert sorted(p.name for p in ck.glob("step-*")) == ["step-000003", "step-000004"]  # nothing removed
+
+
+@pytest.mark.parametrize("module, name", [("posix", "system"), ("builtins", "eval"), ("builtins", "getattr"),
+                                          ("torch", "load"), ("torch", "_C"), ("torch.serialization", "load"),
+                                          ("torch._utils", "_rebuild_tensor_v2"), ("copyreg", "_reconstructor"),
+                                          ("pathlib", "Path.write_text"), ("torch", "Size.__new__"),
+                                          ("torch.distributed.checkpoint.metadata", "torch")])
+def test_the_metadata_unpickler_admits_nothing_but_dcp_metadata(module, name):
+    """The allowlist: what DCP's metadata is made of resolves, any other global is refused, dotted names too."""
+    from hplan.executor.dcp_safe import _allowed
+
+    assert _allowed(module, name) is None
+    assert _allowed("torch", "Size") is torch.Size and _allowed("torch", "bfloat16") is torch.bfloat16
+    assert _allowed("torch.distributed.checkpoint.metadata", "Metadata") is not None
+
+
+def test_forged_storage_entries_are_refused_before_reading_or_allocating(prepared, tmp_path):
+    """Entries pointing outside the folder (here at a FIFO, which would block a reader forever) or claiming 2^40
+    elements: exit 2 naming the metadata, nothing opened or allocated."""
+    ck = _copy(prepared, tmp_path)
+    os.mkfifo(tmp_path / "pipe")
+    hostile.plant_outside_path(ck / "step-000004", "../../pipe")
+    with pytest.raises(HplanError, match=r"\.metadata points at '\.\./\.\./pipe', which is not a data file"):
+        _resume(prepared, ck)
+    ck = tmp_path / "ck2"
+    shutil.copytree(prepared[4], ck)
+    hostile.plant_huge_size(ck / "step-000004")
+    with pytest.raises(HplanError, match=r"\.metadata says entry .* holds 4398046511104 bytes but stores"):
+        _resume(prepared, ck)
+
+
+def test_resume_never_calls_dcps_own_unpickling(prepared, tmp_path, monkeypatch):
+    """torch's DCP reader (pickle.load of .metadata) and its planner's torch.load(weights_only=False) are never
+    reached: with both made to fail, a resume still continues bit for bit."""
+    import torch.distributed.checkpoint.default_planner as planner
+    import torch.distributed.checkpoint.filesystem as filesystem
+
+    def forbidden(*args, **kwargs):
+        raise AssertionError("DCP's own unpickling was called")
+
+    monkeypatch.setattr(filesystem.pickle, "load", forbidden)
+    monkeypatch.setattr(planner.DefaultLoadPlanner, "load_bytes", forbidden)
+    report, warnings = _resume(prepared, _copy(prepared, tmp_path))
+    assert not warnings and report.losses == prepared[3][SAVED:]
+
+
 # -- non-finite values ----------------------------------------------------------------------------------------
 
 def test_a_nan_loss_at_step_k_stops_there_and_leaves_the_checkpoint_of_step_k_minus_1(prepared, tmp_path):
@@ -221,6 +318,24 @@ def test_a_nan_loss_at_step_k_stops_there_and_leaves_the_checkpoint_of_step_k_mi
     assert saved_step(ck) == 3 and verify(ck / "step-000003").global_step == 3
     report, warnings = _resume(prepared, ck)
     assert not warnings and report.losses == prepared[3][3:]
+
+
+def test_a_non_finite_gradient_is_named_by_its_training_step(prepared, tmp_path):
+    """An infinite gradient (finite loss) at step 2, in a first run and in a resumed one: exit 2 naming step 2 (the
+    plan step is detail), nothing of step 2 updated or saved."""
+    ck = tmp_path / "ck"
+    for args in ((), ("--resume",)):
+        if args:  # resume from step 1 and meet the same gradient again: the step is counted from the checkpoint
+            shutil.rmtree(ck)
+            assert _cli(prepared, "--steps", "1", "--checkpoint", str(ck)).exit_code == 0
+        result = _cli(prepared, "--steps", str(STEPS), "--checkpoint", str(ck), *args, inf_grad_at=2)
+        message = " ".join(result.stderr.split())
+        assert result.exit_code == 2 and len(result.stderr.strip().splitlines()) == 1, result.stderr
+        assert "is not finite (inf or NaN) at step 2 (seen at plan step" in message, message
+        assert saved_step(ck) == 2
+    with CheckpointDir(ck, resume=True) as directory:
+        state = load_checkpoint(directory, prepared[2], warn=pytest.fail)
+    assert all(torch.isfinite(t).all() for t in state["params"].values())
 
 
 def test_non_finite_weights_are_never_saved(prepared, tmp_path):

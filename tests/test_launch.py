@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import stat
 import subprocess
 import sys
 import time
@@ -76,10 +77,59 @@ def _since(stamp: Path) -> float:
     return time.time() - float(stamp.read_text())
 
 
-def test_two_ranks_return_their_results():
+def test_two_ranks_return_their_results(monkeypatch):
+    """... through a folder of this call's own ([Note: launch workdir]): new, 0700, ours, removed afterwards."""
+    from hplan.executor import launch as module
+
+    made: list[Path] = []
+
+    def recorded() -> Path:
+        made.append(original())
+        st = made[-1].lstat()
+        assert stat.S_ISDIR(st.st_mode) and st.st_mode & 0o777 == 0o700 and st.st_uid == os.geteuid()
+        return made[-1]
+
+    original = module._private_workdir
+    monkeypatch.setattr(module, "_private_workdir", recorded)
     results = launch(_sum_ranks, 0.5, nprocs=2, timeout_s=60)
     assert results == [(0, 2, 1.5, 1), (1, 2, 1.5, 1)]
     assert _rank_processes() == []
+    assert len(made) == 1 and not made[0].exists()
+
+
+def test_a_temp_folder_that_does_not_keep_folders_private_is_refused(tmp_path, monkeypatch):
+    """The rank results are pickles: a workdir others could write is refused before any rank starts."""
+    import tempfile
+
+    def shared(prefix: str = "") -> str:
+        folder = tmp_path / f"{prefix}shared"
+        folder.mkdir(mode=0o777)
+        folder.chmod(0o777)
+        return str(folder)
+
+    monkeypatch.setattr(tempfile, "mkdtemp", shared)
+    with pytest.raises(HplanError, match=r"does not keep new folders private \(mode 0o777\); point TMPDIR"):
+        launch(_sum_ranks, 1.0, nprocs=2, timeout_s=30)
+    assert _rank_processes() == [] and not (tmp_path / "hplan-launch-shared").exists()
+
+
+def test_an_env_launch_whose_master_port_is_taken_is_one_line_naming_the_port():
+    """RANK/WORLD_SIZE/MASTER_* set by hand (or a scheduler) and MASTER_PORT held by another process: rank 0
+    cannot listen there — an HplanError naming the port, not torch's DistNetworkError."""
+    import socket
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        env = {**os.environ, "RANK": "0", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
+        code = ("from hplan.errors import HplanError\nfrom hplan.executor.launch import launch\n"
+                "try:\n    launch(print, collective_timeout_s=20)\nexcept HplanError as exc:\n    print(exc)\n")
+        done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == (f"MASTER_PORT {port} on 127.0.0.1 is already in use by another process, so rank 0 "
+                                   "cannot listen on it; set MASTER_PORT to a free port (torchrun: --master-port, or "
+                                   "--standalone to pick one)"), done.stdout
 
 
 # kill and exit each cost a spawn (~6 s): slow; tests/test_dist_executor.py's dying rank exits in the fast suite

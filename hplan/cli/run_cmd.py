@@ -49,9 +49,12 @@ def register(app: typer.Typer) -> None:
     ) -> None:
         """Train on a plan, doing its fetches, evictions and updates at the planned events."""
         from hplan.cli.common import guarded
-        from hplan.cli.world import many_rank_run
+        from hplan.cli.world import many_rank_run, one_process_plan_on_ranks
 
-        if many_rank_run(nproc, plan):  # many ranks: hplan.cli.world → hplan.executor.dist_train
+        if guarded(lambda: many_rank_run(nproc, plan)):  # many ranks: hplan.cli.world → hplan.executor.dist_train
+            refusal = guarded(lambda: one_process_plan_on_ranks(plan, nproc, nvme_dir=nvme_dir is not None))
+            if refusal is not None:
+                guarded(lambda: _refuse(refusal))
             if nvme_dir is not None:
                 guarded(lambda: _refuse("--nvme-dir is for one-process plans made with --nvme; a many-rank plan "
                                         "keeps no disk tier: leave --nvme-dir out"))

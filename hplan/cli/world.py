@@ -87,17 +87,66 @@ def summary_rows(plan: Plan) -> list[tuple[str, str]]:
 
 def many_rank_run(nproc: int | None, plan: Any) -> bool:
     """Does `hplan run` go to the many-rank executor? With --nproc, under torchrun, or for a plan with shard
-    factors (whose run then asks for --nproc); a plan file that cannot be read goes the usual way, which says why."""
+    factors (whose run then asks for --nproc) — except a world of one with a one-GPU plan, which is one process
+    (RANK=0 WORLD_SIZE=1, or --nproc 1). A plan file that cannot be read goes the usual way, which says why."""
+    world = nproc if nproc is not None else env_world()
+    sharded = plan_is_sharded(plan)
+    if world == 1 and sharded is False:
+        return False
+    return world is not None or bool(sharded)
+
+
+def env_world() -> int | None:
+    """WORLD_SIZE when the environment describes a torchrun (or env://) rank, else None; refused when not a
+    positive integer."""
     import os
 
+    if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
+        return None
+    try:
+        world = int(os.environ["WORLD_SIZE"])
+    except ValueError:
+        world = 0
+    if world < 1:
+        raise HplanError(f"WORLD_SIZE={os.environ['WORLD_SIZE']!r} is not a positive number of ranks; launch under "
+                         "torchrun, or unset RANK and WORLD_SIZE")
+    return world
+
+
+def plan_is_sharded(plan: Any) -> bool | None:
+    """Whether the plan file is a many-rank plan (has shard factors); None when it cannot be read as JSON."""
+    return None if (obj := _plan_json(plan)) is None else bool(obj.get("sharding"))
+
+
+def _plan_json(plan: Any) -> dict[str, Any] | None:
+    """The plan file as JSON through the one bounded reader, or None when it cannot be read (the run that
+    follows says why)."""
     from hplan.artifacts.io import read_json
 
-    if nproc is not None or ("RANK" in os.environ and "WORLD_SIZE" in os.environ):
-        return True
     try:
-        return bool(read_json(plan, what="plan").get("sharding"))
+        return read_json(plan, what="plan")
     except HplanError:
-        return False
+        return None
+
+
+def one_process_plan_on_ranks(plan: Any, nproc: int | None, *, nvme_dir: bool) -> str | None:
+    """The refusal for a one-GPU plan asked to run on several ranks, or None: the fix is to drop --nproc (or
+    torchrun), and a disk-tier plan cannot be re-planned for many ranks at all."""
+    if plan_is_sharded(plan) is not False:
+        return None
+    world = nproc if nproc is not None else env_world()
+    if world is None or world == 1:
+        return None
+    chunks = (_plan_json(plan) or {}).get("chunks", [])
+    disk = isinstance(chunks, list) and any(isinstance(c, dict) and c.get("home") == "nvme" for c in chunks)
+    asked = f"--nproc {world}" if nproc is not None else f"torchrun (WORLD_SIZE={world})"
+    drop = "drop --nproc" if nproc is not None else "run it without torchrun"
+    if disk:
+        keep = " and keep --nvme-dir" if nvme_dir else " and pass --nvme-dir DIR"
+        return (f"{plan} is a one-process plan with a disk tier (--nvme) but {asked} asks for {world} ranks: {drop}"
+                f"{keep} (many ranks keep no disk tier)")
+    return (f"{plan} is a plan for one GPU but {asked} asks for {world} ranks: {drop}, or re-plan with --gpus "
+            f"{world} for {world} ranks")
 
 
 def run_many(*, spec: str, plan: Any, steps: int, device: str, metrics: Any, checkpoint: Any, resume: bool,
