@@ -40,6 +40,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from hplan.artifacts.io import loads_bounded
 from hplan.executor.checkpoint_manifest import (Checkpoint, file_checksum, folder_name, listed_files,  # noqa: F401
                                                  verify, write_manifest)  # re-exported: the manifest's names
 from hplan.executor.durable import current_umask, fsync_path, lock_exclusive, read_regular, write_durably
@@ -160,7 +161,7 @@ class CheckpointDir:
     def _candidates(self) -> tuple[list[Path], list[str]]:
         pointer = self.root / POINTER
         try:
-            data = json.loads(read_regular(pointer))
+            data = loads_bounded(read_regular(pointer))
             names = [data["latest"], *data["previous"]]
             if data.get("schema") != POINTER_SCHEMA or not all(isinstance(n, str) and _STEP.fullmatch(n)
                                                                for n in names):
@@ -236,7 +237,7 @@ def saved_step(directory: str | os.PathLike[str]) -> int:
     """The global step the pointer names (0 when there is none); read-only, nothing verified — for progress
     displays and tests, never for deciding what to resume from."""
     try:
-        data = json.loads(read_regular(Path(directory) / POINTER))
+        data = loads_bounded(read_regular(Path(directory) / POINTER))
         return int(data["latest"][5:])
     except (OSError, ValueError, KeyError, TypeError):
         return 0
@@ -247,7 +248,7 @@ def saved_step(directory: str | os.PathLike[str]) -> int:
 def _written_by_ranks(pointer: Path) -> int:
     """The world size of a many-rank checkpoint's pointer (hplan.executor.dist_checkpoint), else 0."""
     try:
-        data = json.loads(read_regular(pointer))
+        data = loads_bounded(read_regular(pointer))
     except (OSError, ValueError):
         return 0
     world = data.get("world_size") if isinstance(data, dict) and data.get("schema", "").startswith(

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from hplan.artifacts.io import loads_bounded
 from hplan.executor.durable import fsync_path, open_regular, read_regular, write_durably
 from hplan.executor.nvme_format import checksum_function
 
@@ -71,7 +72,7 @@ def _manifest(folder: Path, *, checksums: bool) -> Checkpoint:
         raise HplanError(f"checkpoint folder {folder} is a symbolic link, which hplan does not follow; restore the "
                          "folder from a backup or start again with --overwrite")
     try:
-        manifest = json.loads(read_regular(path))
+        manifest = loads_bounded(read_regular(path))
     except FileNotFoundError:
         what = "is missing" if folder.is_dir() else "is missing (so is its folder)"
         raise HplanError(f"checkpoint manifest {path} {what}") from None

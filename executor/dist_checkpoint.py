@@ -37,6 +37,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from hplan.artifacts.io import loads_bounded
 from hplan.artifacts import Plan, atomic_path
 from hplan.errors import HplanError
 from hplan.executor.checkpoint_dir import POINTER, folder_name, holds, write_manifest
@@ -56,7 +57,7 @@ def read_pointer(directory: str | os.PathLike[str]) -> dict[str, Any]:
         what = " (it holds a one-process checkpoint: resume it without --nproc)" if one else ""
         raise HplanError(f"no sharded checkpoint in {directory}{what}; run once with --checkpoint {directory} first")
     try:
-        info = json.loads(read_regular(path))
+        info = loads_bounded(read_regular(path))
     except (OSError, ValueError) as exc:
         raise HplanError(f"{path} cannot be read ({type(exc).__name__}); the checkpoint is damaged") from None
     if not isinstance(info, dict) or info.get("schema") != SCHEMA:

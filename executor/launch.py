@@ -45,6 +45,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from hplan.artifacts.io import loads_bounded
 from hplan.errors import HplanError
 
 TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
@@ -301,7 +302,7 @@ def _failure_message(procs: list[Any], workdir: Path, stopped: list[int]) -> str
             continue
         path = workdir / f"rank{rank}.err"
         if path.exists():
-            records[rank] = json.loads(path.read_bytes())
+            records[rank] = loads_bounded(path.read_bytes())
         else:
             silent.append(rank)
     def others(cause: int) -> str:

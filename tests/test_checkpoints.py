@@ -182,6 +182,10 @@ DAMAGES = {
     "shard_replaced_by_a_link": (SHARD, lambda f: _link_aside(f / SHARD)),
     "manifest_replaced_by_a_fifo": ("manifest.json", lambda f: ((f / "manifest.json").unlink(),
                                                                 os.mkfifo(f / "manifest.json"))),
+    "manifest_nested_100000_deep": ("manifest.json", lambda f: (f / "manifest.json").write_text(
+        "[" * 100_000 + "]" * 100_000)),
+    "manifest_5000_digit_step": ("manifest.json", lambda f: (f / "manifest.json").write_text(
+        (f / "manifest.json").read_text().replace('"global_step": 4', '"global_step": ' + "4" * 5000))),
 }
 
 
@@ -224,6 +228,14 @@ def test_the_cli_says_so_on_one_warning_line_and_exits_0(prepared, tmp_path):
 def test_a_damaged_pointer_is_a_warning_and_the_newest_good_folder_wins(prepared, tmp_path):
     ck = _copy(prepared, tmp_path)
     (ck / "latest.json").write_text("{not json")
+    report, warnings = _resume(prepared, ck)
+    assert len(warnings) == 1 and "latest.json is damaged" in warnings[0]
+    assert report.first_step == SAVED and report.losses == prepared[3][SAVED:]
+
+
+def test_a_pointer_nested_100000_deep_is_a_warning_like_any_damaged_pointer(prepared, tmp_path):
+    ck = _copy(prepared, tmp_path)
+    (ck / "latest.json").write_text("[" * 100_000 + "]" * 100_000)
     report, warnings = _resume(prepared, ck)
     assert len(warnings) == 1 and "latest.json is damaged" in warnings[0]
     assert report.first_step == SAVED and report.losses == prepared[3][SAVED:]

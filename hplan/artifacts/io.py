@@ -232,6 +232,15 @@ def parse_json(data: str | bytes, *, source: str | os.PathLike[str], what: str, 
         raise HplanError(f"{source} is not a valid {what} file (corrupt JSON: {reason}); {fix}") from None
 
 
+def loads_bounded(data: str | bytes) -> Any:
+    """`parse_json`'s limits for callers that word their own refusal (checkpoint pointers and manifests treat a bad
+    file as damage and fall back): every problem, deep nesting included, is a ValueError."""
+    try:
+        return parse_json(data, source="<json>", what="JSON")
+    except HplanError as exc:
+        raise ValueError(str(exc)) from None
+
+
 def _key_of(text: str, exc: BaseException) -> str:
     """' at "key"': the object key the refused value of `exc` follows, when it directly follows one."""
     value = {"non-standard value NaN": "NaN", "non-standard value Infinity": "Infinity",
