@@ -16,6 +16,7 @@ from typing import Any, ClassVar
 import pandas as pd
 
 from hplan.artifacts.io import atomic_path, check_schema
+from hplan.artifacts.segments import Segment, segments_from_meta
 from hplan.errors import HplanError
 
 CATEGORIES: tuple[str, ...] = ("param", "grad", "optimizer", "activation", "temporary", "other")
@@ -144,6 +145,9 @@ class Trace:
     input_shapes: tuple[str, ...] = ()
     """Dtypes and shapes of the model's inputs seen while tracing (one entry per distinct signature); the plan
     covers exactly these, and the executor refuses a batch of another shape before its forward."""
+    segments: tuple[Segment, ...] = ()
+    """Checkpointable module calls and what keeping, offloading or recomputing their activations does to the
+    events' non-model bytes ([Note: activation segments] in hplan.artifacts.segments); empty in older traces."""
     timeline: pd.DataFrame = field(default_factory=pd.DataFrame, compare=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -161,6 +165,7 @@ class Trace:
         meta = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "timeline"}
         meta["params"] = [asdict(p) for p in self.params]
         meta["events"] = [asdict(e) for e in self.events]
+        meta["segments"] = [asdict(s) for s in self.segments]
         meta["schema"] = self.SCHEMA
         return meta
 
@@ -199,6 +204,7 @@ class Trace:
                                      for e in meta["events"])
             kwargs["warnings"] = tuple(meta.get("warnings", ()))
             kwargs["input_shapes"] = tuple(meta.get("input_shapes", ()))
+            kwargs["segments"] = segments_from_meta(meta.get("segments", ()), len(kwargs["events"]))
             return cls(**kwargs, timeline=timeline if timeline is not None else pd.DataFrame())
         except (KeyError, TypeError) as exc:
             raise HplanError(f"trace metadata is incomplete ({exc}); regenerate the trace") from None
