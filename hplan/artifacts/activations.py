@@ -55,11 +55,14 @@ class ActivationChoice:
     recompute_params: tuple[str, ...] = ()
     recompute_seconds: float = 0.0
     effects: tuple[Effect, ...] = ()
+    offload_packs: tuple[int, ...] = ()
+    """Offload: ordinals of the saved-tensor packs in its forward whose storages move (from the trace)."""
 
     @classmethod
     def from_dict(cls, obj: dict[str, Any]) -> ActivationChoice:
         return cls(**{**obj, "recompute_params": tuple(obj.get("recompute_params", ())),
-                      "effects": tuple(tuple(_whole(x) for x in e) for e in obj.get("effects", ()))})
+                      "effects": tuple(tuple(_whole(x) for x in e) for e in obj.get("effects", ())),
+                      "offload_packs": tuple(_whole(x) for x in obj.get("offload_packs", ()))})
 
 
 def _whole(x: Any) -> int:
@@ -139,6 +142,8 @@ def _choice_problems(c: ActivationChoice, n: int, plan: Plan, param_region: dict
         if not 0 <= first <= last < n:
             return [f"effect run {first}..{last} lies outside the plan's steps"]
     freed = [(f, last, d) for f, last, d in c.effects if d < 0]
+    if c.choice != "offload" and c.offload_packs:
+        return ["only an offload names packs to move"]
     if c.choice == "keep":
         if c.effects or c.moved_bytes or c.prefetch_step != -1:
             return ["a kept segment has no effects, moves nothing and has no prefetch"]
@@ -149,6 +154,8 @@ def _choice_problems(c: ActivationChoice, n: int, plan: Plan, param_region: dict
                     f"backward_step {c.backward_step} (its activations must be back before its backward)"]
         if len(freed) != len(c.effects):
             return ["an offload only frees bytes"]
+        if bool(c.offload_packs) != bool(c.moved_bytes) or any(k < 0 for k in c.offload_packs):
+            return ["an offload that moves bytes names the packs it moves (offload_packs), and only then"]
         if any(f <= c.d2h_step or last >= c.prefetch_step for f, last, _ in freed):
             return ["an offload frees bytes only between its d2h step and its prefetch step"]
         if any(-x > c.moved_bytes for x in effect_at((c,), n)):
