@@ -204,7 +204,9 @@ def with_activations(plan: Plan, trace: Trace, work: Trace, decisions: tuple[Dec
     choices = tuple(_choice(d, r, prefetch.get(d.segment.key, -1), seconds.get(d.segment.key, 0.0))
                     for d, r in zip(decisions, runs))
     now = effect_at(choices, len(plan.steps))
-    steps = tuple(replace(s, kept_non_model_bytes=k, non_model_bytes=k + e) for s, k, e in zip(plan.steps, kept, now))
+    changed = any(d.choice != "keep" for d in decisions)  # an all-keep plan's steps stay as they were
+    steps = tuple(replace(s, kept_non_model_bytes=k if changed else None, non_model_bytes=k + e)
+                  for s, k, e in zip(plan.steps, kept, now))
     moved = 2 * sum(c.moved_bytes for c in choices if c.choice == "offload")
     out = replace(plan, steps=steps, activations=choices,
                   summary=replace(plan.summary, activation_bytes_moved_per_iter=moved,
