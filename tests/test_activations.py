@@ -100,6 +100,24 @@ def test_accumulated_micro_steps_offload_each_call(tmp_path):
     _train_and_compare(workload, trace, "offload", steps=2)
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("precision", ["bf16-mixed", "fp16-mixed"])
+@pytest.mark.parametrize("choice", CHOICES)
+def test_mixed_precision_trains_as_plain_pytorch(precision, choice):
+    """16-bit blocks offloaded or recomputed; host updates use torch's fused CPU AdamW, hence the tolerance of
+    tests/test_executor_training.py (1e-4 relative)."""
+    from hplan.executor import run_training
+    from hplan.training import plain_losses
+
+    workload = load_workload("gpt:tiny", precision=precision)
+    plan = plan_for(workload, activations=choice)
+    report = run_training(workload, plan, steps=4)
+    assert max(abs(a - b) / abs(b) for a, b in zip(report.losses, plain_losses(workload, 4))) <= 1e-4
+    assert report.peak_resident_bytes <= plan.gpu_bytes
+    assert report.activation_bytes_moved_per_iter == report.planned_activation_bytes_moved_per_iter == \
+        plan.summary.activation_bytes_moved_per_iter
+
+
 HF_CASES = {
     "llama": lambda: exact(sized_hf("LlamaForCausalLM")),
     "gpt2-dropout": lambda: exact(sized_hf("GPT2LMHeadModel")),
