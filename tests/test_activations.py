@@ -249,5 +249,8 @@ def test_trace_segments_round_trip_and_are_validated_on_load(tiny, tmp_path):
     seg["freed"] = [[0, 3, 10, 10]]  # during its own forward
     with pytest.raises(HplanError, match=r"trace segment 0 \(h.0\) is invalid: freed run .* outside the gap"):
         Trace.from_metadata({**meta, "segments": [seg]})
+    seg = dict(meta["segments"][0], params=["h.9.attn.c_attn.weight"])
+    with pytest.raises(HplanError, match=r"h.0\) is invalid: it names parameters the trace does not have"):
+        Trace.from_metadata({**meta, "segments": [seg]})
     with pytest.raises(HplanError, match="trace segment 0 is malformed"):
         Trace.from_metadata({**meta, "segments": [{"module": "h.0"}]})

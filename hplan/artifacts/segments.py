@@ -91,8 +91,9 @@ def segment_to_dict(s: Segment) -> dict[str, Any]:
     return asdict(s)
 
 
-def segments_from_meta(items: Any, n_events: int) -> tuple[Segment, ...]:
-    """Segments from trace metadata, validated: any malformed entry is refused naming it."""
+def segments_from_meta(items: Any, n_events: int, params: set[str] | None = None) -> tuple[Segment, ...]:
+    """Segments from trace metadata, validated against the trace's events and parameters: any malformed entry is
+    refused naming it."""
     if not isinstance(items, (list, tuple)):
         raise HplanError("trace segments are malformed (not a list); regenerate the trace with `hplan trace`")
     out = []
@@ -108,6 +109,9 @@ def segments_from_meta(items: Any, n_events: int) -> tuple[Segment, ...]:
             raise HplanError(f"trace segment {i} is malformed ({exc}); regenerate the trace with `hplan trace`") \
                 from None
         problem = segment_problem(seg, n_events)
+        unknown = [p for p in seg.params if params is not None and p not in params]
+        if unknown and not problem:
+            problem = f"it names parameters the trace does not have ({unknown[:3]})"
         if problem:
             raise HplanError(f"trace segment {i} ({seg.module}) is invalid: {problem}; regenerate the trace with "
                              "`hplan trace`")

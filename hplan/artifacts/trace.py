@@ -204,7 +204,8 @@ class Trace:
                                      for e in meta["events"])
             kwargs["warnings"] = tuple(meta.get("warnings", ()))
             kwargs["input_shapes"] = tuple(meta.get("input_shapes", ()))
-            kwargs["segments"] = segments_from_meta(meta.get("segments", ()), len(kwargs["events"]))
+            kwargs["segments"] = segments_from_meta(meta.get("segments", ()), len(kwargs["events"]),
+                                                    {p.name for p in kwargs["params"]})
             return cls(**kwargs, timeline=timeline if timeline is not None else pd.DataFrame())
         except (KeyError, TypeError) as exc:
             raise HplanError(f"trace metadata is incomplete ({exc}); regenerate the trace") from None
