@@ -20,7 +20,7 @@ from __future__ import annotations
 import contextlib
 import functools
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -41,6 +41,8 @@ class _Slot:
     """One offloaded storage: on the fast tier (`source`), in host memory (`host`), then back (`fast`)."""
 
     source: torch.Tensor | None
+    versions: list[int] = field(default_factory=list)
+    """Version counter of each saved tensor on it, at its pack."""
     nbytes: int = 0
     host: torch.Tensor | None = None
     fast: torch.Tensor | None = None
@@ -78,6 +80,7 @@ class _Offloaded:
         slot = self.slots.get(key)
         if slot is None:
             slot = self.slots[key] = _Slot(source=t)
+        slot.versions.append(t._version)
         return _Packed(slot=slot, dtype=t.dtype, size=tuple(t.shape), stride=tuple(t.stride()),
                        offset=t.storage_offset(), where=self.choice.module)
 
@@ -89,6 +92,10 @@ class _Offloaded:
         total = 0
         for slot in self.slots.values():
             assert slot.source is not None
+            if any(v != slot.source._version for v in slot.versions):
+                raise HplanError(f"a tensor autograd saved in the forward of {self.choice.module} was modified in "
+                                 "place afterwards, which plain PyTorch refuses at backward (\"modified by an "
+                                 "inplace operation\"): fix the model (or keep this segment's activations)")
             with _disable_current_modes():  # host memory is not the fast tier: the probe must not count it
                 storage = slot.source.untyped_storage()
                 raw = torch.empty(0, dtype=torch.uint8, device=self.device).set_(storage)

@@ -254,3 +254,18 @@ def test_trace_segments_round_trip_and_are_validated_on_load(tiny, tmp_path):
         Trace.from_metadata({**meta, "segments": [seg]})
     with pytest.raises(HplanError, match="trace segment 0 is malformed"):
         Trace.from_metadata({**meta, "segments": [{"module": "h.0"}]})
+
+
+def test_the_executor_stops_when_the_run_saves_other_bytes_than_the_plan_moves(tiny):
+    """A hand-edited plan that validates but moves other bytes than the model saves is stopped at the segment's end,
+    never trained on silently."""
+    from hplan.executor import run_training
+
+    workload, trace = tiny
+    plan = plan_for(workload, trace=trace, activations="offload")
+    bad = _edited(plan, moved_bytes=plan.activations[0].moved_bytes + 8)
+    bad = dataclasses.replace(bad, summary=dataclasses.replace(
+        bad.summary, activation_bytes_moved_per_iter=plan.summary.activation_bytes_moved_per_iter + 16))
+    validate(bad)
+    with pytest.raises(HplanError, match=r"segment h.0 saved \d+ bytes to offload where the plan moves"):
+        run_training(workload, bad, steps=1)
