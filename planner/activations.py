@@ -228,7 +228,8 @@ def _choice(d: Decision, runs: tuple[Effect, ...], prefetch: int, seconds: float
         saved_bytes=s.saved_bytes, moved_bytes=s.offload_bytes if offload else 0, d2h_step=s.forward_events[1],
         prefetch_step=(prefetch if prefetch >= 0 else s.backward_events[0]) if offload else -1,
         backward_step=s.backward_events[0], recompute_params=s.params if d.choice == "recompute" else (),
-        recompute_seconds=seconds if d.choice == "recompute" else 0.0, effects=runs,
+        recompute_seconds=seconds if d.choice == "recompute" else 0.0,
+        recompute_peak_bytes=s.recompute_peak_bytes if d.choice == "recompute" else 0, effects=runs,
         offload_packs=s.offload_packs if offload else ())
 
 

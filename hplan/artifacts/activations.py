@@ -54,6 +54,9 @@ class ActivationChoice:
     """The step in whose window its backward first needs them (a recompute runs there)."""
     recompute_params: tuple[str, ...] = ()
     recompute_seconds: float = 0.0
+    recompute_peak_bytes: int = 0
+    """Recompute: what its forward allocates at its peak above the level where it starts (the transient; its net
+    change of `backward_step`'s peak is in `effects`)."""
     effects: tuple[Effect, ...] = ()
     offload_packs: tuple[int, ...] = ()
     """Offload: ordinals of the saved-tensor packs in its forward whose storages move (from the trace)."""
@@ -131,7 +134,7 @@ def activation_problems(plan: Plan) -> list[str]:
 def _choice_problems(c: ActivationChoice, n: int, plan: Plan, param_region: dict[str, int]) -> list[str]:
     if c.choice not in CHOICES:
         return [f"choice {c.choice!r} is not one of {', '.join(CHOICES)}"]
-    counts = (c.micro, c.saved_bytes, c.moved_bytes, c.d2h_step, c.backward_step)
+    counts = (c.micro, c.saved_bytes, c.moved_bytes, c.d2h_step, c.backward_step, c.recompute_peak_bytes)
     if not all(isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in counts) or \
             not isinstance(c.recompute_seconds, (int, float)) or not math.isfinite(c.recompute_seconds) or \
             c.recompute_seconds < 0:
