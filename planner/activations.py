@@ -20,6 +20,7 @@ Per segment and event the effects are additive ([Note: activation segments]), wh
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+from typing import Any
 
 from hplan.artifacts.activations import CHOICES, ActivationChoice, Effect, effect_at
 from hplan.artifacts.hardware import Hardware
@@ -216,8 +217,28 @@ def with_activations(plan: Plan, trace: Trace, work: Trace, decisions: tuple[Dec
     if not rep.ok:
         raise AssertionError(f"hplan made an invalid activation plan ({rep.violations[0]}): an hplan bug, please "
                              "report it")
+    _check_host(out, rep)
     return replace(out, summary=replace(out.summary, predicted_peak_bytes=rep.peak_bytes,
                                         **_step_time(out, work, hardware)))
+
+
+def _check_host(plan: Plan, rep: Any) -> None:
+    """With --cpu-mem, host memory must hold the model data off the GPU plus the offloaded activations at once."""
+    host = plan.hardware.host_bytes
+    if host is None:
+        return
+    n = len(plan.steps)
+    held = [0] * n
+    for c in plan.activations:
+        if c.choice == "offload":
+            for t in range(c.d2h_step, c.prefetch_step + 1):
+                held[t % n] += c.moved_bytes
+    always = set(plan.initial_resident).intersection(*(set(st.resident) for st in rep.states))
+    model = sum(r.bytes for r in plan.regions if r.id not in always)
+    if held and model + max(held) > host:
+        raise HplanError(f"--activations offload keeps up to {max(held):,} bytes of activations in host memory, "
+                         f"which with the {model:,} bytes of model data off the GPU is more than --cpu-mem "
+                         f"({host:,} bytes): give more --cpu-mem or use --activations recompute")
 
 
 def _choice(d: Decision, runs: tuple[Effect, ...], prefetch: int, seconds: float) -> ActivationChoice:

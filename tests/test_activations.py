@@ -209,6 +209,9 @@ def test_cli_refuses_a_bad_choice_and_names_the_budget_a_forced_choice_needs(tin
                              "-o", str(tmp_path / "p.json")])
     assert ok.exit_code == 0, ok.output
     assert Plan.load(tmp_path / "p.json").gpu_bytes == min_gpu_bytes(trace, activations="offload").gpu_bytes
+    host = runner.invoke(app, ["plan", str(path), "--gpu", "cpu", "--gpu-mem", "min", "--activations", "offload",
+                               "--cpu-mem", str(trace.model_bytes + 1000), "--json"])  # model data fits, not both
+    assert host.exit_code == 2 and "activations in host memory" in host.stderr and "--cpu-mem" in host.stderr
 
 
 def test_run_json_reports_activation_bytes(tiny, tmp_path):
