@@ -225,8 +225,8 @@ def with_activations(plan: Plan, trace: Trace, work: Trace, decisions: tuple[Dec
 def _check_host(plan: Plan, rep: Any) -> None:
     """With --cpu-mem, host memory must hold the model data off the GPU plus the offloaded activations at once."""
     host = plan.hardware.host_bytes
-    if host is None:
-        return
+    if host is None or plan.hardware.nvme_bytes is not None or not any(c.moved_bytes for c in plan.activations):
+        return  # (with a disk tier, activations are kept: make_plan refuses the others)
     n = len(plan.steps)
     held = [0] * n
     for c in plan.activations:
