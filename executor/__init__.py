@@ -14,7 +14,8 @@
 Inside the block the optimizer's hyperparameters are read from its param groups at every update, its state
 lives in the plan's regions and is handed back on exit (and on `optimizer.state_dict()`). Supported: the
 element-wise torch optimizers of hplan.optimizers, any number of param groups, frozen parameters, gradient
-accumulation, clipping by global norm, activation checkpointing, fp16 dynamic loss scaling (`run.scale(loss)`).
+accumulation, clipping by global norm, activation checkpointing, fp16 dynamic loss scaling (`run.scale(loss)`), and
+plans that offload or recompute segments' activations (hplan.executor.activations).
 """
 
 from __future__ import annotations

@@ -16,6 +16,7 @@ import contextlib
 from typing import Any, Self
 
 import torch
+from hplan.executor.activations import ActivationRun
 from hplan.executor.admission import check_plan, check_state_regions
 from hplan.executor.batch import UpdateBatch
 from hplan.executor.device import make_tier
@@ -111,6 +112,8 @@ class PlanRun(UpdateSteps, GradientOps, StateSync):
         self.user_skipped = 0
         """Iterations whose optimizer.step() the loop skipped (nothing updated, as in plain PyTorch)."""
         self._has_backward = any(s.event.startswith("backward:") for s in plan.steps)
+        self.activations = ActivationRun(plan, self.tier.device)
+        """The plan's offloaded and recomputed segments (hplan.executor.activations)."""
 
     # -- lifecycle ------------------------------------------------------------------------------------
     def __enter__(self) -> Self:
@@ -153,6 +156,7 @@ class PlanRun(UpdateSteps, GradientOps, StateSync):
             store.mark_dirty(r)
         self.setup_bytes, store.traffic.h2d = store.traffic.h2d, 0
         self._stack.enter_context(EventHooks(model, self.on_event))
+        self.activations.install(model, self._stack)
         self._stack.enter_context(intercepted(self, optimizer, model))
         self.model_state_hooks(model, self._stack)
         if self.meter is not None:
@@ -178,6 +182,8 @@ class PlanRun(UpdateSteps, GradientOps, StateSync):
     # -- events ---------------------------------------------------------------------------------------
     def on_event(self, kind: str, module: str) -> None:
         """EventHooks' callback: check the event against the plan, then do the step."""
+        if self.activations.suppressed:  # inside a recompute: [Note: recompute events]
+            return
         actual = f"{kind}:{module}"
         steps = self.plan.steps
         if self.evaluating is not None and self.evaluating.on_event(kind, actual):
@@ -228,6 +234,7 @@ class PlanRun(UpdateSteps, GradientOps, StateSync):
             store.fetch(rid)
         for rid in step.alloc:
             store.alloc(rid)
+        self.activations.at_step(step)
         flipped = {store.region(c, "grad") for c in step.flips}
         store.require([r for r in step.needs if r not in flipped], f"plan step {step.index} ({step.event})")
         self._pending_flips = set(step.flips)
@@ -314,6 +321,7 @@ class PlanRun(UpdateSteps, GradientOps, StateSync):
         self._updated.clear()
         self._zeroed = False
         self.iteration += 1
+        self.activations.end_iteration()
         records, self.records, self.cursor = self.records, [], 0
         self.last_records = records
         return records

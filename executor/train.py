@@ -102,6 +102,8 @@ def _train(workload: Workload, plan: Plan, *, steps: int, device: str, metrics_p
                 on_progress(step + 1, steps, f"loss {losses[-1]:.4f}  {seconds[-1] * 1e3:.0f} ms  "
                                              f"resident {peak / 2**20:.2f} MiB")
         setup = run.setup_bytes
+        moved = {"activation_bytes_moved_per_iter": run.activations.last_moved,
+                 "planned_activation_bytes_moved_per_iter": run.activations.planned_moved}
         tiers = tier_fields(run.store)  # issue 16: host-tier and disk measurements (empty for two tiers)
     if metrics_path is not None:
         _write_metrics(metrics_path, rows)
@@ -111,7 +113,7 @@ def _train(workload: Workload, plan: Plan, *, steps: int, device: str, metrics_p
                      budget_bytes=plan.gpu_bytes, bytes_moved_per_iter=h2d + d2h,
                      planned_bytes_moved_per_iter=plan.summary.bytes_moved_per_iter, h2d_bytes_per_iter=h2d,
                      d2h_bytes_per_iter=d2h, setup_bytes=setup,
-                     metrics_path=None if metrics_path is None else str(metrics_path), **tiers)
+                     metrics_path=None if metrics_path is None else str(metrics_path), **moved, **tiers)
 
 
 def _warn(message: str) -> None:

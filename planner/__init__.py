@@ -14,11 +14,14 @@ from hplan.planner.problem import MinGpu, build, group_params, min_gpu
 from hplan.planner.sweep import BASELINE_KEYS, sweep
 
 
-def min_gpu_bytes(trace: Trace, hardware: Hardware | None = None) -> MinGpu:
-    """Smallest GPU budget with any schedule (module chunks, every update on the CPU), with its bottleneck.
+def min_gpu_bytes(trace: Trace, hardware: Hardware | None = None, *, activations: str = "keep") -> MinGpu:
+    """Smallest GPU budget with any schedule (module chunks, every update on the CPU), with its bottleneck, with
+    every checkpointable segment's activations kept, offloaded or recomputed (`activations`).
     Without `hardware`, slack is the trace's measured or predicted allocator slack plus overhead."""
+    from hplan.planner.activations import decide, min_gpu_with
+
     hardware = hardware or Hardware(gpu_bytes=1, slack_bytes=default_slack(trace))
-    return min_gpu(trace, hardware)
+    return min_gpu_with(trace, hardware, decide(trace, activations))
 
 
 def default_slack(trace: Trace) -> int:

@@ -17,6 +17,7 @@ from hplan.artifacts.replay import Replay, replay, validate  # noqa: F401  (re-e
 from hplan.sizes import format_size
 from hplan.artifacts.trace import Trace
 from hplan.errors import HplanError
+from hplan.planner.activations import decide, min_gpu_with, transform, with_activations
 from hplan.planner.exact import lp_bound, solve_milp
 from hplan.planner.options import PlanOptions
 from hplan.planner.problem import min_gpu
@@ -59,7 +60,12 @@ def make_plan(trace: Trace, hardware: Hardware, options: PlanOptions | None = No
     options = options or PlanOptions()
     if not trace.events:
         raise HplanError("the trace has no events: re-run `hplan trace` on a workload with parameters")
-    smallest = min_gpu(trace, hardware)
+    if options.activations != "keep" and hardware.nvme_bytes is not None:
+        raise HplanError(f"--activations {options.activations} with --nvme is not supported yet (the host tier does "
+                         "not plan activation copies); use --activations keep with --nvme")
+    original, decisions = trace, decide(trace, options.activations)  # [Note: plan activations]
+    trace = transform(trace, decisions)
+    smallest = min_gpu_with(original, hardware, decisions)
     effort = _effort(options)
     search = Search(trace, hardware, options, on_progress, planned_evaluations(trace, options) + 2,
                     nodes=SEARCH_NODES[effort] if options.solver != "exact" else SEARCH_NODES[1])
@@ -72,10 +78,12 @@ def make_plan(trace: Trace, hardware: Hardware, options: PlanOptions | None = No
         best, done, solver, bound, optimal = _improve(search, best, options)
         plan = _plan(trace, hardware, best, done, solver, bound, optimal, smallest.gpu_bytes, smallest.bottleneck,
                      opts)
+        if decisions and plan.summary.feasible:
+            plan = with_activations(plan, original, trace, decisions)
     if options.compare:
         from hplan.planner.baselines import simulate_baselines
 
-        plan = replace(plan, baselines=simulate_baselines(trace, hardware))
+        plan = replace(plan, baselines=simulate_baselines(original, hardware))
     return plan
 
 

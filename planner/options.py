@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from hplan.artifacts.activations import CHOICES as ACTIVATION_CHOICES
 from hplan.errors import HplanError
 from hplan.planner.presets import GPU_PRESETS, GpuPreset, make_hardware
 
@@ -37,11 +38,17 @@ class PlanOptions:
     """Also score the baselines (ZeRO-Offload, ZeRO-3 offload, Gemini, all-on-GPU)."""
     flips: bool = True
     """Let a chunk's gradient reuse its weights' device storage where the recipe allows (Gemini's trick)."""
+    activations: str = "keep"
+    """What every checkpointable segment does with its saved activations: "keep" (plain PyTorch), "offload" (to
+    host memory between its forward and backward) or "recompute" (rerun its forward in backward); see
+    hplan.planner.activations."""
 
     def __post_init__(self) -> None:
         if self.solver not in SOLVERS:
             raise HplanError(f"unknown solver {self.solver!r}: use one of {', '.join(SOLVERS)}")
         if isinstance(self.effort, bool) or not isinstance(self.effort, int) or not 0 <= self.effort <= MAX_EFFORT:
             raise HplanError(f"effort must be an integer from 0 to {MAX_EFFORT}, got {self.effort!r}")
+        if self.activations not in ACTIVATION_CHOICES:
+            raise HplanError(f"--activations takes {', '.join(ACTIVATION_CHOICES)}, got {self.activations!r}")
         if self.chunk_bytes is not None and self.chunk_bytes < 0:
             raise HplanError(f"chunk size must not be negative, got {self.chunk_bytes} bytes")

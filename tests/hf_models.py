@@ -77,3 +77,30 @@ def lm_loss(model: nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
 def workload(name: str, model: Any, batch: Any = lm_batch, loss: Any = lm_loss, optimizer: Any = adamw,
              **extra: Any) -> hplan.Workload:
     return hplan.Workload(model=model, batch=batch, loss=loss, optimizer=optimizer, name=name, **extra)
+
+
+def vit() -> nn.Module:
+    """A vision transformer classifier (patch embeddings, dropout on)."""
+    cfg = transformers.ViTConfig(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, intermediate_size=128,
+                                 image_size=32, patch_size=8, num_labels=3, hidden_dropout_prob=0.1)
+    return transformers.ViTForImageClassification(cfg)
+
+
+def image_batch(step: int) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(step)
+    return {"pixel_values": torch.randn(2, 3, 32, 32, generator=g), "labels": torch.randint(3, (2,), generator=g)}
+
+
+def whisper() -> nn.Module:
+    """An encoder-decoder speech model (convolutional front end, cross-attention, dropout on)."""
+    cfg = transformers.WhisperConfig(vocab_size=VOCAB, d_model=64, encoder_layers=2, decoder_layers=2,
+                                     encoder_attention_heads=4, decoder_attention_heads=4, encoder_ffn_dim=128,
+                                     decoder_ffn_dim=128, num_mel_bins=16, max_source_positions=32,
+                                     max_target_positions=32, dropout=0.1, use_cache=False, pad_token_id=0,
+                                     bos_token_id=1, eos_token_id=2, decoder_start_token_id=1)
+    return transformers.WhisperForConditionalGeneration(cfg)
+
+
+def audio_batch(step: int) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(step)
+    return {"input_features": torch.randn(2, 16, 64, generator=g), "labels": torch.randint(3, VOCAB, (2, 8), generator=g)}

@@ -18,13 +18,14 @@ from hplan.tracer import trace_workload
 
 
 def plan_for(workload: hplan.Workload, *, extra: float = 0.0, solver: str = "fast", iters: int = 3,
-             trace: Any = None) -> Plan:
-    """A plan at the smallest fast tier any schedule fits, plus `extra` × the model data."""
+             trace: Any = None, activations: str = "keep") -> Plan:
+    """A plan at the smallest fast tier any schedule fits, plus `extra` × the model data (with every checkpointable
+    segment's activations kept, offloaded or recomputed: `activations`)."""
     trace = trace if trace is not None else trace_workload(workload, device="cpu", iters=iters)
-    floor = min_gpu_bytes(trace).gpu_bytes
+    floor = min_gpu_bytes(trace, activations=activations).gpu_bytes
     hardware = Hardware(gpu="cpu", gpu_bytes=floor + int(extra * trace.model_bytes), slack_bytes=default_slack(trace),
                         overlap=False)
-    plan = make_plan(trace, hardware, PlanOptions(solver=solver))
+    plan = make_plan(trace, hardware, PlanOptions(solver=solver, activations=activations))
     assert plan.summary.feasible, plan.summary.bottleneck
     return plan
 

@@ -10,6 +10,8 @@ The traces must also run the same operators (a different sequence means fake too
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 from fake_models import HF_MODELS, HF_SIZES, MODELS, hf
 from hplan.tracer import trace_workload
@@ -82,3 +84,15 @@ def test_an_hf_workload_builds_the_same_model_every_time(name):
     configs = [[m.config.to_dict() for m in model.modules() if hasattr(m, "config")] for model in (first, second)]
     assert configs[0] == configs[1]
     assert not any(c.get("use_cache") for c in configs[0])
+
+
+@pytest.mark.parametrize("label", _labels())
+def test_segments_equal_the_cpu_trace(label):
+    """Checkpointable segments ([Note: activation segments]) from fake tensors: the same calls, saved bytes, events,
+    freed bytes per event, recompute transient and refusals as the cpu trace, to the byte (only measured seconds
+    differ: fake traces run no kernels)."""
+    cpu, fake = _traces(label)
+    assert fake.segments == tuple(replace(s, seconds=0.0) for s in cpu.segments)
+    assert all(s.seconds == 0.0 for s in fake.segments)
+    if label not in ("lstm",):  # every other model here stacks blocks in a ModuleList / nn.Sequential
+        assert cpu.segments and any(s.offload_bytes for s in cpu.segments)

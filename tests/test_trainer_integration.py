@@ -69,11 +69,11 @@ def trainer(build, out, data, evals=None, **overrides) -> Trainer:
     return Trainer(model=build(), args=arguments(out, **overrides), train_dataset=data, eval_dataset=evals)
 
 
-def plan_at_floor(trace):
-    """The smallest fast tier any schedule fits (a CPU budget)."""
-    hardware = Hardware(gpu="cpu", gpu_bytes=min_gpu_bytes(trace).gpu_bytes, slack_bytes=default_slack(trace),
-                        overlap=False)
-    plan = make_plan(trace, hardware, PlanOptions(solver="fast"))
+def plan_at_floor(trace, activations: str = "keep"):
+    """The smallest fast tier any schedule fits (a CPU budget), with every segment's activations as asked."""
+    hardware = Hardware(gpu="cpu", gpu_bytes=min_gpu_bytes(trace, activations=activations).gpu_bytes,
+                        slack_bytes=default_slack(trace), overlap=False)
+    plan = make_plan(trace, hardware, PlanOptions(solver="fast", activations=activations))
     assert plan.summary.feasible, plan.summary.bottleneck
     return plan
 
@@ -92,12 +92,13 @@ def weight_diff(a: torch.nn.Module, b: torch.nn.Module) -> float:
     return max((sa[k].double() - sb[k].double()).abs().max().item() for k in sa)
 
 
-def compare(build, tmp_path, steps: int = 20, n: int = 80, **overrides) -> tuple[Trainer, Trainer, HplanCallback]:
+def compare(build, tmp_path, steps: int = 20, n: int = 80, activations: str = "keep", **overrides
+            ) -> tuple[Trainer, Trainer, HplanCallback]:
     """The plain Trainer and the same Trainer with HplanCallback, on the same model, data and arguments."""
     plain = trainer(build, tmp_path / "plain", Tokens(n), max_steps=steps, **overrides)
     plain.train()
     ours = trainer(build, tmp_path / "hplan", Tokens(n), max_steps=steps, **overrides)
-    plan = plan_at_floor(trace_trainer(ours))
+    plan = plan_at_floor(trace_trainer(ours), activations)
     assert offloaded_share(plan) >= 0.5
     callback = HplanCallback(plan)
     ours.add_callback(callback)
@@ -105,6 +106,7 @@ def compare(build, tmp_path, steps: int = 20, n: int = 80, **overrides) -> tuple
     assert callback.run is None and callback.steps == steps
     assert 0 < callback.peak_resident_bytes <= plan.gpu_bytes
     assert sum(r.h2d_bytes + r.d2h_bytes for r in callback.last_records) == plan.summary.bytes_moved_per_iter
+    assert callback.activation_bytes_moved == plan.summary.activation_bytes_moved_per_iter
     return plain, ours, callback
 
 
@@ -118,6 +120,17 @@ def test_trainer_with_hplan_equals_plain_trainer(build, overrides, tmp_path):
     assert len(losses(plain)) == 20 and rel(losses(ours), losses(plain)) <= 1e-5
     assert weight_diff(ours.model, plain.model) <= 1e-6
     assert not any(p.grad is not None for p in ours.model.parameters())
+
+
+@pytest.mark.parametrize("build, activations", [(gpt2, "recompute"), (llama, "offload")],
+                         ids=["gpt2-dropout-recompute", "llama-offload"])
+def test_trainer_with_an_activation_plan_equals_plain_trainer(build, activations, tmp_path):
+    """The same plans as `hplan run` and `attach`: every block recomputed (dropout on: the same masks) or offloaded,
+    over Trainer's accumulation of 2 micro-batches — losses and weights equal to the plain Trainer's."""
+    plain, ours, callback = compare(build, tmp_path, steps=6, n=24, activations=activations)
+    assert {c.choice for c in callback.plan.activations} == {activations}
+    assert (callback.activation_bytes_moved > 0) == (activations == "offload")
+    assert rel(losses(ours), losses(plain)) <= 1e-5 and weight_diff(ours.model, plain.model) <= 1e-6
 
 
 @pytest.mark.slow

@@ -35,7 +35,7 @@ def build_trace(rec: Recording) -> Trace:
         batch_size=workload.batch_size, seq_len=workload.seq_len, warnings=rec.warnings, timeline=timeline,
         accumulate=workload.accumulate, max_grad_norm=workload.max_grad_norm,
         loss_scale="dynamic" if trainer.scaler is not None else None, defer_updates=trainer.defer_updates,
-        optimizer=type(trainer.optimizer).__name__, input_shapes=rec.input_shapes,
+        optimizer=type(trainer.optimizer).__name__, input_shapes=rec.input_shapes, segments=rec.segments,
     )
 
 

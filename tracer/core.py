@@ -21,9 +21,12 @@ from hplan.tracer.fake import failed_operator, fake_mode
 from hplan.tracer.meta_build import BUFFERS_UNKNOWN, build_on_meta
 from hplan.tracer.modules import module_paths
 from hplan.tracer.recorder import Recorder, TracerSink, Window, on_accumulate, on_saved
+from hplan.tracer.segment_stats import combine, exclude, iteration_segments
+from hplan.tracer.segments import SegmentTracker
 from torch import fx
 from torch.utils._pytree import tree_leaves, tree_map
 
+from hplan.artifacts.segments import Segment
 from hplan.artifacts.trace import Trace
 from hplan.errors import HplanError
 from hplan.grads import installed
@@ -56,6 +59,8 @@ class Recording:
     first_grad: dict[str, int]
     last_read: dict[str, int]
     input_shapes: tuple[str, ...]
+    segments: tuple[Segment, ...] = ()
+    """Checkpointable module calls ([Note: activation segments]), the envelope over the iterations."""
 
 
 def trace_workload(workload: Workload, *, device: str = "cpu", iters: int = DEFAULT_ITERS,
@@ -80,7 +85,12 @@ def record(workload: Workload, *, device: str = "cpu", iters: int = DEFAULT_ITER
         _track_model_data(recorder, trainer, names)
         shapes: dict[str, None] = {}
         per_iteration: list[list[Window]] = []
+        tracker = SegmentTracker(trainer.model, recorder)
+        segments_per_iteration = []
+        if tracker.modules:
+            recorder.segments = tracker
         with contextlib.ExitStack() as stack:
+            stack.enter_context(tracker.hooks())
             stack.enter_context(EventHooks(trainer.model, recorder.event))
             stack.enter_context(module_paths(trainer.model, _setter(recorder)))
             stack.callback(trainer.model.register_forward_pre_hook(_shape_hook(shapes), with_kwargs=True).remove)
@@ -90,6 +100,7 @@ def record(workload: Workload, *, device: str = "cpu", iters: int = DEFAULT_ITER
             for it in range(1, iters + 1):
                 batch = _iteration(recorder, trainer, workload, it, device, build_graph=it == iters)
                 per_iteration.append(recorder.finish_iteration())
+                segments_per_iteration.append(iteration_segments(tracker.calls, per_iteration[-1], tracker.excluded))
                 _track_model_data(recorder, trainer, names)
                 if on_progress is not None:
                     on_progress(it, iters, f"iteration {it}: {len(recorder.rows)} ops recorded")
@@ -102,7 +113,8 @@ def record(workload: Workload, *, device: str = "cpu", iters: int = DEFAULT_ITER
                      max_reserved_bytes=recorder.allocator.max_reserved_bytes,
                      warnings=_warnings(device) + notes + tuple(recorder.warnings), iteration_windows=per_iteration,
                      first_grad=dict(recorder.first_grad), last_read=dict(recorder.last_read),
-                     input_shapes=tuple(shapes))
+                     input_shapes=tuple(shapes),
+                     segments=exclude(combine(segments_per_iteration, len(windows)), tracker.excluded))
 
 
 def _iteration(recorder: Recorder, trainer: TrainStep, workload: Workload, it: int, device: str,

@@ -39,6 +39,12 @@ class GraphBuilder:
             self._nodes[t] = node
         return node
 
+    def alias(self, new: torch.Tensor, old: torch.Tensor) -> None:
+        """`new` stands for `old` (the tracer's alias of a saved tensor): the same node."""
+        node = self._nodes.get(old)
+        if node is not None:
+            self._nodes[new] = node
+
     def _arg(self, x: Any) -> Any:
         if not isinstance(x, torch.Tensor):
             return x if isinstance(x, (int, float, bool, str, type(None), torch.dtype, torch.device)) else repr(x)

@@ -26,6 +26,7 @@ from typing import Any
 import torch
 from hplan.tracer.allocator import AllocatorModel
 from hplan.tracer.graph import GraphBuilder
+from hplan.tracer.segments import SegmentTracker
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import flop_registry
 
@@ -86,6 +87,10 @@ class Recorder(TorchDispatchMode):
         self._names: dict[Any, str] = {}
         self.warnings: dict[str, None] = {}
         """One-line notes for the user, in order, without repeats."""
+        self.segments: SegmentTracker | None = None
+        """Checkpointable segments' bookkeeping ([Note: activation segments]); None when the model has none."""
+        self.quiet = False
+        """Set while the tracer makes its own aliases: such ops are not part of the step and are not recorded."""
 
     # -- iteration structure, driven by the tracer's hooks -------------------------------------
     def start_iteration(self, iteration: int, *, build_graph: bool) -> None:
@@ -98,6 +103,8 @@ class Recorder(TorchDispatchMode):
         self.windows = [Window(kind="forward", module="", op_start=0)]
         """The first window collects the ops before the first event; `finish_iteration` merges it."""
         self.graph = GraphBuilder(self.owner) if build_graph else None
+        if self.segments is not None:
+            self.segments.start_iteration()
 
     def set_phase(self, phase: str) -> None:
         self.phase = phase
@@ -117,6 +124,8 @@ class Recorder(TorchDispatchMode):
         self.windows.append(Window(kind=kind, module=module, op_start=self.op_index, non_model_peak=level,
                                    entry_non_model=level, micro=max(0, self.micro)))
         self.module = module
+        if self.segments is not None:
+            self.segments.at_event()
 
     def grad_written(self, name: str) -> None:
         """Parameter `name`'s gradient was written (first write or accumulation) just now."""
@@ -160,7 +169,7 @@ class Recorder(TorchDispatchMode):
     # -- per operator --------------------------------------------------------------------------
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
-        if func in _QUERIES:
+        if func in _QUERIES or self.quiet:
             return func(*args, **kwargs)
         if func in _DATA_DEPENDENT and self.phase != "optimizer" and not self.fake:
             self._note_data_dependent(func)
@@ -176,7 +185,8 @@ class Recorder(TorchDispatchMode):
                 raise HplanError(f"the {self.phase} of {self.module or 'the model'} makes a {t.layout} tensor "
                                  f"({self._name(func)}): hplan plans dense tensors only — use dense gradients and "
                                  "weights (e.g. nn.Embedding(sparse=False))")
-        for t in new_outputs(args, kwargs, out):
+        fresh = new_outputs(args, kwargs, out)
+        for t in fresh:
             if self.ledger.add(t, "temporary"):
                 self.allocator.malloc(storage_key(t), t.untyped_storage().nbytes())
         if self.phase != "optimizer":
@@ -184,7 +194,9 @@ class Recorder(TorchDispatchMode):
         flops = self._flops(func, args, kwargs, out)
         if self.graph is not None:
             self.graph.add(func, args, kwargs, out, phase=self.phase, module=self.module)
-        self._row(self._name(func), seconds, flops, window)
+        peak = self._row(self._name(func), seconds, flops, window)
+        if self.segments is not None:
+            self.segments.op(func, args, kwargs, fresh, peak, flops, seconds, func in _DATA_DEPENDENT)
         return out
 
     def _weight_reads(self, func: Any, args: Any, tensors: list[torch.Tensor], window: Window) -> None:
@@ -196,11 +208,13 @@ class Recorder(TorchDispatchMode):
                 continue
             window.params[name] = None
             self.last_read[name] = self.op_index
+            if self.segments is not None:
+                self.segments.read(name)
             if any(t is m for m in _mutated(func, args)):
                 raise HplanError(f"the {self.phase} of {self.module or 'the model'} modifies parameter {name} in place "
                                  f"({self._name(func)}); hplan only plans weight changes made by the optimizer")
 
-    def _row(self, op: str, seconds: float, flops: int, window: Window) -> None:
+    def _row(self, op: str, seconds: float, flops: int, window: Window) -> int:
         cats = self.ledger.by_category
         allocated = self.probe.allocated_bytes()
         peak = max(self.probe.max_allocated_bytes(), allocated)
@@ -219,11 +233,14 @@ class Recorder(TorchDispatchMode):
                           param, grad, optim, activation, temporary, other, model, non_model, allocated, peak,
                           peak_non_model, reserved, self.probe.overhead_bytes(), seconds, flops))
         self.op_index += 1
+        return peak_non_model
 
     def _freed(self, key: int) -> None:
         """A storage was released: its address may be reused, so forget what it was."""
         self.allocator.free(key)
         self.owner.pop(key, None)
+        if self.segments is not None:
+            self.segments.freed(key)
 
     def _model_bytes(self) -> int:
         cats = self.ledger.by_category
@@ -307,6 +324,11 @@ def on_saved(recorder: Recorder) -> tuple[Callable[[torch.Tensor], Any], Callabl
 
     def pack(t: torch.Tensor) -> torch.Tensor:
         recorder.ledger.set_category(t, "activation", only_from=("temporary",))
+        return t if recorder.segments is None else recorder.segments.pack(t)
+
+    def unpack(t: torch.Tensor) -> torch.Tensor:
+        if recorder.segments is not None:
+            recorder.segments.unpack(t)
         return t
 
-    return pack, lambda t: t
+    return pack, unpack

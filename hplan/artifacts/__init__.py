@@ -1,5 +1,6 @@
 """Artifact types: the only thing every part of hplan shares. No torch here."""
 
+from hplan.artifacts.activations import ActivationChoice
 from hplan.artifacts.fingerprint import fingerprint_mismatch, make_fingerprint
 from hplan.artifacts.hardware import Hardware
 from hplan.artifacts.io import atomic_path, write_json
@@ -15,6 +16,7 @@ from hplan.artifacts.plan import (
 )
 from hplan.artifacts.replay import Replay, StepState, replay
 from hplan.artifacts.run import METRICS_COLUMNS, RunReport
+from hplan.artifacts.segments import Segment
 from hplan.artifacts.trace import (
     CATEGORIES,
     MODEL_CATEGORIES,
@@ -26,6 +28,7 @@ from hplan.artifacts.trace import (
 )
 
 __all__ = [
+    "ActivationChoice",
     "CATEGORIES",
     "REGION_KINDS",
     "METRICS_COLUMNS",
@@ -43,6 +46,7 @@ __all__ = [
     "Region",
     "Replay",
     "RunReport",
+    "Segment",
     "Step",
     "StepState",
     "Trace",

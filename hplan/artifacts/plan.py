@@ -55,6 +55,7 @@ import os
 from dataclasses import asdict, dataclass, field
 from typing import Any, ClassVar
 
+from hplan.artifacts.activations import ActivationChoice
 from hplan.artifacts.hardware import Hardware
 from hplan.artifacts.io import check_schema, read_json, write_json
 from hplan.artifacts.shard import Collective, Sharding
@@ -145,6 +146,9 @@ class Step:
     """Many-rank plans: transient device bytes beside the regions (full weight copies, full gradients, staging)."""
     host: tuple[HostPhase, ...] = ()
     """Host-tier phases (see [Note: host tier]): empty in a two-tier plan, else 1 + len(host_updates)."""
+    kept_non_model_bytes: int | None = None
+    """Non-model bytes with every segment's activations kept; `non_model_bytes` adds the activation choices'
+    effects ([Note: plan activations]). None: the plan makes no activation choice."""
 
     @property
     def needs(self) -> tuple[int, ...]:
@@ -189,6 +193,10 @@ class PlanSummary:
     """Highest host memory for model data at any phase: staged bytes + host-update temporaries."""
     nvme_bytes_used: int = 0
     """Disk space the NVMe-homed regions take (one file each, staging bytes)."""
+    activation_bytes_moved_per_iter: int = 0
+    """Saved activations moved per iteration by offloaded segments, both directions ([Note: plan activations])."""
+    recompute_seconds: float = 0.0
+    """Predicted time of the recomputed segments' forwards per iteration (part of the predicted compute)."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -253,6 +261,8 @@ class Plan:
     """Host-tier regions staged when an iteration begins (see [Note: host tier])."""
     initial_host_dirty: tuple[int, ...] = ()
     """Staged regions newer in host memory than on disk when an iteration begins."""
+    activations: tuple[ActivationChoice, ...] = ()
+    """Per segment call of the trace: keep, offload or recompute its saved activations ([Note: plan activations])."""
 
     @property
     def gpu_bytes(self) -> int:
@@ -327,6 +337,7 @@ class Plan:
             sharding=Sharding.from_dict(obj["sharding"]) if obj.get("sharding") else None,
             initial_staged=ints(obj.get("initial_staged", ())),
             initial_host_dirty=ints(obj.get("initial_host_dirty", ())),
+            activations=tuple(ActivationChoice.from_dict(a) for a in obj.get("activations", ())),
         )
 
 

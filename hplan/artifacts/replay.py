@@ -9,6 +9,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from hplan.artifacts.activations import activation_problems
 from hplan.artifacts.host_replay import HostReplay, replay_host
 from hplan.artifacts.plan import HOMES, OPTIMIZER_PLACES, REGION_KINDS, Plan, host_update_effects
 from hplan.artifacts.shard import shard_problems
@@ -117,6 +118,7 @@ def replay(plan: Plan) -> Replay:
     if resident != set(plan.initial_resident) or dirty != set(plan.initial_dirty):
         problems.append("the schedule is not cyclic: its end state differs from initial_resident/initial_dirty")
     problems += shard_problems(plan)  # many ranks: factors, shard sizes, collectives (hplan.artifacts.shard)
+    problems += activation_problems(plan)  # keep / offload / recompute ([Note: plan activations])
     del regions
     host = replay_host(plan, [s.resident for s in states]) if plan.tiered and not problems else None
     problems += host.violations if host is not None else []

@@ -67,6 +67,9 @@ class RunReport:
     nvme_write_bytes: int = 0
     nvme_busy_seconds: float = 0.0
     """Seconds during the steps with any disk transfer in flight (reads and writes share the disk)."""
+    activation_bytes_moved_per_iter: int = 0
+    """Saved activations the last iteration copied to host memory and back (offloaded segments), both directions."""
+    planned_activation_bytes_moved_per_iter: int = 0
 
     def to_dict(self) -> dict[str, Any]:
         return {**asdict(self), "schema": self.SCHEMA}

@@ -16,6 +16,7 @@ from typing import Any, ClassVar
 import pandas as pd
 
 from hplan.artifacts.io import atomic_path
+from hplan.artifacts.segments import Segment
 from hplan.errors import HplanError
 
 CATEGORIES: tuple[str, ...] = ("param", "grad", "optimizer", "activation", "temporary", "other")
@@ -144,6 +145,9 @@ class Trace:
     input_shapes: tuple[str, ...] = ()
     """Dtypes and shapes of the model's inputs seen while tracing (one entry per distinct signature); the plan
     covers exactly these, and the executor refuses a batch of another shape before its forward."""
+    segments: tuple[Segment, ...] = ()
+    """Checkpointable module calls and what keeping, offloading or recomputing their activations does to the
+    events' non-model bytes ([Note: activation segments] in hplan.artifacts.segments); empty in older traces."""
     timeline: pd.DataFrame = field(default_factory=pd.DataFrame, compare=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -161,6 +165,7 @@ class Trace:
         meta = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "timeline"}
         meta["params"] = [asdict(p) for p in self.params]
         meta["events"] = [asdict(e) for e in self.events]
+        meta["segments"] = [asdict(s) for s in self.segments]
         meta["schema"] = self.SCHEMA
         return meta
 
@@ -184,3 +189,12 @@ class Trace:
         from hplan.artifacts.trace_file import load_trace
 
         return load_trace(cls, path, columns)
+
+    @classmethod
+    def from_metadata(cls, meta: dict[str, Any]) -> Trace:
+        """A Trace (no timeline) from `metadata()` output, checked as a loaded file is ([Note: trace validation]):
+        through JSON, so tuples arrive as the arrays a file holds."""
+        from hplan.artifacts.trace_file import trace_from_metadata
+
+        return trace_from_metadata(cls, json.loads(json.dumps(meta)))
+

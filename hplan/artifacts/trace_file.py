@@ -34,8 +34,9 @@ if TYPE_CHECKING:
 
 MAX_METADATA_BYTES = 256 << 20
 """Largest hplan metadata a trace may carry (a gpt:1.3b trace carries 0.2 MB: its parameter and event tables)."""
-SIGNED = {"first_grad_op": -1, "last_read_op": -1, "group": -1}
-"""Integer fields whose "none" value is -1; every other integer and number in a trace is non-negative."""
+SIGNED = {"first_grad_op": -1, "last_read_op": -1, "group": -1, "recompute_backward_delta": -INT64_END}
+"""Integer fields whose "none" value is -1 (or, for a segment's recompute_backward_delta, which may be negative,
+any int64); every other integer and number in a trace is non-negative."""
 POSITIVE = ("iterations", "accumulate", "batch_size", "seq_len")
 STRING_COLUMNS = ("op", "module", "phase")
 FLOAT_COLUMNS = ("seconds",)
@@ -68,19 +69,27 @@ def _load(cls: type[Trace], p: Path, pf: Any, raw: bytes, columns: Iterable[str]
     if isinstance(workload, str) and workload.isprintable() and len(workload) < 200:
         regenerate = f"hplan trace {workload} -o {p}"
     check_schema(meta, expected=cls.SCHEMA, path=p, what="trace", regenerate=regenerate)
-    try:
-        trace = typed(cls, meta, minimum=SIGNED, skip=frozenset({"schema", "timeline"}))
-        check_metadata(trace)
-    except FieldError as exc:
-        raise HplanError(f"{p} is not a valid trace: metadata field {exc.path}: {exc.problem}; regenerate it with "
-                         f"`{regenerate}`") from None
-    except HplanError as exc:  # a rule of the dataclass itself (e.g. an unknown device)
-        raise HplanError(f"{p} is not a valid trace ({exc}); regenerate it with `{regenerate}`") from None
+    trace = trace_from_metadata(cls, meta, source=str(p), regenerate=regenerate)
     wanted = list(TIMELINE_COLUMNS if columns is None else columns)
     unknown = sorted(set(wanted) - set(TIMELINE_COLUMNS))
     if unknown:
         raise ValueError(f"not timeline columns: {unknown}")  # a caller's mistake, not the file's
     return replace(trace, timeline=_timeline(pf, p, trace, wanted, regenerate))
+
+
+def trace_from_metadata(cls: type[Trace], meta: dict[str, Any], *, source: str = "trace metadata",
+                        regenerate: str = "hplan trace SPEC -o FILE") -> Trace:
+    """A Trace without timeline from parsed metadata: every field typed, then the cross-field rules; one HplanError
+    naming the field otherwise."""
+    try:
+        trace = typed(cls, meta, minimum=SIGNED, skip=frozenset({"schema", "timeline"}))
+        check_metadata(trace)
+    except FieldError as exc:
+        raise HplanError(f"{source} is not a valid trace: metadata field {exc.path}: {exc.problem}; regenerate it "
+                         f"with `{regenerate}`") from None
+    except HplanError as exc:  # a rule of the dataclass itself (e.g. an unknown device), or of its segments
+        raise HplanError(f"{source} is not a valid trace ({exc}); regenerate it with `{regenerate}`") from None
+    return trace
 
 
 def _open(p: Path, f: BinaryIO) -> tuple[Any, bytes]:
@@ -147,6 +156,9 @@ def check_metadata(trace: Trace) -> None:
             for j, name in enumerate(getattr(e, field)):
                 if name not in names:
                     raise FieldError(f"{where}.{field}[{j}]", f"names {name!r}, which is not a parameter of the trace")
+    from hplan.artifacts.segments import check_segments
+
+    check_segments(trace.segments, len(trace.events), set(names))
 
 
 def _timeline(pf: Any, p: Path, trace: Trace, columns: list[str], regenerate: str) -> pd.DataFrame:

@@ -66,6 +66,11 @@ def register(app: typer.Typer) -> None:
                                                              "rate, GB/s.")] = None,
         nvme_write_gbps: Annotated[float | None, typer.Option("--nvme-write-gbps", help="Override the disk write "
                                                               "rate, GB/s.")] = None,
+        activations: Annotated[str, typer.Option("--activations", help="What every checkpointable segment (e.g. "
+                                                 "transformer block) does with its saved activations: keep "
+                                                 "(default, plain PyTorch), offload (to host memory until its "
+                                                 "backward) or recompute (rerun its forward in backward).")
+                               ] = "keep",
     ) -> None:
         """Plan which model data lives on the GPU at every event: `hplan plan t.parquet --gpu-mem 24GB -o plan.json`."""
         from hplan.cli.common import guarded
@@ -76,7 +81,7 @@ def register(app: typer.Typer) -> None:
                              gpu_tflops=gpu_tflops, link_gbps=link_gbps, cpu_adam_gbps=cpu_adam_gbps, slack=slack,
                              chunk_size=chunk_size, solver=solver, effort=effort, compare=compare, as_json=as_json,
                              world=dict(gpus=gpus, nodes=nodes, intra_gbps=intra_gbps, inter_gbps=inter_gbps,
-                                        shard=shard), **tiers))
+                                        shard=shard), activations=activations, **tiers))
 
 
 def _run(*, trace: Path, gpu_mem: str, output: Path | None, cpu_mem: str | None, gpu: str | None,
@@ -84,12 +89,15 @@ def _run(*, trace: Path, gpu_mem: str, output: Path | None, cpu_mem: str | None,
          chunk_size: str | None, solver: str | None, compare: bool, as_json: bool, effort: int = 1,
          world: dict | None = None, nvme: str | None = None, host: str | None = None,
          nvme_preset: str | None = None, nvme_read_gbps: float | None = None,
-         nvme_write_gbps: float | None = None) -> None:
+         nvme_write_gbps: float | None = None, activations: str = "keep") -> None:
     from hplan.artifacts import Trace
     from hplan.artifacts.io import check_input, check_output
     from hplan.cli.common import emit_json, positive_number, progress_bar, size_option
     from hplan.planner import PlanOptions, default_slack, make_hardware, make_plan, min_gpu_bytes, validate
 
+    from hplan.planner.activations import check_choice
+
+    check_choice(activations)
     if output is None and not as_json:
         raise HplanError("give -o PLAN.json to write the plan, or --json to print its summary")
     check_input(trace, what="trace")
@@ -111,6 +119,9 @@ def _run(*, trace: Path, gpu_mem: str, output: Path | None, cpu_mem: str | None,
     from hplan.cli.world import world_overrides
 
     many = world_overrides(world or {}, overrides, compare=compare)  # many ranks: hplan.cli.world
+    if many is not None and activations != "keep":
+        raise HplanError(f"--activations {activations} with --gpus/--nodes is not supported yet; plan many GPUs with "
+                         "--activations keep, or one GPU with --activations")
     if many is not None and nvme is not None:
         raise HplanError("--nvme with --gpus/--nodes is not supported yet (the disk tier plans one process); plan "
                          "the disk tier for one GPU, or many GPUs without --nvme")
@@ -119,13 +130,14 @@ def _run(*, trace: Path, gpu_mem: str, output: Path | None, cpu_mem: str | None,
             plan = many.plan(loaded, preset, gpu_mem, _chunk(chunk_size), solver, effort=effort,
                              on_progress=on_progress)
     elif gpu_mem.strip().lower() == "min":
-        floor = min_gpu_bytes(loaded, make_hardware(preset, gpu_bytes=1, **overrides)).gpu_bytes
+        floor = min_gpu_bytes(loaded, make_hardware(preset, gpu_bytes=1, **overrides),
+                              activations=activations).gpu_bytes
         hardware = make_hardware(preset, gpu_bytes=floor, **overrides)
     else:
         hardware = make_hardware(preset, gpu_bytes=size_option(gpu_mem, what="--gpu-mem"), **overrides)
     if many is None:
         options = PlanOptions(chunk_bytes=_chunk(chunk_size), compare=compare, effort=effort,
-                              **({"solver": solver} if solver is not None else {}))
+                              activations=activations, **({"solver": solver} if solver is not None else {}))
         with progress_bar(f"planning {loaded.workload}", quiet=as_json, after_s=1.0) as on_progress:
             plan = make_plan(loaded, hardware, options, on_progress=on_progress)
     hardware = plan.hardware
@@ -137,6 +149,7 @@ def _run(*, trace: Path, gpu_mem: str, output: Path | None, cpu_mem: str | None,
             emit_json(payload)
         raise HplanError(plan.summary.bottleneck)
     validate(plan)
+    _activation_warnings(plan, activations, loaded)
     if output is not None:
         plan.save(output)
         payload["output"] = str(output)
@@ -144,6 +157,19 @@ def _run(*, trace: Path, gpu_mem: str, output: Path | None, cpu_mem: str | None,
         emit_json(payload)
     else:
         _print_summary(plan, output)
+
+
+def _activation_warnings(plan: Plan, activations: str, trace: object) -> None:
+    """One warning per module whose forced choice was refused, and one when the trace has no segments."""
+    from hplan.cli.common import warn_line
+    from hplan.planner.activations import fallbacks
+
+    for line in fallbacks(plan):
+        warn_line(line)
+    if activations != "keep" and not plan.activations:
+        warn_line(f"--activations {activations}: the trace has no checkpointable segments (modules in an "
+                  "nn.ModuleList/nn.Sequential beside others of their class, not checkpointed by the model; or a "
+                  "trace made before hplan recorded them), so every activation is kept")
 
 
 def tier_overrides(*, nvme: str | None, host: str | None, nvme_preset: str | None,
@@ -202,6 +228,7 @@ def _print_summary(plan: Plan, output: Path | None) -> None:
                    f"{sum(len(st.flips) for st in plan.steps)} gradient-in-weight flips"),
         ("optimizer", f"{placed.count('gpu')} chunks updated on the GPU, {placed.count('cpu')} on the CPU"
                       f"{' (all after the last gradient: clipping or loss scaling)' if plan.defer_updates else ''}"),
+        *_activation_rows(plan),
         *_world_rows(plan),
     ):
         table.add_row(key, value)
@@ -221,6 +248,20 @@ def _print_summary(plan: Plan, output: Path | None) -> None:
         console.print(base)
     if output is not None:
         console.print(f"wrote {output}")
+
+
+def _activation_rows(plan: Plan) -> list[tuple[str, str]]:
+    """The activation choices' line of the summary ([Note: plan activations])."""
+    from hplan.sizes import format_size
+
+    if not plan.activations:
+        return []
+    kinds = [c.choice for c in plan.activations]
+    s = plan.summary
+    text = (f"{len(kinds)} segment calls: {kinds.count('keep')} kept, {kinds.count('offload')} offloaded "
+            f"({format_size(s.activation_bytes_moved_per_iter)} moved per iteration), {kinds.count('recompute')} "
+            f"recomputed ({s.recompute_seconds:.3f} s of compute)")
+    return [("activations", text)]
 
 
 def _world_rows(plan: Plan) -> list[tuple[str, str]]:

@@ -107,6 +107,9 @@ def _run(*, spec: str, plan: Path, steps: int, device: str, metrics: Path | None
                       f"peak resident {report.peak_resident_bytes} B (budget {report.budget_bytes} B), "
                       f"moved {report.bytes_moved_per_iter} B/iter (planned {report.planned_bytes_moved_per_iter})",
                       highlight=False)
+    if report.planned_activation_bytes_moved_per_iter or report.activation_bytes_moved_per_iter:
+        err_console.print(f"activations moved {report.activation_bytes_moved_per_iter} B/iter (planned "
+                          f"{report.planned_activation_bytes_moved_per_iter})", highlight=False)
     if report.host_budget_bytes:
         err_console.print(f"host model data peak {report.peak_host_model_bytes} B (budget {report.host_budget_bytes} "
                           f"B); disk read/write {report.nvme_read_bytes_per_iter}/{report.nvme_write_bytes_per_iter} "

@@ -82,7 +82,10 @@ def summary(trace: Trace) -> dict:
             "allocator_slack_bytes": trace.allocator_slack_bytes, "overhead_bytes": trace.overhead_bytes,
             "step_flops": trace.step_flops, "warnings": list(trace.warnings), "accumulate": trace.accumulate,
             "max_grad_norm": trace.max_grad_norm, "defer_updates": trace.defer_updates,
-            "optimizer": trace.optimizer, "input_shapes": list(trace.input_shapes)}
+            "optimizer": trace.optimizer, "input_shapes": list(trace.input_shapes),
+            "segments": [{"module": s.module, "micro": s.micro, "saved_bytes": s.saved_bytes,
+                          "offload_bytes": s.offload_bytes, "input_bytes": s.input_bytes,
+                          "recomputable": s.recomputable, "reason": s.reason} for s in trace.segments]}
 
 
 def print_summary(trace: Trace, output: Path) -> None:
@@ -112,5 +115,20 @@ def print_summary(trace: Trace, output: Path) -> None:
     console.print(top)
     for warning in trace.warnings:
         console.print(f"[yellow]note:[/] {warning}", highlight=False)
+    _print_segments(trace, console)
     console.print(f"{trace.n_ops} ops, {trace.n_events} events, model data {format_size(trace.model_bytes)}; "
                   f"wrote {output}", highlight=False)
+
+
+def _print_segments(trace: Trace, console: object) -> None:
+    """One line on the checkpointable segments (`hplan plan --activations`), and one per refused recompute."""
+    from hplan.sizes import format_size
+
+    if not trace.segments:
+        return
+    saved = sum(s.saved_bytes for s in trace.segments)
+    console.print(f"{len(trace.segments)} checkpointable segment calls (e.g. {trace.segments[0].module}) save "  # type: ignore[attr-defined]
+                  f"{format_size(saved)} of activations until their backward: plan with --activations offload or "
+                  "recompute to free them", highlight=False)
+    for module, reason in {s.module: s.reason for s in trace.segments if not s.recomputable}.items():
+        console.print(f"[yellow]note:[/] {module} cannot be recomputed: {reason}", highlight=False)  # type: ignore[attr-defined]

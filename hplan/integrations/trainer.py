@@ -66,6 +66,8 @@ class HplanCallback(TrainerCallback):
         self.peak_resident_bytes = 0
         """Largest fast-tier bytes any plan step measured (model data plus what the probe saw)."""
         self.last_records: list[Any] = []
+        self.activation_bytes_moved = 0
+        """Saved activations the last optimizer step copied to host memory and back (the plan's offloaded segments)."""
         """What the last optimizer step measured, one `EventRecord` per plan step (bytes moved included)."""
         self._model: torch.nn.Module | None = None
         self._optimizer: torch.optim.Optimizer | None = None
@@ -92,6 +94,7 @@ class HplanCallback(TrainerCallback):
         if self.run is not None:
             self.steps += 1
             self.last_records = self.run.last_records
+            self.activation_bytes_moved = self.run.activations.last_moved
             self.peak_resident_bytes = max([self.peak_resident_bytes] +
                                            [r.resident_bytes for r in self.last_records])
         if (control.should_save or control.should_evaluate or control.should_training_stop

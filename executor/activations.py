@@ -1,0 +1,269 @@
+"""A plan's activation choices at run time ([Note: plan activations]): offload and recompute, per segment.
+
+- Offload: the segment's forward runs under `saved_tensors_hooks` of its own. The packs the plan names (by ordinal,
+  from the trace: the storages it owns) are held until its forward returns; then each storage is copied, whole, to
+  host memory outside the fast tier (on CUDA: pinned memory, copied on a side stream; unverified) and the fast-tier
+  reference is dropped, so the storage is freed. At the plan's prefetch step each comes back into a fresh fast-tier
+  buffer (counted by the probe like any activation), and an unpack returns a view of it with the saved tensor's
+  layout. The buffers die with the last graph reference, as plain PyTorch's saved tensors do.
+- Recompute: the segment's forward runs through non-reentrant `torch.utils.checkpoint` with the RNG state preserved,
+  so dropout draws the same masks as plain PyTorch and the recomputed tensors equal the originals bit for bit.
+
+[Note: recompute events] A recompute reruns the segment's forward inside the window of the plan's `backward_step`,
+which is where the plan charges it (the weights read, the transient, the time). Its module hooks would report
+forward events there that the traced (plain) step does not have, so the plan's event hooks are suppressed while it
+runs: the executor sees exactly the trace's event sequence and stays in step with the plan.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import nn
+from torch.utils._python_dispatch import _disable_current_modes
+from torch.utils.checkpoint import checkpoint
+
+from hplan.artifacts.activations import ActivationChoice
+from hplan.errors import HplanError
+from hplan.probe import storage_key
+
+if TYPE_CHECKING:
+    from hplan.artifacts import Plan, Step
+
+
+@dataclass(eq=False, slots=True)
+class _Slot:
+    """One offloaded storage: on the fast tier (`source`), in host memory (`host`), then back (`fast`)."""
+
+    source: torch.Tensor | None
+    versions: list[int] = field(default_factory=list)
+    """Version counter of each saved tensor on it, at its pack."""
+    nbytes: int = 0
+    host: torch.Tensor | None = None
+    fast: torch.Tensor | None = None
+    ready: Any = None
+    """CUDA: the event the prefetch copy records (unpack waits on it)."""
+
+
+@dataclass(eq=False, slots=True)
+class _Packed:
+    """What the autograd graph holds for an offloaded saved tensor: its storage's slot and its layout."""
+
+    slot: _Slot
+    dtype: torch.dtype
+    size: tuple[int, ...]
+    stride: tuple[int, ...]
+    offset: int
+    where: str
+
+
+class _Offloaded:
+    """One offloaded segment call's saved storages, from its first pack to its prefetch."""
+
+    def __init__(self, choice: ActivationChoice, device: torch.device, side: Any) -> None:
+        self.choice, self.device, self.side = choice, device, side
+        self.selected = frozenset(choice.offload_packs)
+        self.slots: dict[int, _Slot] = {}
+        self.packs = 0
+
+    def pack(self, t: torch.Tensor) -> Any:
+        k = self.packs
+        self.packs += 1
+        if k not in self.selected:
+            return t
+        key = storage_key(t)
+        slot = self.slots.get(key)
+        if slot is None:
+            slot = self.slots[key] = _Slot(source=t)
+        slot.versions.append(t._version)
+        return _Packed(slot=slot, dtype=t.dtype, size=tuple(t.shape), stride=tuple(t.stride()),
+                       offset=t.storage_offset(), where=self.choice.module)
+
+    def to_host(self) -> int:
+        """Copy every selected storage to host memory and drop the fast-tier references; returns bytes copied."""
+        if self.packs <= max(self.selected, default=-1):
+            raise HplanError(f"segment {self.choice.module} saved {self.packs} tensors, fewer than the traced step "
+                             "(the run differs from the trace): re-trace and re-plan this workload")
+        total = 0
+        for slot in self.slots.values():
+            assert slot.source is not None
+            if any(v != slot.source._version for v in slot.versions):
+                raise HplanError(f"a tensor autograd saved in the forward of {self.choice.module} was modified in "
+                                 "place afterwards, which plain PyTorch refuses at backward (\"modified by an "
+                                 "inplace operation\"): fix the model (or keep this segment's activations)")
+            with _disable_current_modes():  # host memory is not the fast tier: the probe must not count it
+                storage = slot.source.untyped_storage()
+                raw = torch.empty(0, dtype=torch.uint8, device=self.device).set_(storage)
+                slot.nbytes = storage.nbytes()
+                if self.side is None:
+                    slot.host = torch.empty(slot.nbytes, dtype=torch.uint8)
+                    slot.host.copy_(raw)
+                else:  # CUDA (unverified): pinned memory, side stream; the allocator keeps the block until done
+                    slot.host = torch.empty(slot.nbytes, dtype=torch.uint8, pin_memory=True)
+                    self.side.wait_stream(torch.cuda.current_stream(self.device))
+                    with torch.cuda.stream(self.side):
+                        slot.host.copy_(raw, non_blocking=True)
+                    raw.record_stream(self.side)
+            total += slot.nbytes
+            slot.source = raw = None  # type: ignore[assignment]
+        if total != self.choice.moved_bytes:
+            raise HplanError(f"segment {self.choice.module} saved {total} bytes to offload where the plan moves "
+                             f"{self.choice.moved_bytes} (the run differs from the trace): re-trace and re-plan")
+        return total
+
+    def prefetch(self) -> int:
+        """Every storage back into a fresh fast-tier buffer; returns bytes copied."""
+        total = 0
+        for slot in self.slots.values():
+            assert slot.host is not None
+            fast = torch.empty(slot.nbytes, dtype=torch.uint8, device=self.device)  # the probe counts it
+            if self.side is None:
+                fast.copy_(slot.host)
+            else:  # CUDA (unverified)
+                self.side.wait_stream(torch.cuda.current_stream(self.device))
+                with torch.cuda.stream(self.side):
+                    fast.copy_(slot.host, non_blocking=True)
+                    slot.ready = torch.cuda.Event()
+                    slot.ready.record(self.side)
+                fast.record_stream(self.side)
+            slot.fast, slot.host = fast, None
+            total += slot.nbytes
+        self.slots = {}
+        return total
+
+
+def unpack(packed: Any) -> torch.Tensor:
+    if not isinstance(packed, _Packed):
+        return packed
+    slot = packed.slot
+    if slot.fast is None:
+        raise HplanError(f"the backward of {packed.where} needs its offloaded activations before the plan's prefetch "
+                         "step (the run differs from the trace): re-trace and re-plan this workload")
+    if slot.ready is not None:
+        torch.cuda.current_stream(slot.fast.device).wait_event(slot.ready)
+    with _disable_current_modes():  # a view of the prefetched buffer, not an allocation
+        return torch.empty(0, dtype=packed.dtype, device=slot.fast.device).set_(
+            slot.fast.untyped_storage(), packed.offset, packed.size, packed.stride)
+
+
+class ActivationRun:
+    """Applies a plan's activation choices to a model for one PlanRun (module doc)."""
+
+    def __init__(self, plan: Plan, device: torch.device) -> None:
+        self.plan, self.device = plan, device
+        self.choices = {(c.module, c.micro): c for c in plan.activations}
+        self.modules = {c.module: c.choice for c in plan.activations if c.choice != "keep"}
+        self.prefetch_at: dict[int, list[tuple[str, int]]] = {}
+        for c in plan.activations:
+            if c.choice == "offload" and c.moved_bytes:
+                self.prefetch_at.setdefault(c.prefetch_step, []).append((c.module, c.micro))
+        self.side = torch.cuda.Stream(device) if device.type == "cuda" and self.prefetch_at else None
+        self.suppressed = 0
+        """Recomputes running now: the plan's event hooks ignore events meanwhile ([Note: recompute events])."""
+        self.calls: dict[str, int] = {}
+        self.pending: dict[tuple[str, int], _Offloaded] = {}
+        self.moved = 0
+        """Activation bytes copied (both directions) in the iteration under way."""
+        self.last_moved = 0
+        """Activation bytes copied in the last completed iteration."""
+
+    @property
+    def planned_moved(self) -> int:
+        return self.plan.summary.activation_bytes_moved_per_iter
+
+    def install(self, model: nn.Module, stack: contextlib.ExitStack) -> None:
+        """Wrap each offloaded or recomputed module's forward for the block (restored on exit)."""
+        for path, choice in self.modules.items():
+            try:
+                module = model.get_submodule(path)
+            except AttributeError:
+                raise HplanError(f"the plan {choice}s the activations of module {path}, which this model does not "
+                                 "have: re-trace and re-plan this workload") from None
+            wrapper = self._offloading(path, module.forward) if choice == "offload" else \
+                self._recomputing(path, module.forward)
+            had = "forward" in vars(module)
+            previous = vars(module).get("forward")
+            module.forward = wrapper
+            stack.callback(_restore, module, had, previous)
+
+    def _call(self, path: str) -> ActivationChoice:
+        micro = self.calls.get(path, 0)
+        self.calls[path] = micro + 1
+        choice = self.choices.get((path, micro))
+        if choice is None:
+            raise HplanError(f"module {path} ran forward {micro + 1} times in one iteration; the plan has "
+                             f"{sum(1 for k in self.choices if k[0] == path)} (the run differs from the trace)")
+        return choice
+
+    def _offloading(self, path: str, forward: Callable[..., Any]) -> Callable[..., Any]:
+        @functools.wraps(forward)
+        def run(*args: Any, **kwargs: Any) -> Any:
+            if not torch.is_grad_enabled() or self.suppressed:
+                return forward(*args, **kwargs)
+            choice = self._call(path)
+            holder = _Offloaded(choice, self.device, self.side)
+            with torch.autograd.graph.saved_tensors_hooks(holder.pack, unpack):
+                out = forward(*args, **kwargs)
+            if choice.moved_bytes:
+                self.moved += holder.to_host()
+                self.pending[(path, choice.micro)] = holder
+            return out
+
+        return run
+
+    def _recomputing(self, path: str, forward: Callable[..., Any]) -> Callable[..., Any]:
+        @functools.wraps(forward)
+        def run(*args: Any, **kwargs: Any) -> Any:
+            if not torch.is_grad_enabled() or self.suppressed:
+                return forward(*args, **kwargs)
+            self._call(path)
+            calls = [0]
+
+            def body(*a: Any, **k: Any) -> Any:
+                calls[0] += 1
+                if calls[0] == 1:
+                    return forward(*a, **k)
+                with self.recomputing():
+                    return forward(*a, **k)
+
+            return checkpoint(body, *args, use_reentrant=False, preserve_rng_state=True, **kwargs)
+
+        return run
+
+    @contextlib.contextmanager
+    def recomputing(self) -> Iterator[None]:
+        self.suppressed += 1
+        try:
+            yield
+        finally:
+            self.suppressed -= 1
+
+    def at_step(self, step: Step) -> None:
+        """The plan's step begins: bring back the activations it prefetches."""
+        for key in self.prefetch_at.get(step.index, ()):
+            holder = self.pending.pop(key, None)
+            if holder is None:
+                raise HplanError(f"plan step {step.index} prefetches the activations of {key[0]} (micro-step {key[1]}), "
+                                 "which did not run forward this iteration: re-trace and re-plan this workload")
+            self.moved += holder.prefetch()
+
+    def end_iteration(self) -> None:
+        if self.pending:
+            module, micro = next(iter(self.pending))
+            self.pending.clear()
+            raise HplanError(f"the offloaded activations of {module} (micro-step {micro}) were never brought back "
+                             "this iteration (its backward did not run as traced): re-trace and re-plan")
+        self.last_moved, self.moved = self.moved, 0
+        self.calls.clear()
+
+
+def _restore(module: nn.Module, had: bool, previous: Any) -> None:
+    if had:
+        module.forward = previous
+    else:
+        del module.forward

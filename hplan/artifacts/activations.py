@@ -1,0 +1,181 @@
+"""Activation choices in a plan: keep, offload or recompute each segment's saved activations, and the rules.
+
+[Note: plan activations] A plan made from a trace with segments ([Note: activation segments]) lists, per segment
+call, its choice and what the choice implies, so the plan stays its own problem statement:
+- every step carries `kept_non_model_bytes` (its non-model peak with every segment kept) and its `non_model_bytes`
+  must equal that plus the `effects` of every choice at the step (runs of steps, bytes; negative where activations
+  are gone). The replay's memory check uses `non_model_bytes`, so memory fits at every step with the choices applied.
+- keep: no effects, nothing moved.
+- offload: its saved activations go to host memory in the window of `d2h_step` (where its forward ends), and come
+  back at the start of `prefetch_step`, no later than `backward_step` (the window where its backward first needs
+  them); `moved_bytes` each way per iteration. Effects only free bytes, only strictly between those two steps, never
+  more than it moved.
+- recompute: only for recomputable segments; it runs in the window of `backward_step`, which must read the weights
+  in `recompute_params` (so they are resident); bytes are freed only after `d2h_step` and up to `backward_step`
+  (where the effect is the recompute's net change of the window's peak); it may add bytes elsewhere (inputs a
+  checkpoint keeps alive); `recompute_seconds` is its predicted cost.
+- The summary's `activation_bytes_moved_per_iter` is twice the moved bytes of offloaded segments (down and up), and
+  `recompute_seconds` the sum over recomputed ones.
+All of this has defaults meaning "no segments", so the schema stays hplan.plan/2.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from hplan.artifacts.plan import Plan
+
+CHOICES: tuple[str, ...] = ("keep", "offload", "recompute")
+Effect = tuple[int, int, int]
+"""(first step, last step, bytes added to each of those steps' non-model bytes; negative when freed)."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class ActivationChoice:
+    """One segment call's choice and what it implies ([Note: plan activations])."""
+
+    module: str
+    micro: int = 0
+    choice: str = "keep"
+    recomputable: bool = True
+    reason: str = ""
+    """Why the segment may not be recomputed, or why the choice differs from the one asked for."""
+    saved_bytes: int = 0
+    moved_bytes: int = 0
+    """Offload: bytes of saved activations moved each way per iteration."""
+    d2h_step: int = 0
+    """The step in whose window its forward ends (an offload's copies to host happen there)."""
+    prefetch_step: int = -1
+    """Offload: the step at whose start its activations come back; -1 otherwise."""
+    backward_step: int = 0
+    """The step in whose window its backward first needs them (a recompute runs there)."""
+    recompute_params: tuple[str, ...] = ()
+    recompute_seconds: float = 0.0
+    recompute_peak_bytes: int = 0
+    """Recompute: what its forward allocates at its peak above the level where it starts (the transient; its net
+    change of `backward_step`'s peak is in `effects`)."""
+    effects: tuple[Effect, ...] = ()
+    offload_packs: tuple[int, ...] = ()
+    """Offload: ordinals of the saved-tensor packs in its forward whose storages move (from the trace)."""
+
+    @classmethod
+    def from_dict(cls, obj: dict[str, Any]) -> ActivationChoice:
+        return cls(**{**obj, "recompute_params": tuple(obj.get("recompute_params", ())),
+                      "effects": tuple(tuple(_whole(x) for x in e) for e in obj.get("effects", ())),
+                      "offload_packs": tuple(_whole(x) for x in obj.get("offload_packs", ()))})
+
+
+def _whole(x: Any) -> int:
+    if isinstance(x, bool) or not isinstance(x, int):
+        raise ValueError(f"expected an integer, got {x!r}")
+    return x
+
+
+def effect_at(choices: tuple[ActivationChoice, ...], n_steps: int) -> list[int]:
+    """Per step, the sum of every choice's effect on its non-model bytes."""
+    total = [0] * n_steps
+    for c in choices:
+        for first, last, delta in c.effects:
+            for t in range(max(0, first), min(n_steps - 1, last) + 1):
+                total[t] += delta
+    return total
+
+
+def activation_problems(plan: Plan) -> list[str]:
+    """Every broken rule of [Note: plan activations], in words."""
+    problems: list[str] = []
+    n = len(plan.steps)
+    choices = plan.activations
+    if not choices:
+        return [f"step {s.index} has kept_non_model_bytes {s.kept_non_model_bytes} but the plan makes no activation "
+                "choice" for s in plan.steps[:1] if any(st.kept_non_model_bytes not in (None, st.non_model_bytes)
+                                                          for st in plan.steps)]
+    keys = [(c.module, c.micro) for c in choices]
+    if len(set(keys)) != len(keys):
+        problems.append("activation choices repeat a segment call")
+    per_module: dict[str, set[str]] = {}
+    for c in choices:
+        per_module.setdefault(c.module, set()).add(c.choice)
+    for module, kinds in per_module.items():
+        if len(kinds) > 1:
+            problems.append(f"segment {module} has different choices in different micro-steps ({sorted(kinds)})")
+    tensors = {ch.id: ch.tensors for ch in plan.chunks}
+    param_region = {name: r.id for r in plan.regions if r.kind == "param" for name in tensors.get(r.chunk, ())}
+    for c in choices:
+        problems += [f"activation choice for {c.module}: {p}" for p in _choice_problems(c, n, plan, param_region)]
+    if problems:
+        return problems
+    total = effect_at(choices, n)
+    for t, step in enumerate(plan.steps):
+        kept = step.kept_non_model_bytes
+        if kept is None:
+            if total[t]:
+                problems.append(f"step {step.index} has activation effects but no kept_non_model_bytes")
+            continue
+        if not (isinstance(kept, int) and not isinstance(kept, bool) and kept >= 0):
+            problems.append(f"step {step.index} has kept_non_model_bytes {kept!r}; it must be a non-negative integer")
+        elif step.non_model_bytes != kept + total[t]:
+            problems.append(f"step {step.index} ({step.event}) has non_model_bytes {step.non_model_bytes}, but kept "
+                            f"{kept} plus the activation choices' effects {total[t]} is {kept + total[t]}")
+    moved = 2 * sum(c.moved_bytes for c in choices if c.choice == "offload")
+    if moved != plan.summary.activation_bytes_moved_per_iter:
+        problems.append(f"summary says {plan.summary.activation_bytes_moved_per_iter} activation bytes moved per "
+                        f"iteration, the offloaded segments move {moved}")
+    seconds = sum(c.recompute_seconds for c in choices if c.choice == "recompute")
+    if not math.isclose(seconds, plan.summary.recompute_seconds, rel_tol=1e-9, abs_tol=1e-12):
+        problems.append(f"summary says {plan.summary.recompute_seconds} recompute seconds, the recomputed segments "
+                        f"take {seconds}")
+    return problems
+
+
+def _choice_problems(c: ActivationChoice, n: int, plan: Plan, param_region: dict[str, int]) -> list[str]:
+    if c.choice not in CHOICES:
+        return [f"choice {c.choice!r} is not one of {', '.join(CHOICES)}"]
+    counts = (c.micro, c.saved_bytes, c.moved_bytes, c.d2h_step, c.backward_step, c.recompute_peak_bytes)
+    if not all(isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in counts) or \
+            not isinstance(c.recompute_seconds, (int, float)) or not math.isfinite(c.recompute_seconds) or \
+            c.recompute_seconds < 0:
+        return ["sizes, steps and seconds must be finite and non-negative"]
+    if not c.d2h_step < c.backward_step < n:
+        return [f"d2h_step {c.d2h_step} must come before backward_step {c.backward_step}, within the plan's {n} steps"]
+    for first, last, _ in c.effects:
+        if not 0 <= first <= last < n:
+            return [f"effect run {first}..{last} lies outside the plan's steps"]
+    freed = [(f, last, d) for f, last, d in c.effects if d < 0]
+    if c.choice != "offload" and c.offload_packs:
+        return ["only an offload names packs to move"]
+    if c.choice == "keep":
+        if c.effects or c.moved_bytes or c.prefetch_step != -1:
+            return ["a kept segment has no effects, moves nothing and has no prefetch"]
+        return []
+    if c.choice == "offload":
+        if not c.d2h_step < c.prefetch_step <= c.backward_step:
+            return [f"prefetch_step {c.prefetch_step} must be after d2h_step {c.d2h_step} and no later than "
+                    f"backward_step {c.backward_step} (its activations must be back before its backward)"]
+        if len(freed) != len(c.effects):
+            return ["an offload only frees bytes"]
+        if bool(c.offload_packs) != bool(c.moved_bytes) or any(k < 0 for k in c.offload_packs):
+            return ["an offload that moves bytes names the packs it moves (offload_packs), and only then"]
+        if any(f <= c.d2h_step or last >= c.prefetch_step for f, last, _ in freed):
+            return ["an offload frees bytes only between its d2h step and its prefetch step"]
+        if any(-x > c.moved_bytes for x in effect_at((c,), n)):
+            return [f"it frees more than the {c.moved_bytes} bytes it moves"]
+        return []
+    if not c.recomputable:
+        return [f"it is not recomputable ({c.reason or 'no reason given'})"]
+    if c.moved_bytes or c.prefetch_step != -1:
+        return ["a recompute moves nothing and has no prefetch"]
+    if any(f <= c.d2h_step or last > c.backward_step for f, last, _ in freed):
+        return ["a recompute frees bytes only after its forward and up to its backward step"]
+    missing = [p for p in c.recompute_params if p not in param_region]
+    if missing:
+        return [f"recompute_params names unknown parameters {missing[:3]}"]
+    reads = set(plan.steps[c.backward_step].reads)
+    unread = [p for p in c.recompute_params if param_region[p] not in reads]
+    if unread:
+        return [f"its recompute at step {c.backward_step} needs the weights of {unread[:3]}, which that step does "
+                "not read"]
+    return []

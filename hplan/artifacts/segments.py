@@ -1,0 +1,137 @@
+"""Checkpointable segments of a traced step: what keeping, offloading or recomputing their activations does.
+
+[Note: activation segments]
+A *segment* is one call of a checkpointable module in the steady-state iteration: by default every module that is
+one of two or more siblings of the same class in an `nn.ModuleList` / `nn.Sequential` (transformer blocks),
+outermost only. A module the model already checkpoints (its forward runs again in backward), one that runs
+without autograd, one called twice in a micro-step and one whose output gets no gradient are not segments.
+
+What the tracer measures, per segment, in the keep (plain PyTorch) run — identically for cpu and fake traces:
+- a *saved storage* is a storage autograd saves (a saved-tensor pack) inside the segment's forward. It is *owned*
+  when it is saved only there (no pack outside the segment, none in another segment), holds non-model data
+  (activations; not parameters, gradients, optimizer state, buffers or the batch) and is still alive when the
+  segment's backward first unpacks something: `saved_bytes` (each storage once).
+- an owned storage is *gone* under offload or recompute from the first event after the moment nothing but the
+  autograd graph holds it: the tracer packs an alias of it and watches the storage's reference count, so an owned
+  storage a caller still holds (Llama's `inputs_embeds`, kept by the model's forward until it returns) is gone
+  only from then on. It becomes a candidate for that no earlier than the end of the segment's forward, where the
+  executor moves it to the host. Storages gone before the backward starts are the ones an offload moves
+  (`offload_bytes`, each way; `offload_packs` names their packs by ordinal, so the executor moves exactly these);
+  a recompute frees them too, except its inputs (the checkpoint boundary, `input_bytes` in all).
+- `freed` holds, in runs of events, how many bytes each choice removes from the event's non-model peak; every
+  such event lies after the forward (`forward_events[1]`) and before the backward (`backward_events[0]`, the window
+  of the first unpack), where the segment's saved storages are constant, so the subtraction is exact there.
+- a recompute runs inside the window of `backward_events[0]` (the first unpack of anything the segment saved, which
+  may be in the window of an event before its own first backward event): the window's peak becomes the largest of
+  its part before the unpack (saved storages gone), the level at the unpack plus the forward's own peak above its
+  entry (`recompute_peak_bytes`), and its part after the unpack (plus `recompute_extra_bytes`: storages the
+  forward creates and saves but does not own, which the recompute creates again). `recompute_backward_delta` is
+  that peak minus the keep peak. `recompute_held` adds the inputs a checkpoint keeps alive until the backward ends
+  where the keep run would have freed them earlier, and the extra copies over the rest of the backward.
+- The planner adds these per-segment deltas to the events' non-model peaks: they are additive because at any event
+  at most one segment's saved storages change (its own forward or backward) while the others' are constant.
+- Every number is the envelope over the traced iterations: the smallest reduction, the largest addition.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import Any
+
+
+Run = tuple[int, int, int, int]
+"""(first event, last event, bytes gone under offload, bytes gone under recompute)."""
+Held = tuple[int, int, int]
+"""(first event, last event, bytes added under recompute)."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Segment:
+    """One call of a checkpointable module (see [Note: activation segments])."""
+
+    module: str
+    """Module path, e.g. "model.layers.3"."""
+    micro: int = 0
+    """Micro-step of this call (one call per micro-step)."""
+    forward_events: tuple[int, int]
+    """First and last event whose windows hold the ops of its forward."""
+    backward_events: tuple[int, int]
+    """Window of the first unpack of anything it saved (where a recompute runs, and an offload must be back) and
+    window of the last release of what it saved."""
+    saved_bytes: int
+    """Storages it saves that live until its backward (owned; each once)."""
+    offload_bytes: int
+    """Owned storages gone from the fast tier before its backward under offload: what an offload moves each way."""
+    input_bytes: int
+    """Its inputs' non-model storages: what a recompute keeps."""
+    freed: tuple[Run, ...] = ()
+    recompute_backward_delta: int = 0
+    recompute_peak_bytes: int = 0
+    """What its forward allocates at its peak above the level at its entry: a recompute's transient."""
+    recompute_extra_bytes: int = 0
+    recompute_held: tuple[Held, ...] = ()
+    params: tuple[str, ...] = ()
+    """Parameters whose weights its forward reads (a recompute needs them resident)."""
+    flops: int = 0
+    seconds: float = 0.0
+    """Measured time of its forward (0 in fake traces): a recompute's cost."""
+    recomputable: bool = True
+    reason: str = ""
+    """Why it may not be recomputed (empty when it may)."""
+    offload_packs: tuple[int, ...] = ()
+    """Ordinals, among the saved-tensor packs of its forward, of the packs whose storage an offload moves."""
+
+    @property
+    def key(self) -> tuple[str, int]:
+        return (self.module, self.micro)
+
+
+def check_segments(segments: tuple[Segment, ...], n_events: int, params: set[str]) -> None:
+    """Cross-field rules of a trace's segments (each value's type is checked where the trace is read, by
+    hplan.artifacts.typed): a FieldError naming the first segment that breaks one."""
+    from hplan.artifacts.typed import FieldError
+
+    for i, seg in enumerate(segments):
+        problem = segment_problem(seg, n_events)
+        unknown = [p for p in seg.params if p not in params]
+        if unknown and not problem:
+            problem = f"it names parameters the trace does not have ({unknown[:3]})"
+        if problem:
+            raise FieldError(f"segments[{i}]", f"{seg.module}: {problem}")
+    keys = [s.key for s in segments]
+    if len(set(keys)) != len(keys):
+        raise FieldError("segments", "repeat a module call")
+
+
+def segment_problem(s: Segment, n_events: int) -> str:
+    """What is wrong with a segment, in words ("" when nothing)."""
+    counts = (s.micro, s.saved_bytes, s.offload_bytes, s.input_bytes, s.recompute_peak_bytes,
+              s.recompute_extra_bytes, s.flops)
+    if not isinstance(s.module, str) or not s.module or not all(_count(x) for x in counts):
+        return "a module path and non-negative integer sizes are required"
+    if not isinstance(s.recompute_backward_delta, int) or isinstance(s.recompute_backward_delta, bool):
+        return "recompute_backward_delta must be an integer"
+    if not isinstance(s.seconds, (int, float)) or not s.seconds >= 0 or s.seconds == float("inf"):
+        return "seconds must be finite and non-negative"
+    (f0, f1), (b0, b1) = s.forward_events, s.backward_events
+    if not 0 <= f0 <= f1 < b0 <= b1 < n_events:
+        return f"events {s.forward_events} / {s.backward_events} are not a forward before a backward of the trace"
+    if s.offload_bytes > s.saved_bytes:
+        return "offload_bytes exceeds saved_bytes"
+    for first, last, off, rc in s.freed:
+        if not (f1 < first <= last < b0 and _count(off) and _count(rc) and off <= s.offload_bytes):
+            return f"freed run {(first, last, off, rc)} lies outside the gap between its forward and backward"
+    for first, last, held in s.recompute_held:
+        if not (f1 < first <= last <= b1 and _count(held)):
+            return f"recompute_held run {(first, last, held)} lies outside its gap and backward"
+    if not isinstance(s.recomputable, bool) or not isinstance(s.reason, str) or (s.recomputable and s.reason):
+        return "recomputable must be a boolean, with a reason only when false"
+    if any(not _count(k) for k in s.offload_packs) or list(s.offload_packs) != sorted(set(s.offload_packs)):
+        return "offload_packs must be increasing non-negative ordinals"
+    if bool(s.offload_packs) != bool(s.offload_bytes):
+        return "offload_packs and offload_bytes must both be empty or both be set"
+    return ""
+
+
+def _count(x: object) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool) and x >= 0

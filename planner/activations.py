@@ -1,0 +1,329 @@
+"""Forced activation choices: keep, offload or recompute every segment, then plan model data around them.
+
+How (the design the certified joint choice builds on, [Note: plan activations]):
+1. `decide`: one choice per segment call ([Note: activation segments]); a segment that may not be recomputed falls
+   back to offload under `recompute`, with the reason kept for a warning.
+2. `transform`: the trace as the executor will run it. Each event's non-model peak gets every choice's effects:
+   an offloaded segment's owned storages are gone from the first event after they left the fast tier until its
+   prefetch (at first, the window where its backward needs them); a recomputed one's are gone (its inputs stay) and
+   the window of its first unpack gets the recompute's net change, plus what a checkpoint keeps alive longer. The
+   recompute's window also reads the segment's weights and costs its forward's time and FLOPs. A flip (gradient in
+   its weights' storage) is not planned in that window for the segment's chunks, since the recompute reads them.
+3. Model data is planned on the transformed trace as on any trace (the MILP never sees activations here).
+4. `with_activations`: the plan records the choices and each step's kept non-model bytes, so the validator can
+   replay them; with overlapping copies, prefetches are hoisted as early as memory allows (at most to the previous
+   offloaded segment's backward step), and the predicted step time adds the activation copies on the links.
+Per segment and event the effects are additive ([Note: activation segments]), which is what a later joint decision
+(one binary per segment and choice) needs: `effects(segment, choice)` is the coefficient column.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import Any
+
+from hplan.artifacts.activations import CHOICES, ActivationChoice, Effect, effect_at
+from hplan.artifacts.hardware import Hardware
+from hplan.artifacts.plan import Plan
+from hplan.artifacts.replay import replay
+from hplan.artifacts.segments import Segment
+from hplan.artifacts.trace import Trace
+from hplan.errors import HplanError
+from hplan.planner.problem import PARAM_CHUNKS, MinGpu, build, group_params, min_gpu
+from hplan.planner.schedule import event_seconds, predict_seconds
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Decision:
+    segment: Segment
+    choice: str
+    reason: str = ""
+    """Why the segment may not be recomputed (and what it falls back to), empty otherwise."""
+
+
+def check_choice(choice: str) -> str:
+    if choice not in CHOICES:
+        raise HplanError(f"--activations takes {', '.join(CHOICES)}, got {choice!r}")
+    return choice
+
+
+def decide(trace: Trace, choice: str) -> tuple[Decision, ...]:
+    """The forced choice for every segment call; unrecomputable modules (any of their calls) fall back to offload."""
+    check_choice(choice)
+    refused = {s.module: s.reason for s in trace.segments if not s.recomputable}
+    out = []
+    for s in trace.segments:
+        if choice == "recompute" and s.module in refused:
+            out.append(Decision(segment=s, choice="offload", reason=f"not recomputed: {refused[s.module]}; "
+                                                                     "offloaded instead"))
+        else:
+            out.append(Decision(segment=s, choice=choice, reason="" if s.recomputable else s.reason))
+    return tuple(out)
+
+
+def fallbacks(plan: Plan) -> list[str]:
+    """One line per module whose choice differs from the one asked for (recompute refused), for warnings."""
+    lines: dict[str, None] = {}
+    for c in plan.activations:
+        if c.reason.startswith("not recomputed"):
+            lines[f"{c.module}: {c.reason}"] = None
+    return list(lines)
+
+
+def effects(seg: Segment, choice: str, prefetch: int | None = None, *, shared_recompute: bool = False
+            ) -> tuple[Effect, ...]:
+    """A choice's effect on each event's non-model bytes, as runs ([Note: activation segments]). `prefetch`: the
+    offload's prefetch event (default its backward event); `shared_recompute`: another recomputed segment starts
+    its backward in the same window (the net change there is then bounded by the recompute's full transient)."""
+    b0 = seg.backward_events[0]
+    if choice == "offload":
+        p = b0 if prefetch is None else prefetch
+        return _merge([(first, min(last, p - 1), -off) for first, last, off, _ in seg.freed
+                       if off and first <= min(last, p - 1)])
+    if choice == "recompute":
+        runs = [(first, last, -rc) for first, last, _, rc in seg.freed if rc]
+        delta = seg.recompute_peak_bytes + seg.recompute_extra_bytes if shared_recompute \
+            else seg.recompute_backward_delta
+        runs += [(b0, b0, delta)] if delta else []
+        runs += [(first, last, held) for first, last, held in seg.recompute_held]
+        return _merge(runs)
+    return ()
+
+
+def _merge(runs: list[Effect]) -> tuple[Effect, ...]:
+    """Runs summed per event and recompressed (runs may overlap)."""
+    if not runs:
+        return ()
+    n = max(last for _, last, _ in runs) + 1
+    total = [0] * n
+    for first, last, delta in runs:
+        for t in range(first, last + 1):
+            total[t] += delta
+    out: list[list[int]] = []
+    for t, d in enumerate(total):
+        if not d:
+            continue
+        if out and out[-1][1] == t - 1 and out[-1][2] == d:
+            out[-1][1] = t
+        else:
+            out.append([t, t, d])
+    return tuple((a, b, c) for a, b, c in out)
+
+
+def _shared(decisions: tuple[Decision, ...]) -> set[tuple[str, int]]:
+    """Recomputed segment calls whose backward starts in the same window as another recomputed one."""
+    starts: dict[int, list[tuple[str, int]]] = {}
+    for d in decisions:
+        if d.choice == "recompute":
+            starts.setdefault(d.segment.backward_events[0], []).append(d.segment.key)
+    return {k for keys in starts.values() if len(keys) > 1 for k in keys}
+
+
+def decision_effects(decisions: tuple[Decision, ...], prefetch: dict[tuple[str, int], int] | None = None
+                     ) -> list[tuple[Effect, ...]]:
+    shared = _shared(decisions)
+    prefetch = prefetch or {}
+    return [effects(d.segment, d.choice, prefetch.get(d.segment.key), shared_recompute=d.segment.key in shared)
+            for d in decisions]
+
+
+def transform(trace: Trace, decisions: tuple[Decision, ...]) -> Trace:
+    """The trace as the executor runs it under `decisions` (module doc, step 2)."""
+    if all(d.choice == "keep" for d in decisions):
+        return trace
+    n = len(trace.events)
+    delta = [0] * n
+    for runs in decision_effects(decisions):
+        for first, last, d in runs:
+            for t in range(first, last + 1):
+                delta[t] += d
+    order = {p.name: i for i, p in enumerate(trace.params)}
+    events = list(trace.events)
+    for t, e in enumerate(events):
+        if delta[t]:
+            nm = e.non_model_peak_bytes + delta[t]
+            if nm < 0:
+                raise AssertionError(f"activation choices free more than event {e.key} holds: an hplan bug")
+            events[t] = replace(e, non_model_peak_bytes=nm)
+    last_read = {p.name: p.last_read_op for p in trace.params}
+    for d in decisions:
+        if d.choice != "recompute":
+            continue
+        s = d.segment
+        b0 = s.backward_events[0]
+        e = events[b0]
+        events[b0] = replace(e, params=tuple(sorted({*e.params, *s.params}, key=order.__getitem__)),
+                             seconds=e.seconds + s.seconds, flops=e.flops + s.flops)
+        for name in s.params:  # the recompute reads them inside this window: no flip of their chunk here
+            last_read[name] = max(last_read[name], e.op_end - 1)
+    params = tuple(replace(p, last_read_op=last_read[p.name]) for p in trace.params)
+    return replace(trace, events=tuple(events), params=params)
+
+
+def min_gpu_with(trace: Trace, hardware: Hardware, decisions: tuple[Decision, ...]) -> MinGpu:
+    """The smallest budget under the choices, its bottleneck naming the segment involved there."""
+    work = transform(trace, decisions)
+    smallest = min_gpu(work, hardware)
+    choice = {d.choice for d in decisions}
+    if not decisions or choice == {"keep"}:
+        return smallest
+    structure, problem = build(work, group_params(work, PARAM_CHUNKS), frozenset(), hardware)
+    need = [problem.need_bytes(t) - sum(problem.sizes[structure.by_chunk[c]["grad"]] for c in structure.flips[t])
+            + problem.non_model[t] for t in range(problem.n_steps)]  # what min_gpu maximises
+    t = max(range(len(need)), key=need.__getitem__)
+    return replace(smallest, bottleneck=f"{smallest.bottleneck} (with --activations {decisions[0].choice}: "
+                                        f"{_where(decisions, t)})")
+
+
+def _where(decisions: tuple[Decision, ...], t: int) -> str:
+    """Which segment the step that sets the minimum involves, in words."""
+    label = f"at event {t}"
+    for d in decisions:
+        s = d.segment
+        if d.choice == "recompute" and s.backward_events[0] == t:
+            return f"{label}, where the recompute of {s.module} runs"
+        if d.choice == "offload" and s.backward_events[0] == t:
+            return f"{label}, where {s.module}'s offloaded activations are back"
+    for d in decisions:
+        s = d.segment
+        if s.forward_events[0] <= t <= s.forward_events[1] or s.backward_events[0] <= t <= s.backward_events[1]:
+            return f"{label}, inside {s.module}"
+    return label
+
+
+def with_activations(plan: Plan, trace: Trace, work: Trace, decisions: tuple[Decision, ...]) -> Plan:
+    """Record the choices in a feasible plan made on `work` (module doc, step 4)."""
+    hardware = plan.hardware
+    prefetch = {d.segment.key: d.segment.backward_events[0] for d in decisions if d.choice == "offload"}
+    if hardware.overlap:
+        prefetch = _hoist(plan, decisions, prefetch)
+    runs = decision_effects(decisions, prefetch)
+    base = effect_at(tuple(_choice(d, r, -1, 0.0) for d, r in zip(decisions, decision_effects(decisions))),
+                     len(plan.steps))
+    kept = [s.non_model_bytes - b for s, b in zip(plan.steps, base)]
+    seconds = _recompute_seconds(trace, hardware, decisions)
+    choices = tuple(_choice(d, r, prefetch.get(d.segment.key, -1), seconds.get(d.segment.key, 0.0))
+                    for d, r in zip(decisions, runs))
+    now = effect_at(choices, len(plan.steps))
+    changed = any(d.choice != "keep" for d in decisions)  # an all-keep plan's steps stay as they were
+    steps = tuple(replace(s, kept_non_model_bytes=k if changed else None, non_model_bytes=k + e)
+                  for s, k, e in zip(plan.steps, kept, now))
+    moved = 2 * sum(c.moved_bytes for c in choices if c.choice == "offload")
+    out = replace(plan, steps=steps, activations=choices,
+                  summary=replace(plan.summary, activation_bytes_moved_per_iter=moved,
+                                  recompute_seconds=sum(c.recompute_seconds for c in choices
+                                                        if c.choice == "recompute")))
+    rep = replay(out)
+    if not rep.ok:
+        raise AssertionError(f"hplan made an invalid activation plan ({rep.violations[0]}): an hplan bug, please "
+                             "report it")
+    _check_host(out, rep)
+    return replace(out, summary=replace(out.summary, predicted_peak_bytes=rep.peak_bytes,
+                                        **_step_time(out, work, hardware)))
+
+
+def _check_host(plan: Plan, rep: Any) -> None:
+    """With --cpu-mem, host memory must hold the model data off the GPU plus the offloaded activations at once."""
+    host = plan.hardware.host_bytes
+    if host is None or plan.hardware.nvme_bytes is not None or not any(c.moved_bytes for c in plan.activations):
+        return  # (with a disk tier, activations are kept: make_plan refuses the others)
+    n = len(plan.steps)
+    held = [0] * n
+    for c in plan.activations:
+        if c.choice == "offload":
+            for t in range(c.d2h_step, c.prefetch_step + 1):
+                held[t % n] += c.moved_bytes
+    always = set(plan.initial_resident).intersection(*(set(st.resident) for st in rep.states))
+    model = sum(r.bytes for r in plan.regions if r.id not in always)
+    if held and model + max(held) > host:
+        raise HplanError(f"--activations offload keeps up to {max(held):,} bytes of activations in host memory, "
+                         f"which with the {model:,} bytes of model data off the GPU is more than --cpu-mem "
+                         f"({host:,} bytes): give more --cpu-mem or use --activations recompute")
+
+
+def _choice(d: Decision, runs: tuple[Effect, ...], prefetch: int, seconds: float) -> ActivationChoice:
+    s = d.segment
+    offload = d.choice == "offload"
+    return ActivationChoice(
+        module=s.module, micro=s.micro, choice=d.choice, recomputable=s.recomputable, reason=d.reason,
+        saved_bytes=s.saved_bytes, moved_bytes=s.offload_bytes if offload else 0, d2h_step=s.forward_events[1],
+        prefetch_step=(prefetch if prefetch >= 0 else s.backward_events[0]) if offload else -1,
+        backward_step=s.backward_events[0], recompute_params=s.params if d.choice == "recompute" else (),
+        recompute_seconds=seconds if d.choice == "recompute" else 0.0,
+        recompute_peak_bytes=s.recompute_peak_bytes if d.choice == "recompute" else 0, effects=runs,
+        offload_packs=s.offload_packs if offload else ())
+
+
+def _recompute_seconds(trace: Trace, hardware: Hardware, decisions: tuple[Decision, ...]) -> dict:
+    """A recompute costs its forward: measured when the trace ran on the planned kind of device, else FLOPs at the
+    hardware's rate (the rule of hplan.planner.schedule.event_seconds)."""
+    same = (trace.device == "cpu" and hardware.gpu == "cpu") or (trace.device == "cuda" and hardware.gpu != "cpu")
+    rate = hardware.tflops(trace.precision) * 1e12
+    return {d.segment.key: (d.segment.seconds if same and d.segment.seconds > 0 else d.segment.flops / rate)
+            for d in decisions if d.choice == "recompute"}
+
+
+def _hoist(plan: Plan, decisions: tuple[Decision, ...], prefetch: dict[tuple[str, int], int]
+           ) -> dict[tuple[str, int], int]:
+    """Each offloaded segment's prefetch moved as early as the budget allows at every step it passes, no earlier than
+    the previous offloaded segment's backward step (or its own forward's end), in backward order."""
+    rep = replay(plan)
+    total = [s.total_bytes for s in rep.states]
+    budget = plan.hardware.gpu_bytes
+    offloaded = sorted((d for d in decisions if d.choice == "offload" and d.segment.offload_bytes),
+                       key=lambda d: d.segment.backward_events[0])
+    out = dict(prefetch)
+    for i, d in enumerate(offloaded):
+        s = d.segment
+        b0 = s.backward_events[0]
+        floor = s.forward_events[1] + 1
+        earlier = [o.segment.backward_events[0] for o in offloaded[:i] if o.segment.micro == s.micro]
+        if earlier:
+            floor = max(floor, earlier[-1])
+        back = [0] * len(total)
+        for first, last, delta in effects(s, "offload"):
+            for t in range(first, last + 1):
+                back[t] = -delta
+        p = b0
+        while p - 1 >= floor and total[p - 1] + back[p - 1] <= budget:
+            p -= 1
+        for t in range(p, b0):
+            total[t] += back[t]
+        out[s.key] = p
+    return out
+
+
+def _step_time(plan: Plan, work: Trace, hardware: Hardware) -> dict:
+    """Predicted step time with the activation copies on the links (each a transfer the step that needs it waits
+    for), and their busy seconds; compute already holds the recomputes (the transformed trace's event times)."""
+    regions = {r.id: r.bytes for r in plan.regions}
+    extra = max(regions, default=-1) + 1
+    n = len(plan.steps)
+    fetch: dict[int, list[int]] = {}
+    back: dict[int, list[int]] = {}
+    needs: dict[int, list[int]] = {}
+    sizes = dict(regions)
+    for c in plan.activations:
+        if c.choice != "offload" or not c.moved_bytes:
+            continue
+        down, up, extra = extra, extra + 1, extra + 2
+        sizes[down] = sizes[up] = c.moved_bytes
+        back.setdefault((c.d2h_step + 1) % n, []).append(down)
+        fetch.setdefault(c.prefetch_step, []).append(up)
+        needs.setdefault(c.backward_step, []).append(up)
+    if not fetch:
+        return {}
+    timing = tuple(replace(s, fetch=(*s.fetch, *fetch.get(t, ())), writeback=(*s.writeback, *back.get(t, ())),
+                           reads=(*s.reads, *needs.get(t, ()))) for t, s in enumerate(plan.steps))
+    host = {c.id: 0 for c in plan.chunks}
+    grad_of = {}
+    for r in plan.regions:
+        host[r.chunk] += r.bytes
+        if r.kind == "grad":
+            grad_of[r.chunk] = r.id
+    split = predict_seconds(timing, sizes, frozenset(plan.initial_resident), event_seconds(work, hardware), hardware,
+                            host, grad_of)
+    seconds = dict(plan.summary.seconds)
+    seconds["activation_h2d"] = split["h2d"] - plan.summary.seconds.get("h2d", 0.0)
+    seconds["activation_d2h"] = split["d2h"] - plan.summary.seconds.get("d2h", 0.0)
+    return {"seconds": seconds, "predicted_step_seconds": max(split["step"], plan.summary.predicted_step_seconds)}
