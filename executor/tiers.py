@@ -30,7 +30,6 @@ import torch
 from hplan.executor import staging
 from hplan.executor.device import FastTier
 from hplan.executor.nvme import DiskStore
-from hplan.executor.nvme_format import region_path
 from hplan.executor.regions import RegionStore, Slot
 from torch import nn
 
@@ -38,6 +37,7 @@ from hplan.artifacts import Plan, Step
 from hplan.artifacts.host_replay import device_only, disk_regions, phase_accesses
 from hplan.artifacts.replay import replay
 from hplan.errors import HplanError
+from hplan.sizes import format_sizes
 
 
 def needs_nvme_dir(plan: Plan) -> bool:
@@ -59,9 +59,9 @@ def check_host_memory(plan: Plan) -> None:
     if plan.tiered:
         available = int(psutil.virtual_memory().available)
         if need > available:
-            raise HplanError(f"the plan holds up to {need / 1e9:.2f} GB of model data in host memory but "
-                             f"{available / 1e9:.2f} GB is available here; re-plan with a smaller --cpu-mem "
-                             "(the plan names the smallest that works)")
+            held, free = format_sizes(need, available)
+            raise HplanError(f"the plan holds up to {held} of model data in host memory but {free} is available "
+                             "here; re-plan with a smaller --cpu-mem (the plan names the smallest that works)")
 
 
 class TieredStore(RegionStore):
@@ -104,7 +104,7 @@ class TieredStore(RegionStore):
                 self.disk.check_free(sum(staging.staging_bytes(r.bytes) for r in plan.regions
                                          if r.id in self.on_disk))
             except BaseException:
-                self.disk.close()
+                self.disk.close(discard=True)
                 raise
         tier.exposes_host_grads = False  # a gradient's host copy may be on disk (see the module doc)
         try:
@@ -336,12 +336,7 @@ class TieredStore(RegionStore):
         if self.disk is None:
             return
         disk, self.disk = self.disk, None
-        try:
-            disk.close()
-        finally:
-            for rid in self.on_disk:
-                for slot in (0, 1):
-                    region_path(disk.directory, self._key(rid), slot).unlink(missing_ok=True)
+        disk.close(discard=True)
 
     def disk_stats(self) -> dict[str, float]:
         """Disk figures since the first step, on DiskStore's own clock: bytes per second with a transfer of that

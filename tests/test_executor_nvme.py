@@ -19,6 +19,7 @@ from loops import kill_after_save, user_loop, weight_diff
 from hplan.artifacts import Hardware, Plan
 from hplan.errors import HplanError
 from hplan.executor import run_training
+from hplan.executor.nvme_folder import FOLDER
 from hplan.planner import PlanOptions, default_slack, make_plan, min_gpu_bytes
 from hplan.specs import load_workload
 from hplan.tracer import trace_workload
@@ -44,7 +45,8 @@ def bf16():
 
 
 def region_files(d: Path) -> list[str]:
-    return sorted(p.name for p in d.glob("*.region"))
+    """The region files a run keeps under --nvme-dir `d` (in its own folder, see executor/nvme_folder.py)."""
+    return sorted(p.name for p in (d / FOLDER).glob("*.region"))
 
 
 def test_bf16_mixed_trains_like_pytorch_from_disk_within_the_host_budget(bf16, tmp_path):
@@ -60,7 +62,7 @@ def test_bf16_mixed_trains_like_pytorch_from_disk_within_the_host_budget(bf16, t
                                                                                   s.nvme_write_bytes) != (0, 0)
     assert report.bytes_moved_per_iter == s.bytes_moved_per_iter
     assert report.peak_resident_bytes <= plan.gpu_bytes
-    assert region_files(tmp_path) == []  # the run's files are scratch: state lives in checkpoints
+    assert region_files(tmp_path) == [] and not (tmp_path / FOLDER).exists()  # scratch: state lives in checkpoints
 
 
 def test_fp32_user_loop_gives_plain_pytorchs_weights(tmp_path):
@@ -117,7 +119,7 @@ def test_a_region_file_changed_between_steps_is_refused_naming_it(bf16, tmp_path
             workload.loss(model, workload.micro_batch(step, 0)).backward()
             optimizer.step()
             optimizer.zero_grad()
-            victim = max(tmp_path.glob("*.region"), key=lambda p: p.stat().st_size)
+            victim = max((tmp_path / FOLDER).glob("*.region"), key=lambda p: p.stat().st_size)
             with victim.open("r+b") as f:
                 if damage == "truncated":
                     f.truncate(victim.stat().st_size // 2)
@@ -140,10 +142,10 @@ def test_a_full_disk_is_refused_before_any_step(bf16, tmp_path, monkeypatch):
             self.f_frsize, self.f_bavail = st.f_frsize, 1
 
     monkeypatch.setattr(os, "statvfs", lambda path: Full(real(path)))
-    with pytest.raises(HplanError, match="GB free but needs") as err:
+    with pytest.raises(HplanError, match=r"has 0\.00 MB free but needs 1\.\d\d MB: free space") as err:
         run_training(workload, plan, steps=2, nvme_dir=tmp_path, checkpoint_dir=tmp_path / "ck")
     assert "\n" not in str(err.value)
-    assert not list((tmp_path / "ck").glob("step-*")) and region_files(tmp_path) == []  # nothing saved or left
+    assert not list((tmp_path / "ck").glob("step-*")) and not (tmp_path / FOLDER).exists()  # nothing saved or left
 
 
 def test_a_plan_with_nvme_chunks_needs_a_directory(bf16):

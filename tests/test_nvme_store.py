@@ -18,6 +18,7 @@ import torch
 
 from hplan.errors import HplanError
 from hplan.executor import nvme_format, nvme_io
+from hplan.executor.nvme_folder import FOLDER
 from hplan.executor.nvme import DiskStore, aligned_empty, is_aligned, measure_raw_bandwidth, storage_bytes
 
 SIZES = [0, 1, 4095, 4096, (1 << 20) + 3]
@@ -38,11 +39,17 @@ def one_line(exc: pytest.ExceptionInfo[HplanError]) -> str:
 
 
 def region_files(d: Path) -> list[str]:
-    return sorted(p.name for p in d.glob("*.region"))
+    """The region files a store keeps under `d` (in its own folder, see executor/nvme_folder.py)."""
+    return sorted(p.name for p in (d / FOLDER).glob("*.region"))
 
 
 def direct_supported(d: Path) -> bool:
-    return nvme_io.probe_direct(d, "auto") is None
+    probe = d / "probe"
+    probe.mkdir()
+    with DiskStore(probe) as store:
+        direct = store.direct
+    shutil.rmtree(probe)
+    return direct
 
 
 @pytest.mark.parametrize("mode", [True, False], ids=["direct", "buffered"])
@@ -58,7 +65,7 @@ def test_round_trip(tmp_path: Path, n: int, mode: bool) -> None:
         store.wait("r")
         assert torch.equal(src, dst)
         assert store.size("r") == n
-        assert (tmp_path / "r.0.region").stat().st_size == n
+        assert (tmp_path / FOLDER / "r.0.region").stat().st_size == n
         stats = store.stats()
         assert (stats.read_bytes, stats.write_bytes, stats.reads, stats.writes) == (n, n, 1, 1)
         assert stats.buffered == (0 if mode else 2)
@@ -116,7 +123,7 @@ def test_checksum_detects_a_flipped_byte(tmp_path: Path, algorithm: str) -> None
     with DiskStore(tmp_path, checksum=algorithm) as store:
         assert store.checksum_name == algorithm
         store.write_async("f", rand(n, 5)).result()
-        path = tmp_path / "f.0.region"
+        path = tmp_path / FOLDER / "f.0.region"
         with open(path, "r+b") as fh:
             fh.seek(n // 2)
             byte = fh.read(1)[0]
@@ -134,12 +141,12 @@ def test_truncated_or_deleted_file_is_refused(tmp_path: Path) -> None:
         store.write_async("t", rand(n, 6))
         store.write_async("gone", rand(10, 7))
         manifest = store.commit()
-        os.truncate(tmp_path / "t.0.region", n - 1)
+        os.truncate(tmp_path / FOLDER / "t.0.region", n - 1)
         store.read_async("t", aligned_empty(n))
         with pytest.raises(HplanError, match="truncated") as exc:
             store.wait("t")
         assert "t.0.region" in one_line(exc)
-        (tmp_path / "gone.0.region").unlink()
+        (tmp_path / FOLDER / "gone.0.region").unlink()
         store.read_async("gone", aligned_empty(10))
         with pytest.raises(HplanError, match="missing"):
             store.wait("gone")
@@ -162,7 +169,7 @@ def test_bad_requests_are_one_line_errors(tmp_path: Path) -> None:
             store.write_async("f32", torch.zeros(4))
         with pytest.raises(HplanError, match="in use by another DiskStore"):
             DiskStore(tmp_path)
-        with pytest.raises(HplanError, match="needs .* GB"):
+        with pytest.raises(HplanError, match="TB free but needs .* TB"):
             store.check_free(1 << 60)
     store = DiskStore(tmp_path)  # the lock was released on close
     store.close()
@@ -204,10 +211,10 @@ def test_read_only_file_system_mid_run(tmp_path: Path, monkeypatch: pytest.Monke
     with DiskStore(tmp_path) as store:
         real_open = os.open
 
-        def refuse(path: object, flags: int, *args: int) -> int:
+        def refuse(path: object, flags: int, *args: int, **kw: int) -> int:
             if str(path).endswith(".region") and flags & os.O_WRONLY:
                 raise OSError(errno.EROFS, os.strerror(errno.EROFS))
-            return real_open(path, flags, *args)
+            return real_open(path, flags, *args, **kw)
 
         monkeypatch.setattr(os, "open", refuse)
         store.write_async("x", rand(10, 1))
@@ -236,7 +243,7 @@ def test_disk_full_mid_write_leaves_no_valid_region(tmp_path: Path, monkeypatch:
         with pytest.raises(HplanError, match="disk full while writing") as exc:
             store.wait("m")
         assert "m.1.region" in one_line(exc)
-        assert len(calls) == 2 and not (tmp_path / "m.1.region").exists()
+        assert len(calls) == 2 and not (tmp_path / FOLDER / "m.1.region").exists()
         with pytest.raises(HplanError, match="last write failed"):
             store.read_async("m", aligned_empty(n))
         with pytest.raises(HplanError, match="cannot commit .* region 'm' has no valid copy") as exc:
@@ -260,10 +267,10 @@ def test_o_direct_refused_falls_back_with_a_reason(tmp_path: Path, monkeypatch: 
         pytest.skip("no O_DIRECT on this platform")
     real_open = os.open
 
-    def no_direct(path: object, flags: int, *args: int) -> int:
+    def no_direct(path: object, flags: int, *args: int, **kw: int) -> int:
         if flags & nvme_io.O_DIRECT:
             raise OSError(errno.EINVAL, os.strerror(errno.EINVAL))
-        return real_open(path, flags, *args)
+        return real_open(path, flags, *args, **kw)
 
     monkeypatch.setattr(os, "open", no_direct)
     with pytest.raises(HplanError, match="O_DIRECT is not available") as exc:
@@ -332,7 +339,7 @@ def test_kill_9_during_writes_then_resume_reads_the_committed_bytes(tmp_path: Pa
         os.kill(pid, signal.SIGKILL)
         os.waitpid(pid, 0)
         os.close(ready_r)
-    assert (tmp_path / "k.1.region").exists()  # the uncommitted slot the writer was rewriting
+    assert (tmp_path / FOLDER / "k.1.region").exists()  # the uncommitted slot the writer was rewriting
     manifest = json.loads((tmp_path / "m.json").read_text())
     with DiskStore(tmp_path, manifest=manifest) as store:  # the dead writer's lock went with it
         dst = aligned_empty(n)
