@@ -138,8 +138,9 @@ class DiskStore:
         self._check_open()
         check_key(key)
         view = byte_view(src, f"writing region {key!r}")
+        direct = self.direct and is_aligned(src)
         with self._mutex:
-            fut = self._pool.submit(self._write, key, src, view, self._pending.get(key))
+            fut = self._pool.submit(self._write, key, [view], direct, self._pending.get(key))
             self._pending[key] = fut
         return fut
 
@@ -148,11 +149,12 @@ class DiskStore:
         self._check_open()
         check_key(key)
         view = byte_view(dst, f"reading region {key!r}")
+        direct = self.direct and is_aligned(dst)
         with self._mutex:
             prev = self._pending.get(key)
             if prev is None or prev.done():  # nothing in flight decides the region: refuse bad requests now
                 self._check_readable(key, len(view))
-            fut = self._pool.submit(self._read, key, dst, view, prev)
+            fut = self._pool.submit(self._read, key, [view], direct, prev)
             self._pending[key] = fut
         return fut
 
@@ -184,14 +186,17 @@ class DiskStore:
         if error is not None:
             raise error
 
-    def _write(self, key: str, src: torch.Tensor, view: memoryview, prev: Future[None] | None) -> None:
+    def _write(self, key: str, box: list[memoryview], direct: bool, prev: Future[None] | None) -> None:
+        """[Note: no buffer outlives its transfer] The buffer arrives in a box this frame empties: the pool's
+        work item keeps its arguments until after the Future is done, so a caller that frees the buffer once the
+        transfer is done would otherwise still see it mapped (and the OS count it) for a moment."""
+        view = box.pop()
         _after(prev)
         with self._mutex:
             current = self._regions.pop(key, None)  # invalid from here until this write completes
             pinned = self._pinned.get(key)
             slot = 1 - pinned.slot if pinned is not None else (current.slot if current is not None else 0)
         name = region_name(key, slot)
-        direct = self.direct and is_aligned(src)
         with self._meter.timed("write"):
             crc = self._checksum(view)
             try:
@@ -213,12 +218,12 @@ class DiskStore:
             self._unsynced.add(name)
         self._meter.count("write", len(view), direct)
 
-    def _read(self, key: str, dst: torch.Tensor, view: memoryview, prev: Future[None] | None) -> None:
+    def _read(self, key: str, box: list[memoryview], direct: bool, prev: Future[None] | None) -> None:
+        view = box.pop()  # [Note: no buffer outlives its transfer]
         _after(prev)
         with self._mutex:
             region = self._check_readable(key, len(view))
         path = self._path(region_name(key, region.slot))
-        direct = self.direct and is_aligned(dst)
         with self._meter.timed("read"):
             try:
                 fd = self._open(path.name, os.O_RDONLY | (O_DIRECT if direct else 0))

@@ -96,6 +96,11 @@ class TieredStore(RegionStore):
         self.peak_host_model_bytes = 0
         self.peak_rss_bytes = 0
         self.peak_rss_staging_bytes = 0
+        self.peak_outside_steps_bytes = 0
+        """Staging bytes while state is read outside the plan (see [Note: what --cpu-mem covers])."""
+        self.staging_excess_bytes = 0
+        """Most the OS ever counted (RssShmem) above the running sum (in a step: the plan's staging alone), at any
+        sample: 0 when the sum is honest."""
         self._process = psutil.Process()
         self.disk: DiskStore | None = None
         if self.on_disk:
@@ -242,6 +247,7 @@ class TieredStore(RegionStore):
         """Phase 0 of `step`: flush the previous phase's writes, then drops, allocations and reads."""
         if not self._started:
             self._start()
+        self._cache.clear()  # reads outside the plan (a checkpoint's) never hold memory into a step
         if step.index == 0:
             self._flush()
             self.iter_bytes = [0, 0]
@@ -290,11 +296,23 @@ class TieredStore(RegionStore):
         self._write(rid)
         self.iter_bytes[1] += self._buffers[rid].nbytes
 
-    def _sample(self) -> None:
+    def _sample(self, *, in_step: bool = True) -> None:
         """The process's RSS, and on Linux its shared-memory part: the staging mappings' resident pages (nothing
-        else in hplan maps shared memory), the OS's own count of what `host_model_bytes` tracks."""
-        self.peak_rss_bytes = max(self.peak_rss_bytes, self._process.memory_info().rss)
-        self.peak_rss_staging_bytes = max(self.peak_rss_staging_bytes, staging.rss_shmem())
+        else in hplan maps shared memory), the OS's own count of what `host_model_bytes` (+ the out-of-plan
+        reads held) tracks."""
+        shmem = staging.rss_shmem()
+        counted = self.host_model_bytes + (0 if in_step else self.outside_bytes)  # in a step: the plan's alone
+        self.staging_excess_bytes = max(self.staging_excess_bytes, shmem - counted)
+        if in_step:
+            self.peak_rss_bytes = max(self.peak_rss_bytes, self._process.memory_info().rss)
+            self.peak_rss_staging_bytes = max(self.peak_rss_staging_bytes, shmem)
+        else:
+            self.peak_outside_steps_bytes = max(self.peak_outside_steps_bytes, counted)
+
+    @property
+    def outside_bytes(self) -> int:
+        """Staging bytes of regions read outside the plan and held now (one chunk's at most)."""
+        return sum(buffer.nbytes for buffer, _ in self._cache.values())
 
     # -- transitions ------------------------------------------------------------------------------------
     def fetch(self, rid: int) -> None:
@@ -328,6 +346,7 @@ class TieredStore(RegionStore):
             self._wait(rid)
             self.extra_read_bytes += buffer.nbytes
             self._cache[rid] = (buffer, staging.views_into(buffer, self._layout[rid]))
+            self._sample(in_step=False)
         return self._cache[rid][1][key]
 
     def close(self) -> None:
@@ -392,4 +411,5 @@ def tier_fields(store: RegionStore) -> dict[str, Any]:
             "planned_nvme_read_bytes_per_iter": s.nvme_read_bytes,
             "planned_nvme_write_bytes_per_iter": s.nvme_write_bytes,
             "peak_rss_bytes": store.peak_rss_bytes, "peak_rss_staging_bytes": store.peak_rss_staging_bytes,
+            "peak_host_outside_steps_bytes": store.peak_outside_steps_bytes,
             **store.disk_stats()}

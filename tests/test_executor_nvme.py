@@ -17,6 +17,7 @@ import torch
 from loops import kill_after_save, user_loop, weight_diff
 
 from hplan.artifacts import Hardware, Plan
+from hplan.artifacts.plan import staging_bytes
 from hplan.errors import HplanError
 from hplan.executor import run_training
 from hplan.executor.nvme_folder import FOLDER
@@ -172,3 +173,29 @@ def test_a_plan_with_nvme_chunks_needs_a_directory(bf16):
     workload, plan = bf16
     with pytest.raises(HplanError, match="pass --nvme-dir DIR"):
         run_training(workload, plan, steps=1)
+
+
+def test_the_os_counts_no_more_staging_than_the_run_and_reads_outside_steps_are_bounded(bf16, tmp_path):
+    """[Note: what --cpu-mem covers] During the steps the staging buffers are the only shared memory hplan maps,
+    so the OS's count (RssShmem) never exceeds the running sum at any sample, even with the user's loop reading the
+    optimizer state (off disk, outside the plan) after every step as a checkpoint does; those reads hold the plan's
+    between-step staging plus at most one chunk's regions, and release them before the next step."""
+    import hplan
+
+    workload, plan = bf16
+    model = workload.build_model()
+    optimizer = workload.optimizer(model.parameters())
+    with hplan.attach(model, optimizer, plan, nvme_dir=str(tmp_path), precision="bf16-mixed") as run:
+        for step in range(3):
+            workload.loss(model, workload.micro_batch(step, 0)).backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            assert optimizer.state_dict()["state"]  # read off disk: outside the plan
+        store = run.store
+    if sys.platform == "linux":
+        assert store.staging_excess_bytes <= 0
+    assert 0 < store.peak_rss_staging_bytes <= store.peak_host_model_bytes <= plan.hardware.host_bytes
+    between = sum(staging_bytes(r.bytes) for r in plan.regions if r.id in plan.initial_staged)
+    chunk = max(sum(staging_bytes(r.bytes) for r in plan.regions if r.chunk == c.id and r.id in store.on_disk)
+                for c in plan.chunks)
+    assert between < store.peak_outside_steps_bytes <= between + chunk
