@@ -102,6 +102,8 @@ class TieredStore(RegionStore):
         """Most the OS ever counted (RssShmem) above the running sum (in a step: the plan's staging alone), at any
         sample: 0 when the sum is honest."""
         self._process = psutil.Process()
+        self._shmem_before = staging.rss_shmem()
+        """Shared memory the process held before this store (another run's, a DataLoader's): not staging."""
         self.disk: DiskStore | None = None
         if self.on_disk:
             self.disk = DiskStore(nvme_dir)  # type: ignore[arg-type]
@@ -297,10 +299,10 @@ class TieredStore(RegionStore):
         self.iter_bytes[1] += self._buffers[rid].nbytes
 
     def _sample(self, *, in_step: bool = True) -> None:
-        """The process's RSS, and on Linux its shared-memory part: the staging mappings' resident pages (nothing
-        else in hplan maps shared memory), the OS's own count of what `host_model_bytes` (+ the out-of-plan
-        reads held) tracks."""
-        shmem = staging.rss_shmem()
+        """The process's RSS, and on Linux its shared-memory part grown since the store began: the staging mappings'
+        resident pages (nothing else in hplan maps shared memory; a DataLoader's workers may, and would count
+        here), the OS's own count of what `host_model_bytes` (+ the out-of-plan reads held) tracks."""
+        shmem = max(0, staging.rss_shmem() - self._shmem_before)
         counted = self.host_model_bytes + (0 if in_step else self.outside_bytes)  # in a step: the plan's alone
         self.staging_excess_bytes = max(self.staging_excess_bytes, shmem - counted)
         if in_step:
