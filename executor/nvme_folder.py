@@ -18,8 +18,10 @@ wrote). Format, one line each: the header `hplan.nvme-owner/1`, `+ NAME` (about 
 `= NAME INODE` (created). The record itself is hostile input too: read with a size cap, strictly parsed, and
 only plain region names are accepted, so it can name nothing outside the folder. Unlinking removes a name from
 this folder only: a hard link to a user's file, planted here, loses that one name and no data.
-Races: another process of the same user writing into this 0700 folder between hplan's fstat and unlink can
-still make hplan unlink a name it planted there; it cannot make hplan write through a link.
+Limits: another process of the same user writing into this 0700 folder between hplan's fstat and unlink can
+still make hplan unlink a name it planted there; and a region file deleted there and replaced by a new regular
+file that happens to get the freed inode passes the identity check (it is then hplan's file in hplan's folder,
+and its content is still checksummed on every read). Neither can make hplan write through a link.
 """
 
 from __future__ import annotations
@@ -116,9 +118,12 @@ class RunFolder:
             raise FileNotFoundError(errno.ENOENT, os.strerror(errno.ENOENT), name)
         try:
             fd = os.open(name, flags | _OPEN, dir_fd=self.fd)
-        except OSError as exc:
-            if exc.errno == errno.ELOOP:
-                raise self.replaced(name, "now a symbolic link") from None
+        except FileNotFoundError:
+            raise
+        except OSError as exc:  # ELOOP: a symlink; ENXIO: a FIFO opened for writing; or a real I/O error
+            what = _what(self.fd, name)
+            if what is not None and (what != "a regular file" or exc.errno == errno.ELOOP):
+                raise self.replaced(name, f"now {what}") from None
             raise
         try:
             st = os.fstat(fd)
@@ -237,10 +242,25 @@ def _open_folder(parent_fd: int, path: Path) -> int:
         return os.open(path.name, os.O_RDONLY | os.O_DIRECTORY | _OPEN, dir_fd=parent_fd)
     except OSError as exc:
         if exc.errno in (errno.ELOOP, errno.ENOTDIR):
-            kind = "a symbolic link" if exc.errno == errno.ELOOP else "not a folder"
-            raise HplanError(f"{path} is {kind}, but hplan keeps its region files in a folder of that name: move "
-                             "it away or pass another --nvme-dir") from None
+            what = _what(parent_fd, path.name) or "gone"
+            raise HplanError(f"{path} is {what}, not a folder, but hplan keeps its region files in a folder of that "
+                             "name: move it away or pass another --nvme-dir") from None
         raise
+
+
+def _what(folder_fd: int, name: str) -> str | None:
+    """What stands at `name` now, in words (None: nothing)."""
+    try:
+        mode = os.stat(name, dir_fd=folder_fd, follow_symlinks=False).st_mode
+    except FileNotFoundError:
+        return None
+    if stat.S_ISLNK(mode):
+        return "a symbolic link"
+    if stat.S_ISFIFO(mode):
+        return "a FIFO"
+    if stat.S_ISDIR(mode):
+        return "a folder"
+    return "a regular file" if stat.S_ISREG(mode) else "a device or socket"
 
 
 def _require_regular(fd: int, path: Path) -> os.stat_result:

@@ -18,7 +18,7 @@ import torch
 
 from hplan.errors import HplanError
 from hplan.executor import nvme_format, nvme_io
-from hplan.executor.nvme_folder import FOLDER
+from hplan.executor.nvme_folder import FOLDER, RECORD
 from hplan.executor.nvme import DiskStore, aligned_empty, is_aligned, measure_raw_bandwidth, storage_bytes
 
 SIZES = [0, 1, 4095, 4096, (1 << 20) + 3]
@@ -381,3 +381,149 @@ def test_measure_raw_bandwidth(tmp_path: Path) -> None:
     assert list(tmp_path.iterdir()) == []  # the scratch file is gone
     with pytest.raises(HplanError, match="does not exist"):
         measure_raw_bandwidth(tmp_path / "absent", 1 << 20)
+
+
+# -- hostile names in the directory (issue 22): nothing is written through, opened blocking or deleted that the
+# store did not create; see [Note: nvme ownership] in executor/nvme_folder.py.
+
+def outside(tmp_path: Path) -> Path:
+    """A user's file outside the store's directory, which a planted link points at."""
+    target = tmp_path / "outside" / "precious.txt"
+    target.parent.mkdir()
+    target.write_bytes(b"the user's data\n")
+    return target
+
+
+def no_hang(seconds: int = 30) -> None:
+    """Fail, rather than hang the suite, if a FIFO is ever opened blocking."""
+    def hung(signum: int, frame: object) -> None:
+        raise TimeoutError("the store blocked on a FIFO")
+
+    signal.signal(signal.SIGALRM, hung)
+    signal.alarm(seconds)
+
+
+@pytest.fixture
+def nv(tmp_path: Path) -> Path:
+    d = tmp_path / "nv"
+    d.mkdir()
+    yield d
+    signal.alarm(0)
+
+
+@pytest.mark.parametrize("kind", ["symlink", "fifo"])
+def test_a_symlink_or_fifo_at_the_lock_is_refused_and_nothing_is_written(tmp_path: Path, nv: Path, kind: str) -> None:
+    target = outside(tmp_path)
+    lock = nv / ".hplan-nvme.lock"
+    if kind == "symlink":
+        lock.symlink_to(target)
+    else:
+        os.mkfifo(lock)
+    no_hang()
+    with pytest.raises(HplanError, match="symbolic link" if kind == "symlink" else "not a regular file") as exc:
+        DiskStore(nv)
+    assert str(lock) in one_line(exc)
+    assert target.read_bytes() == b"the user's data\n" and sorted(p.name for p in nv.iterdir()) == [lock.name]
+
+
+@pytest.mark.parametrize("kind", ["symlink", "file"])
+def test_something_else_at_the_stores_folder_name_is_refused(tmp_path: Path, nv: Path, kind: str) -> None:
+    target = outside(tmp_path)
+    if kind == "symlink":
+        (nv / FOLDER).symlink_to(target.parent, target_is_directory=True)
+    else:
+        (nv / FOLDER).write_bytes(b"x")
+    with pytest.raises(HplanError, match="is a symbolic link, not a folder" if kind == "symlink"
+                       else "is a regular file, not a folder") as exc:
+        DiskStore(nv)
+    one_line(exc)
+    assert sorted(p.name for p in target.parent.iterdir()) == ["precious.txt"]
+    assert target.read_bytes() == b"the user's data\n" and sorted(p.name for p in nv.iterdir()) == [FOLDER]
+
+
+def test_user_files_at_region_names_in_the_directory_are_never_touched(tmp_path: Path, nv: Path) -> None:
+    """The plan itself under a region's name, a symlink and a FIFO at others: the store works beside them."""
+    target = outside(tmp_path)
+    (nv / "k.0.region").write_bytes(b'{"schema": "hplan.plan/2"}')
+    (nv / "k.1.region").symlink_to(target)
+    os.mkfifo(nv / "j.0.region")
+    (nv / ".hplan-nvme-probe").symlink_to(target)
+    no_hang()
+    with DiskStore(nv) as store:
+        for key in ("k", "j"):
+            store.write_async(key, rand(5000, 1))
+            store.commit()
+            store.write_async(key, rand(5000, 2))
+        store.wait_all()
+        store.close(discard=True)
+    assert (nv / "k.0.region").read_bytes() == b'{"schema": "hplan.plan/2"}'
+    assert target.read_bytes() == b"the user's data\n"
+    assert sorted(p.name for p in nv.iterdir()) == [".hplan-nvme-probe", "j.0.region", "k.0.region", "k.1.region"]
+
+
+@pytest.mark.parametrize("swap", ["symlink", "hardlink", "fifo", "file"])
+def test_a_region_file_swapped_behind_the_store_is_never_written_through(tmp_path: Path, nv: Path,
+                                                                         swap: str) -> None:
+    target = outside(tmp_path)
+    no_hang()
+    with DiskStore(nv) as store:
+        store.write_async("s", rand(8192, 1)).result()
+        victim = nv / FOLDER / "s.0.region"
+        os.link(victim, tmp_path / "kept")  # its inode stays in use, so the new file cannot get it
+        victim.unlink()
+        if swap == "symlink":
+            victim.symlink_to(target)
+        elif swap == "hardlink":
+            os.link(target, victim)
+        elif swap == "fifo":
+            os.mkfifo(victim)
+        else:
+            victim.write_bytes(b"someone else's file")
+        store.write_async("s", rand(8192, 2))
+        with pytest.raises(HplanError, match="was replaced since hplan wrote it") as exc:
+            store.wait("s")
+        assert str(victim) in one_line(exc)
+        store.close(discard=True)
+    assert target.read_bytes() == b"the user's data\n"
+    assert victim.is_symlink() or victim.exists()  # not ours: not deleted either
+    assert [p.name for p in (nv / FOLDER).iterdir()] == [victim.name]
+
+
+def test_leftovers_are_removed_only_as_far_as_the_record_proves(tmp_path: Path, nv: Path) -> None:
+    """What a store left (closed keeping its files, or killed) goes at the next fresh start; a user's file or link
+    placed in its folder stays, and the start is refused naming it, until it is moved out."""
+    target = outside(tmp_path)
+    with DiskStore(nv) as store:
+        for key in ("a", "b"):
+            store.write_async(key, rand(4096 + 7, 3))
+        store.commit()
+    folder = nv / FOLDER
+    assert region_files(nv) == ["a.0.region", "b.0.region"]
+    (folder / "a.0.region").unlink()
+    (folder / "a.0.region").write_bytes(b"a user's file at a name the record lists")  # another inode
+    (folder / "c.0.region").symlink_to(target)
+    with pytest.raises(HplanError, match="was not written by hplan") as exc:
+        DiskStore(nv)
+    assert "a.0.region" in one_line(exc)
+    assert sorted(p.name for p in folder.iterdir()) == ["a.0.region", "c.0.region"]  # b.0 (hplan's) is gone
+    assert (folder / "a.0.region").read_bytes() == b"a user's file at a name the record lists"
+    assert target.read_bytes() == b"the user's data\n"
+    for name in ("a.0.region", "c.0.region"):
+        (folder / name).unlink()
+    with DiskStore(nv) as store:  # an empty folder without a record is an interrupted setup: removed
+        store.write_async("a", rand(10, 1)).result()
+    with DiskStore(nv):
+        assert region_files(nv) == []
+
+
+@pytest.mark.parametrize("record", [b"not hplan\n", b"hplan.nvme-owner/1\n= ../../etc/passwd 5\n",
+                                    b"hplan.nvme-owner/1\n" + b"+ x.0.region\n" * 10])
+def test_a_record_hplan_did_not_write_removes_nothing(nv: Path, record: bytes) -> None:
+    folder = nv / FOLDER
+    folder.mkdir()
+    (folder / RECORD).write_bytes(record)
+    (folder / "x.0.region").write_bytes(b"data")  # not empty: an announced name alone proves nothing
+    with pytest.raises(HplanError, match="not an hplan ownership record|was not written by hplan") as exc:
+        DiskStore(nv)
+    one_line(exc)
+    assert (folder / "x.0.region").read_bytes() == b"data"
