@@ -9,17 +9,21 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import signal
+import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
 import torch
-from loops import kill_after_save, user_loop, weight_diff
+from loops import cli_env, kill_after_save, user_loop, weight_diff
 
 from hplan.artifacts import Hardware, Plan
 from hplan.artifacts.plan import staging_bytes
 from hplan.errors import HplanError
 from hplan.executor import run_training
+from hplan.executor.checkpoint_dir import saved_step
 from hplan.executor.nvme_folder import FOLDER
 from hplan.planner import PlanOptions, default_slack, make_plan, min_gpu_bytes
 from hplan.specs import load_workload
@@ -113,18 +117,60 @@ def test_stop_then_resume_with_state_on_disk(bf16, tmp_path):
 
 
 def test_kill_9_mid_run_then_resume_bit_identical(bf16, tmp_path):
+    """The plan itself lives in --nvme-dir under a region file's name (issue 22: it used to be deleted at the end):
+    after a kill -9 and a resumed run it is byte-identical, and the killed run's files are gone."""
     workload, plan = bf16
-    plan.save(tmp_path / "plan.json")
     ck, nv = tmp_path / "ck", tmp_path / "nvme"
     nv.mkdir()
+    plan.save(nv / "r0.0.region")
+    plan_bytes = (nv / "r0.0.region").read_bytes()
     cmd = [sys.executable, "-c", "from hplan.cli import main; main()", "run", "gpt:tiny", "--precision", "bf16-mixed",
-           "--plan", str(tmp_path / "plan.json"), "--steps", "100000", "--checkpoint", str(ck), "--nvme-dir", str(nv)]
+           "--plan", str(nv / "r0.0.region"), "--steps", "100000", "--checkpoint", str(ck), "--nvme-dir", str(nv)]
     done = kill_after_save(cmd, ck, step=2, timeout_s=90)
-    assert region_files(nv)  # killed: its scratch files are still there, and the resumed run overwrites them
+    assert region_files(nv)  # killed: its scratch files are still there; the next run removes them
     resumed = run_training(workload, plan, steps=done + 2, checkpoint_dir=ck, resume=True, nvme_dir=nv)
+    assert sorted(p.name for p in nv.iterdir()) == ["r0.0.region"]  # the killed run's folder and lock are gone
+    assert (nv / "r0.0.region").read_bytes() == plan_bytes
     (tmp_path / "fresh").mkdir()
     full = run_training(workload, plan, steps=done + 2, nvme_dir=tmp_path / "fresh")
     assert resumed.losses == full.losses[done:]
+
+
+def test_sigterm_mid_run_cleans_up_and_never_touches_what_it_did_not_write(bf16, tmp_path):
+    """SIGTERM unwinds the run (exit 143, one line): no region file, folder or lock is left, the checkpoint
+    resumes; the plan under a region file's name, symlinks to a file outside at region and probe names and a
+    FIFO at another are untouched, and none of them hangs the run."""
+    workload, plan = bf16
+    ck, nv = tmp_path / "ck", tmp_path / "nvme"
+    nv.mkdir()
+    precious = tmp_path / "precious.txt"
+    precious.write_bytes(b"the user's data\n")
+    plan.save(nv / "r0.0.region")
+    planted = {"r1.0.region": "link", ".hplan-nvme-probe": "link", "r2.1.region": "fifo"}
+    for name, kind in planted.items():
+        (nv / name).symlink_to(precious) if kind == "link" else os.mkfifo(nv / name)
+    before = {p.name: (p.lstat().st_mode, p.read_bytes() if p.is_file() and not p.is_symlink() else None)
+              for p in nv.iterdir()}
+    cmd = [sys.executable, "-c", "from hplan.cli import main; main()", "run", "gpt:tiny", "--precision", "bf16-mixed",
+           "--plan", str(nv / "r0.0.region"), "--steps", "100000", "--checkpoint", str(ck), "--nvme-dir", str(nv)]
+    proc = subprocess.Popen(cmd, env=cli_env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 90
+        while saved_step(ck) < 1 and time.monotonic() < deadline and proc.poll() is None:
+            time.sleep(0.05)
+        assert proc.poll() is None, proc.communicate()[1]
+        proc.send_signal(signal.SIGTERM)
+        _, stderr = proc.communicate(timeout=60)
+    finally:
+        proc.kill()
+    assert proc.returncode == 128 + signal.SIGTERM, stderr
+    assert stderr.startswith("stopped by SIGTERM") and len(stderr.strip().splitlines()) == 1, stderr
+    after = {p.name: (p.lstat().st_mode, p.read_bytes() if p.is_file() and not p.is_symlink() else None)
+             for p in nv.iterdir()}
+    assert after == before and precious.read_bytes() == b"the user's data\n"
+    resumed = run_training(workload, plan, steps=saved_step(ck) + 1, checkpoint_dir=ck, resume=True,
+                           nvme_dir=tmp_path)
+    assert resumed.steps == 1
 
 
 @pytest.mark.parametrize("damage", ["modified", "truncated"])
