@@ -175,6 +175,8 @@ def test_sigterm_mid_run_cleans_up_and_never_touches_what_it_did_not_write(bf16,
 
 @pytest.mark.parametrize("damage", ["modified", "truncated"])
 def test_a_region_file_changed_between_steps_is_refused_naming_it(bf16, tmp_path, damage):
+    """Two files damaged: the first one read is named (the second, met while handing the model back, does not
+    replace that error), and no region file, folder or lock is left (issue 22)."""
     workload, plan = bf16
     model = workload.build_model()
     optimizer = workload.optimizer(model.parameters())
@@ -186,18 +188,40 @@ def test_a_region_file_changed_between_steps_is_refused_naming_it(bf16, tmp_path
             workload.loss(model, workload.micro_batch(step, 0)).backward()
             optimizer.step()
             optimizer.zero_grad()
-            victim = max((tmp_path / FOLDER).glob("*.region"), key=lambda p: p.stat().st_size)
-            with victim.open("r+b") as f:
-                if damage == "truncated":
-                    f.truncate(victim.stat().st_size // 2)
-                else:
-                    f.seek(100)
-                    byte = f.read(1)
-                    f.seek(100)
-                    f.write(bytes([byte[0] ^ 0xFF]))
+            for victim in sorted((tmp_path / FOLDER).glob("*.region"), key=lambda p: p.stat().st_size)[-2:]:
+                with victim.open("r+b") as f:
+                    if damage == "truncated":
+                        f.truncate(victim.stat().st_size // 2)
+                    else:
+                        f.seek(100)
+                        byte = f.read(1)
+                        f.seek(100)
+                        f.write(bytes([byte[0] ^ 0xFF]))
     message = str(err.value)
     assert "\n" not in message and ".region" in message
     assert ("checksum" in message) if damage == "modified" else ("truncated" in message)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_an_error_during_setup_leaves_nothing_on_disk(bf16, tmp_path, monkeypatch):
+    """PlanRun.__enter__ failing after some regions went to disk (here: adopting the third chunk's optimizer
+    state) closes the host tier: no region file, folder or lock is left (issue 22)."""
+    from hplan.executor.update import ChunkUpdate
+
+    workload, plan = bf16
+    real, calls = ChunkUpdate.adopt, []
+
+    def adopt(self: ChunkUpdate) -> None:
+        calls.append(self.chunk.id)
+        if len(calls) == 3:
+            assert region_files(tmp_path), "nothing was on disk yet: the test would prove nothing"
+            raise HplanError("a setup failure")
+        real(self)
+
+    monkeypatch.setattr(ChunkUpdate, "adopt", adopt)
+    with pytest.raises(HplanError, match="a setup failure"):
+        run_training(workload, plan, steps=1, nvme_dir=tmp_path)
+    assert list(tmp_path.iterdir()) == []
 
 
 def test_a_full_disk_is_refused_before_any_step(bf16, tmp_path, monkeypatch):

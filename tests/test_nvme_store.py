@@ -527,3 +527,25 @@ def test_a_record_hplan_did_not_write_removes_nothing(nv: Path, record: bytes) -
         DiskStore(nv)
     one_line(exc)
     assert (folder / "x.0.region").read_bytes() == b"data"
+
+
+def test_a_symlinked_directory_is_resolved_once(tmp_path: Path) -> None:
+    """--nvme-dir may be a symlink (resolved when the store opens); re-pointing it later redirects nothing: the
+    store keeps using the folder it opened."""
+    first, second = tmp_path / "first", tmp_path / "second"
+    first.mkdir()
+    second.mkdir()
+    link = tmp_path / "nvme"
+    link.symlink_to(first, target_is_directory=True)
+    with DiskStore(link) as store:
+        assert store.directory == first
+        store.write_async("a", rand(5000, 1)).result()
+        link.unlink()
+        link.symlink_to(second, target_is_directory=True)
+        store.write_async("b", rand(5000, 2)).result()
+        dst = aligned_empty(5000)
+        store.read_async("a", dst).result()
+        assert torch.equal(dst, rand(5000, 1))
+        assert region_files(first) == ["a.0.region", "b.0.region"] and list(second.iterdir()) == []
+        store.close(discard=True)
+    assert list(first.iterdir()) == []
