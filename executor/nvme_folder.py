@@ -63,7 +63,11 @@ class RunFolder:
         self._parent_fd = parent_fd
         self._mutex = threading.Lock()
         if adopt:
-            self.fd = _open_folder(parent_fd, self.path)
+            try:
+                self.fd = _open_folder(parent_fd, self.path)
+            except FileNotFoundError:
+                raise HplanError(f"{self.path} is missing, and with it the region files the manifest names: restore "
+                                 "it with its checkpoint or start without resuming") from None
             try:
                 owned = read_record(self.fd, self.path)
                 if owned is None:

@@ -308,6 +308,17 @@ def test_commit_pins_versions_and_a_stale_manifest_is_caught(tmp_path: Path) -> 
             store.wait("p")
     with pytest.raises(HplanError, match="schema"):
         DiskStore(tmp_path, manifest={"schema": "hplan.nvme-manifest/0", "regions": {}})
+    with pytest.raises(HplanError, match="not \\[size, checksum, slot\\]"):  # a string would iterate as digits
+        DiskStore(tmp_path, manifest={**m1, "regions": {"p": "123"}})
+    with DiskStore(tmp_path):  # a fresh store removes the files: the manifest can no longer be resumed
+        pass
+    with pytest.raises(HplanError, match="p.1.region named by the manifest is missing") as exc:
+        DiskStore(tmp_path, manifest=m1)
+    one_line(exc)
+    DiskStore(tmp_path).close(discard=True)  # and its folder
+    with pytest.raises(HplanError, match="is missing, and with it the region files") as exc:
+        DiskStore(tmp_path, manifest=m1)
+    one_line(exc)
 
 
 def test_kill_9_during_writes_then_resume_reads_the_committed_bytes(tmp_path: Path) -> None:
