@@ -239,6 +239,7 @@ def probe_direct(folder: RunFolder, direct: bool | str) -> str | None:
     elif not O_DIRECT:
         reason = "this platform has no O_DIRECT"
     try:
+        folder.remove(PROBE)  # a probe left by a store killed in its own probe (resumed from its folder)
         folder.create(PROBE)
         if reason is None:
             try:
