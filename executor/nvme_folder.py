@@ -89,10 +89,10 @@ class RunFolder:
                              "--nvme-dir?): stop it or pass another --nvme-dir") from None
         self.fd = _open_folder(parent_fd, self.path)
         try:
-            self.files = {}
+            self.files: dict[str, int] = {}
             self._record = os.open(RECORD, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_EXCL | _OPEN, 0o600,
                                    dir_fd=self.fd)
-            os.write(self._record, f"{HEADER}\n".encode())
+            _append(self._record, f"{HEADER}\n")
         except BaseException:
             os.close(self.fd)
             raise
@@ -102,12 +102,12 @@ class RunFolder:
         if not _NAME.fullmatch(name):
             raise AssertionError(f"not a region file name: {name!r}")
         with self._mutex:
-            os.write(self._record, f"+ {name}\n".encode())
+            _append(self._record, f"+ {name}\n")
         fd = os.open(name, os.O_RDWR | os.O_CREAT | os.O_EXCL | _OPEN, 0o600, dir_fd=self.fd)
         try:
             ino = os.fstat(fd).st_ino
             with self._mutex:
-                os.write(self._record, f"= {name} {ino}\n".encode())
+                _append(self._record, f"= {name} {ino}\n")
                 self.files[name] = ino
         finally:
             os.close(fd)
@@ -283,6 +283,12 @@ def _lstat_is(folder_fd: int, name: str, ino: int | None) -> bool:
     if not stat.S_ISREG(st.st_mode):
         return False
     return st.st_size == 0 if ino is None else st.st_ino == ino
+
+
+def _append(fd: int, line: str) -> None:
+    data = line.encode()
+    while data:
+        data = data[os.write(fd, data):]
 
 
 def _unlink(folder_fd: int, name: str) -> None:
