@@ -22,25 +22,70 @@ from hplan.errors import HplanError
 OnError = Callable[[OSError], Exception]
 
 
-def lock_exclusive(path: Path, *, busy: str, cannot_create: OnError) -> int:
+def lock_exclusive(path: Path, *, busy: str, cannot_create: OnError, dir_fd: int | None = None) -> int:
     """flock `path` (created if missing) exclusively without waiting; returns the fd, whose closing releases
     it. Raises HplanError(`busy`) when another process holds it, `cannot_create(exc)` when it cannot be
-    opened. Never remove the lock file: two runs could then lock two different files."""
+    opened. With `dir_fd` the file is `path.name` in that open folder (so a folder swapped after it was opened
+    cannot redirect it). The lock held is always the file at `path` now: a holder may remove it on release
+    (`unlock`), so a lock taken on a file removed meanwhile is dropped and taken again on the new one.
+
+    [Note: hostile names] The folder may hold anything under the lock's name: a symlink is never followed
+    (O_NOFOLLOW), a FIFO or device is opened without blocking (O_NONBLOCK) and refused by fstat before use,
+    so a planted name can neither redirect hplan's writes nor hang it. Only a regular file is locked; the
+    lock never writes to it."""
+    name = path.name if dir_fd is not None else path
+    flags = os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK
+    for _ in range(100):
+        try:
+            fd = os.open(name, flags, 0o644, dir_fd=dir_fd)
+        except OSError as exc:
+            if exc.errno == errno.ELOOP:
+                raise HplanError(f"{path} is a symbolic link, which hplan never follows: remove it "
+                                 "(hplan creates its own lock file there)") from None
+            raise cannot_create(exc) from None
+        try:
+            if not stat.S_ISREG(os.fstat(fd).st_mode):
+                raise HplanError(f"{path} is not a regular file (a FIFO, device or socket?): remove it "
+                                 "(hplan creates its own lock file there)")
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            if _same_file(fd, name, dir_fd):
+                return fd
+        except BlockingIOError:
+            os.close(fd)
+            raise HplanError(busy) from None
+        except BaseException:
+            os.close(fd)
+            raise
+        os.close(fd)  # its holder removed it between our open and flock: lock the file there now
+    raise HplanError(busy)
+
+
+def unlock(fd: int, path: Path, *, dir_fd: int | None = None, remove: bool = False) -> None:
+    """Release a lock from `lock_exclusive`; with `remove`, first remove its file if it is still the one locked
+    and empty (a lock file hplan made never holds a byte: a user's file of that name is left alone)."""
+    name = path.name if dir_fd is not None else path
     try:
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
-    except OSError as exc:
-        raise cannot_create(exc) from None
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
+        if remove and _same_file(fd, name, dir_fd) and os.fstat(fd).st_size == 0:
+            os.unlink(name, dir_fd=dir_fd)
+    except OSError:
+        pass  # it stays: the next run locks it again
+    finally:
         os.close(fd)
-        raise HplanError(busy) from None
-    return fd
+
+
+def _same_file(fd: int, name: str | Path, dir_fd: int | None) -> bool:
+    try:
+        at = os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
+    except FileNotFoundError:
+        return False
+    own = os.fstat(fd)
+    return (at.st_dev, at.st_ino) == (own.st_dev, own.st_ino)
 
 
 def fsync_path(path: Path, *, on_error: OnError | None = None) -> None:
-    """Flush a file or a folder entry to stable storage; an OSError goes through `on_error` when given."""
-    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    """Flush a file or a folder entry to stable storage; an OSError goes through `on_error` when given.
+    O_NONBLOCK: a FIFO planted at `path` fails (fsync refuses it) instead of hanging the open."""
+    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK)
     try:
         os.fsync(fd)
     except OSError as exc:

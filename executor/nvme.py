@@ -8,7 +8,9 @@
     manifest = store.commit()                          # save it with the checkpoint (JSON-able)
     DiskStore("/nvme/run1", manifest=manifest)         # resume: same bytes, verified on every read
 
-Layout: one file per region and version slot, `<key>.<slot>.region`. One file per region (as DeepSpeed
+Layout: one file per region and version slot, `DIR/hplan-regions/<key>.<slot>.region`, in a folder the store
+owns and files it created itself ([Note: nvme ownership] in nvme_folder.py: a planted symlink, FIFO or user
+file is refused, never written through or deleted). One file per region (as DeepSpeed
 does, deepspeed/runtime/swap_tensor/partitioned_param_swapper.py: one `.swp` file per partition) rather
 than one file with offsets because: an error names the one file that is wrong; a truncation is a size
 check; regions may change size without an offset allocator; and concurrent O_DIRECT writes to distinct
@@ -26,23 +28,25 @@ other slot, so the pinned files stay intact until the next commit. The caller mu
 manifest with its checkpoint before it writes again (a synchronous checkpoint between steps does), and
 passes it back as `DiskStore(dir, manifest=...)`. Cost: up to twice the regions' bytes on disk once a
 commit happened; no extra bandwidth. commit() also fsyncs what was written since the last one, so a
-committed version survives a power loss too.
+committed version survives a power loss too. A store opened without a manifest starts empty: it removes
+what earlier stores left in the directory (as far as their ownership record proves it), so resume from a
+manifest before opening a fresh store there. `close(discard=True)` removes the store's files (scratch data).
 """
 
 from __future__ import annotations
 
-import contextlib
 import os
 import threading
-import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import wait as wait_futures
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
+from hplan.executor.durable import unlock
+from hplan.executor.nvme_folder import RunFolder
+from hplan.executor.nvme_stats import IoStats, Meter
 from hplan.executor.nvme_format import (
     MANIFEST_SCHEMA,
     Region,
@@ -50,17 +54,19 @@ from hplan.executor.nvme_format import (
     checksum_function,
     dump_manifest,
     load_manifest,
-    region_path,
+    region_name,
 )
 from hplan.executor.nvme_io import (
+    O_DIRECT,
     aligned_empty,
     byte_view,
-    check_directory,
+    dir_error,
     file_error,
-    fsync_path,
+    fsync_fd,
     is_aligned,
     lock_directory,
     measure_raw_bandwidth,
+    open_directory,
     probe_direct,
     read_file,
     storage_bytes,
@@ -68,49 +74,9 @@ from hplan.executor.nvme_io import (
 )
 
 from hplan.errors import HplanError
+from hplan.sizes import format_sizes
 
 LOCK_NAME = ".hplan-nvme.lock"
-
-
-@dataclass(frozen=True, kw_only=True, slots=True)
-class IoStats:
-    """Bytes moved and time spent per direction, so the executor can report achieved bandwidth."""
-
-    read_bytes: int
-    write_bytes: int
-    reads: int
-    writes: int
-    read_seconds: float
-    """Wall seconds during which at least one read was in flight (overlapping reads count once)."""
-    write_seconds: float
-    """Wall seconds during which at least one write was in flight."""
-    buffered: int
-    """Transfers that did not use O_DIRECT (store in buffered mode, or an unaligned host buffer)."""
-    busy_seconds: float = 0.0
-    """Wall seconds during which any transfer (read or write) was in flight: the disk's busy time."""
-
-    @property
-    def read_bandwidth(self) -> float:
-        """Bytes per busy second reading (0 before any read)."""
-        return self.read_bytes / self.read_seconds if self.read_seconds else 0.0
-
-    @property
-    def write_bandwidth(self) -> float:
-        return self.write_bytes / self.write_seconds if self.write_seconds else 0.0
-
-
-class _Busy:
-    """Union of in-flight intervals for one direction: bandwidth = bytes / this, not / summed thread time."""
-
-    def __init__(self) -> None:
-        self.active = 0
-        self.since = 0.0
-        self.seconds = 0.0
-        self.bytes = 0
-        self.ops = 0
-
-    def now_seconds(self) -> float:
-        return self.seconds + (time.perf_counter() - self.since if self.active else 0.0)
 
 
 class DiskStore:
@@ -127,10 +93,21 @@ class DiskStore:
                  checksum: str = "auto", manifest: Mapping[str, Any] | None = None) -> None:
         if threads < 1:
             raise HplanError(f"DiskStore needs at least one I/O thread, got threads={threads}")
-        self.directory = check_directory(directory)
-        self._lock_fd = lock_directory(self.directory, LOCK_NAME)
+        self.directory, self._dir_fd = open_directory(directory)
+        self.folder: RunFolder | None = None
+        self._lock_fd = -1
         try:
-            self.fallback_reason: str | None = probe_direct(self.directory, direct)
+            self._lock_fd = lock_directory(self.directory, self._dir_fd, LOCK_NAME)
+            algorithm, pinned = load_manifest(manifest) if manifest is not None else (checksum, {})
+            if manifest is not None and checksum not in ("auto", algorithm):
+                raise HplanError(f"checksum={checksum!r} but the manifest was written with {algorithm}: "
+                                 "leave checksum='auto' when resuming")
+            self.checksum_name, self._checksum = checksum_function(algorithm)
+            try:
+                self.folder = RunFolder(self._dir_fd, self.directory, adopt=manifest is not None)
+            except OSError as exc:
+                raise dir_error(self.directory, exc) from None
+            self.fallback_reason: str | None = probe_direct(self.folder, direct)
             self.direct = self.fallback_reason is None
             self._regions: dict[str, Region] = {}
             """Current valid version per key; a key is absent while unwritten or after a failed write."""
@@ -140,21 +117,18 @@ class DiskStore:
             """Key → the error of its last write, when that write failed (for the read's message)."""
             self._pending: dict[str, Future[None]] = {}
             """Key → its last submitted transfer; each transfer waits for the one before it on the same key."""
-            self._unsynced: set[Path] = set()
-            self._busy = {"read": _Busy(), "write": _Busy(), "any": _Busy()}
-            self._buffered = 0
+            self._unsynced: set[str] = set()
+            """Names of files written since the last commit (fsynced by the next)."""
+            self._meter = Meter()
             self._mutex = threading.Lock()
-            if manifest is not None:
-                algorithm, self._regions = load_manifest(manifest, self.directory)
-                if checksum not in ("auto", algorithm):
-                    raise HplanError(f"checksum={checksum!r} but the manifest was written with {algorithm}: "
-                                     "leave checksum='auto' when resuming")
-                checksum = algorithm
-                self._pinned = dict(self._regions)
-            self.checksum_name, self._checksum = checksum_function(checksum)
+            for key, region in pinned.items():
+                self._check_pinned(key, region)
+            self._regions, self._pinned = dict(pinned), dict(pinned)
             self._pool = ThreadPoolExecutor(threads, thread_name_prefix="hplan-nvme")
         except BaseException:
-            os.close(self._lock_fd)
+            if self.folder is not None and manifest is None:
+                self.folder.discard()  # a fresh store leaves nothing behind; a resumed one keeps what it resumes
+            self._release()
             raise
 
     # -- transfers ------------------------------------------------------------------------------------
@@ -164,8 +138,9 @@ class DiskStore:
         self._check_open()
         check_key(key)
         view = byte_view(src, f"writing region {key!r}")
+        direct = self.direct and is_aligned(src)
         with self._mutex:
-            fut = self._pool.submit(self._write, key, src, view, self._pending.get(key))
+            fut = self._pool.submit(self._write, key, [view], direct, self._pending.get(key))
             self._pending[key] = fut
         return fut
 
@@ -174,11 +149,12 @@ class DiskStore:
         self._check_open()
         check_key(key)
         view = byte_view(dst, f"reading region {key!r}")
+        direct = self.direct and is_aligned(dst)
         with self._mutex:
             prev = self._pending.get(key)
             if prev is None or prev.done():  # nothing in flight decides the region: refuse bad requests now
                 self._check_readable(key, len(view))
-            fut = self._pool.submit(self._read, key, dst, view, prev)
+            fut = self._pool.submit(self._read, key, [view], direct, prev)
             self._pending[key] = fut
         return fut
 
@@ -210,40 +186,51 @@ class DiskStore:
         if error is not None:
             raise error
 
-    def _write(self, key: str, src: torch.Tensor, view: memoryview, prev: Future[None] | None) -> None:
+    def _write(self, key: str, box: list[memoryview], direct: bool, prev: Future[None] | None) -> None:
+        """[Note: no buffer outlives its transfer] The buffer arrives in a box this frame empties: the pool's
+        work item keeps its arguments until after the Future is done, so a caller that frees the buffer once the
+        transfer is done would otherwise still see it mapped (and the OS count it) for a moment."""
+        view = box.pop()
         _after(prev)
         with self._mutex:
             current = self._regions.pop(key, None)  # invalid from here until this write completes
             pinned = self._pinned.get(key)
             slot = 1 - pinned.slot if pinned is not None else (current.slot if current is not None else 0)
-        path = self._path(key, slot)
-        direct = self.direct and is_aligned(src)
-        with self._timed("write"):
+        name = region_name(key, slot)
+        with self._meter.timed("write"):
             crc = self._checksum(view)
             try:
-                write_file(path, view, direct=direct)
-            except OSError as exc:
-                path.unlink(missing_ok=True)  # a torn file must not outlive the error
-                error = file_error(path, exc, writing=True)
+                fd = self._open(name, os.O_WRONLY | (O_DIRECT if direct else 0), create=True)
+                try:
+                    write_file(fd, view, direct=direct)
+                finally:
+                    os.close(fd)
+            except (OSError, HplanError) as exc:
+                self._folder.remove(name)  # a torn file must not outlive the error (removes only our own file)
+                error = exc if isinstance(exc, HplanError) else file_error(self._path(name), exc, writing=True)
                 with self._mutex:
                     self._failed[key] = str(error)
-                    self._unsynced.discard(path)
+                    self._unsynced.discard(name)
                 raise error from None
         with self._mutex:
             self._regions[key] = Region(len(view), crc, slot)
             self._failed.pop(key, None)
-            self._unsynced.add(path)
-            self._count("write", len(view), direct)
+            self._unsynced.add(name)
+        self._meter.count("write", len(view), direct)
 
-    def _read(self, key: str, dst: torch.Tensor, view: memoryview, prev: Future[None] | None) -> None:
+    def _read(self, key: str, box: list[memoryview], direct: bool, prev: Future[None] | None) -> None:
+        view = box.pop()  # [Note: no buffer outlives its transfer]
         _after(prev)
         with self._mutex:
             region = self._check_readable(key, len(view))
-        path = self._path(key, region.slot)
-        direct = self.direct and is_aligned(dst)
-        with self._timed("read"):
+        path = self._path(region_name(key, region.slot))
+        with self._meter.timed("read"):
             try:
-                size = read_file(path, view, direct=direct)
+                fd = self._open(path.name, os.O_RDONLY | (O_DIRECT if direct else 0))
+                try:
+                    size = read_file(fd, view, direct=direct)
+                finally:
+                    os.close(fd)
             except FileNotFoundError:
                 raise HplanError(f"region file {path} is missing (deleted since hplan wrote it): restore the "
                                  "directory from its checkpoint or start the run again") from None
@@ -257,8 +244,44 @@ class DiskStore:
             raise HplanError(f"region file {path} does not match its {self.checksum_name} checksum ({crc:#x}, "
                              f"written {region.checksum:#x}): it was modified or torn; restore it from its "
                              "checkpoint or start the run again")
-        with self._mutex:
-            self._count("read", len(view), direct)
+        self._meter.count("read", len(view), direct)
+
+    def _open(self, name: str, flags: int, *, create: bool = False) -> int:
+        """A descriptor of the store's file `name` (created first when new): see [Note: nvme ownership]."""
+        folder = self._folder
+        if create and not self._owned(name):
+            try:
+                folder.create(name)
+            except FileExistsError:
+                raise HplanError(f"{folder.path / name} exists but this run did not create it: hplan never "
+                                 "writes through a file it did not create; remove it or start the run in a folder "
+                                 "nobody else writes to") from None
+        return folder.open(name, flags)
+
+    def _owned(self, name: str) -> bool:
+        return name in self._folder.files
+
+    @property
+    def _folder(self) -> RunFolder:
+        if self.folder is None:
+            raise HplanError(f"the DiskStore for {self.directory} is closed: open a new one to move more regions")
+        return self.folder
+
+    def _check_pinned(self, key: str, region: Region) -> None:
+        """A region the manifest pins must be the file hplan wrote (record + inode) with the manifest's size."""
+        name = region_name(key, region.slot)
+        try:
+            fd = self._open(name, os.O_RDONLY)
+        except FileNotFoundError:
+            raise HplanError(f"region file {self._path(name)} named by the manifest is missing: restore "
+                             f"{self.directory} with its checkpoint or start without resuming") from None
+        try:
+            actual = os.fstat(fd).st_size
+        finally:
+            os.close(fd)
+        if actual != region.size:
+            raise HplanError(f"region file {self._path(name)} is {actual} bytes but the manifest says {region.size}: "
+                             "it was truncated or replaced; restore it with its checkpoint or start without resuming")
 
     def _check_open(self) -> None:
         if self._lock_fd < 0:
@@ -301,46 +324,59 @@ class DiskStore:
             if self._failed:
                 key, why = next(iter(sorted(self._failed.items())))
                 raise HplanError(f"cannot commit {self.directory}: region {key!r} has no valid copy ({why})")
-            for path in sorted(self._unsynced):
-                fsync_path(path)
+            for name in sorted(self._unsynced):
+                fd = self._open(name, os.O_RDONLY)
+                try:
+                    fsync_fd(fd, self._path(name))
+                finally:
+                    os.close(fd)
             self._unsynced.clear()
-            fsync_path(self.directory)
+            fsync_fd(self._folder.fd, self._folder.path)
             self._pinned = dict(self._regions)
             return dump_manifest(self._regions, self.checksum_name)
 
     def check_free(self, nbytes: int) -> None:
         """Raise a one-line HplanError unless the directory's disk has `nbytes` free (check before a run)."""
-        st = os.statvfs(self.directory)
+        st = os.statvfs(self._dir_fd)
         free = st.f_bavail * st.f_frsize
         if free < nbytes:
-            raise HplanError(f"nvme directory {self.directory} has {free / 1e9:.2f} GB free but needs "
-                             f"{nbytes / 1e9:.2f} GB: free space there or pass an --nvme-dir on a larger disk")
+            have, need = format_sizes(free, nbytes)
+            raise HplanError(f"nvme directory {self.directory} has {have} free but needs {need}: free space "
+                             "there or pass an --nvme-dir on a larger disk")
 
     def stats(self) -> IoStats:
         """Counters since construction or the last reset_stats() (bytes of completed transfers only)."""
-        with self._mutex:
-            r, w = self._busy["read"], self._busy["write"]
-            return IoStats(read_bytes=r.bytes, write_bytes=w.bytes, reads=r.ops, writes=w.ops,
-                           read_seconds=r.now_seconds(), write_seconds=w.now_seconds(), buffered=self._buffered,
-                           busy_seconds=self._busy["any"].now_seconds())
+        return self._meter.stats()
 
     def reset_stats(self) -> None:
-        with self._mutex:
-            for busy in self._busy.values():
-                busy.bytes = busy.ops = 0
-                busy.seconds = 0.0
-                busy.since = time.perf_counter()
-            self._buffered = 0
+        self._meter.reset()
 
-    def close(self) -> None:
-        """Finish pending transfers (raising their first error), stop the threads, release the directory."""
+    def close(self, *, discard: bool = False) -> None:
+        """Finish pending transfers (raising their first error), stop the threads, release the directory.
+
+        `discard=True` also removes every file this store created (scratch regions, nothing to resume); by
+        default they stay for `DiskStore(dir, manifest=...)`, until a store opened without one removes them."""
         try:
-            self.wait_all()
-        finally:
-            self._pool.shutdown(wait=True)
             if self._lock_fd >= 0:
-                os.close(self._lock_fd)
-                self._lock_fd = -1
+                self.wait_all()
+        finally:
+            if self._lock_fd >= 0:
+                self._pool.shutdown(wait=True)
+                if discard and self.folder is not None:
+                    self.folder.discard()
+            self._release()
+
+    def _release(self) -> None:
+        """Close every descriptor this store holds (after the folder's: a new store may take over then)."""
+        if self.folder is not None:
+            self.folder.close()
+            self.folder = None
+        if self._lock_fd >= 0:
+            unlock(self._lock_fd, self.directory / LOCK_NAME, dir_fd=self._dir_fd, remove=True)
+            self._lock_fd = -1
+        if self._dir_fd >= 0:
+            os.close(self._dir_fd)
+            self._dir_fd = -1
 
     def __enter__(self) -> DiskStore:
         return self
@@ -348,32 +384,8 @@ class DiskStore:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    def _path(self, key: str, slot: int) -> Path:
-        return region_path(self.directory, key, slot)
-
-    @contextlib.contextmanager
-    def _timed(self, direction: str) -> Iterator[None]:
-        both = (self._busy[direction], self._busy["any"])
-        with self._mutex:
-            for busy in both:
-                if busy.active == 0:
-                    busy.since = time.perf_counter()
-                busy.active += 1
-        try:
-            yield
-        finally:
-            with self._mutex:
-                for busy in both:
-                    busy.active -= 1
-                    if busy.active == 0:
-                        busy.seconds += time.perf_counter() - busy.since
-
-    def _count(self, direction: str, nbytes: int, direct: bool) -> None:
-        """Record a completed transfer (caller holds the mutex)."""
-        busy = self._busy[direction]
-        busy.bytes += nbytes
-        busy.ops += 1
-        self._buffered += not direct
+    def _path(self, name: str) -> Path:
+        return self._folder.path / name
 
 
 def _after(prev: Future[None] | None) -> None:

@@ -20,7 +20,6 @@ from __future__ import annotations
 import re
 import zlib
 from collections.abc import Callable, Mapping
-from pathlib import Path
 from typing import Any, NamedTuple
 
 from hplan.errors import HplanError
@@ -64,9 +63,9 @@ class Region(NamedTuple):
     """0 or 1: which of the key's two files holds it (see [Note: nvme crash safety])."""
 
 
-def region_path(directory: Path, key: str, slot: int) -> Path:
-    """Where version `slot` of region `key` lives."""
-    return directory / f"{key}.{slot}.region"
+def region_name(key: str, slot: int) -> str:
+    """The file name of version `slot` of region `key` (in the store's folder, hplan.executor.nvme_folder)."""
+    return f"{key}.{slot}.region"
 
 
 def check_key(key: str) -> None:
@@ -82,10 +81,11 @@ def dump_manifest(regions: Mapping[str, Region], algorithm: str) -> dict[str, An
             "regions": {key: list(r) for key, r in sorted(regions.items())}}
 
 
-def load_manifest(manifest: Mapping[str, Any], directory: Path) -> tuple[str, dict[str, Region]]:
-    """(checksum algorithm, regions) from a saved manifest, each file checked to exist with its size."""
-    if manifest.get("schema") != MANIFEST_SCHEMA:
-        raise HplanError(f"nvme manifest has schema {manifest.get('schema')!r}, this hplan reads {MANIFEST_SCHEMA}: "
+def load_manifest(manifest: Mapping[str, Any]) -> tuple[str, dict[str, Region]]:
+    """(checksum algorithm, regions) from a saved manifest, every field checked (the store checks the files)."""
+    if not isinstance(manifest, Mapping) or manifest.get("schema") != MANIFEST_SCHEMA:
+        schema = manifest.get("schema") if isinstance(manifest, Mapping) else None
+        raise HplanError(f"nvme manifest has schema {schema!r}, this hplan reads {MANIFEST_SCHEMA}: "
                          "resume with a checkpoint written by this version")
     algorithm = manifest.get("checksum")
     if not isinstance(algorithm, str) or algorithm not in CHECKSUMS:
@@ -97,20 +97,12 @@ def load_manifest(manifest: Mapping[str, Any], directory: Path) -> tuple[str, di
         raise HplanError("nvme manifest has no regions mapping: resume with an unmodified checkpoint")
     for key, value in entries.items():
         check_key(key)
-        try:
-            size, crc, slot = (int(v) for v in value)
-        except (TypeError, ValueError):
+        if not (isinstance(value, (list, tuple)) and len(value) == 3
+                and all(isinstance(v, int) and not isinstance(v, bool) for v in value)):
             raise HplanError(f"nvme manifest entry for {key!r} is {value!r}, not [size, checksum, slot]: "
-                             "resume with an unmodified checkpoint") from None
-        if slot not in (0, 1) or size < 0:
+                             "resume with an unmodified checkpoint")
+        size, crc, slot = value
+        if slot not in (0, 1) or size < 0 or not 0 <= crc < 2**64:
             raise HplanError(f"nvme manifest entry for {key!r} is {value!r}: resume with an unmodified checkpoint")
-        path = region_path(directory, key, slot)
-        if not path.is_file():
-            raise HplanError(f"region file {path} named by the manifest is missing: restore {directory} "
-                             "with its checkpoint or start without resuming")
-        actual = path.stat().st_size
-        if actual != size:
-            raise HplanError(f"region file {path} is {actual} bytes but the manifest says {size}: it was "
-                             "truncated or replaced; restore it with its checkpoint or start without resuming")
         regions[key] = Region(size, crc, slot)
     return algorithm, regions

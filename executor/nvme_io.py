@@ -26,16 +26,18 @@ read at end of file. DeepSpeed pads each swapped tensor to the alignment instead
 from __future__ import annotations
 
 import errno
+import fcntl
 import mmap
 import os
+import tempfile
 import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
 
 import torch
-from hplan.executor.durable import fsync_path as durable_fsync
 from hplan.executor.durable import lock_exclusive
+from hplan.executor.nvme_folder import PROBE, RunFolder
 
 from hplan.errors import HplanError
 
@@ -49,7 +51,6 @@ leave a short, detectable file rather than one huge failed call."""
 O_DIRECT: int = getattr(os, "O_DIRECT", 0)
 """0 where the platform has no O_DIRECT (macOS): every store then runs buffered."""
 
-_PROBE_NAME = ".hplan-nvme-probe"
 
 
 def aligned_empty(nbytes: int, *, alignment: int = ALIGNMENT, pin_memory: bool = False) -> torch.Tensor:
@@ -98,27 +99,24 @@ def _bounce_page() -> memoryview:
     return memoryview(page)
 
 
-def write_file(path: Path, view: memoryview, *, direct: bool) -> None:
-    """Overwrite `path` in place with exactly `view`'s bytes. Raises OSError (ENOSPC included) as-is.
+def write_file(fd: int, view: memoryview, *, direct: bool) -> None:
+    """Overwrite the open file `fd` in place with exactly `view`'s bytes. Raises OSError (ENOSPC included) as-is.
 
-    `direct` needs `view` to start on an ALIGNMENT boundary (checked by the caller). Buffered writes end
-    with POSIX_FADV_DONTNEED, which starts writeback so dirty pages do not pile up in host memory.
+    `direct`: `fd` was opened with O_DIRECT, so `view` must start on an ALIGNMENT boundary (checked by the
+    caller). Buffered writes end with POSIX_FADV_DONTNEED, which starts writeback so dirty pages do not pile up
+    in host memory. The caller opens and closes `fd` (the store's files: [Note: nvme ownership]).
     """
     n = len(view)
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_CLOEXEC | (O_DIRECT if direct else 0), 0o644)
-    try:
-        bulk = n - n % ALIGNMENT if direct else n
-        _write_all(fd, view[:bulk], 0)
-        if bulk < n:
-            page = _bounce_page()
-            page[:n - bulk] = view[bulk:]
-            page[n - bulk:] = bytes(ALIGNMENT - (n - bulk))
-            _write_all(fd, page, bulk)
-        os.ftruncate(fd, n)
-        if not direct:
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-    finally:
-        os.close(fd)
+    bulk = n - n % ALIGNMENT if direct else n
+    _write_all(fd, view[:bulk], 0)
+    if bulk < n:
+        page = _bounce_page()
+        page[:n - bulk] = view[bulk:]
+        page[n - bulk:] = bytes(ALIGNMENT - (n - bulk))
+        _write_all(fd, page, bulk)
+    os.ftruncate(fd, n)
+    if not direct:
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
 
 
 def _write_all(fd: int, view: memoryview, offset: int) -> None:
@@ -130,31 +128,27 @@ def _write_all(fd: int, view: memoryview, offset: int) -> None:
         done += wrote
 
 
-def read_file(path: Path, view: memoryview, *, direct: bool) -> int:
-    """Fill `view` from `path`; returns the file's size (the caller compares it with the expected one).
+def read_file(fd: int, view: memoryview, *, direct: bool) -> int:
+    """Fill `view` from the open file `fd`; returns the file's size (the caller compares it with the expected one).
 
     Reads nothing when the size differs from len(view): a truncated or grown file is reported, not read.
     Buffered reads end with POSIX_FADV_DONTNEED so the page cache does not keep a second copy.
     """
     n = len(view)
-    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | (O_DIRECT if direct else 0))
-    try:
-        size = os.fstat(fd).st_size
-        if size != n:
-            return size
-        bulk = n - n % ALIGNMENT if direct else n
-        _read_all(fd, view[:bulk], 0)
-        if bulk < n:
-            page = _bounce_page()
-            got = os.preadv(fd, [page], bulk)
-            if got != n - bulk:
-                raise OSError(errno.EIO, f"short read of the last block ({got} of {n - bulk} bytes)")
-            view[bulk:] = page[:n - bulk]
-        if not direct:
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    size = os.fstat(fd).st_size
+    if size != n:
         return size
-    finally:
-        os.close(fd)
+    bulk = n - n % ALIGNMENT if direct else n
+    _read_all(fd, view[:bulk], 0)
+    if bulk < n:
+        page = _bounce_page()
+        got = os.preadv(fd, [page], bulk)
+        if got != n - bulk:
+            raise OSError(errno.EIO, f"short read of the last block ({got} of {n - bulk} bytes)")
+        view[bulk:] = page[:n - bulk]
+    if not direct:
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    return size
 
 
 def _read_all(fd: int, view: memoryview, offset: int) -> None:
@@ -190,16 +184,19 @@ def file_error(path: Path, exc: OSError, *, writing: bool) -> HplanError:
     return HplanError(f"I/O error {verb} {path}: {exc.strerror or exc}; check the disk (dmesg) and retry")
 
 
-def lock_directory(directory: Path, name: str) -> int:
+def lock_directory(directory: Path, dir_fd: int, name: str) -> int:
     """Take the directory's exclusive lock (creating the lock file is also the first writability check)."""
-    return lock_exclusive(directory / name, cannot_create=lambda exc: dir_error(directory, exc),
+    return lock_exclusive(directory / name, dir_fd=dir_fd, cannot_create=lambda exc: dir_error(directory, exc),
                           busy=f"nvme directory {directory} is in use by another DiskStore (another hplan run?): "
                                "stop it or pass a different --nvme-dir")
 
 
-def fsync_path(path: Path) -> None:
-    """Flush a file or a directory entry to stable storage (commit makes a pinned version survive power loss)."""
-    durable_fsync(path, on_error=lambda exc: file_error(path, exc, writing=True))
+def fsync_fd(fd: int, path: Path) -> None:
+    """Flush an open file or folder to stable storage (commit makes a pinned version survive power loss)."""
+    try:
+        os.fsync(fd)
+    except OSError as exc:
+        raise file_error(path, exc, writing=True) from None
 
 
 def check_directory(directory: str | os.PathLike[str]) -> Path:
@@ -212,17 +209,29 @@ def check_directory(directory: str | os.PathLike[str]) -> Path:
     return d
 
 
-def probe_direct(directory: Path, direct: bool | str) -> str | None:
-    """Check `directory` takes writes and whether O_DIRECT works there; returns why not (None = it works).
+def open_directory(directory: str | os.PathLike[str]) -> tuple[Path, int]:
+    """`directory` resolved once (a symlinked --nvme-dir is followed here, and only here) and opened: every later
+    access goes through the descriptor, so a folder swapped afterwards cannot redirect hplan's files."""
+    d = check_directory(directory)
+    try:
+        return d, os.open(d, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError as exc:
+        if exc.errno in (errno.ELOOP, errno.ENOTDIR):
+            raise HplanError(f"nvme directory {d} was replaced while hplan opened it: pass a folder nobody else "
+                             "renames") from None
+        raise dir_error(d, exc) from None
 
-    Always writes, reads back and removes one aligned block, so an unwritable, read-only or full
-    directory fails here, at construction, with a one-line HplanError. `direct=False` skips O_DIRECT
-    ("disabled by the caller"); `direct=True` raises when the file system refuses it (tmpfs did before
-    Linux 6.6; some network and FUSE file systems still do).
+
+def probe_direct(folder: RunFolder, direct: bool | str) -> str | None:
+    """Check the store's folder takes writes and whether O_DIRECT works there; returns why not (None = it works).
+
+    Always creates, writes, reads back and removes one aligned block (a file of the folder, [Note: nvme
+    ownership]), so an unwritable or full disk fails here, at construction, with a one-line HplanError.
+    `direct=False` skips O_DIRECT ("disabled by the caller"); `direct=True` raises when the file system refuses
+    it (tmpfs did before Linux 6.6; some network and FUSE file systems still do).
     """
     if direct not in (True, False, "auto"):
         raise HplanError(f"direct must be True, False or 'auto', got {direct!r}")
-    path = directory / _PROBE_NAME
     block = memoryview(mmap.mmap(-1, ALIGNMENT))
     reason: str | None = None
     if direct is False:
@@ -230,24 +239,34 @@ def probe_direct(directory: Path, direct: bool | str) -> str | None:
     elif not O_DIRECT:
         reason = "this platform has no O_DIRECT"
     try:
+        folder.remove(PROBE)  # a probe left by a store killed in its own probe (resumed from its folder)
+        folder.create(PROBE)
         if reason is None:
             try:
-                write_file(path, block, direct=True)
-                read_file(path, block, direct=True)
+                _through(folder, PROBE, os.O_RDWR | O_DIRECT, lambda fd: (write_file(fd, block, direct=True),
+                                                                         read_file(fd, block, direct=True)))
             except OSError as exc:
                 if exc.errno != errno.EINVAL:
                     raise
-                reason = f"the file system under {directory} refuses O_DIRECT ({exc.strerror})"
+                reason = f"the file system under {folder.path.parent} refuses O_DIRECT ({exc.strerror})"
         if reason is not None:
-            write_file(path, block, direct=False)
+            _through(folder, PROBE, os.O_RDWR, lambda fd: write_file(fd, block, direct=False))
     except OSError as exc:
-        raise dir_error(directory, exc) from None
+        raise dir_error(folder.path.parent, exc) from None
     finally:
-        path.unlink(missing_ok=True)
+        folder.remove(PROBE)
     if reason is not None and direct is True:
-        raise HplanError(f"O_DIRECT is not available for {directory}: {reason}; pass direct='auto' to fall back "
-                         "to buffered I/O or use a directory on a disk file system")
+        raise HplanError(f"O_DIRECT is not available for {folder.path.parent}: {reason}; pass direct='auto' to fall "
+                         "back to buffered I/O or use a directory on a disk file system")
     return reason
+
+
+def _through(folder: RunFolder, name: str, flags: int, use: Callable[[int], object]) -> None:
+    fd = folder.open(name, flags)
+    try:
+        use(fd)
+    finally:
+        os.close(fd)
 
 
 def measure_raw_bandwidth(directory: str | os.PathLike[str], nbytes: int, *,
@@ -271,17 +290,26 @@ def measure_raw_bandwidth(directory: str | os.PathLike[str], nbytes: int, *,
     if nbytes <= 0 or streams < 1:
         raise HplanError(f"measure_raw_bandwidth needs positive bytes and streams, got {nbytes}, {streams}")
     d = check_directory(directory)
-    direct = probe_direct(d, "auto") is None
     request = min(16 << 20, -(-nbytes // (streams * ALIGNMENT)) * ALIGNMENT)
     per_stream = -(-nbytes // (streams * request)) * request
     bufs = [aligned_empty(request) for _ in range(streams)]
     for buf in bufs:  # incompressible, like model data
         buf.copy_(torch.randint(0, 256, (request,), dtype=torch.uint8))
     views = [byte_view(buf, "measure_raw_bandwidth") for buf in bufs]
-    path = d / ".hplan-raw-bandwidth.scratch"
-    flags = os.O_CLOEXEC | (O_DIRECT if direct else 0)
+    try:  # a fresh private folder: the scratch file can be created exclusively, never at a planted name
+        work = Path(tempfile.mkdtemp(prefix=".hplan-bandwidth-", dir=d))
+    except OSError as exc:
+        raise dir_error(d, exc) from None
+    path = work / "scratch"
     try:
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | flags, 0o644)
+        flags = os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+        fd = os.open(path, flags, 0o600)
+        if O_DIRECT:
+            try:
+                fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) | O_DIRECT)
+            except OSError as exc:  # the file system refuses O_DIRECT: buffered, as the store then runs
+                if exc.errno != errno.EINVAL:
+                    raise
         try:
             _parallel(fd, views, per_stream, _write_all)  # first pass allocates the file's blocks, untimed
             os.fsync(fd)
@@ -299,6 +327,7 @@ def measure_raw_bandwidth(directory: str | os.PathLike[str], nbytes: int, *,
         raise file_error(path, exc, writing=True) from None
     finally:
         path.unlink(missing_ok=True)
+        work.rmdir()
     total = streams * per_stream
     return total / write_s, total / read_s
 

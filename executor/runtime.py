@@ -137,6 +137,17 @@ class PlanRun(UpdateSteps, GradientOps, StateSync):
         self.store = store = make_store(model, plan, self.tier, master=self.master, state_names=state_names,
                                         nvme_dir=self.nvme_dir)
         self.host = host_tier(store)
+        try:
+            self._set_up(store, by_name, names)
+        except BaseException:  # __exit__ will not run: leave nothing behind (the disk tier's files above all)
+            self._stack.close()
+            self.host.close()
+            raise
+        return self
+
+    def _set_up(self, store: Any, by_name: dict[str, int], names: dict[int, str]) -> None:
+        """__enter__ once the store exists: optimizer state into regions, hooks, the initial residency."""
+        model, plan, optimizer = self.model, self.plan, self.optimizer
         for c in plan.chunks:
             if c.trainable:
                 update = ChunkUpdate(store, c, where=plan.optimizer[c.id], optimizer=optimizer, opt_name=self.opt_name,
@@ -161,23 +172,35 @@ class PlanRun(UpdateSteps, GradientOps, StateSync):
         self.model_state_hooks(model, self._stack)
         if self.meter is not None:
             self._stack.enter_context(self.meter.track())
-        return self
 
     def __exit__(self, *exc: object) -> None:
-        """Remove hooks, give the optimizer its state and every parameter its own storage back."""
-        self._stack.close()
-        self.evaluating = None
-        store = self.store
-        if store is None:
-            return
-        self.sync_state()
-        values = store.parameter_values()
-        for rid in store.resident():
-            store.evict(rid, writeback=False)
-        for name, value in values.items():
-            store.params[name].data = value
-            store.params[name].grad = None
-        self.host.close()
+        """Remove hooks, give the optimizer its state and every parameter its own storage back; the host tier is
+        closed on every path (its disk files removed). When the block failed, its error is the one raised: a
+        second one met while handing the state back (e.g. another damaged region file) does not replace it."""
+        try:
+            self._stack.close()
+            self.evaluating = None
+            store = self.store
+            if store is None:
+                return
+            try:
+                self.sync_state()
+                values = store.parameter_values()
+                for rid in store.resident():
+                    store.evict(rid, writeback=False)
+                for name, value in values.items():
+                    store.params[name].data = value
+                    store.params[name].grad = None
+            except HplanError:
+                if exc[0] is None:
+                    raise
+        finally:
+            if self.store is not None:
+                try:
+                    self.host.close()
+                except HplanError:
+                    if exc[0] is None:
+                        raise
 
     # -- events ---------------------------------------------------------------------------------------
     def on_event(self, kind: str, module: str) -> None:

@@ -30,7 +30,6 @@ import torch
 from hplan.executor import staging
 from hplan.executor.device import FastTier
 from hplan.executor.nvme import DiskStore
-from hplan.executor.nvme_format import region_path
 from hplan.executor.regions import RegionStore, Slot
 from torch import nn
 
@@ -38,6 +37,7 @@ from hplan.artifacts import Plan, Step
 from hplan.artifacts.host_replay import device_only, disk_regions, phase_accesses
 from hplan.artifacts.replay import replay
 from hplan.errors import HplanError
+from hplan.sizes import format_sizes
 
 
 def needs_nvme_dir(plan: Plan) -> bool:
@@ -59,9 +59,9 @@ def check_host_memory(plan: Plan) -> None:
     if plan.tiered:
         available = int(psutil.virtual_memory().available)
         if need > available:
-            raise HplanError(f"the plan holds up to {need / 1e9:.2f} GB of model data in host memory but "
-                             f"{available / 1e9:.2f} GB is available here; re-plan with a smaller --cpu-mem "
-                             "(the plan names the smallest that works)")
+            held, free = format_sizes(need, available)
+            raise HplanError(f"the plan holds up to {held} of model data in host memory but {free} is available "
+                             "here; re-plan with a smaller --cpu-mem (the plan names the smallest that works)")
 
 
 class TieredStore(RegionStore):
@@ -96,7 +96,14 @@ class TieredStore(RegionStore):
         self.peak_host_model_bytes = 0
         self.peak_rss_bytes = 0
         self.peak_rss_staging_bytes = 0
+        self.peak_outside_steps_bytes = 0
+        """Staging bytes while state is read outside the plan (see [Note: what --cpu-mem covers])."""
+        self.staging_excess_bytes = 0
+        """Most the OS ever counted (RssShmem) above the running sum (in a step: the plan's staging alone), at any
+        sample: 0 when the sum is honest."""
         self._process = psutil.Process()
+        self._shmem_before = staging.rss_shmem()
+        """Shared memory the process held before this store (another run's, a DataLoader's): not staging."""
         self.disk: DiskStore | None = None
         if self.on_disk:
             self.disk = DiskStore(nvme_dir)  # type: ignore[arg-type]
@@ -104,7 +111,7 @@ class TieredStore(RegionStore):
                 self.disk.check_free(sum(staging.staging_bytes(r.bytes) for r in plan.regions
                                          if r.id in self.on_disk))
             except BaseException:
-                self.disk.close()
+                self.disk.close(discard=True)
                 raise
         tier.exposes_host_grads = False  # a gradient's host copy may be on disk (see the module doc)
         try:
@@ -242,6 +249,7 @@ class TieredStore(RegionStore):
         """Phase 0 of `step`: flush the previous phase's writes, then drops, allocations and reads."""
         if not self._started:
             self._start()
+        self._cache.clear()  # reads outside the plan (a checkpoint's) never hold memory into a step
         if step.index == 0:
             self._flush()
             self.iter_bytes = [0, 0]
@@ -290,11 +298,23 @@ class TieredStore(RegionStore):
         self._write(rid)
         self.iter_bytes[1] += self._buffers[rid].nbytes
 
-    def _sample(self) -> None:
-        """The process's RSS, and on Linux its shared-memory part: the staging mappings' resident pages (nothing
-        else in hplan maps shared memory), the OS's own count of what `host_model_bytes` tracks."""
-        self.peak_rss_bytes = max(self.peak_rss_bytes, self._process.memory_info().rss)
-        self.peak_rss_staging_bytes = max(self.peak_rss_staging_bytes, staging.rss_shmem())
+    def _sample(self, *, in_step: bool = True) -> None:
+        """The process's RSS, and on Linux its shared-memory part grown since the store began: the staging mappings'
+        resident pages (nothing else in hplan maps shared memory; a DataLoader's workers may, and would count
+        here), the OS's own count of what `host_model_bytes` (+ the out-of-plan reads held) tracks."""
+        shmem = max(0, staging.rss_shmem() - self._shmem_before)
+        counted = self.host_model_bytes + (0 if in_step else self.outside_bytes)  # in a step: the plan's alone
+        self.staging_excess_bytes = max(self.staging_excess_bytes, shmem - counted)
+        if in_step:
+            self.peak_rss_bytes = max(self.peak_rss_bytes, self._process.memory_info().rss)
+            self.peak_rss_staging_bytes = max(self.peak_rss_staging_bytes, shmem)
+        else:
+            self.peak_outside_steps_bytes = max(self.peak_outside_steps_bytes, counted)
+
+    @property
+    def outside_bytes(self) -> int:
+        """Staging bytes of regions read outside the plan and held now (one chunk's at most)."""
+        return sum(buffer.nbytes for buffer, _ in self._cache.values())
 
     # -- transitions ------------------------------------------------------------------------------------
     def fetch(self, rid: int) -> None:
@@ -328,6 +348,7 @@ class TieredStore(RegionStore):
             self._wait(rid)
             self.extra_read_bytes += buffer.nbytes
             self._cache[rid] = (buffer, staging.views_into(buffer, self._layout[rid]))
+            self._sample(in_step=False)
         return self._cache[rid][1][key]
 
     def close(self) -> None:
@@ -336,12 +357,7 @@ class TieredStore(RegionStore):
         if self.disk is None:
             return
         disk, self.disk = self.disk, None
-        try:
-            disk.close()
-        finally:
-            for rid in self.on_disk:
-                for slot in (0, 1):
-                    region_path(disk.directory, self._key(rid), slot).unlink(missing_ok=True)
+        disk.close(discard=True)
 
     def disk_stats(self) -> dict[str, float]:
         """Disk figures since the first step, on DiskStore's own clock: bytes per second with a transfer of that
@@ -397,4 +413,5 @@ def tier_fields(store: RegionStore) -> dict[str, Any]:
             "planned_nvme_read_bytes_per_iter": s.nvme_read_bytes,
             "planned_nvme_write_bytes_per_iter": s.nvme_write_bytes,
             "peak_rss_bytes": store.peak_rss_bytes, "peak_rss_staging_bytes": store.peak_rss_staging_bytes,
+            "peak_host_outside_steps_bytes": store.peak_outside_steps_bytes,
             **store.disk_stats()}

@@ -105,6 +105,8 @@ def _train(workload: Workload, plan: Plan, *, steps: int, device: str, metrics_p
         moved = {"activation_bytes_moved_per_iter": run.activations.last_moved,
                  "planned_activation_bytes_moved_per_iter": run.activations.planned_moved}
         tiers = tier_fields(run.store)  # issue 16: host-tier and disk measurements (empty for two tiers)
+    if tiers:  # handing the model back on exit read state outside the plan too
+        tiers["peak_host_outside_steps_bytes"] = run.store.peak_outside_steps_bytes
     if metrics_path is not None:
         _write_metrics(metrics_path, rows)
     h2d, d2h = sum(r.h2d_bytes for r in last), sum(r.d2h_bytes for r in last)

@@ -54,3 +54,22 @@ def format_size(n_bytes: float, *, binary: bool = False, digits: int = 2) -> str
             return f"{value:.0f} {name}" if name == "B" else f"{value:.{digits}f} {name}"
         value /= base
     raise AssertionError("unreachable")
+
+
+def format_sizes(*sizes: float, binary: bool = False) -> tuple[str, ...]:
+    """Render sizes that are compared in one message ("has X free but needs Y") so the difference shows: all in
+    the unit of the largest, with as many decimals as it takes for different values to read differently
+    (bytes exactly, as a last resort). "0.00 GB free but needs 0.00 GB" becomes "1.05 MB free but needs 1.19 MB"."""
+    base, names = (1024, ("B", "KiB", "MiB", "GiB", "TiB")) if binary else (1000, ("B", "KB", "MB", "GB", "TB"))
+    top = max((abs(s) for s in sizes), default=0)
+    power = 0
+    while power < len(names) - 1 and top >= base ** (power + 1):
+        power += 1
+    if power == 0:
+        return tuple(f"{s:.0f} B" for s in sizes)
+    distinct = len({round(s) for s in sizes})
+    for digits in range(2, 3 * power + 1):
+        out = tuple(f"{s / base ** power:.{digits}f} {names[power]}" for s in sizes)
+        if len(set(out)) == distinct:
+            return out
+    return tuple(f"{s:.0f} B" for s in sizes)

@@ -37,7 +37,7 @@ from hplan.planner.intervals import build_intervals
 from hplan.planner.problem import Problem
 from hplan.planner.schedule import drop_dead, event_seconds, hoist_fetches, writebacks
 from hplan.planner.tier_time import predict_tier_seconds
-from hplan.sizes import format_size
+from hplan.sizes import format_size, format_sizes
 
 
 def plan_tiers(trace: Trace, plan: Plan, *, nodes: int) -> Plan:
@@ -193,9 +193,10 @@ def _bottleneck(trace: Trace, plan: Plan, a: PhaseAccess, total: int) -> str:
     what = (f"the host update of chunk {a.chunk} ({plan.chunks[a.chunk].tensors[0]}"
             f"{', …' if len(plan.chunks[a.chunk].tensors) > 1 else ''})" if a.phase else "its transfers")
     temp = f" + {format_size(a.temp_bytes)} of fp32 gradients" if a.temp_bytes else ""
-    return (f"needs at least {format_size(total)} of host memory (--cpu-mem) for this --gpu-mem "
+    need, given = format_sizes(total, plan.hardware.host_bytes or 0)  # digits that tell them apart
+    return (f"needs at least {need} of host memory (--cpu-mem) for this --gpu-mem "
             f"({format_size(plan.hardware.gpu_bytes)}): at {where}, {what} stages "
-            f"{format_size(total - a.temp_bytes)} of model data{temp}, given {format_size(plan.hardware.host_bytes)}")
+            f"{format_size(total - a.temp_bytes)} of model data{temp}, given {given}")
 
 
 def _infeasible(plan: Plan, min_cpu: int, why: str) -> Plan:

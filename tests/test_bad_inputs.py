@@ -518,6 +518,22 @@ ROWS: list[Row] = [
         both(nvme_plan("n.json", _host_peak_huge), folder("nv"))),
     Row("run_nvme_plan_read_removed", f"run {{W}} {NV} --nvme-dir {{D}}/nv",
         both(nvme_plan("n.json", _read_dropped), folder("nv"))),
+    # names planted in --nvme-dir or --checkpoint (issue 22): never followed, opened blocking or deleted
+    Row("run_nvme_lock_is_a_symlink_to_a_file_outside", f"run {{W}} {NV} --nvme-dir {{D}}/nv",
+        both(nvme_plan("n.json"), folder("nv"), text("outside", "precious"), link("nv/.hplan-nvme.lock", "{D}/outside"))),
+    Row("run_nvme_lock_is_a_fifo", f"run {{W}} {NV} --nvme-dir {{D}}/nv",
+        both(nvme_plan("n.json"), folder("nv"), fifo("nv/.hplan-nvme.lock"))),
+    Row("run_nvme_region_folder_is_a_symlink_to_a_folder_outside", f"run {{W}} {NV} --nvme-dir {{D}}/nv",
+        both(nvme_plan("n.json"), folder("nv"), folder("elsewhere"), text("elsewhere/r0.0.region", "precious"),
+             link("nv/hplan-regions", "{D}/elsewhere"))),
+    Row("run_nvme_plan_inside_the_region_folder", "run {W} --plan {D}/nv/hplan-regions/r0.0.region --steps 2 "
+        "--nvme-dir {D}/nv", both(folder("nv/hplan-regions"), nvme_plan("nv/hplan-regions/r0.0.region"))),
+    Row("run_nvme_region_folder_with_a_forged_record", f"run {{W}} {NV} --nvme-dir {{D}}/nv",
+        both(nvme_plan("n.json"), folder("nv/hplan-regions"), text("nv/hplan-regions/.owner", "hplan.nvme-owner/1\n= "
+             "../../n.json 1\n"), text("nv/hplan-regions/r0.0.region", "precious"))),
+    Row("run_checkpoint_lock_is_a_symlink_to_a_file_outside", f"run {{W}} {P} --checkpoint {{D}}/ck",
+        both(folder("ck"), text("outside", "precious"), link("ck/.lock", "{D}/outside"))),
+    Row("run_checkpoint_lock_is_a_fifo", f"run {{W}} {P} --checkpoint {{D}}/ck", both(folder("ck"), fifo("ck/.lock"))),
     # the two together are refused, not half-applied
     Row("plan_nvme_with_many_gpus", "plan {T} --gpu-mem 1GB --gpus 2 --cpu-mem 1GB --nvme 1TB -o {D}/p.json"),
     Row("run_many_rank_plan_with_nvme_dir", "run {W} --plan {D}/p2.json --steps 2 --nproc 2 --nvme-dir {D}",

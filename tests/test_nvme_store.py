@@ -18,6 +18,7 @@ import torch
 
 from hplan.errors import HplanError
 from hplan.executor import nvme_format, nvme_io
+from hplan.executor.nvme_folder import FOLDER, RECORD
 from hplan.executor.nvme import DiskStore, aligned_empty, is_aligned, measure_raw_bandwidth, storage_bytes
 
 SIZES = [0, 1, 4095, 4096, (1 << 20) + 3]
@@ -38,11 +39,17 @@ def one_line(exc: pytest.ExceptionInfo[HplanError]) -> str:
 
 
 def region_files(d: Path) -> list[str]:
-    return sorted(p.name for p in d.glob("*.region"))
+    """The region files a store keeps under `d` (in its own folder, see executor/nvme_folder.py)."""
+    return sorted(p.name for p in (d / FOLDER).glob("*.region"))
 
 
 def direct_supported(d: Path) -> bool:
-    return nvme_io.probe_direct(d, "auto") is None
+    probe = d / "probe"
+    probe.mkdir()
+    with DiskStore(probe) as store:
+        direct = store.direct
+    shutil.rmtree(probe)
+    return direct
 
 
 @pytest.mark.parametrize("mode", [True, False], ids=["direct", "buffered"])
@@ -58,7 +65,7 @@ def test_round_trip(tmp_path: Path, n: int, mode: bool) -> None:
         store.wait("r")
         assert torch.equal(src, dst)
         assert store.size("r") == n
-        assert (tmp_path / "r.0.region").stat().st_size == n
+        assert (tmp_path / FOLDER / "r.0.region").stat().st_size == n
         stats = store.stats()
         assert (stats.read_bytes, stats.write_bytes, stats.reads, stats.writes) == (n, n, 1, 1)
         assert stats.buffered == (0 if mode else 2)
@@ -116,7 +123,7 @@ def test_checksum_detects_a_flipped_byte(tmp_path: Path, algorithm: str) -> None
     with DiskStore(tmp_path, checksum=algorithm) as store:
         assert store.checksum_name == algorithm
         store.write_async("f", rand(n, 5)).result()
-        path = tmp_path / "f.0.region"
+        path = tmp_path / FOLDER / "f.0.region"
         with open(path, "r+b") as fh:
             fh.seek(n // 2)
             byte = fh.read(1)[0]
@@ -134,12 +141,12 @@ def test_truncated_or_deleted_file_is_refused(tmp_path: Path) -> None:
         store.write_async("t", rand(n, 6))
         store.write_async("gone", rand(10, 7))
         manifest = store.commit()
-        os.truncate(tmp_path / "t.0.region", n - 1)
+        os.truncate(tmp_path / FOLDER / "t.0.region", n - 1)
         store.read_async("t", aligned_empty(n))
         with pytest.raises(HplanError, match="truncated") as exc:
             store.wait("t")
         assert "t.0.region" in one_line(exc)
-        (tmp_path / "gone.0.region").unlink()
+        (tmp_path / FOLDER / "gone.0.region").unlink()
         store.read_async("gone", aligned_empty(10))
         with pytest.raises(HplanError, match="missing"):
             store.wait("gone")
@@ -162,7 +169,7 @@ def test_bad_requests_are_one_line_errors(tmp_path: Path) -> None:
             store.write_async("f32", torch.zeros(4))
         with pytest.raises(HplanError, match="in use by another DiskStore"):
             DiskStore(tmp_path)
-        with pytest.raises(HplanError, match="needs .* GB"):
+        with pytest.raises(HplanError, match="TB free but needs .* TB"):
             store.check_free(1 << 60)
     store = DiskStore(tmp_path)  # the lock was released on close
     store.close()
@@ -204,10 +211,10 @@ def test_read_only_file_system_mid_run(tmp_path: Path, monkeypatch: pytest.Monke
     with DiskStore(tmp_path) as store:
         real_open = os.open
 
-        def refuse(path: object, flags: int, *args: int) -> int:
+        def refuse(path: object, flags: int, *args: int, **kw: int) -> int:
             if str(path).endswith(".region") and flags & os.O_WRONLY:
                 raise OSError(errno.EROFS, os.strerror(errno.EROFS))
-            return real_open(path, flags, *args)
+            return real_open(path, flags, *args, **kw)
 
         monkeypatch.setattr(os, "open", refuse)
         store.write_async("x", rand(10, 1))
@@ -236,7 +243,7 @@ def test_disk_full_mid_write_leaves_no_valid_region(tmp_path: Path, monkeypatch:
         with pytest.raises(HplanError, match="disk full while writing") as exc:
             store.wait("m")
         assert "m.1.region" in one_line(exc)
-        assert len(calls) == 2 and not (tmp_path / "m.1.region").exists()
+        assert len(calls) == 2 and not (tmp_path / FOLDER / "m.1.region").exists()
         with pytest.raises(HplanError, match="last write failed"):
             store.read_async("m", aligned_empty(n))
         with pytest.raises(HplanError, match="cannot commit .* region 'm' has no valid copy") as exc:
@@ -260,10 +267,10 @@ def test_o_direct_refused_falls_back_with_a_reason(tmp_path: Path, monkeypatch: 
         pytest.skip("no O_DIRECT on this platform")
     real_open = os.open
 
-    def no_direct(path: object, flags: int, *args: int) -> int:
+    def no_direct(path: object, flags: int, *args: int, **kw: int) -> int:
         if flags & nvme_io.O_DIRECT:
             raise OSError(errno.EINVAL, os.strerror(errno.EINVAL))
-        return real_open(path, flags, *args)
+        return real_open(path, flags, *args, **kw)
 
     monkeypatch.setattr(os, "open", no_direct)
     with pytest.raises(HplanError, match="O_DIRECT is not available") as exc:
@@ -301,6 +308,17 @@ def test_commit_pins_versions_and_a_stale_manifest_is_caught(tmp_path: Path) -> 
             store.wait("p")
     with pytest.raises(HplanError, match="schema"):
         DiskStore(tmp_path, manifest={"schema": "hplan.nvme-manifest/0", "regions": {}})
+    with pytest.raises(HplanError, match="not \\[size, checksum, slot\\]"):  # a string would iterate as digits
+        DiskStore(tmp_path, manifest={**m1, "regions": {"p": "123"}})
+    with DiskStore(tmp_path):  # a fresh store removes the files: the manifest can no longer be resumed
+        pass
+    with pytest.raises(HplanError, match="p.1.region named by the manifest is missing") as exc:
+        DiskStore(tmp_path, manifest=m1)
+    one_line(exc)
+    DiskStore(tmp_path).close(discard=True)  # and its folder
+    with pytest.raises(HplanError, match="is missing, and with it the region files") as exc:
+        DiskStore(tmp_path, manifest=m1)
+    one_line(exc)
 
 
 def test_kill_9_during_writes_then_resume_reads_the_committed_bytes(tmp_path: Path) -> None:
@@ -332,7 +350,7 @@ def test_kill_9_during_writes_then_resume_reads_the_committed_bytes(tmp_path: Pa
         os.kill(pid, signal.SIGKILL)
         os.waitpid(pid, 0)
         os.close(ready_r)
-    assert (tmp_path / "k.1.region").exists()  # the uncommitted slot the writer was rewriting
+    assert (tmp_path / FOLDER / "k.1.region").exists()  # the uncommitted slot the writer was rewriting
     manifest = json.loads((tmp_path / "m.json").read_text())
     with DiskStore(tmp_path, manifest=manifest) as store:  # the dead writer's lock went with it
         dst = aligned_empty(n)
@@ -374,3 +392,171 @@ def test_measure_raw_bandwidth(tmp_path: Path) -> None:
     assert list(tmp_path.iterdir()) == []  # the scratch file is gone
     with pytest.raises(HplanError, match="does not exist"):
         measure_raw_bandwidth(tmp_path / "absent", 1 << 20)
+
+
+# -- hostile names in the directory (issue 22): nothing is written through, opened blocking or deleted that the
+# store did not create; see [Note: nvme ownership] in executor/nvme_folder.py.
+
+def outside(tmp_path: Path) -> Path:
+    """A user's file outside the store's directory, which a planted link points at."""
+    target = tmp_path / "outside" / "precious.txt"
+    target.parent.mkdir()
+    target.write_bytes(b"the user's data\n")
+    return target
+
+
+def no_hang(seconds: int = 30) -> None:
+    """Fail, rather than hang the suite, if a FIFO is ever opened blocking."""
+    def hung(signum: int, frame: object) -> None:
+        raise TimeoutError("the store blocked on a FIFO")
+
+    signal.signal(signal.SIGALRM, hung)
+    signal.alarm(seconds)
+
+
+@pytest.fixture
+def nv(tmp_path: Path) -> Path:
+    d = tmp_path / "nv"
+    d.mkdir()
+    yield d
+    signal.alarm(0)
+
+
+@pytest.mark.parametrize("kind", ["symlink", "fifo"])
+def test_a_symlink_or_fifo_at_the_lock_is_refused_and_nothing_is_written(tmp_path: Path, nv: Path, kind: str) -> None:
+    target = outside(tmp_path)
+    lock = nv / ".hplan-nvme.lock"
+    if kind == "symlink":
+        lock.symlink_to(target)
+    else:
+        os.mkfifo(lock)
+    no_hang()
+    with pytest.raises(HplanError, match="symbolic link" if kind == "symlink" else "not a regular file") as exc:
+        DiskStore(nv)
+    assert str(lock) in one_line(exc)
+    assert target.read_bytes() == b"the user's data\n" and sorted(p.name for p in nv.iterdir()) == [lock.name]
+
+
+@pytest.mark.parametrize("kind", ["symlink", "file"])
+def test_something_else_at_the_stores_folder_name_is_refused(tmp_path: Path, nv: Path, kind: str) -> None:
+    target = outside(tmp_path)
+    if kind == "symlink":
+        (nv / FOLDER).symlink_to(target.parent, target_is_directory=True)
+    else:
+        (nv / FOLDER).write_bytes(b"x")
+    with pytest.raises(HplanError, match="is a symbolic link, not a folder" if kind == "symlink"
+                       else "is a regular file, not a folder") as exc:
+        DiskStore(nv)
+    one_line(exc)
+    assert sorted(p.name for p in target.parent.iterdir()) == ["precious.txt"]
+    assert target.read_bytes() == b"the user's data\n" and sorted(p.name for p in nv.iterdir()) == [FOLDER]
+
+
+def test_user_files_at_region_names_in_the_directory_are_never_touched(tmp_path: Path, nv: Path) -> None:
+    """The plan itself under a region's name, a symlink and a FIFO at others: the store works beside them."""
+    target = outside(tmp_path)
+    (nv / "k.0.region").write_bytes(b'{"schema": "hplan.plan/2"}')
+    (nv / "k.1.region").symlink_to(target)
+    os.mkfifo(nv / "j.0.region")
+    (nv / ".hplan-nvme-probe").symlink_to(target)
+    no_hang()
+    with DiskStore(nv) as store:
+        for key in ("k", "j"):
+            store.write_async(key, rand(5000, 1))
+            store.commit()
+            store.write_async(key, rand(5000, 2))
+        store.wait_all()
+        store.close(discard=True)
+    assert (nv / "k.0.region").read_bytes() == b'{"schema": "hplan.plan/2"}'
+    assert target.read_bytes() == b"the user's data\n"
+    assert sorted(p.name for p in nv.iterdir()) == [".hplan-nvme-probe", "j.0.region", "k.0.region", "k.1.region"]
+
+
+@pytest.mark.parametrize("swap", ["symlink", "hardlink", "fifo", "file"])
+def test_a_region_file_swapped_behind_the_store_is_never_written_through(tmp_path: Path, nv: Path,
+                                                                         swap: str) -> None:
+    target = outside(tmp_path)
+    no_hang()
+    with DiskStore(nv) as store:
+        store.write_async("s", rand(8192, 1)).result()
+        victim = nv / FOLDER / "s.0.region"
+        os.link(victim, tmp_path / "kept")  # its inode stays in use, so the new file cannot get it
+        victim.unlink()
+        if swap == "symlink":
+            victim.symlink_to(target)
+        elif swap == "hardlink":
+            os.link(target, victim)
+        elif swap == "fifo":
+            os.mkfifo(victim)
+        else:
+            victim.write_bytes(b"someone else's file")
+        store.write_async("s", rand(8192, 2))
+        with pytest.raises(HplanError, match="was replaced since hplan wrote it") as exc:
+            store.wait("s")
+        assert str(victim) in one_line(exc)
+        store.close(discard=True)
+    assert target.read_bytes() == b"the user's data\n"
+    assert victim.is_symlink() or victim.exists()  # not ours: not deleted either
+    assert [p.name for p in (nv / FOLDER).iterdir()] == [victim.name]
+
+
+def test_leftovers_are_removed_only_as_far_as_the_record_proves(tmp_path: Path, nv: Path) -> None:
+    """What a store left (closed keeping its files, or killed) goes at the next fresh start; a user's file or link
+    placed in its folder stays, and the start is refused naming it, until it is moved out."""
+    target = outside(tmp_path)
+    with DiskStore(nv) as store:
+        for key in ("a", "b"):
+            store.write_async(key, rand(4096 + 7, 3))
+        store.commit()
+    folder = nv / FOLDER
+    assert region_files(nv) == ["a.0.region", "b.0.region"]
+    (folder / "a.0.region").unlink()
+    (folder / "a.0.region").write_bytes(b"a user's file at a name the record lists")  # another inode
+    (folder / "c.0.region").symlink_to(target)
+    with pytest.raises(HplanError, match="was not written by hplan") as exc:
+        DiskStore(nv)
+    assert "a.0.region" in one_line(exc)
+    assert sorted(p.name for p in folder.iterdir()) == ["a.0.region", "c.0.region"]  # b.0 (hplan's) is gone
+    assert (folder / "a.0.region").read_bytes() == b"a user's file at a name the record lists"
+    assert target.read_bytes() == b"the user's data\n"
+    for name in ("a.0.region", "c.0.region"):
+        (folder / name).unlink()
+    with DiskStore(nv) as store:  # an empty folder without a record is an interrupted setup: removed
+        store.write_async("a", rand(10, 1)).result()
+    with DiskStore(nv):
+        assert region_files(nv) == []
+
+
+@pytest.mark.parametrize("record", [b"not hplan\n", b"hplan.nvme-owner/1\n= ../../etc/passwd 5\n",
+                                    b"hplan.nvme-owner/1\n" + b"+ x.0.region\n" * 10])
+def test_a_record_hplan_did_not_write_removes_nothing(nv: Path, record: bytes) -> None:
+    folder = nv / FOLDER
+    folder.mkdir()
+    (folder / RECORD).write_bytes(record)
+    (folder / "x.0.region").write_bytes(b"data")  # not empty: an announced name alone proves nothing
+    with pytest.raises(HplanError, match="not an hplan ownership record|was not written by hplan") as exc:
+        DiskStore(nv)
+    one_line(exc)
+    assert (folder / "x.0.region").read_bytes() == b"data"
+
+
+def test_a_symlinked_directory_is_resolved_once(tmp_path: Path) -> None:
+    """--nvme-dir may be a symlink (resolved when the store opens); re-pointing it later redirects nothing: the
+    store keeps using the folder it opened."""
+    first, second = tmp_path / "first", tmp_path / "second"
+    first.mkdir()
+    second.mkdir()
+    link = tmp_path / "nvme"
+    link.symlink_to(first, target_is_directory=True)
+    with DiskStore(link) as store:
+        assert store.directory == first
+        store.write_async("a", rand(5000, 1)).result()
+        link.unlink()
+        link.symlink_to(second, target_is_directory=True)
+        store.write_async("b", rand(5000, 2)).result()
+        dst = aligned_empty(5000)
+        store.read_async("a", dst).result()
+        assert torch.equal(dst, rand(5000, 1))
+        assert region_files(first) == ["a.0.region", "b.0.region"] and list(second.iterdir()) == []
+        store.close(discard=True)
+    assert list(first.iterdir()) == []

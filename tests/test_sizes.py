@@ -42,3 +42,17 @@ def test_format_size_states_units():
     assert format_size(24 * 2**30, binary=True) == "24.00 GiB"
     assert format_size(12) == "12 B"
     assert parse_size(format_size(1_500_000_000).replace(" ", "")) == 1_500_000_000
+
+
+def test_sizes_compared_in_one_message_read_differently():
+    """Issue 22: a 1 MiB tmpfs was "0.00 GB free but needs 0.00 GB". Compared sizes share the larger's unit and
+    take the digits that tell them apart; equal sizes read equal."""
+    from hplan.sizes import format_sizes
+
+    assert format_sizes(1 << 20, 1_190_000) == ("1.05 MB", "1.19 MB")
+    assert format_sizes(16_384, 16_383) == ("16.384 KB", "16.383 KB")
+    assert format_sizes(1_048_576, 1_048_577) == ("1.048576 MB", "1.048577 MB")
+    assert format_sizes(0, 10**9) == ("0.00 GB", "1.00 GB")
+    assert format_sizes(5 * 10**12, 5 * 10**12) == ("5.00 TB", "5.00 TB")
+    assert format_sizes(12, 900) == ("12 B", "900 B")
+    assert format_sizes(2**30, 2**30 + 1, binary=True) == ("1.000000000 GiB", "1.000000001 GiB")

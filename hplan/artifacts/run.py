@@ -59,6 +59,10 @@ class RunReport:
     """The process's resident memory, sampled at every host phase (a cross-check that sees everything)."""
     peak_rss_staging_bytes: int = 0
     """The resident pages of the staging buffers as the OS counts them (Linux RssShmem), at the same samples."""
+    peak_host_outside_steps_bytes: int = 0
+    """Staging bytes while NVMe-homed state was read outside the plan's steps (a checkpoint save, the model handed
+    back at the end): the plan's between-step staging plus at most one chunk's regions; --cpu-mem covers the
+    steps only (README, "Third tier: NVMe")."""
     nvme_read_gbps: float = 0.0
     """Achieved disk read bandwidth during the steps: bytes / seconds with a read in flight (GB/s)."""
     nvme_write_gbps: float = 0.0

@@ -274,15 +274,15 @@ def _world_rows(plan: Plan) -> list[tuple[str, str]]:
 def _tier_rows(plan: Plan, table: object) -> None:
     """The third tier's lines of the summary (issue 16): disk traffic, host memory, homes."""
     from hplan.artifacts.host_replay import homes_of
-    from hplan.sizes import format_size
+    from hplan.sizes import format_size, format_sizes
 
     s, hw = plan.summary, plan.hardware
     homes = homes_of(plan)
+    peak, given, smallest = format_sizes(s.predicted_host_peak_bytes, hw.host_bytes or 0, s.min_cpu_bytes)
     for key, value in (
         ("disk / iteration", f"read {format_size(s.nvme_read_bytes)}, write {format_size(s.nvme_write_bytes)} "
                              f"({hw.nvme_read_gbps:g} / {hw.nvme_write_gbps:g} GB/s)"),
-        ("host memory", f"peak {format_size(s.predicted_host_peak_bytes)} of {format_size(hw.host_bytes or 0)} "
-                        f"(smallest that works: {format_size(s.min_cpu_bytes)})"),
+        ("host memory", f"peak {peak} of {given} (smallest that works: {smallest})"),
         ("model data homes", f"GPU only {format_size(homes['gpu-only'])}, host {format_size(homes['host'])}, "
                              f"NVMe {format_size(homes['nvme'])} (disk used {format_size(s.nvme_bytes_used)})"),
     ):

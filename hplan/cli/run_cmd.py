@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
+import signal
+import threading
+from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated
 
@@ -64,11 +68,54 @@ def register(app: typer.Typer) -> None:
                                       precision=precision, overrides=overrides, as_json=as_json,
                                       budget_guard=budget_guard, on_nonfinite=on_nonfinite, nproc=nproc))
             return
-        guarded(lambda: _run(spec=spec, plan=plan, steps=steps, device=device, metrics=metrics,
-                             checkpoint=checkpoint, resume=resume, overwrite=overwrite, batch_size=batch_size,
-                             seq_len=seq_len,
-                             precision=precision, overrides=overrides, as_json=as_json, budget_guard=budget_guard,
-                             on_nonfinite=on_nonfinite, nvme_dir=nvme_dir))
+        with stops_cleanly():
+            guarded(lambda: _run(spec=spec, plan=plan, steps=steps, device=device, metrics=metrics,
+                                 checkpoint=checkpoint, resume=resume, overwrite=overwrite, batch_size=batch_size,
+                                 seq_len=seq_len,
+                                 precision=precision, overrides=overrides, as_json=as_json, budget_guard=budget_guard,
+                                 on_nonfinite=on_nonfinite, nvme_dir=nvme_dir))
+
+
+class Stopped(BaseException):
+    """SIGTERM or SIGHUP, raised in the main thread so that every `finally` and `with` on the way out runs: the
+    disk tier removes its region files, the checkpoint folder's lock and temporaries go. A BaseException, like
+    KeyboardInterrupt, so that a workload's `except Exception` does not swallow it."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signum)
+        self.signum = signum
+
+
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGHUP)
+
+
+@contextlib.contextmanager
+def stops_cleanly() -> Iterator[None]:
+    """Turn SIGTERM/SIGHUP into a clean exit: the run unwinds, then one line and exit 128 + the signal's number
+    (143 for SIGTERM, as a process killed by it would report). Further signals are ignored while it unwinds, so
+    the clean-up is not cut short; `kill -9` still stops it at once (the next run cleans up after it)."""
+    from hplan.cli.common import err_console
+
+    if threading.current_thread() is not threading.main_thread():  # handlers can only be set there
+        yield
+        return
+
+    def stop(signum: int, frame: object) -> None:
+        for s in STOP_SIGNALS:
+            signal.signal(s, signal.SIG_IGN)
+        raise Stopped(signum)
+
+    previous = {s: signal.signal(s, stop) for s in STOP_SIGNALS}
+    try:
+        yield
+    except Stopped as stopped:
+        name = signal.Signals(stopped.signum).name
+        err_console.print(f"stopped by {name}: nothing of the step under way was saved; the last checkpoint (if "
+                          "any) holds the state, and --resume continues from it", highlight=False, soft_wrap=True)
+        raise typer.Exit(128 + stopped.signum) from None
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
 
 
 def _run(*, spec: str, plan: Path, steps: int, device: str, metrics: Path | None, checkpoint: Path | None,
