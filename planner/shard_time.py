@@ -218,7 +218,7 @@ def _timeline(steps, sizes, initial, seconds, host_bytes, grad_of, schedule, lin
         flush(key, compute_end)
     end = max(compute_end, cpu_free, links.free["intra"], links.free["inter"])
     if end > compute_end:
-        tails = {"cpu_optimizer": cpu_free, "intra": links.free["intra"], "inter": links.free["inter"]}
+        tails = {"cpu_optimizer": cpu_free, "inter": links.free["inter"], "intra": links.free["intra"]}
         exposed[max(tails, key=tails.get)] += end - compute_end
     out = {**split, **links.busy, "step": end}
     out.update({f"exposed_{k}": v for k, v in exposed.items()})
