@@ -122,12 +122,19 @@ def predict_shard_seconds(steps: tuple[Step, ...] | list[Step], sizes: dict[int,
     host = sum(host_bytes[c] for s in steps for c in s.host_updates)
     split = {"compute": sum(seconds), "h2d": len(up) * TRANSFER_LATENCY_S + sum(up) / h2d_bps,
              "d2h": len(down) * TRANSFER_LATENCY_S + sum(down) / d2h_bps, "cpu_optimizer": host / cpu_bps}
-    if not hardware.overlap:
+    if not hardware.overlap:  # everything in turn: every second is exposed
+        exposed = {"exposed_host": split["h2d"] + split["d2h"], "exposed_intra": 0.0, "exposed_inter": 0.0,
+                   "exposed_cpu_optimizer": split["cpu_optimizer"]}
         for st in steps:
             for call in st.collectives:
-                links.busy[call.op] += links.cost(call).seconds
+                cost = links.cost(call)
+                links.busy[call.op] += cost.seconds
+                for link, secs in cost.phases:
+                    exposed["exposed_intra" if link == "intra" else "exposed_inter"] += secs
+                    for x in (("intra", "inter") if link == "both" else (link,)):
+                        links.busy[x] += secs
         total = sum(split.values()) + sum(links.busy[op] for op in ("all_gather", "reduce_scatter", "all_reduce"))
-        return {**split, **links.busy, "step": total}
+        return {**split, **links.busy, **exposed, "step": total}
     return _timeline(steps, sizes, initial, seconds, host_bytes, grad_of, schedule, links, split,
                      (h2d_bps, d2h_bps, cpu_bps))
 
