@@ -246,7 +246,11 @@ def _hplan_steps(info: Any, spec: str, plan: dict[str, Any], steps: int) -> list
     return out
 
 
-def _fsdp2_steps(info: Any, spec: str, steps: int) -> list[float]:
+def fsdp2_rank(info: Any, spec: str, steps: int) -> list[float]:
+    """FSDP2 as its users run it: `fully_shard` per block and the root, the loop `hplan run` times (loss, its
+    finiteness check, backward, optimizer step, zero_grad); step seconds of this rank."""
+    import math
+
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
@@ -262,7 +266,10 @@ def _fsdp2_steps(info: Any, spec: str, steps: int) -> list[float]:
     out = []
     for step in range(steps):
         start = time.perf_counter()
-        workload.loss(model, workload.batch(step * info.world_size + info.rank)).backward()
+        loss = workload.loss(model, workload.batch(step * info.world_size + info.rank))
+        if not math.isfinite(float(loss.detach())):
+            raise RuntimeError(f"FSDP2: the loss is not finite at step {step}")
+        loss.backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         out.append(time.perf_counter() - start)

@@ -95,7 +95,7 @@ class World:
     def from_hardware(cls, hw: Hardware) -> World:
         """The world of a Hardware artifact (STYLE §10: the world is data in one place; this only reads it)."""
         lat = Latencies(intra_hop_s=hw.intra_latency_us * 1e-6, inter_hop_s=hw.inter_latency_us * 1e-6,
-                        intra_kind="pci" if hw.intra_link == "pci" else "nvlink")
+                        intra_kind=hw.intra_link)
         return cls(gpus_per_node=hw.gpus_per_node, nodes=hw.nodes, intra_gbps=hw.intra_gbps,
                    inter_gbps=hw.inter_gbps, latencies=lat)
 

@@ -20,6 +20,8 @@ the constants and formulas of `ncclTopoTuneModel` and `ncclTopoGetAlgoTime` in N
 Left out, each small for the buffers a training step moves: per-channel bandwidth caps (they need NCCL's channel
 count), the LL bandwidth ceiling, the per-step network overhead of 1–2 µs (below the NVLink Simple hop), the
 topology's extra network latency, NVLS/CollNet/PAT (need NVSwitch SHARP, SHARP switches, or one GPU per node).
+The CPU fast tier's ranks talk through gloo over loopback (`intra_kind` "loopback"): one protocol, a ring
+whose every step costs the measured per-call latency (bench/gloo_rate.py), no base term, no tree.
 `Latencies` scales NCCL's per-hop numbers (flags --intra-latency-us / --inter-latency-us give the Simple
 protocol's hop; LL and LL128 and the base latencies scale in proportion); `Latencies.zero()` is bandwidth only.
 Units: seconds, bytes, GB/s = 10⁹ B/s per direction.
@@ -62,6 +64,7 @@ class Latencies:
     inter_hop_s: float = NET_SIMPLE_HOP_S
     """A hop across nodes (the network)."""
     intra_kind: str = "nvlink"
+    """"nvlink", "pci" (NCCL's rows) or "loopback" (gloo between processes of one host)."""
 
     @classmethod
     def zero(cls) -> Latencies:
@@ -69,12 +72,16 @@ class Latencies:
 
     def hop(self, kind: str, algo: str, proto: int) -> float:
         """Seconds of one hop of `kind` ("intra" or "net") for an algorithm and protocol index."""
+        if self.intra_kind == "loopback" and kind != "net":
+            return self.intra_hop_s
         if kind == "net":
             return HOP_US["net"][algo][proto] * 1e-6 * self.inter_hop_s / NET_SIMPLE_HOP_S
         return HOP_US[self.intra_kind][algo][proto] * 1e-6 * self.intra_hop_s / NVLINK_SIMPLE_HOP_S
 
     def base(self, algo: str, proto: int) -> float:
         """The fixed cost of a call (launch, synchronisation), scaled with the larger of the two hop factors."""
+        if self.intra_kind == "loopback":
+            return 0.0
         scale = max(self.intra_hop_s / NVLINK_SIMPLE_HOP_S, self.inter_hop_s / NET_SIMPLE_HOP_S)
         return BASE_US[algo][proto] * 1e-6 * scale
 
@@ -99,10 +106,13 @@ def nccl_time(op: str, nbytes: int, *, ranks: int, per_node: int, nodes: int, bu
     n_inter = 0 if nodes == 1 else (2 * (nodes - 1) if twice else nodes - 1)
     bus = bus_gbps * 1e9
     best: Choice | None = None
+    gloo = lat.intra_kind == "loopback" and nodes == 1
     for algo in algorithms:
-        if algo == "tree" and not twice:
-            continue  # NCCL's tree is for all-reduce only
+        if algo == "tree" and (not twice or gloo):
+            continue  # NCCL's tree is for all-reduce only; gloo here rings
         for p, proto in enumerate(PROTOCOLS):
+            if gloo and proto != "Simple":
+                continue
             if algo == "ring":
                 intra = lat.hop("net" if per_node == 1 else "intra", "ring", p)
                 inter = lat.hop("net", "tree" if per_node == 1 else "ring", p)

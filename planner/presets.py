@@ -178,7 +178,14 @@ NETWORK_PRESETS: dict[str, NetworkPreset] = {p.name: p for p in (
                   source="PCIe 4.0 x16 between GPUs (32 GB/s per direction); one 100 Gb/s Ethernet port per node"),
     NetworkPreset(name="pcie3-100gbe", intra_gbps=16.0, inter_gbps=12.5, intra_link="pci",
                   source="PCIe 3.0 x16 between GPUs (16 GB/s per direction); one 100 Gb/s Ethernet port per node"),
+    NetworkPreset(name="gloo-loopback", intra_gbps=0.75, inter_gbps=0.75, intra_link="loopback",
+                  source="measured 2026-11-25 15:24 UTC on this project's 2-core dev VM (shared, load average 6.9) "
+                         "with `python -m bench.gloo_rate`: 2 gloo ranks, all_gather 239 µs per call + 2.12 GB/s "
+                         "algorithm bandwidth, reduce_scatter 191 µs + 0.91 GB/s; kept 215 µs per ring step and "
+                         "0.75 GB/s bus bandwidth (the mean of the two ops' (k-1)/k x algorithm bandwidth)"),
 )}
+GLOO_STEP_US = 215.0
+"""gloo-loopback's latency per ring step (the preset's source)."""
 GPU_NETWORK = {"rtx3090": "pcie4-100gbe", "rtx2060": "pcie3-100gbe", "v100-32gb": "dgx1-v100",
                "a100-40gb": "dgx-a100", "a100-80gb": "dgx-a100", "a800-80gb": "a800-4xhdr", "h100-80gb": "dgx-h100"}
 """The network a GPU preset usually sits on (its vendor's reference system)."""
@@ -206,9 +213,14 @@ def make_hardware(gpu: str = "rtx3090", gpu_bytes: int | None = None, host_bytes
     if gpu == CPU_TIER:
         if gpu_bytes is None:
             raise HplanError("the cpu fast tier has no preset size: give its budget (--gpu-mem)")
+        gloo = NETWORK_PRESETS["gloo-loopback"]
         cpu = dict(gpu=CPU_TIER, gpu_bytes=gpu_bytes, host_bytes=host_bytes, nvme_bytes=nvme_bytes, overlap=False,
                    h2d_gbps=CPU_TIER_COPY_GBPS, d2h_gbps=CPU_TIER_COPY_GBPS, host="this-machine-1t",
-                   cpu_optimizer_gbps=HOST_PRESETS["this-machine-1t"].cpu_optimizer_gbps)
+                   cpu_optimizer_gbps=HOST_PRESETS["this-machine-1t"].cpu_optimizer_gbps, network=gloo.name,
+                   intra_gbps=gloo.intra_gbps, inter_gbps=gloo.inter_gbps, intra_link=gloo.intra_link,
+                   intra_latency_us=GLOO_STEP_US, inter_latency_us=GLOO_STEP_US)
+        if network not in (None, gloo.name):
+            raise HplanError("the cpu fast tier's ranks talk through gloo on this host: --network does not apply")
         return Hardware(**(cpu | overrides))
     net_name = network if network is not None else GPU_NETWORK.get(gpu, "")
     for kind, name, table in (("GPU", gpu, GPU_PRESETS), ("host", host, HOST_PRESETS), ("NVMe", nvme, NVME_PRESETS),

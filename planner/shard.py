@@ -28,9 +28,9 @@ from hplan.artifacts.trace import Trace
 from hplan.errors import HplanError
 from hplan.planner.core import SEARCH_NODES, _improve, host_bytes_needed
 from hplan.planner.options import PlanOptions
-from hplan.planner.problem import MODULE_CHUNKS, PARAM_CHUNKS, group_params
+from hplan.planner.problem import PARAM_CHUNKS, group_params
 from hplan.planner.schedule import event_seconds
-from hplan.planner.search import Finished, Scored, finish, host_update_bytes
+from hplan.planner.search import Finished, Scored, chunk_targets, finish, host_update_bytes
 from hplan.planner.shard_build import ShardSearch, shard_build
 from hplan.planner.shard_time import predict_shard_seconds
 from hplan.sizes import format_size
@@ -70,12 +70,45 @@ def step_seconds(trace: Trace, hardware: Hardware, scored: Scored, done: Finishe
                                  host_update_bytes(s), grad_of)
 
 
+COARSE_CHUNKS_PER_MODEL = (8, 4, 2)
+"""Many ranks add chunkings coarser than the one-rank search's: a collective's latency is paid per chunk, so
+fewer, larger chunks can win when the model fits (FSDP wraps a whole block per all-gather)."""
+
+
+def many_rank_targets(trace: Trace, options: PlanOptions) -> list[int]:
+    """The one-rank chunk targets plus the coarse ones (bytes of weights per chunk)."""
+    total = sum(p.bytes for p in trace.params)
+    coarse = {max(2, total // m) for m in COARSE_CHUNKS_PER_MODEL}
+    base = chunk_targets(trace, options)
+    return base + sorted(coarse - set(base))
+
+
+def shard_step_seconds(trace: Trace, hardware: Hardware, scored: Scored, sharding: Sharding) -> float:
+    """Predicted many-rank step of a scored candidate (its schedule with the collectives it implies)."""
+    done = finish(trace, hardware, scored)
+    return step_seconds(trace, hardware, scored, done, with_collectives(done.steps, scored, sharding,
+                                                                       hardware.ranks))["step"]
+
+
 def plan_factors(trace: Trace, hardware: Hardware, options: PlanOptions, factors: Sharding, nodes: int
                  ) -> Candidate | None:
-    """The best schedule for one factor choice, or None when no schedule fits."""
+    """The best schedule for one factor choice, or None when no schedule fits.
+
+    When everything fits resident, chunk size still matters on many ranks: each chunk is a collective call, and
+    a call's latency is paid per chunk ([Note: collective latency model]). So every chunk size the search
+    knows (the given one, else `chunk_targets`) is tried all-resident and the shortest predicted step kept;
+    otherwise the search runs, ties in bytes broken by the many-rank step time (ShardSearch.better)."""
     search = ShardSearch(trace, hardware, options, factors, nodes=nodes)
-    target = options.chunk_bytes if options.chunk_bytes is not None else MODULE_CHUNKS
-    scored = search.all_resident(target) or search.run()
+    targets = [options.chunk_bytes] if options.chunk_bytes is not None else many_rank_targets(trace, options)
+    best: Candidate | None = None
+    for target in targets:
+        scored = search.all_resident(target)
+        if scored is not None:
+            cand = _candidate(trace, hardware, factors, search, scored, finish(trace, hardware, scored))
+            best = cand if best is None or cand.key() < best.key() else best
+    if best is not None:
+        return best
+    scored = search.run()
     if scored is None:
         return None
     return _candidate(trace, hardware, factors, search, scored, finish(trace, hardware, scored))

@@ -77,7 +77,8 @@ class Hardware:
     inter_latency_us: float = 14.0
     """Latency of one network hop of a collective, µs: NCCL's network ring hop with its Simple protocol."""
     intra_link: str = "nvlink"
-    """"nvlink" or "pci": which of NCCL's intra-node latency rows applies."""
+    """"nvlink" or "pci": which of NCCL's intra-node latency rows applies; "loopback": gloo between the CPU
+    fast tier's processes (one protocol, no base latency; hplan.planner.nccl)."""
     collectives: str = "nccl"
     """How collectives are priced: "nccl" (NCCL's pick of ring or tree), "ring", "tree", "hierarchical" (two
     levels) or "best" (hplan.planner.collectives)."""
@@ -106,8 +107,8 @@ class Hardware:
                                                    and 0 <= value <= MAX_LATENCY_US):
                     raise HplanError(f"hardware {f.name.replace('_', '-')} must be 0 to {MAX_LATENCY_US:g} µs, "
                                      f"got {value!r}")
-            elif f.name == "intra_link" and value not in ("nvlink", "pci"):
-                raise HplanError(f"hardware intra-link must be nvlink or pci, got {value!r}")
+            elif f.name == "intra_link" and value not in ("nvlink", "pci", "loopback"):
+                raise HplanError(f"hardware intra-link must be nvlink, pci or loopback, got {value!r}")
             elif f.name == "collectives" and value not in COLLECTIVE_ALGORITHMS:
                 raise HplanError(f"hardware collectives must be one of {', '.join(COLLECTIVE_ALGORITHMS)}, "
                                  f"got {value!r}")
