@@ -12,7 +12,8 @@ Pure (no torch): the ranking test runs it on a LLaMA-shaped synthetic trace.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 from hplan.artifacts.trace import Trace
 from hplan.planner.options import PlanOptions
@@ -47,6 +48,8 @@ class Row:
     mfu: float | None
     split: dict[str, float]
     note: str = ""
+    plan: Any = field(default=None, compare=False, repr=False)
+    """The plan priced (None when there is none)."""
 
 
 def hardware_for(trace: Trace, ranks: int):
@@ -87,4 +90,4 @@ def _row(system: System, trace: Trace, hw, options: PlanOptions, peak: float) ->
     split = price(plan, trace, system.schedule, system_steps(system, plan))
     note = "as hplan's executor runs it: blocking collectives" if system.kind == "hplan" else ""
     return Row(system=system.name, factors=f"{s['P']}/{s['G']}/{s['OS']}", step_seconds=split["step"],
-               mfu=trace.step_flops / (split["step"] * peak), split=split, note=note)
+               mfu=trace.step_flops / (split["step"] * peak), split=split, note=note, plan=plan)

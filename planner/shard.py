@@ -28,7 +28,7 @@ from hplan.artifacts.trace import Trace
 from hplan.errors import HplanError
 from hplan.planner.core import SEARCH_NODES, _improve, host_bytes_needed
 from hplan.planner.options import PlanOptions
-from hplan.planner.problem import PARAM_CHUNKS, group_params
+from hplan.planner.problem import MODULE_CHUNKS, PARAM_CHUNKS, group_params
 from hplan.planner.schedule import event_seconds
 from hplan.planner.search import Finished, Scored, chunk_targets, finish, host_update_bytes
 from hplan.planner.shard_build import ShardSearch, shard_build
@@ -90,16 +90,18 @@ def shard_step_seconds(trace: Trace, hardware: Hardware, scored: Scored, shardin
                                                                        hardware.ranks))["step"]
 
 
-def plan_factors(trace: Trace, hardware: Hardware, options: PlanOptions, factors: Sharding, nodes: int
-                 ) -> Candidate | None:
+def plan_factors(trace: Trace, hardware: Hardware, options: PlanOptions, factors: Sharding, nodes: int,
+                 targets: list[int] | None = None) -> Candidate | None:
     """The best schedule for one factor choice, or None when no schedule fits.
 
     When everything fits resident, chunk size still matters on many ranks: each chunk is a collective call, and
-    a call's latency is paid per chunk ([Note: collective latency model]). So every chunk size the search
-    knows (the given one, else `chunk_targets`) is tried all-resident and the shortest predicted step kept;
-    otherwise the search runs, ties in bytes broken by the many-rank step time (ShardSearch.better)."""
+    a call's latency is paid per chunk ([Note: collective latency model]). So each of `targets` (default: the
+    given chunk size, else one chunk per module) is tried all-resident and the shortest predicted step kept
+    (make_shard_plan tries the other sizes on its best factor choices); otherwise the search runs, ties in bytes
+    broken by the many-rank step time (ShardSearch.better)."""
     search = ShardSearch(trace, hardware, options, factors, nodes=nodes)
-    targets = [options.chunk_bytes] if options.chunk_bytes is not None else many_rank_targets(trace, options)
+    if targets is None:
+        targets = [options.chunk_bytes if options.chunk_bytes is not None else MODULE_CHUNKS]
     best: Candidate | None = None
     for target in targets:
         scored = search.all_resident(target)
@@ -112,6 +114,12 @@ def plan_factors(trace: Trace, hardware: Hardware, options: PlanOptions, factors
     if scored is None:
         return None
     return _candidate(trace, hardware, factors, search, scored, finish(trace, hardware, scored))
+
+
+REFINED_CHOICES = 4
+"""Factor choices whose all-resident plans are re-planned at every chunk size: each choice is first planned at
+the finest (one chunk per module) and the coarsest size, the best few then at the sizes between — each size
+costs a problem build, and latency-bound choices show at the coarse end."""
 
 
 def _candidate(trace: Trace, hardware: Hardware, factors: Sharding, search: ShardSearch, scored: Scored,
@@ -136,13 +144,23 @@ def make_shard_plan(trace: Trace, hardware: Hardware, options: PlanOptions | Non
     choices = [factors] if factors is not None else factor_choices(ranks, gpn)
     effort = 0 if options.solver == "fast" else options.effort
     nodes = SEARCH_NODES[effort] if options.solver != "exact" else SEARCH_NODES[1]
-    best: Candidate | None = None
+    found: list[Candidate] = []
+    sizes = many_rank_targets(trace, options)
+    first = None if options.chunk_bytes is not None else [MODULE_CHUNKS, sizes[-1]]
     for i, f in enumerate(choices):
         if on_progress is not None:
             on_progress(i, len(choices) + 1, f"shard factors P={f.P} G={f.G} OS={f.OS}")
-        cand = plan_factors(trace, hardware, options, f, nodes)
-        if cand is not None and (best is None or cand.key() < best.key()):
-            best = cand
+        cand = plan_factors(trace, hardware, options, f, nodes, first)
+        if cand is not None:
+            found.append(cand)
+    found.sort(key=Candidate.key)
+    best = found[0] if found else None
+    if options.chunk_bytes is None:  # the best all-resident choices at every other chunk size
+        others = [t for t in sizes if t not in (MODULE_CHUNKS, sizes[-1])]
+        for cand in [c for c in found if c.scored.moved == 0][:REFINED_CHOICES]:
+            refined = plan_factors(trace, hardware, options, cand.factors, nodes, others)
+            if refined is not None and best is not None and refined.key() < best.key():
+                best = refined
     opts = {k: v for k, v in asdict(options).items() if k != "compare"}
     opts["shard"] = "given" if factors is not None else "searched"
     if best is None:
