@@ -6,12 +6,13 @@ hplan.artifacts.shard) and the collectives its steps need ([Note: plan collectiv
 needed, and every rank holds exactly as many bytes at every step.
 
 What it minimises: for each factor choice the usual one-rank problem (`planner.shard_build`) is searched and
-solved as `make_plan` does — fewest host↔GPU bytes per iteration, then shortest predicted step — and among
-the factor choices that fit each rank's GPU (and host) budget it keeps the shortest predicted step time
-(`planner.shard_time`: compute, host links, host optimizer and collectives overlapped), then the fewest
-collective bytes per rank, then the fewest host↔GPU bytes. AMSP (arXiv 2311.00257) chooses its factors by
-minimising communication under a memory limit; hplan prices communication in time, beside compute and offload,
-so a choice that sends more but hides it behind compute can win. The winner's schedule then gets the larger
+solved as `make_plan` does — fewest host↔GPU bytes per iteration, then shortest predicted many-rank step — and
+among the factor choices that fit each rank's GPU (and host) budget it keeps the shortest predicted step time
+(`planner.shard_time`, as hplan's executor runs it: compute, host links, host optimizer and blocking
+collectives), then the fewest collective bytes per rank, then the fewest host↔GPU bytes. When a choice fits
+all-resident, its chunk size is chosen by step time too (`plan_factors`, REFINED_CHOICES): each chunk is one
+call whose latency is paid per chunk. AMSP (arXiv 2311.00257) chooses its factors by minimising communication
+under a memory limit; hplan prices communication in time, beside compute and offload. The winner's schedule then gets the larger
 branch-and-bound budget `make_plan` gives its winner, and the plan reports that bound.
 """
 
