@@ -15,6 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from hplan.artifacts.hardware import Hardware
 from hplan.artifacts.trace import Trace
 from hplan.planner.options import PlanOptions
 from hplan.planner.presets import make_hardware
@@ -34,6 +35,7 @@ PAPER_RATIO = {("13b", 1024): ("AMSP", "ZeRO-3", 13.0)}
 
 
 def micro_batches(ranks: int) -> int:
+    """Micro-batches per rank per step in AMSP's setting."""
     return max(1, GLOBAL_TOKENS // SEQ // ranks)
 
 
@@ -52,7 +54,8 @@ class Row:
     """The plan priced (None when there is none)."""
 
 
-def hardware_for(trace: Trace, ranks: int):
+def hardware_for(trace: Trace, ranks: int) -> Hardware:
+    """AMSP's cluster for `ranks` GPUs, with the trace's allocator slack."""
     from hplan.planner import default_slack
 
     return make_hardware(GPU, network=NETWORK, gpu_bytes=80 * 10**9, gpus_per_node=GPUS_PER_NODE,
@@ -73,7 +76,7 @@ def replay(trace: Trace, ranks: int, size: str, *, with_hplan: bool = True) -> l
     return rows
 
 
-def _row(system: System, trace: Trace, hw, options: PlanOptions, peak: float) -> Row:
+def _row(system: System, trace: Trace, hw: Hardware, options: PlanOptions, peak: float) -> Row:
     from hplan.errors import HplanError
 
     f = system.sharding(hw.ranks, hw.gpus_per_node)

@@ -55,7 +55,7 @@ from dataclasses import dataclass
 
 from hplan.artifacts.hardware import COLLECTIVE_ALGORITHMS, Hardware
 from hplan.errors import HplanError
-from hplan.planner.nccl import Latencies, nccl_time
+from hplan.planner.nccl import Choice, Latencies, nccl_time
 
 OPS = ("all_gather", "reduce_scatter", "all_reduce")
 ALGORITHMS = COLLECTIVE_ALGORITHMS
@@ -238,7 +238,7 @@ def collective_cost(op: str, buffer_bytes: int, group: Group, world: World, *, a
     return hier if algorithm == "hierarchical" or hier.seconds < flat.seconds else flat
 
 
-def _flat(op: str, nbytes: int, k: int, a: int, m: int, bus_gbps: float, world: World, algorithm: str):
+def _flat(op: str, nbytes: int, k: int, a: int, m: int, bus_gbps: float, world: World, algorithm: str) -> Choice:
     algos = ("ring",) if algorithm == "ring" else ("tree", "ring") if algorithm == "tree" else ("ring", "tree")
     if algorithm == "tree" and op == "all_reduce":
         algos = ("tree",)
@@ -246,7 +246,7 @@ def _flat(op: str, nbytes: int, k: int, a: int, m: int, bus_gbps: float, world: 
                      algorithms=algos)
 
 
-def _name(pick) -> str:
+def _name(pick: Choice) -> str:
     return f"{pick.algorithm}/{pick.protocol}" if pick.protocol else pick.algorithm
 
 

@@ -139,7 +139,10 @@ def predict_shard_seconds(steps: tuple[Step, ...] | list[Step], sizes: dict[int,
                      (h2d_bps, d2h_bps, cpu_bps))
 
 
-def _timeline(steps, sizes, initial, seconds, host_bytes, grad_of, schedule, links, split, rates) -> dict[str, float]:
+def _timeline(steps: tuple[Step, ...] | list[Step], sizes: dict[int, int], initial: frozenset[int],
+              seconds: list[float], host_bytes: dict[int, int], grad_of: dict[int, int], schedule: CommSchedule,
+              links: _Links, split: dict[str, float], rates: tuple[float, float, float]) -> dict[str, float]:
+    """The overlapped iteration (module docstring): one pass over the steps, issuing each call on its links."""
     h2d_bps, d2h_bps, cpu_bps = rates
     exposed = {"host": 0.0, "intra": 0.0, "inter": 0.0, "cpu_optimizer": 0.0}
     up_free = down_free = compute_end = cpu_free = 0.0
