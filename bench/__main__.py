@@ -27,7 +27,7 @@ SECTIONS: tuple[tuple[str, str, str], ...] = (
     ("executor", "5. Executor", "bench.executor_bench"),
     ("headline", "6. The seed's headline, replayed as plans (not GPU measurements)", "bench.headline"),
     ("plot", "7. Report cost", "bench.plot_cost"),
-    ("multigpu", "8. Many GPUs: shard factors vs ZeRO-3, MiCS, ZeRO++ (plans) and a 2-rank CPU run (measured)",
+    ("multigpu", "8. Many GPUs: AMSP's evaluation replayed (plans) and `hplan run --nproc 2` vs FSDP2 (measured)",
      "bench.multigpu"),
     ("nvme", "9. Third tier: NVMe", "bench.nvme"),
 )

@@ -1,188 +1,193 @@
-"""Many GPUs (issue 17): hplan's shard factors vs ZeRO-3/FSDP, ZeRO++ and MiCS — plans — and a 2-rank CPU run.
+"""Many GPUs (issue 25): AMSP's own evaluation replayed by hplan's step model (plans), hplan's own pick, and
+`hplan run --nproc 2` against FSDP2 on this CPU (measured).
 
-Plans, not GPU measurements. For LLaMA-7B- and 13B-shaped `gpt` presets (fake traces, bf16-mixed AdamW, one
-2,048-token sequence per rank) on 8, 64 and 1024 A100-80GB GPUs, 8 per node, each system is planned by hplan on
-the same trace and priced by the same model (hplan.planner.shard_time; collectives by
-hplan.planner.collectives: ring or two-level per link):
-- hplan: `make_shard_plan`'s choice (fastest predicted step that fits 80 GB per rank); priced as its executor
-  runs, weight all-gathers at the step that needs them (no prefetch);
-- ZeRO-3 / FSDP full sharding: P = G = OS = all ranks, gathers prefetched one module ahead (as both do);
-- MiCS: P = G = OS = 8 (one node per partition group; the gradient sync is its 2-hop reduce), prefetched;
-- ZeRO++: the ZeRO-3 plan with its three changes applied to the calls (arXiv 2306.10209): qwZ sends the forward
-  gathers as int8 (half of bf16), hpZ gathers the backward from a secondary copy inside the node, qgZ sends
-  gradients as int4 (a quarter; its all-to-all priced as a reduce-scatter of that volume); the secondary copy's
-  memory (weights / 8 per rank) and the (de)quantisation kernels are not modelled; prefetched.
-Links, per direction: NVLink 3 at 300 GB/s per GPU (600 GB/s both ways, NVIDIA's DGX A100 system architecture
-post, developer.nvidia.com/blog/defining-ai-innovation-with-dgx-a100) and 200 GB/s per node of network (the same
-post: eight 200 Gb/s HDR InfiniBand adapters per DGX A100). Compute: the a100-80gb preset, 312 TFLOPS bf16 at
-hplan's default 30% efficiency, which also caps the MFU these plans can show (AMSP measured 52%).
-The CPU part is measured: the same gpt model trained on 2 gloo ranks by hplan's executor and by FSDP2
-(`fully_shard` per block and root), alternating in one launch; step seconds of rank 0.
+Plans, not GPU measurements. The replay (hplan.planner.amsp_replay) takes AMSP's setting (arXiv 2311.00257 v2:
+128 nodes × 8 A800-80GB, NVLink inside a node, four 200 Gb/s HDR InfiniBand per node, sequence 4,096,
+micro-batch 1, global batch 4M tokens, bf16): LLaMA-7B and 13B as LLaMA-shaped synthetic traces (one event per
+leaf module, model FLOPs with the attention scores; checked below against a fake trace of transformers'
+LlamaForCausalLM at the 7B shape), each system with its published factors and its own way of issuing
+collectives (hplan.planner.systems), priced by one model: NCCL's α-β times per call (ring or tree and protocol
+as NCCL picks), NVLink and the network as two queues, prefetch in both passes, bucketed reductions, compute at
+the A800's calibrated 63% of 312 TFLOPS (hplan.planner.presets). Beside each predicted MFU, the paper's measured
+one where issue 25 quotes it, and the seconds per step the model leaves unexplained (the paper's implied step
+minus the predicted one). hplan's own pick is priced as its executor runs it (every collective blocking at
+its step), and again as if it overlapped them as AMSP does.
+The CPU part is measured: `hplan run --nproc 2` (hplan.executor.dist_train.run_distributed, the probe on, as
+users run it) at hplan's factors and at FSDP2's (P = G = OS = 2), and FSDP2 (`fully_shard` per block and the
+root) on the same model and loop, interleaved in rounds; medians of every rank-0 step but each run's first.
 """
 
 from __future__ import annotations
 
 import time
-from dataclasses import replace
 from typing import Any
 
 from bench.context import Context
-from bench.harness import SectionOutput, Table, fmt_bytes, fmt_pct, fmt_ratio, fmt_seconds, median
+from bench.harness import SectionOutput, Table, fmt_pct, fmt_ratio, fmt_seconds, median
 
-SPECS = ("gpt:llama-7b-shaped", "gpt:llama-13b-shaped")
-WORLDS = (8, 64, 1024)
-GPUS_PER_NODE = 8
-INTRA_GBPS = 300.0
-INTER_GBPS = 200.0
-PRECISION = "bf16-mixed"
-SEQ = 2048
-QUICK_LAYERS = 4
-"""--quick traces the 7B shape with this many of its 32 layers (same per-layer shapes, ~8× faster to plan)."""
-AMSP = ("AMSP (arXiv 2311.00257, measured on its own cluster): up to 52% MFU training LLaMA-7B/13B on 1024 GPUs, "
-        "and 1.4–12.7× the throughput of MiCS and ZeRO++ (the v1 abstract says 1.56×)")
+SIZES, WORLDS = ("7b", "13b"), (128, 1024)
+QUICK_SIZES, QUICK_WORLDS = ("7b",), (512, 1024)
 CPU_SPEC, CPU_SPEC_QUICK = "gpt:small", "gpt:tiny"
+HF_7B = {"hidden_size": 4096, "intermediate_size": 11008, "num_hidden_layers": 32, "num_attention_heads": 32,
+         "num_key_value_heads": 32, "vocab_size": 32000, "max_position_embeddings": 4096}
+"""transformers' LlamaConfig at LLaMA-7B's shape (Touvron et al. 2023, Table 2)."""
 
 
 def run(ctx: Context) -> SectionOutput:
     out = SectionOutput()
-    plans = Table(headers=["model", "GPUs", "system", "P / G / OS", "collectives / rank / iter",
-                           "host↔GPU / iter", "predicted step", "MFU (plan)", "hplan's speed-up"],
-                  caption="**Many GPUs, as plans (not GPU measurements)**: per-rank communication volume and "
-                          "predicted step time, A100-80GB, 8 per node, bf16-mixed AdamW, 2,048 tokens per rank.")
-    ratios: dict[str, list[float]] = {"ZeRO-3 / FSDP": [], "MiCS": [], "ZeRO++": []}
-    for spec in SPECS[:1] if ctx.quick else SPECS:
-        trace = out.part(f"fake trace {spec}", _trace, spec, ctx.quick, log=ctx.log)
-        if trace is None:
-            plans.add(spec, "—", "FAILED (fake trace)", *["—"] * 6)
-            continue
-        label = spec + (f" ({QUICK_LAYERS} of its layers)" if ctx.quick else "")
-        for n in WORLDS:
-            rows = out.part(f"{spec} on {n} GPUs", _compare, trace, n, ctx.quick, log=ctx.log)
-            if rows is None:
-                plans.add(label, n, "FAILED", *["—"] * 6)
-                continue
-            hplan_step = rows[0]["step"]
-            for row in rows:
-                speed = row["step"] / hplan_step if hplan_step and row["step"] else None
-                if row["system"] in ratios and n == 1024 and speed is not None:
-                    ratios[row["system"]].append(speed)
-                plans.add(label, n, row["system"], row["factors"], fmt_bytes(row["collective"]),
-                          fmt_bytes(row["moved"]), fmt_seconds(row["step"], 3), fmt_pct(row["mfu"], 1),
-                          "—" if row["system"] == "hplan" else fmt_ratio(speed))
-        ctx.log(f"[bench]   many GPUs: {spec} planned")
-    plans.notes.append(AMSP + ". Ours: the ratio of predicted step times on the same trace and cost model at 1024 "
-                       "GPUs — " + "; ".join(f"vs {k} {', '.join(fmt_ratio(x) for x in v) or '—'}"
-                                             for k, v in ratios.items()) + " (plans; AMSP's are measurements).")
-    plans.notes.append("\"hplan's speed-up\" = the system's predicted step / hplan's; hplan is priced without "
-                       "prefetching its gathers, the others with it. MFU (plan) = the trace's FLOPs / (predicted step "
-                       "× 312 TFLOPS): compute is priced at 30% of the datasheet rate, so no plan here exceeds 30%.")
-    out.tables.append(plans)
-    if ratios["ZeRO-3 / FSDP"]:
-        out.headline.append("many GPUs (plans, 1024 A100-80GB): hplan's factors predict a step "
-                            + ", ".join(f"{fmt_ratio(v[0])} faster than {k}" for k, v in ratios.items() if v)
-                            + f" ({SPECS[0]}; plans, not measurements)")
-    cpu = out.part("2-rank CPU step time, hplan vs FSDP2", _cpu, ctx, log=ctx.log)
+    replay = out.part("AMSP replay", _replay, ctx, log=ctx.log)
+    if replay is not None:
+        out.tables.append(replay[0])
+        out.headline.extend(replay[1])
+    if not ctx.quick:
+        check = out.part("synthetic vs fake LLaMA-7B trace", _trace_check, log=ctx.log)
+        if check is not None:
+            out.tables.append(check)
+    cpu = out.part("2-rank CPU step time, hplan run --nproc 2 vs FSDP2", _cpu, ctx, log=ctx.log)
     if cpu is not None:
         out.tables.append(cpu[0])
         out.headline.append(cpu[1])
     return out
 
 
-def _trace(spec: str, quick: bool) -> Any:
+# -- the replay: plans ----------------------------------------------------------------------------------------
+
+
+def _replay(ctx: Context) -> tuple[Table, list[str]]:
+    from hplan.planner.amsp_replay import AMSP_FACTORS, PAPER_MFU, PAPER_RATIO, hardware_for, micro_batches, replay
+    from hplan.planner.synthetic import llama_trace
+
+    table = Table(headers=["model", "GPUs", "system", "P / G / OS", "predicted step", "MFU (plan)", "MFU (paper)",
+                           "exposed NVLink", "exposed network", "unexplained / step", "note"],
+                  caption="**AMSP's evaluation replayed (plans, not GPU measurements)**: per-rank step of each "
+                          "system on A800-80GB × 8 per node (NVLink 200 GB/s, 4× HDR = 100 GB/s per node), "
+                          "sequence 4,096, micro-batch 1, 4M-token global batch, bf16-mixed AdamW.")
+    results: dict[tuple[str, int], dict[str, Any]] = {}
+    for size in QUICK_SIZES if ctx.quick else SIZES:
+        for n in QUICK_WORLDS if ctx.quick else WORLDS:
+            trace = llama_trace(size, micro_batches=micro_batches(n))
+            rows = {r.system: r for r in replay(trace, n, size, with_hplan=n == 1024)}
+            if "hplan" in rows and rows["hplan"].plan is not None:
+                rows["hplan, overlapped as AMSP"] = _hplan_overlapped(trace, rows["hplan"], hardware_for(trace, n))
+            results[(size, n)] = rows
+            paper = PAPER_MFU.get((size, n), {})
+            for name, r in rows.items():
+                measured = paper.get(name)
+                gap = None
+                if measured and r.step_seconds:
+                    gap = trace.step_flops / (measured * hardware_for(trace, n).tflops_16 * 1e12) - r.step_seconds
+                table.add(f"LLaMA-{size.upper()}", n, name, r.factors, fmt_seconds(r.step_seconds, 3),
+                          fmt_pct(r.mfu, 1), fmt_pct(measured, 0) if measured else "—",
+                          fmt_seconds(r.split.get("exposed_intra"), 3), fmt_seconds(r.split.get("exposed_inter"), 3),
+                          fmt_seconds(gap, 2) if gap is not None else "—", r.note)
+            ctx.log(f"[bench]   many GPUs: LLaMA-{size} on {n} GPUs replayed")
+    lines, notes = _goals(results, PAPER_MFU, PAPER_RATIO, AMSP_FACTORS)
+    table.notes.extend(notes)
+    return table, lines
+
+
+def _hplan_overlapped(trace: Any, hplan: Any, hw: Any) -> Any:
+    """hplan's own plan priced with AMSP's schedule: what its factors would give an executor that prefetches and
+    overlaps its collectives (hplan's does neither yet)."""
+    from hplan.planner.amsp_replay import Row
+    from hplan.planner.systems import price, systems
+
+    plan = hplan.plan
+    amsp = next(s for s in systems(2, (1, 1, 1)) if s.kind == "amsp")
+    split = price(plan, trace, amsp.schedule)
+    f = plan.summary.shard
+    return Row(system="hplan, overlapped as AMSP", factors=f"{f['P']}/{f['G']}/{f['OS']}", step_seconds=split["step"],
+               mfu=trace.step_flops / (split["step"] * hw.tflops_16 * 1e12), split=split,
+               note="what hplan's executor would reach with prefetch and overlap (it has neither)")
+
+
+def _goals(results: dict, paper: dict, ratios: dict, factors: dict) -> tuple[list[str], list[str]]:
+    """The issue's goals, checked on this run's numbers: one headline line, and notes under the table."""
+    notes, lines = [], []
+    systems = ("AMSP", "ZeRO-1", "MiCS", "ZeRO-3", "ZeRO++ (hpZ)")
+    for (size, n), rows in sorted(results.items()):
+        ranked = sorted((s for s in systems if rows.get(s) and rows[s].mfu), key=lambda s: -rows[s].mfu)
+        notes.append(f"LLaMA-{size.upper()} on {n} GPUs, predicted ranking: " + " > ".join(
+            f"{s} {fmt_pct(rows[s].mfu, 1)}" for s in ranked))
+    if ("7b", 1024) in results:
+        rows, want = results[("7b", 1024)], paper[("7b", 1024)]
+        order = " > ".join(sorted(want, key=lambda s: -want[s]))
+        amsp = rows["AMSP"].mfu
+        within = amsp is not None and 0.8 * want["AMSP"] <= amsp <= 1.2 * want["AMSP"]
+        notes.append(f"Paper (7B, 1024 GPUs): {order} (ZeRO-3 and ZeRO++ both about 4%). Goals: AMSP first — "
+                     f"{'met' if _first(rows) == 'AMSP' else 'missed'}; ZeRO-3 and ZeRO++ last — "
+                     f"{'met' if set(_ranked(rows)[-2:]) == {'ZeRO-3', 'ZeRO++ (hpZ)'} else 'missed'}; ZeRO-1 above "
+                     f"MiCS (36% vs 35%) — {'met' if rows['ZeRO-1'].mfu > rows['MiCS'].mfu else 'missed'}; AMSP's "
+                     f"MFU within ±20% of 51% — {'met' if within else 'missed'} ({fmt_pct(amsp, 1)}).")
+        lines.append(f"many GPUs (plans, AMSP's setting, LLaMA-7B on 1024 A800): AMSP 1/1/8 predicted at "
+                     f"{fmt_pct(amsp, 1)} MFU (paper: 51%); ranking " + " > ".join(_ranked(rows))
+                     + " (paper: AMSP > ZeRO-1 > MiCS > ZeRO-3 ≈ ZeRO++)")
+    small = [n for (size, n) in results if size == "7b" and n < 1024]
+    if small and ("7b", 1024) in results:
+        few, many = results[("7b", small[0])], results[("7b", 1024)]
+        lead = [rows["AMSP"].mfu / rows["ZeRO-3"].mfu for rows in (few, many)]
+        notes.append(f"Trend {small[0]} → 1024 GPUs (7B): ZeRO-3 {fmt_pct(few['ZeRO-3'].mfu, 1)} → "
+                     f"{fmt_pct(many['ZeRO-3'].mfu, 1)}, AMSP's lead over it {fmt_ratio(lead[0])} → "
+                     f"{fmt_ratio(lead[1])} — the paper's direction (ZeRO-3 falls behind as ranks grow), far from "
+                     "its size (about 13×).")
+    if ("13b", 1024) in results:
+        rows = results[("13b", 1024)]
+        got = rows["AMSP"].mfu / rows["ZeRO-3"].mfu
+        notes.append(f"LLaMA-13B on 1024 GPUs: AMSP's 4/4/8 predicted {fmt_ratio(got)} ZeRO-3's throughput "
+                     f"(paper: about {ratios[('13b', 1024)][2]:.0f}×); LLaMA-30B's published 8/8/32 is outside "
+                     "hplan's layout (a factor is 1, a divisor of the GPUs per node, or all ranks), so not replayed.")
+    notes.append("What the model leaves out, and where it shows (the 'unexplained' column): ZeRO-3 and ZeRO++ at "
+                 "about 4% need over 10 s per step the model does not have — NCCL's own latency model (per-hop "
+                 "latencies, pipelined rings) prices their per-module gathers over 1,024 ranks at about 1–2 ms "
+                 "each, not the tens of ms a 12× collapse needs; the terms not modelled are the ZeRO-3 engine's "
+                 "per-module CPU work (hooks, parameter bookkeeping, stream synchronisation), jitter amplified by "
+                 "synchronising 1,024 ranks per call, and congestion above the node's own link (the paper's "
+                 "leaf-spine placement). MiCS runs on the same engine, which is the one term that would put it "
+                 "below ZeRO-1 (the paper has them at 35% and 36%); in the model its node-local gathers hide "
+                 "behind compute on NVLink and its cross-node all-reduce matches AMSP's, so it lands next to AMSP.")
+    notes.append("hplan's own pick (searched at 1024 GPUs only: at 128 each of its ~25 factor choices plans 8 "
+                 "micro-batches, minutes per model) is priced as its executor runs today (each collective blocks at its step, no "
+                 "prefetch): below AMSP in this model for that reason alone — the 'overlapped as AMSP' row is the "
+                 "same plan with AMSP's schedule. Compute: 63% of 312 TFLOPS (AMSP's one-node MFU, hplan."
+                 "planner.presets CALIBRATION), so no row exceeds 63%.")
+    return lines, notes
+
+
+def _ranked(rows: dict) -> list[str]:
+    names = [s for s in ("AMSP", "ZeRO-1", "MiCS", "ZeRO-3", "ZeRO++ (hpZ)") if rows.get(s) and rows[s].mfu]
+    return sorted(names, key=lambda s: -rows[s].mfu)
+
+
+def _first(rows: dict) -> str:
+    return _ranked(rows)[0]
+
+
+def _trace_check() -> Table:
+    """The synthetic LLaMA-7B trace against a fake trace of transformers' LlamaForCausalLM of the same shape."""
     from hplan.tracer import trace_workload
 
+    from hplan.planner.synthetic import llama_trace
     from hplan.specs import load_workload
 
-    overrides = {"n_layer": str(QUICK_LAYERS)} if quick else None
-    workload = load_workload(spec, batch_size=1, seq_len=SEQ, precision=PRECISION, overrides=overrides)
-    return trace_workload(workload, device="fake", iters=2)
-
-
-def _hardware(trace: Any, n: int) -> Any:
-    from hplan.planner import default_slack, make_hardware
-
-    return make_hardware("a100-80gb", gpu_bytes=80 * 10**9, gpus_per_node=GPUS_PER_NODE, nodes=n // GPUS_PER_NODE,
-                         intra_gbps=INTRA_GBPS, inter_gbps=INTER_GBPS, slack_bytes=default_slack(trace))
-
-
-def priced(plan: Any, trace: Any, steps: Any = None, *, prefetch: bool = False) -> float:
-    """Predicted step seconds of a plan's steps (or of other steps over its regions)."""
-    from hplan.planner.schedule import event_seconds
-    from hplan.planner.shard_time import predict_shard_seconds
-
-    sizes = {r.id: r.bytes for r in plan.regions}
-    per_chunk: dict[int, int] = {}
-    grad_of = {}
-    for r in plan.regions:
-        per_chunk[r.chunk] = per_chunk.get(r.chunk, 0) + r.bytes
-        if r.kind == "grad":
-            grad_of[r.chunk] = r.id
-    return predict_shard_seconds(steps if steps is not None else plan.steps, sizes, frozenset(plan.initial_resident),
-                                 event_seconds(trace, plan.hardware), plan.hardware, per_chunk, grad_of,
-                                 prefetch=prefetch)["step"]
-
-
-def zero_pp(plan: Any) -> tuple[Any, ...]:
-    """The ZeRO-3 plan's steps with ZeRO++'s qwZ, hpZ and qgZ applied to its calls (see the module docstring)."""
-    from hplan.artifacts.shard import Collective
-
-    steps = []
-    for st in plan.steps:
-        forward = st.event.startswith("forward:")
-        calls = []
-        for c in st.collectives:
-            if c.purpose == "gather" and forward and c.itemsize == 2:
-                c = Collective.make(c.op, c.purpose, c.region, c.before, c.size, c.stride, c.numel, 1)
-            elif c.purpose == "gather" and not forward:
-                c = Collective.make(c.op, c.purpose, c.region, c.before, min(GPUS_PER_NODE, c.size), 1, c.numel,
-                                    c.itemsize)
-            elif c.purpose == "scatter" and c.itemsize == 2:
-                c = Collective.make(c.op, c.purpose, c.region, c.before, c.size, c.stride, -(-c.numel // 4), 2)
-            calls.append(c)
-        steps.append(replace(st, collectives=tuple(calls)))
-    return tuple(steps)
-
-
-def _compare(trace: Any, n: int, quick: bool) -> list[dict[str, Any]]:
-    from hplan.artifacts.shard import Sharding
-    from hplan.planner import PlanOptions
-    from hplan.planner.shard import make_shard_plan
-
-    hw = _hardware(trace, n)
-    options = PlanOptions(solver="fast", chunk_bytes=0)  # one chunk per module for every system (keeps this quick)
-    peak = hw.tflops_16 * 1e12
-    rows = []
-
-    def row(system: str, plan: Any, steps: Any = None, prefetch: bool = True) -> None:
-        if not plan.summary.feasible:
-            rows.append({"system": system, "factors": "infeasible", "collective": None, "moved": None,
-                         "step": None, "mfu": None})
-            return
-        step = priced(plan, trace, steps, prefetch=prefetch)
-        calls = steps if steps is not None else plan.steps
-        f = plan.summary.shard
-        rows.append({"system": system, "factors": f"{f['P']} / {f['G']} / {f['OS']}",
-                     "collective": sum(c.sent_bytes for s in calls for c in s.collectives),
-                     "moved": plan.summary.bytes_moved_per_iter, "step": step,
-                     "mfu": trace.step_flops / (step * peak)})
-
-    ours = make_shard_plan(trace, hw, options)
-    row("hplan", ours, prefetch=False)
-    if ours.summary.feasible and abs(rows[0]["step"] - ours.summary.predicted_step_seconds) > 1e-9:
-        raise AssertionError("the bench prices hplan's plan differently from the planner")
-    zero3 = make_shard_plan(trace, hw, options, factors=Sharding(P=n, G=n, OS=n))
-    row("ZeRO-3 / FSDP", zero3)
-    g = GPUS_PER_NODE
-    row("MiCS", make_shard_plan(trace, hw, options, factors=Sharding(P=g, G=g, OS=g)))
-    if zero3.summary.feasible:
-        row("ZeRO++", zero3, zero_pp(zero3))
-    return rows
+    workload = load_workload("hf:LlamaForCausalLM", batch_size=1, seq_len=4096, precision="bf16-mixed",
+                             overrides=HF_7B)
+    fake = trace_workload(workload, device="fake", iters=2)
+    synth = llama_trace("7b")
+    table = Table(headers=["trace", "parameters", "step FLOPs", "of which attention scores"],
+                  caption="The replay's LLaMA-7B trace (formulas) against a fake trace of transformers' "
+                          "LlamaForCausalLM at the same shape, sequence 4,096, batch 1.")
+    for name, t in (("synthetic (hplan.planner.synthetic.llama_trace)", synth), ("fake (hf:LlamaForCausalLM)", fake)):
+        scores = 3 * 4 * 4096 * 4096 * 4096 * 32  # 12·s²·d·L: QKᵀ and AV forward, twice that backward
+        table.add(name, f"{sum(p.bytes for p in t.params) // 2 / 1e9:.3f} B", f"{t.step_flops / 1e12:.2f} TFLOP",
+                  fmt_pct(scores / t.step_flops, 1))
+    return table
 
 
 # -- measured on this CPU: 2 ranks over gloo ----------------------------------------------------------------
 
 
 def _cpu(ctx: Context) -> tuple[Table, str]:
+    from hplan.executor.dist_train import run_distributed
     from hplan.executor.launch import launch
     from hplan.tracer import trace_workload
 
@@ -192,61 +197,59 @@ def _cpu(ctx: Context) -> tuple[Table, str]:
     from hplan.specs import load_workload
 
     spec = CPU_SPEC_QUICK if ctx.quick else CPU_SPEC
-    steps, rounds = (6, 2) if ctx.quick else (10, 3)
+    steps, rounds = (6, 2) if ctx.quick else (10, 5)
     trace = trace_workload(load_workload(spec), device="cpu", iters=3)
     hw = make_hardware("cpu", gpu_bytes=10**10, gpus_per_node=2, slack_bytes=default_slack(trace))
     choice = make_shard_plan(trace, hw, PlanOptions())
     same = make_shard_plan(trace, hw, PlanOptions(), factors=Sharding(P=2, G=2, OS=2))
     f = choice.summary.shard
-    plans = {f"hplan, its choice (P/G/OS {f['P']}/{f['G']}/{f['OS']})": choice.to_dict(),
-             "hplan, FSDP's factors (2/2/2)": same.to_dict()}
+    names = {"choice": f"hplan run --nproc 2, its factors ({f['P']}/{f['G']}/{f['OS']})",
+             "same": "hplan run --nproc 2, FSDP's factors (2/2/2)", "fsdp2": "FSDP2 (fully_shard)"}
+    times: dict[str, list[float]] = {k: [] for k in names}
+    cpu: dict[str, list[float]] = {k: [] for k in names}
     t0 = time.perf_counter()
-    times = launch(cpu_rank, spec, plans, steps, rounds, nprocs=2, timeout_s=900, collective_timeout_s=300)[0]
+    kw = dict(nprocs=2, timeout_s=900, collective_timeout_s=300)
+    for _ in range(rounds):
+        for key, plan in (("choice", choice), ("same", same)):
+            times[key] += list(run_distributed(spec, plan, nproc=2, steps=steps).step_seconds[1:])
+        times["fsdp2"] += launch(fsdp2_rank, spec, steps, **kw)[0][1:]
+    for _ in range(max(1, rounds // 2)):
+        for key, plan in (("choice", choice), ("same", same)):
+            cpu[key] += [x for r in launch(hplan_cpu_rank, spec, plan.to_dict(), steps, **kw) for x in r[1:]]
+        cpu["fsdp2"] += [x for r in launch(fsdp2_rank, spec, steps, True, **kw) for x in r[1:]]
     ctx.log(f"[bench]   many GPUs: 2-rank CPU runs took {time.perf_counter() - t0:.0f} s")
-    fsdp = median(times["FSDP2"])
-    table = Table(headers=["system (2 ranks, gloo, 1 thread each)", "median step", "steps timed", "vs FSDP2"],
-                  caption=f"**Measured on this CPU**: {spec}, fp32 AdamW, the same model and seed, runs "
-                          f"alternating in one launch ({rounds} rounds of {steps} steps, the first of each "
-                          "dropped); plans at full residency, hplan's probe off.")
-    for name, xs in times.items():
-        table.add(name, fmt_seconds(median(xs), 4), len(xs), fmt_ratio(median(xs) / fsdp))
-    name = next(iter(plans))
-    line = (f"many GPUs (measured, CPU, 2 gloo ranks, {spec}): hplan's step takes "
-            f"{fmt_ratio(median(times[name]) / fsdp)} FSDP2's")
+    fsdp = median(times["fsdp2"])
+    fsdp_cpu = median(cpu["fsdp2"])
+    table = Table(headers=["system (2 ranks, gloo, 1 thread each)", "chunks, calls / step", "median step",
+                           "steps timed", "vs FSDP2", "CPU s / step", "CPU vs FSDP2"],
+                  caption=f"**Measured on this CPU**: {spec}, fp32 AdamW, the same model, seed and loop, all "
+                          f"resident; {rounds} rounds of {steps} steps, each round running hplan at its factors, "
+                          "hplan at 2/2/2 and FSDP2 in turn (the first step of each run dropped).")
+    calls = {"choice": choice, "same": same}
+    for key, name in names.items():
+        plan = calls.get(key)
+        shape = f"{len(plan.chunks)}, {sum(len(s.collectives) for s in plan.steps)}" if plan else "per block + root"
+        table.add(name, shape, fmt_seconds(median(times[key]), 4), len(times[key]), fmt_ratio(median(times[key]) / fsdp),
+                  fmt_seconds(median(cpu[key]), 4), fmt_ratio(median(cpu[key]) / fsdp_cpu))
+    table.notes.append("Goal (issue 25): ≤ 1.10× FSDP2 at equal factors. The machine is shared with other work: "
+                       "ratios come from interleaved runs, and the integrator re-runs the section when it is quiet.")
+    table.notes.append("CPU s / step: process CPU seconds of the same loop (hplan: DistRun as `hplan run` drives "
+                       "it, the probe on; both ranks' steps), which other load on the machine does not inflate. "
+                       "Wall time above it is waiting: hplan's collectives block at their step, while FSDP2 issues "
+                       "its gathers asynchronously one block ahead, which hides a descheduled peer under load.")
+    line = (f"many GPUs (measured, CPU, 2 gloo ranks, {spec}, `hplan run --nproc 2` as shipped): "
+            f"{fmt_ratio(median(times['choice']) / fsdp)} FSDP2's step at hplan's factors, "
+            f"{fmt_ratio(median(times['same']) / fsdp)} at FSDP's own 2/2/2 (goal ≤ 1.10×); CPU time per step "
+            f"{fmt_ratio(median(cpu['choice']) / fsdp_cpu)} and {fmt_ratio(median(cpu['same']) / fsdp_cpu)}")
     return table, line
 
 
-def cpu_rank(info: Any, spec: str, plans: dict[str, dict[str, Any]], steps: int, rounds: int
-             ) -> dict[str, list[float]]:
-    """Alternating runs on this rank; the step seconds of each (forward, backward, sync, update)."""
-    times: dict[str, list[float]] = {name: [] for name in plans} | {"FSDP2": []}
-    for _ in range(rounds):
-        for name, plan in plans.items():
-            times[name] += _hplan_steps(info, spec, plan, steps)[1:]
-        times["FSDP2"] += _fsdp2_steps(info, spec, steps)[1:]
-    return times
+def fsdp2_rank(info: Any, spec: str, steps: int, cpu: bool = False) -> list[float]:
+    """FSDP2 as its users run it: `fully_shard` per block and the root, the loop `hplan run` times (loss, its
+    finiteness check, backward, optimizer step, zero_grad); step seconds of this rank (CPU seconds of the
+    process with `cpu`)."""
+    import math
 
-
-def _hplan_steps(info: Any, spec: str, plan: dict[str, Any], steps: int) -> list[float]:
-    import hplan
-    from hplan.artifacts import Plan
-    from hplan.specs import load_workload
-
-    workload = load_workload(spec)
-    model = workload.build_model()
-    optimizer = workload.optimizer(model.parameters())
-    out = []
-    with hplan.attach(model, optimizer, Plan.from_dict(plan), batch_example=workload.batch(0), measure=False):
-        for step in range(steps):
-            start = time.perf_counter()
-            workload.loss(model, workload.batch(step * info.world_size + info.rank)).backward()
-            optimizer.step()
-            optimizer.zero_grad()
-            out.append(time.perf_counter() - start)
-    return out
-
-
-def _fsdp2_steps(info: Any, spec: str, steps: int) -> list[float]:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
@@ -259,11 +262,44 @@ def _fsdp2_steps(info: Any, spec: str, steps: int) -> list[float]:
         fully_shard(block, mesh=mesh)
     fully_shard(model, mesh=mesh)
     optimizer = workload.optimizer(model.parameters())
+    clock = time.process_time if cpu else time.perf_counter
     out = []
     for step in range(steps):
-        start = time.perf_counter()
-        workload.loss(model, workload.batch(step * info.world_size + info.rank)).backward()
+        start = clock()
+        loss = workload.loss(model, workload.batch(step * info.world_size + info.rank))
+        if not math.isfinite(float(loss.detach())):
+            raise RuntimeError(f"FSDP2: the loss is not finite at step {step}")
+        loss.backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
-        out.append(time.perf_counter() - start)
+        out.append(clock() - start)
+    return out
+
+
+def hplan_cpu_rank(info: Any, spec: str, plan: dict[str, Any], steps: int) -> list[float]:
+    """CPU seconds per step of `hplan run`'s loop on this rank (hplan.executor.dist_train.rank_main: DistRun with
+    the probe on, loss, its finiteness check, backward, run.step): the work the executor adds, which the
+    machine's other load does not inflate as it does wall time."""
+    import math
+
+    from hplan.executor.distributed import DistRun
+
+    from hplan.artifacts import Plan
+    from hplan.specs import load_workload
+    from hplan.training import build_optimizer
+
+    workload = load_workload(spec)
+    model = workload.build_model()
+    optimizer = build_optimizer(workload, model)
+    out = []
+    with DistRun(model, optimizer, Plan.from_dict(plan), device="cpu", batch_example=workload.batch(0),
+                 measure=True) as run:
+        for step in range(steps):
+            start = time.process_time()
+            loss = workload.loss(run.model, workload.batch(step * info.world_size + info.rank))
+            if not math.isfinite(float(loss.detach())):
+                raise RuntimeError(f"hplan: the loss is not finite at step {step}")
+            loss.backward()
+            run.step()
+            out.append(time.process_time() - start)
     return out

@@ -13,7 +13,7 @@ copy wherever the input would alias the output. Bytes are counted two ways per c
 
 from __future__ import annotations
 
-from pathlib import Path
+import os
 
 import torch
 import torch.distributed as dist
@@ -24,17 +24,24 @@ from hplan.artifacts import Plan
 from hplan.artifacts.shard import Collective, group_ranks
 from hplan.errors import HplanError
 
-_PROC_IO = Path("/proc/self/io")
+_PROC_IO = "/proc/self/io"
+_fd: tuple[int, int] | None = None
+"""(pid, fd) of this process's open /proc/self/io: read with one pread per call (two per collective), not an
+open-read-close (a fork gets its own, since the pid differs)."""
 
 
 def wchar() -> int:
     """Bytes this process has written through system calls (sockets included); 0 where unavailable."""
+    global _fd
     try:
-        for line in _PROC_IO.read_text().splitlines():
-            if line.startswith("wchar:"):
-                return int(line.split()[1])
+        if _fd is None or _fd[0] != os.getpid():
+            _fd = (os.getpid(), os.open(_PROC_IO, os.O_RDONLY))
+        text = os.pread(_fd[1], 4096, 0)
     except OSError:
         return 0
+    for line in text.splitlines():
+        if line.startswith(b"wchar:"):
+            return int(line.split()[1])
     return 0
 
 

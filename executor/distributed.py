@@ -215,20 +215,24 @@ class DistRun:
         if self.cursor == 0:
             self._mark = self._counters()
         self._close_window()
-        self._finish_previous()
+        self._finish_previous(step)
         self._do_step(step)
         self.cursor += 1
 
-    def _finish_previous(self) -> None:
-        """The previous step's `after` calls and ÷N, then free the full weight copies it gathered."""
+    def _finish_previous(self, following: Step) -> None:
+        """The previous step's `after` calls and ÷N, then free the full weight copies it gathered — except those
+        the following step reads again: a run of consecutive steps reading a chunk shares one gather
+        ([Note: plan collectives])."""
         step, self._previous = self._previous, None
         if step is None:
             return
         self._after(step)
-        for c in sorted(self._gathered):
+        reads = set(following.reads) if following.event != OPTIMIZER_EVENT else set()
+        keep = {c for c in self._gathered if self.store.region(c, "param") in reads}
+        for c in sorted(self._gathered - keep):
             self.store.hide_weights(c)
             self.store.close_full(self.store.gather_buf[c])
-        self._gathered.clear()
+        self._gathered &= keep
 
     def _after(self, step: Step) -> None:
         for call in step.collectives:

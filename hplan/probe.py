@@ -113,8 +113,16 @@ class _Watch(TorchDispatchMode):
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         out = func(*args, **(kwargs or {}))
-        for t in new_outputs(args, kwargs, out):
-            if t.device.type == self.device_type:
+        outputs = tensors_in(out)
+        if not outputs:
+            return out
+        live = self.ledger.live
+        unseen = [t for t in outputs if storage_key(t) not in live]
+        if not unseen:  # views and in-place results of storages already counted: the common case, no input walk
+            return out
+        inputs = {storage_key(t) for t in tensors_in(kwargs, tensors_in(args))}
+        for t in unseen:
+            if storage_key(t) not in inputs and t.device.type == self.device_type:
                 self.ledger.add(t, "temporary")
         return out
 

@@ -2,15 +2,16 @@
 
 Pure Python (no torch): the planner prices a choice of shard factors before anything runs.
 
-**Shard factors (AMSP, arXiv 2311.00257).** Parameters (P), gradients (G) and optimizer state (OS, with
+**Shard factors (AMSP, arXiv 2311.00257 v2).** Parameters (P), gradients (G) and optimizer state (OS, with
 the fp32 master copy in mixed precision) each get a factor f: 1 = full replica on every rank, a divisor of
 the ranks per node = partial sharding within groups of f consecutive ranks of one node, all ranks = full
 sharding. AMSP lets each state choose independently (Full-Replica / Partial-Sharding / Full-Sharding) and
-picks the factors that minimise communication under a memory limit; it reports up to 52% MFU on 1024
-GPUs (LLaMA-7B/13B) and 1.4–12.7× the throughput of MiCS and ZeRO++. Its paper's own formulas were not
-available to us; the per-state collectives below are derived here from what each state's sharding forces.
-We require P | G | OS (each factor divides the next): a rank's optimizer slice must lie inside the
-gradient shard it holds, and that inside its parameter shard, or extra gathers would be needed.
+picks the factors that minimise communication under a memory limit (v2 §IV-C formulates each state's
+communication and memory cost; v2's abstract: up to 52% MFU on 1024 GPUs, 1.56× the throughput of MiCS and
+ZeRO++). hplan does not transcribe those terms: the collectives below are derived from what each state's
+sharding forces, and bench/multigpu.py sets the resulting step times beside the paper's measurements. We
+require P | G | OS (each factor divides the next): a rank's optimizer slice must lie inside the gradient shard it holds, and that inside its
+parameter shard, or extra gathers would be needed.
 
 **Per iteration** (`iteration_collectives`; k = micro-batches, n ranks, M_P / M_G bytes of a full replica):
 1. P sharded (p > 1): all-gather M_P over the p-group before each micro-batch's forward, and again before
@@ -29,20 +30,22 @@ ZeRO (arXiv 1910.02054): DDP moves 2Ψ per rank, ZeRO-1/2 2Ψ, ZeRO-3 3Ψ — th
 for one node. ZeRO++ (arXiv 2306.10209) cuts ZeRO-3's cross-node volume from 3M to 0.75M: qwZ halves the
 forward all-gather (int8 weights), hpZ keeps a node-local secondary copy so the backward all-gather stays in
 the node, qgZ sends gradients as int4 (0.25×; its all-to-all is priced here as a hierarchical reduce-scatter
-of the same volume). `baseline()` expresses all of these.
+of the same volume). `baseline()` expresses all of these ("zero++hpz": hpZ alone, as AMSP ran ZeRO++).
 
 **One collective** (`collective_cost`) on a buffer of B bytes over a group of k = a·m ranks (a per node on
 m nodes; c such groups share each node's network link):
-- bytes this rank sends (= receives) on a ring: (k−1)/k·B for all-gather and reduce-scatter, 2(k−1)/k·B for
-  all-reduce (NCCL's bus-bandwidth model, nccl-tests doc/PERFORMANCE.md). Same totals hierarchically.
-- ring time: steps s = k−1 (2(k−1) for all-reduce), each moving B/k over every hop at once, so paced by the
-  slowest hop: t = s·(α + (B/k)/bw_hop), bw_hop = intra within a node; across nodes min(intra, inter/c)
-  (one ring hop leaves each node per group).
-- hierarchical (two levels): all-gather = inter-node all-gather of B/a among the m ranks with the same local
-  index, then intra-node all-gather of B; reduce-scatter mirrors it; all-reduce = intra reduce-scatter,
-  inter all-reduce of B/a, intra all-gather. Inter time = per-node network bytes / inter bandwidth, where a
-  node sends c·(m−1)/m·B (all-gather, reduce-scatter) or 2c·(m−1)/m·B (all-reduce).
-`algorithm="best"` takes the faster. Latencies α default to 0: bandwidth terms only, unless measured.
+- bytes this rank sends (= receives): (k−1)/k·B for all-gather and reduce-scatter, 2(k−1)/k·B for all-reduce
+  (NCCL's bus-bandwidth model, nccl-tests doc/PERFORMANCE.md). Same totals hierarchically.
+- "nccl" (default): one NCCL call, timed by NCCL's own α-β model with its pick of ring or tree and protocol
+  (`planner.nccl`, [Note: collective latency model]); bus bandwidth NVLink inside a node, across nodes
+  min(intra, inter/c). It holds the intra-node link, and the network when it spans nodes, for its duration.
+- "hierarchical" (two levels, as MiCS's hierarchical all-gather does): all-gather = inter-node all-gather of B/a among the m ranks with the same local index
+  (a·c such rings share the node's network), then an intra-node all-gather of B; reduce-scatter mirrors it;
+  all-reduce = intra reduce-scatter, inter all-reduce of B/a, intra all-gather. Each level is one NCCL call
+  timed as above and queues on its own link (`CollectiveCost.phases`): the network phase of one call can
+  overlap the NVLink phase of another.
+- "ring" / "tree": NCCL restricted to that algorithm (tree exists for all-reduce only); "best": the faster of
+  "nccl" and "hierarchical".
 Units: bytes; GB/s = 10⁹ bytes per second per direction; seconds.
 """
 
@@ -50,11 +53,15 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from hplan.artifacts.hardware import Hardware
+from hplan.artifacts.hardware import COLLECTIVE_ALGORITHMS, Hardware
 from hplan.errors import HplanError
+from hplan.planner.nccl import Choice, Latencies, nccl_time
 
 OPS = ("all_gather", "reduce_scatter", "all_reduce")
-ALGORITHMS = ("ring", "hierarchical", "best")
+ALGORITHMS = COLLECTIVE_ALGORITHMS
+LINKS = ("intra", "inter", "both")
+"""Where a phase of a collective runs: NVLink inside the node, the node's network, or both at once (a flat
+NCCL ring or tree across nodes uses its NVLink hops and its network hops together)."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -67,10 +74,8 @@ class World:
     """Per-GPU bandwidth of intra-node collectives (NVLink / PCIe), GB/s per direction."""
     inter_gbps: float
     """Per-node network bandwidth, GB/s per direction, shared by all of the node's ranks."""
-    intra_latency_s: float = 0.0
-    """Per ring step inside a node; 0 = bandwidth-only model."""
-    inter_latency_s: float = 0.0
-    """Per ring step that crosses nodes."""
+    latencies: Latencies = Latencies()
+    """Per-hop latencies (NCCL's tuning constants by default; `Latencies.zero()` = bandwidth only)."""
 
     def __post_init__(self) -> None:
         if self.gpus_per_node < 1 or self.nodes < 1:
@@ -79,7 +84,7 @@ class World:
         if not (self.intra_gbps > 0 and self.inter_gbps > 0):
             raise HplanError(f"link bandwidths must be positive GB/s, "
                              f"got intra {self.intra_gbps}, inter {self.inter_gbps}")
-        if self.intra_latency_s < 0 or self.inter_latency_s < 0:
+        if self.latencies.intra_hop_s < 0 or self.latencies.inter_hop_s < 0:
             raise HplanError("link latencies must be ≥ 0 seconds")
 
     @property
@@ -89,8 +94,10 @@ class World:
     @classmethod
     def from_hardware(cls, hw: Hardware) -> World:
         """The world of a Hardware artifact (STYLE §10: the world is data in one place; this only reads it)."""
+        lat = Latencies(intra_hop_s=hw.intra_latency_us * 1e-6, inter_hop_s=hw.inter_latency_us * 1e-6,
+                        intra_kind=hw.intra_link)
         return cls(gpus_per_node=hw.gpus_per_node, nodes=hw.nodes, intra_gbps=hw.intra_gbps,
-                   inter_gbps=hw.inter_gbps)
+                   inter_gbps=hw.inter_gbps, latencies=lat)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -141,8 +148,8 @@ class CommOptions:
     re-gathers over h ranks (ZeRO++ hpZ: h = GPUs per node)."""
     micro_batches: int = 1
     """Gradient-accumulation micro-batches per optimizer step (the trace is one micro-batch)."""
-    algorithm: str = "best"
-    """"ring", "hierarchical" or "best" (the faster, per collective)."""
+    algorithm: str = "nccl"
+    """One of ALGORITHMS (module docstring)."""
     forward_gather_scale: float = 1.0
     """Wire bytes per parameter byte in the forward all-gather (ZeRO++ qwZ, int8 of 16-bit: 0.5)."""
     grad_reduce_scale: float = 1.0
@@ -176,6 +183,10 @@ class CollectiveCost:
     """Per node per call on the network (all of the node's groups)."""
     seconds: float
     algorithm: str
+    """"ring/LL128", "tree/Simple", … as NCCL would pick, "hierarchical", or "none"."""
+    phases: tuple[tuple[str, float], ...] = ()
+    """(link, seconds) in order, each waiting for the one before: one phase for a flat NCCL call ("intra" inside
+    a node, "inter" with one rank per node, else "both"), up to three for a hierarchical one."""
 
 
 def block_group(k: int, world: World) -> Group:
@@ -195,9 +206,9 @@ def strided_group(k: int, stride: int, world: World) -> Group:
     return Group(size=k, per_node=per_node, nodes=k // per_node, concurrent=gpn // per_node)
 
 
-def collective_cost(op: str, buffer_bytes: int, group: Group, world: World, *, algorithm: str = "best",
+def collective_cost(op: str, buffer_bytes: int, group: Group, world: World, *, algorithm: str = "nccl",
                     state: str = "", phase: str = "", count: int = 1, itemsize: int = 1) -> CollectiveCost:
-    """Bytes and seconds of one ring or hierarchical collective (formulas in the module docstring).
+    """Bytes and seconds of one collective, flat (one NCCL call) or two-level (module docstring).
 
     Shards are whole elements of `itemsize` bytes, ⌈elements / k⌉ each — the executor's padding
     (hplan.executor.collectives.ShardLayout) — so per-chunk calls with the chunk's itemsize give exactly the
@@ -210,22 +221,60 @@ def collective_cost(op: str, buffer_bytes: int, group: Group, world: World, *, a
     if k == 1 or buffer_bytes == 0:
         return CollectiveCost(**base, sent_bytes=0, inter_node_bytes=0, seconds=0.0, algorithm="none")
     shard = itemsize * _ceil(_ceil(buffer_bytes, itemsize), k)
+    padded = shard * k
     sent = twice * (k - 1) * shard
-    intra, inter = world.intra_gbps * 1e9, world.inter_gbps * 1e9
     if m == 1:
-        seconds = twice * (k - 1) * (world.intra_latency_s + shard / intra)
-        return CollectiveCost(**base, sent_bytes=sent, inter_node_bytes=0, seconds=seconds, algorithm="ring")
-    hop = inter / c if a == 1 else min(intra, inter / c)
-    ring = (twice * (k - 1) * (world.inter_latency_s + shard / hop), c * twice * (k - 1) * shard)
-    piece = _ceil(buffer_bytes, a)  # what each rank moves across nodes in the two-level form
+        pick = _flat(op, padded, k, a, 1, world.intra_gbps, world, algorithm)
+        return CollectiveCost(**base, sent_bytes=sent, inter_node_bytes=0, seconds=pick.seconds,
+                              algorithm=_name(pick), phases=(("intra", pick.seconds),))
+    bus = world.inter_gbps / c if a == 1 else min(world.intra_gbps, world.inter_gbps / c)
+    pick = _flat(op, padded, k, a, m, bus, world, algorithm)
+    flat = CollectiveCost(**base, sent_bytes=sent, inter_node_bytes=c * twice * (k - 1) * shard,
+                          seconds=pick.seconds, algorithm=_name(pick),
+                          phases=(("inter" if a == 1 else "both", pick.seconds),))
+    if a == 1 or algorithm in ("nccl", "ring", "tree"):
+        return flat
+    hier = _hierarchical(op, padded, group, world, base, sent)
+    return hier if algorithm == "hierarchical" or hier.seconds < flat.seconds else flat
+
+
+def _flat(op: str, nbytes: int, k: int, a: int, m: int, bus_gbps: float, world: World, algorithm: str) -> Choice:
+    algos = ("ring",) if algorithm == "ring" else ("tree", "ring") if algorithm == "tree" else ("ring", "tree")
+    if algorithm == "tree" and op == "all_reduce":
+        algos = ("tree",)
+    return nccl_time(op, nbytes, ranks=k, per_node=a, nodes=m, bus_gbps=bus_gbps, lat=world.latencies,
+                     algorithms=algos)
+
+
+def _name(pick: Choice) -> str:
+    return f"{pick.algorithm}/{pick.protocol}" if pick.protocol else pick.algorithm
+
+
+def _hierarchical(op: str, padded: int, group: Group, world: World, base: dict, sent: int) -> CollectiveCost:
+    """Two levels: the intra-node part on NVLink, the cross-node part among the m ranks of each local index
+    (a·c such groups share the node's network)."""
+    a, m, c = group.per_node, group.nodes, group.concurrent
+    piece = _ceil(padded, a)
+    lat = world.latencies
+    inter_bw = world.inter_gbps / (a * c)
+
+    def intra(o: str) -> float:
+        return nccl_time(o, padded, ranks=a, per_node=a, nodes=1, bus_gbps=world.intra_gbps, lat=lat).seconds
+
+    def inter(o: str) -> float:
+        return nccl_time(o, piece, ranks=m, per_node=1, nodes=m, bus_gbps=inter_bw, lat=lat).seconds
+
+    if op == "all_gather":
+        phases = (("inter", inter(op)), ("intra", intra(op)))
+    elif op == "reduce_scatter":
+        phases = (("intra", intra(op)), ("inter", inter(op)))
+    else:
+        phases = (("intra", intra("reduce_scatter")), ("inter", inter("all_reduce")),
+                  ("intra", intra("all_gather")))
+    twice = 2 if op == "all_reduce" else 1
     inter_bytes = c * a * twice * (m - 1) * _ceil(piece, m)
-    hier_s = (twice * (a - 1) * (world.intra_latency_s + piece / intra)
-              + twice * (m - 1) * world.inter_latency_s + inter_bytes / inter)
-    hier = (hier_s, inter_bytes)
-    use_hier = algorithm == "hierarchical" or (algorithm == "best" and hier[0] < ring[0])
-    seconds, inter_node = hier if use_hier else ring
-    return CollectiveCost(**base, sent_bytes=sent, inter_node_bytes=inter_node, seconds=seconds,
-                          algorithm="hierarchical" if use_hier else "ring")
+    return CollectiveCost(**base, sent_bytes=sent, inter_node_bytes=inter_bytes,
+                          seconds=sum(t for _, t in phases), algorithm="hierarchical", phases=phases)
 
 
 def iteration_collectives(factors: ShardFactors, state_bytes: StateBytes, world: World,
@@ -264,7 +313,8 @@ def iteration_collectives(factors: ShardFactors, state_bytes: StateBytes, world:
 
 def baseline(name: str, world: World) -> tuple[ShardFactors, CommOptions]:
     """The published systems as factors + options: ddp, zero1, zero2, zero3 (= FSDP full sharding),
-    mics (partition group = one node; = FSDP2 HSDP), zero++ (ZeRO-3 with qwZ, hpZ and qgZ)."""
+    mics (partition group = one node; = FSDP2 HSDP), zero++ (ZeRO-3 with qwZ, hpZ and qgZ), zero++hpz (hpZ
+    alone, unquantised: how AMSP v2 ran ZeRO++)."""
     n, gpn = world.ranks, world.gpus_per_node
     table = {
         "ddp": (ShardFactors(P=1, G=1, OS=1), CommOptions()),
@@ -274,6 +324,7 @@ def baseline(name: str, world: World) -> tuple[ShardFactors, CommOptions]:
         "mics": (ShardFactors(P=gpn, G=gpn, OS=gpn), CommOptions()),
         "zero++": (ShardFactors(P=n, G=n, OS=n), CommOptions(reshard_after_forward=gpn, forward_gather_scale=0.5,
                                                                grad_reduce_scale=0.25)),
+        "zero++hpz": (ShardFactors(P=n, G=n, OS=n), CommOptions(reshard_after_forward=gpn)),
     }
     if name not in table:
         raise HplanError(f"unknown baseline {name!r}: use one of {', '.join(table)}")

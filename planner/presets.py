@@ -7,9 +7,17 @@ this project's dev machine (date and method given). GB/s means 10^9 bytes per se
   Turing whitepapers; V100, A100, H100 SXM datasheets); host link = the PCIe generation's theoretical x16 rate
   per direction (gen3 16 GB/s, gen4 32, gen5 64). Achieved PCIe copies are lower (about 80% on pinned memory);
   scale a preset with `h2d_gbps=` / `d2h_gbps=` overrides when you have a measurement.
-- Compute efficiency (DEFAULT_EFFICIENCY): the share of datasheet TFLOPS one GPU sustains on a GPT training
-  step. Megatron-LM (Shoeybi et al. 2019, arXiv:1909.08053, abstract): "a strong single GPU baseline that
-  sustains 39 TeraFLOPs, which is 30% of peak FLOPs" (V100, GPT-2-style model, one GPU) -> 0.30.
+- Compute efficiency: [Note: compute calibration] below (CALIBRATION, per GPU, with its source).
+- Networks (NETWORK_PRESETS): per-GPU intra-node collective bandwidth and per-node network bandwidth, per
+  direction, from the system datasheets cited there; per-hop latencies are NCCL's tuning constants
+  (hplan.planner.nccl). A GPU preset picks its usual network (GPU_NETWORK); --network and the link flags override.
+
+[Note: compute calibration] A predicted step divides each event's model FLOPs ([Note: FLOPs are model FLOPs] in
+hplan.tracer.flops) by datasheet 16-bit TFLOPS × the GPU's efficiency: the model-FLOPs utilisation (MFU) a
+transformer training step was measured to sustain on that GPU, with FlashAttention where the source used it.
+It is a property of GPU + kernels, not of the parallel scheme: sources are one-node or per-GPU figures where
+communication is small, so the many-rank model adds its own communication on top. fp32 steps (no tensor cores)
+have no published calibration and keep DEFAULT_EFFICIENCY.
 - Hosts (CPU optimizer rate, GB/s of model state updated: weight + grad + master + moments, 16 B per parameter
   for AdamW in fp32 or a 16-bit mixed recipe):
   * "deepspeed-cpu-adam": DeepSpeed PR #735 (github.com/deepspeedai/DeepSpeed/pull/735, 2021-02-08, by a
@@ -75,12 +83,38 @@ class NvmePreset:
     source: str
 
 
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Calibration:
+    """A GPU's measured share of its datasheet 16-bit TFLOPS on a transformer training step."""
+
+    gpu: str
+    efficiency: float
+    source: str
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class NetworkPreset:
+    """A cluster's links as collectives see them (GB/s per direction)."""
+
+    name: str
+    intra_gbps: float
+    """Per-GPU bandwidth inside a node."""
+    inter_gbps: float
+    """Per-node network bandwidth."""
+    intra_link: str
+    """"nvlink" or "pci": NCCL's latency row for intra-node hops."""
+    source: str
+
+
 GPU_PRESETS: dict[str, GpuPreset] = {p.name: p for p in (
     GpuPreset(name="rtx3090", memory_bytes=24 * 10**9, tflops_16=71.0, tflops_32=35.6, link_gbps=32.0),
     GpuPreset(name="rtx2060", memory_bytes=6 * 10**9, tflops_16=51.6, tflops_32=6.5, link_gbps=16.0),
     GpuPreset(name="v100-32gb", memory_bytes=32 * 10**9, tflops_16=125.0, tflops_32=15.7, link_gbps=16.0),
     GpuPreset(name="a100-40gb", memory_bytes=40 * 10**9, tflops_16=312.0, tflops_32=19.5, link_gbps=32.0),
     GpuPreset(name="a100-80gb", memory_bytes=80 * 10**9, tflops_16=312.0, tflops_32=19.5, link_gbps=32.0),
+    # A800: the A100 die for the Chinese market, NVLink cut to 400 GB/s (NVIDIA A800 80GB SXM datasheet: 312 TFLOPS
+    # bf16 dense, 19.5 TFLOPS fp32, 80 GB HBM2e, PCIe gen4); the GPU of AMSP's evaluation (arXiv 2311.00257 v2)
+    GpuPreset(name="a800-80gb", memory_bytes=80 * 10**9, tflops_16=312.0, tflops_32=19.5, link_gbps=32.0),
     GpuPreset(name="h100-80gb", memory_bytes=80 * 10**9, tflops_16=989.0, tflops_32=67.0, link_gbps=64.0),
 )}
 
@@ -106,8 +140,55 @@ NVME_PRESETS: dict[str, NvmePreset] = {p.name: p for p in (
 )}
 
 DEFAULT_EFFICIENCY = 0.30
-"""Share of datasheet TFLOPS a single-GPU GPT training step sustains: Megatron-LM's single-V100 baseline, 39 TFLOPS
-= 30% of peak (Shoeybi et al. 2019, abstract). hplan.artifacts.hardware.Hardware uses the same default."""
+"""Share of datasheet TFLOPS a single-GPU GPT training step sustains where nothing better is published: Megatron-LM's
+single-V100 baseline, 39 TFLOPS = 30% of peak (Shoeybi et al. 2019, arXiv 1909.08053, abstract).
+hplan.artifacts.hardware.Hardware uses the same default."""
+
+CALIBRATION: dict[str, Calibration] = {c.gpu: c for c in (
+    Calibration(gpu="a100-80gb", efficiency=205 / 312,
+                source="FlashAttention-2 (Dao 2023, arXiv 2307.08691) §4.2 Table 1: GPT3-2.7B, 2k context, 8×A100 "
+                       "80GB SXM, 205 TFLOPs/s per GPU (the 8k-context row reaches 225 = 72%)"),
+    Calibration(gpu="a100-40gb", efficiency=205 / 312, source="as a100-80gb (same chip and clocks)"),
+    Calibration(gpu="a800-80gb", efficiency=0.63,
+                source="AMSP (arXiv 2311.00257 v2): LLaMA-7B on one node of 8 A800-80GB, 63% MFU (as quoted in "
+                       "hplan issue 25; AMSP's factors move almost nothing on one node's NVLink)"),
+    Calibration(gpu="h100-80gb", efficiency=0.47,
+                source="NVIDIA Megatron-LM README: up to 47% MFU on H100 clusters (GPT models, 4096-token sequences)"),
+    Calibration(gpu="v100-32gb", efficiency=DEFAULT_EFFICIENCY,
+                source="Megatron-LM (arXiv 1909.08053) abstract: 39 TFLOPS on one V100, 30% of peak"),
+    Calibration(gpu="rtx3090", efficiency=DEFAULT_EFFICIENCY,
+                source="no published training MFU for this card: Megatron-LM's single-GPU 30%"),
+    Calibration(gpu="rtx2060", efficiency=DEFAULT_EFFICIENCY,
+                source="no published training MFU for this card: Megatron-LM's single-GPU 30%"),
+)}
+
+NETWORK_PRESETS: dict[str, NetworkPreset] = {p.name: p for p in (
+    NetworkPreset(name="dgx-a100", intra_gbps=300.0, inter_gbps=200.0, intra_link="nvlink",
+                  source="NVIDIA DGX A100 system architecture (developer.nvidia.com/blog/defining-ai-innovation-with-"
+                         "dgx-a100): NVLink 3 600 GB/s per GPU both ways; eight 200 Gb/s HDR InfiniBand adapters"),
+    NetworkPreset(name="a800-4xhdr", intra_gbps=200.0, inter_gbps=100.0, intra_link="nvlink",
+                  source="AMSP v2's cluster: A800 NVLink 400 GB/s both ways (NVIDIA A800 datasheet), four 200 Gb/s "
+                         "HDR InfiniBand adapters per 8-GPU node"),
+    NetworkPreset(name="dgx-h100", intra_gbps=450.0, inter_gbps=400.0, intra_link="nvlink",
+                  source="NVIDIA DGX H100 datasheet: NVLink 4 900 GB/s per GPU both ways; eight 400 Gb/s ConnectX-7"),
+    NetworkPreset(name="dgx1-v100", intra_gbps=150.0, inter_gbps=50.0, intra_link="nvlink",
+                  source="NVIDIA DGX-1 with Tesla V100 system architecture whitepaper: six NVLink 2 links of 25 GB/s "
+                         "per direction per GPU; four 100 Gb/s EDR InfiniBand adapters"),
+    NetworkPreset(name="pcie4-100gbe", intra_gbps=32.0, inter_gbps=12.5, intra_link="pci",
+                  source="PCIe 4.0 x16 between GPUs (32 GB/s per direction); one 100 Gb/s Ethernet port per node"),
+    NetworkPreset(name="pcie3-100gbe", intra_gbps=16.0, inter_gbps=12.5, intra_link="pci",
+                  source="PCIe 3.0 x16 between GPUs (16 GB/s per direction); one 100 Gb/s Ethernet port per node"),
+    NetworkPreset(name="gloo-loopback", intra_gbps=0.75, inter_gbps=0.75, intra_link="loopback",
+                  source="measured 2026-11-25 15:24 UTC on this project's 2-core dev VM (shared, load average 6.9) "
+                         "with `python -m bench.gloo_rate`: 2 gloo ranks, all_gather 239 µs per call + 2.12 GB/s "
+                         "algorithm bandwidth, reduce_scatter 191 µs + 0.91 GB/s; kept 215 µs per ring step and "
+                         "0.75 GB/s bus bandwidth (the mean of the two ops' (k-1)/k x algorithm bandwidth)"),
+)}
+GLOO_STEP_US = 215.0
+"""gloo-loopback's latency per ring step (the preset's source)."""
+GPU_NETWORK = {"rtx3090": "pcie4-100gbe", "rtx2060": "pcie3-100gbe", "v100-32gb": "dgx1-v100",
+               "a100-40gb": "dgx-a100", "a100-80gb": "dgx-a100", "a800-80gb": "a800-4xhdr", "h100-80gb": "dgx-h100"}
+"""The network a GPU preset usually sits on (its vendor's reference system)."""
 DEFAULT_HOST = "deepspeed-cpu-adam"
 """The published CPU-Adam rate: both baselines' systems run a vectorised CPU Adam (DeepSpeedCPUAdam, or
 Colossal-AI's HybridAdam, which calls the same kind of AVX kernel)."""
@@ -122,30 +203,40 @@ jobs): the CPU tier's "link". It changes predicted step times only, never the by
 
 def make_hardware(gpu: str = "rtx3090", gpu_bytes: int | None = None, host_bytes: int | None = None,
                   nvme_bytes: int | None = None, host: str = DEFAULT_HOST, nvme: str = DEFAULT_NVME,
-                  **overrides: Any) -> Hardware:
+                  network: str | None = None, **overrides: Any) -> Hardware:
     """A Hardware from presets: `gpu_bytes` defaults to the GPU's memory, `host_bytes` None is unbounded,
-    `nvme_bytes` None means no disk tier (the NVMe preset then only sets the rates a plan would use).
+    `nvme_bytes` None means no disk tier (the NVMe preset then only sets the rates a plan would use), `network`
+    None is the GPU's usual one (GPU_NETWORK); compute efficiency is the GPU's CALIBRATION.
     `overrides` replace any other Hardware field (e.g. h2d_gbps=25.0, efficiency=0.4, slack_bytes=...); an
     override of None means "not given" (the preset's value stays)."""
     overrides = {k: v for k, v in overrides.items() if v is not None}
     if gpu == CPU_TIER:
         if gpu_bytes is None:
             raise HplanError("the cpu fast tier has no preset size: give its budget as `gpu_bytes`")
+        gloo = NETWORK_PRESETS["gloo-loopback"]
         cpu = dict(gpu=CPU_TIER, gpu_bytes=gpu_bytes, host_bytes=host_bytes, nvme_bytes=nvme_bytes, overlap=False,
                    h2d_gbps=CPU_TIER_COPY_GBPS, d2h_gbps=CPU_TIER_COPY_GBPS, host="this-machine-1t",
-                   cpu_optimizer_gbps=HOST_PRESETS["this-machine-1t"].cpu_optimizer_gbps)
+                   cpu_optimizer_gbps=HOST_PRESETS["this-machine-1t"].cpu_optimizer_gbps, network=gloo.name,
+                   intra_gbps=gloo.intra_gbps, inter_gbps=gloo.inter_gbps, intra_link=gloo.intra_link,
+                   intra_latency_us=GLOO_STEP_US, inter_latency_us=GLOO_STEP_US)
+        if network not in (None, gloo.name):
+            raise HplanError("the cpu fast tier's ranks talk through gloo on this host: `network` does not apply")
         return Hardware(**(cpu | overrides))
-    for kind, name, table in (("GPU", gpu, GPU_PRESETS), ("host", host, HOST_PRESETS), ("NVMe", nvme, NVME_PRESETS)):
+    net_name = network if network is not None else GPU_NETWORK.get(gpu, "")
+    for kind, name, table in (("GPU", gpu, GPU_PRESETS), ("host", host, HOST_PRESETS), ("NVMe", nvme, NVME_PRESETS),
+                              ("network", net_name, NETWORK_PRESETS)):
         if name not in table:
             raise HplanError(f"unknown {kind} preset {name!r}: use one of {', '.join(table)}")
     known = {f.name for f in fields(Hardware)}
     unknown = sorted(set(overrides) - known)
     if unknown:
         raise HplanError(f"unknown hardware fields {unknown}: use some of {', '.join(sorted(known))}")
-    g, h, n = GPU_PRESETS[gpu], HOST_PRESETS[host], NVME_PRESETS[nvme]
+    g, h, n, net = GPU_PRESETS[gpu], HOST_PRESETS[host], NVME_PRESETS[nvme], NETWORK_PRESETS[net_name]
+    cal = CALIBRATION[gpu]
     values: dict[str, Any] = dict(
         gpu=gpu, gpu_bytes=g.memory_bytes if gpu_bytes is None else gpu_bytes, host_bytes=host_bytes,
-        nvme_bytes=nvme_bytes, tflops_16=g.tflops_16, tflops_32=g.tflops_32, efficiency=DEFAULT_EFFICIENCY,
-        h2d_gbps=g.link_gbps, d2h_gbps=g.link_gbps, nvme_read_gbps=n.read_gbps, nvme_write_gbps=n.write_gbps,
-        cpu_optimizer_gbps=h.cpu_optimizer_gbps, host=host)
+        nvme_bytes=nvme_bytes, tflops_16=g.tflops_16, tflops_32=g.tflops_32, efficiency=cal.efficiency,
+        efficiency_32=DEFAULT_EFFICIENCY, h2d_gbps=g.link_gbps, d2h_gbps=g.link_gbps, nvme_read_gbps=n.read_gbps,
+        nvme_write_gbps=n.write_gbps, cpu_optimizer_gbps=h.cpu_optimizer_gbps, host=host,
+        intra_gbps=net.intra_gbps, inter_gbps=net.inter_gbps, intra_link=net.intra_link, network=net.name)
     return Hardware(**(values | overrides))

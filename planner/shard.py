@@ -6,12 +6,13 @@ hplan.artifacts.shard) and the collectives its steps need ([Note: plan collectiv
 needed, and every rank holds exactly as many bytes at every step.
 
 What it minimises: for each factor choice the usual one-rank problem (`planner.shard_build`) is searched and
-solved as `make_plan` does — fewest host↔GPU bytes per iteration, then shortest predicted step — and among
-the factor choices that fit each rank's GPU (and host) budget it keeps the shortest predicted step time
-(`planner.shard_time`: compute, host links, host optimizer and collectives overlapped), then the fewest
-collective bytes per rank, then the fewest host↔GPU bytes. AMSP (arXiv 2311.00257) chooses its factors by
-minimising communication under a memory limit; hplan prices communication in time, beside compute and offload,
-so a choice that sends more but hides it behind compute can win. The winner's schedule then gets the larger
+solved as `make_plan` does — fewest host↔GPU bytes per iteration, then shortest predicted many-rank step — and
+among the factor choices that fit each rank's GPU (and host) budget it keeps the shortest predicted step time
+(`planner.shard_time`, as hplan's executor runs it: compute, host links, host optimizer and blocking
+collectives), then the fewest collective bytes per rank, then the fewest host↔GPU bytes. When a choice fits
+all-resident, its chunk size is chosen by step time too (`plan_factors`, REFINED_CHOICES): each chunk is one
+call whose latency is paid per chunk. AMSP (arXiv 2311.00257) chooses its factors by minimising communication
+under a memory limit; hplan prices communication in time, beside compute and offload. The winner's schedule then gets the larger
 branch-and-bound budget `make_plan` gives its winner, and the plan reports that bound.
 """
 
@@ -30,7 +31,7 @@ from hplan.planner.core import SEARCH_NODES, _improve, host_bytes_needed
 from hplan.planner.options import PlanOptions
 from hplan.planner.problem import MODULE_CHUNKS, PARAM_CHUNKS, group_params
 from hplan.planner.schedule import event_seconds
-from hplan.planner.search import Finished, Scored, finish, host_update_bytes
+from hplan.planner.search import Finished, Scored, chunk_targets, finish, host_update_bytes
 from hplan.planner.shard_build import ShardSearch, shard_build
 from hplan.planner.shard_time import predict_shard_seconds
 from hplan.sizes import format_size
@@ -70,15 +71,56 @@ def step_seconds(trace: Trace, hardware: Hardware, scored: Scored, done: Finishe
                                  host_update_bytes(s), grad_of)
 
 
-def plan_factors(trace: Trace, hardware: Hardware, options: PlanOptions, factors: Sharding, nodes: int
-                 ) -> Candidate | None:
-    """The best schedule for one factor choice, or None when no schedule fits."""
+COARSE_CHUNKS_PER_MODEL = (8, 4, 2)
+"""Many ranks add chunkings coarser than the one-rank search's: a collective's latency is paid per chunk, so
+fewer, larger chunks can win when the model fits (FSDP wraps a whole block per all-gather)."""
+
+
+def many_rank_targets(trace: Trace, options: PlanOptions) -> list[int]:
+    """The one-rank chunk targets plus the coarse ones (bytes of weights per chunk)."""
+    total = sum(p.bytes for p in trace.params)
+    coarse = {max(2, total // m) for m in COARSE_CHUNKS_PER_MODEL}
+    base = chunk_targets(trace, options)
+    return base + sorted(coarse - set(base))
+
+
+def shard_step_seconds(trace: Trace, hardware: Hardware, scored: Scored, sharding: Sharding) -> float:
+    """Predicted many-rank step of a scored candidate (its schedule with the collectives it implies)."""
+    done = finish(trace, hardware, scored)
+    return step_seconds(trace, hardware, scored, done, with_collectives(done.steps, scored, sharding,
+                                                                       hardware.ranks))["step"]
+
+
+def plan_factors(trace: Trace, hardware: Hardware, options: PlanOptions, factors: Sharding, nodes: int,
+                 targets: list[int] | None = None) -> Candidate | None:
+    """The best schedule for one factor choice, or None when no schedule fits.
+
+    When everything fits resident, chunk size still matters on many ranks: each chunk is a collective call, and
+    a call's latency is paid per chunk ([Note: collective latency model]). So each of `targets` (default: the
+    given chunk size, else one chunk per module) is tried all-resident and the shortest predicted step kept
+    (make_shard_plan tries the other sizes on its best factor choices); otherwise the search runs, ties in bytes
+    broken by the many-rank step time (ShardSearch.better)."""
     search = ShardSearch(trace, hardware, options, factors, nodes=nodes)
-    target = options.chunk_bytes if options.chunk_bytes is not None else MODULE_CHUNKS
-    scored = search.all_resident(target) or search.run()
+    if targets is None:
+        targets = [options.chunk_bytes if options.chunk_bytes is not None else MODULE_CHUNKS]
+    best: Candidate | None = None
+    for target in targets:
+        scored = search.all_resident(target)
+        if scored is not None:
+            cand = _candidate(trace, hardware, factors, search, scored, finish(trace, hardware, scored))
+            best = cand if best is None or cand.key() < best.key() else best
+    if best is not None:
+        return best
+    scored = search.run()
     if scored is None:
         return None
     return _candidate(trace, hardware, factors, search, scored, finish(trace, hardware, scored))
+
+
+REFINED_CHOICES = 4
+"""Factor choices whose all-resident plans are re-planned at every chunk size: each choice is first planned at
+the finest (one chunk per module) and the coarsest size, the best few then at the sizes between — each size
+costs a problem build, and latency-bound choices show at the coarse end."""
 
 
 def _candidate(trace: Trace, hardware: Hardware, factors: Sharding, search: ShardSearch, scored: Scored,
@@ -103,13 +145,23 @@ def make_shard_plan(trace: Trace, hardware: Hardware, options: PlanOptions | Non
     choices = [factors] if factors is not None else factor_choices(ranks, gpn)
     effort = 0 if options.solver == "fast" else options.effort
     nodes = SEARCH_NODES[effort] if options.solver != "exact" else SEARCH_NODES[1]
-    best: Candidate | None = None
+    found: list[Candidate] = []
+    sizes = many_rank_targets(trace, options)
+    first = None if options.chunk_bytes is not None else [MODULE_CHUNKS, sizes[-1]]
     for i, f in enumerate(choices):
         if on_progress is not None:
             on_progress(i, len(choices) + 1, f"shard factors P={f.P} G={f.G} OS={f.OS}")
-        cand = plan_factors(trace, hardware, options, f, nodes)
-        if cand is not None and (best is None or cand.key() < best.key()):
-            best = cand
+        cand = plan_factors(trace, hardware, options, f, nodes, first)
+        if cand is not None:
+            found.append(cand)
+    found.sort(key=Candidate.key)
+    best = found[0] if found else None
+    if options.chunk_bytes is None:  # the best all-resident choices at every other chunk size
+        others = [t for t in sizes if t not in (MODULE_CHUNKS, sizes[-1])]
+        for cand in [c for c in found if c.scored.moved == 0][:REFINED_CHOICES]:
+            refined = plan_factors(trace, hardware, options, cand.factors, nodes, others)
+            if refined is not None and best is not None and refined.key() < best.key():
+                best = refined
     opts = {k: v for k, v in asdict(options).items() if k != "compare"}
     opts["shard"] = "given" if factors is not None else "searched"
     if best is None:

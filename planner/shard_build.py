@@ -149,6 +149,18 @@ class ShardSearch(Search):
             per_chunk.setdefault(r.chunk, {})[r.kind] = sharding.region_numel(c.id, r.kind, bool(c.trainable)) * size
         return cpu_split(self.trace, self.hardware, cpu_only, trainable, groups, per_chunk)
 
+    def better(self, a: Scored | None, b: Scored | None) -> Scored | None:
+        """Fewer bytes, then the shorter many-rank step (collectives included), then the first."""
+        if a is None or b is None:
+            return a or b
+        if a.moved != b.moved:
+            return a if a.moved < b.moved else b
+        from hplan.planner.shard import shard_step_seconds
+
+        ta, tb = (round(shard_step_seconds(self.trace, self.hardware, x, self.shardings[x.chunk_target]), 12)
+                  for x in (a, b))
+        return b if tb < ta else a
+
     def all_resident(self, target: int) -> Scored | None:
         """Every region resident throughout and every update on the GPU, when that fits: it moves nothing, so
         no other placement of this chunking can beat it on bytes."""

@@ -17,7 +17,7 @@ BYTES_PER_ELEMENT = {"fp32": (4, 4, 8), "bf16-mixed": (2, 2, 12), "fp16-mixed": 
 """(param, grad, optimizer) bytes per element with AdamW; see hplan.precision."""
 
 
-def _trace(workload: str, precision: str, params: list[ParamInfo], events: list[Event]) -> Trace:
+def _trace(workload: str, precision: str, params: list[ParamInfo], events: list[Event], accumulate: int = 1) -> Trace:
     rows = []
     for e in events:
         row = dict.fromkeys(TIMELINE_COLUMNS, 0)
@@ -36,22 +36,27 @@ def _trace(workload: str, precision: str, params: list[ParamInfo], events: list[
         peak_bytes=model + peak_nm, peak_by_category={c: 0 for c in CATEGORIES} | {"activation": peak_nm},
         model_bytes=model, n_ops=len(events), step_seconds=sum(e.seconds for e in events),
         step_flops=sum(e.flops for e in events), timeline=pd.DataFrame(rows, columns=list(TIMELINE_COLUMNS)),
+        accumulate=accumulate,
     )
 
 
-def _events(calls: list[tuple[str, tuple[str, ...], int, int]]) -> list[Event]:
-    """Forward calls (module, params, non-model bytes, flops), then backward in reverse, then the optimizer.
+def _events(calls: list[tuple[str, tuple[str, ...], int, int]], micro_batches: int = 1) -> list[Event]:
+    """Forward calls (module, params, non-model bytes, flops), then backward in reverse — `micro_batches` times —
+    then the optimizer.
 
     Backward costs twice the forward FLOPs; activations saved by a forward are still held at its backward.
     """
     events: list[Event] = []
-    plan = [("forward", m, ps, nm, fl) for m, ps, nm, fl in calls]
-    plan += [("backward", m, ps, nm, 2 * fl) for m, ps, nm, fl in reversed(calls)]
-    plan.append(("optimizer", "optimizer", tuple(dict.fromkeys(p for _, ps, _, _ in calls for p in ps)), 0, 0))
-    for i, (kind, module, ps, nm, fl) in enumerate(plan):
+    plan = []
+    for m_ in range(micro_batches):
+        plan += [("forward", m, ps, nm, fl, m_) for m, ps, nm, fl in calls]
+        plan += [("backward", m, ps, nm, 2 * fl, m_) for m, ps, nm, fl in reversed(calls)]
+    plan.append(("optimizer", "optimizer", tuple(dict.fromkeys(p for _, ps, _, _ in calls for p in ps)), 0, 0,
+                 micro_batches - 1))
+    for i, (kind, module, ps, nm, fl, micro) in enumerate(plan):
         grads = ps if kind in ("backward", "optimizer") else ()
         events.append(Event(index=i, kind=kind, module=module, params=ps, grads=grads, non_model_peak_bytes=nm,
-                            op_start=i, op_end=i + 1, flops=fl))
+                            op_start=i, op_end=i + 1, flops=fl, micro=micro))
     return events
 
 
@@ -143,3 +148,57 @@ def gpt_trace(*, n_layer: int = 39, d_model: int = 6144, vocab: int = 50257, n_c
     sizes = {p.name: p.bytes // pb for p in params}
     full = [(m, ps, nm + per_layer_act // 6, 2 * tokens * sum(sizes[p] for p in ps)) for m, ps, nm in calls]
     return _trace(f"synthetic-gpt:{n_layer}x{d_model}", precision, params, _events(full))
+
+
+LLAMA_SHAPES = {"7b": dict(n_layer=32, d_model=4096, d_ff=11008, n_head=32),
+                "13b": dict(n_layer=40, d_model=5120, d_ff=13824, n_head=40),
+                "30b": dict(n_layer=60, d_model=6656, d_ff=17920, n_head=52)}
+"""LLaMA's shapes (Touvron et al. 2023, arXiv 2302.13971, Table 2: dimension, heads, layers; the MLP width is
+⌈(2/3)·4d⌉ rounded up to a multiple of 256, as the released configs have it); vocabulary 32,000."""
+
+
+def llama_trace(size: str = "7b", *, seq: int = 4096, batch: int = 1, vocab: int = 32000,
+                precision: str = "bf16-mixed", micro_batches: int = 1) -> Trace:
+    """A LLaMA-shaped trace from formulas, no torch: one event per leaf module (RMSNorms, q/k/v/o, the SwiGLU
+    MLP, untied embedding and head), as hplan traces `transformers`' LlamaForCausalLM.
+
+    FLOPs are model FLOPs ([Note: FLOPs are model FLOPs] in hplan.tracer.flops): 2·numel·tokens per matmul
+    forward, plus the attention scores 4·b·s²·d per layer (on the v_proj event, whose window holds them in a
+    real trace), backward twice forward; `micro_batches` forward-backward passes per optimizer step (gradient
+    accumulation, as `hplan trace --accumulate` records it). Activations per layer: Korthikanti et al. 2022 (arXiv 2205.05198, §4.1)
+    s·b·h·34 bytes in 16 bits, without the 5·a·s²·b of the score matrices: FlashAttention keeps none."""
+    shape = LLAMA_SHAPES[size]
+    pb, gb, ob = BYTES_PER_ELEMENT[precision]
+    dtype = {"fp32": "float32", "bf16-mixed": "bfloat16", "fp16-mixed": "float16"}[precision]
+    states = ("exp_avg", "exp_avg_sq") if precision == "fp32" else ("exp_avg", "exp_avg_sq", "master")
+    d, ff, layers = shape["d_model"], shape["d_ff"], shape["n_layer"]
+    tokens = batch * seq
+    per_layer_act = seq * batch * d * 34
+    params: list[ParamInfo] = []
+
+    def param(mod: str, shape_: tuple[int, ...]) -> tuple[str, ...]:
+        n = 1
+        for s in shape_:
+            n *= s
+        params.append(ParamInfo(name=f"{mod}.weight", shape=shape_, dtype=dtype, bytes=n * pb, grad_bytes=n * gb,
+                                optimizer_bytes=n * ob, modules=(mod,), optimizer_tensors=states))
+        return (f"{mod}.weight",)
+
+    calls = [("model.embed_tokens", param("model.embed_tokens", (vocab, d)), 0, 0)]
+    for i in range(layers):
+        h = f"model.layers.{i}"
+        held = i * per_layer_act
+        for mod, shape_, extra in ((f"{h}.input_layernorm", (d,), 0), (f"{h}.self_attn.q_proj", (d, d), 0),
+                                   (f"{h}.self_attn.k_proj", (d, d), 0),
+                                   (f"{h}.self_attn.v_proj", (d, d), 4 * batch * seq * seq * d),
+                                   (f"{h}.self_attn.o_proj", (d, d), 0), (f"{h}.post_attention_layernorm", (d,), 0),
+                                   (f"{h}.mlp.gate_proj", (ff, d), 0), (f"{h}.mlp.up_proj", (ff, d), 0),
+                                   (f"{h}.mlp.down_proj", (d, ff), 0)):
+            ps = param(mod, shape_)
+            matmul = 2 * tokens * shape_[0] * shape_[1] if len(shape_) == 2 else 0
+            calls.append((mod, ps, held + per_layer_act // 9, matmul + extra))
+    done = layers * per_layer_act
+    calls.append(("model.norm", param("model.norm", (d,)), done, 0))
+    calls.append(("lm_head", param("lm_head", (vocab, d)), done + tokens * vocab * 4, 2 * tokens * vocab * d))
+    events = _events([(m, ps, nm, fl) for m, ps, nm, fl in calls], micro_batches)
+    return _trace(f"synthetic-llama:{size}:seq{seq}", precision, params, events, micro_batches)

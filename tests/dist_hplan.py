@@ -18,7 +18,7 @@ from hplan.specs import load_workload
 
 
 def plan_at(trace: Trace, factors: tuple[int, int, int], *, ranks: int = 2, room: float = 0.3,
-            solver: str = "auto") -> Plan:
+            solver: str = "auto", chunk_bytes: int | None = None) -> Plan:
     """A plan for `ranks` CPU ranks under the factors, at the smallest per-rank budget any schedule needs plus
     `room` × this rank's model data: below full residency for room < 1, so the plan offloads."""
     from hplan.planner import PlanOptions, default_slack
@@ -30,8 +30,8 @@ def plan_at(trace: Trace, factors: tuple[int, int, int], *, ranks: int = 2, room
     floor = min_gpu_sharded(trace, probe, f)
     full = make_shard_plan(trace, _with_bytes(probe, 10**12), PlanOptions(chunk_bytes=0), factors=f)
     model_bytes = sum(r.bytes for r in full.regions)
-    plan = make_shard_plan(trace, _with_bytes(probe, floor + int(room * model_bytes)), PlanOptions(solver=solver),
-                           factors=f)
+    plan = make_shard_plan(trace, _with_bytes(probe, floor + int(room * model_bytes)),
+                           PlanOptions(solver=solver, chunk_bytes=chunk_bytes), factors=f)
     assert plan.summary.feasible, plan.summary.bottleneck
     return plan
 

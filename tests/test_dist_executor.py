@@ -23,7 +23,10 @@ SPEC = "gpt:tiny"
 STEPS = 10
 TOL = 1e-5
 SETTINGS = {"replicated + offload (DDP-like)": (1, 1, 1), "full sharding (ZeRO-3 / FSDP-like)": (2, 2, 2),
-            "AMSP mix: P replicated, G and OS sharded": (1, 2, 2)}
+            "AMSP mix: P replicated, G and OS sharded": (1, 2, 2),
+            "full sharding, block-sized chunks (one gather per run of steps)": (2, 2, 2, 200_000)}
+"""(P, G, OS[, chunk bytes]): the last setting packs a block's modules into one chunk, so consecutive steps
+reading it share one gather ([Note: plan collectives])."""
 
 
 @pytest.fixture(scope="module")
@@ -32,7 +35,13 @@ def trace():
 
 
 def test_three_settings_match_plain_pytorch_and_fsdp2(trace, tmp_path):
-    plans = {name: dist_hplan.plan_at(trace, f) for name, f in SETTINGS.items()}
+    plans = {name: dist_hplan.plan_at(trace, f[:3], chunk_bytes=f[3] if len(f) > 3 else None)
+             for name, f in SETTINGS.items()}
+    shared = plans["full sharding, block-sized chunks (one gather per run of steps)"]
+    gathers = [c for st in shared.steps for c in st.collectives if c.purpose == "gather"]
+    weights = {r.id for r in shared.regions if r.kind == "param"}
+    reading = sum(len(set(st.reads) & weights) for st in shared.steps if st.event != "optimizer:optimizer")
+    assert len(gathers) < reading  # runs of consecutive steps reading a chunk share one gather
     for plan in plans.values():
         assert plan.summary.bytes_moved_per_iter > 0  # below full residency: the plan offloads
     results = launch(dist_hplan.settings_rank, SPEC, [p.to_dict() for p in plans.values()], STEPS,

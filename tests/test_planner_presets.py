@@ -51,3 +51,26 @@ def test_options_reexport_presets_and_cpu_tier():
     assert (hw.gpu, hw.gpu_bytes, hw.slack_bytes, hw.overlap) == ("cpu", 5 * 10**9, 11, False)
     with pytest.raises(HplanError, match="budget"):
         make_hardware("cpu")
+
+
+def test_compute_calibration_and_networks_per_gpu():
+    """[Note: compute calibration]: each GPU's efficiency is its cited MFU (FlashAttention-2's 205 TFLOPs/s on
+    A100, AMSP's one-node 63% on A800, Megatron-LM's 47% on H100, 30% where nothing better is published); fp32
+    keeps 30%. Each GPU sits on its vendor's reference network unless --network says otherwise."""
+    from hplan.planner.presets import CALIBRATION, GPU_NETWORK, NETWORK_PRESETS
+
+    assert set(CALIBRATION) == set(GPU_PRESETS) == set(GPU_NETWORK)
+    assert all(c.source and 0 < c.efficiency <= 1 for c in CALIBRATION.values())
+    a100 = make_hardware("a100-80gb")
+    assert a100.tflops("bf16-mixed") == pytest.approx(205.0) and a100.tflops("fp32") == pytest.approx(19.5 * 0.30)
+    assert make_hardware("a800-80gb").efficiency == 0.63 and make_hardware("h100-80gb").efficiency == 0.47
+    assert (a100.network, a100.intra_gbps, a100.inter_gbps) == ("dgx-a100", 300.0, 200.0)
+    amsp = make_hardware("a800-80gb")
+    assert (amsp.intra_gbps, amsp.inter_gbps, amsp.intra_link) == (200.0, 100.0, "nvlink")
+    pcie = make_hardware("a100-80gb", network="pcie4-100gbe", inter_gbps=50.0)
+    assert (pcie.network, pcie.intra_gbps, pcie.inter_gbps, pcie.intra_link) == ("pcie4-100gbe", 32.0, 50.0, "pci")
+    assert all(p.source for p in NETWORK_PRESETS.values())
+    with pytest.raises(HplanError, match="unknown network preset"):
+        make_hardware("a100-80gb", network="token-ring")
+    with pytest.raises(HplanError, match="inter-latency-us"):
+        make_hardware("a100-80gb", inter_latency_us=-1.0)

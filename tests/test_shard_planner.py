@@ -65,11 +65,14 @@ def test_per_rank_region_bytes_and_collective_bytes_by_hand():
 
 
 def test_full_sharding_gathers_weights_before_each_use():
-    """ZeRO-3 on 2 ranks: each read step all-gathers the chunk (⌈n/2⌉·4 B sent), the gradient is reduce-scattered
-    once: per chunk 3·⌈n/2⌉·4 B, ZeRO's 3Ψ·(N-1)/N."""
+    """ZeRO-3 on 2 ranks: each run of consecutive steps reading a chunk all-gathers it once (⌈n/2⌉·4 B sent), the
+    gradient is reduce-scattered once: per chunk 3·⌈n/2⌉·4 B, ZeRO's 3Ψ·(N-1)/N — except the last module, whose
+    forward and backward are consecutive steps and share one gather (as FSDP keeps the root gathered)."""
     trace = chain_trace((10, 7), precision="fp32")
     plan = plan_for(trace, hw(2), 2, 2, 2)
-    assert plan.summary.collective_bytes_per_rank == 3 * (5 + 4) * 4
+    assert plan.summary.collective_bytes_per_rank == 3 * 5 * 4 + 2 * 4 * 4
+    backward_m1 = next(st for st in plan.steps if st.event == "backward:m1")
+    assert [c.purpose for c in backward_m1.collectives] == ["scatter"] and backward_m1.gathered_bytes >= 8 * 4
     forward_m1 = next(st for st in plan.steps if st.event == "forward:m1")
     assert [(c.purpose, c.before, c.numel) for c in forward_m1.collectives] == [("gather", True, 8)]
     assert forward_m1.gathered_bytes == 8 * 4
@@ -78,7 +81,8 @@ def test_full_sharding_gathers_weights_before_each_use():
 
 @pytest.mark.parametrize("gpn,nodes", [(8, 1), (8, 2)])
 def test_collective_bytes_agree_with_the_cost_model(gpn, nodes):
-    """planner.collectives prices whole states; per-chunk plans must send the same when nothing pads."""
+    """planner.collectives prices whole states; per-chunk plans must send the same when nothing pads — but for the
+    last module, whose forward and backward are consecutive steps sharing one gather."""
     numels = (64 * 16, 32 * 16, 128 * 16)
     trace = chain_trace(numels, precision="fp32")
     hardware = hw(gpn, nodes)
@@ -89,7 +93,8 @@ def test_collective_bytes_agree_with_the_cost_model(gpn, nodes):
         want, _, _ = iteration_collectives(ShardFactors(P=f.P, G=f.G, OS=f.OS),
                                            StateBytes(params=total, grads=total, optim=2 * total), world,
                                            CommOptions())
-        assert plan.summary.collective_bytes_per_rank == want, f
+        shared = (f.P - 1) * (numels[-1] // f.P) * 4 if f.P > 1 else 0
+        assert plan.summary.collective_bytes_per_rank == want - shared, f
 
 
 def test_the_chosen_factors_are_the_fastest_that_fit():
@@ -187,3 +192,56 @@ def test_shard_option_is_parsed_or_refused(text, match):
 def test_factors_that_do_not_fit_the_world_are_refused(p, g, os_, match):
     with pytest.raises(HplanError, match=match):
         make_shard_plan(chain_trace((8,), precision="fp32"), hw(8), MODULE, factors=Sharding(P=p, G=g, OS=os_))
+
+
+def _prefetch_case():
+    """4 modules of 10⁶ fp16 weights on 2 ranks of one node, 1 GB/s, no latency: every all-gather and
+    reduce-scatter of a module's 2·10⁶ B takes g = 2·10⁶ B / (1 GB/s · k/(k−1) = 2) = 1 ms (NCCL's ring
+    algorithm bandwidth); a forward 2 ms, a backward 4 ms (10¹² FLOP/s)."""
+    trace = chain_trace((10**6,) * 4, precision="fp16-mixed", flops=2 * 10**9)
+    hardware = hw(2, gpu_bytes=10**11, tflops_16=1.0, efficiency=1.0, intra_gbps=1.0, intra_latency_us=0.0,
+                  inter_latency_us=0.0)
+    return trace, plan_for(trace, hardware, 2, 2, 2)
+
+
+def test_prefetch_in_both_passes_exposes_only_the_first_gather_and_the_last_reduce_scatter():
+    """ZeRO-3 / FSDP order: a module's gather is issued when the previous module's compute starts, in forward
+    and backward, so it is queued ahead of that module's reduce-scatter (issued when its compute ends): with
+    g = 1 ms per call under 2–4 ms of compute, only the first forward gather and the last backward
+    reduce-scatter (the optimizer waits for it) are exposed. hplan's executor blocks on every call instead."""
+    from hplan.planner.shard_time import CommSchedule
+    from hplan.planner.systems import price
+
+    trace, plan = _prefetch_case()
+    g, compute = 1e-3, 4 * 2e-3 + 4 * 4e-3
+    fsdp = price(plan, trace, CommSchedule(prefetch=1))
+    assert fsdp["compute"] == pytest.approx(compute)
+    assert fsdp["step"] == pytest.approx(compute + 2 * g)
+    assert fsdp["exposed_intra"] == pytest.approx(2 * g) and fsdp["exposed_inter"] == 0
+    blocking = price(plan, trace, CommSchedule(blocking=True))
+    # 7 gathers (the last module's forward and backward are consecutive and share one) and 4 reduce-scatters
+    assert blocking["step"] == pytest.approx(compute + 11 * g)
+    assert plan.summary.predicted_step_seconds == pytest.approx(blocking["step"])
+
+
+def test_step_split_sums_to_the_step_and_the_cli_shows_it(tmp_path):
+    from typer.testing import CliRunner
+
+    from hplan.cli import app
+
+    trace = gpt_trace(n_layer=2, d_model=256, vocab=1000, seq=128, n_head=4)
+    plan = make_shard_plan(trace, hw(8, nodes=2, gpu_bytes=10**10), MODULE)
+    s = plan.summary.seconds
+    parts = ("compute", "exposed_intra", "exposed_inter", "exposed_host", "exposed_cpu_optimizer")
+    assert sum(s[k] for k in parts) == pytest.approx(plan.summary.predicted_step_seconds)
+    trace.save(tmp_path / "t.parquet")
+    args = ["plan", str(tmp_path / "t.parquet"), "--gpu", "a100-80gb", "--gpu-mem", "10GB", "--gpus", "8",
+            "--nodes", "2", "--chunk-size", "module", "--solver", "fast"]
+    out = CliRunner().invoke(app, [*args, "--json"])
+    assert out.exit_code == 0, out.output
+    split = json.loads(out.stdout)["step_split"]
+    assert set(split) == {*parts, "step"} and sum(split[k] for k in parts) == pytest.approx(split["step"])
+    text = CliRunner().invoke(app, [*args, "-o", str(tmp_path / "p.json")])
+    assert text.exit_code == 0 and "step per rank" in text.output and "exposed inter" in text.output
+    slow = CliRunner().invoke(app, [*args, "--json", "--inter-latency-us", "1000", "--network", "pcie4-100gbe"])
+    assert json.loads(slow.stdout)["step_split"]["step"] > split["step"]

@@ -25,6 +25,7 @@ from typing import Any
 
 import torch
 from hplan.tracer.allocator import AllocatorModel
+from hplan.tracer.flops import attention_flops
 from hplan.tracer.graph import GraphBuilder
 from hplan.tracer.segments import SegmentTracker
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -253,6 +254,11 @@ class Recorder(TorchDispatchMode):
         return name
 
     def _flops(self, func: Any, args: Any, kwargs: Any, out: Any) -> int:
+        """Model FLOPs ([Note: FLOPs are model FLOPs] in hplan.tracer.flops): fused attention there, the rest from
+        torch's registry."""
+        attention = attention_flops(func, args, out)
+        if attention is not None:
+            return attention
         counter = flop_registry.get(func.overloadpacket)
         if counter is None or func in _SKIP_FLOPS:
             return 0

@@ -22,6 +22,11 @@ MIN_RATE = 1e-6
 floats they overflow to infinity, which standard JSON cannot hold; no real device is a million times slower
 than 1 GB/s or 1 TFLOPS, so the floor refuses typos, not hardware."""
 
+MAX_LATENCY_US = 1e6
+"""A hop latency above a second is a typo (seconds given as µs), not a network."""
+COLLECTIVE_ALGORITHMS = ("nccl", "ring", "tree", "hierarchical", "best")
+
+
 @dataclass(frozen=True, kw_only=True, slots=True)
 class Hardware:
     """Tier capacities for this plan, link and compute rates, and the world of ranks."""
@@ -42,8 +47,11 @@ class Hardware:
     tflops_32: float = 35.6
     """Datasheet fp32 TFLOPS (no TF32)."""
     efficiency: float = 0.30
-    """Share of datasheet TFLOPS a training step achieves: hplan.planner.presets.DEFAULT_EFFICIENCY, with its
+    """Share of datasheet 16-bit TFLOPS a training step achieves (model FLOPs utilisation): the GPU preset's
+    calibration (hplan.planner.presets, [Note: compute calibration]); 0.30 = presets.DEFAULT_EFFICIENCY, with its
     source (a test keeps the two equal)."""
+    efficiency_32: float = 0.30
+    """The same share for fp32 steps (no tensor cores): presets.DEFAULT_EFFICIENCY."""
     h2d_gbps: float = 32.0
     """Host→device link, GB/s."""
     d2h_gbps: float = 32.0
@@ -63,6 +71,19 @@ class Hardware:
     """Per-GPU bandwidth of intra-node collectives (NVLink or PCIe), GB/s."""
     inter_gbps: float = 12.5
     """Per-node bandwidth of inter-node collectives (network), GB/s."""
+    intra_latency_us: float = 3.4
+    """Latency of one intra-node hop of a collective, µs: NCCL's NVLink ring hop with its Simple protocol
+    (hplan.planner.nccl, [Note: collective latency model]); 0 with inter_latency_us 0 = bandwidth only."""
+    inter_latency_us: float = 14.0
+    """Latency of one network hop of a collective, µs: NCCL's network ring hop with its Simple protocol."""
+    intra_link: str = "nvlink"
+    """"nvlink" or "pci": which of NCCL's intra-node latency rows applies; "loopback": gloo between the CPU
+    fast tier's processes (one protocol, no base latency; hplan.planner.nccl)."""
+    collectives: str = "nccl"
+    """How collectives are priced: "nccl" (NCCL's pick of ring or tree), "ring", "tree", "hierarchical" (two
+    levels) or "best" (hplan.planner.collectives)."""
+    network: str = ""
+    """Network preset the link numbers came from; informational."""
     host: str = ""
     """Host preset the CPU optimizer rate came from; informational."""
 
@@ -78,9 +99,19 @@ class Hardware:
                 raise HplanError(f"hardware {name} must be at least {floor}, got {value}")
         for f in fields(self):
             value = getattr(self, f.name)
-            if f.name == "efficiency":
+            if f.name in ("efficiency", "efficiency_32"):
                 if not (isinstance(value, (int, float)) and 0 < value <= 1):
-                    raise HplanError(f"hardware efficiency is a share of datasheet TFLOPS (0 < e ≤ 1), got {value!r}")
+                    raise HplanError(f"hardware {f.name} is a share of datasheet TFLOPS (0 < e ≤ 1), got {value!r}")
+            elif f.name in ("intra_latency_us", "inter_latency_us"):
+                if isinstance(value, bool) or not (isinstance(value, (int, float)) and math.isfinite(value)
+                                                   and 0 <= value <= MAX_LATENCY_US):
+                    raise HplanError(f"hardware {f.name.replace('_', '-')} must be 0 to {MAX_LATENCY_US:g} µs, "
+                                     f"got {value!r}")
+            elif f.name == "intra_link" and value not in ("nvlink", "pci", "loopback"):
+                raise HplanError(f"hardware intra-link must be nvlink, pci or loopback, got {value!r}")
+            elif f.name == "collectives" and value not in COLLECTIVE_ALGORITHMS:
+                raise HplanError(f"hardware collectives must be one of {', '.join(COLLECTIVE_ALGORITHMS)}, "
+                                 f"got {value!r}")
             elif isinstance(value, float) and not (math.isfinite(value) and value >= MIN_RATE):
                 raise HplanError(f"hardware {f.name.replace('_', '-')} must be a finite number of at least "
                                  f"{MIN_RATE:g}, got {value}")
@@ -91,8 +122,9 @@ class Hardware:
 
     def tflops(self, precision: str) -> float:
         """Achieved TFLOPS for a precision recipe: fp32 uses the fp32 rate, mixed recipes the 16-bit one."""
-        peak = self.tflops_32 if precision == "fp32" else self.tflops_16
-        return peak * self.efficiency
+        if precision == "fp32":
+            return self.tflops_32 * self.efficiency_32
+        return self.tflops_16 * self.efficiency
 
     def to_dict(self) -> dict[str, Any]:
         return {**asdict(self), "schema": self.SCHEMA}

@@ -21,8 +21,9 @@ P = 1 or P = G) fits.
 [Note: plan collectives] The collectives follow from the steps (`derive`), in this order within a step:
 - before the event: `update_gather` of CPU-updated chunks whose OS > P (at the chunk's first weight read, so
   the fetched weights get the other ranks' updated pieces), then `gather` (P > 1): all-gather the parameter
-  shard over P consecutive ranks into a transient full copy at every step that reads the weights; the copy is
-  freed when the step ends;
+  shard over P consecutive ranks into a transient full copy at the first of each run of consecutive steps that
+  read the weights (the optimizer step excluded); the copy stays through the run (counted at each of its steps)
+  and is freed when it ends — as FSDP keeps a block's weights gathered through the block's modules;
 - after the event: `scatter` (G > 1): at the last step of each micro-batch writing a chunk's gradient, the
   transient full gradient (alive from that micro-batch's first write) is reduce-scattered over G consecutive
   ranks into the gradient shard (added to it after the first micro-batch); `sync` at the last write of the
@@ -268,8 +269,9 @@ def derive(steps: tuple[Step, ...] | list[Step], chunks: tuple[Chunk, ...], regi
                                                      x.itemsize) for x in upd]
                 gathered[reads[0]] += staging * size["param"]
         if P > 1:
-            for t in reads:
-                before[t].append(Collective.make("all_gather", "gather", w, True, P, 1, full, size["param"]))
+            for i, t in enumerate(reads):
+                if i == 0 or reads[i - 1] != t - 1:  # a run of consecutive reading steps shares one gather
+                    before[t].append(Collective.make("all_gather", "gather", w, True, P, 1, full, size["param"]))
                 gathered[t] += full * size["param"]
         if g is None:
             continue

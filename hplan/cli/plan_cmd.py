@@ -53,6 +53,17 @@ def register(app: typer.Typer) -> None:
                                                          "bandwidth, GB/s (NVLink, PCIe).")] = None,
         inter_gbps: Annotated[float | None, typer.Option("--inter-gbps", help="Per-node network bandwidth, GB/s.")
                               ] = None,
+        network: Annotated[str | None, typer.Option("--network", help="Network preset for the links: dgx-a100, "
+                                                    "a800-4xhdr, dgx-h100, dgx1-v100, pcie4-100gbe, pcie3-100gbe "
+                                                    "(default: the GPU's usual one).")] = None,
+        intra_latency_us: Annotated[float | None, typer.Option("--intra-latency-us", help="Latency of one "
+                                                               "intra-node hop of a collective, µs (default NCCL's "
+                                                               "3.4).")] = None,
+        inter_latency_us: Annotated[float | None, typer.Option("--inter-latency-us", help="Latency of one network "
+                                                               "hop of a collective, µs (default NCCL's 14).")] = None,
+        collectives: Annotated[str | None, typer.Option("--collectives", help="How collectives are priced: nccl "
+                                                        "(default: NCCL's ring or tree), ring, tree, hierarchical, "
+                                                        "best.")] = None,
         shard: Annotated[str | None, typer.Option("--shard", help="Force shard factors, e.g. P=1,G=8,OS=64 (default: "
                                                   "the fastest that fits).")] = None,
         nvme: Annotated[str | None, typer.Option("--nvme", help="Disk space for model data (e.g. 2TB): plans a third "
@@ -81,7 +92,9 @@ def register(app: typer.Typer) -> None:
                              gpu_tflops=gpu_tflops, link_gbps=link_gbps, cpu_adam_gbps=cpu_adam_gbps, slack=slack,
                              chunk_size=chunk_size, solver=solver, effort=effort, compare=compare, as_json=as_json,
                              world=dict(gpus=gpus, nodes=nodes, intra_gbps=intra_gbps, inter_gbps=inter_gbps,
-                                        shard=shard), activations=activations, **tiers))
+                                        shard=shard, network=network, intra_latency_us=intra_latency_us,
+                                        inter_latency_us=inter_latency_us, collectives=collectives),
+                             activations=activations, **tiers))
 
 
 def _run(*, trace: Path, gpu_mem: str, output: Path | None, cpu_mem: str | None, gpu: str | None,
@@ -112,7 +125,7 @@ def _run(*, trace: Path, gpu_mem: str, output: Path | None, cpu_mem: str | None,
     overrides = dict(slack_bytes=slack_bytes, host_bytes=size_option(cpu_mem, what="--cpu-mem"),
                      h2d_gbps=link_gbps, d2h_gbps=link_gbps, cpu_optimizer_gbps=cpu_adam_gbps)
     if gpu_tflops is not None:
-        overrides |= dict(tflops_16=gpu_tflops, tflops_32=gpu_tflops, efficiency=1.0)
+        overrides |= dict(tflops_16=gpu_tflops, tflops_32=gpu_tflops, efficiency=1.0, efficiency_32=1.0)
     overrides |= tier_overrides(nvme=nvme, host=host, nvme_preset=nvme_preset, nvme_read_gbps=nvme_read_gbps,
                                 nvme_write_gbps=nvme_write_gbps, cpu_adam_gbps=cpu_adam_gbps)
     preset = gpu or "rtx3090"
@@ -153,6 +166,10 @@ def _run(*, trace: Path, gpu_mem: str, output: Path | None, cpu_mem: str | None,
     if output is not None:
         plan.save(output)
         payload["output"] = str(output)
+    if plan.sharding is not None:
+        from hplan.cli.world import step_split
+
+        payload["step_split"] = step_split(plan)
     if as_json:
         emit_json(payload)
     else:

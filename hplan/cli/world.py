@@ -48,7 +48,11 @@ class ManyRanks:
 def world_overrides(world: dict[str, Any], overrides: dict[str, Any], *, compare: bool) -> ManyRanks | None:
     """None for one rank without --shard (the one-GPU planner); else the many-rank request. Adds the link
     speeds to `overrides` either way (the plan records them)."""
+    import math
+
+    from hplan.artifacts.hardware import COLLECTIVE_ALGORITHMS, MAX_LATENCY_US
     from hplan.cli.common import positive_number
+    from hplan.planner.presets import NETWORK_PRESETS
     from hplan.planner.shard import parse_shard
 
     gpus, nodes = world.get("gpus", 1), world.get("nodes", 1)
@@ -58,6 +62,18 @@ def world_overrides(world: dict[str, Any], overrides: dict[str, Any], *, compare
     for key, flag in (("intra_gbps", "--intra-gbps"), ("inter_gbps", "--inter-gbps")):
         positive_number(world.get(key), what=flag)
         overrides[key] = world.get(key)
+    for key, flag in (("intra_latency_us", "--intra-latency-us"), ("inter_latency_us", "--inter-latency-us")):
+        value = world.get(key)
+        if value is not None and not (math.isfinite(value) and 0 <= value <= MAX_LATENCY_US):
+            raise HplanError(f"{flag} must be 0 to {MAX_LATENCY_US:g} µs, got {value}")
+        overrides[key] = value
+    if world.get("network") is not None and world["network"] not in NETWORK_PRESETS:
+        raise HplanError(f"unknown --network {world['network']!r}: use one of {', '.join(NETWORK_PRESETS)}")
+    if world.get("collectives") is not None and world["collectives"] not in COLLECTIVE_ALGORITHMS:
+        raise HplanError(f"unknown --collectives {world['collectives']!r}: use one of "
+                         f"{', '.join(COLLECTIVE_ALGORITHMS)}")
+    overrides["network"] = world.get("network")
+    overrides["collectives"] = world.get("collectives")
     shard = world.get("shard")
     if gpus * nodes == 1 and shard is None:
         return None
@@ -76,13 +92,35 @@ def summary_rows(plan: Plan) -> list[tuple[str, str]]:
         return []
     s, hw = plan.summary, plan.hardware
     calls = sum(len(st.collectives) for st in plan.steps)
+    split = step_split(plan)
+    why = ", ".join(f"{k.replace('_', ' ')} {_secs(v)}" for k, v in split.items() if k != "step")
+    net = f"{hw.network}: " if hw.network else ""
     return [
-        ("ranks", f"{hw.ranks} ({hw.gpus_per_node} per node × {hw.nodes} nodes; intra {hw.intra_gbps:g} GB/s, "
-                  f"inter {hw.inter_gbps:g} GB/s); the trace is one rank's micro-batch"),
+        ("ranks", f"{hw.ranks} ({hw.gpus_per_node} per node × {hw.nodes} nodes; {net}intra {hw.intra_gbps:g} GB/s, "
+                  f"inter {hw.inter_gbps:g} GB/s, hops {hw.intra_latency_us:g} / {hw.inter_latency_us:g} µs, "
+                  f"{hw.collectives} collectives); the trace is one rank's micro-batch"),
         ("shard factors", f"P={s.shard['P']}, G={s.shard['G']}, OS={s.shard['OS']} "
                           f"({plan.options.get('shard', 'searched')})"),
         ("collectives / iteration", f"{format_size(s.collective_bytes_per_rank)} sent per rank in {calls} calls"),
+        ("step per rank", f"{_secs(split['step'])} = {why} (a plan; collectives priced as hplan's executor runs "
+                          "them, each blocking at its step)"),
     ]
+
+
+def _secs(value: float) -> str:
+    return f"{value:.3f} s" if value >= 1 else f"{value * 1e3:.3g} ms"
+
+
+STEP_SPLIT = ("compute", "exposed_intra", "exposed_inter", "exposed_host", "exposed_cpu_optimizer")
+
+
+def step_split(plan: Plan) -> dict[str, float]:
+    """Why the step takes what it does, per rank ([Note: exposed time] in hplan.planner.shard_time): compute plus
+    the time compute waits on each link and on the host optimizer; the parts sum to the step."""
+    seconds = plan.summary.seconds
+    out = {k: float(seconds.get(k, 0.0)) for k in STEP_SPLIT}
+    out["step"] = plan.summary.predicted_step_seconds
+    return out
 
 
 def many_rank_run(nproc: int | None, plan: Any) -> bool:
