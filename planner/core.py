@@ -61,8 +61,9 @@ def make_plan(trace: Trace, hardware: Hardware, options: PlanOptions | None = No
         raise HplanError("the trace has no events: re-run `hplan trace` on a workload with parameters")
     smallest = min_gpu(trace, hardware)
     effort = _effort(options)
-    search = Search(trace, hardware, options, on_progress, planned_evaluations(trace, options) + 2,
-                    nodes=SEARCH_NODES[effort] if options.solver != "exact" else SEARCH_NODES[1])
+    nodes = SEARCH_NODES[effort] if options.solver != "exact" else SEARCH_NODES[1]
+    search = Search(trace, hardware, options, on_progress,
+                    planned_evaluations(trace, options, joint=bool(nodes) and Search.joint_placement) + 2, nodes=nodes)
     best = search.run()
     opts = {k: v for k, v in asdict(options).items() if k != "compare"}
     if best is None:
@@ -88,9 +89,16 @@ def _improve(search: Search, best: Scored, options: PlanOptions) -> tuple[Scored
     nodes = UNLIMITED_NODES if options.solver == "exact" else FINAL_NODES[_effort(options)]
     for cand in targets:
         search.tick(f"exact solve of {len(cand.problem.sizes)} regions x {cand.problem.n_steps} steps")
-        result = solve_milp(cand.model, cand.keep, max_nodes=nodes)
-        if result.keep is not None and result.cost is not None and result.cost <= cand.moved:
-            cand.keep, cand.moved, cand.finished = result.keep, result.cost, None
+        if cand.joint is not None:  # placement and schedule together; the bound covers every placement
+            assert cand.joint_keep is not None
+            result = solve_milp(cand.joint.model, cand.joint_keep, max_nodes=nodes,
+                                fallback_x=cand.joint.x_of(cand.gpu_chunks))
+            if result.keep is not None and result.cost is not None and result.cost <= cand.moved:
+                cand.adopt(search.trace, search.hardware, result, flips=search.options.flips)
+        else:
+            result = solve_milp(cand.model, cand.keep, max_nodes=nodes)
+            if result.keep is not None and result.cost is not None and result.cost <= cand.moved:
+                cand.keep, cand.moved, cand.finished = result.keep, result.cost, None
         cand.result = result
     winner = None
     for cand in [best] + targets:
@@ -102,7 +110,8 @@ def _improve(search: Search, best: Scored, options: PlanOptions) -> tuple[Scored
     if optimal:
         bound = winner.moved
     else:
-        bound = max(result.lower_bound if result is not None else 0, lp_bound(winner.model))
+        model = winner.joint.model if winner.joint is not None else winner.model
+        bound = max(result.lower_bound if result is not None else 0, lp_bound(model))
     solver = "fast" if result is None else "exact" if optimal else "exact (node limit)"
     done = finish(search.trace, search.hardware, winner)
     bound = min(bound, done.moved)

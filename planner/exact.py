@@ -5,6 +5,11 @@
               z_s + y_i >= 1                              a live drop in span s writes s back once
               y binary (keep gap i), z in [0, 1]          (z is integral once y is)
 
+With choices ([Note: choices in the interval model]) a binary x_m per mode (sum over an item's modes = 1) and a
+switch g join: a mode's gap costs size_i (x_m - y_i) with y_i <= x_m, its write-back rows read
+z_s + y_i >= x_m, its forced bytes cost cost_m x_m, and a step where modes hold more memory gets its own row
+load_t + sum_m extra_mt x_m + switch_bytes g <= free_t, with g >= x_m for the modes that turn the switch on.
+
 Rows: steps between two consecutive gap boundaries see the same gaps, so one row per such segment (its smallest
 free memory) suffices, and segments whose gaps all fit anyway are left out; HiGHS gets them chained through load
 columns (see `_highs`), which keeps the matrix sparse.
@@ -20,7 +25,7 @@ never wall-clock time, and HiGHS runs on one thread: the same model gives the sa
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import highspy
 import numpy as np
@@ -41,9 +46,19 @@ class Rows:
     """Per gap: the first binding row inside it."""
     count: np.ndarray
     """Per gap: how many consecutive binding rows (cyclically, from `first`) lie inside it."""
+    extra_row: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
+    """Choices: the binding row of each memory entry kept (`extra_entry` indexes `Choices.extra_*`)."""
+    extra_entry: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
+    switch_row: int = -1
+    """Choices: the binding row of the switch's step (-1: none, or it never binds)."""
 
     def inside(self, i: int) -> np.ndarray:
         return (self.first[i] + np.arange(self.count[i])) % max(len(self.free), 1)
+
+    def special(self) -> np.ndarray:
+        """Binding rows where modes add memory, sorted: each gets its own row beside the chain."""
+        rows = [self.extra_row] + ([np.array([self.switch_row])] if self.switch_row >= 0 else [])
+        return np.unique(np.concatenate(rows)).astype(np.int64)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -57,13 +72,21 @@ class ExactResult:
     optimal: bool
     nodes: int = 0
     status: str = ""
+    x: np.ndarray | None = None
+    """Models with choices: the chosen modes of `keep` (per-mode booleans)."""
 
 
 def memory_rows(model: IntervalModel) -> Rows:
     """One row per segment of steps with the same gaps inside it (cut at every gap's first and after its last
-    inside step), binding segments only. A gap's inside is a cyclic range of steps, hence of segments."""
+    inside step, and around every step where modes add memory), binding segments only. A gap's inside is a
+    cyclic range of steps, hence of segments."""
     n, g = model.problem.n_steps, model.n_gaps
-    cuts = np.unique(np.concatenate([(model.start + 1) % n, model.end % n, [0]]))
+    c = model.choices
+    special = np.zeros(0, dtype=np.int64)
+    if c is not None:
+        special = np.unique(np.concatenate([c.extra_step, [c.switch_step] if len(c.switch_modes) else []]))
+        special = special.astype(np.int64)
+    cuts = np.unique(np.concatenate([(model.start + 1) % n, model.end % n, [0], special, (special + 1) % n]))
     seg_of = np.searchsorted(cuts, np.arange(n), side="right") - 1
     n_seg = len(cuts)
     seg_free = np.full(n_seg, np.iinfo(np.int64).max, dtype=np.int64)
@@ -75,6 +98,13 @@ def memory_rows(model: IntervalModel) -> Rows:
     np.add.at(delta, lo + span, -model.size)
     run = np.cumsum(delta)[: 2 * n_seg]
     demand = run[:n_seg] + run[n_seg:]
+    if c is not None and len(c.extra_step):  # the most the modes can add at each step
+        keys, inverse = np.unique(c.item[c.extra_mode] * n + c.extra_step, return_inverse=True)
+        most = np.zeros(len(keys), dtype=np.int64)
+        np.maximum.at(most, inverse, c.extra_bytes)
+        np.add.at(demand, seg_of[keys % n], most)
+    if c is not None and len(c.switch_modes) and c.switch_bytes > 0:
+        demand[seg_of[c.switch_step]] += c.switch_bytes
     binding = np.flatnonzero(demand > seg_free)
     m = len(binding)
     # Binding rows inside gap i: those in segments lo .. lo+span-1 (cyclic), a cyclic range of binding rows.
@@ -82,28 +112,76 @@ def memory_rows(model: IntervalModel) -> Rows:
     before_end = np.searchsorted(binding, lo + span) + np.where(lo + span > n_seg,
                                                                 np.searchsorted(binding, lo + span - n_seg), 0)
     count = np.minimum(before_end - np.searchsorted(binding, lo), m) if m else np.zeros(g, dtype=np.int64)
-    return Rows(free=seg_free[binding], first=first.astype(np.int64), count=count.astype(np.int64))
+    row_of_seg = np.full(n_seg, -1, dtype=np.int64)
+    row_of_seg[binding] = np.arange(m)
+    extra_row, extra_entry, switch_row = np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int64), -1
+    if c is not None:
+        rows = row_of_seg[seg_of[c.extra_step]]
+        extra_entry = np.flatnonzero(rows >= 0)
+        extra_row = rows[extra_entry]
+        if len(c.switch_modes) and c.switch_bytes:
+            switch_row = int(row_of_seg[seg_of[c.switch_step]])
+    return Rows(free=seg_free[binding], first=first.astype(np.int64), count=count.astype(np.int64),
+                extra_row=extra_row, extra_entry=extra_entry, switch_row=switch_row)
 
 
-def _highs(model: IntervalModel, rows: Rows, *, integral: bool) -> tuple[highspy._Highs, float, int]:
-    """A HiGHS instance holding the model, the objective's unit (bytes of the largest region) and the memory
-    row that became load row 0.
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Layout:
+    """Where things are in the HiGHS model `_highs` builds: columns gaps, spans, loads, modes, switch; rows
+    chain (one per binding row), write-back, special memory, items, mode links, switch links."""
+
+    unit: float
+    """The objective's unit: bytes of the largest region (HiGHS sees bytes / unit)."""
+    first: int
+    """The binding row that became load row 0."""
+    covers: tuple[np.ndarray, np.ndarray, np.ndarray]
+    special: np.ndarray
+    cover_row: int
+    special_row: int
+    switch_link_row: int
+    n_switch: int
+    """Switch link rows (0: no switch column)."""
+    mode_col: int
+    switch_col: int
+
+
+def _highs(model: IntervalModel, rows: Rows, *, integral: bool) -> tuple[highspy._Highs, Layout]:
+    """A HiGHS instance holding the model, and where its parts are.
 
     Memory rows are chained, not written out: a load column L_j per binding segment j (0 <= L_j <= free_j),
     one row L_0 = sum of the kept gaps inside segment 0, and for j > 0 one row L_j = L_{j-1} + gaps entering
     at j - gaps leaving at j. A gap then has about 2 coefficients instead of one per segment it spans (gaps
     span most of the iteration, so the plain rows are ~70% dense on gpt:18b). Segments are relabelled so that
-    segment 0 is the one inside the fewest gaps. Columns: gaps, then spans, then loads."""
+    segment 0 is the one inside the fewest gaps. A segment where modes add memory also gets the row
+    L_j + sum_m extra x_m + switch_bytes g <= free_j."""
     g, s, m = model.n_gaps, model.n_spans, len(rows.free)
+    c = model.choices
+    k = c.n_modes if c is not None else 0
+    has_switch = c is not None and len(c.switch_modes) > 0 and c.switch_bytes != 0
     unit = float(max(int(model.size.max(initial=0)), int(model.span_size.max(initial=0)), 1))
     size = model.size / unit
     first = int(np.argmin(load_counts(rows))) if m else 0
-    r_idx, c_idx, vals = [], [], []
+    covers = model.covers()
+    special = rows.special()
+    mode_col, switch_col = g + s + m, g + s + m + k
+    n_col = switch_col + int(has_switch)
+    cover_row = m
+    special_row = cover_row + len(covers[0])
+    item_row = special_row + len(special)
+    mode_gaps = np.flatnonzero(c.gap_mode >= 0) if c is not None else np.zeros(0, dtype=np.int64)
+    link_row = item_row + (c.n_items if c is not None else 0)
+    switch_link_row = link_row + len(mode_gaps)
+    n_switch = len(c.switch_modes) if has_switch and c is not None else 0
+    n_row = switch_link_row + n_switch + int(has_switch and c is not None and c.switch_bytes < 0)
+    r_idx: list[np.ndarray] = []
+    c_idx: list[np.ndarray] = []
+    vals: list[np.ndarray] = []
 
-    def put(row: int, col: int, value: float) -> None:
-        r_idx.append(row)
-        c_idx.append(col)
-        vals.append(value)
+    def put(row: object, col: object, value: object) -> None:
+        rr, cc, vv = np.broadcast_arrays(np.asarray(row), np.asarray(col), np.asarray(value, dtype=float))
+        r_idx.append(rr.ravel())
+        c_idx.append(cc.ravel())
+        vals.append(vv.ravel())
 
     for i in np.flatnonzero(rows.count):
         entry, leave = (rows.first[i] - first) % m, (rows.first[i] + rows.count[i] - first) % m
@@ -114,37 +192,79 @@ def _highs(model: IntervalModel, rows: Rows, *, integral: bool) -> tuple[highspy
                 put(int(entry), int(i), -size[i])
             if leave:
                 put(int(leave), int(i), size[i])
-    for j in range(m):
-        put(j, g + s + j, 1.0)
-        if j:
-            put(j, g + s + j - 1, -1.0)
-    span_gaps = np.flatnonzero(model.span >= 0)
-    for k, i in enumerate(span_gaps):
-        put(m + k, int(i), 1.0)
-        put(m + k, g + int(model.span[i]), 1.0)
-    matrix = csc_matrix((vals, (r_idx, c_idx)), shape=(m + len(span_gaps), g + s + m))
+    put(np.arange(m), g + s + np.arange(m), 1.0)
+    put(np.arange(1, m), g + s + np.arange(m - 1), -1.0)
+    gap, span, mode = covers
+    ncov = np.arange(len(gap))
+    put(cover_row + ncov, gap, 1.0)
+    put(cover_row + ncov, g + span, 1.0)
+    conditional = np.flatnonzero(mode >= 0)
+    put(cover_row + conditional, mode_col + mode[conditional], -1.0)
+    special_of = {int(j): q for q, j in enumerate(special)}
+    put(special_row + np.arange(len(special)), g + s + (special - first) % max(m, 1), 1.0)
+    if c is not None:
+        e = rows.extra_entry
+        put(special_row + np.array([special_of[int(j)] for j in rows.extra_row], dtype=np.int64),
+            mode_col + c.extra_mode[e], c.extra_bytes[e] / unit)
+        put(item_row + c.item, mode_col + np.arange(k), 1.0)
+        put(link_row + np.arange(len(mode_gaps)), mode_gaps, 1.0)
+        put(link_row + np.arange(len(mode_gaps)), mode_col + c.gap_mode[mode_gaps], -1.0)
+        if has_switch:
+            if rows.switch_row >= 0:
+                put(special_row + special_of[rows.switch_row], switch_col, c.switch_bytes / unit)
+            put(switch_link_row + np.arange(n_switch), switch_col, 1.0)
+            put(switch_link_row + np.arange(n_switch), mode_col + c.switch_modes, -1.0)
+            if c.switch_bytes < 0:  # then the switch must also be off when no mode turns it on
+                put(switch_link_row + n_switch, switch_col, 1.0)
+                put(switch_link_row + n_switch, mode_col + c.switch_modes, -1.0)
+    cat = (lambda xs, dtype: np.concatenate(xs).astype(dtype) if xs else np.zeros(0, dtype=dtype))
+    matrix = csc_matrix((cat(vals, float), (cat(r_idx, np.int64), cat(c_idx, np.int64))), shape=(n_row, n_col))
+    matrix.sum_duplicates()
     matrix.sort_indices()
     free = np.roll(rows.free, -first) / unit
+    lower = np.zeros(n_row)
+    upper = np.zeros(n_row)
+    lower[cover_row:special_row] = np.where(mode < 0, 1.0, 0.0)
+    upper[cover_row:special_row] = INF
+    lower[special_row:item_row] = -INF
+    upper[special_row:item_row] = rows.free[special] / unit
+    lower[item_row:link_row] = upper[item_row:link_row] = 1.0
+    lower[link_row:switch_link_row] = -INF
+    upper[switch_link_row:switch_link_row + n_switch] = INF
+    lower[switch_link_row + n_switch:] = -INF
+    cost = np.zeros(n_col)
+    cost[:g] = -size
+    cost[g:g + s] = model.span_size / unit
+    if c is not None:
+        mode_cost = c.cost.astype(float)
+        np.add.at(mode_cost, c.gap_mode[mode_gaps], model.size[mode_gaps].astype(float))
+        cost[mode_col:mode_col + k] = mode_cost / unit
+    col_upper = np.ones(n_col)
+    col_upper[g + s:g + s + m] = free
     lp = highspy.HighsLp()
-    lp.num_col_, lp.num_row_ = g + s + m, m + len(span_gaps)
-    lp.col_cost_ = np.concatenate([-size, model.span_size / unit, np.zeros(m)])
-    lp.col_lower_ = np.zeros(g + s + m)
-    lp.col_upper_ = np.concatenate([np.ones(g + s), free])
+    lp.num_col_, lp.num_row_ = n_col, n_row
+    lp.col_cost_ = cost
+    lp.col_lower_ = np.zeros(n_col)
+    lp.col_upper_ = col_upper
     lp.offset_ = 0.0  # the constant part is added back by the caller (see `constant_of`)
     lp.a_matrix_.format_ = highspy.MatrixFormat.kColwise
     lp.a_matrix_.start_ = matrix.indptr.astype(np.int32)
     lp.a_matrix_.index_ = matrix.indices.astype(np.int32)
     lp.a_matrix_.value_ = matrix.data.astype(float)
-    lp.row_lower_ = np.concatenate([np.zeros(m), np.ones(len(span_gaps))])
-    lp.row_upper_ = np.concatenate([np.zeros(m), np.full(len(span_gaps), INF)])
+    lp.row_lower_ = lower
+    lp.row_upper_ = upper
     if integral:
-        lp.integrality_ = ([highspy.HighsVarType.kInteger] * g
-                           + [highspy.HighsVarType.kContinuous] * (s + m))
+        kinds = np.full(n_col, 0)
+        kinds[:g] = 1
+        kinds[mode_col:] = 1
+        lp.integrality_ = [highspy.HighsVarType.kInteger if x else highspy.HighsVarType.kContinuous for x in kinds]
     h = highspy._Highs()  # the public wrapper prints a banner on stdout (breaks --json); same solver underneath
     for name, value_ in (("output_flag", False), ("threads", 1), ("random_seed", 0), ("time_limit", INF)):
         h.setOptionValue(name, value_)
     h.passModel(lp)
-    return h, unit, first
+    return h, Layout(unit=unit, first=first, covers=covers, special=special, cover_row=cover_row,
+                     special_row=special_row, switch_link_row=switch_link_row, n_switch=n_switch, mode_col=mode_col,
+                     switch_col=switch_col)
 
 
 def load_counts(rows: Rows) -> np.ndarray:
@@ -158,48 +278,83 @@ def load_counts(rows: Rows) -> np.ndarray:
 
 
 def constant_of(model: IntervalModel) -> float:
-    """Bytes of the objective that no decision changes: forced traffic plus every gap's fetch (a kept gap
-    subtracts its own)."""
-    return float(model.constant) + float(model.size.sum())
+    """Bytes of the objective that no decision changes: forced traffic plus the fetch of every gap that exists
+    whatever is chosen (a kept gap subtracts its own; a mode's gaps are part of its cost)."""
+    sizes = model.size if model.choices is None else model.size[model.choices.gap_mode < 0]
+    return float(model.constant) + float(sizes.sum())
 
 
 def lp_bound(model: IntervalModel, rows: Rows | None = None) -> int:
     """The LP relaxation's optimum, as a bound that holds whatever the LP solver's accuracy."""
-    if model.n_gaps == 0:
+    if model.n_gaps == 0 and model.choices is None:
         return model.constant
     rows = rows or memory_rows(model)
-    h, unit, first = _highs(model, rows, integral=False)
+    h, lay = _highs(model, rows, integral=False)
     h.run()
-    solution = h.getSolution()
+    sol = h.getSolution()
+    col_dual, row_dual = np.asarray(sol.col_dual, dtype=float), np.asarray(sol.row_dual, dtype=float)
     m, load_col = len(rows.free), model.n_gaps + model.n_spans
     # A load column at its bound free_j carries the memory row's multiplier as its reduced cost.
-    mem = np.roll(-np.minimum(np.asarray(solution.col_dual, dtype=float)[load_col:load_col + m], 0.0), first)
-    return lagrangian_bound(model, rows, mem, np.maximum(np.asarray(solution.row_dual, dtype=float)[m:], 0.0) * unit)
+    mem = np.roll(-np.minimum(col_dual[load_col:load_col + m], 0.0), lay.first)
+    cover = np.maximum(row_dual[lay.cover_row:lay.special_row], 0.0) * lay.unit
+    special = -np.minimum(row_dual[lay.special_row:lay.special_row + len(lay.special)], 0.0)
+    switch = np.maximum(row_dual[lay.switch_link_row:lay.switch_link_row + lay.n_switch], 0.0) * lay.unit
+    return lagrangian_bound(model, rows, mem, cover, special, switch)
 
 
-
-def lagrangian_bound(model: IntervalModel, rows: Rows, mem: np.ndarray, cover: np.ndarray) -> int:
-    """min over y, z in [0, 1] of the objective + mem·(A y - free) + cover·(1 - z - y), rounded down: a lower
-    bound on the model for any mem >= 0 (per memory row, bytes per byte) and cover >= 0 (per span row, bytes)."""
+def lagrangian_bound(model: IntervalModel, rows: Rows, mem: np.ndarray, cover: np.ndarray,
+                     special: np.ndarray | None = None, switch: np.ndarray | None = None) -> int:
+    """A lower bound on the model for any multipliers >= 0, rounded down: the least of the objective plus
+    mem·(memory of kept gaps - free) per binding row (bytes per byte), cover·(rhs - z - y + x) per write-back
+    row (bytes), and with choices special·(memory with the modes' extras - free) per special row and
+    switch·(x_m - g) per switch link. The minimum is exact: y, z and g range over [0, 1] and each item picks its
+    cheapest mode together with that mode's gaps (y_i <= x_m is kept, not priced)."""
+    c = model.choices
     m = len(rows.free)
-    prefix = np.concatenate([[0.0], np.cumsum(np.concatenate([mem, mem]))])
+    gap, span, mode = model.covers()
+    special = np.zeros(0) if special is None else special
+    row_mem = mem.astype(float).copy()
+    sp = rows.special()
+    np.add.at(row_mem, sp, special)
+    prefix = np.concatenate([[0.0], np.cumsum(np.concatenate([row_mem, row_mem]))])
     inside = prefix[rows.first + rows.count] - prefix[rows.first] if m else np.zeros(model.n_gaps)
     reduced = -model.size.astype(float) + model.size * inside
-    span_gaps = np.flatnonzero(model.span >= 0)
-    reduced[span_gaps] -= cover
+    np.subtract.at(reduced, gap, cover)
     span_reduced = model.span_size.astype(float).copy()
-    np.subtract.at(span_reduced, model.span[span_gaps], cover)
-    value = (constant_of(model) - float(mem @ rows.free.astype(float)) + float(cover.sum())
-             + float(np.minimum(reduced, 0.0).sum()) + float(np.minimum(span_reduced, 0.0).sum()))
+    np.subtract.at(span_reduced, span, cover)
+    value = (constant_of(model) - float(mem @ rows.free.astype(float)) - float(special @ rows.free[sp].astype(float))
+             + float(cover[mode < 0].sum()) + float(np.minimum(span_reduced, 0.0).sum()))
+    if c is None:
+        value += float(np.minimum(reduced, 0.0).sum())
+    else:
+        gm = c.gap_mode
+        value += float(np.minimum(reduced[gm < 0], 0.0).sum())
+        mode_red = c.cost.astype(float)
+        np.add.at(mode_red, gm[gm >= 0], model.size[gm >= 0] + np.minimum(reduced[gm >= 0], 0.0))
+        np.add.at(mode_red, mode[mode >= 0], cover[mode >= 0])
+        special_of = {int(j): q for q, j in enumerate(sp)}
+        if len(rows.extra_entry):
+            at = np.array([special_of[int(j)] for j in rows.extra_row], dtype=np.int64)
+            np.add.at(mode_red, c.extra_mode[rows.extra_entry], special[at] * c.extra_bytes[rows.extra_entry])
+        switch_red = 0.0
+        if switch is not None and len(switch):
+            np.add.at(mode_red, c.switch_modes, switch)
+            switch_red -= float(switch.sum())
+        if rows.switch_row >= 0:
+            switch_red += float(special[special_of[rows.switch_row]]) * c.switch_bytes
+        best = np.full(c.n_items, np.inf)
+        np.minimum.at(best, c.item, mode_red)
+        value += float(best.sum()) + min(switch_red, 0.0)
     # Floating-point sums of byte counts up to ~1e12 err by far less than this margin.
-    margin = 1e-9 * (constant_of(model) + float(model.span_size.sum()) + 1.0)
+    margin = 1e-9 * (constant_of(model) + float(model.span_size.sum()) + float(model.size.sum()) + 1.0)
     return max(0, math.ceil(value - margin - 1e-6))
 
 
 def solve_milp(model: IntervalModel, fallback: np.ndarray | None = None, *, max_nodes: int = 2000,
-               rows: Rows | None = None) -> ExactResult:
-    """Branch and bound within `max_nodes` nodes; `fallback` (a feasible keep vector, e.g. the fast solver's)
-    is returned instead when branch and bound ends with nothing better.
+               rows: Rows | None = None, fallback_x: np.ndarray | None = None) -> ExactResult:
+    """Branch and bound within `max_nodes` nodes; `fallback` (a feasible keep vector, e.g. the fast solver's,
+    with its modes `fallback_x` when the model has choices) is returned instead when branch and bound ends with
+    nothing better.
 
     Why not a MIP start: HiGHS 1.16 mis-prices a start after presolve (its objective in the reduced space
     drops presolve's constant), then reports "Optimal" with the start as the answer and a dual bound below
@@ -207,24 +362,34 @@ def solve_milp(model: IntervalModel, fallback: np.ndarray | None = None, *, max_
     with the start and presolve, 562 closed and 575 reached the best cost of the three ways; with the start
     and presolve off, 550 and 638 in 19x the time; without a start, 635 and 651 in 30 s, about the time of the
     first. So the fast solver's schedule is only a fallback."""
-    if model.n_gaps == 0:
+    c = model.choices
+    if model.n_gaps == 0 and c is None:
         return ExactResult(keep=np.zeros(0, dtype=bool), cost=model.constant, lower_bound=model.constant,
                            optimal=True, status="no choices")
     rows = rows or memory_rows(model)
-    h, unit, _ = _highs(model, rows, integral=True)
+    h, lay = _highs(model, rows, integral=True)
     h.setOptionValue("mip_rel_gap", 0.0)
-    h.setOptionValue("mip_abs_gap", 0.99 / unit)
+    h.setOptionValue("mip_abs_gap", 0.99 / lay.unit)
     h.setOptionValue("mip_max_nodes", int(max_nodes))
     h.run()
     info = h.getInfo()
     status = h.modelStatusToString(h.getModelStatus())
-    keep = None
+    keep, x = None, None
     if info.primal_solution_status == 2:  # kSolutionStatusFeasible
-        keep = repair(model, np.asarray(h.getSolution().col_value[: model.n_gaps]) > 0.5)
-    if fallback is not None and (keep is None or model.cost(keep) > model.cost(fallback)):
-        keep = fallback
-    cost = model.cost(keep) if keep is not None else None
-    dual = info.mip_dual_bound * unit + constant_of(model)
+        value = np.asarray(h.getSolution().col_value)
+        if c is not None:
+            x = np.zeros(c.n_modes, dtype=bool)
+            scores = value[lay.mode_col:lay.mode_col + c.n_modes]
+            for item in range(c.n_items):  # the mode HiGHS set (largest value: robust to tolerance)
+                modes = np.flatnonzero(c.item == item)
+                x[modes[int(np.argmax(scores[modes]))]] = True
+        keep = repair(model, (value[: model.n_gaps] > 0.5) & model.active(x), x)
+        if keep is None:
+            x = None
+    if fallback is not None and (keep is None or model.cost(keep, x) > model.cost(fallback, fallback_x)):
+        keep, x = fallback, fallback_x
+    cost = model.cost(keep, x) if keep is not None else None
+    dual = info.mip_dual_bound * lay.unit + constant_of(model)
     bound = max(0, math.ceil(dual - 1e-9 * abs(dual) - 1e-6)) if math.isfinite(dual) else 0
     optimal = status == "Optimal" and cost is not None and cost - dual < 1.0
     if optimal:
@@ -232,19 +397,22 @@ def solve_milp(model: IntervalModel, fallback: np.ndarray | None = None, *, max_
     elif cost is not None:
         bound = min(bound, cost)
     return ExactResult(keep=keep, cost=cost, lower_bound=bound, optimal=optimal, nodes=int(info.mip_node_count),
-                       status=status)
+                       status=status, x=x)
 
 
-def repair(model: IntervalModel, keep: np.ndarray) -> np.ndarray:
+def repair(model: IntervalModel, keep: np.ndarray, x: np.ndarray | None = None) -> np.ndarray | None:
     """Exact-integer feasibility of a solver's answer: drop kept gaps over any step where rounding within the
-    solver's tolerance left more bytes than allowed (cheapest drop first; rarely does anything)."""
+    solver's tolerance left more bytes than allowed (cheapest drop first; rarely does anything). None when
+    dropping cannot fix it (the chosen modes alone do not fit)."""
     keep = keep.copy()
-    over = model.load(keep) - model.free
+    over = model.load(keep, x) - model.free
     n = model.problem.n_steps
     while np.any(over > 0):
         t = int(np.argmax(over > 0))
         covering = [i for i in np.flatnonzero(keep) if t in set((np.arange(model.start[i] + 1, model.end[i]) % n))]
+        if not covering:
+            return None
         i = min(covering, key=lambda i: (model.size[i], i))
         keep[i] = False
-        over = model.load(keep) - model.free
+        over = model.load(keep, x) - model.free
     return keep

@@ -1,23 +1,27 @@
-"""The search over chunkings and optimizer placements, each candidate scored by solving it.
+"""The search over chunkings; per chunking, each chunk's optimizer placement and the schedule, solved together.
 
 What it minimises, in order: bytes moved per iteration (the plan's promise: move the fewest bytes), then the
 predicted step time. A finer chunking never needs more bytes in principle, but only module chunks and a few
 coarser sizes are searched: coarser chunks mean fewer, larger transfers at equal traffic.
 
-For each chunking, the placement is a number k of GPU-updated chunks (the first-used trainable ones: their
-backward runs last, so they are resident at the optimizer step). Two cheap facts keep the number of solves
-small:
+Per chunking (effort >= 1), where each trainable chunk's update runs (GPU or host) is a binary of the exact
+model itself ([Note: placement in the model] in `planner.placement`): one branch and bound per chunking under a
+node limit, so its bound and gap cover every placement of that chunking. Its fallback is the interval greedy on
+two placements (every update on the host; the most leading chunks that fit on the GPU). A chunking whose LP
+bound exceeds the traffic already found is not solved.
+
+Effort 0 (heuristics only) and many-rank plans search placements instead: a number k of GPU-updated chunks
+(the first-used trainable ones: their backward runs last, so they are resident at the optimizer step), with
+two cheap facts keeping the number of solves small:
 - k is at most what fits at the optimizer step and can stay resident elsewhere (see `Search._limits`);
 - a CPU-updated chunk moves at least its weights (fetched after the host rewrites them) and its gradients
   (written back before the host reads them) every iteration, so a placement whose CPU chunks alone force more
   than the best traffic found so far is skipped without solving it.
-
-Scoring: a candidate is solved by branch and bound with a small node limit (`planner.exact`), from the interval
-greedy as fallback; at effort 0 by the fast heuristics only (the better of cyclic Belady and the greedy, both in
-normal form). Heuristic scores mislead: over every candidate the search scored on 6 traces x 5 budgets, Belady
-was 19% above the candidate's optimum on average (worst 2.73x) and the greedy 10% (1.63x), while 50 nodes of
-branch and bound came within 0.04% everywhere at about 2.5x Belady's time. Predicted time only breaks ties in
-bytes, so the prefetch pass and the time model run only on tied candidates.
+There a candidate is scored by the better of cyclic Belady and the greedy (both in normal form), or by branch
+and bound with a small node limit (many ranks). Heuristic scores mislead: over every candidate the search
+scored on 6 traces x 5 budgets, Belady was 19% above the candidate's optimum on average (worst 2.73x) and the
+greedy 10% (1.63x), while 50 nodes of branch and bound came within 0.04% everywhere at about 2.5x Belady's time.
+Predicted time only breaks ties in bytes, so the prefetch pass and the time model run only on tied candidates.
 """
 
 from __future__ import annotations
@@ -35,6 +39,7 @@ from hplan.planner.belady import Schedule, solve_fast
 from hplan.planner.exact import ExactResult, lp_bound, memory_rows, solve_milp
 from hplan.planner.intervals import IntervalModel, build_intervals
 from hplan.planner.options import PlanOptions
+from hplan.planner.placement import Joint, build_joint
 from hplan.planner.problem import (
     MODULE_CHUNKS, PARAM_CHUNKS, Problem, Structure, build, event_non_model, group_params, make_regions,
     partly_used,
@@ -65,9 +70,22 @@ class Scored:
     keep: np.ndarray
     moved: int
     result: ExactResult | None = None
-    """Branch and bound's answer for `keep` (None when scored by heuristics only)."""
+    """Branch and bound's answer for `keep` (None when scored by heuristics only); with `joint`, the joint
+    model's, whose bound covers every placement of the chunking."""
     finished: Finished | None = field(default=None)
     """The plan steps for `keep`, made on demand (ties in bytes, and the winner)."""
+    joint: Joint | None = None
+    """The chunking's joint placement model, when placement was solved inside it."""
+    joint_keep: np.ndarray | None = None
+    """`keep` as the joint model's gap columns; the placement is `joint.x_of(gpu_chunks)`."""
+
+    def adopt(self, trace: Trace, hardware: Hardware, result: ExactResult, *, flips: bool) -> None:
+        """Take a joint solution (its placement may differ from the current one) as this candidate's schedule."""
+        assert self.joint is not None and result.keep is not None and result.x is not None
+        placed, keep = self.joint.settle(trace, hardware, result.keep, result.x, flips=flips)
+        self.gpu_chunks, self.structure, self.problem, self.model = (placed.gpu_chunks, placed.structure,
+                                                                     placed.problem, placed.model)
+        self.keep, self.moved, self.joint_keep, self.finished = keep, placed.model.cost(keep), result.keep, None
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -173,7 +191,60 @@ class Search:
         tb = round(finish(self.trace, self.hardware, b).seconds["step"], 12)
         return b if tb < ta else a
 
+    joint_placement = True
+    """Solve placement inside the exact model when branch and bound runs (see the module doc)."""
+
     def best_placement(self, target: int) -> Scored | None:
+        """The best placement and schedule of one chunking."""
+        if self.nodes and self.joint_placement:
+            return self.best_joint(target)
+        return self.best_prefix(target)
+
+    def best_joint(self, target: int) -> Scored | None:
+        """Placement and schedule by one branch and bound on the joint model (see the module doc)."""
+        groups = group_params(self.trace, target)
+        joint = build_joint(self.trace, groups, self.hardware, flips=self.options.flips)
+        if joint is None:
+            out = self.score(target, groups, frozenset())
+            self.tick(f"chunks of {target or 'one module'} B")
+            return out
+        cpu = joint.extremes["cpu"]
+        if np.any(cpu.problem.room() < 0):
+            self.tick(f"chunks of {target or 'one module'} B: no placement fits")
+            return None
+        keep, x = self._fallback(joint, groups)
+        rows = memory_rows(joint.model)
+        bound = lp_bound(joint.model, rows)
+        if bound > self.best_moved:  # cannot beat a schedule already found: keep the fallback's score
+            result = ExactResult(keep=keep, cost=joint.model.cost(keep, x), lower_bound=bound, optimal=False,
+                                 status="pruned by the LP bound", x=x)
+        else:
+            result = solve_milp(joint.model, keep, max_nodes=self.nodes, rows=rows, fallback_x=x)
+        assert result.keep is not None and result.x is not None
+        scored = Scored(chunk_target=target, groups=groups, gpu_chunks=cpu.gpu_chunks, structure=cpu.structure,
+                        problem=cpu.problem, model=cpu.model, keep=np.zeros(0, dtype=bool), moved=0, result=result,
+                        joint=joint)
+        scored.adopt(self.trace, self.hardware, result, flips=self.options.flips)
+        self.best_moved = min(self.best_moved, scored.moved)
+        self.solved.append(scored)
+        self.tick(f"chunks of {target or 'one module'} B, placement and schedule")
+        return scored
+
+    def _fallback(self, joint: Joint, groups: list[list[ParamInfo]]) -> tuple[np.ndarray, np.ndarray]:
+        """A feasible joint solution: the interval greedy with every update on the host, or on the GPU for the
+        most leading chunks that fit there, whichever moves less."""
+        cpu = joint.extremes["cpu"]
+        best = joint.to_joint(cpu, cpu.model.greedy())
+        k_max, _ = self._limits(groups, list(joint.chunks), cpu.problem)
+        if k_max:
+            placed = joint.place(self.trace, self.hardware, frozenset(joint.chunks[:k_max]), flips=self.options.flips)
+            if not np.any(placed.problem.room() < 0):
+                other = joint.to_joint(placed, placed.model.greedy())
+                if joint.model.cost(*other) < joint.model.cost(*best):
+                    best = other
+        return best
+
+    def best_prefix(self, target: int) -> Scored | None:
         """Best number k of GPU-updated chunks: none first, then powers of two up to what can stay resident,
         largest first (more GPU updates usually move less), then bisection around the best."""
         groups = group_params(self.trace, target)
@@ -245,9 +316,10 @@ class Search:
         return best
 
 
-def planned_evaluations(trace: Trace, options: PlanOptions) -> int:
-    """An upper estimate of fast-solver runs, for progress totals."""
-    return len(chunk_targets(trace, options)) * (8 + 2 * REFINE_ROUNDS)
+def planned_evaluations(trace: Trace, options: PlanOptions, *, joint: bool = False) -> int:
+    """An upper estimate of solver runs, for progress totals: one per chunking when placement is solved inside
+    the model."""
+    return len(chunk_targets(trace, options)) * (1 if joint else 8 + 2 * REFINE_ROUNDS)
 
 
 def cpu_split(trace: Trace, hardware: Hardware, cpu_only: Any, trainable: list[int], groups: Any,
