@@ -19,7 +19,7 @@ from hplan.artifacts.trace import Trace
 from hplan.errors import HplanError
 from hplan.planner.exact import lp_bound, solve_milp
 from hplan.planner.options import PlanOptions
-from hplan.planner.problem import min_gpu
+from hplan.planner.problem import PARAM_CHUNKS, min_gpu, placement_rule
 from hplan.planner.schedule import event_seconds
 from hplan.planner.search import Finished, Progress, Scored, Search, finish, planned_evaluations
 
@@ -59,12 +59,12 @@ def make_plan(trace: Trace, hardware: Hardware, options: PlanOptions | None = No
     options = options or PlanOptions()
     if not trace.events:
         raise HplanError("the trace has no events: re-run `hplan trace` on a workload with parameters")
-    smallest = min_gpu(trace, hardware)
     effort = _effort(options)
     nodes = SEARCH_NODES[effort] if options.solver != "exact" else SEARCH_NODES[1]
     search = Search(trace, hardware, options, on_progress,
                     planned_evaluations(trace, options, joint=bool(nodes) and Search.joint_placement) + 2, nodes=nodes)
     best = search.run()
+    smallest = min_gpu(trace, hardware, search.all_host.get(PARAM_CHUNKS) if options.flips else None)
     opts = {k: v for k, v in asdict(options).items() if k != "compare"}
     if best is None:
         search.tick("done", search.total)
@@ -129,7 +129,8 @@ def _plan(trace: Trace, hardware: Hardware, best: Scored, done: Finished, solver
                 initial_resident=tuple(sorted(done.schedule.initial)),
                 initial_dirty=tuple(sorted(done.initial_dirty)), accumulate=trace.accumulate,
                 defer_updates=trace.defer_updates, input_shapes=trace.input_shapes,
-                max_grad_norm=trace.max_grad_norm, options={**opts, "chunk_bytes": best.chunk_target})
+                max_grad_norm=trace.max_grad_norm, options={**opts, "chunk_bytes": best.chunk_target},
+                placement=placement_rule(trace, best.groups, flips=opts.get("flips", True)))
     rep = replay(plan)
     if not rep.ok:
         raise AssertionError(f"hplan made an invalid plan ({rep.violations[0]}): an hplan bug, please report it")
@@ -150,7 +151,7 @@ def _plan(trace: Trace, hardware: Hardware, best: Scored, done: Finished, solver
                           bytes_moved_per_iter=moved, lower_bound_bytes=lb, predicted_peak_bytes=rep.peak_bytes,
                           min_gpu_bytes=min_bytes, predicted_step_seconds=done.seconds["step"], solver=solver,
                           gap=(moved - lb) / max(moved, 1), optimal=optimal, bottleneck=bottleneck,
-                          seconds=seconds)
+                          seconds=seconds, placement_free=best.joint is not None)
     plan = replace(plan, summary=summary)
     if hardware.host_bytes is not None and hardware.nvme_bytes is not None:  # issue 16: the host tier
         from hplan.planner.tiers import plan_tiers

@@ -9,6 +9,10 @@ With choices ([Note: choices in the interval model]) a binary x_m per mode (sum 
 switch g join: a mode's gap costs size_i (x_m - y_i) with y_i <= x_m, its write-back rows read
 z_s + y_i >= x_m, its forced bytes cost cost_m x_m, and a step where modes hold more memory gets its own row
 load_t + sum_m extra_mt x_m + switch_bytes g <= free_t, with g >= x_m for the modes that turn the switch on.
+Alone these let the LP turn every mode a little on and pay a little of the switch (gpt:1.3b fp16 at 12 GB:
+an LP bound 15% under the optimum, the switch being 5.46 GB of update temporaries), so the switch's step also
+gets the *switch cut* sum_m extra_mt x_m <= (free_t - switch_bytes) g: valid, since the extras are 0 when the
+switch is off and the kept gaps only take room, and it makes the LP pay the switch in full per unit of mode.
 
 Rows: steps between two consecutive gap boundaries see the same gaps, so one row per such segment (its smallest
 free memory) suffices, and segments whose gaps all fit anyway are left out; HiGHS gets them chained through load
@@ -34,6 +38,9 @@ from scipy.sparse import csc_matrix
 from hplan.planner.intervals import IntervalModel
 
 INF = highspy.kHighsInf
+TRUSTED = ("Optimal", "Solution limit reached", "Iteration limit reached")
+"""HiGHS statuses whose dual bound holds (it solved, or a work limit stopped it); "Solution limit reached" is
+how HiGHS 1.16 names its node limit."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -141,6 +148,8 @@ class Layout:
     switch_link_row: int
     n_switch: int
     """Switch link rows (0: no switch column)."""
+    persp_row: int
+    """The switch cut's row (-1: none)."""
     mode_col: int
     switch_col: int
 
@@ -172,7 +181,9 @@ def _highs(model: IntervalModel, rows: Rows, *, integral: bool) -> tuple[highspy
     link_row = item_row + (c.n_items if c is not None else 0)
     switch_link_row = link_row + len(mode_gaps)
     n_switch = len(c.switch_modes) if has_switch and c is not None else 0
-    n_row = switch_link_row + n_switch + int(has_switch and c is not None and c.switch_bytes < 0)
+    persp_row = switch_link_row + n_switch
+    persp = has_switch and c is not None and c.switch_bytes > 0 and rows.switch_row >= 0
+    n_row = persp_row + int(persp) + int(has_switch and c is not None and c.switch_bytes < 0)
     r_idx: list[np.ndarray] = []
     c_idx: list[np.ndarray] = []
     vals: list[np.ndarray] = []
@@ -214,9 +225,13 @@ def _highs(model: IntervalModel, rows: Rows, *, integral: bool) -> tuple[highspy
                 put(special_row + special_of[rows.switch_row], switch_col, c.switch_bytes / unit)
             put(switch_link_row + np.arange(n_switch), switch_col, 1.0)
             put(switch_link_row + np.arange(n_switch), mode_col + c.switch_modes, -1.0)
+            if persp:  # see `switch_cut`
+                at = rows.extra_entry[rows.extra_row == rows.switch_row]
+                put(persp_row, mode_col + c.extra_mode[at], c.extra_bytes[at] / unit)
+                put(persp_row, switch_col, -switch_room(model, rows) / unit)
             if c.switch_bytes < 0:  # then the switch must also be off when no mode turns it on
-                put(switch_link_row + n_switch, switch_col, 1.0)
-                put(switch_link_row + n_switch, mode_col + c.switch_modes, -1.0)
+                put(persp_row + int(persp), switch_col, 1.0)
+                put(persp_row + int(persp), mode_col + c.switch_modes, -1.0)
     cat = (lambda xs, dtype: np.concatenate(xs).astype(dtype) if xs else np.zeros(0, dtype=dtype))
     matrix = csc_matrix((cat(vals, float), (cat(r_idx, np.int64), cat(c_idx, np.int64))), shape=(n_row, n_col))
     matrix.sum_duplicates()
@@ -231,7 +246,7 @@ def _highs(model: IntervalModel, rows: Rows, *, integral: bool) -> tuple[highspy
     lower[item_row:link_row] = upper[item_row:link_row] = 1.0
     lower[link_row:switch_link_row] = -INF
     upper[switch_link_row:switch_link_row + n_switch] = INF
-    lower[switch_link_row + n_switch:] = -INF
+    lower[persp_row:] = -INF
     cost = np.zeros(n_col)
     cost[:g] = -size
     cost[g:g + s] = model.span_size / unit
@@ -263,8 +278,16 @@ def _highs(model: IntervalModel, rows: Rows, *, integral: bool) -> tuple[highspy
         h.setOptionValue(name, value_)
     h.passModel(lp)
     return h, Layout(unit=unit, first=first, covers=covers, special=special, cover_row=cover_row,
-                     special_row=special_row, switch_link_row=switch_link_row, n_switch=n_switch, mode_col=mode_col,
+                     special_row=special_row, switch_link_row=switch_link_row, n_switch=n_switch,
+                     persp_row=persp_row if persp else -1, mode_col=mode_col,
                      switch_col=switch_col)
+
+
+def switch_room(model: IntervalModel, rows: Rows) -> float:
+    """Bytes the modes' extras may take at the switch's step while the switch is on: its free bytes less the
+    switch's own (the kept gaps there take some too; they only make it smaller)."""
+    assert model.choices is not None and rows.switch_row >= 0
+    return float(rows.free[rows.switch_row] - model.choices.switch_bytes)
 
 
 def load_counts(rows: Rows) -> np.ndarray:
@@ -299,16 +322,18 @@ def lp_bound(model: IntervalModel, rows: Rows | None = None) -> int:
     cover = np.maximum(row_dual[lay.cover_row:lay.special_row], 0.0) * lay.unit
     special = -np.minimum(row_dual[lay.special_row:lay.special_row + len(lay.special)], 0.0)
     switch = np.maximum(row_dual[lay.switch_link_row:lay.switch_link_row + lay.n_switch], 0.0) * lay.unit
-    return lagrangian_bound(model, rows, mem, cover, special, switch)
+    persp = -min(float(row_dual[lay.persp_row]), 0.0) if lay.persp_row >= 0 else 0.0
+    return lagrangian_bound(model, rows, mem, cover, special, switch, persp)
 
 
 def lagrangian_bound(model: IntervalModel, rows: Rows, mem: np.ndarray, cover: np.ndarray,
-                     special: np.ndarray | None = None, switch: np.ndarray | None = None) -> int:
+                     special: np.ndarray | None = None, switch: np.ndarray | None = None, persp: float = 0.0) -> int:
     """A lower bound on the model for any multipliers >= 0, rounded down: the least of the objective plus
     mem·(memory of kept gaps - free) per binding row (bytes per byte), cover·(rhs - z - y + x) per write-back
-    row (bytes), and with choices special·(memory with the modes' extras - free) per special row and
-    switch·(x_m - g) per switch link. The minimum is exact: y, z and g range over [0, 1] and each item picks its
-    cheapest mode together with that mode's gaps (y_i <= x_m is kept, not priced)."""
+    row (bytes), and with choices special·(memory with the modes' extras - free) per special row,
+    switch·(x_m - g) per switch link and persp·(extras at the switch's step - switch_room·g) for the switch
+    cut. The minimum is exact: y, z and g range over [0, 1] and each item picks its cheapest mode together with
+    that mode's gaps (y_i <= x_m is kept, not priced)."""
     c = model.choices
     m = len(rows.free)
     gap, span, mode = model.covers()
@@ -342,6 +367,10 @@ def lagrangian_bound(model: IntervalModel, rows: Rows, mem: np.ndarray, cover: n
             switch_red -= float(switch.sum())
         if rows.switch_row >= 0:
             switch_red += float(special[special_of[rows.switch_row]]) * c.switch_bytes
+            if persp and c.switch_bytes > 0:
+                at = rows.extra_entry[rows.extra_row == rows.switch_row]
+                np.add.at(mode_red, c.extra_mode[at], persp * c.extra_bytes[at])
+                switch_red -= persp * switch_room(model, rows)
         best = np.full(c.n_items, np.inf)
         np.minimum.at(best, c.item, mode_red)
         value += float(best.sum()) + min(switch_red, 0.0)
@@ -390,8 +419,10 @@ def solve_milp(model: IntervalModel, fallback: np.ndarray | None = None, *, max_
         keep, x = fallback, fallback_x
     cost = model.cost(keep, x) if keep is not None else None
     dual = info.mip_dual_bound * lay.unit + constant_of(model)
+    if status not in TRUSTED or not math.isfinite(dual):
+        dual = -math.inf
     bound = max(0, math.ceil(dual - 1e-9 * abs(dual) - 1e-6)) if math.isfinite(dual) else 0
-    optimal = status == "Optimal" and cost is not None and cost - dual < 1.0
+    optimal = cost is not None and cost - dual < 1.0  # closed, also when a limit stopped it right then
     if optimal:
         bound = cost
     elif cost is not None:

@@ -7,8 +7,8 @@ coarser sizes are searched: coarser chunks mean fewer, larger transfers at equal
 Per chunking (effort >= 1), where each trainable chunk's update runs (GPU or host) is a binary of the exact
 model itself ([Note: placement in the model] in `planner.placement`): one branch and bound per chunking under a
 node limit, so its bound and gap cover every placement of that chunking. Its fallback is the interval greedy on
-two placements (every update on the host; the most leading chunks that fit on the GPU). A chunking whose LP
-bound exceeds the traffic already found is not solved.
+two placements (every update on the host; every update on the GPU, when that fits). Chunkings are solved from
+the least LP bound up, and one whose bound exceeds the traffic already found is not solved.
 
 Effort 0 (heuristics only) and many-rank plans search placements instead: a number k of GPU-updated chunks
 (the first-used trainable ones: their backward runs last, so they are resident at the optimizer step), with
@@ -36,7 +36,7 @@ from hplan.artifacts.hardware import Hardware
 from hplan.artifacts.plan import Step
 from hplan.artifacts.trace import ParamInfo, Trace
 from hplan.planner.belady import Schedule, solve_fast
-from hplan.planner.exact import ExactResult, lp_bound, memory_rows, solve_milp
+from hplan.planner.exact import ExactResult, Rows, lp_bound, memory_rows, solve_milp
 from hplan.planner.intervals import IntervalModel, build_intervals
 from hplan.planner.options import PlanOptions
 from hplan.planner.placement import Joint, build_joint
@@ -145,6 +145,8 @@ class Search:
         self.best_moved: float = float("inf")
         self.solved: list[Scored] = []
         """Every candidate scored, in scoring order."""
+        self.all_host: dict[int, tuple[Structure, Problem]] = {}
+        """Chunk target → its problem with every update on the host, as the joint models built it."""
 
     def tick(self, message: str, steps: int = 1) -> None:
         self.done = min(self.total, self.done + steps)
@@ -201,26 +203,36 @@ class Search:
         return self.best_prefix(target)
 
     def best_joint(self, target: int) -> Scored | None:
-        """Placement and schedule by one branch and bound on the joint model (see the module doc)."""
+        """Placement and schedule of one chunking by one branch and bound on its joint model."""
+        staged = self._stage(target)
+        return staged if not isinstance(staged, tuple) else self._solve_joint(*staged)
+
+    def _stage(self, target: int) -> Scored | None | tuple[int, list[list[ParamInfo]], Joint, Rows, int]:
+        """A chunking's joint model and LP bound, ready to solve; a chunking without trainable chunks is scored
+        at once (nothing to place), and one where no placement fits is None."""
         groups = group_params(self.trace, target)
         joint = build_joint(self.trace, groups, self.hardware, flips=self.options.flips)
         if joint is None:
             out = self.score(target, groups, frozenset())
             self.tick(f"chunks of {target or 'one module'} B")
             return out
-        cpu = joint.extremes["cpu"]
-        if np.any(cpu.problem.room() < 0):
+        host = joint.extremes["cpu"]
+        self.all_host[target] = (host.structure, host.problem)
+        if np.any(host.problem.room() < 0):
             self.tick(f"chunks of {target or 'one module'} B: no placement fits")
             return None
-        keep, x = self._fallback(joint, groups)
         rows = memory_rows(joint.model)
-        bound = lp_bound(joint.model, rows)
-        if bound > self.best_moved:  # cannot beat a schedule already found: keep the fallback's score
-            result = ExactResult(keep=keep, cost=joint.model.cost(keep, x), lower_bound=bound, optimal=False,
-                                 status="pruned by the LP bound", x=x)
-        else:
-            result = solve_milp(joint.model, keep, max_nodes=self.nodes, rows=rows, fallback_x=x)
+        return target, groups, joint, rows, lp_bound(joint.model, rows)
+
+    def _solve_joint(self, target: int, groups: list[list[ParamInfo]], joint: Joint, rows: Rows, bound: int
+                     ) -> Scored | None:
+        if bound > self.best_moved:  # no placement of this chunking can beat a schedule already found
+            self.tick(f"chunks of {target or 'one module'} B: cannot beat the best found")
+            return None
+        keep, x = self._fallback(joint)
+        result = solve_milp(joint.model, keep, max_nodes=self.nodes, rows=rows, fallback_x=x)
         assert result.keep is not None and result.x is not None
+        cpu = joint.extremes["cpu"]
         scored = Scored(chunk_target=target, groups=groups, gpu_chunks=cpu.gpu_chunks, structure=cpu.structure,
                         problem=cpu.problem, model=cpu.model, keep=np.zeros(0, dtype=bool), moved=0, result=result,
                         joint=joint)
@@ -230,19 +242,12 @@ class Search:
         self.tick(f"chunks of {target or 'one module'} B, placement and schedule")
         return scored
 
-    def _fallback(self, joint: Joint, groups: list[list[ParamInfo]]) -> tuple[np.ndarray, np.ndarray]:
-        """A feasible joint solution: the interval greedy with every update on the host, or on the GPU for the
-        most leading chunks that fit there, whichever moves less."""
-        cpu = joint.extremes["cpu"]
-        best = joint.to_joint(cpu, cpu.model.greedy())
-        k_max, _ = self._limits(groups, list(joint.chunks), cpu.problem)
-        if k_max:
-            placed = joint.place(self.trace, self.hardware, frozenset(joint.chunks[:k_max]), flips=self.options.flips)
-            if not np.any(placed.problem.room() < 0):
-                other = joint.to_joint(placed, placed.model.greedy())
-                if joint.model.cost(*other) < joint.model.cost(*best):
-                    best = other
-        return best
+    def _fallback(self, joint: Joint) -> tuple[np.ndarray, np.ndarray]:
+        """A feasible joint solution, should branch and bound find none better: the interval greedy with every
+        update on the host, or on the GPU when that fits, whichever moves less (both problems are built)."""
+        options = [joint.to_joint(p, p.model.greedy()) for p in joint.extremes.values()
+                   if not np.any(p.problem.room() < 0)]
+        return min(options, key=lambda kx: joint.model.cost(*kx))
 
     def best_prefix(self, target: int) -> Scored | None:
         """Best number k of GPU-updated chunks: none first, then powers of two up to what can stay resident,
@@ -310,9 +315,25 @@ class Search:
         return cpu_split(self.trace, self.hardware, cpu_only, trainable, groups, per_chunk)
 
     def run(self) -> Scored | None:
-        best = None
-        for target in chunk_targets(self.trace, self.options):
-            best = self.better(best, self.best_placement(target))
+        """The best candidate over every chunking. With placement in the model, every chunking's LP bound comes
+        first and they are solved from the least bound up, so a chunking that cannot beat the best schedule
+        found is skipped (bounds and schedules are the same whatever the order; only exact ties, broken by the
+        first found, could differ)."""
+        targets = chunk_targets(self.trace, self.options)
+        if not (self.nodes and self.joint_placement):
+            best = None
+            for target in targets:
+                best = self.better(best, self.best_prefix(target))
+            return best
+        best, ready = None, []
+        for k, target in enumerate(targets):
+            staged = self._stage(target)
+            if isinstance(staged, tuple):
+                ready.append((staged[-1], k, staged))
+            else:
+                best = self.better(best, staged)
+        for _, _, staged in sorted(ready, key=lambda item: item[:2]):
+            best = self.better(best, self._solve_joint(*staged))
         return best
 
 
