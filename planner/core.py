@@ -1,10 +1,11 @@
-"""make_plan: search chunking and optimizer placement, solving each candidate, then close the winner's gap.
+"""make_plan: search chunkings, solving each one's placement and schedule, then close the winner's gap.
 
-The search (`planner.search`) scores candidates with branch and bound on the interval model (`planner.exact`)
-under a small node limit, or at effort 0 with the fast heuristics. Then the winner (at effort 2 the best of
-every chunking, at 3 every candidate) gets a larger node budget, and the plan reports the bound it ended with:
-branch and bound's, or the LP bound when stronger, and "optimal" only when the gap is closed to under one byte
-([Note: honest optimality]). Node limits count work, not seconds: the same plan on any machine load.
+The search (`planner.search`) solves each chunking's joint model (every chunk's update placement and the
+schedule, [Note: placement in the model]) by branch and bound under a small node limit, or at effort 0 scores
+first-k placements with the fast heuristics. Then the winner (at effort 2 and 3 the best of every chunking)
+gets a larger node budget, and the plan reports the bound it ended with: branch and bound's, or the LP bound
+when stronger, and "optimal" only when the gap is closed to under one byte ([Note: honest optimality]). Node
+limits count work, not seconds: the same plan on any machine load.
 """
 
 from __future__ import annotations
