@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from hplan.planner.formulation import (  # noqa: F401  (Rows, memory_rows, _highs and constant_of re-exported)
-    Rows, _highs, constant_of, memory_rows, switch_room,
+    Rows, _highs, constant_of, memory_rows, switch_extras, switch_room,
 )
 from hplan.planner.intervals import IntervalModel
 
@@ -101,7 +101,7 @@ def lagrangian_bound(model: IntervalModel, rows: Rows, mem: np.ndarray, cover: n
         if rows.switch_row >= 0:
             switch_red += float(special[special_of[rows.switch_row]]) * c.switch_bytes
             if persp and c.switch_bytes > 0:
-                at = rows.extra_entry[rows.extra_row == rows.switch_row]
+                at = switch_extras(model, rows)
                 np.add.at(mode_red, c.extra_mode[at], persp * c.extra_bytes[at])
                 switch_red -= persp * switch_room(model, rows)
         best = np.full(c.n_items, np.inf)

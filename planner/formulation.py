@@ -11,8 +11,9 @@ z_s + y_i >= x_m, its forced bytes cost cost_m x_m, and a step where modes hold 
 load_t + sum_m extra_mt x_m + switch_bytes g <= free_t, with g >= x_m for the modes that turn the switch on.
 Alone these let the LP turn every mode a little on and pay a little of the switch (gpt:1.3b fp16 at 12 GB:
 an LP bound 15% under the optimum, the switch being 5.46 GB of update temporaries), so the switch's step also
-gets the *switch cut* sum_m extra_mt x_m <= (free_t - switch_bytes) g: valid, since the extras are 0 when the
-switch is off and the kept gaps only take room, and it makes the LP pay the switch in full per unit of mode.
+gets the *switch cut* sum_m extra_mt x_m <= (free_t - switch_bytes) g over the modes that turn the switch on:
+valid, since those modes are off when the switch is, and the kept gaps and other modes only take room; it makes
+the LP pay the switch in full per unit of mode.
 
 Rows: steps between two consecutive gap boundaries see the same gaps, so one row per such segment (its smallest
 free memory) suffices, and segments whose gaps all fit anyway are left out; HiGHS gets them chained through load
@@ -200,7 +201,7 @@ def _highs(model: IntervalModel, rows: Rows, *, integral: bool) -> tuple[highspy
             put(switch_link_row + np.arange(n_switch), switch_col, 1.0)
             put(switch_link_row + np.arange(n_switch), mode_col + c.switch_modes, -1.0)
             if persp:  # see `switch_cut`
-                at = rows.extra_entry[rows.extra_row == rows.switch_row]
+                at = switch_extras(model, rows)
                 put(persp_row, mode_col + c.extra_mode[at], c.extra_bytes[at] / unit)
                 put(persp_row, switch_col, -switch_room(model, rows) / unit)
             if c.switch_bytes < 0:  # then the switch must also be off when no mode turns it on
@@ -255,6 +256,15 @@ def _highs(model: IntervalModel, rows: Rows, *, integral: bool) -> tuple[highspy
                      special_row=special_row, switch_link_row=switch_link_row, n_switch=n_switch,
                      persp_row=persp_row if persp else -1, mode_col=mode_col,
                      switch_col=switch_col)
+
+
+def switch_extras(model: IntervalModel, rows: Rows) -> np.ndarray:
+    """The memory entries the switch cut holds: those of switch modes at the switch's step (a mode that does not
+    turn the switch on may hold bytes there with the switch off, so it stays out of the cut)."""
+    assert model.choices is not None
+    c = model.choices
+    at = rows.extra_entry[rows.extra_row == rows.switch_row]
+    return at[np.isin(c.extra_mode[at], c.switch_modes)]
 
 
 def switch_room(model: IntervalModel, rows: Rows) -> float:
