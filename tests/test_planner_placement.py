@@ -269,3 +269,63 @@ def test_gpt_tiny_bf16_at_3692480_bytes_moves_at_most_32768(tiny_bf16):
     rule = dataclasses.replace(plan.placement, flippable=tuple(c for c in plan.placement.flippable if c != flipped[0]))
     with pytest.raises(HplanError, match="flip but placement.flippable"):
         validate(_edit(plan, placement=rule))
+
+
+def _with_choices(seed: int):  # type: ignore[no-untyped-def]
+    """A plain random interval model plus two items of three modes each (as activations' keep / offload /
+    recompute would be): each mode costs bytes, holds extra memory at some steps and owns some gaps, and two
+    of the modes turn a switch on. Generic: nothing here is a chunk."""
+    from test_planner_exact import random_problem
+
+    from hplan.planner.intervals import Choices
+
+    rng = random.Random(seed)
+    problem = random_problem(seed, n_regions=4, n_steps=6, max_size=3, slack=6)
+    base = build_intervals(problem)
+    n_modes = 6
+    gap_mode = np.array([rng.choice([-1, -1, rng.randrange(n_modes)]) for _ in range(base.n_gaps)], dtype=np.int64)
+    covers = [(i, int(base.span[i]), int(gap_mode[i])) for i in range(base.n_gaps) if base.span[i] >= 0]
+    extra = [(m, t, rng.randint(1, 3)) for m in range(n_modes) for t in range(problem.n_steps) if rng.random() < 0.2]
+    e_mode, e_step, e_bytes = (np.array(col, dtype=np.int64) for col in zip(*extra)) if extra else (
+        np.zeros(0, dtype=np.int64) for _ in range(3))
+    choices = Choices(item=np.repeat(np.arange(2), 3), label=("keep", "offload", "recompute") * 2, key=(0, 1),
+                      cost=np.array([rng.randint(0, 4) for _ in range(n_modes)], dtype=np.int64), gap_mode=gap_mode,
+                      cover_gap=np.array([c[0] for c in covers], dtype=np.int64),
+                      cover_span=np.array([c[1] for c in covers], dtype=np.int64),
+                      cover_mode=np.array([c[2] for c in covers], dtype=np.int64), extra_mode=e_mode,
+                      extra_step=e_step, extra_bytes=e_bytes, switch_modes=np.array([1, 4], dtype=np.int64),
+                      switch_step=rng.randrange(problem.n_steps), switch_bytes=rng.randint(1, 3))
+    return dataclasses.replace(base, span=np.full(base.n_gaps, -1, dtype=np.int64), choices=choices)
+
+
+def test_items_with_any_number_of_modes_solve_exactly():
+    """The joint machinery is not about chunks: on hand-built models with three-mode items, a switch and
+    memory held by modes that do not turn it on, branch and bound equals enumeration of every mode choice
+    and keep vector, and the Lagrangian bound stays below it for any multipliers."""
+    rng = np.random.default_rng(1)
+    checked = 0
+    for seed in range(40):
+        model = _with_choices(seed)
+        c = model.choices
+        assert c is not None
+        best = None
+        for modes in itertools.product(range(3), range(3, 6)):
+            x = c.chosen(np.array(modes))
+            for bits in itertools.product([False, True], repeat=model.n_gaps):
+                keep = np.array(bits, dtype=bool) & model.active(x)
+                if model.feasible(keep, x):
+                    best = model.cost(keep, x) if best is None else min(best, model.cost(keep, x))
+        result = solve_milp(model, max_nodes=UNLIMITED_NODES)
+        if best is None:
+            assert result.cost is None, seed
+            continue
+        checked += 1
+        assert result.optimal and result.cost == best, seed
+        rows = memory_rows(model)
+        assert lp_bound(model, rows) <= best, seed
+        for _ in range(10):
+            bound = lagrangian_bound(model, rows, rng.random(len(rows.free)) * 3, rng.random(len(model.covers()[0])) * 5,
+                                     rng.random(len(rows.special())) * 3, rng.random(len(c.switch_modes)) * 5,
+                                     float(rng.random()) * 3)
+            assert bound <= best, seed
+    assert checked >= 25
