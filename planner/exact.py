@@ -2,7 +2,9 @@
 
 [Note: honest optimality] The plan may only say "optimal" when the solver closed the gap to less than one byte
 (every cost is a sum of whole region sizes): HiGHS runs with mip_rel_gap 0 and mip_abs_gap just under one byte,
-never with its default 1e-4 relative gap. The bound a plan reports is `max(LP bound, HiGHS' dual bound)`;
+never with its default 1e-4 relative gap. A caller may let branch and bound stop earlier, at a gap of `stop_bytes`
+(the planner does on joint models, 1e-5 of their LP bound at effort 1: closing the last kilobytes of a
+knapsack took seconds there); the result then says what it reached and is not called optimal. The bound a plan reports is `max(LP bound, HiGHS' dual bound)`;
 the LP bound is recomputed here from the LP's dual values as a Lagrangian bound, valid for any multipliers, so
 it does not rest on the LP solver's tolerances. Limits are work (branch-and-bound nodes, simplex iterations),
 never wall-clock time, and HiGHS runs on one thread: the same model gives the same answer on any machine load.
@@ -113,10 +115,11 @@ def lagrangian_bound(model: IntervalModel, rows: Rows, mem: np.ndarray, cover: n
 
 
 def solve_milp(model: IntervalModel, fallback: np.ndarray | None = None, *, max_nodes: int = 2000,
-               rows: Rows | None = None, fallback_x: np.ndarray | None = None) -> ExactResult:
-    """Branch and bound within `max_nodes` nodes; `fallback` (a feasible keep vector, e.g. the fast solver's,
-    with its modes `fallback_x` when the model has choices) is returned instead when branch and bound ends with
-    nothing better.
+               rows: Rows | None = None, fallback_x: np.ndarray | None = None, stop_bytes: float = 0.0
+               ) -> ExactResult:
+    """Branch and bound within `max_nodes` nodes, or until its gap is at most `stop_bytes` (under one byte by
+    default); `fallback` (a feasible keep vector, e.g. the fast solver's, with its modes `fallback_x` when the
+    model has choices) is returned instead when branch and bound ends with nothing better.
 
     Why not a MIP start: HiGHS 1.16 mis-prices a start after presolve (its objective in the reduced space
     drops presolve's constant), then reports "Optimal" with the start as the answer and a dual bound below
@@ -131,7 +134,7 @@ def solve_milp(model: IntervalModel, fallback: np.ndarray | None = None, *, max_
     rows = rows or memory_rows(model)
     h, lay = _highs(model, rows, integral=True)
     h.setOptionValue("mip_rel_gap", 0.0)
-    h.setOptionValue("mip_abs_gap", 0.99 / lay.unit)
+    h.setOptionValue("mip_abs_gap", max(0.99, float(stop_bytes)) / lay.unit)
     h.setOptionValue("mip_max_nodes", int(max_nodes))
     h.run()
     info = h.getInfo()
