@@ -225,7 +225,9 @@ class Search:
             self.tick(f"chunks of {target or 'one module'} B: no placement fits")
             return None
         rows = memory_rows(joint.model)
-        return target, groups, joint, rows, lp_bound(joint.model, rows)
+        bound = lp_bound(joint.model, rows)
+        self.tick(f"chunks of {target or 'one module'} B: LP bound over every placement")
+        return target, groups, joint, rows, bound
 
     def _solve_joint(self, target: int, groups: list[list[ParamInfo]], joint: Joint, rows: Rows, bound: int
                      ) -> Scored | None:
@@ -321,8 +323,7 @@ class Search:
     def run(self) -> Scored | None:
         """The best candidate over every chunking. With placement in the model, every chunking's LP bound comes
         first and they are solved from the least bound up, so a chunking that cannot beat the best schedule
-        found is skipped (bounds and schedules are the same whatever the order; only exact ties, broken by the
-        first found, could differ)."""
+        found is skipped (a skipped one could not have won; among exact ties the first solved wins)."""
         targets = chunk_targets(self.trace, self.options)
         if not (self.nodes and self.joint_placement):
             best = None
@@ -342,9 +343,9 @@ class Search:
 
 
 def planned_evaluations(trace: Trace, options: PlanOptions, *, joint: bool = False) -> int:
-    """An upper estimate of solver runs, for progress totals: one per chunking when placement is solved inside
-    the model."""
-    return len(chunk_targets(trace, options)) * (1 if joint else 8 + 2 * REFINE_ROUNDS)
+    """An upper estimate of solver runs, for progress totals: an LP and a branch and bound per chunking when
+    placement is solved inside the model."""
+    return len(chunk_targets(trace, options)) * (2 if joint else 8 + 2 * REFINE_ROUNDS)
 
 
 def cpu_split(trace: Trace, hardware: Hardware, cpu_only: Any, trainable: list[int], groups: Any,
