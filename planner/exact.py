@@ -3,8 +3,8 @@
 [Note: honest optimality] The plan may only say "optimal" when the solver closed the gap to less than one byte
 (every cost is a sum of whole region sizes): HiGHS runs with mip_rel_gap 0 and mip_abs_gap just under one byte,
 never with its default 1e-4 relative gap. A caller may let branch and bound stop earlier, at a gap of `stop_bytes`
-(the planner does on joint models, 1e-5 of their LP bound at effort 1: closing the last kilobytes of a
-knapsack took seconds there); the result then says what it reached and is not called optimal. The bound a plan reports is `max(LP bound, HiGHS' dual bound)`;
+(the planner does in its final solve of a joint model, at 1e-5 of the bound at effort 1: closing the last
+kilobytes of a knapsack took seconds there); the result then says what it reached and is not called optimal. The bound a plan reports is `max(LP bound, HiGHS' dual bound)`;
 the LP bound is recomputed here from the LP's dual values as a Lagrangian bound, valid for any multipliers, so
 it does not rest on the LP solver's tolerances. Limits are work (branch-and-bound nodes, simplex iterations),
 never wall-clock time, and HiGHS runs on one thread: the same model gives the same answer on any machine load.

@@ -141,9 +141,6 @@ class Search:
         self.trace, self.hardware, self.options = trace, hardware, options
         self.nodes = nodes
         """Branch-and-bound nodes per candidate; 0 scores with the fast heuristics only."""
-        self.stop_gap = 0.0
-        """Joint models: branch and bound may stop at this gap relative to the LP bound ([Note: honest
-        optimality]; the plan still reports the gap it reached)."""
         self.on_progress, self.total, self.done = on_progress, total, 0
         self.best_moved: float = float("inf")
         self.solved: list[Scored] = []
@@ -235,8 +232,7 @@ class Search:
             self.tick(f"chunks of {target or 'one module'} B: cannot beat the best found")
             return None
         keep, x = self._fallback(joint)
-        result = solve_milp(joint.model, keep, max_nodes=self.nodes, rows=rows, fallback_x=x,
-                            stop_bytes=self.stop_gap * bound)
+        result = solve_milp(joint.model, keep, max_nodes=self.nodes, rows=rows, fallback_x=x)
         assert result.keep is not None and result.x is not None
         cpu = joint.extremes["cpu"]
         scored = Scored(chunk_target=target, groups=groups, gpu_chunks=cpu.gpu_chunks, structure=cpu.structure,
