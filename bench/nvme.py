@@ -133,14 +133,14 @@ def executor_table(ctx: Context) -> tuple[Table, dict[str, Any]]:
                    "combined": combined or 0.0, "parity": float(parity)}
 
 
-def fake_trace(ctx: Context, spec: str) -> tuple[Any, float, int]:
-    """Fake-trace `spec` in bf16-mixed at PLAN_SHAPE in its own process (bench.worker): (trace, the trace's
-    seconds, the worker's own peak RSS bytes)."""
+def fake_trace(ctx: Context, spec: str, shape: tuple[int, int] = PLAN_SHAPE) -> tuple[Any, float, int]:
+    """Fake-trace `spec` in bf16-mixed at `shape` (batch, sequence) in its own process (bench.worker): (trace,
+    the trace's seconds, the worker's own peak RSS bytes)."""
     from bench.harness import run_worker
     from hplan.artifacts import Trace
 
-    out = ctx.work_dir / f"{spec.replace(':', '_')}.nvme.parquet"
-    res = run_worker(["fake-trace", spec, str(out), *map(str, PLAN_SHAPE), "bf16-mixed"], timeout=900.0)
+    out = ctx.work_dir / f"{spec.replace(':', '_')}.{shape[0]}x{shape[1]}.nvme.parquet"
+    res = run_worker(["fake-trace", spec, str(out), *map(str, shape), "bf16-mixed"], timeout=900.0)
     if not res.ok:
         raise RuntimeError(f"fake trace of {spec} failed: {res.error}")
     try:
@@ -189,11 +189,37 @@ def plans_table(ctx: Context) -> tuple[Table, list[str], Table]:
             best[name] = f"{spec} ({n / 1e9:.1f} B params): predicted {s.predicted_step_seconds:.1f} s per step"
         del trace
     table.notes.append(ZERO_INFINITY)
-    table.notes.append(f"Sequence {PLAN_SHAPE[1]}: the bundled GPT has no activation checkpointing, so at sequence 1024 "
-                       "its activations alone outgrow a 24-32 GB GPU from about 30B parameters on (gpt:175b needs 80 GB "
-                       "of non-model data at batch 1 x 1024); ZeRO-Infinity checkpoints activations (and offloads "
-                       "them to the CPU).")
+    table.notes.append(f"Sequence {PLAN_SHAPE[1]}: the bundled GPT has no activation checkpointing, so at sequence "
+                       f"{LONG_SHAPE[1]} its activations alone outgrow a 24-32 GB GPU from about 30B parameters on "
+                       f"({long_sequence(ctx, traced)}); ZeRO-Infinity checkpoints activations (and offloads them to "
+                       "the CPU).")
     return table, [f"{name}: largest certified {what} (plan)" for name, what in best.items()], traced
+
+
+LONG_SHAPE = (1, 1024)
+"""(batch, sequence) at which the note on activations measures gpt:175b."""
+
+
+def long_sequence(ctx: Context, traced: Table) -> str:
+    """What gpt:175b needs beside its model data at LONG_SHAPE, from its fake trace in this run: the event that
+    sets the smallest GPU any plan fits, its non-model bytes and the predicted allocator slack on top."""
+    from hplan.planner import default_slack, min_gpu_bytes
+    from hplan.planner.problem import event_non_model
+
+    spec = RIG_PRESETS[-1]
+    ctx.log(f"[bench]   nvme plans: fake trace {spec} at batch {LONG_SHAPE[0]} x {LONG_SHAPE[1]}")
+    try:
+        trace, seconds, rss = fake_trace(ctx, spec, LONG_SHAPE)
+    except RuntimeError as exc:
+        traced.add(f"{spec}, batch {LONG_SHAPE[0]} x {LONG_SHAPE[1]}", "FAILED", str(exc)[:120])
+        return f"{spec} at batch {LONG_SHAPE[0]} x {LONG_SHAPE[1]}: its fake trace failed in this run"
+    traced.add(f"{spec}, batch {LONG_SHAPE[0]} x {LONG_SHAPE[1]}", fmt_seconds(seconds, 1), fmt_bytes(rss))
+    least = min_gpu_bytes(trace).gpu_bytes
+    slack = default_slack(trace)
+    peak = max(event_non_model(e, False) for e in trace.events)
+    return (f"{spec} at batch {LONG_SHAPE[0]} x {LONG_SHAPE[1]}: up to {fmt_bytes(peak)} of non-model data at one event "
+            f"(activations and temporaries, updates on the host), plus {fmt_bytes(slack)} of predicted allocator "
+            f"slack; the smallest GPU any plan fits is {fmt_bytes(least)} (`hplan plan --gpu-mem min`)")
 
 
 def run(ctx: Context) -> SectionOutput:

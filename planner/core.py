@@ -1,10 +1,11 @@
-"""make_plan: search chunking and optimizer placement, solving each candidate, then close the winner's gap.
+"""make_plan: search chunkings, solving each one's placement and schedule, then close the winner's gap.
 
-The search (`planner.search`) scores candidates with branch and bound on the interval model (`planner.exact`)
-under a small node limit, or at effort 0 with the fast heuristics. Then the winner (at effort 2 the best of
-every chunking, at 3 every candidate) gets a larger node budget, and the plan reports the bound it ended with:
-branch and bound's, or the LP bound when stronger, and "optimal" only when the gap is closed to under one byte
-([Note: honest optimality]). Node limits count work, not seconds: the same plan on any machine load.
+The search (`planner.search`) solves each chunking's joint model (every chunk's update placement and the
+schedule, [Note: placement in the model]) by branch and bound under a small node limit, or at effort 0 scores
+first-k placements with the fast heuristics. Then the winner (at effort 2 and 3 the best of every chunking)
+gets a larger node budget, and the plan reports the bound it ended with: branch and bound's, or the LP bound
+when stronger, and "optimal" only when the gap is closed to under one byte ([Note: honest optimality]). Node
+limits count work, not seconds: the same plan on any machine load.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from hplan.errors import HplanError
 from hplan.planner.activations import decide, min_gpu_with, transform, with_activations
 from hplan.planner.exact import lp_bound, solve_milp
 from hplan.planner.options import PlanOptions
-from hplan.planner.problem import min_gpu
+from hplan.planner.problem import PARAM_CHUNKS, min_gpu, placement_rule
 from hplan.planner.schedule import event_seconds
 from hplan.planner.search import Finished, Progress, Scored, Search, finish, planned_evaluations
 
@@ -30,6 +31,11 @@ FINAL_NODES: tuple[int, ...] = (0, 1_000, 10_000, 100_000)
 """Nodes for the candidates `_exact_targets` picks, by effort, when the search's solve left a gap."""
 UNLIMITED_NODES = 2**31 - 1
 """`solver="exact"`: branch and bound until the gap is closed."""
+JOINT_STOP_GAP: tuple[float, ...] = (0.0, 1e-5, 1e-7, 0.0)
+"""By effort: a winner whose joint placement model the search left within this share of its bound gets no
+larger node budget, and that budget's branch and bound stops there too (`solver="exact"`: 0, closed). Measured
+on the planner-cost scaling traces: the last kilobytes of a 5 GB knapsack at the optimizer step took 1,000
+nodes and seconds without closing."""
 
 
 def _effort(options: PlanOptions) -> int:
@@ -65,11 +71,15 @@ def make_plan(trace: Trace, hardware: Hardware, options: PlanOptions | None = No
                          "not plan activation copies); use --activations keep with --nvme")
     original, decisions = trace, decide(trace, options.activations)  # [Note: plan activations]
     trace = transform(trace, decisions)
-    smallest = min_gpu_with(original, hardware, decisions)
     effort = _effort(options)
-    search = Search(trace, hardware, options, on_progress, planned_evaluations(trace, options) + 2,
-                    nodes=SEARCH_NODES[effort] if options.solver != "exact" else SEARCH_NODES[1])
+    nodes = SEARCH_NODES[effort] if options.solver != "exact" else SEARCH_NODES[1]
+    search = Search(trace, hardware, options, on_progress,
+                    planned_evaluations(trace, options, joint=bool(nodes) and Search.joint_placement) + 2, nodes=nodes)
     best = search.run()
+    if all(d.choice == "keep" for d in decisions):  # the search built that problem already
+        smallest = min_gpu(trace, hardware, search.all_host.get(PARAM_CHUNKS) if options.flips else None)
+    else:
+        smallest = min_gpu_with(original, hardware, decisions)
     opts = {k: v for k, v in asdict(options).items() if k != "compare"}
     if best is None:
         search.tick("done", search.total)
@@ -87,18 +97,38 @@ def make_plan(trace: Trace, hardware: Hardware, options: PlanOptions | None = No
     return plan
 
 
+def stop_gap(options: PlanOptions) -> float:
+    """JOINT_STOP_GAP for these options."""
+    return 0.0 if options.solver == "exact" else JOINT_STOP_GAP[_effort(options)]
+
+
+def _reached(cand: Scored, gap: float) -> bool:
+    """Has the candidate's solve closed, or (a joint model) come within `gap` of its bound?"""
+    r = cand.result
+    return r is not None and (r.optimal or cand.joint is not None and cand.moved - r.lower_bound <= gap * r.lower_bound)
+
+
 def _improve(search: Search, best: Scored, options: PlanOptions) -> tuple[Scored, Finished, str, int, bool]:
     """Larger node budgets per effort; returns the winner, its steps, the solver's name, its bound and
     whether it is proven optimal."""
-    targets = [c for c in _exact_targets(search, best, options) if c.result is None or not c.result.optimal
+    gap = stop_gap(options)
+    targets = [c for c in _exact_targets(search, best, options) if c.result is None or not _reached(c, gap)
                and (c is best or c.result.lower_bound <= best.moved)]  # others cannot beat the winner
     search.total = search.done + len(targets) + 1
     nodes = UNLIMITED_NODES if options.solver == "exact" else FINAL_NODES[_effort(options)]
     for cand in targets:
         search.tick(f"exact solve of {len(cand.problem.sizes)} regions x {cand.problem.n_steps} steps")
-        result = solve_milp(cand.model, cand.keep, max_nodes=nodes)
-        if result.keep is not None and result.cost is not None and result.cost <= cand.moved:
-            cand.keep, cand.moved, cand.finished = result.keep, result.cost, None
+        if cand.joint is not None:  # placement and schedule together; the bound covers every placement
+            assert cand.joint_keep is not None
+            assert cand.result is not None
+            result = solve_milp(cand.joint.model, cand.joint_keep, max_nodes=nodes,
+                                fallback_x=cand.joint.x_of(cand.gpu_chunks), stop_bytes=gap * cand.result.lower_bound)
+            if result.keep is not None and result.cost is not None and result.cost <= cand.moved:
+                cand.adopt(search.trace, search.hardware, result, flips=search.options.flips)
+        else:
+            result = solve_milp(cand.model, cand.keep, max_nodes=nodes)
+            if result.keep is not None and result.cost is not None and result.cost <= cand.moved:
+                cand.keep, cand.moved, cand.finished = result.keep, result.cost, None
         cand.result = result
     winner = None
     for cand in [best] + targets:
@@ -110,8 +140,10 @@ def _improve(search: Search, best: Scored, options: PlanOptions) -> tuple[Scored
     if optimal:
         bound = winner.moved
     else:
-        bound = max(result.lower_bound if result is not None else 0, lp_bound(winner.model))
-    solver = "fast" if result is None else "exact" if optimal else "exact (node limit)"
+        model = winner.joint.model if winner.joint is not None else winner.model
+        bound = max(result.lower_bound if result is not None else 0, lp_bound(model))
+    solver = "fast" if result is None else "exact" if optimal else (
+        "exact (gap limit)" if _reached(winner, gap) else "exact (node limit)")
     done = finish(search.trace, search.hardware, winner)
     bound = min(bound, done.moved)
     return winner, done, solver, bound, optimal or bound == done.moved
@@ -128,7 +160,8 @@ def _plan(trace: Trace, hardware: Hardware, best: Scored, done: Finished, solver
                 initial_resident=tuple(sorted(done.schedule.initial)),
                 initial_dirty=tuple(sorted(done.initial_dirty)), accumulate=trace.accumulate,
                 defer_updates=trace.defer_updates, input_shapes=trace.input_shapes,
-                max_grad_norm=trace.max_grad_norm, options={**opts, "chunk_bytes": best.chunk_target})
+                max_grad_norm=trace.max_grad_norm, options={**opts, "chunk_bytes": best.chunk_target},
+                placement=placement_rule(trace, best.groups, flips=opts.get("flips", True)))
     rep = replay(plan)
     if not rep.ok:
         raise AssertionError(f"hplan made an invalid plan ({rep.violations[0]}): an hplan bug, please report it")
@@ -149,7 +182,7 @@ def _plan(trace: Trace, hardware: Hardware, best: Scored, done: Finished, solver
                           bytes_moved_per_iter=moved, lower_bound_bytes=lb, predicted_peak_bytes=rep.peak_bytes,
                           min_gpu_bytes=min_bytes, predicted_step_seconds=done.seconds["step"], solver=solver,
                           gap=(moved - lb) / max(moved, 1), optimal=optimal, bottleneck=bottleneck,
-                          seconds=seconds)
+                          seconds=seconds, placement_free=best.joint is not None)
     plan = replace(plan, summary=summary)
     if hardware.host_bytes is not None and hardware.nvme_bytes is not None:  # issue 16: the host tier
         from hplan.planner.tiers import plan_tiers

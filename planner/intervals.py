@@ -26,6 +26,21 @@ s, and z_s = 1 when the span holds a forced live drop.
 
 Memory at step t = needed bytes + sizes of kept free gaps whose inside contains t. This is the model
 `planner.exact` hands to HiGHS; it has far fewer columns than a time-indexed model and a tighter relaxation.
+
+[Note: choices in the interval model] Some decisions change a region's events, not only its residency: where a
+chunk's optimizer update runs (`planner.placement`) decides whether its regions are needed at the optimizer
+step or forced off at a host update, dirtied or not, live or dead around it. Such a decision is an *item* with
+*modes* (exactly one chosen, x_m binary). Because a region's events depend only on its own item's mode, each
+mode contributes its own pieces of the model above, and the normal-form argument holds mode by mode:
+- its gaps: a gap present, free, in every mode of the item is one shared column; a gap of some modes only is a
+  column y_i <= x_m that costs size_i (x_m - y_i);
+- its dirty spans and write-back rows z_s + y_i >= x_m (a shared gap has one such row per mode);
+- its forced bytes (`Choices.cost`: fetches after off steps, forced write-backs);
+- its memory beyond the least any mode of the item holds at a step (`Choices.extra_*`);
+- a *switch* (x_m <= g for the modes that turn it on) adds bytes at one step: the optimizer step's update
+  temporaries are on the GPU when any update runs there.
+With one mode per item this is the plain model. More decision types (activations: keep, offload, recompute)
+are more items whose modes bring their own gaps, costs and memory.
 """
 
 from __future__ import annotations
@@ -38,6 +53,51 @@ from hplan.errors import HplanError
 from hplan.planner.belady import Schedule
 from hplan.planner.problem import Problem
 from hplan.planner.schedule import resident_of, schedule_of
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Choices:
+    """Items with modes in an interval model (see [Note: choices in the interval model]). Arrays are per mode,
+    per gap, per write-back row or per memory entry, as named."""
+
+    item: np.ndarray
+    """Per mode: its item (modes of one item are consecutive)."""
+    label: tuple[str, ...]
+    """Per mode, e.g. "gpu" or "cpu"."""
+    key: tuple[int, ...]
+    """Per item: what it decides about (a chunk id)."""
+    cost: np.ndarray
+    """Per mode: bytes moved whatever the gaps do when it is chosen (int64)."""
+    gap_mode: np.ndarray
+    """Per gap: the mode it exists in, or -1 (every mode, or an item-free region)."""
+    cover_gap: np.ndarray
+    """Write-back rows z[cover_span] + y[cover_gap] >= x[cover_mode] (>= 1 when cover_mode is -1)."""
+    cover_span: np.ndarray
+    cover_mode: np.ndarray
+    extra_mode: np.ndarray
+    """Memory entries: choosing extra_mode holds extra_bytes more at extra_step (int64)."""
+    extra_step: np.ndarray
+    extra_bytes: np.ndarray
+    switch_modes: np.ndarray
+    """Modes that turn the switch on; while on, step switch_step holds switch_bytes more."""
+    switch_step: int = 0
+    switch_bytes: int = 0
+
+    @property
+    def n_modes(self) -> int:
+        return len(self.item)
+
+    @property
+    def n_items(self) -> int:
+        return len(self.key)
+
+    def chosen(self, modes: np.ndarray) -> np.ndarray:
+        """Per-mode booleans from one chosen mode index per item."""
+        x = np.zeros(self.n_modes, dtype=bool)
+        x[np.asarray(modes, dtype=np.int64)] = True
+        if np.bincount(self.item[x], minlength=self.n_items).tolist() != [1] * self.n_items:
+            raise HplanError("a choice must pick exactly one mode per item: an hplan bug")
+        return x
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -60,7 +120,13 @@ class IntervalModel:
     constant: int
     """Bytes every normal-form schedule moves: fetches after off steps, forced live write-backs."""
     free: np.ndarray
-    """cap[t] - needed bytes at t: room for kept gaps (int64)."""
+    """cap[t] - needed bytes at t: room for kept gaps (int64); with choices, beside the least any mode needs."""
+    region_constant: np.ndarray | None = None
+    """Per region: its part of `constant` (how choices split forced bytes by mode)."""
+    span_region: np.ndarray | None = None
+    """Per span: its region."""
+    choices: Choices | None = None
+    """Items with modes; None: one fixed problem (`span` then holds each gap's write-back span)."""
 
     @property
     def n_gaps(self) -> int:
@@ -75,28 +141,54 @@ class IntervalModel:
         n = self.problem.n_steps
         return np.arange(self.start[i] + 1, self.end[i]) % n
 
-    def cost(self, keep: np.ndarray) -> int:
-        """Bytes moved by the normal-form schedule keeping the gaps where keep is true."""
-        keep = np.asarray(keep, dtype=bool)
-        dropped = ~keep
-        fetch = int(self.size[dropped].sum())
-        hit = np.zeros(self.n_spans, dtype=bool)
-        live_span = self.span >= 0
-        hit[self.span[dropped & live_span]] = True
-        return self.constant + fetch + int(self.span_size[hit].sum())
+    def covers(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Write-back rows as (gap, span, mode) arrays; mode -1: unconditional."""
+        if self.choices is not None:
+            c = self.choices
+            return c.cover_gap, c.cover_span, c.cover_mode
+        gaps = np.flatnonzero(self.span >= 0)
+        return gaps, self.span[gaps], np.full(len(gaps), -1, dtype=np.int64)
 
-    def load(self, keep: np.ndarray) -> np.ndarray:
-        """Bytes of kept gaps resident at each step."""
+    def active(self, x: np.ndarray | None) -> np.ndarray:
+        """Gaps that exist under the per-mode choice x (every gap without choices)."""
+        if self.choices is None:
+            return np.ones(self.n_gaps, dtype=bool)
+        assert x is not None, "a model with choices needs the chosen modes"
+        gm = self.choices.gap_mode
+        return (gm < 0) | np.asarray(x, dtype=bool)[np.maximum(gm, 0)]
+
+    def cost(self, keep: np.ndarray, x: np.ndarray | None = None) -> int:
+        """Bytes moved by the normal-form schedule keeping the gaps where keep is true (under the per-mode
+        choice x, when the model has choices)."""
+        dropped = ~np.asarray(keep, dtype=bool) & self.active(x)
+        fetch = int(self.size[dropped].sum())
+        gap, span, mode = self.covers()
+        on = dropped[gap] & ((mode < 0) | (np.asarray(x, dtype=bool)[np.maximum(mode, 0)] if x is not None
+                                           else False))
+        hit = np.zeros(self.n_spans, dtype=bool)
+        hit[span[on]] = True
+        forced = int(self.choices.cost[np.asarray(x, dtype=bool)].sum()) if self.choices is not None else 0
+        return self.constant + forced + fetch + int(self.span_size[hit].sum())
+
+    def load(self, keep: np.ndarray, x: np.ndarray | None = None) -> np.ndarray:
+        """Bytes of kept gaps resident at each step (plus what the chosen modes add there)."""
         n = self.problem.n_steps
         delta = np.zeros(2 * n + 1, dtype=np.int64)
-        k = np.flatnonzero(np.asarray(keep, dtype=bool))
+        k = np.flatnonzero(np.asarray(keep, dtype=bool) & self.active(x))
         np.add.at(delta, self.start[k] + 1, self.size[k].astype(np.int64))
         np.add.at(delta, self.end[k], -self.size[k].astype(np.int64))
         run = np.cumsum(delta)[: 2 * n]
-        return run[:n] + run[n:]
+        load = run[:n] + run[n:]
+        if self.choices is not None and x is not None:
+            c, x = self.choices, np.asarray(x, dtype=bool)
+            on = x[c.extra_mode]
+            np.add.at(load, c.extra_step[on], c.extra_bytes[on])
+            if x[c.switch_modes].any():
+                load[c.switch_step] += c.switch_bytes
+        return load
 
-    def feasible(self, keep: np.ndarray) -> bool:
-        return bool(np.all(self.load(keep) <= self.free))
+    def feasible(self, keep: np.ndarray, x: np.ndarray | None = None) -> bool:
+        return bool(np.all(self.load(keep, x) <= self.free))
 
     def resident(self, keep: np.ndarray) -> np.ndarray:
         """Boolean regions x steps matrix of the normal-form schedule."""
@@ -148,11 +240,13 @@ def build_intervals(problem: Problem) -> IntervalModel:
     for t, rs in enumerate(problem.dirties):
         for r in rs:
             dirty_at[r].add(t)
-    regions, starts, ends, spans, span_size = [], [], [], [], []
+    regions, starts, ends, spans, span_size, span_region = [], [], [], [], [], []
     constant = 0
+    region_constant = np.zeros(len(problem.sizes), dtype=np.int64)
     for r, evs in enumerate(events):
         if not evs:
             continue
+        before = constant
         evs.sort()
         steps = [t for t, _ in evs]
         if len(set(steps)) != len(steps):
@@ -184,6 +278,7 @@ def build_intervals(problem: Problem) -> IntervalModel:
                 close()
                 span, forced = len(span_size), False
                 span_size.append(size)
+                span_region.append(r)
             alive = live[(a + 1) % n]
             if not b_need:  # forced drop right after a
                 forced = forced or (span >= 0 and alive)
@@ -195,6 +290,7 @@ def build_intervals(problem: Problem) -> IntervalModel:
             ends.append(b)
             spans.append(span)
         close()
+        region_constant[r] = constant - before
     free = problem.room()
     span_arr = np.array(spans, dtype=np.int64)
     sizes_arr = np.array(span_size, dtype=np.int64)
@@ -204,4 +300,5 @@ def build_intervals(problem: Problem) -> IntervalModel:
     return IntervalModel(problem=problem, region=np.array(regions, dtype=np.int64),
                          start=np.array(starts, dtype=np.int64), end=np.array(ends, dtype=np.int64),
                          size=np.array([problem.sizes[r] for r in regions], dtype=np.int64), span=span_arr,
-                         span_size=sizes_arr, constant=constant, free=free)
+                         span_size=sizes_arr, constant=constant, free=free, region_constant=region_constant,
+                         span_region=np.array(span_region, dtype=np.int64))

@@ -29,11 +29,12 @@ class PlanOptions:
     """"auto" (as `effort` says), "fast" (heuristics only, as effort 0) or "exact" (effort 1's search, then
     branch and bound on the winner until its gap is closed: no work limit, may take long)."""
     effort: int = 1
-    """0..3, work spent on optimality (hplan.planner.core): 0 scores candidates with the fast heuristics only;
-    1 solves each candidate by branch and bound (50 nodes), then the winner with up to 1,000; 2 uses 1,000
-    nodes per candidate, then 10,000 for the best of each chunking; 3 uses 10,000, scores every placement near
-    the best, then 100,000 for every candidate. Limits count nodes, not seconds, so a plan does not depend on
-    the machine's load."""
+    """0..3, work spent on optimality (hplan.planner.core): 0 scores first-k optimizer placements with the fast
+    heuristics only; 1 solves each chunking's placement and schedule together by branch and bound (50 nodes),
+    then the winner with up to 1,000; 2 uses 1,000 nodes per chunking, then 10,000 for each chunking's best;
+    3 uses 10,000, then 100,000; at effort 1 and 2 the winner's larger budget also stops once its gap is 1e-5
+    (1e-7) of its bound (hplan.planner.core.JOINT_STOP_GAP). Limits count nodes, not seconds, so a plan does not depend
+    on the machine's load. Many-rank plans search first-k placements, each solved with these limits."""
     compare: bool = False
     """Also score the baselines (ZeRO-Offload, ZeRO-3 offload, Gemini, all-on-GPU)."""
     flips: bool = True

@@ -8,12 +8,13 @@ the plan's per-step region semantics (`Structure`) and the solver's view of it (
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass, field
 
 import numpy as np
 
 from hplan.artifacts.hardware import Hardware
-from hplan.artifacts.plan import Chunk, Region, host_update_effects
+from hplan.artifacts.plan import Chunk, PlacementRule, Region, host_update_effects
 from hplan.artifacts.trace import Event, ParamInfo, Trace
 from hplan.sizes import format_size
 
@@ -41,8 +42,9 @@ class Problem:
     cap: tuple[int, ...]
     """Bytes of regions allowed resident at step t: budget - slack - non-model (+ the gradients flips place
     in their weights' storage)."""
-    live: tuple[tuple[bool, ...], ...]
-    """live[r][t]: the content region r holds when step t begins is read before it is overwritten."""
+    live: tuple[tuple[bool, ...], ...] | np.ndarray
+    """live[r][t]: the content region r holds when step t begins is read before it is overwritten (`build`
+    gives a regions x steps boolean array: the same indexing, without a million Python bools)."""
     non_model: tuple[int, ...] = ()
     _dense: list[Dense] = field(default_factory=list, compare=False, repr=False)
     """Cache of `dense()` (a problem is immutable, so its arrays are made once)."""
@@ -85,7 +87,14 @@ class Dense:
 
 
 def _matrix(per_step: tuple[tuple[int, ...], ...], shape: tuple[int, int]) -> np.ndarray:
-    return _scatter([(r, t) for t, rs in enumerate(per_step) for r in rs], shape)
+    """A regions x steps boolean matrix true at the regions each step lists."""
+    x = np.zeros(shape, dtype=bool)
+    lengths = np.fromiter(map(len, per_step), dtype=np.int64, count=len(per_step))
+    total = int(lengths.sum())
+    if total:
+        rows = np.fromiter(itertools.chain.from_iterable(per_step), dtype=np.int64, count=total)
+        x[rows, np.repeat(np.arange(len(per_step)), lengths)] = True
+    return x
 
 
 def next_event(events: np.ndarray) -> np.ndarray:
@@ -185,6 +194,26 @@ def event_non_model(event: Event, gpu_updates: bool) -> int:
 def build(trace: Trace, groups: list[list[ParamInfo]], gpu_chunks: frozenset[int], hardware: Hardware,
           *, flips: bool = True) -> tuple[Structure, Problem]:
     """The plan's region semantics for a chunking and optimizer placement, and the solver's problem."""
+    structure = structure_of(trace, groups, gpu_chunks, flips=flips)
+    return structure, _problem(trace, structure, hardware, bool(gpu_chunks))
+
+
+def placement_rule(trace: Trace, groups: list[list[ParamInfo]], *, flips: bool = True) -> PlacementRule | None:
+    """What a plan of this chunking records for its placement claim ([Note: placement claim] in
+    hplan.artifacts.plan): the optimizer step's non-model bytes either way, and the chunks that flip when
+    updated on the host (in mixed precision a flip does not depend on placement)."""
+    opt = next((e for e in trace.events if e.kind == "optimizer"), None)
+    if opt is None:
+        return None
+    host = structure_of(trace, groups, frozenset(), flips=flips)
+    return PlacementRule(gpu_non_model_bytes=event_non_model(opt, True),
+                         host_non_model_bytes=event_non_model(opt, False),
+                         flippable=tuple(sorted(c for cs in host.flips for c in cs)))
+
+
+def structure_of(trace: Trace, groups: list[list[ParamInfo]], gpu_chunks: frozenset[int], *, flips: bool = True
+                 ) -> Structure:
+    """The plan's region semantics for a chunking and optimizer placement (see `build`)."""
     master = trace.precision != "fp32"
     chunks, regions = make_regions(groups, master)
     by_chunk: dict[int, dict[str, int]] = {}
@@ -230,10 +259,9 @@ def build(trace: Trace, groups: list[list[ParamInfo]], gpu_chunks: frozenset[int
     flip_steps = [set() for _ in range(n)]
     for c, t in flip_at.items():
         flip_steps[t].add(c)
-    structure = Structure(chunks=chunks, regions=regions, reads=_tuples(reads), writes=_tuples(writes),
-                          overwrites=_tuples(overwrites), flips=_tuples(flip_steps),
-                          host_updates=_tuples(host_updates), optimizer=placement, by_chunk=by_chunk)
-    return structure, _problem(trace, structure, hardware, bool(gpu_chunks))
+    return Structure(chunks=chunks, regions=regions, reads=_tuples(reads), writes=_tuples(writes),
+                     overwrites=_tuples(overwrites), flips=_tuples(flip_steps), host_updates=_tuples(host_updates),
+                     optimizer=placement, by_chunk=by_chunk)
 
 
 def _flips(trace: Trace, chunks: tuple[Chunk, ...], by_chunk: dict[int, dict[str, int]],
@@ -278,7 +306,7 @@ def _problem(trace: Trace, s: Structure, hardware: Hardware, gpu_updates: bool) 
     dirties = [set(w) | set(o) for w, o in zip(s.writes, s.overwrites)]
     live = _liveness(s, n)
     problem = Problem(sizes=sizes, needs=_tuples(needs), dirties=_tuples(dirties), off=_tuples(off), cap=tuple(cap),
-                      live=tuple(map(tuple, live.tolist())), non_model=non_model)
+                      live=live, non_model=non_model)
     problem._dense.append(Dense.of(problem, live))
     return problem
 
@@ -287,29 +315,21 @@ def _liveness(s: Structure, n: int) -> np.ndarray:
     """live[r, t], by the same cyclic backward analysis the validator runs on the finished plan: the content
     entering step t is live iff r's next use-or-overwrite at or after t (cyclically) is a use; a region with no
     use is never live."""
-    use_at: list[tuple[int, int]] = []
-    def_at: list[tuple[int, int]] = []
+    use_at: list[tuple[int, ...]] = []
+    def_at: list[tuple[int, ...]] = []
     for t in range(n):
-        use_at += [(r, t) for r in (*s.reads[t], *s.writes[t])]
-        def_at += [(r, t) for r in s.overwrites[t]]
+        use, define = [*s.reads[t], *s.writes[t]], list(s.overwrites[t])
         for c in s.host_updates[t]:
             read, overwritten = host_update_effects(s.by_chunk[c])
-            use_at += [(r, t) for r in read]
-            def_at += [(r, t) for r in overwritten]
+            use += read
+            define += overwritten
+        use_at.append(tuple(use))
+        def_at.append(tuple(define))
     shape = (len(s.regions), n)
-    uses, defs = _scatter(use_at, shape), _scatter(def_at, shape)
+    uses, defs = _matrix(tuple(use_at), shape), _matrix(tuple(def_at), shape)
     nxt = next_event(uses | defs)
     found = nxt < 2 * n
     return found & np.take_along_axis(uses, np.where(found, nxt % n, 0), axis=1)
-
-
-def _scatter(pairs: list[tuple[int, int]], shape: tuple[int, int]) -> np.ndarray:
-    """A boolean matrix true at the (row, column) pairs."""
-    x = np.zeros(shape, dtype=bool)
-    if pairs:
-        rows, cols = zip(*pairs)
-        x[list(rows), list(cols)] = True
-    return x
 
 
 def _tuples(sets: list[set[int]]) -> tuple[tuple[int, ...], ...]:
@@ -343,10 +363,11 @@ class MinGpu:
     """The event that sets the minimum, in words."""
 
 
-def min_gpu(trace: Trace, hardware: Hardware) -> MinGpu:
+def min_gpu(trace: Trace, hardware: Hardware, built: tuple[Structure, Problem] | None = None) -> MinGpu:
     """Smallest budget with any schedule: one chunk per parameter, every update on the CPU; each step then holds
-    exactly what it touches (a flip's gradient in its weights' storage) + its non-model bytes + slack."""
-    structure, problem = build(trace, group_params(trace, PARAM_CHUNKS), frozenset(), hardware)
+    exactly what it touches (a flip's gradient in its weights' storage) + its non-model bytes + slack. `built`:
+    that problem, when the caller has it already."""
+    structure, problem = built or build(trace, group_params(trace, PARAM_CHUNKS), frozenset(), hardware)
     best: tuple[int, int] | None = None
     for t in range(problem.n_steps):
         model = problem.need_bytes(t) - sum(problem.sizes[structure.by_chunk[c]["grad"]] for c in structure.flips[t])

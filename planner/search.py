@@ -1,23 +1,27 @@
-"""The search over chunkings and optimizer placements, each candidate scored by solving it.
+"""The search over chunkings; per chunking, each chunk's optimizer placement and the schedule, solved together.
 
 What it minimises, in order: bytes moved per iteration (the plan's promise: move the fewest bytes), then the
 predicted step time. A finer chunking never needs more bytes in principle, but only module chunks and a few
 coarser sizes are searched: coarser chunks mean fewer, larger transfers at equal traffic.
 
-For each chunking, the placement is a number k of GPU-updated chunks (the first-used trainable ones: their
-backward runs last, so they are resident at the optimizer step). Two cheap facts keep the number of solves
-small:
+Per chunking (effort >= 1), where each trainable chunk's update runs (GPU or host) is a binary of the exact
+model itself ([Note: placement in the model] in `planner.placement`): one branch and bound per chunking under a
+node limit, so its bound and gap cover every placement of that chunking. Its fallback is the interval greedy on
+two placements (every update on the host; every update on the GPU, when that fits). Chunkings are solved from
+the least LP bound up, and one whose bound exceeds the traffic already found is not solved.
+
+Effort 0 (heuristics only) and many-rank plans search placements instead: a number k of GPU-updated chunks
+(the first-used trainable ones: their backward runs last, so they are resident at the optimizer step), with
+two cheap facts keeping the number of solves small:
 - k is at most what fits at the optimizer step and can stay resident elsewhere (see `Search._limits`);
 - a CPU-updated chunk moves at least its weights (fetched after the host rewrites them) and its gradients
   (written back before the host reads them) every iteration, so a placement whose CPU chunks alone force more
   than the best traffic found so far is skipped without solving it.
-
-Scoring: a candidate is solved by branch and bound with a small node limit (`planner.exact`), from the interval
-greedy as fallback; at effort 0 by the fast heuristics only (the better of cyclic Belady and the greedy, both in
-normal form). Heuristic scores mislead: over every candidate the search scored on 6 traces x 5 budgets, Belady
-was 19% above the candidate's optimum on average (worst 2.73x) and the greedy 10% (1.63x), while 50 nodes of
-branch and bound came within 0.04% everywhere at about 2.5x Belady's time. Predicted time only breaks ties in
-bytes, so the prefetch pass and the time model run only on tied candidates.
+There a candidate is scored by the better of cyclic Belady and the greedy (both in normal form), or by branch
+and bound with a small node limit (many ranks). Heuristic scores mislead: over every candidate the search
+scored on 6 traces x 5 budgets, Belady was 19% above the candidate's optimum on average (worst 2.73x) and the
+greedy 10% (1.63x), while 50 nodes of branch and bound came within 0.04% everywhere at about 2.5x Belady's time.
+Predicted time only breaks ties in bytes, so the prefetch pass and the time model run only on tied candidates.
 """
 
 from __future__ import annotations
@@ -32,9 +36,10 @@ from hplan.artifacts.hardware import Hardware
 from hplan.artifacts.plan import Step
 from hplan.artifacts.trace import ParamInfo, Trace
 from hplan.planner.belady import Schedule, solve_fast
-from hplan.planner.exact import ExactResult, lp_bound, memory_rows, solve_milp
+from hplan.planner.exact import ExactResult, Rows, lp_bound, memory_rows, solve_milp
 from hplan.planner.intervals import IntervalModel, build_intervals
 from hplan.planner.options import PlanOptions
+from hplan.planner.placement import Joint, build_joint
 from hplan.planner.problem import (
     MODULE_CHUNKS, PARAM_CHUNKS, Problem, Structure, build, event_non_model, group_params, make_regions,
     partly_used,
@@ -65,9 +70,22 @@ class Scored:
     keep: np.ndarray
     moved: int
     result: ExactResult | None = None
-    """Branch and bound's answer for `keep` (None when scored by heuristics only)."""
+    """Branch and bound's answer for `keep` (None when scored by heuristics only); with `joint`, the joint
+    model's, whose bound covers every placement of the chunking."""
     finished: Finished | None = field(default=None)
     """The plan steps for `keep`, made on demand (ties in bytes, and the winner)."""
+    joint: Joint | None = None
+    """The chunking's joint placement model, when placement was solved inside it."""
+    joint_keep: np.ndarray | None = None
+    """`keep` as the joint model's gap columns; the placement is `joint.x_of(gpu_chunks)`."""
+
+    def adopt(self, trace: Trace, hardware: Hardware, result: ExactResult, *, flips: bool) -> None:
+        """Take a joint solution (its placement may differ from the current one) as this candidate's schedule."""
+        assert self.joint is not None and result.keep is not None and result.x is not None
+        placed, keep = self.joint.settle(trace, hardware, result.keep, result.x, flips=flips)
+        self.gpu_chunks, self.structure, self.problem, self.model = (placed.gpu_chunks, placed.structure,
+                                                                     placed.problem, placed.model)
+        self.keep, self.moved, self.joint_keep, self.finished = keep, placed.model.cost(keep), result.keep, None
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -127,6 +145,8 @@ class Search:
         self.best_moved: float = float("inf")
         self.solved: list[Scored] = []
         """Every candidate scored, in scoring order."""
+        self.all_host: dict[int, tuple[Structure, Problem]] = {}
+        """Chunk target → its problem with every update on the host, as the joint models built it."""
 
     def tick(self, message: str, steps: int = 1) -> None:
         self.done = min(self.total, self.done + steps)
@@ -173,7 +193,65 @@ class Search:
         tb = round(finish(self.trace, self.hardware, b).seconds["step"], 12)
         return b if tb < ta else a
 
+    joint_placement = True
+    """Solve placement inside the exact model when branch and bound runs (see the module doc)."""
+
     def best_placement(self, target: int) -> Scored | None:
+        """The best placement and schedule of one chunking."""
+        if self.nodes and self.joint_placement:
+            return self.best_joint(target)
+        return self.best_prefix(target)
+
+    def best_joint(self, target: int) -> Scored | None:
+        """Placement and schedule of one chunking by one branch and bound on its joint model."""
+        staged = self._stage(target)
+        return staged if not isinstance(staged, tuple) else self._solve_joint(*staged)
+
+    def _stage(self, target: int) -> Scored | None | tuple[int, list[list[ParamInfo]], Joint, Rows, int]:
+        """A chunking's joint model and LP bound, ready to solve; a chunking without trainable chunks is scored
+        at once (nothing to place), and one where no placement fits is None."""
+        groups = group_params(self.trace, target)
+        joint = build_joint(self.trace, groups, self.hardware, flips=self.options.flips)
+        if joint is None:
+            out = self.score(target, groups, frozenset())
+            self.tick(f"chunks of {target or 'one module'} B")
+            return out
+        host = joint.extremes["cpu"]
+        self.all_host[target] = (host.structure, host.problem)
+        if np.any(host.problem.room() < 0):
+            self.tick(f"chunks of {target or 'one module'} B: no placement fits")
+            return None
+        rows = memory_rows(joint.model)
+        bound = lp_bound(joint.model, rows)
+        self.tick(f"chunks of {target or 'one module'} B: LP bound over every placement")
+        return target, groups, joint, rows, bound
+
+    def _solve_joint(self, target: int, groups: list[list[ParamInfo]], joint: Joint, rows: Rows, bound: int
+                     ) -> Scored | None:
+        if bound > self.best_moved:  # no placement of this chunking can beat a schedule already found
+            self.tick(f"chunks of {target or 'one module'} B: cannot beat the best found")
+            return None
+        keep, x = self._fallback(joint)
+        result = solve_milp(joint.model, keep, max_nodes=self.nodes, rows=rows, fallback_x=x)
+        assert result.keep is not None and result.x is not None
+        cpu = joint.extremes["cpu"]
+        scored = Scored(chunk_target=target, groups=groups, gpu_chunks=cpu.gpu_chunks, structure=cpu.structure,
+                        problem=cpu.problem, model=cpu.model, keep=np.zeros(0, dtype=bool), moved=0, result=result,
+                        joint=joint)
+        scored.adopt(self.trace, self.hardware, result, flips=self.options.flips)
+        self.best_moved = min(self.best_moved, scored.moved)
+        self.solved.append(scored)
+        self.tick(f"chunks of {target or 'one module'} B, placement and schedule")
+        return scored
+
+    def _fallback(self, joint: Joint) -> tuple[np.ndarray, np.ndarray]:
+        """A feasible joint solution, should branch and bound find none better: the interval greedy with every
+        update on the host, or on the GPU when that fits, whichever moves less (both problems are built)."""
+        options = [joint.to_joint(p, p.model.greedy()) for p in joint.extremes.values()
+                   if not np.any(p.problem.room() < 0)]
+        return min(options, key=lambda kx: joint.model.cost(*kx))
+
+    def best_prefix(self, target: int) -> Scored | None:
         """Best number k of GPU-updated chunks: none first, then powers of two up to what can stay resident,
         largest first (more GPU updates usually move less), then bisection around the best."""
         groups = group_params(self.trace, target)
@@ -239,15 +317,31 @@ class Search:
         return cpu_split(self.trace, self.hardware, cpu_only, trainable, groups, per_chunk)
 
     def run(self) -> Scored | None:
-        best = None
-        for target in chunk_targets(self.trace, self.options):
-            best = self.better(best, self.best_placement(target))
+        """The best candidate over every chunking. With placement in the model, every chunking's LP bound comes
+        first and they are solved from the least bound up, so a chunking that cannot beat the best schedule
+        found is skipped (a skipped one could not have won; among exact ties the first solved wins)."""
+        targets = chunk_targets(self.trace, self.options)
+        if not (self.nodes and self.joint_placement):
+            best = None
+            for target in targets:
+                best = self.better(best, self.best_prefix(target))
+            return best
+        best, ready = None, []
+        for k, target in enumerate(targets):
+            staged = self._stage(target)
+            if isinstance(staged, tuple):
+                ready.append((staged[-1], k, staged))
+            else:
+                best = self.better(best, staged)
+        for _, _, staged in sorted(ready, key=lambda item: item[:2]):
+            best = self.better(best, self._solve_joint(*staged))
         return best
 
 
-def planned_evaluations(trace: Trace, options: PlanOptions) -> int:
-    """An upper estimate of fast-solver runs, for progress totals."""
-    return len(chunk_targets(trace, options)) * (8 + 2 * REFINE_ROUNDS)
+def planned_evaluations(trace: Trace, options: PlanOptions, *, joint: bool = False) -> int:
+    """An upper estimate of solver runs, for progress totals: an LP and a branch and bound per chunking when
+    placement is solved inside the model."""
+    return len(chunk_targets(trace, options)) * (2 if joint else 8 + 2 * REFINE_ROUNDS)
 
 
 def cpu_split(trace: Trace, hardware: Hardware, cpu_only: Any, trainable: list[int], groups: Any,

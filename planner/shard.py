@@ -29,7 +29,7 @@ from hplan.artifacts.trace import Trace
 from hplan.errors import HplanError
 from hplan.planner.core import SEARCH_NODES, _improve, host_bytes_needed
 from hplan.planner.options import PlanOptions
-from hplan.planner.problem import MODULE_CHUNKS, PARAM_CHUNKS, group_params
+from hplan.planner.problem import MODULE_CHUNKS, PARAM_CHUNKS, group_params, placement_rule
 from hplan.planner.schedule import event_seconds
 from hplan.planner.search import Finished, Scored, chunk_targets, finish, host_update_bytes
 from hplan.planner.shard_build import ShardSearch, shard_build
@@ -186,7 +186,7 @@ def _plan(trace: Trace, hardware: Hardware, cand: Candidate, done: Finished, sol
                 initial_resident=tuple(sorted(done.schedule.initial)), initial_dirty=tuple(sorted(done.initial_dirty)),
                 accumulate=trace.accumulate, defer_updates=trace.defer_updates, input_shapes=trace.input_shapes,
                 max_grad_norm=trace.max_grad_norm, options={**opts, "chunk_bytes": cand.scored.chunk_target},
-                sharding=cand.sharding)
+                sharding=cand.sharding, placement=placement_rule(trace, cand.scored.groups, flips=False))
     rep = replay(plan)
     if not rep.ok:
         raise AssertionError(f"hplan made an invalid many-rank plan ({rep.violations[0]}): an hplan bug, please "

@@ -118,7 +118,12 @@ def shard_build(trace: Trace, groups: list[list[ParamInfo]], gpu_chunks: frozens
 
 
 class ShardSearch(Search):
-    """`planner.search.Search` on the sharded problem: the same chunkings and placements, scored the same way."""
+    """`planner.search.Search` on the sharded problem: the same chunkings, and placements searched as a number
+    of leading GPU-updated chunks, each solved by branch and bound (`Search.best_prefix`): a chunk's transient
+    collective bytes depend on its placement, which the joint model (`planner.placement`) does not carry, so a
+    many-rank plan's certificate covers its own placement only."""
+
+    joint_placement = False
 
     def __init__(self, trace: Trace, hardware: Hardware, options: PlanOptions, factors: Sharding,
                  on_progress: Progress | None = None, total: int = 1, nodes: int = 0) -> None:

@@ -204,7 +204,7 @@ def _infeasible(plan: Plan, min_cpu: int, why: str) -> Plan:
                           predicted_peak_bytes=0, min_gpu_bytes=plan.summary.min_gpu_bytes,
                           predicted_step_seconds=0.0, solver="none", bottleneck=why, min_cpu_bytes=min_cpu)
     return replace(plan, chunks=(), regions=(), steps=(), optimizer={}, summary=summary, initial_resident=(),
-                   initial_dirty=(), baselines=())
+                   initial_dirty=(), baselines=(), placement=None)
 
 
 __all__ = ["plan_tiers"]

@@ -120,7 +120,8 @@ def _plan(plan: Plan) -> str:
     rows = [("GPU budget", format_size(plan.gpu_bytes)), ("feasible", "yes" if s.feasible else "no"),
             ("bytes moved per iteration", (f"{format_size(s.bytes_moved_per_iter)} (h2d {format_size(s.h2d_bytes)}, "
                                            f"d2h {format_size(s.d2h_bytes)})")),
-            ("lower bound", f"{format_size(s.lower_bound_bytes)} (gap {s.gap:.1%})"),
+            ("lower bound", f"{format_size(s.lower_bound_bytes)} (gap {s.gap:.1%}; over "
+                            f"{'every' if s.placement_free else 'this'} optimizer placement of these chunks)"),
             ("predicted peak", format_size(s.predicted_peak_bytes)), ("minimum GPU", format_size(s.min_gpu_bytes)),
             ("predicted step time", f"{s.predicted_step_seconds:.3f} s"), ("solver", s.solver),
             ("chunks / regions", f"{len(plan.chunks)} / {len(plan.regions)}"), ("optimizer updates", f"{placed.count('gpu')} on GPU, {placed.count('cpu')} on CPU")]

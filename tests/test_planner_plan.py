@@ -159,10 +159,12 @@ def test_bad_options_are_one_line_errors():
 
 
 def test_18b_sized_trace_plans_for_24gb_within_2s():
+    """CPU seconds of this process, not wall time: the machine is shared, and bench/planner_cost.py measures the
+    goal itself on the real fake trace."""
     trace = gpt_trace(precision="fp16-mixed")  # 39 layers x 6144: the gpt:18b preset's shape
     assert 470 <= len(trace.events) <= 490
-    start = time.perf_counter()
+    start = time.process_time()
     plan = make_plan(trace, make_hardware("rtx3090", gpu_bytes=24 * 10**9))
-    elapsed = time.perf_counter() - start
+    elapsed = time.process_time() - start
     validate(plan)
     assert plan.summary.feasible and elapsed <= 2.0, elapsed

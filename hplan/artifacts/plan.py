@@ -25,6 +25,21 @@ steady-state events; replaying it (`hplan.artifacts.replay`, the one validator e
 - Every chunk with trainable parameters is updated exactly once per iteration: on the GPU at the optimizer step
   (``optimizer[c] == "gpu"``) or on the host at the one step listing it in ``host_updates`` ("cpu").
 
+[Note: placement claim] ``summary.lower_bound_bytes`` (and ``summary.optimal``) bound every schedule of the
+plan's chunking: with ``summary.placement_free`` over every choice of where each trainable chunk is updated,
+else for the plan's own ``optimizer`` only. So that the file alone states the wider problem, ``placement``
+records what the steps cannot show for the placements the plan did not take: the optimizer step's non-model
+bytes when any update runs on the GPU (the update's temporaries live there) and when none does, and the
+chunks whose gradient may take its weights' storage (the trace's operator order allows a flip at the step of
+its first write): in fp32 only while updated on the host, in mixed precision whatever the placement. The
+rest follows from the steps: a chunk updated on the GPU has, at the optimizer step, its gradient read (when
+some step writes it), master and state written, and weights overwritten (mixed precision) or written (fp32); one
+updated on the host is updated, all its regions off the device, right after the last step that reads its
+weights or writes its gradient (at the optimizer step when ``defer_updates`` or nothing touches it). The
+validator checks the optimizer step's non-model bytes against the figure for the plan's placement (a chunk
+moved to the GPU by hand would otherwise run the update's temporaries over the budget) and every flip
+against ``placement.flippable``. Files without ``placement`` (older plans) load and skip these checks.
+
 [Note: host tier] A plan for a machine with a disk tier (``hardware.nvme_bytes`` set) also schedules host memory;
 its steps then carry ``host`` phases (empty in a two-tier plan, which assumes every host copy always exists).
 Regions resident on the device at every step are *device-only*: after setup they have no host copy. Every
@@ -170,7 +185,8 @@ class PlanSummary:
     gap: float = 0.0
     """(bytes moved - lower bound) / max(bytes moved, 1): how far from proven optimal."""
     optimal: bool = False
-    """True when the solver proved the schedule optimal for this chunking and optimizer placement."""
+    """True when the solver proved the schedule optimal for this chunking: over every optimizer placement when
+    `placement_free`, else for the plan's own ([Note: placement claim])."""
     bottleneck: str = ""
     """When infeasible or tight: the event that sets min_gpu_bytes, in words."""
     seconds: dict[str, float] = field(default_factory=dict)
@@ -197,6 +213,20 @@ class PlanSummary:
     """Saved activations moved per iteration by offloaded segments, both directions ([Note: plan activations])."""
     recompute_seconds: float = 0.0
     """Predicted time of the recomputed segments' forwards per iteration (part of the predicted compute)."""
+    placement_free: bool = False
+    """The lower bound covers every optimizer placement of the chunking, not only the plan's own."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class PlacementRule:
+    """What the placement claim needs beyond the steps (see [Note: placement claim])."""
+
+    gpu_non_model_bytes: int
+    """Non-model bytes of the optimizer step when any chunk is updated on the GPU."""
+    host_non_model_bytes: int
+    """Non-model bytes of the optimizer step when every chunk is updated on the host."""
+    flippable: tuple[int, ...] = ()
+    """Chunks whose gradient may take its weights' storage at its first write (fp32: while host-updated)."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -263,6 +293,9 @@ class Plan:
     """Staged regions newer in host memory than on disk when an iteration begins."""
     activations: tuple[ActivationChoice, ...] = ()
     """Per segment call of the trace: keep, offload or recompute its saved activations ([Note: plan activations])."""
+    placement: PlacementRule | None = None
+    """The optimizer step's non-model bytes per placement and the flippable chunks ([Note: placement claim]);
+    None in files written before it was recorded."""
 
     @property
     def gpu_bytes(self) -> int:
@@ -338,7 +371,16 @@ class Plan:
             initial_staged=ints(obj.get("initial_staged", ())),
             initial_host_dirty=ints(obj.get("initial_host_dirty", ())),
             activations=tuple(ActivationChoice.from_dict(a) for a in obj.get("activations", ())),
+            placement=_placement(obj.get("placement")),
         )
+
+
+def _placement(obj: Any) -> PlacementRule | None:
+    if obj is None:
+        return None
+    return PlacementRule(gpu_non_model_bytes=_int(obj["gpu_non_model_bytes"]),
+                         host_non_model_bytes=_int(obj["host_non_model_bytes"]),
+                         flippable=tuple(_int(c) for c in obj.get("flippable", ())))
 
 
 def _int(x: Any) -> int:

@@ -204,6 +204,7 @@ def _structure(plan: Plan) -> list[str]:
             problems.append(f"chunk {c} is updated on the host {count} times per iteration; plan.optimizer says "
                             f"{where!r} (cpu: exactly once, gpu: never)")
     problems += _gpu_updates(plan)
+    problems += _placement_rule(plan)
     hw = plan.hardware
     if hw.gpu_bytes <= 0 or not all(math.isfinite(x) for x in (plan.summary.predicted_step_seconds, plan.summary.gap)):
         problems.append("the plan's budget or summary numbers are not finite and positive")
@@ -229,6 +230,30 @@ def _gpu_updates(plan: Plan) -> list[str]:
         if not needed <= touched:
             problems.append(f"chunk {c} is updated on the GPU but the optimizer step does not write its regions "
                             f"{sorted(needed - touched)}")
+    return problems
+
+
+def _placement_rule(plan: Plan) -> list[str]:
+    """The optimizer step holds the non-model bytes the plan's placement implies, and only flippable chunks flip
+    ([Note: placement claim])."""
+    rule = plan.placement
+    if rule is None:
+        return []
+    if not (_count(rule.gpu_non_model_bytes) and _count(rule.host_non_model_bytes)):
+        return ["placement: the optimizer step's non-model figures must be non-negative integers"]
+    problems = []
+    if set(rule.flippable) - {c.id for c in plan.chunks}:
+        problems.append("placement.flippable names chunks that do not exist")
+    flipped = sorted({c for s in plan.steps for c in s.flips} - set(rule.flippable))
+    if flipped:
+        problems.append(f"chunks {flipped[:3]} flip but placement.flippable does not allow it")
+    gpu = sorted(c for c, where in plan.optimizer.items() if where == "gpu")
+    expected = rule.gpu_non_model_bytes if gpu else rule.host_non_model_bytes
+    for step in plan.steps:
+        if step.event == OPTIMIZER_EVENT and step.non_model_bytes != expected:
+            words = f"chunks {gpu[:3]} are updated on the GPU" if gpu else "every chunk is updated on the host"
+            problems.append(f"step {step.index} ({step.event}) holds {step.non_model_bytes} non-model bytes, but "
+                            f"{words}, where the plan's placement rule says {expected}")
     return problems
 
 

@@ -237,7 +237,9 @@ def _print_summary(plan: Plan, output: Path | None) -> None:
         ("bytes moved / iteration", f"{format_size(s.bytes_moved_per_iter)} "
                                     f"(h2d {format_size(s.h2d_bytes)}, d2h {format_size(s.d2h_bytes)})"),
         ("lower bound", f"{format_size(s.lower_bound_bytes)} (gap {s.gap:.1%}, solver {s.solver}"
-                        f"{', optimal' if s.optimal else ''})"),
+                        f"{', optimal' if s.optimal else ''}; "
+                        f"{'any optimizer placement' if s.placement_free else 'this optimizer placement'} "
+                        "of these chunks)"),
         ("predicted peak", format_size(s.predicted_peak_bytes)),
         ("minimum GPU", format_size(s.min_gpu_bytes)),
         ("predicted step time", f"{s.predicted_step_seconds:.3f} s ({split}; a plan, not a measurement)"),

@@ -1,0 +1,291 @@
+"""The interval model ([Note: interval normal form]) as an LP / MILP for HiGHS: rows, columns, and where they are.
+
+    minimise  constant + sum_i size_i (1 - y_i) + sum_s size_s z_s
+    s.t.      sum_{i inside t} size_i y_i <= free_t      memory left at step t by what t needs
+              z_s + y_i >= 1                              a live drop in span s writes s back once
+              y binary (keep gap i), z in [0, 1]          (z is integral once y is)
+
+With choices ([Note: choices in the interval model]) a binary x_m per mode (sum over an item's modes = 1) and a
+switch g join: a mode's gap costs size_i (x_m - y_i) with y_i <= x_m, its write-back rows read
+z_s + y_i >= x_m, its forced bytes cost cost_m x_m, and a step where modes hold more memory gets its own row
+load_t + sum_m extra_mt x_m + switch_bytes g <= free_t, with g >= x_m for the modes that turn the switch on.
+Alone these let the LP turn every mode a little on and pay a little of the switch (gpt:1.3b fp16 at 12 GB:
+an LP bound 15% under the optimum, the switch being 5.46 GB of update temporaries), so the switch's step also
+gets the *switch cut* sum_m extra_mt x_m <= (free_t - switch_bytes) g over the modes that turn the switch on:
+valid, since those modes are off when the switch is, and the kept gaps and other modes only take room; it makes
+the LP pay the switch in full per unit of mode.
+
+Rows: steps between two consecutive gap boundaries see the same gaps, so one row per such segment (its smallest
+free memory) suffices, and segments whose gaps all fit anyway are left out; HiGHS gets them chained through load
+columns (see `_highs`), which keeps the matrix sparse.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import highspy
+import numpy as np
+from scipy.sparse import csc_matrix
+
+from hplan.planner.intervals import IntervalModel
+
+INF = highspy.kHighsInf
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Rows:
+    """The binding memory rows, in step order, and the cyclic range of them inside each gap."""
+
+    free: np.ndarray
+    """Free bytes of each binding row (the least over its segment's steps)."""
+    first: np.ndarray
+    """Per gap: the first binding row inside it."""
+    count: np.ndarray
+    """Per gap: how many consecutive binding rows (cyclically, from `first`) lie inside it."""
+    extra_row: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
+    """Choices: the binding row of each memory entry kept (`extra_entry` indexes `Choices.extra_*`)."""
+    extra_entry: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
+    switch_row: int = -1
+    """Choices: the binding row of the switch's step (-1: none, or it never binds)."""
+
+    def inside(self, i: int) -> np.ndarray:
+        return (self.first[i] + np.arange(self.count[i])) % max(len(self.free), 1)
+
+    def special(self) -> np.ndarray:
+        """Binding rows where modes add memory, sorted: each gets its own row beside the chain."""
+        rows = [self.extra_row] + ([np.array([self.switch_row])] if self.switch_row >= 0 else [])
+        return np.unique(np.concatenate(rows)).astype(np.int64)
+
+
+def memory_rows(model: IntervalModel) -> Rows:
+    """One row per segment of steps with the same gaps inside it (cut at every gap's first and after its last
+    inside step, and around every step where modes add memory), binding segments only. A gap's inside is a
+    cyclic range of steps, hence of segments."""
+    n, g = model.problem.n_steps, model.n_gaps
+    c = model.choices
+    special = np.zeros(0, dtype=np.int64)
+    if c is not None:
+        special = np.unique(np.concatenate([c.extra_step, [c.switch_step] if len(c.switch_modes) else []]))
+        special = special.astype(np.int64)
+    cuts = np.unique(np.concatenate([(model.start + 1) % n, model.end % n, [0], special, (special + 1) % n]))
+    seg_of = np.searchsorted(cuts, np.arange(n), side="right") - 1
+    n_seg = len(cuts)
+    seg_free = np.full(n_seg, np.iinfo(np.int64).max, dtype=np.int64)
+    np.minimum.at(seg_free, seg_of, model.free)
+    lo = seg_of[(model.start + 1) % n]
+    span = (seg_of[(model.end - 1) % n] - lo) % n_seg + 1
+    delta = np.zeros(2 * n_seg + 1, dtype=np.int64)
+    np.add.at(delta, lo, model.size)
+    np.add.at(delta, lo + span, -model.size)
+    run = np.cumsum(delta)[: 2 * n_seg]
+    demand = run[:n_seg] + run[n_seg:]
+    if c is not None and len(c.extra_step):  # the most the modes can add at each step
+        keys, inverse = np.unique(c.item[c.extra_mode] * n + c.extra_step, return_inverse=True)
+        most = np.zeros(len(keys), dtype=np.int64)
+        np.maximum.at(most, inverse, c.extra_bytes)
+        np.add.at(demand, seg_of[keys % n], most)
+    if c is not None and len(c.switch_modes) and c.switch_bytes > 0:
+        demand[seg_of[c.switch_step]] += c.switch_bytes
+    binding = np.flatnonzero(demand > seg_free)
+    m = len(binding)
+    # Binding rows inside gap i: those in segments lo .. lo+span-1 (cyclic), a cyclic range of binding rows.
+    first = np.searchsorted(binding, lo) % max(m, 1)
+    before_end = np.searchsorted(binding, lo + span) + np.where(lo + span > n_seg,
+                                                                np.searchsorted(binding, lo + span - n_seg), 0)
+    count = np.minimum(before_end - np.searchsorted(binding, lo), m) if m else np.zeros(g, dtype=np.int64)
+    row_of_seg = np.full(n_seg, -1, dtype=np.int64)
+    row_of_seg[binding] = np.arange(m)
+    extra_row, extra_entry, switch_row = np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int64), -1
+    if c is not None:
+        rows = row_of_seg[seg_of[c.extra_step]]
+        extra_entry = np.flatnonzero(rows >= 0)
+        extra_row = rows[extra_entry]
+        if len(c.switch_modes) and c.switch_bytes:
+            switch_row = int(row_of_seg[seg_of[c.switch_step]])
+    return Rows(free=seg_free[binding], first=first.astype(np.int64), count=count.astype(np.int64),
+                extra_row=extra_row, extra_entry=extra_entry, switch_row=switch_row)
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Layout:
+    """Where things are in the HiGHS model `_highs` builds: columns gaps, spans, loads, modes, switch; rows
+    chain (one per binding row), write-back, special memory, items, mode links, switch links."""
+
+    unit: float
+    """The objective's unit: bytes of the largest region (HiGHS sees bytes / unit)."""
+    first: int
+    """The binding row that became load row 0."""
+    covers: tuple[np.ndarray, np.ndarray, np.ndarray]
+    special: np.ndarray
+    cover_row: int
+    special_row: int
+    switch_link_row: int
+    n_switch: int
+    """Switch link rows (0: no switch column)."""
+    persp_row: int
+    """The switch cut's row (-1: none)."""
+    mode_col: int
+    switch_col: int
+
+
+def _highs(model: IntervalModel, rows: Rows, *, integral: bool) -> tuple[highspy._Highs, Layout]:
+    """A HiGHS instance holding the model, and where its parts are.
+
+    Memory rows are chained, not written out: a load column L_j per binding segment j (0 <= L_j <= free_j),
+    one row L_0 = sum of the kept gaps inside segment 0, and for j > 0 one row L_j = L_{j-1} + gaps entering
+    at j - gaps leaving at j. A gap then has about 2 coefficients instead of one per segment it spans (gaps
+    span most of the iteration, so the plain rows are ~70% dense on gpt:18b). Segments are relabelled so that
+    segment 0 is the one inside the fewest gaps. A segment where modes add memory also gets the row
+    L_j + sum_m extra x_m + switch_bytes g <= free_j."""
+    g, s, m = model.n_gaps, model.n_spans, len(rows.free)
+    c = model.choices
+    k = c.n_modes if c is not None else 0
+    has_switch = c is not None and len(c.switch_modes) > 0 and c.switch_bytes != 0
+    unit = float(max(int(model.size.max(initial=0)), int(model.span_size.max(initial=0)), 1))
+    size = model.size / unit
+    first = int(np.argmin(load_counts(rows))) if m else 0
+    covers = model.covers()
+    special = rows.special()
+    mode_col, switch_col = g + s + m, g + s + m + k
+    n_col = switch_col + int(has_switch)
+    cover_row = m
+    special_row = cover_row + len(covers[0])
+    item_row = special_row + len(special)
+    mode_gaps = np.flatnonzero(c.gap_mode >= 0) if c is not None else np.zeros(0, dtype=np.int64)
+    link_row = item_row + (c.n_items if c is not None else 0)
+    switch_link_row = link_row + len(mode_gaps)
+    n_switch = len(c.switch_modes) if has_switch and c is not None else 0
+    persp_row = switch_link_row + n_switch
+    persp = has_switch and c is not None and c.switch_bytes > 0 and rows.switch_row >= 0
+    n_row = persp_row + int(persp) + int(has_switch and c is not None and c.switch_bytes < 0)
+    r_idx: list[np.ndarray] = []
+    c_idx: list[np.ndarray] = []
+    vals: list[np.ndarray] = []
+
+    def put(row: object, col: object, value: object) -> None:
+        rr, cc, vv = np.broadcast_arrays(np.asarray(row), np.asarray(col), np.asarray(value, dtype=float))
+        r_idx.append(rr.ravel())
+        c_idx.append(cc.ravel())
+        vals.append(vv.ravel())
+
+    for i in np.flatnonzero(rows.count):
+        entry, leave = (rows.first[i] - first) % m, (rows.first[i] + rows.count[i] - first) % m
+        if rows.count[i] == m or entry == 0 or entry + rows.count[i] > m:
+            put(0, int(i), -size[i])  # inside row 0: counted by the anchor row
+        if rows.count[i] < m:
+            if entry:
+                put(int(entry), int(i), -size[i])
+            if leave:
+                put(int(leave), int(i), size[i])
+    put(np.arange(m), g + s + np.arange(m), 1.0)
+    put(np.arange(1, m), g + s + np.arange(m - 1), -1.0)
+    gap, span, mode = covers
+    ncov = np.arange(len(gap))
+    put(cover_row + ncov, gap, 1.0)
+    put(cover_row + ncov, g + span, 1.0)
+    conditional = np.flatnonzero(mode >= 0)
+    put(cover_row + conditional, mode_col + mode[conditional], -1.0)
+    special_of = {int(j): q for q, j in enumerate(special)}
+    put(special_row + np.arange(len(special)), g + s + (special - first) % max(m, 1), 1.0)
+    if c is not None:
+        e = rows.extra_entry
+        put(special_row + np.array([special_of[int(j)] for j in rows.extra_row], dtype=np.int64),
+            mode_col + c.extra_mode[e], c.extra_bytes[e] / unit)
+        put(item_row + c.item, mode_col + np.arange(k), 1.0)
+        put(link_row + np.arange(len(mode_gaps)), mode_gaps, 1.0)
+        put(link_row + np.arange(len(mode_gaps)), mode_col + c.gap_mode[mode_gaps], -1.0)
+        if has_switch:
+            if rows.switch_row >= 0:
+                put(special_row + special_of[rows.switch_row], switch_col, c.switch_bytes / unit)
+            put(switch_link_row + np.arange(n_switch), switch_col, 1.0)
+            put(switch_link_row + np.arange(n_switch), mode_col + c.switch_modes, -1.0)
+            if persp:  # see `switch_cut`
+                at = switch_extras(model, rows)
+                put(persp_row, mode_col + c.extra_mode[at], c.extra_bytes[at] / unit)
+                put(persp_row, switch_col, -switch_room(model, rows) / unit)
+            if c.switch_bytes < 0:  # then the switch must also be off when no mode turns it on
+                put(persp_row + int(persp), switch_col, 1.0)
+                put(persp_row + int(persp), mode_col + c.switch_modes, -1.0)
+    cat = (lambda xs, dtype: np.concatenate(xs).astype(dtype) if xs else np.zeros(0, dtype=dtype))
+    matrix = csc_matrix((cat(vals, float), (cat(r_idx, np.int64), cat(c_idx, np.int64))), shape=(n_row, n_col))
+    matrix.sum_duplicates()
+    matrix.sort_indices()
+    free = np.roll(rows.free, -first) / unit
+    lower = np.zeros(n_row)
+    upper = np.zeros(n_row)
+    lower[cover_row:special_row] = np.where(mode < 0, 1.0, 0.0)
+    upper[cover_row:special_row] = INF
+    lower[special_row:item_row] = -INF
+    upper[special_row:item_row] = rows.free[special] / unit
+    lower[item_row:link_row] = upper[item_row:link_row] = 1.0
+    lower[link_row:switch_link_row] = -INF
+    upper[switch_link_row:switch_link_row + n_switch] = INF
+    lower[persp_row:] = -INF
+    cost = np.zeros(n_col)
+    cost[:g] = -size
+    cost[g:g + s] = model.span_size / unit
+    if c is not None:
+        mode_cost = c.cost.astype(float)
+        np.add.at(mode_cost, c.gap_mode[mode_gaps], model.size[mode_gaps].astype(float))
+        cost[mode_col:mode_col + k] = mode_cost / unit
+    col_upper = np.ones(n_col)
+    col_upper[g + s:g + s + m] = free
+    lp = highspy.HighsLp()
+    lp.num_col_, lp.num_row_ = n_col, n_row
+    lp.col_cost_ = cost
+    lp.col_lower_ = np.zeros(n_col)
+    lp.col_upper_ = col_upper
+    lp.offset_ = 0.0  # the constant part is added back by the caller (see `constant_of`)
+    lp.a_matrix_.format_ = highspy.MatrixFormat.kColwise
+    lp.a_matrix_.start_ = matrix.indptr.astype(np.int32)
+    lp.a_matrix_.index_ = matrix.indices.astype(np.int32)
+    lp.a_matrix_.value_ = matrix.data.astype(float)
+    lp.row_lower_ = lower
+    lp.row_upper_ = upper
+    if integral:
+        kinds = np.full(n_col, 0)
+        kinds[:g] = 1
+        kinds[mode_col:] = 1
+        lp.integrality_ = [highspy.HighsVarType.kInteger if x else highspy.HighsVarType.kContinuous for x in kinds]
+    h = highspy._Highs()  # the public wrapper prints a banner on stdout (breaks --json); same solver underneath
+    for name, value_ in (("output_flag", False), ("threads", 1), ("random_seed", 0), ("time_limit", INF)):
+        h.setOptionValue(name, value_)
+    h.passModel(lp)
+    return h, Layout(unit=unit, first=first, covers=covers, special=special, cover_row=cover_row,
+                     special_row=special_row, switch_link_row=switch_link_row, n_switch=n_switch,
+                     persp_row=persp_row if persp else -1, mode_col=mode_col,
+                     switch_col=switch_col)
+
+
+def switch_extras(model: IntervalModel, rows: Rows) -> np.ndarray:
+    """The memory entries the switch cut holds: those of switch modes at the switch's step (a mode that does not
+    turn the switch on may hold bytes there with the switch off, so it stays out of the cut)."""
+    assert model.choices is not None
+    c = model.choices
+    at = rows.extra_entry[rows.extra_row == rows.switch_row]
+    return at[np.isin(c.extra_mode[at], c.switch_modes)]
+
+
+def switch_room(model: IntervalModel, rows: Rows) -> float:
+    """Bytes the modes' extras may take at the switch's step while the switch is on: its free bytes less the
+    switch's own (the kept gaps there take some too; they only make it smaller)."""
+    assert model.choices is not None and rows.switch_row >= 0
+    return float(rows.free[rows.switch_row] - model.choices.switch_bytes)
+
+
+def load_counts(rows: Rows) -> np.ndarray:
+    """How many gaps each binding row lies inside."""
+    m = len(rows.free)
+    delta = np.zeros(2 * m + 1, dtype=np.int64)
+    np.add.at(delta, rows.first, 1)
+    np.add.at(delta, rows.first + rows.count, -1)
+    run = np.cumsum(delta)[: 2 * m]
+    return run[:m] + run[m:]
+
+
+def constant_of(model: IntervalModel) -> float:
+    """Bytes of the objective that no decision changes: forced traffic plus the fetch of every gap that exists
+    whatever is chosen (a kept gap subtracts its own; a mode's gaps are part of its cost)."""
+    sizes = model.size if model.choices is None else model.size[model.choices.gap_mode < 0]
+    return float(model.constant) + float(sizes.sum())

@@ -1,0 +1,228 @@
+"""Each trainable chunk's optimizer placement (GPU or host) as a choice inside the exact model.
+
+[Note: placement in the model] Where chunk c's update runs changes only c's own regions' events (`build`):
+on the GPU its weights, gradients, master and state are needed at the optimizer step (gradients read, the
+rest written; weights overwritten from the master in mixed precision); on the host they are all forced off at
+its host-update step, which reads the gradients, master and state and rewrites the weights (mixed precision)
+or reads them (fp32), and in fp32 only a host-updated chunk's gradient may take its weights' storage (a flip).
+Nothing else about c, and nothing about any other chunk, depends on c's placement, except one thing: the
+optimizer step holds its update temporaries on the GPU when any update runs there (`event_non_model`). So the
+problem with every trainable chunk on the GPU and the one with every chunk on the host hold, region by region,
+both modes of every chunk; `build_joint` assembles them into one interval model with an item per trainable
+chunk ([Note: choices in the interval model]) and the optimizer step's temporaries as its switch, and checks
+that both extreme placements give back exactly the memory of their own problems. A solution's placement is
+then built as a plain problem (`Joint.settle`), its schedule carried over gap by gap, and the two costs
+compared: the joint model and the plan agree byte for byte, or planning stops as an hplan bug.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from hplan.artifacts.hardware import Hardware
+from hplan.artifacts.trace import ParamInfo, Trace
+from hplan.errors import HplanError
+from hplan.planner.intervals import Choices, IntervalModel, build_intervals
+from hplan.planner.problem import Problem, Structure, build
+
+MODES: tuple[str, ...] = ("gpu", "cpu")
+"""Mode labels of a chunk's item, in mode order (mode 2k is chunk k's GPU update, 2k + 1 its host update)."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Placed:
+    """One placement of a chunking, built as a plain problem."""
+
+    gpu_chunks: frozenset[int]
+    structure: Structure
+    problem: Problem
+    model: IntervalModel
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Joint:
+    """The joint model of one chunking and how to go between it and a placement's own model."""
+
+    groups: list[list[ParamInfo]]
+    model: IntervalModel
+    chunks: tuple[int, ...]
+    """Trainable chunk of each item."""
+    extremes: dict[str, Placed]
+    """"gpu": every trainable chunk updated on the GPU; "cpu": every one on the host."""
+    columns: dict[tuple[int, int, int, int], int]
+    """(region, start, end, mode or -1) → joint gap column; a shared gap is listed under each of its modes."""
+
+    def x_of(self, gpu_chunks: frozenset[int]) -> np.ndarray:
+        """Per-mode booleans of a placement."""
+        return np.array([(c in gpu_chunks) == (label == "gpu") for c in self.chunks for label in MODES], dtype=bool)
+
+    def gpu_of(self, x: np.ndarray) -> frozenset[int]:
+        return frozenset(c for k, c in enumerate(self.chunks) if x[2 * k])
+
+    def _mode_of(self, x: np.ndarray) -> dict[int, int]:
+        """Region → its chosen mode (regions of frozen chunks: -1)."""
+        regions = self.extremes["cpu"].structure.regions
+        item = {c: k for k, c in enumerate(self.chunks)}
+        return {r.id: (2 * item[r.chunk] + (0 if x[2 * item[r.chunk]] else 1)) if r.chunk in item else -1
+                for r in regions}
+
+    def to_fixed(self, placed: Placed, keep: np.ndarray, x: np.ndarray) -> np.ndarray:
+        """The joint solution's kept gaps as the placement's own keep vector."""
+        mode = self._mode_of(x)
+        m = placed.model
+        cols = [self.columns[(int(r), int(a), int(b), mode[int(r)])] for r, a, b in zip(m.region, m.start, m.end)]
+        return np.asarray(keep, dtype=bool)[np.array(cols, dtype=np.int64)] if cols else np.zeros(0, dtype=bool)
+
+    def to_joint(self, placed: Placed, keep: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """A placement's own keep vector as a joint solution (keep, x)."""
+        x = self.x_of(placed.gpu_chunks)
+        mode = self._mode_of(x)
+        out = np.zeros(self.model.n_gaps, dtype=bool)
+        m = placed.model
+        for i, (r, a, b) in enumerate(zip(m.region, m.start, m.end)):
+            out[self.columns[(int(r), int(a), int(b), mode[int(r)])]] = keep[i]
+        return out, x
+
+    def place(self, trace: Trace, hardware: Hardware, gpu_chunks: frozenset[int], *, flips: bool) -> Placed:
+        """A placement of this chunking as a plain problem."""
+        for placed in self.extremes.values():
+            if placed.gpu_chunks == gpu_chunks:
+                return placed
+        structure, problem = build(trace, self.groups, gpu_chunks, hardware, flips=flips)
+        return Placed(gpu_chunks=gpu_chunks, structure=structure, problem=problem, model=build_intervals(problem))
+
+    def settle(self, trace: Trace, hardware: Hardware, keep: np.ndarray, x: np.ndarray, *, flips: bool
+               ) -> tuple[Placed, np.ndarray]:
+        """The placement x as a plain problem with the joint schedule's keep vector; the two must cost and fit
+        the same (see [Note: placement in the model])."""
+        placed = self.place(trace, hardware, self.gpu_of(x), flips=flips)
+        fixed = self.to_fixed(placed, keep, x)
+        if placed.model.cost(fixed) != self.model.cost(keep, x) or (
+                placed.model.feasible(fixed) != self.model.feasible(keep, x)):
+            raise HplanError(f"the placement model and the plan disagree ({self.model.cost(keep, x)} vs "
+                             f"{placed.model.cost(fixed)} bytes): an hplan bug, please report it")
+        return placed, fixed
+
+
+def build_joint(trace: Trace, groups: list[list[ParamInfo]], hardware: Hardware, *, flips: bool = True
+                ) -> Joint | None:
+    """The joint model of a chunking (see [Note: placement in the model]); None without trainable chunks."""
+    chunks = tuple(c for c, ps in enumerate(groups) if ps[0].trainable)
+    if not chunks:
+        return None
+    extremes = {}
+    for label, gpu in (("gpu", frozenset(chunks)), ("cpu", frozenset())):
+        structure, problem = build(trace, groups, gpu, hardware, flips=flips)
+        extremes[label] = Placed(gpu_chunks=gpu, structure=structure, problem=problem,
+                                 model=build_intervals(problem))
+    structure = extremes["cpu"].structure
+    item = {c: k for k, c in enumerate(chunks)}
+    region_item = np.array([item.get(r.chunk, -1) for r in structure.regions], dtype=np.int64)
+    gaps, spans, covers, columns = _gaps(extremes, region_item)
+    region, start, end, size, gap_mode = (np.array(col, dtype=np.int64) for col in zip(*gaps)) if gaps else (
+        np.zeros(0, dtype=np.int64) for _ in range(5))
+    cost = np.zeros(2 * len(chunks), dtype=np.int64)
+    constant = 0
+    for k, label in enumerate(MODES):
+        rc = extremes[label].model.region_constant
+        assert rc is not None
+        np.add.at(cost, 2 * region_item[region_item >= 0] + k, rc[region_item >= 0])
+        if label == "cpu":
+            constant = int(rc[region_item < 0].sum())
+    free, extra, switch = _memory(extremes, region_item, len(chunks))
+    c_gap, c_span, c_mode = (np.array(col, dtype=np.int64) for col in zip(*covers)) if covers else (
+        np.zeros(0, dtype=np.int64) for _ in range(3))
+    e_mode, e_step, e_bytes = extra
+    opt, switch_bytes = switch
+    choices = Choices(item=np.repeat(np.arange(len(chunks)), 2), label=MODES * len(chunks), key=chunks, cost=cost,
+                      gap_mode=gap_mode, cover_gap=c_gap, cover_span=c_span, cover_mode=c_mode, extra_mode=e_mode,
+                      extra_step=e_step, extra_bytes=e_bytes,
+                      switch_modes=np.arange(0, 2 * len(chunks), 2) if switch_bytes else np.zeros(0, dtype=np.int64),
+                      switch_step=opt, switch_bytes=switch_bytes)
+    model = IntervalModel(problem=extremes["cpu"].problem, region=region, start=start, end=end, size=size,
+                          span=np.full(len(region), -1, dtype=np.int64),
+                          span_size=np.array([s for s, _ in spans], dtype=np.int64), constant=constant, free=free,
+                          span_region=np.array([r for _, r in spans], dtype=np.int64), choices=choices)
+    joint = Joint(groups=groups, model=model, chunks=chunks, extremes=extremes, columns=columns)
+    for label, placed in extremes.items():  # both extremes give back their own problems' memory
+        x = joint.x_of(placed.gpu_chunks)
+        if not np.array_equal(model.free - model.load(np.zeros(model.n_gaps, dtype=bool), x),
+                              placed.model.free):
+            raise HplanError(f"the placement model's memory differs from the all-{label} problem's: an hplan bug")
+    return joint
+
+
+def _gaps(extremes: dict[str, Placed], region_item: np.ndarray
+          ) -> tuple[list[tuple[int, ...]], list[tuple[int, int]], list[tuple[int, int, int]],
+                     dict[tuple[int, int, int, int], int]]:
+    """Joint gap columns (region, start, end, size, mode), spans (size, region), write-back rows (gap, span,
+    mode) and the column of each (region, start, end, mode). A gap of a frozen chunk's region is taken once; a
+    gap that both modes of its chunk have is one column."""
+    gaps: list[tuple[int, ...]] = []
+    spans: list[tuple[int, int]] = []
+    covers: list[tuple[int, int, int]] = []
+    columns: dict[tuple[int, int, int, int], int] = {}
+    keys = {label: {(int(r), int(a), int(b)) for r, a, b, it in zip(p.model.region, p.model.start, p.model.end,
+                                                                    region_item[p.model.region]) if it >= 0}
+            for label, p in extremes.items()}
+    for k, label in enumerate(MODES):
+        m = extremes[label].model
+        span_of: dict[int, int] = {}
+        for s, (size, r) in enumerate(zip(m.span_size, m.span_region if m.span_region is not None else [])):
+            if region_item[r] >= 0 or label == "cpu":
+                span_of[s] = len(spans)
+                spans.append((int(size), int(r)))
+        for r, a, b, size, span in zip(m.region, m.start, m.end, m.size, m.span):
+            r, a, b, it = int(r), int(a), int(b), int(region_item[r])
+            if it < 0 and label != "cpu":
+                continue
+            mode = 2 * it + k if it >= 0 else -1
+            shared = it >= 0 and (r, a, b) in keys[MODES[1 - k]]
+            col = columns.get((r, a, b, 2 * it + 1 - k)) if shared else None
+            if col is None:
+                col = len(gaps)
+                gaps.append((r, a, b, int(size), -1 if shared or it < 0 else mode))
+            columns[(r, a, b, mode)] = col
+            if span >= 0:
+                covers.append((col, span_of[int(span)], mode))
+    return gaps, spans, covers, columns
+
+
+def _memory(extremes: dict[str, Placed], region_item: np.ndarray, n_items: int
+            ) -> tuple[np.ndarray, tuple[np.ndarray, np.ndarray, np.ndarray], tuple[int, int]]:
+    """Free bytes beside the least any mode holds, each mode's extra bytes per step (mode, step, bytes), and the
+    switch (step, bytes). Per chunk and step a mode holds its needed regions, less a flipped gradient's bytes
+    (it takes its weights' storage); capacity outside that is the same for both modes but at the switch."""
+    held, base = {}, {}
+    for label, p in extremes.items():
+        dense = p.problem.dense()
+        per_region = dense.size[:, None] * dense.need
+        bonus = np.zeros_like(per_region)
+        for t, cs in enumerate(p.structure.flips):
+            for c in cs:
+                bonus[p.structure.by_chunk[c]["grad"], t] = dense.size[p.structure.by_chunk[c]["grad"]]
+        net = per_region - bonus
+        per_item = np.zeros((n_items + 1, p.problem.n_steps), dtype=np.int64)  # row n_items: frozen chunks
+        np.add.at(per_item, np.where(region_item >= 0, region_item, n_items), net)
+        held[label] = per_item
+        base[label] = dense.cap - bonus.sum(axis=0)
+    differ = np.flatnonzero(base["gpu"] != base["cpu"])
+    if len(differ) > 1:
+        raise HplanError(f"capacity depends on placement at {len(differ)} steps (expected the optimizer step "
+                         "only): an hplan bug")
+    opt = int(differ[0]) if len(differ) else 0
+    switch_bytes = int(base["cpu"][opt] - base["gpu"][opt]) if len(differ) else 0
+    least = np.minimum(held["gpu"], held["cpu"])
+    free = base["cpu"] - least.sum(axis=0)
+    modes, steps, nbytes = [], [], []
+    for k, label in enumerate(MODES):
+        extra = held[label][:n_items] - least[:n_items]
+        items, ts = np.nonzero(extra)
+        modes.append(2 * items + k)
+        steps.append(ts)
+        nbytes.append(extra[items, ts])
+    order = np.lexsort((np.concatenate(steps), np.concatenate(modes)))
+    extra_arrays = tuple(np.concatenate(a).astype(np.int64)[order] for a in (modes, steps, nbytes))
+    return free.astype(np.int64), extra_arrays, (opt, switch_bytes)  # type: ignore[return-value]
