@@ -65,13 +65,13 @@ def run_distributed(spec: str, plan: Plan, *, nproc: int | None, steps: int, dev
     torchrun = under_torchrun()
     world = int(os.environ["WORLD_SIZE"]) if torchrun else nproc
     if world is None:
-        raise HplanError(f"the plan is for {plan.hardware.ranks} ranks: give --nproc {plan.hardware.ranks} or launch "
+        raise HplanError(f"the plan is for {plan.hardware.ranks} ranks: give `nproc` {plan.hardware.ranks} or launch "
                          "under torchrun")
     check_world(plan, world)
     if resume and overwrite:
-        raise HplanError("--resume continues the checkpoint and --overwrite replaces it: pass only one")
+        raise HplanError("`resume` continues the checkpoint and `overwrite` replaces it: pass only one")
     if resume and checkpoint_dir is None:
-        raise HplanError("--resume needs --checkpoint DIR (where the state was saved)")
+        raise HplanError("`resume` needs `checkpoint_dir` DIR (where the state was saved)")
     held = None
     if checkpoint_dir is not None and not torchrun:
         held = claim(checkpoint_dir, plan, world, resume=resume, overwrite=overwrite)
@@ -144,7 +144,7 @@ def _train(info: Any, job: Job, plan: Plan, resume_from: str | None) -> dict[str
     workload = load_workload(job.spec, **job.load)
     if workload.accumulate != plan.accumulate:
         raise HplanError(f"the plan was traced with {plan.accumulate} micro-batches per step, the workload uses "
-                         f"{workload.accumulate}; re-trace with the same --accumulate")
+                         f"{workload.accumulate}; re-trace with the same `accumulate`")
     device = f"cuda:{info.local_rank}" if job.device == "cuda" else job.device
     if device.startswith("cuda"):
         torch.cuda.set_device(torch.device(device))
@@ -167,7 +167,7 @@ def _train(info: Any, job: Job, plan: Plan, resume_from: str | None) -> dict[str
         if scheduler is not None and resumed.get("scheduler") is not None:
             scheduler.load_state_dict(resumed["scheduler"])
         if first >= job.steps:
-            raise HplanError(f"the checkpoint is already at step {first}; ask for more --steps than that")
+            raise HplanError(f"the checkpoint is already at step {first}; ask for more `steps` than that")
         for step in range(first, job.steps):
             if die == f"{r}:{step}":
                 os._exit(3)

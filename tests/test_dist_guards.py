@@ -263,7 +263,7 @@ def test_a_model_pt_that_cannot_be_written_is_refused_before_step_1(root, tmp_pa
     assert sorted(p.name for p in ck.iterdir()) == ["model.pt"]  # nothing created, not even the lock
     (ck / "model.pt").unlink()
     (ck / "model.pt").write_bytes(b"weights of an earlier run")
-    with pytest.raises(HplanError, match=r"model\.pt holds the final weights of an earlier run: pass --overwrite"):
+    with pytest.raises(HplanError, match=r"model\.pt holds the final weights of an earlier run: pass `overwrite`"):
         run_distributed(SPEC, _plan(root), nproc=2, steps=2, checkpoint_dir=ck, timeout_s=1)
 
 
