@@ -281,22 +281,16 @@ def save(directory: str | os.PathLike[str], run: Any, *, global_step: int, sched
 
 def _agree_finite(run: Any, state: dict[str, Any], *, global_step: int, root: Path) -> None:
     """[Note: finite checkpoints] on ranks: each rank checks the weights, masters and optimizer state it is about to
-    save (its pieces of the trainable parameters: padding is never updated), then all agree with one all-reduce,
-    so a non-finite value anywhere stops every rank before anything is written, with the finding rank's words."""
-    import torch
-    import torch.distributed as dist
+    save (its pieces of the trainable parameters: padding is never updated), then all agree ([Note: ranks stop
+    together] in hplan.executor.dist_comm), so a non-finite value anywhere stops every rank before anything is
+    written, with the finding rank's words."""
+    from hplan.executor.dist_comm import stop_together
 
     problem = _nonfinite(run)
     if problem is not None:
         problem = (f"after step {global_step - 1} the {problem} on rank {run.rank} is not finite (inf or NaN); not "
                    f"saved — the latest checkpoint in {root} holds the state before this step")
-    first = torch.tensor([run.rank if problem is not None else run.world])
-    dist.all_reduce(first, op=dist.ReduceOp.MIN)
-    if int(first) == run.world:
-        return
-    message = [problem]
-    dist.broadcast_object_list(message, src=int(first))
-    raise HplanError(message[0])
+    stop_together(problem, rank=run.rank, world=run.world, device=run.tier.device)
 
 
 def _nonfinite(run: Any) -> str | None:

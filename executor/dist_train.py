@@ -6,7 +6,9 @@ the reference is one process accumulating the N·k micro-batches of step s (each
 optimizer step, and the loss reported per step is the mean over ranks (an all-reduce outside the plan's calls,
 not counted in its bytes). Every number in the report is measured per rank ([Note: distributed executor step]).
 Ranks start through hplan.executor.launch: a rank that fails or dies makes the run fail with one line naming it;
-checkpoints are saved after each step (hplan.executor.dist_checkpoint), so a failed run loses at most a step.
+checkpoints are saved after each step (hplan.executor.dist_checkpoint), so a failed run loses at most a step. A
+non-finite loss on any rank stops every rank at that micro-batch, before its backward, with one message naming the
+step and the rank ([Note: ranks stop together] in hplan.executor.dist_comm).
 """
 
 from __future__ import annotations
@@ -135,6 +137,7 @@ def _train(info: Any, job: Job, plan: Plan, resume_from: str | None) -> dict[str
     import torch.distributed as dist
     from hplan.executor import dist_checkpoint
     from hplan.executor.checkpoint_dir import folder_name
+    from hplan.executor.dist_comm import stop_together
     from hplan.executor.distributed import DistRun
     from hplan.executor.train import to_device
 
@@ -176,10 +179,11 @@ def _train(info: Any, job: Job, plan: Plan, resume_from: str | None) -> dict[str
             for i in range(k):
                 batch = to_device(workload.batch((step * n + r) * k + i), device)
                 loss = check_loss(workload, workload.loss(run.model, batch))
-                if not math.isfinite(float(loss.detach())):
-                    raise HplanError(f"the loss is {float(loss.detach())} at step {step} on rank {r} (micro-batch "
-                                     f"{i}); stopped before updating or saving anything of this step — the last "
-                                     "checkpoint holds the state before it")
+                value = float(loss.detach())
+                problem = None if math.isfinite(value) else (
+                    f"the loss is {value} at step {step} on rank {r} (micro-batch {i}); every rank stopped before "
+                    "updating or saving anything of this step — the last checkpoint holds the state before it")
+                stop_together(problem, rank=r, world=n, device=run.tier.device)  # before backward: nothing updated
                 (loss / k if k > 1 else loss).backward()
                 micro.append(loss.detach())
             last = run.step()

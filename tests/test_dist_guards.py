@@ -59,15 +59,19 @@ class Blow(torch.autograd.Function):
         return g * math.inf
 
 
-def workload(inf_grad_at: int = -1, inf_lr_at: int = -1, ranks: int = 2):
+def workload(inf_grad_at: int = -1, inf_lr_at: int = -1, nan_loss_at: int = -1, ranks: int = 2):
     def batch(i):
         tokens, targets = BASE.batch(i)
         if i // ranks == inf_grad_at and i % ranks == ranks - 1:  # the last rank's micro-batch of that step
             tokens[0, :] = 7
+        if i // ranks == nan_loss_at and i % ranks == ranks - 1:
+            tokens[0, :] = 8
         return tokens, targets
 
     def loss(model, b):
         value = BASE.loss(model, b)
+        if bool((b[0][0] == 8).all()):
+            return value * math.nan  # this rank's loss only: the others' stay finite
         return Blow.apply(value) if bool((b[0][0] == 7).all()) else value
 
     def scheduler(opt):
@@ -151,6 +155,23 @@ def test_a_non_finite_gradient_on_a_rank_stops_naming_its_step_and_saves_nothing
     assert dist_checkpoint.read_pointer(ck)["latest"] == "step-000001"
     assert sorted(p.name for p in ck.iterdir()) == [".lock", "latest.json", "step-000001"]  # no temp folder left
     assert _finite_everywhere(ck / "step-000001")
+
+
+def test_a_nan_loss_on_one_rank_stops_every_rank_at_that_step(root, tmp_path):
+    """Rank 1's loss of step 2 is NaN, rank 0's finite: every rank stops at step 2 before its backward ([Note: ranks
+    stop together]), the one line names the step and rank 1 (the ranks agree: no "connection closed by peer" from
+    rank 0), and the latest checkpoint is step 2's, after step 1, all finite. Before, only rank 1 stopped and rank 0
+    failed in its next collective. The subprocess timeout fails a hang (its ranks die with it)."""
+    ck = tmp_path / "ck"
+    done = _cli("run", f"{root / 'wl.py'}:workload", "--plan", str(root / "p2.json"), "--steps", "4", "--nproc", "2",
+                "--checkpoint", str(ck), "--set", "nan_loss_at=2", timeout=240)
+    lines = _errors(done.stderr)
+    assert done.returncode == 2 and len(lines) == 1, done.stderr
+    assert lines[0].startswith("error: ranks [0, 1] of 2 failed: the loss is nan at step 2 on rank 1 (micro-batch 0); "
+                               "every rank stopped before updating or saving anything of this step"), lines[0]
+    assert dist_checkpoint.read_pointer(ck)["latest"] == "step-000002"
+    assert sorted(p.name for p in ck.iterdir()) == [".lock", "latest.json", "step-000001", "step-000002"]
+    assert _finite_everywhere(ck / "step-000002")
 
 
 @pytest.mark.slow
