@@ -58,7 +58,7 @@ PAUSE_ENV = "HPLAN_TEST_SAVE_PAUSE_S"
 """Tests only: seconds to sleep between the phases of a save, so a `kill -9` can be aimed inside one."""
 
 _STEP = re.compile(r"step-(\d{6,})")
-_LEFTOVER = re.compile(r"\.step-\d+\..*\.tmp|\.trash-.*|\.(latest\.json|state\.pt)\..*\.tmp")
+_LEFTOVER = re.compile(r"\.step-\d+\..*\.tmp|\.trash-.*|\.(latest\.json|state\.pt|model\.pt)\..*\.tmp")
 
 Warn = Callable[[str], None]
 
@@ -304,6 +304,11 @@ def lock(root: Path) -> int:
     """The one lock of a checkpoint folder, taken by a one-process run and by a many-rank run's launcher (or rank 0
     under torchrun) alike; the returned fd's closing releases it."""
     return _lock(root)
+
+
+def pause() -> None:
+    """Tests only: sleep PAUSE_ENV seconds (between the phases of a save; many-rank saves too)."""
+    _pause()
 
 
 def _pause() -> None:

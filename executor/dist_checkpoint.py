@@ -247,7 +247,7 @@ def save(directory: str | os.PathLike[str], run: Any, *, global_step: int, sched
     Call it under the folder's lock (`claim`) when other runs may use the folder."""
     import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
-    from hplan.executor.checkpoint_dir import install
+    from hplan.executor.checkpoint_dir import install, pause
     from hplan.executor.durable import current_umask, write_durably
 
     root = Path(directory)
@@ -262,6 +262,7 @@ def save(directory: str | os.PathLike[str], run: Any, *, global_step: int, sched
     dcp.save(state, checkpoint_id=str(tmp))
     dist.barrier()
     if run.rank == 0:
+        pause()  # tests only (PAUSE_ENV): a signal or kill aimed inside a save
         tmp.chmod(0o777 & ~current_umask())  # mkdtemp makes 0700; a checkpoint gets the usual permissions
         write_manifest(tmp, global_step=global_step, info={"world_size": run.world})  # last: checksums of all
         final = install(tmp, root / folder_name(global_step))

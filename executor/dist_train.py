@@ -13,9 +13,9 @@ step and the rank ([Note: ranks stop together] in hplan.executor.dist_comm).
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
+import contextlib
 import math
+from collections.abc import Callable
 import os
 import time
 from dataclasses import dataclass
@@ -57,7 +57,16 @@ def run_distributed(spec: str, plan: Plan, *, nproc: int | None, steps: int, dev
 
     With `checkpoint_dir`, the folder is claimed (hplan.executor.dist_checkpoint.claim: its lock, then every check
     of what the run will write) before any rank starts — by this process for spawned ranks, by rank 0 under
-    torchrun — and held until the ranks are done."""
+    torchrun — and held until the ranks are done.
+
+    [Note: stopped many-rank runs] When the spawned ranks end any other way than all finishing — one failed, the
+    watchdog fired, or this process was interrupted (`hplan run` turns SIGTERM/SIGHUP into an exception,
+    hplan.cli.run_cmd.stops_cleanly) — launch stops every rank (SIGTERM, then SIGKILL) and removes its private
+    folder before the exception reaches here; then, still under the lock, the temp and trash folders of a save the
+    ranks did not finish are removed (what the next start would remove: hplan.executor.checkpoint_dir's leftovers,
+    ours by name), and only then is the lock released. A save commits by renames, so the pointer names the last
+    committed step folder, intact, whatever moment the ranks were stopped at."""
+    from hplan.executor.checkpoint_dir import remove_leftovers
     from hplan.executor.dist_checkpoint import claim
     from hplan.executor.distributed import check_world
     from hplan.executor.launch import launch, under_torchrun
@@ -87,6 +96,11 @@ def run_distributed(spec: str, plan: Plan, *, nproc: int | None, steps: int, dev
     try:
         results = launch(rank_main, job, on_warning if torchrun else None, nprocs=None if torchrun else world,
                          backend=backend, timeout_s=timeout_s, collective_timeout_s=collective_timeout_s)
+    except BaseException:  # a rank failed, or this process was stopped (SIGTERM in `hplan run`, Ctrl-C)
+        if held is not None:
+            with contextlib.suppress(OSError):  # the run's own error is the one to report
+                remove_leftovers(held.root)  # [Note: stopped many-rank runs]
+        raise
     finally:
         if held is not None:
             held.close()

@@ -62,11 +62,16 @@ def register(app: typer.Typer) -> None:
             if nvme_dir is not None:
                 guarded(lambda: _refuse("--nvme-dir is for one-process plans made with --nvme; a many-rank plan "
                                         "keeps no disk tier: leave --nvme-dir out"))
-            guarded(lambda: _run_many(spec=spec, plan=plan, steps=steps, device=device, metrics=metrics,
-                                      checkpoint=checkpoint, resume=resume, overwrite=overwrite,
-                                      batch_size=batch_size, seq_len=seq_len,
-                                      precision=precision, overrides=overrides, as_json=as_json,
-                                      budget_guard=budget_guard, on_nonfinite=on_nonfinite, nproc=nproc))
+            from hplan.executor.launch import under_torchrun
+
+            # The launching process of spawned ranks stops them and its own clean-up runs, as one process's run
+            # does ([Note: stopped many-rank runs]); under torchrun each process is a rank, which torchrun stops.
+            with stops_cleanly(ranks=True) if not under_torchrun() else contextlib.nullcontext():
+                guarded(lambda: _run_many(spec=spec, plan=plan, steps=steps, device=device, metrics=metrics,
+                                          checkpoint=checkpoint, resume=resume, overwrite=overwrite,
+                                          batch_size=batch_size, seq_len=seq_len,
+                                          precision=precision, overrides=overrides, as_json=as_json,
+                                          budget_guard=budget_guard, on_nonfinite=on_nonfinite, nproc=nproc))
             return
         with stops_cleanly():
             guarded(lambda: _run(spec=spec, plan=plan, steps=steps, device=device, metrics=metrics,
@@ -90,10 +95,11 @@ STOP_SIGNALS = (signal.SIGTERM, signal.SIGHUP)
 
 
 @contextlib.contextmanager
-def stops_cleanly() -> Iterator[None]:
+def stops_cleanly(*, ranks: bool = False) -> Iterator[None]:
     """Turn SIGTERM/SIGHUP into a clean exit: the run unwinds, then one line and exit 128 + the signal's number
     (143 for SIGTERM, as a process killed by it would report). Further signals are ignored while it unwinds, so
-    the clean-up is not cut short; `kill -9` still stops it at once (the next run cleans up after it)."""
+    the clean-up is not cut short; `kill -9` still stops it at once (the next run cleans up after it). `ranks`:
+    this process launched ranks, which the unwinding stops (hplan.executor.launch) — the line says so."""
     from hplan.cli.common import err_console
 
     if threading.current_thread() is not threading.main_thread():  # handlers can only be set there
@@ -110,7 +116,8 @@ def stops_cleanly() -> Iterator[None]:
         yield
     except Stopped as stopped:
         name = signal.Signals(stopped.signum).name
-        err_console.print(f"stopped by {name}: nothing of the step under way was saved; the last checkpoint (if "
+        who = " (every rank stopped)" if ranks else ""
+        err_console.print(f"stopped by {name}{who}: nothing of the step under way was saved; the last checkpoint (if "
                           "any) holds the state, and --resume continues from it", highlight=False, soft_wrap=True)
         raise typer.Exit(128 + stopped.signum) from None
     finally:
