@@ -29,7 +29,9 @@ class RunReport:
     """Steps run in this invocation (after a resume: the new ones)."""
     first_step: int
     """Global index of the first step run here (0, or the resumed step)."""
-    losses: tuple[float, ...]
+    losses: tuple[float | None, ...]
+    """The loss of each step (the mean over its micro-batches, and over ranks); None for a step whose loss was not
+    finite, which only `nonfinite="skip"` trains past (JSON has no NaN)."""
     step_seconds: tuple[float, ...]
     peak_resident_bytes: int
     """Highest fast-tier bytes (model + non-model) the probe saw in any step."""

@@ -157,7 +157,10 @@ def _run(*, spec: str, plan: Path, steps: int, device: str, metrics: Path | None
     if as_json:
         emit_json(report.to_dict())
         return
-    err_console.print(f"{report.steps} steps from step {report.first_step}: final loss {report.losses[-1]:.4f}, "
+    bad = sum(loss is None for loss in report.losses)  # --on-nonfinite skip trained past them
+    final = "not finite" if report.losses[-1] is None else f"{report.losses[-1]:.4f}"
+    err_console.print(f"{report.steps} steps from step {report.first_step}"
+                      f"{f' ({bad} with a non-finite loss)' if bad else ''}: final loss {final}, "
                       f"peak resident {report.peak_resident_bytes} B (budget {report.budget_bytes} B), "
                       f"moved {report.bytes_moved_per_iter} B/iter (planned {report.planned_bytes_moved_per_iter})",
                       highlight=False)
