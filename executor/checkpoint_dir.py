@@ -189,16 +189,16 @@ class CheckpointDir:
         try:
             info = write(tmp)
             tmp.chmod(0o777 & ~current_umask())  # mkdtemp makes 0700; a checkpoint gets the usual permissions
-            _pause()
+            pause()
             write_manifest(tmp, global_step=global_step, info=info)
-            _pause()
+            pause()
             final = install(tmp, self.root / name)
         except BaseException as exc:
             shutil.rmtree(tmp, ignore_errors=True)
             if isinstance(exc, OSError):
                 raise _save_error(self.root, exc) from None
             raise
-        _pause()
+        pause()
         keep = [name, *[n for n in self.previous if n != name]][:KEEP]
         try:
             write_durably(self.root / POINTER,
@@ -206,7 +206,7 @@ class CheckpointDir:
         except OSError as exc:
             raise _save_error(self.root, exc) from None
         self.previous = keep
-        _pause()
+        pause()
         self._remove_unlisted(set(keep))
         return final
 
@@ -307,11 +307,7 @@ def lock(root: Path) -> int:
 
 
 def pause() -> None:
-    """Tests only: sleep PAUSE_ENV seconds (between the phases of a save; many-rank saves too)."""
-    _pause()
-
-
-def _pause() -> None:
+    """Tests only: sleep PAUSE_ENV seconds between the phases of a save (many-rank saves too)."""
     seconds = os.environ.get(PAUSE_ENV)
     if seconds:
         time.sleep(float(seconds))

@@ -15,9 +15,9 @@ from __future__ import annotations
 
 import contextlib
 import math
-from collections.abc import Callable
 import os
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
