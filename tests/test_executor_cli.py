@@ -119,3 +119,34 @@ def test_a_step_skipped_for_a_nan_loss_reports_null_and_the_report_reads_back(tm
     report = run_training(workload, Plan.load(tmp_path / "p.json"), steps=5, nonfinite="skip")
     report.save(tmp_path / "r.json")
     assert RunReport.load(tmp_path / "r.json") == report and report.losses[3] is None
+
+
+def test_a_stop_signal_arriving_inside_a_finalizer_is_not_lost(capfd):
+    """A SIGTERM whose handler runs inside a garbage-collector finalizer (where Python prints an exception and drops
+    it) still stops the run: stops_cleanly says it again outside (it was lost once, and a run trained on)."""
+    import os
+    import signal
+    import time
+    import weakref
+
+    import typer
+
+    from hplan.cli.run_cmd import stops_cleanly
+
+    class Held:
+        pass
+
+    def finalizer() -> None:
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(0.2)  # the handler runs here, inside the finalizer
+
+    with pytest.raises(typer.Exit) as stopped, stops_cleanly():
+        held = Held()
+        weakref.finalize(held, finalizer)
+        del held
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:  # the run "going on"
+            time.sleep(0.01)
+    assert stopped.value.exit_code == 143
+    err = capfd.readouterr().err
+    assert "Exception ignored" not in err and err.startswith("stopped by SIGTERM"), err

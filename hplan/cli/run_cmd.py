@@ -7,7 +7,7 @@ import signal
 import threading
 from collections.abc import Iterator
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated
+from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 
@@ -106,7 +106,11 @@ def stops_cleanly(*, ranks: bool = False) -> Iterator[None]:
         yield
         return
 
-    def stop(signum: int, frame: object) -> None:
+    def stop(signum: int, frame: Any) -> None:
+        if _in_finalizer(frame):  # Python would print the exception and drop it, and the run would go on
+            main = threading.main_thread().ident
+            threading.Timer(0.05, signal.pthread_kill, (main, signum)).start()  # say it again, outside
+            return
         for s in STOP_SIGNALS:
             signal.signal(s, signal.SIG_IGN)
         raise Stopped(signum)
@@ -123,6 +127,19 @@ def stops_cleanly(*, ranks: bool = False) -> Iterator[None]:
     finally:
         for s, handler in previous.items():
             signal.signal(s, handler)
+
+
+def _in_finalizer(frame: Any) -> bool:
+    """Did the signal arrive inside a finalizer (a weakref callback, `weakref.finalize`, `__del__`, run by the
+    garbage collector at any allocation)? An exception raised there is printed as "Exception ignored in …" and
+    dropped, so `stop` re-sends the signal to the main thread a moment later instead (seen in
+    tests/test_executor_nvme.py: a SIGTERM lost in a finalizer left a run training on)."""
+    while frame is not None:
+        code = frame.f_code
+        if code.co_name == "__del__" or code.co_filename.endswith(("weakref.py", "_weakrefset.py")):
+            return True
+        frame = frame.f_back
+    return False
 
 
 def _run(*, spec: str, plan: Path, steps: int, device: str, metrics: Path | None, checkpoint: Path | None,
