@@ -204,10 +204,11 @@ def _run_report(world: int = 2) -> dict:
     from hplan.artifacts.run import RANK_FIELDS
 
     ranks = tuple({**dict.fromkeys(RANK_FIELDS, 7), "rank": r} for r in range(world)) if world > 1 else ()
-    return json.loads(json.dumps(RunReport(workload="gpt:tiny", device="cpu", steps=2, first_step=3, losses=(2.5, -0.25),
-                     step_seconds=(0.1, 0.2), peak_resident_bytes=10, budget_bytes=20, bytes_moved_per_iter=4,
-                     planned_bytes_moved_per_iter=4, h2d_bytes_per_iter=2, d2h_bytes_per_iter=2, world_size=world,
-                     ranks=ranks).to_dict()))
+    report = RunReport(workload="gpt:tiny", device="cpu", steps=2, first_step=3, losses=(2.5, -0.25),
+                       step_seconds=(0.1, 0.2), peak_resident_bytes=10, budget_bytes=20, bytes_moved_per_iter=4,
+                       planned_bytes_moved_per_iter=4, h2d_bytes_per_iter=2, d2h_bytes_per_iter=2, world_size=world,
+                       ranks=ranks)
+    return json.loads(json.dumps(report.to_dict()))
 
 
 def test_a_run_report_reads_back_as_written_negative_losses_included(tmp_path):
