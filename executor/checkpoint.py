@@ -171,7 +171,7 @@ def _read(folder: Path, files: dict[str, int]) -> dict[str, Any]:
     unknown = sorted(k for k in metadata.state_dict_metadata if k not in paths)
     if unknown:
         raise HplanError(f"checkpoint {folder} holds entry {unknown[0]!r} without a key path; it was not written by "
-                         "hplan — restore the folder from a backup or start again with --overwrite")
+                         "hplan — restore the folder from a backup or start again with `overwrite`")
     template: dict[str, Any] = {}
     try:
         for key, meta in metadata.state_dict_metadata.items():

@@ -58,7 +58,7 @@ PAUSE_ENV = "HPLAN_TEST_SAVE_PAUSE_S"
 """Tests only: seconds to sleep between the phases of a save, so a `kill -9` can be aimed inside one."""
 
 _STEP = re.compile(r"step-(\d{6,})")
-_LEFTOVER = re.compile(r"\.step-\d+\..*\.tmp|\.trash-.*|\.(latest\.json|state\.pt)\..*\.tmp")
+_LEFTOVER = re.compile(r"\.step-\d+\..*\.tmp|\.trash-.*|\.(latest\.json|state\.pt|model\.pt)\..*\.tmp")
 
 Warn = Callable[[str], None]
 
@@ -91,7 +91,7 @@ class CheckpointDir:
 
     def __init__(self, directory: str | os.PathLike[str], *, resume: bool, overwrite: bool = False) -> None:
         if resume and overwrite:
-            raise HplanError("--resume continues the checkpoint and --overwrite replaces it: pass only one")
+            raise HplanError("`resume` continues the checkpoint and `overwrite` replaces it: pass only one")
         self.root = Path(directory)
         self.previous: list[str] = []
         """Folders this run's next save keeps as fallbacks (newest first): what it resumed from or last saved."""
@@ -108,22 +108,23 @@ class CheckpointDir:
 
     def _check(self, resume: bool, overwrite: bool) -> None:
         if self.root.exists() and not self.root.is_dir():
-            raise HplanError(f"--checkpoint {self.root} is not a directory; name a folder")
+            raise HplanError(f"`checkpoint_dir` {self.root} is not a directory; name a folder")
         held = self.holds()
         if resume and held is None:
             where = "the folder does not exist" if not self.root.exists() else "it holds no step folder"
-            raise HplanError(f"no checkpoint in {self.root} ({where}): run once with --checkpoint {self.root} "
-                             "before --resume")
+            raise HplanError(f"no checkpoint in {self.root} ({where}): run once with `checkpoint_dir` {self.root} "
+                             "before `resume`")
         ranks = _written_by_ranks(self.root / POINTER)
         if resume and ranks:
-            raise HplanError(f"checkpoint {self.root} was written by {ranks} ranks, this run has 1; resume with "
-                             f"--nproc {ranks} and a plan for {ranks} ranks (resharding is not supported)")
+            raise HplanError(f"checkpoint {self.root} was written by {ranks} ranks, this run has 1; resume on "
+                             f"{ranks} ranks (`nproc` {ranks}) with a plan for {ranks} ranks (resharding is not "
+                             "supported)")
         if resume and held == OLD_FORMAT:
             raise HplanError(f"{self.root} holds a {OLD_FORMAT} of an older hplan, which this one cannot verify; "
-                             "start again with --overwrite")
+                             "start again with `overwrite`")
         if not resume and not overwrite and held is not None:
-            raise HplanError(f"{self.root} already holds a checkpoint ({held}): pass --resume to continue it or "
-                             "--overwrite to replace it")
+            raise HplanError(f"{self.root} already holds a checkpoint ({held}): pass `resume` to continue it or "
+                             "`overwrite` to replace it")
 
     def holds(self) -> str | None:
         """What checkpoint the directory holds, in words, or None (read-only; also before the lock)."""
@@ -156,7 +157,7 @@ class CheckpointDir:
             return found
         reasons = "; ".join(notes + problems) or "no step folder"
         raise HplanError(f"no good checkpoint in {self.root}: {reasons}; restore the folder from a backup or start "
-                         "again with --overwrite")
+                         "again with `overwrite`")
 
     def _candidates(self) -> tuple[list[Path], list[str]]:
         pointer = self.root / POINTER
@@ -188,16 +189,16 @@ class CheckpointDir:
         try:
             info = write(tmp)
             tmp.chmod(0o777 & ~current_umask())  # mkdtemp makes 0700; a checkpoint gets the usual permissions
-            _pause()
+            pause()
             write_manifest(tmp, global_step=global_step, info=info)
-            _pause()
+            pause()
             final = install(tmp, self.root / name)
         except BaseException as exc:
             shutil.rmtree(tmp, ignore_errors=True)
             if isinstance(exc, OSError):
                 raise _save_error(self.root, exc) from None
             raise
-        _pause()
+        pause()
         keep = [name, *[n for n in self.previous if n != name]][:KEEP]
         try:
             write_durably(self.root / POINTER,
@@ -205,7 +206,7 @@ class CheckpointDir:
         except OSError as exc:
             raise _save_error(self.root, exc) from None
         self.previous = keep
-        _pause()
+        pause()
         self._remove_unlisted(set(keep))
         return final
 
@@ -274,7 +275,7 @@ def install(tmp: Path, final: Path) -> Path:
 def _save_error(root: Path, exc: OSError) -> HplanError:
     """A save that the file system refused (disk full, permissions): the previous checkpoint is untouched."""
     return HplanError(f"cannot save a checkpoint in {root}: {exc.strerror or exc} — the previous checkpoint there is "
-                      "intact; free space or pass another --checkpoint, then --resume")
+                      "intact; free space or pass another `checkpoint_dir`, then `resume`")
 
 
 def remove_leftovers(root: Path) -> None:
@@ -296,7 +297,7 @@ def _lock(root: Path) -> int:
 
     return lock_exclusive(root / LOCK, cannot_create=cannot_create,
                           busy=f"checkpoint directory {root} is in use by another hplan run (it holds "
-                               f"{root / LOCK}); wait for it to finish or pass another --checkpoint")
+                               f"{root / LOCK}); wait for it to finish or pass another `checkpoint_dir`")
 
 
 def lock(root: Path) -> int:
@@ -305,7 +306,8 @@ def lock(root: Path) -> int:
     return _lock(root)
 
 
-def _pause() -> None:
+def pause() -> None:
+    """Tests only: sleep PAUSE_ENV seconds between the phases of a save (many-rank saves too)."""
     seconds = os.environ.get(PAUSE_ENV)
     if seconds:
         time.sleep(float(seconds))

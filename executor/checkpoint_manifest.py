@@ -70,7 +70,7 @@ def _manifest(folder: Path, *, checksums: bool) -> Checkpoint:
     path = folder / MANIFEST
     if folder.is_symlink():
         raise HplanError(f"checkpoint folder {folder} is a symbolic link, which hplan does not follow; restore the "
-                         "folder from a backup or start again with --overwrite")
+                         "folder from a backup or start again with `overwrite`")
     try:
         manifest = loads_bounded(read_regular(path))
     except FileNotFoundError:
@@ -115,7 +115,7 @@ def _check_file(folder: Path, rel: str, entry: Any, algorithm: str | None, manif
     if not stat.S_ISREG(st.st_mode) or any(p.is_symlink() for p in path.parents if p != folder and
                                              p.is_relative_to(folder)):
         raise HplanError(f"checkpoint file {path} is not a regular file (a link, a folder or a FIFO); hplan writes "
-                         "none of those — restore the folder from a backup or start again with --overwrite")
+                         "none of those — restore the folder from a backup or start again with `overwrite`")
     if st.st_size != size:
         raise HplanError(f"checkpoint file {path} is {st.st_size} bytes, the manifest says {size} (truncated or "
                          "replaced)")

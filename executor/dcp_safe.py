@@ -38,7 +38,7 @@ METADATA = ".metadata"
 _DCP_CLASSES = {"Metadata", "TensorStorageMetadata", "BytesStorageMetadata", "TensorProperties",
                 "ChunkStorageMetadata", "MetadataIndex", "StorageMeta", "_MEM_FORMAT_ENCODING"}
 _PATHS = {"PosixPath", "PurePosixPath", "WindowsPath", "PureWindowsPath"}
-_FIX = "restore the folder from a backup or start again with --overwrite"
+_FIX = "restore the folder from a backup or start again with `overwrite`"
 
 
 def _allowed(module: str, name: str) -> Any | None:

@@ -54,8 +54,9 @@ def read_pointer(directory: str | os.PathLike[str]) -> dict[str, Any]:
     path = Path(directory) / POINTER
     if not path.is_file():
         one = holds(Path(directory)) is not None
-        what = " (it holds a one-process checkpoint: resume it without --nproc)" if one else ""
-        raise HplanError(f"no sharded checkpoint in {directory}{what}; run once with --checkpoint {directory} first")
+        what = " (it holds a one-process checkpoint: resume it in one process, without `nproc`)" if one else ""
+        raise HplanError(f"no sharded checkpoint in {directory}{what}; run once with `checkpoint_dir` {directory} "
+                         "first")
     try:
         info = loads_bounded(read_regular(path))
     except (OSError, ValueError) as exc:
@@ -78,12 +79,12 @@ def _check_pointer(info: dict[str, Any], directory: str | os.PathLike[str], plan
     """What the pointer says about the run that wrote it: the same world size, shard factors and model."""
     if info.get("world_size") != world:
         raise HplanError(f"checkpoint {directory} was written by {info.get('world_size')} ranks, this run has {world}; "
-                         f"resume with --nproc {info.get('world_size')} (resharding to another world size is not "
-                         "supported)")
+                         f"resume on that many ranks (`nproc` {info.get('world_size')}; resharding to another world "
+                         "size is not supported)")
     shard = plan.summary.shard or (plan.sharding.factors if plan.sharding else {})
     if info.get("shard") != shard:
         raise HplanError(f"checkpoint {directory} holds shards for factors {info.get('shard')}, the plan uses {shard}; "
-                         "resume with a plan of the same factors (--shard)")
+                         "resume with a plan of the same factors (`factors`)")
     mine = {k: plan.fingerprint.get(k) for k in ("params_sha", "precision")}
     if info.get("fingerprint") != mine:
         raise HplanError(f"checkpoint {directory} was written for another model or precision; resume with the same "
@@ -109,7 +110,7 @@ def choose_folder(directory: str | os.PathLike[str], info: dict[str, Any]) -> di
                    if i else None)
         return {**info, "latest": name, "warning": warning}
     raise HplanError(f"no good checkpoint in {directory}: {'; '.join(problems) or 'the pointer names no folder'}; "
-                     "restore the folder from a backup or start again without --resume")
+                     "restore the folder from a backup or start again without `resume`")
 
 
 def _pack(obj: Any) -> Any:
@@ -158,10 +159,10 @@ def check_fresh(directory: str | os.PathLike[str], *, overwrite: bool) -> None:
     ranks or one process) unless `overwrite`, so another run's state is never replaced by accident."""
     root = Path(directory)
     if root.exists() and not root.is_dir():
-        raise HplanError(f"--checkpoint {root} is not a directory; name a folder")
+        raise HplanError(f"`checkpoint_dir` {root} is not a directory; name a folder")
     held = None if overwrite else holds(root)
     if held is not None:
-        raise HplanError(f"{root} already holds a checkpoint ({held}): pass --resume to continue it or --overwrite "
+        raise HplanError(f"{root} already holds a checkpoint ({held}): pass `resume` to continue it or `overwrite` "
                          "to replace it")
 
 
@@ -192,7 +193,7 @@ def claim(directory: str | os.PathLike[str], plan: Plan, world: int, *, resume: 
 
     root = Path(directory)
     if resume and overwrite:
-        raise HplanError("--resume continues the checkpoint and --overwrite replaces it: pass only one")
+        raise HplanError("`resume` continues the checkpoint and `overwrite` replaces it: pass only one")
     _check_before_lock(root, plan, world, resume=resume, overwrite=overwrite)
     root.mkdir(parents=True, exist_ok=True)
     fd = lock(root)
@@ -219,10 +220,10 @@ def _check_before_lock(root: Path, plan: Plan, world: int, *, resume: bool, over
     kind = _not_a_file(weights)
     if kind is not None:
         raise HplanError(f"{weights} is {kind}, where this run writes its final weights; move it away or name "
-                         "another --checkpoint")
+                         "another `checkpoint_dir`")
     if not resume and not overwrite and weights.exists():
-        raise HplanError(f"{weights} holds the final weights of an earlier run: pass --overwrite to replace them or "
-                         "name another --checkpoint")
+        raise HplanError(f"{weights} holds the final weights of an earlier run: pass `overwrite` to replace them or "
+                         "name another `checkpoint_dir`")
 
 
 def _not_a_file(path: Path) -> str | None:
@@ -246,7 +247,7 @@ def save(directory: str | os.PathLike[str], run: Any, *, global_step: int, sched
     Call it under the folder's lock (`claim`) when other runs may use the folder."""
     import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
-    from hplan.executor.checkpoint_dir import install
+    from hplan.executor.checkpoint_dir import install, pause
     from hplan.executor.durable import current_umask, write_durably
 
     root = Path(directory)
@@ -261,6 +262,7 @@ def save(directory: str | os.PathLike[str], run: Any, *, global_step: int, sched
     dcp.save(state, checkpoint_id=str(tmp))
     dist.barrier()
     if run.rank == 0:
+        pause()  # tests only (PAUSE_ENV): a signal or kill aimed inside a save
         tmp.chmod(0o777 & ~current_umask())  # mkdtemp makes 0700; a checkpoint gets the usual permissions
         write_manifest(tmp, global_step=global_step, info={"world_size": run.world})  # last: checksums of all
         final = install(tmp, root / folder_name(global_step))
@@ -280,22 +282,16 @@ def save(directory: str | os.PathLike[str], run: Any, *, global_step: int, sched
 
 def _agree_finite(run: Any, state: dict[str, Any], *, global_step: int, root: Path) -> None:
     """[Note: finite checkpoints] on ranks: each rank checks the weights, masters and optimizer state it is about to
-    save (its pieces of the trainable parameters: padding is never updated), then all agree with one all-reduce,
-    so a non-finite value anywhere stops every rank before anything is written, with the finding rank's words."""
-    import torch
-    import torch.distributed as dist
+    save (its pieces of the trainable parameters: padding is never updated), then all agree ([Note: ranks stop
+    together] in hplan.executor.dist_comm), so a non-finite value anywhere stops every rank before anything is
+    written, with the finding rank's words."""
+    from hplan.executor.dist_comm import stop_together
 
     problem = _nonfinite(run)
     if problem is not None:
         problem = (f"after step {global_step - 1} the {problem} on rank {run.rank} is not finite (inf or NaN); not "
                    f"saved — the latest checkpoint in {root} holds the state before this step")
-    first = torch.tensor([run.rank if problem is not None else run.world])
-    dist.all_reduce(first, op=dist.ReduceOp.MIN)
-    if int(first) == run.world:
-        return
-    message = [problem]
-    dist.broadcast_object_list(message, src=int(first))
-    raise HplanError(message[0])
+    stop_together(problem, rank=run.rank, world=run.world, device=run.tier.device)
 
 
 def _nonfinite(run: Any) -> str | None:

@@ -30,6 +30,24 @@ _fd: tuple[int, int] | None = None
 open-read-close (a fork gets its own, since the pid differs)."""
 
 
+def stop_together(problem: str | None, *, rank: int, world: int, device: torch.device | str = "cpu") -> None:
+    """[Note: ranks stop together] Collective: every rank says whether it found a problem (`problem`, in words, or
+    None); one all-reduce finds the lowest rank that did and a broadcast hands its words to all, so every rank
+    raises the same HplanError at the same point of the same step — or all go on. A rank stopping alone would make
+    the others fail in their next collective with "connection closed by peer" (or wait out the timeout), and under
+    torchrun each rank would print its own message. Used before anything of a step is updated (a non-finite loss,
+    hplan.executor.dist_train) and before anything is saved (a non-finite state, hplan.executor.dist_checkpoint).
+    `device`: where the flag lives for the backend (the rank's GPU under NCCL)."""
+    first = torch.tensor([rank if problem is not None else world], device=device)
+    dist.all_reduce(first, op=dist.ReduceOp.MIN)
+    finder = int(first)
+    if finder == world:
+        return
+    message = [problem]
+    dist.broadcast_object_list(message, src=finder)
+    raise HplanError(str(message[0]))
+
+
 def wchar() -> int:
     """Bytes this process has written through system calls (sockets included); 0 where unavailable."""
     global _fd

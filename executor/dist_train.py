@@ -6,16 +6,18 @@ the reference is one process accumulating the N·k micro-batches of step s (each
 optimizer step, and the loss reported per step is the mean over ranks (an all-reduce outside the plan's calls,
 not counted in its bytes). Every number in the report is measured per rank ([Note: distributed executor step]).
 Ranks start through hplan.executor.launch: a rank that fails or dies makes the run fail with one line naming it;
-checkpoints are saved after each step (hplan.executor.dist_checkpoint), so a failed run loses at most a step.
+checkpoints are saved after each step (hplan.executor.dist_checkpoint), so a failed run loses at most a step. A
+non-finite loss on any rank stops every rank at that micro-batch, before its backward, with one message naming the
+step and the rank ([Note: ranks stop together] in hplan.executor.dist_comm).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
+import contextlib
 import math
 import os
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -55,7 +57,16 @@ def run_distributed(spec: str, plan: Plan, *, nproc: int | None, steps: int, dev
 
     With `checkpoint_dir`, the folder is claimed (hplan.executor.dist_checkpoint.claim: its lock, then every check
     of what the run will write) before any rank starts — by this process for spawned ranks, by rank 0 under
-    torchrun — and held until the ranks are done."""
+    torchrun — and held until the ranks are done.
+
+    [Note: stopped many-rank runs] When the spawned ranks end any other way than all finishing — one failed, the
+    watchdog fired, or this process was interrupted (`hplan run` turns SIGTERM/SIGHUP into an exception,
+    hplan.cli.run_cmd.stops_cleanly) — launch stops every rank (SIGTERM, then SIGKILL) and removes its private
+    folder before the exception reaches here; then, still under the lock, the temp and trash folders of a save the
+    ranks did not finish are removed (what the next start would remove: hplan.executor.checkpoint_dir's leftovers,
+    ours by name), and only then is the lock released. A save commits by renames, so the pointer names the last
+    committed step folder, intact, whatever moment the ranks were stopped at."""
+    from hplan.executor.checkpoint_dir import remove_leftovers
     from hplan.executor.dist_checkpoint import claim
     from hplan.executor.distributed import check_world
     from hplan.executor.launch import launch, under_torchrun
@@ -65,13 +76,13 @@ def run_distributed(spec: str, plan: Plan, *, nproc: int | None, steps: int, dev
     torchrun = under_torchrun()
     world = int(os.environ["WORLD_SIZE"]) if torchrun else nproc
     if world is None:
-        raise HplanError(f"the plan is for {plan.hardware.ranks} ranks: give --nproc {plan.hardware.ranks} or launch "
+        raise HplanError(f"the plan is for {plan.hardware.ranks} ranks: give `nproc` {plan.hardware.ranks} or launch "
                          "under torchrun")
     check_world(plan, world)
     if resume and overwrite:
-        raise HplanError("--resume continues the checkpoint and --overwrite replaces it: pass only one")
+        raise HplanError("`resume` continues the checkpoint and `overwrite` replaces it: pass only one")
     if resume and checkpoint_dir is None:
-        raise HplanError("--resume needs --checkpoint DIR (where the state was saved)")
+        raise HplanError("`resume` needs `checkpoint_dir` DIR (where the state was saved)")
     held = None
     if checkpoint_dir is not None and not torchrun:
         held = claim(checkpoint_dir, plan, world, resume=resume, overwrite=overwrite)
@@ -85,6 +96,11 @@ def run_distributed(spec: str, plan: Plan, *, nproc: int | None, steps: int, dev
     try:
         results = launch(rank_main, job, on_warning if torchrun else None, nprocs=None if torchrun else world,
                          backend=backend, timeout_s=timeout_s, collective_timeout_s=collective_timeout_s)
+    except BaseException:  # a rank failed, or this process was stopped (SIGTERM in `hplan run`, Ctrl-C)
+        if held is not None:
+            with contextlib.suppress(OSError):  # the run's own error is the one to report
+                remove_leftovers(held.root)  # [Note: stopped many-rank runs]
+        raise
     finally:
         if held is not None:
             held.close()
@@ -135,6 +151,7 @@ def _train(info: Any, job: Job, plan: Plan, resume_from: str | None) -> dict[str
     import torch.distributed as dist
     from hplan.executor import dist_checkpoint
     from hplan.executor.checkpoint_dir import folder_name
+    from hplan.executor.dist_comm import stop_together
     from hplan.executor.distributed import DistRun
     from hplan.executor.train import to_device
 
@@ -144,7 +161,7 @@ def _train(info: Any, job: Job, plan: Plan, resume_from: str | None) -> dict[str
     workload = load_workload(job.spec, **job.load)
     if workload.accumulate != plan.accumulate:
         raise HplanError(f"the plan was traced with {plan.accumulate} micro-batches per step, the workload uses "
-                         f"{workload.accumulate}; re-trace with the same --accumulate")
+                         f"{workload.accumulate}; re-trace with the same `accumulate`")
     device = f"cuda:{info.local_rank}" if job.device == "cuda" else job.device
     if device.startswith("cuda"):
         torch.cuda.set_device(torch.device(device))
@@ -167,7 +184,7 @@ def _train(info: Any, job: Job, plan: Plan, resume_from: str | None) -> dict[str
         if scheduler is not None and resumed.get("scheduler") is not None:
             scheduler.load_state_dict(resumed["scheduler"])
         if first >= job.steps:
-            raise HplanError(f"the checkpoint is already at step {first}; ask for more --steps than that")
+            raise HplanError(f"the checkpoint is already at step {first}; ask for more `steps` than that")
         for step in range(first, job.steps):
             if die == f"{r}:{step}":
                 os._exit(3)
@@ -176,10 +193,11 @@ def _train(info: Any, job: Job, plan: Plan, resume_from: str | None) -> dict[str
             for i in range(k):
                 batch = to_device(workload.batch((step * n + r) * k + i), device)
                 loss = check_loss(workload, workload.loss(run.model, batch))
-                if not math.isfinite(float(loss.detach())):
-                    raise HplanError(f"the loss is {float(loss.detach())} at step {step} on rank {r} (micro-batch "
-                                     f"{i}); stopped before updating or saving anything of this step — the last "
-                                     "checkpoint holds the state before it")
+                value = float(loss.detach())
+                problem = None if math.isfinite(value) else (
+                    f"the loss is {value} at step {step} on rank {r} (micro-batch {i}); every rank stopped before "
+                    "updating or saving anything of this step — the last checkpoint holds the state before it")
+                stop_together(problem, rank=r, world=n, device=run.tier.device)  # before backward: nothing updated
                 (loss / k if k > 1 else loss).backward()
                 micro.append(loss.detach())
             last = run.step()

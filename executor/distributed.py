@@ -60,15 +60,17 @@ class Iteration:
 def check_world(plan: Plan, world: int) -> None:
     """Refuse a plan made for another number of ranks, or a one-rank plan, before anything starts."""
     if plan.sharding is None:
-        raise HplanError(f"the plan is for one GPU but this run has {world} ranks; re-plan with --gpus/--nodes "
-                         f"giving {world} ranks (or run without --nproc/torchrun)")
+        raise HplanError(f"the plan is for one GPU but this run has {world} ranks; re-plan with "
+                         f"`gpus_per_node`/`nodes` giving {world} ranks (or run in one process: without `nproc` or "
+                         "torchrun)")
     if plan.hardware.ranks != world:
         hw = plan.hardware
         raise HplanError(f"the plan was made for {hw.ranks} ranks ({hw.gpus_per_node} per node × {hw.nodes}) but this "
-                         f"run has {world}; re-plan with --gpus/--nodes for {world} ranks or run with --nproc {hw.ranks}")
+                         f"run has {world}; re-plan with `gpus_per_node`/`nodes` for {world} ranks or run with "
+                         f"`nproc` {hw.ranks}")
     if plan.defer_updates or plan.max_grad_norm is not None:
         raise HplanError("clipping by global norm (or deferred updates) is not supported on many ranks yet: it needs "
-                         "the norm over every rank's gradient shards; re-trace without max_grad_norm")
+                         "the norm over every rank's gradient shards; re-trace without `max_grad_norm`")
     if plan.fingerprint.get("precision") == "fp16-mixed":
         raise HplanError("fp16 loss scaling is not supported on many ranks yet; use bf16-mixed or fp32")
 
@@ -80,8 +82,8 @@ class DistRun:
                  batch_example: Any = None, measure: bool = True, budget_guard: str = "stop",
                  nonfinite: str = "ignore", on_setup: Callable[[DistRun], None] | None = None) -> None:
         if not dist.is_available() or not dist.is_initialized():
-            raise HplanError("a many-rank plan needs torch.distributed initialised: run `hplan run --nproc N` or "
-                             "your script under torchrun (init_process_group before hplan.attach)")
+            raise HplanError("a many-rank plan needs torch.distributed initialised: call init_process_group before "
+                             "hplan.attach (a script under torchrun), or train with run_distributed")
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
         check_world(plan, self.world)
         validate(plan)
@@ -349,14 +351,14 @@ class DistRun:
 
     def sync_state(self) -> None:
         raise HplanError("optimizer.state_dict() inside a many-rank plan: the state is sharded over ranks; save it "
-                         "with hplan's checkpoint (hplan run --checkpoint DIR)")
+                         "with hplan.executor.dist_checkpoint.save (run_distributed's `checkpoint_dir` does)")
 
     def release_state(self) -> None:
         self.optimizer.state.clear()
 
     def stash_loaded_state(self, *args: Any) -> None:
         raise HplanError("optimizer.load_state_dict() inside a many-rank plan is not supported; resume with "
-                         "hplan run --resume")
+                         "run_distributed's `resume`")
 
     def adopt_loaded_state(self) -> None:
         return None

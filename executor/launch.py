@@ -52,6 +52,8 @@ TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 RENDEZVOUS_S = 120.0
 """Seconds every spawned rank may take to start (import torch) before the run is abandoned; the parent's
 watchdog (`timeout_s`) still bounds the whole call."""
+DEBUG_HINT = "set HPLAN_DEBUG=1 to see each rank's traceback"
+"""How a failure message points at the ranks' tracebacks (the CLI says `hplan --debug`: hplan.errors.PHRASES)."""
 GRACE_S = 2.0
 """Seconds the surviving ranks get to fail by themselves (and record why) after the first failure."""
 
@@ -225,7 +227,7 @@ def _rank_main(rank: int, fn: Callable[..., Any], args: tuple[Any, ...], config:
     except BaseException as exc:
         record = {"time": time.time(), "error": _one_line(exc)}
         _write_atomic(workdir / f"rank{rank}.err", json.dumps(record).encode())
-        if os.environ.get("HPLAN_DEBUG"):  # one line by default (the parent's); `hplan --debug` shows tracebacks
+        if os.environ.get("HPLAN_DEBUG"):  # one line by default (the parent's); HPLAN_DEBUG=1 adds tracebacks
             traceback.print_exc(file=sys.stderr)
             sys.stderr.flush()
         os._exit(1)  # skip interpreter teardown: a broken process group can block it
@@ -325,8 +327,8 @@ def _failure_message(procs: list[Any], workdir: Path, stopped: list[int]) -> str
         rest = "; ".join(([f"failed after them: {later}"] if later else []) + ([f"stopped: {stopped}"] if stopped
                                                                                  else []))
         return (f"ranks {same} of {world} failed: {records[rank]['error']}{f' ({rest})' if rest else ''}; "
-                "`hplan --debug` shows each rank's traceback")
-    return f"rank {rank} of {world} failed: {records[rank]['error']} ({others(rank)}); `hplan --debug` shows each rank's traceback"
+                f"{DEBUG_HINT}")
+    return f"rank {rank} of {world} failed: {records[rank]['error']} ({others(rank)}); {DEBUG_HINT}"
 
 
 def _read_result(workdir: Path, rank: int, exitcode: int | None) -> Any:

@@ -342,7 +342,7 @@ class DiskStore:
         if free < nbytes:
             have, need = format_sizes(free, nbytes)
             raise HplanError(f"nvme directory {self.directory} has {have} free but needs {need}: free space "
-                             "there or pass an --nvme-dir on a larger disk")
+                             "there or pass an `nvme_dir` on a larger disk")
 
     def stats(self) -> IoStats:
         """Counters since construction or the last reset_stats() (bytes of completed transfers only)."""

@@ -72,7 +72,7 @@ class RunFolder:
                 owned = read_record(self.fd, self.path)
                 if owned is None:
                     raise HplanError(f"{self.path} holds no hplan ownership record ({RECORD}): resume only into the "
-                                     "--nvme-dir of the run that saved the checkpoint, or start without resuming")
+                                     "`nvme_dir` of the run that saved the checkpoint, or start without `resume`")
                 self.files = {n: ino for n, ino in owned.items() if ino is not None and self._is(n, ino)}
                 """File name → inode of each file this folder provably holds for hplan."""
                 self._record = os.open(RECORD, os.O_WRONLY | os.O_APPEND | _OPEN, dir_fd=self.fd)
@@ -86,7 +86,7 @@ class RunFolder:
             os.mkdir(FOLDER, 0o700, dir_fd=parent_fd)
         except FileExistsError:
             raise HplanError(f"{self.path} appeared while hplan was setting it up (another process writes to "
-                             "--nvme-dir?): stop it or pass another --nvme-dir") from None
+                             "`nvme_dir`?): stop it or pass another `nvme_dir`") from None
         self.fd = _open_folder(parent_fd, self.path)
         try:
             self.files: dict[str, int] = {}
@@ -248,7 +248,7 @@ def _open_folder(parent_fd: int, path: Path) -> int:
         if exc.errno in (errno.ELOOP, errno.ENOTDIR):
             what = _what(parent_fd, path.name) or "gone"
             raise HplanError(f"{path} is {what}, not a folder, but hplan keeps its region files in a folder of that "
-                             "name: move it away or pass another --nvme-dir") from None
+                             "name: move it away or pass another `nvme_dir`") from None
         raise
 
 
@@ -300,4 +300,4 @@ def _unlink(folder_fd: int, name: str) -> None:
 
 def _not_ours(path: Path, why: str) -> HplanError:
     return HplanError(f"{path} is not an hplan ownership record ({why}), so hplan cannot tell its files from "
-                      f"yours in {path.parent}: move that folder away or pass another --nvme-dir")
+                      f"yours in {path.parent}: move that folder away or pass another `nvme_dir`")

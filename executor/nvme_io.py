@@ -163,13 +163,13 @@ def _read_all(fd: int, view: memoryview, offset: int) -> None:
 def dir_error(directory: Path, exc: OSError) -> HplanError:
     """The one-line error for an OSError met while setting up or probing `directory`."""
     if exc.errno == errno.EROFS:
-        return HplanError(f"nvme directory {directory} is on a read-only file system: pass a writable --nvme-dir")
+        return HplanError(f"nvme directory {directory} is on a read-only file system: pass a writable `nvme_dir`")
     if exc.errno in (errno.EACCES, errno.EPERM):
         return HplanError(f"nvme directory {directory} is not writable ({exc.strerror}): fix its permissions "
-                          "or pass another --nvme-dir")
+                          "or pass another `nvme_dir`")
     if exc.errno in (errno.ENOSPC, errno.EDQUOT):
         return HplanError(f"nvme directory {directory} is on a full disk ({exc.strerror}): free space there "
-                          "or pass an --nvme-dir on a larger disk")
+                          "or pass an `nvme_dir` on a larger disk")
     return HplanError(f"cannot use nvme directory {directory}: {exc.strerror or exc}; check the disk and the path")
 
 
@@ -177,7 +177,7 @@ def file_error(path: Path, exc: OSError, *, writing: bool) -> HplanError:
     """The one-line error for an OSError met while moving a region's bytes."""
     if exc.errno in (errno.ENOSPC, errno.EDQUOT):
         return HplanError(f"disk full while writing {path} ({exc.strerror}): free space under {path.parent} "
-                          "or pass an --nvme-dir on a larger disk")
+                          "or pass an `nvme_dir` on a larger disk")
     if exc.errno in (errno.EROFS, errno.EACCES, errno.EPERM):
         return dir_error(path.parent, exc)
     verb = "writing" if writing else "reading"
@@ -188,7 +188,7 @@ def lock_directory(directory: Path, dir_fd: int, name: str) -> int:
     """Take the directory's exclusive lock (creating the lock file is also the first writability check)."""
     return lock_exclusive(directory / name, dir_fd=dir_fd, cannot_create=lambda exc: dir_error(directory, exc),
                           busy=f"nvme directory {directory} is in use by another DiskStore (another hplan run?): "
-                               "stop it or pass a different --nvme-dir")
+                               "stop it or pass a different `nvme_dir`")
 
 
 def fsync_fd(fd: int, path: Path) -> None:
@@ -203,9 +203,9 @@ def check_directory(directory: str | os.PathLike[str]) -> Path:
     """`directory` as a resolved Path, or a one-line error when it is missing or not a directory."""
     d = Path(directory).expanduser().resolve()
     if not d.exists():
-        raise HplanError(f"nvme directory {d} does not exist: create it (mkdir -p {d}) or pass another --nvme-dir")
+        raise HplanError(f"nvme directory {d} does not exist: create it (mkdir -p {d}) or pass another `nvme_dir`")
     if not d.is_dir():
-        raise HplanError(f"nvme directory {d} is not a directory: pass a directory to --nvme-dir")
+        raise HplanError(f"nvme directory {d} is not a directory: pass a directory as `nvme_dir`")
     return d
 
 

@@ -57,11 +57,11 @@ class PlanRun(UpdateSteps, GradientOps, StateSync):
         one_rank_only(plan)  # many-rank plans run in hplan.executor.distributed
         check_host_memory(plan)  # issue 16: the host tier (hplan.executor.tiers)
         if needs_nvme_dir(plan) and nvme_dir is None:
-            raise HplanError(f"the plan keeps {len(plan.nvme_chunks())} chunks on NVMe: pass --nvme-dir DIR (a "
-                             "directory on the disk to use)")
+            raise HplanError(f"the plan keeps {len(plan.nvme_chunks())} chunks on NVMe: pass `nvme_dir`, a "
+                             "directory on the disk to use")
         self.nvme_dir = nvme_dir
         if budget_guard not in GUARDS or nonfinite not in NONFINITE:
-            raise HplanError(f"budget_guard must be one of {GUARDS} and nonfinite one of {NONFINITE}")
+            raise HplanError(f"`budget_guard` must be one of {GUARDS} and `nonfinite` one of {NONFINITE}")
         self.plan, self.model, self.optimizer = plan, model, optimizer
         self.precision = precision or plan.fingerprint.get("precision", "fp32")
         self.tier = make_tier(device)

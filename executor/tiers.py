@@ -61,7 +61,7 @@ def check_host_memory(plan: Plan) -> None:
         if need > available:
             held, free = format_sizes(need, available)
             raise HplanError(f"the plan holds up to {held} of model data in host memory but {free} is available "
-                             "here; re-plan with a smaller --cpu-mem (the plan names the smallest that works)")
+                             "here; re-plan with a smaller `host_bytes` (the plan names the smallest that works)")
 
 
 class TieredStore(RegionStore):
@@ -75,8 +75,8 @@ class TieredStore(RegionStore):
         self.plan = plan
         self.on_disk = disk_regions(plan)
         if self.on_disk and nvme_dir is None:
-            raise HplanError(f"the plan keeps {len(plan.nvme_chunks())} chunks on NVMe: pass --nvme-dir DIR (a "
-                             "directory on the disk to use)")
+            raise HplanError(f"the plan keeps {len(plan.nvme_chunks())} chunks on NVMe: pass `nvme_dir`, a "
+                             "directory on the disk to use")
         self._buffers: dict[int, staging.Staged] = {}
         self._layout: dict[int, staging.Layout] = {}
         self._reads: dict[int, Future[None]] = {}

@@ -92,14 +92,14 @@ def _train(workload: Workload, plan: Plan, *, steps: int, device: str, metrics_p
             last = run.step()
             if scheduler is not None:
                 scheduler.step()
-            losses.append(loss)
+            losses.append(loss if math.isfinite(loss) else None)  # only nonfinite="skip" gets here with one
             peak = max([peak] + [r.resident_bytes for r in last])
             seconds.append(time.perf_counter() - start)
-            rows += _rows(step, last, losses[-1], seconds[-1])
+            rows += _rows(step, last, loss, seconds[-1])
             if checkpoints is not None and math.isfinite(loss):
                 save_checkpoint(checkpoints, run, global_step=step + 1, scheduler=scheduler)
             if on_progress is not None:
-                on_progress(step + 1, steps, f"loss {losses[-1]:.4f}  {seconds[-1] * 1e3:.0f} ms  "
+                on_progress(step + 1, steps, f"loss {loss:.4f}  {seconds[-1] * 1e3:.0f} ms  "
                                              f"resident {peak / 2**20:.2f} MiB")
         setup = run.setup_bytes
         moved = {"activation_bytes_moved_per_iter": run.activations.last_moved,

@@ -19,8 +19,8 @@ import torch
 
 from hplan.errors import HplanError
 
-FIX = ("trace with defer_updates=True (`hplan trace --defer-updates`, or Workload.defer_updates; clipping "
-       "with max_grad_norm implies it) so every update waits for optimizer.step()")
+FIX = ("trace with `defer_updates` (defer_updates=True in load_workload or the Workload; clipping with "
+       "`max_grad_norm` implies it) so every update waits for optimizer.step()")
 
 
 def _frozen(value: Any) -> Any:

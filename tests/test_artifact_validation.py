@@ -26,6 +26,7 @@ from hplan.artifacts.typed import FieldError, typed
     ('{"seconds": NaN}', 'non-standard value NaN at "seconds"'),
     ('{"seconds": -Infinity}', "non-standard value -Infinity"),
     ('{"seconds": 1e999}', "a number out of range (1e999)"),
+    ('{"params": [{"bytes": 1}, {"bytes": 2, "s": [-Infinity]}]}', 'non-standard value -Infinity at "params[1].s[0]"'),
     ('{"a": 1', "Expecting"),
     (b'\xff\xfe{}', "not UTF-8 text"),
 ])
@@ -193,3 +194,93 @@ def test_an_input_swapped_for_a_fifo_after_the_check_is_refused_without_blocking
     monkeypatch.setattr(io, "check_input", lambda path, what: tmp_path / "p.json")  # the check saw a regular file
     with pytest.raises(HplanError, match="is a FIFO"):
         read_json(tmp_path / "p.json", what="plan")
+
+
+# -- run reports (`hplan run --json`, demo's run.json) ----------------------------------------------------------
+
+def _run_report(world: int = 2) -> dict:
+    """A valid run report, parsed from its JSON."""
+    from hplan import RunReport
+    from hplan.artifacts.run import RANK_FIELDS
+
+    ranks = tuple({**dict.fromkeys(RANK_FIELDS, 7), "rank": r} for r in range(world)) if world > 1 else ()
+    report = RunReport(workload="gpt:tiny", device="cpu", steps=2, first_step=3, losses=(2.5, -0.25),
+                       step_seconds=(0.1, 0.2), peak_resident_bytes=10, budget_bytes=20, bytes_moved_per_iter=4,
+                       planned_bytes_moved_per_iter=4, h2d_bytes_per_iter=2, d2h_bytes_per_iter=2, world_size=world,
+                       ranks=ranks)
+    return json.loads(json.dumps(report.to_dict()))
+
+
+def test_a_run_report_reads_back_as_written_negative_losses_included(tmp_path):
+    from hplan import RunReport
+
+    for world in (1, 2):
+        (tmp_path / "r.json").write_text(json.dumps(_run_report(world)))
+        report = RunReport.load(tmp_path / "r.json")
+        assert json.loads(json.dumps(report.to_dict())) == _run_report(world) and report.losses == (2.5, -0.25)
+
+
+def _edit(key: str, value):
+    def edit(obj: dict) -> None:
+        *head, last = key.split(".")
+        target = obj
+        for part in head:
+            target = target[int(part)] if isinstance(target, list) else target[part]
+        if value is _DROP:
+            del target[last]
+        else:
+            target[int(last) if isinstance(target, list) else last] = value
+    return edit
+
+
+_DROP = object()
+
+
+@pytest.mark.parametrize(("edit", "says"), [
+    (_edit("steps", "2"), "field steps: expected an integer, got the string '2'"),
+    (_edit("peak_resident_bytes", -5), "field peak_resident_bytes: must be non-negative, got -5"),
+    (_edit("budget_bytes", True), "field budget_bytes: expected an integer, got the boolean true"),
+    (_edit("bytes_moved_per_iter", 1.5), "field bytes_moved_per_iter: expected an integer, got the number 1.5"),
+    (_edit("losses", ["2.5", 1.0]), "field losses[0]: expected a finite number, got the string '2.5'"),
+    (_edit("step_seconds", [0.1, -0.2]), "field step_seconds[1]: must be non-negative, got -0.2"),
+    (_edit("losses", [1.0]), "field losses: holds 1 values for 2 steps"),
+    (_edit("losses", {"a": 1}), "field losses: expected a list, got an object"),
+    (_edit("ranks.1.peak_resident_bytes", "7"), "field ranks[1].peak_resident_bytes: expected an integer"),
+    (_edit("ranks.0.rank", 1), "field ranks[0].rank: is 1, expected 0"),
+    (_edit("ranks.1.budget_bytes", _DROP), "field ranks[1].budget_bytes: missing"),
+    (_edit("ranks", []), "field ranks: holds 0 entries for a world of 2"),
+    (_edit("world_size", 0), "field world_size: must be at least 1, got 0"),
+    (_edit("workload", None), "field workload: expected a string, got null"),
+    (_edit("h2d_bytes_per_iter", _DROP), "field h2d_bytes_per_iter: missing"),
+    (_edit("peak_rss", 1), "field peak_rss: unknown field"),
+    (_edit("nvme_busy_seconds", 2**70), "field nvme_busy_seconds: 1180591620717411303424 is out of range"),
+])
+def test_an_edited_run_report_is_one_line_naming_the_field(tmp_path, edit, says):
+    from hplan import RunReport
+
+    obj = _run_report()
+    edit(obj)
+    (tmp_path / "r.json").write_text(json.dumps(obj))
+    with pytest.raises(HplanError) as err:
+        RunReport.load(tmp_path / "r.json")
+    message = str(err.value)
+    assert says in message and "\n" not in message and "is not a valid run report" in message, message
+    assert "hplan run SPEC --plan PLAN --steps N --json > FILE" in message
+
+
+@pytest.mark.parametrize(("text", "says"), [
+    ('"step_seconds": [0.1, NaN]', 'non-standard value NaN at "step_seconds[1]"'),
+    ('"losses": [Infinity, 0.2]', 'non-standard value Infinity at "losses[0]"'),
+    ('"losses": [1e999, 0.2]', 'a number out of range (1e999) at "losses[0]"'),
+])
+def test_a_run_report_holding_nan_is_refused_by_the_reader(tmp_path, text, says):
+    from hplan import RunReport
+
+    raw = json.dumps(_run_report())
+    key = text.split(":")[0]
+    start = raw.index(key)
+    raw = raw[:start] + text + raw[raw.index("]", start) + 1:]
+    (tmp_path / "r.json").write_text(raw)
+    with pytest.raises(HplanError) as err:
+        RunReport.load(tmp_path / "r.json")
+    assert says in str(err.value) and "is not a valid run report file" in str(err.value), err.value

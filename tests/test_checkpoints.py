@@ -411,7 +411,7 @@ def test_the_lock_dies_with_its_process(tmp_path):
 def test_an_existing_checkpoint_needs_resume_or_overwrite(prepared, tmp_path):
     spec, _, plan, full, _ = prepared
     ck = _copy(prepared, tmp_path)
-    with pytest.raises(HplanError, match=r"holds a checkpoint \(step-000004 and 1 older\).*--resume.*--overwrite"):
+    with pytest.raises(HplanError, match=r"holds a checkpoint \(step-000004 and 1 older\).*`resume`.*`overwrite`"):
         run_training(load_workload(spec), plan, steps=2, checkpoint_dir=ck)
     with pytest.raises(HplanError, match="pass only one"):
         run_training(load_workload(spec), plan, steps=2, checkpoint_dir=ck, resume=True, overwrite=True)

@@ -78,3 +78,57 @@ def test_library_errors_name_python_arguments_and_the_cli_names_its_flags(tmp_pa
     assert result.exit_code == 2 and "smaller --gpu-mem" in result.stderr and "`" not in result.stderr
     result = runner.invoke(app, ["trace", "gpt:tiny", "--set", "n_layer=two", "-o", str(tmp_path / "t.parquet")])
     assert result.exit_code == 2 and "invalid n_layer=two in --set" in result.stderr
+
+
+def test_executor_errors_name_python_arguments_and_the_cli_names_their_flags(tmp_path):
+    """Issue 22 leftovers: the executor's checkpoint, disk-tier and many-rank refusals name run_training's,
+    run_distributed's and attach's arguments; `hplan run` says the flags. Every FLAGS entry names an argument the
+    library takes (so a message never sends a Python caller to a name that does not exist)."""
+    import inspect
+
+    import hplan
+    from hplan.cli.common import cli_terms
+    from hplan.errors import FLAGS, PHRASES
+    from hplan.executor import run_training
+    from hplan.executor.dist_train import run_distributed
+    from hplan.executor.launch import DEBUG_HINT
+    from hplan.executor.nvme_io import check_directory
+    from hplan.planner import make_hardware, make_plan
+    from hplan.specs import load_workload
+    from hplan.tracer import trace_workload
+
+    takes = set()
+    for fn in (run_training, run_distributed, hplan.attach, load_workload, trace_workload, make_hardware):
+        takes |= set(inspect.signature(fn).parameters)
+    from hplan.artifacts import Hardware
+    from hplan.planner import PlanOptions
+    from hplan.planner.shard import make_shard_plan
+
+    takes |= set(inspect.signature(make_shard_plan).parameters) | set(Hardware.__dataclass_fields__) | \
+        set(PlanOptions.__dataclass_fields__)
+    assert set(FLAGS) <= takes, sorted(set(FLAGS) - takes)
+    assert cli_terms(f"rank 1 of 2 failed: x; {DEBUG_HINT}").endswith("rerun with `hplan --debug` to see each "
+                                                                      "rank's traceback") and DEBUG_HINT in PHRASES
+
+    workload = load_workload("gpt:tiny")
+    trace = trace_workload(workload, iters=2)
+    plan = make_plan(trace, make_hardware("cpu", gpu_bytes=trace.peak_bytes * 4))
+    plan.save(tmp_path / "p.json")
+    ck = tmp_path / "ck"
+    run_training(workload, plan, steps=1, checkpoint_dir=ck)
+    with pytest.raises(hplan.HplanError) as err:
+        run_training(workload, plan, steps=2, checkpoint_dir=ck)
+    assert "pass `resume` to continue it or `overwrite` to replace it" in str(err.value) and "--" not in str(err.value)
+    result = runner.invoke(app, ["run", "gpt:tiny", "--plan", str(tmp_path / "p.json"), "--steps", "2",
+                                 "--checkpoint", str(ck)])
+    assert result.exit_code == 2 and "pass --resume to continue it or --overwrite to replace it" in result.stderr
+    assert "`" not in result.stderr
+    with pytest.raises(hplan.HplanError, match=r"does not exist: create it \(mkdir -p .*\) or pass another `nvme_dir`"):
+        check_directory(tmp_path / "nope")
+    with pytest.raises(hplan.HplanError) as err:
+        run_distributed("gpt:tiny", plan, nproc=2, steps=1)
+    assert "re-plan with `gpus_per_node`/`nodes` giving 2 ranks (or run in one process: without `nproc`" in \
+        str(err.value)
+    result = runner.invoke(app, ["run", "gpt:tiny", "--plan", str(tmp_path / "p.json"), "--steps", "1", "--nproc",
+                                 "2"])
+    assert result.exit_code == 2 and "--nproc" in result.stderr and "`" not in result.stderr

@@ -237,3 +237,4 @@ def test_a_workload_error_on_a_rank_is_one_line_naming_its_file(trace, tmp_path)
     assert done.returncode == 2, done.stderr
     lines = [line for line in done.stderr.splitlines() if line.strip()]
     assert len(lines) == 1 and "error in your workload: ValueError: my loss is broken (wl.py:7)" in lines[0], lines
+    assert lines[0].endswith("rerun with `hplan --debug` to see each rank's traceback"), lines  # not HPLAN_DEBUG

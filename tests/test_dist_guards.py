@@ -59,15 +59,19 @@ class Blow(torch.autograd.Function):
         return g * math.inf
 
 
-def workload(inf_grad_at: int = -1, inf_lr_at: int = -1, ranks: int = 2):
+def workload(inf_grad_at: int = -1, inf_lr_at: int = -1, nan_loss_at: int = -1, ranks: int = 2):
     def batch(i):
         tokens, targets = BASE.batch(i)
         if i // ranks == inf_grad_at and i % ranks == ranks - 1:  # the last rank's micro-batch of that step
             tokens[0, :] = 7
+        if i // ranks == nan_loss_at and i % ranks == ranks - 1:
+            tokens[0, :] = 8
         return tokens, targets
 
     def loss(model, b):
         value = BASE.loss(model, b)
+        if bool((b[0][0] == 8).all()):
+            return value * math.nan  # this rank's loss only: the others' stay finite
         return Blow.apply(value) if bool((b[0][0] == 7).all()) else value
 
     def scheduler(opt):
@@ -151,6 +155,23 @@ def test_a_non_finite_gradient_on_a_rank_stops_naming_its_step_and_saves_nothing
     assert dist_checkpoint.read_pointer(ck)["latest"] == "step-000001"
     assert sorted(p.name for p in ck.iterdir()) == [".lock", "latest.json", "step-000001"]  # no temp folder left
     assert _finite_everywhere(ck / "step-000001")
+
+
+def test_a_nan_loss_on_one_rank_stops_every_rank_at_that_step(root, tmp_path):
+    """Rank 1's loss of step 2 is NaN, rank 0's finite: every rank stops at step 2 before its backward ([Note: ranks
+    stop together]), the one line names the step and rank 1 (the ranks agree: no "connection closed by peer" from
+    rank 0), and the latest checkpoint is step 2's, after step 1, all finite. Before, only rank 1 stopped and rank 0
+    failed in its next collective. The subprocess timeout fails a hang (its ranks die with it)."""
+    ck = tmp_path / "ck"
+    done = _cli("run", f"{root / 'wl.py'}:workload", "--plan", str(root / "p2.json"), "--steps", "4", "--nproc", "2",
+                "--checkpoint", str(ck), "--set", "nan_loss_at=2", timeout=240)
+    lines = _errors(done.stderr)
+    assert done.returncode == 2 and len(lines) == 1, done.stderr
+    assert lines[0].startswith("error: ranks [0, 1] of 2 failed: the loss is nan at step 2 on rank 1 (micro-batch 0); "
+                               "every rank stopped before updating or saving anything of this step"), lines[0]
+    assert dist_checkpoint.read_pointer(ck)["latest"] == "step-000002"
+    assert sorted(p.name for p in ck.iterdir()) == [".lock", "latest.json", "step-000001", "step-000002"]
+    assert _finite_everywhere(ck / "step-000002")
 
 
 @pytest.mark.slow
@@ -250,6 +271,97 @@ def test_a_running_many_rank_run_and_a_one_process_run_never_share_a_folder(root
     assert verify(one_ck / "step-000006").global_step == 6
 
 
+def test_a_stopped_many_rank_run_removes_an_unfinished_save_under_its_lock_then_releases_it(root, tmp_path,
+                                                                                             monkeypatch):
+    """[Note: stopped many-rank runs] without spawning: the ranks are "stopped" (launch raises what `hplan run`
+    raises on SIGTERM, a BaseException) after one left half a save; the launching process removes its temp folder
+    while it still holds the lock, keeps the committed folders, and releases the lock."""
+    import hplan.executor.launch as launch_module
+    from hplan.cli.run_cmd import Stopped
+    from hplan.executor.checkpoint_dir import lock
+
+    ck = _copy(root, tmp_path)
+    committed = _snapshot(ck)
+
+    def stopped(*args, **kwargs):
+        with pytest.raises(HplanError, match="is in use by another hplan run"):
+            lock(ck)  # the launching process holds the folder while its ranks run
+        (ck / ".step-000003.abc123.tmp").mkdir()  # rank 0 was writing step 3 when the ranks were stopped
+        (ck / ".step-000003.abc123.tmp" / "__0_0.distcp").write_bytes(b"half a shard")
+        (ck / ".model.pt.xyz.tmp").write_bytes(b"half the final weights")
+        raise Stopped(15)
+
+    monkeypatch.setattr(launch_module, "launch", stopped)
+    with pytest.raises(Stopped):
+        run_distributed(SPEC, _plan(root), nproc=2, steps=4, checkpoint_dir=ck, resume=True)
+    assert _snapshot(ck) == committed
+    os.close(lock(ck))  # released
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("signum", [15, 1], ids=["SIGTERM", "SIGHUP"])
+def test_hplan_run_nproc_stopped_by_a_signal_stops_every_rank_and_leaves_nothing_behind(root, tmp_path, signum):
+    """`hplan run --nproc 2` signalled while rank 0 is inside a save (HPLAN_TEST_SAVE_PAUSE_S holds it between the
+    shards and the manifest): one line, exit 128 + the signal, both ranks gone, the half-written step folder
+    removed, the last committed checkpoint intact and finite, the lock released and launch's private folder
+    removed; the run then resumes from it."""
+    import signal
+
+    ck, tmp = tmp_path / "ck", tmp_path / "tmp"
+    tmp.mkdir()
+    cmd = [sys.executable, "-c", "from hplan.cli import main; main()", "run", SPEC, "--plan", str(root / "p2.json"),
+           "--steps", "100000", "--nproc", "2", "--checkpoint", str(ck)]
+    env = {**os.environ, "COLUMNS": "300", "TMPDIR": str(tmp), "HPLAN_TEST_SAVE_PAUSE_S": "2"}
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 240
+        while not (ck.is_dir() and list(ck.glob(".step-000002.*.tmp"))) and time.monotonic() < deadline:
+            assert proc.poll() is None, proc.communicate()
+            time.sleep(0.05)
+        ranks = _ranks_of(proc.pid)
+        assert len(ranks) == 2, ranks
+        proc.send_signal(signum)
+        _, stderr = proc.communicate(timeout=60)
+    finally:
+        proc.kill()
+        proc.wait()
+    assert proc.returncode == 128 + signum, stderr
+    lines = _errors(stderr)
+    assert len(lines) == 1 and lines[0].startswith(f"stopped by {signal.Signals(signum).name} (every rank stopped): "
+                                                   "nothing of the step under way was saved"), stderr
+    assert not [pid for pid in ranks if _alive(pid)]
+    assert sorted(p.name for p in ck.iterdir()) == [".lock", "latest.json", "step-000001"]
+    assert verify(ck / "step-000001").global_step == 1 and _finite_everywhere(ck / "step-000001")
+    assert list(tmp.iterdir()) == []  # launch's private folder (rank results) is gone too
+    report = run_distributed(SPEC, _plan(root), nproc=2, steps=2, checkpoint_dir=ck, resume=True, timeout_s=300)
+    assert report.first_step == 1 and dist_checkpoint.read_pointer(ck)["latest"] == "step-000002"
+
+
+def _ranks_of(pid: int) -> list[int]:
+    """The spawned ranks of process `pid` (its children running multiprocessing's spawn entry point, not its
+    resource tracker)."""
+    children = []
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        children += [int(c) for c in (task / "children").read_text().split()]
+    ranks = []
+    for child in children:
+        try:
+            cmdline = Path(f"/proc/{child}/cmdline").read_bytes().replace(b"\0", b" ")
+        except OSError:
+            continue
+        if b"spawn_main" in cmdline and b"resource_tracker" not in cmdline:
+            ranks.append(child)
+    return ranks
+
+
+def _alive(pid: int) -> bool:
+    """Running (not gone, not a zombie waiting for a reaper)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
 def test_a_model_pt_that_cannot_be_written_is_refused_before_step_1(root, tmp_path):
     """DIR/model.pt, written at the end, is checked before any rank starts (before issue 22: after training)."""
     ck = tmp_path / "ck"
@@ -263,7 +375,7 @@ def test_a_model_pt_that_cannot_be_written_is_refused_before_step_1(root, tmp_pa
     assert sorted(p.name for p in ck.iterdir()) == ["model.pt"]  # nothing created, not even the lock
     (ck / "model.pt").unlink()
     (ck / "model.pt").write_bytes(b"weights of an earlier run")
-    with pytest.raises(HplanError, match=r"model\.pt holds the final weights of an earlier run: pass --overwrite"):
+    with pytest.raises(HplanError, match=r"model\.pt holds the final weights of an earlier run: pass `overwrite`"):
         run_distributed(SPEC, _plan(root), nproc=2, steps=2, checkpoint_dir=ck, timeout_s=1)
 
 

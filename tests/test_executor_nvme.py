@@ -241,7 +241,7 @@ def test_a_full_disk_is_refused_before_any_step(bf16, tmp_path, monkeypatch):
 
 def test_a_plan_with_nvme_chunks_needs_a_directory(bf16):
     workload, plan = bf16
-    with pytest.raises(HplanError, match="pass --nvme-dir DIR"):
+    with pytest.raises(HplanError, match="pass `nvme_dir`, a directory"):
         run_training(workload, plan, steps=1)
 
 

@@ -279,7 +279,7 @@ class Recorder(TorchDispatchMode):
         if self.phase != "optimizer":
             where = f"{self.phase} of {self.module or 'the model'}"
             raise HplanError(f"fake tracing hit a data-dependent operation (.item() or a branch on a tensor value) "
-                             f"in {where}: trace with --device cpu at a smaller size")
+                             f"in {where}: trace with `device` cpu at a smaller size")
         return self.iteration if not t.dtype.is_floating_point else float(self.iteration)
 
 

@@ -228,7 +228,7 @@ def parse_json(data: str | bytes, *, source: str | os.PathLike[str], what: str, 
         return json.loads(text, parse_constant=_refuse_constant, parse_float=_finite_float)
     except (json.JSONDecodeError, _BadJSON, RecursionError, ValueError) as exc:
         reason = exc.msg if isinstance(exc, json.JSONDecodeError) else \
-            "nested too deeply" if isinstance(exc, RecursionError) else str(exc) + _key_of(text, exc)
+            "nested too deeply" if isinstance(exc, RecursionError) else str(exc) + _where(text, exc)
         raise HplanError(f"{source} is not a valid {what} file (corrupt JSON: {reason}); {fix}") from None
 
 
@@ -239,6 +239,36 @@ def loads_bounded(data: str | bytes) -> Any:
         return parse_json(data, source="<json>", what="JSON")
     except HplanError as exc:
         raise ValueError(str(exc)) from None
+
+
+def _where(text: str, exc: BaseException) -> str:
+    """' at "losses[2]"': where the value `exc` refused sits. A NaN, an infinity or an out-of-range number is
+    found by parsing again with a marker in its place (the error path only; the shape check has bounded the depth,
+    and the walk is a loop); an over-long integer, refused before parsing, by the key it follows."""
+    if not str(exc).startswith(("non-standard value", "a number out of range")):
+        return _key_of(text, exc)
+
+    def marked(token: str) -> Any:
+        value = float(token)
+        return value if math.isfinite(value) else _REFUSED
+
+    try:
+        todo = [("", json.loads(text, parse_constant=lambda name: _REFUSED, parse_float=marked))]
+    except (ValueError, RecursionError):
+        return ""
+    while todo:
+        path, value = todo.pop()
+        if value is _REFUSED:
+            return f' at "{path}"' if path else ""
+        if isinstance(value, dict):
+            todo += reversed([(f"{path}.{k}" if path else str(k), v) for k, v in value.items()])
+        elif isinstance(value, list):
+            todo += reversed([(f"{path}[{i}]", v) for i, v in enumerate(value)])
+    return ""
+
+
+_REFUSED = object()
+"""Stands for a refused value while `_where` looks for it."""
 
 
 def _key_of(text: str, exc: BaseException) -> str:

@@ -7,7 +7,15 @@ from dataclasses import asdict, dataclass
 from typing import Any, ClassVar
 
 from hplan.artifacts.io import check_schema, read_json, write_json
+from hplan.artifacts.typed import FieldError, typed
 from hplan.errors import HplanError
+
+RANK_FIELDS: tuple[str, ...] = (
+    "rank", "peak_resident_bytes", "bytes_moved_per_iter", "h2d_bytes_per_iter", "d2h_bytes_per_iter",
+    "collective_bytes_per_iter", "collective_wire_bytes_per_iter", "planned_collective_bytes_per_iter",
+    "planned_bytes_moved_per_iter", "budget_bytes",
+)
+"""The keys of each `RunReport.ranks` entry (hplan.executor.dist_train.report), every one a non-negative int."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -21,7 +29,9 @@ class RunReport:
     """Steps run in this invocation (after a resume: the new ones)."""
     first_step: int
     """Global index of the first step run here (0, or the resumed step)."""
-    losses: tuple[float, ...]
+    losses: tuple[float | None, ...]
+    """The loss of each step (the mean over its micro-batches, and over ranks); None for a step whose loss was not
+    finite, which only `nonfinite="skip"` trains past (JSON has no NaN)."""
     step_seconds: tuple[float, ...]
     peak_resident_bytes: int
     """Highest fast-tier bytes (model + non-model) the probe saw in any step."""
@@ -38,7 +48,7 @@ class RunReport:
     """Ranks that trained (a many-rank plan's `hardware.ranks`); 1 for one process."""
     planned_collective_bytes_per_iter: int = 0
     """Many ranks: the plan's collective bytes sent per rank per iteration (ring model)."""
-    ranks: tuple[dict[str, Any], ...] = ()
+    ranks: tuple[dict[str, int], ...] = ()
     """Many ranks: one entry per rank, measured on that rank — peak_resident_bytes, bytes_moved_per_iter (h2d +
     d2h, also split), collective_bytes_per_iter (ring-model bytes of the calls it made),
     collective_wire_bytes_per_iter (socket bytes written meanwhile, gloo on Linux) — beside the plan's
@@ -83,14 +93,39 @@ class RunReport:
 
     @classmethod
     def load(cls, path: str | os.PathLike[str]) -> RunReport:
+        """A run report (`hplan run --json` output, `hplan demo`'s run.json) read back: every field typed as its
+        annotation says ([Note: typed artifact fields]: integers non-negative, seconds finite and non-negative,
+        losses finite of either sign), then the counts that tie fields together; one HplanError naming the field
+        otherwise."""
         obj = read_json(path, what="run report")
-        check_schema(obj, expected=cls.SCHEMA, path=path, what="run report")
-        fields = {k: v for k, v in obj.items() if k != "schema"}
+        regenerate = "hplan run SPEC --plan PLAN --steps N --json > FILE"
+        check_schema(obj, expected=cls.SCHEMA, path=path, what="run report", regenerate=regenerate)
         try:
-            return cls(**{**fields, "losses": tuple(fields["losses"]), "step_seconds": tuple(fields["step_seconds"]),
-                          "ranks": tuple(fields.get("ranks", ()))})
-        except (KeyError, TypeError) as exc:
-            raise HplanError(f"{path} is an incomplete run report ({exc}); rerun `hplan run`") from None
+            report = typed(cls, obj, minimum={"losses": -(2**63)}, skip=frozenset({"schema"}))
+            report.check()
+        except FieldError as exc:
+            raise HplanError(f"{path} is not a valid run report: field {exc.path}: {exc.problem}; regenerate it with "
+                             f"`{regenerate}`") from None
+        return report
+
+    def check(self) -> None:
+        """The rules between fields, as FieldError: one loss and one time per step, and one entry per rank (with
+        exactly the keys hplan writes, in rank order) for a many-rank run (a world of one has none, or one for a
+        sharded plan run on one rank)."""
+        for name in ("losses", "step_seconds"):
+            if len(getattr(self, name)) != self.steps:
+                raise FieldError(name, f"holds {len(getattr(self, name))} values for {self.steps} steps")
+        if self.world_size < 1:
+            raise FieldError("world_size", f"must be at least 1, got {self.world_size}")
+        allowed = (self.world_size,) if self.world_size > 1 else (0, 1)
+        if len(self.ranks) not in allowed:
+            raise FieldError("ranks", f"holds {len(self.ranks)} entries for a world of {self.world_size}")
+        for i, entry in enumerate(self.ranks):
+            if set(entry) != set(RANK_FIELDS):
+                odd = sorted(set(entry) ^ set(RANK_FIELDS))[0]
+                raise FieldError(f"ranks[{i}].{odd}", "unknown" if odd in entry else "missing")
+            if entry["rank"] != i:
+                raise FieldError(f"ranks[{i}].rank", f"is {entry['rank']}, expected {i} (entries in rank order)")
 
 
 METRICS_COLUMNS: tuple[str, ...] = (

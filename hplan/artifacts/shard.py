@@ -364,5 +364,6 @@ def one_rank_only(plan: Plan) -> None:
     """Refuse a many-rank plan where one process would run it (its regions are shards of the model)."""
     if plan.sharding is not None:
         n = plan.hardware.ranks
-        raise HplanError(f"the plan is for {n} ranks (shard factors {plan.sharding.factors}); run it with "
-                         f"`hplan run --nproc {n}`, under torchrun, or re-plan without --gpus/--nodes/--shard")
+        raise HplanError(f"the plan is for {n} ranks (shard factors {plan.sharding.factors}); run it on {n} "
+                         f"ranks (`nproc` {n}, or under torchrun), or re-plan for one rank (without "
+                         "`gpus_per_node`/`nodes`/`factors`)")

@@ -24,7 +24,7 @@ from rich.markup import escape
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
 from hplan.blame import describe_user_error, first_line, user_frame
-from hplan.errors import FLAGS, HplanError
+from hplan.errors import FLAGS, PHRASES, HplanError
 from hplan.sizes import parse_size
 
 OnProgress = Callable[[int, int, str], None]
@@ -79,6 +79,8 @@ def guarded(fn: Callable[[], T]) -> T:
 def cli_terms(text: str) -> str:
     """A library message as the CLI says it: each backticked Python argument (`gpu_bytes`) becomes the flag
     that sets it (--gpu-mem); see [Note: arguments in messages] in hplan.errors."""
+    for library, cli in PHRASES.items():
+        text = text.replace(library, cli)
     return _ARGUMENT.sub(lambda m: FLAGS.get(m.group(1), m.group(0)), text)
 
 

@@ -7,7 +7,7 @@ import signal
 import threading
 from collections.abc import Iterator
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated
+from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 
@@ -62,11 +62,16 @@ def register(app: typer.Typer) -> None:
             if nvme_dir is not None:
                 guarded(lambda: _refuse("--nvme-dir is for one-process plans made with --nvme; a many-rank plan "
                                         "keeps no disk tier: leave --nvme-dir out"))
-            guarded(lambda: _run_many(spec=spec, plan=plan, steps=steps, device=device, metrics=metrics,
-                                      checkpoint=checkpoint, resume=resume, overwrite=overwrite,
-                                      batch_size=batch_size, seq_len=seq_len,
-                                      precision=precision, overrides=overrides, as_json=as_json,
-                                      budget_guard=budget_guard, on_nonfinite=on_nonfinite, nproc=nproc))
+            from hplan.executor.launch import under_torchrun
+
+            # The launching process of spawned ranks stops them and its own clean-up runs, as one process's run
+            # does ([Note: stopped many-rank runs]); under torchrun each process is a rank, which torchrun stops.
+            with stops_cleanly(ranks=True) if not under_torchrun() else contextlib.nullcontext():
+                guarded(lambda: _run_many(spec=spec, plan=plan, steps=steps, device=device, metrics=metrics,
+                                          checkpoint=checkpoint, resume=resume, overwrite=overwrite,
+                                          batch_size=batch_size, seq_len=seq_len,
+                                          precision=precision, overrides=overrides, as_json=as_json,
+                                          budget_guard=budget_guard, on_nonfinite=on_nonfinite, nproc=nproc))
             return
         with stops_cleanly():
             guarded(lambda: _run(spec=spec, plan=plan, steps=steps, device=device, metrics=metrics,
@@ -90,17 +95,22 @@ STOP_SIGNALS = (signal.SIGTERM, signal.SIGHUP)
 
 
 @contextlib.contextmanager
-def stops_cleanly() -> Iterator[None]:
+def stops_cleanly(*, ranks: bool = False) -> Iterator[None]:
     """Turn SIGTERM/SIGHUP into a clean exit: the run unwinds, then one line and exit 128 + the signal's number
     (143 for SIGTERM, as a process killed by it would report). Further signals are ignored while it unwinds, so
-    the clean-up is not cut short; `kill -9` still stops it at once (the next run cleans up after it)."""
+    the clean-up is not cut short; `kill -9` still stops it at once (the next run cleans up after it). `ranks`:
+    this process launched ranks, which the unwinding stops (hplan.executor.launch) — the line says so."""
     from hplan.cli.common import err_console
 
     if threading.current_thread() is not threading.main_thread():  # handlers can only be set there
         yield
         return
 
-    def stop(signum: int, frame: object) -> None:
+    def stop(signum: int, frame: Any) -> None:
+        if _in_finalizer(frame):  # Python would print the exception and drop it, and the run would go on
+            main = threading.main_thread().ident
+            threading.Timer(0.05, signal.pthread_kill, (main, signum)).start()  # say it again, outside
+            return
         for s in STOP_SIGNALS:
             signal.signal(s, signal.SIG_IGN)
         raise Stopped(signum)
@@ -110,12 +120,26 @@ def stops_cleanly() -> Iterator[None]:
         yield
     except Stopped as stopped:
         name = signal.Signals(stopped.signum).name
-        err_console.print(f"stopped by {name}: nothing of the step under way was saved; the last checkpoint (if "
+        who = " (every rank stopped)" if ranks else ""
+        err_console.print(f"stopped by {name}{who}: nothing of the step under way was saved; the last checkpoint (if "
                           "any) holds the state, and --resume continues from it", highlight=False, soft_wrap=True)
         raise typer.Exit(128 + stopped.signum) from None
     finally:
         for s, handler in previous.items():
             signal.signal(s, handler)
+
+
+def _in_finalizer(frame: Any) -> bool:
+    """Did the signal arrive inside a finalizer (a weakref callback, `weakref.finalize`, `__del__`, run by the
+    garbage collector at any allocation)? An exception raised there is printed as "Exception ignored in …" and
+    dropped, so `stop` re-sends the signal to the main thread a moment later instead (seen in
+    tests/test_executor_nvme.py: a SIGTERM lost in a finalizer left a run training on)."""
+    while frame is not None:
+        code = frame.f_code
+        if code.co_name == "__del__" or code.co_filename.endswith(("weakref.py", "_weakrefset.py")):
+            return True
+        frame = frame.f_back
+    return False
 
 
 def _run(*, spec: str, plan: Path, steps: int, device: str, metrics: Path | None, checkpoint: Path | None,
@@ -150,7 +174,10 @@ def _run(*, spec: str, plan: Path, steps: int, device: str, metrics: Path | None
     if as_json:
         emit_json(report.to_dict())
         return
-    err_console.print(f"{report.steps} steps from step {report.first_step}: final loss {report.losses[-1]:.4f}, "
+    bad = sum(loss is None for loss in report.losses)  # --on-nonfinite skip trained past them
+    final = "not finite" if report.losses[-1] is None else f"{report.losses[-1]:.4f}"
+    err_console.print(f"{report.steps} steps from step {report.first_step}"
+                      f"{f' ({bad} with a non-finite loss)' if bad else ''}: final loss {final}, "
                       f"peak resident {report.peak_resident_bytes} B (budget {report.budget_bytes} B), "
                       f"moved {report.bytes_moved_per_iter} B/iter (planned {report.planned_bytes_moved_per_iter})",
                       highlight=False)
