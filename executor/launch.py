@@ -231,6 +231,12 @@ def _rank_main(rank: int, fn: Callable[..., Any], args: tuple[Any, ...], config:
             traceback.print_exc(file=sys.stderr)
             sys.stderr.flush()
         os._exit(1)  # skip interpreter teardown: a broken process group can block it
+    # The result is on disk and the group is gone: skip interpreter teardown here too. Destroying gloo's C++
+    # threads at exit aborted a finished rank now and then ("terminate called without an active exception",
+    # SIGABRT), which the launcher rightly reports as a dead rank although it trained to the end.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def _arrive(store: Any, world: int) -> None:

@@ -148,7 +148,7 @@ def test_clipping_a_plan_that_does_not_defer_updates_is_refused():
     assert not plan.defer_updates
     model = workload.build_model()
     optimizer = workload.optimizer(model.parameters())
-    with pytest.raises(HplanError, match="clip_grad_norm_ was called after chunks .* defer_updates=True"):
+    with pytest.raises(HplanError, match=r"clip_grad_norm_ was called after chunks .*defer_updates=True"):
         with hplan.attach(model, optimizer, plan):
             workload.loss(model, workload.batch(0)).backward()
             torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
