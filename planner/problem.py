@@ -16,6 +16,7 @@ import numpy as np
 from hplan.artifacts.hardware import Hardware
 from hplan.artifacts.plan import Chunk, PlacementRule, Region, host_update_effects
 from hplan.artifacts.trace import Event, ParamInfo, Trace
+from hplan.errors import HplanError
 from hplan.sizes import format_size
 
 MODULE_CHUNKS = 0
@@ -221,7 +222,12 @@ def structure_of(trace: Trace, groups: list[list[ParamInfo]], gpu_chunks: frozen
         by_chunk.setdefault(r.chunk, {})[r.kind] = r.id
     owner = {name: c.id for c in chunks for name in c.tensors}
     n = len(trace.events)
-    opt = next((t for t, e in enumerate(trace.events) if e.kind == "optimizer"), n - 1)
+    opt = next((t for t, e in enumerate(trace.events) if e.kind == "optimizer"), None)
+    if opt is None:  # updates need a step to land in: without one a host update would clash with a read
+        if any(c.trainable for c in chunks):
+            raise HplanError("the trace has trainable parameters but no optimizer event; re-run `hplan trace` on a "
+                             "step that calls optimizer.step() (or freeze the parameters)")
+        opt = n - 1
     reads = [set() for _ in range(n)]
     writes = [set() for _ in range(n)]
     overwrites = [set() for _ in range(n)]

@@ -148,3 +148,17 @@ def test_atomic_path_never_renames_onto_a_non_regular_file(tmp_path):
         check_output(tmp_path / "alias.json", inputs=[source])
     with pytest.raises(HplanError, match="not a directory"):
         check_output(source, kind="dir")
+
+
+def test_a_trace_without_an_optimizer_step_is_refused_in_one_line(tmp_path):
+    """Trainable parameters need an optimizer event for their updates: without one `plan` said "an hplan bug"."""
+    from typer.testing import CliRunner
+
+    from hplan.cli import app
+
+    sample_trace().save(tmp_path / "t.parquet")
+    for args in (["--gpu-mem", "min", "--json"], ["--gpu-mem", "1MB", "--json"]):
+        result = CliRunner().invoke(app, ["plan", str(tmp_path / "t.parquet"), *args])
+        assert result.exit_code == 2, result.output
+        assert "no optimizer event" in result.output and "hplan bug" not in result.output
+        assert len(result.output.strip().splitlines()) == 1
