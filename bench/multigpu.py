@@ -12,7 +12,7 @@ the A800's calibrated 63% of 312 TFLOPS (hplan.planner.presets). Beside each pre
 one where issue 25 quotes it, and the seconds per step the model leaves unexplained (the paper's implied step
 minus the predicted one). hplan's own pick is priced as its executor runs it (every collective blocking at
 its step), and again as if it overlapped them as AMSP does.
-The CPU part is measured: `hplan run --nproc 2` (hplan.executor.dist_train.run_distributed, the probe on, as
+The CPU part is measured: `hplan run --nproc 2` (hplan.executor.ranks.dist_train.run_distributed, the probe on, as
 users run it) at hplan's factors and at FSDP2's (P = G = OS = 2), and FSDP2 (`fully_shard` per block and the
 root) on the same model and loop, interleaved in rounds; medians of every rank-0 step but each run's first.
 """
@@ -187,8 +187,8 @@ def _trace_check() -> Table:
 
 
 def _cpu(ctx: Context) -> tuple[Table, str]:
-    from hplan.executor.dist_train import run_distributed
-    from hplan.executor.launch import launch
+    from hplan.executor.ranks.dist_train import run_distributed
+    from hplan.executor.ranks.launch import launch
     from hplan.tracer import trace_workload
 
     from hplan.artifacts.shard import Sharding
@@ -277,12 +277,12 @@ def fsdp2_rank(info: Any, spec: str, steps: int, cpu: bool = False) -> list[floa
 
 
 def hplan_cpu_rank(info: Any, spec: str, plan: dict[str, Any], steps: int) -> list[float]:
-    """CPU seconds per step of `hplan run`'s loop on this rank (hplan.executor.dist_train.rank_main: DistRun with
+    """CPU seconds per step of `hplan run`'s loop on this rank (hplan.executor.ranks.dist_train.rank_main: DistRun with
     the probe on, loss, its finiteness check, backward, run.step): the work the executor adds, which the
     machine's other load does not inflate as it does wall time."""
     import math
 
-    from hplan.executor.distributed import DistRun
+    from hplan.executor.ranks.distributed import DistRun
 
     from hplan.artifacts import Plan
     from hplan.specs import load_workload

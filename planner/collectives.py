@@ -211,7 +211,7 @@ def collective_cost(op: str, buffer_bytes: int, group: Group, world: World, *, a
     """Bytes and seconds of one collective, flat (one NCCL call) or two-level (module docstring).
 
     Shards are whole elements of `itemsize` bytes, ⌈elements / k⌉ each — the executor's padding
-    (hplan.executor.collectives.ShardLayout) — so per-chunk calls with the chunk's itemsize give exactly the
+    (hplan.executor.ranks.collectives.ShardLayout) — so per-chunk calls with the chunk's itemsize give exactly the
     bytes the executor counts; the default 1 prices whole states, where padding is negligible."""
     if op not in OPS or algorithm not in ALGORITHMS:
         raise HplanError(f"unknown collective {op!r} or algorithm {algorithm!r}: use {OPS} and {ALGORITHMS}")

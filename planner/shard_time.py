@@ -13,7 +13,7 @@ network phase overlaps another's NVLink phase. How collectives are issued is a `
 - `overlap_reductions`: gradient reduce-scatters and syncs run on their queues beside the next compute
   (FSDP, DeepSpeed with overlap_comm) — or block the compute stream (DeepSpeed ZeRO-1/2's default);
 - `blocking`: every collective blocks the compute stream — hplan's executor, whose calls are synchronous
-  (executor/dist_comm.py), so its plans are priced this way;
+  (executor/ranks/dist_comm.py), so its plans are priced this way;
 - `bucket_bytes`: gradient reductions (and the updated-weight gathers after the optimizer) are coalesced in
   buckets of this many bytes, issued when a bucket fills and at the end of the pass (DeepSpeed's
   reduce_bucket_size / allgather_bucket_size); 0 = one call per chunk, as the plan lists them.
@@ -54,7 +54,7 @@ class CommSchedule:
 
 
 EXECUTOR = CommSchedule(blocking=True)
-"""hplan's executor: synchronous calls at the step that needs them (executor/dist_comm.py)."""
+"""hplan's executor: synchronous calls at the step that needs them (executor/ranks/dist_comm.py)."""
 
 
 def call_cost(call: Collective, world: World, algorithm: str = "nccl") -> CollectiveCost:

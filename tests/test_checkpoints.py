@@ -22,8 +22,8 @@ from pathlib import Path
 import pytest
 import torch
 from hplan.executor import run_training
-from hplan.executor.checkpoint import load_checkpoint
-from hplan.executor.checkpoint_dir import PAUSE_ENV, CheckpointDir, saved_step, verify
+from hplan.executor.checkpoints.checkpoint import load_checkpoint
+from hplan.executor.checkpoints.checkpoint_dir import PAUSE_ENV, CheckpointDir, saved_step, verify
 import hostile
 from loops import cli_env, plan_for
 from typer.testing import CliRunner
@@ -284,7 +284,7 @@ def test_a_checkpoint_that_would_run_code_is_refused_in_one_line(prepared, tmp_p
                                           ("torch.distributed.checkpoint.metadata", "torch")])
 def test_the_metadata_unpickler_admits_nothing_but_dcp_metadata(module, name):
     """The allowlist: what DCP's metadata is made of resolves, any other global is refused, dotted names too."""
-    from hplan.executor.dcp_safe import _allowed
+    from hplan.executor.checkpoints.dcp_safe import _allowed
 
     assert _allowed(module, name) is None
     assert _allowed("torch", "Size") is torch.Size and _allowed("torch", "bfloat16") is torch.bfloat16

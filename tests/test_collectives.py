@@ -11,8 +11,8 @@ import torch
 import torch.distributed as dist
 
 from hplan.errors import HplanError
-from hplan.executor.collectives import ChunkComm, CommCounter, ShardLayout, ring_bytes
-from hplan.executor.launch import RankInfo, launch
+from hplan.executor.ranks.collectives import ChunkComm, CommCounter, ShardLayout, ring_bytes
+from hplan.executor.ranks.launch import RankInfo, launch
 
 HAVE_PROC_IO = Path("/proc/self/io").exists()
 

@@ -15,7 +15,7 @@ import pytest
 
 import dist_hplan
 import dist_reference as ref
-from hplan.executor.launch import launch
+from hplan.executor.ranks.launch import launch
 from hplan.tracer import trace_workload
 from hplan.specs import load_workload
 
@@ -83,7 +83,7 @@ def test_a_rank_that_dies_stops_the_run_in_one_line(trace, tmp_path):
     lines = [line for line in done.stderr.splitlines() if line.startswith("error:")]
     assert len(lines) == 1 and "rank 1 of 2" in lines[0] and "code 3" in lines[0], done.stderr
     assert "Traceback" not in done.stderr  # one line (tracebacks only with hplan --debug)
-    from hplan.executor.dist_checkpoint import read_pointer
+    from hplan.executor.ranks.dist_checkpoint import read_pointer
 
     assert read_pointer(tmp_path / "ck")["global_step"] == 2
     # A flipped byte in the newest shard: resume falls back to step 1 with one warning line (never trains on it).
@@ -132,7 +132,7 @@ def test_a_fresh_run_never_replaces_a_checkpoint_unasked(trace, tmp_path):
     done = subprocess.run([*cmd[:-6], "--steps", "1", "--nproc", "2", "--checkpoint", str(ck), "--overwrite"],
                           env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr
-    from hplan.executor.dist_checkpoint import read_pointer
+    from hplan.executor.ranks.dist_checkpoint import read_pointer
 
     pointer = read_pointer(ck)
     assert pointer["latest"] == "step-000001" and pointer["previous"] is None
@@ -199,7 +199,7 @@ def test_torchrun_runs_the_cli_and_reports_every_rank(trace, tmp_path):
 def test_gradient_accumulation_on_two_ranks():
     """accumulate = 2: rank r trains step s on batch((2s + r)·2 + i), i < 2, each loss ÷ 2, and the sync ÷ 2 —
     the micro-batches 4s … 4s + 3 of one process accumulating four (each ÷ 4), which is ref.accumulated with 4."""
-    from hplan.executor.dist_train import run_distributed
+    from hplan.executor.ranks.dist_train import run_distributed
 
     trace = trace_workload(load_workload(SPEC, accumulate=2), device="cpu", iters=3)
     expected = ref.accumulated(SPEC, 4, 3)

@@ -26,10 +26,11 @@ import dist_hplan
 import hostile
 from hplan.cli import app
 from hplan.errors import HplanError
-from hplan.executor import dist_checkpoint, run_training
-from hplan.executor.checkpoint_dir import CheckpointDir, verify
-from hplan.executor.dist_train import run_distributed
-from hplan.executor.launch import launch
+from hplan.executor import run_training
+from hplan.executor.checkpoints.checkpoint_dir import CheckpointDir, verify
+from hplan.executor.ranks import dist_checkpoint
+from hplan.executor.ranks.dist_train import run_distributed
+from hplan.executor.ranks.launch import launch
 from hplan.specs import load_workload
 from hplan.tracer import trace_workload
 
@@ -130,8 +131,8 @@ def _snapshot(folder: Path) -> dict[str, bytes | str]:
 
 def _finite_everywhere(folder: Path) -> bool:
     """Every floating tensor of a many-rank step folder is finite (read with hplan's safe reader)."""
-    from hplan.executor.checkpoint import _read
-    from hplan.executor.checkpoint_dir import listed_files
+    from hplan.executor.checkpoints.checkpoint import _read
+    from hplan.executor.checkpoints.checkpoint_dir import listed_files
 
     state = _read(folder, listed_files(folder))
     tensors = [t for rank in state.values() for t in rank["regions"].values()]
@@ -276,9 +277,9 @@ def test_a_stopped_many_rank_run_removes_an_unfinished_save_under_its_lock_then_
     """[Note: stopped many-rank runs] without spawning: the ranks are "stopped" (launch raises what `hplan run`
     raises on SIGTERM, a BaseException) after one left half a save; the launching process removes its temp folder
     while it still holds the lock, keeps the committed folders, and releases the lock."""
-    import hplan.executor.launch as launch_module
+    import hplan.executor.ranks.launch as launch_module
     from hplan.cli.run_cmd import Stopped
-    from hplan.executor.checkpoint_dir import lock
+    from hplan.executor.checkpoints.checkpoint_dir import lock
 
     ck = _copy(root, tmp_path)
     committed = _snapshot(ck)
@@ -397,7 +398,7 @@ def test_a_sharded_checkpoint_that_would_run_code_is_refused_before_any_rank_sta
 
 def _load_on_rank(info, plan: dict, folder: str) -> str:
     """A rank loading `folder` directly (past the launcher's checks): what stops it, in words."""
-    from hplan.executor.distributed import DistRun
+    from hplan.executor.ranks.distributed import DistRun
 
     workload = load_workload(SPEC)
     model = workload.build_model()

@@ -23,8 +23,8 @@ from hplan.artifacts import Hardware, Plan
 from hplan.artifacts.plan import staging_bytes
 from hplan.errors import HplanError
 from hplan.executor import run_training
-from hplan.executor.checkpoint_dir import saved_step
-from hplan.executor.nvme_folder import FOLDER
+from hplan.executor.checkpoints.checkpoint_dir import saved_step
+from hplan.executor.tiers.nvme_folder import FOLDER
 from hplan.planner import PlanOptions, default_slack, make_plan, min_gpu_bytes
 from hplan.specs import load_workload
 from hplan.tracer import trace_workload
@@ -50,7 +50,7 @@ def bf16():
 
 
 def region_files(d: Path) -> list[str]:
-    """The region files a run keeps under --nvme-dir `d` (in its own folder, see executor/nvme_folder.py)."""
+    """The region files a run keeps under --nvme-dir `d` (in its own folder, see executor/tiers/nvme_folder.py)."""
     return sorted(p.name for p in (d / FOLDER).glob("*.region"))
 
 

@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 
 from hplan.errors import HplanError
-from hplan.executor.launch import RankInfo, launch
+from hplan.executor.ranks.launch import RankInfo, launch
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -79,7 +79,7 @@ def _since(stamp: Path) -> float:
 
 def test_two_ranks_return_their_results(monkeypatch):
     """... through a folder of this call's own ([Note: launch workdir]): new, 0700, ours, removed afterwards."""
-    from hplan.executor import launch as module
+    from hplan.executor.ranks import launch as module
 
     made: list[Path] = []
 
@@ -123,7 +123,7 @@ def test_an_env_launch_whose_master_port_is_taken_is_one_line_naming_the_port():
         taken.listen()
         port = taken.getsockname()[1]
         env = {**os.environ, "RANK": "0", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
-        code = ("from hplan.errors import HplanError\nfrom hplan.executor.launch import launch\n"
+        code = ("from hplan.errors import HplanError\nfrom hplan.executor.ranks.launch import launch\n"
                 "try:\n    launch(print, collective_timeout_s=20)\nexcept HplanError as exc:\n    print(exc)\n")
         done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=60)
     assert done.returncode == 0, done.stderr
@@ -185,7 +185,7 @@ def test_under_torchrun_every_rank_returns_all_results(tmp_path):
         "import json, os, sys\n"
         f"sys.path.insert(0, {str(Path(__file__).parent)!r})\n"
         "from test_launch import _sum_ranks\n"
-        "from hplan.executor.launch import launch\n"
+        "from hplan.executor.ranks.launch import launch\n"
         "results = launch(_sum_ranks, 1.0, collective_timeout_s=30)\n"
         "open(f'out{os.environ[\"RANK\"]}.json', 'w').write(json.dumps(results))\n")
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",

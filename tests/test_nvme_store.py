@@ -1,4 +1,4 @@
-"""DiskStore (executor/nvme.py): round trips, ordering, checksums, disk errors, O_DIRECT fallback, resume.
+"""DiskStore (executor/tiers/nvme.py): round trips, ordering, checksums, disk errors, O_DIRECT fallback, resume.
 
 Everything runs in pytest tmp dirs on the real disk; the largest region is 8 MiB.
 """
@@ -17,9 +17,9 @@ import pytest
 import torch
 
 from hplan.errors import HplanError
-from hplan.executor import nvme_format, nvme_io
-from hplan.executor.nvme_folder import FOLDER, RECORD
-from hplan.executor.nvme import DiskStore, aligned_empty, is_aligned, measure_raw_bandwidth, storage_bytes
+from hplan.executor.tiers import nvme_format, nvme_io
+from hplan.executor.tiers.nvme_folder import FOLDER, RECORD
+from hplan.executor.tiers.nvme import DiskStore, aligned_empty, is_aligned, measure_raw_bandwidth, storage_bytes
 
 SIZES = [0, 1, 4095, 4096, (1 << 20) + 3]
 
@@ -39,7 +39,7 @@ def one_line(exc: pytest.ExceptionInfo[HplanError]) -> str:
 
 
 def region_files(d: Path) -> list[str]:
-    """The region files a store keeps under `d` (in its own folder, see executor/nvme_folder.py)."""
+    """The region files a store keeps under `d` (in its own folder, see executor/tiers/nvme_folder.py)."""
     return sorted(p.name for p in (d / FOLDER).glob("*.region"))
 
 
@@ -395,7 +395,7 @@ def test_measure_raw_bandwidth(tmp_path: Path) -> None:
 
 
 # -- hostile names in the directory (issue 22): nothing is written through, opened blocking or deleted that the
-# store did not create; see [Note: nvme ownership] in executor/nvme_folder.py.
+# store did not create; see [Note: nvme ownership] in executor/tiers/nvme_folder.py.
 
 def outside(tmp_path: Path) -> Path:
     """A user's file outside the store's directory, which a planted link points at."""

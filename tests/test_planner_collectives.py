@@ -233,7 +233,7 @@ def test_world_from_hardware_artifact():
 
 def test_executor_counters_equal_the_planned_bytes():
     """Inside one node the executor's ring counters and the planner's per-rank bytes are one formula."""
-    from hplan.executor.collectives import ring_bytes
+    from hplan.executor.ranks.collectives import ring_bytes
 
     world = World(gpus_per_node=4, intra_gbps=100, inter_gbps=10, latencies=ZERO)
     group = Group(size=4, per_node=4, nodes=1, concurrent=1)

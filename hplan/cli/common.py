@@ -37,7 +37,7 @@ _state = {"debug": False}
 
 def set_debug(value: bool) -> None:
     _state["debug"] = value
-    if value:  # ranks spawned by `hplan run --nproc` inherit it (hplan.executor.launch prints tracebacks then)
+    if value:  # ranks spawned by `hplan run --nproc` inherit it (hplan.executor.ranks.launch prints tracebacks then)
         os.environ["HPLAN_DEBUG"] = "1"
     else:  # every command sets it afresh (in-process callers such as tests run many commands)
         os.environ.pop("HPLAN_DEBUG", None)

@@ -55,14 +55,14 @@ def register(app: typer.Typer) -> None:
         from hplan.cli.common import guarded
         from hplan.cli.world import many_rank_run, one_process_plan_on_ranks
 
-        if guarded(lambda: many_rank_run(nproc, plan)):  # many ranks: hplan.cli.world → hplan.executor.dist_train
+        if guarded(lambda: many_rank_run(nproc, plan)):  # many ranks: hplan.cli.world → executor.ranks.dist_train
             refusal = guarded(lambda: one_process_plan_on_ranks(plan, nproc, nvme_dir=nvme_dir is not None))
             if refusal is not None:
                 guarded(lambda: _refuse(refusal))
             if nvme_dir is not None:
                 guarded(lambda: _refuse("--nvme-dir is for one-process plans made with --nvme; a many-rank plan "
                                         "keeps no disk tier: leave --nvme-dir out"))
-            from hplan.executor.launch import under_torchrun
+            from hplan.executor.ranks.launch import under_torchrun
 
             # The launching process of spawned ranks stops them and its own clean-up runs, as one process's run
             # does ([Note: stopped many-rank runs]); under torchrun each process is a rank, which torchrun stops.
@@ -99,7 +99,7 @@ def stops_cleanly(*, ranks: bool = False) -> Iterator[None]:
     """Turn SIGTERM/SIGHUP into a clean exit: the run unwinds, then one line and exit 128 + the signal's number
     (143 for SIGTERM, as a process killed by it would report). Further signals are ignored while it unwinds, so
     the clean-up is not cut short; `kill -9` still stops it at once (the next run cleans up after it). `ranks`:
-    this process launched ranks, which the unwinding stops (hplan.executor.launch) — the line says so."""
+    this process launched ranks, which the unwinding stops (hplan.executor.ranks.launch) — the line says so."""
     from hplan.cli.common import err_console
 
     if threading.current_thread() is not threading.main_thread():  # handlers can only be set there
@@ -215,7 +215,7 @@ def _refuse(message: str) -> None:
 
 def _check_nvme_dir(plan: Plan, path: Path, nvme_dir: Path | None) -> None:
     """Before any work: a plan with NVMe-homed chunks needs --nvme-dir, a directory (issue 16)."""
-    from hplan.executor.tiers import needs_nvme_dir
+    from hplan.executor.tiers.host import needs_nvme_dir
 
     if nvme_dir is None and needs_nvme_dir(plan):
         raise HplanError(f"{path} keeps {len(plan.nvme_chunks())} chunks on NVMe (planned with --nvme): pass "

@@ -191,7 +191,7 @@ def run_many(*, spec: str, plan: Any, steps: int, device: str, metrics: Any, che
              overwrite: bool,
              batch_size: int | None, seq_len: int | None, precision: str | None, overrides: list[str] | None,
              as_json: bool, budget_guard: str, on_nonfinite: str, nproc: int | None) -> None:
-    """`hplan run --nproc N` (or under torchrun): hplan.executor.dist_train.run_distributed, one summary."""
+    """`hplan run --nproc N` (or under torchrun): hplan.executor.ranks.dist_train.run_distributed, one summary."""
     import os
 
     from hplan.artifacts import Plan
@@ -208,7 +208,7 @@ def run_many(*, spec: str, plan: Any, steps: int, device: str, metrics: Any, che
         raise HplanError("many ranks take --budget-guard stop or warn, and --on-nonfinite stop only")
     check_outputs(spec=spec, plan=plan, metrics=None, checkpoint=checkpoint)
     the_plan = Plan.load(plan)
-    from hplan.executor.dist_train import run_distributed
+    from hplan.executor.ranks.dist_train import run_distributed
 
     load = dict(batch_size=batch_size, seq_len=seq_len, overrides=parse_overrides(overrides), precision=precision,
                 accumulate=the_plan.accumulate, max_grad_norm=the_plan.max_grad_norm)

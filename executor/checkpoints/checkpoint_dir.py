@@ -6,7 +6,7 @@
     DIR/step-000039/            the previous good one, kept so a damaged latest falls back to it
 
 This module knows nothing of torch: it moves folders, hashes files and decides which checkpoint is good;
-hplan.executor.checkpoint decides what goes inside a folder.
+hplan.executor.checkpoints.checkpoint decides what goes inside a folder.
 
 [Note: checkpoint commit] A save writes into a fresh hidden folder `.step-000041.<random>.tmp`, fsyncs every
 file, writes `manifest.json` (each file's size and checksum, the global step) last, renames the folder to
@@ -15,7 +15,8 @@ before), and only then removes the folders the pointer no longer names. A folder
 manifest exists and every file it lists is a regular file (never read through a link or from a FIFO) with the
 listed size and checksum, so a torn, truncated, replaced or bit-flipped file is refused naming it. The checksums
 catch damage, not malice (they have no key): what a folder holds is read without running code
-([Note: safe DCP metadata] in hplan.executor.dcp_safe). Resume tries the pointer's folders in order (newest first) and
+([Note: safe DCP metadata] in hplan.executor.checkpoints.dcp_safe). Resume tries the pointer's folders in order
+(newest first) and
 nothing else, so a folder of another run (before an --overwrite run's first save) is never mixed in; a
 folder renamed into place whose pointer update a kill prevented is simply not used, and goes at the next
 save. Without a readable pointer, the step folders are tried newest first. A `kill -9` at any moment thus
@@ -41,9 +42,9 @@ from pathlib import Path
 from typing import Any
 
 from hplan.artifacts.io import loads_bounded
-from hplan.executor.checkpoint_manifest import (Checkpoint, file_checksum, folder_name, listed_files,  # noqa: F401
-                                                 verify, write_manifest)  # re-exported: the manifest's names
-from hplan.executor.durable import current_umask, fsync_path, lock_exclusive, read_regular, write_durably
+from hplan.executor.checkpoints.checkpoint_manifest import (  # re-exported: the manifest's names
+    Checkpoint, file_checksum, folder_name, listed_files, verify, write_manifest)  # noqa: F401
+from hplan.executor.tiers.durable import current_umask, fsync_path, lock_exclusive, read_regular, write_durably
 
 from hplan.errors import HplanError
 
@@ -247,7 +248,7 @@ def saved_step(directory: str | os.PathLike[str]) -> int:
 # -- helpers ------------------------------------------------------------------------------------------------
 
 def _written_by_ranks(pointer: Path) -> int:
-    """The world size of a many-rank checkpoint's pointer (hplan.executor.dist_checkpoint), else 0."""
+    """The world size of a many-rank checkpoint's pointer (hplan.executor.ranks.dist_checkpoint), else 0."""
     try:
         data = loads_bounded(read_regular(pointer))
     except (OSError, ValueError):
@@ -290,7 +291,7 @@ def remove_leftovers(root: Path) -> None:
 
 
 def _lock(root: Path) -> int:
-    """flock DIR/.lock, or say who holds it (hplan.executor.durable.lock_exclusive)."""
+    """flock DIR/.lock, or say who holds it (hplan.executor.tiers.durable.lock_exclusive)."""
     def cannot_create(exc: OSError) -> HplanError:
         return HplanError(f"cannot create the lock file {root / LOCK}: {exc.strerror}; check the folder's "
                           "permissions")

@@ -1,6 +1,6 @@
 """Low-level disk I/O for the NVMe tier: aligned host buffers, O_DIRECT probing, whole-file transfers.
 
-Everything here is stateless; `hplan.executor.nvme.DiskStore` adds keys, threads and checksums on top.
+Everything here is stateless; `hplan.executor.tiers.nvme.DiskStore` adds keys, threads and checksums on top.
 
 [Note: how bytes reach the disk] Transfers are `os.pwritev`/`os.preadv` straight between the caller's
 tensor memory (a memoryview of `tensor.numpy()`, no copy) and the file. CPython releases the GIL around
@@ -36,8 +36,8 @@ from collections.abc import Callable
 from pathlib import Path
 
 import torch
-from hplan.executor.durable import lock_exclusive
-from hplan.executor.nvme_folder import PROBE, RunFolder
+from hplan.executor.tiers.durable import lock_exclusive
+from hplan.executor.tiers.nvme_folder import PROBE, RunFolder
 
 from hplan.errors import HplanError
 
@@ -82,7 +82,7 @@ def byte_view(t: torch.Tensor, what: str) -> memoryview:
     """A writable, zero-copy memoryview of a contiguous CPU uint8 tensor."""
     if t.device.type != "cpu" or t.dtype != torch.uint8 or t.dim() != 1 or not t.is_contiguous():
         raise HplanError(f"{what} needs a 1-D contiguous CPU uint8 tensor, got {t.dtype} {tuple(t.shape)} on "
-                         f"{t.device}; pass a host buffer such as hplan.executor.nvme.aligned_empty(n)")
+                         f"{t.device}; pass a host buffer such as hplan.executor.tiers.nvme.aligned_empty(n)")
     if t.numel() == 0:
         return memoryview(bytearray(0))
     return memoryview(t.detach().numpy()).cast("B")

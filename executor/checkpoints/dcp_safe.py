@@ -100,8 +100,8 @@ def read_metadata(folder: Path, files: Mapping[str, int]) -> Any:
 
 
 def _read_regular(path: Path) -> bytes:
-    """The bytes of `path`, a regular file reached without following a link (hplan.executor.durable)."""
-    from hplan.executor.durable import read_regular
+    """The bytes of `path`, a regular file reached without following a link (hplan.executor.tiers.durable)."""
+    from hplan.executor.tiers.durable import read_regular
 
     try:
         return read_regular(path)

@@ -8,7 +8,7 @@ syncs, which end with ÷N on this rank's optimizer piece), then frees the full w
 and weight all-gathers), waits for what it needs, host updates; at the optimizer step also the fast-tier updates
 on this rank's pieces, then that step's `after` calls (all-gathers of updated pieces) at once. Every rank runs the
 same steps, so every rank makes the same calls in the same order; a rank that stops calling makes the others'
-next call fail within the process group's timeout (hplan.executor.launch).
+next call fail within the process group's timeout (hplan.executor.ranks.launch).
 Supported on many ranks: fp32 and bf16-mixed (unverified), element-wise optimizers, param groups, LR schedulers,
 accumulation. Refused in one line: clipping by global norm and fp16 loss scaling (they need norms over shards),
 and any plan for another number of ranks.
@@ -24,12 +24,12 @@ from typing import Any, Self
 import torch
 import torch.distributed as dist
 from hplan.executor.device import make_tier
-from hplan.executor.dist_comm import PlanComm
+from hplan.executor.ranks.dist_comm import PlanComm
 from hplan.executor.gradients import first_nonfinite, move_grad, nonfinite_message
 from hplan.executor.habits import intercepted, with_step_hooks
 from hplan.executor.measure import WindowMeter, make_probe
 from hplan.executor.runtime import check_plan
-from hplan.executor.shard_store import ShardStore
+from hplan.executor.ranks.shard_store import ShardStore
 from hplan.executor.batch import UpdateBatch
 from hplan.executor.update import ChunkUpdate
 from torch import nn
@@ -50,7 +50,7 @@ class Iteration:
     h2d_bytes: int
     d2h_bytes: int
     collective_bytes: int
-    """Ring-model bytes sent by the calls made (see hplan.executor.dist_comm)."""
+    """Ring-model bytes sent by the calls made (see hplan.executor.ranks.dist_comm)."""
     wire_bytes: int
     """Bytes written to sockets during the calls (gloo on Linux; 0 elsewhere)."""
     peak_resident_bytes: int
@@ -184,7 +184,7 @@ class DistRun:
     def __exit__(self, exc_type: object, *exc: object) -> None:
         """Remove hooks; after a clean block give every parameter its full current value (an all-gather where P
         > 1, so every rank exits together). Optimizer state stays in this rank's pieces: save it with
-        hplan.executor.dist_checkpoint, which writes each rank's shards."""
+        hplan.executor.ranks.dist_checkpoint, which writes each rank's shards."""
         self._stack.close()
         store = self.store
         if store is None or exc_type is not None:
@@ -351,7 +351,7 @@ class DistRun:
 
     def sync_state(self) -> None:
         raise HplanError("optimizer.state_dict() inside a many-rank plan: the state is sharded over ranks; save it "
-                         "with hplan.executor.dist_checkpoint.save (run_distributed's `checkpoint_dir` does)")
+                         "with hplan.executor.ranks.dist_checkpoint.save (run_distributed's `checkpoint_dir` does)")
 
     def release_state(self) -> None:
         self.optimizer.state.clear()

@@ -7,7 +7,8 @@ What a rank saves is what it holds: its shard of every parameter, master and opt
 contents, wherever they are), its per-parameter optimizer step counters, its RNG state, and the global step and
 LR scheduler (the same on every rank). Gradients are dead between iterations and not saved. Keys carry the rank
 (`rank1/region/12`), so DCP never merges two ranks' different shards as one replicated tensor.
-Commit order, as one process's ([Note: checkpoint commit] in hplan.executor.checkpoint_dir): every rank checks
+Commit order, as one process's ([Note: checkpoint commit] in hplan.executor.checkpoints.checkpoint_dir): every rank
+checks
 its state is finite (all agree before anything is written: a non-finite value on any rank stops every rank with
 the same message), then writes into a fresh `DIR/.step-000010.<random>.tmp` that rank 0 made and named to all
 (DCP's save is collective and ends with a barrier); rank 0 writes the manifest over every rank's files, renames
@@ -22,7 +23,7 @@ reshard if every region were saved as a DTensor over the logical chunk; hplan re
 a checkpoint unless told to overwrite it (`check_fresh`). Both run under the folder's lock, `claim`: the same
 DIR/.lock a one-process run takes, held by the launching process for spawned ranks and by rank 0 under torchrun,
 from before any rank writes until the run ends, so a one-process run and a many-rank run never share a folder. Each step folder gets
-the one-process checkpoints' manifest (hplan.executor.checkpoint_dir.write_manifest); what leaves hplan is
+the one-process checkpoints' manifest (hplan.executor.checkpoints.checkpoint_dir.write_manifest); what leaves hplan is
 `model.pt`, the final weights by name (`save_weights`).
 """
 
@@ -40,8 +41,8 @@ from typing import Any
 from hplan.artifacts.io import loads_bounded
 from hplan.artifacts import Plan, atomic_path
 from hplan.errors import HplanError
-from hplan.executor.checkpoint_dir import POINTER, folder_name, holds, write_manifest
-from hplan.executor.durable import read_regular
+from hplan.executor.checkpoints.checkpoint_dir import POINTER, folder_name, holds, write_manifest
+from hplan.executor.tiers.durable import read_regular
 
 SCHEMA = "hplan.dist-checkpoint/1"
 WEIGHTS = "model.pt"
@@ -69,7 +70,7 @@ def read_pointer(directory: str | os.PathLike[str]) -> dict[str, Any]:
 
 def check_resumable(directory: str | os.PathLike[str], plan: Plan, world: int) -> dict[str, Any]:
     """Refuse, before any rank starts, a checkpoint of another world size, factors or model, or one whose metadata
-    is not DCP's own (hplan.executor.dcp_safe); returns the pointer with the folder to resume from."""
+    is not DCP's own (hplan.executor.checkpoints.dcp_safe); returns the pointer with the folder to resume from."""
     info = read_pointer(directory)
     _check_pointer(info, directory, plan, world)
     return choose_folder(directory, info)
@@ -94,9 +95,9 @@ def _check_pointer(info: dict[str, Any], directory: str | os.PathLike[str], plan
 def choose_folder(directory: str | os.PathLike[str], info: dict[str, Any]) -> dict[str, Any]:
     """The pointer with `latest` set to the newest step folder whose manifest and every file check out (each
     file's checksum, as one-process checkpoints do), and `warning` saying so when that is the previous one."""
-    from hplan.executor.checkpoint_dir import verify
+    from hplan.executor.checkpoints.checkpoint_dir import verify
 
-    from hplan.executor.dcp_safe import read_metadata
+    from hplan.executor.checkpoints.dcp_safe import read_metadata
 
     problems = []
     for i, name in enumerate(n for n in (info.get("latest"), info.get("previous")) if isinstance(n, str)):
@@ -184,12 +185,12 @@ class Claim:
 
 
 def claim(directory: str | os.PathLike[str], plan: Plan, world: int, *, resume: bool, overwrite: bool) -> Claim:
-    """Before any rank writes: take DIR/.lock (hplan.executor.checkpoint_dir.lock, the one a one-process run
+    """Before any rank writes: take DIR/.lock (hplan.executor.checkpoints.checkpoint_dir.lock, the one a one-process run
     takes), remove leftovers of killed saves, then — under the lock — refuse what the run could not finish:
     nothing to resume (or another world size, factors or model), a checkpoint a fresh run would replace without
     --overwrite, and a `model.pt` that is not a file this run may replace. Cheap refusals come first, before the
     folder is created."""
-    from hplan.executor.checkpoint_dir import lock, remove_leftovers
+    from hplan.executor.checkpoints.checkpoint_dir import lock, remove_leftovers
 
     root = Path(directory)
     if resume and overwrite:
@@ -247,8 +248,8 @@ def save(directory: str | os.PathLike[str], run: Any, *, global_step: int, sched
     Call it under the folder's lock (`claim`) when other runs may use the folder."""
     import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
-    from hplan.executor.checkpoint_dir import install, pause
-    from hplan.executor.durable import current_umask, write_durably
+    from hplan.executor.checkpoints.checkpoint_dir import install, pause
+    from hplan.executor.tiers.durable import current_umask, write_durably
 
     root = Path(directory)
     state = _state(run, global_step=global_step, scheduler=scheduler)
@@ -283,9 +284,9 @@ def save(directory: str | os.PathLike[str], run: Any, *, global_step: int, sched
 def _agree_finite(run: Any, state: dict[str, Any], *, global_step: int, root: Path) -> None:
     """[Note: finite checkpoints] on ranks: each rank checks the weights, masters and optimizer state it is about to
     save (its pieces of the trainable parameters: padding is never updated), then all agree ([Note: ranks stop
-    together] in hplan.executor.dist_comm), so a non-finite value anywhere stops every rank before anything is
+    together] in hplan.executor.ranks.dist_comm), so a non-finite value anywhere stops every rank before anything is
     written, with the finding rank's words."""
-    from hplan.executor.dist_comm import stop_together
+    from hplan.executor.ranks.dist_comm import stop_together
 
     problem = _nonfinite(run)
     if problem is not None:
@@ -338,8 +339,8 @@ def load(directory: str | os.PathLike[str], run: Any, folder: str | None = None)
     if folder is None:
         folder = check_resumable(directory, run.plan, run.world)["latest"]
 
-    from hplan.executor.checkpoint_dir import listed_files
-    from hplan.executor.dcp_safe import SafePlanner, SafeReader, read_metadata
+    from hplan.executor.checkpoints.checkpoint_dir import listed_files
+    from hplan.executor.checkpoints.dcp_safe import SafePlanner, SafeReader, read_metadata
 
     store, key = run.store, f"rank{run.rank}"
     path = Path(directory) / folder
@@ -350,7 +351,7 @@ def load(directory: str | os.PathLike[str], run: Any, folder: str | None = None)
     try:
         dcp.load(template, storage_reader=SafeReader(path, metadata), planner=SafePlanner())
     except dcp.api.CheckpointException as exc:
-        from hplan.executor.checkpoint import _unwrap
+        from hplan.executor.checkpoints.checkpoint import _unwrap
 
         error = _unwrap(exc)
         if isinstance(error, HplanError):

@@ -1,6 +1,6 @@
 """A checkpoint folder's manifest: written last, it lists every file with its size and checksum, and a folder is
 trusted only when every listed file is a regular file (never read through a link or from a FIFO) of that size and
-checksum (see [Note: checkpoint commit] in hplan.executor.checkpoint_dir, which re-exports these names).
+checksum (see [Note: checkpoint commit] in hplan.executor.checkpoints.checkpoint_dir, which re-exports these names).
 Torch-free; the checksums are the NVMe tier's ([Note: nvme checksums])."""
 
 from __future__ import annotations
@@ -15,8 +15,8 @@ from pathlib import Path
 from typing import Any
 
 from hplan.artifacts.io import loads_bounded
-from hplan.executor.durable import fsync_path, open_regular, read_regular, write_durably
-from hplan.executor.nvme_format import checksum_function
+from hplan.executor.tiers.durable import fsync_path, open_regular, read_regular, write_durably
+from hplan.executor.tiers.nvme_format import checksum_function
 
 from hplan.errors import HplanError
 

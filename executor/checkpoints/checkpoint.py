@@ -11,7 +11,7 @@ budget) too, and is useful without hplan.
 `__<rank>_0.distcp` per rank. Why DCP: many-GPU training (issue 17) needs sharded checkpoints, and DCP
 writes one file per rank with a global index and reshards on load, in a single process too (`no_dist`; no
 process group needed, checked with torch 2.13). What DCP does not give, hplan adds around it
-(hplan.executor.checkpoint_dir): a checksum per file in a manifest written last, one folder per step
+(hplan.executor.checkpoints.checkpoint_dir): a checksum per file in a manifest written last, one folder per step
 committed by a pointer, the previous checkpoint kept, a directory lock. Cost, measured on gpt:mini (12.3 M
 parameters + AdamW state = 148 MB; two shared cores, 5 saves): a save with everything around it (DCP write
 with fsync, xxh3_64 checksums, manifest, pointer) 0.56-0.68 s, against 0.38-0.45 s for torch.save + fsync
@@ -22,7 +22,7 @@ rank will pass its own sharded state (DTensors) to the same calls and DCP plans 
 Every value is a tensor: the small non-tensor state (global step, scheduler, loss scale) is one uint8
 tensor holding a torch.save of it, read back with `weights_only=True`, so DCP never unpickles our values.
 DCP's own `.metadata` is a pickle: hplan reads it with an allowlist unpickler and never lets DCP unpickle
-anything ([Note: safe DCP metadata] in hplan.executor.dcp_safe), so a checkpoint folder cannot run code.
+anything ([Note: safe DCP metadata] in hplan.executor.checkpoints.dcp_safe), so a checkpoint folder cannot run code.
 
 [Note: finite checkpoints] A checkpoint never holds a non-finite weight or optimizer value: the run already
 stops before updating on a non-finite loss or gradient, and the save checks every parameter and optimizer
@@ -41,7 +41,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from hplan.executor.checkpoint_dir import CheckpointDir
+from hplan.executor.checkpoints.checkpoint_dir import CheckpointDir
 from hplan.executor.runtime import PlanRun
 from torch import nn
 
@@ -86,7 +86,7 @@ def check_finite(state: dict[str, Any], *, global_step: int, directory: Path) ->
 
 
 def save_checkpoint(directory: CheckpointDir, run: PlanRun, *, global_step: int, scheduler: Any = None) -> Path:
-    """Check the state is finite, then commit it as DIR/step-NNNNNN (see hplan.executor.checkpoint_dir)."""
+    """Check the state is finite, then commit it as DIR/step-NNNNNN (see hplan.executor.checkpoints.checkpoint_dir)."""
     state = capture_state(run, global_step=global_step, scheduler=scheduler)
     check_finite(state, global_step=global_step, directory=directory.root)
     fingerprint = {k: run.plan.fingerprint.get(k) for k in ("params_sha", "precision")}
@@ -161,10 +161,11 @@ def restore(state: dict[str, Any], model: nn.Module, optimizer: torch.optim.Opti
 
 def _read(folder: Path, files: dict[str, int]) -> dict[str, Any]:
     """Load a whole DCP checkpoint without knowing its shapes: the template is built from DCP's own index, read
-    without running code (see [Note: safe DCP metadata] in hplan.executor.dcp_safe); `files` are the ones its
+    without running code (see [Note: safe DCP metadata] in hplan.executor.checkpoints.dcp_safe); `files` are the ones
+    its
     manifest verified."""
     import torch.distributed.checkpoint as dcp
-    from hplan.executor.dcp_safe import SafePlanner, SafeReader, read_metadata
+    from hplan.executor.checkpoints.dcp_safe import SafePlanner, SafeReader, read_metadata
 
     metadata = read_metadata(folder, files)  # refuses in one line naming the file
     paths = metadata.planner_data or {}

@@ -44,10 +44,10 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from hplan.executor.durable import unlock
-from hplan.executor.nvme_folder import RunFolder
-from hplan.executor.nvme_stats import IoStats, Meter
-from hplan.executor.nvme_format import (
+from hplan.executor.tiers.durable import unlock
+from hplan.executor.tiers.nvme_folder import RunFolder
+from hplan.executor.tiers.nvme_stats import IoStats, Meter
+from hplan.executor.tiers.nvme_format import (
     MANIFEST_SCHEMA,
     Region,
     check_key,
@@ -56,7 +56,7 @@ from hplan.executor.nvme_format import (
     load_manifest,
     region_name,
 )
-from hplan.executor.nvme_io import (
+from hplan.executor.tiers.nvme_io import (
     O_DIRECT,
     aligned_empty,
     byte_view,

@@ -64,7 +64,7 @@ class Region(NamedTuple):
 
 
 def region_name(key: str, slot: int) -> str:
-    """The file name of version `slot` of region `key` (in the store's folder, hplan.executor.nvme_folder)."""
+    """The file name of version `slot` of region `key` (in the store's folder, hplan.executor.tiers.nvme_folder)."""
     return f"{key}.{slot}.region"
 
 

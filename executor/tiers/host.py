@@ -2,7 +2,7 @@
 
 `TieredStore` is a RegionStore whose host copies follow [Note: host tier] (hplan.artifacts.plan): a region is
 staged (a page-aligned buffer, [Note: staging buffers]) or not, and regions that move to or from disk live in a
-DiskStore (hplan.executor.nvme: O_DIRECT, four I/O threads, a checksum verified on every read) under the run's
+DiskStore (hplan.executor.tiers.nvme: O_DIRECT, four I/O threads, a checksum verified on every read) under the run's
 NVMe directory. PlanRun calls its hooks through `host_tier(store)` (no-ops for a two-tier plan): `begin_step`
 (phase 0: drops, allocations, reads issued), `begin_update`/`end_update` around each host update (its phase),
 `stage_chunk`/`settle_chunk` around optimizer-state adoption outside a step, and `close` on exit. Reads are waited for where the content is used (a fetch, an update), so a read the plan placed
@@ -27,9 +27,9 @@ from typing import Any
 
 import psutil
 import torch
-from hplan.executor import staging
+from hplan.executor.tiers import staging
 from hplan.executor.device import FastTier
-from hplan.executor.nvme import DiskStore
+from hplan.executor.tiers.nvme import DiskStore
 from hplan.executor.regions import RegionStore, Slot
 from torch import nn
 

@@ -5,10 +5,10 @@ Rank r trains step s on the workload's micro-batches `batch((s·N + r)·k + i)`,
 the reference is one process accumulating the N·k micro-batches of step s (each loss ÷ N·k) before one
 optimizer step, and the loss reported per step is the mean over ranks (an all-reduce outside the plan's calls,
 not counted in its bytes). Every number in the report is measured per rank ([Note: distributed executor step]).
-Ranks start through hplan.executor.launch: a rank that fails or dies makes the run fail with one line naming it;
-checkpoints are saved after each step (hplan.executor.dist_checkpoint), so a failed run loses at most a step. A
+Ranks start through hplan.executor.ranks.launch: a rank that fails or dies makes the run fail with one line naming it;
+checkpoints are saved after each step (hplan.executor.ranks.dist_checkpoint), so a failed run loses at most a step. A
 non-finite loss on any rank stops every rank at that micro-batch, before its backward, with one message naming the
-step and the rank ([Note: ranks stop together] in hplan.executor.dist_comm).
+step and the rank ([Note: ranks stop together] in hplan.executor.ranks.dist_comm).
 """
 
 from __future__ import annotations
@@ -55,7 +55,7 @@ def run_distributed(spec: str, plan: Plan, *, nproc: int | None, steps: int, dev
                     on_warning: Callable[[str], None] | None = None) -> RunReport:
     """Train `spec` to global step `steps` on the plan's ranks (spawned, or this torchrun job's).
 
-    With `checkpoint_dir`, the folder is claimed (hplan.executor.dist_checkpoint.claim: its lock, then every check
+    With `checkpoint_dir`, the folder is claimed (hplan.executor.ranks.dist_checkpoint.claim: its lock, then every check
     of what the run will write) before any rank starts — by this process for spawned ranks, by rank 0 under
     torchrun — and held until the ranks are done.
 
@@ -63,13 +63,14 @@ def run_distributed(spec: str, plan: Plan, *, nproc: int | None, steps: int, dev
     watchdog fired, or this process was interrupted (`hplan run` turns SIGTERM/SIGHUP into an exception,
     hplan.cli.run_cmd.stops_cleanly) — launch stops every rank (SIGTERM, then SIGKILL) and removes its private
     folder before the exception reaches here; then, still under the lock, the temp and trash folders of a save the
-    ranks did not finish are removed (what the next start would remove: hplan.executor.checkpoint_dir's leftovers,
+    ranks did not finish are removed (what the next start would remove: hplan.executor.checkpoints.checkpoint_dir's
+    leftovers,
     ours by name), and only then is the lock released. A save commits by renames, so the pointer names the last
     committed step folder, intact, whatever moment the ranks were stopped at."""
-    from hplan.executor.checkpoint_dir import remove_leftovers
-    from hplan.executor.dist_checkpoint import claim
-    from hplan.executor.distributed import check_world
-    from hplan.executor.launch import launch, under_torchrun
+    from hplan.executor.checkpoints.checkpoint_dir import remove_leftovers
+    from hplan.executor.ranks.dist_checkpoint import claim
+    from hplan.executor.ranks.distributed import check_world
+    from hplan.executor.ranks.launch import launch, under_torchrun
 
     if steps <= 0:
         raise HplanError(f"steps must be positive, got {steps}")
@@ -124,7 +125,7 @@ def _claim_on_rank0(info: Any, job: Job, plan: Plan, on_warning: Callable[[str],
     """Under torchrun: rank 0 claims the checkpoint folder; every rank learns the folder to resume from, or the
     refusal, which every rank then raises (no rank starts training on a folder it may not use)."""
     import torch.distributed as dist
-    from hplan.executor.dist_checkpoint import claim
+    from hplan.executor.ranks.dist_checkpoint import claim
 
     held, outcome, failure = None, [None], None
     if info.rank == 0:
@@ -149,10 +150,10 @@ def _train(info: Any, job: Job, plan: Plan, resume_from: str | None) -> dict[str
     """The training loop of one rank (see the module docstring), from `resume_from` when given."""
     import torch
     import torch.distributed as dist
-    from hplan.executor import dist_checkpoint
-    from hplan.executor.checkpoint_dir import folder_name
-    from hplan.executor.dist_comm import stop_together
-    from hplan.executor.distributed import DistRun
+    from hplan.executor.ranks import dist_checkpoint
+    from hplan.executor.checkpoints.checkpoint_dir import folder_name
+    from hplan.executor.ranks.dist_comm import stop_together
+    from hplan.executor.ranks.distributed import DistRun
     from hplan.executor.train import to_device
 
     from hplan.specs import load_workload
