@@ -23,7 +23,7 @@ def plan_at(trace: Trace, factors: tuple[int, int, int], *, ranks: int = 2, room
     `room` × this rank's model data: below full residency for room < 1, so the plan offloads."""
     from hplan.planner import PlanOptions, default_slack
     from hplan.planner.presets import make_hardware
-    from hplan.planner.shard import make_shard_plan, min_gpu_sharded
+    from hplan.planner.ranks.shard import make_shard_plan, min_gpu_sharded
 
     f = Sharding(P=factors[0], G=factors[1], OS=factors[2])
     probe = make_hardware("cpu", gpu_bytes=1, gpus_per_node=ranks, slack_bytes=default_slack(trace))

@@ -1,4 +1,4 @@
-"""AMSP's evaluation replayed by the many-rank model (hplan.planner.amsp_replay), torch-free, on LLaMA-shaped
+"""AMSP's evaluation replayed by the many-rank model (hplan.planner.ranks.amsp_replay), torch-free, on LLaMA-shaped
 synthetic traces: what the model must reproduce of the paper's measurements at 1,024 A800s.
 
 Asserted: AMSP's published factors rank first for 7B and 13B; for 7B, ZeRO-3 and ZeRO++ (hpZ) rank last (the
@@ -15,7 +15,7 @@ from functools import cache
 
 import pytest
 
-from hplan.planner.amsp_replay import PAPER_MFU, micro_batches, replay
+from hplan.planner.ranks.amsp_replay import PAPER_MFU, micro_batches, replay
 from hplan.planner.synthetic import llama_trace
 
 

@@ -102,7 +102,7 @@ def test_executor_errors_name_python_arguments_and_the_cli_names_their_flags(tmp
         takes |= set(inspect.signature(fn).parameters)
     from hplan.artifacts import Hardware
     from hplan.planner import PlanOptions
-    from hplan.planner.shard import make_shard_plan
+    from hplan.planner.ranks.shard import make_shard_plan
 
     takes |= set(inspect.signature(make_shard_plan).parameters) | set(Hardware.__dataclass_fields__) | \
         set(PlanOptions.__dataclass_fields__)

@@ -11,9 +11,9 @@ import sys
 import pytest
 
 from hplan.errors import HplanError
-from hplan.planner.collectives import (CommOptions, Group, ShardFactors, StateBytes, World, baseline, block_group,
+from hplan.planner.ranks.collectives import (CommOptions, Group, ShardFactors, StateBytes, World, baseline, block_group,
                                        collective_cost, iteration_collectives, strided_group)
-from hplan.planner.nccl import Latencies, nccl_time
+from hplan.planner.ranks.nccl import Latencies, nccl_time
 
 ZERO = Latencies.zero()
 WORLD = World(gpus_per_node=4, nodes=2, intra_gbps=100, inter_gbps=10, latencies=ZERO)
@@ -36,7 +36,7 @@ def summary(breakdown):
 
 
 def test_planner_collectives_do_not_import_torch():
-    code = "import sys, hplan.planner.collectives; assert 'torch' not in sys.modules"
+    code = "import sys, hplan.planner.ranks.collectives; assert 'torch' not in sys.modules"
     subprocess.run([sys.executable, "-c", code], check=True)
 
 

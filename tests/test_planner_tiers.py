@@ -158,7 +158,7 @@ def test_tiered_plan_round_trips_through_json(tmp_path):
 
 
 def test_without_prefetch_the_plan_stays_valid_and_needs_no_more_host_memory():
-    from hplan.planner.tiers import unhoisted
+    from hplan.planner.tiers.host import unhoisted
 
     plan = make_plan(hand_trace(), Hardware(gpu_bytes=3 * (W + G)), PlanOptions(chunk_bytes=0, solver="exact"))
     late = unhoisted(plan)
@@ -169,7 +169,7 @@ def test_without_prefetch_the_plan_stays_valid_and_needs_no_more_host_memory():
 
 
 def test_the_gpu_by_host_map(tmp_path):
-    from hplan.planner.sweep_tiers import sweep_tiers
+    from hplan.planner.tiers.sweep_tiers import sweep_tiers
     from hplan.reports.tier_map import plot_tier_map
 
     rows = sweep_tiers(hand_trace(), [W + G, 2 * (W + G)], [W + G + S - 4096, W + G + S, 3 * (W + G + S)],

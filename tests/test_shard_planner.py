@@ -15,8 +15,8 @@ from hplan.artifacts.replay import replay, validate
 from hplan.artifacts.shard import Sharding, factor_choices, group_ranks
 from hplan.errors import HplanError
 from hplan.planner import PlanOptions, make_hardware, make_plan
-from hplan.planner.collectives import CommOptions, ShardFactors, StateBytes, World, iteration_collectives
-from hplan.planner.shard import make_shard_plan, parse_shard
+from hplan.planner.ranks.collectives import CommOptions, ShardFactors, StateBytes, World, iteration_collectives
+from hplan.planner.ranks.shard import make_shard_plan, parse_shard
 from hplan.planner.synthetic import chain_trace, gpt_trace
 
 MODULE = PlanOptions(chunk_bytes=0)
@@ -35,7 +35,7 @@ def plan_for(trace, hardware, p, g, os_):
 
 
 def test_planner_and_cli_world_are_pure():
-    code = "import sys, hplan.planner.shard, hplan.cli.world; assert 'torch' not in sys.modules"
+    code = "import sys, hplan.planner.ranks.shard, hplan.cli.world; assert 'torch' not in sys.modules"
     subprocess.run([sys.executable, "-c", code], check=True)
 
 
@@ -209,8 +209,8 @@ def test_prefetch_in_both_passes_exposes_only_the_first_gather_and_the_last_redu
     and backward, so it is queued ahead of that module's reduce-scatter (issued when its compute ends): with
     g = 1 ms per call under 2–4 ms of compute, only the first forward gather and the last backward
     reduce-scatter (the optimizer waits for it) are exposed. hplan's executor blocks on every call instead."""
-    from hplan.planner.shard_time import CommSchedule
-    from hplan.planner.systems import price
+    from hplan.planner.ranks.shard_time import CommSchedule
+    from hplan.planner.ranks.systems import price
 
     trace, plan = _prefetch_case()
     g, compute = 1e-3, 4 * 2e-3 + 4 * 4e-3

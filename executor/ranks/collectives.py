@@ -9,7 +9,7 @@ last rank(s) own it; it is zero and is never read by the model.
   (nccl-tests doc/PERFORMANCE.md, "bus bandwidth"): all-gather and reduce-scatter send and receive
   (N-1)·s bytes (s = padded shard bytes), all-reduce (a reduce-scatter then an all-gather) 2·(N-1)·s.
   Padding travels, so it is counted here. These are the numbers the planner's cost model
-  (hplan.planner.collectives) predicts, so measured and planned can be compared exactly.
+  (hplan.planner.ranks.collectives) predicts, so measured and planned can be compared exactly.
 - `payload`: the logical bytes of the full buffer (`numel` × itemsize), padding excluded.
 The ring model is a definition, not a packet capture: gloo's reduce-scatter sends what its all-reduce
 sends (measured on this machine through /proc/self/io: 2× the ring figure), see tests/test_collectives.py.

@@ -55,7 +55,7 @@ from dataclasses import dataclass
 
 from hplan.artifacts.hardware import COLLECTIVE_ALGORITHMS, Hardware
 from hplan.errors import HplanError
-from hplan.planner.nccl import Choice, Latencies, nccl_time
+from hplan.planner.ranks.nccl import Choice, Latencies, nccl_time
 
 OPS = ("all_gather", "reduce_scatter", "all_reduce")
 ALGORITHMS = COLLECTIVE_ALGORITHMS

@@ -1,12 +1,12 @@
 """The systems hplan is measured against, each simulated as its code runs on hplan's Trace and a Hardware.
 
-See [Note: baseline simulation] in hplan.planner.baseline_model. The simulators do not use hplan's planner,
+See [Note: baseline simulation] in hplan.planner.baselines.baseline_model. The simulators do not use hplan's planner,
 chunks or solver, so the planner can change without changing them:
 
-- "ZeRO-Offload (stage 2, optimizer on CPU)": hplan.planner.zero_offload (DeepSpeed v0.19.5 stage_1_and_2.py).
-- "ZeRO-3 param offload (weights and optimizer on CPU)": hplan.planner.zero3_offload (DeepSpeed v0.19.5 stage3.py
-  and the parameter coordinator).
-- "Gemini auto": hplan.planner.gemini (Colossal-AI 4f9953b, colossalai/zero/gemini/).
+- "ZeRO-Offload (stage 2, optimizer on CPU)": hplan.planner.baselines.zero_offload (DeepSpeed v0.19.5 stage_1_and_2.py).
+- "ZeRO-3 param offload (weights and optimizer on CPU)": hplan.planner.baselines.zero3_offload (DeepSpeed v0.19.5
+  stage3.py and the parameter coordinator).
+- "Gemini auto": hplan.planner.baselines.gemini (Colossal-AI 4f9953b, colossalai/zero/gemini/).
 - "all on GPU": plain PyTorch, every weight, gradient and optimizer state on the device (below).
 
 Feasibility is each system's own: DeepSpeed and plain PyTorch have no cap of their own, so they fit when their
@@ -19,10 +19,10 @@ from __future__ import annotations
 from hplan.artifacts.hardware import Hardware
 from hplan.artifacts.plan import BaselineResult
 from hplan.artifacts.trace import Trace
-from hplan.planner.baseline_model import Facts, Timeline, peak_of, read_trace, result
-from hplan.planner.gemini import gemini
-from hplan.planner.zero3_offload import zero3_offload
-from hplan.planner.zero_offload import zero_offload
+from hplan.planner.baselines.baseline_model import Facts, Timeline, peak_of, read_trace, result
+from hplan.planner.baselines.gemini import gemini
+from hplan.planner.baselines.zero3_offload import zero3_offload
+from hplan.planner.baselines.zero_offload import zero_offload
 from hplan.sizes import format_size
 
 ALL_ON_GPU = "all on GPU"

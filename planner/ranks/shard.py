@@ -32,8 +32,8 @@ from hplan.planner.options import PlanOptions
 from hplan.planner.problem import MODULE_CHUNKS, PARAM_CHUNKS, group_params, placement_rule
 from hplan.planner.schedule import event_seconds
 from hplan.planner.search import Finished, Scored, chunk_targets, finish, host_update_bytes
-from hplan.planner.shard_build import ShardSearch, shard_build
-from hplan.planner.shard_time import predict_shard_seconds
+from hplan.planner.ranks.shard_build import ShardSearch, shard_build
+from hplan.planner.ranks.shard_time import predict_shard_seconds
 from hplan.sizes import format_size
 
 Progress = Callable[[int, int, str], None]

@@ -160,7 +160,7 @@ class ShardSearch(Search):
             return a or b
         if a.moved != b.moved:
             return a if a.moved < b.moved else b
-        from hplan.planner.shard import shard_step_seconds
+        from hplan.planner.ranks.shard import shard_step_seconds
 
         ta, tb = (round(shard_step_seconds(self.trace, self.hardware, x, self.shardings[x.chunk_target]), 12)
                   for x in (a, b))

@@ -33,7 +33,7 @@ from hplan.artifacts.plan import Plan, Step
 from hplan.artifacts.shard import Collective, Sharding
 from hplan.artifacts.trace import Trace
 from hplan.planner.schedule import event_seconds
-from hplan.planner.shard_time import EXECUTOR, CommSchedule, predict_shard_seconds
+from hplan.planner.ranks.shard_time import EXECUTOR, CommSchedule, predict_shard_seconds
 
 DEEPSPEED_BUCKET_ELEMENTS = 5 * 10**8
 """reduce_bucket_size and allgather_bucket_size defaults (deepspeed/runtime/zero/config.py)."""

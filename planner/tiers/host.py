@@ -36,7 +36,7 @@ from hplan.planner.exact import solve_milp
 from hplan.planner.intervals import build_intervals
 from hplan.planner.problem import Problem
 from hplan.planner.schedule import drop_dead, event_seconds, hoist_fetches, writebacks
-from hplan.planner.tier_time import predict_tier_seconds
+from hplan.planner.tiers.tier_time import predict_tier_seconds
 from hplan.sizes import format_size, format_sizes
 
 

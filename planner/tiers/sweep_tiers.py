@@ -15,7 +15,7 @@ from hplan.artifacts.hardware import Hardware
 from hplan.artifacts.trace import Trace
 from hplan.planner.core import make_plan
 from hplan.planner.options import PlanOptions
-from hplan.planner.tiers import plan_tiers
+from hplan.planner.tiers.host import plan_tiers
 
 TIER_MAP_KEYS: tuple[str, ...] = ("gpu_bytes", "cpu_bytes", "feasible", "step_seconds", "nvme_read_bytes",
                                   "nvme_write_bytes", "bytes_moved", "min_gpu_bytes", "min_cpu_bytes")

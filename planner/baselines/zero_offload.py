@@ -32,7 +32,7 @@ from dataclasses import dataclass
 from hplan.artifacts.hardware import Hardware
 from hplan.artifacts.plan import BaselineResult
 from hplan.artifacts.trace import Trace
-from hplan.planner.baseline_model import Facts, Timeline, gradient_flushes, peak_of, read_trace, result
+from hplan.planner.baselines.baseline_model import Facts, Timeline, gradient_flushes, peak_of, read_trace, result
 from hplan.precision import DTYPE_BYTES
 from hplan.sizes import format_size
 

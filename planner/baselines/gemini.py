@@ -45,7 +45,7 @@ import numpy as np
 from hplan.artifacts.hardware import Hardware
 from hplan.artifacts.plan import BaselineResult
 from hplan.artifacts.trace import Trace
-from hplan.planner.baseline_model import FP32_BYTES, Facts, Timeline, read_trace, result
+from hplan.planner.baselines.baseline_model import FP32_BYTES, Facts, Timeline, read_trace, result
 from hplan.sizes import format_size
 
 NAME = "Gemini auto"

@@ -19,8 +19,8 @@ from hplan.artifacts.hardware import Hardware
 from hplan.artifacts.trace import Trace
 from hplan.planner.options import PlanOptions
 from hplan.planner.presets import make_hardware
-from hplan.planner.shard import make_shard_plan
-from hplan.planner.systems import System, price, system_steps, systems
+from hplan.planner.ranks.shard import make_shard_plan
+from hplan.planner.ranks.systems import System, price, system_steps, systems
 
 GPU, NETWORK, GPUS_PER_NODE = "a800-80gb", "a800-4xhdr", 8
 SEQ, GLOBAL_TOKENS = 4096, 4 * 1024 * 1024

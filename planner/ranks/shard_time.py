@@ -35,7 +35,7 @@ from dataclasses import dataclass
 from hplan.artifacts.hardware import Hardware
 from hplan.artifacts.plan import Step
 from hplan.artifacts.shard import Collective
-from hplan.planner.collectives import CollectiveCost, World, block_group, collective_cost, strided_group
+from hplan.planner.ranks.collectives import CollectiveCost, World, block_group, collective_cost, strided_group
 from hplan.planner.schedule import TRANSFER_LATENCY_S
 
 REDUCTIONS = ("scatter", "sync")
