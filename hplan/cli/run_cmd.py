@@ -147,7 +147,8 @@ def _run(*, spec: str, plan: Path, steps: int, device: str, metrics: Path | None
          overrides: list[str] | None, as_json: bool, budget_guard: str = "stop", on_nonfinite: str = "stop",
          nvme_dir: Path | None = None) -> None:
     from hplan.artifacts import Plan
-    from hplan.cli.common import emit_json, err_console, parse_device, parse_overrides, progress_bar, warn_line
+    from hplan.cli.common import (check_outputs, emit_json, err_console, parse_device, parse_overrides, progress_bar,
+                                  warn_line)
 
     from hplan.errors import HplanError
 
@@ -189,24 +190,6 @@ def _run(*, spec: str, plan: Path, steps: int, device: str, metrics: Path | None
                           f"B); disk read/write {report.nvme_read_bytes_per_iter}/{report.nvme_write_bytes_per_iter} "
                           f"B/iter (planned {report.planned_nvme_read_bytes_per_iter}/"
                           f"{report.planned_nvme_write_bytes_per_iter})", highlight=False)
-
-
-def check_outputs(*, spec: str, plan: Path, metrics: Path | None, checkpoint: Path | None) -> None:
-    """Refuse, before any work, outputs that would replace an input or a non-regular file.
-
-    The checkpoint folder belongs to the checkpointer, so the metrics file may not live inside it.
-    """
-    from hplan.artifacts.io import check_input, check_output
-    from hplan.specs import spec_file
-
-    check_input(plan, what="plan")
-    if metrics is not None:
-        check_output(metrics, inputs=[plan, spec_file(spec)], what="--metrics")
-    if checkpoint is not None:
-        check_output(checkpoint, kind="dir", what="--checkpoint")
-        if metrics is not None and metrics.absolute().resolve().is_relative_to(checkpoint.absolute().resolve()):
-            raise HplanError(f"--metrics {metrics} is inside --checkpoint {checkpoint}, which the checkpoint owns; "
-                             "write the metrics elsewhere")
 
 
 def _refuse(message: str) -> None:

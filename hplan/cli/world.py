@@ -196,7 +196,7 @@ def run_many(*, spec: str, plan: Any, steps: int, device: str, metrics: Any, che
 
     from hplan.artifacts import Plan
     from hplan.cli.common import emit_json, err_console, parse_device, parse_overrides, warn_line
-    from hplan.cli.run_cmd import check_outputs
+    from hplan.cli.common import check_outputs
 
     parse_device(device, kinds=("cpu", "cuda"))
     if nproc is not None and (isinstance(nproc, bool) or nproc < 1):

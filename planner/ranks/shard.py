@@ -24,16 +24,15 @@ from dataclasses import asdict, dataclass, replace
 from hplan.artifacts.hardware import Hardware
 from hplan.artifacts.plan import Plan, PlanSummary, Step
 from hplan.artifacts.replay import replay
-from hplan.artifacts.shard import Sharding, derive, factor_choices
+from hplan.artifacts.shard import Sharding, factor_choices
 from hplan.artifacts.trace import Trace
 from hplan.errors import HplanError
 from hplan.planner.core import SEARCH_NODES, _improve, host_bytes_needed
 from hplan.planner.options import PlanOptions
 from hplan.planner.problem import MODULE_CHUNKS, PARAM_CHUNKS, group_params, placement_rule
-from hplan.planner.schedule import event_seconds
-from hplan.planner.search import Finished, Scored, chunk_targets, finish, host_update_bytes
+from hplan.planner.search import Finished, Scored, chunk_targets, finish
 from hplan.planner.ranks.shard_build import ShardSearch, shard_build
-from hplan.planner.ranks.shard_time import predict_shard_seconds
+from hplan.planner.ranks.shard_time import step_seconds, with_collectives
 from hplan.sizes import format_size
 
 Progress = Callable[[int, int, str], None]
@@ -55,22 +54,6 @@ class Candidate:
         return (round(self.seconds["step"], 12), self.collective_bytes, self.scored.moved)
 
 
-def with_collectives(steps: tuple[Step, ...], scored: Scored, sharding: Sharding, ranks: int) -> tuple[Step, ...]:
-    """The plan steps with each one's collectives and transient bytes ([Note: plan collectives])."""
-    s = scored.structure
-    calls, gathered = derive(steps, s.chunks, s.regions, s.optimizer, sharding, ranks)
-    return tuple(replace(st, collectives=calls[t], gathered_bytes=gathered[t]) for t, st in enumerate(steps))
-
-
-def step_seconds(trace: Trace, hardware: Hardware, scored: Scored, done: Finished, steps: tuple[Step, ...]
-                 ) -> dict[str, float]:
-    s = scored.structure
-    sizes = {r.id: r.bytes for r in s.regions}
-    grad_of = {c: regs["grad"] for c, regs in s.by_chunk.items() if "grad" in regs}
-    return predict_shard_seconds(steps, sizes, done.schedule.initial, event_seconds(trace, hardware), hardware,
-                                 host_update_bytes(s), grad_of)
-
-
 COARSE_CHUNKS_PER_MODEL = (8, 4, 2)
 """Many ranks add chunkings coarser than the one-rank search's: a collective's latency is paid per chunk, so
 fewer, larger chunks can win when the model fits (FSDP wraps a whole block per all-gather)."""
@@ -82,13 +65,6 @@ def many_rank_targets(trace: Trace, options: PlanOptions) -> list[int]:
     coarse = {max(2, total // m) for m in COARSE_CHUNKS_PER_MODEL}
     base = chunk_targets(trace, options)
     return base + sorted(coarse - set(base))
-
-
-def shard_step_seconds(trace: Trace, hardware: Hardware, scored: Scored, sharding: Sharding) -> float:
-    """Predicted many-rank step of a scored candidate (its schedule with the collectives it implies)."""
-    done = finish(trace, hardware, scored)
-    return step_seconds(trace, hardware, scored, done, with_collectives(done.steps, scored, sharding,
-                                                                       hardware.ranks))["step"]
 
 
 def plan_factors(trace: Trace, hardware: Hardware, options: PlanOptions, factors: Sharding, nodes: int,

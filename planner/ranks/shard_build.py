@@ -26,6 +26,7 @@ from hplan.planner.options import PlanOptions
 from hplan.planner.problem import (
     Problem, Structure, _problem, build, make_regions,
 )
+from hplan.planner.ranks.shard_time import shard_step_seconds
 from hplan.planner.search import Progress, Scored, Search, cpu_split
 
 
@@ -160,8 +161,6 @@ class ShardSearch(Search):
             return a or b
         if a.moved != b.moved:
             return a if a.moved < b.moved else b
-        from hplan.planner.ranks.shard import shard_step_seconds
-
         ta, tb = (round(shard_step_seconds(self.trace, self.hardware, x, self.shardings[x.chunk_target]), 12)
                   for x in (a, b))
         return b if tb < ta else a

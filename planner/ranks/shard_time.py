@@ -30,13 +30,15 @@ running past the last compute) — sums to `step` exactly. Busy seconds per link
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from hplan.artifacts.hardware import Hardware
 from hplan.artifacts.plan import Step
-from hplan.artifacts.shard import Collective
+from hplan.artifacts.shard import Collective, Sharding, derive
+from hplan.artifacts.trace import Trace
 from hplan.planner.ranks.collectives import CollectiveCost, World, block_group, collective_cost, strided_group
-from hplan.planner.schedule import TRANSFER_LATENCY_S
+from hplan.planner.schedule import TRANSFER_LATENCY_S, event_seconds
+from hplan.planner.search import Finished, Scored, finish, host_update_bytes
 
 REDUCTIONS = ("scatter", "sync")
 
@@ -241,3 +243,26 @@ def _label(links: _Links, key: tuple) -> str:
     call = Collective.make(op, purpose, 0, False, size, stride, 1, itemsize)
     last = links.cost(call).phases
     return "inter" if last and last[-1][0] in ("both", "inter") else "intra"
+
+
+def with_collectives(steps: tuple[Step, ...], scored: Scored, sharding: Sharding, ranks: int) -> tuple[Step, ...]:
+    """The plan steps with each one's collectives and transient bytes ([Note: plan collectives])."""
+    s = scored.structure
+    calls, gathered = derive(steps, s.chunks, s.regions, s.optimizer, sharding, ranks)
+    return tuple(replace(st, collectives=calls[t], gathered_bytes=gathered[t]) for t, st in enumerate(steps))
+
+
+def step_seconds(trace: Trace, hardware: Hardware, scored: Scored, done: Finished, steps: tuple[Step, ...]
+                 ) -> dict[str, float]:
+    s = scored.structure
+    sizes = {r.id: r.bytes for r in s.regions}
+    grad_of = {c: regs["grad"] for c, regs in s.by_chunk.items() if "grad" in regs}
+    return predict_shard_seconds(steps, sizes, done.schedule.initial, event_seconds(trace, hardware), hardware,
+                                 host_update_bytes(s), grad_of)
+
+
+def shard_step_seconds(trace: Trace, hardware: Hardware, scored: Scored, sharding: Sharding) -> float:
+    """Predicted many-rank step of a scored candidate (its schedule with the collectives it implies)."""
+    done = finish(trace, hardware, scored)
+    return step_seconds(trace, hardware, scored, done, with_collectives(done.steps, scored, sharding,
+                                                                       hardware.ranks))["step"]
