@@ -12,7 +12,7 @@ last rank(s) own it; it is zero and is never read by the model.
   (hplan.planner.ranks.collectives) predicts, so measured and planned can be compared exactly.
 - `payload`: the logical bytes of the full buffer (`numel` × itemsize), padding excluded.
 The ring model is a definition, not a packet capture: gloo's reduce-scatter sends what its all-reduce
-sends (measured on this machine through /proc/self/io: 2× the ring figure), see tests/test_collectives.py.
+sends (measured on this machine through /proc/self/io: 2× the ring figure), see tests/ranks/test_collectives.py.
 
 Calls use torch 2.13's `all_gather_single` / `reduce_scatter_single` (`all_gather_into_tensor` and
 `reduce_scatter_tensor` are deprecated aliases of them). Averaging is a SUM then an in-place ÷N on this

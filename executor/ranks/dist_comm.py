@@ -8,7 +8,7 @@ copy wherever the input would alias the output. Bytes are counted two ways per c
   plan predicts, so measured = planned when the run makes exactly the plan's calls on buffers of the plan's sizes;
 - the bytes this process wrote to its sockets meanwhile (`wchar` of /proc/self/io, Linux; gloo only: NCCL's
   traffic bypasses the CPU), reported beside it: gloo's reduce-scatter sends an all-reduce's bytes
-  (tests/test_collectives.py), so on CPU the wire figure exceeds the ring figure by the reduce-scatters' share.
+  (tests/ranks/test_collectives.py), so on CPU the wire figure exceeds the ring figure by the reduce-scatters' share.
 """
 
 from __future__ import annotations

@@ -133,7 +133,7 @@ def _in_finalizer(frame: Any) -> bool:
     """Did the signal arrive inside a finalizer (a weakref callback, `weakref.finalize`, `__del__`, run by the
     garbage collector at any allocation)? An exception raised there is printed as "Exception ignored in …" and
     dropped, so `stop` re-sends the signal to the main thread a moment later instead (seen in
-    tests/test_executor_nvme.py: a SIGTERM lost in a finalizer left a run training on)."""
+    tests/tiers/test_executor_nvme.py: a SIGTERM lost in a finalizer left a run training on)."""
     while frame is not None:
         code = frame.f_code
         if code.co_name == "__del__" or code.co_filename.endswith(("weakref.py", "_weakrefset.py")):

@@ -24,7 +24,7 @@ import torch.distributed as dist
 from hplan.errors import HplanError
 from hplan.executor.ranks.launch import RankInfo, launch
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 
 def _rank_processes() -> list[psutil.Process]:
@@ -132,7 +132,7 @@ def test_an_env_launch_whose_master_port_is_taken_is_one_line_naming_the_port():
                                    "--standalone to pick one)"), done.stdout
 
 
-# kill and exit each cost a spawn (~6 s): slow; tests/test_dist_executor.py's dying rank exits in the fast suite
+# kill and exit each cost a spawn (~6 s): slow; tests/ranks/test_dist_executor.py's dying rank exits in the fast suite
 @pytest.mark.parametrize("how, expected", [
     ("raise", "rank 1 of 2 failed: ValueError: boom on purpose"),
     pytest.param("kill", "rank 1 of 2 died from signal SIGKILL without raising", marks=pytest.mark.slow),
