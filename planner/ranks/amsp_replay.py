@@ -6,7 +6,7 @@ A800-80GB (NVLink inside a node, four 200 Gb/s HDR InfiniBand adapters per node)
 without quantisation). Its measured MFU at 1,024 GPUs for LLaMA-7B, and the factors it reports per model, are
 below as hplan issue 25 quotes them (the paper's text was not readable from this project's machines, so its
 table and figure numbers are not cited here). Each system is priced on the same trace and hardware by
-`planner.systems` ([Note: collective latency model], [Note: exposed time]); hplan's own choice follows.
+`planner.ranks.systems` ([Note: collective latency model], [Note: exposed time]); hplan's own choice follows.
 Pure (no torch): the ranking test runs it on a LLaMA-shaped synthetic trace.
 """
 

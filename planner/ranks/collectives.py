@@ -37,7 +37,7 @@ m nodes; c such groups share each node's network link):
 - bytes this rank sends (= receives): (k−1)/k·B for all-gather and reduce-scatter, 2(k−1)/k·B for all-reduce
   (NCCL's bus-bandwidth model, nccl-tests doc/PERFORMANCE.md). Same totals hierarchically.
 - "nccl" (default): one NCCL call, timed by NCCL's own α-β model with its pick of ring or tree and protocol
-  (`planner.nccl`, [Note: collective latency model]); bus bandwidth NVLink inside a node, across nodes
+  (`planner.ranks.nccl`, [Note: collective latency model]); bus bandwidth NVLink inside a node, across nodes
   min(intra, inter/c). It holds the intra-node link, and the network when it spans nodes, for its duration.
 - "hierarchical" (two levels, as MiCS's hierarchical all-gather does): all-gather = inter-node all-gather of B/a among the m ranks with the same local index
   (a·c such rings share the node's network), then an intra-node all-gather of B; reduce-scatter mirrors it;

@@ -2,7 +2,7 @@
 
 The one-rank model (`planner.schedule.predict_seconds`) with two more resources, each its own FIFO queue: the
 rank's intra-node link (NVLink / PCIe) and its node's network. A collective's phases
-(`planner.collectives.CollectiveCost.phases`, timed by NCCL's α-β model) queue on the link they use: a flat call
+(`planner.ranks.collectives.CollectiveCost.phases`, timed by NCCL's α-β model) queue on the link they use: a flat call
 across nodes holds both, a hierarchical one holds NVLink, then the network, then NVLink again, so one call's
 network phase overlaps another's NVLink phase. How collectives are issued is a `CommSchedule`:
 - `prefetch` (modules ahead): a step's weight all-gathers are issued when the compute of the step `prefetch`

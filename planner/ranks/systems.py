@@ -1,7 +1,7 @@
 """Published sharded data-parallel systems, priced by hplan's many-rank model on the same trace and hardware.
 
 Each system is its shard factors ([Note: shard layout]) plus how it issues collectives (a
-`planner.shard_time.CommSchedule`), each setting taken from the system's defaults in its code or paper:
+`planner.ranks.shard_time.CommSchedule`), each setting taken from the system's defaults in its code or paper:
 - ZeRO-3 (DeepSpeed, deepspeed/runtime/zero/config.py defaults): P = G = OS = all ranks; weights gathered
   per module and prefetched one module ahead in both passes (stage3_prefetch_bucket_size 5e7 elements, the
   trace-based prefetcher of partitioned_param_coordinator.py); gradient reduce-scatters beside the backward

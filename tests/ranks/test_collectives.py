@@ -1,4 +1,4 @@
-"""executor.collectives on gloo: shards gather back to the full buffer, gradients reduce-scatter to the
+"""executor.ranks.collectives on gloo: shards gather back to the full buffer, gradients reduce-scatter to the
 mean, uneven sizes pad, async calls complete on wait(), and the byte counters equal the ring model."""
 
 from __future__ import annotations

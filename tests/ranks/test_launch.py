@@ -1,4 +1,4 @@
-"""executor.launch: N ranks that succeed return their results; a rank that raises, dies or hangs fails the
+"""executor.ranks.launch: N ranks that succeed return their results; a rank that raises, dies or hangs fails the
 call promptly with one line naming it, and no rank process outlives the call.
 
 "Promptly" is measured from the moment the failing rank fails (it writes a timestamp just before), not from

@@ -1,4 +1,5 @@
-"""planner.collectives and planner.nccl: per-rank bytes and seconds of each shard-factor choice, checked against
+"""planner.ranks.collectives and planner.ranks.nccl: per-rank bytes and seconds of each shard-factor choice,
+checked against
 numbers computed by hand (module docstring formulas). Volumes and bandwidth terms on a 2-node × 4-GPU world
 (intra 100 GB/s, inter 10 GB/s, no latency), a model whose parameters and gradients are 800 bytes each (so
 shards stay integers); latency terms with NCCL's tuning constants on one DGX node and on AMSP's 128 nodes."""

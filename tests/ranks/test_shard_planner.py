@@ -81,7 +81,7 @@ def test_full_sharding_gathers_weights_before_each_use():
 
 @pytest.mark.parametrize("gpn,nodes", [(8, 1), (8, 2)])
 def test_collective_bytes_agree_with_the_cost_model(gpn, nodes):
-    """planner.collectives prices whole states; per-chunk plans must send the same when nothing pads — but for the
+    """planner.ranks.collectives prices whole states; per-chunk plans must send the same when nothing pads — but for the
     last module, whose forward and backward are consecutive steps sharing one gather."""
     numels = (64 * 16, 32 * 16, 128 * 16)
     trace = chain_trace(numels, precision="fp32")
