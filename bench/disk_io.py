@@ -22,9 +22,9 @@ from pathlib import Path
 from statistics import median
 
 import torch
-from hplan.executor.nvme import DiskStore, aligned_empty, measure_raw_bandwidth
-from hplan.executor.nvme_format import checksum_function
-from hplan.executor.nvme_io import byte_view
+from hplan.executor.tiers.nvme import DiskStore, aligned_empty, measure_raw_bandwidth
+from hplan.executor.tiers.nvme_format import checksum_function
+from hplan.executor.tiers.nvme_io import byte_view
 
 MIB = 1 << 20
 

@@ -2,7 +2,7 @@
 
 Why: a many-rank plan for the CPU fast tier prices its collectives with the "gloo-loopback" network preset
 (hplan.planner.presets), and the chunk size the planner picks depends on what one call costs. The preset quotes
-this script's output. Two ranks (hplan.executor.launch, one thread each, as `hplan run --nproc 2` runs them)
+this script's output. Two ranks (hplan.executor.ranks.launch, one thread each, as `hplan run --nproc 2` runs them)
 time all_gather_into_tensor and reduce_scatter_tensor of fp32 buffers from 4 KiB to 16 MiB, best of `reps`
 after a warm-up (the machine is shared); a least-squares line through (buffer bytes, seconds) gives the
 latency per call (intercept) and the algorithm bandwidth (1 / slope) of a 2-rank ring, one step each.
@@ -52,7 +52,7 @@ def fit(points: list[tuple[int, float]]) -> tuple[float, float]:
 
 
 def main() -> None:
-    from hplan.executor.launch import launch
+    from hplan.executor.ranks.launch import launch
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--reps", type=int, default=20)

@@ -17,7 +17,7 @@ SMALL_GB = (6, 8, 12)
 """Issue 15's comparison with real ZeRO-Offload on gpt:1.3b."""
 PAPER_ZERO_OFFLOAD = int(5.25e9)
 """ZeRO-Offload's paper dataflow on gpt:1.3b (2 B gradients down + 2 B weights up per parameter), as issue 15
-states it; the code sends fp32 gradients down (see hplan.planner.zero_offload)."""
+states it; the code sends fp32 gradients down (see hplan.planner.baselines.zero_offload)."""
 SWEEP_GB = (8, 16, 24, 40, 80)
 NAMES = (("zero_offload", "ZeRO-Offload"), ("zero3", "ZeRO-3 offload"), ("gemini", "Gemini"))
 

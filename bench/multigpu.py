@@ -1,18 +1,18 @@
 """Many GPUs (issue 25): AMSP's own evaluation replayed by hplan's step model (plans), hplan's own pick, and
 `hplan run --nproc 2` against FSDP2 on this CPU (measured).
 
-Plans, not GPU measurements. The replay (hplan.planner.amsp_replay) takes AMSP's setting (arXiv 2311.00257 v2:
+Plans, not GPU measurements. The replay (hplan.planner.ranks.amsp_replay) takes AMSP's setting (arXiv 2311.00257 v2:
 128 nodes × 8 A800-80GB, NVLink inside a node, four 200 Gb/s HDR InfiniBand per node, sequence 4,096,
 micro-batch 1, global batch 4M tokens, bf16): LLaMA-7B and 13B as LLaMA-shaped synthetic traces (one event per
 leaf module, model FLOPs with the attention scores; checked below against a fake trace of transformers'
 LlamaForCausalLM at the 7B shape), each system with its published factors and its own way of issuing
-collectives (hplan.planner.systems), priced by one model: NCCL's α-β times per call (ring or tree and protocol
+collectives (hplan.planner.ranks.systems), priced by one model: NCCL's α-β times per call (ring or tree and protocol
 as NCCL picks), NVLink and the network as two queues, prefetch in both passes, bucketed reductions, compute at
 the A800's calibrated 63% of 312 TFLOPS (hplan.planner.presets). Beside each predicted MFU, the paper's measured
 one where issue 25 quotes it, and the seconds per step the model leaves unexplained (the paper's implied step
 minus the predicted one). hplan's own pick is priced as its executor runs it (every collective blocking at
 its step), and again as if it overlapped them as AMSP does.
-The CPU part is measured: `hplan run --nproc 2` (hplan.executor.dist_train.run_distributed, the probe on, as
+The CPU part is measured: `hplan run --nproc 2` (hplan.executor.ranks.dist_train.run_distributed, the probe on, as
 users run it) at hplan's factors and at FSDP2's (P = G = OS = 2), and FSDP2 (`fully_shard` per block and the
 root) on the same model and loop, interleaved in rounds; medians of every rank-0 step but each run's first.
 """
@@ -54,7 +54,8 @@ def run(ctx: Context) -> SectionOutput:
 
 
 def _replay(ctx: Context) -> tuple[Table, list[str]]:
-    from hplan.planner.amsp_replay import AMSP_FACTORS, PAPER_MFU, PAPER_RATIO, hardware_for, micro_batches, replay
+    from hplan.planner.ranks.amsp_replay import (AMSP_FACTORS, PAPER_MFU, PAPER_RATIO, hardware_for, micro_batches,
+                                                 replay)
     from hplan.planner.synthetic import llama_trace
 
     table = Table(headers=["model", "GPUs", "system", "P / G / OS", "predicted step", "MFU (plan)", "MFU (paper)",
@@ -89,8 +90,8 @@ def _replay(ctx: Context) -> tuple[Table, list[str]]:
 def _hplan_overlapped(trace: Any, hplan: Any, hw: Any) -> Any:
     """hplan's own plan priced with AMSP's schedule: what its factors would give an executor that prefetches and
     overlaps its collectives (hplan's does neither yet)."""
-    from hplan.planner.amsp_replay import Row
-    from hplan.planner.systems import price, systems
+    from hplan.planner.ranks.amsp_replay import Row
+    from hplan.planner.ranks.systems import price, systems
 
     plan = hplan.plan
     amsp = next(s for s in systems(2, (1, 1, 1)) if s.kind == "amsp")
@@ -187,13 +188,13 @@ def _trace_check() -> Table:
 
 
 def _cpu(ctx: Context) -> tuple[Table, str]:
-    from hplan.executor.dist_train import run_distributed
-    from hplan.executor.launch import launch
+    from hplan.executor.ranks.dist_train import run_distributed
+    from hplan.executor.ranks.launch import launch
     from hplan.tracer import trace_workload
 
     from hplan.artifacts.shard import Sharding
     from hplan.planner import PlanOptions, default_slack, make_hardware
-    from hplan.planner.shard import make_shard_plan
+    from hplan.planner.ranks.shard import make_shard_plan
     from hplan.specs import load_workload
 
     spec = CPU_SPEC_QUICK if ctx.quick else CPU_SPEC
@@ -277,12 +278,12 @@ def fsdp2_rank(info: Any, spec: str, steps: int, cpu: bool = False) -> list[floa
 
 
 def hplan_cpu_rank(info: Any, spec: str, plan: dict[str, Any], steps: int) -> list[float]:
-    """CPU seconds per step of `hplan run`'s loop on this rank (hplan.executor.dist_train.rank_main: DistRun with
+    """CPU seconds per step of `hplan run`'s loop on this rank (hplan.executor.ranks.dist_train.rank_main: DistRun with
     the probe on, loss, its finiteness check, backward, run.step): the work the executor adds, which the
     machine's other load does not inflate as it does wall time."""
     import math
 
-    from hplan.executor.distributed import DistRun
+    from hplan.executor.ranks.distributed import DistRun
 
     from hplan.artifacts import Plan
     from hplan.specs import load_workload

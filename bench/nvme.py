@@ -50,7 +50,7 @@ def hplan(*args: str) -> str:
 
 
 def executor_table(ctx: Context) -> tuple[Table, dict[str, Any]]:
-    from hplan.executor.nvme import measure_raw_bandwidth
+    from hplan.executor.tiers.nvme import measure_raw_bandwidth
     from hplan.specs import load_workload
     from hplan.training import plain_losses
 

@@ -15,7 +15,7 @@ Inside the block the optimizer's hyperparameters are read from its param groups 
 lives in the plan's regions and is handed back on exit (and on `optimizer.state_dict()`). Supported: the
 element-wise torch optimizers of hplan.optimizers, any number of param groups, frozen parameters, gradient
 accumulation, clipping by global norm, activation checkpointing, fp16 dynamic loss scaling (`run.scale(loss)`), and
-plans that offload or recompute segments' activations (hplan.executor.activations).
+plans that offload or recompute segments' activations (hplan.executor.activations.run).
 """
 
 from __future__ import annotations
@@ -39,11 +39,11 @@ def attach(model: Any, optimizer: Any, plan: Plan, *, device: str = "cpu", batch
     `budget_guard="warn"` only warns when a step measures more than the plan's budget (default: stop);
     `nonfinite="stop"` stops before updating with an inf/NaN gradient, "skip" skips that step (plans that defer
     updates only); the default leaves them to you, as plain PyTorch does; `nvme_dir` is where a plan made with a
-    disk tier keeps its NVMe-homed regions (hplan.executor.tiers).
+    disk tier keeps its NVMe-homed regions (hplan.executor.tiers.host).
     A many-rank plan (`hplan plan --gpus N`) runs on this rank of an initialised torch.distributed job (torchrun):
-    hplan.executor.distributed.DistRun."""
-    if plan.sharding is not None:  # many ranks: hplan.executor.distributed
-        from hplan.executor.distributed import DistRun
+    hplan.executor.ranks.distributed.DistRun."""
+    if plan.sharding is not None:  # many ranks: hplan.executor.ranks.distributed
+        from hplan.executor.ranks.distributed import DistRun
 
         return DistRun(model, optimizer, plan, device=device, batch_example=batch_example, measure=measure,
                        budget_guard=budget_guard, nonfinite=nonfinite)  # type: ignore[return-value]

@@ -16,7 +16,7 @@ import contextlib
 from typing import Any, Self
 
 import torch
-from hplan.executor.activations import ActivationRun
+from hplan.executor.activations.run import ActivationRun
 from hplan.executor.admission import check_plan, check_state_regions
 from hplan.executor.batch import UpdateBatch
 from hplan.executor.device import make_tier
@@ -27,7 +27,7 @@ from hplan.executor.measure import EventRecord, WindowMeter, make_probe
 from hplan.executor.scale import LossScale
 from hplan.executor.state import RegionState
 from hplan.executor.statesync import StateSync
-from hplan.executor.tiers import check_host_memory, host_tier, make_store, needs_nvme_dir
+from hplan.executor.tiers.host import check_host_memory, host_tier, make_store, needs_nvme_dir
 from hplan.executor.tripwires import FIX, EagerWatch
 from hplan.executor.update_steps import UpdateSteps
 from hplan.executor.update import ChunkUpdate
@@ -54,8 +54,8 @@ class PlanRun(UpdateSteps, GradientOps, StateSync):
                  budget_guard: str = "stop", nonfinite: str = "ignore", nvme_dir: str | None = None) -> None:
         validate(plan)
         refuse_compiled(model)
-        one_rank_only(plan)  # many-rank plans run in hplan.executor.distributed
-        check_host_memory(plan)  # issue 16: the host tier (hplan.executor.tiers)
+        one_rank_only(plan)  # many-rank plans run in hplan.executor.ranks.distributed
+        check_host_memory(plan)  # issue 16: the host tier (hplan.executor.tiers.host)
         if needs_nvme_dir(plan) and nvme_dir is None:
             raise HplanError(f"the plan keeps {len(plan.nvme_chunks())} chunks on NVMe: pass `nvme_dir`, a "
                              "directory on the disk to use")
@@ -77,7 +77,7 @@ class PlanRun(UpdateSteps, GradientOps, StateSync):
         """None: resident bytes are model data only (no non-model probe, so no per-op cost on CPU)."""
         self.live = live_in(plan)
         self.store: Any = None
-        """RegionStore, or TieredStore with a host tier (hplan.executor.tiers)."""
+        """RegionStore, or TieredStore with a host tier (hplan.executor.tiers.host)."""
         self.updates: dict[int, ChunkUpdate] = {}
         self.cursor, self.records, self.setup_bytes = 0, [], 0
         self.last_records: list[EventRecord] = []
@@ -113,7 +113,7 @@ class PlanRun(UpdateSteps, GradientOps, StateSync):
         """Iterations whose optimizer.step() the loop skipped (nothing updated, as in plain PyTorch)."""
         self._has_backward = any(s.event.startswith("backward:") for s in plan.steps)
         self.activations = ActivationRun(plan, self.tier.device)
-        """The plan's offloaded and recomputed segments (hplan.executor.activations)."""
+        """The plan's offloaded and recomputed segments (hplan.executor.activations.run)."""
 
     # -- lifecycle ------------------------------------------------------------------------------------
     def __enter__(self) -> Self:

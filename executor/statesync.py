@@ -37,7 +37,7 @@ class StateSync:
     cursor: int
     _loaded: dict[str, Any] | None
     host: Any
-    """hplan.executor.tiers.TieredStore or NoHostTier."""
+    """hplan.executor.tiers.host.TieredStore or NoHostTier."""
 
     # -- optimizer -------------------------------------------------------------------------------------
     def sync_state(self) -> None:

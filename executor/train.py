@@ -16,10 +16,10 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from hplan.executor.checkpoint import load_checkpoint, restore, save_checkpoint
-from hplan.executor.checkpoint_dir import CheckpointDir
+from hplan.executor.checkpoints.checkpoint import load_checkpoint, restore, save_checkpoint
+from hplan.executor.checkpoints.checkpoint_dir import CheckpointDir
 from hplan.executor.runtime import EventRecord, PlanRun
-from hplan.executor.tiers import tier_fields
+from hplan.executor.tiers.host import tier_fields
 
 from hplan.artifacts import METRICS_COLUMNS, Plan, RunReport, atomic_path
 from hplan.errors import HplanError
@@ -45,7 +45,7 @@ def run_training(workload: Workload, plan: Plan, *, steps: int, device: str = "c
     the plan defers updates). `nvme_dir`: where a plan with a disk tier keeps its NVMe-homed regions.
 
     `checkpoint_dir` is locked for the run and gets a verified checkpoint after every step (see
-    hplan.executor.checkpoint_dir); it must hold none unless `resume` (continue from the newest good one,
+    hplan.executor.checkpoints.checkpoint_dir); it must hold none unless `resume` (continue from the newest good one,
     `on_warning` told about each damaged one skipped) or `overwrite` (this run's first save replaces them)."""
     if steps <= 0:
         raise HplanError(f"steps must be positive, got {steps}")

@@ -25,7 +25,7 @@ class UpdateSteps:
     store: Any
     updates: dict[int, ChunkUpdate]
     host: Any
-    """hplan.executor.tiers.TieredStore or NoHostTier."""
+    """hplan.executor.tiers.host.TieredStore or NoHostTier."""
     written: set[str]
     clips: list[Clip]
     master: bool

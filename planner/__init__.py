@@ -11,7 +11,7 @@ from hplan.artifacts.trace import Trace
 from hplan.planner.core import make_plan, validate
 from hplan.planner.options import GPU_PRESETS, PlanOptions, make_hardware
 from hplan.planner.problem import MinGpu, build, group_params, min_gpu
-from hplan.planner.sweep import BASELINE_KEYS, sweep
+from hplan.planner.baselines.sweep import BASELINE_KEYS, sweep
 
 
 def min_gpu_bytes(trace: Trace, hardware: Hardware | None = None, *, activations: str = "keep") -> MinGpu:

@@ -185,7 +185,7 @@ def _plan(trace: Trace, hardware: Hardware, best: Scored, done: Finished, solver
                           seconds=seconds, placement_free=best.joint is not None)
     plan = replace(plan, summary=summary)
     if hardware.host_bytes is not None and hardware.nvme_bytes is not None:  # issue 16: the host tier
-        from hplan.planner.tiers import plan_tiers
+        from hplan.planner.tiers.host import plan_tiers
 
         plan = plan_tiers(trace, plan, nodes=FINAL_NODES[0 if opts.get("solver") == "fast" else opts["effort"]])
     return plan

@@ -10,7 +10,7 @@ this project's dev machine (date and method given). GB/s means 10^9 bytes per se
 - Compute efficiency: [Note: compute calibration] below (CALIBRATION, per GPU, with its source).
 - Networks (NETWORK_PRESETS): per-GPU intra-node collective bandwidth and per-node network bandwidth, per
   direction, from the system datasheets cited there; per-hop latencies are NCCL's tuning constants
-  (hplan.planner.nccl). A GPU preset picks its usual network (GPU_NETWORK); --network and the link flags override.
+  (hplan.planner.ranks.nccl). A GPU preset picks its usual network (GPU_NETWORK); --network and the link flags override.
 
 [Note: compute calibration] A predicted step divides each event's model FLOPs ([Note: FLOPs are model FLOPs] in
 hplan.tracer.flops) by datasheet 16-bit TFLOPS × the GPU's efficiency: the model-FLOPs utilisation (MFU) a

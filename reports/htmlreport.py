@@ -126,7 +126,7 @@ def _plan(plan: Plan) -> str:
             ("predicted step time", f"{s.predicted_step_seconds:.3f} s"), ("solver", s.solver),
             ("chunks / regions", f"{len(plan.chunks)} / {len(plan.regions)}"), ("optimizer updates", f"{placed.count('gpu')} on GPU, {placed.count('cpu')} on CPU")]
     if plan.tiered:  # issue 16: the third tier
-        from hplan.artifacts.host_replay import homes_of
+        from hplan.artifacts.replay import homes_of
 
         homes = homes_of(plan)
         rows += [("host memory (--cpu-mem)", f"{format_size(plan.hardware.host_bytes or 0)}: peak "

@@ -1,6 +1,6 @@
 """The GPU-size sweep: bytes moved and predicted step time against GPU memory, hplan vs the baselines.
 
-[Note: sweep rows] `plot_sweep` reads the rows `hplan.planner.sweep` returns, one dict per GPU size:
+[Note: sweep rows] `plot_sweep` reads the rows `hplan.planner.baselines.sweep` returns, one dict per GPU size:
 ``gpu_bytes`` (int), ``feasible`` (bool), ``bytes_moved`` (int, per iteration), ``step_seconds``
 (float, predicted), ``min_gpu_bytes`` (int, smallest GPU with any schedule), and for every baseline
 ``<key>_feasible``, ``<key>_bytes_moved``, ``<key>_step_seconds`` (keys such as ``zero_offload``,
@@ -40,7 +40,7 @@ def plot_sweep(rows: Sequence[Mapping[str, Any]], out: str | os.PathLike[str], *
         raise HplanError("the sweep has no points; give a --range with at least one GPU size")
     missing = [k for k in SWEEP_KEYS if k not in rows[0]]
     if missing:
-        raise HplanError(f"sweep rows lack {missing}; they must come from hplan.planner.sweep")
+        raise HplanError(f"sweep rows lack {missing}; they must come from hplan.planner.baselines.sweep")
     rows = sorted(rows, key=lambda r: r["gpu_bytes"])
     scale, label = byte_unit(max(r["gpu_bytes"] for r in rows), binary)
     fig = new_figure(12, 7.5)

@@ -1,6 +1,6 @@
 """The GPU × host memory map (issue 16): which budgets fit with a disk tier, and the predicted step time there.
 
-Reads the rows of `hplan.planner.sweep_tiers` ([Note: tier map rows]). Each cell is one (GPU, host) pair: its
+Reads the rows of `hplan.planner.tiers.sweep_tiers` ([Note: tier map rows]). Each cell is one (GPU, host) pair: its
 colour the predicted step time (log scale), grey with a cross where nothing fits; the black steps trace the
 smallest host memory each GPU size needs.
 """
@@ -30,7 +30,7 @@ def plot_tier_map(rows: Sequence[Mapping[str, Any]], out: str | os.PathLike[str]
         raise HplanError("the sweep has no points; give ranges with at least two sizes each")
     missing = [k for k in TIER_MAP_KEYS if k not in rows[0]]
     if missing:
-        raise HplanError(f"tier map rows lack {missing}; they must come from hplan.planner.sweep_tiers")
+        raise HplanError(f"tier map rows lack {missing}; they must come from hplan.planner.tiers.sweep_tiers")
     gpus = sorted({int(r["gpu_bytes"]) for r in rows})
     cpus = sorted({int(r["cpu_bytes"]) for r in rows})
     grid = np.full((len(cpus), len(gpus)), np.nan)

@@ -13,7 +13,7 @@ import torch.distributed as dist
 import hplan
 from hplan.artifacts import Hardware, Plan, Trace
 from hplan.artifacts.shard import Sharding
-from hplan.executor.launch import RankInfo
+from hplan.executor.ranks.launch import RankInfo
 from hplan.specs import load_workload
 
 
@@ -23,7 +23,7 @@ def plan_at(trace: Trace, factors: tuple[int, int, int], *, ranks: int = 2, room
     `room` × this rank's model data: below full residency for room < 1, so the plan offloads."""
     from hplan.planner import PlanOptions, default_slack
     from hplan.planner.presets import make_hardware
-    from hplan.planner.shard import make_shard_plan, min_gpu_sharded
+    from hplan.planner.ranks.shard import make_shard_plan, min_gpu_sharded
 
     f = Sharding(P=factors[0], G=factors[1], OS=factors[2])
     probe = make_hardware("cpu", gpu_bytes=1, gpus_per_node=ranks, slack_bytes=default_slack(trace))
@@ -46,8 +46,8 @@ def train_attached(info: RankInfo, spec: str, plan: Plan, steps: int, *, first: 
                    checkpoint: tuple[str, str] | None = None) -> dict[str, Any]:
     """A user's plain loop inside `hplan.attach` on this rank: batch(s·N + r), loss mean over ranks.
     `checkpoint` = ("save", dir) saves after the last step, ("load", dir) resumes from it first."""
-    from hplan.executor import dist_checkpoint
-    from hplan.executor.distributed import DistRun
+    from hplan.executor.ranks import dist_checkpoint
+    from hplan.executor.ranks.distributed import DistRun
 
     n, r = info.world_size, info.rank
     workload = load_workload(spec)

@@ -31,7 +31,7 @@ import torch
 import torch.distributed as dist
 
 from hplan.errors import HplanError
-from hplan.executor.launch import RankInfo, launch
+from hplan.executor.ranks.launch import RankInfo, launch
 from hplan.specs import load_workload
 from hplan.workload import Workload
 

@@ -17,7 +17,7 @@ from typing import Any
 import torch
 from torch.distributed.checkpoint import metadata as dcp_metadata
 
-from hplan.executor.checkpoint_dir import write_manifest
+from hplan.executor.checkpoints.checkpoint_dir import write_manifest
 
 
 class RunsCode:

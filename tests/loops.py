@@ -104,7 +104,7 @@ def kill_after_save(cmd: list[str], checkpoint: Path, *, step: int, timeout_s: f
     import subprocess
     import time
 
-    from hplan.executor.checkpoint_dir import saved_step
+    from hplan.executor.checkpoints.checkpoint_dir import saved_step
 
     proc = subprocess.Popen(cmd, env=cli_env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:

@@ -90,9 +90,9 @@ def test_executor_errors_name_python_arguments_and_the_cli_names_their_flags(tmp
     from hplan.cli.common import cli_terms
     from hplan.errors import FLAGS, PHRASES
     from hplan.executor import run_training
-    from hplan.executor.dist_train import run_distributed
-    from hplan.executor.launch import DEBUG_HINT
-    from hplan.executor.nvme_io import check_directory
+    from hplan.executor.ranks.dist_train import run_distributed
+    from hplan.executor.ranks.launch import DEBUG_HINT
+    from hplan.executor.tiers.nvme_io import check_directory
     from hplan.planner import make_hardware, make_plan
     from hplan.specs import load_workload
     from hplan.tracer import trace_workload
@@ -102,7 +102,7 @@ def test_executor_errors_name_python_arguments_and_the_cli_names_their_flags(tmp
         takes |= set(inspect.signature(fn).parameters)
     from hplan.artifacts import Hardware
     from hplan.planner import PlanOptions
-    from hplan.planner.shard import make_shard_plan
+    from hplan.planner.ranks.shard import make_shard_plan
 
     takes |= set(inspect.signature(make_shard_plan).parameters) | set(Hardware.__dataclass_fields__) | \
         set(PlanOptions.__dataclass_fields__)

@@ -8,11 +8,11 @@ from hplan.artifacts import Hardware
 from hplan.planner import BASELINE_KEYS, PlanOptions, make_plan, sweep
 from hplan.planner.baselines import simulate_baselines
 from hplan.planner.baselines import all_on_gpu
-from hplan.planner.gemini import GeminiConfig, gemini, search_chunk_size
+from hplan.planner.baselines.gemini import GeminiConfig, gemini, search_chunk_size
 from hplan.planner.presets import make_hardware
 from hplan.planner.synthetic import chain_trace, gpt_trace, random_trace
-from hplan.planner.zero3_offload import Zero3Config, zero3_offload
-from hplan.planner.zero_offload import Zero2Config, zero_offload
+from hplan.planner.baselines.zero3_offload import Zero3Config, zero3_offload
+from hplan.planner.baselines.zero_offload import Zero2Config, zero_offload
 
 GB = 10**9
 CHAIN = (1000, 3000, 2000)

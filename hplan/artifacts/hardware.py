@@ -73,15 +73,15 @@ class Hardware:
     """Per-node bandwidth of inter-node collectives (network), GB/s."""
     intra_latency_us: float = 3.4
     """Latency of one intra-node hop of a collective, µs: NCCL's NVLink ring hop with its Simple protocol
-    (hplan.planner.nccl, [Note: collective latency model]); 0 with inter_latency_us 0 = bandwidth only."""
+    (hplan.planner.ranks.nccl, [Note: collective latency model]); 0 with inter_latency_us 0 = bandwidth only."""
     inter_latency_us: float = 14.0
     """Latency of one network hop of a collective, µs: NCCL's network ring hop with its Simple protocol."""
     intra_link: str = "nvlink"
     """"nvlink" or "pci": which of NCCL's intra-node latency rows applies; "loopback": gloo between the CPU
-    fast tier's processes (one protocol, no base latency; hplan.planner.nccl)."""
+    fast tier's processes (one protocol, no base latency; hplan.planner.ranks.nccl)."""
     collectives: str = "nccl"
     """How collectives are priced: "nccl" (NCCL's pick of ring or tree), "ring", "tree", "hierarchical" (two
-    levels) or "best" (hplan.planner.collectives)."""
+    levels) or "best" (hplan.planner.ranks.collectives)."""
     network: str = ""
     """Network preset the link numbers came from; informational."""
     host: str = ""

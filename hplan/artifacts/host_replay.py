@@ -182,16 +182,3 @@ def replay_host(plan: Plan, resident: Sequence[Sequence[int]]) -> HostReplay:
                         f"{plan.hardware.nvme_bytes}")
     return HostReplay(violations=tuple(problems), host_bytes=tuple(held), peak_bytes=max(held, default=0),
                       nvme_read_bytes=read_total, nvme_write_bytes=write_total, nvme_bytes_used=used)
-
-
-def homes_of(plan: Plan) -> dict[str, int]:
-    """Bytes of model data by where it lives between uses: "gpu-only" (resident on the device at every step),
-    "host" (regions of host-homed chunks) and "nvme" (regions of NVMe-homed chunks); for summaries and plots."""
-    from hplan.artifacts.replay import replay
-
-    only = device_only(plan, [s.resident for s in replay(plan).states])
-    home = {c.id: c.home for c in plan.chunks}
-    out = {"gpu-only": 0, "host": 0, "nvme": 0}
-    for r in plan.regions:
-        out["gpu-only" if r.id in only else home[r.chunk]] += r.bytes
-    return out

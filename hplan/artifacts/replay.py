@@ -10,7 +10,7 @@ import math
 from dataclasses import dataclass
 
 from hplan.artifacts.activations import activation_problems
-from hplan.artifacts.host_replay import HostReplay, replay_host
+from hplan.artifacts.host_replay import HostReplay, device_only, replay_host
 from hplan.artifacts.plan import HOMES, OPTIMIZER_PLACES, REGION_KINDS, Plan, host_update_effects
 from hplan.artifacts.shard import shard_problems
 from hplan.errors import HplanError
@@ -278,3 +278,14 @@ def validate(plan: Plan) -> None:
     if problems:
         more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
         raise HplanError(f"invalid plan: {problems[0]}{more}; regenerate it with `hplan plan`")
+
+
+def homes_of(plan: Plan) -> dict[str, int]:
+    """Bytes of model data by where it lives between uses: "gpu-only" (resident on the device at every step),
+    "host" (regions of host-homed chunks) and "nvme" (regions of NVMe-homed chunks); for summaries and plots."""
+    only = device_only(plan, [s.resident for s in replay(plan).states])
+    home = {c.id: c.home for c in plan.chunks}
+    out = {"gpu-only": 0, "host": 0, "nvme": 0}
+    for r in plan.regions:
+        out["gpu-only" if r.id in only else home[r.chunk]] += r.bytes
+    return out

@@ -15,7 +15,7 @@ RANK_FIELDS: tuple[str, ...] = (
     "collective_bytes_per_iter", "collective_wire_bytes_per_iter", "planned_collective_bytes_per_iter",
     "planned_bytes_moved_per_iter", "budget_bytes",
 )
-"""The keys of each `RunReport.ranks` entry (hplan.executor.dist_train.report), every one a non-negative int."""
+"""The keys of each `RunReport.ranks` entry (hplan.executor.ranks.dist_train.report), every one a non-negative int."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

@@ -33,7 +33,7 @@ P = 1 or P = G) fits.
   gradient-shard range of the weights, then, when P = 1 < G, the shards over G consecutive ranks.
 `gathered_bytes` of a step is the transient memory this needs beside the regions: full weight copies, full
 gradients, and one staging buffer per call whose input would alias its output (counted, never elided).
-Bytes per call are the ring model of hplan.executor.collectives ([Note: collective byte counts]): the
+Bytes per call are the ring model of hplan.executor.ranks.collectives ([Note: collective byte counts]): the
 executor counts the same numbers for the calls it makes, so measured equals planned by construction of the
 sizes, and a mismatch means the run did other calls than the plan's.
 """

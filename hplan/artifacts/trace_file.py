@@ -59,7 +59,7 @@ def load_trace(cls: type[Trace], path: str | os.PathLike[str], columns: Iterable
 
 def _load(cls: type[Trace], p: Path, pf: Any, raw: bytes, columns: Iterable[str] | None) -> Trace:
     from hplan.artifacts.io import check_schema
-    from hplan.artifacts.trace import TIMELINE_COLUMNS
+    from hplan.artifacts.trace_columns import TIMELINE_COLUMNS
 
     regenerate = f"hplan trace SPEC -o {p}"
     meta = parse_json(raw, source=p, what="trace", regenerate=regenerate)
@@ -113,7 +113,7 @@ def _open(p: Path, f: BinaryIO) -> tuple[Any, bytes]:
 
 def check_metadata(trace: Trace) -> None:
     """Cross-field rules of [Note: trace validation]; FieldError names the first field that breaks one."""
-    from hplan.artifacts.trace import CATEGORIES, EVENT_KINDS
+    from hplan.artifacts.trace_columns import CATEGORIES, EVENT_KINDS
     from hplan.precision import RECIPES
 
     for name in POSITIVE:
@@ -209,7 +209,7 @@ def _column_problem(name: str, column: Any, trace: Trace) -> str:
         if not (pa.types.is_string(kind) or pa.types.is_large_string(kind)):
             return f"holds {kind}, not strings"
         if name == "phase" and len(column):
-            from hplan.artifacts.trace import PHASES
+            from hplan.artifacts.trace_columns import PHASES
 
             odd = set(pc.unique(column).to_pylist()) - set(PHASES)
             if odd:

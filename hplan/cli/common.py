@@ -16,6 +16,7 @@ import sys
 import time
 import traceback
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any, TypeVar
 
 import typer
@@ -37,7 +38,7 @@ _state = {"debug": False}
 
 def set_debug(value: bool) -> None:
     _state["debug"] = value
-    if value:  # ranks spawned by `hplan run --nproc` inherit it (hplan.executor.launch prints tracebacks then)
+    if value:  # ranks spawned by `hplan run --nproc` inherit it (hplan.executor.ranks.launch prints tracebacks then)
         os.environ["HPLAN_DEBUG"] = "1"
     else:  # every command sets it afresh (in-process callers such as tests run many commands)
         os.environ.pop("HPLAN_DEBUG", None)
@@ -180,3 +181,21 @@ def progress_bar(label: str, *, quiet: bool = False, after_s: float = 0.0) -> It
     finally:
         if task:
             bar.stop()
+
+
+def check_outputs(*, spec: str, plan: Path, metrics: Path | None, checkpoint: Path | None) -> None:
+    """Refuse, before any work, outputs that would replace an input or a non-regular file.
+
+    The checkpoint folder belongs to the checkpointer, so the metrics file may not live inside it.
+    """
+    from hplan.artifacts.io import check_input, check_output
+    from hplan.specs import spec_file
+
+    check_input(plan, what="plan")
+    if metrics is not None:
+        check_output(metrics, inputs=[plan, spec_file(spec)], what="--metrics")
+    if checkpoint is not None:
+        check_output(checkpoint, kind="dir", what="--checkpoint")
+        if metrics is not None and metrics.absolute().resolve().is_relative_to(checkpoint.absolute().resolve()):
+            raise HplanError(f"--metrics {metrics} is inside --checkpoint {checkpoint}, which the checkpoint owns; "
+                             "write the metrics elsewhere")

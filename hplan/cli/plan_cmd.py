@@ -292,7 +292,7 @@ def _world_rows(plan: Plan) -> list[tuple[str, str]]:
 
 def _tier_rows(plan: Plan, table: object) -> None:
     """The third tier's lines of the summary (issue 16): disk traffic, host memory, homes."""
-    from hplan.artifacts.host_replay import homes_of
+    from hplan.artifacts.replay import homes_of
     from hplan.sizes import format_size, format_sizes
 
     s, hw = plan.summary, plan.hardware

@@ -227,7 +227,7 @@ def _sweep_tiers(trace: Path, size_range: str, points: int, cpu_range: str | Non
     from hplan.cli.common import emit_json
     from hplan.cli.plan_cmd import tier_overrides
     from hplan.planner import default_slack, make_hardware
-    from hplan.planner.sweep_tiers import sweep_tiers
+    from hplan.planner.tiers.sweep_tiers import sweep_tiers
     from hplan.reports.figure import image_format
     from hplan.reports.tier_map import plot_tier_map
 

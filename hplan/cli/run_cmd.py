@@ -55,14 +55,14 @@ def register(app: typer.Typer) -> None:
         from hplan.cli.common import guarded
         from hplan.cli.world import many_rank_run, one_process_plan_on_ranks
 
-        if guarded(lambda: many_rank_run(nproc, plan)):  # many ranks: hplan.cli.world → hplan.executor.dist_train
+        if guarded(lambda: many_rank_run(nproc, plan)):  # many ranks: hplan.cli.world → executor.ranks.dist_train
             refusal = guarded(lambda: one_process_plan_on_ranks(plan, nproc, nvme_dir=nvme_dir is not None))
             if refusal is not None:
                 guarded(lambda: _refuse(refusal))
             if nvme_dir is not None:
                 guarded(lambda: _refuse("--nvme-dir is for one-process plans made with --nvme; a many-rank plan "
                                         "keeps no disk tier: leave --nvme-dir out"))
-            from hplan.executor.launch import under_torchrun
+            from hplan.executor.ranks.launch import under_torchrun
 
             # The launching process of spawned ranks stops them and its own clean-up runs, as one process's run
             # does ([Note: stopped many-rank runs]); under torchrun each process is a rank, which torchrun stops.
@@ -99,7 +99,7 @@ def stops_cleanly(*, ranks: bool = False) -> Iterator[None]:
     """Turn SIGTERM/SIGHUP into a clean exit: the run unwinds, then one line and exit 128 + the signal's number
     (143 for SIGTERM, as a process killed by it would report). Further signals are ignored while it unwinds, so
     the clean-up is not cut short; `kill -9` still stops it at once (the next run cleans up after it). `ranks`:
-    this process launched ranks, which the unwinding stops (hplan.executor.launch) — the line says so."""
+    this process launched ranks, which the unwinding stops (hplan.executor.ranks.launch) — the line says so."""
     from hplan.cli.common import err_console
 
     if threading.current_thread() is not threading.main_thread():  # handlers can only be set there
@@ -133,7 +133,7 @@ def _in_finalizer(frame: Any) -> bool:
     """Did the signal arrive inside a finalizer (a weakref callback, `weakref.finalize`, `__del__`, run by the
     garbage collector at any allocation)? An exception raised there is printed as "Exception ignored in …" and
     dropped, so `stop` re-sends the signal to the main thread a moment later instead (seen in
-    tests/test_executor_nvme.py: a SIGTERM lost in a finalizer left a run training on)."""
+    tests/tiers/test_executor_nvme.py: a SIGTERM lost in a finalizer left a run training on)."""
     while frame is not None:
         code = frame.f_code
         if code.co_name == "__del__" or code.co_filename.endswith(("weakref.py", "_weakrefset.py")):
@@ -147,7 +147,8 @@ def _run(*, spec: str, plan: Path, steps: int, device: str, metrics: Path | None
          overrides: list[str] | None, as_json: bool, budget_guard: str = "stop", on_nonfinite: str = "stop",
          nvme_dir: Path | None = None) -> None:
     from hplan.artifacts import Plan
-    from hplan.cli.common import emit_json, err_console, parse_device, parse_overrides, progress_bar, warn_line
+    from hplan.cli.common import (check_outputs, emit_json, err_console, parse_device, parse_overrides, progress_bar,
+                                  warn_line)
 
     from hplan.errors import HplanError
 
@@ -191,31 +192,13 @@ def _run(*, spec: str, plan: Path, steps: int, device: str, metrics: Path | None
                           f"{report.planned_nvme_write_bytes_per_iter})", highlight=False)
 
 
-def check_outputs(*, spec: str, plan: Path, metrics: Path | None, checkpoint: Path | None) -> None:
-    """Refuse, before any work, outputs that would replace an input or a non-regular file.
-
-    The checkpoint folder belongs to the checkpointer, so the metrics file may not live inside it.
-    """
-    from hplan.artifacts.io import check_input, check_output
-    from hplan.specs import spec_file
-
-    check_input(plan, what="plan")
-    if metrics is not None:
-        check_output(metrics, inputs=[plan, spec_file(spec)], what="--metrics")
-    if checkpoint is not None:
-        check_output(checkpoint, kind="dir", what="--checkpoint")
-        if metrics is not None and metrics.absolute().resolve().is_relative_to(checkpoint.absolute().resolve()):
-            raise HplanError(f"--metrics {metrics} is inside --checkpoint {checkpoint}, which the checkpoint owns; "
-                             "write the metrics elsewhere")
-
-
 def _refuse(message: str) -> None:
     raise HplanError(message)
 
 
 def _check_nvme_dir(plan: Plan, path: Path, nvme_dir: Path | None) -> None:
     """Before any work: a plan with NVMe-homed chunks needs --nvme-dir, a directory (issue 16)."""
-    from hplan.executor.tiers import needs_nvme_dir
+    from hplan.executor.tiers.host import needs_nvme_dir
 
     if nvme_dir is None and needs_nvme_dir(plan):
         raise HplanError(f"{path} keeps {len(plan.nvme_chunks())} chunks on NVMe (planned with --nvme): pass "

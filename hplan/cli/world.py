@@ -1,7 +1,7 @@
 """`hplan plan --gpus/--nodes/--intra-gbps/--inter-gbps/--shard`: the many-rank options, kept out of plan_cmd.
 
 Builds the Hardware's world from the flags (STYLE §10: the CLI only builds it) and calls
-hplan.planner.shard.make_shard_plan; a one-rank invocation without --shard stays on `make_plan`.
+hplan.planner.ranks.shard.make_shard_plan; a one-rank invocation without --shard stays on `make_plan`.
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ class ManyRanks:
              effort: int = 1, on_progress: Progress | None = None) -> Plan:
         from hplan.cli.common import size_option
         from hplan.planner import PlanOptions, make_hardware
-        from hplan.planner.shard import make_shard_plan, min_gpu_sharded
+        from hplan.planner.ranks.shard import make_shard_plan, min_gpu_sharded
         from hplan.artifacts.shard import factor_choices
 
         if gpu_mem.strip().lower() == "min":
@@ -53,7 +53,7 @@ def world_overrides(world: dict[str, Any], overrides: dict[str, Any], *, compare
     from hplan.artifacts.hardware import COLLECTIVE_ALGORITHMS, MAX_LATENCY_US
     from hplan.cli.common import positive_number
     from hplan.planner.presets import NETWORK_PRESETS
-    from hplan.planner.shard import parse_shard
+    from hplan.planner.ranks.shard import parse_shard
 
     gpus, nodes = world.get("gpus", 1), world.get("nodes", 1)
     for value, flag in ((gpus, "--gpus"), (nodes, "--nodes")):
@@ -115,7 +115,7 @@ STEP_SPLIT = ("compute", "exposed_intra", "exposed_inter", "exposed_host", "expo
 
 
 def step_split(plan: Plan) -> dict[str, float]:
-    """Why the step takes what it does, per rank ([Note: exposed time] in hplan.planner.shard_time): compute plus
+    """Why the step takes what it does, per rank ([Note: exposed time] in hplan.planner.ranks.shard_time): compute plus
     the time compute waits on each link and on the host optimizer; the parts sum to the step."""
     seconds = plan.summary.seconds
     out = {k: float(seconds.get(k, 0.0)) for k in STEP_SPLIT}
@@ -191,12 +191,12 @@ def run_many(*, spec: str, plan: Any, steps: int, device: str, metrics: Any, che
              overwrite: bool,
              batch_size: int | None, seq_len: int | None, precision: str | None, overrides: list[str] | None,
              as_json: bool, budget_guard: str, on_nonfinite: str, nproc: int | None) -> None:
-    """`hplan run --nproc N` (or under torchrun): hplan.executor.dist_train.run_distributed, one summary."""
+    """`hplan run --nproc N` (or under torchrun): hplan.executor.ranks.dist_train.run_distributed, one summary."""
     import os
 
     from hplan.artifacts import Plan
     from hplan.cli.common import emit_json, err_console, parse_device, parse_overrides, warn_line
-    from hplan.cli.run_cmd import check_outputs
+    from hplan.cli.common import check_outputs
 
     parse_device(device, kinds=("cpu", "cuda"))
     if nproc is not None and (isinstance(nproc, bool) or nproc < 1):
@@ -208,7 +208,7 @@ def run_many(*, spec: str, plan: Any, steps: int, device: str, metrics: Any, che
         raise HplanError("many ranks take --budget-guard stop or warn, and --on-nonfinite stop only")
     check_outputs(spec=spec, plan=plan, metrics=None, checkpoint=checkpoint)
     the_plan = Plan.load(plan)
-    from hplan.executor.dist_train import run_distributed
+    from hplan.executor.ranks.dist_train import run_distributed
 
     load = dict(batch_size=batch_size, seq_len=seq_len, overrides=parse_overrides(overrides), precision=precision,
                 accumulate=the_plan.accumulate, max_grad_norm=the_plan.max_grad_norm)

@@ -1,0 +1,422 @@
+"""DistRun: one rank of a many-rank plan, driven by the model's own events, on torch.distributed.
+
+[Note: distributed executor step] As hplan.executor.runtime's [Note: executor step], with the plan's collectives
+([Note: plan collectives] in hplan.artifacts.shard): at each observed event the run checks it is the plan's next
+event, closes the previous window, finishes the previous step — its `after` calls (gradient reduce-scatters and
+syncs, which end with ÷N on this rank's optimizer piece), then frees the full weight copies that step gathered
+— then does this step: evictions (write-backs first), fetches and allocations, its `before` calls (updated-piece
+and weight all-gathers), waits for what it needs, host updates; at the optimizer step also the fast-tier updates
+on this rank's pieces, then that step's `after` calls (all-gathers of updated pieces) at once. Every rank runs the
+same steps, so every rank makes the same calls in the same order; a rank that stops calling makes the others'
+next call fail within the process group's timeout (hplan.executor.ranks.launch).
+Supported on many ranks: fp32 and bf16-mixed (unverified), element-wise optimizers, param groups, LR schedulers,
+accumulation. Refused in one line: clipping by global norm and fp16 loss scaling (they need norms over shards),
+and any plan for another number of ranks.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+from typing import Any, Self
+
+import torch
+import torch.distributed as dist
+from hplan.executor.device import make_tier
+from hplan.executor.ranks.dist_comm import PlanComm
+from hplan.executor.gradients import first_nonfinite, move_grad, nonfinite_message
+from hplan.executor.habits import intercepted, with_step_hooks
+from hplan.executor.measure import WindowMeter, make_probe
+from hplan.executor.runtime import check_plan
+from hplan.executor.ranks.shard_store import ShardStore
+from hplan.executor.batch import UpdateBatch
+from hplan.executor.update import ChunkUpdate
+from torch import nn
+
+from hplan.artifacts import Plan, Step
+from hplan.artifacts.replay import OPTIMIZER_EVENT, live_in, validate
+from hplan.errors import HplanError
+from hplan.grads import installed
+from hplan.hooks import OPTIMIZER_MODULE, EventHooks, canonical_params
+from hplan.optimizers import check_optimizer, state_spec
+from hplan.precision import get_recipe
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Iteration:
+    """What one rank measured over its last complete iteration."""
+
+    h2d_bytes: int
+    d2h_bytes: int
+    collective_bytes: int
+    """Ring-model bytes sent by the calls made (see hplan.executor.ranks.dist_comm)."""
+    wire_bytes: int
+    """Bytes written to sockets during the calls (gloo on Linux; 0 elsewhere)."""
+    peak_resident_bytes: int
+    """Highest regions + full copies + non-model bytes in any step window."""
+
+
+def check_world(plan: Plan, world: int) -> None:
+    """Refuse a plan made for another number of ranks, or a one-rank plan, before anything starts."""
+    if plan.sharding is None:
+        raise HplanError(f"the plan is for one GPU but this run has {world} ranks; re-plan with "
+                         f"`gpus_per_node`/`nodes` giving {world} ranks (or run in one process: without `nproc` or "
+                         "torchrun)")
+    if plan.hardware.ranks != world:
+        hw = plan.hardware
+        raise HplanError(f"the plan was made for {hw.ranks} ranks ({hw.gpus_per_node} per node × {hw.nodes}) but this "
+                         f"run has {world}; re-plan with `gpus_per_node`/`nodes` for {world} ranks or run with "
+                         f"`nproc` {hw.ranks}")
+    if plan.defer_updates or plan.max_grad_norm is not None:
+        raise HplanError("clipping by global norm (or deferred updates) is not supported on many ranks yet: it needs "
+                         "the norm over every rank's gradient shards; re-trace without `max_grad_norm`")
+    if plan.fingerprint.get("precision") == "fp16-mixed":
+        raise HplanError("fp16 loss scaling is not supported on many ranks yet; use bf16-mixed or fp32")
+
+
+class DistRun:
+    """Context manager replaying a many-rank plan on this rank (torch.distributed must be initialised)."""
+
+    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, plan: Plan, *, device: str = "cpu",
+                 batch_example: Any = None, measure: bool = True, budget_guard: str = "stop",
+                 nonfinite: str = "ignore", on_setup: Callable[[DistRun], None] | None = None) -> None:
+        if not dist.is_available() or not dist.is_initialized():
+            raise HplanError("a many-rank plan needs torch.distributed initialised: call init_process_group before "
+                             "hplan.attach (a script under torchrun), or train with run_distributed")
+        self.rank, self.world = dist.get_rank(), dist.get_world_size()
+        check_world(plan, self.world)
+        validate(plan)
+        self.plan, self.model, self.optimizer = plan, model, optimizer
+        self.precision = plan.fingerprint.get("precision", "fp32")
+        self.tier = make_tier(device)
+        check_plan(plan, model, batch_example, self.precision, self.tier)
+        self.opt_name = check_optimizer(optimizer)
+        self.master = get_recipe(self.precision).master_dtype is not None
+        if nonfinite not in ("ignore", "stop"):
+            raise HplanError(f"nonfinite must be 'ignore' or 'stop' on many ranks, got {nonfinite!r}")
+        self.budget_guard, self.nonfinite = budget_guard, nonfinite
+        """nonfinite="stop": a rank whose gradient piece holds an inf or NaN stops before updating with it (as one
+        process's run; hplan run's choice); "ignore" leaves it to the loop, as plain PyTorch (attach's default)."""
+        self.iteration = 0
+        self.first_step = 0
+        """The training step of this block's first iteration: messages name first_step + iteration."""
+        self.on_setup = on_setup
+        """Called once the regions and updates exist, before the initial fetches (a resume loads shards here)."""
+        self.meter = WindowMeter(make_probe(device)) if measure else None
+        self.live = live_in(plan)
+        self.loss_scale = None
+        self.store: ShardStore | None = None
+        self.comm: PlanComm | None = None
+        self.updates: dict[int, ChunkUpdate] = {}
+        self.cursor = 0
+        self.written: set[str] = set()
+        self._updated: set[int] = set()
+        self._batches: dict[tuple[int, ...], UpdateBatch] = {}
+        """Chunks updated at one step → their batch (the same sets every iteration)."""
+        self._scattered: set[int] = set()
+        self._gathered: set[int] = set()
+        self._previous: Step | None = None
+        self._zeroed = True
+        self._window_model = 0
+        self.peak = 0
+        self.last: Iteration | None = None
+        self._mark = (0, 0, 0, 0)
+        self._stack = contextlib.ExitStack()
+        self.sync_at: dict[int, int] = {}
+        """Grad region → the step after whose event its sync ends (÷N): the last step writing it."""
+        kinds = {r.id: r.kind for r in plan.regions}
+        for t, s in enumerate(plan.steps):
+            if s.event != OPTIMIZER_EVENT:
+                for r in (*s.writes, *s.overwrites):
+                    if kinds[r] == "grad":
+                        self.sync_at[r] = t
+
+    # -- lifecycle ------------------------------------------------------------------------------------
+    def __enter__(self) -> Self:
+        model, plan, optimizer = self.model, self.plan, self.optimizer
+        group_of = {id(p): i for i, g in enumerate(optimizer.param_groups) for p in g["params"]}
+        names = canonical_params(model)
+        by_name = {names[id(p)]: group_of.get(id(p), -1) for p in model.parameters()}
+        missing = [n for n, p in model.named_parameters() if p.requires_grad and by_name.get(n, -1) < 0]
+        if missing:
+            raise HplanError(f"parameter {missing[0]} requires grad but is not in the optimizer; add it or freeze it")
+
+        def state_names(name: str) -> tuple[str, ...]:
+            return state_spec(self.opt_name, optimizer.param_groups[by_name[name]]).tensors
+
+        for module in model.modules():
+            for key, buf in module._buffers.items():
+                if buf is not None:
+                    module._buffers[key] = buf.to(self.tier.device)
+        self.comm = PlanComm(plan, self.rank, self.world)
+        self.store = store = ShardStore(model, plan, self.tier, self.rank, master=self.master, state_names=state_names)
+        for c in plan.chunks:
+            if not c.trainable:
+                continue
+            mine = tuple(n for n in c.trainable if store.layouts[c.id].in_piece(n) is not None)
+            if mine:
+                piece = replace(c, trainable=mine)  # the update sees only this rank's piece of the chunk
+                update = ChunkUpdate(store, piece, where=plan.optimizer[c.id],  # type: ignore[arg-type]
+                                     optimizer=optimizer, opt_name=self.opt_name, master=self.master, group_of=by_name)
+                update.adopt()
+                self.updates[c.id] = update
+        optimizer.state.clear()
+        self._names = names
+        trainable = [n for c in plan.chunks for n in c.trainable]
+        for name in trainable:
+            self._stack.callback(store.params[name].register_post_accumulate_grad_hook(self._on_grad).remove)
+        self._stack.enter_context(installed([store.params[n] for n in trainable], self))
+        if self.on_setup is not None:
+            self.on_setup(self)
+        for r in plan.initial_resident:
+            (store.fetch if self.live[r][0] else store.alloc)(r)
+        for r in plan.initial_dirty:
+            store.mark_dirty(r)
+        store.traffic.h2d = 0
+        self._stack.enter_context(EventHooks(model, self.on_event))
+        self._stack.enter_context(intercepted(self, optimizer, model))  # type: ignore[arg-type]
+        if self.meter is not None:
+            self._stack.enter_context(self.meter.track())
+        self.comm.reset()
+        return self
+
+    def __exit__(self, exc_type: object, *exc: object) -> None:
+        """Remove hooks; after a clean block give every parameter its full current value (an all-gather where P
+        > 1, so every rank exits together). Optimizer state stays in this rank's pieces: save it with
+        hplan.executor.ranks.dist_checkpoint, which writes each rank's shards."""
+        self._stack.close()
+        store = self.store
+        if store is None or exc_type is not None:
+            return
+        pending = [c for s in self.plan.steps for c in s.collectives if c.purpose == "update_gather" and c.before]
+        for call in pending:  # host-updated pieces reach the other ranks at the next read: do it now
+            store.fetch(call.region)
+            self.comm.run(call, store, first_scatter=False)
+        values = {c.id: self.comm.gather_full(store, c.id) for c in self.plan.chunks}
+        for rid in store.resident():
+            store.evict(rid, writeback=False)
+        for c in self.plan.chunks:
+            for n in c.tensors:
+                a, b = store.layouts[c.id].offsets[n]
+                store.params[n].data = values[c.id][a:b].clone().view(store.params[n].shape)
+                store.params[n].grad = None
+
+    # -- events ---------------------------------------------------------------------------------------
+    def on_event(self, kind: str, module: str) -> None:
+        actual, steps = f"{kind}:{module}", self.plan.steps
+        if self.cursor >= len(steps):
+            raise HplanError(f"event {actual!r} after the plan's last step; call optimizer.step() once per iteration")
+        step = steps[self.cursor]
+        if step.event != actual:
+            raise HplanError(f"event mismatch at plan step {step.index}: expected {step.event!r}, got {actual!r}; "
+                             "re-trace and re-plan this workload")
+        if self.cursor == 0 and not self._zeroed:
+            raise HplanError("a new iteration began without optimizer.zero_grad() after the last optimizer.step(); "
+                             "zero gradients every step")
+        if self.cursor == 0:
+            self._mark = self._counters()
+        self._close_window()
+        self._finish_previous(step)
+        self._do_step(step)
+        self.cursor += 1
+
+    def _finish_previous(self, following: Step) -> None:
+        """The previous step's `after` calls and ÷N, then free the full weight copies it gathered — except those
+        the following step reads again: a run of consecutive steps reading a chunk shares one gather
+        ([Note: plan collectives])."""
+        step, self._previous = self._previous, None
+        if step is None:
+            return
+        self._after(step)
+        reads = set(following.reads) if following.event != OPTIMIZER_EVENT else set()
+        keep = {c for c in self._gathered if self.store.region(c, "param") in reads}
+        for c in sorted(self._gathered - keep):
+            self.store.hide_weights(c)
+            self.store.close_full(self.store.gather_buf[c])
+        self._gathered &= keep
+
+    def _after(self, step: Step) -> None:
+        for call in step.collectives:
+            if not call.before:
+                self._call(call)
+        for r, t in self.sync_at.items():
+            if t == step.index:
+                chunk = self.store.slots[r].region.chunk
+                lay = self.store.layouts[chunk]
+                at = self.store.pieces.storage_offset(self.store.sharding, chunk, "grad")
+                with torch.no_grad():
+                    self.store.typed(r)[at:at + lay.piece].div_(self.world)
+        self._sample()
+
+    def _call(self, call: Any) -> None:
+        chunk = self.store.slots[call.region].region.chunk
+        self.comm.run(call, self.store, first_scatter=chunk not in self._scattered)
+        if call.purpose == "scatter":
+            self._scattered.add(chunk)
+        elif call.purpose == "gather":
+            self._gathered.add(chunk)
+        self._sample()
+
+    def _do_step(self, step: Step) -> None:
+        store = self.store
+        writeback = set(step.writeback)
+        for rid in step.evict:
+            store.evict(rid, writeback=rid in writeback)
+        for rid in step.fetch:
+            store.fetch(rid)
+        for rid in step.alloc:
+            store.alloc(rid)
+        store.require(step.needs, f"plan step {step.index} ({step.event})")
+        for call in step.collectives:
+            if call.before:
+                self._call(call)
+                if call.purpose == "update_gather":
+                    store.mark_dirty(call.region)
+        if step.event == OPTIMIZER_EVENT:
+            self._update(sorted(step.host_updates) + sorted(c for c, u in self.updates.items() if u.where == "gpu"),
+                         step)
+            self._after(step)
+        else:
+            self._update(step.host_updates, step)
+            self._previous = step
+        self._sample()
+
+    def _update(self, chunks: tuple[int, ...] | list[int], step: Step) -> None:
+        """These chunks' updates together: one optimizer call per place and param group (UpdateBatch)."""
+        self._updated.update(chunks)
+        mine = tuple(c for c in chunks if c in self.updates)  # a piece that is padding only has no update
+        if not mine:
+            return
+        if self.nonfinite == "stop":
+            self._check_finite(mine, step)
+        batch = self._batches.get(mine)
+        if batch is None:
+            batch = self._batches[mine] = UpdateBatch([self.updates[c] for c in mine])
+        batch.step(self.written)
+        for c in mine:
+            if self.updates[c].where == "gpu":
+                for kind in ("param", "master", "state"):
+                    rid = self.store.region(c, kind)
+                    if rid is not None:
+                        self.store.mark_dirty(rid)
+
+    def _check_finite(self, chunks: tuple[int, ...], step: Step) -> None:
+        """This rank's gradient pieces about to be used, all finite — or stop, naming the parameter and the training
+        step. Each rank checks its own pieces (no extra collective): a rank that stops makes the others' next
+        collective fail, so nothing of this step is saved anywhere ([Note: launch failure handling])."""
+        names, grads = [], []
+        for c in chunks:
+            u = self.updates[c]
+            written = [n for n in u.names if n in self.written]
+            names += written
+            grads += list(u.fp32_grads(set(written), None).values()) if u.master else [u.grad[n] for n in written]
+        bad = first_nonfinite(names, grads)
+        if bad is not None:
+            raise HplanError(nonfinite_message(bad, self.first_step + self.iteration, step, f" on rank {self.rank}"))
+
+    # -- gradients ------------------------------------------------------------------------------------
+    def _on_grad(self, p: torch.Tensor) -> None:
+        """Post-accumulate-grad hook: autograd's gradient into its region, through grad_target."""
+        move_grad(p, self.grad_target)
+
+    def grad_target(self, param: torch.Tensor) -> tuple[torch.Tensor, bool]:
+        """GradSink: the full-shape gradient view (the grad region, or the chunk's full gradient buffer)."""
+        store = self.store
+        name = self._names[id(param)]
+        c = store.chunk_of[name]
+        rid = store.region(c, "grad")
+        step = self.plan.steps[self.cursor - 1]
+        if rid not in step.writes and rid not in step.overwrites:
+            raise HplanError(f"the gradient of {name} arrived at plan step {step.index} ({step.event}), where the "
+                             "plan does not write it; re-trace and re-plan")
+        store.require([rid], f"gradient of {name} at plan step {step.index}")
+        if store.sharding.G > 1:
+            store.open_full(store.grad_buf[c], zero=True)
+            first = False  # the full gradient starts zeroed each micro-batch
+            self._sample()
+        else:
+            first = name not in self.written
+        self.written.add(name)
+        store.mark_dirty(rid)
+        return store.grad_views[name], first
+
+    # -- habits (hplan.executor.habits) ---------------------------------------------------------------
+    def manages(self, params: list[torch.Tensor]) -> bool:
+        return self.store is not None and any(id(p) in self._names for p in params)
+
+    def clip_grad_norm_(self, *args: Any, **kwargs: Any) -> torch.Tensor:
+        raise HplanError("clip_grad_norm_ inside a many-rank plan is not supported yet (the norm spans every rank's "
+                         "gradient shards); train without clipping or on one rank")
+
+    def sync_state(self) -> None:
+        raise HplanError("optimizer.state_dict() inside a many-rank plan: the state is sharded over ranks; save it "
+                         "with hplan.executor.ranks.dist_checkpoint.save (run_distributed's `checkpoint_dir` does)")
+
+    def release_state(self) -> None:
+        self.optimizer.state.clear()
+
+    def stash_loaded_state(self, *args: Any) -> None:
+        raise HplanError("optimizer.load_state_dict() inside a many-rank plan is not supported; resume with "
+                         "run_distributed's `resume`")
+
+    def adopt_loaded_state(self) -> None:
+        return None
+
+    # -- iteration end, measurement -------------------------------------------------------------------
+    def optimizer_event(self) -> None:
+        """The optimizer event; checks the iteration followed the whole plan, records what it measured."""
+        self.optimizer._opt_called = True  # type: ignore[attr-defined]  (what LR schedulers check)
+        self.on_event("optimizer", OPTIMIZER_MODULE)
+        if self.cursor != len(self.plan.steps):
+            raise HplanError(f"iteration ended at plan step {self.cursor - 1} but the plan has "
+                             f"{len(self.plan.steps)} steps; re-trace and re-plan this workload")
+        self._close_window()
+        h2d, d2h, sent, wire = (now - was for now, was in zip(self._counters(), self._mark))
+        self.last = Iteration(h2d_bytes=h2d, d2h_bytes=d2h, collective_bytes=sent, wire_bytes=wire,
+                              peak_resident_bytes=self.peak)
+        self.written.clear()
+        self._updated.clear()
+        self._scattered.clear()
+        self._zeroed = False
+        self.cursor = 0
+        self.iteration += 1
+
+    def step(self) -> Iteration:
+        """The optimizer event (between the optimizer's step hooks), then gradients zeroed."""
+        with_step_hooks(self.optimizer, self.optimizer_event)
+        self.zeroed()
+        assert self.last is not None
+        return self.last
+
+    def zeroed(self) -> None:
+        self._zeroed = True
+
+    def scale(self, loss: torch.Tensor) -> torch.Tensor:
+        """The loss itself (no loss scaling on many ranks); kept so loops written for one rank run unchanged."""
+        return loss
+
+    def _counters(self) -> tuple[int, int, int, int]:
+        t = self.store.traffic
+        return t.h2d, t.d2h, self.comm.sent, self.comm.wire
+
+    def _sample(self) -> None:
+        self._window_model = max(self._window_model, self.store.resident_bytes())
+
+    def _close_window(self) -> None:
+        """The window that ends now: regions and full copies at their highest, plus the probe's non-model peak."""
+        non_model = self.meter.close_window() if self.meter is not None else 0
+        model, self._window_model = self._window_model, self.store.resident_bytes()
+        if self.cursor == 0:
+            return
+        total = model + non_model
+        self.peak = max(self.peak, total)
+        if total > self.plan.gpu_bytes:
+            step = self.plan.steps[self.cursor - 1]
+            message = (f"rank {self.rank}: plan step {step.index} ({step.event}) used {total} bytes, over the plan's "
+                       f"budget of {self.plan.gpu_bytes}; re-trace (e.g. with this run's shapes) and re-plan")
+            if self.budget_guard == "stop":
+                raise HplanError(message)
+            import warnings
+
+            warnings.warn(message, stacklevel=2)

@@ -1,0 +1,108 @@
+"""DeepSpeed ZeRO stage 2 with offload_optimizer=cpu ("ZeRO-Offload") on one GPU, simulated as its code runs.
+
+Source: deepspeedai/DeepSpeed at edaa722 (v0.19.5, 2026-08-22), deepspeed/runtime/zero/stage_1_and_2.py (S) and
+config.py / offload_config.py defaults. Per iteration, with N_t = elements of the trainable parameters:
+
+- Device, always: every 16-bit weight in the flat groups (S:456, `bit16_groups_flat ... .to(device)`), plus
+  `temp_grad_buffer_for_gpu_offload`, one buffer of the largest trainable parameter's size in the weight dtype
+  (S:591-593). The fp32 master weights, fp32 gradients, moments and a 16-bit staging copy of the weights are on
+  the host (S:490-507, pinned by default: offload_config.py:75).
+- Device, from the first gradient hook to the end of backward: the contiguous ipg bucket, `reduce_bucket_size`
+  elements of the weight dtype (S:2496-2515; default 5e8: config.py:113), doubled with overlap_comm (which
+  defaults to False outside stage 3: config.py:385). Gradients enter the bucket as their hooks fire
+  (S:1193-1250); when the next one would overflow it, the bucket is flushed (S:1691-1760): each gradient is cast
+  to fp32 on the device (a transient of 4 B/element, S:1601-1602) and copied to the host's fp32 gradient
+  buffer (S:1604). The last flush runs in the backward epilogue (S:919-921).
+- d2h: 4 B x N_t (fp32 gradients). The copies run on the current stream when overlap_comm is off (S:1719-1727),
+  so they serialise with backward compute.
+- Step (S:2322-2342): DeepSpeedCPUAdam updates the fp32 masters on the host; the masters are cast on the host
+  into the 16-bit staging buffer and copied up: h2d = weight bytes of the trainable parameters (2 B x N_t in a
+  16-bit recipe), with no device-side temporary.
+
+So a 16-bit mixed recipe moves 6 B per trainable parameter per iteration. The ZeRO-Offload paper's dataflow
+(Ren et al. 2021, sec. 4: 16-bit gradients down, 16-bit weights up) moves 4 B; the code sends fp32 gradients.
+Until DeepSpeed PR #7309 (2025-05) the step also copied the fp32 masters to the device and cast there
+(S at 38327e0:1881-1882), a device transient of 4 B x the largest group and an h2d of 4 B per parameter.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from hplan.artifacts.hardware import Hardware
+from hplan.artifacts.plan import BaselineResult
+from hplan.artifacts.trace import Trace
+from hplan.planner.baselines.baseline_model import Facts, Timeline, gradient_flushes, peak_of, read_trace, result
+from hplan.precision import DTYPE_BYTES
+from hplan.sizes import format_size
+
+NAME = "ZeRO-Offload (stage 2, optimizer on CPU)"
+CITATION = ("deepspeedai/DeepSpeed@edaa722 (v0.19.5): deepspeed/runtime/zero/stage_1_and_2.py:456 (16-bit weights "
+            "on the GPU), 490-507 (host fp32 masters, 16-bit staging buffer), 591-593 (temp_grad_buffer_for_gpu_"
+            "offload), 919-921 (epilogue flush), 1193-1250 (ipg bucket), 1590-1605 (fp32 gradient copy), 1719-1727 "
+            "(current stream without overlap_comm), 2322-2342 (CPU step, 16-bit h2d), 2496-2515 (ipg buffers); "
+            "config.py:113, 385; offload_config.py:75")
+NOT_MODELLED = (
+    "gradient accumulation (micro-steps accumulate through the host buffers, S:1650-1660)",
+    "several optimizer param groups: the trace has no group indices, so one group is assumed (a group's CPU "
+    "update then cannot overlap the previous group's h2d copy)",
+    "the host-side fp32 -> 16-bit cast into the staging buffer (CPU time), loss-scale overflow steps",
+    "flat-group alignment padding (at most one element per group on one GPU) and per-copy launch latency",
+    "extra-large parameters (> reduce_bucket_size) keep their gradient outside the bucket until the next flush",
+)
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Zero2Config:
+    """The ZeRO options that change what moves or what the device holds; defaults are DeepSpeed's."""
+
+    reduce_bucket_size: int = 500_000_000
+    """Elements in the contiguous gradient bucket (config.py:113)."""
+    overlap_comm: bool = False
+    """Stage 2 default (config.py:385): flushes on the current stream, one bucket buffer."""
+
+
+def zero_offload(trace: Trace, hardware: Hardware, config: Zero2Config = Zero2Config(),
+                 facts: Facts | None = None) -> BaselineResult:
+    """Simulate one steady iteration; see the module docstring for the rules and their sources."""
+    facts = facts or read_trace(trace, hardware)
+    trainable = facts.trainable
+    weights = sum(p.bytes for p in facts.params.values())
+    temp_buffer = max((facts.params[n].bytes for n in trainable), default=0)
+    elem = DTYPE_BYTES[facts.params[trainable[0]].dtype] if trainable else 2
+    bucket_bytes = config.reduce_bucket_size * elem * (2 if config.overlap_comm else 1)
+    flushes = gradient_flushes(facts, config.reduce_bucket_size)
+    graded = [n for n in trainable if n in facts.grad_done]
+    first_hook = min(facts.grad_done.values(), default=len(facts.steps))
+    last_backward = max((i for i, e in enumerate(facts.steps) if e.kind == "backward"), default=-1)
+
+    per_step = []
+    for i, e in enumerate(facts.steps):
+        b = weights + temp_buffer + e.non_model_peak_bytes
+        if first_hook <= i <= last_backward:
+            b += bucket_bytes + facts.fresh_grad_bytes(i)
+            b += max((facts.upcast_bytes(n) for n in flushes.get(i, ())), default=0)
+        per_step.append(b)
+    peak, where = peak_of(per_step, facts, weights + temp_buffer + facts.optimizer_non_model_host)
+
+    d2h = sum(facts.fp32_grad_bytes(n) for n in graded)
+    h2d = sum(facts.params[n].bytes for n in trainable)
+    tl = Timeline(hardware)
+    for i, seconds in enumerate(facts.compute_seconds):
+        tl.compute(seconds)
+        for n in flushes.get(i, ()):
+            if config.overlap_comm:
+                tl.copy("d2h", facts.fp32_grad_bytes(n), after=tl.free["gpu"])
+            else:
+                tl.stream_copy("d2h", facts.fp32_grad_bytes(n))
+    updated = tl.host_update(facts.state_bytes(), after=tl.makespan)
+    tl.copy("h2d", h2d, after=updated)
+
+    need = peak + hardware.slack_bytes
+    feasible = need <= hardware.gpu_bytes
+    note = (f"16-bit weights resident ({format_size(weights)}), ipg bucket {format_size(bucket_bytes)}; "
+            f"d2h fp32 gradients {format_size(d2h)}, h2d 16-bit weights {format_size(h2d)}; peak at {where}")
+    if not feasible:
+        note = f"needs {format_size(need)} (peak {format_size(peak)} at {where} + slack); " + note
+    return result(NAME, feasible=feasible, h2d=h2d, d2h=d2h, peak=peak, min_gpu=need, timeline=tl, note=note,
+                  citation=CITATION, not_modelled=NOT_MODELLED)

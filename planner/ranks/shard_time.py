@@ -1,0 +1,268 @@
+"""Predicted step time of a many-rank plan: compute, host links, host optimizer and collectives, overlapped.
+
+The one-rank model (`planner.schedule.predict_seconds`) with two more resources, each its own FIFO queue: the
+rank's intra-node link (NVLink / PCIe) and its node's network. A collective's phases
+(`planner.ranks.collectives.CollectiveCost.phases`, timed by NCCL's α-β model) queue on the link they use: a flat call
+across nodes holds both, a hierarchical one holds NVLink, then the network, then NVLink again, so one call's
+network phase overlaps another's NVLink phase. How collectives are issued is a `CommSchedule`:
+- `prefetch` (modules ahead): a step's weight all-gathers are issued when the compute of the step `prefetch`
+  before it starts — in the forward *and* the backward pass, as FSDP (BackwardPrefetch.BACKWARD_PRE, forward
+  prefetch) and DeepSpeed ZeRO-3 (its trace-based prefetcher) issue them. Issued before that step's
+  reduce-scatter, the gather is queued before it (the reduce-scatter comes at the step's end), so it never
+  waits behind it. A gather whose input shard is fetched from the host at its own step is not prefetched;
+- `overlap_reductions`: gradient reduce-scatters and syncs run on their queues beside the next compute
+  (FSDP, DeepSpeed with overlap_comm) — or block the compute stream (DeepSpeed ZeRO-1/2's default);
+- `blocking`: every collective blocks the compute stream — hplan's executor, whose calls are synchronous
+  (executor/ranks/dist_comm.py), so its plans are priced this way;
+- `bucket_bytes`: gradient reductions (and the updated-weight gathers after the optimizer) are coalesced in
+  buckets of this many bytes, issued when a bucket fills and at the end of the pass (DeepSpeed's
+  reduce_bucket_size / allgather_bucket_size); 0 = one call per chunk, as the plan lists them.
+A gradient's write-back, the host update reading it and the GPU update at the optimizer step wait for its
+sync. The iteration ends when compute, the host optimizer and both links are done. Without
+`hardware.overlap` (the CPU fast tier) nothing overlaps: the step is the sum of everything.
+
+[Note: exposed time] The split tells why a step takes as long as it does: `compute` (busy) plus each stretch
+the compute stream waits, charged to what it waited for — `exposed_host` (a fetch from the host),
+`exposed_intra` / `exposed_inter` (a collective: a flat call across nodes is charged to the network, within a
+node to NVLink; a hierarchical call to the link of its last phase), `exposed_cpu_optimizer` (the host update
+running past the last compute) — sums to `step` exactly. Busy seconds per link and per collective op follow.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+from hplan.artifacts.hardware import Hardware
+from hplan.artifacts.plan import Step
+from hplan.artifacts.shard import Collective, Sharding, derive
+from hplan.artifacts.trace import Trace
+from hplan.planner.ranks.collectives import CollectiveCost, World, block_group, collective_cost, strided_group
+from hplan.planner.schedule import TRANSFER_LATENCY_S, event_seconds
+from hplan.planner.search import Finished, Scored, finish, host_update_bytes
+
+REDUCTIONS = ("scatter", "sync")
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class CommSchedule:
+    """How a system issues its collectives (module docstring)."""
+
+    prefetch: int = 0
+    overlap_reductions: bool = True
+    blocking: bool = False
+    bucket_bytes: int = 0
+    gather_algorithm: str | None = None
+    """Algorithm for weight gathers (None: the hardware's), e.g. MiCS's hierarchical all-gather."""
+
+
+EXECUTOR = CommSchedule(blocking=True)
+"""hplan's executor: synchronous calls at the step that needs them (executor/ranks/dist_comm.py)."""
+
+
+def call_cost(call: Collective, world: World, algorithm: str = "nccl") -> CollectiveCost:
+    """One call on this world's links."""
+    group = block_group(call.size, world) if call.stride == 1 else strided_group(call.size, call.stride, world)
+    return collective_cost(call.op, call.numel * call.itemsize, group, world, algorithm=algorithm,
+                           itemsize=call.itemsize)
+
+
+def call_seconds(call: Collective, world: World, algorithm: str = "nccl") -> float:
+    """Seconds of one call on this world's links."""
+    return call_cost(call, world, algorithm).seconds
+
+
+class _Links:
+    """The two link queues and what each call waited on."""
+
+    def __init__(self, world: World, hardware: Hardware, schedule: CommSchedule) -> None:
+        self.world, self.schedule = world, schedule
+        self.algorithm = hardware.collectives
+        self.free = {"intra": 0.0, "inter": 0.0}
+        self.busy = {"intra": 0.0, "inter": 0.0, "all_gather": 0.0, "reduce_scatter": 0.0, "all_reduce": 0.0}
+        self._costs: dict[tuple, CollectiveCost] = {}
+
+    def cost(self, call: Collective) -> CollectiveCost:
+        algo = self.schedule.gather_algorithm if call.purpose == "gather" and self.schedule.gather_algorithm \
+            else self.algorithm
+        key = (call.op, call.size, call.stride, call.numel, call.itemsize, algo)
+        if key not in self._costs:
+            self._costs[key] = call_cost(call, self.world, algo)
+        return self._costs[key]
+
+    def run(self, call: Collective, at: float) -> tuple[float, str]:
+        """Queue the call's phases from `at`; (end, link charged when compute waits for it)."""
+        cost = self.cost(call)
+        t, label = at, "intra"
+        for link, secs in cost.phases:
+            links = ("intra", "inter") if link == "both" else (link,)
+            t = max([t] + [self.free[x] for x in links]) + secs
+            for x in links:
+                self.free[x] = t
+                self.busy[x] += secs
+            label = "inter" if link in ("both", "inter") else "intra"
+        self.busy[call.op] += cost.seconds
+        return t, label
+
+
+def _merge(calls: list[Collective]) -> Collective:
+    """One bucket: the calls' buffers as one call of the same kind (the last call's region)."""
+    c = calls[-1]
+    return Collective.make(c.op, c.purpose, c.region, c.before, c.size, c.stride, sum(x.numel for x in calls),
+                           c.itemsize)
+
+
+def predict_shard_seconds(steps: tuple[Step, ...] | list[Step], sizes: dict[int, int], initial: frozenset[int],
+                          seconds: list[float], hardware: Hardware, host_bytes: dict[int, int],
+                          grad_of: dict[int, int], *, schedule: CommSchedule = EXECUTOR) -> dict[str, float]:
+    """One steady-state iteration's time ("step") and its split ([Note: exposed time]) under `schedule`."""
+    world = World.from_hardware(hardware)
+    links = _Links(world, hardware, schedule)
+    h2d_bps, d2h_bps = hardware.h2d_gbps * 1e9, hardware.d2h_gbps * 1e9
+    cpu_bps = hardware.cpu_optimizer_gbps * 1e9
+    up = [sizes[r] for s in steps for r in s.fetch]
+    down = [sizes[r] for s in steps for r in s.writeback]
+    host = sum(host_bytes[c] for s in steps for c in s.host_updates)
+    split = {"compute": sum(seconds), "h2d": len(up) * TRANSFER_LATENCY_S + sum(up) / h2d_bps,
+             "d2h": len(down) * TRANSFER_LATENCY_S + sum(down) / d2h_bps, "cpu_optimizer": host / cpu_bps}
+    if not hardware.overlap:  # everything in turn: every second is exposed
+        exposed = {"exposed_host": split["h2d"] + split["d2h"], "exposed_intra": 0.0, "exposed_inter": 0.0,
+                   "exposed_cpu_optimizer": split["cpu_optimizer"]}
+        for st in steps:
+            for call in st.collectives:
+                cost = links.cost(call)
+                links.busy[call.op] += cost.seconds
+                for link, secs in cost.phases:
+                    exposed["exposed_intra" if link == "intra" else "exposed_inter"] += secs
+                    for x in (("intra", "inter") if link == "both" else (link,)):
+                        links.busy[x] += secs
+        total = sum(split.values()) + sum(links.busy[op] for op in ("all_gather", "reduce_scatter", "all_reduce"))
+        return {**split, **links.busy, **exposed, "step": total}
+    return _timeline(steps, sizes, initial, seconds, host_bytes, grad_of, schedule, links, split,
+                     (h2d_bps, d2h_bps, cpu_bps))
+
+
+def _timeline(steps: tuple[Step, ...] | list[Step], sizes: dict[int, int], initial: frozenset[int],
+              seconds: list[float], host_bytes: dict[int, int], grad_of: dict[int, int], schedule: CommSchedule,
+              links: _Links, split: dict[str, float], rates: tuple[float, float, float]) -> dict[str, float]:
+    """The overlapped iteration (module docstring): one pass over the steps, issuing each call on its links."""
+    h2d_bps, d2h_bps, cpu_bps = rates
+    exposed = {"host": 0.0, "intra": 0.0, "inter": 0.0, "cpu_optimizer": 0.0}
+    up_free = down_free = compute_end = cpu_free = 0.0
+    ready: dict[int, float] = {r: 0.0 for r in initial}
+    synced: dict[int, tuple[float, str]] = {}
+    written: dict[int, float] = {}
+    gathered: dict[int, tuple[float, str]] = {}
+    starts: list[float] = []
+    buckets: dict[tuple, list[Collective]] = {}
+    n = len(steps)
+
+    def gate(t: int, at: float) -> tuple[float, str]:
+        """Issue step t's weight gathers at `at`; when the last is done, and on which link."""
+        end, label = at, "intra"
+        for call in steps[t].collectives:
+            if call.before:
+                done, lab = links.run(call, max(at, ready.get(call.region, 0.0)))
+                if done >= end:
+                    end, label = done, lab
+        return end, label
+
+    def flush(key: tuple, at: float) -> float:
+        calls = buckets.pop(key)
+        end, label = links.run(_merge(calls), at)
+        for c in calls:
+            if c.purpose in REDUCTIONS:
+                synced[c.region] = (end, label)
+        return end
+
+    for t, (step, secs) in enumerate(zip(steps, seconds)):
+        issue = compute_end
+        kind = step.event.split(":", 1)[0]
+        if buckets and kind != "backward":  # the pass ended: what is left in the buckets goes now
+            for key in list(buckets):
+                done = flush(key, issue)
+                if schedule.blocking or not schedule.overlap_reductions:
+                    exposed[_label(links, key)] += max(0.0, done - issue)
+                    issue = max(issue, done)
+        for r in step.writeback:
+            down_free = max(down_free, issue, synced.get(r, (0.0, ""))[0]) + TRANSFER_LATENCY_S + sizes[r] / d2h_bps
+            written[r] = down_free
+        for r in step.fetch:
+            up_free = max(up_free, issue) + TRANSFER_LATENCY_S + sizes[r] / h2d_bps
+            ready[r] = up_free
+        if t not in gathered:
+            gathered[t] = gate(t, issue)
+        waits = [(issue, "none"), gathered[t]]
+        waits += [(ready.get(r, 0.0), "host") for r in step.needs]
+        waits += [synced.get(r, (0.0, "none")) for r in step.reads]
+        start, why = max(waits, key=lambda w: w[0])
+        if start > issue and why in exposed:
+            exposed[why] += start - issue
+        compute_end = start + secs
+        starts.append(start)
+        ahead = t + schedule.prefetch
+        if schedule.prefetch and not schedule.blocking and ahead < n and ahead not in gathered:
+            nxt = steps[ahead]
+            if not any(c.before and c.region in nxt.fetch for c in nxt.collectives):
+                gathered[ahead] = gate(ahead, start)
+        for call in step.collectives:
+            if call.before:
+                continue
+            bucketed = schedule.bucket_bytes and (call.purpose in REDUCTIONS or call.purpose == "update_gather")
+            if bucketed:
+                key = (call.op, call.purpose, call.size, call.stride, call.itemsize)
+                buckets.setdefault(key, []).append(call)
+                if sum(c.numel for c in buckets[key]) * call.itemsize < schedule.bucket_bytes:
+                    continue
+                done = flush(key, compute_end)
+                label = _label(links, key)
+            else:
+                done, label = links.run(call, compute_end)
+                if call.purpose in REDUCTIONS:
+                    synced[call.region] = (done, label)
+            if schedule.blocking or (call.purpose in REDUCTIONS and not schedule.overlap_reductions):
+                exposed[label] += max(0.0, done - compute_end)
+                compute_end = max(compute_end, done)
+        for c in step.host_updates:
+            g = grad_of.get(c, -1)
+            begin = max(issue, cpu_free, written.get(g, 0.0), synced.get(g, (0.0, ""))[0])
+            cpu_free = begin + host_bytes[c] / cpu_bps
+    for key in list(buckets):
+        flush(key, compute_end)
+    end = max(compute_end, cpu_free, links.free["intra"], links.free["inter"])
+    if end > compute_end:
+        tails = {"cpu_optimizer": cpu_free, "inter": links.free["inter"], "intra": links.free["intra"]}
+        exposed[max(tails, key=tails.get)] += end - compute_end
+    out = {**split, **links.busy, "step": end}
+    out.update({f"exposed_{k}": v for k, v in exposed.items()})
+    return out
+
+
+def _label(links: _Links, key: tuple) -> str:
+    """The link a bucket of calls is charged to (its group spans nodes: the network)."""
+    op, purpose, size, stride, itemsize = key
+    call = Collective.make(op, purpose, 0, False, size, stride, 1, itemsize)
+    last = links.cost(call).phases
+    return "inter" if last and last[-1][0] in ("both", "inter") else "intra"
+
+
+def with_collectives(steps: tuple[Step, ...], scored: Scored, sharding: Sharding, ranks: int) -> tuple[Step, ...]:
+    """The plan steps with each one's collectives and transient bytes ([Note: plan collectives])."""
+    s = scored.structure
+    calls, gathered = derive(steps, s.chunks, s.regions, s.optimizer, sharding, ranks)
+    return tuple(replace(st, collectives=calls[t], gathered_bytes=gathered[t]) for t, st in enumerate(steps))
+
+
+def step_seconds(trace: Trace, hardware: Hardware, scored: Scored, done: Finished, steps: tuple[Step, ...]
+                 ) -> dict[str, float]:
+    s = scored.structure
+    sizes = {r.id: r.bytes for r in s.regions}
+    grad_of = {c: regs["grad"] for c, regs in s.by_chunk.items() if "grad" in regs}
+    return predict_shard_seconds(steps, sizes, done.schedule.initial, event_seconds(trace, hardware), hardware,
+                                 host_update_bytes(s), grad_of)
+
+
+def shard_step_seconds(trace: Trace, hardware: Hardware, scored: Scored, sharding: Sharding) -> float:
+    """Predicted many-rank step of a scored candidate (its schedule with the collectives it implies)."""
+    done = finish(trace, hardware, scored)
+    return step_seconds(trace, hardware, scored, done, with_collectives(done.steps, scored, sharding,
+                                                                       hardware.ranks))["step"]

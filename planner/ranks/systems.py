@@ -1,0 +1,115 @@
+"""Published sharded data-parallel systems, priced by hplan's many-rank model on the same trace and hardware.
+
+Each system is its shard factors ([Note: shard layout]) plus how it issues collectives (a
+`planner.ranks.shard_time.CommSchedule`), each setting taken from the system's defaults in its code or paper:
+- ZeRO-3 (DeepSpeed, deepspeed/runtime/zero/config.py defaults): P = G = OS = all ranks; weights gathered
+  per module and prefetched one module ahead in both passes (stage3_prefetch_bucket_size 5e7 elements, the
+  trace-based prefetcher of partitioned_param_coordinator.py); gradient reduce-scatters beside the backward
+  (overlap_comm defaults to True for stage 3) in buckets of reduce_bucket_size = 5e8 elements;
+- ZeRO++ with hpZ only (arXiv 2306.10209 §3.2; AMSP v2 ran it without qwZ/qgZ): ZeRO-3 whose backward
+  gathers come from a secondary copy inside the node (a gather over the node's GPUs); the secondary copy's
+  memory (weights / GPUs per node per rank) is not in the plan;
+- MiCS (arXiv 2205.00119; DeepSpeed's runtime/zero/mics.py): P = G = OS = GPUs per node, the ZeRO-3 engine
+  above, the replicas' all-reduce per bucket during the backward of the last micro-batch (allreduce_mics_shard_
+  grads, on the reduce stream); hierarchical gathers when a partition group spans nodes
+  (mics_hierarchical_params_gather);
+- ZeRO-1 (DeepSpeed stage 1, runtime/zero/stage_1_and_2.py): P = G = 1, OS = all ranks; gradients reduced once
+  per step in buckets of 5e8 elements on the compute stream (overlap_comm defaults to False below stage 3),
+  updated weights all-gathered after the step in buckets of allgather_bucket_size 5e8 elements;
+- AMSP (arXiv 2311.00257 v2): the factors its paper reports per model, gathers prefetched, gradient
+  synchronisation overlapped with the backward ("AllGather prefetching and ReduceScatter scheduling") in buckets
+  of 512 MiB (InternEvo's hybrid_zero_optimizer default, configs/7B_sft.py, the framework AMSP's authors
+  build on);
+- hplan: its own plan as its executor runs it (`shard_time.EXECUTOR`: synchronous calls at each step).
+What no system here models: their engines' per-module CPU overhead (hooks, bookkeeping), kernels slowed by
+communication running beside them, and network congestion beyond each node's link.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+from hplan.artifacts.plan import Plan, Step
+from hplan.artifacts.shard import Collective, Sharding
+from hplan.artifacts.trace import Trace
+from hplan.planner.schedule import event_seconds
+from hplan.planner.ranks.shard_time import EXECUTOR, CommSchedule, predict_shard_seconds
+
+DEEPSPEED_BUCKET_ELEMENTS = 5 * 10**8
+"""reduce_bucket_size and allgather_bucket_size defaults (deepspeed/runtime/zero/config.py)."""
+INTERNEVO_BUCKET_BYTES = 512 * 1024 * 1024
+"""hybrid_zero_optimizer.reduce_bucket_size in InternEvo's configs/7B_sft.py."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class System:
+    """A published system: its factors for a world and how it issues collectives."""
+
+    name: str
+    kind: str
+    """"zero3", "zero++hpz", "mics", "zero1", "amsp" or "hplan"."""
+    schedule: CommSchedule
+    factors: tuple[int, int, int] | None = None
+    """AMSP's published (P, G, OS); None: the system's rule for the world."""
+
+    def sharding(self, ranks: int, gpus_per_node: int) -> Sharding | None:
+        """The factors on this world (None for hplan: it searches them)."""
+        n, g = ranks, gpus_per_node
+        rule = {"zero3": (n, n, n), "zero++hpz": (n, n, n), "mics": (g, g, g), "zero1": (1, 1, n)}
+        f = self.factors if self.factors is not None else rule.get(self.kind)
+        return None if f is None else Sharding(P=f[0], G=f[1], OS=f[2])
+
+
+def deepspeed_bucket(itemsize: int) -> int:
+    return DEEPSPEED_BUCKET_ELEMENTS * itemsize
+
+
+def systems(grad_itemsize: int, amsp: tuple[int, int, int] | None = None) -> list[System]:
+    """The systems of AMSP's comparison (and hplan), for gradients of `grad_itemsize` bytes."""
+    ds = deepspeed_bucket(grad_itemsize)
+    zero3 = CommSchedule(prefetch=1, bucket_bytes=ds)
+    out = [System(name="ZeRO-3", kind="zero3", schedule=zero3),
+           System(name="ZeRO++ (hpZ)", kind="zero++hpz", schedule=zero3),
+           System(name="MiCS", kind="mics", schedule=replace(zero3, gather_algorithm="hierarchical")),
+           System(name="ZeRO-1", kind="zero1", schedule=CommSchedule(overlap_reductions=False, bucket_bytes=ds))]
+    if amsp is not None:
+        out.append(System(name="AMSP", kind="amsp", factors=amsp,
+                          schedule=CommSchedule(prefetch=1, bucket_bytes=INTERNEVO_BUCKET_BYTES)))
+    out.append(System(name="hplan", kind="hplan", schedule=EXECUTOR))
+    return out
+
+
+def hpz_steps(steps: tuple[Step, ...], gpus_per_node: int) -> tuple[Step, ...]:
+    """ZeRO++'s hpZ on a ZeRO-3 plan: every backward weight gather runs over the node's GPUs (the secondary
+    partition) instead of all ranks; forward gathers and reductions are unchanged."""
+    out = []
+    for st in steps:
+        if not st.event.startswith("backward:"):
+            out.append(st)
+            continue
+        calls = tuple(Collective.make(c.op, c.purpose, c.region, c.before, min(gpus_per_node, c.size), 1, c.numel,
+                                      c.itemsize) if c.purpose == "gather" else c for c in st.collectives)
+        out.append(replace(st, collectives=calls))
+    return tuple(out)
+
+
+def price(plan: Plan, trace: Trace, schedule: CommSchedule, steps: tuple[Step, ...] | None = None
+          ) -> dict[str, float]:
+    """The step-time split of a plan's steps (or of other steps over its regions) under a schedule."""
+    sizes = {r.id: r.bytes for r in plan.regions}
+    per_chunk: dict[int, int] = {}
+    grad_of = {}
+    for r in plan.regions:
+        per_chunk[r.chunk] = per_chunk.get(r.chunk, 0) + r.bytes
+        if r.kind == "grad":
+            grad_of[r.chunk] = r.id
+    return predict_shard_seconds(steps if steps is not None else plan.steps, sizes, frozenset(plan.initial_resident),
+                                 event_seconds(trace, plan.hardware), plan.hardware, per_chunk, grad_of,
+                                 schedule=schedule)
+
+
+def system_steps(system: System, plan: Plan) -> tuple[Step, ...]:
+    """The plan's steps as the system runs them (hpZ rewrites backward gathers)."""
+    if system.kind == "zero++hpz":
+        return hpz_steps(plan.steps, plan.hardware.gpus_per_node)
+    return plan.steps

@@ -1,0 +1,68 @@
+"""AMSP's evaluation replayed by the many-rank model (hplan.planner.ranks.amsp_replay), torch-free, on LLaMA-shaped
+synthetic traces: what the model must reproduce of the paper's measurements at 1,024 A800s.
+
+Asserted: AMSP's published factors rank first for 7B and 13B; for 7B, ZeRO-3 and ZeRO++ (hpZ) rank last (the
+paper measured both at about 4%, so their order between them is not asserted) and ZeRO-1 and MiCS sit between
+(the paper has them one point apart, 36% and 35%; the model puts MiCS above ZeRO-1 — see BENCHMARKS.md,
+section 8, for the term it misses); for 13B, ZeRO-3 last (the paper's 13B figure quoted here is AMSP at about
+13× ZeRO-3); AMSP's predicted MFU within ±20% of the measured 51%; from fewer GPUs to 1,024 the
+ZeRO-3 MFU falls and AMSP's lead over it grows, the paper's direction.
+"""
+
+from __future__ import annotations
+
+from functools import cache
+
+import pytest
+
+from hplan.planner.ranks.amsp_replay import PAPER_MFU, micro_batches, replay
+from hplan.planner.synthetic import llama_trace
+
+
+@cache
+def _rows(size: str, ranks: int) -> dict[str, object]:
+    rows = replay(llama_trace(size, micro_batches=micro_batches(ranks)), ranks, size, with_hplan=False)
+    assert all(r.mfu is not None for r in rows), [r.note for r in rows]
+    return {r.system: r for r in rows}
+
+
+def _ranked(rows: dict) -> list[str]:
+    return sorted(rows, key=lambda name: -rows[name].mfu)
+
+
+def test_7b_at_1024_gpus_ranks_as_the_paper_measured():
+    rows = _rows("7b", 1024)
+    order = _ranked(rows)
+    assert order[0] == "AMSP" and rows["AMSP"].factors == "1/1/8"
+    assert set(order[-2:]) == {"ZeRO-3", "ZeRO++ (hpZ)"}
+    assert set(order[1:3]) == {"ZeRO-1", "MiCS"}
+    measured = PAPER_MFU[("7b", 1024)]["AMSP"]
+    assert 0.8 * measured <= rows["AMSP"].mfu <= 1.2 * measured
+
+
+def test_13b_at_1024_gpus_amsp_first_zero3_last():
+    """The paper's 13B figure quoted here is AMSP's 4/4/8 at about 13× ZeRO-3: first and last."""
+    rows = _rows("13b", 1024)
+    order = _ranked(rows)
+    assert order[0] == "AMSP" and rows["AMSP"].factors == "4/4/8"
+    assert order[-1] == "ZeRO-3"
+
+
+def test_zero3_falls_behind_amsp_as_ranks_grow():
+    few, many = _rows("7b", 512), _rows("7b", 1024)
+    assert many["ZeRO-3"].mfu < few["ZeRO-3"].mfu
+    lead = {n: rows["AMSP"].mfu / rows["ZeRO-3"].mfu for n, rows in ((512, few), (1024, many))}
+    assert lead[1024] > lead[512] > 1
+
+
+@pytest.mark.slow
+def test_the_paper_scale_from_128_gpus():
+    few, many = _rows("7b", 128), _rows("7b", 1024)
+    lead = {n: rows["AMSP"].mfu / rows["ZeRO-3"].mfu for n, rows in ((128, few), (1024, many))}
+    assert many["ZeRO-3"].mfu < few["ZeRO-3"].mfu and lead[1024] > lead[128]
+
+
+def test_published_factors_outside_the_layout_are_reported_not_planned():
+    rows = replay(llama_trace("7b", micro_batches=1), 1024, "30b", with_hplan=False)
+    amsp = next(r for r in rows if r.system == "AMSP")
+    assert amsp.step_seconds is None and "OS=32" in amsp.note
