@@ -10,6 +10,7 @@ import torch
 from hplan.artifacts.trace import CATEGORIES, TIMELINE_COLUMNS, Event, ParamInfo, Trace
 from hplan.hooks import dtype_name, param_modules, workload_fingerprint
 from hplan.optimizers import check_optimizer, state_spec
+from hplan.tracer.slack import reserved_needed
 
 if TYPE_CHECKING:
     from hplan.tracer.core import Recording
@@ -29,7 +30,7 @@ def build_trace(rec: Recording) -> Trace:
         capture="fx", params=params, events=_events(rec), fingerprint=workload_fingerprint(
             trainer.model, rec.batch, workload.precision),
         peak_bytes=peak_bytes, peak_by_category=_categories_at(peak_row), model_bytes=model_bytes,
-        n_ops=len(steady), allocator_slack_bytes=_slack(rec, steady, peak_bytes),
+        n_ops=len(steady), **_slack(rec, steady, peak_bytes),
         overhead_bytes=int(steady.overhead_bytes.max()) if len(steady) else 0,
         step_seconds=float(steady.seconds.sum()), step_flops=int(steady.flops.sum()),
         batch_size=workload.batch_size, seq_len=workload.seq_len, warnings=rec.warnings, timeline=timeline,
@@ -46,14 +47,19 @@ def _categories_at(row: pd.Series) -> dict[str, int]:
     return cats
 
 
-def _slack(rec: Recording, steady: pd.DataFrame, peak_bytes: int) -> int:
-    """Memory the caching allocator holds beyond what is allocated: measured on CUDA (reserved minus
-    allocated at the peak); elsewhere the allocator model's peak reservation for per-step allocations
-    minus their peak, since chunked model data is allocated once, exactly."""
-    if rec.device == "cuda":
-        return max(0, int(steady.reserved_bytes.max()) - peak_bytes)
-    per_step_peak = int((steady.peak_bytes - steady.model_bytes).max())
-    return max(0, rec.max_reserved_bytes - per_step_peak)
+def _slack(rec: Recording, steady: pd.DataFrame, peak_bytes: int) -> dict[str, int]:
+    """Memory the caching allocator holds beyond what is allocated, as the Trace's allocator_slack_* fields.
+    Segments kept (allocator_slack_bytes): measured on CUDA (reserved minus allocated at the peak); elsewhere the
+    allocator model's peak reservation for per-step allocations minus their peak, since chunked model data is
+    allocated once, exactly. At the budget (cached segments released, plain or expandable): the model on every
+    device ([Note: slack at the budget] in hplan.tracer.slack)."""
+    per_step_peak = int((steady.peak_bytes - steady.model_bytes).max()) if len(steady) else 0
+    need = reserved_needed(rec.allocator_log)
+    kept = (int(steady.reserved_bytes.max()) - peak_bytes if rec.device == "cuda"
+            else rec.max_reserved_bytes - per_step_peak)
+    return {"allocator_slack_bytes": max(0, kept),
+            "allocator_slack_release_bytes": max(0, need["release"] - per_step_peak),
+            "allocator_slack_expandable_bytes": max(0, need["expandable"] - per_step_peak)}
 
 
 def _events(rec: Recording) -> tuple[Event, ...]:

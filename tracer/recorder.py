@@ -97,7 +97,7 @@ class Recorder(TorchDispatchMode):
     def start_iteration(self, iteration: int, *, build_graph: bool) -> None:
         self.iteration, self.op_index, self.phase, self.module = iteration, 0, "forward", ""
         self.micro, self.first_grad, self.last_read = -1, {}, {}
-        self.allocator = AllocatorModel()
+        self.allocator = AllocatorModel(record=True)
         for key, (nbytes, category) in self.ledger.live.items():
             if category not in _CHUNKED:
                 self.allocator.malloc(key, nbytes)

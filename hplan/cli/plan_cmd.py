@@ -82,6 +82,11 @@ def register(app: typer.Typer) -> None:
                                                  "(default, plain PyTorch), offload (to host memory until its "
                                                  "backward) or recompute (rerun its forward in backward).")
                                ] = "keep",
+        allocator: Annotated[str, typer.Option("--allocator", help="Allocator slack to leave room for (predicted): "
+                                               "release (default: PyTorch frees cached segments before it runs out of "
+                                               "memory), expandable (for runs with PYTORCH_CUDA_ALLOC_CONF="
+                                               "expandable_segments:True) or cached (segments never freed). --slack "
+                                               "overrides it.")] = "release",
     ) -> None:
         """Plan which model data lives on the GPU at every event: `hplan plan t.parquet --gpu-mem 24GB -o plan.json`."""
         from hplan.cli.common import guarded
@@ -94,7 +99,7 @@ def register(app: typer.Typer) -> None:
                              world=dict(gpus=gpus, nodes=nodes, intra_gbps=intra_gbps, inter_gbps=inter_gbps,
                                         shard=shard, network=network, intra_latency_us=intra_latency_us,
                                         inter_latency_us=inter_latency_us, collectives=collectives),
-                             activations=activations, **tiers))
+                             activations=activations, allocator=allocator, **tiers))
 
 
 def _run(*, trace: Path, gpu_mem: str, output: Path | None, cpu_mem: str | None, gpu: str | None,
@@ -102,7 +107,7 @@ def _run(*, trace: Path, gpu_mem: str, output: Path | None, cpu_mem: str | None,
          chunk_size: str | None, solver: str | None, compare: bool, as_json: bool, effort: int = 1,
          world: dict | None = None, nvme: str | None = None, host: str | None = None,
          nvme_preset: str | None = None, nvme_read_gbps: float | None = None,
-         nvme_write_gbps: float | None = None, activations: str = "keep") -> None:
+         nvme_write_gbps: float | None = None, activations: str = "keep", allocator: str = "release") -> None:
     from hplan.artifacts import Trace
     from hplan.artifacts.io import check_input, check_output
     from hplan.cli.common import emit_json, positive_number, progress_bar, size_option
@@ -119,7 +124,7 @@ def _run(*, trace: Path, gpu_mem: str, output: Path | None, cpu_mem: str | None,
     for value, what in ((gpu_tflops, "--gpu-tflops"), (link_gbps, "--link-gbps"), (cpu_adam_gbps, "--cpu-adam-gbps")):
         positive_number(value, what=what)
     loaded = Trace.load(trace, columns=())  # the planner reads the metadata only: no timeline column
-    slack_bytes = default_slack(loaded)
+    slack_bytes = default_slack(loaded, allocator)
     if slack is not None:
         slack_bytes = 0 if slack.strip() in ("0", "0B") else size_option(slack, what="--slack")
     overrides = dict(slack_bytes=slack_bytes, host_bytes=size_option(cpu_mem, what="--cpu-mem"),

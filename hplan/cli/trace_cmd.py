@@ -80,6 +80,8 @@ def summary(trace: Trace) -> dict:
             "model_bytes": trace.model_bytes, "n_ops": trace.n_ops, "n_events": trace.n_events,
             "iterations": trace.iterations, "capture": trace.capture,
             "allocator_slack_bytes": trace.allocator_slack_bytes, "overhead_bytes": trace.overhead_bytes,
+            "allocator_slack_release_bytes": trace.allocator_slack_release_bytes,
+            "allocator_slack_expandable_bytes": trace.allocator_slack_expandable_bytes,
             "step_flops": trace.step_flops, "warnings": list(trace.warnings), "accumulate": trace.accumulate,
             "max_grad_norm": trace.max_grad_norm, "defer_updates": trace.defer_updates,
             "optimizer": trace.optimizer, "input_shapes": list(trace.input_shapes),
