@@ -8,9 +8,9 @@ import random
 import pytest
 
 from hplan.errors import HplanError
-from hplan.tracer.allocator import FREE, AllocatorModel, OutOfMemory
+from hplan.tracer.allocator import FREE, MARK, AllocatorModel, OutOfMemory
 from hplan.tracer.expandable import ExpandableModel
-from hplan.tracer.slack import holds, replay, reserved_needed, smallest_cap
+from hplan.tracer.slack import holds, replay, slack_figures, smallest_slack
 
 MiB = 1 << 20
 
@@ -19,19 +19,31 @@ def test_release_frees_an_empty_cached_segment_before_failing():
     # an 8 MiB request takes a 20 MiB segment (kLargeBuffer); freed, it stays cached; a 30 MiB request then needs
     # its own segment: 50 MiB kept, but a 30 MiB device releases the empty 20 MiB segment and retries
     log = [(1, 8 * MiB), (1, FREE), (2, 30 * MiB)]
-    assert reserved_needed(log) == {"cached": 50 * MiB, "release": 30 * MiB, "expandable": 40 * MiB}
-    assert holds(log, 30 * MiB) and not holds(log, 28 * MiB)
+    assert slack_figures(log, [30 * MiB]) == {"cached": 20 * MiB, "release": 0, "expandable": 10 * MiB}
+    assert holds(log, [30 * MiB]) and not holds(log, [28 * MiB])
     # expandable: the 30 MiB block lands at address 0 and spans two 20 MiB pages
-    assert holds(log, 40 * MiB, expandable=True) and not holds(log, 38 * MiB, expandable=True)
+    assert holds(log, [40 * MiB], expandable=True) and not holds(log, [38 * MiB], expandable=True)
 
 
 def test_a_split_segment_is_not_released_but_expandable_pages_are_shared():
     # a 50 MiB block splits the cached 100 MiB segment, which can then not be given back: 160 MiB either way;
     # with expandable segments the 60 MiB block continues right after the 50 MiB one: pages 0..5, 120 MiB
     log = [(1, 100 * MiB), (1, FREE), (2, 50 * MiB), (3, 60 * MiB)]
-    assert reserved_needed(log) == {"cached": 160 * MiB, "release": 160 * MiB, "expandable": 120 * MiB}
+    assert slack_figures(log, [110 * MiB]) == {"cached": 50 * MiB, "release": 50 * MiB, "expandable": 10 * MiB}
     with pytest.raises(OutOfMemory):
-        replay(log, cap=158 * MiB)
+        replay(log, caps=[158 * MiB])
+
+
+def test_each_event_window_has_its_own_cap():
+    # event 0 needs 100 MiB; event 1 only 50 MiB, but its block pins the 100 MiB segment it was cut from: the model
+    # data planned into event 1 cannot use the other 50 MiB, so the slack is 50 MiB (one level: none). Expandable
+    # segments unmap the free pages 3 and 4 and keep pages 0..2: 10 MiB.
+    log = [(0, MARK), (1, 100 * MiB), (1, FREE), (2, 50 * MiB), (0, MARK), (2, FREE)]
+    assert smallest_slack(log, [100 * MiB]) == 0
+    assert slack_figures(log, [100 * MiB, 50 * MiB]) == {"cached": 0, "release": 50 * MiB, "expandable": 10 * MiB}
+    assert holds(log, [100 * MiB, 100 * MiB]) and not holds(log, [100 * MiB, 98 * MiB])
+    # the calls before the first mark belong to event 0
+    assert not holds([(1, 100 * MiB), (0, MARK), (0, MARK)], [50 * MiB, 200 * MiB, 200 * MiB])
 
 
 def test_capped_model_raises_when_the_live_bytes_do_not_fit():
@@ -43,6 +55,8 @@ def test_capped_model_raises_when_the_live_bytes_do_not_fit():
     e.malloc(1, 30 * MiB)
     with pytest.raises(OutOfMemory):
         e.malloc(2, 30 * MiB)
+    with pytest.raises(OutOfMemory):
+        a.limit(20 * MiB)
 
 
 def test_small_pool_pages_are_2_mib():
@@ -59,22 +73,26 @@ def test_small_pool_pages_are_2_mib():
 
 def test_recorded_log_replays_to_the_same_reservation():
     rng = random.Random(3)
-    a, live = AllocatorModel(record=True), []
+    a, live, levels = AllocatorModel(record=True), [], []
     for key in range(2000):
+        if key % 100 == 0:
+            a.mark()
+            levels.append(0)
         if live and rng.random() < 0.45:
             a.free(live.pop(rng.randrange(len(live))))
         else:
             a.malloc(key, rng.choice([rng.randrange(1, 1 << 20), rng.randrange(1 << 20, 64 << 20)]))
             live.append(key)
+        levels[-1] = max(levels[-1], a.allocated_bytes)
     again = replay(a.log)
     assert again.max_reserved_bytes == a.max_reserved_bytes
     assert again.max_allocated_bytes == a.max_allocated_bytes
     for expandable in (False, True):
-        cap = smallest_cap(a.log, expandable=expandable)
-        assert a.max_allocated_bytes <= cap
-        assert holds(a.log, cap, expandable=expandable)
-        assert not holds(a.log, cap - 2 * MiB, expandable=expandable)
-    assert smallest_cap(a.log) <= a.max_reserved_bytes
+        slack = smallest_slack(a.log, levels, expandable=expandable)
+        assert 0 < slack <= a.max_reserved_bytes
+        assert holds(a.log, [v + slack for v in levels], expandable=expandable)
+        assert not holds(a.log, [v + slack - 2 * MiB for v in levels], expandable=expandable)
+    assert smallest_slack(a.log, levels) <= a.max_reserved_bytes - max(levels) + 2 * MiB
 
 
 def test_a_live_key_malloced_again_replays_identically():
@@ -85,7 +103,7 @@ def test_a_live_key_malloced_again_replays_identically():
 
 
 def test_empty_log():
-    assert reserved_needed([]) == {"cached": 0, "release": 0, "expandable": 0}
+    assert slack_figures([], []) == {"cached": 0, "release": 0, "expandable": 0}
 
 
 # -- the trace fields and the planner's choice -----------------------------------------------------------------
@@ -131,10 +149,25 @@ def test_unknown_allocator_is_refused():
         default_slack(_trace(), "huge")
 
 
-def test_fake_trace_carries_the_figures():
-    from hplan.tracer import trace_workload
+def test_fake_trace_carries_the_figures_and_plan_uses_the_chosen_one(tmp_path):
+    from typer.testing import CliRunner
+
+    from hplan.artifacts import Plan
+    from hplan.cli import app
     from hplan.specs import load_workload
+    from hplan.tracer import trace_workload
 
     t = trace_workload(load_workload("gpt:tiny"), device="fake", iters=2)
-    assert t.allocator_slack_release_bytes is not None and t.allocator_slack_expandable_bytes is not None
-    assert 0 <= t.allocator_slack_release_bytes <= t.allocator_slack_bytes
+    figures = (t.allocator_slack_release_bytes, t.allocator_slack_expandable_bytes)
+    assert all(f is not None and f >= 0 and f % (2 * MiB) == 0 for f in figures)  # found on the 2 MiB grid
+    t.save(tmp_path / "t.parquet")
+    for allocator, slack in (("release", figures[0]), ("expandable", figures[1]), ("cached", t.allocator_slack_bytes)):
+        out = tmp_path / f"{allocator}.json"
+        res = CliRunner().invoke(app, ["plan", str(tmp_path / "t.parquet"), "--gpu-mem", "1GB", "--allocator",
+                                       allocator, "-o", str(out)])
+        assert res.exit_code == 0, res.output
+        assert Plan.load(out).hardware.slack_bytes == slack + t.overhead_bytes
+    res = CliRunner().invoke(app, ["plan", str(tmp_path / "t.parquet"), "--gpu-mem", "1GB", "--allocator", "huge",
+                                   "-o", str(tmp_path / "x.json")])
+    assert res.exit_code == 2 and "--allocator" in res.output and "Traceback" not in res.output
+    assert not (tmp_path / "x.json").exists()

@@ -76,6 +76,8 @@ class OutOfMemory(Exception):
 
 FREE = -1
 """Size recorded in `AllocatorModel.log` for a free."""
+MARK = -2
+"""Size recorded in `AllocatorModel.log` where a plan event begins (`mark`)."""
 
 
 class AllocatorModel:
@@ -85,7 +87,7 @@ class AllocatorModel:
         self.cap = cap
         """Bytes the reservation may reach (None: unbounded); see the module docstring."""
         self.log: list[tuple[int, int]] | None = [] if record else None
-        """(key, bytes) per malloc and (key, FREE) per free, in order, when recording."""
+        """(key, bytes) per malloc, (key, FREE) per free and (0, MARK) per plan event, in order, when recording."""
         # Free blocks per pool, sorted by (size, addr); the block rides along as the third item
         # (never compared: addresses are unique).
         self._small: list[tuple[int, int, _Block]] = []
@@ -144,6 +146,19 @@ class AllocatorModel:
         self._live[key] = block
         self._allocated += size
         self._max_allocated = max(self._max_allocated, self._allocated)
+
+    def mark(self) -> None:
+        """A plan event begins (recorded only: replays change their cap there)."""
+        if self.log is not None:
+            self.log.append((0, MARK))
+
+    def limit(self, cap: int | None) -> None:
+        """Lower or raise the cap mid-run; a reservation over a lowered cap releases cached segments or fails."""
+        self.cap = cap
+        if cap is not None and self._reserved > cap:
+            self.release_cached()
+            if self._reserved > cap:
+                raise OutOfMemory(f"{self._reserved} bytes stay reserved by live blocks, over the cap {cap}")
 
     def free(self, key: int) -> None:
         """Return `key`'s block to its pool, merged with free neighbours; unknown keys are ignored."""

@@ -121,6 +121,7 @@ class Recorder(TorchDispatchMode):
     def event(self, kind: str, module: str) -> None:
         """A plan event begins: the previous window ends here."""
         self._close_window()
+        self.allocator.mark()
         level = self.probe.allocated_bytes() - self._model_bytes()
         self.windows.append(Window(kind=kind, module=module, op_start=self.op_index, non_model_peak=level,
                                    entry_non_model=level, micro=max(0, self.micro)))
