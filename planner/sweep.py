@@ -10,7 +10,8 @@ from hplan.planner.baselines import simulate_baselines
 from hplan.planner.core import make_plan
 from hplan.planner.options import PlanOptions
 
-BASELINE_KEYS: tuple[str, ...] = ("zero_offload", "zero3_offload", "gemini", "all_on_gpu")
+BASELINE_KEYS: tuple[str, ...] = ("zero_offload", "zero3_offload", "gemini", "all_on_gpu", "zero_offload_ckpt",
+                                  "gemini_ckpt")
 """Column prefixes of sweep rows, in simulate_baselines' order."""
 
 
