@@ -118,6 +118,12 @@ def print_summary(trace: Trace, output: Path) -> None:
     for warning in trace.warnings:
         console.print(f"[yellow]note:[/] {warning}", highlight=False)
     _print_segments(trace, console)
+    if trace.allocator_slack_release_bytes is not None:
+        kind = "measured" if trace.device == "cuda" else "predicted"
+        console.print(f"allocator slack: {format_size(trace.allocator_slack_bytes)} with cached segments kept ({kind}), "
+                      f"{format_size(trace.allocator_slack_release_bytes)} on a GPU of the planned size (predicted; "
+                      f"the plan's default, --allocator), {format_size(trace.allocator_slack_expandable_bytes or 0)} "
+                      "with expandable segments (predicted)", highlight=False)
     console.print(f"{trace.n_ops} ops, {trace.n_events} events, model data {format_size(trace.model_bytes)}; "
                   f"wrote {output}", highlight=False)
 
