@@ -12,7 +12,7 @@ from bench.context import Context
 from bench.harness import SectionOutput, Table, fmt_bytes, fmt_seconds, run_worker
 
 FULL = (("gpt:18b", 1, 1024), ("gpt:18b", 8, 1024))
-QUICK = (("gpt:small", 1, 1024), ("gpt:small", 8, 1024))
+QUICK = (("gpt:mini", 1, 256), ("gpt:mini", 8, 256))
 PRECISION = "fp16-mixed"
 
 

@@ -20,7 +20,9 @@ and the uncapped peak (which never releases, so holds). Bisection assumes more s
 holds; releasing changes later placement, so that is not guaranteed, but the slack returned is one the replay was
 seen to hold. With `expandable_segments:True` pages are mapped into one growing segment per pool
 (hplan.tracer.expandable) and the same search gives the "expandable" figure. When the marks do not match the
-trace's events the cap is one level, the step's per-step peak, for the whole step. All three figures are
+trace's events the cap is one level, the step's per-step peak, for the whole step. The "cached" figure stays what
+it was (the uncapped peak reservation minus the highest level, compared at the peak only), so for small models,
+whose 2 MiB small-pool segments dominate, "release", checked at every event, can exceed it. All three figures are
 predictions of a model, not measurements; the planner picks one (hplan.planner.slack). Not modelled: the chunk
 buffers' own blocks in the same pools (allocated once, exactly, as the cached figure assumes too).
 """
