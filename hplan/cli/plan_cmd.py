@@ -36,14 +36,16 @@ def register(app: typer.Typer) -> None:
         cpu_adam_gbps: Annotated[float | None, typer.Option("--cpu-adam-gbps", help="Host optimizer throughput, GB/s "
                                                             "of model state.")] = None,
         slack: Annotated[str | None, typer.Option("--slack", help="Memory kept free for allocator slack and "
-                                                  "overhead (default: from the trace).")] = None,
+                                                  "overhead (default: the trace's slack for --allocator, plus "
+                                                  "overhead).")] = None,
         chunk_size: Annotated[str | None, typer.Option("--chunk-size", help="auto (default: search), module (one "
                                                        "chunk per module), or a size such as 64MB.")] = None,
         solver: Annotated[str | None, typer.Option("--solver", help="auto (default), exact (branch and bound until "
                                                    "proven optimal) or fast (heuristics only).")] = None,
         effort: Annotated[int, typer.Option("--effort", help="0 (heuristics) to 3: more effort buys more optimality, "
                                             "deterministically (work limits, never time).")] = 1,
-        compare: Annotated[bool, typer.Option("--compare", help="Also score ZeRO-Offload, Gemini, all-on-GPU.")
+        compare: Annotated[bool, typer.Option("--compare", help="Also score ZeRO-Offload, ZeRO-3, Gemini, all-on-GPU, "
+                                            "and ZeRO-Offload / Gemini with every block checkpointed.")
                            ] = False,
         as_json: Annotated[bool, typer.Option("--json", help="Print the summary as JSON on stdout.")] = False,
         gpus: Annotated[int, typer.Option("--gpus", help="Data-parallel ranks (GPUs) per node; the trace is one "
