@@ -33,7 +33,7 @@ def compare(trace: Any, gb: int) -> tuple[Any, dict[str, Any]]:
         name = b.name.lower()
         key = "zero3" if "zero-3" in name else "zero_offload" if "zero" in name else "gemini" if "gemini" in name \
             else None
-        if key:
+        if key and key not in found:  # the first of each: the hand recipes (+ checkpointing) come later
             found[key] = b
     return plan, found
 

@@ -26,7 +26,7 @@ FLAGS: dict[str, str] = {
     "defer_updates": "--defer-updates", "precision": "--precision", "steps": "--steps",
     "checkpoint_dir": "--checkpoint", "resume": "--resume", "overwrite": "--overwrite", "nvme_dir": "--nvme-dir",
     "nproc": "--nproc", "gpus_per_node": "--gpus", "nodes": "--nodes", "factors": "--shard",
-    "budget_guard": "--budget-guard", "nonfinite": "--on-nonfinite",
+    "budget_guard": "--budget-guard", "nonfinite": "--on-nonfinite", "allocator": "--allocator",
 }
 """Python argument named in a library error (see [Note: arguments in messages]) → the flag that sets it."""
 

@@ -12,6 +12,7 @@ from hplan.planner.core import make_plan, validate
 from hplan.planner.options import GPU_PRESETS, PlanOptions, make_hardware
 from hplan.planner.problem import MinGpu, build, group_params, min_gpu
 from hplan.planner.baselines.sweep import BASELINE_KEYS, sweep
+from hplan.planner.slack import ALLOCATORS, DEFAULT_ALLOCATOR, allocator_slack
 
 
 def min_gpu_bytes(trace: Trace, hardware: Hardware | None = None, *, activations: str = "keep") -> MinGpu:
@@ -24,10 +25,12 @@ def min_gpu_bytes(trace: Trace, hardware: Hardware | None = None, *, activations
     return min_gpu_with(trace, hardware, decide(trace, activations))
 
 
-def default_slack(trace: Trace) -> int:
-    """Allocator slack + non-framework overhead the trace measured (CUDA) or predicted (CPU, fake)."""
-    return trace.allocator_slack_bytes + trace.overhead_bytes
+def default_slack(trace: Trace, allocator: str = DEFAULT_ALLOCATOR) -> int:
+    """Allocator slack under `allocator` (hplan.planner.slack: "release" by default, "cached", "expandable") +
+    non-framework overhead, as the trace measured (CUDA) or predicted (CPU, fake)."""
+    return allocator_slack(trace, allocator) + trace.overhead_bytes
 
 
-__all__ = ["BASELINE_KEYS", "GPU_PRESETS", "Hardware", "MinGpu", "PlanOptions", "build", "default_slack", "group_params",
-           "make_hardware", "make_plan", "min_gpu_bytes", "sweep", "validate"]
+__all__ = ["ALLOCATORS", "BASELINE_KEYS", "DEFAULT_ALLOCATOR", "GPU_PRESETS", "Hardware", "MinGpu", "PlanOptions",
+           "allocator_slack", "build", "default_slack", "group_params", "make_hardware", "make_plan", "min_gpu_bytes",
+           "sweep", "validate"]

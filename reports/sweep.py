@@ -4,7 +4,11 @@
 ``gpu_bytes`` (int), ``feasible`` (bool), ``bytes_moved`` (int, per iteration), ``step_seconds``
 (float, predicted), ``min_gpu_bytes`` (int, smallest GPU with any schedule), and for every baseline
 ``<key>_feasible``, ``<key>_bytes_moved``, ``<key>_step_seconds`` (keys such as ``zero_offload``,
-``gemini``, ``all_on_gpu``). Infeasible points are left out of the lines, not drawn as zero.
+``gemini``, ``all_on_gpu``), and for every activation choice planned (trace with checkpointable segments)
+``activations_<choice>_feasible``, ``activations_<choice>_moved``, ``activations_<choice>_step_seconds``,
+``activations_<choice>_min_gpu_bytes`` (choices such as ``keep``, ``offload``, ``recompute``, ``auto``), drawn
+dashed in the step-time panel; the shaded "nothing fits" then ends at the smallest minimum of any choice. Infeasible points
+are left out of the lines, not drawn as zero.
 """
 
 from __future__ import annotations
@@ -23,13 +27,25 @@ from .figure import byte_unit, image_format, new_figure, save_figure, unit_name
 
 SWEEP_KEYS: tuple[str, ...] = ("gpu_bytes", "feasible", "bytes_moved", "step_seconds", "min_gpu_bytes")
 BASELINE_NAMES: dict[str, str] = {"zero_offload": "ZeRO-2 offload", "zero3_offload": "ZeRO-3 offload",
-                                  "gemini": "Gemini auto", "all_on_gpu": "all on GPU"}
+                                  "gemini": "Gemini auto", "all_on_gpu": "all on GPU",
+                                  "zero_offload_ckpt": "ZeRO-2 offload + checkpointing",
+                                  "gemini_ckpt": "Gemini auto + checkpointing"}
+BASELINE_STYLES = tuple(zip(("#1f77b4", "#2ca02c", "#7f7f7f", "#9467bd", "#17becf", "#bcbd22"), "s^DvPX"))
+ACTIVATION_PREFIX = "activations_"
+ACTIVATION_COLORS = {"keep": "#c00000", "offload": "#e76f51", "recompute": "#8c564b", "auto": "#000000"}
 _SUFFIX = "_bytes_moved"
 
 
 def baseline_keys(rows: Sequence[Mapping[str, Any]]) -> list[str]:
     """Baseline prefixes present in the rows, in column order."""
     return [k[: -len(_SUFFIX)] for k in rows[0] if k.endswith(_SUFFIX) and k != "bytes_moved"] if rows else []
+
+
+def activation_keys(rows: Sequence[Mapping[str, Any]]) -> list[str]:
+    """Activation choices the rows planned, in column order."""
+    tail = "_step_seconds"
+    return [k[len(ACTIVATION_PREFIX):-len(tail)] for k in rows[0]
+            if k.startswith(ACTIVATION_PREFIX) and k.endswith(tail)] if rows else []
 
 
 def plot_sweep(rows: Sequence[Mapping[str, Any]], out: str | os.PathLike[str], *, workload: str = "",
@@ -48,7 +64,7 @@ def plot_sweep(rows: Sequence[Mapping[str, Any]], out: str | os.PathLike[str], *
     gpu = np.array([r["gpu_bytes"] for r in rows], dtype=float) / scale
     series = [("hplan", "", "#c00000", "o", 2.2, 3)] + [
         (BASELINE_NAMES.get(k, k), f"{k}_", color, marker, 1.3, 2)
-        for k, color, marker in zip(baseline_keys(rows), ("#1f77b4", "#2ca02c", "#7f7f7f", "#9467bd"), "s^Dv")]
+        for k, (color, marker) in zip(baseline_keys(rows), BASELINE_STYLES)]
     for name, prefix, color, marker, width, z in series:
         ok = np.array([bool(r[f"{prefix}feasible"]) for r in rows])
         moved = np.where(ok, [r[f"{prefix}bytes_moved"] / scale for r in rows], np.nan)
@@ -57,7 +73,9 @@ def plot_sweep(rows: Sequence[Mapping[str, Any]], out: str | os.PathLike[str], *
             name += " (fits at no size here)"
         moved_ax.plot(gpu, moved, marker=marker, color=color, lw=width, ms=4, label=name, zorder=z)
         time_ax.plot(gpu, step, marker=marker, color=color, lw=width, ms=4, label=name, zorder=z)
-    min_gpu = min(int(r["min_gpu_bytes"]) for r in rows)
+    _draw_activation_choices(time_ax, rows, gpu)
+    min_gpu = min(int(r[k]) for r in rows for k in r if k == "min_gpu_bytes"
+                  or k.startswith(ACTIVATION_PREFIX) and k.endswith("_min_gpu_bytes"))
     left, right = min(gpu.min(), min_gpu / scale) * 0.9, gpu.max() * 1.03
     for ax in (moved_ax, time_ax):
         ax.set_xlim(left, right)
@@ -75,6 +93,21 @@ def plot_sweep(rows: Sequence[Mapping[str, Any]], out: str | os.PathLike[str], *
     name = f"{workload}: " if workload else ""
     fig.suptitle(f"{name}plans across GPU sizes (lower is better)", fontsize=12)
     save_figure(fig, out)
+
+
+def _draw_activation_choices(ax: Axes, rows: Sequence[Mapping[str, Any]], gpu: np.ndarray) -> None:
+    """hplan's predicted step time under each activation choice (dashed), where the trace has segments."""
+    lines = []
+    for choice in activation_keys(rows):
+        prefix = f"{ACTIVATION_PREFIX}{choice}_"
+        ok = np.array([bool(r[f"{prefix}feasible"]) for r in rows])
+        step = np.where(ok, [r[f"{prefix}step_seconds"] for r in rows], np.nan)
+        name = f"activations {choice}" + ("" if ok.any() else " (fits at no size here)")
+        lines += ax.plot(gpu, step, ls="--", marker=".", color=ACTIVATION_COLORS.get(choice, "#ff7f0e"), lw=1.2,
+                         ms=4, label=name, zorder=2.5)
+    if lines:
+        ax.legend(handles=lines, loc="upper left", bbox_to_anchor=(1.01, 1), fontsize=8, frameon=False,
+                  title="hplan per activation choice\n(dashed; every segment)", title_fontsize=8, alignment="left")
 
 
 def _mark_min(ax: Axes, left: float, x: float, text: str) -> None:

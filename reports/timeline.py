@@ -46,19 +46,22 @@ def plot_timeline(trace: Trace, out: str | os.PathLike[str], *, plan: Plan | Non
 def timeline_figure(trace: Trace, *, plan: Plan | None = None, metrics: pd.DataFrame | None = None,
                     binary: bool = False, gpu_bytes: int | None = None) -> Figure:
     """The timeline as a Figure: traced memory stacked by category; with a plan, the planned GPU memory
-    and the transfers below it on the same op axis. `gpu_bytes` draws a GPU size when there is no plan
-    (a plan's own budget wins), so "why does this not fit" is visible without planning."""
+    and the transfers below it on the same op axis (with activation choices, their copies there and one more
+    panel, reports/activations.py). `gpu_bytes` draws a GPU size when there is no plan (a plan's own budget
+    wins), so "why does this not fit" is visible without planning."""
     ops = steady_ops(trace)
     planned = planned_events(trace, plan) if plan is not None else None
     budget = plan.gpu_bytes if plan is not None else gpu_bytes
     scale, ylabel = byte_unit(_largest(ops, planned, plan, budget), binary)
+    acts = planned is not None and plan is not None and bool(plan.activations)  # issue 24: one more panel
     if planned is None:
         fig = new_figure(12, 5.4)
         axes = [fig.subplots()]
     else:
         tiered = plan is not None and plan.tiered  # issue 16: two more panels, reports/tiers.py
-        fig = new_figure(12, 10 + 4 * tiered)
-        axes = list(fig.subplots(3 + 2 * tiered, 1, sharex=True, height_ratios=[3, 3, 1.4] + [2.4, 1.4] * tiered))
+        fig = new_figure(12, 10 + 4 * tiered + 2.6 * acts)
+        axes = list(fig.subplots(3 + 2 * tiered + acts, 1, sharex=True,
+                                 height_ratios=[3, 3, 1.4] + [2.4, 1.4] * tiered + [2.0] * acts))
     _draw_traced(axes[0], ops, scale, binary, budget, planned is not None)
     if planned is not None and plan is not None:
         _draw_planned(axes[1], plan, planned, scale, binary)
@@ -67,6 +70,11 @@ def timeline_figure(trace: Trace, *, plan: Plan | None = None, metrics: pd.DataF
             from .tiers import draw_tiers
 
             draw_tiers(axes[3], axes[4], plan, planned, scale, binary)
+        if acts:
+            from .activations import draw_activation_copies, draw_activations
+
+            draw_activation_copies(axes[2], plan, planned, scale, binary)
+            draw_activations(axes[-1], plan, planned, binary)
     if metrics is not None:
         ranges = _event_ranges(trace, planned)
         _draw_measured(axes[1] if planned is not None else axes[0], measured_events(metrics, len(ranges)), ranges, scale)
@@ -79,11 +87,14 @@ def timeline_figure(trace: Trace, *, plan: Plan | None = None, metrics: pd.DataF
     n = max(int(ops["x"].iloc[-1]) + 1, 1)
     for ax in axes:
         _shade_phases(ax, ops, label=ax is axes[0])
-        copies = planned is not None and (ax is axes[-1] or ax is axes[2])
-        ax.set_ylabel(f"copied per event, {unit_name(scale, binary)}" if copies else f"memory, {ylabel}")
-        ax.grid(axis="y", alpha=0.3)
         ax.set_xlim(0, n)
         ax.xaxis.set_major_formatter(StrMethodFormatter("{x:,.0f}"))
+        if acts and ax is axes[-1]:
+            ax.set_ylabel("segment calls")
+            continue  # its legend is drawn with it
+        copies = planned is not None and (ax is axes[2] or (plan is not None and plan.tiered and ax is axes[4]))
+        ax.set_ylabel(f"copied per event, {unit_name(scale, binary)}" if copies else f"memory, {ylabel}")
+        ax.grid(axis="y", alpha=0.3)
         handles, _ = ax.get_legend_handles_labels()
         if ax is axes[0]:
             handles += phase_handles(list(dict.fromkeys(p for p, _, _ in phase_runs(ops))))

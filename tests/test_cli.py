@@ -93,12 +93,13 @@ def test_executor_errors_name_python_arguments_and_the_cli_names_their_flags(tmp
     from hplan.executor.ranks.dist_train import run_distributed
     from hplan.executor.ranks.launch import DEBUG_HINT
     from hplan.executor.tiers.nvme_io import check_directory
-    from hplan.planner import make_hardware, make_plan
+    from hplan.planner import default_slack, make_hardware, make_plan
     from hplan.specs import load_workload
     from hplan.tracer import trace_workload
 
     takes = set()
-    for fn in (run_training, run_distributed, hplan.attach, load_workload, trace_workload, make_hardware):
+    for fn in (run_training, run_distributed, hplan.attach, load_workload, trace_workload, make_hardware,
+               default_slack):
         takes |= set(inspect.signature(fn).parameters)
     from hplan.artifacts import Hardware
     from hplan.planner import PlanOptions

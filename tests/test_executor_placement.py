@@ -29,10 +29,11 @@ def _non_prefix(plan: Plan) -> bool:
     return bool(gpu) and gpu != sorted(plan.optimizer)[: len(gpu)]
 
 
-def _plan_and_run(tmp_path, trace_path, spec: str, precision: str, gpu_bytes: int):  # type: ignore[no-untyped-def]
+def _plan_and_run(tmp_path, trace_path, spec: str, precision: str, gpu_bytes: int,  # type: ignore[no-untyped-def]
+                  allocator: str = "release"):
     plan_path = tmp_path / f"plan-{gpu_bytes}.json"
     result = runner.invoke(app, ["plan", str(trace_path), "--gpu", "cpu", "--gpu-mem", f"{gpu_bytes}B",
-                                 "-o", str(plan_path)])
+                                 "--allocator", allocator, "-o", str(plan_path)])
     assert result.exit_code == 0, result.output
     plan = Plan.load(plan_path)
     result = runner.invoke(app, ["run", spec, "--precision", precision, "--plan", str(plan_path),
@@ -53,18 +54,19 @@ def test_a_non_prefix_placement_trains_like_plain_pytorch(tmp_path, precision, t
     trace = trace_workload(workload, device="cpu")
     trace_path = tmp_path / "t.parquet"
     trace.save(trace_path)
-    if precision == "bf16-mixed":
-        budgets = [3_692_480]
+    allocator = "release"
+    if precision == "bf16-mixed":  # issue 26's budget, found with the slack of segments kept (the default then)
+        budgets, allocator = [3_692_480], "cached"
     else:  # the smallest budget plus a third, and two thirds, of the model data
         low = min_gpu_bytes(trace).gpu_bytes
         budgets = [low + trace.model_bytes * k // 6 for k in (2, 4)]
     trained = 0
     for gpu_bytes in budgets:
-        plan, report = _plan_and_run(tmp_path, trace_path, "gpt:tiny", precision, gpu_bytes)
+        plan, report = _plan_and_run(tmp_path, trace_path, "gpt:tiny", precision, gpu_bytes, allocator)
         if not _non_prefix(plan):
             continue
         trained += 1
-        hardware = make_hardware("cpu", gpu_bytes=gpu_bytes, slack_bytes=default_slack(trace))
+        hardware = make_hardware("cpu", gpu_bytes=gpu_bytes, slack_bytes=default_slack(trace, allocator))
         prefix = PrefixSearch(trace, hardware, PlanOptions(), nodes=50).run()
         assert prefix is not None and plan.summary.bytes_moved_per_iter < prefix.moved
         assert report["bytes_moved_per_iter"] == report["planned_bytes_moved_per_iter"] \

@@ -35,7 +35,7 @@ def test_json_has_summary_baselines_and_output(trace_file, tmp_path):
                                  "--solver", "fast", "--chunk-size", "64KB", "--gpu", "a100-40gb", "-o", str(out)])
     assert result.exit_code == 0, result.output
     data = json.loads(result.stdout)
-    assert data["output"] == str(out) and len(data["baselines"]) == 4
+    assert data["output"] == str(out) and len(data["baselines"]) == 6
     assert {"feasible", "bytes_moved_per_iter", "min_gpu_bytes", "lower_bound_bytes"} <= set(data["summary"])
 
 

@@ -15,10 +15,14 @@ Rules modelled:
   segment only when none fits; the block is split when the rest is big enough to keep (small pool:
   at least 512 B; large pool: more than 1 MiB), the request keeping the low end;
 - a freed block merges with free neighbours in its segment;
-- segments are never given back (no empty_cache, no out-of-memory retry), so the reservation only
-  grows, and its peak is what a plan must leave room for.
-Not modelled: streams and events, CUDA graph pools, expandable segments, max_split_size,
-roundup_power2_divisions, garbage_collection_threshold (all off by default).
+- without a `cap`, segments are never given back (no empty_cache), so the reservation only grows and
+  its peak is what a GPU with room to spare would reserve; with a `cap` (the device's room), a new
+  segment that would exceed it first releases every cached segment that holds no allocated block and
+  retries, then fails (OutOfMemory) — what a GPU of that size does ([Note: slack at the budget] in
+  hplan.tracer.slack);
+- `record=True` keeps the malloc/free calls in `log`, so the same sequence can be replayed under caps.
+Not modelled: streams and events, CUDA graph pools, max_split_size, roundup_power2_divisions,
+garbage_collection_threshold (all off by default); expandable segments are hplan.tracer.expandable.
 
 Pure Python (no torch) so it is cheap and testable anywhere. Free blocks are kept per pool in a list
 sorted by (size, address); each malloc/free is a few bisections plus an insertion.
@@ -66,10 +70,24 @@ class _Block:
     next: _Block | None = None
 
 
+class OutOfMemory(Exception):
+    """A capped model found no room for a request, even after releasing its cached segments."""
+
+
+FREE = -1
+"""Size recorded in `AllocatorModel.log` for a free."""
+MARK = -2
+"""Size recorded in `AllocatorModel.log` where a plan event begins (`mark`)."""
+
+
 class AllocatorModel:
     """Replays malloc/free calls through the caching allocator's pools and reports its reservation."""
 
-    def __init__(self) -> None:
+    def __init__(self, *, cap: int | None = None, record: bool = False) -> None:
+        self.cap = cap
+        """Bytes the reservation may reach (None: unbounded); see the module docstring."""
+        self.log: list[tuple[int, int]] | None = [] if record else None
+        """(key, bytes) per malloc, (key, FREE) per free and (0, MARK) per plan event, in order, when recording."""
         # Free blocks per pool, sorted by (size, addr); the block rides along as the third item
         # (never compared: addresses are unique).
         self._small: list[tuple[int, int, _Block]] = []
@@ -79,6 +97,7 @@ class AllocatorModel:
         self._allocated = 0
         self._reserved = 0
         self._max_reserved = 0
+        self._max_allocated = 0
 
     @property
     def allocated_bytes(self) -> int:
@@ -96,8 +115,13 @@ class AllocatorModel:
 
     @property
     def max_reserved_bytes(self) -> int:
-        """Peak of reserved_bytes; equal to it here, since segments are never released."""
+        """Peak of reserved_bytes (equal to it without a cap, since segments are then never released)."""
         return self._max_reserved
+
+    @property
+    def max_allocated_bytes(self) -> int:
+        """Peak of allocated_bytes: no cap below it can hold the sequence."""
+        return self._max_allocated
 
     def malloc(self, key: int, nbytes: int) -> None:
         """Allocate `nbytes` under `key`, which names the allocation until `free(key)`.
@@ -105,8 +129,10 @@ class AllocatorModel:
         A key that is still live is freed first: a caller keyed by storage identity sees a key come
         back only after the old storage died, even if its free was not reported.
         """
+        if self.log is not None:
+            self.log.append((key, nbytes))
         if key in self._live:
-            self.free(key)
+            self._free(key)
         size = round_size(nbytes)
         if size == 0:
             return
@@ -119,9 +145,28 @@ class AllocatorModel:
         block.requested = size
         self._live[key] = block
         self._allocated += size
+        self._max_allocated = max(self._max_allocated, self._allocated)
+
+    def mark(self) -> None:
+        """A plan event begins (recorded only: replays change their cap there)."""
+        if self.log is not None:
+            self.log.append((0, MARK))
+
+    def limit(self, cap: int | None) -> None:
+        """Lower or raise the cap mid-run; a reservation over a lowered cap releases cached segments or fails."""
+        self.cap = cap
+        if cap is not None and self._reserved > cap:
+            self.release_cached()
+            if self._reserved > cap:
+                raise OutOfMemory(f"{self._reserved} bytes stay reserved by live blocks, over the cap {cap}")
 
     def free(self, key: int) -> None:
         """Return `key`'s block to its pool, merged with free neighbours; unknown keys are ignored."""
+        if self.log is not None:
+            self.log.append((key, FREE))
+        self._free(key)
+
+    def _free(self, key: int) -> None:
         block = self._live.pop(key, None)
         if block is None:
             return
@@ -154,11 +199,25 @@ class AllocatorModel:
     def _new_segment(self, size: int, small: bool) -> _Block:
         """Reserve a fresh segment for a request that no cached block fits."""
         seg = segment_size(size)
+        if self.cap is not None and self._reserved + seg > self.cap:
+            self.release_cached()
+            if self._reserved + seg > self.cap:
+                raise OutOfMemory(f"{seg} more bytes would reserve {self._reserved + seg}, over the cap {self.cap}")
         block = _Block(addr=self._next_addr, size=seg, small=small)
         self._next_addr += seg
         self._reserved += seg
         self._max_reserved = max(self._max_reserved, self._reserved)
         return block
+
+    def release_cached(self) -> None:
+        """Give back every segment that is one free block (release_cached_blocks: blocks that are not split)."""
+        for small in (True, False):
+            pool = self._pool(small)
+            whole = [entry for entry in pool if entry[2].prev is None and entry[2].next is None]
+            if whole:
+                self._reserved -= sum(size for size, _, _ in whole)
+                keep = {id(entry[2]) for entry in whole}
+                pool[:] = [entry for entry in pool if id(entry[2]) not in keep]
 
     def _split(self, block: _Block, size: int) -> None:
         """Keep the first `size` bytes in `block`; the rest becomes a free block after it."""

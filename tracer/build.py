@@ -10,6 +10,7 @@ import torch
 from hplan.artifacts.trace import CATEGORIES, TIMELINE_COLUMNS, Event, ParamInfo, Trace
 from hplan.hooks import dtype_name, param_modules, workload_fingerprint
 from hplan.optimizers import check_optimizer, state_spec
+from hplan.tracer.slack import marks, slack_figures
 
 if TYPE_CHECKING:
     from hplan.tracer.core import Recording
@@ -21,15 +22,16 @@ def build_trace(rec: Recording) -> Trace:
     steady = timeline[timeline.iteration == rec.iterations]
     peak_row = steady.loc[steady.peak_bytes.idxmax()]
     params = _param_table(rec)
+    events = _events(rec)
     model_bytes = sum(p.bytes + p.grad_bytes + p.optimizer_bytes for p in params)
     peak_bytes = int(peak_row.peak_bytes)
     trainer, workload = rec.trainer, rec.workload
     return Trace(
         workload=workload.name, device=rec.device, precision=workload.precision, iterations=rec.iterations,
-        capture="fx", params=params, events=_events(rec), fingerprint=workload_fingerprint(
+        capture="fx", params=params, events=events, fingerprint=workload_fingerprint(
             trainer.model, rec.batch, workload.precision),
         peak_bytes=peak_bytes, peak_by_category=_categories_at(peak_row), model_bytes=model_bytes,
-        n_ops=len(steady), allocator_slack_bytes=_slack(rec, steady, peak_bytes),
+        n_ops=len(steady), **_slack(rec, steady, peak_bytes, events),
         overhead_bytes=int(steady.overhead_bytes.max()) if len(steady) else 0,
         step_seconds=float(steady.seconds.sum()), step_flops=int(steady.flops.sum()),
         batch_size=workload.batch_size, seq_len=workload.seq_len, warnings=rec.warnings, timeline=timeline,
@@ -46,14 +48,20 @@ def _categories_at(row: pd.Series) -> dict[str, int]:
     return cats
 
 
-def _slack(rec: Recording, steady: pd.DataFrame, peak_bytes: int) -> int:
-    """Memory the caching allocator holds beyond what is allocated: measured on CUDA (reserved minus
-    allocated at the peak); elsewhere the allocator model's peak reservation for per-step allocations
-    minus their peak, since chunked model data is allocated once, exactly."""
-    if rec.device == "cuda":
-        return max(0, int(steady.reserved_bytes.max()) - peak_bytes)
-    per_step_peak = int((steady.peak_bytes - steady.model_bytes).max())
-    return max(0, rec.max_reserved_bytes - per_step_peak)
+def _slack(rec: Recording, steady: pd.DataFrame, peak_bytes: int, events: tuple[Event, ...]) -> dict[str, int]:
+    """Memory the caching allocator holds beyond what is allocated, as the Trace's allocator_slack_* fields.
+    Segments kept (allocator_slack_bytes): measured on CUDA (reserved minus allocated at the peak); elsewhere the
+    allocator model's peak reservation for per-step allocations minus their peak, since chunked model data is
+    allocated once, exactly. At the budget (cached segments released, plain or expandable): the model on every
+    device, under each event's non-model bytes plus the slack ([Note: slack at the budget] in hplan.tracer.slack)."""
+    per_step_peak = int((steady.peak_bytes - steady.model_bytes).max()) if len(steady) else 0
+    log = rec.allocator_log
+    levels = ([e.non_model_peak_bytes for e in events] if marks(log) == len(events) else [per_step_peak])
+    figures = slack_figures(log, levels)
+    kept = (int(steady.reserved_bytes.max()) - peak_bytes if rec.device == "cuda"
+            else rec.max_reserved_bytes - per_step_peak)
+    return {"allocator_slack_bytes": max(0, kept), "allocator_slack_release_bytes": figures["release"],
+            "allocator_slack_expandable_bytes": figures["expandable"]}
 
 
 def _events(rec: Recording) -> tuple[Event, ...]:

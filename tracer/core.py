@@ -12,7 +12,7 @@ from __future__ import annotations
 import contextlib
 import math
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -61,6 +61,8 @@ class Recording:
     input_shapes: tuple[str, ...]
     segments: tuple[Segment, ...] = ()
     """Checkpointable module calls ([Note: activation segments]), the envelope over the iterations."""
+    allocator_log: list[tuple[int, int]] = field(default_factory=list)
+    """The steady iteration's per-step malloc/free calls, for [Note: slack at the budget]."""
 
 
 def trace_workload(workload: Workload, *, device: str = "cpu", iters: int = DEFAULT_ITERS,
@@ -111,6 +113,7 @@ def record(workload: Workload, *, device: str = "cpu", iters: int = DEFAULT_ITER
     return Recording(workload=workload, device=device, iterations=iters, rows=recorder.rows, windows=windows,
                      trainer=trainer, batch=batch, graph=recorder.graph.graph,
                      max_reserved_bytes=recorder.allocator.max_reserved_bytes,
+                     allocator_log=recorder.allocator.log or [],
                      warnings=_warnings(device) + notes + tuple(recorder.warnings), iteration_windows=per_iteration,
                      first_grad=dict(recorder.first_grad), last_read=dict(recorder.last_read),
                      input_shapes=tuple(shapes),

@@ -97,7 +97,7 @@ class Recorder(TorchDispatchMode):
     def start_iteration(self, iteration: int, *, build_graph: bool) -> None:
         self.iteration, self.op_index, self.phase, self.module = iteration, 0, "forward", ""
         self.micro, self.first_grad, self.last_read = -1, {}, {}
-        self.allocator = AllocatorModel()
+        self.allocator = AllocatorModel(record=True)
         for key, (nbytes, category) in self.ledger.live.items():
             if category not in _CHUNKED:
                 self.allocator.malloc(key, nbytes)
@@ -121,6 +121,7 @@ class Recorder(TorchDispatchMode):
     def event(self, kind: str, module: str) -> None:
         """A plan event begins: the previous window ends here."""
         self._close_window()
+        self.allocator.mark()
         level = self.probe.allocated_bytes() - self._model_bytes()
         self.windows.append(Window(kind=kind, module=module, op_start=self.op_index, non_model_peak=level,
                                    entry_non_model=level, micro=max(0, self.micro)))

@@ -109,7 +109,12 @@ class Trace:
     n_ops: int
     """Ops in the steady-state iteration."""
     allocator_slack_bytes: int = 0
-    """Reserved minus allocated at the peak (measured on CUDA, predicted otherwise)."""
+    """Reserved minus allocated at the peak with cached segments kept (measured on CUDA, predicted otherwise)."""
+    allocator_slack_release_bytes: int | None = None
+    """Predicted slack on a GPU of the planned size, where the allocator releases cached segments before it
+    reports out of memory ([Note: slack at the budget] in hplan.tracer.slack); None in traces older than it."""
+    allocator_slack_expandable_bytes: int | None = None
+    """The same with PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True; None in traces older than it."""
     overhead_bytes: int = 0
     """Non-framework device memory (CUDA context, library workspaces); 0 off CUDA."""
     step_seconds: float = 0.0

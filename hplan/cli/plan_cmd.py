@@ -36,14 +36,16 @@ def register(app: typer.Typer) -> None:
         cpu_adam_gbps: Annotated[float | None, typer.Option("--cpu-adam-gbps", help="Host optimizer throughput, GB/s "
                                                             "of model state.")] = None,
         slack: Annotated[str | None, typer.Option("--slack", help="Memory kept free for allocator slack and "
-                                                  "overhead (default: from the trace).")] = None,
+                                                  "overhead (default: the trace's slack for --allocator, plus "
+                                                  "overhead).")] = None,
         chunk_size: Annotated[str | None, typer.Option("--chunk-size", help="auto (default: search), module (one "
                                                        "chunk per module), or a size such as 64MB.")] = None,
         solver: Annotated[str | None, typer.Option("--solver", help="auto (default), exact (branch and bound until "
                                                    "proven optimal) or fast (heuristics only).")] = None,
         effort: Annotated[int, typer.Option("--effort", help="0 (heuristics) to 3: more effort buys more optimality, "
                                             "deterministically (work limits, never time).")] = 1,
-        compare: Annotated[bool, typer.Option("--compare", help="Also score ZeRO-Offload, Gemini, all-on-GPU.")
+        compare: Annotated[bool, typer.Option("--compare", help="Also score ZeRO-Offload, ZeRO-3, Gemini, all-on-GPU, "
+                                            "and ZeRO-Offload / Gemini with every block checkpointed.")
                            ] = False,
         as_json: Annotated[bool, typer.Option("--json", help="Print the summary as JSON on stdout.")] = False,
         gpus: Annotated[int, typer.Option("--gpus", help="Data-parallel ranks (GPUs) per node; the trace is one "
@@ -82,6 +84,11 @@ def register(app: typer.Typer) -> None:
                                                  "(default, plain PyTorch), offload (to host memory until its "
                                                  "backward) or recompute (rerun its forward in backward).")
                                ] = "keep",
+        allocator: Annotated[str, typer.Option("--allocator", help="Allocator slack to leave room for (predicted): "
+                                               "release (default: PyTorch frees cached segments before it runs out of "
+                                               "memory), expandable (for runs with PYTORCH_CUDA_ALLOC_CONF="
+                                               "expandable_segments:True) or cached (segments never freed). --slack "
+                                               "overrides it.")] = "release",
     ) -> None:
         """Plan which model data lives on the GPU at every event: `hplan plan t.parquet --gpu-mem 24GB -o plan.json`."""
         from hplan.cli.common import guarded
@@ -94,7 +101,7 @@ def register(app: typer.Typer) -> None:
                              world=dict(gpus=gpus, nodes=nodes, intra_gbps=intra_gbps, inter_gbps=inter_gbps,
                                         shard=shard, network=network, intra_latency_us=intra_latency_us,
                                         inter_latency_us=inter_latency_us, collectives=collectives),
-                             activations=activations, **tiers))
+                             activations=activations, allocator=allocator, **tiers))
 
 
 def _run(*, trace: Path, gpu_mem: str, output: Path | None, cpu_mem: str | None, gpu: str | None,
@@ -102,7 +109,7 @@ def _run(*, trace: Path, gpu_mem: str, output: Path | None, cpu_mem: str | None,
          chunk_size: str | None, solver: str | None, compare: bool, as_json: bool, effort: int = 1,
          world: dict | None = None, nvme: str | None = None, host: str | None = None,
          nvme_preset: str | None = None, nvme_read_gbps: float | None = None,
-         nvme_write_gbps: float | None = None, activations: str = "keep") -> None:
+         nvme_write_gbps: float | None = None, activations: str = "keep", allocator: str = "release") -> None:
     from hplan.artifacts import Trace
     from hplan.artifacts.io import check_input, check_output
     from hplan.cli.common import emit_json, positive_number, progress_bar, size_option
@@ -119,7 +126,7 @@ def _run(*, trace: Path, gpu_mem: str, output: Path | None, cpu_mem: str | None,
     for value, what in ((gpu_tflops, "--gpu-tflops"), (link_gbps, "--link-gbps"), (cpu_adam_gbps, "--cpu-adam-gbps")):
         positive_number(value, what=what)
     loaded = Trace.load(trace, columns=())  # the planner reads the metadata only: no timeline column
-    slack_bytes = default_slack(loaded)
+    slack_bytes = default_slack(loaded, allocator)
     if slack is not None:
         slack_bytes = 0 if slack.strip() in ("0", "0B") else size_option(slack, what="--slack")
     overrides = dict(slack_bytes=slack_bytes, host_bytes=size_option(cpu_mem, what="--cpu-mem"),

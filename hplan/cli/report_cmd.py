@@ -267,23 +267,25 @@ def _print_sweep(rows: list[dict], output: Path, binary: bool) -> None:
     from rich.console import Console
     from rich.table import Table
 
-    from hplan.reports.sweep import BASELINE_NAMES, baseline_keys
+    from hplan.reports.sweep import ACTIVATION_PREFIX, BASELINE_NAMES, activation_keys, baseline_keys
     from hplan.sizes import format_size
 
-    keys = baseline_keys(rows)
+    keys, choices = baseline_keys(rows), activation_keys(rows)
     min_gpu = min(int(r["min_gpu_bytes"]) for r in rows)
     table = Table(title=f"bytes moved per iteration (predicted step time); smallest GPU that fits: "
                         f"{format_size(min_gpu, binary=binary)}")
-    for col in ("GPU", "hplan", *(BASELINE_NAMES.get(k, k) for k in keys)):
+    for col in ("GPU", "hplan", *(f"hplan, activations {c}" for c in choices), *(BASELINE_NAMES.get(k, k) for k in keys)):
         table.add_column(col, justify="right")
 
-    def cell(row: dict, prefix: str) -> str:
+    def cell(row: dict, prefix: str, moved: str = "bytes_moved") -> str:
         if not row[f"{prefix}feasible"]:
             return "does not fit"
-        return f"{format_size(row[f'{prefix}bytes_moved'], binary=binary)} ({row[f'{prefix}step_seconds']:.3f} s)"
+        return f"{format_size(row[f'{prefix}{moved}'], binary=binary)} ({row[f'{prefix}step_seconds']:.3f} s)"
 
     for row in rows:
-        table.add_row(format_size(row["gpu_bytes"], binary=binary), cell(row, ""), *(cell(row, f"{k}_") for k in keys))
+        table.add_row(format_size(row["gpu_bytes"], binary=binary), cell(row, ""),
+                      *(cell(row, f"{ACTIVATION_PREFIX}{c}_", "moved") for c in choices),
+                      *(cell(row, f"{k}_") for k in keys))
     console = Console()
     console.print(table)
     console.print(f"wrote {output}")

@@ -80,6 +80,8 @@ def summary(trace: Trace) -> dict:
             "model_bytes": trace.model_bytes, "n_ops": trace.n_ops, "n_events": trace.n_events,
             "iterations": trace.iterations, "capture": trace.capture,
             "allocator_slack_bytes": trace.allocator_slack_bytes, "overhead_bytes": trace.overhead_bytes,
+            "allocator_slack_release_bytes": trace.allocator_slack_release_bytes,
+            "allocator_slack_expandable_bytes": trace.allocator_slack_expandable_bytes,
             "step_flops": trace.step_flops, "warnings": list(trace.warnings), "accumulate": trace.accumulate,
             "max_grad_norm": trace.max_grad_norm, "defer_updates": trace.defer_updates,
             "optimizer": trace.optimizer, "input_shapes": list(trace.input_shapes),
@@ -116,6 +118,12 @@ def print_summary(trace: Trace, output: Path) -> None:
     for warning in trace.warnings:
         console.print(f"[yellow]note:[/] {warning}", highlight=False)
     _print_segments(trace, console)
+    if trace.allocator_slack_release_bytes is not None:
+        kind = "measured" if trace.device == "cuda" else "predicted"
+        console.print(f"allocator slack: {format_size(trace.allocator_slack_bytes)} with cached segments kept ({kind}), "
+                      f"{format_size(trace.allocator_slack_release_bytes)} on a GPU of the planned size (predicted; "
+                      f"the plan's default, --allocator), {format_size(trace.allocator_slack_expandable_bytes or 0)} "
+                      "with expandable segments (predicted)", highlight=False)
     console.print(f"{trace.n_ops} ops, {trace.n_events} events, model data {format_size(trace.model_bytes)}; "
                   f"wrote {output}", highlight=False)
 

@@ -8,6 +8,8 @@ chunks or solver, so the planner can change without changing them:
   stage3.py and the parameter coordinator).
 - "Gemini auto": hplan.planner.baselines.gemini (Colossal-AI 4f9953b, colossalai/zero/gemini/).
 - "all on GPU": plain PyTorch, every weight, gradient and optimizer state on the device (below).
+- "ZeRO-Offload + activation checkpointing", "Gemini auto + activation checkpointing": the hand recipes,
+  hplan.planner.baselines.recipes ([Note: hand recipes]), after the four above.
 
 Feasibility is each system's own: DeepSpeed and plain PyTorch have no cap of their own, so they fit when their
 peak plus the hardware's slack (allocator fragmentation, CUDA context) fits the device; Gemini fits when its
@@ -52,7 +54,11 @@ def all_on_gpu(trace: Trace, hardware: Hardware, facts: Facts | None = None) -> 
 
 
 def simulate_baselines(trace: Trace, hardware: Hardware) -> tuple[BaselineResult, ...]:
-    """ZeRO-Offload, ZeRO-3 param offload, Gemini auto and all-on-GPU, in that order, at `hardware`."""
+    """ZeRO-Offload, ZeRO-3 param offload, Gemini auto, all-on-GPU, then ZeRO-Offload and Gemini with full
+    activation checkpointing, in that order, at `hardware`."""
+    from hplan.planner.baselines.recipes import hand_recipes
+
     facts = read_trace(trace, hardware)
     return (zero_offload(trace, hardware, facts=facts), zero3_offload(trace, hardware, facts=facts),
-            gemini(trace, hardware, facts=facts), all_on_gpu(trace, hardware, facts=facts))
+            gemini(trace, hardware, facts=facts), all_on_gpu(trace, hardware, facts=facts),
+            *hand_recipes(trace, hardware))

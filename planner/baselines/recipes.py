@@ -1,0 +1,49 @@
+"""The recipes users apply by hand: a baseline system plus full activation checkpointing, simulated as run.
+
+[Note: hand recipes] Users short of memory under ZeRO-Offload or Gemini wrap every transformer block in
+torch.utils.checkpoint (DeepSpeed's `activation_checkpointing`, Colossal-AI's `enable_gradient_checkpointing`).
+That is what these simulate: the trace transformed as if every checkpointable segment were recomputed
+(hplan.planner.activations `decide` / `transform` with "recompute": a segment's saved activations are gone from
+its forward to its backward, its backward window reruns its forward, costing its time and FLOPs), then the
+system's own simulator on that trace, unchanged. A segment hplan may not recompute (it draws random numbers
+without a restorable state, reads data-dependent values, ...) is kept here, not offloaded as hplan would: a
+recipe has no offload. Without checkpointable segments in the trace a recipe is its baseline (said in its note).
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+from hplan.artifacts.hardware import Hardware
+from hplan.artifacts.plan import BaselineResult
+from hplan.artifacts.trace import Trace
+from hplan.planner.activations import Decision, decide, transform
+from hplan.planner.baselines.baseline_model import read_trace
+from hplan.planner.baselines.gemini import gemini
+from hplan.planner.baselines.zero_offload import zero_offload
+
+SUFFIX = " + activation checkpointing"
+CHECKPOINT_CITATION = ("torch.utils.checkpoint around every checkpointable segment (hplan.planner.baselines.recipes, "
+                       "[Note: hand recipes])")
+
+
+def recompute_every_segment(trace: Trace) -> Trace:
+    """The trace as a full-checkpointing run executes it: every recomputable segment recomputed, the rest kept."""
+    decisions = tuple(d if d.choice == "recompute" else Decision(segment=d.segment, choice="keep", reason=d.reason)
+                      for d in decide(trace, "recompute"))
+    return transform(trace, decisions)
+
+
+def hand_recipes(trace: Trace, hardware: Hardware) -> tuple[BaselineResult, ...]:
+    """ZeRO-Offload and Gemini, each with full activation checkpointing ([Note: hand recipes])."""
+    work = recompute_every_segment(trace)
+    facts = read_trace(work, hardware)
+    recomputed = sum(1 for s in trace.segments if s.recomputable)
+    said = (f"{recomputed} of {len(trace.segments)} segment calls recomputed" if trace.segments
+            else "the trace has no checkpointable segments, so nothing is recomputed")
+    out = []
+    for run in (zero_offload, gemini):
+        base = run(work, hardware, facts=facts)
+        out.append(replace(base, name=base.name + SUFFIX, note=f"{said}; {base.note}",
+                           citation=f"{base.citation}; {CHECKPOINT_CITATION}"))
+    return tuple(out)

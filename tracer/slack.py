@@ -1,0 +1,98 @@
+"""Allocator slack at the budget: what a GPU of the planned size really loses to the caching allocator.
+
+[Note: slack at the budget] The tracer records each step's malloc/free calls (of the memory allocated per step:
+activations, temporaries, gradients in flight; chunked model data is allocated once, exactly) and replays them
+through hplan.tracer.allocator. Replayed with room to spare, segments are never given back and the reservation
+only grows: the "cached" figure, which for gpt:18b at batch 8 × seq 1024 predicted 59 GB of slack. A GPU of the
+planned size does not hold on to them: when cudaMalloc fails, c10/cuda/CUDACachingAllocator.cpp's malloc calls
+release_available_cached_blocks (a no-op unless max_split_size is set) and then release_cached_blocks, which
+frees every cached segment that holds no allocated block (blocks that are not split), and retries before it
+reports out of memory.
+
+The planner's rule at every event t is resident model data + non-model bytes[t] + slack <= budget, so the room
+the per-step allocations have in event t's window is non-model bytes[t] + slack; when t's model data needs more
+than the previous window left, the allocator again releases what it caches. The replay therefore runs under
+that cap, changing at every event (the recorder marks them in the log): a new segment over the cap releases the
+cached segments and retries; a window whose cap is below what stays reserved releases too, and fails if live
+blocks still pin more (fragmentation the model data then cannot use). The "release" slack is the smallest slack
+under which the replay never fails, found by bisection on the 2 MiB grid every segment size lies on, between 0
+and the uncapped peak (which never releases, so holds). Bisection assumes more slack never fails where less
+holds; releasing changes later placement, so that is not guaranteed, but the slack returned is one the replay was
+seen to hold. With `expandable_segments:True` pages are mapped into one growing segment per pool
+(hplan.tracer.expandable) and the same search gives the "expandable" figure. When the marks do not match the
+trace's events the cap is one level, the step's per-step peak, for the whole step. The "cached" figure stays what
+it was (the uncapped peak reservation minus the highest level, compared at the peak only), so for small models,
+whose 2 MiB small-pool segments dominate, "release", checked at every event, can exceed it. All three figures are
+predictions of a model, not measurements; the planner picks one (hplan.planner.slack). Not modelled: the chunk
+buffers' own blocks in the same pools (allocated once, exactly, as the cached figure assumes too).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from hplan.tracer.allocator import FREE, MARK, AllocatorModel, OutOfMemory
+from hplan.tracer.expandable import ExpandableModel
+
+GRAIN = 2 << 20
+"""Every segment and page size is a multiple of 2 MiB (kSmallBuffer, kLargeBuffer, kRoundLarge)."""
+
+Log = Sequence[tuple[int, int]]
+
+
+def replay(log: Log, *, caps: Sequence[int] | None = None, expandable: bool = False) -> AllocatorModel:
+    """Run the recorded calls through a fresh model; `caps[k]`: the cap in event k's window (the calls before the
+    first mark belong to event 0; None: no cap). OutOfMemory when the caps cannot hold the calls."""
+    model = (ExpandableModel if expandable else AllocatorModel)(cap=caps[0] if caps else None)
+    malloc, free, marks = model.malloc, model.free, 0
+    for key, nbytes in log:
+        if nbytes == FREE:
+            free(key)
+        elif nbytes == MARK:
+            marks += 1
+            if caps:
+                model.limit(caps[min(max(0, marks - 1), len(caps) - 1)])
+        else:
+            malloc(key, nbytes)
+    return model
+
+
+def holds(log: Log, caps: Sequence[int], *, expandable: bool = False) -> bool:
+    """Whether the calls run under `caps` (see `replay`) without running out of memory."""
+    try:
+        replay(log, caps=caps, expandable=expandable)
+    except OutOfMemory:
+        return False
+    return True
+
+
+def smallest_slack(log: Log, levels: Sequence[int], *, expandable: bool = False) -> int:
+    """The smallest slack (on the 2 MiB grid) such that the calls run with `levels[k]` + slack bytes in event k's
+    window ([Note: slack at the budget])."""
+    def fits(slack: int) -> bool:
+        return holds(log, [level + slack for level in levels], expandable=expandable)
+
+    if fits(0):
+        return 0
+    lo, hi = 0, -(-replay(log, expandable=expandable).max_reserved_bytes // GRAIN) * GRAIN
+    while hi - lo > GRAIN:  # fits(hi), not fits(lo)
+        mid = lo + (hi - lo) // GRAIN // 2 * GRAIN
+        if fits(mid):
+            hi = mid
+        else:
+            lo = mid
+    return hi
+
+
+def marks(log: Log) -> int:
+    """Plan events the log marks."""
+    return sum(1 for _, nbytes in log if nbytes == MARK)
+
+
+def slack_figures(log: Log, levels: Sequence[int]) -> dict[str, int]:
+    """Slack each allocator setting needs for the calls, over `levels` (one per event; see `smallest_slack`):
+    "cached" (segments kept: the uncapped peak reservation minus the highest level), "release" (cached segments
+    released as on a GPU of the planned size), "expandable" (expandable_segments:True, released likewise)."""
+    top = max(levels, default=0)
+    return {"cached": max(0, replay(log).max_reserved_bytes - top), "release": smallest_slack(log, levels),
+            "expandable": smallest_slack(log, levels, expandable=True)}
