@@ -23,7 +23,7 @@ def min_gpu_bytes(trace: Trace, hardware: Hardware | None = None, *, activations
 
     hardware = hardware or Hardware(gpu_bytes=1, slack_bytes=default_slack(trace))
     if check_choice(activations) == "auto":
-        if not trace.segments:
+        if not trace.segments or hardware.nvme_bytes is not None:  # make_plan keeps every segment there
             return min_gpu_with(trace, hardware, ())
         from hplan.planner.activation_auto import build_items, min_gpu_auto
 
