@@ -30,6 +30,8 @@ SECTIONS: tuple[tuple[str, str, str], ...] = (
     ("multigpu", "8. Many GPUs: AMSP's evaluation replayed (plans) and `hplan run --nproc 2` vs FSDP2 (measured)",
      "bench.multigpu"),
     ("nvme", "9. Third tier: NVMe", "bench.nvme"),
+    ("activations", "10. Activations: auto against the forced choices and transformers' checkpointing",
+     "bench.activations"),
 )
 
 

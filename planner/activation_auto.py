@@ -203,8 +203,9 @@ def minimax(items: Items, need: np.ndarray) -> tuple[int, tuple[int, ...]]:
     return peak, chosen
 
 
-def min_gpu_auto(trace: Trace, hardware: Hardware, items: Items) -> tuple[MinGpu, tuple[Decision, ...]]:
-    """The smallest budget over every choice per segment (module doc) and the choices that reach it. A choice
+def min_gpu_auto(trace: Trace, hardware: Hardware, items: Items) -> tuple[MinGpu, tuple[Decision, ...], int]:
+    """The smallest budget over every choice per segment (module doc), the choices that reach it, and the smallest
+    budget with every segment kept. A choice
     without recompute needs exactly the relaxed needs plus its effects; one with recompute is built (weight reads
     added) only when its relaxed value could beat the best so far."""
     structure, problem = build(trace, group_params(trace, PARAM_CHUNKS), frozenset(), hardware)
@@ -213,22 +214,24 @@ def min_gpu_auto(trace: Trace, hardware: Hardware, items: Items) -> tuple[MinGpu
                      + problem.non_model[t] + hardware.slack_bytes for t in range(problem.n_steps)], dtype=np.int64)
     _, chosen = minimax(items, need)
     candidates = [items.to_decisions(chosen)] + [decide(trace, c) for c in ("keep", "offload", "recompute")]
-    best: tuple[int, tuple[Decision, ...]] | None = None
+    best: tuple[int, tuple[Decision, ...], MinGpu | None] | None = None
     for decisions in candidates:
         relaxed = int((need + items.effect[list(items.of(decisions))].sum(axis=0)).max()) if decisions else \
             int(need.max())
         if best is not None and relaxed >= best[0]:
             continue
-        value = relaxed
+        value, found = relaxed, None
         if any(d.choice == "recompute" for d in decisions):
-            value = min_gpu_with(trace, hardware, decisions, items.shared).gpu_bytes
+            found = min_gpu_with(trace, hardware, decisions, items.shared, label="auto")
+            value = found.gpu_bytes
         if best is None or value < best[0]:
-            best = (value, decisions)
+            best = (value, decisions, found)
     assert best is not None
-    decisions = best[1]
+    _, decisions, found = best
+    keep = int(need.max()) if len(need) else 0
     if all(d.choice == "keep" for d in decisions):
-        return min_gpu(trace, hardware, (structure, problem)), decisions
-    return min_gpu_with(trace, hardware, decisions, items.shared, label="auto"), decisions
+        return min_gpu(trace, hardware, (structure, problem)), decisions, keep
+    return found or min_gpu_with(trace, hardware, decisions, items.shared, label="auto"), decisions, keep
 
 
 def plan_auto(trace: Trace, hardware: Hardware, options: PlanOptions, on_progress: Progress | None = None) -> Plan:
@@ -236,16 +239,16 @@ def plan_auto(trace: Trace, hardware: Hardware, options: PlanOptions, on_progres
     from hplan.planner import core
 
     items = build_items(trace, hardware)
-    smallest, lean = min_gpu_auto(trace, hardware, items)
+    smallest, lean, keep_bytes = min_gpu_auto(trace, hardware, items)
+    fits = keep_bytes <= hardware.gpu_bytes
     effort = core._effort(options)
     if effort == 0:  # heuristics only: keep everything when that fits, else the smallest budget's choices
         keep = decide(trace, "keep")
-        fits = min_gpu(trace, hardware).gpu_bytes <= hardware.gpu_bytes
         plan = core.plan_decisions(trace, hardware, options, keep if fits else lean, on_progress,
                                    shared=items.shared, smallest=smallest)
         return _summary(plan, items, keep if fits else lean, None)
-    act0 = items.of(lean)
-    work = items.relaxed(act0)
+    act0 = items.keep() if fits else items.of(lean)  # what the extremes are built with (it fits)
+    work = trace if fits else items.relaxed(act0)
     nodes = core.SEARCH_NODES[effort] if options.solver != "exact" else core.SEARCH_NODES[1]
     search = Search(work, hardware, options, on_progress, planned_evaluations(work, options, joint=True) + 4,
                     nodes=nodes, acts=items, act0=act0)
@@ -273,14 +276,15 @@ def plan_auto(trace: Trace, hardware: Hardware, options: PlanOptions, on_progres
 
 def _reuse(search: Search, best: Scored, trace: Trace, hardware: Hardware, options: PlanOptions,
            decisions: tuple[Decision, ...], items: Items, smallest: MinGpu) -> Plan:
-    """The plan of the joint model's winner as it stands, when none of its choices recomputes."""
-    from dataclasses import asdict, replace as dc_replace
+    """The plan of the joint model's winner as it stands, when none of its choices recomputes. (Schedules of
+    equal bytes may differ in predicted time from the forced choice's own search: time only breaks ties.)"""
+    from dataclasses import asdict
 
     from hplan.planner import core
     from hplan.planner.activations import transform, with_activations
 
     work = transform(trace, decisions, items.shared)
-    cand = dc_replace(best, moved=best.moved - best.act_cost, finished=None)
+    cand = replace(best, moved=best.moved - best.act_cost, finished=None)
     done = finish(work, hardware, cand)
     r = best.result
     solver = "exact" if r is not None and r.optimal else (

@@ -204,9 +204,16 @@ class Search:
             return a or b
         if a.moved != b.moved:
             return a if a.moved < b.moved else b
-        ta = round(finish(self.trace, self.hardware, a).seconds["step"], 12)
-        tb = round(finish(self.trace, self.hardware, b).seconds["step"], 12)
+        ta = round(finish(self._trace_of(a), self.hardware, a).seconds["step"], 12)
+        tb = round(finish(self._trace_of(b), self.hardware, b).seconds["step"], 12)
         return b if tb < ta else a
+
+    def _trace_of(self, scored: Scored) -> Trace:
+        """The trace a candidate's step time is predicted on: with activation items, its own modes' (their
+        recompute seconds)."""
+        if self.acts is None or not scored.act or scored.act == self.act0:
+            return self.trace
+        return self.acts.relaxed(scored.act)
 
     joint_placement = True
     """Solve placement inside the exact model when branch and bound runs (see the module doc)."""
