@@ -163,8 +163,8 @@ def run(ctx: Context) -> SectionOutput:
         return out
     out.tables.append(found[0])
     mins = found[1]
-    out.headline.append(f"{label}: auto's smallest budget is {mins['auto'] / mins['keep']:.3f}× keep's (≤ 1/3 asked) "
-                        f"and {mins['auto'] / mins['hf']:.3f}× transformers' gradient checkpointing's (≤ 1.02× "
+    out.headline.append(f"{label}: auto's smallest budget is {mins['auto'] / mins['keep']:.3f}× keep's "
+                        f"(≤ 1/3 asked) and {mins['auto'] / mins['hf']:.3f}× transformers' gradient checkpointing's (≤ 1.02× "
                         "asked) — plans")
     done = out.part("trained at the minimum", lambda: trained(ctx, trace, mins["auto"]), log=ctx.log)
     if done is not None:

@@ -13,8 +13,9 @@ How (the design the certified joint choice builds on, [Note: plan activations]):
 4. `with_activations`: the plan records the choices and each step's kept non-model bytes, so the validator can
    replay them; with overlapping copies, prefetches are hoisted as early as memory allows (at most to the previous
    offloaded segment's backward step), and the predicted step time adds the activation copies on the links.
-Per segment and event the effects are additive ([Note: activation segments]), which is what a later joint decision
-(one binary per segment and choice) needs: `effects(segment, choice)` is the coefficient column.
+Per segment and event the effects are additive ([Note: activation segments]): `effects(segment, choice)` is the
+coefficient column of the joint decision `--activations auto` makes ([Note: auto activations] in
+`planner.activation_auto`), which then plans its choices through steps 2-4 like forced ones.
 """
 
 from __future__ import annotations
@@ -208,7 +209,8 @@ def with_activations(plan: Plan, trace: Trace, work: Trace, decisions: tuple[Dec
     if hardware.overlap:
         prefetch = _hoist(plan, decisions, prefetch)
     runs = decision_effects(decisions, prefetch, shared)
-    base = effect_at(tuple(_choice(d, r, -1, 0.0) for d, r in zip(decisions, decision_effects(decisions, shared=shared))),
+    plain = decision_effects(decisions, shared=shared)
+    base = effect_at(tuple(_choice(d, r, -1, 0.0) for d, r in zip(decisions, plain)),
                      len(plan.steps))
     kept = [s.non_model_bytes - b for s, b in zip(plan.steps, base)]
     seconds = _recompute_seconds(trace, hardware, decisions)
