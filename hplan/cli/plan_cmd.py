@@ -243,8 +243,8 @@ def _print_summary(plan: Plan, output: Path | None) -> None:
                                     f"(h2d {format_size(s.h2d_bytes)}, d2h {format_size(s.d2h_bytes)})"),
         ("lower bound", f"{format_size(s.lower_bound_bytes)} (gap {s.gap:.1%}, solver {s.solver}"
                         f"{', optimal' if s.optimal else ''}; "
-                        f"{'any optimizer placement' if s.placement_free else 'this optimizer placement'} "
-                        "of these chunks)"),
+                        f"{'any optimizer placement' if s.placement_free else 'this optimizer placement'}"
+                        f"{_bound_scope(s)} of these chunks)"),
         ("predicted peak", format_size(s.predicted_peak_bytes)),
         ("minimum GPU", format_size(s.min_gpu_bytes)),
         ("predicted step time", f"{s.predicted_step_seconds:.3f} s ({split}; a plan, not a measurement)"),
@@ -272,6 +272,16 @@ def _print_summary(plan: Plan, output: Path | None) -> None:
         console.print(base)
     if output is not None:
         console.print(f"wrote {output}")
+
+
+def _bound_scope(s: object) -> str:
+    """--activations auto: the bound is on bytes moved + the activation choices' cost ([Note: auto activations])."""
+    from hplan.sizes import format_size
+
+    if not getattr(s, "activation_cost_bytes", 0) and not getattr(s, "activations_free", False):
+        return ""
+    return (f" and {'any activation choice' if getattr(s, 'activations_free') else 'these activation choices'}, "
+            f"on bytes moved + {format_size(getattr(s, 'activation_cost_bytes'))} of activation cost")
 
 
 def _activation_rows(plan: Plan) -> list[tuple[str, str]]:
