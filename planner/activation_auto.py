@@ -13,12 +13,15 @@ pure time objective would. Keeping costs nothing, so a budget where everything f
 What the joint model leaves out: a recompute also reads the segment's weights in its backward window (they must be
 resident there) and no gradient may take those weights' storage in that window (`planner.activations.transform`).
 Leaving them out only removes constraints, so the joint model is a *relaxation*: its bound (LP or branch and
-bound) is a valid lower bound on every plan of the chunking with any activation choice. The plan itself is then
-made exactly as for forced choices (`transform`, search, `with_activations`) with the joint model's choices, on
-the winner's chunking, and its objective compared with that bound: the gap the plan reports covers every
-placement and every activation choice of its chunking (`summary.activations_free`). When the choices do not fit
-once their weight reads are added, the plan falls back to the choices with the smallest budget (`lean`), and the
-bound stays the relaxation's.
+bound) is a valid lower bound on every plan of the chunking with any activation choice. When the winner
+recomputes, its plan is then made exactly as for forced choices (`transform`, search, `with_activations`) with the
+joint model's choices, on the winner's chunking; without recompute the relaxation is exact for its choices, and
+the winner's schedule is the plan's. Its objective is compared with that bound: the gap the plan reports covers
+every placement and every activation choice of its chunking (`summary.activations_free`). When the chosen
+recomputes do not fit once their weight reads are added, the plan falls back to the choices with the smallest
+budget (`lean`) on the same chunking (the bound still holds), then on any chunking (the bound then covers those
+choices only). Schedules of equal bytes can differ in predicted time from a forced plan's: time breaks ties only.
+Where everything kept fits, the joint model's extremes are built with every segment kept (else with `lean`).
 
 `--gpu-mem min` (`min_gpu_auto`): the smallest budget over every choice is a small MILP on the relaxed per-step
 needs (minimise B with need_t + sum of the chosen effects <= B), which is a lower bound; its choices' true minimum
