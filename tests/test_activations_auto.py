@@ -158,3 +158,17 @@ def test_cli_defaults_to_auto_and_reports_its_cost(tiny, tmp_path):
     assert "chosen per segment (auto)" in out.output
     bad = runner.invoke(app, ["plan", str(path), "--gpu-mem", "min", "--activations", "bogus", "--json"])
     assert bad.exit_code == 2 and bad.stderr.count("\n") == 1 and "--activations takes auto" in bad.stderr
+
+
+def test_attach_runs_a_mixed_auto_plan_as_plain_pytorch(tiny):
+    """The user's own loop inside `hplan.attach` on a mixed plan: same losses and weights as without it."""
+    import torch
+    from loops import user_loop
+
+    workload, trace = tiny
+    plan = _mixed(trace, (32.0,))
+    ref, got = user_loop(workload, 3), user_loop(workload, 3, plan)
+    assert got["losses"] == ref["losses"]
+    for key, value in ref["weights"].items():
+        assert torch.equal(got["weights"][key], value), key
+    assert all(r.resident_bytes <= plan.gpu_bytes for r in got["records"][-1])
