@@ -32,9 +32,10 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, replace
+from typing import Any
 
+import highspy
 import numpy as np
-from scipy.optimize import Bounds, LinearConstraint, milp
 from scipy.sparse import coo_matrix
 
 from hplan.artifacts.hardware import Hardware
@@ -181,29 +182,55 @@ def minimax(items: Items, need: np.ndarray) -> tuple[int, tuple[int, ...]]:
     rows += (one + items.item).tolist()
     cols += list(range(m))
     vals += [1.0] * m
-    a = coo_matrix((vals, (rows, cols)), shape=(one + n_seg, m + 1)).tocsr()
-    lo = np.r_[np.full(one, -np.inf), np.ones(n_seg)]
+    a = coo_matrix((vals, (rows, cols)), shape=(one + n_seg, m + 1)).tocsc()
+    lo = np.r_[np.full(one, -highspy.kHighsInf), np.ones(n_seg)]
     hi = np.r_[-base[varies].astype(float), np.ones(n_seg)]
-    integrality = np.r_[np.ones(m), 0]
-    bounds = Bounds(np.r_[np.zeros(m), max(floor, 0.0)],
-                    np.r_[np.ones(m), np.inf])
-    res = milp(np.r_[np.zeros(m), 1.0], constraints=LinearConstraint(a, lo, hi), integrality=integrality,
-               bounds=bounds, options={"disp": False, "mip_rel_gap": 0.0})
-    if res.x is None:
+    x = _solve(np.r_[np.zeros(m), 1.0], a, lo, hi, np.r_[np.ones(m), np.inf], max(floor, 0.0), m)
+    if x is None:
         raise AssertionError("the smallest-budget choice has no solution: an hplan bug")
-    x = res.x[:m] > 0.5
-    chosen = items.chosen(x)
+    chosen = _pick(items, x[:m])
     peak = int((need + items.effect[list(chosen)].sum(axis=0)).max())
     # the cheapest choice with that peak (ties: recompute and offload both reach it)
-    res2 = milp(np.r_[items.cost.astype(float), 0.0], constraints=LinearConstraint(a, lo, hi),
-                integrality=integrality, bounds=Bounds(np.r_[np.zeros(m), 0.0], np.r_[np.ones(m), float(peak)]),
-                options={"disp": False, "mip_rel_gap": 0.0})
-    if res2.x is not None:
-        x2 = res2.x[:m] > 0.5
-        c2 = items.chosen(x2)
-        if len(c2) == n_seg and int((need + items.effect[list(c2)].sum(axis=0)).max()) <= peak:
+    x2 = _solve(np.r_[items.cost.astype(float), 0.0], a, lo, hi, np.r_[np.ones(m), float(peak)], 0.0, m)
+    if x2 is not None:
+        c2 = _pick(items, x2[:m])
+        if int((need + items.effect[list(c2)].sum(axis=0)).max()) <= peak:
             chosen = c2
     return peak, chosen
+
+
+def _pick(items: Items, values: np.ndarray) -> tuple[int, ...]:
+    """Per segment the mode HiGHS set (largest value: robust to its tolerance)."""
+    best = np.full(len(items.first), -np.inf)
+    out = list(items.first)
+    for mode, (k, v) in enumerate(zip(items.item, values)):
+        if v > best[k]:
+            best[k], out[k] = v, mode
+    return tuple(int(m) for m in out)
+
+
+def _solve(cost: np.ndarray, a: Any, lo: np.ndarray, hi: np.ndarray, upper: np.ndarray, b_lower: float, m: int
+           ) -> np.ndarray | None:
+    """One small MILP (binaries 0..m-1, one continuous column last) by HiGHS on one thread, closed exactly."""
+    lp = highspy.HighsLp()
+    lp.num_col_, lp.num_row_ = a.shape[1], a.shape[0]
+    lp.col_cost_ = cost
+    lp.col_lower_ = np.r_[np.zeros(m), b_lower]
+    lp.col_upper_ = upper
+    lp.a_matrix_.format_ = highspy.MatrixFormat.kColwise
+    lp.a_matrix_.start_ = a.indptr.astype(np.int32)
+    lp.a_matrix_.index_ = a.indices.astype(np.int32)
+    lp.a_matrix_.value_ = a.data.astype(float)
+    lp.row_lower_, lp.row_upper_ = lo, hi
+    lp.integrality_ = [highspy.HighsVarType.kInteger] * m + [highspy.HighsVarType.kContinuous]
+    h = highspy._Highs()  # the public wrapper prints a banner on stdout
+    for name, value in (("output_flag", False), ("threads", 1), ("random_seed", 0), ("mip_rel_gap", 0.0)):
+        h.setOptionValue(name, value)
+    h.passModel(lp)
+    h.run()
+    if h.getInfo().primal_solution_status != 2:
+        return None
+    return np.asarray(h.getSolution().col_value)
 
 
 def min_gpu_auto(trace: Trace, hardware: Hardware, items: Items) -> tuple[MinGpu, tuple[Decision, ...], int]:
