@@ -31,6 +31,8 @@ SECTIONS: tuple[tuple[str, str, str], ...] = (
      "bench.multigpu"),
     ("nvme", "9. Third tier: NVMe", "bench.nvme"),
     ("slack", "10. Allocator slack at the budget (plans)", "bench.slack"),
+    ("activations", "11. Activations: auto against the forced choices and transformers' checkpointing",
+     "bench.activations"),
 )
 
 

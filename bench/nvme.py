@@ -214,7 +214,7 @@ def long_sequence(ctx: Context, traced: Table) -> str:
         traced.add(f"{spec}, batch {LONG_SHAPE[0]} x {LONG_SHAPE[1]}", "FAILED", str(exc)[:120])
         return f"{spec} at batch {LONG_SHAPE[0]} x {LONG_SHAPE[1]}: its fake trace failed in this run"
     traced.add(f"{spec}, batch {LONG_SHAPE[0]} x {LONG_SHAPE[1]}", fmt_seconds(seconds, 1), fmt_bytes(rss))
-    least = min_gpu_bytes(trace).gpu_bytes
+    least = min_gpu_bytes(trace, activations="keep").gpu_bytes
     slack = default_slack(trace)
     peak = max(event_non_model(e, False) for e in trace.events)
     return (f"{spec} at batch {LONG_SHAPE[0]} x {LONG_SHAPE[1]}: up to {fmt_bytes(peak)} of non-model data at one event "

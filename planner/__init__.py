@@ -15,13 +15,20 @@ from hplan.planner.baselines.sweep import BASELINE_KEYS, sweep
 from hplan.planner.slack import ALLOCATORS, DEFAULT_ALLOCATOR, allocator_slack
 
 
-def min_gpu_bytes(trace: Trace, hardware: Hardware | None = None, *, activations: str = "keep") -> MinGpu:
+def min_gpu_bytes(trace: Trace, hardware: Hardware | None = None, *, activations: str = "auto") -> MinGpu:
     """Smallest GPU budget with any schedule (module chunks, every update on the CPU), with its bottleneck, with
-    every checkpointable segment's activations kept, offloaded or recomputed (`activations`).
+    every checkpointable segment's activations kept, offloaded or recomputed (`activations`), or with the best
+    choice per segment ("auto", hplan.planner.activation_auto.min_gpu_auto).
     Without `hardware`, slack is the trace's measured or predicted allocator slack plus overhead."""
-    from hplan.planner.activations import decide, min_gpu_with
+    from hplan.planner.activations import check_choice, decide, min_gpu_with
 
     hardware = hardware or Hardware(gpu_bytes=1, slack_bytes=default_slack(trace))
+    if check_choice(activations) == "auto":
+        if not trace.segments or hardware.nvme_bytes is not None:  # make_plan keeps every segment there
+            return min_gpu_with(trace, hardware, ())
+        from hplan.planner.activation_auto import build_items, min_gpu_auto
+
+        return min_gpu_auto(trace, hardware, build_items(trace, hardware))[0]
     return min_gpu_with(trace, hardware, decide(trace, activations))
 
 

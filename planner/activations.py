@@ -13,8 +13,9 @@ How (the design the certified joint choice builds on, [Note: plan activations]):
 4. `with_activations`: the plan records the choices and each step's kept non-model bytes, so the validator can
    replay them; with overlapping copies, prefetches are hoisted as early as memory allows (at most to the previous
    offloaded segment's backward step), and the predicted step time adds the activation copies on the links.
-Per segment and event the effects are additive ([Note: activation segments]), which is what a later joint decision
-(one binary per segment and choice) needs: `effects(segment, choice)` is the coefficient column.
+Per segment and event the effects are additive ([Note: activation segments]): `effects(segment, choice)` is the
+coefficient column of the joint decision `--activations auto` makes ([Note: auto activations] in
+`planner.activation_auto`), which then plans its choices through steps 2-4 like forced ones.
 """
 
 from __future__ import annotations
@@ -41,15 +42,20 @@ class Decision:
     """Why the segment may not be recomputed (and what it falls back to), empty otherwise."""
 
 
+OPTIONS: tuple[str, ...] = ("auto", *CHOICES)
+"""What --activations takes: "auto" decides per segment (hplan.planner.activation_auto), the others force one."""
+
+
 def check_choice(choice: str) -> str:
-    if choice not in CHOICES:
-        raise HplanError(f"--activations takes {', '.join(CHOICES)}, got {choice!r}")
+    if choice not in OPTIONS:
+        raise HplanError(f"--activations takes {', '.join(OPTIONS)}, got {choice!r}")
     return choice
 
 
 def decide(trace: Trace, choice: str) -> tuple[Decision, ...]:
     """The forced choice for every segment call; unrecomputable modules (any of their calls) fall back to offload."""
-    check_choice(choice)
+    if choice not in CHOICES:
+        raise HplanError(f"--activations {choice!r} is not a forced choice: use one of {', '.join(CHOICES)}")
     refused = {s.module: s.reason for s in trace.segments if not s.recomputable}
     out = []
     for s in trace.segments:
@@ -82,8 +88,8 @@ def effects(seg: Segment, choice: str, prefetch: int | None = None, *, shared_re
                        if off and first <= min(last, p - 1)])
     if choice == "recompute":
         runs = [(first, last, -rc) for first, last, _, rc in seg.freed if rc]
-        delta = seg.recompute_peak_bytes + seg.recompute_extra_bytes if shared_recompute \
-            else seg.recompute_backward_delta
+        delta = max(seg.recompute_peak_bytes + seg.recompute_extra_bytes, seg.recompute_backward_delta) \
+            if shared_recompute else seg.recompute_backward_delta
         runs += [(b0, b0, delta)] if delta else []
         runs += [(first, last, held) for first, last, held in seg.recompute_held]
         return _merge(runs)
@@ -119,21 +125,24 @@ def _shared(decisions: tuple[Decision, ...]) -> set[tuple[str, int]]:
     return {k for keys in starts.values() if len(keys) > 1 for k in keys}
 
 
-def decision_effects(decisions: tuple[Decision, ...], prefetch: dict[tuple[str, int], int] | None = None
-                     ) -> list[tuple[Effect, ...]]:
-    shared = _shared(decisions)
+def decision_effects(decisions: tuple[Decision, ...], prefetch: dict[tuple[str, int], int] | None = None,
+                     shared: frozenset[tuple[str, int]] | None = None) -> list[tuple[Effect, ...]]:
+    """Each decision's effects; `shared`: the segment calls charged as sharing their recompute window (default:
+    the recomputed ones that do; `--activations auto` passes every one that could, so effects stay additive)."""
+    shared = _shared(decisions) if shared is None else shared
     prefetch = prefetch or {}
     return [effects(d.segment, d.choice, prefetch.get(d.segment.key), shared_recompute=d.segment.key in shared)
             for d in decisions]
 
 
-def transform(trace: Trace, decisions: tuple[Decision, ...]) -> Trace:
+def transform(trace: Trace, decisions: tuple[Decision, ...], shared: frozenset[tuple[str, int]] | None = None
+              ) -> Trace:
     """The trace as the executor runs it under `decisions` (module doc, step 2)."""
     if all(d.choice == "keep" for d in decisions):
         return trace
     n = len(trace.events)
     delta = [0] * n
-    for runs in decision_effects(decisions):
+    for runs in decision_effects(decisions, shared=shared):
         for first, last, d in runs:
             for t in range(first, last + 1):
                 delta[t] += d
@@ -160,9 +169,10 @@ def transform(trace: Trace, decisions: tuple[Decision, ...]) -> Trace:
     return replace(trace, events=tuple(events), params=params)
 
 
-def min_gpu_with(trace: Trace, hardware: Hardware, decisions: tuple[Decision, ...]) -> MinGpu:
+def min_gpu_with(trace: Trace, hardware: Hardware, decisions: tuple[Decision, ...],
+                 shared: frozenset[tuple[str, int]] | None = None, label: str = "") -> MinGpu:
     """The smallest budget under the choices, its bottleneck naming the segment involved there."""
-    work = transform(trace, decisions)
+    work = transform(trace, decisions, shared)
     smallest = min_gpu(work, hardware)
     choice = {d.choice for d in decisions}
     if not decisions or choice == {"keep"}:
@@ -171,7 +181,7 @@ def min_gpu_with(trace: Trace, hardware: Hardware, decisions: tuple[Decision, ..
     need = [problem.need_bytes(t) - sum(problem.sizes[structure.by_chunk[c]["grad"]] for c in structure.flips[t])
             + problem.non_model[t] for t in range(problem.n_steps)]  # what min_gpu maximises
     t = max(range(len(need)), key=need.__getitem__)
-    return replace(smallest, bottleneck=f"{smallest.bottleneck} (with --activations {decisions[0].choice}: "
+    return replace(smallest, bottleneck=f"{smallest.bottleneck} (with --activations {label or decisions[0].choice}: "
                                         f"{_where(decisions, t)})")
 
 
@@ -191,14 +201,16 @@ def _where(decisions: tuple[Decision, ...], t: int) -> str:
     return label
 
 
-def with_activations(plan: Plan, trace: Trace, work: Trace, decisions: tuple[Decision, ...]) -> Plan:
+def with_activations(plan: Plan, trace: Trace, work: Trace, decisions: tuple[Decision, ...],
+                     shared: frozenset[tuple[str, int]] | None = None) -> Plan:
     """Record the choices in a feasible plan made on `work` (module doc, step 4)."""
     hardware = plan.hardware
     prefetch = {d.segment.key: d.segment.backward_events[0] for d in decisions if d.choice == "offload"}
     if hardware.overlap:
         prefetch = _hoist(plan, decisions, prefetch)
-    runs = decision_effects(decisions, prefetch)
-    base = effect_at(tuple(_choice(d, r, -1, 0.0) for d, r in zip(decisions, decision_effects(decisions))),
+    runs = decision_effects(decisions, prefetch, shared)
+    plain = decision_effects(decisions, shared=shared)
+    base = effect_at(tuple(_choice(d, r, -1, 0.0) for d, r in zip(decisions, plain)),
                      len(plan.steps))
     kept = [s.non_model_bytes - b for s, b in zip(plan.steps, base)]
     seconds = _recompute_seconds(trace, hardware, decisions)

@@ -18,10 +18,10 @@ from hplan.artifacts.replay import Replay, replay, validate  # noqa: F401  (re-e
 from hplan.sizes import format_size
 from hplan.artifacts.trace import Trace
 from hplan.errors import HplanError
-from hplan.planner.activations import decide, min_gpu_with, transform, with_activations
+from hplan.planner.activations import Decision, decide, min_gpu_with, transform, with_activations
 from hplan.planner.exact import lp_bound, solve_milp
 from hplan.planner.options import PlanOptions
-from hplan.planner.problem import PARAM_CHUNKS, min_gpu, placement_rule
+from hplan.planner.problem import PARAM_CHUNKS, MinGpu, min_gpu, placement_rule
 from hplan.planner.schedule import event_seconds
 from hplan.planner.search import Finished, Progress, Scored, Search, finish, planned_evaluations
 
@@ -66,34 +66,49 @@ def make_plan(trace: Trace, hardware: Hardware, options: PlanOptions | None = No
     options = options or PlanOptions()
     if not trace.events:
         raise HplanError("the trace has no events: re-run `hplan trace` on a workload with parameters")
-    if options.activations != "keep" and hardware.nvme_bytes is not None:
+    if options.activations not in ("keep", "auto") and hardware.nvme_bytes is not None:
         raise HplanError(f"--activations {options.activations} with --nvme is not supported yet (the host tier does "
                          "not plan activation copies); use --activations keep with --nvme")
-    original, decisions = trace, decide(trace, options.activations)  # [Note: plan activations]
-    trace = transform(trace, decisions)
+    if options.activations == "auto" and trace.segments and hardware.nvme_bytes is None:
+        from hplan.planner.activation_auto import plan_auto
+
+        plan = plan_auto(trace, hardware, options, on_progress)
+    else:  # auto with a disk tier keeps every segment (see above)
+        choice = "keep" if options.activations == "auto" else options.activations
+        plan = plan_decisions(trace, hardware, options, decide(trace, choice), on_progress)
+    if options.compare:
+        from hplan.planner.baselines import simulate_baselines
+
+        plan = replace(plan, baselines=simulate_baselines(trace, hardware))
+    return plan
+
+
+def plan_decisions(original: Trace, hardware: Hardware, options: PlanOptions, decisions: tuple[Decision, ...],
+                   on_progress: Progress | None = None, *, targets: list[int] | None = None,
+                   shared: frozenset[tuple[str, int]] | None = None, smallest: MinGpu | None = None) -> Plan:
+    """The plan with these activation decisions ([Note: plan activations]); `targets`: the chunkings to search
+    (default every one), `shared` see `planner.activations.decision_effects`, `smallest` the minimum to report."""
+    trace = transform(original, decisions, shared)
     effort = _effort(options)
     nodes = SEARCH_NODES[effort] if options.solver != "exact" else SEARCH_NODES[1]
     search = Search(trace, hardware, options, on_progress,
                     planned_evaluations(trace, options, joint=bool(nodes) and Search.joint_placement) + 2, nodes=nodes)
+    search.targets = targets
     best = search.run()
-    if all(d.choice == "keep" for d in decisions):  # the search built that problem already
+    if smallest is not None:
+        pass
+    elif all(d.choice == "keep" for d in decisions):  # the search built that problem already
         smallest = min_gpu(trace, hardware, search.all_host.get(PARAM_CHUNKS) if options.flips else None)
     else:
-        smallest = min_gpu_with(original, hardware, decisions)
+        smallest = min_gpu_with(original, hardware, decisions, shared)
     opts = {k: v for k, v in asdict(options).items() if k != "compare"}
     if best is None:
         search.tick("done", search.total)
-        plan = _infeasible(trace, hardware, smallest.gpu_bytes, smallest.bottleneck, opts)
-    else:
-        best, done, solver, bound, optimal = _improve(search, best, options)
-        plan = _plan(trace, hardware, best, done, solver, bound, optimal, smallest.gpu_bytes, smallest.bottleneck,
-                     opts)
-        if decisions and plan.summary.feasible:
-            plan = with_activations(plan, original, trace, decisions)
-    if options.compare:
-        from hplan.planner.baselines import simulate_baselines
-
-        plan = replace(plan, baselines=simulate_baselines(original, hardware))
+        return _infeasible(trace, hardware, smallest.gpu_bytes, smallest.bottleneck, opts)
+    best, done, solver, bound, optimal = _improve(search, best, options)
+    plan = _plan(trace, hardware, best, done, solver, bound, optimal, smallest.gpu_bytes, smallest.bottleneck, opts)
+    if decisions and plan.summary.feasible:
+        plan = with_activations(plan, original, trace, decisions, shared)
     return plan
 
 

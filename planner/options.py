@@ -8,7 +8,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from hplan.artifacts.activations import CHOICES as ACTIVATION_CHOICES
+from hplan.artifacts.activations import CHOICES
+
+ACTIVATION_CHOICES: tuple[str, ...] = ("auto", *CHOICES)
 from hplan.errors import HplanError
 from hplan.planner.presets import GPU_PRESETS, GpuPreset, make_hardware
 
@@ -39,10 +41,11 @@ class PlanOptions:
     """Also score the baselines (ZeRO-Offload, ZeRO-3 offload, Gemini, all-on-GPU)."""
     flips: bool = True
     """Let a chunk's gradient reuse its weights' device storage where the recipe allows (Gemini's trick)."""
-    activations: str = "keep"
-    """What every checkpointable segment does with its saved activations: "keep" (plain PyTorch), "offload" (to
-    host memory between its forward and backward) or "recompute" (rerun its forward in backward); see
-    hplan.planner.activations."""
+    activations: str = "auto"
+    """What checkpointable segments do with their saved activations: "auto" decides per segment, together with the
+    model data's schedule, in the exact model (hplan.planner.activation_auto: keeps everything where that fits);
+    or every segment the same: "keep" (plain PyTorch), "offload" (to host memory between its forward and backward)
+    or "recompute" (rerun its forward in backward); see hplan.planner.activations."""
 
     def __post_init__(self) -> None:
         if self.solver not in SOLVERS:

@@ -17,7 +17,8 @@ compared: the joint model and the plan agree byte for byte, or planning stops as
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -26,6 +27,9 @@ from hplan.artifacts.trace import ParamInfo, Trace
 from hplan.errors import HplanError
 from hplan.planner.intervals import Choices, IntervalModel, build_intervals
 from hplan.planner.problem import Problem, Structure, build
+
+if TYPE_CHECKING:
+    from hplan.planner.activation_auto import Items
 
 MODES: tuple[str, ...] = ("gpu", "cpu")
 """Mode labels of a chunk's item, in mode order (mode 2k is chunk k's GPU update, 2k + 1 its host update)."""
@@ -39,6 +43,8 @@ class Placed:
     structure: Structure
     problem: Problem
     model: IntervalModel
+    act: tuple[int, ...] = ()
+    """With activation items ([Note: auto activations]): the chosen mode of each segment call."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -53,10 +59,25 @@ class Joint:
     """"gpu": every trainable chunk updated on the GPU; "cpu": every one on the host."""
     columns: dict[tuple[int, int, int, int], int]
     """(region, start, end, mode or -1) → joint gap column; a shared gap is listed under each of its modes."""
+    acts: Items | None = None
+    """Activation items after the placement items ([Note: auto activations]); None: the trace's choices are fixed."""
+    act0: tuple[int, ...] = ()
+    """The activation modes the extremes were built with."""
 
-    def x_of(self, gpu_chunks: frozenset[int]) -> np.ndarray:
-        """Per-mode booleans of a placement."""
-        return np.array([(c in gpu_chunks) == (label == "gpu") for c in self.chunks for label in MODES], dtype=bool)
+    def x_of(self, gpu_chunks: frozenset[int], act: tuple[int, ...] | None = None) -> np.ndarray:
+        """Per-mode booleans of a placement (and activation modes, default those of the extremes)."""
+        x = np.array([(c in gpu_chunks) == (label == "gpu") for c in self.chunks for label in MODES], dtype=bool)
+        if self.acts is None:
+            return x
+        return np.concatenate([x, self.acts.x(self.act0 if act is None else act)])
+
+    def act_of(self, x: np.ndarray) -> tuple[int, ...]:
+        """The activation modes of a joint solution."""
+        return () if self.acts is None else self.acts.chosen(np.asarray(x, dtype=bool)[2 * len(self.chunks):])
+
+    def act_cost(self, x: np.ndarray) -> int:
+        """The link bytes of a joint solution's activation modes (its cost beyond the model data's bytes)."""
+        return 0 if self.acts is None else self.acts.cost_of(self.act_of(x))
 
     def gpu_of(self, x: np.ndarray) -> frozenset[int]:
         return frozenset(c for k, c in enumerate(self.chunks) if x[2 * k])
@@ -77,7 +98,7 @@ class Joint:
 
     def to_joint(self, placed: Placed, keep: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """A placement's own keep vector as a joint solution (keep, x)."""
-        x = self.x_of(placed.gpu_chunks)
+        x = self.x_of(placed.gpu_chunks, placed.act or None)
         mode = self._mode_of(x)
         out = np.zeros(self.model.n_gaps, dtype=bool)
         m = placed.model
@@ -85,30 +106,38 @@ class Joint:
             out[self.columns[(int(r), int(a), int(b), mode[int(r)])]] = keep[i]
         return out, x
 
-    def place(self, trace: Trace, hardware: Hardware, gpu_chunks: frozenset[int], *, flips: bool) -> Placed:
-        """A placement of this chunking as a plain problem."""
+    def place(self, trace: Trace, hardware: Hardware, gpu_chunks: frozenset[int], *, flips: bool,
+              act: tuple[int, ...] = ()) -> Placed:
+        """A placement of this chunking (with activation modes `act`) as a plain problem."""
+        act = act or self.act0
         for placed in self.extremes.values():
-            if placed.gpu_chunks == gpu_chunks:
+            if placed.gpu_chunks == gpu_chunks and placed.act == act:
                 return placed
+        if act != self.act0:
+            assert self.acts is not None
+            trace = self.acts.relaxed(act)
         structure, problem = build(trace, self.groups, gpu_chunks, hardware, flips=flips)
-        return Placed(gpu_chunks=gpu_chunks, structure=structure, problem=problem, model=build_intervals(problem))
+        return Placed(gpu_chunks=gpu_chunks, structure=structure, problem=problem, model=build_intervals(problem),
+                      act=act)
 
     def settle(self, trace: Trace, hardware: Hardware, keep: np.ndarray, x: np.ndarray, *, flips: bool
                ) -> tuple[Placed, np.ndarray]:
         """The placement x as a plain problem with the joint schedule's keep vector; the two must cost and fit
         the same (see [Note: placement in the model])."""
-        placed = self.place(trace, hardware, self.gpu_of(x), flips=flips)
+        placed = self.place(trace, hardware, self.gpu_of(x), flips=flips, act=self.act_of(x))
         fixed = self.to_fixed(placed, keep, x)
-        if placed.model.cost(fixed) != self.model.cost(keep, x) or (
+        if placed.model.cost(fixed) != self.model.cost(keep, x) - self.act_cost(x) or (
                 placed.model.feasible(fixed) != self.model.feasible(keep, x)):
             raise HplanError(f"the placement model and the plan disagree ({self.model.cost(keep, x)} vs "
                              f"{placed.model.cost(fixed)} bytes): an hplan bug, please report it")
         return placed, fixed
 
 
-def build_joint(trace: Trace, groups: list[list[ParamInfo]], hardware: Hardware, *, flips: bool = True
-                ) -> Joint | None:
-    """The joint model of a chunking (see [Note: placement in the model]); None without trainable chunks."""
+def build_joint(trace: Trace, groups: list[list[ParamInfo]], hardware: Hardware, *, flips: bool = True,
+                acts: Items | None = None, act0: tuple[int, ...] = ()) -> Joint | None:
+    """The joint model of a chunking (see [Note: placement in the model]); None without trainable chunks. With
+    `acts`, `trace` carries the activation modes `act0` and the model gets an item per segment call
+    ([Note: auto activations])."""
     chunks = tuple(c for c, ps in enumerate(groups) if ps[0].trainable)
     if not chunks:
         return None
@@ -116,7 +145,7 @@ def build_joint(trace: Trace, groups: list[list[ParamInfo]], hardware: Hardware,
     for label, gpu in (("gpu", frozenset(chunks)), ("cpu", frozenset())):
         structure, problem = build(trace, groups, gpu, hardware, flips=flips)
         extremes[label] = Placed(gpu_chunks=gpu, structure=structure, problem=problem,
-                                 model=build_intervals(problem))
+                                 model=build_intervals(problem), act=act0 if acts is not None else ())
     structure = extremes["cpu"].structure
     item = {c: k for k, c in enumerate(chunks)}
     region_item = np.array([item.get(r.chunk, -1) for r in structure.regions], dtype=np.int64)
@@ -145,7 +174,10 @@ def build_joint(trace: Trace, groups: list[list[ParamInfo]], hardware: Hardware,
                           span=np.full(len(region), -1, dtype=np.int64),
                           span_size=np.array([s for s, _ in spans], dtype=np.int64), constant=constant, free=free,
                           span_region=np.array([r for _, r in spans], dtype=np.int64), choices=choices)
-    joint = Joint(groups=groups, model=model, chunks=chunks, extremes=extremes, columns=columns)
+    if acts is not None:
+        model = _with_items(model, acts, act0, len(chunks))
+    joint = Joint(groups=groups, model=model, chunks=chunks, extremes=extremes, columns=columns, acts=acts,
+                  act0=act0 if acts is not None else ())
     for label, placed in extremes.items():  # both extremes give back their own problems' memory
         x = joint.x_of(placed.gpu_chunks)
         if not np.array_equal(model.free - model.load(np.zeros(model.n_gaps, dtype=bool), x),
@@ -226,3 +258,27 @@ def _memory(extremes: dict[str, Placed], region_item: np.ndarray, n_items: int
     order = np.lexsort((np.concatenate(steps), np.concatenate(modes)))
     extra_arrays = tuple(np.concatenate(a).astype(np.int64)[order] for a in (modes, steps, nbytes))
     return free.astype(np.int64), extra_arrays, (opt, switch_bytes)  # type: ignore[return-value]
+
+
+def _with_items(model: IntervalModel, acts: Items, act0: tuple[int, ...], n_chunks: int) -> IntervalModel:
+    """The activation items appended to a joint model built on a trace carrying `act0`: free memory beside the
+    least any mode of each segment holds, the rest as each mode's extra bytes ([Note: auto activations])."""
+    c = model.choices
+    assert c is not None
+    least = np.zeros_like(acts.effect[0]) if acts.n_modes else np.zeros(model.problem.n_steps, dtype=np.int64)
+    per_seg = np.full((len(acts.first), acts.effect.shape[1]), np.iinfo(np.int64).max, dtype=np.int64)
+    np.minimum.at(per_seg, acts.item, acts.effect)
+    least = per_seg.sum(axis=0) if len(per_seg) else least
+    held = acts.effect[list(act0)].sum(axis=0) if act0 else np.zeros_like(least)
+    free = model.free + held - least
+    extra = acts.effect - per_seg[acts.item]
+    modes, steps = np.nonzero(extra)
+    offset = 2 * n_chunks
+    labels = tuple(d.choice for ds in acts.decisions for d in ds)
+    choices = replace(c, item=np.concatenate([c.item, c.n_items + acts.item]), label=c.label + labels,
+                      key=c.key + tuple(-1 - k for k in range(len(acts.first))),
+                      cost=np.concatenate([c.cost, acts.cost]),
+                      extra_mode=np.concatenate([c.extra_mode, offset + modes]).astype(np.int64),
+                      extra_step=np.concatenate([c.extra_step, steps]).astype(np.int64),
+                      extra_bytes=np.concatenate([c.extra_bytes, extra[modes, steps]]).astype(np.int64))
+    return replace(model, free=free.astype(np.int64), choices=choices)

@@ -78,6 +78,10 @@ class Scored:
     """The chunking's joint placement model, when placement was solved inside it."""
     joint_keep: np.ndarray | None = None
     """`keep` as the joint model's gap columns; the placement is `joint.x_of(gpu_chunks)`."""
+    act: tuple[int, ...] = ()
+    """With activation items ([Note: auto activations]): each segment call's mode; `moved` then also counts
+    their link bytes (`act_cost`)."""
+    act_cost: int = 0
 
     def adopt(self, trace: Trace, hardware: Hardware, result: ExactResult, *, flips: bool) -> None:
         """Take a joint solution (its placement may differ from the current one) as this candidate's schedule."""
@@ -85,7 +89,9 @@ class Scored:
         placed, keep = self.joint.settle(trace, hardware, result.keep, result.x, flips=flips)
         self.gpu_chunks, self.structure, self.problem, self.model = (placed.gpu_chunks, placed.structure,
                                                                      placed.problem, placed.model)
-        self.keep, self.moved, self.joint_keep, self.finished = keep, placed.model.cost(keep), result.keep, None
+        self.act, self.act_cost = placed.act, self.joint.act_cost(result.x)
+        self.keep, self.finished = keep, None
+        self.moved, self.joint_keep = placed.model.cost(keep) + self.act_cost, result.keep
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -137,8 +143,14 @@ class Search:
     """Scores placements for one trace and hardware, remembering the least traffic found (for pruning)."""
 
     def __init__(self, trace: Trace, hardware: Hardware, options: PlanOptions,
-                 on_progress: Progress | None = None, total: int = 1, nodes: int = 0) -> None:
+                 on_progress: Progress | None = None, total: int = 1, nodes: int = 0, acts: Any = None,
+                 act0: tuple[int, ...] = ()) -> None:
         self.trace, self.hardware, self.options = trace, hardware, options
+        self.acts, self.act0 = acts, act0
+        """Activation items joined to every chunking's joint model, and the modes `trace` carries
+        ([Note: auto activations])."""
+        self.targets: list[int] | None = None
+        """Chunk targets to search (default: `chunk_targets`)."""
         self.nodes = nodes
         """Branch-and-bound nodes per candidate; 0 scores with the fast heuristics only."""
         self.on_progress, self.total, self.done = on_progress, total, 0
@@ -179,6 +191,9 @@ class Search:
             keep = belady if model.cost(belady) < model.cost(keep) else keep
         scored = Scored(chunk_target=target, groups=groups, gpu_chunks=gpu_chunks, structure=structure,
                         problem=problem, model=model, keep=keep, moved=model.cost(keep), result=result)
+        if self.acts is not None:  # activation modes fixed at those `trace` carries
+            scored.act, scored.act_cost = self.act0, self.acts.cost_of(self.act0)
+            scored.moved += scored.act_cost
         self.best_moved = min(self.best_moved, scored.moved)
         self.solved.append(scored)
         return scored
@@ -189,9 +204,16 @@ class Search:
             return a or b
         if a.moved != b.moved:
             return a if a.moved < b.moved else b
-        ta = round(finish(self.trace, self.hardware, a).seconds["step"], 12)
-        tb = round(finish(self.trace, self.hardware, b).seconds["step"], 12)
+        ta = round(finish(self._trace_of(a), self.hardware, a).seconds["step"], 12)
+        tb = round(finish(self._trace_of(b), self.hardware, b).seconds["step"], 12)
         return b if tb < ta else a
+
+    def _trace_of(self, scored: Scored) -> Trace:
+        """The trace a candidate's step time is predicted on: with activation items, its own modes' (their
+        recompute seconds)."""
+        if self.acts is None or not scored.act or scored.act == self.act0:
+            return self.trace
+        return self.acts.relaxed(scored.act)
 
     joint_placement = True
     """Solve placement inside the exact model when branch and bound runs (see the module doc)."""
@@ -211,7 +233,8 @@ class Search:
         """A chunking's joint model and LP bound, ready to solve; a chunking without trainable chunks is scored
         at once (nothing to place), and one where no placement fits is None."""
         groups = group_params(self.trace, target)
-        joint = build_joint(self.trace, groups, self.hardware, flips=self.options.flips)
+        joint = build_joint(self.trace, groups, self.hardware, flips=self.options.flips, acts=self.acts,
+                            act0=self.act0)
         if joint is None:
             out = self.score(target, groups, frozenset())
             self.tick(f"chunks of {target or 'one module'} B")
@@ -320,7 +343,7 @@ class Search:
         """The best candidate over every chunking. With placement in the model, every chunking's LP bound comes
         first and they are solved from the least bound up, so a chunking that cannot beat the best schedule
         found is skipped (a skipped one could not have won; among exact ties the first solved wins)."""
-        targets = chunk_targets(self.trace, self.options)
+        targets = self.targets if self.targets is not None else chunk_targets(self.trace, self.options)
         if not (self.nodes and self.joint_placement):
             best = None
             for target in targets:

@@ -332,7 +332,7 @@ ROWS: list[Row] = [
     Row("trace_hf_seq_len_beyond_context", f"trace hf:GPT2LMHeadModel --seq-len 4096 {TRACE_OUT}", needs="transformers"),
     # plan
     Row("plan_output_is_the_trace", "plan {T} --gpu-mem 10MB -o {T}", process=True),
-    Row("plan_activations_unknown", "plan {T} --gpu-mem 10MB --activations auto -o {D}/p.json"),
+    Row("plan_activations_unknown", "plan {T} --gpu-mem 10MB --activations bogus -o {D}/p.json"),
     Row("plan_activations_forced_too_small", "plan {T} --gpu-mem 1KB --activations recompute -o {D}/p.json"),
     Row("plan_output_links_to_the_trace", "plan {T} --gpu-mem 10MB -o {D}/p.json", link("p.json", "{T}")),
     Row("plan_output_hard_link_to_the_trace", "plan {T} --gpu-mem 10MB -o {D}/p.json", hardlink("p.json", "t.parquet")),

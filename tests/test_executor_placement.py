@@ -58,7 +58,7 @@ def test_a_non_prefix_placement_trains_like_plain_pytorch(tmp_path, precision, t
     if precision == "bf16-mixed":  # issue 26's budget, found with the slack of segments kept (the default then)
         budgets, allocator = [3_692_480], "cached"
     else:  # the smallest budget plus a third, and two thirds, of the model data
-        low = min_gpu_bytes(trace).gpu_bytes
+        low = min_gpu_bytes(trace, activations="keep").gpu_bytes
         budgets = [low + trace.model_bytes * k // 6 for k in (2, 4)]
     trained = 0
     for gpu_bytes in budgets:

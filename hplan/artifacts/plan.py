@@ -215,6 +215,12 @@ class PlanSummary:
     """Predicted time of the recomputed segments' forwards per iteration (part of the predicted compute)."""
     placement_free: bool = False
     """The lower bound covers every optimizer placement of the chunking, not only the plan's own."""
+    activation_cost_bytes: int = 0
+    """--activations auto ([Note: auto activations]): the activation choices' part of the objective in link bytes
+    (offloaded bytes both ways + recompute seconds at the host→device bandwidth); `lower_bound_bytes` and `gap`
+    then bound `bytes_moved_per_iter` + this."""
+    activations_free: bool = False
+    """The lower bound covers every activation choice per segment, not only the plan's own."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

@@ -79,11 +79,14 @@ def register(app: typer.Typer) -> None:
                                                              "rate, GB/s.")] = None,
         nvme_write_gbps: Annotated[float | None, typer.Option("--nvme-write-gbps", help="Override the disk write "
                                                               "rate, GB/s.")] = None,
-        activations: Annotated[str, typer.Option("--activations", help="What every checkpointable segment (e.g. "
-                                                 "transformer block) does with its saved activations: keep "
-                                                 "(default, plain PyTorch), offload (to host memory until its "
-                                                 "backward) or recompute (rerun its forward in backward).")
-                               ] = "keep",
+        activations: Annotated[str, typer.Option("--activations", help="What checkpointable segments (e.g. "
+                                                 "transformer blocks) do with their saved activations: auto "
+                                                 "(default: per segment, decided with the model data's schedule "
+                                                 "in the exact model; keeps all where that fits), or for every "
+                                                 "segment keep (plain PyTorch), offload (to host memory until its "
+                                                 "backward) or recompute (rerun its forward in backward). "
+                                                 "With --gpus/--nodes or --nvme, auto keeps.")
+                               ] = "auto",
         allocator: Annotated[str, typer.Option("--allocator", help="Allocator slack to leave room for (predicted): "
                                                "release (default: PyTorch frees cached segments before it runs out of "
                                                "memory), expandable (for runs with PYTORCH_CUDA_ALLOC_CONF="
@@ -109,7 +112,7 @@ def _run(*, trace: Path, gpu_mem: str, output: Path | None, cpu_mem: str | None,
          chunk_size: str | None, solver: str | None, compare: bool, as_json: bool, effort: int = 1,
          world: dict | None = None, nvme: str | None = None, host: str | None = None,
          nvme_preset: str | None = None, nvme_read_gbps: float | None = None,
-         nvme_write_gbps: float | None = None, activations: str = "keep", allocator: str = "release") -> None:
+         nvme_write_gbps: float | None = None, activations: str = "auto", allocator: str = "release") -> None:
     from hplan.artifacts import Trace
     from hplan.artifacts.io import check_input, check_output
     from hplan.cli.common import emit_json, positive_number, progress_bar, size_option
@@ -139,6 +142,8 @@ def _run(*, trace: Path, gpu_mem: str, output: Path | None, cpu_mem: str | None,
     from hplan.cli.world import world_overrides
 
     many = world_overrides(world or {}, overrides, compare=compare)  # many ranks: hplan.cli.world
+    if activations == "auto" and (many is not None or nvme is not None):
+        activations = "keep"  # not planned there yet: the refusals below name the forced choices
     if many is not None and activations != "keep":
         raise HplanError(f"--activations {activations} with --gpus/--nodes is not supported yet; plan many GPUs with "
                          "--activations keep, or one GPU with --activations")
@@ -190,7 +195,7 @@ def _activation_warnings(plan: Plan, activations: str, trace: object) -> None:
 
     for line in fallbacks(plan):
         warn_line(line)
-    if activations != "keep" and not plan.activations:
+    if activations not in ("keep", "auto") and not plan.activations:
         warn_line(f"--activations {activations}: the trace has no checkpointable segments (modules in an "
                   "nn.ModuleList/nn.Sequential beside others of their class, not checkpointed by the model; or a "
                   "trace made before hplan recorded them), so every activation is kept")
@@ -245,8 +250,8 @@ def _print_summary(plan: Plan, output: Path | None) -> None:
                                     f"(h2d {format_size(s.h2d_bytes)}, d2h {format_size(s.d2h_bytes)})"),
         ("lower bound", f"{format_size(s.lower_bound_bytes)} (gap {s.gap:.1%}, solver {s.solver}"
                         f"{', optimal' if s.optimal else ''}; "
-                        f"{'any optimizer placement' if s.placement_free else 'this optimizer placement'} "
-                        "of these chunks)"),
+                        f"{'any optimizer placement' if s.placement_free else 'this optimizer placement'}"
+                        f"{_bound_scope(s)} of these chunks)"),
         ("predicted peak", format_size(s.predicted_peak_bytes)),
         ("minimum GPU", format_size(s.min_gpu_bytes)),
         ("predicted step time", f"{s.predicted_step_seconds:.3f} s ({split}; a plan, not a measurement)"),
@@ -276,6 +281,16 @@ def _print_summary(plan: Plan, output: Path | None) -> None:
         console.print(f"wrote {output}")
 
 
+def _bound_scope(s: object) -> str:
+    """--activations auto: the bound is on bytes moved + the activation choices' cost ([Note: auto activations])."""
+    from hplan.sizes import format_size
+
+    if not getattr(s, "activation_cost_bytes", 0) and not getattr(s, "activations_free", False):
+        return ""
+    return (f" and {'any activation choice' if getattr(s, 'activations_free') else 'these activation choices'}, "
+            f"on bytes moved + {format_size(getattr(s, 'activation_cost_bytes'))} of activation cost")
+
+
 def _activation_rows(plan: Plan) -> list[tuple[str, str]]:
     """The activation choices' line of the summary ([Note: plan activations])."""
     from hplan.sizes import format_size
@@ -287,6 +302,9 @@ def _activation_rows(plan: Plan) -> list[tuple[str, str]]:
     text = (f"{len(kinds)} segment calls: {kinds.count('keep')} kept, {kinds.count('offload')} offloaded "
             f"({format_size(s.activation_bytes_moved_per_iter)} moved per iteration), {kinds.count('recompute')} "
             f"recomputed ({s.recompute_seconds:.3f} s of compute)")
+    if plan.options.get("activations") == "auto":
+        text += (f"; chosen per segment (auto): {format_size(s.activation_cost_bytes)} of link-byte cost, the bound "
+                 f"covering {'every activation choice' if s.activations_free else 'these choices only'}")
     return [("activations", text)]
 
 

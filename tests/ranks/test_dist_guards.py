@@ -102,7 +102,7 @@ def root(tmp_path_factory) -> Path:
     from hplan.artifacts import Hardware
     from hplan.planner import PlanOptions, default_slack, make_plan, min_gpu_bytes
 
-    floor, slack = min_gpu_bytes(trace).gpu_bytes, default_slack(trace)
+    floor, slack = min_gpu_bytes(trace, activations="keep").gpu_bytes, default_slack(trace)
     make_plan(trace, Hardware(gpu="cpu", gpu_bytes=floor + trace.model_bytes // 4, slack_bytes=slack,
                               overlap=False)).save(root / "p1.json")
     disk = make_plan(trace, Hardware(gpu="cpu", gpu_bytes=floor, slack_bytes=slack, overlap=False,

@@ -34,7 +34,7 @@ from hplan.training import plain_losses
 def tier_plan(workload, *, share: float = 0.2, trace=None) -> Plan:
     """Fast tier at its minimum, host budget `share` of the model state, a disk."""
     trace = trace if trace is not None else trace_workload(workload, device="cpu", iters=2)
-    floor = min_gpu_bytes(trace).gpu_bytes
+    floor = min_gpu_bytes(trace, activations="keep").gpu_bytes
     hardware = Hardware(gpu="cpu", gpu_bytes=floor, slack_bytes=default_slack(trace), overlap=False,
                         host_bytes=int(share * trace.model_bytes), nvme_bytes=10**9)
     plan = make_plan(trace, hardware, PlanOptions(solver="fast"))

@@ -1,0 +1,191 @@
+"""Issue 24 — activations: `--activations auto` (each block's keep / offload / recompute decided with the model data's
+schedule in one exact model) against the forced choices and transformers' own gradient checkpointing, in one run.
+
+One workload: a transformers Llama decoder from its config (8 layers, hidden 256, fp32, for-loop AdamW so the CPU
+runs compare bit for bit), batch 4 × seq 1024 (seq 256 in --quick), traced on this CPU. Budgets and predicted step
+times are plans for the CPU fast tier (`--gpu cpu`, whose "link" is a measured memcpy rate); training runs, peaks,
+bytes moved and step times are measured on this CPU. No GPU figure anywhere.
+"""
+
+from __future__ import annotations
+
+import functools
+import statistics
+from dataclasses import replace
+from typing import Any
+
+from bench.context import Context
+from bench.harness import SectionOutput, Table, fmt_bytes, fmt_ratio, fmt_seconds
+
+CONFIG = {"num_hidden_layers": 8, "hidden_size": 256, "intermediate_size": 688, "num_attention_heads": 4,
+          "num_key_value_heads": 4, "vocab_size": 2048, "max_position_embeddings": 1024}
+SHAPE, QUICK_SHAPE = (4, 1024), (4, 256)
+CHOICES = ("keep", "offload", "recompute")
+BUDGETS = 5
+"""Budgets from auto's smallest to all-resident (keep's smallest plus the model data)."""
+TRAIN_STEPS = 3
+TIMED_STEPS = 4
+TIMED_ROUNDS = 3
+
+
+def _adamw(params: Any) -> Any:
+    import torch
+
+    return torch.optim.AdamW(params, lr=1e-3, foreach=False)
+
+
+def _checkpointed(build: Any) -> Any:
+    """transformers' `gradient_checkpointing_enable()` on every layer (non-reentrant), as a user writes it."""
+    model = build()
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    return model
+
+
+def workload(ctx: Context, *, checkpointing: bool = False) -> Any:
+    from hplan.specs import load_workload
+
+    batch, seq = QUICK_SHAPE if ctx.quick else SHAPE
+    w = load_workload("hf:LlamaForCausalLM", overrides=CONFIG, batch_size=batch, seq_len=seq)
+    w = replace(w, optimizer=_adamw)
+    return replace(w, model=functools.partial(_checkpointed, w.model)) if checkpointing else w
+
+
+def hardware(trace: Any, gpu_bytes: int) -> Any:
+    from hplan.planner import default_slack, make_hardware
+
+    return make_hardware("cpu", gpu_bytes=gpu_bytes, slack_bytes=default_slack(trace))
+
+
+def plan(trace: Any, gpu_bytes: int, choice: str = "auto") -> Any:
+    from hplan.planner import PlanOptions, make_plan
+
+    return make_plan(trace, hardware(trace, gpu_bytes), PlanOptions(activations=choice))
+
+
+def minimums(ctx: Context, trace: Any) -> tuple[Table, dict[str, int]]:
+    from hplan.planner import min_gpu_bytes
+    from hplan.tracer import trace_workload
+
+    hw = hardware(trace, 1)
+    mins = {c: min_gpu_bytes(trace, hw, activations=c).gpu_bytes for c in ("auto", *CHOICES)}
+    ckpt = trace_workload(workload(ctx, checkpointing=True), device="cpu")
+    mins["hf"] = min_gpu_bytes(ckpt, hardware(ckpt, 1), activations="keep").gpu_bytes
+    table = Table(headers=["", "auto", *CHOICES, "transformers' gradient checkpointing (traced as written, keep)"],
+                  caption="**`--gpu-mem min`** (plans for the CPU fast tier, from CPU traces): the smallest budget "
+                          "with each choice; auto picks per block.")
+    table.add("smallest budget", *(fmt_bytes(mins[c]) for c in ("auto", *CHOICES, "hf")))
+    table.add("auto ÷ this", "1", *(fmt_ratio(mins["auto"] / mins[c], 3) for c in (*CHOICES, "hf")))
+    return table, mins
+
+
+def trained(ctx: Context, trace: Any, budget: int) -> tuple[Table, dict[str, Any]]:
+    """Auto at its smallest budget, trained on this CPU against plain PyTorch (no checkpointing)."""
+    from hplan.executor import run_training
+    from hplan.training import plain_losses
+
+    w = workload(ctx)
+    p = plan(trace, budget)
+    report = run_training(w, p, steps=TRAIN_STEPS)
+    ref = plain_losses(w, TRAIN_STEPS)
+    diff = max(abs(a - b) / abs(b) for a, b in zip(report.losses, ref))
+    kinds = [c.choice for c in p.activations]
+    facts = {"diff": diff, "peak": report.peak_resident_bytes, "budget": budget,
+             "moved": (report.bytes_moved_per_iter, p.summary.bytes_moved_per_iter),
+             "act": (report.activation_bytes_moved_per_iter, p.summary.activation_bytes_moved_per_iter),
+             "choices": {k: kinds.count(k) for k in CHOICES}}
+    table = Table(headers=["measured on this CPU", "value", "plan"],
+                  caption=f"**Trained at auto's smallest budget** ({TRAIN_STEPS} steps; choices "
+                          f"{facts['choices']}): measured, against the plan.")
+    table.add("largest loss difference vs plain PyTorch (relative)", f"{diff:.1e}", "≤ 1e-5")
+    table.add("fast-tier peak (probe)", fmt_bytes(report.peak_resident_bytes), f"budget {fmt_bytes(budget)}")
+    table.add("model bytes moved / iteration", fmt_bytes(report.bytes_moved_per_iter),
+              fmt_bytes(p.summary.bytes_moved_per_iter))
+    table.add("activation bytes moved / iteration", fmt_bytes(report.activation_bytes_moved_per_iter),
+              fmt_bytes(p.summary.activation_bytes_moved_per_iter))
+    return table, facts
+
+
+def sweep(trace: Any, mins: dict[str, int]) -> tuple[Table, bool, int]:
+    """Predicted step time of every choice between auto's smallest budget and all-resident (plans)."""
+    low, high = mins["auto"], mins["keep"] + trace.model_bytes
+    table = Table(headers=["budget", "auto choices (k/o/r)", "auto", *CHOICES, "auto gap (certified)"],
+                  caption="**Predicted step time** (plans for the CPU fast tier; '—' where the forced choice does "
+                          "not fit). Auto minimises link bytes + recompute seconds × the tier's copy rate, which on "
+                          "this tier (no copy engines) is its step time's changing part.")
+    ok = True
+    for k in range(BUDGETS):
+        budget = low + (high - low) * k // (BUDGETS - 1)
+        plans = {c: plan(trace, budget, c) for c in ("auto", *CHOICES)}
+        a = plans["auto"].summary
+        kinds = [c.choice for c in plans["auto"].activations]
+        cells = []
+        for c in CHOICES:
+            s = plans[c].summary
+            if s.feasible:
+                ok &= a.predicted_step_seconds <= s.predicted_step_seconds * (1 + 1e-9)
+                cells.append(fmt_seconds(s.predicted_step_seconds, 3))
+            else:
+                cells.append("—")
+        table.add(fmt_bytes(budget), "/".join(str(kinds.count(c)) for c in CHOICES),
+                  fmt_seconds(a.predicted_step_seconds, 3), *cells, f"{a.gap:.2%}")
+    return table, ok, low + (high - low) // 2
+
+
+def timed(ctx: Context, trace: Any, budget: int) -> tuple[Table, float]:
+    """Measured CPU step time of auto and all-recompute at one budget: the fastest step after the first over
+    interleaved runs (the least disturbed by other jobs on a shared machine)."""
+    from hplan.executor import run_training
+
+    w = workload(ctx)
+    plans = {c: plan(trace, budget, c) for c in ("auto", "recompute")}
+    runs: dict[str, list[float]] = {c: [] for c in plans}
+    for _ in range(TIMED_ROUNDS):
+        for c, p in plans.items():
+            report = run_training(w, p, steps=TIMED_STEPS, measure=False)
+            runs[c] += list(report.step_seconds[1:])
+    best = {c: min(v) for c, v in runs.items()}
+    spread = {c: statistics.median(v) for c, v in runs.items()}
+    table = Table(headers=["at " + fmt_bytes(budget), "auto", "every block recomputed"],
+                  caption=f"**Measured step time on this CPU** (no probe; fastest of steps 2–{TIMED_STEPS} over "
+                          f"{TIMED_ROUNDS} interleaved runs each, median beside it).")
+    table.add("step time, fastest", fmt_seconds(best["auto"], 3), fmt_seconds(best["recompute"], 3))
+    table.add("step time, median", fmt_seconds(spread["auto"], 3), fmt_seconds(spread["recompute"], 3))
+    table.add("predicted (plan)", *(fmt_seconds(plans[c].summary.predicted_step_seconds, 3) for c in plans))
+    return table, best["auto"] / best["recompute"]
+
+
+def run(ctx: Context) -> SectionOutput:
+    from hplan.tracer import trace_workload
+
+    out = SectionOutput()
+    batch, seq = QUICK_SHAPE if ctx.quick else SHAPE
+    ctx.log(f"[bench]   activations: tracing the 8-layer Llama at batch {batch} x seq {seq} on the CPU")
+    trace = trace_workload(workload(ctx), device="cpu")
+    label = f"8-layer Llama (hidden 256), batch {batch} × seq {seq}"
+    found = out.part("minimums", lambda: minimums(ctx, trace), log=ctx.log)
+    if found is None:
+        return out
+    out.tables.append(found[0])
+    mins = found[1]
+    out.headline.append(f"{label}: auto's smallest budget is {mins['auto'] / mins['keep']:.3f}× keep's "
+                        f"(≤ 1/3 asked) and {mins['auto'] / mins['hf']:.3f}× transformers' gradient checkpointing's (≤ 1.02× "
+                        "asked) — plans")
+    done = out.part("trained at the minimum", lambda: trained(ctx, trace, mins["auto"]), log=ctx.log)
+    if done is not None:
+        out.tables.append(done[0])
+        f = done[1]
+        exact = f["moved"][0] == f["moved"][1] and f["act"][0] == f["act"][1]
+        out.headline.append(f"{label}, trained at auto's minimum on this CPU: loss difference {f['diff']:.1e} "
+                            f"(≤ 1e-5 asked), peak {fmt_bytes(f['peak'])} of {fmt_bytes(f['budget'])}, bytes moved "
+                            f"{'equal to' if exact else 'DIFFERENT from'} the plan's — measured")
+    swept = out.part("step-time sweep", lambda: sweep(trace, mins), log=ctx.log)
+    if swept is not None:
+        out.tables.append(swept[0])
+        out.headline.append(f"{label}: auto's predicted step time ≤ every forced choice's at all {BUDGETS} budgets: "
+                            f"{'yes' if swept[1] else 'NO'} — plans")
+        t = out.part("measured step time", lambda: timed(ctx, trace, swept[2]), log=ctx.log)
+        if t is not None:
+            out.tables.append(t[0])
+            out.headline.append(f"{label}: measured CPU step time, auto ÷ every block recomputed at the middle "
+                                f"budget = {t[1]:.3f}× (≤ 1.0× asked) — measured")
+    return out
