@@ -8,7 +8,8 @@ users would otherwise run.
 
 from hplan.artifacts.hardware import Hardware
 from hplan.artifacts.trace import Trace
-from hplan.planner.core import make_plan, validate
+from hplan.planner.core import validate
+from hplan.planner.make import make_plan
 from hplan.planner.options import GPU_PRESETS, PlanOptions, make_hardware
 from hplan.planner.problem import MinGpu, build, group_params, min_gpu
 from hplan.planner.baselines.sweep import BASELINE_KEYS, sweep

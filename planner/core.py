@@ -1,4 +1,4 @@
-"""make_plan: search chunkings, solving each one's placement and schedule, then close the winner's gap.
+"""The planner's core: search chunkings, solving each one's placement and schedule, then close the winner's gap.
 
 The search (`planner.search`) solves each chunking's joint model (every chunk's update placement and the
 schedule, [Note: placement in the model]) by branch and bound under a small node limit, or at effort 0 scores
@@ -17,8 +17,7 @@ from hplan.artifacts.plan import Plan, PlanSummary
 from hplan.artifacts.replay import Replay, replay, validate  # noqa: F401  (re-exported)
 from hplan.sizes import format_size
 from hplan.artifacts.trace import Trace
-from hplan.errors import HplanError
-from hplan.planner.activations import Decision, decide, min_gpu_with, transform, with_activations
+from hplan.planner.activations import Decision, min_gpu_with, transform, with_activations
 from hplan.planner.exact import lp_bound, solve_milp
 from hplan.planner.options import PlanOptions
 from hplan.planner.problem import PARAM_CHUNKS, MinGpu, min_gpu, placement_rule
@@ -57,30 +56,6 @@ def _exact_targets(search: Search, best: Scored, options: PlanOptions) -> list[S
     else:
         rest = [c for c in search.solved if c is not best]
     return [best] + rest
-
-
-def make_plan(trace: Trace, hardware: Hardware, options: PlanOptions | None = None, *,
-              on_progress: Progress | None = None) -> Plan:
-    """The cheapest schedule found for `hardware`; infeasible budgets give summary.feasible False, never raise.
-    `on_progress(done, total, message)` is called as candidates are scored and solved."""
-    options = options or PlanOptions()
-    if not trace.events:
-        raise HplanError("the trace has no events: re-run `hplan trace` on a workload with parameters")
-    if options.activations not in ("keep", "auto") and hardware.nvme_bytes is not None:
-        raise HplanError(f"--activations {options.activations} with --nvme is not supported yet (the host tier does "
-                         "not plan activation copies); use --activations keep with --nvme")
-    if options.activations == "auto" and trace.segments and hardware.nvme_bytes is None:
-        from hplan.planner.activation_auto import plan_auto
-
-        plan = plan_auto(trace, hardware, options, on_progress)
-    else:  # auto with a disk tier keeps every segment (see above)
-        choice = "keep" if options.activations == "auto" else options.activations
-        plan = plan_decisions(trace, hardware, options, decide(trace, choice), on_progress)
-    if options.compare:
-        from hplan.planner.baselines import simulate_baselines
-
-        plan = replace(plan, baselines=simulate_baselines(trace, hardware))
-    return plan
 
 
 def plan_decisions(original: Trace, hardware: Hardware, options: PlanOptions, decisions: tuple[Decision, ...],

@@ -79,7 +79,8 @@ def test_auto_minimum_is_at_most_every_forced_minimum_and_plans_there(case, requ
     auto = min_gpu_bytes(trace).gpu_bytes
     forced = {c: min_gpu_bytes(trace, activations=c).gpu_bytes for c in FORCED}
     assert auto == min_gpu_bytes(trace, activations="auto").gpu_bytes <= min(forced.values())
-    assert auto < 0.7 * forced["keep"]
+    slack = default_slack(trace)  # the same for every choice (a small model's is a 2 MiB segment or more)
+    assert auto - slack < 0.7 * (forced["keep"] - slack)
     plan = make_plan(trace, cpu(trace, auto))
     assert plan.summary.feasible and plan.summary.min_gpu_bytes == auto
     validate(plan)

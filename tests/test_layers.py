@@ -37,7 +37,7 @@ SUB_ROOM_ENTRIES = {
     ("hplan.executor.train", "hplan.executor.checkpoints.checkpoint"),
     ("hplan.executor.train", "hplan.executor.checkpoints.checkpoint_dir"),
     ("hplan.planner", "hplan.planner.baselines.sweep"),
-    ("hplan.planner.core", "hplan.planner.baselines"),
+    ("hplan.planner.make", "hplan.planner.baselines"),
     ("hplan.planner.core", "hplan.planner.tiers.host"),
 }
 """The only places where a package's root imports one of its sub-rooms (the sub-rooms import the root freely):

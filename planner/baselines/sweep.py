@@ -10,7 +10,7 @@ from hplan.artifacts.hardware import Hardware
 from hplan.artifacts.trace import Trace
 from hplan.errors import HplanError
 from hplan.planner.baselines import simulate_baselines
-from hplan.planner.core import make_plan
+from hplan.planner.make import make_plan
 from hplan.planner.options import PlanOptions
 
 BASELINE_KEYS: tuple[str, ...] = ("zero_offload", "zero3_offload", "gemini", "all_on_gpu", "zero_offload_ckpt",

@@ -13,7 +13,7 @@ from dataclasses import replace
 
 from hplan.artifacts.hardware import Hardware
 from hplan.artifacts.trace import Trace
-from hplan.planner.core import make_plan
+from hplan.planner.make import make_plan
 from hplan.planner.options import PlanOptions
 from hplan.planner.tiers.host import plan_tiers
 

@@ -1,0 +1,40 @@
+"""make_plan: the planner's entry point — one activation decision (forced, or auto's joint choice) and the
+baselines beside the plan when asked. Kept apart from `planner.core` so the auto decision (`activation_auto`),
+which drives the core's search, is imported by the entry point and never by the core it calls.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+from hplan.artifacts.hardware import Hardware
+from hplan.artifacts.plan import Plan
+from hplan.artifacts.trace import Trace
+from hplan.errors import HplanError
+from hplan.planner.activation_auto import plan_auto
+from hplan.planner.activations import decide
+from hplan.planner.core import plan_decisions
+from hplan.planner.options import PlanOptions
+from hplan.planner.search import Progress
+
+
+def make_plan(trace: Trace, hardware: Hardware, options: PlanOptions | None = None, *,
+              on_progress: Progress | None = None) -> Plan:
+    """The cheapest schedule found for `hardware`; infeasible budgets give summary.feasible False, never raise.
+    `on_progress(done, total, message)` is called as candidates are scored and solved."""
+    options = options or PlanOptions()
+    if not trace.events:
+        raise HplanError("the trace has no events: re-run `hplan trace` on a workload with parameters")
+    if options.activations not in ("keep", "auto") and hardware.nvme_bytes is not None:
+        raise HplanError(f"--activations {options.activations} with --nvme is not supported yet (the host tier does "
+                         "not plan activation copies); use --activations keep with --nvme")
+    if options.activations == "auto" and trace.segments and hardware.nvme_bytes is None:
+        plan = plan_auto(trace, hardware, options, on_progress)
+    else:  # auto with a disk tier keeps every segment (see above)
+        choice = "keep" if options.activations == "auto" else options.activations
+        plan = plan_decisions(trace, hardware, options, decide(trace, choice), on_progress)
+    if options.compare:
+        from hplan.planner.baselines import simulate_baselines
+
+        plan = replace(plan, baselines=simulate_baselines(trace, hardware))
+    return plan
