@@ -137,7 +137,7 @@ def test_mixed_auto_plans_train_as_plain_pytorch_within_budget(case, request):
     """Budgets where auto mixes its choices: losses as plain PyTorch without checkpointing, the fast tier measured
     within budget, and the model and activation bytes moved equal to the plan's."""
     workload, trace = request.getfixturevalue(case)
-    plan = _mixed(trace, (32.0,) if case == "tiny" else (0.02, SLOW_LINK, 0.2))
+    plan = _mixed(trace, (32.0,) if case == "tiny" else (0.02, SLOW_LINK, 0.2, 2.0, 32.0))
     report = run_training(workload, plan, steps=3)
     reference = plain_losses(workload, 3)
     assert max(abs(a - b) / abs(b) for a, b in zip(report.losses, reference)) <= 1e-5
