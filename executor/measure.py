@@ -44,6 +44,10 @@ class WindowMeter:
             self.probe.reset_peak()
             yield
 
+    def host_work(self) -> contextlib.AbstractContextManager[None]:
+        """Allocations inside are host memory (a host update's fp32 gradients): not the fast tier's."""
+        return self.probe.host_work()
+
     def close_window(self) -> int:
         """The peak since the previous call; starts the next window at the current level."""
         peak = int(self.probe.max_allocated_bytes())
