@@ -5,12 +5,10 @@ for when each runs."""
 
 from __future__ import annotations
 
-import contextlib
 from typing import Any
 
 from hplan.executor.batch import UpdateBatch
 from hplan.executor.gradients import Clip
-from hplan.executor.measure import WindowMeter
 from hplan.executor.scale import LossScale
 from hplan.executor.tripwires import EagerWatch
 from hplan.executor.update import ChunkUpdate
@@ -38,13 +36,6 @@ class UpdateSteps:
     _batches: dict[tuple[int, ...], UpdateBatch]
     _updated: set[int]
     _skip_next: bool
-    meter: WindowMeter | None
-
-    def _memory_of(self, where: str) -> contextlib.AbstractContextManager[None]:
-        """Where an update's temporaries live: the host's memory for a host update, else the fast tier's."""
-        if where == "cpu" and self.meter is not None:
-            return self.meter.host_work()
-        return contextlib.nullcontext()
 
     def _update(self, chunks: tuple[int, ...] | list[int], step: Step) -> None:
         """The updates of these chunks, together (one optimizer call per place and param group). With a host
@@ -55,10 +46,10 @@ class UpdateSteps:
                 raise HplanError(f"plan step {step.index} updates chunk {c} on the host while it is on the fast tier")
         phased = sorted(c for c in chunks if self.host.phased and self.updates[c].where == "cpu")
         for c in phased:
-            with self._memory_of("cpu"):
+            with self._memory_of("cpu"):  # type: ignore[attr-defined]  (GradientOps)
                 self.host.begin_update(step, c)
             self._step_batch([c], step)
-            with self._memory_of("cpu"):
+            with self._memory_of("cpu"):  # type: ignore[attr-defined]  (GradientOps)
                 self.host.end_update(step, c)
         rest = [c for c in chunks if c not in phased]
         if rest:
@@ -73,15 +64,13 @@ class UpdateSteps:
         parts = [(part, where) for where in ("cpu", "gpu")
                  if (part := [c for c in chunks if (self.updates[c].where == "cpu") == (where == "cpu")])]
         if self.nonfinite != "ignore" and not self.plan.defer_updates:
-            for part, where in parts:  # every part checked before any is stepped
-                with self._memory_of(where):
-                    self._check_finite(part, step)  # type: ignore[attr-defined]  (GradientOps)
+            self._check_finite(chunks, step)  # type: ignore[attr-defined]  (GradientOps)
         for part, where in parts:
             key = tuple(part)
             batch = self._batches.get(key)
             if batch is None:
                 batch = self._batches[key] = UpdateBatch([self.updates[c] for c in part])
-            with self._memory_of(where):
+            with self._memory_of(where):  # type: ignore[attr-defined]  (GradientOps)
                 batch.step(self.written, inv_scale=self.loss_scale.inverse() if self.loss_scale else None,
                            clip=tuple(self.clips) if self.master else ())
         self._updated.update(chunks)
