@@ -10,6 +10,7 @@ A clip after chunks were updated during backward cannot be honoured and is refus
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -20,6 +21,7 @@ from hplan.errors import HplanError
 from hplan.executor.tripwires import FIX
 
 if TYPE_CHECKING:
+    from hplan.executor.measure import WindowMeter
     from hplan.executor.regions import RegionStore
     from hplan.executor.scale import LossScale
     from hplan.executor.update import ChunkUpdate
@@ -38,6 +40,31 @@ class GradientOps:
     clips: list[Clip]
     _names: dict[int, str]
     _updated: set[int]
+    meter: WindowMeter | None
+
+    def _memory_of(self, where: str) -> contextlib.AbstractContextManager[None]:
+        """Where an update's temporaries live: the host's memory for a host update ("cpu"), else the fast tier's
+        ([Note: host work off the fast tier])."""
+        if where == "cpu" and self.meter is not None:
+            return self.meter.host_work()
+        return contextlib.nullcontext()
+
+    def _norms(self, names: list[str], norm: Callable[[torch.Tensor], torch.Tensor]) -> list[torch.Tensor]:
+        """`norm` of each named gradient, in order. With a master recipe each fp32 copy is made, measured and
+        dropped in turn, in the memory of the tier its chunk updates on: one parameter's fp32 gradient at a
+        time, never every chunk's at once (which neither tier's plan makes room for)."""
+        if not self.master:
+            return [norm(g) for g in self._grads(names)]
+        out = []
+        for n in names:
+            with self._memory_of(self.updates[self.store.chunk_of[n]].where):
+                out.append(norm(self._grads([n])[0]))
+        return out
+
+    def _first_nonfinite(self, names: list[str]) -> str | None:
+        if not self.master:
+            return first_nonfinite(names, self._grads(names))
+        return first_nonfinite_norm(names, self._norms(names, lambda g: torch._foreach_norm([g])[0]))
 
     def manages(self, params: list[torch.Tensor]) -> bool:
         store = self.store
@@ -54,10 +81,10 @@ class GradientOps:
         """Plain PyTorch's clip_grad_norm_ over the gradients written this iteration (the given parameters'),
         computed where the gradients are; returns the total norm. With a master recipe the norm is of the fp32
         master gradients (unscaled) and the clip applies to them at the update, as the reference does."""
-        grads = self._grads(self._written_of(params, "clip_grad_norm_"))
-        if not grads:
+        names = self._written_of(params, "clip_grad_norm_")
+        if not names:
             return torch.zeros(())
-        norms = [torch.linalg.vector_norm(g, norm_type) for g in grads]
+        norms = self._norms(names, lambda g: torch.linalg.vector_norm(g, norm_type))
         total = torch.linalg.vector_norm(torch.stack([n.to(norms[0].device) for n in norms]), norm_type)
         if error_if_nonfinite and not torch.isfinite(total):
             raise HplanError(f"the total norm of the gradients is {float(total)}; it cannot be clipped")
@@ -66,7 +93,7 @@ class GradientOps:
             self.clips.append(Clip(_subset(names, self.written), lambda g: g.mul_(coef.to(g.device))))
         else:
             with torch.no_grad():
-                for g in grads:
+                for g in self._grads(names):
                     g.mul_(coef.to(g.device))
         return total
 
@@ -111,11 +138,11 @@ class GradientOps:
     def _any_nonfinite(self, names: list[str] | None = None) -> bool:
         """Is any written gradient inf or NaN (see first_nonfinite)?"""
         names = sorted(self.written) if names is None else names
-        return first_nonfinite(names, self._grads(names)) is not None
+        return self._first_nonfinite(names) is not None
 
     def _check_finite(self, chunks: tuple[int, ...] | list[int], step: Any) -> None:
         names = [n for c in chunks for n in self.updates[c].names if n in self.written]
-        bad = first_nonfinite(names, self._grads(names))
+        bad = self._first_nonfinite(names)
         if bad is not None:
             raise HplanError(nonfinite_message(bad, self.training_step(), step))
 
@@ -130,7 +157,13 @@ def first_nonfinite(names: list[str], grads: list[torch.Tensor]) -> str | None:
     with)."""
     if not grads:
         return None
-    norms = torch._foreach_norm(grads)
+    return first_nonfinite_norm(names, list(torch._foreach_norm(grads)))
+
+
+def first_nonfinite_norm(names: list[str], norms: list[torch.Tensor]) -> str | None:
+    """The name of the first gradient whose norm is inf or NaN, or None."""
+    if not norms:
+        return None
     finite = torch.isfinite(torch.stack([n.float().cpu() for n in norms]))
     if bool(finite.all()):
         return None

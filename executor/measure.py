@@ -3,6 +3,15 @@
 The probe counts tensor storages allocated while it tracks; chunk refills resize existing storages
 (no dispatched allocation), so what it sees is the non-model memory: activations, temporaries,
 gradients before they are moved into their chunk.
+
+[Note: host work off the fast tier] A host update's fp32 gradients (a master recipe's unscaled copies), the
+state it creates and the host tier's own bookkeeping (staging, disk reads, the placeholders a dropped region's
+views point at) are host memory: the plan counts them in the host phase (`temp_bytes` in
+hplan.artifacts.host_replay), never against the fast tier's budget. On CUDA the allocator never sees them. On
+the CPU twin both tiers are the same RAM and the probe counts every CPU storage, so that work runs inside
+`WindowMeter.host_work`, which sets its allocations aside; counted, they showed up as fast-tier bytes the plan
+never made room for (gpt:mini bf16-mixed at --slack 0B: +1.1 MB at backward:h.5.mlp.c_fc, the fp32 copy of
+the chunk updated there). Everything else a step allocates, fast-tier updates included, is still counted.
 """
 
 from __future__ import annotations
@@ -43,6 +52,10 @@ class WindowMeter:
         with self.probe.track():
             self.probe.reset_peak()
             yield
+
+    def host_work(self) -> contextlib.AbstractContextManager[None]:
+        """Allocations inside are host memory (a host update's fp32 gradients): not the fast tier's."""
+        return self.probe.host_work()
 
     def close_window(self) -> int:
         """The peak since the previous call; starts the next window at the current level."""

@@ -249,7 +249,8 @@ class PlanRun(UpdateSteps, GradientOps, StateSync):
 
     def _do_step(self, step: Step) -> None:
         store = self.store
-        self.host.begin_step(step)
+        with self._memory_of("cpu"):  # the host tier's own work: staging, disk I/O, placeholders
+            self.host.begin_step(step)
         writeback = set(step.writeback)
         for rid in step.evict:
             store.evict(rid, writeback=rid in writeback)

@@ -46,9 +46,11 @@ class UpdateSteps:
                 raise HplanError(f"plan step {step.index} updates chunk {c} on the host while it is on the fast tier")
         phased = sorted(c for c in chunks if self.host.phased and self.updates[c].where == "cpu")
         for c in phased:
-            self.host.begin_update(step, c)
+            with self._memory_of("cpu"):  # type: ignore[attr-defined]  (GradientOps)
+                self.host.begin_update(step, c)
             self._step_batch([c], step)
-            self.host.end_update(step, c)
+            with self._memory_of("cpu"):  # type: ignore[attr-defined]  (GradientOps)
+                self.host.end_update(step, c)
         rest = [c for c in chunks if c not in phased]
         if rest:
             self._step_batch(rest, step)
@@ -56,15 +58,21 @@ class UpdateSteps:
             self.watch.updated_early(len(chunks))
 
     def _step_batch(self, chunks: list[int], step: Step) -> None:
-        """Check (unless deferred) and step these chunks' updates as one UpdateBatch; fast-tier regions dirty."""
+        """Check (unless deferred) and step these chunks' updates, one UpdateBatch per place; fast-tier regions
+        dirty. Host updates run as host work ([Note: host work off the fast tier]): their fp32 gradients are host
+        memory, which the plan counts in the host phase, not in the fast tier's budget."""
+        parts = [(part, where) for where in ("cpu", "gpu")
+                 if (part := [c for c in chunks if (self.updates[c].where == "cpu") == (where == "cpu")])]
         if self.nonfinite != "ignore" and not self.plan.defer_updates:
             self._check_finite(chunks, step)  # type: ignore[attr-defined]  (GradientOps)
-        key = tuple(chunks)
-        batch = self._batches.get(key)
-        if batch is None:
-            batch = self._batches[key] = UpdateBatch([self.updates[c] for c in chunks])
-        batch.step(self.written, inv_scale=self.loss_scale.inverse() if self.loss_scale else None,
-                   clip=tuple(self.clips) if self.master else ())
+        for part, where in parts:
+            key = tuple(part)
+            batch = self._batches.get(key)
+            if batch is None:
+                batch = self._batches[key] = UpdateBatch([self.updates[c] for c in part])
+            with self._memory_of(where):  # type: ignore[attr-defined]  (GradientOps)
+                batch.step(self.written, inv_scale=self.loss_scale.inverse() if self.loss_scale else None,
+                           clip=tuple(self.clips) if self.master else ())
         self._updated.update(chunks)
         for c in chunks:
             if self.updates[c].where == "gpu":

@@ -102,6 +102,7 @@ class MemoryProbe(Protocol):
     def reset_peak(self) -> None: ...
     def reserved_bytes(self) -> int: ...
     def overhead_bytes(self) -> int: ...
+    def host_work(self) -> contextlib.AbstractContextManager[None]: ...
 
 
 class _Watch(TorchDispatchMode):
@@ -110,10 +111,12 @@ class _Watch(TorchDispatchMode):
     def __init__(self, ledger: StorageLedger, device_type: str) -> None:
         super().__init__()
         self.ledger, self.device_type = ledger, device_type
+        self.counting = True
+        """False inside TensorProbe.host_work: what is allocated then is another tier's memory."""
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         out = func(*args, **(kwargs or {}))
-        outputs = tensors_in(out)
+        outputs = tensors_in(out) if self.counting else None
         if not outputs:
             return out
         live = self.ledger.live
@@ -165,11 +168,31 @@ class TensorProbe:
     def __init__(self, device: str = "cpu", ledger: StorageLedger | None = None) -> None:
         self.device = torch.device(device)
         self.ledger = ledger if ledger is not None else StorageLedger()
+        self._watch: _Watch | None = None
 
     @contextlib.contextmanager
     def track(self) -> Iterator[None]:
-        with _Watch(self.ledger, self.device.type):
+        with _Watch(self.ledger, self.device.type) as watch:
+            self._watch = watch
+            try:
+                yield
+            finally:
+                self._watch = None
+
+    @contextlib.contextmanager
+    def host_work(self) -> Iterator[None]:
+        """Work that runs in host memory, not on the fast tier (the CPU twin's host updates): its storages are
+        not counted. On CPU both tiers are the same RAM, so only the caller knows which tier an allocation
+        belongs to; on CUDA the allocator never sees host tensors ([Note: host work off the fast tier])."""
+        watch = self._watch
+        if watch is None or not watch.counting:
             yield
+            return
+        watch.counting = False
+        try:
+            yield
+        finally:
+            watch.counting = True
 
     def allocated_bytes(self) -> int:
         return self.ledger.total
@@ -202,6 +225,11 @@ class CudaProbe:
 
     @contextlib.contextmanager
     def track(self) -> Iterator[None]:
+        yield
+
+    @contextlib.contextmanager
+    def host_work(self) -> Iterator[None]:
+        """Host tensors never reach the CUDA allocator: nothing to set aside."""
         yield
 
     def allocated_bytes(self) -> int:

@@ -288,18 +288,30 @@ class DistRun:
         mine = tuple(c for c in chunks if c in self.updates)  # a piece that is padding only has no update
         if not mine:
             return
+        parts = [(part, where) for where in ("cpu", "gpu")
+                 if (part := tuple(c for c in mine if (self.updates[c].where == "cpu") == (where == "cpu")))]
         if self.nonfinite == "stop":
-            self._check_finite(mine, step)
-        batch = self._batches.get(mine)
-        if batch is None:
-            batch = self._batches[mine] = UpdateBatch([self.updates[c] for c in mine])
-        batch.step(self.written)
+            for part, where in parts:  # every part checked before any is stepped
+                with self._memory_of(where):
+                    self._check_finite(part, step)
+        for part, where in parts:  # host updates' temporaries are host memory ([Note: host work off the fast tier])
+            batch = self._batches.get(part)
+            if batch is None:
+                batch = self._batches[part] = UpdateBatch([self.updates[c] for c in part])
+            with self._memory_of(where):
+                batch.step(self.written)
         for c in mine:
             if self.updates[c].where == "gpu":
                 for kind in ("param", "master", "state"):
                     rid = self.store.region(c, kind)
                     if rid is not None:
                         self.store.mark_dirty(rid)
+
+    def _memory_of(self, where: str) -> contextlib.AbstractContextManager[None]:
+        """Where an update's temporaries live: the host's memory for a host update, else the fast tier's."""
+        if where == "cpu" and self.meter is not None:
+            return self.meter.host_work()
+        return contextlib.nullcontext()
 
     def _check_finite(self, chunks: tuple[int, ...], step: Step) -> None:
         """This rank's gradient pieces about to be used, all finite — or stop, naming the parameter and the training

@@ -49,11 +49,8 @@ def test_gpt_350m_trains_from_disk_within_a_fifth_of_its_state(tmp_path: Path, p
     state = Trace.load(trace).model_bytes
     assert abs(state - 5.68e9) < 0.01e9
     cpu = state // 5
-    # --allocator cached: the margin this test was written with. With the at-budget slack (2026-11, issue 24) the
-    # bf16-mixed run used 2.9 MB more of the fast tier than planned at backward:wte.4 and its budget guard stopped
-    # it: a non-model underestimate on the disk tier's path that the larger slack used to hide (open).
     summary = json.loads(hplan("plan", str(trace), "--gpu", "cpu", "--gpu-mem", "min", "--cpu-mem", f"{cpu}B",
-                               "--nvme", "20GB", "--allocator", "cached", "--json", "-o", str(plan)))["summary"]
+                               "--nvme", "20GB", "--json", "-o", str(plan)))["summary"]
     report = json.loads(hplan("run", *workload_args, "--plan", str(plan), "--steps", str(STEPS),
                               "--nvme-dir", str(nvme),
                               "--json"))
