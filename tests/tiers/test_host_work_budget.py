@@ -29,9 +29,10 @@ STEPS = 2
 def zero_slack_plan(trace, *, disk: bool, share: float = 0.2) -> Plan:
     """The fast tier at its minimum with no slack; host memory `share` of the model state and a disk, or room for
     all of it (host updates without a disk tier)."""
-    floor = min_gpu_bytes(trace, Hardware(gpu="cpu", gpu_bytes=1, slack_bytes=0)).gpu_bytes
     host = (dict(host_bytes=int(share * trace.model_bytes), nvme_bytes=10**10) if disk
             else dict(host_bytes=2 * trace.model_bytes))
+    # The minimum for this hardware: with a disk tier auto keeps every block, and so does its minimum.
+    floor = min_gpu_bytes(trace, Hardware(gpu="cpu", gpu_bytes=1, slack_bytes=0, **host)).gpu_bytes
     hardware = Hardware(gpu="cpu", gpu_bytes=floor, slack_bytes=0, overlap=False, **host)
     plan = make_plan(trace, hardware, PlanOptions(solver="fast"))
     assert plan.summary.feasible, plan.summary.bottleneck
