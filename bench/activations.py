@@ -204,6 +204,19 @@ def capacity(ctx: Context) -> tuple[Table, dict[str, Any]]:
     return table, facts
 
 
+def capacity_headline(f: dict[str, Any]) -> str:
+    """The goal is met only where every condition holds: the ratio, parity, the peak within budget, exact bytes."""
+    exact = f["moved"][0] == f["moved"][1] and f["act"][0] == f["act"][1]
+    met = f["ratio"] >= CAPACITY_GOAL and f["diff"] <= 1e-5 and f["peak"] <= f["budget"] and exact
+    return (f"{CAPACITY_LAYERS}-layer Llama (hidden 256, vocab 2048), batch {CAPACITY_SHAPE[0]} × seq "
+            f"{CAPACITY_SHAPE[1]}: capacity (model state {fmt_bytes(f['model'])} + plain-step activations at peak "
+            f"{fmt_bytes(f['held'])}) ÷ auto's smallest budget {fmt_bytes(f['budget'])} = {f['ratio']:.2f}× (goal ≥ "
+            f"{CAPACITY_GOAL:g}×: {'met' if met else 'NOT met'}; {fmt_bytes(f['slack'])} of the budget is predicted "
+            f"allocator slack; {f['expandable']:.2f}× under `--allocator expandable`), loss difference "
+            f"{f['diff']:.1e}, peak {fmt_bytes(f['peak'])}, bytes moved {'equal to' if exact else 'DIFFERENT from'} "
+            "the plan's — budget planned, the rest measured on this CPU")
+
+
 def run(ctx: Context) -> SectionOutput:
     from hplan.tracer import trace_workload
 
@@ -245,14 +258,5 @@ def run(ctx: Context) -> SectionOutput:
     cap = out.part("capacity", lambda: capacity(ctx), log=ctx.log)
     if cap is not None:
         out.tables.append(cap[0])
-        f = cap[1]
-        exact = f["moved"][0] == f["moved"][1] and f["act"][0] == f["act"][1]
-        met = f["ratio"] >= CAPACITY_GOAL and f["diff"] <= 1e-5 and f["peak"] <= f["budget"] and exact
-        out.headline.append(
-            f"{CAPACITY_LAYERS}-layer Llama (hidden 256, vocab 2048), batch {CAPACITY_SHAPE[0]} × seq "
-            f"{CAPACITY_SHAPE[1]}: capacity (model state {fmt_bytes(f['model'])} + plain-step activations at peak "
-            f"{fmt_bytes(f['held'])}) ÷ auto's smallest budget {fmt_bytes(f['budget'])} = {f['ratio']:.2f}× (goal ≥ "
-            f"{CAPACITY_GOAL:g}×: {'met' if met else 'NOT met'}; {fmt_bytes(f['slack'])} of the budget is predicted "
-            f"allocator slack; {f['expandable']:.2f}× under `--allocator expandable`), loss difference {f['diff']:.1e}, peak {fmt_bytes(f['peak'])}, bytes moved "
-            f"{'equal to' if exact else 'DIFFERENT from'} the plan's — budget planned, the rest measured on this CPU")
+        out.headline.append(capacity_headline(cap[1]))
     return out
