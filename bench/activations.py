@@ -211,8 +211,8 @@ def capacity_headline(f: dict[str, Any]) -> str:
     return (f"{CAPACITY_LAYERS}-layer Llama (hidden 256, vocab 2048), batch {CAPACITY_SHAPE[0]} × seq "
             f"{CAPACITY_SHAPE[1]}: capacity (model state {fmt_bytes(f['model'])} + plain-step activations at peak "
             f"{fmt_bytes(f['held'])}) ÷ auto's smallest budget {fmt_bytes(f['budget'])} = {f['ratio']:.2f}× "
-            f"(goal ≥ {CAPACITY_GOAL:g}×: {'met' if met else 'NOT met'}; {fmt_bytes(f['slack'])} of the budget is predicted "
-            f"allocator slack; {f['expandable']:.2f}× under `--allocator expandable`), loss difference "
+            f"(goal ≥ {CAPACITY_GOAL:g}×: {'met' if met else 'NOT met'}; {fmt_bytes(f['slack'])} of the budget is "
+            f"predicted allocator slack; {f['expandable']:.2f}× under `--allocator expandable`), loss difference "
             f"{f['diff']:.1e}, peak {fmt_bytes(f['peak'])}, bytes moved {'equal to' if exact else 'DIFFERENT from'} "
             "the plan's — budget planned, the rest measured on this CPU")
 
