@@ -16,8 +16,9 @@ left out) ÷ that budget. Why 16 layers: the budget is ~229 MB of working set, t
 predicted allocator slack of the plain step (hplan.tracer.slack), which grows ~23 MB a layer while the numerator
 grows ~187 MB a layer, so the ratio tends to ~8× with depth (5.0× at 16 layers, 5.7× at 24, from fake traces);
 more layers cannot clear 10× and cost minutes of CPU training, so 16 keeps the part short (~80 s alone on 2 cores,
-~4 min beside other jobs; see the section's headline for the measured figures). Under `--allocator expandable` (slack predicted for expandable segments, which
-the user must set) the same budget is ~294 MB, ~10.5×: shown beside it as a plan, not as the goal's figure.
+~4 min beside other jobs; see the section's headline for the measured figures). Under `--allocator expandable`
+(slack predicted for expandable segments, which the user must set) the same budget is ~294 MB, ~10.5×: shown
+beside it as a plan, not as the goal's figure.
 """
 
 from __future__ import annotations
