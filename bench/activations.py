@@ -5,6 +5,20 @@ One workload: a transformers Llama decoder from its config (8 layers, hidden 256
 runs compare bit for bit), batch 4 × seq 1024 (seq 256 in --quick), traced on this CPU. Budgets and predicted step
 times are plans for the CPU fast tier (`--gpu cpu`, whose "link" is a measured memcpy rate); training runs, peaks,
 bytes moved and step times are measured on this CPU. No GPU figure anywhere.
+
+Capacity (the last part, skipped in --quick): how much more than the fast tier holds a plain step needs, at loss
+parity. A deeper Llama of the same width (CAPACITY_LAYERS layers, batch 8 × seq 1024; embeddings are 2 × 2048 × 256
+of its 13.7 M parameters, so the vocabulary does not dominate), traced on the fake device (which gives the CPU
+trace's segments and peak to the byte, README; a CPU trace of this step would add minutes), planned for the CPU
+fast tier at auto's `--gpu-mem min` and trained on this CPU against plain PyTorch. The ratio is (model state +
+the activation bytes a plain step holds at its peak, the trace's peak_by_category["activation"], temporaries
+left out) ÷ that budget. Why 16 layers: the budget is ~229 MB of working set, the same at any depth, plus the
+predicted allocator slack of the plain step (hplan.tracer.slack), which grows ~23 MB a layer while the numerator
+grows ~187 MB a layer, so the ratio tends to ~8× with depth (5.0× at 16 layers, 5.7× at 24, from fake traces);
+more layers cannot clear 10× and cost minutes of CPU training, so 16 keeps the part short (~80 s alone on 2 cores,
+~4 min beside other jobs; see the section's headline for the measured figures). Under `--allocator expandable`
+(slack predicted for expandable segments, which the user must set) the same budget is ~294 MB, ~10.5×: shown
+beside it as a plan, not as the goal's figure.
 """
 
 from __future__ import annotations
@@ -26,6 +40,9 @@ BUDGETS = 5
 TRAIN_STEPS = 3
 TIMED_STEPS = 4
 TIMED_ROUNDS = 3
+CAPACITY_LAYERS = 16
+CAPACITY_SHAPE = (8, 1024)
+CAPACITY_GOAL = 10.0
 
 
 def _adamw(params: Any) -> Any:
@@ -41,11 +58,13 @@ def _checkpointed(build: Any) -> Any:
     return model
 
 
-def workload(ctx: Context, *, checkpointing: bool = False) -> Any:
+def workload(ctx: Context, *, checkpointing: bool = False, layers: int | None = None,
+             shape: tuple[int, int] | None = None) -> Any:
     from hplan.specs import load_workload
 
-    batch, seq = QUICK_SHAPE if ctx.quick else SHAPE
-    w = load_workload("hf:LlamaForCausalLM", overrides=CONFIG, batch_size=batch, seq_len=seq)
+    batch, seq = shape or (QUICK_SHAPE if ctx.quick else SHAPE)
+    config = CONFIG if layers is None else {**CONFIG, "num_hidden_layers": layers}
+    w = load_workload("hf:LlamaForCausalLM", overrides=config, batch_size=batch, seq_len=seq)
     w = replace(w, optimizer=_adamw)
     return replace(w, model=functools.partial(_checkpointed, w.model)) if checkpointing else w
 
@@ -78,12 +97,12 @@ def minimums(ctx: Context, trace: Any) -> tuple[Table, dict[str, int]]:
     return table, mins
 
 
-def trained(ctx: Context, trace: Any, budget: int) -> tuple[Table, dict[str, Any]]:
+def trained(ctx: Context, trace: Any, budget: int, w: Any = None) -> tuple[Table, dict[str, Any]]:
     """Auto at its smallest budget, trained on this CPU against plain PyTorch (no checkpointing)."""
     from hplan.executor import run_training
     from hplan.training import plain_losses
 
-    w = workload(ctx)
+    w = workload(ctx) if w is None else w
     p = plan(trace, budget)
     report = run_training(w, p, steps=TRAIN_STEPS)
     ref = plain_losses(w, TRAIN_STEPS)
@@ -154,6 +173,51 @@ def timed(ctx: Context, trace: Any, budget: int) -> tuple[Table, float]:
     return table, best["auto"] / best["recompute"]
 
 
+def capacity(ctx: Context) -> tuple[Table, dict[str, Any]]:
+    """(Model state + a plain step's activations at its peak) ÷ auto's smallest budget, trained there at parity."""
+    from hplan.planner import default_slack, make_hardware, min_gpu_bytes
+    from hplan.tracer import trace_workload
+
+    w = workload(ctx, layers=CAPACITY_LAYERS, shape=CAPACITY_SHAPE)
+    trace = trace_workload(w, device="fake")
+    hw = hardware(trace, 1)
+    budget = min_gpu_bytes(trace, hw, activations="auto").gpu_bytes
+    expandable = min_gpu_bytes(trace, make_hardware("cpu", gpu_bytes=1,
+                                                    slack_bytes=default_slack(trace, "expandable")),
+                               activations="auto").gpu_bytes
+    held = trace.peak_by_category["activation"]
+    ratio = (trace.model_bytes + held) / budget
+    table, facts = trained(ctx, trace, budget, w)
+    facts.update(ratio=ratio, model=trace.model_bytes, held=held, slack=hw.slack_bytes,
+                 expandable=(trace.model_bytes + held) / expandable)
+    table.caption = (f"**Capacity** ({CAPACITY_LAYERS}-layer Llama, hidden 256, vocab 2048, batch "
+                     f"{CAPACITY_SHAPE[0]} × seq {CAPACITY_SHAPE[1]}, fp32 AdamW; fake trace, planned for the CPU "
+                     f"fast tier at auto's `--gpu-mem min`, trained {TRAIN_STEPS} steps on this CPU; choices "
+                     f"{facts['choices']}).")
+    table.add("model state (param + grad + optimizer)", "—", fmt_bytes(trace.model_bytes))
+    table.add("activations a plain step holds at its peak (trace's peak_by_category)", "—", fmt_bytes(held))
+    table.add("of the budget: predicted allocator slack (release model)", "—", fmt_bytes(hw.slack_bytes))
+    table.add("(model state + activations) ÷ budget", "—", f"{ratio:.2f}× (goal ≥ {CAPACITY_GOAL:g}×)")
+    table.add("(model state + activations) ÷ measured fast-tier peak (no allocator slack: not the goal's figure)",
+              f"{(trace.model_bytes + held) / facts['peak']:.2f}×", "—")
+    table.add("auto's smallest budget with `--allocator expandable` (its slack model)", "—",
+              f"{fmt_bytes(expandable)}: {(trace.model_bytes + held) / expandable:.2f}×")
+    return table, facts
+
+
+def capacity_headline(f: dict[str, Any]) -> str:
+    """The goal is met only where every condition holds: the ratio, parity, the peak within budget, exact bytes."""
+    exact = f["moved"][0] == f["moved"][1] and f["act"][0] == f["act"][1]
+    met = f["ratio"] >= CAPACITY_GOAL and f["diff"] <= 1e-5 and f["peak"] <= f["budget"] and exact
+    return (f"{CAPACITY_LAYERS}-layer Llama (hidden 256, vocab 2048), batch {CAPACITY_SHAPE[0]} × seq "
+            f"{CAPACITY_SHAPE[1]}: capacity (model state {fmt_bytes(f['model'])} + plain-step activations at peak "
+            f"{fmt_bytes(f['held'])}) ÷ auto's smallest budget {fmt_bytes(f['budget'])} = {f['ratio']:.2f}× "
+            f"(goal ≥ {CAPACITY_GOAL:g}×: {'met' if met else 'NOT met'}; {fmt_bytes(f['slack'])} of the budget is "
+            f"predicted allocator slack; {f['expandable']:.2f}× under `--allocator expandable`), loss difference "
+            f"{f['diff']:.1e}, peak {fmt_bytes(f['peak'])}, bytes moved {'equal to' if exact else 'DIFFERENT from'} "
+            "the plan's — budget planned, the rest measured on this CPU")
+
+
 def run(ctx: Context) -> SectionOutput:
     from hplan.tracer import trace_workload
 
@@ -188,4 +252,12 @@ def run(ctx: Context) -> SectionOutput:
             out.tables.append(t[0])
             out.headline.append(f"{label}: measured CPU step time, auto ÷ every block recomputed at the middle "
                                 f"budget = {t[1]:.3f}× (≤ 1.0× asked) — measured")
+    if ctx.quick:
+        return out
+    ctx.log(f"[bench]   activations: capacity, {CAPACITY_LAYERS}-layer Llama at batch {CAPACITY_SHAPE[0]} x seq "
+            f"{CAPACITY_SHAPE[1]} (fake trace, trained on the CPU)")
+    cap = out.part("capacity", lambda: capacity(ctx), log=ctx.log)
+    if cap is not None:
+        out.tables.append(cap[0])
+        out.headline.append(capacity_headline(cap[1]))
     return out

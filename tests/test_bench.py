@@ -159,3 +159,14 @@ def test_capacity_headline_judges_the_stock_rows_and_keeps_the_ablation_apart() 
     assert "32.4×" in lines[1] and "one parameter" in lines[1]
     met = executor_bench.capacity_headline(_capacity_table([[label, "", "", "", "21.0×", 5, "", "", "yes"]]))
     assert met == [line for line in met if "goal ≥ 20×: met" in line] and len(met) == 1
+
+
+def test_activation_capacity_headline_is_met_only_when_every_condition_holds() -> None:
+    activations = importlib.import_module("bench.activations")
+    facts = {"ratio": 12.0, "diff": 0.0, "peak": 100, "budget": 200, "moved": (5, 5), "act": (7, 7), "model": 10,
+             "held": 2390, "slack": 50, "expandable": 15.0}
+    assert "goal ≥ 10×: met" in activations.capacity_headline(facts)
+    for broken in ({"ratio": 5.0}, {"diff": 2e-5}, {"peak": 201}, {"act": (7, 8)}, {"moved": (5, 6)}):
+        line = activations.capacity_headline({**facts, **broken})
+        assert "NOT met" in line, broken
+    assert "DIFFERENT from" in activations.capacity_headline({**facts, "act": (7, 8)})
