@@ -70,9 +70,9 @@ def workload(ctx: Context, *, checkpointing: bool = False, layers: int | None = 
 
 
 def hardware(trace: Any, gpu_bytes: int) -> Any:
-    from hplan.planner import default_slack, make_hardware
+    from hplan.planner import make_hardware, trace_slack
 
-    return make_hardware("cpu", gpu_bytes=gpu_bytes, slack_bytes=default_slack(trace))
+    return make_hardware("cpu", gpu_bytes=gpu_bytes, **trace_slack(trace))
 
 
 def plan(trace: Any, gpu_bytes: int, choice: str = "auto") -> Any:
@@ -175,15 +175,14 @@ def timed(ctx: Context, trace: Any, budget: int) -> tuple[Table, float]:
 
 def capacity(ctx: Context) -> tuple[Table, dict[str, Any]]:
     """(Model state + a plain step's activations at its peak) ÷ auto's smallest budget, trained there at parity."""
-    from hplan.planner import default_slack, make_hardware, min_gpu_bytes
+    from hplan.planner import make_hardware, min_gpu_bytes, trace_slack
     from hplan.tracer import trace_workload
 
     w = workload(ctx, layers=CAPACITY_LAYERS, shape=CAPACITY_SHAPE)
     trace = trace_workload(w, device="fake")
     hw = hardware(trace, 1)
     budget = min_gpu_bytes(trace, hw, activations="auto").gpu_bytes
-    expandable = min_gpu_bytes(trace, make_hardware("cpu", gpu_bytes=1,
-                                                    slack_bytes=default_slack(trace, "expandable")),
+    expandable = min_gpu_bytes(trace, make_hardware("cpu", gpu_bytes=1, **trace_slack(trace, "expandable")),
                                activations="auto").gpu_bytes
     held = trace.peak_by_category["activation"]
     ratio = (trace.model_bytes + held) / budget

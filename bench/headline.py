@@ -27,9 +27,9 @@ GOAL_18B_BYTES = 105 * 10**9
 
 
 def plan_at(trace: Any, gpu: str) -> Any:
-    from hplan.planner import default_slack, make_hardware, make_plan
+    from hplan.planner import make_hardware, make_plan, trace_slack
 
-    return make_plan(trace, make_hardware(gpu, slack_bytes=default_slack(trace)))
+    return make_plan(trace, make_hardware(gpu, **trace_slack(trace)))
 
 
 def split(seconds: dict[str, float]) -> str:

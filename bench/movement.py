@@ -23,10 +23,10 @@ NAMES = (("zero_offload", "ZeRO-Offload"), ("zero3", "ZeRO-3 offload"), ("gemini
 
 
 def compare(trace: Any, gb: int) -> tuple[Any, dict[str, Any]]:
-    from hplan.planner import default_slack, make_hardware, make_plan
+    from hplan.planner import make_hardware, make_plan, trace_slack
     from hplan.planner.baselines import simulate_baselines
 
-    hardware = make_hardware("rtx3090", gpu_bytes=gb * 10**9, slack_bytes=default_slack(trace))
+    hardware = make_hardware("rtx3090", gpu_bytes=gb * 10**9, **trace_slack(trace))
     plan = make_plan(trace, hardware)
     found = {}
     for b in simulate_baselines(trace, hardware):

@@ -74,7 +74,7 @@ def growth_exponent(points: list[tuple[float, float]]) -> float | None:
 
 
 def real_table(ctx: Context) -> tuple[Table, list[str]]:
-    from hplan.planner import default_slack, make_hardware, make_plan
+    from hplan.planner import make_hardware, make_plan, trace_slack
 
     repeats = 1 if ctx.quick else 3
     real = Table(headers=["trace", "GPU memory", "solver (default effort)", "certified gap", "solve time", "goal"],
@@ -82,7 +82,7 @@ def real_table(ctx: Context) -> tuple[Table, list[str]]:
     heads = []
     for spec in (["gpt:1.3b"] if ctx.quick else ["gpt:1.3b", "gpt:18b"]):
         trace = ctx.fake_trace(spec, "fp16-mixed")
-        hardware = make_hardware("rtx3090", slack_bytes=default_slack(trace))
+        hardware = make_hardware("rtx3090", **trace_slack(trace))
         results = [time_call(partial(make_plan, trace, hardware)) for _ in range(repeats)]
         times, plan = [t for t, _ in results], results[-1][1]
         goal = "—"

@@ -51,7 +51,7 @@ def _row(ctx: Context, spec: str, batch: int, seq: int, gpu: str) -> tuple[list,
 
     from hplan.artifacts import Trace
     from hplan.artifacts.hardware import Hardware
-    from hplan.planner import ALLOCATORS, default_slack, make_hardware, make_plan, min_gpu_bytes
+    from hplan.planner import ALLOCATORS, default_slack, make_hardware, make_plan, min_gpu_bytes, trace_slack
 
     path = ctx.work_dir / f"slack_{spec.replace(':', '_')}_b{batch}_s{seq}.parquet"
     ctx.log(f"[bench]   fake trace {spec} {PRECISION} b{batch}×s{seq} (subprocess) …")
@@ -71,7 +71,7 @@ def _row(ctx: Context, spec: str, batch: int, seq: int, gpu: str) -> tuple[list,
             f"({fmt_bytes(slack['expandable'])} with expandable segments); min GPU {fmt_bytes(floor['cached'])} → "
             f"{fmt_bytes(floor['release'])} (plans)")
     start = time.perf_counter()
-    plan = make_plan(trace, make_hardware(gpu, slack_bytes=default_slack(trace)))
+    plan = make_plan(trace, make_hardware(gpu, **trace_slack(trace)))
     seconds = time.perf_counter() - start
     s = plan.summary
     shape = f"{batch} × {seq}"

@@ -13,23 +13,24 @@ from hplan.planner.make import make_plan
 from hplan.planner.options import GPU_PRESETS, PlanOptions, make_hardware
 from hplan.planner.problem import MinGpu, build, group_params, min_gpu
 from hplan.planner.baselines.sweep import BASELINE_KEYS, sweep
-from hplan.planner.slack import ALLOCATORS, DEFAULT_ALLOCATOR, allocator_slack
+from hplan.planner.slack import ALLOCATORS, DEFAULT_ALLOCATOR, allocator_slack, slack_table
 
 
 def min_gpu_bytes(trace: Trace, hardware: Hardware | None = None, *, activations: str = "auto") -> MinGpu:
     """Smallest GPU budget with any schedule (module chunks, every update on the CPU), with its bottleneck, with
     every checkpointable segment's activations kept, offloaded or recomputed (`activations`), or with the best
-    choice per segment ("auto", hplan.planner.activation_auto.min_gpu_auto).
+    choice per segment ("auto", hplan.planner.activation_min.min_auto).
     Without `hardware`, slack is the trace's measured or predicted allocator slack plus overhead."""
     from hplan.planner.activations import check_choice, decide, min_gpu_with
 
-    hardware = hardware or Hardware(gpu_bytes=1, slack_bytes=default_slack(trace))
+    hardware = hardware or Hardware(gpu_bytes=1, slack_bytes=default_slack(trace),
+                                    activation_slack=slack_table(trace))
     if check_choice(activations) == "auto":
         if not trace.segments or hardware.nvme_bytes is not None:  # make_plan keeps every segment there
             return min_gpu_with(trace, hardware, ())
-        from hplan.planner.activation_auto import build_items, min_gpu_auto
+        from hplan.planner.activation_min import min_auto
 
-        return min_gpu_auto(trace, hardware, build_items(trace, hardware))[0]
+        return min_auto(trace, hardware)[0]
     return min_gpu_with(trace, hardware, decide(trace, activations))
 
 
@@ -39,6 +40,12 @@ def default_slack(trace: Trace, allocator: str = DEFAULT_ALLOCATOR) -> int:
     return allocator_slack(trace, allocator) + trace.overhead_bytes
 
 
+def trace_slack(trace: Trace, allocator: str = DEFAULT_ALLOCATOR) -> dict[str, object]:
+    """The Hardware fields of the trace's slack under `allocator`: `slack_bytes` (the keep step's, see
+    `default_slack`) and `activation_slack` (per choice, hplan.planner.slack), as make_hardware overrides."""
+    return {"slack_bytes": default_slack(trace, allocator), "activation_slack": slack_table(trace, allocator)}
+
+
 __all__ = ["ALLOCATORS", "BASELINE_KEYS", "DEFAULT_ALLOCATOR", "GPU_PRESETS", "Hardware", "MinGpu", "PlanOptions",
            "allocator_slack", "build", "default_slack", "group_params", "make_hardware", "make_plan", "min_gpu_bytes",
-           "sweep", "validate"]
+           "slack_table", "sweep", "trace_slack", "validate"]

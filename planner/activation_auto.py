@@ -30,253 +30,59 @@ needs (minimise B with need_t + sum of the chosen effects <= B), which is a lowe
 
 from __future__ import annotations
 
-import math
-from dataclasses import dataclass, replace
-from typing import Any
-
-import highspy
-import numpy as np
-from scipy.sparse import coo_matrix
+from dataclasses import replace
 
 from hplan.artifacts.hardware import Hardware
 from hplan.artifacts.plan import Plan
 from hplan.artifacts.trace import Trace
-from hplan.planner.activations import Decision, _recompute_seconds, decide, effects, min_gpu_with
+from hplan.planner.activation_items import Items
+from hplan.planner.activation_min import auto_regimes, min_gpu_auto
+from hplan.planner.activations import Decision, decide, slack_figure
 from hplan.planner.exact import lp_bound, solve_milp
 from hplan.planner.options import PlanOptions
-from hplan.planner.problem import PARAM_CHUNKS, MinGpu, build, group_params, min_gpu
+from hplan.planner.problem import MinGpu
 from hplan.planner.search import Progress, Scored, Search, finish, planned_evaluations
-
-Key = tuple[str, int]
-
-
-@dataclass(frozen=True, kw_only=True, slots=True)
-class Items:
-    """Every segment call's modes, their effects (dense, modes x steps) and costs, in segment order."""
-
-    trace: Trace
-    """The trace as traced (every segment kept)."""
-    decisions: tuple[tuple[Decision, ...], ...]
-    """Per segment: one decision per mode, keep first."""
-    item: np.ndarray
-    """Per mode: its segment."""
-    effect: np.ndarray
-    """Per mode and step: bytes added to the step's non-model bytes (negative: freed)."""
-    cost: np.ndarray
-    """Per mode: link bytes (module doc)."""
-    shared: frozenset[Key]
-    """Segment calls charged as sharing their recompute window with another recomputable one."""
-
-    @property
-    def n_modes(self) -> int:
-        return len(self.item)
-
-    @property
-    def first(self) -> np.ndarray:
-        """Per segment: its first (keep) mode."""
-        return np.flatnonzero(np.r_[True, self.item[1:] != self.item[:-1]]) if len(self.item) else self.item
-
-    def keep(self) -> tuple[int, ...]:
-        return tuple(int(m) for m in self.first)
-
-    def chosen(self, x: np.ndarray) -> tuple[int, ...]:
-        """Per segment its mode from per-mode booleans."""
-        return tuple(int(m) for m in np.flatnonzero(np.asarray(x, dtype=bool)))
-
-    def x(self, chosen: tuple[int, ...]) -> np.ndarray:
-        out = np.zeros(self.n_modes, dtype=bool)
-        out[list(chosen)] = True
-        return out
-
-    def to_decisions(self, chosen: tuple[int, ...]) -> tuple[Decision, ...]:
-        """The chosen modes as decisions; an offload that moves nothing is a keep (same memory, same cost)."""
-        out = []
-        for s, m in enumerate(chosen):
-            d = self.decisions[s][m - int(self.first[s])]
-            out.append(self.decisions[s][0] if d.choice == "offload" and not d.segment.offload_bytes else d)
-        return tuple(out)
-
-    def of(self, decisions: tuple[Decision, ...]) -> tuple[int, ...]:
-        """Mode indices of decisions (one per segment, in order)."""
-        out = []
-        for s, d in enumerate(decisions):
-            labels = [o.choice for o in self.decisions[s]]
-            out.append(int(self.first[s]) + labels.index(d.choice))
-        return tuple(out)
-
-    def cost_of(self, chosen: tuple[int, ...]) -> int:
-        return int(self.cost[list(chosen)].sum()) if chosen else 0
-
-    def relaxed(self, chosen: tuple[int, ...]) -> Trace:
-        """The trace with the chosen modes' memory effects and recompute time, without the weight reads of a
-        recompute (the joint model's relaxation, module doc)."""
-        delta = self.effect[list(chosen)].sum(axis=0) if chosen else np.zeros(len(self.trace.events))
-        events = list(self.trace.events)
-        for t in np.flatnonzero(delta):
-            nm = events[t].non_model_peak_bytes + int(delta[t])
-            if nm < 0:
-                raise AssertionError(f"activation choices free more than event {events[t].key} holds: an hplan bug")
-            events[t] = replace(events[t], non_model_peak_bytes=nm)
-        for s, m in enumerate(chosen):
-            d = self.decisions[s][m - int(self.first[s])]
-            if d.choice == "recompute":
-                b0 = d.segment.backward_events[0]
-                events[b0] = replace(events[b0], seconds=events[b0].seconds + d.segment.seconds,
-                                     flops=events[b0].flops + d.segment.flops)
-        return replace(self.trace, events=tuple(events))
-
-
-def build_items(trace: Trace, hardware: Hardware) -> Items:
-    """The items of every segment call (module doc); a module refused for recompute (any call) gets no recompute."""
-    refused = {s.module for s in trace.segments if not s.recomputable}
-    allowed = [s.module not in refused for s in trace.segments]
-    starts: dict[int, list[Key]] = {}
-    for s, ok in zip(trace.segments, allowed):
-        if ok:
-            starts.setdefault(s.backward_events[0], []).append(s.key)
-    shared = frozenset(k for keys in starts.values() if len(keys) > 1 for k in keys)
-    rec = decide(trace, "recompute")
-    seconds = _recompute_seconds(trace, hardware, tuple(d for d in rec if d.choice == "recompute"))
-    link = hardware.h2d_gbps * 1e9
-    n = len(trace.events)
-    decisions, item, rows, cost = [], [], [], []
-    for k, (s, ok) in enumerate(zip(trace.segments, allowed)):
-        modes = [Decision(segment=s, choice="keep", reason="" if s.recomputable else s.reason),
-                 Decision(segment=s, choice="offload", reason="" if s.recomputable else s.reason)]
-        if ok:
-            modes.append(Decision(segment=s, choice="recompute"))
-        decisions.append(tuple(modes))
-        for d in modes:
-            row = np.zeros(n, dtype=np.int64)
-            for first, last, b in effects(s, d.choice, shared_recompute=s.key in shared):
-                row[first:last + 1] += b
-            rows.append(row)
-            item.append(k)
-            cost.append(0 if d.choice == "keep" else 2 * s.offload_bytes if d.choice == "offload"
-                        else math.ceil(seconds.get(s.key, 0.0) * link))
-    effect = np.array(rows, dtype=np.int64).reshape(len(rows), n)
-    return Items(trace=trace, decisions=tuple(decisions), item=np.array(item, dtype=np.int64), effect=effect,
-                 cost=np.array(cost, dtype=np.int64), shared=shared)
-
-
-def minimax(items: Items, need: np.ndarray) -> tuple[int, tuple[int, ...]]:
-    """The least max_t need_t + chosen effects over every choice (exact, HiGHS), then the cheapest choice there."""
-    n_seg = len(items.first)
-    if not n_seg:
-        return int(need.max(initial=0)), ()
-    m = items.n_modes
-    varies = np.flatnonzero(np.any(items.effect != items.effect[items.first[items.item]], axis=0))
-    base = need + items.effect[items.first].sum(axis=0)  # everything kept
-    fixed = np.delete(base, varies)
-    floor = float(fixed.max()) if len(fixed) else 0.0
-    rel = items.effect[:, varies] - items.effect[items.first[items.item]][:, varies]  # vs keep, per segment
-    rows, cols, vals = [], [], []
-    r, c = np.nonzero(rel.T)
-    rows += r.tolist()
-    cols += c.tolist()
-    vals += rel.T[r, c].astype(float).tolist()
-    rows += list(range(len(varies)))
-    cols += [m] * len(varies)
-    vals += [-1.0] * len(varies)
-    one = len(varies)
-    rows += (one + items.item).tolist()
-    cols += list(range(m))
-    vals += [1.0] * m
-    a = coo_matrix((vals, (rows, cols)), shape=(one + n_seg, m + 1)).tocsc()
-    lo = np.r_[np.full(one, -highspy.kHighsInf), np.ones(n_seg)]
-    hi = np.r_[-base[varies].astype(float), np.ones(n_seg)]
-    x = _solve(np.r_[np.zeros(m), 1.0], a, lo, hi, np.r_[np.ones(m), np.inf], max(floor, 0.0), m)
-    if x is None:
-        raise AssertionError("the smallest-budget choice has no solution: an hplan bug")
-    chosen = _pick(items, x[:m])
-    peak = int((need + items.effect[list(chosen)].sum(axis=0)).max())
-    # the cheapest choice with that peak (ties: recompute and offload both reach it)
-    x2 = _solve(np.r_[items.cost.astype(float), 0.0], a, lo, hi, np.r_[np.ones(m), float(peak)], 0.0, m)
-    if x2 is not None:
-        c2 = _pick(items, x2[:m])
-        if int((need + items.effect[list(c2)].sum(axis=0)).max()) <= peak:
-            chosen = c2
-    return peak, chosen
-
-
-def _pick(items: Items, values: np.ndarray) -> tuple[int, ...]:
-    """Per segment the mode HiGHS set (largest value: robust to its tolerance)."""
-    best = np.full(len(items.first), -np.inf)
-    out = list(items.first)
-    for mode, (k, v) in enumerate(zip(items.item, values)):
-        if v > best[k]:
-            best[k], out[k] = v, mode
-    return tuple(int(m) for m in out)
-
-
-def _solve(cost: np.ndarray, a: Any, lo: np.ndarray, hi: np.ndarray, upper: np.ndarray, b_lower: float, m: int
-           ) -> np.ndarray | None:
-    """One small MILP (binaries 0..m-1, one continuous column last) by HiGHS on one thread, closed exactly."""
-    lp = highspy.HighsLp()
-    lp.num_col_, lp.num_row_ = a.shape[1], a.shape[0]
-    lp.col_cost_ = cost
-    lp.col_lower_ = np.r_[np.zeros(m), b_lower]
-    lp.col_upper_ = upper
-    lp.a_matrix_.format_ = highspy.MatrixFormat.kColwise
-    lp.a_matrix_.start_ = a.indptr.astype(np.int32)
-    lp.a_matrix_.index_ = a.indices.astype(np.int32)
-    lp.a_matrix_.value_ = a.data.astype(float)
-    lp.row_lower_, lp.row_upper_ = lo, hi
-    lp.integrality_ = [highspy.HighsVarType.kInteger] * m + [highspy.HighsVarType.kContinuous]
-    h = highspy._Highs()  # the public wrapper prints a banner on stdout
-    for name, value in (("output_flag", False), ("threads", 1), ("random_seed", 0), ("mip_rel_gap", 0.0)):
-        h.setOptionValue(name, value)
-    h.passModel(lp)
-    h.run()
-    if h.getInfo().primal_solution_status != 2:
-        return None
-    return np.asarray(h.getSolution().col_value)
-
-
-def min_gpu_auto(trace: Trace, hardware: Hardware, items: Items) -> tuple[MinGpu, tuple[Decision, ...], int]:
-    """The smallest budget over every choice per segment (module doc), the choices that reach it, and the smallest
-    budget with every segment kept. A choice
-    without recompute needs exactly the relaxed needs plus its effects; one with recompute is built (weight reads
-    added) only when its relaxed value could beat the best so far."""
-    structure, problem = build(trace, group_params(trace, PARAM_CHUNKS), frozenset(), hardware)
-    need = np.array([problem.need_bytes(t) - sum(problem.sizes[structure.by_chunk[c]["grad"]]
-                                                 for c in structure.flips[t])
-                     + problem.non_model[t] + hardware.slack_bytes for t in range(problem.n_steps)], dtype=np.int64)
-    _, chosen = minimax(items, need)
-    candidates = [items.to_decisions(chosen)] + [decide(trace, c) for c in ("keep", "offload", "recompute")]
-    best: tuple[int, tuple[Decision, ...], MinGpu | None] | None = None
-    for decisions in candidates:
-        relaxed = int((need + items.effect[list(items.of(decisions))].sum(axis=0)).max()) if decisions else \
-            int(need.max())
-        if best is not None and relaxed >= best[0]:
-            continue
-        value, found = relaxed, None
-        if any(d.choice == "recompute" for d in decisions):
-            found = min_gpu_with(trace, hardware, decisions, items.shared, label="auto")
-            value = found.gpu_bytes
-        if best is None or value < best[0]:
-            best = (value, decisions, found)
-    assert best is not None
-    _, decisions, found = best
-    keep = int(need.max()) if len(need) else 0
-    if all(d.choice == "keep" for d in decisions):
-        return min_gpu(trace, hardware, (structure, problem)), decisions, keep
-    return found or min_gpu_with(trace, hardware, decisions, items.shared, label="auto"), decisions, keep
 
 
 def plan_auto(trace: Trace, hardware: Hardware, options: PlanOptions, on_progress: Progress | None = None) -> Plan:
-    """The plan with each segment's choice decided jointly with the model data's (module doc)."""
+    """The plan with each segment's choice decided jointly with the model data's (module doc), in the
+    allocator-slack regimes (hplan.planner.slack): every choice under the mixed figure; then, where that plan
+    makes one choice other than keep, that choice alone under its own figure, or, where nothing fits, each
+    choice alone; the plan moving the fewest link bytes wins (the first on ties)."""
+    runs = [(name, hw, items, min_gpu_auto(trace, hw, items)) for name, hw, items in auto_regimes(trace, hardware)]
+    smallest = min((m[0] for *_, m in runs), key=lambda m: m.gpu_bytes)
+    _, hw, items, (_, lean, keep_bytes) = runs[0]
+    plan, decisions = _plan_regime(trace, hw, options, on_progress, items, smallest, lean, keep_bytes)
+    if plan.summary.feasible:
+        made = slack_figure(decisions)
+        rest = [r for r in runs[1:] if r[0] == made and made != "keep" and r[1].slack_bytes < hw.slack_bytes]
+    else:
+        rest = [r for r in runs[1:] if r[3][0].gpu_bytes <= hardware.gpu_bytes]
+    best = plan
+    for _, hw, items, (_, lean, keep_bytes) in rest:
+        other, _ = _plan_regime(trace, hw, options, on_progress, items, smallest, lean, keep_bytes)
+        if other.summary.feasible and (not best.summary.feasible or _objective(other) < _objective(best)):
+            best = other
+    return best
+
+
+def _objective(plan: Plan) -> int:
+    return plan.summary.bytes_moved_per_iter + plan.summary.activation_cost_bytes
+
+
+def _plan_regime(trace: Trace, hardware: Hardware, options: PlanOptions, on_progress: Progress | None, items: Items,
+                 smallest: MinGpu, lean: tuple[Decision, ...], keep_bytes: int | None
+                 ) -> tuple[Plan, tuple[Decision, ...]]:
+    """The auto plan within one regime (its choices, its slack) and its decisions."""
     from hplan.planner import core
 
-    items = build_items(trace, hardware)
-    smallest, lean, keep_bytes = min_gpu_auto(trace, hardware, items)
-    fits = keep_bytes <= hardware.gpu_bytes
+    fits = keep_bytes is not None and keep_bytes <= hardware.gpu_bytes
     effort = core._effort(options)
     if effort == 0:  # heuristics only: keep everything when that fits, else the smallest budget's choices
-        keep = decide(trace, "keep")
-        plan = core.plan_decisions(trace, hardware, options, keep if fits else lean, on_progress,
-                                   shared=items.shared, smallest=smallest)
-        return _summary(plan, items, keep if fits else lean, None)
+        decisions = decide(trace, "keep") if fits else lean
+        plan = core.plan_decisions(trace, hardware, options, decisions, on_progress, shared=items.shared,
+                                   smallest=smallest)
+        return _summary(plan, items, decisions, None), decisions
     act0 = items.keep() if fits else items.of(lean)  # what the extremes are built with (it fits)
     work = trace if fits else items.relaxed(act0)
     nodes = core.SEARCH_NODES[effort] if options.solver != "exact" else core.SEARCH_NODES[1]
@@ -301,7 +107,7 @@ def plan_auto(trace: Trace, hardware: Hardware, options: PlanOptions, on_progres
         decisions, bound = lean, None
         plan = core.plan_decisions(trace, hardware, options, lean, on_progress, shared=items.shared,
                                    smallest=smallest)
-    return _summary(plan, items, decisions, bound)
+    return _summary(plan, items, decisions, bound), decisions
 
 
 def _reuse(search: Search, best: Scored, trace: Trace, hardware: Hardware, options: PlanOptions,

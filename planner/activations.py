@@ -27,11 +27,12 @@ from hplan.artifacts.activations import CHOICES, ActivationChoice, Effect, effec
 from hplan.artifacts.hardware import Hardware
 from hplan.artifacts.plan import Plan
 from hplan.artifacts.replay import replay
-from hplan.artifacts.segments import Segment
+from hplan.artifacts.segments import Segment, effects, shared_windows  # noqa: F401  (effects re-exported)
 from hplan.artifacts.trace import Trace
 from hplan.errors import HplanError
 from hplan.planner.problem import PARAM_CHUNKS, MinGpu, build, group_params, min_gpu
 from hplan.planner.schedule import event_seconds, predict_seconds
+from hplan.planner.slack import counted, figure, for_figure
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -76,53 +77,9 @@ def fallbacks(plan: Plan) -> list[str]:
     return list(lines)
 
 
-def effects(seg: Segment, choice: str, prefetch: int | None = None, *, shared_recompute: bool = False
-            ) -> tuple[Effect, ...]:
-    """A choice's effect on each event's non-model bytes, as runs ([Note: activation segments]). `prefetch`: the
-    offload's prefetch event (default its backward event); `shared_recompute`: another recomputed segment starts
-    its backward in the same window (the net change there is then bounded by the recompute's full transient)."""
-    b0 = seg.backward_events[0]
-    if choice == "offload":
-        p = b0 if prefetch is None else prefetch
-        return _merge([(first, min(last, p - 1), -off) for first, last, off, _ in seg.freed
-                       if off and first <= min(last, p - 1)])
-    if choice == "recompute":
-        runs = [(first, last, -rc) for first, last, _, rc in seg.freed if rc]
-        delta = max(seg.recompute_peak_bytes + seg.recompute_extra_bytes, seg.recompute_backward_delta) \
-            if shared_recompute else seg.recompute_backward_delta
-        runs += [(b0, b0, delta)] if delta else []
-        runs += [(first, last, held) for first, last, held in seg.recompute_held]
-        return _merge(runs)
-    return ()
-
-
-def _merge(runs: list[Effect]) -> tuple[Effect, ...]:
-    """Runs summed per event and recompressed (runs may overlap)."""
-    if not runs:
-        return ()
-    n = max(last for _, last, _ in runs) + 1
-    total = [0] * n
-    for first, last, delta in runs:
-        for t in range(first, last + 1):
-            total[t] += delta
-    out: list[list[int]] = []
-    for t, d in enumerate(total):
-        if not d:
-            continue
-        if out and out[-1][1] == t - 1 and out[-1][2] == d:
-            out[-1][1] = t
-        else:
-            out.append([t, t, d])
-    return tuple((a, b, c) for a, b, c in out)
-
-
 def _shared(decisions: tuple[Decision, ...]) -> set[tuple[str, int]]:
     """Recomputed segment calls whose backward starts in the same window as another recomputed one."""
-    starts: dict[int, list[tuple[str, int]]] = {}
-    for d in decisions:
-        if d.choice == "recompute":
-            starts.setdefault(d.segment.backward_events[0], []).append(d.segment.key)
-    return {k for keys in starts.values() if len(keys) > 1 for k in keys}
+    return shared_windows(d.segment for d in decisions if d.choice == "recompute")
 
 
 def decision_effects(decisions: tuple[Decision, ...], prefetch: dict[tuple[str, int], int] | None = None,
@@ -169,9 +126,20 @@ def transform(trace: Trace, decisions: tuple[Decision, ...], shared: frozenset[t
     return replace(trace, events=tuple(events), params=params)
 
 
+def slack_figure(decisions: tuple[Decision, ...]) -> str:
+    """Which allocator-slack figure covers a plan making these choices (hplan.planner.slack.figure)."""
+    return figure(counted(d.choice, bool(d.segment.offload_bytes), d.segment.recomputable) for d in decisions)
+
+
+def with_slack(hardware: Hardware, decisions: tuple[Decision, ...]) -> Hardware:
+    """`hardware` with the allocator slack of a plan making these choices (hplan.planner.slack)."""
+    return for_figure(hardware, slack_figure(decisions))
+
+
 def min_gpu_with(trace: Trace, hardware: Hardware, decisions: tuple[Decision, ...],
                  shared: frozenset[tuple[str, int]] | None = None, label: str = "") -> MinGpu:
     """The smallest budget under the choices, its bottleneck naming the segment involved there."""
+    hardware = with_slack(hardware, decisions)
     work = transform(trace, decisions, shared)
     smallest = min_gpu(work, hardware)
     choice = {d.choice for d in decisions}

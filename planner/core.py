@@ -17,7 +17,7 @@ from hplan.artifacts.plan import Plan, PlanSummary
 from hplan.artifacts.replay import Replay, replay, validate  # noqa: F401  (re-exported)
 from hplan.sizes import format_size
 from hplan.artifacts.trace import Trace
-from hplan.planner.activations import Decision, min_gpu_with, transform, with_activations
+from hplan.planner.activations import Decision, min_gpu_with, transform, with_activations, with_slack
 from hplan.planner.exact import lp_bound, solve_milp
 from hplan.planner.options import PlanOptions
 from hplan.planner.problem import PARAM_CHUNKS, MinGpu, min_gpu, placement_rule
@@ -62,7 +62,9 @@ def plan_decisions(original: Trace, hardware: Hardware, options: PlanOptions, de
                    on_progress: Progress | None = None, *, targets: list[int] | None = None,
                    shared: frozenset[tuple[str, int]] | None = None, smallest: MinGpu | None = None) -> Plan:
     """The plan with these activation decisions ([Note: plan activations]); `targets`: the chunkings to search
-    (default every one), `shared` see `planner.activations.decision_effects`, `smallest` the minimum to report."""
+    (default every one), `shared` see `planner.activations.decision_effects`, `smallest` the minimum to report.
+    The plan's slack is the one its choices need (hplan.planner.slack)."""
+    hardware = with_slack(hardware, decisions)
     trace = transform(original, decisions, shared)
     effort = _effort(options)
     nodes = SEARCH_NODES[effort] if options.solver != "exact" else SEARCH_NODES[1]

@@ -29,7 +29,7 @@ from hplan.planner.intervals import Choices, IntervalModel, build_intervals
 from hplan.planner.problem import Problem, Structure, build
 
 if TYPE_CHECKING:
-    from hplan.planner.activation_auto import Items
+    from hplan.planner.activation_items import Items
 
 MODES: tuple[str, ...] = ("gpu", "cpu")
 """Mode labels of a chunk's item, in mode order (mode 2k is chunk k's GPU update, 2k + 1 its host update)."""

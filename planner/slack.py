@@ -9,13 +9,27 @@ them, plus the non-framework overhead, as Hardware.slack_bytes:
 - "cached": segments never released, what the allocator would reserve with room to spare (the largest figure,
   and the only one traces older than the at-budget model carry: they fall back to it, which errs on the side of
   more room).
+
+Each figure is the keep (plain) step's. For "release" and "expandable" a trace with segments also carries the
+figures of a step that offloads, or recomputes, every segment, and a "mixed" figure for plans that mix choices
+([Note: slack per choice] in hplan.tracer.choice_slack). `slack_table` gives them to the Hardware, and a plan's
+slack is the figure of the choices it makes (`figure`; hplan.planner.activations.with_slack). The auto decision
+runs in *regimes* (`regimes`): every choice under the mixed figure (the largest), then, where the plan found
+makes one choice other than keep, or where nothing fits, each choice alone under its own, smaller figure
+(hplan.planner.activation_auto).
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+from dataclasses import replace
+
+from hplan.artifacts.hardware import Hardware
 from hplan.artifacts.trace import Trace
 from hplan.errors import HplanError
 
+FIGURES: tuple[str, ...] = ("keep", "offload", "recompute", "mixed")
+"""Per-choice slack figures ([Note: slack per choice]): a plan making one choice for every segment, or a mix."""
 ALLOCATORS: tuple[str, ...] = ("release", "cached", "expandable")
 """Allocator models the planner knows, the default first."""
 DEFAULT_ALLOCATOR = ALLOCATORS[0]
@@ -28,3 +42,56 @@ def allocator_slack(trace: Trace, allocator: str = DEFAULT_ALLOCATOR) -> int:
     figure = {"release": trace.allocator_slack_release_bytes,
               "expandable": trace.allocator_slack_expandable_bytes}.get(allocator)
     return trace.allocator_slack_bytes if figure is None else figure
+
+
+def slack_table(trace: Trace, allocator: str = DEFAULT_ALLOCATOR) -> tuple[tuple[str, int], ...]:
+    """(figure, slack + overhead) for keep, offload, recompute and mixed, as Hardware.activation_slack; () when
+    the trace has no per-choice figures (no segments, an older trace, or the "cached" model, which has one)."""
+    figures = trace.allocator_slack_by_choice
+    if allocator == "cached" or set(figures) != set(FIGURES[1:]):
+        return ()
+    keep = allocator_slack(trace, allocator)
+    mixed = max(keep, figures["mixed"][allocator])
+    return tuple((name, value + trace.overhead_bytes) for name, value in
+                 (("keep", keep), ("offload", figures["offload"][allocator]),
+                  ("recompute", figures["recompute"][allocator]), ("mixed", mixed)))
+
+
+def counted(choice: str, moves: bool, recomputable: bool = True) -> str | None:
+    """A segment call's choice as the allocator sees it: None for a keep or offload that moves nothing (every
+    figure replays its calls unchanged); "fallback" for an offload of a call that may not be recomputed (what
+    `--activations recompute` does with it, so the recompute figure covers it)."""
+    if choice != "recompute" and not moves:
+        return None
+    return "fallback" if choice == "offload" and not recomputable else choice
+
+
+def figure(choices: Iterable[str | None]) -> str:
+    """Which figure covers a plan whose segment calls make `choices` (`counted`): the one choice they all make,
+    else "mixed"."""
+    made = {c for c in choices if c is not None}
+    if made <= {"keep"}:
+        return "keep"
+    if made <= {"offload", "fallback"}:
+        return "offload"
+    if made <= {"recompute", "fallback"}:
+        return "recompute"
+    return "mixed"
+
+
+def for_figure(hardware: Hardware, name: str) -> Hardware:
+    """`hardware` with the slack of figure `name` (unchanged without a table)."""
+    table = dict(hardware.activation_slack)
+    if not table or table[name] == hardware.slack_bytes:
+        return hardware
+    return replace(hardware, slack_bytes=table[name])
+
+
+def regimes(hardware: Hardware) -> list[tuple[str, Hardware, frozenset[str]]]:
+    """The auto decision's regimes (module doc): every choice under the mixed figure first, then each choice alone
+    under its own figure; one regime without a table."""
+    every = frozenset(("keep", "offload", "recompute"))
+    if not hardware.activation_slack:
+        return [("mixed", hardware, every)]
+    return [("mixed", for_figure(hardware, "mixed"), every),
+            *((c, for_figure(hardware, c), frozenset((c,))) for c in ("keep", "offload", "recompute"))]

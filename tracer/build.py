@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import pandas as pd
 import torch
@@ -10,6 +10,7 @@ import torch
 from hplan.artifacts.trace import CATEGORIES, TIMELINE_COLUMNS, Event, ParamInfo, Trace
 from hplan.hooks import dtype_name, param_modules, workload_fingerprint
 from hplan.optimizers import check_optimizer, state_spec
+from hplan.tracer.choice_slack import choice_slack
 from hplan.tracer.slack import marks, slack_figures
 
 if TYPE_CHECKING:
@@ -48,7 +49,7 @@ def _categories_at(row: pd.Series) -> dict[str, int]:
     return cats
 
 
-def _slack(rec: Recording, steady: pd.DataFrame, peak_bytes: int, events: tuple[Event, ...]) -> dict[str, int]:
+def _slack(rec: Recording, steady: pd.DataFrame, peak_bytes: int, events: tuple[Event, ...]) -> dict[str, Any]:
     """Memory the caching allocator holds beyond what is allocated, as the Trace's allocator_slack_* fields.
     Segments kept (allocator_slack_bytes): measured on CUDA (reserved minus allocated at the peak); elsewhere the
     allocator model's peak reservation for per-step allocations minus their peak, since chunked model data is
@@ -60,8 +61,10 @@ def _slack(rec: Recording, steady: pd.DataFrame, peak_bytes: int, events: tuple[
     figures = slack_figures(log, levels)
     kept = (int(steady.reserved_bytes.max()) - peak_bytes if rec.device == "cuda"
             else rec.max_reserved_bytes - per_step_peak)
+    by_choice = choice_slack(log, rec.op_log, rec.segment_calls, rec.segments, levels,
+                             [w.op_start for w in rec.windows])
     return {"allocator_slack_bytes": max(0, kept), "allocator_slack_release_bytes": figures["release"],
-            "allocator_slack_expandable_bytes": figures["expandable"]}
+            "allocator_slack_expandable_bytes": figures["expandable"], "allocator_slack_by_choice": by_choice}
 
 
 def _events(rec: Recording) -> tuple[Event, ...]:

@@ -22,7 +22,7 @@ from hplan.tracer.meta_build import BUFFERS_UNKNOWN, build_on_meta
 from hplan.tracer.modules import module_paths
 from hplan.tracer.recorder import Recorder, TracerSink, Window, on_accumulate, on_saved
 from hplan.tracer.segment_stats import combine, exclude, iteration_segments
-from hplan.tracer.segments import SegmentTracker
+from hplan.tracer.segments import Call, SegmentTracker
 from torch import fx
 from torch.utils._pytree import tree_leaves, tree_map
 
@@ -63,6 +63,10 @@ class Recording:
     """Checkpointable module calls ([Note: activation segments]), the envelope over the iterations."""
     allocator_log: list[tuple[int, int]] = field(default_factory=list)
     """The steady iteration's per-step malloc/free calls, for [Note: slack at the budget]."""
+    op_log: list[int] = field(default_factory=list)
+    """Per op of the steady iteration, where in `allocator_log` it starts ([Note: slack per choice])."""
+    segment_calls: list[Call] = field(default_factory=list)
+    """The steady iteration's segment calls, whose storages the log names ([Note: slack per choice])."""
 
 
 def trace_workload(workload: Workload, *, device: str = "cpu", iters: int = DEFAULT_ITERS,
@@ -114,6 +118,7 @@ def record(workload: Workload, *, device: str = "cpu", iters: int = DEFAULT_ITER
                      trainer=trainer, batch=batch, graph=recorder.graph.graph,
                      max_reserved_bytes=recorder.allocator.max_reserved_bytes,
                      allocator_log=recorder.allocator.log or [],
+                     op_log=list(recorder.op_log), segment_calls=list(tracker.calls),
                      warnings=_warnings(device) + notes + tuple(recorder.warnings), iteration_windows=per_iteration,
                      first_grad=dict(recorder.first_grad), last_read=dict(recorder.last_read),
                      input_shapes=tuple(shapes),

@@ -73,6 +73,7 @@ class Recorder(TorchDispatchMode):
         super().__init__()
         self.probe, self.ledger, self.fake, self.measure_time = probe, ledger, fake, measure_time
         self.allocator = AllocatorModel()
+        self.op_log: list[int] = []
         ledger.on_free = self._freed
         self.owner: dict[int, str] = {}
         """Storage key → parameter name, for parameters, their grads, master copies and optimizer state."""
@@ -98,6 +99,8 @@ class Recorder(TorchDispatchMode):
         self.iteration, self.op_index, self.phase, self.module = iteration, 0, "forward", ""
         self.micro, self.first_grad, self.last_read = -1, {}, {}
         self.allocator = AllocatorModel(record=True)
+        self.op_log: list[int] = []
+        """Per op of this iteration, the allocator log's length where it starts ([Note: slack per choice])."""
         for key, (nbytes, category) in self.ledger.live.items():
             if category not in _CHUNKED:
                 self.allocator.malloc(key, nbytes)
@@ -176,6 +179,7 @@ class Recorder(TorchDispatchMode):
         if func in _DATA_DEPENDENT and self.phase != "optimizer" and not self.fake:
             self._note_data_dependent(func)
         self.probe.reset_peak()
+        self.op_log.append(len(self.allocator.log or ()))
         start = time.perf_counter()
         out = self._fake_scalar(args[0]) if func is _SCALAR and self.fake else func(*args, **kwargs)
         seconds = time.perf_counter() - start if self.measure_time else 0.0

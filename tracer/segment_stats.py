@@ -34,10 +34,17 @@ def iteration_segments(calls: list[Call], windows: Sequence[Any], excluded: dict
     return out
 
 
-def _segment(call: Call, starts: list[int], windows: Sequence[Any], f0: int, f1: int, b0: int) -> Segment | None:
+def owned_and_moved(call: Call) -> tuple[list[Saved], list[Saved]]:
+    """The call's owned storages, and those of them an offload moves (gone before its backward's first unpack)
+    ([Note: activation segments]); `call.unpack_op` must be set."""
+    assert call.unpack_op is not None
     owned = [s for s in call.saved if s.ok and not s.shared and s.freed_op is not None
              and s.freed_op >= call.unpack_op]
-    moved = [s for s in owned if s.gone_op is not None and s.gone_op <= call.unpack_op]
+    return owned, [s for s in owned if s.gone_op is not None and s.gone_op <= call.unpack_op]
+
+
+def _segment(call: Call, starts: list[int], windows: Sequence[Any], f0: int, f1: int, b0: int) -> Segment | None:
+    owned, moved = owned_and_moved(call)
     b1 = max([b0, call.last_unpack_event] + [s.freed_event for s in owned])
     n = len(windows)
     off, rc = [0] * n, [0] * n

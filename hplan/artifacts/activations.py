@@ -25,12 +25,12 @@ import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from hplan.artifacts.segments import Effect
+
 if TYPE_CHECKING:
     from hplan.artifacts.plan import Plan
 
 CHOICES: tuple[str, ...] = ("keep", "offload", "recompute")
-Effect = tuple[int, int, int]
-"""(first step, last step, bytes added to each of those steps' non-model bytes; negative when freed)."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

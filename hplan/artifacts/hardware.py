@@ -42,6 +42,11 @@ class Hardware:
     """Disk space for model data per rank; None means there is no disk tier."""
     slack_bytes: int = 0
     """Device bytes kept free for allocator fragmentation and non-framework overhead (CUDA context)."""
+    activation_slack: tuple[tuple[str, int], ...] = ()
+    """(figure, bytes) for keep, offload, recompute and mixed: the slack a plan making that activation choice for
+    every segment, or mixing them, needs ([Note: slack per choice] in hplan.tracer.choice_slack), overhead
+    included. When set, a plan's `slack_bytes` is the figure of the choices it makes (hplan.planner.slack);
+    empty: `slack_bytes` holds for every plan."""
     tflops_16: float = 71.0
     """Datasheet dense 16-bit tensor-core TFLOPS."""
     tflops_32: float = 35.6
@@ -97,8 +102,11 @@ class Hardware:
             floor = 0 if name == "slack_bytes" else 1
             if value < floor:
                 raise HplanError(f"hardware {name} must be at least {floor}, got {value}")
+        _check_activation_slack(self.activation_slack)
         for f in fields(self):
             value = getattr(self, f.name)
+            if f.name == "activation_slack":
+                continue
             if f.name in ("efficiency", "efficiency_32"):
                 if not (isinstance(value, (int, float)) and 0 < value <= 1):
                     raise HplanError(f"hardware {f.name} is a share of datasheet TFLOPS (0 < e ≤ 1), got {value!r}")
@@ -135,4 +143,19 @@ class Hardware:
         unknown = sorted(set(obj) - known - {"schema"})
         if unknown:
             raise HplanError(f"hardware has unknown fields {unknown}; regenerate the plan with `hplan plan`")
-        return cls(**{k: v for k, v in obj.items() if k in known})
+        values = {k: v for k, v in obj.items() if k in known}
+        if isinstance(values.get("activation_slack"), list):
+            values["activation_slack"] = tuple(tuple(x) if isinstance(x, list) else x
+                                               for x in values["activation_slack"])
+        return cls(**values)
+
+
+def _check_activation_slack(table: object) -> None:
+    """(figure, bytes) pairs: keep, offload, recompute and mixed once each, non-negative integers."""
+    names = ("keep", "offload", "recompute", "mixed")
+    ok = isinstance(table, tuple) and all(
+        isinstance(x, tuple) and len(x) == 2 and x[0] in names and isinstance(x[1], int)
+        and not isinstance(x[1], bool) and x[1] >= 0 for x in table)
+    if not ok or (table and sorted(c for c, _ in table) != sorted(names)):  # type: ignore[union-attr]
+        raise HplanError(f"hardware activation_slack must pair keep, offload, recompute and mixed with byte counts, "
+                         f"got {table!r}")

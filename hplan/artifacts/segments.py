@@ -35,6 +35,7 @@ What the tracer measures, per segment, in the keep (plain PyTorch) run — ident
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -43,6 +44,8 @@ Run = tuple[int, int, int, int]
 """(first event, last event, bytes gone under offload, bytes gone under recompute)."""
 Held = tuple[int, int, int]
 """(first event, last event, bytes added under recompute)."""
+Effect = tuple[int, int, int]
+"""(first event, last event, bytes added to each of those events' non-model bytes; negative when freed)."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -135,3 +138,52 @@ def segment_problem(s: Segment, n_events: int) -> str:
 
 def _count(x: object) -> bool:
     return isinstance(x, int) and not isinstance(x, bool) and x >= 0
+
+
+def effects(seg: Segment, choice: str, prefetch: int | None = None, *, shared_recompute: bool = False
+            ) -> tuple[Effect, ...]:
+    """A choice's effect on each event's non-model bytes, as runs ([Note: activation segments]). `prefetch`: the
+    offload's prefetch event (default its backward event); `shared_recompute`: another recomputed segment starts
+    its backward in the same window (the net change there is then bounded by the recompute's full transient)."""
+    b0 = seg.backward_events[0]
+    if choice == "offload":
+        p = b0 if prefetch is None else prefetch
+        return _merge([(first, min(last, p - 1), -off) for first, last, off, _ in seg.freed
+                       if off and first <= min(last, p - 1)])
+    if choice == "recompute":
+        runs = [(first, last, -rc) for first, last, _, rc in seg.freed if rc]
+        delta = max(seg.recompute_peak_bytes + seg.recompute_extra_bytes, seg.recompute_backward_delta) \
+            if shared_recompute else seg.recompute_backward_delta
+        runs += [(b0, b0, delta)] if delta else []
+        runs += [(first, last, held) for first, last, held in seg.recompute_held]
+        return _merge(runs)
+    return ()
+
+
+def _merge(runs: list[Effect]) -> tuple[Effect, ...]:
+    """Runs summed per event and recompressed (runs may overlap)."""
+    if not runs:
+        return ()
+    n = max(last for _, last, _ in runs) + 1
+    total = [0] * n
+    for first, last, delta in runs:
+        for t in range(first, last + 1):
+            total[t] += delta
+    out: list[list[int]] = []
+    for t, d in enumerate(total):
+        if not d:
+            continue
+        if out and out[-1][1] == t - 1 and out[-1][2] == d:
+            out[-1][1] = t
+        else:
+            out.append([t, t, d])
+    return tuple((a, b, c) for a, b, c in out)
+
+
+def shared_windows(recomputed: Iterable[Segment]) -> set[tuple[str, int]]:
+    """Segment calls (of those recomputed) whose backward starts in the same window as another one's: their
+    recomputes share that window, so each is charged its full transient there (`effects`)."""
+    starts: dict[int, list[tuple[str, int]]] = {}
+    for s in recomputed:
+        starts.setdefault(s.backward_events[0], []).append(s.key)
+    return {k for keys in starts.values() if len(keys) > 1 for k in keys}

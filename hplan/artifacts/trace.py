@@ -115,6 +115,11 @@ class Trace:
     reports out of memory ([Note: slack at the budget] in hplan.tracer.slack); None in traces older than it."""
     allocator_slack_expandable_bytes: int | None = None
     """The same with PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True; None in traces older than it."""
+    allocator_slack_by_choice: dict[str, dict[str, int]] = field(default_factory=dict)
+    """The at-budget slack ("release", "expandable") of a step that offloads, or recomputes, every segment, and
+    of a step that mixes choices ({"offload": {...}, "recompute": {...}, "mixed": {...}}; [Note: slack per choice]
+    in hplan.tracer.choice_slack); the two figures above are the keep step's. Empty without segments and in
+    traces older than it."""
     overhead_bytes: int = 0
     """Non-framework device memory (CUDA context, library workspaces); 0 off CUDA."""
     step_seconds: float = 0.0
@@ -146,6 +151,11 @@ class Trace:
             raise HplanError(f"trace device must be cpu, fake or cuda, got {self.device!r}")
         if set(self.peak_by_category) != set(CATEGORIES):
             raise HplanError(f"peak_by_category needs keys {CATEGORIES}, got {sorted(self.peak_by_category)}")
+        by_choice = self.allocator_slack_by_choice
+        if by_choice and (set(by_choice) != {"offload", "recompute", "mixed"}
+                          or any(set(f) != {"release", "expandable"} for f in by_choice.values())):
+            raise HplanError("allocator_slack_by_choice needs offload, recompute and mixed, each with release and "
+                             f"expandable figures, got {by_choice!r}")
 
     @property
     def n_events(self) -> int:

@@ -116,7 +116,7 @@ def _run(*, trace: Path, gpu_mem: str, output: Path | None, cpu_mem: str | None,
     from hplan.artifacts import Trace
     from hplan.artifacts.io import check_input, check_output
     from hplan.cli.common import emit_json, positive_number, progress_bar, size_option
-    from hplan.planner import PlanOptions, default_slack, make_hardware, make_plan, min_gpu_bytes, validate
+    from hplan.planner import PlanOptions, make_hardware, make_plan, min_gpu_bytes, trace_slack, validate
 
     from hplan.planner.activations import check_choice
 
@@ -129,10 +129,11 @@ def _run(*, trace: Path, gpu_mem: str, output: Path | None, cpu_mem: str | None,
     for value, what in ((gpu_tflops, "--gpu-tflops"), (link_gbps, "--link-gbps"), (cpu_adam_gbps, "--cpu-adam-gbps")):
         positive_number(value, what=what)
     loaded = Trace.load(trace, columns=())  # the planner reads the metadata only: no timeline column
-    slack_bytes = default_slack(loaded, allocator)
-    if slack is not None:
-        slack_bytes = 0 if slack.strip() in ("0", "0B") else size_option(slack, what="--slack")
-    overrides = dict(slack_bytes=slack_bytes, host_bytes=size_option(cpu_mem, what="--cpu-mem"),
+    slack_fields = trace_slack(loaded, allocator)
+    if slack is not None:  # the user's figure holds for every activation choice
+        slack_fields = dict(slack_bytes=0 if slack.strip() in ("0", "0B") else size_option(slack, what="--slack"),
+                            activation_slack=())
+    overrides = dict(**slack_fields, host_bytes=size_option(cpu_mem, what="--cpu-mem"),
                      h2d_gbps=link_gbps, d2h_gbps=link_gbps, cpu_optimizer_gbps=cpu_adam_gbps)
     if gpu_tflops is not None:
         overrides |= dict(tflops_16=gpu_tflops, tflops_32=gpu_tflops, efficiency=1.0, efficiency_32=1.0)

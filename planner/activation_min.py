@@ -1,0 +1,150 @@
+"""`--gpu-mem min` under `--activations auto`: the smallest budget over every choice per segment, in each of the
+allocator-slack regimes ([Note: auto activations] in hplan.planner.activation_auto; hplan.planner.slack).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import highspy
+import numpy as np
+from scipy.sparse import coo_matrix
+
+from hplan.artifacts.hardware import Hardware
+from hplan.artifacts.trace import Trace
+from hplan.planner.activation_items import Items, build_items
+from hplan.planner.activations import Decision, decide, min_gpu_with
+from hplan.planner.problem import PARAM_CHUNKS, MinGpu, build, group_params, min_gpu
+from hplan.planner.slack import counted, regimes
+
+
+def minimax(items: Items, need: np.ndarray) -> tuple[int, tuple[int, ...]]:
+    """The least max_t need_t + chosen effects over every choice (exact, HiGHS), then the cheapest choice there."""
+    n_seg = len(items.first)
+    if not n_seg:
+        return int(need.max(initial=0)), ()
+    m = items.n_modes
+    varies = np.flatnonzero(np.any(items.effect != items.effect[items.first[items.item]], axis=0))
+    base = need + items.effect[items.first].sum(axis=0)  # everything kept
+    fixed = np.delete(base, varies)
+    floor = float(fixed.max()) if len(fixed) else 0.0
+    rel = items.effect[:, varies] - items.effect[items.first[items.item]][:, varies]  # vs keep, per segment
+    rows, cols, vals = [], [], []
+    r, c = np.nonzero(rel.T)
+    rows += r.tolist()
+    cols += c.tolist()
+    vals += rel.T[r, c].astype(float).tolist()
+    rows += list(range(len(varies)))
+    cols += [m] * len(varies)
+    vals += [-1.0] * len(varies)
+    one = len(varies)
+    rows += (one + items.item).tolist()
+    cols += list(range(m))
+    vals += [1.0] * m
+    a = coo_matrix((vals, (rows, cols)), shape=(one + n_seg, m + 1)).tocsc()
+    lo = np.r_[np.full(one, -highspy.kHighsInf), np.ones(n_seg)]
+    hi = np.r_[-base[varies].astype(float), np.ones(n_seg)]
+    x = _solve(np.r_[np.zeros(m), 1.0], a, lo, hi, np.r_[np.ones(m), np.inf], max(floor, 0.0), m)
+    if x is None:
+        raise AssertionError("the smallest-budget choice has no solution: an hplan bug")
+    chosen = _pick(items, x[:m])
+    peak = int((need + items.effect[list(chosen)].sum(axis=0)).max())
+    # the cheapest choice with that peak (ties: recompute and offload both reach it)
+    x2 = _solve(np.r_[items.cost.astype(float), 0.0], a, lo, hi, np.r_[np.ones(m), float(peak)], 0.0, m)
+    if x2 is not None:
+        c2 = _pick(items, x2[:m])
+        if int((need + items.effect[list(c2)].sum(axis=0)).max()) <= peak:
+            chosen = c2
+    return peak, chosen
+
+
+def _pick(items: Items, values: np.ndarray) -> tuple[int, ...]:
+    """Per segment the mode HiGHS set (largest value: robust to its tolerance)."""
+    best = np.full(len(items.first), -np.inf)
+    out = list(items.first)
+    for mode, (k, v) in enumerate(zip(items.item, values)):
+        if v > best[k]:
+            best[k], out[k] = v, mode
+    return tuple(int(m) for m in out)
+
+
+def _solve(cost: np.ndarray, a: Any, lo: np.ndarray, hi: np.ndarray, upper: np.ndarray, b_lower: float, m: int
+           ) -> np.ndarray | None:
+    """One small MILP (binaries 0..m-1, one continuous column last) by HiGHS on one thread, closed exactly."""
+    lp = highspy.HighsLp()
+    lp.num_col_, lp.num_row_ = a.shape[1], a.shape[0]
+    lp.col_cost_ = cost
+    lp.col_lower_ = np.r_[np.zeros(m), b_lower]
+    lp.col_upper_ = upper
+    lp.a_matrix_.format_ = highspy.MatrixFormat.kColwise
+    lp.a_matrix_.start_ = a.indptr.astype(np.int32)
+    lp.a_matrix_.index_ = a.indices.astype(np.int32)
+    lp.a_matrix_.value_ = a.data.astype(float)
+    lp.row_lower_, lp.row_upper_ = lo, hi
+    lp.integrality_ = [highspy.HighsVarType.kInteger] * m + [highspy.HighsVarType.kContinuous]
+    h = highspy._Highs()  # the public wrapper prints a banner on stdout
+    for name, value in (("output_flag", False), ("threads", 1), ("random_seed", 0), ("mip_rel_gap", 0.0)):
+        h.setOptionValue(name, value)
+    h.passModel(lp)
+    h.run()
+    if h.getInfo().primal_solution_status != 2:
+        return None
+    return np.asarray(h.getSolution().col_value)
+
+
+def min_gpu_auto(trace: Trace, hardware: Hardware, items: Items
+                 ) -> tuple[MinGpu, tuple[Decision, ...], int | None]:
+    """The smallest budget over the items' choices per segment (module doc), the choices that reach it, and the
+    smallest budget with every segment kept (None where keep is not among them). A choice
+    without recompute needs exactly the relaxed needs plus its effects; one with recompute is built (weight reads
+    added) only when its relaxed value could beat the best so far."""
+    structure, problem = build(trace, group_params(trace, PARAM_CHUNKS), frozenset(), hardware)
+    need = np.array([problem.need_bytes(t) - sum(problem.sizes[structure.by_chunk[c]["grad"]]
+                                                 for c in structure.flips[t])
+                     + problem.non_model[t] + hardware.slack_bytes for t in range(problem.n_steps)], dtype=np.int64)
+    _, chosen = minimax(items, need)
+    forced = [decide(trace, c) for c in ("keep", "offload", "recompute")]
+    candidates = [items.to_decisions(chosen)] + [d for d in forced if _within(d, items.allowed)]
+    best: tuple[int, tuple[Decision, ...], MinGpu | None] | None = None
+    for decisions in candidates:
+        relaxed = int((need + items.effect[list(items.of(decisions))].sum(axis=0)).max()) if decisions else \
+            int(need.max())
+        if best is not None and relaxed >= best[0]:
+            continue
+        value, found = relaxed, None
+        if any(d.choice == "recompute" for d in decisions):
+            found = min_gpu_with(trace, hardware, decisions, items.shared, label="auto")
+            value = found.gpu_bytes
+        if best is None or value < best[0]:
+            best = (value, decisions, found)
+    assert best is not None
+    _, decisions, found = best
+    keep = (int(need.max()) if len(need) else 0) if "keep" in items.allowed else None
+    if all(d.choice == "keep" for d in decisions):
+        return min_gpu(trace, hardware, (structure, problem)), decisions, keep
+    return found or min_gpu_with(trace, hardware, decisions, items.shared, label="auto"), decisions, keep
+
+
+
+
+def _within(decisions: tuple[Decision, ...], allowed: frozenset[str]) -> bool:
+    """Whether forced decisions only make allowed choices (hplan.planner.slack.counted: an offload that moves
+    nothing makes none; a refused recompute's offload is allowed beside recompute)."""
+    ok = allowed | {None} | ({"fallback"} if allowed & {"offload", "recompute"} else set())
+    return all(counted(d.choice, bool(d.segment.offload_bytes), d.segment.recomputable) in ok for d in decisions)
+
+
+def auto_regimes(trace: Trace, hardware: Hardware) -> list[tuple[str, Hardware, Items]]:
+    """Each allocator-slack regime (hplan.planner.slack.regimes) with its items, the mixed one first."""
+    return [(name, hw, build_items(trace, hw, allowed)) for name, hw, allowed in regimes(hardware)]
+
+
+def min_auto(trace: Trace, hardware: Hardware) -> tuple[MinGpu, tuple[Decision, ...]]:
+    """The smallest budget over every choice per segment and every regime, and the choices that reach it."""
+    best: tuple[MinGpu, tuple[Decision, ...]] | None = None
+    for _, hw, items in auto_regimes(trace, hardware):
+        smallest, decisions, _ = min_gpu_auto(trace, hw, items)
+        if best is None or smallest.gpu_bytes < best[0].gpu_bytes:
+            best = (smallest, decisions)
+    assert best is not None
+    return best

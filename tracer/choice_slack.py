@@ -1,0 +1,186 @@
+"""Allocator slack per activation choice: the keep step's malloc/free calls rewritten as an all-offload or an
+all-recompute step makes them, then searched at the budget like the keep step's ([Note: slack at the budget]).
+
+[Note: slack per choice] The slack the allocator needs depends on which blocks live together: a plain (keep)
+step holds every block's saved activations through the forward, an offloading step frees them as each block's
+forward ends and allocates them again before its backward, a recomputing step allocates its forward's temporaries
+a second time inside the backward. Applying the keep step's slack to a plan that offloads or recomputes every
+block over-reserves what its own sequence needs (on an 8-layer Llama at batch 4 × seq 1024 it set auto's smallest
+budget 12% above transformers' own gradient checkpointing, whose trace replays its own sequence).
+
+The tracer therefore rewrites the steady iteration's log per choice, segment by segment, exactly where the
+planner's effects say the bytes leave and come back (hplan.artifacts.segments.effects):
+- offload: each storage an offload moves is freed where the first event from which the planner counts it gone
+  begins (just before that event's mark, where a replay applies the event's cap) (after the forward's last event, once nothing but the graph holds it) and allocated again, under the
+  same key, at the start of the window of the segment's first unpack (the default prefetch); its original free,
+  later in backward, then releases that block;
+- recompute: the same frees for what a recompute drops (not its inputs); at the op of the first unpack the
+  forward's own calls run again (marks left out, fresh keys, frees of storages allocated outside it skipped): the
+  storages it saved and a recompute restores keep their keys (their original frees follow), the ones it saves
+  but does not own are freed where the segment's backward ends, every other storage it leaves alive right after.
+  A segment that may not be recomputed is offloaded, as `--activations recompute` does;
+- the levels are the trace's events' non-model peaks plus every segment's effects under the choice, so each
+  figure is the slack a plan making that choice everywhere adds to its own levels.
+A plan that mixes choices needs its own mix's slack, which is not bounded by its pure choices' figures: on the
+8-layer Llama, blocks alternately offloaded and recomputed need 77.6 MB where all-recompute needs 69.2 MB. The
+"mixed" figure is therefore the largest over the pure figures and sampled mixes (each pair of choices alternating
+block by block, and MIX_SAMPLES random draws of all three, seeded); the planner adds keep's and uses it for any
+plan that mixes (hplan.planner.slack). It is a sample, not a bound. Not modelled: a prefetch hoisted earlier than
+the backward's window, and inputs a recompute keeps alive past their keep-run free (the planner's
+`recompute_held` counts their bytes; the log keeps their original frees).
+"""
+
+from __future__ import annotations
+
+import bisect
+import random
+from collections.abc import Mapping, Sequence
+
+from hplan.artifacts.activations import CHOICES
+from hplan.artifacts.segments import Segment, effects, shared_windows
+from hplan.tracer.allocator import FREE, MARK
+from hplan.tracer.segment_stats import owned_and_moved
+from hplan.tracer.segments import Call
+from hplan.tracer.slack import Log, smallest_slack
+
+Entry = tuple[int, int]
+Choice = str | Mapping[tuple[str, int], str]
+"""One choice for every segment call, or one per call (keep where absent)."""
+MIX_SAMPLES = 3
+"""Random mixes of all three choices behind the "mixed" figure (besides three alternating pairs)."""
+
+
+def choice_slack(log: Log, op_log: Sequence[int], calls: Sequence[Call], segments: Sequence[Segment],
+                 levels: Sequence[int], starts: Sequence[int]) -> dict[str, dict[str, int]]:
+    """{"offload" | "recompute" | "mixed": {"release": bytes, "expandable": bytes}}: the at-budget slack of each
+    pure choice, and the largest over those and the sampled mixes ([Note: slack per choice]); {} when the log's
+    marks do not match the events or there are no segments.
+    `op_log[k]`: the log's length where op k starts; `starts[e]`: event e's first op; `levels[e]`: its keep peak."""
+    marks = [i for i, (_, nbytes) in enumerate(log) if nbytes == MARK]
+    if not segments or len(marks) != len(levels):
+        return {}
+    by_key = {(c.path, c.micro): c for c in calls}
+    pairs = [(s, by_key[s.key]) for s in segments if s.key in by_key]
+    if len(pairs) != len(segments):
+        return {}
+    refused = {s.module for s in segments if not s.recomputable}
+    out = {c: _figures(log, op_log, marks, starts, pairs, levels, segments, c, refused)
+           for c in ("offload", "recompute")}
+    mixed = {k: max(out["offload"][k], out["recompute"][k]) for k in out["offload"]}
+    for mix in _mixes(segments):
+        figures = _figures(log, op_log, marks, starts, pairs, levels, segments, mix, refused)
+        mixed = {k: max(v, figures[k]) for k, v in mixed.items()}
+    out["mixed"] = mixed
+    return out
+
+
+def _figures(log: Log, op_log: Sequence[int], marks: list[int], starts: Sequence[int],
+             pairs: list[tuple[Segment, Call]], levels: Sequence[int], segments: Sequence[Segment],
+             choice: Choice, refused: set[str]) -> dict[str, int]:
+    modes = _modes(segments, choice, refused)
+    rewritten = rewrite(log, op_log, marks, starts, pairs, modes)
+    lv = choice_levels(levels, segments, modes)
+    return {"release": smallest_slack(rewritten, lv), "expandable": smallest_slack(rewritten, lv, expandable=True)}
+
+
+def _mixes(segments: Sequence[Segment]) -> list[dict[tuple[str, int], str]]:
+    """The sampled mixes behind the "mixed" figure: each pair of choices alternating block by block, then
+    MIX_SAMPLES draws of all three (a fixed seed: the same trace gives the same figures)."""
+    out = [{s.key: pair[i % 2] for i, s in enumerate(segments)}
+           for pair in (("offload", "recompute"), ("keep", "offload"), ("keep", "recompute"))]
+    rng = random.Random(0)
+    return out + [{s.key: rng.choice(CHOICES) for s in segments} for _ in range(MIX_SAMPLES)]
+
+
+def _modes(segments: Sequence[Segment], choice: Choice, refused: set[str]) -> dict[tuple[str, int], str]:
+    """Per segment call its mode; a module that may not be recomputed is offloaded instead (as `decide` does)."""
+    out = {}
+    for s in segments:
+        c = choice if isinstance(choice, str) else choice.get(s.key, "keep")
+        out[s.key] = "offload" if c == "recompute" and s.module in refused else c
+    return out
+
+
+def choice_levels(levels: Sequence[int], segments: Sequence[Segment], modes: Mapping[tuple[str, int], str]
+                  ) -> list[int]:
+    """Each event's non-model peak with the segments in `modes` (keep by default), as
+    hplan.planner.activations.transform makes it."""
+    out = list(levels)
+    mode = {s.key: modes.get(s.key, "keep") for s in segments}
+    shared = shared_windows(s for s in segments if mode[s.key] == "recompute")
+    for s in segments:
+        for first, last, delta in effects(s, mode[s.key], shared_recompute=s.key in shared):
+            for e in range(first, last + 1):
+                out[e] += delta
+    return [max(0, x) for x in out]
+
+
+def rewrite(log: Log, op_log: Sequence[int], marks: list[int], starts: Sequence[int],
+            pairs: list[tuple[Segment, Call]], modes: Mapping[tuple[str, int], str]) -> list[Entry]:
+    """The log with every segment call's calls under its mode (keep by default) inserted ([Note: slack per
+    choice])."""
+    inserts: dict[int, list[tuple[int, list[Entry]]]] = {}
+    fresh = [0]
+
+    def at(pos: int, entries: list[Entry], order: int = 0) -> None:
+        """Entries to run before log[pos]; at one position frees (order 0) run before allocations (1)."""
+        inserts.setdefault(pos, []).append((order, entries))
+
+    def op_pos(op: int) -> int:
+        return op_log[op] if 0 <= op < len(op_log) else len(log)
+
+    for seg, call in pairs:
+        mode = modes.get(seg.key, "keep")
+        if mode == "keep":
+            continue
+        f1, (b0, b1) = seg.forward_events[1], seg.backward_events
+        _, moved = owned_and_moved(call)
+        restored: set[int] = set()
+        for s in moved:
+            if mode == "recompute" and s.key in call.inputs:
+                continue  # the checkpoint keeps its inputs
+            first = max(f1 + 1, bisect.bisect_left(starts, max(s.gone_op or 0, call.exit_op)))
+            if first < b0:
+                at(marks[first], [(s.key, FREE)])  # before the mark: the window's cap sees it gone
+                restored.add(s.key)
+                if mode == "offload":
+                    at(marks[b0] + 1, [(s.key, s.nbytes)], 1)
+        if mode == "recompute":
+            extra = {s.key for s in call.saved if s.ok and s.created_inside and s.key not in restored}
+            end = marks[b1 + 1] if b1 + 1 < len(marks) else len(log)
+            again, late = _again(log[op_pos(call.entry_op):op_pos(call.exit_op)], restored, extra, fresh)
+            at(op_pos(call.unpack_op if call.unpack_op is not None else -1), again, 1)
+            at(end, late)
+    out: list[Entry] = []
+    for i, entry in enumerate([*log, None]):
+        for _, entries in sorted(inserts.get(i, ()), key=lambda group: group[0]):  # stable: in order
+            out += entries
+        if entry is not None:
+            out.append(entry)
+    return out
+
+
+def _again(forward: Sequence[Entry], restored: set[int], extra: set[int], fresh: list[int]
+           ) -> tuple[list[Entry], list[Entry]]:
+    """The forward's calls as its recompute makes them, and the frees due where its backward ends."""
+    names: dict[int, int] = {}
+    calls: list[Entry] = []
+    for key, nbytes in forward:
+        if nbytes == MARK:
+            continue
+        if nbytes == FREE:
+            if key in names and names[key] != key:
+                calls.append((names.pop(key), FREE))
+            continue
+        if names.get(key, key) != key:
+            calls.append((names[key], FREE))  # a key back while live: its storage died unreported
+        if key in restored:
+            names[key] = key
+        else:
+            fresh[0] -= 1
+            names[key] = fresh[0]
+        calls.append((names[key], nbytes))
+    now = [(new, FREE) for old, new in names.items() if new != old and old not in extra]
+    late = [(new, FREE) for old, new in names.items() if new != old and old in extra]
+    return calls + now, late
+
