@@ -37,7 +37,7 @@ from hplan.artifacts.plan import Plan
 from hplan.artifacts.trace import Trace
 from hplan.planner.activation_items import Items
 from hplan.planner.activation_min import auto_regimes, min_gpu_auto
-from hplan.planner.activations import Decision, decide, slack_figure
+from hplan.planner.activations import Decision, HostMemoryShort, decide, slack_figure
 from hplan.planner.exact import lp_bound, solve_milp
 from hplan.planner.options import PlanOptions
 from hplan.planner.problem import MinGpu
@@ -48,8 +48,18 @@ def plan_auto(trace: Trace, hardware: Hardware, options: PlanOptions, on_progres
     """The plan with each segment's choice decided jointly with the model data's (module doc), in the
     allocator-slack regimes (hplan.planner.slack): every choice under the mixed figure; then, where that plan
     makes one choice other than keep, that choice alone under its own figure, or, where nothing fits, each
-    choice alone; the plan moving the fewest link bytes wins (the first on ties)."""
-    runs = [(name, hw, items, min_gpu_auto(trace, hw, items)) for name, hw, items in auto_regimes(trace, hardware)]
+    choice alone; the plan moving the fewest link bytes wins (the first on ties). Where host memory (`--cpu-mem`)
+    cannot hold what a plan offloads beside the model data, auto plans again without offload."""
+    try:
+        return _plan_auto(trace, hardware, options, on_progress, frozenset())
+    except HostMemoryShort:
+        return _plan_auto(trace, hardware, options, on_progress, frozenset(("offload",)))
+
+
+def _plan_auto(trace: Trace, hardware: Hardware, options: PlanOptions, on_progress: Progress | None,
+               without: frozenset[str]) -> Plan:
+    runs = [(name, hw, items, min_gpu_auto(trace, hw, items))
+            for name, hw, items in auto_regimes(trace, hardware, without)]
     smallest = min((m[0] for *_, m in runs), key=lambda m: m.gpu_bytes)
     _, hw, items, (_, lean, keep_bytes) = runs[0]
     plan, decisions = _plan_regime(trace, hw, options, on_progress, items, smallest, lean, keep_bytes)
@@ -60,7 +70,10 @@ def plan_auto(trace: Trace, hardware: Hardware, options: PlanOptions, on_progres
         rest = [r for r in runs[1:] if r[3][0].gpu_bytes <= hardware.gpu_bytes]
     best = plan
     for _, hw, items, (_, lean, keep_bytes) in rest:
-        other, _ = _plan_regime(trace, hw, options, on_progress, items, smallest, lean, keep_bytes)
+        try:
+            other, _ = _plan_regime(trace, hw, options, on_progress, items, smallest, lean, keep_bytes)
+        except HostMemoryShort:
+            continue  # its offloads do not fit in host memory: the plans found so far stand
         if other.summary.feasible and (not best.summary.feasible or _objective(other) < _objective(best)):
             best = other
     return best

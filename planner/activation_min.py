@@ -134,17 +134,35 @@ def _within(decisions: tuple[Decision, ...], allowed: frozenset[str]) -> bool:
     return all(counted(d.choice, bool(d.segment.offload_bytes), d.segment.recomputable) in ok for d in decisions)
 
 
-def auto_regimes(trace: Trace, hardware: Hardware) -> list[tuple[str, Hardware, Items]]:
+def auto_regimes(trace: Trace, hardware: Hardware, without: frozenset[str] = frozenset()
+                 ) -> list[tuple[str, Hardware, Items]]:
     """Each allocator-slack regime (hplan.planner.slack.regimes) with its items, the mixed one first."""
-    return [(name, hw, build_items(trace, hw, allowed)) for name, hw, allowed in regimes(hardware)]
+    return [(name, hw, build_items(trace, hw, allowed)) for name, hw, allowed in regimes(hardware, without)]
 
 
-def min_auto(trace: Trace, hardware: Hardware) -> tuple[MinGpu, tuple[Decision, ...]]:
-    """The smallest budget over every choice per segment and every regime, and the choices that reach it."""
+def min_auto(trace: Trace, hardware: Hardware, without: frozenset[str] = frozenset()
+             ) -> tuple[MinGpu, tuple[Decision, ...]]:
+    """The smallest budget over every choice per segment and every regime, and the choices that reach it. With
+    host memory given (`--cpu-mem`, no disk tier), choices whose offloads could not sit in host memory beside
+    all the model data are left for the smallest budget without offload (as auto's plan does)."""
     best: tuple[MinGpu, tuple[Decision, ...]] | None = None
-    for _, hw, items in auto_regimes(trace, hardware):
+    for _, hw, items in auto_regimes(trace, hardware, without):
         smallest, decisions, _ = min_gpu_auto(trace, hw, items)
         if best is None or smallest.gpu_bytes < best[0].gpu_bytes:
             best = (smallest, decisions)
     assert best is not None
+    host = hardware.host_bytes
+    if host is not None and hardware.nvme_bytes is None and "offload" not in without \
+            and trace.model_bytes + _held(best[1]) > host:
+        return min_auto(trace, hardware, frozenset(("offload",)))
     return best
+
+
+def _held(decisions: tuple[Decision, ...]) -> int:
+    """The most bytes of offloaded activations in host memory at once (from each forward's end to its backward)."""
+    held: dict[int, int] = {}
+    for d in decisions:
+        if d.choice == "offload" and d.segment.offload_bytes:
+            for t in range(d.segment.forward_events[1], d.segment.backward_events[0] + 1):
+                held[t] = held.get(t, 0) + d.segment.offload_bytes
+    return max(held.values(), default=0)

@@ -202,6 +202,11 @@ def with_activations(plan: Plan, trace: Trace, work: Trace, decisions: tuple[Dec
                                         **_step_time(out, work, hardware)))
 
 
+class HostMemoryShort(HplanError):
+    """Host memory (`--cpu-mem`) cannot hold the offloaded activations beside the model data off the GPU; auto
+    then plans again without offload (hplan.planner.activation_auto)."""
+
+
 def _check_host(plan: Plan, rep: Any) -> None:
     """With --cpu-mem, host memory must hold the model data off the GPU plus the offloaded activations at once."""
     host = plan.hardware.host_bytes
@@ -216,7 +221,7 @@ def _check_host(plan: Plan, rep: Any) -> None:
     always = set(plan.initial_resident).intersection(*(set(st.resident) for st in rep.states))
     model = sum(r.bytes for r in plan.regions if r.id not in always)
     if held and model + max(held) > host:
-        raise HplanError(f"--activations offload keeps up to {max(held):,} bytes of activations in host memory, "
+        raise HostMemoryShort(f"--activations offload keeps up to {max(held):,} bytes of activations in host memory, "
                          f"which with the {model:,} bytes of model data off the GPU is more than --cpu-mem "
                          f"({host:,} bytes): give more --cpu-mem or use --activations recompute")
 

@@ -87,11 +87,11 @@ def for_figure(hardware: Hardware, name: str) -> Hardware:
     return replace(hardware, slack_bytes=table[name])
 
 
-def regimes(hardware: Hardware) -> list[tuple[str, Hardware, frozenset[str]]]:
+def regimes(hardware: Hardware, without: frozenset[str] = frozenset()) -> list[tuple[str, Hardware, frozenset[str]]]:
     """The auto decision's regimes (module doc): every choice under the mixed figure first, then each choice alone
-    under its own figure; one regime without a table."""
-    every = frozenset(("keep", "offload", "recompute"))
+    under its own figure; one regime without a table. Choices in `without` are left out."""
+    every = frozenset(("keep", "offload", "recompute")) - without
     if not hardware.activation_slack:
         return [("mixed", hardware, every)]
     return [("mixed", for_figure(hardware, "mixed"), every),
-            *((c, for_figure(hardware, c), frozenset((c,))) for c in ("keep", "offload", "recompute"))]
+            *((c, for_figure(hardware, c), frozenset((c,))) for c in ("keep", "offload", "recompute") if c in every)]

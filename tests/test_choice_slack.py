@@ -200,3 +200,31 @@ def test_hostile_figures_are_refused_on_load(tmp_path):
     hw["activation_slack"] = [["keep", 1], ["offload", "2"]]
     with pytest.raises(Exception, match="activation_slack"):
         Hardware.from_dict(hw)
+
+
+def test_auto_weighs_host_memory_and_plans_without_offload_where_it_runs_short(tmp_path):
+    """--cpu-mem that holds the model data but not the offloaded activations: auto recomputes instead (its
+    `--gpu-mem min` says so), where forced offload exits 2 naming --cpu-mem."""
+    _, trace = _recorded("hf:LlamaForCausalLM")
+    fields = trace_slack(trace)
+    roomy = make_hardware("cpu", gpu_bytes=1, **fields)
+    floor = min_gpu_bytes(trace, roomy).gpu_bytes
+    at_floor = make_plan(trace, replace(roomy, gpu_bytes=floor))
+    assert any(c.choice == "offload" for c in at_floor.activations)  # without a host limit the minimum offloads
+    host = trace.model_bytes + (1 << 20)
+    tight = make_hardware("cpu", gpu_bytes=1, host_bytes=host, **fields)
+    floor2 = min_gpu_bytes(trace, tight).gpu_bytes
+    assert floor2 > floor
+    plan = make_plan(trace, replace(tight, gpu_bytes=floor2))
+    assert plan.summary.feasible and not any(c.choice == "offload" and c.moved_bytes for c in plan.activations)
+    validate(plan)
+    path = tmp_path / "t.parquet"
+    trace.save(path)
+    runner = CliRunner()
+    r = runner.invoke(app, ["plan", str(path), "--gpu", "cpu", "--gpu-mem", "min", "--cpu-mem", str(host),
+                            "--json"])
+    assert r.exit_code == 0, r.output
+    assert json.loads(r.stdout[r.stdout.index("{"):])["gpu_bytes"] == floor2
+    r = runner.invoke(app, ["plan", str(path), "--gpu", "cpu", "--gpu-mem", str(floor2), "--cpu-mem", str(host),
+                            "--activations", "offload", "--json"])
+    assert r.exit_code == 2 and "--cpu-mem" in r.output

@@ -82,6 +82,7 @@ def summary(trace: Trace) -> dict:
             "allocator_slack_bytes": trace.allocator_slack_bytes, "overhead_bytes": trace.overhead_bytes,
             "allocator_slack_release_bytes": trace.allocator_slack_release_bytes,
             "allocator_slack_expandable_bytes": trace.allocator_slack_expandable_bytes,
+            "allocator_slack_by_choice": trace.allocator_slack_by_choice,
             "step_flops": trace.step_flops, "warnings": list(trace.warnings), "accumulate": trace.accumulate,
             "max_grad_norm": trace.max_grad_norm, "defer_updates": trace.defer_updates,
             "optimizer": trace.optimizer, "input_shapes": list(trace.input_shapes),
@@ -124,6 +125,11 @@ def print_summary(trace: Trace, output: Path) -> None:
                       f"{format_size(trace.allocator_slack_release_bytes)} on a GPU of the planned size (predicted; "
                       f"the plan's default, --allocator), {format_size(trace.allocator_slack_expandable_bytes or 0)} "
                       "with expandable segments (predicted)", highlight=False)
+        by_choice = trace.allocator_slack_by_choice
+        if by_choice:
+            console.print("  on a GPU of the planned size, with every block offloaded / recomputed / mixed: "
+                          + " / ".join(format_size(by_choice[c]["release"]) for c in ("offload", "recompute", "mixed"))
+                          + " (predicted; a plan takes the figure of its choices)", highlight=False)
     console.print(f"{trace.n_ops} ops, {trace.n_events} events, model data {format_size(trace.model_bytes)}; "
                   f"wrote {output}", highlight=False)
 
