@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import torch
 from hplan.executor.trace_ranges import action
@@ -22,7 +23,7 @@ from hplan.executor.device import FastTier
 from hplan.executor.state import RegionState
 from torch import nn
 
-from hplan.artifacts import Plan, Region
+from hplan.artifacts import Plan, Region, Step
 from hplan.errors import HplanError
 
 Key = str | tuple[str, str]
@@ -201,6 +202,29 @@ class RegionStore:
             slot.host_views[name].copy_(value)
             if slot.state.on_fast_tier:
                 slot.fast_views[name].copy_(value)
+
+
+class Mover(Protocol):
+    """What `move_regions` needs of a store: RegionStore (and TieredStore) and the ranks' ShardStore."""
+
+    def evict(self, rid: int, *, writeback: bool) -> None: ...
+
+    def fetch(self, rid: int) -> None: ...
+
+    def alloc(self, rid: int) -> None: ...
+
+
+def move_regions(store: Mover, step: Step) -> None:
+    """A plan step's region moves: its evictions (writing back those it names), then its fetches, then its
+    allocations, each in the plan's order. One place for the single-process and the ranks' executors, so the
+    order hplan.artifacts.replay checks plans against (room is freed before it is taken) cannot drift apart."""
+    writeback = set(step.writeback)
+    for rid in step.evict:
+        store.evict(rid, writeback=rid in writeback)
+    for rid in step.fetch:
+        store.fetch(rid)
+    for rid in step.alloc:
+        store.alloc(rid)
 
 
 def _layout(region: Region, tensors: tuple[str, ...], trainable: tuple[str, ...], params: dict[str, nn.Parameter],

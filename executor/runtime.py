@@ -24,6 +24,7 @@ from hplan.executor.evaluation import EvalPass
 from hplan.executor.gradients import Clip, GradientOps, move_grad
 from hplan.executor.habits import intercepted, with_step_hooks
 from hplan.executor.measure import EventRecord, WindowMeter, make_probe
+from hplan.executor.regions import move_regions
 from hplan.executor.scale import LossScale
 from hplan.executor.state import RegionState
 from hplan.executor.statesync import StateSync
@@ -251,13 +252,7 @@ class PlanRun(UpdateSteps, GradientOps, StateSync):
         store = self.store
         with self._memory_of("cpu"):  # the host tier's own work: staging, disk I/O, placeholders
             self.host.begin_step(step)
-        writeback = set(step.writeback)
-        for rid in step.evict:
-            store.evict(rid, writeback=rid in writeback)
-        for rid in step.fetch:
-            store.fetch(rid)
-        for rid in step.alloc:
-            store.alloc(rid)
+        move_regions(store, step)
         self.activations.at_step(step)
         flipped = {store.region(c, "grad") for c in step.flips}
         store.require([r for r in step.needs if r not in flipped], f"plan step {step.index} ({step.event})")

@@ -28,6 +28,7 @@ from hplan.executor.ranks.dist_comm import PlanComm
 from hplan.executor.gradients import first_nonfinite, move_grad, nonfinite_message
 from hplan.executor.habits import intercepted, with_step_hooks
 from hplan.executor.measure import WindowMeter, make_probe
+from hplan.executor.regions import move_regions
 from hplan.executor.runtime import check_plan
 from hplan.executor.ranks.shard_store import ShardStore
 from hplan.executor.batch import UpdateBatch
@@ -260,13 +261,7 @@ class DistRun:
 
     def _do_step(self, step: Step) -> None:
         store = self.store
-        writeback = set(step.writeback)
-        for rid in step.evict:
-            store.evict(rid, writeback=rid in writeback)
-        for rid in step.fetch:
-            store.fetch(rid)
-        for rid in step.alloc:
-            store.alloc(rid)
+        move_regions(store, step)
         store.require(step.needs, f"plan step {step.index} ({step.event})")
         for call in step.collectives:
             if call.before:
