@@ -11,7 +11,7 @@ from pathlib import Path
 import torch
 
 import hplan
-from hplan.planner import default_slack, make_hardware, make_plan, min_gpu_bytes
+from hplan.planner import make_hardware, make_plan, min_gpu_bytes, trace_slack
 from hplan.specs import load_workload
 from hplan.tracer import trace_workload
 
@@ -19,7 +19,7 @@ workload = load_workload("gpt:tiny", max_grad_norm=1.0)    # or your own hplan.W
 trace = trace_workload(workload, device="cpu")             # warm-up iterations of the real step, op by op
 floor = min_gpu_bytes(trace).gpu_bytes                     # the smallest fast tier any schedule fits
 hardware = make_hardware("cpu", gpu_bytes=floor + trace.model_bytes // 4,   # ...plus a quarter of the model
-                         slack_bytes=default_slack(trace))                  # data; "rtx3090" etc. plan a GPU
+                         **trace_slack(trace))                              # data; "rtx3090" etc. plan a GPU
 plan = make_plan(trace, hardware)
 assert plan.summary.feasible, plan.summary.bottleneck
 

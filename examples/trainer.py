@@ -11,7 +11,7 @@ import torch
 from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainingArguments
 
 from hplan.integrations.trainer import HplanCallback, trace_trainer
-from hplan.planner import default_slack, make_hardware, make_plan, min_gpu_bytes
+from hplan.planner import make_hardware, make_plan, min_gpu_bytes, trace_slack
 
 model = GPT2LMHeadModel(GPT2Config(vocab_size=512, n_embd=64, n_layer=2, n_head=4, n_positions=64))  # yours
 ids = torch.randint(512, (64, 32), generator=torch.Generator().manual_seed(0))
@@ -23,10 +23,10 @@ args = TrainingArguments(output_dir=tempfile.mkdtemp(), max_steps=6, per_device_
 trainer = Trainer(model=model, args=args, train_dataset=train_data)   # your TrainingArguments, unchanged
 trace = trace_trainer(trainer)              # the Trainer's own step: its batches, loss, param groups, accumulation
 if args.device.type == "cuda":              # a GPU of yours: plan for what it has, or name one ("rtx3090", ...)
-    hardware = make_hardware("rtx3090", gpu_bytes=torch.cuda.mem_get_info()[0], slack_bytes=default_slack(trace))
+    hardware = make_hardware("rtx3090", gpu_bytes=torch.cuda.mem_get_info()[0], **trace_slack(trace))
 else:                                       # the CPU stands in for the GPU: a fast tier of a third of the model
     floor = min_gpu_bytes(trace).gpu_bytes
-    hardware = make_hardware("cpu", gpu_bytes=floor + trace.model_bytes // 3, slack_bytes=default_slack(trace))
+    hardware = make_hardware("cpu", gpu_bytes=floor + trace.model_bytes // 3, **trace_slack(trace))
 plan = make_plan(trace, hardware)
 callback = HplanCallback(plan)
 trainer.add_callback(callback)              # optimizer steps run on the plan; saving and evaluation outside it
