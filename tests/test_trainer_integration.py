@@ -11,11 +11,14 @@ import pytest
 import torch
 import transformers
 from hplan.planner import PlanOptions, default_slack, make_plan, min_gpu_bytes
+from hplan.planner.activations import Decision, min_gpu_with
+from hplan.planner.core import plan_decisions
 from loops import offloaded_share
 from transformers import Trainer, TrainingArguments
 
 import hplan
 from hplan.artifacts import Hardware
+from hplan.artifacts.replay import validate
 from hplan.errors import HplanError
 from hplan.integrations.trainer import (
     HplanCallback,
@@ -131,6 +134,69 @@ def test_trainer_with_an_activation_plan_equals_plain_trainer(build, activations
     assert {c.choice for c in callback.plan.activations} == {activations}
     assert (callback.activation_bytes_moved > 0) == (activations == "offload")
     assert rel(losses(ours), losses(plain)) <= 1e-5 and weight_diff(ours.model, plain.model) <= 1e-6
+
+
+MIXED = {"model.layers.0": "offload", "model.layers.1": "recompute", "model.layers.2": "keep"}
+"""One decoder layer per choice (one choice per module: the validator refuses a module whose micro-steps differ)."""
+
+
+def llama3() -> torch.nn.Module:
+    """Three decoder layers, narrow against the sequence: each saves more activation bytes than it has weights."""
+    cfg = transformers.LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=3,
+                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+    return transformers.LlamaForCausalLM(cfg)
+
+
+def mixed_plan(trace):
+    """MIXED forced by hand (auto's mix depends on the CPU trace's block times), planned as make_plan plans forced
+    choices ([Note: plan activations]), at the smallest fast tier those choices fit (a CPU budget)."""
+    decisions = tuple(Decision(segment=s, choice=MIXED[s.module]) for s in trace.segments)
+    floor = min_gpu_with(trace, Hardware(gpu="cpu", gpu_bytes=1, slack_bytes=default_slack(trace)), decisions)
+    hardware = Hardware(gpu="cpu", gpu_bytes=floor.gpu_bytes, slack_bytes=default_slack(trace), overlap=False)
+    plan = plan_decisions(trace, hardware, PlanOptions(solver="fast"), decisions)
+    assert plan.summary.feasible, plan.summary.bottleneck
+    validate(plan)
+    return plan
+
+
+def test_trainer_with_a_mixed_activation_plan_equals_plain_trainer(tmp_path):
+    """The plans `attach` takes (tests/test_activations_auto.py): offload, recompute and keep in one plan, over
+    Trainer's 2 micro-batches. Losses and weights as the plain Trainer without checkpointing, the plan's activation
+    bytes moved, and at every step of every iteration after the first (which creates the optimizer state) the
+    measured non-model bytes within the plan's for that step: a segment left kept shows there, not in the peak.
+    Evaluating every 3 steps closes and reopens the block with its activation wrappers."""
+    steps, evals, extra = 6, Tokens(8, seed=2), {"eval_strategy": "steps", "eval_steps": 3}
+    plain = trainer(llama3, tmp_path / "plain", Tokens(24), evals, max_steps=steps, **extra)
+    plain.train()
+    ours = trainer(llama3, tmp_path / "hplan", Tokens(24), evals, max_steps=steps, **extra)
+    trace = trace_trainer(ours)
+    assert [(s.module, s.micro) for s in trace.segments] == [(m, k) for k in (0, 1) for m in MIXED]
+    assert all(s.recomputable and s.offload_bytes for s in trace.segments)
+    plan = mixed_plan(trace)
+    assert {(c.module, c.choice) for c in plan.activations} == set(MIXED.items())
+    assert plan.gpu_bytes < min_gpu_bytes(trace, activations="keep").gpu_bytes
+    moved = plan.summary.activation_bytes_moved_per_iter
+    assert moved == 2 * sum(s.offload_bytes for s in trace.segments if MIXED[s.module] == "offload") > 0
+    assert plan.summary.recompute_seconds > 0
+    callback, records = HplanCallback(plan), []
+    ours.add_callback(callback)
+    ours.add_callback(type("Records", (transformers.TrainerCallback,), {  # runs after HplanCallback's on_step_end
+        "on_step_end": lambda self, *a, **k: records.append(callback.last_records)})())
+    ours.train()
+    assert callback.run is None and callback.steps == len(records) == steps
+    assert len(losses(plain)) == steps and rel(losses(ours), losses(plain)) <= 1e-5
+    assert weight_diff(ours.model, plain.model) <= 1e-6
+    # evaluating leaves the block (its wrapped forwards restored) and the next step enters it again
+    eval_losses = [[h["eval_loss"] for h in t.state.log_history if "eval_loss" in h] for t in (ours, plain)]
+    assert len(eval_losses[1]) == 2 and rel(*eval_losses) <= 1e-5
+    assert callback.activation_bytes_moved == moved
+    assert sum(r.h2d_bytes + r.d2h_bytes for r in callback.last_records) == plan.summary.bytes_moved_per_iter
+    assert 0 < callback.peak_resident_bytes <= plan.gpu_bytes
+    for iteration in records[1:]:
+        for step, record in zip(plan.steps, iteration, strict=True):
+            if not step.host_updates:  # on the CPU twin host updates run on the fast tier's device: they count there
+                measured = record.resident_bytes - record.model_resident_bytes
+                assert measured <= step.non_model_bytes, (step.index, step.event, measured, step.non_model_bytes)
 
 
 @pytest.mark.slow
