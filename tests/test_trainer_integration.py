@@ -95,6 +95,38 @@ def weight_diff(a: torch.nn.Module, b: torch.nn.Module) -> float:
     return max((sa[k].double() - sb[k].double()).abs().max().item() for k in sa)
 
 
+class Records(transformers.TrainerCallback):
+    """Each optimizer step's plan records; added after HplanCallback, so its on_step_end sees that step's."""
+
+    def __init__(self, callback: HplanCallback) -> None:
+        self.callback, self.steps = callback, []
+
+    def on_step_end(self, *args, **kwargs) -> None:
+        self.steps.append(self.callback.last_records)
+
+
+def train_on_plan(t: Trainer, plan) -> HplanCallback:
+    """`t.train()` with HplanCallback(plan): every step trained on the plan, inside its budget, moving its bytes,
+    and at every step of every iteration after the first (which creates the optimizer state) the measured non-model
+    bytes within the plan's for that step — where an activation choice left undone shows (a kept segment rarely
+    sets the peak at the plan's floor)."""
+    callback = HplanCallback(plan)
+    records = Records(callback)
+    t.add_callback(callback)
+    t.add_callback(records)
+    t.train()
+    assert callback.run is None and callback.steps == len(records.steps) == t.state.max_steps
+    assert 0 < callback.peak_resident_bytes <= plan.gpu_bytes
+    assert sum(r.h2d_bytes + r.d2h_bytes for r in callback.last_records) == plan.summary.bytes_moved_per_iter
+    assert callback.activation_bytes_moved == plan.summary.activation_bytes_moved_per_iter
+    for iteration in records.steps[1:]:
+        for step, record in zip(plan.steps, iteration, strict=True):
+            if not step.host_updates:  # on the CPU twin host updates run on the fast tier's device: they count there
+                measured = record.resident_bytes - record.model_resident_bytes
+                assert measured <= step.non_model_bytes, (step.index, step.event, measured, step.non_model_bytes)
+    return callback
+
+
 def compare(build, tmp_path, steps: int = 20, n: int = 80, activations: str = "keep", **overrides
             ) -> tuple[Trainer, Trainer, HplanCallback]:
     """The plain Trainer and the same Trainer with HplanCallback, on the same model, data and arguments."""
@@ -103,14 +135,7 @@ def compare(build, tmp_path, steps: int = 20, n: int = 80, activations: str = "k
     ours = trainer(build, tmp_path / "hplan", Tokens(n), max_steps=steps, **overrides)
     plan = plan_at_floor(trace_trainer(ours), activations)
     assert offloaded_share(plan) >= 0.5
-    callback = HplanCallback(plan)
-    ours.add_callback(callback)
-    ours.train()
-    assert callback.run is None and callback.steps == steps
-    assert 0 < callback.peak_resident_bytes <= plan.gpu_bytes
-    assert sum(r.h2d_bytes + r.d2h_bytes for r in callback.last_records) == plan.summary.bytes_moved_per_iter
-    assert callback.activation_bytes_moved == plan.summary.activation_bytes_moved_per_iter
-    return plain, ours, callback
+    return plain, ours, train_on_plan(ours, plan)
 
 
 @pytest.mark.parametrize("build, overrides", [
@@ -161,10 +186,8 @@ def mixed_plan(trace):
 
 def test_trainer_with_a_mixed_activation_plan_equals_plain_trainer(tmp_path):
     """The plans `attach` takes (tests/test_activations_auto.py): offload, recompute and keep in one plan, over
-    Trainer's 2 micro-batches. Losses and weights as the plain Trainer without checkpointing, the plan's activation
-    bytes moved, and at every step of every iteration after the first (which creates the optimizer state) the
-    measured non-model bytes within the plan's for that step: a segment left kept shows there, not in the peak.
-    Evaluating every 3 steps closes and reopens the block with its activation wrappers."""
+    Trainer's 2 micro-batches: losses and weights as the plain Trainer without checkpointing, and each step within
+    the plan (train_on_plan). Evaluating every 3 steps closes and reopens the block with its activation wrappers."""
     steps, evals, extra = 6, Tokens(8, seed=2), {"eval_strategy": "steps", "eval_steps": 3}
     plain = trainer(llama3, tmp_path / "plain", Tokens(24), evals, max_steps=steps, **extra)
     plain.train()
@@ -178,25 +201,12 @@ def test_trainer_with_a_mixed_activation_plan_equals_plain_trainer(tmp_path):
     moved = plan.summary.activation_bytes_moved_per_iter
     assert moved == 2 * sum(s.offload_bytes for s in trace.segments if MIXED[s.module] == "offload") > 0
     assert plan.summary.recompute_seconds > 0
-    callback, records = HplanCallback(plan), []
-    ours.add_callback(callback)
-    ours.add_callback(type("Records", (transformers.TrainerCallback,), {  # runs after HplanCallback's on_step_end
-        "on_step_end": lambda self, *a, **k: records.append(callback.last_records)})())
-    ours.train()
-    assert callback.run is None and callback.steps == len(records) == steps
+    train_on_plan(ours, plan)
     assert len(losses(plain)) == steps and rel(losses(ours), losses(plain)) <= 1e-5
     assert weight_diff(ours.model, plain.model) <= 1e-6
     # evaluating leaves the block (its wrapped forwards restored) and the next step enters it again
     eval_losses = [[h["eval_loss"] for h in t.state.log_history if "eval_loss" in h] for t in (ours, plain)]
     assert len(eval_losses[1]) == 2 and rel(*eval_losses) <= 1e-5
-    assert callback.activation_bytes_moved == moved
-    assert sum(r.h2d_bytes + r.d2h_bytes for r in callback.last_records) == plan.summary.bytes_moved_per_iter
-    assert 0 < callback.peak_resident_bytes <= plan.gpu_bytes
-    for iteration in records[1:]:
-        for step, record in zip(plan.steps, iteration, strict=True):
-            if not step.host_updates:  # on the CPU twin host updates run on the fast tier's device: they count there
-                measured = record.resident_bytes - record.model_resident_bytes
-                assert measured <= step.non_model_bytes, (step.index, step.event, measured, step.non_model_bytes)
 
 
 @pytest.mark.slow
