@@ -161,8 +161,10 @@ def test_trainer_with_an_activation_plan_equals_plain_trainer(build, activations
     assert rel(losses(ours), losses(plain)) <= 1e-5 and weight_diff(ours.model, plain.model) <= 1e-6
 
 
-MIXED = {"model.layers.0": "offload", "model.layers.1": "recompute", "model.layers.2": "keep"}
-"""One decoder layer per choice (one choice per module: the validator refuses a module whose micro-steps differ)."""
+MIXED = {("model.layers.0", 0): "offload", ("model.layers.0", 1): "recompute",
+         ("model.layers.1", 0): "recompute", ("model.layers.1", 1): "keep",
+         ("model.layers.2", 0): "keep", ("model.layers.2", 1): "offload"}
+"""Per decoder layer and micro-step: every choice after every other, in one module as auto may choose them."""
 
 
 def llama3() -> torch.nn.Module:
@@ -175,7 +177,7 @@ def llama3() -> torch.nn.Module:
 def mixed_plan(trace):
     """MIXED forced by hand (auto's mix depends on the CPU trace's block times), planned as make_plan plans forced
     choices ([Note: plan activations]), at the smallest fast tier those choices fit (a CPU budget)."""
-    decisions = tuple(Decision(segment=s, choice=MIXED[s.module]) for s in trace.segments)
+    decisions = tuple(Decision(segment=s, choice=MIXED[s.key]) for s in trace.segments)
     floor = min_gpu_with(trace, Hardware(gpu="cpu", gpu_bytes=1, slack_bytes=default_slack(trace)), decisions)
     hardware = Hardware(gpu="cpu", gpu_bytes=floor.gpu_bytes, slack_bytes=default_slack(trace), overlap=False)
     plan = plan_decisions(trace, hardware, PlanOptions(solver="fast"), decisions)
@@ -185,21 +187,22 @@ def mixed_plan(trace):
 
 
 def test_trainer_with_a_mixed_activation_plan_equals_plain_trainer(tmp_path):
-    """The plans `attach` takes (tests/test_activations_auto.py): offload, recompute and keep in one plan, over
-    Trainer's 2 micro-batches: losses and weights as the plain Trainer without checkpointing, and each step within
-    the plan (train_on_plan). Evaluating every 3 steps closes and reopens the block with its activation wrappers."""
+    """The plans `attach` takes (tests/test_activations_auto.py): offload, recompute and keep in one plan, and in
+    one module's 2 micro-batches (auto chooses so on Trainer traces; the validator used to refuse those plans).
+    Losses and weights as the plain Trainer without checkpointing, and each step within the plan (train_on_plan).
+    Evaluating every 3 steps closes and reopens the block with its activation wrappers."""
     steps, evals, extra = 6, Tokens(8, seed=2), {"eval_strategy": "steps", "eval_steps": 3}
     plain = trainer(llama3, tmp_path / "plain", Tokens(24), evals, max_steps=steps, **extra)
     plain.train()
     ours = trainer(llama3, tmp_path / "hplan", Tokens(24), evals, max_steps=steps, **extra)
     trace = trace_trainer(ours)
-    assert [(s.module, s.micro) for s in trace.segments] == [(m, k) for k in (0, 1) for m in MIXED]
+    assert sorted(s.key for s in trace.segments) == sorted(MIXED)
     assert all(s.recomputable and s.offload_bytes for s in trace.segments)
     plan = mixed_plan(trace)
-    assert {(c.module, c.choice) for c in plan.activations} == set(MIXED.items())
+    assert {((c.module, c.micro), c.choice) for c in plan.activations} == set(MIXED.items())
     assert plan.gpu_bytes < min_gpu_bytes(trace, activations="keep").gpu_bytes
     moved = plan.summary.activation_bytes_moved_per_iter
-    assert moved == 2 * sum(s.offload_bytes for s in trace.segments if MIXED[s.module] == "offload") > 0
+    assert moved == 2 * sum(s.offload_bytes for s in trace.segments if MIXED[s.key] == "offload") > 0
     assert plan.summary.recompute_seconds > 0
     train_on_plan(ours, plan)
     assert len(losses(plain)) == steps and rel(losses(ours), losses(plain)) <= 1e-5
