@@ -11,11 +11,14 @@ import pytest
 import torch
 import transformers
 from hplan.planner import PlanOptions, default_slack, make_plan, min_gpu_bytes
+from hplan.planner.activations import Decision, min_gpu_with
+from hplan.planner.core import plan_decisions
 from loops import offloaded_share
 from transformers import Trainer, TrainingArguments
 
 import hplan
 from hplan.artifacts import Hardware
+from hplan.artifacts.replay import validate
 from hplan.errors import HplanError
 from hplan.integrations.trainer import (
     HplanCallback,
@@ -92,6 +95,38 @@ def weight_diff(a: torch.nn.Module, b: torch.nn.Module) -> float:
     return max((sa[k].double() - sb[k].double()).abs().max().item() for k in sa)
 
 
+class Records(transformers.TrainerCallback):
+    """Each optimizer step's plan records; added after HplanCallback, so its on_step_end sees that step's."""
+
+    def __init__(self, callback: HplanCallback) -> None:
+        self.callback, self.steps = callback, []
+
+    def on_step_end(self, *args, **kwargs) -> None:
+        self.steps.append(self.callback.last_records)
+
+
+def train_on_plan(t: Trainer, plan) -> HplanCallback:
+    """`t.train()` with HplanCallback(plan): every step trained on the plan, inside its budget, moving its bytes,
+    and at every step of every iteration after the first (which creates the optimizer state) the measured non-model
+    bytes within the plan's for that step — where an activation choice left undone shows (a kept segment rarely
+    sets the peak at the plan's floor)."""
+    callback = HplanCallback(plan)
+    records = Records(callback)
+    t.add_callback(callback)
+    t.add_callback(records)
+    t.train()
+    assert callback.run is None and callback.steps == len(records.steps) == t.state.max_steps
+    assert 0 < callback.peak_resident_bytes <= plan.gpu_bytes
+    assert sum(r.h2d_bytes + r.d2h_bytes for r in callback.last_records) == plan.summary.bytes_moved_per_iter
+    assert callback.activation_bytes_moved == plan.summary.activation_bytes_moved_per_iter
+    for iteration in records.steps[1:]:
+        for step, record in zip(plan.steps, iteration, strict=True):
+            if not step.host_updates:  # on the CPU twin host updates run on the fast tier's device: they count there
+                measured = record.resident_bytes - record.model_resident_bytes
+                assert measured <= step.non_model_bytes, (step.index, step.event, measured, step.non_model_bytes)
+    return callback
+
+
 def compare(build, tmp_path, steps: int = 20, n: int = 80, activations: str = "keep", **overrides
             ) -> tuple[Trainer, Trainer, HplanCallback]:
     """The plain Trainer and the same Trainer with HplanCallback, on the same model, data and arguments."""
@@ -100,14 +135,7 @@ def compare(build, tmp_path, steps: int = 20, n: int = 80, activations: str = "k
     ours = trainer(build, tmp_path / "hplan", Tokens(n), max_steps=steps, **overrides)
     plan = plan_at_floor(trace_trainer(ours), activations)
     assert offloaded_share(plan) >= 0.5
-    callback = HplanCallback(plan)
-    ours.add_callback(callback)
-    ours.train()
-    assert callback.run is None and callback.steps == steps
-    assert 0 < callback.peak_resident_bytes <= plan.gpu_bytes
-    assert sum(r.h2d_bytes + r.d2h_bytes for r in callback.last_records) == plan.summary.bytes_moved_per_iter
-    assert callback.activation_bytes_moved == plan.summary.activation_bytes_moved_per_iter
-    return plain, ours, callback
+    return plain, ours, train_on_plan(ours, plan)
 
 
 @pytest.mark.parametrize("build, overrides", [
@@ -131,6 +159,57 @@ def test_trainer_with_an_activation_plan_equals_plain_trainer(build, activations
     assert {c.choice for c in callback.plan.activations} == {activations}
     assert (callback.activation_bytes_moved > 0) == (activations == "offload")
     assert rel(losses(ours), losses(plain)) <= 1e-5 and weight_diff(ours.model, plain.model) <= 1e-6
+
+
+MIXED = {("model.layers.0", 0): "offload", ("model.layers.0", 1): "recompute",
+         ("model.layers.1", 0): "recompute", ("model.layers.1", 1): "keep",
+         ("model.layers.2", 0): "keep", ("model.layers.2", 1): "offload"}
+"""Per decoder layer and micro-step: every choice after every other, in one module as auto may choose them."""
+
+
+def llama3() -> torch.nn.Module:
+    """Three decoder layers, narrow against the sequence: each saves more activation bytes than it has weights."""
+    cfg = transformers.LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=3,
+                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+    return transformers.LlamaForCausalLM(cfg)
+
+
+def mixed_plan(trace):
+    """MIXED forced by hand (auto's mix depends on the CPU trace's block times), planned as make_plan plans forced
+    choices ([Note: plan activations]), at the smallest fast tier those choices fit (a CPU budget)."""
+    decisions = tuple(Decision(segment=s, choice=MIXED[s.key]) for s in trace.segments)
+    floor = min_gpu_with(trace, Hardware(gpu="cpu", gpu_bytes=1, slack_bytes=default_slack(trace)), decisions)
+    hardware = Hardware(gpu="cpu", gpu_bytes=floor.gpu_bytes, slack_bytes=default_slack(trace), overlap=False)
+    plan = plan_decisions(trace, hardware, PlanOptions(solver="fast"), decisions)
+    assert plan.summary.feasible, plan.summary.bottleneck
+    validate(plan)
+    return plan
+
+
+def test_trainer_with_a_mixed_activation_plan_equals_plain_trainer(tmp_path):
+    """The plans `attach` takes (tests/test_activations_auto.py): offload, recompute and keep in one plan, and in
+    one module's 2 micro-batches (auto chooses so on Trainer traces; the validator used to refuse those plans).
+    Losses and weights as the plain Trainer without checkpointing, and each step within the plan (train_on_plan).
+    Evaluating every 3 steps closes and reopens the block with its activation wrappers."""
+    steps, evals, extra = 6, Tokens(8, seed=2), {"eval_strategy": "steps", "eval_steps": 3}
+    plain = trainer(llama3, tmp_path / "plain", Tokens(24), evals, max_steps=steps, **extra)
+    plain.train()
+    ours = trainer(llama3, tmp_path / "hplan", Tokens(24), evals, max_steps=steps, **extra)
+    trace = trace_trainer(ours)
+    assert sorted(s.key for s in trace.segments) == sorted(MIXED)
+    assert all(s.recomputable and s.offload_bytes for s in trace.segments)
+    plan = mixed_plan(trace)
+    assert {((c.module, c.micro), c.choice) for c in plan.activations} == set(MIXED.items())
+    assert plan.gpu_bytes < min_gpu_bytes(trace, activations="keep").gpu_bytes
+    moved = plan.summary.activation_bytes_moved_per_iter
+    assert moved == 2 * sum(s.offload_bytes for s in trace.segments if MIXED[s.key] == "offload") > 0
+    assert plan.summary.recompute_seconds > 0
+    train_on_plan(ours, plan)
+    assert len(losses(plain)) == steps and rel(losses(ours), losses(plain)) <= 1e-5
+    assert weight_diff(ours.model, plain.model) <= 1e-6
+    # evaluating leaves the block (its wrapped forwards restored) and the next step enters it again
+    eval_losses = [[h["eval_loss"] for h in t.state.log_history if "eval_loss" in h] for t in (ours, plain)]
+    assert len(eval_losses[1]) == 2 and rel(*eval_losses) <= 1e-5
 
 
 @pytest.mark.slow

@@ -157,7 +157,9 @@ class ActivationRun:
     def __init__(self, plan: Plan, device: torch.device) -> None:
         self.plan, self.device = plan, device
         self.choices = {(c.module, c.micro): c for c in plan.activations}
-        self.modules = {c.module: c.choice for c in plan.activations if c.choice != "keep"}
+        self.modules = sorted({c.module for c in plan.activations if c.choice != "keep"})
+        """Modules with an offloaded or recomputed call: each call runs as its own choice says, since auto decides
+        per segment call and may choose differently in one module's micro-steps."""
         self.prefetch_at: dict[int, list[tuple[str, int]]] = {}
         for c in plan.activations:
             if c.choice == "offload" and c.moved_bytes:
@@ -177,18 +179,17 @@ class ActivationRun:
         return self.plan.summary.activation_bytes_moved_per_iter
 
     def install(self, model: nn.Module, stack: contextlib.ExitStack) -> None:
-        """Wrap each offloaded or recomputed module's forward for the block (restored on exit)."""
-        for path, choice in self.modules.items():
+        """Wrap each module with an offloaded or recomputed call for the block (restored on exit)."""
+        for path in self.modules:
             try:
                 module = model.get_submodule(path)
             except AttributeError:
+                choice = next(c.choice for c in self.plan.activations if c.module == path and c.choice != "keep")
                 raise HplanError(f"the plan {choice}s the activations of module {path}, which this model does not "
                                  "have: re-trace and re-plan this workload") from None
-            wrapper = self._offloading(path, module.forward) if choice == "offload" else \
-                self._recomputing(path, module.forward)
             had = "forward" in vars(module)
             previous = vars(module).get("forward")
-            module.forward = wrapper
+            module.forward = self._wrapped(path, module.forward)
             stack.callback(_restore, module, had, previous)
 
     def _call(self, path: str) -> ActivationChoice:
@@ -200,40 +201,42 @@ class ActivationRun:
                              f"{sum(1 for k in self.choices if k[0] == path)} (the run differs from the trace)")
         return choice
 
-    def _offloading(self, path: str, forward: Callable[..., Any]) -> Callable[..., Any]:
+    def _wrapped(self, path: str, forward: Callable[..., Any]) -> Callable[..., Any]:
+        """The module's forward, each call (micro-step) offloaded, recomputed or kept as the plan chose for it."""
         @functools.wraps(forward)
         def run(*args: Any, **kwargs: Any) -> Any:
             if not torch.is_grad_enabled() or self.suppressed:
                 return forward(*args, **kwargs)
             choice = self._call(path)
-            holder = _Offloaded(choice, self.device, self.side)
-            with torch.autograd.graph.saved_tensors_hooks(holder.pack, unpack):
-                out = forward(*args, **kwargs)
-            if choice.moved_bytes:
-                self.moved += holder.to_host()
-                self.pending[(path, choice.micro)] = holder
-            return out
+            if choice.choice == "offload":
+                return self._offload(path, choice, forward, args, kwargs)
+            if choice.choice == "recompute":
+                return self._recompute(forward, args, kwargs)
+            return forward(*args, **kwargs)
 
         return run
 
-    def _recomputing(self, path: str, forward: Callable[..., Any]) -> Callable[..., Any]:
-        @functools.wraps(forward)
-        def run(*args: Any, **kwargs: Any) -> Any:
-            if not torch.is_grad_enabled() or self.suppressed:
-                return forward(*args, **kwargs)
-            self._call(path)
-            calls = [0]
+    def _offload(self, path: str, choice: ActivationChoice, forward: Callable[..., Any], args: tuple[Any, ...],
+                 kwargs: dict[str, Any]) -> Any:
+        holder = _Offloaded(choice, self.device, self.side)
+        with torch.autograd.graph.saved_tensors_hooks(holder.pack, unpack):
+            out = forward(*args, **kwargs)
+        if choice.moved_bytes:
+            self.moved += holder.to_host()
+            self.pending[(path, choice.micro)] = holder
+        return out
 
-            def body(*a: Any, **k: Any) -> Any:
-                calls[0] += 1
-                if calls[0] == 1:
-                    return forward(*a, **k)
-                with self.recomputing():
-                    return forward(*a, **k)
+    def _recompute(self, forward: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        calls = [0]
 
-            return checkpoint(body, *args, use_reentrant=False, preserve_rng_state=True, **kwargs)
+        def body(*a: Any, **k: Any) -> Any:
+            calls[0] += 1
+            if calls[0] == 1:
+                return forward(*a, **k)
+            with self.recomputing():
+                return forward(*a, **k)
 
-        return run
+        return checkpoint(body, *args, use_reentrant=False, preserve_rng_state=True, **kwargs)
 
     @contextlib.contextmanager
     def recomputing(self) -> Iterator[None]:

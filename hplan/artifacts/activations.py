@@ -1,7 +1,8 @@
 """Activation choices in a plan: keep, offload or recompute each segment's saved activations, and the rules.
 
 [Note: plan activations] A plan made from a trace with segments ([Note: activation segments]) lists, per segment
-call, its choice and what the choice implies, so the plan stays its own problem statement:
+call, its choice and what the choice implies, so the plan stays its own problem statement. One module's calls in
+different micro-steps may choose differently (auto decides per call; the executor applies each call's own choice):
 - every step carries `kept_non_model_bytes` (its non-model peak with every segment kept) and its `non_model_bytes`
   must equal that plus the `effects` of every choice at the step (runs of steps, bytes; negative where activations
   are gone). The replay's memory check uses `non_model_bytes`, so memory fits at every step with the choices applied.
@@ -96,12 +97,6 @@ def activation_problems(plan: Plan) -> list[str]:
     keys = [(c.module, c.micro) for c in choices]
     if len(set(keys)) != len(keys):
         problems.append("activation choices repeat a segment call")
-    per_module: dict[str, set[str]] = {}
-    for c in choices:
-        per_module.setdefault(c.module, set()).add(c.choice)
-    for module, kinds in per_module.items():
-        if len(kinds) > 1:
-            problems.append(f"segment {module} has different choices in different micro-steps ({sorted(kinds)})")
     tensors = {ch.id: ch.tensors for ch in plan.chunks}
     param_region = {name: r.id for r in plan.regions if r.kind == "param" for name in tensors.get(r.chunk, ())}
     for c in choices:
