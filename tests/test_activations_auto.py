@@ -162,7 +162,8 @@ def test_cli_defaults_to_auto_and_reports_its_cost(tiny, tmp_path):
 
 
 def test_attach_runs_a_mixed_auto_plan_as_plain_pytorch(tiny):
-    """The user's own loop inside `hplan.attach` on a mixed plan: same losses and weights as without it."""
+    """The user's own loop inside `hplan.attach` on a mixed plan: same losses and weights as without it, and every
+    step within the plan's non-model bytes."""
     import torch
     from loops import user_loop
 
@@ -173,3 +174,9 @@ def test_attach_runs_a_mixed_auto_plan_as_plain_pytorch(tiny):
     for key, value in ref["weights"].items():
         assert torch.equal(got["weights"][key], value), key
     assert all(r.resident_bytes <= plan.gpu_bytes for r in got["records"][-1])
+    # per step, the non-model bytes measured stay within the plan's (a skipped offload or recompute shows here,
+    # where the peak alone, set by another step, would not); host updates' temporaries run on the CPU twin's tier
+    for step, record in zip(plan.steps, got["records"][-1], strict=True):
+        if not step.host_updates:
+            measured = record.resident_bytes - record.model_resident_bytes
+            assert measured <= step.non_model_bytes, (step.index, step.event, measured, step.non_model_bytes)
