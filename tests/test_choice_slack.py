@@ -228,3 +228,17 @@ def test_auto_weighs_host_memory_and_plans_without_offload_where_it_runs_short(t
     r = runner.invoke(app, ["plan", str(path), "--gpu", "cpu", "--gpu-mem", str(floor2), "--cpu-mem", str(host),
                             "--activations", "offload", "--json"])
     assert r.exit_code == 2 and "--cpu-mem" in r.output
+
+
+def test_recompute_gives_a_temporary_its_own_key_where_a_restored_storage_reuses_it():
+    """Storage keys are reused once a storage dies: a key that names a temporary early in the forward and the saved
+    storage a recompute restores later must be two allocations (the temporary freed before the storage comes)."""
+    from hplan.tracer.choice_slack import _again
+
+    forward = [(7, 100 << 10), (7, FREE), (8, 50 << 10), (7, 200 << 10), (8, FREE)]
+    calls, late = _again(forward, restored={7}, extra=set(), fresh=[0])
+    model, peak = AllocatorModel(), 0
+    for key, nbytes in calls:
+        model.free(key) if nbytes == FREE else model.malloc(key, nbytes)
+        peak = max(peak, model.allocated_bytes)
+    assert peak == (250 << 10) and model.allocated_bytes == (200 << 10) and 7 in model._live and not late

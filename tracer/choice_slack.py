@@ -165,7 +165,8 @@ def _again(forward: Sequence[Entry], restored: set[int], extra: set[int], fresh:
     """The forward's calls as its recompute makes them, and the frees due where its backward ends."""
     names: dict[int, int] = {}
     calls: list[Entry] = []
-    for key, nbytes in forward:
+    last = {key: i for i, (key, nbytes) in enumerate(forward) if nbytes >= 0}
+    for i, (key, nbytes) in enumerate(forward):
         if nbytes == MARK:
             continue
         if nbytes == FREE:
@@ -174,7 +175,7 @@ def _again(forward: Sequence[Entry], restored: set[int], extra: set[int], fresh:
             continue
         if names.get(key, key) != key:
             calls.append((names[key], FREE))  # a key back while live: its storage died unreported
-        if key in restored:
+        if key in restored and i == last[key]:  # a storage's key may name a temporary earlier in the forward
             names[key] = key
         else:
             fresh[0] -= 1
