@@ -36,7 +36,7 @@ from hplan.artifacts.hardware import Hardware
 from hplan.artifacts.plan import Plan
 from hplan.artifacts.trace import Trace
 from hplan.planner.activation_items import Items
-from hplan.planner.activation_min import auto_regimes, min_gpu_auto
+from hplan.planner.activation_min import auto_regimes, min_gpu_auto, min_gpu_of
 from hplan.planner.activations import Decision, HostMemoryShort, decide, slack_figure
 from hplan.planner.exact import lp_bound, solve_milp
 from hplan.planner.options import PlanOptions
@@ -58,20 +58,22 @@ def plan_auto(trace: Trace, hardware: Hardware, options: PlanOptions, on_progres
 
 def _plan_auto(trace: Trace, hardware: Hardware, options: PlanOptions, on_progress: Progress | None,
                without: frozenset[str]) -> Plan:
-    runs = [(name, hw, items, min_gpu_auto(trace, hw, items))
+    shared: dict = {}
+    runs = [(name, hw, items, min_gpu_auto(trace, hw, items, shared))
             for name, hw, items in auto_regimes(trace, hardware, without)]
-    smallest = min((m[0] for *_, m in runs), key=lambda m: m.gpu_bytes)
-    _, hw, items, (_, lean, keep_bytes) = runs[0]
-    plan, decisions = _plan_regime(trace, hw, options, on_progress, items, smallest, lean, keep_bytes)
+    _, hw, items, least = min(runs, key=lambda r: (r[3].value, not r[3].exact))
+    smallest = min_gpu_of(trace, hw, items, least, shared)
+    _, hw, items, first = runs[0]
+    plan, decisions = _plan_regime(trace, hw, options, on_progress, items, smallest, first.lean, first.keep)
     if plan.summary.feasible:
         made = slack_figure(decisions)
         rest = [r for r in runs[1:] if r[0] == made and made != "keep" and r[1].slack_bytes < hw.slack_bytes]
     else:
-        rest = [r for r in runs[1:] if r[3][0].gpu_bytes <= hardware.gpu_bytes]
+        rest = [r for r in runs[1:] if r[3].value <= hardware.gpu_bytes]
     best = plan
-    for _, hw, items, (_, lean, keep_bytes) in rest:
+    for _, hw, items, own in rest:
         try:
-            other, _ = _plan_regime(trace, hw, options, on_progress, items, smallest, lean, keep_bytes)
+            other, _ = _plan_regime(trace, hw, options, on_progress, items, smallest, own.lean, own.keep)
         except HostMemoryShort:
             continue  # its offloads do not fit in host memory: the plans found so far stand
         if other.summary.feasible and (not best.summary.feasible or _objective(other) < _objective(best)):

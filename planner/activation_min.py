@@ -4,6 +4,8 @@ allocator-slack regimes ([Note: auto activations] in hplan.planner.activation_au
 
 from __future__ import annotations
 
+import math
+from dataclasses import dataclass
 from typing import Any
 
 import highspy
@@ -92,13 +94,34 @@ def _solve(cost: np.ndarray, a: Any, lo: np.ndarray, hi: np.ndarray, upper: np.n
     return np.asarray(h.getSolution().col_value)
 
 
-def min_gpu_auto(trace: Trace, hardware: Hardware, items: Items
-                 ) -> tuple[MinGpu, tuple[Decision, ...], int | None]:
-    """The smallest budget over the items' choices per segment (module doc), the choices that reach it, and the
-    smallest budget with every segment kept (None where keep is not among them). A choice
-    without recompute needs exactly the relaxed needs plus its effects; one with recompute is built (weight reads
-    added) only when its relaxed value could beat the best so far."""
-    structure, problem = build(trace, group_params(trace, PARAM_CHUNKS), frozenset(), hardware)
+Shared = dict[str, Any]
+"""What regimes share: "built" (the keep problem, whose needs do not depend on the slack), "found" (each
+recompute choice's true minimum, whose slack is its own figure in every regime) and "best" (the smallest budget
+found so far: a regime's recompute candidates whose relaxed value reaches it are not built)."""
+
+
+@dataclass(frozen=True, slots=True)
+class RegimeMin:
+    """A regime's smallest budget (`value`; a lower bound where `exact` is False: every candidate's relaxed value
+    reached a smaller budget found in another regime), the choices reaching it (`lean`), and the smallest budget
+    with every segment kept (None where keep is not among its choices)."""
+
+    value: int
+    lean: tuple[Decision, ...]
+    keep: int | None
+    exact: bool
+    found: MinGpu | None
+
+
+def min_gpu_auto(trace: Trace, hardware: Hardware, items: Items, shared: Shared | None = None) -> RegimeMin:
+    """The smallest budget over the items' choices per segment (module doc). A choice without recompute needs
+    exactly the relaxed needs plus its effects; one with recompute is built (weight reads added) only when its
+    relaxed value could beat the best so far (in this regime and, through `shared`, in the others)."""
+    shared = {} if shared is None else shared
+    if "built" not in shared:
+        shared["built"] = build(trace, group_params(trace, PARAM_CHUNKS), frozenset(), hardware)
+    structure, problem = shared["built"]
+    found_by: dict[tuple, MinGpu] = shared.setdefault("found", {})
     need = np.array([problem.need_bytes(t) - sum(problem.sizes[structure.by_chunk[c]["grad"]]
                                                  for c in structure.flips[t])
                      + problem.non_model[t] + hardware.slack_bytes for t in range(problem.n_steps)], dtype=np.int64)
@@ -106,25 +129,47 @@ def min_gpu_auto(trace: Trace, hardware: Hardware, items: Items
     forced = [decide(trace, c) for c in ("keep", "offload", "recompute")]
     candidates = [items.to_decisions(chosen)] + [d for d in forced if _within(d, items.allowed)]
     best: tuple[int, tuple[Decision, ...], MinGpu | None] | None = None
+    floor: tuple[int, tuple[Decision, ...]] | None = None
+    pruned = math.inf
     for decisions in candidates:
         relaxed = int((need + items.effect[list(items.of(decisions))].sum(axis=0)).max()) if decisions else \
             int(need.max())
+        if floor is None or relaxed < floor[0]:
+            floor = (relaxed, decisions)
         if best is not None and relaxed >= best[0]:
             continue
         value, found = relaxed, None
         if any(d.choice == "recompute" for d in decisions):
-            found = min_gpu_with(trace, hardware, decisions, items.shared, label="auto")
+            if relaxed >= shared.get("best", relaxed + 1):
+                pruned = min(pruned, relaxed)  # its true minimum is at least this, no better than another's
+                continue
+            key = (tuple((d.segment.key, d.choice) for d in decisions), items.shared)
+            if key not in found_by:
+                found_by[key] = min_gpu_with(trace, hardware, decisions, items.shared, label="auto")
+            found = found_by[key]
             value = found.gpu_bytes
         if best is None or value < best[0]:
             best = (value, decisions, found)
-    assert best is not None
-    _, decisions, found = best
     keep = (int(need.max()) if len(need) else 0) if "keep" in items.allowed else None
-    if all(d.choice == "keep" for d in decisions):
-        return min_gpu(trace, hardware, (structure, problem)), decisions, keep
-    return found or min_gpu_with(trace, hardware, decisions, items.shared, label="auto"), decisions, keep
+    if best is None:
+        assert floor is not None
+        return RegimeMin(value=floor[0], lean=floor[1], keep=keep, exact=False, found=None)
+    shared["best"] = min(shared.get("best", best[0]), best[0])
+    if pruned < best[0]:  # a lower bound: a candidate left unbuilt might reach below the best built here
+        return RegimeMin(value=int(pruned), lean=best[1], keep=keep, exact=False, found=best[2])
+    return RegimeMin(value=best[0], lean=best[1], keep=keep, exact=True, found=best[2])
 
 
+def min_gpu_of(trace: Trace, hardware: Hardware, items: Items, result: RegimeMin, shared: Shared) -> MinGpu:
+    """The regime's smallest budget with its bottleneck in words (built only for the one reported)."""
+    if result.found is not None:
+        return result.found
+    if all(d.choice == "keep" for d in result.lean):
+        return min_gpu(trace, hardware, shared["built"])
+    key = (tuple((d.segment.key, d.choice) for d in result.lean), items.shared)
+    if key not in shared.setdefault("found", {}):
+        shared["found"][key] = min_gpu_with(trace, hardware, result.lean, items.shared, label="auto")
+    return shared["found"][key]
 
 
 def _within(decisions: tuple[Decision, ...], allowed: frozenset[str]) -> bool:
@@ -145,17 +190,15 @@ def min_auto(trace: Trace, hardware: Hardware, without: frozenset[str] = frozens
     """The smallest budget over every choice per segment and every regime, and the choices that reach it. With
     host memory given (`--cpu-mem`, no disk tier), choices whose offloads could not sit in host memory beside
     all the model data are left for the smallest budget without offload (as auto's plan does)."""
-    best: tuple[MinGpu, tuple[Decision, ...]] | None = None
-    for _, hw, items in auto_regimes(trace, hardware, without):
-        smallest, decisions, _ = min_gpu_auto(trace, hw, items)
-        if best is None or smallest.gpu_bytes < best[0].gpu_bytes:
-            best = (smallest, decisions)
-    assert best is not None
+    shared: Shared = {}
+    runs = [(hw, items, min_gpu_auto(trace, hw, items, shared)) for _, hw, items in auto_regimes(trace, hardware,
+                                                                                                 without)]
+    hw, items, best = min(runs, key=lambda r: (r[2].value, not r[2].exact))
     host = hardware.host_bytes
     if host is not None and hardware.nvme_bytes is None and "offload" not in without \
-            and trace.model_bytes + _held(best[1]) > host:
+            and trace.model_bytes + _held(best.lean) > host:
         return min_auto(trace, hardware, frozenset(("offload",)))
-    return best
+    return min_gpu_of(trace, hw, items, best, shared), best.lean
 
 
 def _held(decisions: tuple[Decision, ...]) -> int:
