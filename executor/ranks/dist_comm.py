@@ -36,7 +36,8 @@ def stop_together(problem: str | None, *, rank: int, world: int, device: torch.d
     raises the same HplanError at the same point of the same step — or all go on. A rank stopping alone would make
     the others fail in their next collective with "connection closed by peer" (or wait out the timeout), and under
     torchrun each rank would print its own message. Used before anything of a step is updated (a non-finite loss,
-    hplan.executor.ranks.dist_train) and before anything is saved (a non-finite state,
+    hplan.executor.ranks.dist_train; a non-finite gradient piece, DistRun._update under nonfinite="stop") and
+    before anything is saved (a non-finite state,
     hplan.executor.ranks.dist_checkpoint).
     `device`: where the flag lives for the backend (the rank's GPU under NCCL)."""
     first = torch.tensor([rank if problem is not None else world], device=device)

@@ -24,7 +24,7 @@ from typing import Any, Self
 import torch
 import torch.distributed as dist
 from hplan.executor.device import make_tier
-from hplan.executor.ranks.dist_comm import PlanComm
+from hplan.executor.ranks.dist_comm import PlanComm, stop_together
 from hplan.executor.gradients import first_nonfinite, move_grad, nonfinite_message
 from hplan.executor.habits import intercepted, with_step_hooks
 from hplan.executor.measure import WindowMeter, make_probe
@@ -97,8 +97,9 @@ class DistRun:
         if nonfinite not in ("ignore", "stop"):
             raise HplanError(f"nonfinite must be 'ignore' or 'stop' on many ranks, got {nonfinite!r}")
         self.budget_guard, self.nonfinite = budget_guard, nonfinite
-        """nonfinite="stop": a rank whose gradient piece holds an inf or NaN stops before updating with it (as one
-        process's run; hplan run's choice); "ignore" leaves it to the loop, as plain PyTorch (attach's default)."""
+        """nonfinite="stop": when any rank's gradient piece holds an inf or NaN, every rank stops at that update with
+        the one message naming it, before any rank updates with it ([Note: ranks stop together]; hplan run's
+        choice); "ignore" leaves it to the loop with no extra collective, as plain PyTorch (attach's default)."""
         self.iteration = 0
         self.first_step = 0
         """The training step of this block's first iteration: messages name first_step + iteration."""
@@ -281,14 +282,15 @@ class DistRun:
         """These chunks' updates together: one optimizer call per place and param group (UpdateBatch)."""
         self._updated.update(chunks)
         mine = tuple(c for c in chunks if c in self.updates)  # a piece that is padding only has no update
-        if not mine:
-            return
         parts = [(part, where) for where in ("cpu", "gpu")
                  if (part := tuple(c for c in mine if (self.updates[c].where == "cpu") == (where == "cpu")))]
-        if self.nonfinite == "stop":
+        if self.nonfinite == "stop" and (chunks or step.event == OPTIMIZER_EVENT):
+            # every rank reaches this point at this step (the plan's chunks, not this rank's pieces, decide)
+            problem = None
             for part, where in parts:  # every part checked before any is stepped
                 with self._memory_of(where):
-                    self._check_finite(part, step)
+                    problem = problem or self._nonfinite_problem(part, step)
+            stop_together(problem, rank=self.rank, world=self.world, device=self.tier.device)
         for part, where in parts:  # host updates' temporaries are host memory ([Note: host work off the fast tier])
             batch = self._batches.get(part)
             if batch is None:
@@ -308,10 +310,13 @@ class DistRun:
             return self.meter.host_work()
         return contextlib.nullcontext()
 
-    def _check_finite(self, chunks: tuple[int, ...], step: Step) -> None:
-        """This rank's gradient pieces about to be used, all finite — or stop, naming the parameter and the training
-        step. Each rank checks its own pieces (no extra collective): a rank that stops makes the others' next
-        collective fail, so nothing of this step is saved anywhere ([Note: launch failure handling])."""
+    def _nonfinite_problem(self, chunks: tuple[int, ...], step: Step) -> str | None:
+        """The first of this rank's gradient pieces about to be used that holds an inf or NaN, in words naming the
+        parameter, the training step and this rank — or None. Each rank checks only its own pieces; the ranks then
+        agree in one collective ([Note: ranks stop together]), so all stop at this step with the same message
+        before any rank updates anything of it. A rank stopping alone would leave the others to fail in their next
+        collective ("connection closed by peer") or wait out the timeout. Only under nonfinite="stop": "ignore"
+        makes no extra collective, as plain PyTorch."""
         names, grads = [], []
         for c in chunks:
             u = self.updates[c]
@@ -319,8 +324,9 @@ class DistRun:
             names += written
             grads += list(u.fp32_grads(set(written), None).values()) if u.master else [u.grad[n] for n in written]
         bad = first_nonfinite(names, grads)
-        if bad is not None:
-            raise HplanError(nonfinite_message(bad, self.first_step + self.iteration, step, f" on rank {self.rank}"))
+        if bad is None:
+            return None
+        return nonfinite_message(bad, self.first_step + self.iteration, step, f" on rank {self.rank}")
 
     # -- gradients ------------------------------------------------------------------------------------
     def _on_grad(self, p: torch.Tensor) -> None:

@@ -60,9 +60,24 @@ class Blow(torch.autograd.Function):
         return g * math.inf
 
 
-def workload(inf_grad_at: int = -1, inf_lr_at: int = -1, nan_loss_at: int = -1, ranks: int = 2):
+ARMED = [False]
+
+
+def _spike(g):
+    """A finite loss, one infinite element in one parameter's gradient: only in the rank piece holding it."""
+    if not ARMED[0] or g is None:
+        return g
+    g = g.clone()
+    g.view(-1)[-1] = math.inf
+    return g
+
+
+def workload(inf_grad_at: int = -1, inf_lr_at: int = -1, nan_loss_at: int = -1, ranks: int = 2,
+             spike_at: int = -1, spike: str = ""):
     def batch(i):
         tokens, targets = BASE.batch(i)
+        if i // ranks == spike_at and i % ranks == ranks - 1:
+            tokens[0, :] = 9
         if i // ranks == inf_grad_at and i % ranks == ranks - 1:  # the last rank's micro-batch of that step
             tokens[0, :] = 7
         if i // ranks == nan_loss_at and i % ranks == ranks - 1:
@@ -70,6 +85,12 @@ def workload(inf_grad_at: int = -1, inf_lr_at: int = -1, nan_loss_at: int = -1, 
         return tokens, targets
 
     def loss(model, b):
+        if spike:
+            p = dict(model.named_parameters())[spike]
+            if not getattr(p, "_spiked", False):
+                p.register_hook(_spike)
+                p._spiked = True
+            ARMED[0] = bool((b[0][0] == 9).all())
         value = BASE.loss(model, b)
         if bool((b[0][0] == 8).all()):
             return value * math.nan  # this rank's loss only: the others' stay finite
@@ -143,7 +164,8 @@ def _finite_everywhere(folder: Path) -> bool:
 
 def test_a_non_finite_gradient_on_a_rank_stops_naming_its_step_and_saves_nothing_of_it(root, tmp_path):
     """Rank 1's loss of step 1 has an infinite gradient (the loss is finite): exit 2 in one line naming step 1, the
-    parameter and the rank (the gradient sync carries the inf to every rank's piece: the first to see it is named);
+    parameter and the rank (the gradient sync carries the inf to every rank's piece: every rank stops together and
+    the lowest rank that saw it is named, [Note: ranks stop together]);
     the checkpoint's latest is step 1's, every value in it finite. Before issue 22 the run saved step-000002 with
     NaN weights and stopped at step 2's loss."""
     ck = tmp_path / "ck"
@@ -151,10 +173,33 @@ def test_a_non_finite_gradient_on_a_rank_stops_naming_its_step_and_saves_nothing
                 "--checkpoint", str(ck), "--set", "inf_grad_at=1")
     lines = _errors(done.stderr)
     assert done.returncode == 2 and len(lines) == 1, done.stderr
-    assert re.search(r"rank (\d) of 2 failed: the gradient of \S+ is not finite \(inf or NaN\) at step 1 on rank \1 "
+    assert re.search(r"ranks \[0, 1\] of 2 failed: the gradient of \S+ is not finite \(inf or NaN\) at step 1 on rank 0 "
                      r"\(seen at plan step \d+, backward:", lines[0]), lines[0]
     assert dist_checkpoint.read_pointer(ck)["latest"] == "step-000001"
     assert sorted(p.name for p in ck.iterdir()) == [".lock", "latest.json", "step-000001"]  # no temp folder left
+    assert _finite_everywhere(ck / "step-000001")
+
+
+def test_a_non_finite_gradient_piece_on_one_rank_only_stops_every_rank_together(root, tmp_path):
+    """Rank 1's step-1 gradient has one infinite element (the loss is finite) in the last parameter of a chunk, so
+    after the gradient sync only rank 1's piece holds it: every rank stops at that update with the same one line
+    naming rank 1, step 1 and the parameter ([Note: ranks stop together]), exit 2, and nothing of step 1 is saved.
+    Before, rank 1 stopped alone and rank 0 failed in its next collective ("connection closed by peer") or waited
+    out the timeout. The subprocess timeout fails a hang."""
+    plan = _plan(root)
+    chunk = next(c for c in plan.chunks if c.trainable and c.tensors[-1].endswith("mlp.c_proj.weight"))
+    name = chunk.tensors[-1]  # its last element sits in the chunk's last piece: rank 1's of 2
+    assert name in chunk.trainable
+    ck = tmp_path / "ck"
+    done = _cli("run", f"{root / 'wl.py'}:workload", "--plan", str(root / "p2.json"), "--steps", "4", "--nproc", "2",
+                "--checkpoint", str(ck), "--set", "spike_at=1", "--set", f"spike={name}", timeout=240)
+    lines = _errors(done.stderr)
+    assert done.returncode == 2 and len(lines) == 1, done.stderr
+    assert lines[0].startswith(f"error: ranks [0, 1] of 2 failed: the gradient of {name} is not finite (inf or NaN) "
+                               "at step 1 on rank 1 (seen at plan step "), lines[0]
+    assert "); stopped before updating with it; rerun with `hplan --debug`" in lines[0], lines[0]
+    assert dist_checkpoint.read_pointer(ck)["latest"] == "step-000001"
+    assert sorted(p.name for p in ck.iterdir()) == [".lock", "latest.json", "step-000001"]
     assert _finite_everywhere(ck / "step-000001")
 
 
