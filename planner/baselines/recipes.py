@@ -17,7 +17,7 @@ from dataclasses import replace
 from hplan.artifacts.hardware import Hardware
 from hplan.artifacts.plan import BaselineResult
 from hplan.artifacts.trace import Trace
-from hplan.planner.activations import Decision, decide, transform
+from hplan.planner.activations import Decision, decide, transform, with_slack
 from hplan.planner.baselines.baseline_model import read_trace
 from hplan.planner.baselines.gemini import gemini
 from hplan.planner.baselines.zero_offload import zero_offload
@@ -27,15 +27,21 @@ CHECKPOINT_CITATION = ("torch.utils.checkpoint around every checkpointable segme
                        "[Note: hand recipes])")
 
 
+def _decisions(trace: Trace) -> tuple[Decision, ...]:
+    """Full checkpointing: every recomputable segment recomputed, the rest kept."""
+    return tuple(d if d.choice == "recompute" else Decision(segment=d.segment, choice="keep", reason=d.reason)
+                 for d in decide(trace, "recompute"))
+
+
 def recompute_every_segment(trace: Trace) -> Trace:
     """The trace as a full-checkpointing run executes it: every recomputable segment recomputed, the rest kept."""
-    decisions = tuple(d if d.choice == "recompute" else Decision(segment=d.segment, choice="keep", reason=d.reason)
-                      for d in decide(trace, "recompute"))
-    return transform(trace, decisions)
+    return transform(trace, _decisions(trace))
 
 
 def hand_recipes(trace: Trace, hardware: Hardware) -> tuple[BaselineResult, ...]:
-    """ZeRO-Offload and Gemini, each with full activation checkpointing ([Note: hand recipes])."""
+    """ZeRO-Offload and Gemini, each with full activation checkpointing ([Note: hand recipes]), with the allocator
+    slack of that choice ([Note: slack per choice])."""
+    hardware = with_slack(hardware, _decisions(trace))
     work = recompute_every_segment(trace)
     facts = read_trace(work, hardware)
     recomputed = sum(1 for s in trace.segments if s.recomputable)
