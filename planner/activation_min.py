@@ -25,6 +25,8 @@ def minimax(items: Items, need: np.ndarray) -> tuple[int, tuple[int, ...]]:
     n_seg = len(items.first)
     if not n_seg:
         return int(need.max(initial=0)), ()
+    if items.n_modes == n_seg:  # one mode per segment (a regime of one choice): nothing to choose
+        return int((need + items.effect.sum(axis=0)).max()), items.keep()
     m = items.n_modes
     varies = np.flatnonzero(np.any(items.effect != items.effect[items.first[items.item]], axis=0))
     base = need + items.effect[items.first].sum(axis=0)  # everything kept

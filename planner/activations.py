@@ -141,11 +141,11 @@ def min_gpu_with(trace: Trace, hardware: Hardware, decisions: tuple[Decision, ..
     """The smallest budget under the choices, its bottleneck naming the segment involved there."""
     hardware = with_slack(hardware, decisions)
     work = transform(trace, decisions, shared)
-    smallest = min_gpu(work, hardware)
+    structure, problem = built = build(work, group_params(work, PARAM_CHUNKS), frozenset(), hardware)
+    smallest = min_gpu(work, hardware, built)
     choice = {d.choice for d in decisions}
     if not decisions or choice == {"keep"}:
         return smallest
-    structure, problem = build(work, group_params(work, PARAM_CHUNKS), frozenset(), hardware)
     need = [problem.need_bytes(t) - sum(problem.sizes[structure.by_chunk[c]["grad"]] for c in structure.flips[t])
             + problem.non_model[t] for t in range(problem.n_steps)]  # what min_gpu maximises
     t = max(range(len(need)), key=need.__getitem__)
