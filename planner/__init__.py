@@ -6,6 +6,8 @@ time; validate replays a plan through hplan.artifacts.replay; simulate_baselines
 users would otherwise run.
 """
 
+from typing import Any
+
 from hplan.artifacts.hardware import Hardware
 from hplan.artifacts.trace import Trace
 from hplan.planner.core import validate
@@ -23,8 +25,7 @@ def min_gpu_bytes(trace: Trace, hardware: Hardware | None = None, *, activations
     Without `hardware`, slack is the trace's measured or predicted allocator slack plus overhead."""
     from hplan.planner.activations import check_choice, decide, min_gpu_with
 
-    hardware = hardware or Hardware(gpu_bytes=1, slack_bytes=default_slack(trace),
-                                    activation_slack=slack_table(trace))
+    hardware = hardware or Hardware(gpu_bytes=1, **trace_slack(trace))
     if check_choice(activations) == "auto":
         if not trace.segments or hardware.nvme_bytes is not None:  # make_plan keeps every segment there
             return min_gpu_with(trace, hardware, ())
@@ -40,7 +41,7 @@ def default_slack(trace: Trace, allocator: str = DEFAULT_ALLOCATOR) -> int:
     return allocator_slack(trace, allocator) + trace.overhead_bytes
 
 
-def trace_slack(trace: Trace, allocator: str = DEFAULT_ALLOCATOR) -> dict[str, object]:
+def trace_slack(trace: Trace, allocator: str = DEFAULT_ALLOCATOR) -> dict[str, Any]:
     """The Hardware fields of the trace's slack under `allocator`: `slack_bytes` (the keep step's, see
     `default_slack`) and `activation_slack` (per choice, hplan.planner.slack), as make_hardware overrides."""
     return {"slack_bytes": default_slack(trace, allocator), "activation_slack": slack_table(trace, allocator)}

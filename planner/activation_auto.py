@@ -36,7 +36,7 @@ from hplan.artifacts.hardware import Hardware
 from hplan.artifacts.plan import Plan
 from hplan.artifacts.trace import Trace
 from hplan.planner.activation_items import Items
-from hplan.planner.activation_min import auto_regimes, min_gpu_auto, min_gpu_of
+from hplan.planner.activation_min import Shared, auto_regimes, min_gpu_auto, min_gpu_of
 from hplan.planner.activations import Decision, HostMemoryShort, decide, slack_figure
 from hplan.planner.exact import lp_bound, solve_milp
 from hplan.planner.options import PlanOptions
@@ -58,7 +58,7 @@ def plan_auto(trace: Trace, hardware: Hardware, options: PlanOptions, on_progres
 
 def _plan_auto(trace: Trace, hardware: Hardware, options: PlanOptions, on_progress: Progress | None,
                without: frozenset[str]) -> Plan:
-    shared: dict = {}
+    shared = Shared()
     runs = [(name, hw, items, min_gpu_auto(trace, hw, items, shared))
             for name, hw, items in auto_regimes(trace, hardware, without)]
     _, hw, items, least = min(runs, key=lambda r: (r[3].value, not r[3].exact))

@@ -5,7 +5,7 @@ allocator-slack regimes ([Note: auto activations] in hplan.planner.activation_au
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import highspy
@@ -16,7 +16,7 @@ from hplan.artifacts.hardware import Hardware
 from hplan.artifacts.trace import Trace
 from hplan.planner.activation_items import Items, build_items
 from hplan.planner.activations import Decision, decide, min_gpu_with
-from hplan.planner.problem import PARAM_CHUNKS, MinGpu, build, group_params, min_gpu
+from hplan.planner.problem import PARAM_CHUNKS, MinGpu, Problem, Structure, build, group_params, min_gpu
 from hplan.planner.slack import counted, regimes
 
 
@@ -96,10 +96,24 @@ def _solve(cost: np.ndarray, a: Any, lo: np.ndarray, hi: np.ndarray, upper: np.n
     return np.asarray(h.getSolution().col_value)
 
 
-Shared = dict[str, Any]
-"""What regimes share: "built" (the keep problem, whose needs do not depend on the slack), "found" (each
-recompute choice's true minimum, whose slack is its own figure in every regime) and "best" (the smallest budget
-found so far: a regime's recompute candidates whose relaxed value reaches it are not built)."""
+@dataclass(slots=True)
+class Shared:
+    """What the regimes of one decision share."""
+
+    built: tuple[Structure, Problem] | None = None
+    """The keep problem, whose needs do not depend on the slack."""
+    found: dict[tuple, MinGpu] = field(default_factory=dict)
+    """Each built choice's true minimum (its slack is its own figure in every regime)."""
+    best: int | None = None
+    """The smallest budget built so far: a regime's recompute candidates whose relaxed value reaches it are not
+    built."""
+
+    def true_min(self, trace: Trace, hardware: Hardware, decisions: tuple[Decision, ...], items: Items) -> MinGpu:
+        """`min_gpu_with` of the choices, built once per decision."""
+        key = (tuple((d.segment.key, d.choice) for d in decisions), items.shared)
+        if key not in self.found:
+            self.found[key] = min_gpu_with(trace, hardware, decisions, items.shared, label="auto")
+        return self.found[key]
 
 
 @dataclass(frozen=True, slots=True)
@@ -119,11 +133,10 @@ def min_gpu_auto(trace: Trace, hardware: Hardware, items: Items, shared: Shared 
     """The smallest budget over the items' choices per segment (module doc). A choice without recompute needs
     exactly the relaxed needs plus its effects; one with recompute is built (weight reads added) only when its
     relaxed value could beat the best so far (in this regime and, through `shared`, in the others)."""
-    shared = {} if shared is None else shared
-    if "built" not in shared:
-        shared["built"] = build(trace, group_params(trace, PARAM_CHUNKS), frozenset(), hardware)
-    structure, problem = shared["built"]
-    found_by: dict[tuple, MinGpu] = shared.setdefault("found", {})
+    shared = Shared() if shared is None else shared
+    if shared.built is None:
+        shared.built = build(trace, group_params(trace, PARAM_CHUNKS), frozenset(), hardware)
+    structure, problem = shared.built
     need = np.array([problem.need_bytes(t) - sum(problem.sizes[structure.by_chunk[c]["grad"]]
                                                  for c in structure.flips[t])
                      + problem.non_model[t] + hardware.slack_bytes for t in range(problem.n_steps)], dtype=np.int64)
@@ -142,13 +155,10 @@ def min_gpu_auto(trace: Trace, hardware: Hardware, items: Items, shared: Shared 
             continue
         value, found = relaxed, None
         if any(d.choice == "recompute" for d in decisions):
-            if relaxed >= shared.get("best", relaxed + 1):
+            if shared.best is not None and relaxed >= shared.best:
                 pruned = min(pruned, relaxed)  # its true minimum is at least this, no better than another's
                 continue
-            key = (tuple((d.segment.key, d.choice) for d in decisions), items.shared)
-            if key not in found_by:
-                found_by[key] = min_gpu_with(trace, hardware, decisions, items.shared, label="auto")
-            found = found_by[key]
+            found = shared.true_min(trace, hardware, decisions, items)
             value = found.gpu_bytes
         if best is None or value < best[0]:
             best = (value, decisions, found)
@@ -156,7 +166,7 @@ def min_gpu_auto(trace: Trace, hardware: Hardware, items: Items, shared: Shared 
     if best is None:
         assert floor is not None
         return RegimeMin(value=floor[0], lean=floor[1], keep=keep, exact=False, found=None)
-    shared["best"] = min(shared.get("best", best[0]), best[0])
+    shared.best = best[0] if shared.best is None else min(shared.best, best[0])
     if pruned < best[0]:  # a lower bound: a candidate left unbuilt might reach below the best built here
         return RegimeMin(value=int(pruned), lean=best[1], keep=keep, exact=False, found=best[2])
     return RegimeMin(value=best[0], lean=best[1], keep=keep, exact=True, found=best[2])
@@ -167,11 +177,8 @@ def min_gpu_of(trace: Trace, hardware: Hardware, items: Items, result: RegimeMin
     if result.found is not None:
         return result.found
     if all(d.choice == "keep" for d in result.lean):
-        return min_gpu(trace, hardware, shared["built"])
-    key = (tuple((d.segment.key, d.choice) for d in result.lean), items.shared)
-    if key not in shared.setdefault("found", {}):
-        shared["found"][key] = min_gpu_with(trace, hardware, result.lean, items.shared, label="auto")
-    return shared["found"][key]
+        return min_gpu(trace, hardware, shared.built)
+    return shared.true_min(trace, hardware, result.lean, items)
 
 
 def _within(decisions: tuple[Decision, ...], allowed: frozenset[str]) -> bool:
@@ -192,7 +199,7 @@ def min_auto(trace: Trace, hardware: Hardware, without: frozenset[str] = frozens
     """The smallest budget over every choice per segment and every regime, and the choices that reach it. With
     host memory given (`--cpu-mem`, no disk tier), choices whose offloads could not sit in host memory beside
     all the model data are left for the smallest budget without offload (as auto's plan does)."""
-    shared: Shared = {}
+    shared = Shared()
     runs = [(hw, items, min_gpu_auto(trace, hw, items, shared)) for _, hw, items in auto_regimes(trace, hardware,
                                                                                                  without)]
     hw, items, best = min(runs, key=lambda r: (r[2].value, not r[2].exact))

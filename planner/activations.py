@@ -27,7 +27,7 @@ from hplan.artifacts.activations import CHOICES, ActivationChoice, Effect, effec
 from hplan.artifacts.hardware import Hardware
 from hplan.artifacts.plan import Plan
 from hplan.artifacts.replay import replay
-from hplan.artifacts.segments import Segment, effects, shared_windows  # noqa: F401  (effects re-exported)
+from hplan.artifacts.segments import Segment, effect_totals, effects, shared_windows  # noqa: F401  (effects re-exported)
 from hplan.artifacts.trace import Trace
 from hplan.errors import HplanError
 from hplan.planner.problem import PARAM_CHUNKS, MinGpu, build, group_params, min_gpu
@@ -97,12 +97,7 @@ def transform(trace: Trace, decisions: tuple[Decision, ...], shared: frozenset[t
     """The trace as the executor runs it under `decisions` (module doc, step 2)."""
     if all(d.choice == "keep" for d in decisions):
         return trace
-    n = len(trace.events)
-    delta = [0] * n
-    for runs in decision_effects(decisions, shared=shared):
-        for first, last, d in runs:
-            for t in range(first, last + 1):
-                delta[t] += d
+    delta = effect_totals(((d.segment, d.choice) for d in decisions), len(trace.events), shared)
     order = {p.name: i for i, p in enumerate(trace.params)}
     events = list(trace.events)
     for t, e in enumerate(events):

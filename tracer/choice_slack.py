@@ -11,9 +11,9 @@ budget 12% above transformers' own gradient checkpointing, whose trace replays i
 The tracer therefore rewrites the steady iteration's log per choice, segment by segment, exactly where the
 planner's effects say the bytes leave and come back (hplan.artifacts.segments.effects):
 - offload: each storage an offload moves is freed where the first event from which the planner counts it gone
-  begins (just before that event's mark, where a replay applies the event's cap) (after the forward's last event, once nothing but the graph holds it) and allocated again, under the
-  same key, at the start of the window of the segment's first unpack (the default prefetch); its original free,
-  later in backward, then releases that block;
+  begins (after the forward's last event, once nothing but the graph holds it; just before that event's mark,
+  where a replay applies the event's cap) and allocated again, under the same key, at the start of the window of
+  the segment's first unpack (the default prefetch); its original free, later in backward, then releases it;
 - recompute: the same frees for what a recompute drops (not its inputs); at the op of the first unpack the
   forward's own calls run again (marks left out, fresh keys, frees of storages allocated outside it skipped): the
   storages it saved and a recompute restores keep their keys (their original frees follow), the ones it saves
@@ -33,11 +33,12 @@ the backward's window, and inputs a recompute keeps alive past their keep-run fr
 from __future__ import annotations
 
 import bisect
+import itertools
 import random
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 
 from hplan.artifacts.activations import CHOICES
-from hplan.artifacts.segments import Segment, effects, shared_windows
+from hplan.artifacts.segments import Segment, effect_totals
 from hplan.tracer.allocator import FREE, MARK
 from hplan.tracer.segment_stats import owned_and_moved
 from hplan.tracer.segments import Call
@@ -105,14 +106,8 @@ def choice_levels(levels: Sequence[int], segments: Sequence[Segment], modes: Map
                   ) -> list[int]:
     """Each event's non-model peak with the segments in `modes` (keep by default), as
     hplan.planner.activations.transform makes it."""
-    out = list(levels)
-    mode = {s.key: modes.get(s.key, "keep") for s in segments}
-    shared = shared_windows(s for s in segments if mode[s.key] == "recompute")
-    for s in segments:
-        for first, last, delta in effects(s, mode[s.key], shared_recompute=s.key in shared):
-            for e in range(first, last + 1):
-                out[e] += delta
-    return [max(0, x) for x in out]
+    delta = effect_totals(((s, modes.get(s.key, "keep")) for s in segments), len(levels))
+    return [max(0, x + d) for x, d in zip(levels, delta)]
 
 
 def rewrite(log: Log, op_log: Sequence[int], marks: list[int], starts: Sequence[int],
@@ -120,14 +115,14 @@ def rewrite(log: Log, op_log: Sequence[int], marks: list[int], starts: Sequence[
     """The log with every segment call's calls under its mode (keep by default) inserted ([Note: slack per
     choice])."""
     inserts: dict[int, list[tuple[int, list[Entry]]]] = {}
-    fresh = [0]
+    fresh = itertools.count(-1, -1)  # keys of the recompute's own allocations (storage keys are positive)
 
     def at(pos: int, entries: list[Entry], order: int = 0) -> None:
         """Entries to run before log[pos]; at one position frees (order 0) run before allocations (1)."""
         inserts.setdefault(pos, []).append((order, entries))
 
-    def op_pos(op: int) -> int:
-        return op_log[op] if 0 <= op < len(op_log) else len(log)
+    def op_pos(op: int | None) -> int:
+        return op_log[op] if op is not None and 0 <= op < len(op_log) else len(log)
 
     for seg, call in pairs:
         mode = modes.get(seg.key, "keep")
@@ -149,7 +144,7 @@ def rewrite(log: Log, op_log: Sequence[int], marks: list[int], starts: Sequence[
             extra = {s.key for s in call.saved if s.ok and s.created_inside and s.key not in restored}
             end = marks[b1 + 1] if b1 + 1 < len(marks) else len(log)
             again, late = _again(log[op_pos(call.entry_op):op_pos(call.exit_op)], restored, extra, fresh)
-            at(op_pos(call.unpack_op if call.unpack_op is not None else -1), again, 1)
+            at(op_pos(call.unpack_op), again, 1)
             at(end, late)
     out: list[Entry] = []
     for i, entry in enumerate([*log, None]):
@@ -160,7 +155,7 @@ def rewrite(log: Log, op_log: Sequence[int], marks: list[int], starts: Sequence[
     return out
 
 
-def _again(forward: Sequence[Entry], restored: set[int], extra: set[int], fresh: list[int]
+def _again(forward: Sequence[Entry], restored: set[int], extra: set[int], fresh: Iterator[int]
            ) -> tuple[list[Entry], list[Entry]]:
     """The forward's calls as its recompute makes them, and the frees due where its backward ends."""
     names: dict[int, int] = {}
@@ -178,8 +173,7 @@ def _again(forward: Sequence[Entry], restored: set[int], extra: set[int], fresh:
         if key in restored and i == last[key]:  # a storage's key may name a temporary earlier in the forward
             names[key] = key
         else:
-            fresh[0] -= 1
-            names[key] = fresh[0]
+            names[key] = next(fresh)
         calls.append((names[key], nbytes))
     now = [(new, FREE) for old, new in names.items() if new != old and old not in extra]
     late = [(new, FREE) for old, new in names.items() if new != old and old in extra]

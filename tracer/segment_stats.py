@@ -14,7 +14,7 @@ from typing import Any
 
 from hplan.tracer.segments import Call, Saved
 
-from hplan.artifacts.segments import Held, Run, Segment
+from hplan.artifacts.segments import Run, Segment, as_runs
 
 
 def iteration_segments(calls: list[Call], windows: Sequence[Any], excluded: dict[str, str]) -> list[Segment]:
@@ -72,7 +72,7 @@ def _segment(call: Call, starts: list[int], windows: Sequence[Any], f0: int, f1:
     return Segment(module=call.path, micro=call.micro, forward_events=(f0, f1), backward_events=(b0, b1),
                    saved_bytes=_total(owned), offload_bytes=_total(moved), input_bytes=sum(call.inputs.values()),
                    freed=_runs4(off, rc), recompute_backward_delta=int(peak - keep_peak),
-                   recompute_peak_bytes=int(transient), recompute_extra_bytes=extra, recompute_held=_runs3(held),
+                   recompute_peak_bytes=int(transient), recompute_extra_bytes=extra, recompute_held=as_runs(held),
                    params=tuple(call.params), flops=int(call.flops), seconds=float(call.seconds),
                    recomputable=not call.reasons, reason="; ".join(dict.fromkeys(call.reasons)),
                    offload_packs=tuple(packs))
@@ -100,7 +100,7 @@ def combine(per_iteration: list[list[Segment]], n_events: int) -> tuple[Segment,
         held = [max(vals) for vals in zip(*(_expand(s.recompute_held, n_events, 2) for s in group))]
         reasons = [s.reason for s in group if s.reason]
         out.append(replace(
-            seg, freed=_runs4(off, rc), recompute_held=_runs3(held),
+            seg, freed=_runs4(off, rc), recompute_held=as_runs(held),
             recompute_backward_delta=max(s.recompute_backward_delta for s in group),
             recompute_peak_bytes=max(s.recompute_peak_bytes for s in group),
             recompute_extra_bytes=max(s.recompute_extra_bytes for s in group),
@@ -133,15 +133,3 @@ def _runs4(off: list[int], rc: list[int]) -> tuple[Run, ...]:
         else:
             runs.append([e, e, a, b])
     return tuple((r[0], r[1], r[2], r[3]) for r in runs)
-
-
-def _runs3(held: list[int]) -> tuple[Held, ...]:
-    runs: list[list[int]] = []
-    for e, h in enumerate(held):
-        if not h:
-            continue
-        if runs and runs[-1][1] == e - 1 and runs[-1][2] == h:
-            runs[-1][1] = e
-        else:
-            runs.append([e, e, h])
-    return tuple((r[0], r[1], r[2]) for r in runs)

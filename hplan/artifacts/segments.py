@@ -35,9 +35,8 @@ What the tracer measures, per segment, in the keep (plain PyTorch) run — ident
 
 from __future__ import annotations
 
-from collections.abc import Iterable
-from dataclasses import asdict, dataclass
-from typing import Any
+from collections.abc import Collection, Iterable, Sequence
+from dataclasses import dataclass
 
 
 Run = tuple[int, int, int, int]
@@ -164,20 +163,39 @@ def _merge(runs: list[Effect]) -> tuple[Effect, ...]:
     """Runs summed per event and recompressed (runs may overlap)."""
     if not runs:
         return ()
-    n = max(last for _, last, _ in runs) + 1
-    total = [0] * n
+    total = [0] * (max(last for _, last, _ in runs) + 1)
     for first, last, delta in runs:
         for t in range(first, last + 1):
             total[t] += delta
+    return as_runs(total)
+
+
+def as_runs(values: Sequence[int]) -> tuple[tuple[int, int, int], ...]:
+    """Per-event values as runs (first, last, value) of equal non-zero values (zeros left out)."""
     out: list[list[int]] = []
-    for t, d in enumerate(total):
-        if not d:
+    for t, v in enumerate(values):
+        if not v:
             continue
-        if out and out[-1][1] == t - 1 and out[-1][2] == d:
+        if out and out[-1][1] == t - 1 and out[-1][2] == v:
             out[-1][1] = t
         else:
-            out.append([t, t, d])
+            out.append([t, t, v])
     return tuple((a, b, c) for a, b, c in out)
+
+
+def effect_totals(choices: Iterable[tuple[Segment, str]], n_events: int,
+                  shared: Collection[tuple[str, int]] | None = None) -> list[int]:
+    """Per event, the sum of every (segment, choice)'s effects (prefetch at the backward); `shared`: the segment
+    calls charged as sharing their recompute window (default: the recomputed ones that do, `shared_windows`)."""
+    choices = list(choices)
+    if shared is None:
+        shared = shared_windows(s for s, c in choices if c == "recompute")
+    total = [0] * n_events
+    for seg, choice in choices:
+        for first, last, delta in effects(seg, choice, shared_recompute=seg.key in shared):
+            for t in range(first, last + 1):
+                total[t] += delta
+    return total
 
 
 def shared_windows(recomputed: Iterable[Segment]) -> set[tuple[str, int]]:

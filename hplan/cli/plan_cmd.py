@@ -13,6 +13,7 @@ from hplan.errors import HplanError
 
 if TYPE_CHECKING:
     from hplan.artifacts import Plan
+    from hplan.artifacts.plan import PlanSummary
 
 EPILOG = ("Example: hplan plan t.parquet --gpu-mem 24GB --compare -o plan.json  "
           "(infeasible budgets exit 2 naming the smallest GPU that works; --json prints the summary). "
@@ -282,14 +283,14 @@ def _print_summary(plan: Plan, output: Path | None) -> None:
         console.print(f"wrote {output}")
 
 
-def _bound_scope(s: object) -> str:
+def _bound_scope(s: PlanSummary) -> str:
     """--activations auto: the bound is on bytes moved + the activation choices' cost ([Note: auto activations])."""
     from hplan.sizes import format_size
 
-    if not getattr(s, "activation_cost_bytes", 0) and not getattr(s, "activations_free", False):
+    if not s.activation_cost_bytes and not s.activations_free:
         return ""
-    return (f" and {'any activation choice' if getattr(s, 'activations_free') else 'these activation choices'}, "
-            f"on bytes moved + {format_size(getattr(s, 'activation_cost_bytes'))} of activation cost")
+    return (f" and {'any activation choice' if s.activations_free else 'these activation choices'}, "
+            f"on bytes moved + {format_size(s.activation_cost_bytes)} of activation cost")
 
 
 def _activation_rows(plan: Plan) -> list[tuple[str, str]]:
