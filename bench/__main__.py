@@ -50,6 +50,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--quick", action="store_true", help="small models, fewer repeats, skip gpt:6.7b–18b (≤ 3 min)")
     p.add_argument("--out", type=Path, default=REPO_ROOT / "BENCHMARKS.md", help="markdown file to write")
     p.add_argument("--only", default="", help="comma-separated section keys: " + ",".join(k for k, _, _ in SECTIONS))
+    p.add_argument("--update", type=Path, default=None,
+                   help="with --only: re-run those sections and splice them into this existing BENCHMARKS.md, "
+                        "stamped with date, command, commit and load (bench/splice.py); other sections stay as they are")
     return p.parse_args(argv)
 
 
@@ -63,7 +66,13 @@ def main(argv: list[str] | None = None) -> int:
         print(f"unknown section(s) {', '.join(sorted(unknown))}: use {', '.join(k for k, _, _ in SECTIONS)}",
               file=sys.stderr)
         return 2
-    out = args.out.resolve()
+    if args.update is not None and not keys:
+        print("--update re-runs only the sections named by --only: add --only KEYS", file=sys.stderr)
+        return 2
+    if args.update is not None and not args.update.is_file():
+        print(f"--update {args.update}: no such file; run without --update to write it whole", file=sys.stderr)
+        return 2
+    out = (args.update if args.update is not None else args.out).resolve()
     if not out.parent.is_dir():
         print(f"cannot write {out}: folder {out.parent} does not exist; create it first", file=sys.stderr)
         return 2
@@ -80,6 +89,16 @@ def main(argv: list[str] | None = None) -> int:
     command = "python -m bench " + " ".join(shlex.quote(a) for a in argv)
     text = render_document(command=command.strip(), machine=machine, date=utc_now(), sections=results,
                            quick=args.quick, total_seconds=time.perf_counter() - t0)
+    if args.update is not None:
+        from bench.splice import splice
+
+        stamp = (f"{utc_now()} by `{command.strip()}`{' (--quick)' if args.quick else ''}, hplan commit "
+                 f"{machine['hplan commit']}, load average {machine['load average (1 min) at start']} at start")
+        try:
+            text = splice(out.read_text(), text, order=[t for _, t, _ in SECTIONS], stamp=stamp)
+        except ValueError as exc:
+            print(f"--update {out}: {exc}", file=sys.stderr)
+            return 2
     from hplan.artifacts import atomic_path
 
     with atomic_path(out) as tmp:

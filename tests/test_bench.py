@@ -110,6 +110,34 @@ def test_render_document_lists_failures_machine_and_command() -> None:
     assert "never a measurement" in text
 
 
+def _doc(sections: dict[str, tuple[str, str]]) -> str:
+    results = [harness.SectionResult(key=t, title=t, seconds=1.0, error=None,
+                                     output=harness.SectionOutput(headline=[head], text=[body]))
+               for t, (head, body) in sections.items()]
+    return harness.render_document(command="python -m bench", machine={"CPU": "test cpu"}, date="day 1",
+                                   sections=results, quick=False, total_seconds=60)
+
+
+def test_update_splices_rerun_sections_and_keeps_the_others_with_provenance() -> None:
+    splice = importlib.import_module("bench.splice").splice
+    old = _doc({"1. A": ("a old", "body a old"), "2. B": ("b old", "body b old"), "3. C": ("c old", "body c")})
+    new = _doc({"2. B": ("b new", "body b new")})
+    text = splice(old, new, order=["1. A", "2. B", "3. C"], stamp="day 2 by `python -m bench --only b`")
+    assert "body a old" in text and "body c" in text and "body b new" in text and "body b old" not in text
+    assert "- **2. B**: b new" in text and "b old" not in text
+    assert text.index("- **1. A**") < text.index("- **2. B**") < text.index("- **3. C**")
+    assert text.index("## 1. A") < text.index("## 2. B") < text.index("## 3. C")
+    assert "</sub>\n\n## 3. C" in text  # a spliced section keeps the blank line before the next heading
+    b_section = text[text.index("## 2. B"):text.index("## 3. C")]
+    assert "Re-run since: day 2 by `python -m bench --only b`" in b_section
+    assert "Re-run since: *2. B* — day 2" in text[:text.index("## Headline")]
+    assert "Generated day 1" in text  # the untouched sections keep their run's provenance
+    again = splice(text, _doc({"2. B": ("b newer", "body b newer")}), order=["1. A", "2. B", "3. C"], stamp="day 3")
+    assert again.count("## 2. B") == 1 and "body b new\n" not in again and "b newer" in again
+    with pytest.raises(ValueError, match="run it without --update"):
+        splice("# not a bench file\n", new, order=[], stamp="x")
+
+
 def test_offloaded_bytes_counts_regions_off_the_gpu_at_some_step() -> None:
     # sample_plan's weights and gradient leave the device at the optimizer step; its state never resides.
     assert harness.offloaded_bytes(sample_plan()) == 400 + 400 + 800
