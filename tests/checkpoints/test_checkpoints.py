@@ -124,7 +124,7 @@ def test_each_step_commits_a_verified_folder_and_keeps_the_previous(prepared):
     assert (pointer["latest"], pointer["previous"]) == ("step-000004", ["step-000003"])
     manifest = json.loads((ck / "step-000004" / "manifest.json").read_text())
     assert manifest["global_step"] == 4 and manifest["info"]["format"] == "torch.distributed.checkpoint"
-    assert set(manifest["files"]) == {".metadata", "__0_0.distcp"}
+    assert set(manifest["files"]) == {".metadata", "__0_0.distcp", "dcp.json"}
     for name, entry in manifest["files"].items():
         assert entry["bytes"] == (ck / "step-000004" / name).stat().st_size
     assert verify(ck / "step-000004").global_step == 4 and verify(ck / "step-000003").global_step == 3
