@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import io
 import json
+import math
 import os
 import pickle
 from pathlib import Path
@@ -101,12 +102,13 @@ def _edit(change: Any) -> Any:
 
 
 def _first(idx: dict[str, Any]) -> tuple[str, dict[str, Any]]:
-    key = next(k for k, e in idx["entries"].items() if len(e["size"]) == 2)
+    """The entry of the most elements (a weight; at least one dimension)."""
+    key = max((k for k, e in idx["entries"].items() if e["size"]), key=lambda k: math.prod(idx["entries"][k]["size"]))
     return key, idx["entries"][key]
 
 
 def _copies(idx: dict[str, Any], n: int, prefix: str) -> None:
-    """`n` more entries that all point at the first 2-d entry's stored bytes (one region, n references)."""
+    """`n` more entries that all point at the largest entry's stored bytes (one region, n references)."""
     _, entry = _first(idx)
     for i in range(n):
         idx["entries"][f"{prefix}{i}"] = {**entry, "path": [f"{prefix}{i}"]}
@@ -122,8 +124,8 @@ def _set_in_chunk(field: str, value: Any) -> Any:
 
 def _huge(idx: dict[str, Any]) -> None:
     _, entry = _first(idx)
-    entry["size"] = [1 << 40, 1]
-    entry["chunks"][0]["sizes"] = [1 << 40, 1]
+    entry["size"] = [1 << 40] + entry["size"][1:]
+    entry["chunks"][0]["sizes"] = [1 << 40] + entry["size"][1:]
 
 
 def _duplicate_chunk(idx: dict[str, Any]) -> None:
@@ -133,7 +135,7 @@ def _duplicate_chunk(idx: dict[str, Any]) -> None:
 
 def _halve(idx: dict[str, Any]) -> None:
     _, entry = _first(idx)
-    entry["chunks"][0]["sizes"] = [entry["size"][0] // 2, entry["size"][1]]
+    entry["chunks"][0]["sizes"] = [entry["size"][0] // 2] + entry["size"][1:]
 
 
 def _data_past_item(idx: dict[str, Any]) -> None:
