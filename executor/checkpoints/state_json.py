@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import json
 import math
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -35,61 +36,75 @@ MAX_TENSOR_BYTES = 1 << 20
 _FIX = "restore the folder from a backup or start again with `overwrite`"
 
 
+Sink = Callable[[torch.Tensor], dict[str, Any]]
+"""Where tensors go instead of hex (launch's rank results: raw files beside the JSON); returns their record."""
+Source = Callable[[Any], torch.Tensor]
+"""Reads back a tensor a Sink recorded (the record is hostile until it checks it)."""
+
+
 def pack(obj: Any) -> torch.Tensor:
     """`obj` as a uint8 tensor holding its typed JSON (see the module doc); HplanError naming what cannot be kept."""
-    text = json.dumps(_encode(obj, "state"), separators=(",", ":"), allow_nan=False)
-    return torch.frombuffer(bytearray(text.encode()), dtype=torch.uint8) if text else torch.empty(0, torch.uint8)
+    return torch.frombuffer(bytearray(to_json(obj).encode()), dtype=torch.uint8)
 
 
-def _encode(obj: Any, where: str) -> Any:
+def to_json(obj: Any, *, where: str = "state", sink: Sink | None = None) -> str:
+    """`obj` as typed JSON text; tensors as hex, or handed to `sink` (then of any size)."""
+    return json.dumps(_encode(obj, where, sink), separators=(",", ":"), allow_nan=False)
+
+
+def _encode(obj: Any, where: str, sink: Sink | None = None) -> Any:
     if obj is None or isinstance(obj, (bool, int, str)):
         return obj
     if isinstance(obj, float):
         return obj if math.isfinite(obj) else {"float": repr(obj)}
     if isinstance(obj, tuple):
-        return {"tuple": [_encode(v, f"{where}[{i}]") for i, v in enumerate(obj)]}
+        return {"tuple": [_encode(v, f"{where}[{i}]", sink) for i, v in enumerate(obj)]}
     if isinstance(obj, list):
-        return [_encode(v, f"{where}[{i}]") for i, v in enumerate(obj)]
+        return [_encode(v, f"{where}[{i}]", sink) for i, v in enumerate(obj)]
     if isinstance(obj, dict):
         for k in obj:
             if not (k is None or isinstance(k, (bool, int, float, str))):
                 raise HplanError(f"cannot checkpoint {where}: it has a {type(k).__name__} key")
-        return {"dict": [[_encode(k, where), _encode(v, f"{where}.{k}")] for k, v in obj.items()]}
+        return {"dict": [[_encode(k, where), _encode(v, f"{where}.{k}", sink)] for k, v in obj.items()]}
     if isinstance(obj, torch.Tensor):
         t = obj.detach().cpu().contiguous()
         dtype = str(t.dtype).removeprefix("torch.")
+        if sink is not None and dtype in DTYPES:
+            return {"tensor_file": sink(t)}
         if dtype not in DTYPES or t.numel() * t.element_size() > MAX_TENSOR_BYTES:
             raise HplanError(f"cannot checkpoint {where}: a {dtype} tensor of {t.numel()} elements inside the "
                              f"training state (hplan keeps tensors of at most {MAX_TENSOR_BYTES} bytes there)")
         data = t.reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b""
         return {"tensor": {"dtype": dtype, "shape": list(t.shape), "hex": data.hex()}}
     raise HplanError(f"cannot checkpoint {where}: it holds a {type(obj).__name__}, and hplan saves the training "
-                     "state as JSON (numbers, strings, lists, dicts, small tensors); keep such objects out of the "
-                     "scheduler's or optimizer's state")
+                     "state as JSON (numbers, strings, lists, tuples, dicts, tensors); keep such objects out of the "
+                     "scheduler's or optimizer's state" if where.startswith("state") else
+                     f"{where} holds a {type(obj).__name__}, and hplan hands it back as JSON (numbers, strings, "
+                     "lists, tuples, dicts, tensors); return those")
 
 
 def unpack(t: Any, folder: Path) -> Any:
     """The state `pack` stored in uint8 tensor `t`, read without unpickling; one-line HplanError otherwise."""
     if not isinstance(t, torch.Tensor) or t.dtype != torch.uint8 or t.dim() != 1:
         raise HplanError(f"checkpoint {folder} has no training state record; {_FIX}")
-    data = t.numpy().tobytes()
-    obj = parse_json(data, source=f"the training state of checkpoint {folder}", what="checkpoint state",
-                     regenerate="hplan run … --checkpoint DIR --overwrite")
+    obj = parse_json(t.numpy().tobytes(), source=f"the training state of checkpoint {folder}",
+                     what="checkpoint state", regenerate="hplan run … --checkpoint DIR --overwrite")
     try:
-        return _decode(obj)
-    except _Bad as exc:
+        return decode(obj)
+    except ValueError as exc:
         raise HplanError(f"checkpoint {folder} has a malformed training state ({exc}); {_FIX}") from None
 
 
-class _Bad(Exception):
-    pass
+class _Bad(ValueError):
+    """What is wrong with a typed JSON value, naming (never printing) it."""
 
 
 _FLOATS = {"inf": math.inf, "-inf": -math.inf, "nan": math.nan}
 
 
-def _decode(root: Any) -> Any:
-    """Undo `_encode` with an explicit stack (no recursion); every JSON value is visited once."""
+def decode(root: Any, source: Source | None = None) -> Any:
+    """Undo `_encode` on parsed JSON with an explicit stack (no recursion; every value visited once); ValueError
+    naming what is malformed. `source` reads "tensor_file" records (refused without one)."""
     out: list[Any] = [None]
     todo: list[tuple[Any, list[Any] | dict[Any, Any], Any]] = [(root, out, 0)]  # (json value, container, slot)
     finish: list[tuple[list[Any], dict[Any, Any] | list[Any], Any]] = []
@@ -122,6 +137,8 @@ def _decode(root: Any) -> Any:
                 finish.append((values, result, [p[0] for p in pairs]))
             elif tag == "tensor" and isinstance(body, dict):
                 result = _tensor(body)
+            elif tag == "tensor_file" and source is not None:
+                result = source(body)
             else:
                 raise _Bad(f"an object tagged {name(tag)}")
         else:

@@ -18,10 +18,12 @@ Two ways in, one contract (`launch(fn, *args) -> [result of rank 0, …, result 
 The error names the rank that failed *first*: a rank that died without raising (signal, `os._exit`), else
 the earliest recorded exception — the survivors' "connection closed by peer" errors come after the cause.
 
-[Note: launch workdir] Spawned ranks hand their results back as pickles (any picklable value) and their errors
-as JSON, in a folder `_private_workdir` creates for this call alone (mkdtemp: a new random name, mode 0700,
-owned by this user; never a path from the user or the environment besides TMPDIR) and removes afterwards, so
-no other user can plant a pickle the parent would load. The ranks' rendezvous (a TCPStore on 127.0.0.1, or
+[Note: launch workdir] Spawned ranks hand their results back as typed JSON ([Note: checkpoint state as JSON]:
+None, bool, int, float, str, lists, tuples, dicts; each tensor as a raw file of its bytes beside it, named in the
+JSON with its dtype and shape) and their errors as JSON records, in a folder `_private_workdir` creates for this
+call alone (mkdtemp: a new random name, mode 0700, owned by this user; never a path from the user or the
+environment besides TMPDIR) and removes afterwards. hplan never unpickles what it reads, even from there: the
+parent parses the JSON with hplan's bounded reader and reads each tensor file once, checked against its size. The ranks' rendezvous (a TCPStore on 127.0.0.1, or
 MASTER_ADDR under torchrun) is torch.distributed's and has no authentication: run ranks on hosts you trust.
 """
 
@@ -32,7 +34,7 @@ import datetime
 import json
 import multiprocessing.connection
 import os
-import pickle
+import pickle  # only to word spawn's failure to send `fn` (spawn pickles what it sends)
 import shutil
 import signal
 import stat
@@ -76,7 +78,9 @@ def under_torchrun() -> bool:
 
 def launch(fn: Callable[..., Any], *args: Any, nprocs: int | None = None, backend: str = "gloo",
            timeout_s: float = 300.0, collective_timeout_s: float = 60.0, threads: int | None = 1) -> list[Any]:
-    """Run `fn(RankInfo, *args)` on every rank and return the per-rank results (picklable), rank order.
+    """Run `fn(RankInfo, *args)` on every rank and return the per-rank results, rank order: spawned ranks hand them
+    back as JSON ([Note: launch workdir]), so a result is made of None, bool, int, float, str, lists, tuples, dicts
+    and tensors (`fn`'s arguments travel to the ranks as spawn's pickles, from this process).
 
     `timeout_s` bounds the whole call (watchdog; spawn only: torchrun has its own agent); `collective_timeout_s`
     bounds each collective once all ranks have started (spawned ranks first wait up to RENDEZVOUS_S for each
@@ -149,7 +153,7 @@ def _rendezvous_failure(exc: Exception, rank: int) -> str:
 
 
 def _private_workdir() -> Path:
-    """A folder only this run (this user) can write: rank results come back through it as pickles, so it must be
+    """A folder only this run (this user) can write: rank results come back through it (as JSON), so it must be
     new and ours — mkdtemp creates it 0700 with a random name under the temp folder, never a path a user names —
     and the check below refuses one that is not (a temp folder on a file system that ignores modes)."""
     workdir = Path(tempfile.mkdtemp(prefix="hplan-launch-"))
@@ -222,7 +226,7 @@ def _rank_main(rank: int, fn: Callable[..., Any], args: tuple[Any, ...], config:
         timeout = datetime.timedelta(seconds=config.collective_timeout_s)
         dist.init_process_group(config.backend, store=store, rank=rank, world_size=config.world, timeout=timeout)
         result = fn(RankInfo(rank=rank, world_size=config.world, local_rank=rank, backend=config.backend), *args)
-        _write_atomic(workdir / f"rank{rank}.pkl", pickle.dumps(result))
+        _write_result(workdir, rank, result)
         dist.destroy_process_group()
     except BaseException as exc:
         record = {"time": time.time(), "error": _one_line(exc)}
@@ -337,12 +341,64 @@ def _failure_message(procs: list[Any], workdir: Path, stopped: list[int]) -> str
     return f"rank {rank} of {world} failed: {records[rank]['error']} ({others(rank)}); {DEBUG_HINT}"
 
 
+def _write_result(workdir: Path, rank: int, result: Any) -> None:
+    """This rank's result as typed JSON, each tensor as a raw file `rank<r>.<i>.bin` (see [Note: launch workdir])."""
+    import torch
+    from hplan.executor.checkpoints.state_json import to_json
+
+    count = [0]
+
+    def sink(t: Any) -> dict[str, Any]:
+        name = f"rank{rank}.{count[0]}.bin"
+        count[0] += 1
+        data = t.reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b""
+        _write_atomic(workdir / name, data)
+        return {"file": name, "dtype": str(t.dtype).removeprefix("torch."), "shape": list(t.shape)}
+
+    _write_atomic(workdir / f"rank{rank}.json", to_json(result, where=f"the result of rank {rank}",
+                                                         sink=sink).encode())
+
+
 def _read_result(workdir: Path, rank: int, exitcode: int | None) -> Any:
-    path = workdir / f"rank{rank}.pkl"
+    """A rank's result, read without unpickling: bounded JSON, and each tensor file once, of its record's size."""
+    import math
+    import re
+
+    import torch
+    from hplan.artifacts.io import parse_json
+    from hplan.executor.checkpoints.dcp_index import DTYPES
+    from hplan.executor.checkpoints.state_json import decode
+    from hplan.executor.tiers.durable import open_regular, read_regular
+
+    path = workdir / f"rank{rank}.json"
     if not path.exists():
         raise HplanError(f"rank {rank} exited (code {exitcode}) without returning a result; do not call sys.exit "
                          "in the launched function")
-    return pickle.loads(path.read_bytes())
+    used: set[str] = set()
+
+    def source(body: Any) -> Any:
+        name, dtype, shape = (body.get(k) for k in ("file", "dtype", "shape")) if isinstance(body, dict) else \
+            (None, None, None)
+        if not (isinstance(name, str) and re.fullmatch(rf"rank{rank}\.\d{{1,9}}\.bin", name) and name not in used
+                and dtype in DTYPES and isinstance(shape, list) and len(shape) <= 64
+                and all(type(d) is int and 0 <= d < 1 << 62 for d in shape)):
+            raise ValueError("a malformed tensor file record")
+        used.add(name)
+        with open_regular(workdir / name) as f:
+            size = os.fstat(f.fileno()).st_size
+            out = torch.empty(0, dtype=DTYPES[dtype])
+            if size != math.prod(shape) * out.element_size():
+                raise ValueError(f"tensor file {name} of {size} bytes for shape {shape}")
+            out = torch.empty(shape, dtype=DTYPES[dtype])
+            if size:
+                f.readinto(memoryview(out.reshape(-1).view(torch.uint8).numpy()))
+        return out
+
+    try:
+        return decode(parse_json(read_regular(path), source=path, what="rank result"), source)
+    except (ValueError, OSError) as exc:
+        raise HplanError(f"the result of rank {rank} cannot be read ({' '.join(str(exc).split())[:200]}); it was "
+                         "written by this run's rank into its private folder — a bug, please report it") from None
 
 
 def _write_atomic(path: Path, data: bytes) -> None:
