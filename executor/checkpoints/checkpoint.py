@@ -177,7 +177,9 @@ def _read(folder: Path, files: dict[str, int]) -> dict[str, Any]:
     template: dict[str, Any] = {}
     try:
         for key, meta in metadata.state_dict_metadata.items():
-            _set(template, metadata.planner_data[key], torch.empty(meta.size, dtype=meta.properties.dtype))
+            # zeros, not empty: an index whose chunks overlap (adding up, yet leaving elements uncovered) must
+            # not hand this process's stale memory to the model
+            _set(template, metadata.planner_data[key], torch.zeros(meta.size, dtype=meta.properties.dtype))
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message=_NO_DIST)
             try:

@@ -26,6 +26,7 @@ no option to unpickle it, as that would run code from the folder.
 
 from __future__ import annotations
 
+import json
 import math
 import struct
 import sys
@@ -110,7 +111,6 @@ def write_index(folder: Path, metadata: Any) -> None:
     """Write `folder/dcp.json` from the Metadata `dcp.save` returned, locating each item's raw bytes in the files it
     just wrote; an HplanError (never a wrong index) if DCP wrote something hplan cannot index."""
     from hplan.executor.tiers.durable import write_durably
-    import json
 
     entries: dict[str, Any] = {}
     for key, entry in metadata.state_dict_metadata.items():

@@ -49,6 +49,7 @@ from typing import Any
 
 from hplan.artifacts.io import loads_bounded
 from hplan.errors import HplanError
+from hplan.executor.ranks.rank_results import read_result, write_result
 
 TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 RENDEZVOUS_S = 120.0
@@ -190,7 +191,7 @@ def _spawn(fn: Callable[..., Any], args: tuple[Any, ...], *, nprocs: int, backen
                              "find the hang or raise timeout_s")
         if failed is not None:
             raise HplanError(_failure_message(procs, workdir, stopped))
-        return [_read_result(workdir, rank, procs[rank].exitcode) for rank in range(nprocs)]
+        return [read_result(workdir, rank, procs[rank].exitcode) for rank in range(nprocs)]
     finally:
         _stop(procs)
         shutil.rmtree(workdir, ignore_errors=True)
@@ -226,7 +227,7 @@ def _rank_main(rank: int, fn: Callable[..., Any], args: tuple[Any, ...], config:
         timeout = datetime.timedelta(seconds=config.collective_timeout_s)
         dist.init_process_group(config.backend, store=store, rank=rank, world_size=config.world, timeout=timeout)
         result = fn(RankInfo(rank=rank, world_size=config.world, local_rank=rank, backend=config.backend), *args)
-        _write_result(workdir, rank, result)
+        write_result(workdir, rank, result, _write_atomic)
         dist.destroy_process_group()
     except BaseException as exc:
         record = {"time": time.time(), "error": _one_line(exc)}
@@ -339,66 +340,6 @@ def _failure_message(procs: list[Any], workdir: Path, stopped: list[int]) -> str
         return (f"ranks {same} of {world} failed: {records[rank]['error']}{f' ({rest})' if rest else ''}; "
                 f"{DEBUG_HINT}")
     return f"rank {rank} of {world} failed: {records[rank]['error']} ({others(rank)}); {DEBUG_HINT}"
-
-
-def _write_result(workdir: Path, rank: int, result: Any) -> None:
-    """This rank's result as typed JSON, each tensor as a raw file `rank<r>.<i>.bin` (see [Note: launch workdir])."""
-    import torch
-    from hplan.executor.checkpoints.state_json import to_json
-
-    count = [0]
-
-    def sink(t: Any) -> dict[str, Any]:
-        name = f"rank{rank}.{count[0]}.bin"
-        count[0] += 1
-        data = t.reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b""
-        _write_atomic(workdir / name, data)
-        return {"file": name, "dtype": str(t.dtype).removeprefix("torch."), "shape": list(t.shape)}
-
-    _write_atomic(workdir / f"rank{rank}.json", to_json(result, where=f"the result of rank {rank}",
-                                                         sink=sink).encode())
-
-
-def _read_result(workdir: Path, rank: int, exitcode: int | None) -> Any:
-    """A rank's result, read without unpickling: bounded JSON, and each tensor file once, of its record's size."""
-    import math
-    import re
-
-    import torch
-    from hplan.artifacts.io import parse_json
-    from hplan.executor.checkpoints.dcp_index import DTYPES
-    from hplan.executor.checkpoints.state_json import decode
-    from hplan.executor.tiers.durable import open_regular, read_regular
-
-    path = workdir / f"rank{rank}.json"
-    if not path.exists():
-        raise HplanError(f"rank {rank} exited (code {exitcode}) without returning a result; do not call sys.exit "
-                         "in the launched function")
-    used: set[str] = set()
-
-    def source(body: Any) -> Any:
-        name, dtype, shape = (body.get(k) for k in ("file", "dtype", "shape")) if isinstance(body, dict) else \
-            (None, None, None)
-        if not (isinstance(name, str) and re.fullmatch(rf"rank{rank}\.\d{{1,9}}\.bin", name) and name not in used
-                and dtype in DTYPES and isinstance(shape, list) and len(shape) <= 64
-                and all(type(d) is int and 0 <= d < 1 << 62 for d in shape)):
-            raise ValueError("a malformed tensor file record")
-        used.add(name)
-        with open_regular(workdir / name) as f:
-            size = os.fstat(f.fileno()).st_size
-            out = torch.empty(0, dtype=DTYPES[dtype])
-            if size != math.prod(shape) * out.element_size():
-                raise ValueError(f"tensor file {name} of {size} bytes for shape {shape}")
-            out = torch.empty(shape, dtype=DTYPES[dtype])
-            if size:
-                f.readinto(memoryview(out.reshape(-1).view(torch.uint8).numpy()))
-        return out
-
-    try:
-        return decode(parse_json(read_regular(path), source=path, what="rank result"), source)
-    except (ValueError, OSError) as exc:
-        raise HplanError(f"the result of rank {rank} cannot be read ({' '.join(str(exc).split())[:200]}); it was "
-                         "written by this run's rank into its private folder — a bug, please report it") from None
 
 
 def _write_atomic(path: Path, data: bytes) -> None:
