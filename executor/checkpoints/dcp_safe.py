@@ -66,6 +66,10 @@ class SafeReader(dcp.FileSystemReader):
     @staticmethod
     def _load(f: Any, path: Path, req: Any, raw: Raw, planner: Any) -> None:
         target = planner.resolve_tensor(req).detach()
+        if target.dtype != raw.dtype:  # never a silent conversion
+            raise HplanError(f"checkpoint {path.parent} holds {name(req.storage_index.fqn)} as "
+                             f"{str(raw.dtype).removeprefix('torch.')}, this run needs "
+                             f"{str(target.dtype).removeprefix('torch.')}; resume with the plan it was written for")
         whole = list(req.storage_offsets) == [0] * len(raw.sizes) and tuple(req.lengths) == raw.sizes
         direct = whole and target.is_contiguous() and target.dtype == raw.dtype and tuple(target.shape) == raw.sizes
         chunk = target if direct else torch.empty(raw.sizes, dtype=raw.dtype)
