@@ -1,14 +1,16 @@
 """Hostile checkpoint folders, made as an attacker who can write the folder would make them: forge a file, then
 recompute the manifest (its checksums have no key). Used by the one-process and many-rank checkpoint tests.
 
-Each forgery's pickle really runs code when unpickled the way DCP does (`prove_hostile` checks that), so a test
-that resumes it and finds no marker file cannot pass by accident.
+The pickle forgeries of `.metadata` really run code when unpickled the way DCP does (`prove_hostile` checks that):
+since issue 30 hplan never opens `.metadata`, so a resume of such a folder continues and no marker appears. What a
+resume reads is the JSON index `dcp.json`; INDEX_ATTACKS forge it (the issue's attack classes and more).
 """
 
 from __future__ import annotations
 
 import io
 import json
+import math
 import os
 import pickle
 from pathlib import Path
@@ -75,24 +77,120 @@ def plant_bytes_entry(folder: Path, marker: Path) -> None:
     reseal(folder)
 
 
-def plant_outside_path(folder: Path, target: str) -> None:
-    """Every storage entry points at `target` (a path outside the folder)."""
-    md = metadata(folder)
-    for info in md.storage_data.values():
-        info.relative_path = target
-    (folder / ".metadata").write_bytes(pickle.dumps(md))
+# -- hostile JSON indexes ([Note: safe DCP metadata]): what a resume reads instead of `.metadata` -------------------
+
+INDEX = "dcp.json"
+
+
+def index(folder: Path) -> dict[str, Any]:
+    return json.loads((folder / INDEX).read_text())
+
+
+def plant_index(folder: Path, text: str | bytes) -> None:
+    """`text` as the folder's JSON index, the manifest recomputed."""
+    path = folder / INDEX
+    path.write_bytes(text if isinstance(text, bytes) else text.encode())
     reseal(folder)
 
 
-def plant_huge_size(folder: Path) -> None:
-    """One entry claims 2^40 elements (a loader trusting it would allocate terabytes)."""
-    md = metadata(folder)
-    key = next(iter(md.state_dict_metadata))
-    entry = md.state_dict_metadata[key]
-    entry.size = torch.Size([1 << 40])
-    entry.chunks = [dcp_metadata.ChunkStorageMetadata(offsets=torch.Size([0]), sizes=torch.Size([1 << 40]))]
-    (folder / ".metadata").write_bytes(pickle.dumps(md))
-    reseal(folder)
+def _edit(change: Any) -> Any:
+    """An attack that edits the parsed index in place (`change(index)`) and writes it back as JSON."""
+    def attack(idx: dict[str, Any]) -> str:
+        change(idx)
+        return json.dumps(idx)
+    return attack
+
+
+def _first(idx: dict[str, Any]) -> tuple[str, dict[str, Any]]:
+    """The entry of the most elements (a weight; at least one dimension)."""
+    key = max((k for k, e in idx["entries"].items() if e["size"]), key=lambda k: math.prod(idx["entries"][k]["size"]))
+    return key, idx["entries"][key]
+
+
+def _copies(idx: dict[str, Any], n: int, prefix: str) -> None:
+    """`n` more entries that all point at the largest entry's stored bytes (one region, n references)."""
+    _, entry = _first(idx)
+    for i in range(n):
+        idx["entries"][f"{prefix}{i}"] = {**entry, "path": [f"{prefix}{i}"]}
+
+
+def _set_in_first(field: str, value: Any) -> Any:
+    return _edit(lambda idx: _first(idx)[1].__setitem__(field, value))
+
+
+def _set_in_chunk(field: str, value: Any) -> Any:
+    return _edit(lambda idx: _first(idx)[1]["chunks"][0].__setitem__(field, value))
+
+
+def _huge(idx: dict[str, Any]) -> None:
+    _, entry = _first(idx)
+    entry["size"] = [1 << 40] + entry["size"][1:]
+    entry["chunks"][0]["sizes"] = [1 << 40] + entry["size"][1:]
+
+
+def _duplicate_chunk(idx: dict[str, Any]) -> None:
+    _, entry = _first(idx)
+    entry["chunks"] = entry["chunks"] * 300
+
+
+def _halve(idx: dict[str, Any]) -> None:
+    _, entry = _first(idx)
+    entry["chunks"][0]["sizes"] = [entry["size"][0] // 2] + entry["size"][1:]
+
+
+def _data_past_item(idx: dict[str, Any]) -> None:
+    chunk = _first(idx)[1]["chunks"][0]
+    chunk["data"] = chunk["item"][0] + chunk["item"][1] - 1
+
+
+def _inside(idx: dict[str, Any]) -> None:
+    key, entry = _first(idx)
+    idx["entries"][key + ".inner"] = {**entry, "path": [*entry["path"], "inner"]}
+
+
+def _long_key(idx: dict[str, Any]) -> None:
+    _, entry = _first(idx)
+    long = "k" * 1_200_000
+    idx["entries"] = {long: {**entry, "path": [long]}}
+
+
+BIG = "x" * 4000
+INDEX_ATTACKS: dict[str, tuple[Any, str]] = {
+    # the issue's classes, in JSON terms
+    "class_behaviour_change_by_name": (_set_in_first("dtype", "Size.__new__"), "the dtype 'Size.__new__', not one of"),
+    "object_that_asks_to_be_reduced": (_edit(lambda idx: idx["entries"].__setitem__(
+        "x", {"__reduce__": ["posix.system", ["touch marker"]]})), "gives entry 'x' the key path as NoneType"),
+    "huge_error_message": (_edit(_long_key), "a malformed entry 'kkkk"),
+    "size_of_400000_dims": (_set_in_first("size", [2] * 400_000), "400000 elements, at most 64"),
+    "300_references_to_one_string": (_edit(lambda idx: _copies(idx, 300, BIG)), "share bytes"),
+    "region_counted_per_reference": (_edit(_duplicate_chunk), "two chunks at one offset"),
+    "nested_200000_deep": (lambda idx: "[" * 200_000 + "]" * 200_000, "nested 200000 deep"),
+    # and the rest of what a forged index could claim
+    "size_of_2_to_the_40": (_edit(_huge), "holds more elements than the data files'"),
+    "chunks_that_do_not_cover_the_size": (_edit(_halve), "but its chunks store"),
+    "item_outside_the_folder": (_set_in_chunk("file", "../../pipe"), "'../../pipe', which is not a data file"),
+    "item_inside_the_pickled_metadata": (_set_in_chunk("file", ".metadata"), "'.metadata', which is not a data file"),
+    "item_past_the_end_of_its_file": (_set_in_chunk("item", [0, 1 << 50]), "outside '__0_0.distcp'"),
+    "data_outside_its_item": (_edit(_data_past_item), "outside its item"),
+    "entry_inside_another_entry": (_edit(_inside), "another entry"),
+    "key_path_not_spelling_its_key": (_set_in_first("path", ["params", "elsewhere"]), "does not spell its key"),
+    "5000_digit_offset": (lambda idx: json.dumps(idx).replace('"data": ', '"data": ' + "9" * 5000 + ', "x": ', 1),
+                          "a number of over 64 digits"),
+    "nan_offset": (lambda idx: json.dumps(idx).replace('"data": ', '"data": NaN, "x": ', 1), "non-standard value NaN"),
+    "another_schema_version": (_edit(lambda idx: idx.__setitem__("schema", "hplan.dcp-index/0")),
+                               "this hplan reads hplan.dcp-index/1"),
+    "schema_of_a_megabyte": (_edit(lambda idx: idx.__setitem__("schema", "s" * 1_000_000)),
+                             "this hplan reads hplan.dcp-index/1"),
+    "not_an_object": (lambda idx: "[1, 2, 3]", "this hplan reads hplan.dcp-index/1"),
+    "negative_dimension": (_set_in_first("size", [-1, 4]), "not an integer in"),
+    "boolean_dimension": (_set_in_first("size", [True, 4]), "not an integer in"),
+}
+"""name → (attack: the genuine index (parsed) → the forged index text, what the refusal says)."""
+
+
+def plant_index_attack(folder: Path, kind: str) -> None:
+    attack, _ = INDEX_ATTACKS[kind]
+    plant_index(folder, attack(index(folder)))
 
 
 def prove_hostile(folder: Path, marker: Path) -> None:

@@ -15,7 +15,7 @@ before), and only then removes the folders the pointer no longer names. A folder
 manifest exists and every file it lists is a regular file (never read through a link or from a FIFO) with the
 listed size and checksum, so a torn, truncated, replaced or bit-flipped file is refused naming it. The checksums
 catch damage, not malice (they have no key): what a folder holds is read without running code
-([Note: safe DCP metadata] in hplan.executor.checkpoints.dcp_safe). Resume tries the pointer's folders in order
+([Note: safe DCP metadata] in hplan.executor.checkpoints.dcp_index). Resume tries the pointer's folders in order
 (newest first) and
 nothing else, so a folder of another run (before an --overwrite run's first save) is never mixed in; a
 folder renamed into place whose pointer update a kill prevented is simply not used, and goes at the next

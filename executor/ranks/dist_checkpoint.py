@@ -1,7 +1,7 @@
 """Sharded checkpoints of a many-rank run: each rank writes its own shards with torch.distributed.checkpoint (DCP).
 
     DIR/latest.json              {"schema": ..., "latest": "step-000010", "world_size": 2, "shard": {...}, ...}
-    DIR/step-000010/             DCP's `.metadata` + one `__<rank>_0.distcp` per rank
+    DIR/step-000010/             DCP's `.metadata` + one `__<rank>_0.distcp` per rank + `dcp.json` + manifest.json
 
 What a rank saves is what it holds: its shard of every parameter, master and optimizer-state region (current
 contents, wherever they are), its per-parameter optimizer step counters, its RNG state, and the global step and
@@ -29,7 +29,6 @@ the one-process checkpoints' manifest (hplan.executor.checkpoints.checkpoint_dir
 
 from __future__ import annotations
 
-import io
 import json
 import os
 import shutil
@@ -70,7 +69,7 @@ def read_pointer(directory: str | os.PathLike[str]) -> dict[str, Any]:
 
 def check_resumable(directory: str | os.PathLike[str], plan: Plan, world: int) -> dict[str, Any]:
     """Refuse, before any rank starts, a checkpoint of another world size, factors or model, or one whose metadata
-    is not DCP's own (hplan.executor.checkpoints.dcp_safe); returns the pointer with the folder to resume from."""
+    is not hplan's JSON index (hplan.executor.checkpoints.dcp_index); returns the pointer with the folder to resume from."""
     info = read_pointer(directory)
     _check_pointer(info, directory, plan, world)
     return choose_folder(directory, info)
@@ -97,7 +96,7 @@ def choose_folder(directory: str | os.PathLike[str], info: dict[str, Any]) -> di
     file's checksum, as one-process checkpoints do), and `warning` saying so when that is the previous one."""
     from hplan.executor.checkpoints.checkpoint_dir import verify
 
-    from hplan.executor.checkpoints.dcp_safe import read_metadata
+    from hplan.executor.checkpoints.dcp_index import read_index
 
     problems = []
     for i, name in enumerate(n for n in (info.get("latest"), info.get("previous")) if isinstance(n, str)):
@@ -106,7 +105,7 @@ def choose_folder(directory: str | os.PathLike[str], info: dict[str, Any]) -> di
         except HplanError as exc:
             problems.append(str(exc))
             continue
-        read_metadata(found.path, found.files)  # verified bytes that are not hplan's metadata: refused, no fallback
+        read_index(found.path, found.files)  # verified bytes that are not hplan's index: refused, no fallback
         warning = (f"checkpoint {directory}: {problems[0]}; resuming from the previous step folder {name}"
                    if i else None)
         return {**info, "latest": name, "warning": warning}
@@ -114,30 +113,10 @@ def choose_folder(directory: str | os.PathLike[str], info: dict[str, Any]) -> di
                      "restore the folder from a backup or start again without `resume`")
 
 
-def _pack(obj: Any) -> Any:
-    import torch
-
-    buf = io.BytesIO()
-    torch.save(obj, buf)
-    return torch.frombuffer(bytearray(buf.getvalue()), dtype=torch.uint8)
-
-
-def _unpack(t: Any, folder: Path) -> dict[str, Any]:
-    import torch
-
-    try:
-        extra = torch.load(io.BytesIO(t.numpy().tobytes()), weights_only=True)
-    except Exception as exc:
-        raise HplanError(f"checkpoint {folder} has unreadable training state ({type(exc).__name__}); restore it or "
-                         "start again") from None
-    if not isinstance(extra, dict) or not {"global_step", "steps", "scheduler", "rng"} <= set(extra):
-        raise HplanError(f"checkpoint {folder} has no training state record; restore it or start again")
-    return extra
-
-
 def _state(run: Any, *, global_step: int, scheduler: Any) -> dict[str, Any]:
     """This rank's saved state (see the module docstring)."""
     import torch
+    from hplan.executor.checkpoints.state_json import pack
 
     store, key = run.store, f"rank{run.rank}"
     regions = {}
@@ -152,7 +131,7 @@ def _state(run: Any, *, global_step: int, scheduler: Any) -> dict[str, Any]:
     extra = {"global_step": global_step, "steps": steps,
              "scheduler": scheduler.state_dict() if scheduler is not None else None,
              "rng": torch.get_rng_state()}
-    return {key: {"regions": regions, "extra": _pack(extra)}}
+    return {key: {"regions": regions, "extra": pack(extra)}}
 
 
 def check_fresh(directory: str | os.PathLike[str], *, overwrite: bool) -> None:
@@ -249,6 +228,7 @@ def save(directory: str | os.PathLike[str], run: Any, *, global_step: int, sched
     import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
     from hplan.executor.checkpoints.checkpoint_dir import install, pause
+    from hplan.executor.checkpoints.dcp_index import compact, write_index
     from hplan.executor.tiers.durable import current_umask, write_durably
 
     root = Path(directory)
@@ -260,9 +240,10 @@ def save(directory: str | os.PathLike[str], run: Any, *, global_step: int, sched
         name = [Path(tempfile.mkdtemp(prefix=f".{folder_name(global_step)}.", suffix=".tmp", dir=root)).name]
     dist.broadcast_object_list(name, src=0)
     tmp = root / name[0]
-    dcp.save(state, checkpoint_id=str(tmp))
+    metadata = dcp.save(compact(state), checkpoint_id=str(tmp))  # the global metadata, on every rank
     dist.barrier()
     if run.rank == 0:
+        write_index(tmp, metadata)  # DCP's metadata again, as JSON: what a resume reads
         pause()  # tests only (PAUSE_ENV): a signal or kill aimed inside a save
         tmp.chmod(0o777 & ~current_umask())  # mkdtemp makes 0700; a checkpoint gets the usual permissions
         write_manifest(tmp, global_step=global_step, info={"world_size": run.world})  # last: checksums of all
@@ -340,16 +321,19 @@ def load(directory: str | os.PathLike[str], run: Any, folder: str | None = None)
         folder = check_resumable(directory, run.plan, run.world)["latest"]
 
     from hplan.executor.checkpoints.checkpoint_dir import listed_files
-    from hplan.executor.checkpoints.dcp_safe import SafePlanner, SafeReader, read_metadata
+    from hplan.executor.checkpoints.dcp_index import read_index
+    from hplan.executor.checkpoints.dcp_safe import SafePlanner, SafeReader
+    from hplan.executor.checkpoints.state_json import unpack
 
     store, key = run.store, f"rank{run.rank}"
     path = Path(directory) / folder
-    metadata = read_metadata(path, listed_files(path))  # never DCP's pickle.load ([Note: safe DCP metadata])
+    index = read_index(path, listed_files(path))  # never DCP's pickle.load ([Note: safe DCP metadata])
+    metadata = index.metadata
     template = {key: {"regions": {str(rid): store.typed(rid, host=True).clone()
                                   for rid, slot in store.slots.items() if slot.region.kind != "grad"},
                       "extra": torch.empty(_extra_size(path, metadata, key), dtype=torch.uint8)}}
     try:
-        dcp.load(template, storage_reader=SafeReader(path, metadata), planner=SafePlanner())
+        dcp.load(template, storage_reader=SafeReader(path, index), planner=SafePlanner())
     except dcp.api.CheckpointException as exc:
         from hplan.executor.checkpoints.checkpoint import _unwrap
 
@@ -362,7 +346,9 @@ def load(directory: str | os.PathLike[str], run: Any, folder: str | None = None)
     with torch.no_grad():
         for rid, value in template[key]["regions"].items():
             store.typed(int(rid), host=True).copy_(value)
-    extra = _unpack(template[key]["extra"], path)
+    extra = unpack(template[key]["extra"], path)
+    if not isinstance(extra, dict) or not {"global_step", "steps", "scheduler", "rng"} <= set(extra):
+        raise HplanError(f"checkpoint {path} has no training state record; restore it or start again")
     for update in run.updates.values():
         for n in update.names:
             if n in extra["steps"]:
@@ -375,7 +361,7 @@ def load(directory: str | os.PathLike[str], run: Any, folder: str | None = None)
 
 
 def _extra_size(folder: Path, metadata: Any, key: str) -> int:
-    """Bytes of the packed extras this rank saved, from DCP's (checked) metadata."""
+    """Bytes of the packed extras this rank saved, from the (checked) index."""
     entry = metadata.state_dict_metadata.get(f"{key}.extra")
     if entry is None or len(entry.size) != 1:
         raise HplanError(f"checkpoint {folder} has no shards for {key}; it was written by another world size")

@@ -18,10 +18,12 @@ Two ways in, one contract (`launch(fn, *args) -> [result of rank 0, …, result 
 The error names the rank that failed *first*: a rank that died without raising (signal, `os._exit`), else
 the earliest recorded exception — the survivors' "connection closed by peer" errors come after the cause.
 
-[Note: launch workdir] Spawned ranks hand their results back as pickles (any picklable value) and their errors
-as JSON, in a folder `_private_workdir` creates for this call alone (mkdtemp: a new random name, mode 0700,
-owned by this user; never a path from the user or the environment besides TMPDIR) and removes afterwards, so
-no other user can plant a pickle the parent would load. The ranks' rendezvous (a TCPStore on 127.0.0.1, or
+[Note: launch workdir] Spawned ranks hand their results back as typed JSON ([Note: checkpoint state as JSON]:
+None, bool, int, float, str, lists, tuples, dicts; each tensor as a raw file of its bytes beside it, named in the
+JSON with its dtype and shape) and their errors as JSON records, in a folder `_private_workdir` creates for this
+call alone (mkdtemp: a new random name, mode 0700, owned by this user; never a path from the user or the
+environment besides TMPDIR) and removes afterwards. hplan never unpickles what it reads, even from there: the
+parent parses the JSON with hplan's bounded reader and reads each tensor file once, checked against its size. The ranks' rendezvous (a TCPStore on 127.0.0.1, or
 MASTER_ADDR under torchrun) is torch.distributed's and has no authentication: run ranks on hosts you trust.
 """
 
@@ -32,7 +34,7 @@ import datetime
 import json
 import multiprocessing.connection
 import os
-import pickle
+import pickle  # only to word spawn's failure to send `fn` (spawn pickles what it sends)
 import shutil
 import signal
 import stat
@@ -47,6 +49,7 @@ from typing import Any
 
 from hplan.artifacts.io import loads_bounded
 from hplan.errors import HplanError
+from hplan.executor.ranks.rank_results import read_result, write_result
 
 TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 RENDEZVOUS_S = 120.0
@@ -76,7 +79,9 @@ def under_torchrun() -> bool:
 
 def launch(fn: Callable[..., Any], *args: Any, nprocs: int | None = None, backend: str = "gloo",
            timeout_s: float = 300.0, collective_timeout_s: float = 60.0, threads: int | None = 1) -> list[Any]:
-    """Run `fn(RankInfo, *args)` on every rank and return the per-rank results (picklable), rank order.
+    """Run `fn(RankInfo, *args)` on every rank and return the per-rank results, rank order: spawned ranks hand them
+    back as JSON ([Note: launch workdir]), so a result is made of None, bool, int, float, str, lists, tuples, dicts
+    and tensors (`fn`'s arguments travel to the ranks as spawn's pickles, from this process).
 
     `timeout_s` bounds the whole call (watchdog; spawn only: torchrun has its own agent); `collective_timeout_s`
     bounds each collective once all ranks have started (spawned ranks first wait up to RENDEZVOUS_S for each
@@ -149,7 +154,7 @@ def _rendezvous_failure(exc: Exception, rank: int) -> str:
 
 
 def _private_workdir() -> Path:
-    """A folder only this run (this user) can write: rank results come back through it as pickles, so it must be
+    """A folder only this run (this user) can write: rank results come back through it (as JSON), so it must be
     new and ours — mkdtemp creates it 0700 with a random name under the temp folder, never a path a user names —
     and the check below refuses one that is not (a temp folder on a file system that ignores modes)."""
     workdir = Path(tempfile.mkdtemp(prefix="hplan-launch-"))
@@ -186,7 +191,7 @@ def _spawn(fn: Callable[..., Any], args: tuple[Any, ...], *, nprocs: int, backen
                              "find the hang or raise timeout_s")
         if failed is not None:
             raise HplanError(_failure_message(procs, workdir, stopped))
-        return [_read_result(workdir, rank, procs[rank].exitcode) for rank in range(nprocs)]
+        return [read_result(workdir, rank, procs[rank].exitcode) for rank in range(nprocs)]
     finally:
         _stop(procs)
         shutil.rmtree(workdir, ignore_errors=True)
@@ -222,7 +227,7 @@ def _rank_main(rank: int, fn: Callable[..., Any], args: tuple[Any, ...], config:
         timeout = datetime.timedelta(seconds=config.collective_timeout_s)
         dist.init_process_group(config.backend, store=store, rank=rank, world_size=config.world, timeout=timeout)
         result = fn(RankInfo(rank=rank, world_size=config.world, local_rank=rank, backend=config.backend), *args)
-        _write_atomic(workdir / f"rank{rank}.pkl", pickle.dumps(result))
+        write_result(workdir, rank, result, _write_atomic)
         dist.destroy_process_group()
     except BaseException as exc:
         record = {"time": time.time(), "error": _one_line(exc)}
@@ -335,14 +340,6 @@ def _failure_message(procs: list[Any], workdir: Path, stopped: list[int]) -> str
         return (f"ranks {same} of {world} failed: {records[rank]['error']}{f' ({rest})' if rest else ''}; "
                 f"{DEBUG_HINT}")
     return f"rank {rank} of {world} failed: {records[rank]['error']} ({others(rank)}); {DEBUG_HINT}"
-
-
-def _read_result(workdir: Path, rank: int, exitcode: int | None) -> Any:
-    path = workdir / f"rank{rank}.pkl"
-    if not path.exists():
-        raise HplanError(f"rank {rank} exited (code {exitcode}) without returning a result; do not call sys.exit "
-                         "in the launched function")
-    return pickle.loads(path.read_bytes())
 
 
 def _write_atomic(path: Path, data: bytes) -> None:

@@ -124,7 +124,7 @@ def test_each_step_commits_a_verified_folder_and_keeps_the_previous(prepared):
     assert (pointer["latest"], pointer["previous"]) == ("step-000004", ["step-000003"])
     manifest = json.loads((ck / "step-000004" / "manifest.json").read_text())
     assert manifest["global_step"] == 4 and manifest["info"]["format"] == "torch.distributed.checkpoint"
-    assert set(manifest["files"]) == {".metadata", "__0_0.distcp"}
+    assert set(manifest["files"]) == {".metadata", "__0_0.distcp", "dcp.json"}
     for name, entry in manifest["files"].items():
         assert entry["bytes"] == (ck / "step-000004" / name).stat().st_size
     assert verify(ck / "step-000004").global_step == 4 and verify(ck / "step-000003").global_step == 3
@@ -253,72 +253,120 @@ def test_no_good_checkpoint_is_exit_2_naming_the_directory_and_each_problem(prep
 
 # -- hostile folders ([Note: safe DCP metadata]) -------------------------------------------------------------
 
-HOSTILE = {
-    "metadata_is_a_pickle_that_runs_code": (hostile.plant_pickle, "names posix.system"),
-    "code_hidden_inside_real_metadata": (hostile.plant_inside_metadata, "names posix.system"),
-    "a_bytes_entry_whose_pickle_runs_code": (hostile.plant_bytes_entry, "hplan writes tensors only"),
-}
+PICKLES = {"metadata_is_a_pickle_that_runs_code": hostile.plant_pickle,
+           "code_hidden_inside_real_metadata": hostile.plant_inside_metadata,
+           "a_bytes_entry_whose_pickle_runs_code": hostile.plant_bytes_entry}
 
 
-@pytest.mark.parametrize("kind", HOSTILE)
-def test_a_checkpoint_that_would_run_code_is_refused_in_one_line(prepared, tmp_path, kind):
-    """Whoever can write the folder forges a pickle and recomputes the manifest: resume exits 2 in one line naming
-    the file, before anything runs (no marker), and does not fall back past it (this is not damage)."""
+@pytest.mark.parametrize("kind", PICKLES)
+def test_a_hostile_metadata_pickle_is_never_opened(prepared, tmp_path, kind):
+    """`.metadata` replaced by a pickle that runs code when DCP's own reader loads it (proved below), the manifest
+    recomputed: hplan never opens `.metadata`, so the resume continues bit for bit and no code runs."""
     ck = _copy(prepared, tmp_path)
-    plant, expected = HOSTILE[kind]
     marker = tmp_path / "ran-code"
-    plant(ck / "step-000004", marker)
+    PICKLES[kind](ck / "step-000004", marker)
     hostile.prove_hostile(ck / "step-000004", marker)
+    report, warnings = _resume(prepared, ck)
+    assert not warnings and report.first_step == SAVED and report.losses == prepared[3][SAVED:]
+    assert not marker.exists()
+
+
+@pytest.mark.parametrize("kind", hostile.INDEX_ATTACKS)
+def test_a_forged_index_is_refused_in_one_line_in_bounded_time_and_memory(prepared, tmp_path, kind):
+    """Each attack on the JSON index (the issue's classes: behaviour by name, a huge message, 400 000 dimensions,
+    300 references, a region counted per reference, 200 000-deep nesting; and more), its manifest recomputed: one
+    line naming the index (never printing the hostile value), within seconds and a few tens of MB."""
+    import tracemalloc
+
+    from hplan.executor.checkpoints.checkpoint_dir import verify
+    from hplan.executor.checkpoints.dcp_index import read_index
+
+    ck = _copy(prepared, tmp_path)
+    folder = ck / "step-000004"
+    hostile.plant_index_attack(folder, kind)
+    found = verify(folder)
+    tracemalloc.start()
+    start = time.perf_counter()
+    try:
+        with pytest.raises(HplanError) as info:
+            read_index(folder, found.files)
+        seconds = time.perf_counter() - start
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    message = str(info.value)
+    size = (folder / "dcp.json").stat().st_size
+    assert hostile.INDEX_ATTACKS[kind][1] in message and str(folder / "dcp.json") in message, message
+    assert "\n" not in message and len(message) < 600, message[:600]
+    assert seconds < 10 and peak < 40 * size + (32 << 20), (seconds, peak, size)
+
+
+@pytest.mark.parametrize("kind", ["size_of_400000_dims", "nested_200000_deep", "region_counted_per_reference"])
+def test_the_cli_refuses_a_forged_index_with_exit_2_and_falls_back_to_nothing(prepared, tmp_path, kind):
+    ck = _copy(prepared, tmp_path)
+    hostile.plant_index_attack(ck / "step-000004", kind)
     result = _cli(prepared, "--steps", "5", "--checkpoint", str(ck), "--resume")
     message = " ".join(result.stderr.split())
     assert result.exit_code == 2 and len(result.stderr.strip().splitlines()) == 1, result.stderr
-    assert f"{ck / 'step-000004' / '.metadata'}" in message and expected in message, message
-    assert not marker.exists()
+    assert str(ck / "step-000004" / "dcp.json") in message and hostile.INDEX_ATTACKS[kind][1] in message, message
     assert sorted(p.name for p in ck.glob("step-*")) == ["step-000003", "step-000004"]  # nothing removed
 
 
-@pytest.mark.parametrize("module, name", [("posix", "system"), ("builtins", "eval"), ("builtins", "getattr"),
-                                          ("torch", "load"), ("torch", "_C"), ("torch.serialization", "load"),
-                                          ("torch._utils", "_rebuild_tensor_v2"), ("copyreg", "_reconstructor"),
-                                          ("pathlib", "Path.write_text"), ("torch", "Size.__new__"),
-                                          ("torch.distributed.checkpoint.metadata", "torch")])
-def test_the_metadata_unpickler_admits_nothing_but_dcp_metadata(module, name):
-    """The allowlist: what DCP's metadata is made of resolves, any other global is refused, dotted names too."""
-    from hplan.executor.checkpoints.dcp_safe import _allowed
-
-    assert _allowed(module, name) is None
-    assert _allowed("torch", "Size") is torch.Size and _allowed("torch", "bfloat16") is torch.bfloat16
-    assert _allowed("torch.distributed.checkpoint.metadata", "Metadata") is not None
-
-
-def test_forged_storage_entries_are_refused_before_reading_or_allocating(prepared, tmp_path):
-    """Entries pointing outside the folder (here at a FIFO, which would block a reader forever) or claiming 2^40
-    elements: exit 2 naming the metadata, nothing opened or allocated."""
+def test_a_folder_without_the_index_is_refused_naming_the_fix(prepared, tmp_path):
+    """A DCP folder another tool (or an hplan before the index) wrote, its manifest recomputed: one line, exit 2,
+    saying why hplan will not read its pickle and what to do instead."""
     ck = _copy(prepared, tmp_path)
-    os.mkfifo(tmp_path / "pipe")
-    hostile.plant_outside_path(ck / "step-000004", "../../pipe")
-    with pytest.raises(HplanError, match=r"\.metadata points at '\.\./\.\./pipe', which is not a data file"):
-        _resume(prepared, ck)
-    ck = tmp_path / "ck2"
-    shutil.copytree(prepared[4], ck)
-    hostile.plant_huge_size(ck / "step-000004")
-    with pytest.raises(HplanError, match=r"\.metadata says entry .* holds 4398046511104 bytes but stores"):
-        _resume(prepared, ck)
+    (ck / "step-000004" / "dcp.json").unlink()
+    hostile.reseal(ck / "step-000004")
+    result = _cli(prepared, "--steps", "5", "--checkpoint", str(ck), "--resume")
+    message = " ".join(result.stderr.split())
+    assert result.exit_code == 2 and len(result.stderr.strip().splitlines()) == 1, result.stderr
+    assert "has no dcp.json in its manifest" in message and "never reads DCP's pickled .metadata" in message
+    assert "start again with --overwrite" in message, message
 
 
-def test_resume_never_calls_dcps_own_unpickling(prepared, tmp_path, monkeypatch):
-    """torch's DCP reader (pickle.load of .metadata) and its planner's torch.load(weights_only=False) are never
-    reached: with both made to fail, a resume still continues bit for bit."""
-    import torch.distributed.checkpoint.default_planner as planner
-    import torch.distributed.checkpoint.filesystem as filesystem
+def test_resume_never_unpickles(prepared, tmp_path, monkeypatch):
+    """No pickle opcode is interpreted on resume: pickle.load/loads, the Unpickler and torch.load all made to fail,
+    the resume still continues bit for bit."""
+    import pickle
 
     def forbidden(*args, **kwargs):
-        raise AssertionError("DCP's own unpickling was called")
+        raise AssertionError("something was unpickled")
 
-    monkeypatch.setattr(filesystem.pickle, "load", forbidden)
-    monkeypatch.setattr(planner.DefaultLoadPlanner, "load_bytes", forbidden)
+    class NoUnpickler:
+        def __init__(self, *args, **kwargs):
+            forbidden()
+
+    monkeypatch.setattr(pickle, "load", forbidden)
+    monkeypatch.setattr(pickle, "loads", forbidden)
+    monkeypatch.setattr(pickle, "Unpickler", NoUnpickler)
+    monkeypatch.setattr(torch, "load", forbidden)
     report, warnings = _resume(prepared, _copy(prepared, tmp_path))
     assert not warnings and report.losses == prepared[3][SAVED:]
+
+
+def test_plain_dcp_loads_an_hplan_checkpoint_without_hplan(prepared, tmp_path):
+    """`.metadata` stays DCP's own: torch.distributed.checkpoint.load with its FileSystemReader reads the folder
+    into the same values hplan reads."""
+    import warnings
+
+    import torch.distributed.checkpoint as dcp
+
+    ck = _copy(prepared, tmp_path)
+    with CheckpointDir(ck, resume=True) as directory:
+        mine = load_checkpoint(directory, prepared[2], warn=pytest.fail)
+    template = {"params": {n: torch.zeros_like(t) for n, t in mine["params"].items()},
+                "optimizer": {n: {k: torch.zeros_like(t) for k, t in e.items()} for n, e in mine["optimizer"].items()},
+                "rng": {"cpu": torch.zeros_like(mine["rng"]["cpu"])}}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        dcp.load(template, storage_reader=dcp.FileSystemReader(str(ck / "step-000004")), no_dist=True)
+    for n, t in mine["params"].items():
+        assert torch.equal(template["params"][n], t), n
+    for n, entry in mine["optimizer"].items():
+        for k, t in entry.items():
+            assert torch.equal(template["optimizer"][n][k], t), (n, k)
+    assert torch.equal(template["rng"]["cpu"], mine["rng"]["cpu"])
 
 
 # -- non-finite values ----------------------------------------------------------------------------------------

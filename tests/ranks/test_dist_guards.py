@@ -427,18 +427,37 @@ def test_a_model_pt_that_cannot_be_written_is_refused_before_step_1(root, tmp_pa
 
 # -- hostile checkpoints on ranks ([Note: safe DCP metadata]) -----------------------------------------------------
 
-@pytest.mark.parametrize("plant", [hostile.plant_pickle, hostile.plant_bytes_entry], ids=["pickle", "bytes_entry"])
-def test_a_sharded_checkpoint_that_would_run_code_is_refused_before_any_rank_starts(root, tmp_path, plant):
+@pytest.mark.parametrize("kind", ["size_of_400000_dims", "region_counted_per_reference", "item_outside_the_folder"])
+def test_a_sharded_checkpoint_with_a_forged_index_is_refused_before_any_rank_starts(root, tmp_path, kind):
     ck = _copy(root, tmp_path)
-    marker = tmp_path / "ran-code"
-    plant(ck / "step-000002", marker)
-    hostile.prove_hostile(ck / "step-000002", marker)
+    hostile.plant_index_attack(ck / "step-000002", kind)
     result = runner.invoke(app, ["run", SPEC, "--plan", str(root / "p2.json"), "--steps", "3", "--nproc", "2",
                                  "--checkpoint", str(ck), "--resume"])
     message = " ".join(result.stderr.split())
     assert result.exit_code == 2 and len(result.stderr.strip().splitlines()) == 1, result.stderr
-    assert str(ck / "step-000002" / ".metadata") in message and "refused" in message, message
-    assert not marker.exists()
+    assert str(ck / "step-000002" / "dcp.json") in message and hostile.INDEX_ATTACKS[kind][1] in message, message
+
+
+def test_a_sharded_checkpoint_without_the_index_is_refused_before_any_rank_starts(root, tmp_path):
+    ck = _copy(root, tmp_path)
+    (ck / "step-000002" / "dcp.json").unlink()
+    hostile.reseal(ck / "step-000002")
+    result = runner.invoke(app, ["run", SPEC, "--plan", str(root / "p2.json"), "--steps", "3", "--nproc", "2",
+                                 "--checkpoint", str(ck), "--resume"])
+    message = " ".join(result.stderr.split())
+    assert result.exit_code == 2 and "has no dcp.json in its manifest" in message, message
+
+
+@pytest.mark.slow
+def test_a_sharded_checkpoint_whose_metadata_pickle_runs_code_resumes_without_opening_it(root, tmp_path):
+    """Every rank reads the JSON index and raw bytes: a code-running `.metadata` (proved) is never opened; the
+    2-rank resume continues from step 2 and no code runs."""
+    ck = _copy(root, tmp_path)
+    marker = tmp_path / "ran-code"
+    hostile.plant_pickle(ck / "step-000002", marker)
+    hostile.prove_hostile(ck / "step-000002", marker)
+    report = run_distributed(SPEC, _plan(root), nproc=2, steps=3, checkpoint_dir=ck, resume=True, timeout_s=300)
+    assert report.first_step == 2 and not marker.exists()
 
 
 def _load_on_rank(info, plan: dict, folder: str) -> str:
@@ -461,14 +480,12 @@ def _load_on_rank(info, plan: dict, folder: str) -> str:
 
 @pytest.mark.slow
 def test_a_rank_loading_a_hostile_folder_itself_refuses_it_too(root, tmp_path):
-    """The ranks never call DCP's pickle.load either: loading a hostile folder directly is refused on each rank."""
+    """The ranks read the same checked index: a forged one loaded directly is refused on each rank."""
     ck = _copy(root, tmp_path)
-    marker = tmp_path / "ran-code"
-    hostile.plant_inside_metadata(ck / "step-000002", marker)
+    hostile.plant_index_attack(ck / "step-000002", "size_of_2_to_the_40")
     results = launch(_load_on_rank, _plan(root).to_dict(), str(ck / "step-000002"), nprocs=2, timeout_s=300,
                      collective_timeout_s=120)
-    assert all("names posix.system, which DCP metadata never holds" in r for r in results), results
-    assert not marker.exists()
+    assert all("holds more elements than the data files'" in r for r in results), results
 
 
 # -- launching ---------------------------------------------------------------------------------------------------

@@ -193,3 +193,38 @@ def test_under_torchrun_every_rank_returns_all_results(tmp_path):
     assert proc.returncode == 0, proc.stderr[-2000:]
     outs = [json.loads((tmp_path / f"out{rank}.json").read_text()) for rank in (0, 1)]
     assert outs[0] == outs[1] == [[0, 2, 3.0, 1], [1, 2, 3.0, 1]]  # every rank gets every result; 1 thread
+
+
+def _typed_result(info: RankInfo) -> dict:
+    weights = {"w": torch.arange(6, dtype=torch.bfloat16).reshape(2, 3) * (info.rank + 1), "e": torch.empty(0, 4),
+               "big": torch.full((300_000,), float(info.rank))}
+    return {"rank": info.rank, "betas": (0.9, 0.999), "inf": float("inf"), "none": None, "weights": weights}
+
+
+def _unencodable_result(info: RankInfo) -> object:
+    return {"fine": 1, "bad": RankInfo}
+
+
+def test_rank_results_come_back_as_json_never_unpickled(monkeypatch):
+    """[Note: launch workdir]: results with tensors (raw files), tuples and infinities come back exactly, with every
+    unpickling entry point of this process made to fail."""
+    import pickle
+
+    def forbidden(*args, **kwargs):
+        raise AssertionError("the parent unpickled a rank's result")
+
+    monkeypatch.setattr(pickle, "loads", forbidden)
+    monkeypatch.setattr(pickle, "load", forbidden)
+    monkeypatch.setattr(torch, "load", forbidden)
+    results = launch(_typed_result, nprocs=2, timeout_s=120)
+    for rank, r in enumerate(results):
+        assert r["rank"] == rank and type(r["betas"]) is tuple and r["inf"] == float("inf") and r["none"] is None
+        w = r["weights"]
+        assert w["w"].dtype == torch.bfloat16 and torch.equal(w["w"], torch.arange(6).reshape(2, 3).bfloat16() *
+                                                               (rank + 1))
+        assert w["e"].shape == (0, 4) and torch.equal(w["big"], torch.full((300_000,), float(rank)))
+
+
+def test_a_result_json_cannot_carry_is_one_line_naming_it():
+    with pytest.raises(HplanError, match=r"the result of rank \d\.bad holds a type, and hplan hands it back as JSON"):
+        launch(_unencodable_result, nprocs=2, timeout_s=120)
