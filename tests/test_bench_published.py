@@ -31,3 +31,18 @@ def test_ranking_is_by_throughput_so_a_larger_batch_can_win_with_a_longer_step()
     fast = outcome("zero3", 2.3, True, 40.0, batch=16)  # 0.4 samples/s
     slow = outcome("zero2", 1.0, True, 10.0, batch=2)   # 0.2 samples/s
     assert ranking_matches([fast, slow]) is True
+
+
+def test_worker_fake_traces_with_config_overrides(tmp_path) -> None:
+    """The replays trace the bundled GPT at a paper's shape through the worker's overrides argument."""
+    import json
+
+    from bench.harness import run_worker
+    from hplan.artifacts import Trace
+
+    out = tmp_path / "t.parquet"
+    res = run_worker(["fake-trace", "gpt:tiny", str(out), "2", "16", "fp16-mixed",
+                      json.dumps({"n_layer": 1, "d_model": 96, "n_head": 3})], timeout=300.0)
+    assert res.ok, res.error
+    shapes = {p.name: p.shape for p in Trace.load(out).params}
+    assert shapes["h.0.attn.c_attn.weight"] == (288, 96) and not any(n.startswith("h.1.") for n in shapes)
