@@ -311,9 +311,9 @@ def run(ctx: Context) -> SectionOutput:
                        "by predicted samples per second (a system that does not fit ranks last), against "
                        "the paper's order. hplan's own plan has no published figure except where it stands in for "
                        "Fuyou.")
-    table.notes.append("Compute: datasheet 16-bit TFLOPS × the GPU's calibrated efficiency, scaled by the events' "
-                       "width ([Note: efficiency by width], hplan.planner.kernel_size); host links at the PCIe "
-                       "generation's rate; CPU Adam at DeepSpeed's published rate (hplan.planner.presets).")
+    table.notes.append("Compute: datasheet 16-bit TFLOPS × the GPU's calibrated efficiency, the same at every GEMM "
+                       "width; host links at the PCIe generation's rate; CPU Adam at DeepSpeed's published rate "
+                       "(hplan.planner.presets).")
     peak = RTX4090["tflops_16"]
     table.notes.append(f"Fuyou's 156 TFLOPS is {156 / peak:.0%} of the RTX 4090's {peak:g} dense 16-bit TFLOPS with "
                        "FP32 accumulate (the datasheet's FP16-accumulate rate is twice that): above every published "

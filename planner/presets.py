@@ -233,11 +233,10 @@ def make_hardware(gpu: str = "rtx3090", gpu_bytes: int | None = None, host_bytes
         raise HplanError(f"unknown hardware fields {unknown}: use some of {', '.join(sorted(known))}")
     g, h, n, net = GPU_PRESETS[gpu], HOST_PRESETS[host], NVME_PRESETS[nvme], NETWORK_PRESETS[net_name]
     cal = CALIBRATION[gpu]
-    from hplan.planner.kernel_size import CALIBRATION_WIDTH
     values: dict[str, Any] = dict(
         gpu=gpu, gpu_bytes=g.memory_bytes if gpu_bytes is None else gpu_bytes, host_bytes=host_bytes,
         nvme_bytes=nvme_bytes, tflops_16=g.tflops_16, tflops_32=g.tflops_32, efficiency=cal.efficiency,
-        efficiency_32=DEFAULT_EFFICIENCY, efficiency_width=CALIBRATION_WIDTH.get(gpu, 0), h2d_gbps=g.link_gbps, d2h_gbps=g.link_gbps, nvme_read_gbps=n.read_gbps,
+        efficiency_32=DEFAULT_EFFICIENCY, h2d_gbps=g.link_gbps, d2h_gbps=g.link_gbps, nvme_read_gbps=n.read_gbps,
         nvme_write_gbps=n.write_gbps, cpu_optimizer_gbps=h.cpu_optimizer_gbps, host=host,
         intra_gbps=net.intra_gbps, inter_gbps=net.inter_gbps, intra_link=net.intra_link, network=net.name)
     return Hardware(**(values | overrides))
