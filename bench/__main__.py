@@ -33,6 +33,8 @@ SECTIONS: tuple[tuple[str, str, str], ...] = (
     ("slack", "10. Allocator slack at the budget (plans)", "bench.slack"),
     ("activations", "11. Activations: auto against the forced choices and transformers' checkpointing",
      "bench.activations"),
+    ("published", "12. Published single-GPU offload results, replayed (plans, not GPU measurements)",
+     "bench.published"),
 )
 
 

@@ -1,6 +1,6 @@
 """Subprocess entry point: one measurement in a fresh process, so its peak RSS is its own.
 
-`python -m bench.worker fake-trace SPEC OUT.parquet [BATCH SEQ [PRECISION]]` traces SPEC on the fake device,
+`python -m bench.worker fake-trace SPEC OUT.parquet [BATCH SEQ [PRECISION [OVERRIDES-JSON]]]` traces SPEC on the fake device,
 saves the trace and prints one JSON line: trace seconds (in-process, imports excluded) and peak RSS.
 """
 
@@ -12,13 +12,13 @@ import time
 
 
 def fake_trace(spec: str, out: str, batch_size: int | None, seq_len: int | None,
-               precision: str | None = None) -> dict[str, object]:
+               precision: str | None = None, overrides: dict[str, object] | None = None) -> dict[str, object]:
     from hplan.tracer import trace_workload
 
     from bench.harness import self_peak_rss_bytes
     from hplan.specs import load_workload
 
-    workload = load_workload(spec, batch_size=batch_size, seq_len=seq_len, precision=precision)
+    workload = load_workload(spec, batch_size=batch_size, seq_len=seq_len, precision=precision, overrides=overrides)
     rss_before = self_peak_rss_bytes()
     t0 = time.perf_counter()
     trace = trace_workload(workload, device="fake")
@@ -33,8 +33,9 @@ def main(argv: list[str]) -> int:
     if len(argv) >= 3 and argv[0] == "fake-trace":
         batch = int(argv[3]) if len(argv) > 3 and argv[3] != "-" else None
         seq = int(argv[4]) if len(argv) > 4 and argv[4] != "-" else None
-        precision = argv[5] if len(argv) > 5 else None
-        print(json.dumps(fake_trace(argv[1], argv[2], batch, seq, precision)), flush=True)
+        precision = argv[5] if len(argv) > 5 and argv[5] != "-" else None
+        overrides = json.loads(argv[6]) if len(argv) > 6 else None
+        print(json.dumps(fake_trace(argv[1], argv[2], batch, seq, precision, overrides)), flush=True)
         return 0
     print(f"usage: python -m bench.worker fake-trace SPEC OUT.parquet [BATCH|- SEQ|-]; got {argv}", file=sys.stderr)
     return 2

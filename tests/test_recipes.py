@@ -83,3 +83,18 @@ def test_compare_lists_the_recipes(traces, tmp_path):
     assert names[-2:] == ["ZeRO-Offload (stage 2, optimizer on CPU)" + SUFFIX, "Gemini auto" + SUFFIX]
     res = CliRunner().invoke(app, ["plan", str(path), "--gpu-mem", "1GB", "--compare", "-o", str(tmp_path / "p.json")])
     assert res.exit_code == 0 and "activation checkpointing" in res.stdout
+
+
+def test_checkpointed_prices_any_baseline_as_the_recipes_do(traces):
+    """recipes.checkpointed hands any simulator (ZeRO-3 offload too) the recipes' trace and slack."""
+    from hplan.planner.baselines.recipes import checkpointed
+    from hplan.planner.baselines.zero3_offload import zero3_offload
+
+    trace = traces["gpt:tiny"]
+    hw = Hardware(gpu_bytes=10 * trace.peak_bytes, activation_slack=(("keep", 7), ("offload", 8), ("recompute", 5),
+                                                                     ("mixed", 9)))
+    work, hw2 = checkpointed(trace, hw)
+    assert work == recompute_every_segment(trace) and hw2.slack_bytes == 5
+    zero_ckpt, _ = hand_recipes(trace, hw)
+    assert zero_offload(work, hw2).min_gpu_bytes == zero_ckpt.min_gpu_bytes
+    assert zero3_offload(work, hw2).compute_seconds > zero3_offload(trace, hw).compute_seconds

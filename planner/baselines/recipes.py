@@ -38,6 +38,13 @@ def recompute_every_segment(trace: Trace) -> Trace:
     return transform(trace, _decisions(trace))
 
 
+def checkpointed(trace: Trace, hardware: Hardware) -> tuple[Trace, Hardware]:
+    """The trace as full checkpointing runs it and the hardware with that choice's allocator slack: what any
+    baseline simulator takes to price the system with activation checkpointing on."""
+    decisions = _decisions(trace)
+    return transform(trace, decisions), with_slack(hardware, decisions)
+
+
 def hand_recipes(trace: Trace, hardware: Hardware) -> tuple[BaselineResult, ...]:
     """ZeRO-Offload and Gemini, each with full activation checkpointing ([Note: hand recipes]), with the allocator
     slack of that choice ([Note: slack per choice])."""
