@@ -33,6 +33,9 @@ SECTIONS: tuple[tuple[str, str, str], ...] = (
     ("slack", "10. Allocator slack at the budget (plans)", "bench.slack"),
     ("activations", "11. Activations: auto against the forced choices and transformers' checkpointing",
      "bench.activations"),
+    ("speed", "12. Executor speed: per-event cost, where a step's time goes, step time against plain PyTorch",
+     "bench.executor_speed"),
+    ("deepspeed", "13. DeepSpeed ZeRO beside hplan and plain PyTorch (measured, CPU)", "bench.deepspeed_bench"),
 )
 
 

@@ -88,3 +88,57 @@ def hook_cost(workload: Any, plan: Any, *, n: int = 20000, rounds: int = 7) -> d
                 out[key].append(spent / n * 1e6)
         run.cursor, run._queued = 0, False
     return {k: sorted(v)[len(v) // 2] for k, v in out.items()}
+
+
+def _parts() -> list[tuple[str, Any]]:
+    """(label, code object) of the hooks and executor pieces the profile splits a step into."""
+    from hplan.executor.activations.run import ActivationRun, _Offloaded
+    from hplan.executor.gradients import GradientOps
+    from hplan.executor.regions import move_regions
+    from hplan.executor.runtime import PlanRun
+    from hplan.executor.update_steps import UpdateSteps
+    from hplan.hooks import EventHooks
+
+    def inner(fn: Any) -> Any:
+        return next(c for c in fn.__code__.co_consts if hasattr(c, "co_firstlineno"))
+
+    return [("forward pre-hook → event (all paths)", inner(EventHooks._on_forward)),
+            ("forward hook: the backward event's prehook put on the output", inner(EventHooks._on_output)),
+            ("event, quiet path (moves nothing)", PlanRun._quiet_step.__code__),
+            ("event, general path", PlanRun._general_event.__code__),
+            ("… of which region moves (evict, write-back, fetch, alloc)", move_regions.__code__),
+            ("… of which activation prefetch", ActivationRun.at_step.__code__),
+            ("… of which chunk updates (host in backward, fast tier at the step)", UpdateSteps._update.__code__),
+            ("… of which non-finite gradient checks", GradientOps._check_finite.__code__),
+            ("gradient hook: autograd's gradient into its region", PlanRun._on_grad.__code__),
+            ("activation offload to host (end of a segment's forward)", _Offloaded.to_host.__code__),
+            ("gradients shown as `.grad` after backward", PlanRun._show_grads.__code__)]
+
+
+def step_profile(workload: Any, plan: Any, *, steps: int = 4) -> tuple[float, list[tuple[str, float, float]]]:
+    """cProfile of `run_training` from its second step on: seconds per iteration, and per part (label, calls per
+    iteration, seconds per iteration). cProfile slows Python code, so these are shares of a profiled step."""
+    import cProfile
+    import pstats
+
+    from hplan.executor import run_training
+
+    prof = cProfile.Profile()
+    started: list[float] = []
+
+    def progress(done: int, total: int, message: str) -> None:
+        if done == 1:
+            started.append(time.perf_counter())
+            prof.enable()
+
+    run_training(workload, plan, steps=steps, device="cpu", measure=False, on_progress=progress)
+    prof.disable()
+    iters = steps - 1
+    per_iter = (time.perf_counter() - started[0]) / iters
+    stats = pstats.Stats(prof).stats  # type: ignore[attr-defined]
+    by_code: dict[tuple[str, int, str], tuple[int, float]] = {k: (v[1], v[3]) for k, v in stats.items()}
+    rows = []
+    for label, code in _parts():
+        calls, cum = by_code.get((code.co_filename, code.co_firstlineno, code.co_name), (0, 0.0))
+        rows.append((label, calls / iters, cum / iters))
+    return per_iter, rows

@@ -171,6 +171,9 @@ class PlanRun(UpdateSteps, GradientOps, StateSync):
         self.setup_bytes, store.traffic.h2d = store.traffic.h2d, 0
         self._quiet: list[Quiet | None] = quiet_table(plan, store.slots, host_phases=self.host.phased)
         self._moves: list[Moves] = moves_table(plan, lambda c: store.region(c, "grad"))
+        self._grad_home = {id(p): (n, c, r, store.slots[r]) for n, p in store.params.items()
+                           if (r := store.region(c := store.chunk_of[n], "grad")) is not None}
+        """id(parameter) → (name, chunk, gradient region, its Slot): grad_target's lookups, done once."""
         self._stack.enter_context(EventHooks(model, self.on_event))
         self.activations.install(model, self._stack)
         self._stack.enter_context(intercepted(self, optimizer, model))
@@ -299,22 +302,21 @@ class PlanRun(UpdateSteps, GradientOps, StateSync):
 
     def grad_target(self, param: torch.Tensor) -> tuple[torch.Tensor, bool]:
         """GradSink (hplan.grads): the parameter's gradient lives in its chunk's gradient region."""
-        name = self._names[id(param)]
-        c = self.store.chunk_of[name]
-        rid = self.store.region(c, "grad")
-        step = self.plan.steps[self.cursor - 1]
+        name, c, rid, slot = self._grad_home[id(param)]
         if c in self._pending_flips:
             self._flip(c)
-        if rid not in step.writes and rid not in step.overwrites:
+        if rid not in self._moves[self.cursor - 1].writes:
+            step = self.plan.steps[self.cursor - 1]
             raise HplanError(f"the gradient of {name} arrived at plan step {step.index} ({step.event}), where the "
                              "plan does not write it; the run differs from the traced step — re-trace and re-plan")
         if c in self._updated:
             raise HplanError(f"the gradient of {name} arrived after chunk {c} was updated this iteration")
-        self.store.require([rid], f"gradient of {name} at plan step {step.index}")
+        if slot.state is _HOST:
+            self.store.require([rid], f"gradient of {name} at plan step {self.plan.steps[self.cursor - 1].index}")
         first = name not in self.written
         self.written.add(name)
         self.store.mark_dirty(rid)
-        return self.store.slots[rid].fast_views[name], first
+        return slot.fast_views[name], first
 
     def _flip(self, c: int) -> None:
         """The chunk's weights leave (their storage is freed), its gradient region takes their place."""

@@ -36,13 +36,16 @@ class Moves:
     fetch: tuple[int, ...]
     alloc: tuple[int, ...]
     needs: tuple[int, ...]
+    writes: frozenset[int] = frozenset()
+    """Regions a gradient may be written into during the step's window (`writes` and `overwrites`)."""
 
 
 def step_moves(step: Step, flipped: frozenset[int] | set[int] = frozenset()) -> Moves:
     """One step's Moves; `flipped`: the gradient regions its flips allocate (not required at the event)."""
     writeback = set(step.writeback)
     return Moves(evict=tuple((r, r in writeback) for r in step.evict), fetch=tuple(step.fetch),
-                 alloc=tuple(step.alloc), needs=tuple(r for r in step.needs if r not in flipped))
+                 alloc=tuple(step.alloc), needs=tuple(r for r in step.needs if r not in flipped),
+                 writes=frozenset(step.writes) | frozenset(step.overwrites))
 
 
 def moves_table(plan: Plan, grad_region: Any) -> list[Moves]:
