@@ -188,6 +188,7 @@ class PlanRun(UpdateSteps, GradientOps, StateSync):
         try:
             self._stack.close()
             self.evaluating = None
+            self.activations.spare.clear()
             store = self.store
             if store is None:
                 return
