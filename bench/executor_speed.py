@@ -147,7 +147,7 @@ def profile_table(ctx: Context, plans: dict[str, Path]) -> Table:
 
 
 def step_table(ctx: Context, plans: dict[str, Path]) -> tuple[Table, list[str]]:
-    steps, n = (3, 2) if ctx.quick else (8, 5)
+    steps, n = (3, 1) if ctx.quick else (8, 5)
     runs = rounds(ctx, {"plain": ("plain",), "resident": ("hplan", str(plans["resident"])),
                         "min": ("hplan", str(plans["min"]))}, steps=steps, n=n)
     plain = median([steady_median(p) for p in runs["plain"]])
