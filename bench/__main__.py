@@ -35,6 +35,9 @@ SECTIONS: tuple[tuple[str, str, str], ...] = (
      "bench.activations"),
     ("published", "12. Published single-GPU offload results, replayed (plans, not GPU measurements)",
      "bench.published"),
+    ("speed", "13. Executor speed: per-event cost, where a step's time goes, step time against plain PyTorch",
+     "bench.executor_speed"),
+    ("deepspeed", "14. DeepSpeed ZeRO beside hplan and plain PyTorch (measured, CPU)", "bench.deepspeed_bench"),
 )
 
 

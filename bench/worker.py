@@ -1,5 +1,7 @@
 """Subprocess entry point: one measurement in a fresh process, so its peak RSS is its own.
 
+`python -m bench.worker speed-run SYSTEM SPEC STEPS [PLAN]`: see bench.speed_runs.
+
 `python -m bench.worker fake-trace SPEC OUT.parquet [BATCH SEQ [PRECISION [OVERRIDES-JSON]]]` traces SPEC on the fake device,
 saves the trace and prints one JSON line: trace seconds (in-process, imports excluded) and peak RSS.
 """
@@ -30,6 +32,11 @@ def fake_trace(spec: str, out: str, batch_size: int | None, seq_len: int | None,
 
 
 def main(argv: list[str]) -> int:
+    if len(argv) >= 4 and argv[0] == "speed-run":
+        from bench.speed_runs import speed_run
+
+        print(json.dumps(speed_run(argv[1], argv[2], int(argv[3]), argv[4] if len(argv) > 4 else None)), flush=True)
+        return 0
     if len(argv) >= 3 and argv[0] == "fake-trace":
         batch = int(argv[3]) if len(argv) > 3 and argv[3] != "-" else None
         seq = int(argv[4]) if len(argv) > 4 and argv[4] != "-" else None

@@ -21,9 +21,10 @@ import torch
 from hplan.executor.trace_ranges import action
 from hplan.executor.device import FastTier
 from hplan.executor.state import RegionState
+from hplan.executor.step_table import Moves
 from torch import nn
 
-from hplan.artifacts import Plan, Region, Step
+from hplan.artifacts import Plan, Region
 from hplan.errors import HplanError
 
 Key = str | tuple[str, str]
@@ -214,16 +215,16 @@ class Mover(Protocol):
     def alloc(self, rid: int) -> None: ...
 
 
-def move_regions(store: Mover, step: Step) -> None:
-    """A plan step's region moves: its evictions (writing back those it names), then its fetches, then its
-    allocations, each in the plan's order. One place for the single-process and the ranks' executors, so the
-    order hplan.artifacts.replay checks plans against (room is freed before it is taken) cannot drift apart."""
-    writeback = set(step.writeback)
-    for rid in step.evict:
-        store.evict(rid, writeback=rid in writeback)
-    for rid in step.fetch:
+def move_regions(store: Mover, moves: Moves) -> None:
+    """A plan step's region moves (compiled at plan load by hplan.executor.step_table.moves_table): its evictions
+    (writing back those it names), then its fetches, then its allocations, each in the plan's order. One place
+    for the single-process and the ranks' executors, so the order hplan.artifacts.replay checks plans against
+    (room is freed before it is taken) cannot drift apart."""
+    for rid, writeback in moves.evict:
+        store.evict(rid, writeback=writeback)
+    for rid in moves.fetch:
         store.fetch(rid)
-    for rid in step.alloc:
+    for rid in moves.alloc:
         store.alloc(rid)
 
 

@@ -27,6 +27,7 @@ from hplan.executor.measure import EventRecord, WindowMeter, make_probe
 from hplan.executor.regions import move_regions
 from hplan.executor.scale import LossScale
 from hplan.executor.state import RegionState
+from hplan.executor.step_table import Moves, Quiet, moves_table, quiet_table
 from hplan.executor.statesync import StateSync
 from hplan.executor.tiers.host import check_host_memory, host_tier, make_store, needs_nvme_dir
 from hplan.executor.tripwires import FIX, EagerWatch
@@ -44,6 +45,7 @@ from hplan.optimizers import check_optimizer, state_spec
 from hplan.precision import get_recipe
 
 GUARDS = ("stop", "warn")
+_HOST = RegionState.HOST
 NONFINITE = ("ignore", "stop", "skip")
 
 
@@ -167,6 +169,11 @@ class PlanRun(UpdateSteps, GradientOps, StateSync):
         for r in plan.initial_dirty:
             store.mark_dirty(r)
         self.setup_bytes, store.traffic.h2d = store.traffic.h2d, 0
+        self._quiet: list[Quiet | None] = quiet_table(plan, store.slots, host_phases=self.host.phased)
+        self._moves: list[Moves] = moves_table(plan, lambda c: store.region(c, "grad"))
+        self._grad_home = {id(p): (n, c, r, store.slots[r]) for n, p in store.params.items()
+                           if (r := store.region(c := store.chunk_of[n], "grad")) is not None}
+        """id(parameter) → (name, chunk, gradient region, its Slot): grad_target's lookups, done once."""
         self._stack.enter_context(EventHooks(model, self.on_event))
         self.activations.install(model, self._stack)
         self._stack.enter_context(intercepted(self, optimizer, model))
@@ -181,6 +188,7 @@ class PlanRun(UpdateSteps, GradientOps, StateSync):
         try:
             self._stack.close()
             self.evaluating = None
+            self.activations.spare.clear()
             store = self.store
             if store is None:
                 return
@@ -208,6 +216,32 @@ class PlanRun(UpdateSteps, GradientOps, StateSync):
         """EventHooks' callback: check the event against the plan, then do the step."""
         if self.activations.suppressed:  # inside a recompute: [Note: recompute events]
             return
+        quiet = self._quiet[self.cursor]
+        if quiet is not None and quiet.module == module and quiet.kind == kind and self.evaluating is None \
+                and not self._pending_flips and not self._shown and self._quiet_step(quiet):
+            return
+        self._general_event(kind, module)
+
+    def _quiet_step(self, quiet: Quiet) -> bool:
+        """[Note: quiet events] in hplan.executor.step_table: the same checks and record as the general path, for
+        a step that moves nothing. False (nothing done) when a needed region is missing: the general path raises."""
+        for slot in quiet.needs:
+            if slot.state is _HOST:
+                return False
+        if self.tier.waits:
+            for slot in quiet.needs:
+                self.tier.wait(slot.fast)
+        self._close_window()
+        self._pending = (self.store._resident_bytes, 0, 0)
+        self.cursor += 1
+        if quiet.kind == "backward":
+            self._zeroed = False
+            if not self._queued and self.tier.exposes_host_grads:
+                self._queued = True
+                torch.autograd.Variable._execution_engine.queue_callback(self._show_grads)
+        return True
+
+    def _general_event(self, kind: str, module: str) -> None:
         actual = f"{kind}:{module}"
         steps = self.plan.steps
         if self.evaluating is not None and self.evaluating.on_event(kind, actual):
@@ -252,10 +286,10 @@ class PlanRun(UpdateSteps, GradientOps, StateSync):
         store = self.store
         with self._memory_of("cpu"):  # the host tier's own work: staging, disk I/O, placeholders
             self.host.begin_step(step)
-        move_regions(store, step)
+        moves = self._moves[self.cursor]
+        move_regions(store, moves)
         self.activations.at_step(step)
-        flipped = {store.region(c, "grad") for c in step.flips}
-        store.require([r for r in step.needs if r not in flipped], f"plan step {step.index} ({step.event})")
+        store.require(moves.needs, f"plan step {step.index} ({step.event})")
         self._pending_flips = set(step.flips)
         if step.event == OPTIMIZER_EVENT:
             self._optimizer_updates(step)
@@ -269,22 +303,21 @@ class PlanRun(UpdateSteps, GradientOps, StateSync):
 
     def grad_target(self, param: torch.Tensor) -> tuple[torch.Tensor, bool]:
         """GradSink (hplan.grads): the parameter's gradient lives in its chunk's gradient region."""
-        name = self._names[id(param)]
-        c = self.store.chunk_of[name]
-        rid = self.store.region(c, "grad")
-        step = self.plan.steps[self.cursor - 1]
+        name, c, rid, slot = self._grad_home[id(param)]
         if c in self._pending_flips:
             self._flip(c)
-        if rid not in step.writes and rid not in step.overwrites:
+        if rid not in self._moves[self.cursor - 1].writes:
+            step = self.plan.steps[self.cursor - 1]
             raise HplanError(f"the gradient of {name} arrived at plan step {step.index} ({step.event}), where the "
                              "plan does not write it; the run differs from the traced step — re-trace and re-plan")
         if c in self._updated:
             raise HplanError(f"the gradient of {name} arrived after chunk {c} was updated this iteration")
-        self.store.require([rid], f"gradient of {name} at plan step {step.index}")
+        if slot.state is _HOST:
+            self.store.require([rid], f"gradient of {name} at plan step {self.plan.steps[self.cursor - 1].index}")
         first = name not in self.written
         self.written.add(name)
         self.store.mark_dirty(rid)
-        return self.store.slots[rid].fast_views[name], first
+        return slot.fast_views[name], first
 
     def _flip(self, c: int) -> None:
         """The chunk's weights leave (their storage is freed), its gradient region takes their place."""

@@ -10,6 +10,7 @@ from typing import Any
 from hplan.executor.batch import UpdateBatch
 from hplan.executor.gradients import Clip
 from hplan.executor.scale import LossScale
+from hplan.executor.state import RegionState
 from hplan.executor.tripwires import EagerWatch
 from hplan.executor.update import ChunkUpdate
 
@@ -42,7 +43,8 @@ class UpdateSteps:
         tier each host update runs in its own plan phase (its regions staged, then written back), so those
         chunks are stepped one at a time; the same element-wise arithmetic either way."""
         for c in chunks:
-            if self.updates[c].where == "cpu" and set(self.store.by_chunk[c].values()) & self.store.resident():
+            if self.updates[c].where == "cpu" and any(self.store.slots[r].state is not RegionState.HOST
+                                                      for r in self.store.by_chunk[c].values()):
                 raise HplanError(f"plan step {step.index} updates chunk {c} on the host while it is on the fast tier")
         phased = sorted(c for c in chunks if self.host.phased and self.updates[c].where == "cpu")
         for c in phased:

@@ -114,9 +114,15 @@ class EventHooks:
 
     def _on_output(self, path: str) -> Callable[..., None]:
         def hook(module: nn.Module, args: Any, output: Any) -> None:
-            nodes = grad_nodes(output)
-            if not nodes:
-                return
+            if type(output) is torch.Tensor:  # most modules: no pytree walk (a per-forward cost on every module)
+                node = output.grad_fn
+                if node is None:
+                    return
+                nodes = [node]
+            else:
+                nodes = grad_nodes(output)
+                if not nodes:
+                    return
             fired = [False]
 
             def prehook(grad_outputs: Any) -> None:

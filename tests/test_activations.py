@@ -292,3 +292,24 @@ def test_the_executor_stops_when_the_run_saves_other_bytes_than_the_plan_moves(t
     validate(bad)
     with pytest.raises(HplanError, match=r"segment h.0 saved \d+ bytes to offload where the plan moves"):
         run_training(workload, bad, steps=1)
+
+
+def test_offload_reuses_its_host_buffers_across_iterations(tiny):
+    """CPU twin: the host copies of offloaded activations come back as spares after the prefetch and the next
+    iteration's offloads copy into them (no fresh, page-faulting host memory per copy); none grow, none leak."""
+    from hplan.executor import PlanRun
+    from hplan.training import build_optimizer
+
+    workload, trace = tiny
+    plan = plan_for(workload, trace=trace, activations="offload")
+    model = workload.build_model()
+    optimizer = build_optimizer(workload, model)
+    seen = []
+    with PlanRun(model, optimizer, plan, batch_example=workload.batch(0), measure=False) as run:
+        for i in range(3):
+            workload.loss(model, workload.batch(i)).backward()
+            run.step()
+            seen.append(sorted(t.data_ptr() for ts in run.activations.spare.values() for t in ts))
+        assert run.activations.last_moved == plan.summary.activation_bytes_moved_per_iter
+    assert seen[0] and seen[0] == seen[1] == seen[2]
+    assert not run.activations.spare  # handed back with the block

@@ -198,3 +198,34 @@ def test_activation_capacity_headline_is_met_only_when_every_condition_holds() -
         line = activations.capacity_headline({**facts, **broken})
         assert "NOT met" in line, broken
     assert "DIFFERENT from" in activations.capacity_headline({**facts, "act": (7, 8)})
+
+
+def test_deepspeed_section_skips_with_a_clear_line_when_deepspeed_is_absent(monkeypatch, tmp_path) -> None:
+    import importlib.util
+
+    from bench import deepspeed_bench
+    from bench.context import Context
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "deepspeed" else real(name, *a))
+    out = deepspeed_bench.run(Context(quick=True, out_dir=tmp_path, fig_dir=tmp_path, log=lambda m: None))
+    assert out.text == [deepspeed_bench.SKIP] and not out.tables and not out.failures
+    assert "not installed" in out.text[0] and "hplan[deepspeed]" in out.text[0]
+
+
+def test_speed_round_ratios_pair_runs_of_the_same_round() -> None:
+    from bench.executor_speed import round_ratios
+
+    runs = {"a": [{"step_seconds": [9.0, 2.0, 2.0]}, {"step_seconds": [9.0, 6.0, 6.0]}],
+            "b": [{"step_seconds": [1.0, 1.0, 1.0]}, {"step_seconds": [1.0, 3.0, 3.0]}]}
+    assert round_ratios(runs, "a", "b") == [2.0, 2.0]  # first step (warm-up) left out, rounds never mixed
+
+
+def test_deepspeed_configs_use_the_client_optimizer_and_offload_as_named() -> None:
+    from bench.speed_runs import DS_SYSTEMS, ds_config
+
+    assert set(DS_SYSTEMS) == {"ds-z2", "ds-z3", "ds-z2-offload", "ds-z3-offload"}
+    z3 = ds_config("ds-z3-offload", 4)["zero_optimization"]
+    assert z3 == {"stage": 3, "offload_optimizer": {"device": "cpu"}, "offload_param": {"device": "cpu"}}
+    z2 = ds_config("ds-z2", 4)
+    assert z2["zero_optimization"] == {"stage": 2} and z2["zero_force_ds_cpu_optimizer"] is False

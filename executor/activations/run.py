@@ -65,8 +65,11 @@ class _Packed:
 class _Offloaded:
     """One offloaded segment call's saved storages, from its first pack to its prefetch."""
 
-    def __init__(self, choice: ActivationChoice, device: torch.device, side: Any) -> None:
+    def __init__(self, choice: ActivationChoice, device: torch.device, side: Any,
+                 spare: dict[int, list[torch.Tensor]] | None = None) -> None:
         self.choice, self.device, self.side = choice, device, side
+        self.spare = spare if spare is not None else {}
+        """Host buffers by size, returned by earlier prefetches (CPU twin): reused instead of fresh memory."""
         self.selected = frozenset(choice.offload_packs)
         self.slots: dict[int, _Slot] = {}
         self.packs = 0
@@ -100,8 +103,9 @@ class _Offloaded:
                 storage = slot.source.untyped_storage()
                 raw = torch.empty(0, dtype=torch.uint8, device=self.device).set_(storage)
                 slot.nbytes = storage.nbytes()
-                if self.side is None:
-                    slot.host = torch.empty(slot.nbytes, dtype=torch.uint8)
+                if self.side is None:  # host memory from the spares when one fits: no page faults per copy
+                    spares = self.spare.get(slot.nbytes)
+                    slot.host = spares.pop() if spares else torch.empty(slot.nbytes, dtype=torch.uint8)
                     slot.host.copy_(raw)
                 else:  # CUDA (unverified): pinned memory, side stream; the allocator keeps the block until done
                     slot.host = torch.empty(slot.nbytes, dtype=torch.uint8, pin_memory=True)
@@ -124,6 +128,7 @@ class _Offloaded:
             fast = torch.empty(slot.nbytes, dtype=torch.uint8, device=self.device)  # the probe counts it
             if self.side is None:
                 fast.copy_(slot.host)
+                self.spare.setdefault(slot.nbytes, []).append(slot.host)  # dead now: the next offload reuses it
             else:  # CUDA (unverified)
                 self.side.wait_stream(torch.cuda.current_stream(self.device))
                 with torch.cuda.stream(self.side):
@@ -167,6 +172,9 @@ class ActivationRun:
         self.side = torch.cuda.Stream(device) if device.type == "cuda" and self.prefetch_at else None
         self.suppressed = 0
         """Recomputes running now: the plan's event hooks ignore events meanwhile ([Note: recompute events])."""
+        self.spare: dict[int, list[torch.Tensor]] = {}
+        """Host copies of offloaded activations, kept for reuse once prefetched (CPU twin; CUDA's pinned memory
+        comes from torch's caching host allocator): at most what one iteration holds at once."""
         self.calls: dict[str, int] = {}
         self.pending: dict[tuple[str, int], _Offloaded] = {}
         self.moved = 0
@@ -218,7 +226,7 @@ class ActivationRun:
 
     def _offload(self, path: str, choice: ActivationChoice, forward: Callable[..., Any], args: tuple[Any, ...],
                  kwargs: dict[str, Any]) -> Any:
-        holder = _Offloaded(choice, self.device, self.side)
+        holder = _Offloaded(choice, self.device, self.side, self.spare)
         with torch.autograd.graph.saved_tensors_hooks(holder.pack, unpack):
             out = forward(*args, **kwargs)
         if choice.moved_bytes:

@@ -29,6 +29,7 @@ from hplan.executor.gradients import first_nonfinite, move_grad, nonfinite_messa
 from hplan.executor.habits import intercepted, with_step_hooks
 from hplan.executor.measure import WindowMeter, make_probe
 from hplan.executor.regions import move_regions
+from hplan.executor.step_table import moves_table
 from hplan.executor.runtime import check_plan
 from hplan.executor.ranks.shard_store import ShardStore
 from hplan.executor.batch import UpdateBatch
@@ -152,6 +153,7 @@ class DistRun:
                 if buf is not None:
                     module._buffers[key] = buf.to(self.tier.device)
         self.comm = PlanComm(plan, self.rank, self.world)
+        self._moves = moves_table(plan, lambda c: None)  # moves only: this executor requires step.needs itself
         self.store = store = ShardStore(model, plan, self.tier, self.rank, master=self.master, state_names=state_names)
         for c in plan.chunks:
             if not c.trainable:
@@ -262,7 +264,7 @@ class DistRun:
 
     def _do_step(self, step: Step) -> None:
         store = self.store
-        move_regions(store, step)
+        move_regions(store, self._moves[self.cursor])
         store.require(step.needs, f"plan step {step.index} ({step.event})")
         for call in step.collectives:
             if call.before:

@@ -1,0 +1,106 @@
+"""One system's training steps in a fresh process (bench.worker `speed-run`): plain PyTorch, hplan on a saved plan,
+or DeepSpeed ZeRO on its torch-optimizer path. Same workload, seed and batches in each, one torch thread.
+
+`python -m bench.worker speed-run SYSTEM SPEC STEPS [PLAN]` prints one JSON line: losses, step seconds, bytes the
+system copied per iteration where it reports them, and the 1-minute load average when it finished.
+SYSTEM: plain | hplan | ds-z2 | ds-z3 | ds-z2-offload | ds-z3-offload (offload: optimizer, and for ZeRO-3 the
+parameters, on the CPU; DeepSpeed then runs the client's torch AdamW on the host copies, no compiled extension).
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from typing import Any
+
+DS_SYSTEMS = ("ds-z2", "ds-z3", "ds-z2-offload", "ds-z3-offload")
+
+
+def _plain(workload: Any, steps: int) -> dict[str, Any]:
+    from hplan.training import build_optimizer
+
+    model = workload.build_model()
+    opt = build_optimizer(workload, model)
+    losses, secs = [], []
+    for i in range(steps):
+        t0 = time.perf_counter()
+        opt.zero_grad(set_to_none=True)
+        loss = workload.loss(model, workload.batch(i))
+        loss.backward()
+        opt.step()
+        secs.append(time.perf_counter() - t0)
+        losses.append(float(loss.detach()))
+    return {"losses": losses, "step_seconds": secs}
+
+
+def _hplan(workload: Any, steps: int, plan_path: str) -> dict[str, Any]:
+    from hplan.artifacts import Plan
+    from hplan.executor import run_training
+
+    from bench.executor_speed import copy_seconds
+
+    report = run_training(workload, Plan.load(plan_path), steps=steps, device="cpu", measure=False)
+    moved = report.bytes_moved_per_iter + report.activation_bytes_moved_per_iter
+    return {"losses": list(report.losses), "step_seconds": list(report.step_seconds), "moved_bytes": moved,
+            "memcpy_seconds": copy_seconds(moved, fresh=False), "refill_seconds": copy_seconds(moved, fresh=True)}
+
+
+def ds_config(system: str, batch_size: int) -> dict[str, Any]:
+    """DeepSpeed's config for one of DS_SYSTEMS: ZeRO stage, offloads, the client optimizer allowed with them."""
+    stage = 3 if system.startswith("ds-z3") else 2
+    zero: dict[str, Any] = {"stage": stage}
+    if system.endswith("-offload"):
+        zero["offload_optimizer"] = {"device": "cpu"}
+        if stage == 3:
+            zero["offload_param"] = {"device": "cpu"}
+    return {"train_micro_batch_size_per_gpu": batch_size, "gradient_accumulation_steps": 1,
+            "zero_optimization": zero, "zero_allow_untested_optimizer": True, "zero_force_ds_cpu_optimizer": False,
+            "steps_per_print": 10**9, "wall_clock_breakdown": False}
+
+
+def _deepspeed(workload: Any, steps: int, system: str) -> dict[str, Any]:
+    os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    for key, value in (("MASTER_ADDR", "127.0.0.1"), ("MASTER_PORT", str(29500 + os.getpid() % 2000)),
+                       ("RANK", "0"), ("WORLD_SIZE", "1"), ("LOCAL_RANK", "0")):
+        os.environ.setdefault(key, value)
+    import logging
+
+    import deepspeed
+    from hplan.training import build_optimizer
+
+    logging.getLogger("DeepSpeed").setLevel(logging.ERROR)
+    deepspeed.init_distributed(dist_backend="gloo", verbose=False)
+    model = workload.build_model()
+    engine, _, _, _ = deepspeed.initialize(model=model, optimizer=build_optimizer(workload, model),
+                                           config=ds_config(system, workload.batch_size))
+    losses, secs = [], []
+    for i in range(steps):
+        t0 = time.perf_counter()
+        loss = workload.loss(engine, workload.batch(i))
+        engine.backward(loss)
+        engine.step()
+        secs.append(time.perf_counter() - t0)
+        losses.append(float(loss.detach()))
+    return {"losses": losses, "step_seconds": secs}
+
+
+def speed_run(system: str, spec: str, steps: int, plan_path: str | None) -> dict[str, Any]:
+    import torch
+
+    from hplan.specs import load_workload
+
+    torch.set_num_threads(1)
+    workload = load_workload(spec)
+    if system == "plain":
+        out = _plain(workload, steps)
+    elif system == "hplan":
+        if plan_path is None:
+            raise ValueError("speed-run hplan needs a plan file")
+        out = _hplan(workload, steps, plan_path)
+    elif system in DS_SYSTEMS:
+        out = _deepspeed(workload, steps, system)
+    else:
+        raise ValueError(f"unknown system {system!r}: plain, hplan or one of {', '.join(DS_SYSTEMS)}")
+    from bench.harness import self_peak_rss_bytes
+
+    return {**out, "system": system, "load1": os.getloadavg()[0], "peak_rss_bytes": self_peak_rss_bytes()}
