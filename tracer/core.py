@@ -31,7 +31,8 @@ from hplan.artifacts.trace import Trace
 from hplan.errors import HplanError
 from hplan.grads import installed
 from hplan.hooks import EventHooks, canonical_params, describe_batch, refuse_compiled, workload_fingerprint
-from hplan.probe import StorageLedger, make_probe
+from hplan.blame import at_step
+from hplan.probe import StorageLedger, check_device, make_probe
 from hplan.training import TrainStep
 from hplan.workload import Workload
 
@@ -82,6 +83,7 @@ def record(workload: Workload, *, device: str = "cpu", iters: int = DEFAULT_ITER
         raise HplanError(f"unknown device {device!r}: use one of {', '.join(DEVICES)}")
     if iters < 2:
         raise HplanError(f"`iters` must be at least 2 (iteration 1 creates optimizer state), got {iters}")
+    check_device(device, instead="cpu or fake")  # before the model is built
     with fake_mode(device) as fake:
         trainer, notes = _build(workload, device)
         ledger = StorageLedger()
@@ -142,7 +144,7 @@ def _iteration(recorder: Recorder, trainer: TrainStep, workload: Workload, it: i
         return batch
 
     try:
-        with recorder, torch.autograd.graph.saved_tensors_hooks(*on_saved(recorder)):
+        with at_step(it - 1), recorder, torch.autograd.graph.saved_tensors_hooks(*on_saved(recorder)):
             loss = trainer.run(it - 1, get_batch=get_batch, on_phase=recorder.set_phase)
     except HplanError:
         raise
