@@ -77,8 +77,7 @@ def spec_file(spec: str) -> Path | None:
 
 def _from_file(spec: str, *, batch_size: int | None, seq_len: int | None, overrides: dict[str, Any] | None) -> Workload:
     path_text, func_name = spec.rsplit(":", 1)
-    given = Path(path_text)
-    path = given.absolute()  # the workload may os.chdir; its code's file names must stay findable (blame)
+    given = path = Path(path_text)
     if not path.is_file():
         raise HplanError(f"workload file {given} not found: check the path in {spec!r}")
     module_name = f"hplan_user_{abs(hash(str(path.resolve())))}"

@@ -266,8 +266,8 @@ def test_paths_given_relative_survive_a_workload_that_changes_folder(made, tmp_p
 
 
 def test_an_error_after_the_workload_changed_folder_is_still_blamed_on_its_line(made, tmp_path):
-    """The model factory changes folder, then the optimizer factory raises: still the workload's line, exit 2 (with
-    the file loaded by its relative name, blame could no longer find it and called it an internal error)."""
+    """The model factory changes folder, then the optimizer factory raises: still the workload's line, exit 2 (blame
+    finds the file by the absolute name importlib gives its code, whatever the current folder)."""
     run_dir, elsewhere = tmp_path / "here", tmp_path / "elsewhere"
     run_dir.mkdir()
     elsewhere.mkdir()
