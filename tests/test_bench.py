@@ -170,3 +170,22 @@ def test_activation_capacity_headline_is_met_only_when_every_condition_holds() -
         line = activations.capacity_headline({**facts, **broken})
         assert "NOT met" in line, broken
     assert "DIFFERENT from" in activations.capacity_headline({**facts, "act": (7, 8)})
+
+
+def test_multigpu_rank_budget_is_sized_from_the_model_and_what_the_machine_offers() -> None:
+    """bench/multigpu.py planned a fixed 10 GB per rank, which the executor refuses where less than ~20 GB is free."""
+    from bench.multigpu import HEADROOM, ROOM, rank_budget
+    from hplan.errors import HplanError
+
+    gb = 10**9
+    assert rank_budget(gb // 2, ranks=2, available_bytes=12 * gb) == ROOM * gb // 2  # the model's need, with room
+    capped = rank_budget(4 * gb, ranks=2, available_bytes=17 * gb)  # the machine's share caps it
+    assert 4 * gb <= capped == int(17 * gb * HEADROOM) // 2
+    for available in (6 * gb, 12 * gb, 64 * gb):  # every rank's budget fits what the executor admits, together
+        budget = rank_budget(gb, ranks=2, available_bytes=available)
+        assert gb <= budget and 2 * budget <= available
+    with pytest.raises(HplanError, match="offers"):
+        rank_budget(3 * gb, ranks=2, available_bytes=4 * gb)
+    import psutil
+
+    assert rank_budget(1000, ranks=2) == ROOM * 1000 or psutil.virtual_memory().available * HEADROOM / 2 < 2000
