@@ -51,9 +51,12 @@ def _adamw(params: Any) -> Any:
 
 
 def _checkpointed(build: Any) -> Any:
-    """transformers' `gradient_checkpointing_enable()` on every layer (non-reentrant), as a user writes it."""
+    """transformers' activation checkpointing on every layer (non-reentrant), as a user writes it:
+    `activation_checkpointing_enable()` (`gradient_checkpointing_enable()` before transformers 5.24)."""
+    from hplan.models.hf import enable_checkpointing
+
     model = build()
-    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    enable_checkpointing(model, {"use_reentrant": False})
     return model
 
 

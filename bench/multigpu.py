@@ -200,7 +200,9 @@ def _cpu(ctx: Context) -> tuple[Table, str]:
     spec = CPU_SPEC_QUICK if ctx.quick else CPU_SPEC
     steps, rounds = (6, 2) if ctx.quick else (10, 5)
     trace = trace_workload(load_workload(spec), device="cpu", iters=3)
-    hw = make_hardware("cpu", gpu_bytes=10**10, gpus_per_node=2, slack_bytes=default_slack(trace))
+    slack = default_slack(trace)
+    hw = make_hardware("cpu", gpu_bytes=rank_budget(trace.peak_bytes + slack, ranks=2), gpus_per_node=2,
+                       slack_bytes=slack)
     choice = make_shard_plan(trace, hw, PlanOptions())
     same = make_shard_plan(trace, hw, PlanOptions(), factors=Sharding(P=2, G=2, OS=2))
     f = choice.summary.shard
@@ -243,6 +245,34 @@ def _cpu(ctx: Context) -> tuple[Table, str]:
             f"{fmt_ratio(median(times['same']) / fsdp)} at FSDP's own 2/2/2 (goal ≤ 1.10×); CPU time per step "
             f"{fmt_ratio(median(cpu['choice']) / fsdp_cpu)} and {fmt_ratio(median(cpu['same']) / fsdp_cpu)}")
     return table, line
+
+
+HEADROOM = 0.5
+"""Share of the memory the machine has available that the ranks' budgets may claim together: the executor refuses a
+budget above what the host offers (hplan.executor.admission), and the rest is for this process, each rank's
+interpreter and torch, and the FSDP2 runs in between."""
+ROOM = 2
+"""Budget per rank as a multiple of the step's peak (model state, activations and slack): every chunk resident, as
+the table's caption says, with room to spare."""
+
+
+def rank_budget(step_bytes: int, *, ranks: int, available_bytes: int | None = None) -> int:
+    """Each rank's budget: `ROOM` × the peak `step_bytes` of one rank's step, capped by its share of what the machine
+    has available (`HEADROOM` of psutil's available memory, split over `ranks`); refused in one line when even the
+    peak does not fit that share. A fixed 10 GB per rank used to be refused by the executor on machines with less
+    than about 20 GB free."""
+    from hplan.errors import HplanError
+
+    if available_bytes is None:
+        import psutil
+
+        available_bytes = int(psutil.virtual_memory().available)
+    share = int(available_bytes * HEADROOM) // ranks
+    if share < step_bytes:
+        raise HplanError(f"the 2-rank CPU bench needs {step_bytes} bytes per rank for its all-resident step, but this "
+                         f"machine offers {share} per rank ({HEADROOM:.0%} of {available_bytes} available, over "
+                         f"{ranks} ranks); free memory or run with --quick")
+    return min(ROOM * step_bytes, share)
 
 
 def fsdp2_rank(info: Any, spec: str, steps: int, cpu: bool = False) -> list[float]:

@@ -24,6 +24,7 @@ from hplan.executor.evaluation import EvalPass
 from hplan.executor.gradients import Clip, GradientOps, move_grad
 from hplan.executor.habits import intercepted, with_step_hooks
 from hplan.executor.measure import EventRecord, WindowMeter, make_probe
+from hplan.executor.param_watch import ParamWatch
 from hplan.executor.regions import move_regions
 from hplan.executor.scale import LossScale
 from hplan.executor.state import RegionState
@@ -161,6 +162,7 @@ class PlanRun(UpdateSteps, GradientOps, StateSync):
                 self.updates[c.id] = update
         optimizer.state.clear()  # hplan holds the state in regions until the block ends
         self._names = names
+        self._watch = ParamWatch(model, names)
         for name in (n for c in plan.chunks for n in c.trainable):
             self._stack.callback(store.params[name].register_post_accumulate_grad_hook(self._on_grad).remove)
         self._stack.enter_context(installed([store.params[n] for c in plan.chunks for n in c.trainable], self))
@@ -275,7 +277,11 @@ class PlanRun(UpdateSteps, GradientOps, StateSync):
         self._hide_grads()
         traffic = self.store.traffic
         h2d, d2h = traffic.h2d, traffic.d2h
+        if kind == "forward":
+            self._watch.dtypes(module)
         self._do_step(step)
+        if kind == "forward":
+            self._watch.devices(module, self.tier.device)
         self._pending = (self.store.resident_bytes(), traffic.h2d - h2d, traffic.d2h - d2h)
         self.cursor += 1
         if kind == "backward" and self.tier.exposes_host_grads and not self._queued:

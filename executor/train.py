@@ -22,7 +22,9 @@ from hplan.executor.runtime import EventRecord, PlanRun
 from hplan.executor.tiers.host import tier_fields
 
 from hplan.artifacts import METRICS_COLUMNS, Plan, RunReport, atomic_path
+from hplan.blame import at_step
 from hplan.errors import HplanError
+from hplan.probe import check_device
 from hplan.training import build_optimizer, check_loss
 from hplan.workload import Workload
 
@@ -49,6 +51,7 @@ def run_training(workload: Workload, plan: Plan, *, steps: int, device: str = "c
     `on_warning` told about each damaged one skipped) or `overwrite` (this run's first save replaces them)."""
     if steps <= 0:
         raise HplanError(f"steps must be positive, got {steps}")
+    check_device(device)  # before the model is built
     if resume and checkpoint_dir is None:
         raise HplanError("`resume` needs `checkpoint_dir` DIR (where the state was saved)")
     if workload.accumulate != plan.accumulate:
@@ -86,12 +89,14 @@ def _train(workload: Workload, plan: Plan, *, steps: int, device: str, metrics_p
             run.loss_scale.load_state_dict(state["loss_scale"])
         for step in range(first, steps):
             start = time.perf_counter()
-            loss = _iteration(workload, run, step, nonfinite)
+            with at_step(step):  # an error in the workload's code names the step ([Note: exits in workload code])
+                loss = _iteration(workload, run, step, nonfinite)
             if workload.max_grad_norm is not None:
                 run.clip_grad_norm_(workload.max_grad_norm)
             last = run.step()
             if scheduler is not None:
-                scheduler.step()
+                with at_step(step):
+                    scheduler.step()
             losses.append(loss if math.isfinite(loss) else None)  # only nonfinite="skip" gets here with one
             peak = max([peak] + [r.resident_bytes for r in last])
             seconds.append(time.perf_counter() - start)

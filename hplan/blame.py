@@ -14,11 +14,22 @@ failed: an hplan bug. Dispatch and function modes (``__torch_dispatch__``,
 dataclass's ``__setattr__`` refusing the user's assignment) is not hplan's logic, so their frames do not count.
 A consequence: an error inside an hplan helper the workload itself calls (e.g.
 `hplan.grads.accumulate_mm` with mismatched shapes) is reported as hplan's (exit 1).
+
+[Note: exits in workload code] `sys.exit()` (or `exit()`) in a workload's factory is an error in the user's code,
+not a way to end the run: left alone it ended `hplan run` half-way with the code the user passed (0: "success",
+no message, no summary). hplan.workload wraps every factory so that a SystemExit becomes an HplanError raised from
+it (blamed here on the line that called sys.exit, like any other error); `hplan.cli.common.guarded` catches one
+raised elsewhere in the user's code (a hook) the same way. KeyboardInterrupt stays what it is, the user's Ctrl-C:
+the run stops with "interrupted" and exit 130, as any program does, wherever the key press landed. `os._exit()`
+cannot be caught: one process ends with the user's code; a spawned rank is reported dead by the launcher.
+The executor and the tracer mark an exception with the step it happened in (`at_step`); messages say it.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
+from collections.abc import Iterator
 from types import TracebackType
 
 _user_files: set[str] = set()
@@ -94,6 +105,45 @@ def user_error(exc: BaseException) -> tuple[BaseException, tuple[str, int]] | No
     return None
 
 
+_STEP = "_hplan_step"
+"""Attribute `at_step` sets on an exception: the optimizer step (0-based) it was raised in."""
+
+
+@contextlib.contextmanager
+def at_step(step: int) -> Iterator[None]:
+    """Mark an exception leaving the block with `step` (the innermost mark wins), so the error names the step."""
+    try:
+        yield
+    except BaseException as exc:
+        if getattr(exc, _STEP, None) is None:
+            with contextlib.suppress(AttributeError, TypeError):
+                setattr(exc, _STEP, step)
+        raise
+
+
+def step_of(exc: BaseException) -> int | None:
+    """The step `at_step` marked on `exc` or an exception in its chain, or None."""
+    for link in _chain(exc):
+        step = getattr(link, _STEP, None)
+        if isinstance(step, int):
+            return step
+    return None
+
+
+def located(text: str, exc: BaseException) -> str:
+    """`text` with " (file.py:LINE, step N)" appended: the user's line that raised `exc` (or its cause) unless the
+    text names it already, and the step it was raised in when marked (see `at_step`) unless the text names the step
+    or the tracer's iteration already."""
+    where = user_frame(exc)
+    step = step_of(exc)
+    parts = []
+    if where is not None and f"{where[0]}:{where[1]}" not in text:
+        parts.append(f"{where[0]}:{where[1]}")
+    if step is not None and where is not None and f"step {step}" not in text and " iteration " not in text:
+        parts.append(f"step {step}")
+    return f"{text} ({', '.join(parts)})" if parts else text
+
+
 def first_line(exc: BaseException) -> str:
     """The first non-empty line of an exception's message (the type name when it has none)."""
     for line in str(exc).splitlines():
@@ -112,5 +162,8 @@ def describe_user_error(exc: BaseException) -> str | None:
     if found is None:
         return None
     cause, (name, line) = found
+    if isinstance(cause, SystemExit):  # [Note: exits in workload code]
+        return located(f"error in your workload: it called sys.exit({cause.code!r}), which would end the run "
+                       "half-way; raise an exception to stop it", exc)
     text = first_line(cause)
-    return f"error in your workload: {type(cause).__name__}{': ' + text if text else ''} ({name}:{line})"
+    return located(f"error in your workload: {type(cause).__name__}{': ' + text if text else ''}", exc)

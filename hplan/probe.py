@@ -264,6 +264,20 @@ def _nvml_handle(index: int) -> Any:
         return None
 
 
+def check_device(device: str, *, instead: str = "cpu") -> None:
+    """Refuse a CUDA `device` on a machine without one before anything is built: the tracer and the executor first
+    build the whole model (the README's example took 200 s and 5.5 GB before the device said no)."""
+    kind, _, index = device.partition(":")
+    if kind != "cuda":
+        return
+    if not torch.cuda.is_available():
+        raise HplanError(f"`device` {device} needs an NVIDIA GPU and a CUDA build of PyTorch; this machine has none "
+                         f"(torch {torch.__version__}): use `device` {instead}")
+    count = torch.cuda.device_count()
+    if index.isdigit() and int(index) >= count:
+        raise HplanError(f"`device` {device}: this machine has {count} GPU(s), cuda:0 to cuda:{count - 1}")
+
+
 def make_probe(device: str, ledger: StorageLedger | None = None) -> MemoryProbe:
     """The probe for `device` ("cpu", "fake" or "cuda")."""
     if device == "cuda":

@@ -77,13 +77,13 @@ def spec_file(spec: str) -> Path | None:
 
 def _from_file(spec: str, *, batch_size: int | None, seq_len: int | None, overrides: dict[str, Any] | None) -> Workload:
     path_text, func_name = spec.rsplit(":", 1)
-    path = Path(path_text)
+    given = path = Path(path_text)
     if not path.is_file():
-        raise HplanError(f"workload file {path} not found: check the path in {spec!r}")
+        raise HplanError(f"workload file {given} not found: check the path in {spec!r}")
     module_name = f"hplan_user_{abs(hash(str(path.resolve())))}"
     loader_spec = importlib.util.spec_from_file_location(module_name, path)
     if loader_spec is None or loader_spec.loader is None:
-        raise HplanError(f"cannot import {path}: is it a Python file?")
+        raise HplanError(f"cannot import {given}: is it a Python file?")
     module = importlib.util.module_from_spec(loader_spec)
     sys.modules[module_name] = module
     register_user_file(path)  # errors raised in this file are the workload's (see [Note: blame])
@@ -91,15 +91,21 @@ def _from_file(spec: str, *, batch_size: int | None, seq_len: int | None, overri
     with on_import_path(folder):
         try:
             loader_spec.loader.exec_module(module)
+        except SystemExit as exc:  # [Note: exits in workload code] in hplan.blame
+            raise HplanError(f"importing {given} called sys.exit({exc.code!r}); a workload file must define its "
+                             "function, not exit") from exc
         except Exception as exc:  # the user's file failed; say where, not a traceback
             where = user_frame(exc)
             at = f" ({where[0]}:{where[1]})" if where else ""
-            raise HplanError(f"importing {path} failed: {type(exc).__name__}: {first_line(exc)}{at}") from exc
+            raise HplanError(f"importing {given} failed: {type(exc).__name__}: {first_line(exc)}{at}") from exc
         func = getattr(module, func_name, None)
         if func is None or not callable(func):
-            raise HplanError(f"{path} has no function {func_name!r}: define `def {func_name}() -> hplan.Workload`")
+            raise HplanError(f"{given} has no function {func_name!r}: define `def {func_name}() -> hplan.Workload`")
         kwargs = _accepted_kwargs(func, spec, batch_size=batch_size, seq_len=seq_len, **(overrides or {}))
-        result = func(**kwargs)
+        try:
+            result = func(**kwargs)
+        except SystemExit as exc:
+            raise HplanError(f"{spec} called sys.exit({exc.code!r}) instead of returning a Workload") from exc
     if not isinstance(result, Workload):
         raise HplanError(f"{spec} returned {type(result).__name__}, not hplan.Workload; return hplan.Workload(...)")
     factories = {name: _importing_from(getattr(result, name), folder) for name in _FACTORIES

@@ -6,6 +6,7 @@ real memory, and every run of a step sees the same deterministic batch.
 
 from __future__ import annotations
 
+import functools
 import inspect
 import os
 from collections.abc import Callable, Iterable
@@ -109,11 +110,40 @@ def with_contract_checks(workload: Workload) -> Workload:
     something else than a torch optimizer, otherwise fails deep inside the tracer or the executor
     (`loss.backward()`, a missing `param_groups`) where it reads as an hplan bug. Checked here, the
     error names the user's function. Valid results pass through untouched.
+    Every factory also turns a `sys.exit()` in the user's code into an error ([Note: exits in workload code] in
+    hplan.blame).
     """
     from dataclasses import replace
 
-    return replace(workload, loss=_checked_loss(workload.loss, workload.name),
-                   optimizer=_checked_optimizer(workload.optimizer, workload.name))
+    name = workload.name
+    return replace(workload, loss=_checked_loss(_no_exit(workload.loss, "loss", name), name),
+                   optimizer=_checked_optimizer(_no_exit(workload.optimizer, "optimizer factory", name), name),
+                   model=_no_exit(workload.model, "model factory", name),
+                   batch=_no_exit(workload.batch, "batch factory", name),
+                   scheduler=None if workload.scheduler is None else _no_exit(workload.scheduler, "scheduler "
+                                                                                          "factory", name))
+
+
+class WorkloadExit(HplanError):
+    """The workload's code called sys.exit() ([Note: exits in workload code] in hplan.blame)."""
+
+
+def _no_exit(factory: Callable[..., Any], what: str, name: str) -> Callable[..., Any]:
+    """`factory`, a SystemExit raised while it runs (the model's forward inside the loss included) turned into a
+    WorkloadExit raised from it, whose traceback leads hplan.blame to the line that called sys.exit."""
+    if getattr(factory, "_hplan_no_exit", False):
+        return factory
+
+    @functools.wraps(factory)
+    def no_exit(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return factory(*args, **kwargs)
+        except SystemExit as exc:
+            raise WorkloadExit(f"workload {name!r}: the {what} called sys.exit({exc.code!r}), which would end the run "
+                               "half-way with no message; raise an exception to stop it") from exc
+
+    no_exit._hplan_no_exit = True  # type: ignore[attr-defined]
+    return no_exit
 
 
 def _where(fn: Any) -> str:

@@ -11,6 +11,7 @@ import transformers
 from torch import nn
 
 import hplan
+from hplan.models.hf import enable_checkpointing
 
 VOCAB, SEQ = 256, 16
 
@@ -20,7 +21,7 @@ def llama(checkpointing: str | None = None) -> nn.Module:
                                    num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
     model = transformers.LlamaForCausalLM(cfg)
     if checkpointing is not None:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": checkpointing == "reentrant"})
+        enable_checkpointing(model, {"use_reentrant": checkpointing == "reentrant"})
     return model
 
 

@@ -229,3 +229,22 @@ def test_deepspeed_configs_use_the_client_optimizer_and_offload_as_named() -> No
     assert z3 == {"stage": 3, "offload_optimizer": {"device": "cpu"}, "offload_param": {"device": "cpu"}}
     z2 = ds_config("ds-z2", 4)
     assert z2["zero_optimization"] == {"stage": 2} and z2["zero_force_ds_cpu_optimizer"] is False
+
+
+def test_multigpu_rank_budget_is_sized_from_the_model_and_what_the_machine_offers() -> None:
+    """bench/multigpu.py planned a fixed 10 GB per rank, which the executor refuses where less than ~20 GB is free."""
+    from bench.multigpu import HEADROOM, ROOM, rank_budget
+    from hplan.errors import HplanError
+
+    gb = 10**9
+    assert rank_budget(gb // 2, ranks=2, available_bytes=12 * gb) == ROOM * gb // 2  # the model's need, with room
+    capped = rank_budget(4 * gb, ranks=2, available_bytes=17 * gb)  # the machine's share caps it
+    assert 4 * gb <= capped == int(17 * gb * HEADROOM) // 2
+    for available in (6 * gb, 12 * gb, 64 * gb):  # every rank's budget fits what the executor admits, together
+        budget = rank_budget(gb, ranks=2, available_bytes=available)
+        assert gb <= budget and 2 * budget <= available
+    with pytest.raises(HplanError, match="offers"):
+        rank_budget(3 * gb, ranks=2, available_bytes=4 * gb)
+    import psutil
+
+    assert rank_budget(1000, ranks=2) == ROOM * 1000 or psutil.virtual_memory().available * HEADROOM / 2 < 2000

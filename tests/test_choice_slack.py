@@ -17,6 +17,7 @@ from hplan.artifacts.replay import validate
 from hplan.cli import app
 from hplan.planner import PlanOptions, make_hardware, make_plan, min_gpu_bytes, trace_slack
 from hplan.planner.slack import counted, figure, regimes
+from hplan.models.hf import enable_checkpointing
 from hplan.specs import load_workload
 from hplan.tracer.allocator import FREE, MARK, AllocatorModel
 from hplan.tracer.build import build_trace
@@ -159,7 +160,7 @@ def test_auto_minimum_meets_transformers_gradient_checkpointing():
 
     def checkpointed():
         model = plain.model()
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        enable_checkpointing(model, {"use_reentrant": False})
         return model
 
     from hplan.tracer import trace_workload

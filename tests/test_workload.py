@@ -1,4 +1,5 @@
 import textwrap
+from pathlib import Path
 
 import pytest
 import torch
@@ -251,3 +252,43 @@ def test_set_takes_several_pairs_in_either_form(project, tmp_path):
     assert expand_set_values(["x", "--", "--set", "a=1", "b=2"]) == ["x", "--", "--set", "a=1", "b=2"]
     help_text = CliRunner().invoke(app, ["trace", "--help"]).output
     assert "KEY=VALUE" in help_text and "list[str]" not in help_text
+
+
+def test_checkpointing_is_enabled_by_the_name_the_installed_transformers_offers():
+    """transformers 5.24 renamed gradient_checkpointing_enable to activation_checkpointing_enable (the old name warns,
+    and goes in v6): the helper calls the new name where it exists, the old one before it."""
+    import warnings
+
+    from hplan.models.hf import enable_checkpointing
+
+    calls = []
+
+    class Before:
+        def gradient_checkpointing_enable(self, gradient_checkpointing_kwargs=None, **layers):
+            calls.append(("gradient", gradient_checkpointing_kwargs, layers))
+
+    class After(Before):
+        def activation_checkpointing_enable(self, activation_checkpointing_kwargs=None, **layers):
+            calls.append(("activation", activation_checkpointing_kwargs, layers))
+
+    enable_checkpointing(Before(), {"use_reentrant": False})
+    enable_checkpointing(After(), {"use_reentrant": True}, every_n_layers=2)
+    assert calls == [("gradient", {"use_reentrant": False}, {}), ("activation", {"use_reentrant": True},
+                                                                  {"every_n_layers": 2})]
+    transformers = pytest.importorskip("transformers")
+    model = transformers.LlamaForCausalLM(transformers.LlamaConfig(
+        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", FutureWarning)  # the deprecated name would warn here
+        enable_checkpointing(model, {"use_reentrant": False})
+    assert any(getattr(m, "gradient_checkpointing", False) for m in model.modules())
+
+
+def test_nothing_in_the_repository_calls_the_deprecated_checkpointing_name_directly():
+    root = Path(__file__).resolve().parent.parent
+    allowed = {root / "hplan" / "models" / "hf.py", Path(__file__).resolve()}
+    callers = [str(path.relative_to(root)) for folder in ("hplan", "tracer", "planner", "executor", "reports", "bench",
+                                                         "tests", "examples")
+               for path in (root / folder).rglob("*.py")
+               if path not in allowed and ".gradient_checkpointing_enable(" in path.read_text()]
+    assert callers == [], f"call hplan.models.hf.enable_checkpointing instead: {callers}"

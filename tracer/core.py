@@ -31,7 +31,8 @@ from hplan.artifacts.trace import Trace
 from hplan.errors import HplanError
 from hplan.grads import installed
 from hplan.hooks import EventHooks, canonical_params, describe_batch, refuse_compiled, workload_fingerprint
-from hplan.probe import StorageLedger, make_probe
+from hplan.blame import at_step
+from hplan.probe import StorageLedger, check_device, make_probe
 from hplan.training import TrainStep
 from hplan.workload import Workload
 
@@ -82,6 +83,7 @@ def record(workload: Workload, *, device: str = "cpu", iters: int = DEFAULT_ITER
         raise HplanError(f"unknown device {device!r}: use one of {', '.join(DEVICES)}")
     if iters < 2:
         raise HplanError(f"`iters` must be at least 2 (iteration 1 creates optimizer state), got {iters}")
+    check_device(device, instead="cpu or fake")  # before the model is built
     with fake_mode(device) as fake:
         trainer, notes = _build(workload, device)
         ledger = StorageLedger()
@@ -105,6 +107,7 @@ def record(workload: Workload, *, device: str = "cpu", iters: int = DEFAULT_ITER
             stack.enter_context(installed(trainer.params, TracerSink(recorder, names)))
             for it in range(1, iters + 1):
                 batch = _iteration(recorder, trainer, workload, it, device, build_graph=it == iters)
+                _same_parameters(trainer, names, workload, it)
                 per_iteration.append(recorder.finish_iteration())
                 segments_per_iteration.append(iteration_segments(tracker.calls, per_iteration[-1], tracker.excluded))
                 _track_model_data(recorder, trainer, names)
@@ -142,7 +145,7 @@ def _iteration(recorder: Recorder, trainer: TrainStep, workload: Workload, it: i
         return batch
 
     try:
-        with recorder, torch.autograd.graph.saved_tensors_hooks(*on_saved(recorder)):
+        with at_step(it - 1), recorder, torch.autograd.graph.saved_tensors_hooks(*on_saved(recorder)):
             loss = trainer.run(it - 1, get_batch=get_batch, on_phase=recorder.set_phase)
     except HplanError:
         raise
@@ -212,6 +215,21 @@ def _same_path(per_iteration: list[list[Window]], workload: Workload) -> None:
         raise HplanError(f"workload {workload.name!r}: iteration {it} takes another path than iteration "
                          f"{len(per_iteration)} at event {i} ({got} instead of {want}); hplan plans one event "
                          "sequence: make the step's control flow independent of the data")
+
+
+def _same_parameters(trainer: TrainStep, names: dict[int, str], workload: Workload, it: int) -> None:
+    """Refuse a step that deleted, replaced or added a parameter (in the loss, a hook): the plan places the parameters
+    the model factory built, and the tracer names every storage by them (a KeyError otherwise)."""
+    now = canonical_params(trainer.model)
+    if now == names:
+        return
+    gone = sorted(set(names.values()) - {names[i] for i in now if i in names})
+    new = sorted(n for i, n in now.items() if i not in names)
+    change = "; ".join(part for part in (f"gone or replaced: {', '.join(gone[:3])}" if gone else "",
+                                         f"new: {', '.join(new[:3])}" if new else "") if part)
+    raise HplanError(f"workload {workload.name!r}: the model's parameters changed during iteration {it} ({change}); "
+                     "hplan plans the parameters the model factory built: create, replace or delete parameters "
+                     "there, not in the loss or a hook")
 
 
 def _track_model_data(recorder: Recorder, trainer: TrainStep, names: dict[int, str]) -> None:

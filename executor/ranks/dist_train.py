@@ -156,6 +156,7 @@ def _train(info: Any, job: Job, plan: Plan, resume_from: str | None) -> dict[str
     from hplan.executor.ranks.distributed import DistRun
     from hplan.executor.train import to_device
 
+    from hplan.blame import at_step
     from hplan.specs import load_workload
     from hplan.training import build_optimizer, check_loss
 
@@ -192,8 +193,9 @@ def _train(info: Any, job: Job, plan: Plan, resume_from: str | None) -> dict[str
             start = time.perf_counter()
             micro = []
             for i in range(k):
-                batch = to_device(workload.batch((step * n + r) * k + i), device)
-                loss = check_loss(workload, workload.loss(run.model, batch))
+                with at_step(step):  # an error in the workload's code names the step
+                    batch = to_device(workload.batch((step * n + r) * k + i), device)
+                    loss = check_loss(workload, workload.loss(run.model, batch))
                 value = float(loss.detach())
                 problem = None if math.isfinite(value) else (
                     f"the loss is {value} at step {step} on rank {r} (micro-batch {i}); every rank stopped before "

@@ -185,7 +185,7 @@ def _spawn(fn: Callable[..., Any], args: tuple[Any, ...], *, nprocs: int, backen
             raise HplanError(f"launch could not send the function or its arguments to the ranks ({_one_line(exc)}); "
                              "pass a module-level function and picklable arguments") from None
         procs = list(context.processes)
-        failed, stopped = _supervise(procs, timeout_s)
+        failed, stopped = _supervise(procs, timeout_s, lambda rank: (workdir / f"rank{rank}.pkl").exists())
         if stopped and failed is None:
             raise HplanError(f"ranks {stopped} of {nprocs} still running after {timeout_s:g} s (launch watchdog); "
                              "find the hang or raise timeout_s")
@@ -267,8 +267,11 @@ def _die_with_parent(parent: int) -> None:
         os._exit(1)
 
 
-def _supervise(procs: list[Any], timeout_s: float) -> tuple[int | None, list[int]]:
-    """Wait for all ranks; on the first failure or at the deadline stop the rest.
+def _supervise(procs: list[Any], timeout_s: float,
+               returned: Callable[[int], bool] = lambda rank: True) -> tuple[int | None, list[int]]:
+    """Wait for all ranks; on the first failure or at the deadline stop the rest. A rank fails by a non-zero exit,
+    or by exiting 0 without `returned` its result (`os._exit(0)` in the workload): its peers would otherwise wait
+    for it in their next collective until the timeout, then be blamed for it.
 
     Returns (index of the first rank seen failing or None, ranks this function had to stop)."""
     deadline = time.monotonic() + timeout_s
@@ -281,7 +284,7 @@ def _supervise(procs: list[Any], timeout_s: float) -> tuple[int | None, list[int
         for sentinel in multiprocessing.connection.wait(list(pending), timeout=min(remaining, 1.0)):
             index = pending.pop(sentinel)
             procs[index].join()
-            if procs[index].exitcode != 0 and failed is None:
+            if (procs[index].exitcode != 0 or not returned(index)) and failed is None:
                 failed = index
     if failed is None:
         return None, []
@@ -311,7 +314,7 @@ def _failure_message(procs: list[Any], workdir: Path, stopped: list[int]) -> str
     records: dict[int, dict[str, Any]] = {}
     silent: list[int] = []
     for rank, p in enumerate(procs):
-        if rank in stopped or p.exitcode == 0:
+        if rank in stopped or p.exitcode == 0 and (workdir / f"rank{rank}.pkl").exists():
             continue
         path = workdir / f"rank{rank}.err"
         if path.exists():
@@ -327,6 +330,8 @@ def _failure_message(procs: list[Any], workdir: Path, stopped: list[int]) -> str
         rank = silent[0]
         code = procs[rank].exitcode
         how = (f"died from signal {_signal_name(-code)}" if code < 0 else f"exited with code {code}")
+        if code == 0:
+            how += " before returning its result,"
         return (f"rank {rank} of {world} {how} without raising ({others(rank)}); check that rank for os._exit, "
                 "the OOM killer or an external kill")
     if not records:  # exit code 0 but no result: handled by _read_result; keep a message anyway
@@ -356,13 +361,13 @@ def _signal_name(number: int) -> str:
 
 
 def _one_line(exc: BaseException) -> str:
-    from hplan.blame import user_frame
+    from hplan.blame import describe_user_error, located
 
-    if isinstance(exc, HplanError):  # hplan's own refusals already speak to the user
-        return " ".join(str(exc).split())
-    where = user_frame(exc)
-    if where is not None:  # the user's workload raised it: say where, as the one-process CLI does
-        return f"error in your workload: {_text(exc)} ({where[0]}:{where[1]})"
+    if isinstance(exc, HplanError):  # hplan's own refusals already speak to the user (and say where, if theirs)
+        return located(" ".join(str(exc).split()), exc)
+    blamed = describe_user_error(exc)
+    if blamed is not None:  # the user's workload raised it: say where, as the one-process CLI does
+        return blamed if len(blamed) <= 400 else blamed[:397] + "..."
     return _text(exc)
 
 

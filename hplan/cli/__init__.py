@@ -46,4 +46,13 @@ _register()
 
 
 def main() -> None:
-    app()
+    """The `hplan` program: the command, then no waiting on threads the workload left running (hplan.cli.threads)."""
+    from hplan.cli.threads import exit_past_threads
+
+    try:
+        app()
+    except SystemExit as done:
+        code = done.code if isinstance(done.code, int) else (0 if done.code is None else 1)
+        exit_past_threads(code)
+        raise
+    exit_past_threads(0)

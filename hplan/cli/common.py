@@ -24,7 +24,7 @@ from rich.console import Console
 from rich.markup import escape
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
-from hplan.blame import describe_user_error, first_line, user_frame
+from hplan.blame import describe_user_error, first_line, located
 from hplan.errors import FLAGS, PHRASES, HplanError
 from hplan.sizes import parse_size
 
@@ -60,9 +60,18 @@ def guarded(fn: Callable[[], T]) -> T:
             traceback.print_exc()
         _say(f"[bold red]error:[/] {_located(exc)}")
         raise typer.Exit(exc.exit_code) from None
-    except KeyboardInterrupt:
+    except KeyboardInterrupt:  # the user's Ctrl-C, wherever it landed ([Note: exits in workload code])
         err_console.print("interrupted")
         raise typer.Exit(130) from None
+    except SystemExit as exc:  # sys.exit in the user's code outside its factories (a hook): an error in it
+        blamed = describe_user_error(exc)
+        if blamed is None:
+            raise
+        if _state["debug"]:
+            traceback.print_exc()
+        head, _, rest = blamed.partition(": ")
+        _say(f"[bold red]{escape(head)}:[/] {escape(rest)}")
+        raise typer.Exit(2) from None
     except Exception as exc:
         if _state["debug"]:
             traceback.print_exc()
@@ -91,11 +100,7 @@ _ARGUMENT = re.compile(r"`([a-z_]+)`")
 def _located(exc: HplanError) -> str:
     """The message in the CLI's terms, with the workload's file:line when it wraps an error raised by the user's
     code."""
-    text = cli_terms(" ".join(str(exc).split()))
-    where = user_frame(exc)
-    if where is not None and f"{where[0]}:{where[1]}" not in text:
-        text += f" ({where[0]}:{where[1]})"
-    return escape(text)
+    return escape(located(cli_terms(" ".join(str(exc).split())), exc))
 
 
 def _say(markup: str) -> None:
@@ -181,6 +186,13 @@ def progress_bar(label: str, *, quiet: bool = False, after_s: float = 0.0) -> It
     finally:
         if task:
             bar.stop()
+
+
+def absolute(*paths: Path | None) -> tuple[Path | None, ...]:
+    """Each path made absolute against the current folder, None kept: called before the workload's code runs, which
+    may `os.chdir` (a relative --checkpoint then failed half-way with a message about free space). Links are not
+    resolved, so the checks on the path's last component still see what the user named."""
+    return tuple(None if p is None else Path(p).absolute() for p in paths)
 
 
 def check_outputs(*, spec: str, plan: Path, metrics: Path | None, checkpoint: Path | None) -> None:

@@ -147,12 +147,13 @@ def _run(*, spec: str, plan: Path, steps: int, device: str, metrics: Path | None
          overrides: list[str] | None, as_json: bool, budget_guard: str = "stop", on_nonfinite: str = "stop",
          nvme_dir: Path | None = None) -> None:
     from hplan.artifacts import Plan
-    from hplan.cli.common import (check_outputs, emit_json, err_console, parse_device, parse_overrides, progress_bar,
-                                  warn_line)
+    from hplan.cli.common import (absolute, check_outputs, emit_json, err_console, parse_device, parse_overrides,
+                                  progress_bar, warn_line)
 
     from hplan.errors import HplanError
 
     parse_device(device, kinds=("cpu", "cuda"), indexed=("cuda",))
+    _check_cuda_index(device)  # before anything is built or read
     if budget_guard not in ("stop", "warn") or on_nonfinite not in ("stop", "skip"):
         raise HplanError("--budget-guard takes stop or warn, --on-nonfinite takes stop or skip")
     if overwrite and checkpoint is None:
@@ -160,7 +161,7 @@ def _run(*, spec: str, plan: Path, steps: int, device: str, metrics: Path | None
     check_outputs(spec=spec, plan=plan, metrics=metrics, checkpoint=checkpoint)
     the_plan = Plan.load(plan)
     _check_nvme_dir(the_plan, plan, nvme_dir)
-    _check_cuda_index(device)
+    plan, metrics, checkpoint, nvme_dir = absolute(plan, metrics, checkpoint, nvme_dir)  # before the workload's code
     from hplan.executor import run_training
     from hplan.specs import load_workload
 
@@ -208,15 +209,11 @@ def _check_nvme_dir(plan: Plan, path: Path, nvme_dir: Path | None) -> None:
 
 
 def _check_cuda_index(device: str) -> None:
-    """`cuda:N` must name a GPU this machine has (torch only fails at the first allocation otherwise)."""
-    kind, _, index = device.partition(":")
-    if kind != "cuda" or not index:
-        return
-    import torch
+    """A CUDA `device` must be one this machine has (torch only fails at the first allocation otherwise), checked
+    before the model is built (hplan.probe.check_device)."""
+    from hplan.probe import check_device
 
-    count = torch.cuda.device_count() if torch.cuda.is_available() else 0
-    if count and int(index) >= count:
-        raise HplanError(f"--device {device}: this machine has {count} GPU(s), cuda:0 to cuda:{count - 1}")
+    check_device(device)
 
 
 def _run_many(*, spec: str, plan: Path, steps: int, device: str, metrics: Path | None, checkpoint: Path | None,

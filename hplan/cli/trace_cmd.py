@@ -56,9 +56,13 @@ def _run(*, spec: str, output: Path, device: str, iters: int, batch_size: int | 
     from hplan.specs import load_workload, spec_file
 
     parse_device(device, kinds=("cpu", "fake", "cuda"))
+    from hplan.probe import check_device
+
+    check_device(device, instead="cpu or fake")  # before the model is built
     if output.suffix != ".parquet":
         raise HplanError(f"trace output {output} must end in .parquet (the timeline is a Parquet table)")
     check_output(output, inputs=[spec_file(spec)], what="trace output")
+    shown, output = output, output.absolute()  # the workload's code may os.chdir before the trace is written
     workload = load_workload(spec, batch_size=batch_size, seq_len=seq_len, overrides=parse_overrides(overrides),
                              precision=precision, accumulate=accumulate, max_grad_norm=max_grad_norm,
                              defer_updates=defer_updates)
@@ -68,9 +72,9 @@ def _run(*, spec: str, output: Path, device: str, iters: int, batch_size: int | 
         trace = trace_workload(workload, device=device, iters=iters, on_progress=on_progress)
     trace.save(output)
     if as_json:
-        emit_json(summary(trace) | {"output": str(output)})
+        emit_json(summary(trace) | {"output": str(shown)})
     else:
-        print_summary(trace, output)
+        print_summary(trace, shown)
 
 
 def summary(trace: Trace) -> dict:

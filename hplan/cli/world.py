@@ -196,9 +196,12 @@ def run_many(*, spec: str, plan: Any, steps: int, device: str, metrics: Any, che
 
     from hplan.artifacts import Plan
     from hplan.cli.common import emit_json, err_console, parse_device, parse_overrides, warn_line
-    from hplan.cli.common import check_outputs
+    from hplan.cli.common import absolute, check_outputs
 
     parse_device(device, kinds=("cpu", "cuda"))
+    from hplan.probe import check_device
+
+    check_device(device)  # before any rank builds the model
     if nproc is not None and (isinstance(nproc, bool) or nproc < 1):
         raise HplanError(f"--nproc must be a positive number of ranks, got {nproc}")
     if metrics is not None:
@@ -208,6 +211,7 @@ def run_many(*, spec: str, plan: Any, steps: int, device: str, metrics: Any, che
         raise HplanError("many ranks take --budget-guard stop or warn, and --on-nonfinite stop only")
     check_outputs(spec=spec, plan=plan, metrics=None, checkpoint=checkpoint)
     the_plan = Plan.load(plan)
+    (checkpoint,) = absolute(checkpoint)  # every rank runs the workload's code, which may os.chdir
     from hplan.executor.ranks.dist_train import run_distributed
 
     load = dict(batch_size=batch_size, seq_len=seq_len, overrides=parse_overrides(overrides), precision=precision,

@@ -259,10 +259,9 @@ def _enable_checkpointing(model: torch.nn.Module, args: TrainingArguments) -> No
     kwargs = dict(getattr(args, "activation_checkpointing_kwargs", None)
                   or getattr(args, "gradient_checkpointing_kwargs", None) or {})
     layers = {k: kwargs.pop(k) for k in ("every_n_layers", "offload") if k in kwargs}
-    if hasattr(model, "activation_checkpointing_enable"):
-        model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs or None, **layers)
-    else:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs or None, **layers)
+    from hplan.models.hf import enable_checkpointing
+
+    enable_checkpointing(model, kwargs or None, **layers)
 
 
 def _optimizer_factory(trainer: Trainer, snapshot: torch.nn.Module, names: list[str]) -> Any:

@@ -19,6 +19,18 @@ DEFAULT_BATCH = 2
 DEFAULT_SEQ = 64
 
 
+def enable_checkpointing(model: Any, kwargs: dict[str, Any] | None = None, **layers: Any) -> None:
+    """transformers' activation checkpointing, by the name the installed version offers: transformers 5.24
+    renamed `gradient_checkpointing_enable(gradient_checkpointing_kwargs=…)` to
+    `activation_checkpointing_enable(activation_checkpointing_kwargs=…)` and deprecated the old name (a
+    FutureWarning; gone in v6); versions before it have only the old one. `kwargs` go to torch.utils.checkpoint
+    (e.g. {"use_reentrant": False}); `layers` are the method's own options (every_n_layers, offload)."""
+    if hasattr(model, "activation_checkpointing_enable"):
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs, **layers)
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs, **layers)
+
+
 def _model_class(name: str) -> Any:
     try:
         import transformers

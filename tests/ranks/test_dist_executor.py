@@ -236,5 +236,5 @@ def test_a_workload_error_on_a_rank_is_one_line_naming_its_file(trace, tmp_path)
                           timeout=300)
     assert done.returncode == 2, done.stderr
     lines = [line for line in done.stderr.splitlines() if line.strip()]
-    assert len(lines) == 1 and "error in your workload: ValueError: my loss is broken (wl.py:7)" in lines[0], lines
+    assert len(lines) == 1 and "error in your workload: ValueError: my loss is broken (wl.py:7, step 0)" in lines[0], lines
     assert lines[0].endswith("rerun with `hplan --debug` to see each rank's traceback"), lines  # not HPLAN_DEBUG
