@@ -32,12 +32,16 @@ from __future__ import annotations
 
 from dataclasses import replace
 
+import numpy as np
+
 from hplan.artifacts.hardware import Hardware
 from hplan.artifacts.plan import Plan
 from hplan.artifacts.trace import Trace
 from hplan.planner.activation_items import Items
 from hplan.planner.activation_min import Shared, auto_regimes, min_gpu_auto, min_gpu_of
-from hplan.planner.activations import Decision, HostMemoryShort, decide, slack_figure
+from hplan.planner import core
+from hplan.planner.activations import Decision, HostMemoryShort, decide
+from hplan.planner.core import Pruned
 from hplan.planner.exact import lp_bound, solve_milp
 from hplan.planner.options import PlanOptions
 from hplan.planner.problem import MinGpu
@@ -45,11 +49,9 @@ from hplan.planner.search import Progress, Scored, Search, finish, planned_evalu
 
 
 def plan_auto(trace: Trace, hardware: Hardware, options: PlanOptions, on_progress: Progress | None = None) -> Plan:
-    """The plan with each segment's choice decided jointly with the model data's (module doc), in the
-    allocator-slack regimes (hplan.planner.slack): every choice under the mixed figure; then, where that plan
-    makes one choice other than keep, that choice alone under its own figure, or, where nothing fits, each
-    choice alone; the plan moving the fewest link bytes wins (the first on ties). Where host memory (`--cpu-mem`)
-    cannot hold what a plan offloads beside the model data, auto plans again without offload."""
+    """The plan with each segment's choice decided jointly with the model data's (module doc), the best over every
+    allocator-slack regime that can win (hplan.planner.slack.regimes; [Note: auto regimes]). Where host memory
+    (`--cpu-mem`) cannot hold what a plan offloads beside the model data, auto plans again without offload."""
     try:
         return _plan_auto(trace, hardware, options, on_progress, frozenset())
     except HostMemoryShort:
@@ -63,22 +65,103 @@ def _plan_auto(trace: Trace, hardware: Hardware, options: PlanOptions, on_progre
             for name, hw, items in auto_regimes(trace, hardware, without)]
     _, hw, items, least = min(runs, key=lambda r: (r[3].value, not r[3].exact))
     smallest = min_gpu_of(trace, hw, items, least, shared)
-    _, hw, items, first = runs[0]
-    plan, decisions = _plan_regime(trace, hw, options, on_progress, items, smallest, first.lean, first.keep)
-    if plan.summary.feasible:
-        made = slack_figure(decisions)
-        rest = [r for r in runs[1:] if r[0] == made and made != "keep" and r[1].slack_bytes < hw.slack_bytes]
-    else:
-        rest = [r for r in runs[1:] if r[3].value <= hardware.gpu_bytes]
-    best = plan
-    for _, hw, items, own in rest:
+    feasible = [r for r in runs if r[3].value <= hardware.gpu_bytes]  # the others cannot fit (a proven minimum)
+    if not feasible:  # nothing fits: the plan says why, with the smallest budget over every regime
+        name, hw, items, first = runs[0]
+        return _plan_regime(trace, hw, options, on_progress, items, smallest, first.lean, first.keep)[0]
+    best: Plan | None = None
+    bounds: list[int] = []
+    covered = True
+    solved: list[tuple[frozenset[str], int]] = []  # regimes solved with a bound over all their choices
+    mixed: tuple[dict, int] | None = None  # the mixed regime's staged chunkings and its slack
+    for name, hw, items, own in _order(feasible):
+        cheap = 0 if name in ("keep", "mixed") else items.cost_of(items.keep())  # a pure regime's fixed cost
+        if any(items.allowed <= allowed and hw.slack_bytes >= slack for allowed, slack in solved):
+            continue  # a solved regime's bound covers its choices at a slack no larger (its bound is in bounds)
+        incumbent = None if best is None else _objective(best)
+        if incumbent is not None and cheap >= incumbent:
+            continue  # its activation cost alone reaches the incumbent: it cannot win
         try:
-            other, _ = _plan_regime(trace, hw, options, on_progress, items, smallest, own.lean, own.keep)
+            if name == "mixed":
+                plan, _, priced = _plan_regime(trace, hw, options, on_progress, items, smallest, own.lean,
+                                               own.keep, None if incumbent is None else incumbent - 1)
+                if priced is not None:
+                    mixed = (priced, hw.slack_bytes)
+            elif incumbent is not None and mixed is not None and \
+                    _priced_bound(*mixed, name, trace, options, hw.slack_bytes) >= incumbent:
+                continue  # priced by the mixed regime's LP multipliers, on every chunking: it cannot win
+            else:
+                plan = core.plan_decisions(trace, hw, options, decide(trace, name), on_progress, shared=items.shared,
+                                           smallest=smallest,
+                                           incumbent=None if incumbent is None else incumbent - cheap - 1)
+                plan = _summary(plan, items, decide(trace, name), None)
+        except Pruned:
+            continue  # every chunking's bound reaches the incumbent: it cannot win
         except HostMemoryShort:
-            continue  # its offloads do not fit in host memory: the plans found so far stand
-        if other.summary.feasible and (not best.summary.feasible or _objective(other) < _objective(best)):
-            best = other
-    return best
+            if best is None and name == "mixed":
+                raise
+            continue  # its offloads do not fit in host memory: no plan of this regime is hplan's
+        if not plan.summary.feasible:
+            continue
+        s = plan.summary
+        bounds.append(s.lower_bound_bytes)
+        if name == "mixed":
+            covered = covered and s.activations_free
+            if s.activations_free:
+                solved.append((items.allowed, hw.slack_bytes))
+        else:
+            solved.append((items.allowed, hw.slack_bytes))
+        if best is None or _objective(plan) < _objective(best):
+            best = plan
+    if best is None:  # every regime that could fit found no plan: the mixed regime's answer says why
+        name, hw, items, first = runs[0]
+        return _plan_regime(trace, hw, options, on_progress, items, smallest, first.lean, first.keep)[0]
+    return _certify(best, bounds, covered)
+
+
+def _priced_bound(staged: dict, slack: int, choice: str, trace: Trace, options: PlanOptions, own_slack: int
+                  ) -> int:
+    """A lower bound on every plan making `choice` for every segment under `own_slack`, on every chunking: the
+    mixed regime's LP multipliers per chunking, each item restricted to that choice's mode, every row given the
+    slack difference (`lagrangian_bound`); 0 where a chunking was not staged (nothing proven there)."""
+    from hplan.planner.exact import lagrangian_bound
+    from hplan.planner.search import chunk_targets
+
+    least = None
+    for target in chunk_targets(trace, options):
+        if target not in staged:
+            return 0
+        model, rows, multipliers = staged[target]
+        c = model.choices
+        label = np.array(c.label)
+        act = np.array([k < 0 for k in c.key])[c.item]  # activation items have negative keys
+        has = np.zeros(c.n_items, dtype=bool)
+        np.logical_or.at(has, c.item, label == choice)
+        allowed = ~act | (label == choice) | (~has[c.item] & (label == "offload"))
+        value = lagrangian_bound(model, rows, *multipliers, allowed=allowed, more_free=slack - own_slack)
+        least = value if least is None else min(least, value)
+    return 0 if least is None else least
+
+
+def _order(runs: list) -> list:
+    """Regimes in solving order: keep alone first where its slack is the smallest figure (it moves nothing where
+    everything fits, and its zero objective then ends the search), then the mixed regime, then offload and
+    recompute alone."""
+    rank = {"keep": 0, "mixed": 1, "offload": 2, "recompute": 3}
+    mixed = [r[1].slack_bytes for r in runs if r[0] == "mixed"]
+    if mixed and any(r[0] == "keep" and r[1].slack_bytes >= mixed[0] for r in runs):
+        rank["keep"] = 4  # the mixed regime covers it
+    return sorted(runs, key=lambda r: rank[r[0]])
+
+
+def _certify(plan: Plan, bounds: list[int], covered: bool) -> Plan:
+    """The winner with the least bound over every regime solved (each regime that was not solved was proven unable
+    to win: its bound is at least the winner's objective)."""
+    s = plan.summary
+    objective = _objective(plan)
+    lb = min([objective, *bounds])
+    return replace(plan, summary=replace(s, lower_bound_bytes=lb, gap=(objective - lb) / max(objective, 1),
+                                         optimal=objective == lb, activations_free=covered))
 
 
 def _objective(plan: Plan) -> int:
@@ -86,24 +169,27 @@ def _objective(plan: Plan) -> int:
 
 
 def _plan_regime(trace: Trace, hardware: Hardware, options: PlanOptions, on_progress: Progress | None, items: Items,
-                 smallest: MinGpu, lean: tuple[Decision, ...], keep_bytes: int | None
-                 ) -> tuple[Plan, tuple[Decision, ...]]:
-    """The auto plan within one regime (its choices, its slack) and its decisions."""
-    from hplan.planner import core
-
+                 smallest: MinGpu, lean: tuple[Decision, ...], keep_bytes: int | None, incumbent: int | None = None
+                 ) -> tuple[Plan, tuple[Decision, ...], dict | None]:
+    """The auto plan within one regime (its choices, its slack), its decisions and its search's staged chunkings
+    (None at effort 0); `Pruned` where no chunking's bound is at or below `incumbent` (link bytes)."""
     fits = keep_bytes is not None and keep_bytes <= hardware.gpu_bytes
     effort = core._effort(options)
     if effort == 0:  # heuristics only: keep everything when that fits, else the smallest budget's choices
         decisions = decide(trace, "keep") if fits else lean
         plan = core.plan_decisions(trace, hardware, options, decisions, on_progress, shared=items.shared,
                                    smallest=smallest)
-        return _summary(plan, items, decisions, None), decisions
+        return _summary(plan, items, decisions, None), decisions, None
     act0 = items.keep() if fits else items.of(lean)  # what the extremes are built with (it fits)
     work = trace if fits else items.relaxed(act0)
     nodes = core.SEARCH_NODES[effort] if options.solver != "exact" else core.SEARCH_NODES[1]
     search = Search(work, hardware, options, on_progress, planned_evaluations(work, options, joint=True) + 4,
                     nodes=nodes, acts=items, act0=act0)
+    if incumbent is not None:
+        search.best_moved = incumbent
     best = search.run()
+    if best is None and search.pruned:
+        raise Pruned("every chunking's bound is above the incumbent")
     bound: int | None = None
     plan = None
     if best is not None:
@@ -122,7 +208,7 @@ def _plan_regime(trace: Trace, hardware: Hardware, options: PlanOptions, on_prog
         decisions, bound = lean, None
         plan = core.plan_decisions(trace, hardware, options, lean, on_progress, shared=items.shared,
                                    smallest=smallest)
-    return _summary(plan, items, decisions, bound), decisions
+    return _summary(plan, items, decisions, bound), decisions, search.staged
 
 
 def _reuse(search: Search, best: Scored, trace: Trace, hardware: Hardware, options: PlanOptions,
