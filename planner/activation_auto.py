@@ -42,6 +42,7 @@ from hplan.planner.activation_min import Shared, auto_regimes, min_gpu_auto, min
 from hplan.planner import core
 from hplan.planner.activations import Decision, HostMemoryShort, decide
 from hplan.planner.core import Pruned
+from hplan.planner.slack import mix_figure
 from hplan.planner.exact import lp_bound, solve_milp
 from hplan.planner.options import PlanOptions
 from hplan.planner.problem import MinGpu
@@ -196,6 +197,11 @@ def _plan_regime(trace: Trace, hardware: Hardware, options: PlanOptions, on_prog
         bound = _close(search, best, options)
         decisions = items.to_decisions(best.act or act0)
         if any(d.choice == "recompute" for d in decisions):  # the relaxation left their weight reads out
+            plan = core.plan_decisions(trace, hardware, options, decisions, on_progress,
+                                       targets=[best.chunk_target], shared=items.shared, smallest=smallest)
+        elif (mix_figure(trace, hardware, [d.choice for d in decisions]) or 0) > hardware.slack_bytes:
+            # the mix's own log needs more than the regime's figure: planned again under its own ([Note: a mix's
+            # own slack]), on the same chunking
             plan = core.plan_decisions(trace, hardware, options, decisions, on_progress,
                                        targets=[best.chunk_target], shared=items.shared, smallest=smallest)
         else:  # the relaxed problem of these choices is their own: its schedule is the plan's

@@ -67,7 +67,7 @@ def plan_decisions(original: Trace, hardware: Hardware, options: PlanOptions, de
     The plan's slack is the one its choices need (hplan.planner.slack). `incumbent`: bytes moved that a plan
     found elsewhere reaches; chunkings whose LP bound is above it are not solved, and `Pruned` is raised when
     that leaves none (every plan of these choices moves more)."""
-    hardware = with_slack(hardware, decisions)
+    hardware = with_slack(hardware, decisions, original)
     trace = transform(original, decisions, shared)
     effort = _effort(options)
     nodes = SEARCH_NODES[effort] if options.solver != "exact" else SEARCH_NODES[1]

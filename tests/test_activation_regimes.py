@@ -1,0 +1,119 @@
+"""Issue 31, parts 1 and 2: auto's certificate holds at every budget (every allocator-slack regime that can win is
+solved, [Note: auto regimes]) and a plan reserves its own mix's replayed slack ([Note: a mix's own slack]).
+
+Fake traces of transformers models from their configs (the fake device gives the CPU trace's segments and sizes),
+planned for the CPU fast tier and an RTX 3090 (plans only).
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+
+import pytest
+from fake_models import HF_SIZES
+
+from hplan.artifacts import Plan, Trace
+from hplan.artifacts.choice_log import mix_slack
+from hplan.planner import PlanOptions, make_hardware, make_plan, min_gpu_bytes, trace_slack
+from hplan.planner.make import plan_mix
+from hplan.specs import load_workload
+from hplan.tracer import trace_workload
+
+FORCED = ("keep", "offload", "recompute")
+
+
+@pytest.fixture(scope="module")
+def gpt2_5():
+    """GPT-2, 5 blocks, seq 1024: one of its 243 mixes needs more than the sampled "mixed" figure."""
+    w = load_workload("hf:GPT2LMHeadModel", batch_size=1, seq_len=1024,
+                      overrides={**HF_SIZES["GPT2LMHeadModel"], "n_layer": 5, "n_positions": 1024})
+    return trace_workload(w, device="fake")
+
+
+@pytest.fixture(scope="module")
+def llama8():
+    w = load_workload("hf:LlamaForCausalLM", batch_size=4, seq_len=128,
+                      overrides={**HF_SIZES["LlamaForCausalLM"], "num_hidden_layers": 8})
+    return trace_workload(w, device="fake")
+
+
+def levels(trace: Trace) -> list[int]:
+    return [e.non_model_peak_bytes for e in trace.events]
+
+
+def objective(plan: Plan) -> int:
+    link = plan.hardware.h2d_gbps * 1e9
+    return plan.summary.bytes_moved_per_iter + sum(
+        c.moved_bytes * 2 if c.choice == "offload" else math.ceil(c.recompute_seconds * link)
+        if c.choice == "recompute" else 0 for c in plan.activations)
+
+
+def hardware(trace: Trace, gpu: str, gpu_bytes: int):
+    return make_hardware(gpu, gpu_bytes=gpu_bytes, **trace_slack(trace))
+
+
+def test_the_trace_carries_a_log_that_replays_its_pure_figures(gpt2_5, tmp_path):
+    trace = gpt2_5
+    n = len(trace.segments)
+    for choice in ("offload", "recompute"):
+        for kind in ("release", "expandable"):
+            assert mix_slack(trace.choice_log, trace.segments, levels(trace), [choice] * n,
+                             expandable=kind == "expandable") == trace.allocator_slack_by_choice[choice][kind]
+    assert mix_slack(trace.choice_log, trace.segments, levels(trace), ["keep"] * n) == \
+        trace.allocator_slack_release_bytes
+    trace.save(tmp_path / "t.parquet")
+    assert Trace.load(tmp_path / "t.parquet", columns=()).choice_log == trace.choice_log
+
+
+def _mixes(trace: Trace, every: bool) -> list[tuple[str, ...]]:
+    """Every mix, or (fast) those whose replayed figure exceeds the trace's sampled "mixed" figure plus two."""
+    n = len(trace.segments)
+    all_mixes = list(itertools.product(FORCED, repeat=n))
+    if every:
+        return all_mixes
+    sample = trace.allocator_slack_by_choice["mixed"]["release"]
+    over = [m for m in all_mixes if mix_slack(trace.choice_log, trace.segments, levels(trace), m) > sample]
+    assert over, "no mix exceeds the sampled figure: the test lost its case"
+    return over + [all_mixes[5], all_mixes[-7]]
+
+
+@pytest.mark.parametrize("every", [False, pytest.param(True, marks=pytest.mark.slow)])
+def test_a_plan_forced_to_any_mix_reserves_its_own_replayed_slack(gpt2_5, every):
+    trace = gpt2_5
+    hw = hardware(trace, "rtx3090", min_gpu_bytes(trace, activations="keep").gpu_bytes)
+    for mix in _mixes(trace, every):
+        plan = plan_mix(trace, hw, mix)
+        own = mix_slack(trace.choice_log, trace.segments, levels(trace), mix) + trace.overhead_bytes
+        assert plan.hardware.slack_bytes >= own, mix
+        assert plan.summary.feasible, mix
+
+
+def _budgets(trace: Trace, gpu: str, n: int) -> list[int]:
+    low = min_gpu_bytes(trace, hardware(trace, gpu, 1)).gpu_bytes
+    high = min_gpu_bytes(trace, hardware(trace, gpu, 1), activations="keep").gpu_bytes + trace.model_bytes
+    return [low + (high - low) * k // (n - 1) for k in range(n)]
+
+
+@pytest.mark.parametrize("gpu", ["cpu", "rtx3090"])
+@pytest.mark.parametrize("case", ["llama8", "gpt2_5"])
+@pytest.mark.parametrize("n", [5, pytest.param(20, marks=pytest.mark.slow)])
+def test_auto_is_no_worse_than_any_forced_choice_and_its_bound_covers_them(case, gpu, n, request):
+    """From auto's minimum to all-resident: auto's objective <= every forced choice's, its bound <= every forced
+    plan's objective, and where keep fits without moving model data auto moves nothing."""
+    trace = request.getfixturevalue(case)
+    slack_rounding = len(trace.segments)  # each recompute's cost is rounded up to a byte
+    for budget in _budgets(trace, gpu, n):
+        hw = hardware(trace, gpu, budget)
+        auto = make_plan(trace, hw)
+        assert auto.summary.feasible, budget
+        s = auto.summary
+        for choice in FORCED:
+            forced = make_plan(trace, hw, PlanOptions(activations=choice))
+            if not forced.summary.feasible:
+                continue
+            assert objective(auto) <= objective(forced) + slack_rounding, (budget, choice)
+            assert s.lower_bound_bytes <= objective(forced) + slack_rounding, (budget, choice)
+            if choice == "keep" and forced.summary.bytes_moved_per_iter == 0:
+                assert s.bytes_moved_per_iter == 0 and s.activation_bytes_moved_per_iter == 0, budget
+                assert {c.choice for c in auto.activations} == {"keep"}, budget
