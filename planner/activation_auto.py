@@ -23,6 +23,19 @@ budget (`lean`) on the same chunking (the bound still holds), then on any chunki
 choices only). Schedules of equal bytes can differ in predicted time from a forced plan's: time breaks ties only.
 Where everything kept fits, the joint model's extremes are built with every segment kept (else with `lean`).
 
+[Note: auto regimes] Each choice needs its own allocator slack (hplan.planner.slack), so auto solves every regime
+that can win: keep alone under keep's figure (first where that figure is the smallest: an objective of 0 ends the
+search), every choice under the mixed figure, then offload alone and recompute alone under their own figures,
+each planned exactly as the forced choice is; the smallest objective wins (ties: the first). A regime is skipped
+only by a proven bound: a solved regime with a superset of its choices at a slack no larger (its bound is in the
+list); a pure regime's fixed activation cost at or above the incumbent; every chunking's LP bound above it
+(`core.Pruned`); or the mixed regime's LP multipliers, per chunking, with each item held to the regime's choice and
+every row given the slack difference (`exact.lagrangian_bound`, valid for any multipliers). The plan's bound is the
+least over the regimes solved (a skipped regime's is at least the winner's objective); `activations_free` holds only
+where every solved regime's bound covers all its choices. The mixed figure is a sample that guides the search; a
+mixed plan reserves its own mix's replayed figure ([Note: a mix's own slack] in hplan.artifacts.choice_log), and is
+planned again under it where that is larger.
+
 `--gpu-mem min` (`min_gpu_auto`): the smallest budget over every choice is a small MILP on the relaxed per-step
 needs (minimise B with need_t + sum of the chosen effects <= B), which is a lower bound; its choices' true minimum
 (weight reads added) and the forced choices' minimums are candidates, and the smallest is the answer.
