@@ -53,7 +53,7 @@ from hplan.artifacts.trace import Trace
 from hplan.planner.activation_items import Items
 from hplan.planner.activation_min import Shared, auto_regimes, min_gpu_auto, min_gpu_of
 from hplan.planner import core
-from hplan.planner.activations import Decision, HostMemoryShort, decide
+from hplan.planner.activations import Decision, HostMemoryShort, decide, slack_figure
 from hplan.planner.core import Pruned
 from hplan.planner.slack import mix_figure
 from hplan.planner.exact import lp_bound, solve_milp
@@ -88,6 +88,7 @@ def _plan_auto(trace: Trace, hardware: Hardware, options: PlanOptions, on_progre
     covered = True
     solved: list[tuple[frozenset[str], int]] = []  # regimes solved with a bound over all their choices
     mixed: tuple[dict, int] | None = None  # the mixed regime's staged chunkings and its slack
+    targets: list[int] = []
     for name, hw, items, own in _order(feasible):
         cheap = 0 if name in ("keep", "mixed") else items.cost_of(items.keep())  # a pure regime's fixed cost
         if any(items.allowed <= allowed and hw.slack_bytes >= slack for allowed, slack in solved):
@@ -100,9 +101,9 @@ def _plan_auto(trace: Trace, hardware: Hardware, options: PlanOptions, on_progre
                 plan, _, priced = _plan_regime(trace, hw, options, on_progress, items, smallest, own.lean,
                                                own.keep, None if incumbent is None else incumbent - 1)
                 if priced is not None:
-                    mixed = (priced, hw.slack_bytes)
+                    mixed, targets = (priced[0], hw.slack_bytes), _targets(priced[1], options)
             elif incumbent is not None and mixed is not None and \
-                    _priced_bound(*mixed, name, trace, options, hw.slack_bytes) >= incumbent:
+                    _priced_bound(*mixed, name, targets, hw.slack_bytes) >= incumbent:
                 continue  # priced by the mixed regime's LP multipliers, on every chunking: it cannot win
             else:
                 plan = core.plan_decisions(trace, hw, options, decide(trace, name), on_progress, shared=items.shared,
@@ -133,16 +134,14 @@ def _plan_auto(trace: Trace, hardware: Hardware, options: PlanOptions, on_progre
     return _certify(best, bounds, covered)
 
 
-def _priced_bound(staged: dict, slack: int, choice: str, trace: Trace, options: PlanOptions, own_slack: int
-                  ) -> int:
-    """A lower bound on every plan making `choice` for every segment under `own_slack`, on every chunking: the
-    mixed regime's LP multipliers per chunking, each item restricted to that choice's mode, every row given the
-    slack difference (`lagrangian_bound`); 0 where a chunking was not staged (nothing proven there)."""
+def _priced_bound(staged: dict, slack: int, choice: str, targets: list[int], own_slack: int) -> int:
+    """A lower bound on every plan making `choice` for every segment under `own_slack`, on every chunking in
+    `targets`: the mixed regime's LP multipliers per chunking, each item restricted to that choice's mode, every
+    row given the slack difference (`lagrangian_bound`); 0 where a chunking was not staged (nothing proven)."""
     from hplan.planner.exact import lagrangian_bound
-    from hplan.planner.search import chunk_targets
 
     least = None
-    for target in chunk_targets(trace, options):
+    for target in targets:
         if target not in staged:
             return 0
         model, rows, multipliers = staged[target]
@@ -155,6 +154,14 @@ def _priced_bound(staged: dict, slack: int, choice: str, trace: Trace, options: 
         value = lagrangian_bound(model, rows, *multipliers, allowed=allowed, more_free=slack - own_slack)
         least = value if least is None else min(least, value)
     return 0 if least is None else least
+
+
+def _targets(targets: list[int], options: PlanOptions) -> list[int]:
+    """Every chunking a forced plan of any choice may search: the mixed regime's (the trace's own), and one chunk
+    per parameter (a recompute's weight reads may make a module's chunk partly used, which adds it)."""
+    from hplan.planner.problem import PARAM_CHUNKS
+
+    return targets if options.chunk_bytes is not None or PARAM_CHUNKS in targets else [PARAM_CHUNKS, *targets]
 
 
 def _order(runs: list) -> list:
@@ -184,7 +191,7 @@ def _objective(plan: Plan) -> int:
 
 def _plan_regime(trace: Trace, hardware: Hardware, options: PlanOptions, on_progress: Progress | None, items: Items,
                  smallest: MinGpu, lean: tuple[Decision, ...], keep_bytes: int | None, incumbent: int | None = None
-                 ) -> tuple[Plan, tuple[Decision, ...], dict | None]:
+                 ) -> tuple[Plan, tuple[Decision, ...], tuple[dict, list[int]] | None]:
     """The auto plan within one regime (its choices, its slack), its decisions and its search's staged chunkings
     (None at effort 0); `Pruned` where no chunking's bound is at or below `incumbent` (link bytes)."""
     fits = keep_bytes is not None and keep_bytes <= hardware.gpu_bytes
@@ -212,7 +219,8 @@ def _plan_regime(trace: Trace, hardware: Hardware, options: PlanOptions, on_prog
         if any(d.choice == "recompute" for d in decisions):  # the relaxation left their weight reads out
             plan = core.plan_decisions(trace, hardware, options, decisions, on_progress,
                                        targets=[best.chunk_target], shared=items.shared, smallest=smallest)
-        elif (mix_figure(trace, hardware, [d.choice for d in decisions]) or 0) > hardware.slack_bytes:
+        elif slack_figure(decisions) == "mixed" and \
+                (mix_figure(trace, hardware, [d.choice for d in decisions]) or 0) > hardware.slack_bytes:
             # the mix's own log needs more than the regime's figure: planned again under its own ([Note: a mix's
             # own slack]), on the same chunking
             plan = core.plan_decisions(trace, hardware, options, decisions, on_progress,
@@ -227,7 +235,7 @@ def _plan_regime(trace: Trace, hardware: Hardware, options: PlanOptions, on_prog
         decisions, bound = lean, None
         plan = core.plan_decisions(trace, hardware, options, lean, on_progress, shared=items.shared,
                                    smallest=smallest)
-    return _summary(plan, items, decisions, bound), decisions, search.staged
+    return _summary(plan, items, decisions, bound), decisions, (search.staged, search.searched)
 
 
 def _reuse(search: Search, best: Scored, trace: Trace, hardware: Hardware, options: PlanOptions,

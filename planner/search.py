@@ -163,6 +163,8 @@ class Search:
         """Per chunking staged for a joint solve: its model, rows and LP multipliers (auto prices its other
         regimes with them, [Note: auto regimes])."""
         self.pruned = False
+        self.searched: list[int] = []
+        """The chunk targets `run` searched."""
         """Whether a chunking was left unsolved because its LP bound exceeds `best_moved`."""
         self.solved: list[Scored] = []
         """Every candidate scored, in scoring order."""
@@ -356,6 +358,7 @@ class Search:
         first and they are solved from the least bound up, so a chunking that cannot beat the best schedule
         found is skipped (a skipped one could not have won; among exact ties the first solved wins)."""
         targets = self.targets if self.targets is not None else chunk_targets(self.trace, self.options)
+        self.searched = list(targets)
         if not (self.nodes and self.joint_placement):
             best = None
             for target in targets:
