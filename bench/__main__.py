@@ -33,6 +33,7 @@ SECTIONS: tuple[tuple[str, str, str], ...] = (
     ("slack", "10. Allocator slack at the budget (plans)", "bench.slack"),
     ("activations", "11. Activations: auto against the forced choices and transformers' checkpointing",
      "bench.activations"),
+    ("regimes", "12. Activations: auto's certificate at every budget, each plan's own slack (plans)", "bench.regimes"),
 )
 
 

@@ -51,11 +51,11 @@ from hplan.artifacts.hardware import Hardware
 from hplan.artifacts.plan import Plan
 from hplan.artifacts.trace import Trace
 from hplan.planner.activation_items import Items
-from hplan.planner.activation_min import Shared, auto_regimes, min_gpu_auto, min_gpu_of
+from hplan.planner.activation_min import RegimeMin, Shared, auto_regimes, min_gpu_auto, min_gpu_of
 from hplan.planner import core
 from hplan.planner.activations import Decision, HostMemoryShort, decide, slack_figure
 from hplan.planner.core import Pruned
-from hplan.planner.slack import mix_figure
+from hplan.planner.slack import for_figure, mix_figure
 from hplan.planner.exact import lp_bound, solve_milp
 from hplan.planner.options import PlanOptions
 from hplan.planner.problem import MinGpu
@@ -98,10 +98,12 @@ def _plan_auto(trace: Trace, hardware: Hardware, options: PlanOptions, on_progre
             continue  # its activation cost alone reaches the incumbent: it cannot win
         try:
             if name == "mixed":
-                plan, _, priced = _plan_regime(trace, hw, options, on_progress, items, smallest, own.lean,
-                                               own.keep, None if incumbent is None else incumbent - 1)
+                plan, decisions, priced = _plan_regime(trace, hw, options, on_progress, items, smallest, own.lean,
+                                                       own.keep, None if incumbent is None else incumbent - 1)
                 if priced is not None:
                     mixed, targets = (priced[0], hw.slack_bytes), _targets(priced[1], options)
+                first = plan.summary  # its bound, under the smallest mixed reserve, is the regime's
+                plan = _settle(trace, hw, options, on_progress, items, smallest, own, plan, decisions)
             elif incumbent is not None and mixed is not None and \
                     _priced_bound(*mixed, name, targets, hw.slack_bytes) >= incumbent:
                 continue  # priced by the mixed regime's LP multipliers, on every chunking: it cannot win
@@ -118,7 +120,7 @@ def _plan_auto(trace: Trace, hardware: Hardware, options: PlanOptions, on_progre
             continue  # its offloads do not fit in host memory: no plan of this regime is hplan's
         if not plan.summary.feasible:
             continue
-        s = plan.summary
+        s = first if name == "mixed" else plan.summary
         bounds.append(s.lower_bound_bytes)
         if name == "mixed":
             covered = covered and s.activations_free
@@ -132,6 +134,33 @@ def _plan_auto(trace: Trace, hardware: Hardware, options: PlanOptions, on_progre
         name, hw, items, first = runs[0]
         return _plan_regime(trace, hw, options, on_progress, items, smallest, first.lean, first.keep)[0]
     return _certify(best, bounds, covered)
+
+
+SETTLE_ROUNDS = 3
+"""Searches of the mixed regime again under a mix's own, larger, replayed figure ([Note: auto regimes])."""
+
+
+def _settle(trace: Trace, hw: Hardware, options: PlanOptions, on_progress: Progress | None, items: Items,
+            smallest: MinGpu, own: RegimeMin, plan: Plan, decisions: tuple[Decision, ...]) -> Plan:
+    """The mixed regime's plan once its reserve is a fixed point: where the chosen mix's own log needs more than the
+    reserve searched under, the regime is searched again with that figure as its reserve (at most SETTLE_ROUNDS
+    times; each round's plan already reserves its own mix's figure, `_plan_regime`), and the best plan wins."""
+    reserve, best = hw.slack_bytes, plan
+    for _ in range(SETTLE_ROUNDS):
+        if not plan.summary.feasible or slack_figure(decisions) != "mixed":
+            break
+        need = mix_figure(trace, hw, [d.choice for d in decisions]) or 0
+        if need <= reserve:
+            break
+        reserve = need
+        try:
+            plan, decisions, _ = _plan_regime(trace, for_figure(hw, "mixed", need), options, on_progress, items,
+                                              smallest, own.lean, own.keep, _objective(best) - 1)
+        except (Pruned, HostMemoryShort):
+            break
+        if plan.summary.feasible and _objective(plan) < _objective(best):
+            best = plan
+    return best
 
 
 def _priced_bound(staged: dict, slack: int, choice: str, targets: list[int], own_slack: int) -> int:
