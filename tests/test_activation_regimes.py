@@ -122,3 +122,38 @@ def test_auto_is_no_worse_than_any_forced_choice_and_its_bound_covers_them(case,
             if choice == "keep" and forced.summary.bytes_moved_per_iter == 0:
                 assert s.bytes_moved_per_iter == 0 and s.activation_bytes_moved_per_iter == 0, budget
                 assert {c.choice for c in auto.activations} == {"keep"}, budget
+
+
+@pytest.mark.parametrize("gpu", ["cpu", "rtx3090"])
+def test_where_keep_fits_without_moving_model_data_auto_moves_nothing(gpt2_5, gpu):
+    """Issue 31's first case: from where keep holds everything resident under its own slack (below the mixed
+    figure, which auto used to plan every choice under), wherever the forced keep plan moves no byte, auto keeps
+    every block and moves nothing."""
+    trace = gpt2_5
+
+    def keep_moves(budget: int) -> bool:
+        plan = make_plan(trace, hardware(trace, gpu, budget), PlanOptions(activations="keep"))
+        return not plan.summary.feasible or plan.summary.bytes_moved_per_iter > 0
+
+    lo = min_gpu_bytes(trace, hardware(trace, gpu, 1), activations="keep").gpu_bytes
+    hi = lo + trace.model_bytes
+    assert not keep_moves(hi)
+    while hi - lo > 1 << 16:  # the smallest budget (within 64 KiB) where keep moves no byte
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if keep_moves(mid) else (lo, mid)
+    edge = hi
+    table = dict(trace_slack(trace)["activation_slack"])
+    assert table["mixed"] > table["keep"]  # the band where the mixed figure made auto move
+    seen = 0
+    for budget in (edge, edge + (table["mixed"] - table["keep"]) // 2, edge + table["mixed"] - table["keep"] - 1,
+                   edge + trace.model_bytes // 4):
+        hw = hardware(trace, gpu, budget)
+        keep = make_plan(trace, hw, PlanOptions(activations="keep"))
+        if not keep.summary.feasible or keep.summary.bytes_moved_per_iter:
+            continue
+        seen += 1
+        auto = make_plan(trace, hw)
+        assert auto.summary.bytes_moved_per_iter == 0 and auto.summary.activation_cost_bytes == 0, hw.gpu_bytes
+        assert {c.choice for c in auto.activations} == {"keep"}, hw.gpu_bytes
+        assert auto.summary.optimal and auto.summary.activations_free
+    assert seen >= 2
