@@ -157,3 +157,21 @@ def test_where_keep_fits_without_moving_model_data_auto_moves_nothing(gpt2_5, gp
         assert {c.choice for c in auto.activations} == {"keep"}, hw.gpu_bytes
         assert auto.summary.optimal and auto.summary.activations_free
     assert seen >= 2
+
+
+def test_a_hostile_choice_log_is_refused_on_load(gpt2_5):
+    from hplan.errors import HplanError
+
+    import json
+
+    meta = json.loads(json.dumps(gpt2_5.metadata()))
+    assert Trace.from_metadata(meta).choice_log == gpt2_5.choice_log
+    bad = [("log", lambda c: {**c, "log": c["log"][:-1]}, "pairs"),
+           ("log size", lambda c: {**c, "log": [*c["log"][:-1], -3]}, "negative size"),
+           ("position", lambda c: {**c, "inserts": [{**c["inserts"][0], "at": len(c["log"])}]}, "not an insert"),
+           ("segment", lambda c: {**c, "inserts": [{**c["inserts"][0], "segment": 99}]}, "segment"),
+           ("mode", lambda c: {**c, "inserts": [{**c["inserts"][0], "mode": "keep"}]}, "mode"),
+           ("marks", lambda c: {**c, "log": c["log"] + [0, -2]}, "marks")]
+    for what, edit, message in bad:
+        with pytest.raises(HplanError, match=message):
+            Trace.from_metadata({**meta, "choice_log": edit(meta["choice_log"])})
