@@ -33,8 +33,8 @@ list); a pure regime's fixed activation cost at or above the incumbent; every ch
 every row given the slack difference (`exact.lagrangian_bound`, valid for any multipliers). The plan's bound is the
 least over the regimes solved (a skipped regime's is at least the winner's objective); `activations_free` holds only
 where every solved regime's bound covers all its choices. The mixed figure is a sample that guides the search; a
-mixed plan reserves its own mix's replayed figure ([Note: a mix's own slack] in hplan.artifacts.choice_log), and is
-planned again under it where that is larger.
+mixed plan reserves the larger of it and its own mix's replayed figure ([Note: a mix's own slack] in
+hplan.artifacts.choice_log), and where its own is larger the regime is searched again under it (`_settle`).
 
 `--gpu-mem min` (`min_gpu_auto`): the smallest budget over every choice is a small MILP on the relaxed per-step
 needs (minimise B with need_t + sum of the chosen effects <= B), which is a lower bound; its choices' true minimum

@@ -81,12 +81,14 @@ def figure(choices: Iterable[str | None]) -> str:
 
 def for_figure(hardware: Hardware, name: str, value: int | None = None) -> Hardware:
     """`hardware` with the slack of figure `name` (unchanged without a table); `value`: the mix's own replayed
-    figure, which a "mixed" plan reserves instead of the sampled one (and records as its "mixed" entry)."""
+    figure: a "mixed" plan reserves the larger of it and the table's (sampled) mixed figure, and records that as its
+    "mixed" entry. (Never less than the sampled figure, so auto's mixed regime, searched under it, is a relaxation
+    of every mixed plan hplan makes: [Note: auto regimes].)"""
     table = dict(hardware.activation_slack)
     if not table:
         return hardware
     if value is not None and name == "mixed":
-        table["mixed"] = value
+        value = table["mixed"] = max(value, table["mixed"])
         return replace(hardware, slack_bytes=value,
                        activation_slack=tuple((k, table[k]) for k, _ in hardware.activation_slack))
     if table[name] == hardware.slack_bytes:

@@ -9,7 +9,7 @@ entries its rewrite inserts (`ChoiceLog`); `mix_log` puts together the log of an
 frees first, then in segment order, exactly as the tracer's own rewrite), and `mix_slack` replays it at the mix's
 own levels (the events' non-model peaks plus every segment's effects) with the search of [Note: slack at the
 budget]. Pure Python and the allocator model only: the planner runs it on the plan it made
-(hplan.planner.mix_slack). The keys of a recompute's own allocations are negative and unique over the trace.
+(hplan.planner.slack.mix_figure). The keys of a recompute's own allocations are negative and unique over the trace.
 """
 
 from __future__ import annotations
