@@ -118,7 +118,8 @@ def _plan_auto(trace: Trace, hardware: Hardware, options: PlanOptions, on_progre
             if best is None and name == "mixed":
                 raise
             continue  # its offloads do not fit in host memory: no plan of this regime is hplan's
-        if not plan.summary.feasible:
+        if not plan.summary.feasible:  # its minimum fits but no plan was found: nothing bounds its plans
+            covered = False
             continue
         s = first if name == "mixed" else plan.summary
         bounds.append(s.lower_bound_bytes)
