@@ -105,7 +105,7 @@ def _plan_auto(trace: Trace, hardware: Hardware, options: PlanOptions, on_progre
                 first = plan.summary  # its bound, under the smallest mixed reserve, is the regime's
                 plan = _settle(trace, hw, options, on_progress, items, smallest, own, plan, decisions)
             elif incumbent is not None and mixed is not None and \
-                    _priced_bound(*mixed, name, targets, hw.slack_bytes) >= incumbent:
+                    _priced_bound(*mixed, name, targets, hw.slack_bytes, incumbent) >= incumbent:
                 continue  # priced by the mixed regime's LP multipliers, on every chunking: it cannot win
             else:
                 plan = core.plan_decisions(trace, hw, options, decide(trace, name), on_progress, shared=items.shared,
@@ -164,10 +164,11 @@ def _settle(trace: Trace, hw: Hardware, options: PlanOptions, on_progress: Progr
     return best
 
 
-def _priced_bound(staged: dict, slack: int, choice: str, targets: list[int], own_slack: int) -> int:
+def _priced_bound(staged: dict, slack: int, choice: str, targets: list[int], own_slack: int, incumbent: int) -> int:
     """A lower bound on every plan making `choice` for every segment under `own_slack`, on every chunking in
     `targets`: the mixed regime's LP multipliers per chunking, each item restricted to that choice's mode, every
-    row given the slack difference (`lagrangian_bound`); 0 where a chunking was not staged (nothing proven)."""
+    row given the slack difference (`lagrangian_bound`); 0 where a chunking was not staged (nothing proven), and
+    a value below `incumbent` as soon as one chunking's is (the rest need not be priced)."""
     from hplan.planner.exact import lagrangian_bound
 
     least = None
@@ -183,6 +184,8 @@ def _priced_bound(staged: dict, slack: int, choice: str, targets: list[int], own
         allowed = ~act | (label == choice) | (~has[c.item] & (label == "offload"))
         value = lagrangian_bound(model, rows, *multipliers, allowed=allowed, more_free=slack - own_slack)
         least = value if least is None else min(least, value)
+        if least < incumbent:
+            break  # it proves nothing against the incumbent: the regime is solved
     return 0 if least is None else least
 
 
