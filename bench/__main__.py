@@ -38,6 +38,7 @@ SECTIONS: tuple[tuple[str, str, str], ...] = (
     ("speed", "13. Executor speed: per-event cost, where a step's time goes, step time against plain PyTorch",
      "bench.executor_speed"),
     ("deepspeed", "14. DeepSpeed ZeRO beside hplan and plain PyTorch (measured, CPU)", "bench.deepspeed_bench"),
+    ("regimes", "15. Activations: auto's certificate at every budget, each plan's own slack (plans)", "bench.regimes"),
 )
 
 

@@ -1,7 +1,7 @@
 """Table 10 — allocator slack at the budget (issue 24): what the caching allocator costs a GPU of the planned size.
 
 Each workload is fake-traced in a subprocess (the figures come from the tracer's allocator model, [Note: slack at
-the budget] in hplan.tracer.slack) and planned for the smallest GPU under each allocator model the planner knows
+the budget] in hplan.artifacts.slack) and planned for the smallest GPU under each allocator model the planner knows
 (hplan.planner.slack): segments kept (the figure before issue 24), released before out-of-memory (PyTorch's
 default, now the planner's), and expandable segments, every segment kept (`--activations keep`) so the slack
 alone moves the minimum. Then gpt:18b at each shape is planned for a 24 GB RTX 3090 with the defaults

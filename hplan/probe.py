@@ -161,7 +161,7 @@ class TensorProbe:
     """CPU (and fake-tensor) twin of the CUDA probe: counts tensor storages created while tracking.
 
     CPU memory has no caching allocator, so reserved equals allocated and there is no overhead;
-    the tracer predicts CUDA's reservation separately (hplan.tracer.allocator).
+    the tracer predicts CUDA's reservation separately (hplan.artifacts.allocator).
     A caller that already runs its own dispatch mode passes its ledger and never calls `track`.
     """
 

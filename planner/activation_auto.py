@@ -23,6 +23,19 @@ budget (`lean`) on the same chunking (the bound still holds), then on any chunki
 choices only). Schedules of equal bytes can differ in predicted time from a forced plan's: time breaks ties only.
 Where everything kept fits, the joint model's extremes are built with every segment kept (else with `lean`).
 
+[Note: auto regimes] Each choice needs its own allocator slack (hplan.planner.slack), so auto solves every regime
+that can win: keep alone under keep's figure (first where that figure is the smallest: an objective of 0 ends the
+search), every choice under the mixed figure, then offload alone and recompute alone under their own figures,
+each planned exactly as the forced choice is; the smallest objective wins (ties: the first). A regime is skipped
+only by a proven bound: a solved regime with a superset of its choices at a slack no larger (its bound is in the
+list); a pure regime's fixed activation cost at or above the incumbent; every chunking's LP bound above it
+(`core.Pruned`); or the mixed regime's LP multipliers, per chunking, with each item held to the regime's choice and
+every row given the slack difference (`exact.lagrangian_bound`, valid for any multipliers). The plan's bound is the
+least over the regimes solved (a skipped regime's is at least the winner's objective); `activations_free` holds only
+where every solved regime's bound covers all its choices. The mixed figure is a sample that guides the search; a
+mixed plan reserves the larger of it and its own mix's replayed figure ([Note: a mix's own slack] in
+hplan.artifacts.choice_log), and where its own is larger the regime is searched again under it (`_settle`).
+
 `--gpu-mem min` (`min_gpu_auto`): the smallest budget over every choice is a small MILP on the relaxed per-step
 needs (minimise B with need_t + sum of the chosen effects <= B), which is a lower bound; its choices' true minimum
 (weight reads added) and the forced choices' minimums are candidates, and the smallest is the answer.
@@ -32,12 +45,17 @@ from __future__ import annotations
 
 from dataclasses import replace
 
+import numpy as np
+
 from hplan.artifacts.hardware import Hardware
 from hplan.artifacts.plan import Plan
 from hplan.artifacts.trace import Trace
 from hplan.planner.activation_items import Items
-from hplan.planner.activation_min import Shared, auto_regimes, min_gpu_auto, min_gpu_of
+from hplan.planner.activation_min import RegimeMin, Shared, auto_regimes, min_gpu_auto, min_gpu_of
+from hplan.planner import core
 from hplan.planner.activations import Decision, HostMemoryShort, decide, slack_figure
+from hplan.planner.core import Pruned
+from hplan.planner.slack import for_figure, mix_figure
 from hplan.planner.exact import lp_bound, solve_milp
 from hplan.planner.options import PlanOptions
 from hplan.planner.problem import MinGpu
@@ -45,11 +63,9 @@ from hplan.planner.search import Progress, Scored, Search, finish, planned_evalu
 
 
 def plan_auto(trace: Trace, hardware: Hardware, options: PlanOptions, on_progress: Progress | None = None) -> Plan:
-    """The plan with each segment's choice decided jointly with the model data's (module doc), in the
-    allocator-slack regimes (hplan.planner.slack): every choice under the mixed figure; then, where that plan
-    makes one choice other than keep, that choice alone under its own figure, or, where nothing fits, each
-    choice alone; the plan moving the fewest link bytes wins (the first on ties). Where host memory (`--cpu-mem`)
-    cannot hold what a plan offloads beside the model data, auto plans again without offload."""
+    """The plan with each segment's choice decided jointly with the model data's (module doc), the best over every
+    allocator-slack regime that can win (hplan.planner.slack.regimes; [Note: auto regimes]). Where host memory
+    (`--cpu-mem`) cannot hold what a plan offloads beside the model data, auto plans again without offload."""
     try:
         return _plan_auto(trace, hardware, options, on_progress, frozenset())
     except HostMemoryShort:
@@ -63,22 +79,143 @@ def _plan_auto(trace: Trace, hardware: Hardware, options: PlanOptions, on_progre
             for name, hw, items in auto_regimes(trace, hardware, without)]
     _, hw, items, least = min(runs, key=lambda r: (r[3].value, not r[3].exact))
     smallest = min_gpu_of(trace, hw, items, least, shared)
-    _, hw, items, first = runs[0]
-    plan, decisions = _plan_regime(trace, hw, options, on_progress, items, smallest, first.lean, first.keep)
-    if plan.summary.feasible:
-        made = slack_figure(decisions)
-        rest = [r for r in runs[1:] if r[0] == made and made != "keep" and r[1].slack_bytes < hw.slack_bytes]
-    else:
-        rest = [r for r in runs[1:] if r[3].value <= hardware.gpu_bytes]
-    best = plan
-    for _, hw, items, own in rest:
+    feasible = [r for r in runs if r[3].value <= hardware.gpu_bytes]  # the others cannot fit (a proven minimum)
+    if not feasible:  # nothing fits: the plan says why, with the smallest budget over every regime
+        name, hw, items, first = runs[0]
+        return _plan_regime(trace, hw, options, on_progress, items, smallest, first.lean, first.keep)[0]
+    best: Plan | None = None
+    bounds: list[int] = []
+    covered = True
+    solved: list[tuple[frozenset[str], int]] = []  # regimes solved with a bound over all their choices
+    mixed: tuple[dict, int] | None = None  # the mixed regime's staged chunkings and its slack
+    targets: list[int] = []
+    for name, hw, items, own in _order(feasible):
+        cheap = 0 if name in ("keep", "mixed") else items.cost_of(items.keep())  # a pure regime's fixed cost
+        if any(items.allowed <= allowed and hw.slack_bytes >= slack for allowed, slack in solved):
+            continue  # a solved regime's bound covers its choices at a slack no larger (its bound is in bounds)
+        incumbent = None if best is None else _objective(best)
+        if incumbent is not None and cheap >= incumbent:
+            continue  # its activation cost alone reaches the incumbent: it cannot win
         try:
-            other, _ = _plan_regime(trace, hw, options, on_progress, items, smallest, own.lean, own.keep)
+            if name == "mixed":
+                plan, decisions, priced = _plan_regime(trace, hw, options, on_progress, items, smallest, own.lean,
+                                                       own.keep, None if incumbent is None else incumbent - 1)
+                if priced is not None:
+                    mixed, targets = (priced[0], hw.slack_bytes), _targets(priced[1], options)
+                first = plan.summary  # its bound, under the smallest mixed reserve, is the regime's
+                plan = _settle(trace, hw, options, on_progress, items, smallest, own, plan, decisions)
+            elif incumbent is not None and mixed is not None and \
+                    _priced_bound(*mixed, name, targets, hw.slack_bytes, incumbent) >= incumbent:
+                continue  # priced by the mixed regime's LP multipliers, on every chunking: it cannot win
+            else:
+                plan = core.plan_decisions(trace, hw, options, decide(trace, name), on_progress, shared=items.shared,
+                                           smallest=smallest,
+                                           incumbent=None if incumbent is None else incumbent - cheap - 1)
+                plan = _summary(plan, items, decide(trace, name), None)
+        except Pruned:
+            continue  # every chunking's bound reaches the incumbent: it cannot win
         except HostMemoryShort:
-            continue  # its offloads do not fit in host memory: the plans found so far stand
-        if other.summary.feasible and (not best.summary.feasible or _objective(other) < _objective(best)):
-            best = other
+            if best is None and name == "mixed":
+                raise
+            continue  # its offloads do not fit in host memory: no plan of this regime is hplan's
+        if not plan.summary.feasible:  # its minimum fits but no plan was found: nothing bounds its plans
+            covered = False
+            continue
+        s = first if name == "mixed" else plan.summary
+        bounds.append(s.lower_bound_bytes)
+        if name == "mixed":
+            covered = covered and s.activations_free
+            if s.activations_free:
+                solved.append((items.allowed, hw.slack_bytes))
+        else:
+            solved.append((items.allowed, hw.slack_bytes))
+        if best is None or _objective(plan) < _objective(best):
+            best = plan
+    if best is None:  # every regime that could fit found no plan: the mixed regime's answer says why
+        name, hw, items, first = runs[0]
+        return _plan_regime(trace, hw, options, on_progress, items, smallest, first.lean, first.keep)[0]
+    return _certify(best, bounds, covered)
+
+
+SETTLE_ROUNDS = 3
+"""Searches of the mixed regime again under a mix's own, larger, replayed figure ([Note: auto regimes])."""
+
+
+def _settle(trace: Trace, hw: Hardware, options: PlanOptions, on_progress: Progress | None, items: Items,
+            smallest: MinGpu, own: RegimeMin, plan: Plan, decisions: tuple[Decision, ...]) -> Plan:
+    """The mixed regime's plan once its reserve is a fixed point: where the chosen mix's own log needs more than the
+    reserve searched under, the regime is searched again with that figure as its reserve (at most SETTLE_ROUNDS
+    times; each round's plan already reserves its own mix's figure, `_plan_regime`), and the best plan wins."""
+    reserve, best = hw.slack_bytes, plan
+    for _ in range(SETTLE_ROUNDS):
+        if not plan.summary.feasible or slack_figure(decisions) != "mixed":
+            break
+        need = mix_figure(trace, hw, [d.choice for d in decisions]) or 0
+        if need <= reserve:
+            break
+        reserve = need
+        try:
+            plan, decisions, _ = _plan_regime(trace, for_figure(hw, "mixed", need), options, on_progress, items,
+                                              smallest, own.lean, own.keep, _objective(best) - 1)
+        except (Pruned, HostMemoryShort):
+            break
+        if plan.summary.feasible and _objective(plan) < _objective(best):
+            best = plan
     return best
+
+
+def _priced_bound(staged: dict, slack: int, choice: str, targets: list[int], own_slack: int, incumbent: int) -> int:
+    """A lower bound on every plan making `choice` for every segment under `own_slack`, on every chunking in
+    `targets`: the mixed regime's LP multipliers per chunking, each item restricted to that choice's mode, every
+    row given the slack difference (`lagrangian_bound`); 0 where a chunking was not staged (nothing proven), and
+    a value below `incumbent` as soon as one chunking's is (the rest need not be priced)."""
+    from hplan.planner.exact import lagrangian_bound
+
+    least = None
+    for target in targets:
+        if target not in staged:
+            return 0
+        model, rows, multipliers = staged[target]
+        c = model.choices
+        label = np.array(c.label)
+        act = np.array([k < 0 for k in c.key])[c.item]  # activation items have negative keys
+        has = np.zeros(c.n_items, dtype=bool)
+        np.logical_or.at(has, c.item, label == choice)
+        allowed = ~act | (label == choice) | (~has[c.item] & (label == "offload"))
+        value = lagrangian_bound(model, rows, *multipliers, allowed=allowed, more_free=slack - own_slack)
+        least = value if least is None else min(least, value)
+        if least < incumbent:
+            break  # it proves nothing against the incumbent: the regime is solved
+    return 0 if least is None else least
+
+
+def _targets(targets: list[int], options: PlanOptions) -> list[int]:
+    """Every chunking a forced plan of any choice may search: the mixed regime's (the trace's own), and one chunk
+    per parameter (a recompute's weight reads may make a module's chunk partly used, which adds it)."""
+    from hplan.planner.problem import PARAM_CHUNKS
+
+    return targets if options.chunk_bytes is not None or PARAM_CHUNKS in targets else [PARAM_CHUNKS, *targets]
+
+
+def _order(runs: list) -> list:
+    """Regimes in solving order: keep alone first where its slack is the smallest figure (it moves nothing where
+    everything fits, and its zero objective then ends the search), then the mixed regime, then offload and
+    recompute alone."""
+    rank = {"keep": 0, "mixed": 1, "offload": 2, "recompute": 3}
+    mixed = [r[1].slack_bytes for r in runs if r[0] == "mixed"]
+    if mixed and any(r[0] == "keep" and r[1].slack_bytes >= mixed[0] for r in runs):
+        rank["keep"] = 4  # the mixed regime covers it
+    return sorted(runs, key=lambda r: rank[r[0]])
+
+
+def _certify(plan: Plan, bounds: list[int], covered: bool) -> Plan:
+    """The winner with the least bound over every regime solved (each regime that was not solved was proven unable
+    to win: its bound is at least the winner's objective)."""
+    s = plan.summary
+    objective = _objective(plan)
+    lb = min([objective, *bounds])
+    return replace(plan, summary=replace(s, lower_bound_bytes=lb, gap=(objective - lb) / max(objective, 1),
+                                         optimal=objective == lb, activations_free=covered))
 
 
 def _objective(plan: Plan) -> int:
@@ -86,30 +223,39 @@ def _objective(plan: Plan) -> int:
 
 
 def _plan_regime(trace: Trace, hardware: Hardware, options: PlanOptions, on_progress: Progress | None, items: Items,
-                 smallest: MinGpu, lean: tuple[Decision, ...], keep_bytes: int | None
-                 ) -> tuple[Plan, tuple[Decision, ...]]:
-    """The auto plan within one regime (its choices, its slack) and its decisions."""
-    from hplan.planner import core
-
+                 smallest: MinGpu, lean: tuple[Decision, ...], keep_bytes: int | None, incumbent: int | None = None
+                 ) -> tuple[Plan, tuple[Decision, ...], tuple[dict, list[int]] | None]:
+    """The auto plan within one regime (its choices, its slack), its decisions and its search's staged chunkings
+    (None at effort 0); `Pruned` where no chunking's bound is at or below `incumbent` (link bytes)."""
     fits = keep_bytes is not None and keep_bytes <= hardware.gpu_bytes
     effort = core._effort(options)
     if effort == 0:  # heuristics only: keep everything when that fits, else the smallest budget's choices
         decisions = decide(trace, "keep") if fits else lean
         plan = core.plan_decisions(trace, hardware, options, decisions, on_progress, shared=items.shared,
                                    smallest=smallest)
-        return _summary(plan, items, decisions, None), decisions
+        return _summary(plan, items, decisions, None), decisions, None
     act0 = items.keep() if fits else items.of(lean)  # what the extremes are built with (it fits)
     work = trace if fits else items.relaxed(act0)
     nodes = core.SEARCH_NODES[effort] if options.solver != "exact" else core.SEARCH_NODES[1]
     search = Search(work, hardware, options, on_progress, planned_evaluations(work, options, joint=True) + 4,
                     nodes=nodes, acts=items, act0=act0)
+    if incumbent is not None:
+        search.best_moved = incumbent
     best = search.run()
+    if best is None and search.pruned:
+        raise Pruned("every chunking's bound is above the incumbent")
     bound: int | None = None
     plan = None
     if best is not None:
         bound = _close(search, best, options)
         decisions = items.to_decisions(best.act or act0)
         if any(d.choice == "recompute" for d in decisions):  # the relaxation left their weight reads out
+            plan = core.plan_decisions(trace, hardware, options, decisions, on_progress,
+                                       targets=[best.chunk_target], shared=items.shared, smallest=smallest)
+        elif slack_figure(decisions) == "mixed" and \
+                (mix_figure(trace, hardware, [d.choice for d in decisions]) or 0) > hardware.slack_bytes:
+            # the mix's own log needs more than the regime's figure: planned again under its own ([Note: a mix's
+            # own slack]), on the same chunking
             plan = core.plan_decisions(trace, hardware, options, decisions, on_progress,
                                        targets=[best.chunk_target], shared=items.shared, smallest=smallest)
         else:  # the relaxed problem of these choices is their own: its schedule is the plan's
@@ -122,7 +268,7 @@ def _plan_regime(trace: Trace, hardware: Hardware, options: PlanOptions, on_prog
         decisions, bound = lean, None
         plan = core.plan_decisions(trace, hardware, options, lean, on_progress, shared=items.shared,
                                    smallest=smallest)
-    return _summary(plan, items, decisions, bound), decisions
+    return _summary(plan, items, decisions, bound), decisions, (search.staged, search.searched)
 
 
 def _reuse(search: Search, best: Scored, trace: Trace, hardware: Hardware, options: PlanOptions,

@@ -32,7 +32,7 @@ from hplan.artifacts.trace import Trace
 from hplan.errors import HplanError
 from hplan.planner.problem import PARAM_CHUNKS, MinGpu, build, group_params, min_gpu
 from hplan.planner.schedule import event_seconds, predict_seconds
-from hplan.planner.slack import counted, figure, for_figure
+from hplan.planner.slack import counted, figure, for_figure, mix_figure
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -126,15 +126,19 @@ def slack_figure(decisions: tuple[Decision, ...]) -> str:
     return figure(counted(d.choice, bool(d.segment.offload_bytes), d.segment.recomputable) for d in decisions)
 
 
-def with_slack(hardware: Hardware, decisions: tuple[Decision, ...]) -> Hardware:
-    """`hardware` with the allocator slack of a plan making these choices (hplan.planner.slack)."""
-    return for_figure(hardware, slack_figure(decisions))
+def with_slack(hardware: Hardware, decisions: tuple[Decision, ...], trace: Trace | None = None) -> Hardware:
+    """`hardware` with the allocator slack of a plan making these choices (hplan.planner.slack): a mix's own
+    replayed figure where `trace` carries its log ([Note: a mix's own slack]), else the figure of its kind."""
+    name = slack_figure(decisions)
+    own = mix_figure(trace, hardware, [d.choice for d in decisions]) if trace is not None and name == "mixed" \
+        else None
+    return for_figure(hardware, name, own)
 
 
 def min_gpu_with(trace: Trace, hardware: Hardware, decisions: tuple[Decision, ...],
                  shared: frozenset[tuple[str, int]] | None = None, label: str = "") -> MinGpu:
     """The smallest budget under the choices, its bottleneck naming the segment involved there."""
-    hardware = with_slack(hardware, decisions)
+    hardware = with_slack(hardware, decisions, trace)
     work = transform(trace, decisions, shared)
     structure, problem = built = build(work, group_params(work, PARAM_CHUNKS), frozenset(), hardware)
     smallest = min_gpu(work, hardware, built)

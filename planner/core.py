@@ -60,18 +60,25 @@ def _exact_targets(search: Search, best: Scored, options: PlanOptions) -> list[S
 
 def plan_decisions(original: Trace, hardware: Hardware, options: PlanOptions, decisions: tuple[Decision, ...],
                    on_progress: Progress | None = None, *, targets: list[int] | None = None,
-                   shared: frozenset[tuple[str, int]] | None = None, smallest: MinGpu | None = None) -> Plan:
+                   shared: frozenset[tuple[str, int]] | None = None, smallest: MinGpu | None = None,
+                   incumbent: int | None = None) -> Plan:
     """The plan with these activation decisions ([Note: plan activations]); `targets`: the chunkings to search
     (default every one), `shared` see `planner.activations.decision_effects`, `smallest` the minimum to report.
-    The plan's slack is the one its choices need (hplan.planner.slack)."""
-    hardware = with_slack(hardware, decisions)
+    The plan's slack is the one its choices need (hplan.planner.slack). `incumbent`: bytes moved that a plan
+    found elsewhere reaches; chunkings whose LP bound is above it are not solved, and `Pruned` is raised when
+    that leaves none (every plan of these choices moves more)."""
+    hardware = with_slack(hardware, decisions, original)
     trace = transform(original, decisions, shared)
     effort = _effort(options)
     nodes = SEARCH_NODES[effort] if options.solver != "exact" else SEARCH_NODES[1]
     search = Search(trace, hardware, options, on_progress,
                     planned_evaluations(trace, options, joint=bool(nodes) and Search.joint_placement) + 2, nodes=nodes)
     search.targets = targets
+    if incumbent is not None:
+        search.best_moved = incumbent
     best = search.run()
+    if best is None and search.pruned:
+        raise Pruned("every chunking's bound is above the incumbent")
     if smallest is not None:
         pass
     elif all(d.choice == "keep" for d in decisions):  # the search built that problem already
@@ -87,6 +94,11 @@ def plan_decisions(original: Trace, hardware: Hardware, options: PlanOptions, de
     if decisions and plan.summary.feasible:
         plan = with_activations(plan, original, trace, decisions, shared)
     return plan
+
+
+class Pruned(Exception):
+    """`plan_decisions` with an incumbent: no chunking's bound is at or below it (not an error: the caller keeps
+    its incumbent)."""
 
 
 def stop_gap(options: PlanOptions) -> float:

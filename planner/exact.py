@@ -47,6 +47,15 @@ def lp_bound(model: IntervalModel, rows: Rows | None = None) -> int:
     if model.n_gaps == 0 and model.choices is None:
         return model.constant
     rows = rows or memory_rows(model)
+    return lagrangian_bound(model, rows, *lp_multipliers(model, rows))
+
+
+Multipliers = tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, float]
+"""`lagrangian_bound`'s mem, cover, special, switch and persp."""
+
+
+def lp_multipliers(model: IntervalModel, rows: Rows) -> Multipliers:
+    """The LP relaxation's dual values as `lagrangian_bound`'s multipliers."""
     h, lay = _highs(model, rows, integral=False)
     h.run()
     sol = h.getSolution()
@@ -58,17 +67,21 @@ def lp_bound(model: IntervalModel, rows: Rows | None = None) -> int:
     special = -np.minimum(row_dual[lay.special_row:lay.special_row + len(lay.special)], 0.0)
     switch = np.maximum(row_dual[lay.switch_link_row:lay.switch_link_row + lay.n_switch], 0.0) * lay.unit
     persp = -min(float(row_dual[lay.persp_row]), 0.0) if lay.persp_row >= 0 else 0.0
-    return lagrangian_bound(model, rows, mem, cover, special, switch, persp)
+    return mem, cover, special, switch, persp
 
 
 def lagrangian_bound(model: IntervalModel, rows: Rows, mem: np.ndarray, cover: np.ndarray,
-                     special: np.ndarray | None = None, switch: np.ndarray | None = None, persp: float = 0.0) -> int:
+                     special: np.ndarray | None = None, switch: np.ndarray | None = None, persp: float = 0.0, *,
+                     allowed: np.ndarray | None = None, more_free: int = 0) -> int:
     """A lower bound on the model for any multipliers >= 0, rounded down: the least of the objective plus
     mem·(memory of kept gaps - free) per binding row (bytes per byte), cover·(rhs - z - y + x) per write-back
     row (bytes), and with choices special·(memory with the modes' extras - free) per special row,
     switch·(x_m - g) per switch link and persp·(extras at the switch's step - switch_room·g) for the switch
     cut. The minimum is exact: y, z and g range over [0, 1] and each item picks its cheapest mode together with
-    that mode's gaps (y_i <= x_m is kept, not priced)."""
+    that mode's gaps (y_i <= x_m is kept, not priced). With `allowed` (per mode) each item picks among its allowed
+    modes only, and `more_free` adds bytes to every row's free memory: the bound then holds for the model with
+    those modes only and that much more room (auto's regimes of one choice at a smaller slack,
+    [Note: auto regimes]); the multipliers may come from the full model's LP."""
     c = model.choices
     m = len(rows.free)
     gap, span, mode = model.covers()
@@ -82,7 +95,8 @@ def lagrangian_bound(model: IntervalModel, rows: Rows, mem: np.ndarray, cover: n
     np.subtract.at(reduced, gap, cover)
     span_reduced = model.span_size.astype(float).copy()
     np.subtract.at(span_reduced, span, cover)
-    value = (constant_of(model) - float(mem @ rows.free.astype(float)) - float(special @ rows.free[sp].astype(float))
+    free = rows.free.astype(float) + float(more_free)
+    value = (constant_of(model) - float(mem @ free) - float(special @ free[sp])
              + float(cover[mode < 0].sum()) + float(np.minimum(span_reduced, 0.0).sum()))
     if c is None:
         value += float(np.minimum(reduced, 0.0).sum())
@@ -105,11 +119,15 @@ def lagrangian_bound(model: IntervalModel, rows: Rows, mem: np.ndarray, cover: n
             if persp and c.switch_bytes > 0:
                 at = switch_extras(model, rows)
                 np.add.at(mode_red, c.extra_mode[at], persp * c.extra_bytes[at])
-                switch_red -= persp * switch_room(model, rows)
+                switch_red -= persp * (switch_room(model, rows) + more_free)
+        if allowed is not None:
+            mode_red = np.where(allowed, mode_red, np.inf)
         best = np.full(c.n_items, np.inf)
         np.minimum.at(best, c.item, mode_red)
         value += float(best.sum()) + min(switch_red, 0.0)
     # Floating-point sums of byte counts up to ~1e12 err by far less than this margin.
+    if not math.isfinite(value):
+        return 0 if value < 0 else 1 << 62  # an item without an allowed mode: nothing is feasible
     margin = 1e-9 * (constant_of(model) + float(model.span_size.sum()) + float(model.size.sum()) + 1.0)
     return max(0, math.ceil(value - margin - 1e-6))
 

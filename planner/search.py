@@ -36,7 +36,9 @@ from hplan.artifacts.hardware import Hardware
 from hplan.artifacts.plan import Step
 from hplan.artifacts.trace import ParamInfo, Trace
 from hplan.planner.belady import Schedule, solve_fast
-from hplan.planner.exact import ExactResult, Rows, lp_bound, memory_rows, solve_milp
+from hplan.planner.exact import (
+    ExactResult, Multipliers, Rows, lagrangian_bound, lp_bound, lp_multipliers, memory_rows, solve_milp,
+)
 from hplan.planner.intervals import IntervalModel, build_intervals
 from hplan.planner.options import PlanOptions
 from hplan.planner.placement import Joint, build_joint
@@ -155,6 +157,15 @@ class Search:
         """Branch-and-bound nodes per candidate; 0 scores with the fast heuristics only."""
         self.on_progress, self.total, self.done = on_progress, total, 0
         self.best_moved: float = float("inf")
+        """The least traffic found, or an incumbent's from elsewhere (auto's other regimes): chunkings whose LP
+        bound exceeds it are not solved."""
+        self.staged: dict[int, tuple[IntervalModel, Rows, Multipliers]] = {}
+        """Per chunking staged for a joint solve: its model, rows and LP multipliers (auto prices its other
+        regimes with them, [Note: auto regimes])."""
+        self.pruned = False
+        self.searched: list[int] = []
+        """The chunk targets `run` searched."""
+        """Whether a chunking was left unsolved because its LP bound exceeds `best_moved`."""
         self.solved: list[Scored] = []
         """Every candidate scored, in scoring order."""
         self.all_host: dict[int, tuple[Structure, Problem]] = {}
@@ -245,13 +256,16 @@ class Search:
             self.tick(f"chunks of {target or 'one module'} B: no placement fits")
             return None
         rows = memory_rows(joint.model)
-        bound = lp_bound(joint.model, rows)
+        multipliers = lp_multipliers(joint.model, rows)
+        bound = lagrangian_bound(joint.model, rows, *multipliers)
+        self.staged[target] = (joint.model, rows, multipliers)
         self.tick(f"chunks of {target or 'one module'} B: LP bound over every placement")
         return target, groups, joint, rows, bound
 
     def _solve_joint(self, target: int, groups: list[list[ParamInfo]], joint: Joint, rows: Rows, bound: int
                      ) -> Scored | None:
         if bound > self.best_moved:  # no placement of this chunking can beat a schedule already found
+            self.pruned = True
             self.tick(f"chunks of {target or 'one module'} B: cannot beat the best found")
             return None
         keep, x = self._fallback(joint)
@@ -344,6 +358,7 @@ class Search:
         first and they are solved from the least bound up, so a chunking that cannot beat the best schedule
         found is skipped (a skipped one could not have won; among exact ties the first solved wins)."""
         targets = self.targets if self.targets is not None else chunk_targets(self.trace, self.options)
+        self.searched = list(targets)
         if not (self.nodes and self.joint_placement):
             best = None
             for target in targets:

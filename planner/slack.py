@@ -1,6 +1,6 @@
 """Which allocator slack a plan leaves room for: the trace's prediction for the allocator setting the run uses.
 
-The tracer predicts three figures ([Note: slack at the budget] in hplan.tracer.slack); the planner adds one of
+The tracer predicts three figures ([Note: slack at the budget] in hplan.artifacts.slack); the planner adds one of
 them, plus the non-framework overhead, as Hardware.slack_bytes:
 - "release" (default): PyTorch's default allocator on a GPU of the planned size, which frees cached segments
   and retries before it reports out of memory;
@@ -79,10 +79,19 @@ def figure(choices: Iterable[str | None]) -> str:
     return "mixed"
 
 
-def for_figure(hardware: Hardware, name: str) -> Hardware:
-    """`hardware` with the slack of figure `name` (unchanged without a table)."""
+def for_figure(hardware: Hardware, name: str, value: int | None = None) -> Hardware:
+    """`hardware` with the slack of figure `name` (unchanged without a table); `value`: the mix's own replayed
+    figure: a "mixed" plan reserves the larger of it and the table's (sampled) mixed figure, and records that as its
+    "mixed" entry. (Never less than the sampled figure, so auto's mixed regime, searched under it, is a relaxation
+    of every mixed plan hplan makes: [Note: auto regimes].)"""
     table = dict(hardware.activation_slack)
-    if not table or table[name] == hardware.slack_bytes:
+    if not table:
+        return hardware
+    if value is not None and name == "mixed":
+        value = table["mixed"] = max(value, table["mixed"])
+        return replace(hardware, slack_bytes=value,
+                       activation_slack=tuple((k, table[k]) for k, _ in hardware.activation_slack))
+    if table[name] == hardware.slack_bytes:
         return hardware
     return replace(hardware, slack_bytes=table[name])
 
@@ -95,3 +104,22 @@ def regimes(hardware: Hardware, without: frozenset[str] = frozenset()) -> list[t
         return [("mixed", hardware, every)]
     return [("mixed", for_figure(hardware, "mixed"), every),
             *((c, for_figure(hardware, c), frozenset((c,))) for c in ("keep", "offload", "recompute") if c in every)]
+
+
+def mix_figure(trace: Trace, hardware: Hardware, modes: list[str]) -> int | None:
+    """Slack plus overhead that the mix (segment i makes `modes[i]`) needs, replayed from the trace's own log
+    ([Note: a mix's own slack] in hplan.artifacts.choice_log) under the allocator `hardware`'s table was made for
+    (the larger of release and expandable where their keep figures agree); None without a log or a table."""
+    from hplan.artifacts.choice_log import mix_slack
+
+    log, table = trace.choice_log, dict(hardware.activation_slack)
+    if log is None or not table or len(modes) != len(trace.segments):
+        return None
+    keep = table["keep"] - trace.overhead_bytes
+    kinds = [kind for kind, value in (("release", trace.allocator_slack_release_bytes),
+                                      ("expandable", trace.allocator_slack_expandable_bytes)) if value == keep]
+    if not kinds:
+        return None
+    levels = [e.non_model_peak_bytes for e in trace.events]
+    return max(mix_slack(log, trace.segments, levels, modes, expandable=k == "expandable")
+               for k in kinds) + trace.overhead_bytes

@@ -8,9 +8,9 @@ import random
 import pytest
 
 from hplan.errors import HplanError
-from hplan.tracer.allocator import FREE, MARK, AllocatorModel, OutOfMemory
-from hplan.tracer.expandable import ExpandableModel
-from hplan.tracer.slack import holds, replay, slack_figures, smallest_slack
+from hplan.artifacts.allocator import FREE, MARK, AllocatorModel, OutOfMemory
+from hplan.artifacts.expandable import ExpandableModel
+from hplan.artifacts.slack import holds, replay, slack_figures, smallest_slack
 
 MiB = 1 << 20
 

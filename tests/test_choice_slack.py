@@ -19,11 +19,11 @@ from hplan.planner import PlanOptions, make_hardware, make_plan, min_gpu_bytes, 
 from hplan.planner.slack import counted, figure, regimes
 from hplan.models.hf import enable_checkpointing
 from hplan.specs import load_workload
-from hplan.tracer.allocator import FREE, MARK, AllocatorModel
+from hplan.artifacts.allocator import FREE, MARK, AllocatorModel
 from hplan.tracer.build import build_trace
 from hplan.tracer.choice_slack import choice_levels, rewrite
 from hplan.tracer.core import record
-from hplan.tracer.slack import smallest_slack
+from hplan.artifacts.slack import smallest_slack
 
 LLAMA = {"num_hidden_layers": 4, "hidden_size": 128, "intermediate_size": 344, "num_attention_heads": 4,
          "num_key_value_heads": 4, "vocab_size": 512, "max_position_embeddings": 512}

@@ -5,7 +5,7 @@ from __future__ import annotations
 import random
 
 import pytest
-from hplan.tracer.allocator import AllocatorModel, round_size
+from hplan.artifacts.allocator import AllocatorModel, round_size
 
 KiB, MiB = 1 << 10, 1 << 20
 

@@ -10,8 +10,8 @@ import torch
 from hplan.artifacts.trace import CATEGORIES, TIMELINE_COLUMNS, Event, ParamInfo, Trace
 from hplan.hooks import dtype_name, param_modules, workload_fingerprint
 from hplan.optimizers import check_optimizer, state_spec
-from hplan.tracer.choice_slack import choice_slack
-from hplan.tracer.slack import marks, slack_figures
+from hplan.tracer.choice_slack import choice_log, choice_slack
+from hplan.artifacts.slack import marks, slack_figures
 
 if TYPE_CHECKING:
     from hplan.tracer.core import Recording
@@ -54,17 +54,20 @@ def _slack(rec: Recording, steady: pd.DataFrame, peak_bytes: int, events: tuple[
     Segments kept (allocator_slack_bytes): measured on CUDA (reserved minus allocated at the peak); elsewhere the
     allocator model's peak reservation for per-step allocations minus their peak, since chunked model data is
     allocated once, exactly. At the budget (cached segments released, plain or expandable): the model on every
-    device, under each event's non-model bytes plus the slack ([Note: slack at the budget] in hplan.tracer.slack)."""
+    device, under each event's non-model bytes plus the slack ([Note: slack at the budget] in hplan.artifacts.slack)."""
     per_step_peak = int((steady.peak_bytes - steady.model_bytes).max()) if len(steady) else 0
     log = rec.allocator_log
     levels = ([e.non_model_peak_bytes for e in events] if marks(log) == len(events) else [per_step_peak])
     figures = slack_figures(log, levels)
     kept = (int(steady.reserved_bytes.max()) - peak_bytes if rec.device == "cuda"
             else rec.max_reserved_bytes - per_step_peak)
-    by_choice = choice_slack(log, rec.op_log, rec.segment_calls, rec.segments, levels,
-                             [w.op_start for w in rec.windows])
+    starts = [w.op_start for w in rec.windows]
+    by_choice = choice_slack(log, rec.op_log, rec.segment_calls, rec.segments, levels, starts)
+    replayable = choice_log(log, rec.op_log, rec.segment_calls, rec.segments, len(events), starts) \
+        if by_choice else None
     return {"allocator_slack_bytes": max(0, kept), "allocator_slack_release_bytes": figures["release"],
-            "allocator_slack_expandable_bytes": figures["expandable"], "allocator_slack_by_choice": by_choice}
+            "allocator_slack_expandable_bytes": figures["expandable"], "allocator_slack_by_choice": by_choice,
+            "choice_log": replayable}
 
 
 def _events(rec: Recording) -> tuple[Event, ...]:

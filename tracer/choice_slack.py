@@ -38,11 +38,12 @@ import random
 from collections.abc import Iterator, Mapping, Sequence
 
 from hplan.artifacts.activations import CHOICES
+from hplan.artifacts.choice_log import ChoiceLog, Insert, mix_log
 from hplan.artifacts.segments import Segment, effect_totals
-from hplan.tracer.allocator import FREE, MARK
+from hplan.artifacts.allocator import FREE, MARK
 from hplan.tracer.segment_stats import owned_and_moved
 from hplan.tracer.segments import Call
-from hplan.tracer.slack import Log, smallest_slack
+from hplan.artifacts.slack import Log, smallest_slack
 
 Entry = tuple[int, int]
 Choice = str | Mapping[tuple[str, int], str]
@@ -114,20 +115,49 @@ def rewrite(log: Log, op_log: Sequence[int], marks: list[int], starts: Sequence[
             pairs: list[tuple[Segment, Call]], modes: Mapping[tuple[str, int], str]) -> list[Entry]:
     """The log with every segment call's calls under its mode (keep by default) inserted ([Note: slack per
     choice])."""
-    inserts: dict[int, list[tuple[int, list[Entry]]]] = {}
-    fresh = itertools.count(-1, -1)  # keys of the recompute's own allocations (storage keys are positive)
+    flat = tuple(x for entry in log for x in entry)
+    per = [modes.get(seg.key, "keep") for seg, _ in pairs]
+    found = inserts(log, op_log, marks, starts, pairs, per, itertools.count(-1, -1))
+    return mix_log(ChoiceLog(log=flat, inserts=tuple(found)), per)
 
-    def at(pos: int, entries: list[Entry], order: int = 0) -> None:
-        """Entries to run before log[pos]; at one position frees (order 0) run before allocations (1)."""
-        inserts.setdefault(pos, []).append((order, entries))
+
+def choice_log(log: Log, op_log: Sequence[int], calls: Sequence[Call], segments: Sequence[Segment],
+               n_events: int, starts: Sequence[int]) -> ChoiceLog | None:
+    """The keep log with every segment's inserts under offload and under recompute, for the planner's replay of
+    a mix ([Note: a mix's own slack] in hplan.artifacts.choice_log); None where `choice_slack` has no figures."""
+    marks = [i for i, (_, nbytes) in enumerate(log) if nbytes == MARK]
+    by_key = {(c.path, c.micro): c for c in calls}
+    pairs = [(s, by_key[s.key]) for s in segments if s.key in by_key]
+    if not segments or len(marks) != n_events or len(pairs) != len(segments):
+        return None
+    refused = {s.module for s in segments if not s.recomputable}
+    fresh = itertools.count(-1, -1)
+    found = inserts(log, op_log, marks, starts, pairs, ["offload"] * len(pairs), fresh)
+    found += inserts(log, op_log, marks, starts, pairs,
+                     ["offload" if s.module in refused else "recompute" for s, _ in pairs], fresh, only="recompute")
+    found.sort(key=lambda ins: ins.segment)  # stable: each segment's own order
+    return ChoiceLog(log=tuple(x for entry in log for x in entry), inserts=tuple(found))
+
+
+def inserts(log: Log, op_log: Sequence[int], marks: list[int], starts: Sequence[int],
+            pairs: list[tuple[Segment, Call]], modes: Sequence[str], fresh: Iterator[int], only: str | None = None
+            ) -> list[Insert]:
+    """What segment i's mode `modes[i]` inserts into the log ([Note: slack per choice]), in the order the rewrite
+    makes them; `only`: that mode's inserts only."""
+    out: list[Insert] = []
 
     def op_pos(op: int | None) -> int:
         return op_log[op] if op is not None and 0 <= op < len(op_log) else len(log)
 
-    for seg, call in pairs:
-        mode = modes.get(seg.key, "keep")
-        if mode == "keep":
+    for i, ((seg, call), mode) in enumerate(zip(pairs, modes)):
+        if mode == "keep" or only is not None and mode != only:
             continue
+
+        def at(pos: int, entries: list[Entry], order: int = 0) -> None:
+            """Entries to run before log[pos]; at one position frees (order 0) run before allocations (1)."""
+            out.append(Insert(segment=i, mode=mode, at=pos, order=order,  # type: ignore[arg-type]
+                              entries=tuple(x for entry in entries for x in entry)))
+
         f1, (b0, b1) = seg.forward_events[1], seg.backward_events
         _, moved = owned_and_moved(call)
         restored: set[int] = set()
@@ -146,12 +176,6 @@ def rewrite(log: Log, op_log: Sequence[int], marks: list[int], starts: Sequence[
             again, late = _again(log[op_pos(call.entry_op):op_pos(call.exit_op)], restored, extra, fresh)
             at(op_pos(call.unpack_op), again, 1)
             at(end, late)
-    out: list[Entry] = []
-    for i, entry in enumerate([*log, None]):
-        for _, entries in sorted(inserts.get(i, ()), key=lambda group: group[0]):  # stable: in order
-            out += entries
-        if entry is not None:
-            out.append(entry)
     return out
 
 

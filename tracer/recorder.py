@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from hplan.tracer.allocator import AllocatorModel
+from hplan.artifacts.allocator import AllocatorModel
 from hplan.tracer.flops import attention_flops
 from hplan.tracer.graph import GraphBuilder
 from hplan.tracer.segments import SegmentTracker

@@ -16,6 +16,7 @@ from typing import Any, ClassVar
 import pandas as pd
 
 from hplan.artifacts.io import atomic_path
+from hplan.artifacts.choice_log import ChoiceLog
 from hplan.artifacts.segments import Segment
 from hplan.artifacts.trace_columns import (  # re-exported: hplan.artifacts.trace's names
     CATEGORIES, EVENT_KINDS, MODEL_CATEGORIES, PHASES, TIMELINE_COLUMNS)  # noqa: F401
@@ -112,7 +113,7 @@ class Trace:
     """Reserved minus allocated at the peak with cached segments kept (measured on CUDA, predicted otherwise)."""
     allocator_slack_release_bytes: int | None = None
     """Predicted slack on a GPU of the planned size, where the allocator releases cached segments before it
-    reports out of memory ([Note: slack at the budget] in hplan.tracer.slack); None in traces older than it."""
+    reports out of memory ([Note: slack at the budget] in hplan.artifacts.slack); None in traces older than it."""
     allocator_slack_expandable_bytes: int | None = None
     """The same with PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True; None in traces older than it."""
     allocator_slack_by_choice: dict[str, dict[str, int]] = field(default_factory=dict)
@@ -120,6 +121,10 @@ class Trace:
     of a step that mixes choices ({"offload": {...}, "recompute": {...}, "mixed": {...}}; [Note: slack per choice]
     in hplan.tracer.choice_slack); the two figures above are the keep step's. Empty without segments and in
     traces older than it."""
+    choice_log: ChoiceLog | None = field(default=None, compare=False, repr=False)
+    """The keep step's allocator log and each segment's rewrite per choice, from which the planner replays the
+    slack of any mix ([Note: a mix's own slack] in hplan.artifacts.choice_log); None without per-choice figures
+    and in older traces."""
     overhead_bytes: int = 0
     """Non-framework device memory (CUDA context, library workspaces); 0 off CUDA."""
     step_seconds: float = 0.0
@@ -167,6 +172,7 @@ class Trace:
         meta["params"] = [asdict(p) for p in self.params]
         meta["events"] = [asdict(e) for e in self.events]
         meta["segments"] = [asdict(s) for s in self.segments]
+        meta["choice_log"] = None if self.choice_log is None else asdict(self.choice_log)
         meta["schema"] = self.SCHEMA
         return meta
 

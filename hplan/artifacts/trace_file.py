@@ -34,7 +34,8 @@ if TYPE_CHECKING:
 
 MAX_METADATA_BYTES = 256 << 20
 """Largest hplan metadata a trace may carry (a gpt:1.3b trace carries 0.2 MB: its parameter and event tables)."""
-SIGNED = {"first_grad_op": -1, "last_read_op": -1, "group": -1, "recompute_backward_delta": -INT64_END}
+SIGNED = {"first_grad_op": -1, "last_read_op": -1, "group": -1, "recompute_backward_delta": -INT64_END,
+          "log": -INT64_END, "entries": -INT64_END}
 """Integer fields whose "none" value is -1 (or, for a segment's recompute_backward_delta, which may be negative,
 any int64); every other integer and number in a trace is non-negative."""
 POSITIVE = ("iterations", "accumulate", "batch_size", "seq_len")
@@ -159,6 +160,14 @@ def check_metadata(trace: Trace) -> None:
     from hplan.artifacts.segments import check_segments
 
     check_segments(trace.segments, len(trace.events), set(names))
+    if trace.choice_log is not None:
+        if trace.choice_log.marks() != len(trace.events):
+            raise FieldError("choice_log.log", f"marks {trace.choice_log.marks()} events, the trace has "
+                                               f"{len(trace.events)}")
+        for i, ins in enumerate(trace.choice_log.inserts):
+            if ins.segment >= len(trace.segments):
+                raise FieldError(f"choice_log.inserts[{i}].segment", f"must be below the {len(trace.segments)} "
+                                                                     "segments")
 
 
 def _timeline(pf: Any, p: Path, trace: Trace, columns: list[str], regenerate: str) -> pd.DataFrame:

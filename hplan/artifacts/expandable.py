@@ -9,7 +9,7 @@ segments no longer strand memory: what is lost is the unused part of partly used
 unmaps the pages of free blocks (release_expandable_segment / unmap_block), which is what the model does when a
 new page would exceed its cap.
 
-The model keeps the block rules of hplan.tracer.allocator (rounding, best fit, splitting, merging) in one free
+The model keeps the block rules of hplan.artifacts.allocator (rounding, best fit, splitting, merging) in one free
 block per pool as large as any address space, and counts, per page, the live blocks on it. Reserved bytes are
 the mapped pages; a page stays mapped after its blocks are freed until a capped model needs room. Simplified:
 a request may take a free range whether or not its pages are still mapped (the real allocator first looks among
@@ -18,7 +18,7 @@ mapped free blocks), so the model may place blocks a little differently; it is a
 
 from __future__ import annotations
 
-from hplan.tracer.allocator import LARGE_BUFFER, SMALL_BUFFER, AllocatorModel, OutOfMemory, _Block
+from hplan.artifacts.allocator import LARGE_BUFFER, SMALL_BUFFER, AllocatorModel, OutOfMemory, _Block
 
 PAGE = {True: SMALL_BUFFER, False: LARGE_BUFFER}
 """Mapping granularity per pool (small: True), as ExpandableSegment's segment_size."""

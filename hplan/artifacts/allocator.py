@@ -19,10 +19,10 @@ Rules modelled:
   its peak is what a GPU with room to spare would reserve; with a `cap` (the device's room), a new
   segment that would exceed it first releases every cached segment that holds no allocated block and
   retries, then fails (OutOfMemory) — what a GPU of that size does ([Note: slack at the budget] in
-  hplan.tracer.slack);
+  hplan.artifacts.slack);
 - `record=True` keeps the malloc/free calls in `log`, so the same sequence can be replayed under caps.
 Not modelled: streams and events, CUDA graph pools, max_split_size, roundup_power2_divisions,
-garbage_collection_threshold (all off by default); expandable segments are hplan.tracer.expandable.
+garbage_collection_threshold (all off by default); expandable segments are hplan.artifacts.expandable.
 
 Pure Python (no torch) so it is cheap and testable anywhere. Free blocks are kept per pool in a list
 sorted by (size, address); each malloc/free is a few bisections plus an insertion.

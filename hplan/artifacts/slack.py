@@ -2,7 +2,7 @@
 
 [Note: slack at the budget] The tracer records each step's malloc/free calls (of the memory allocated per step:
 activations, temporaries, gradients in flight; chunked model data is allocated once, exactly) and replays them
-through hplan.tracer.allocator. Replayed with room to spare, segments are never given back and the reservation
+through hplan.artifacts.allocator. Replayed with room to spare, segments are never given back and the reservation
 only grows: the "cached" figure, which for gpt:18b at batch 8 × seq 1024 predicted 59 GB of slack. A GPU of the
 planned size does not hold on to them: when cudaMalloc fails, c10/cuda/CUDACachingAllocator.cpp's malloc calls
 release_available_cached_blocks (a no-op unless max_split_size is set) and then release_cached_blocks, which
@@ -19,7 +19,7 @@ under which the replay never fails, found by bisection on the 2 MiB grid every s
 and the uncapped peak (which never releases, so holds). Bisection assumes more slack never fails where less
 holds; releasing changes later placement, so that is not guaranteed, but the slack returned is one the replay was
 seen to hold. With `expandable_segments:True` pages are mapped into one growing segment per pool
-(hplan.tracer.expandable) and the same search gives the "expandable" figure. When the marks do not match the
+(hplan.artifacts.expandable) and the same search gives the "expandable" figure. When the marks do not match the
 trace's events the cap is one level, the step's per-step peak, for the whole step. The "cached" figure stays what
 it was (the uncapped peak reservation minus the highest level, compared at the peak only), so for small models,
 whose 2 MiB small-pool segments dominate, "release", checked at every event, can exceed it. All three figures are
@@ -31,8 +31,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from hplan.tracer.allocator import FREE, MARK, AllocatorModel, OutOfMemory
-from hplan.tracer.expandable import ExpandableModel
+from hplan.artifacts.allocator import FREE, MARK, AllocatorModel, OutOfMemory
+from hplan.artifacts.expandable import ExpandableModel
 
 GRAIN = 2 << 20
 """Every segment and page size is a multiple of 2 MiB (kSmallBuffer, kLargeBuffer, kRoundLarge)."""

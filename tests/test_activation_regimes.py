@@ -1,0 +1,177 @@
+"""Issue 31, parts 1 and 2: auto's certificate holds at every budget (every allocator-slack regime that can win is
+solved, [Note: auto regimes]) and a plan reserves its own mix's replayed slack ([Note: a mix's own slack]).
+
+Fake traces of transformers models from their configs (the fake device gives the CPU trace's segments and sizes),
+planned for the CPU fast tier and an RTX 3090 (plans only).
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+
+import pytest
+from fake_models import HF_SIZES
+
+from hplan.artifacts import Plan, Trace
+from hplan.artifacts.choice_log import mix_slack
+from hplan.planner import PlanOptions, make_hardware, make_plan, min_gpu_bytes, trace_slack
+from hplan.planner.make import plan_mix
+from hplan.specs import load_workload
+from hplan.tracer import trace_workload
+
+FORCED = ("keep", "offload", "recompute")
+
+
+@pytest.fixture(scope="module")
+def gpt2_5():
+    """GPT-2, 5 blocks, seq 1024: one of its 243 mixes needs more than the sampled "mixed" figure."""
+    w = load_workload("hf:GPT2LMHeadModel", batch_size=1, seq_len=1024,
+                      overrides={**HF_SIZES["GPT2LMHeadModel"], "n_layer": 5, "n_positions": 1024})
+    return trace_workload(w, device="fake")
+
+
+@pytest.fixture(scope="module")
+def llama8():
+    w = load_workload("hf:LlamaForCausalLM", batch_size=4, seq_len=128,
+                      overrides={**HF_SIZES["LlamaForCausalLM"], "num_hidden_layers": 8})
+    return trace_workload(w, device="fake")
+
+
+def levels(trace: Trace) -> list[int]:
+    return [e.non_model_peak_bytes for e in trace.events]
+
+
+def objective(plan: Plan) -> int:
+    link = plan.hardware.h2d_gbps * 1e9
+    return plan.summary.bytes_moved_per_iter + sum(
+        c.moved_bytes * 2 if c.choice == "offload" else math.ceil(c.recompute_seconds * link)
+        if c.choice == "recompute" else 0 for c in plan.activations)
+
+
+def hardware(trace: Trace, gpu: str, gpu_bytes: int):
+    return make_hardware(gpu, gpu_bytes=gpu_bytes, **trace_slack(trace))
+
+
+def test_the_trace_carries_a_log_that_replays_its_pure_figures(gpt2_5, tmp_path):
+    trace = gpt2_5
+    n = len(trace.segments)
+    for choice in ("offload", "recompute"):
+        for kind in ("release", "expandable"):
+            assert mix_slack(trace.choice_log, trace.segments, levels(trace), [choice] * n,
+                             expandable=kind == "expandable") == trace.allocator_slack_by_choice[choice][kind]
+    assert mix_slack(trace.choice_log, trace.segments, levels(trace), ["keep"] * n) == \
+        trace.allocator_slack_release_bytes
+    trace.save(tmp_path / "t.parquet")
+    assert Trace.load(tmp_path / "t.parquet", columns=()).choice_log == trace.choice_log
+
+
+def _mixes(trace: Trace, every: bool) -> list[tuple[str, ...]]:
+    """Every mix, or (fast) those whose replayed figure exceeds the trace's sampled "mixed" figure plus two."""
+    n = len(trace.segments)
+    all_mixes = list(itertools.product(FORCED, repeat=n))
+    if every:
+        return all_mixes
+    sample = trace.allocator_slack_by_choice["mixed"]["release"]
+    over = [m for m in all_mixes if mix_slack(trace.choice_log, trace.segments, levels(trace), m) > sample]
+    assert over, "no mix exceeds the sampled figure: the test lost its case"
+    return over + [all_mixes[5], all_mixes[-7]]
+
+
+@pytest.mark.parametrize("every", [False, pytest.param(True, marks=pytest.mark.slow)])
+def test_a_plan_forced_to_any_mix_reserves_its_own_replayed_slack(gpt2_5, every):
+    trace = gpt2_5
+    hw = hardware(trace, "rtx3090", min_gpu_bytes(trace, activations="keep").gpu_bytes)
+    for mix in _mixes(trace, every):
+        plan = plan_mix(trace, hw, mix)
+        own = mix_slack(trace.choice_log, trace.segments, levels(trace), mix) + trace.overhead_bytes
+        assert plan.hardware.slack_bytes >= own, mix
+        assert plan.summary.feasible, mix
+
+
+def _budgets(trace: Trace, gpu: str, n: int) -> list[int]:
+    low = min_gpu_bytes(trace, hardware(trace, gpu, 1)).gpu_bytes
+    high = min_gpu_bytes(trace, hardware(trace, gpu, 1), activations="keep").gpu_bytes + trace.model_bytes
+    return [low + (high - low) * k // (n - 1) for k in range(n)]
+
+
+@pytest.mark.parametrize("gpu", ["cpu", "rtx3090"])
+@pytest.mark.parametrize("case", ["llama8", "gpt2_5"])
+@pytest.mark.parametrize("n", [5, pytest.param(20, marks=pytest.mark.slow)])
+def test_auto_is_no_worse_than_any_forced_choice_and_its_bound_covers_them(case, gpu, n, request):
+    """From auto's minimum to all-resident: auto's objective <= every forced choice's, its bound <= every forced
+    plan's objective, and where keep fits without moving model data auto moves nothing."""
+    trace = request.getfixturevalue(case)
+    slack_rounding = len(trace.segments)  # each recompute's cost is rounded up to a byte
+    for budget in _budgets(trace, gpu, n):
+        hw = hardware(trace, gpu, budget)
+        auto = make_plan(trace, hw)
+        assert auto.summary.feasible, budget
+        s = auto.summary
+        mix = [c.choice for c in auto.activations]
+        assert len(mix) == len(trace.segments)
+        own = mix_slack(trace.choice_log, trace.segments, levels(trace), mix,
+                        expandable=False) + trace.overhead_bytes
+        assert auto.hardware.slack_bytes >= own, (budget, mix)  # auto's plan reserves its own mix's figure
+        for choice in FORCED:
+            forced = make_plan(trace, hw, PlanOptions(activations=choice))
+            if not forced.summary.feasible:
+                continue
+            assert objective(auto) <= objective(forced) + slack_rounding, (budget, choice)
+            assert s.lower_bound_bytes <= objective(forced) + slack_rounding, (budget, choice)
+            if choice == "keep" and forced.summary.bytes_moved_per_iter == 0:
+                assert s.bytes_moved_per_iter == 0 and s.activation_bytes_moved_per_iter == 0, budget
+                assert {c.choice for c in auto.activations} == {"keep"}, budget
+
+
+@pytest.mark.parametrize("gpu", ["cpu", "rtx3090"])
+def test_where_keep_fits_without_moving_model_data_auto_moves_nothing(gpt2_5, gpu):
+    """Issue 31's first case: from where keep holds everything resident under its own slack (below the mixed
+    figure, which auto used to plan every choice under), wherever the forced keep plan moves no byte, auto keeps
+    every block and moves nothing."""
+    trace = gpt2_5
+
+    def keep_moves(budget: int) -> bool:
+        plan = make_plan(trace, hardware(trace, gpu, budget), PlanOptions(activations="keep"))
+        return not plan.summary.feasible or plan.summary.bytes_moved_per_iter > 0
+
+    lo = min_gpu_bytes(trace, hardware(trace, gpu, 1), activations="keep").gpu_bytes
+    hi = lo + trace.model_bytes
+    assert not keep_moves(hi)
+    while hi - lo > 1 << 16:  # the smallest budget (within 64 KiB) where keep moves no byte
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if keep_moves(mid) else (lo, mid)
+    edge = hi
+    table = dict(trace_slack(trace)["activation_slack"])
+    assert table["mixed"] > table["keep"]  # the band where the mixed figure made auto move
+    seen = 0
+    for budget in (edge, edge + (table["mixed"] - table["keep"]) // 2, edge + table["mixed"] - table["keep"] - 1,
+                   edge + trace.model_bytes // 4):
+        hw = hardware(trace, gpu, budget)
+        keep = make_plan(trace, hw, PlanOptions(activations="keep"))
+        if not keep.summary.feasible or keep.summary.bytes_moved_per_iter:
+            continue
+        seen += 1
+        auto = make_plan(trace, hw)
+        assert auto.summary.bytes_moved_per_iter == 0 and auto.summary.activation_cost_bytes == 0, hw.gpu_bytes
+        assert {c.choice for c in auto.activations} == {"keep"}, hw.gpu_bytes
+        assert auto.summary.optimal and auto.summary.activations_free
+    assert seen >= 2
+
+
+def test_a_hostile_choice_log_is_refused_on_load(gpt2_5):
+    from hplan.errors import HplanError
+
+    import json
+
+    meta = json.loads(json.dumps(gpt2_5.metadata()))
+    assert Trace.from_metadata(meta).choice_log == gpt2_5.choice_log
+    bad = [("log", lambda c: {**c, "log": c["log"][:-1]}, "pairs"),
+           ("log size", lambda c: {**c, "log": [*c["log"][:-1], -3]}, "negative size"),
+           ("position", lambda c: {**c, "inserts": [{**c["inserts"][0], "at": len(c["log"])}]}, "not an insert"),
+           ("segment", lambda c: {**c, "inserts": [{**c["inserts"][0], "segment": 99}]}, "segment"),
+           ("mode", lambda c: {**c, "inserts": [{**c["inserts"][0], "mode": "keep"}]}, "mode"),
+           ("marks", lambda c: {**c, "log": c["log"] + [0, -2]}, "marks")]
+    for what, edit, message in bad:
+        with pytest.raises(HplanError, match=message):
+            Trace.from_metadata({**meta, "choice_log": edit(meta["choice_log"])})
