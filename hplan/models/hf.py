@@ -149,6 +149,7 @@ def hf_workload(
         return cls(config)
 
     build.hplan_param_count = n_params  # type: ignore[attr-defined]  # read by `hplan trace` (default device)
+    build.hplan_context = context if isinstance(context, int) and task != "image-classification" else None  # type: ignore[attr-defined]  # `hplan fit`
     return Workload(
         model=build,
         batch=batch,
