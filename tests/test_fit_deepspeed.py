@@ -123,3 +123,15 @@ def test_unsimulated_combinations_say_so(traces, tmp_path):
     assert result.exit_code == 0, result.output
     verdict = json.loads(result.stdout)["deepspeed"]
     assert not verdict["simulated"] and "no code-faithful simulator" in verdict["why"]
+
+
+def test_fit_takes_the_configs_batch_and_precision_and_simulates_it_per_gpu(tmp_path):
+    path = write_config(tmp_path)
+    result = runner.invoke(app, ["fit", f"hf:{path}", "--gpu", "rtx4090,l4", "--seq-len", "64", "--no-search",
+                                 "--deepspeed", str(DATA / "ds_zero_offload.json"), "--json"])
+    assert result.exit_code == 0, result.output
+    out = json.loads(result.stdout)
+    assert out["precision"] == "fp16-mixed" and out["batch_size"] == 2  # the config's fp16 and micro-batch
+    for row in out["gpus_rows"]:
+        assert row["deepspeed"]["simulated"] and not row["deepspeed"]["out_of_memory"]
+        assert row["deepspeed"]["bytes_moved_per_iter"] > 0

@@ -4,6 +4,7 @@ hplan.cli.fit_search (see [Note: fit search]) and planner.baselines.estimators."
 from __future__ import annotations
 
 from dataclasses import asdict
+from pathlib import Path
 from typing import Annotated, Any
 
 import typer
@@ -29,9 +30,14 @@ def register(app: typer.Typer) -> None:
         nvme: Annotated[str | None, typer.Option("--nvme", help="Disk space for model data (e.g. 2TB): plans a "
                                                  "third tier.")] = None,
         gpus: Annotated[int, typer.Option("--gpus", help="Data-parallel GPUs in one node; batch is per GPU.")] = 1,
-        batch_size: Annotated[int, typer.Option("--batch-size", help="Batch size per GPU to check.")] = 1,
+        batch_size: Annotated[int | None, typer.Option("--batch-size", help="Batch size per GPU to check (default: "
+                                                       "--deepspeed's train_micro_batch_size_per_gpu, else 1).")] = None,
         seq_len: Annotated[int, typer.Option("--seq-len", help="Sequence length to check.")] = 2048,
-        precision: Annotated[str, typer.Option("--precision", help="fp32, bf16-mixed or fp16-mixed.")] = "bf16-mixed",
+        precision: Annotated[str | None, typer.Option("--precision", help="fp32, bf16-mixed or fp16-mixed (default: "
+                                                      "--deepspeed's fp16/bf16 section, else bf16-mixed).")] = None,
+        deepspeed: Annotated[Path | None, typer.Option("--deepspeed", help="Your DeepSpeed config: simulate its ZeRO "
+                                                       "settings at the asked shape on each GPU, beside the plans.")
+                             ] = None,
         overrides: Annotated[list[str] | None, typer.Option("--set", metavar="KEY=VALUE", help=SET_HELP)] = None,
         search: Annotated[bool, typer.Option("--search/--no-search", help="Search the largest batch and the "
                                              "longest sequence (each tried shape is traced and planned).")] = True,
@@ -43,16 +49,29 @@ def register(app: typer.Typer) -> None:
 
         guarded(lambda: _run(spec=spec, gpu=gpu, gpu_mem=gpu_mem, cpu_mem=cpu_mem, nvme=nvme, gpus=gpus, batch_size=batch_size,
                              seq_len=seq_len, precision=precision, overrides=overrides, search=search,
-                             as_json=as_json))
+                             as_json=as_json, deepspeed=deepspeed))
 
 
-def _run(*, spec: str, gpu: str, gpu_mem: str | None, cpu_mem: str | None, nvme: str | None, gpus: int, batch_size: int, seq_len: int,
-         precision: str, overrides: list[str] | None, search: bool, as_json: bool) -> None:
+def _run(*, spec: str, gpu: str, gpu_mem: str | None, cpu_mem: str | None, nvme: str | None, gpus: int,
+         batch_size: int | None, seq_len: int, precision: str | None, overrides: list[str] | None, search: bool,
+         as_json: bool, deepspeed: Path | None = None) -> None:
     from hplan.cli.common import emit_json, parse_overrides, progress_bar, size_option
     from hplan.cli.fit_search import Fitter
     from hplan.planner.baselines.estimators import published_estimates
     from hplan.planner.presets import GPU_PRESETS
 
+    ds_cfg = None
+    if deepspeed is not None:
+        from hplan.cli.deepspeed_opt import load_ds_config
+
+        ds_cfg = load_ds_config(deepspeed)
+        batch_size = batch_size or ds_cfg.micro_batch
+        if precision is None and ds_cfg.precision not in (None, "auto"):
+            precision = ds_cfg.precision
+        elif precision is None and ds_cfg.precision is None:
+            precision = "fp32"
+    batch_size = batch_size or 1
+    precision = precision or "bf16-mixed"
     names = [g.strip() for g in gpu.split(",") if g.strip()]
     for name in names:
         if name not in GPU_PRESETS:
@@ -83,6 +102,12 @@ def _run(*, spec: str, gpu: str, gpu_mem: str | None, cpu_mem: str | None, nvme:
             rows.append(row)
     base = fitter.trace(batch_size, seq_len)
     estimates = published_estimates(base, gpus_per_node=gpus) if not isinstance(base, str) else []
+    if ds_cfg is not None and not isinstance(base, str):
+        from hplan.cli.deepspeed_opt import check_against_trace, ds_verdict
+
+        check_against_trace(ds_cfg, base, deepspeed)
+        for row in rows:
+            row["deepspeed"] = ds_verdict(ds_cfg, base, hardware(row["gpu"], base))
     if as_json:
         emit_json(_payload(spec, rows, estimates, batch_size=batch_size, seq_len=seq_len, gpus=gpus,
                            host_bytes=host_bytes, nvme_bytes=nvme_bytes, precision=precision))
@@ -138,6 +163,7 @@ def _payload(spec: str, rows: list[dict[str, Any]], estimates: list[Any], **inpu
         gpus_out.append({"gpu": row["gpu"], "gpu_bytes": gpu_bytes, "at": probe(row["at"]),
                          "largest_batch": boundary(row.get("batch")), "longest_seq": boundary(row.get("seq")),
                          "estimators": [asdict(e) | {"fits": gpu_bytes is not None and
-                                                      e.fits(gpu_bytes, inputs["host_bytes"])} for e in estimates]})
+                                                      e.fits(gpu_bytes, inputs["host_bytes"])} for e in estimates],
+                         **({"deepspeed": row["deepspeed"]} if "deepspeed" in row else {})})
     return {"workload": spec, **inputs, "seq_step": 128, "batch_step": 1, "gpus_rows": gpus_out,
             "note": "every figure is a plan (predicted), not a measurement"}

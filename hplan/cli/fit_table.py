@@ -37,8 +37,10 @@ def print_table(spec: str, rows: list[dict[str, Any]], estimates: list[Any], *, 
              + (f", NVMe {fs(nvme_bytes)}" if nvme_bytes is not None else "") + (f", {gpus} GPUs" if gpus > 1 else ""))
     table = Table(title=f"will it fit? {spec}, {precision}, batch {batch_size} × seq {seq_len}, {where} "
                         "(every figure is a plan, not a measurement)")
+    ds = any("deepspeed" in row for row in rows)
     for col in ("GPU", f"b{batch_size}×s{seq_len}: step, tokens/s", "largest batch", "longest seq",
-                "needs GPU / host / disk", "published estimators say (GPU, host)"):
+                "needs GPU / host / disk", "published estimators say (GPU, host)",
+                *(["your DeepSpeed config (simulated)"] if ds else [])):
         table.add_column(col)
     for row in rows:
         at = row["at"]
@@ -52,14 +54,25 @@ def print_table(spec: str, rows: list[dict[str, Any]], estimates: list[Any], *, 
             fit, need = f"does not fit: {at.reason[:100]}", "-"
         said = "\n".join(f"{_short(e.name)}: {fs(e.gpu_bytes)}" + (f", {fs(e.cpu_bytes)}" if e.cpu_bytes else "")
                           + (" fits" if e.fits(gpu_bytes, host_bytes) else " no") for e in estimates)
+        extra = [_ds_cell(row["deepspeed"])] if ds else []
         table.add_row(f"{row['gpu']} ({fs(gpu_bytes)})", fit, _bound(row.get("batch"), "batch", gpus),
-                      _bound(row.get("seq"), "seq", gpus), need, said)
+                      _bound(row.get("seq"), "seq", gpus), need, said, *extra)
     console = Console()
     console = Console(width=max(console.width, 150))  # one row per GPU reads best unwrapped
     console.print(table)
     console.print("largest batch: steps of 1; longest sequence: steps of 128 tokens; each answer is a feasible plan "
                     "and the next step an infeasible one (hplan fit --json gives both plans' figures). The estimators "
                     "count model states only (no activations, buckets or allocator slack).", highlight=False)
+
+
+def _ds_cell(verdict: dict[str, Any]) -> str:
+    from hplan.sizes import format_size as fs
+
+    if not verdict["simulated"]:
+        return f"not simulated: {verdict['why']}"
+    state = "OUT OF MEMORY" if verdict["out_of_memory"] else "fits"
+    return (f"{state}: peak {fs(verdict['predicted_peak_bytes'])}, moves {fs(verdict['bytes_moved_per_iter'])}, "
+            f"step {verdict['predicted_step_seconds']:.2f} s")
 
 
 def _short(name: str) -> str:
