@@ -30,8 +30,9 @@ def register(app: typer.Typer) -> None:
                                                     "(optional with --json).")] = None,
         cpu_mem: Annotated[str | None, typer.Option("--cpu-mem", help="Host memory for offloaded data.")] = None,
         gpu: Annotated[str | None, typer.Option("--gpu", help="GPU preset for compute and link speed: rtx3090 "
-                                                "(default), rtx2060, v100-32gb, a100-40gb, a100-80gb, h100-80gb, "
-                                                "or cpu (hplan's CPU fast tier).")] = None,
+                                                "(default), rtx2060, rtx4090, rtx5090, l4, l40s, a6000, v100-32gb, "
+                                                "a100-40gb, a100-80gb, h100-80gb, h200, b200, mi300x, or cpu "
+                                                "(hplan's CPU fast tier).")] = None,
         gpu_tflops: Annotated[float | None, typer.Option("--gpu-tflops", help="Override the preset's TFLOPS.")] = None,
         link_gbps: Annotated[float | None, typer.Option("--link-gbps", help="Host link GB/s, each direction.")] = None,
         cpu_adam_gbps: Annotated[float | None, typer.Option("--cpu-adam-gbps", help="Host optimizer throughput, GB/s "
