@@ -128,3 +128,14 @@ def test_fit_boundaries_are_proven_by_plans_made_by_hand(tmp_path):
                                device="fake", iters=2)
         hardware = make_hardware("rtx4090", gpu_bytes=40 * 10**6, **trace_slack(trace, "release"))
         assert make_plan(trace, hardware, PlanOptions(activations="auto")).summary.feasible is fits, (b, s)
+
+
+def test_model_data_beyond_every_tier_is_answered_without_a_plan(tmp_path):
+    """No shape fits when the model data exceeds GPU + host + disk: fit says so from that count and names it."""
+    path = write_config(tmp_path)
+    result = runner.invoke(app, ["fit", f"hf:{path}", "--gpu", "rtx4090", "--gpu-mem", "100KB", "--cpu-mem", "100KB",
+                                 "--seq-len", "64", "--json"])
+    assert result.exit_code == 0, result.output
+    row = json.loads(result.stdout)["gpus_rows"][0]
+    assert not row["at"]["fits"] and "exceeds the GPU, host" in row["at"]["reason"]
+    assert row["largest_batch"]["best"] is None and row["longest_seq"]["best"] is None

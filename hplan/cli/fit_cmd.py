@@ -82,7 +82,8 @@ def _run(*, spec: str, gpu: str, gpu_mem: str | None, cpu_mem: str | None, nvme:
         if value < 1:
             raise HplanError(f"{flag} must be a positive integer, got {value}")
     host_bytes, nvme_bytes = size_option(cpu_mem, what="--cpu-mem"), size_option(nvme, what="--nvme")
-    hardware, planner = _planning(gpu_bytes=size_option(gpu_mem, what="--gpu-mem"), host_bytes=host_bytes,
+    gpu_bytes = size_option(gpu_mem, what="--gpu-mem")
+    hardware, planner = _planning(gpu_bytes=gpu_bytes, host_bytes=host_bytes,
                                   nvme_bytes=nvme_bytes, gpus=gpus)
     with progress_bar("fit", quiet=as_json) as on_progress:
         def shape(batch: int, seq: int) -> None:
@@ -91,11 +92,13 @@ def _run(*, spec: str, gpu: str, gpu_mem: str | None, cpu_mem: str | None, nvme:
 
         fitter = Fitter(spec=spec, precision=precision, overrides=parse_overrides(overrides), hardware=hardware,
                         planner=planner, on_shape=shape)
+        fitter.ranks = gpus
+        fitter.capacity = lambda name: (gpu_bytes or GPU_PRESETS[name].memory_bytes, host_bytes, nvme_bytes)
         fitter.load(batch_size, seq_len)
         rows = []
         for name in names:
             at = fitter.probe(name, batch_size, seq_len)
-            row: dict[str, Any] = {"gpu": name, "at": at}
+            row: dict[str, Any] = {"gpu": name, "at": at, "gpu_bytes": gpu_bytes or GPU_PRESETS[name].memory_bytes}
             if search:
                 row["batch"] = fitter.largest_batch(name, batch_size, seq_len)
                 row["seq"] = fitter.longest_seq(name, batch_size, seq_len)
@@ -159,7 +162,7 @@ def _payload(spec: str, rows: list[dict[str, Any]], estimates: list[Any], **inpu
 
     gpus_out = []
     for row in rows:
-        gpu_bytes = row["at"].plan.hardware.gpu_bytes if row["at"].plan is not None else None
+        gpu_bytes = row["gpu_bytes"]
         gpus_out.append({"gpu": row["gpu"], "gpu_bytes": gpu_bytes, "at": probe(row["at"]),
                          "largest_batch": boundary(row.get("batch")), "longest_seq": boundary(row.get("seq")),
                          "estimators": [asdict(e) | {"fits": gpu_bytes is not None and

@@ -8,7 +8,10 @@ traced (fake tensors, 2 iterations) and the traces are kept for every GPU of one
 searched in steps of 1 and the longest sequence in steps of SEQ_STEP tokens: doubling from the given value
 until a plan is infeasible (or halving until one is feasible), then bisecting; the answer k comes with the
 plan at k (feasible) and the plan at k + one step (infeasible), so the boundary itself is proven by two plans
-whatever the search assumed. A sequence search stops at the model's context (max_position_embeddings) and a
+whatever the search assumed. One verdict needs no plan: when the model data (the same bytes at every shape)
+exceeds the GPU, host and disk together, no shape fits anywhere (the plan would have to keep more bytes than
+all tiers hold), so such a probe is answered from that count, naming it, without tracing or planning.
+A sequence search stops at the model's context (max_position_embeddings) and a
 batch search at BATCH_CAP; the table then says the limit, not an infeasible plan.
 """
 
@@ -64,6 +67,30 @@ class Fitter:
         self._traces: dict[tuple[int, int], Trace | str] = {}
         self._probes: dict[tuple[str, int, int], Probe] = {}
         self.context: int | None = None
+        self.model_bytes: int | None = None
+        """The model data's bytes (weights, gradients, optimizer state): the same at every shape."""
+        self.ranks = 1
+        """Data-parallel ranks the model data may be sharded over."""
+        self.capacity: Callable[[str], tuple[int, int | None, int | None]] | None = None
+        """gpu -> (GPU bytes, host bytes or None = unbounded, disk bytes or None = no disk) of its hardware."""
+
+    def _capacity(self, gpu: str) -> str:
+        """Why no shape can fit `gpu` (its model data exceeds GPU + host + disk together), else ""."""
+        if self.capacity is None or self.model_bytes is None:
+            return ""
+        from hplan.sizes import format_size
+
+        gpu_bytes, host, disk = self.capacity(gpu)
+        if host is None:
+            return ""
+        room = gpu_bytes + host + (disk or 0)
+        share = -(-self.model_bytes // self.ranks)  # sharded over data-parallel ranks at best evenly
+        if share <= room:
+            return ""
+        return (f"model data {format_size(share)}{' per rank' if self.ranks > 1 else ''} (weights, gradients, "
+                "optimizer state) exceeds the "
+                f"GPU, host{' and disk' if disk else ''} together ({format_size(room)}); add host memory "
+                f"(--cpu-mem) or a disk tier (--nvme)")
 
     def trace(self, batch: int, seq: int) -> Trace | str:
         """The fake trace at (batch, seq), or the reason it cannot be made (the model's context)."""
@@ -85,7 +112,9 @@ class Fitter:
                     raise
                 self._traces[key] = f"beyond the model's context ({exc})"
                 return self._traces[key]
-            self._traces[key] = trace_workload(workload, device="fake", iters=FIT_ITERS)
+            traced = trace_workload(workload, device="fake", iters=FIT_ITERS)
+            self._traces[key] = traced
+            self.model_bytes = traced.model_bytes
         return self._traces[key]
 
     def load(self, batch: int, seq: int) -> Any:
@@ -100,6 +129,12 @@ class Fitter:
 
     def probe(self, gpu: str, batch: int, seq: int) -> Probe:
         key = (gpu, batch, seq)
+        if key not in self._probes and self.model_bytes is None:
+            self.trace(batch, seq)  # learns the model data's bytes (traced once per shape in any case)
+        if key not in self._probes and self.model_bytes is not None:
+            short = self._capacity(gpu)
+            if short:  # no shape fits: no trace or plan needed (see [Note: fit search])
+                self._probes[key] = Probe(batch=batch, seq=seq, plan=None, reason=short)
         if key not in self._probes:
             trace = self.trace(batch, seq)
             if isinstance(trace, str):

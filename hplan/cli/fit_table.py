@@ -44,7 +44,7 @@ def print_table(spec: str, rows: list[dict[str, Any]], estimates: list[Any], *, 
         table.add_column(col)
     for row in rows:
         at = row["at"]
-        gpu_bytes = at.plan.hardware.gpu_bytes if at.plan is not None else 0
+        gpu_bytes = at.plan.hardware.gpu_bytes if at.plan is not None else row["gpu_bytes"]
         if at.fits:
             fit = (f"fits: {at.plan.summary.predicted_step_seconds:.2f} s, "
                    f"{tokens_per_s(at, gpus):,.0f} tok/s")
