@@ -137,5 +137,5 @@ def test_model_data_beyond_every_tier_is_answered_without_a_plan(tmp_path):
                                  "--seq-len", "64", "--json"])
     assert result.exit_code == 0, result.output
     row = json.loads(result.stdout)["gpus_rows"][0]
-    assert not row["at"]["fits"] and "exceeds the GPU, host" in row["at"]["reason"]
+    assert not row["at"]["fits"] and "exceeds the GPU and host together" in row["at"]["reason"]
     assert row["largest_batch"]["best"] is None and row["longest_seq"]["best"] is None

@@ -89,7 +89,7 @@ class Fitter:
             return ""
         return (f"model data {format_size(share)}{' per rank' if self.ranks > 1 else ''} (weights, gradients, "
                 "optimizer state) exceeds the "
-                f"GPU, host{' and disk' if disk else ''} together ({format_size(room)}); add host memory "
+                f"GPU{', host and disk' if disk else ' and host'} together ({format_size(room)}); add host memory "
                 f"(--cpu-mem) or a disk tier (--nvme)")
 
     def trace(self, batch: int, seq: int) -> Trace | str:

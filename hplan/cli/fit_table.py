@@ -51,7 +51,7 @@ def print_table(spec: str, rows: list[dict[str, Any]], estimates: list[Any], *, 
             n = needs(at.plan)
             need = f"{fs(n['gpu_bytes'])} / {fs(n['host_bytes'])} / {fs(n['nvme_bytes'])}"
         else:
-            fit, need = f"does not fit: {at.reason[:100]}", "-"
+            fit, need = f"does not fit: {at.reason}", "-"
         said = "\n".join(f"{_short(e.name)}: {fs(e.gpu_bytes)}" + (f", {fs(e.cpu_bytes)}" if e.cpu_bytes else "")
                           + (" fits" if e.fits(gpu_bytes, host_bytes) else " no") for e in estimates)
         extra = [_ds_cell(row["deepspeed"])] if ds else []
