@@ -1,4 +1,4 @@
-"""Turn a command-line workload spec into a Workload: a file, `gpt:<size>` or `hf:<Class>`."""
+"""Turn a command-line workload spec into a Workload: a file, `gpt:<size>`, `hf:<Class>` or `hf:<config.json>`."""
 
 from __future__ import annotations
 
@@ -17,7 +17,8 @@ from hplan.errors import HplanError
 from hplan.options import annotation_of, convert, parse_int, type_hints
 from hplan.workload import Workload, with_contract_checks
 
-SPEC_FORMS = "path/to/file.py:function, gpt:<size> (e.g. gpt:125m) or hf:<ModelClass> (e.g. hf:GPT2LMHeadModel)"
+SPEC_FORMS = ("path/to/file.py:function, gpt:<size> (e.g. gpt:125m), hf:<ModelClass> (e.g. hf:GPT2LMHeadModel), "
+              "hf:path/to/config.json or hf:<org>/<name> (a hub id, its config.json from the local cache)")
 
 
 def load_workload(

@@ -3,9 +3,12 @@
 [Note: preset sources] A number here is a datasheet value, a published measurement (cited), or measured on
 this project's dev machine (date and method given). GB/s means 10^9 bytes per second, per direction.
 
-- GPUs: memory and dense TFLOPS from the vendors' datasheets (GeForce RTX 3090 / RTX 2060: NVIDIA's Ampere /
-  Turing whitepapers; V100, A100, H100 SXM datasheets); host link = the PCIe generation's theoretical x16 rate
-  per direction (gen3 16 GB/s, gen4 32, gen5 64). Achieved PCIe copies are lower (about 80% on pinned memory);
+- GPUs: memory and dense TFLOPS from the vendors' datasheets, each preset's `source` naming its document
+  (GeForce RTX 3090 / RTX 2060 / RTX 4090 / RTX 5090: NVIDIA's Ampere / Turing / Ada / RTX Blackwell whitepapers;
+  V100, A100, H100, H200, L4, L40S, RTX A6000, HGX B200 datasheets; AMD's MI300X data sheet). 16-bit means dense
+  (never the sparsity figure), and for GeForce cards the FP32-accumulate rate (half their FP16-accumulate one),
+  since mixed-precision training accumulates in FP32; host link = the PCIe generation's theoretical x16 rate
+  per direction (gen3 16 GB/s, gen4 32, gen5 64; SXM/OAM parts reach their host through PCIe 5.0 x16). Achieved PCIe copies are lower (about 80% on pinned memory);
   scale a preset with `h2d_gbps=` / `d2h_gbps=` overrides when you have a measurement.
 - Compute efficiency: [Note: compute calibration] below (CALIBRATION, per GPU, with its source).
 - Networks (NETWORK_PRESETS): per-GPU intra-node collective bandwidth and per-node network bandwidth, per
@@ -61,6 +64,8 @@ class GpuPreset:
     """Published fp32 (non-tensor-core) TFLOPS; PyTorch's default for fp32 matmuls without TF32."""
     link_gbps: float
     """Host link, GB/s (10^9 B/s) per direction: the PCIe generation's x16 theoretical rate."""
+    source: str
+    """Where memory, tflops_16, tflops_32 and the PCIe generation come from (see [Note: preset sources])."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -107,15 +112,52 @@ class NetworkPreset:
 
 
 GPU_PRESETS: dict[str, GpuPreset] = {p.name: p for p in (
-    GpuPreset(name="rtx3090", memory_bytes=24 * 10**9, tflops_16=71.0, tflops_32=35.6, link_gbps=32.0),
-    GpuPreset(name="rtx2060", memory_bytes=6 * 10**9, tflops_16=51.6, tflops_32=6.5, link_gbps=16.0),
-    GpuPreset(name="v100-32gb", memory_bytes=32 * 10**9, tflops_16=125.0, tflops_32=15.7, link_gbps=16.0),
-    GpuPreset(name="a100-40gb", memory_bytes=40 * 10**9, tflops_16=312.0, tflops_32=19.5, link_gbps=32.0),
-    GpuPreset(name="a100-80gb", memory_bytes=80 * 10**9, tflops_16=312.0, tflops_32=19.5, link_gbps=32.0),
+    GpuPreset(name="rtx3090", memory_bytes=24 * 10**9, tflops_16=71.0, tflops_32=35.6, link_gbps=32.0,
+              source="NVIDIA Ampere GA102 whitepaper, Appendix A: RTX 3090, 24 GB GDDR6X, Peak FP16 Tensor TFLOPS with "
+                     "FP32 Accumulate 71 (142 with FP16 accumulate), FP32 35.6, PCIe 4.0"),
+    GpuPreset(name="rtx2060", memory_bytes=6 * 10**9, tflops_16=51.6, tflops_32=6.5, link_gbps=16.0,
+              source="NVIDIA Turing TU106 whitepaper: RTX 2060, 6 GB GDDR6, 51.6 FP16 tensor TFLOPS, FP32 6.5, PCIe 3.0"),
+    GpuPreset(name="v100-32gb", memory_bytes=32 * 10**9, tflops_16=125.0, tflops_32=15.7, link_gbps=16.0,
+              source="NVIDIA Tesla V100 datasheet (SXM2): 32 GB HBM2, 125 tensor TFLOPS, FP32 15.7, PCIe 3.0 host"),
+    GpuPreset(name="a100-40gb", memory_bytes=40 * 10**9, tflops_16=312.0, tflops_32=19.5, link_gbps=32.0,
+              source="NVIDIA A100 datasheet: 40 GB HBM2, BF16/FP16 tensor 312 dense (624 sparse), FP32 19.5, PCIe 4.0"),
+    GpuPreset(name="a100-80gb", memory_bytes=80 * 10**9, tflops_16=312.0, tflops_32=19.5, link_gbps=32.0,
+              source="NVIDIA A100 datasheet: 80 GB HBM2e, BF16/FP16 tensor 312 dense (624 sparse), FP32 19.5, PCIe 4.0"),
     # A800: the A100 die for the Chinese market, NVLink cut to 400 GB/s (NVIDIA A800 80GB SXM datasheet: 312 TFLOPS
     # bf16 dense, 19.5 TFLOPS fp32, 80 GB HBM2e, PCIe gen4); the GPU of AMSP's evaluation (arXiv 2311.00257 v2)
-    GpuPreset(name="a800-80gb", memory_bytes=80 * 10**9, tflops_16=312.0, tflops_32=19.5, link_gbps=32.0),
-    GpuPreset(name="h100-80gb", memory_bytes=80 * 10**9, tflops_16=989.0, tflops_32=67.0, link_gbps=64.0),
+    GpuPreset(name="a800-80gb", memory_bytes=80 * 10**9, tflops_16=312.0, tflops_32=19.5, link_gbps=32.0,
+              source="NVIDIA A800 80GB SXM datasheet: 80 GB HBM2e, BF16 312 dense, FP32 19.5, PCIe 4.0"),
+    GpuPreset(name="h100-80gb", memory_bytes=80 * 10**9, tflops_16=989.0, tflops_32=67.0, link_gbps=64.0,
+              source="NVIDIA H100 datasheet (SXM5): 80 GB HBM3, BF16 tensor 989 dense (1,979 sparse), FP32 67, PCIe 5.0"),
+    # Today's GPUs (issue 33). GeForce cards run FP16/BF16 tensor math with FP32 accumulate at half the FP16-accumulate
+    # rate; training accumulates in FP32, so their FP32-accumulate figure is the one kept, as for the RTX 3090 above.
+    GpuPreset(name="rtx4090", memory_bytes=24 * 10**9, tflops_16=165.2, tflops_32=82.6, link_gbps=32.0,
+              source="NVIDIA Ada Lovelace (AD102) whitepaper, Appendix A: RTX 4090, 24 GB GDDR6X, Peak FP16/BF16 "
+                     "Tensor TFLOPS with FP32 Accumulate 165.2 dense (330.4 sparse; 330.3 dense with FP16 "
+                     "accumulate), FP32 82.6, PCIe 4.0 x16"),
+    GpuPreset(name="rtx5090", memory_bytes=32 * 10**9, tflops_16=209.5, tflops_32=104.8, link_gbps=64.0,
+              source="NVIDIA RTX Blackwell (GB202) whitepaper, Appendix A: RTX 5090, 32 GB GDDR7, Peak FP16/BF16 "
+                     "Tensor TFLOPS with FP32 Accumulate 209.5 dense (419 dense with FP16 accumulate), FP32 104.8, "
+                     "PCIe 5.0 x16"),
+    GpuPreset(name="l4", memory_bytes=24 * 10**9, tflops_16=121.0, tflops_32=30.3, link_gbps=32.0,
+              source="NVIDIA L4 datasheet: 24 GB GDDR6, BF16/FP16 Tensor Core 242 TFLOPS with sparsity (121 dense), "
+                     "FP32 30.3, PCIe 4.0 x16"),
+    GpuPreset(name="l40s", memory_bytes=48 * 10**9, tflops_16=362.05, tflops_32=91.6, link_gbps=32.0,
+              source="NVIDIA L40S datasheet: 48 GB GDDR6, BF16/FP16 Tensor Core 362.05 dense (733 sparse), FP32 91.6, "
+                     "PCIe 4.0 x16"),
+    GpuPreset(name="a6000", memory_bytes=48 * 10**9, tflops_16=154.8, tflops_32=38.7, link_gbps=32.0,
+              source="NVIDIA RTX A6000 datasheet: 48 GB GDDR6, Tensor performance 309.7 TFLOPS (sparse; the GA102 "
+                     "whitepaper's Appendix lists 154.8 dense FP16 with FP32 accumulate, full rate on RTX pro cards), "
+                     "single precision 38.7, PCIe 4.0 x16"),
+    GpuPreset(name="h200", memory_bytes=141 * 10**9, tflops_16=989.0, tflops_32=67.0, link_gbps=64.0,
+              source="NVIDIA H200 datasheet (SXM): 141 GB HBM3e, BF16/FP16 Tensor Core 1,979 with sparsity (989 dense), "
+                     "FP32 67, PCIe 5.0 x16 to the host"),
+    GpuPreset(name="b200", memory_bytes=180 * 10**9, tflops_16=2250.0, tflops_32=75.0, link_gbps=64.0,
+              source="NVIDIA HGX B200 datasheet, per GPU of 8: 1,440 GB HBM3e / 8 = 180 GB, FP16/BF16 Tensor Core 36 "
+                     "PFLOPS sparse / 8 = 4.5 (2.25 dense), FP32 600 TFLOPS / 8 = 75; host over PCIe 5.0 x16"),
+    GpuPreset(name="mi300x", memory_bytes=192 * 10**9, tflops_16=1307.4, tflops_32=163.4, link_gbps=64.0,
+              source="AMD Instinct MI300X data sheet: 192 GB HBM3, peak FP16/BF16 1,307.4 TFLOPS dense (2,614.9 with "
+                     "sparsity), FP32 vector 163.4, PCIe 5.0 x16 (128 GB/s both ways)"),
 )}
 
 STATE_BYTES_PER_PARAM = 16
@@ -160,6 +202,10 @@ CALIBRATION: dict[str, Calibration] = {c.gpu: c for c in (
                 source="no published training MFU for this card: Megatron-LM's single-GPU 30%"),
     Calibration(gpu="rtx2060", efficiency=DEFAULT_EFFICIENCY,
                 source="no published training MFU for this card: Megatron-LM's single-GPU 30%"),
+    Calibration(gpu="h200", efficiency=0.47, source="as h100-80gb (the same GH100 chip and clocks, more memory)"),
+    *(Calibration(gpu=name, efficiency=DEFAULT_EFFICIENCY,
+                  source="no calibrated training MFU in hplan for this GPU yet: Megatron-LM's single-GPU 30%")
+      for name in ("rtx4090", "rtx5090", "l4", "l40s", "a6000", "b200", "mi300x")),
 )}
 
 NETWORK_PRESETS: dict[str, NetworkPreset] = {p.name: p for p in (
@@ -176,6 +222,14 @@ NETWORK_PRESETS: dict[str, NetworkPreset] = {p.name: p for p in (
                          "per direction per GPU; four 100 Gb/s EDR InfiniBand adapters"),
     NetworkPreset(name="pcie4-100gbe", intra_gbps=32.0, inter_gbps=12.5, intra_link="pci",
                   source="PCIe 4.0 x16 between GPUs (32 GB/s per direction); one 100 Gb/s Ethernet port per node"),
+    NetworkPreset(name="pcie5-100gbe", intra_gbps=64.0, inter_gbps=12.5, intra_link="pci",
+                  source="PCIe 5.0 x16 between GPUs (64 GB/s per direction); one 100 Gb/s Ethernet port per node"),
+    NetworkPreset(name="dgx-b200", intra_gbps=900.0, inter_gbps=400.0, intra_link="nvlink",
+                  source="NVIDIA DGX B200 datasheet: NVLink 5 1.8 TB/s per GPU both ways; eight 400 Gb/s ConnectX-7"),
+    NetworkPreset(name="mi300x-platform", intra_gbps=448.0, inter_gbps=400.0, intra_link="nvlink",
+                  source="AMD Instinct MI300X platform data sheet: 7 Infinity Fabric links of 128 GB/s both ways per "
+                         "GPU (896 GB/s); eight 400 Gb/s NICs per node as in the DGX systems; NCCL's NVLink latency row "
+                         "stands in for RCCL's over Infinity Fabric"),
     NetworkPreset(name="pcie3-100gbe", intra_gbps=16.0, inter_gbps=12.5, intra_link="pci",
                   source="PCIe 3.0 x16 between GPUs (16 GB/s per direction); one 100 Gb/s Ethernet port per node"),
     NetworkPreset(name="gloo-loopback", intra_gbps=0.75, inter_gbps=0.75, intra_link="loopback",
@@ -187,8 +241,11 @@ NETWORK_PRESETS: dict[str, NetworkPreset] = {p.name: p for p in (
 GLOO_STEP_US = 215.0
 """gloo-loopback's latency per ring step (the preset's source)."""
 GPU_NETWORK = {"rtx3090": "pcie4-100gbe", "rtx2060": "pcie3-100gbe", "v100-32gb": "dgx1-v100",
-               "a100-40gb": "dgx-a100", "a100-80gb": "dgx-a100", "a800-80gb": "a800-4xhdr", "h100-80gb": "dgx-h100"}
-"""The network a GPU preset usually sits on (its vendor's reference system)."""
+               "a100-40gb": "dgx-a100", "a100-80gb": "dgx-a100", "a800-80gb": "a800-4xhdr", "h100-80gb": "dgx-h100",
+               "rtx4090": "pcie4-100gbe", "rtx5090": "pcie5-100gbe", "l4": "pcie4-100gbe", "l40s": "pcie4-100gbe",
+               "a6000": "pcie4-100gbe", "h200": "dgx-h100", "b200": "dgx-b200", "mi300x": "mi300x-platform"}
+"""The network a GPU preset usually sits on (its vendor's reference system; the H200's DGX H200 keeps the DGX H100's
+NVLink 4 and ConnectX-7, per NVIDIA's DGX H200 datasheet)."""
 DEFAULT_HOST = "deepspeed-cpu-adam"
 """The published CPU-Adam rate: both baselines' systems run a vectorised CPU Adam (DeepSpeedCPUAdam, or
 Colossal-AI's HybridAdam, which calls the same kind of AVX kernel)."""

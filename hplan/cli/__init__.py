@@ -36,9 +36,9 @@ def _root(
 
 
 def _register() -> None:
-    from hplan.cli import demo_cmd, plan_cmd, report_cmd, run_cmd, trace_cmd
+    from hplan.cli import demo_cmd, fit_cmd, plan_cmd, report_cmd, run_cmd, trace_cmd
 
-    for module in (trace_cmd, plan_cmd, run_cmd, report_cmd, demo_cmd):
+    for module in (trace_cmd, plan_cmd, fit_cmd, run_cmd, report_cmd, demo_cmd):
         module.register(app)
 
 

@@ -30,8 +30,9 @@ def register(app: typer.Typer) -> None:
                                                     "(optional with --json).")] = None,
         cpu_mem: Annotated[str | None, typer.Option("--cpu-mem", help="Host memory for offloaded data.")] = None,
         gpu: Annotated[str | None, typer.Option("--gpu", help="GPU preset for compute and link speed: rtx3090 "
-                                                "(default), rtx2060, v100-32gb, a100-40gb, a100-80gb, h100-80gb, "
-                                                "or cpu (hplan's CPU fast tier).")] = None,
+                                                "(default), rtx2060, rtx4090, rtx5090, l4, l40s, a6000, v100-32gb, "
+                                                "a100-40gb, a100-80gb, h100-80gb, h200, b200, mi300x, or cpu "
+                                                "(hplan's CPU fast tier).")] = None,
         gpu_tflops: Annotated[float | None, typer.Option("--gpu-tflops", help="Override the preset's TFLOPS.")] = None,
         link_gbps: Annotated[float | None, typer.Option("--link-gbps", help="Host link GB/s, each direction.")] = None,
         cpu_adam_gbps: Annotated[float | None, typer.Option("--cpu-adam-gbps", help="Host optimizer throughput, GB/s "
@@ -93,6 +94,10 @@ def register(app: typer.Typer) -> None:
                                                "memory), expandable (for runs with PYTORCH_CUDA_ALLOC_CONF="
                                                "expandable_segments:True) or cached (segments never freed). --slack "
                                                "overrides it.")] = "release",
+        deepspeed: Annotated[Path | None, typer.Option("--deepspeed", help="Your DeepSpeed config (ds_config.json): "
+                                                       "simulate its ZeRO settings on the same trace and hardware "
+                                                       "and show whether it runs out of memory, beside the plan.")
+                             ] = None,
     ) -> None:
         """Plan which model data lives on the GPU at every event: `hplan plan t.parquet --gpu-mem 24GB -o plan.json`."""
         from hplan.cli.common import guarded
@@ -105,7 +110,7 @@ def register(app: typer.Typer) -> None:
                              world=dict(gpus=gpus, nodes=nodes, intra_gbps=intra_gbps, inter_gbps=inter_gbps,
                                         shard=shard, network=network, intra_latency_us=intra_latency_us,
                                         inter_latency_us=inter_latency_us, collectives=collectives),
-                             activations=activations, allocator=allocator, **tiers))
+                             activations=activations, allocator=allocator, deepspeed=deepspeed, **tiers))
 
 
 def _run(*, trace: Path, gpu_mem: str, output: Path | None, cpu_mem: str | None, gpu: str | None,
@@ -113,7 +118,8 @@ def _run(*, trace: Path, gpu_mem: str, output: Path | None, cpu_mem: str | None,
          chunk_size: str | None, solver: str | None, compare: bool, as_json: bool, effort: int = 1,
          world: dict | None = None, nvme: str | None = None, host: str | None = None,
          nvme_preset: str | None = None, nvme_read_gbps: float | None = None,
-         nvme_write_gbps: float | None = None, activations: str = "auto", allocator: str = "release") -> None:
+         nvme_write_gbps: float | None = None, activations: str = "auto", allocator: str = "release",
+         deepspeed: Path | None = None) -> None:
     from hplan.artifacts import Trace
     from hplan.artifacts.io import check_input, check_output
     from hplan.cli.common import emit_json, positive_number, progress_bar, size_option
@@ -130,6 +136,12 @@ def _run(*, trace: Path, gpu_mem: str, output: Path | None, cpu_mem: str | None,
     for value, what in ((gpu_tflops, "--gpu-tflops"), (link_gbps, "--link-gbps"), (cpu_adam_gbps, "--cpu-adam-gbps")):
         positive_number(value, what=what)
     loaded = Trace.load(trace, columns=())  # the planner reads the metadata only: no timeline column
+    ds_cfg = None
+    if deepspeed is not None:
+        from hplan.cli.deepspeed_opt import check_against_trace, load_ds_config
+
+        ds_cfg = load_ds_config(deepspeed)
+        check_against_trace(ds_cfg, loaded, deepspeed)
     slack_fields = trace_slack(loaded, allocator)
     if slack is not None:  # the user's figure holds for every activation choice
         slack_fields = dict(slack_bytes=0 if slack.strip() in ("0", "0B") else size_option(slack, what="--slack"),
@@ -171,6 +183,12 @@ def _run(*, trace: Path, gpu_mem: str, output: Path | None, cpu_mem: str | None,
     payload: dict = {"summary": asdict(plan.summary), "gpu_bytes": hardware.gpu_bytes}
     if compare:
         payload["baselines"] = [asdict(b) for b in plan.baselines]
+    if ds_cfg is not None:
+        from hplan.cli.deepspeed_opt import ds_verdict, print_verdict
+
+        payload["deepspeed"] = ds_verdict(ds_cfg, loaded, hardware)
+        if not as_json and not plan.summary.feasible:
+            print_verdict(payload["deepspeed"], None, None)
     if not plan.summary.feasible:
         if as_json:
             emit_json(payload)
@@ -188,6 +206,10 @@ def _run(*, trace: Path, gpu_mem: str, output: Path | None, cpu_mem: str | None,
         emit_json(payload)
     else:
         _print_summary(plan, output)
+        if "deepspeed" in payload:
+            from hplan.cli.deepspeed_opt import print_verdict
+
+            print_verdict(payload["deepspeed"], plan.summary.predicted_step_seconds, plan.summary.bytes_moved_per_iter)
 
 
 def _activation_warnings(plan: Plan, activations: str, trace: object) -> None:

@@ -20,10 +20,12 @@ EPILOG = ("Example: hplan trace gpt:125m --device fake -o t.parquet  "
 def register(app: typer.Typer) -> None:
     @app.command("trace", epilog=EPILOG, cls=HplanCommand)
     def trace_command(
-        spec: Annotated[str, typer.Argument(help="Workload: file.py:function, gpt:<size> or hf:<Class>.")],
+        spec: Annotated[str, typer.Argument(help="Workload: file.py:function, gpt:<size>, hf:<Class>, "
+                                            "hf:path/to/config.json or hf:<org>/<name> (a hub id).")],
         output: Annotated[Path, typer.Option("-o", "--output", help="Trace file to write (.parquet).")],
-        device: Annotated[str, typer.Option("--device", help="cpu (real run), fake (no memory) or cuda "
-                                            "(unverified in this release).")] = "cpu",
+        device: Annotated[str | None, typer.Option("--device", help="cpu (real run), fake (no memory) or cuda "
+                                                   "(unverified in this release); default cpu, or fake for an "
+                                                   "hf: config of more than 250M parameters.")] = None,
         iters: Annotated[int, typer.Option("--iters", help="Optimizer steps to trace, over the workload's batches "
                                            "0, 1, …; the plan covers every batch shape they have.")] = 3,
         accumulate: Annotated[int | None, typer.Option("--accumulate", help="Micro-batches per optimizer step "
@@ -48,17 +50,18 @@ def register(app: typer.Typer) -> None:
                              accumulate=accumulate, max_grad_norm=max_grad_norm, defer_updates=defer_updates))
 
 
-def _run(*, spec: str, output: Path, device: str, iters: int, batch_size: int | None, seq_len: int | None,
+def _run(*, spec: str, output: Path, device: str | None, iters: int, batch_size: int | None, seq_len: int | None,
          precision: str | None, overrides: list[str] | None, as_json: bool, accumulate: int | None = None,
          max_grad_norm: float | None = None, defer_updates: bool | None = None) -> None:
     from hplan.artifacts.io import check_output
     from hplan.cli.common import emit_json, parse_device, parse_overrides, progress_bar
     from hplan.specs import load_workload, spec_file
 
-    parse_device(device, kinds=("cpu", "fake", "cuda"))
-    from hplan.probe import check_device
+    if device is not None:
+        parse_device(device, kinds=("cpu", "fake", "cuda"))
+        from hplan.probe import check_device
 
-    check_device(device, instead="cpu or fake")  # before the model is built
+        check_device(device, instead="cpu or fake")  # before the model is built
     if output.suffix != ".parquet":
         raise HplanError(f"trace output {output} must end in .parquet (the timeline is a Parquet table)")
     check_output(output, inputs=[spec_file(spec)], what="trace output")
@@ -68,6 +71,8 @@ def _run(*, spec: str, output: Path, device: str, iters: int, batch_size: int | 
                              defer_updates=defer_updates)
     from hplan.tracer import trace_workload
 
+    device = device or default_device(workload)
+
     with progress_bar(f"tracing {workload.name}", quiet=as_json) as on_progress:
         trace = trace_workload(workload, device=device, iters=iters, on_progress=on_progress)
     trace.save(output)
@@ -75,6 +80,14 @@ def _run(*, spec: str, output: Path, device: str, iters: int, batch_size: int | 
         emit_json(summary(trace) | {"output": str(shown)})
     else:
         print_summary(trace, shown)
+
+
+def default_device(workload: object) -> str:
+    """cpu, or fake for a model built from a config.json with more than LARGE_PARAMS parameters."""
+    from hplan.models.hf_config import LARGE_PARAMS
+
+    count = getattr(getattr(workload, "model", None), "hplan_param_count", None)
+    return "fake" if isinstance(count, int) and count > LARGE_PARAMS else "cpu"
 
 
 def summary(trace: Trace) -> dict:

@@ -131,20 +131,25 @@ def _message(exc: BaseException) -> str:
 def hf_workload(
     name: str, *, batch_size: int | None = None, seq_len: int | None = None, overrides: dict[str, Any] | None = None
 ) -> Workload:
-    """A language-modelling step (input_ids → .loss with labels) for any `*LM*`-style class."""
-    cls = _model_class(name)
-    config = build_config(cls, overrides)
-    vocab = int(getattr(config, "vocab_size", 1000))
+    """A training step of `hf:<ModelClass>` (language modelling: input_ids → .loss with labels) or of
+    `hf:PATH/config.json` / `hf:org/name` (the step of the class's task, see hplan.models.hf_config)."""
+    from hplan.models import hf_config
+
+    if hf_config.is_config_spec(name):
+        path = hf_config.resolve_config_path(name)
+        config, cls, task = hf_config.make_config(path, hf_config.read_config(path), dict(overrides or {}),
+                                                  typed=_typed, message=_message)
+        n_params = _check_build(cls, config, f"config file {path}")
+    else:
+        cls, task = _model_class(name), "causal-lm"
+        config = build_config(cls, overrides)
+        n_params = None
     bsz, seq = batch_size or DEFAULT_BATCH, seq_len or DEFAULT_SEQ
     context = getattr(config, "max_position_embeddings", None)
-    if isinstance(context, int) and not isinstance(context, bool) and seq > context:
+    if task != "image-classification" and isinstance(context, int) and not isinstance(context, bool) and seq > context:
         raise HplanError(f"sequence length {seq} exceeds hf:{name}'s context {context}; use `seq_len` {context} or "
                          "less, or raise max_position_embeddings in `overrides`")
-
-    def batch(step: int) -> dict[str, torch.Tensor]:
-        gen = torch.Generator().manual_seed(7919 * (step + 1))
-        ids = torch.randint(vocab, (bsz, seq), generator=gen)
-        return {"input_ids": ids, "labels": ids.clone()}
+    batch = _batch_maker(task, config, bsz, seq)
 
     # Before the first build, not on a built model: submodules copy the config at construction (T5's decoder
     # stack does), so switching use_cache off afterwards reached only the next build, and the first build (a cpu
@@ -155,6 +160,8 @@ def hf_workload(
     def build() -> torch.nn.Module:
         return cls(config)
 
+    build.hplan_param_count = n_params  # type: ignore[attr-defined]  # read by `hplan trace` (default device)
+    build.hplan_context = context if isinstance(context, int) and task != "image-classification" else None  # type: ignore[attr-defined]  # `hplan fit`
     return Workload(
         model=build,
         batch=batch,
@@ -162,5 +169,36 @@ def hf_workload(
         optimizer=lambda params: torch.optim.AdamW(params, lr=1e-4),
         name=f"hf:{name}",
         batch_size=bsz,
-        seq_len=seq,
+        seq_len=None if task == "image-classification" else seq,
     )
+
+
+def _check_build(cls: Any, config: Any, where: str) -> int:
+    """The model's parameter count, built on the meta device (no memory); transformers' refusal as one line."""
+    try:
+        with torch.device("meta"):
+            model = cls(config)
+    except Exception as exc:  # transformers' own validation: its message is the explanation
+        raise HplanError(f"{where}: {cls.__name__} cannot be built from it ({type(exc).__name__}: "
+                         f"{_message(exc)})") from None
+    return sum(p.numel() for p in model.parameters())
+
+
+def _batch_maker(task: str, config: Any, bsz: int, seq: int) -> Any:
+    """batch(step): deterministic random inputs for the task (labels make the model return its loss)."""
+    vocab = int(getattr(config, "vocab_size", None) or 1000)
+    labels = int(getattr(config, "num_labels", 2) or 2)
+
+    def batch(step: int) -> dict[str, torch.Tensor]:
+        gen = torch.Generator().manual_seed(7919 * (step + 1))
+        if task == "image-classification":
+            size = getattr(config, "image_size", 224)
+            height, width = (size, size) if isinstance(size, int) else tuple(size)
+            pixels = torch.randn((bsz, int(getattr(config, "num_channels", 3)), height, width), generator=gen)
+            return {"pixel_values": pixels, "labels": torch.randint(labels, (bsz,), generator=gen)}
+        ids = torch.randint(vocab, (bsz, seq), generator=gen)
+        if task == "sequence-classification":
+            return {"input_ids": ids, "labels": torch.randint(labels, (bsz,), generator=gen)}
+        return {"input_ids": ids, "labels": ids.clone()}
+
+    return batch

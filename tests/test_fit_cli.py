@@ -1,0 +1,141 @@
+"""`hplan fit`: every answer a plan, the boundary proven (fits at k, infeasible at the next step), the published
+estimators' formulas, bad inputs in one line."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from typer.testing import CliRunner
+
+from fit_configs import TINY_LLAMA, write_config
+from hplan.cli import app
+from hplan.cli.fit_search import SEQ_STEP, Probe, _boundary
+from hplan.planner.baselines import estimators
+
+runner = CliRunner()
+
+
+class _Plan:
+    """Just enough of a Plan for the search: a feasible flag."""
+
+    def __init__(self, ok: bool) -> None:
+        self.summary = type("S", (), {"feasible": ok, "bottleneck": "" if ok else "too big"})()
+
+
+@pytest.mark.parametrize(("limit", "start"), [(1, 1), (7, 1), (8, 3), (100, 64), (100, 200), (0, 5), (37, 37)])
+def test_boundary_search_finds_the_last_fitting_step_with_few_probes(limit, start):
+    tried = []
+
+    def probe(n: int) -> Probe:
+        tried.append(n)
+        return Probe(batch=n, seq=1, plan=_Plan(n <= limit))
+
+    found = _boundary(probe, start=start, cap=4096, cap_text="cap")
+    if limit == 0:
+        assert found.best is None and found.next.batch == 1 and not found.next.fits
+    else:
+        assert found.best.batch == limit and found.best.fits
+        assert found.next.batch == limit + 1 and not found.next.fits
+    assert len(tried) <= 2 * (max(limit, start).bit_length() + 1)
+
+
+def test_boundary_search_stops_at_its_cap():
+    found = _boundary(lambda n: Probe(batch=n, seq=1, plan=_Plan(True)), start=3, cap=20, cap_text="the cap")
+    assert found.best.batch == 20 and found.next is None and found.limit == "the cap"
+
+
+def test_published_estimator_formulas():
+    """DeepSpeed's stage_1_and_2.py / stage3.py and accelerate's estimate.py formulas, worked by hand for 1e9
+    parameters and a largest layer of 1e8."""
+    z2 = estimators.zero2(10**9)
+    assert (z2.gpu_bytes, z2.cpu_bytes) == (2 * 10**9, 24 * 10**9)
+    z2_4 = estimators.zero2(10**9, gpus_per_node=8, cpu_offload=False)
+    assert (z2_4.gpu_bytes, z2_4.cpu_bytes) == (4 * 10**9 + 2 * 10**9, 48 * 10**9)
+    z3 = estimators.zero3(10**9, 10**8)
+    assert (z3.gpu_bytes, z3.cpu_bytes) == (4 * 10**8, 27 * 10**9)
+    z3_opt = estimators.zero3(10**9, 10**8, cpu_offload_params=False)
+    assert (z3_opt.gpu_bytes, z3_opt.cpu_bytes) == (4 * 10**8 + 2 * 10**9, 24 * 10**9)
+    z3_none = estimators.zero3(10**9, 10**8, cpu_offload=False, cpu_offload_params=False)
+    assert (z3_none.gpu_bytes, z3_none.cpu_bytes) == (4 * 10**8 + 18 * 10**9, 6 * 10**8)
+    assert estimators.accelerate(10**9, "bf16-mixed").gpu_bytes == 8 * 10**9
+    assert estimators.accelerate(10**9, "fp32").gpu_bytes == 16 * 10**9
+
+
+def test_fit_without_search_answers_from_one_plan(tmp_path):
+    path = write_config(tmp_path)
+    result = runner.invoke(app, ["fit", f"hf:{path}", "--gpu", "rtx4090,l4", "--seq-len", "64", "--batch-size", "2",
+                                 "--no-search", "--json"])
+    assert result.exit_code == 0, result.output
+    out = json.loads(result.stdout)
+    assert [row["gpu"] for row in out["gpus_rows"]] == ["rtx4090", "l4"]
+    for row in out["gpus_rows"]:
+        assert row["at"]["fits"] and row["at"]["predicted_step_seconds"] > 0 and row["at"]["tokens_per_s"] > 0
+        assert row["at"]["gpu_bytes"] > 0 and row["largest_batch"] is None
+        names = [e["name"] for e in row["estimators"]]
+        assert names[0].startswith("DeepSpeed ZeRO-2") and names[-1] == "accelerate estimate-memory"
+    params = sum(v for k, v in _llama_param_counts().items())
+    assert out["gpus_rows"][0]["estimators"][-1]["gpu_bytes"] == 8 * params  # accelerate: 8 B per parameter in bf16
+
+
+def _llama_param_counts() -> dict[str, int]:
+    import transformers
+
+    model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**{k: v for k, v in TINY_LLAMA.items()
+                                                                      if k not in ("architectures", "model_type")}))
+    return {n: p.numel() for n, p in model.named_parameters()}
+
+
+@pytest.mark.parametrize(("args", "message"), [
+    (["--gpu", "rtx9090"], "unknown GPU preset 'rtx9090'"),
+    (["--gpus", "0"], "--gpus must be a positive integer"),
+    (["--gpu-mem", "lots"], "--gpu-mem"),
+])
+def test_fit_bad_options_are_one_line(tmp_path, args, message):
+    path = write_config(tmp_path)
+    result = runner.invoke(app, ["fit", f"hf:{path}", "--no-search", *args])
+    assert result.exit_code == 2, result.output
+    assert len(result.output.strip().splitlines()) == 1 and message in result.output
+
+
+def test_fit_bad_config_is_one_line(tmp_path):
+    path = write_config(tmp_path, {"hidden_size": 3})
+    result = runner.invoke(app, ["fit", f"hf:{path}"])
+    assert result.exit_code == 2 and "no `model_type` field" in result.output
+    assert len(result.output.strip().splitlines()) == 1
+
+
+@pytest.mark.slow
+def test_fit_boundaries_are_proven_by_plans_made_by_hand(tmp_path):
+    """The largest batch fits and batch + 1 does not; the longest sequence fits and + SEQ_STEP does not; and a
+    plan made by hand (trace, then make_plan) at each boundary agrees with fit's verdict."""
+    data = dict(TINY_LLAMA, vocab_size=4096)  # logits dominate: the boundary moves with batch and sequence
+    path = write_config(tmp_path, data)
+    result = runner.invoke(app, ["fit", f"hf:{path}", "--gpu", "rtx4090", "--gpu-mem", "40MB", "--seq-len", "256",
+                                 "--batch-size", "2", "--json"])
+    assert result.exit_code == 0, result.output
+    row = json.loads(result.stdout)["gpus_rows"][0]
+    batch, seq = row["largest_batch"], row["longest_seq"]
+    assert batch["best"]["fits"] and not batch["next"]["fits"] and batch["next"]["batch"] == batch["best"]["batch"] + 1
+    assert seq["best"]["fits"] and not seq["next"]["fits"] and seq["next"]["seq"] == seq["best"]["seq"] + SEQ_STEP
+    from hplan.planner import PlanOptions, make_hardware, make_plan, trace_slack
+    from hplan.specs import load_workload
+    from hplan.tracer import trace_workload
+
+    for b, s, fits in ((batch["best"]["batch"], 256, True), (batch["next"]["batch"], 256, False),
+                       (2, seq["best"]["seq"], True), (2, seq["next"]["seq"], False)):
+        trace = trace_workload(load_workload(f"hf:{path}", batch_size=b, seq_len=s, precision="bf16-mixed"),
+                               device="fake", iters=2)
+        hardware = make_hardware("rtx4090", gpu_bytes=40 * 10**6, **trace_slack(trace, "release"))
+        assert make_plan(trace, hardware, PlanOptions(activations="auto")).summary.feasible is fits, (b, s)
+
+
+def test_model_data_beyond_every_tier_is_answered_without_a_plan(tmp_path):
+    """No shape fits when the model data exceeds GPU + host + disk: fit says so from that count and names it."""
+    path = write_config(tmp_path)
+    result = runner.invoke(app, ["fit", f"hf:{path}", "--gpu", "rtx4090", "--gpu-mem", "100KB", "--cpu-mem", "100KB",
+                                 "--seq-len", "64", "--json"])
+    assert result.exit_code == 0, result.output
+    row = json.loads(result.stdout)["gpus_rows"][0]
+    assert not row["at"]["fits"] and "exceeds the GPU and host together" in row["at"]["reason"]
+    assert row["largest_batch"]["best"] is None and row["longest_seq"]["best"] is None

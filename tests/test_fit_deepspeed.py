@@ -1,0 +1,137 @@
+"""`hplan plan --deepspeed`: the user's ZeRO config read, typed, its unknown keys named, and simulated with the
+baselines' code-faithful model; the verdict is the simulator's own."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from fit_configs import write_config
+from hplan.cli import app
+from hplan.errors import HplanError
+from hplan.planner.baselines.deepspeed_config import parse_ds_config
+
+DATA = Path(__file__).parent / "data"
+runner = CliRunner()
+
+
+@pytest.fixture(scope="module")
+def traces(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("ds")
+    path = write_config(folder)
+    out = {}
+    for precision in ("fp16-mixed", "bf16-mixed"):
+        trace = folder / f"{precision}.parquet"
+        result = runner.invoke(app, ["trace", f"hf:{path}", "--device", "fake", "--precision", precision,
+                                     "--batch-size", "2", "--seq-len", "64", "--iters", "2", "-o", str(trace)])
+        assert result.exit_code == 0, result.output
+        out[precision] = trace
+    return out
+
+
+CASES = [("ds_zero_offload.json", "fp16-mixed", "zero_offload"), ("ds_zero3_offload.json", "bf16-mixed", "zero3"),
+         ("ds_trainer_zero3_auto.json", "bf16-mixed", "zero3")]
+
+
+@pytest.mark.parametrize(("name", "precision", "system"), CASES)
+@pytest.mark.parametrize("gpu_mem", ["24GB", "30MB"])
+def test_real_configs_get_the_simulators_verdict(traces, tmp_path, name, precision, system, gpu_mem):
+    from hplan.artifacts import Trace
+    from hplan.planner import make_hardware, trace_slack
+    from hplan.planner.activations import with_slack
+    from hplan.planner.baselines.recipes import _decisions, recompute_every_segment
+    from hplan.planner.baselines.zero3_offload import Zero3Config, zero3_offload
+    from hplan.planner.baselines.zero_offload import Zero2Config, zero_offload
+
+    result = runner.invoke(app, ["plan", str(traces[precision]), "--gpu", "rtx4090", "--gpu-mem", gpu_mem,
+                                 "--deepspeed", str(DATA / name), "--json"])
+    payload = json.loads(result.stdout.strip().splitlines()[-1] if result.exit_code else result.stdout)
+    verdict = payload["deepspeed"]
+    assert verdict["simulated"]
+    trace = Trace.load(traces[precision], columns=())
+    hardware = make_hardware("rtx4090", gpu_bytes=int(float(gpu_mem[:-2]) * (10**9 if gpu_mem.endswith("GB") else
+                                                                              10**6)), **trace_slack(trace))
+    raw = json.loads((DATA / name).read_text())["zero_optimization"]
+    if system == "zero_offload":
+        expected = zero_offload(trace, hardware, Zero2Config(reduce_bucket_size=raw["reduce_bucket_size"],
+                                                             overlap_comm=raw["overlap_comm"]))
+    else:
+        sizes = {k: int(raw[f"stage3_{k}"]) for k in ("max_live_parameters", "max_reuse_distance",
+                                                      "prefetch_bucket_size", "param_persistence_threshold")
+                 if isinstance(raw.get(f"stage3_{k}"), (int, float))}
+        if isinstance(raw.get("reduce_bucket_size"), (int, float)):
+            sizes["reduce_bucket_size"] = int(raw["reduce_bucket_size"])
+        work, hw = trace, hardware
+        if "activation_checkpointing" in json.loads((DATA / name).read_text()):
+            work, hw = recompute_every_segment(trace), with_slack(hardware, _decisions(trace))
+        expected = zero3_offload(work, hw, Zero3Config(**sizes))
+    assert verdict["out_of_memory"] is (not expected.feasible)
+    assert verdict["bytes_moved_per_iter"] == expected.bytes_moved_per_iter
+    assert verdict["predicted_peak_bytes"] == expected.predicted_peak_bytes
+    assert verdict["out_of_memory"] is (gpu_mem == "30MB" and expected.predicted_peak_bytes > 30 * 10**6 - 0)
+
+
+def test_unknown_keys_are_named_in_a_warning(traces, tmp_path):
+    cfg = json.loads((DATA / "ds_zero_offload.json").read_text())
+    cfg["zero_optimisation"] = {"stage": 3}  # British spelling: DeepSpeed does not know it
+    cfg["zero_optimization"]["offload_optimiser"] = {"device": "cpu"}
+    path = tmp_path / "ds.json"
+    path.write_text(json.dumps(cfg))
+    result = runner.invoke(app, ["plan", str(traces["fp16-mixed"]), "--gpu-mem", "24GB", "--deepspeed", str(path),
+                                 "--json"])
+    assert result.exit_code == 0, result.output
+    warning = [line for line in result.stderr.splitlines() if "unknown keys" in line]
+    assert warning and "zero_optimisation" in warning[0] and "zero_optimization.offload_optimiser" in warning[0]
+
+
+@pytest.mark.parametrize(("patch", "key"), [
+    ({"zero_optimization": {"stage": "two"}}, "zero_optimization.stage"),
+    ({"zero_optimization": {"stage": 2, "reduce_bucket_size": 5.5}}, "zero_optimization.reduce_bucket_size"),
+    ({"zero_optimization": {"stage": 3, "offload_param": {"device": "gpu"}}}, "zero_optimization.offload_param.device"),
+    ({"zero_optimization": {"stage": 2, "overlap_comm": "yes"}}, "zero_optimization.overlap_comm"),
+    ({"fp16": {"enabled": 1}}, "fp16.enabled"),
+    ({"train_micro_batch_size_per_gpu": 0}, "train_micro_batch_size_per_gpu"),
+    ({"zero_optimization": [2]}, "zero_optimization must be an object"),
+])
+def test_wrong_types_are_one_line_naming_the_key(traces, tmp_path, patch, key):
+    path = tmp_path / "ds.json"
+    path.write_text(json.dumps(patch))
+    with pytest.raises(HplanError, match=key.replace(".", r"\.")):
+        parse_ds_config(patch)
+    result = runner.invoke(app, ["plan", str(traces["fp16-mixed"]), "--gpu-mem", "24GB", "--deepspeed", str(path),
+                                 "-o", str(tmp_path / "p.json")])
+    assert result.exit_code == 2 and key in result.output and len(result.output.strip().splitlines()) == 1
+    assert not (tmp_path / "p.json").exists()
+
+
+def test_a_config_for_another_run_is_refused(traces, tmp_path):
+    path = tmp_path / "ds.json"
+    path.write_text(json.dumps({"bf16": {"enabled": True}, "zero_optimization": {"stage": 2}}))
+    result = runner.invoke(app, ["plan", str(traces["fp16-mixed"]), "--gpu-mem", "24GB", "--deepspeed", str(path),
+                                 "--json"])
+    assert result.exit_code == 2 and "trains bf16-mixed but the trace is fp16-mixed" in result.output
+
+
+def test_unsimulated_combinations_say_so(traces, tmp_path):
+    path = tmp_path / "ds.json"
+    path.write_text(json.dumps({"fp16": {"enabled": True}, "zero_optimization": {"stage": 3}}))
+    result = runner.invoke(app, ["plan", str(traces["fp16-mixed"]), "--gpu-mem", "24GB", "--deepspeed", str(path),
+                                 "--json"])
+    assert result.exit_code == 0, result.output
+    verdict = json.loads(result.stdout)["deepspeed"]
+    assert not verdict["simulated"] and "no code-faithful simulator" in verdict["why"]
+
+
+def test_fit_takes_the_configs_batch_and_precision_and_simulates_it_per_gpu(tmp_path):
+    path = write_config(tmp_path)
+    result = runner.invoke(app, ["fit", f"hf:{path}", "--gpu", "rtx4090,l4", "--seq-len", "64", "--no-search",
+                                 "--deepspeed", str(DATA / "ds_zero_offload.json"), "--json"])
+    assert result.exit_code == 0, result.output
+    out = json.loads(result.stdout)
+    assert out["precision"] == "fp16-mixed" and out["batch_size"] == 2  # the config's fp16 and micro-batch
+    for row in out["gpus_rows"]:
+        assert row["deepspeed"]["simulated"] and not row["deepspeed"]["out_of_memory"]
+        assert row["deepspeed"]["bytes_moved_per_iter"] > 0
