@@ -49,7 +49,7 @@ from typing import Any
 
 from hplan.artifacts.io import loads_bounded
 from hplan.errors import HplanError
-from hplan.executor.ranks.rank_results import read_result, write_result
+from hplan.executor.ranks.rank_results import read_result, result_path, write_result
 
 TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 RENDEZVOUS_S = 120.0
@@ -185,7 +185,7 @@ def _spawn(fn: Callable[..., Any], args: tuple[Any, ...], *, nprocs: int, backen
             raise HplanError(f"launch could not send the function or its arguments to the ranks ({_one_line(exc)}); "
                              "pass a module-level function and picklable arguments") from None
         procs = list(context.processes)
-        failed, stopped = _supervise(procs, timeout_s, lambda rank: (workdir / f"rank{rank}.pkl").exists())
+        failed, stopped = _supervise(procs, timeout_s, lambda rank: result_path(workdir, rank).exists())
         if stopped and failed is None:
             raise HplanError(f"ranks {stopped} of {nprocs} still running after {timeout_s:g} s (launch watchdog); "
                              "find the hang or raise timeout_s")
@@ -314,7 +314,7 @@ def _failure_message(procs: list[Any], workdir: Path, stopped: list[int]) -> str
     records: dict[int, dict[str, Any]] = {}
     silent: list[int] = []
     for rank, p in enumerate(procs):
-        if rank in stopped or p.exitcode == 0 and (workdir / f"rank{rank}.pkl").exists():
+        if rank in stopped or p.exitcode == 0 and result_path(workdir, rank).exists():
             continue
         path = workdir / f"rank{rank}.err"
         if path.exists():

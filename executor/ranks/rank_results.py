@@ -13,6 +13,12 @@ from typing import Any
 from hplan.errors import HplanError
 
 
+def result_path(workdir: Path, rank: int) -> Path:
+    """Where rank `rank` leaves its result: its presence is how the launcher tells a finished rank from one that
+    exited early."""
+    return workdir / f"rank{rank}.json"
+
+
 def write_result(workdir: Path, rank: int, result: Any, write: Callable[[Path, bytes], None]) -> None:
     """This rank's result as typed JSON, each tensor as a raw file `rank<r>.<i>.bin` (see [Note: launch workdir])."""
     import torch
@@ -27,7 +33,7 @@ def write_result(workdir: Path, rank: int, result: Any, write: Callable[[Path, b
         write(workdir / name, data)
         return {"file": name, "dtype": str(t.dtype).removeprefix("torch."), "shape": list(t.shape)}
 
-    write(workdir / f"rank{rank}.json", to_json(result, where=f"the result of rank {rank}", sink=sink).encode())
+    write(result_path(workdir, rank), to_json(result, where=f"the result of rank {rank}", sink=sink).encode())
 
 
 def read_result(workdir: Path, rank: int, exitcode: int | None) -> Any:
@@ -38,7 +44,7 @@ def read_result(workdir: Path, rank: int, exitcode: int | None) -> Any:
     from hplan.executor.checkpoints.state_json import decode
     from hplan.executor.tiers.durable import open_regular, read_regular
 
-    path = workdir / f"rank{rank}.json"
+    path = result_path(workdir, rank)
     if not path.exists():
         raise HplanError(f"rank {rank} exited (code {exitcode}) without returning a result; do not call sys.exit "
                          "in the launched function")
