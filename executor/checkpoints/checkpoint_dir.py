@@ -232,11 +232,12 @@ class CheckpointDir:
         """Bytes of the newest checkpoint this run knows of (0 when none): the next one is about as large."""
         return tree_bytes(self.root / self.previous[0]) if self.previous else 0
 
-    def _full(self, need: int, free: int, *, at_least: bool = False) -> HplanError:
-        latest = f"{self.previous[0]} stays the latest" if self.previous else "no checkpoint of this run was saved"
+    def _full(self, need: int, free: int, *, at_least: bool = False, why: str = "not enough free space") -> HplanError:
+        latest = f"the previous checkpoint there ({self.previous[0]}) is intact and stays the latest" \
+            if self.previous else "no checkpoint of this run was saved"
         needs = f"{'more than' if at_least else 'about'} {format_bytes(need)}"
-        return HplanError(f"not enough free space in {self.root} for a checkpoint: it needs {needs} and the disk has "
-                          f"{format_bytes(free)} free; {latest} — free space or pass another `checkpoint_dir`, then "
+        return HplanError(f"cannot save a checkpoint in {self.root}: {why} — it needs {needs} and the disk has "
+                          f"{format_bytes(free)} free; {latest}; free space or pass another `checkpoint_dir`, then "
                           "`resume`")
 
     def _failed(self, exc: Exception, need: int, written: int = 0, free: int | None = None) -> Exception:
@@ -244,8 +245,8 @@ class CheckpointDir:
         so or the disk (`free` as the write left it) could not hold the rest, any other OSError as one line,
         anything else as it is."""
         free = free_bytes(self.root) if free is None else free
-        if _says_full(exc):
-            return self._full(need, free_bytes(self.root))
+        if (full := _says_full(exc)) is not None:
+            return self._full(need, free_bytes(self.root), why=full)
         if not isinstance(exc, (OSError, HplanError)) and free < max(need - written, 0) + FULL_MARGIN:
             more = written + free > need  # the estimate was short: it needs more than it had
             return self._full(written + free if more else need, free_bytes(self.root), at_least=more)
@@ -335,16 +336,16 @@ def tree_bytes(path: Path) -> int:
     return total
 
 
-def _says_full(exc: BaseException) -> bool:
-    """Whether `exc` or an error it was raised from is ENOSPC or EDQUOT."""
+def _says_full(exc: BaseException) -> str | None:
+    """The OS's words when `exc` or an error it was raised from is ENOSPC or EDQUOT, else None."""
     seen: set[int] = set()
     cur: BaseException | None = exc
     while cur is not None and id(cur) not in seen:
         seen.add(id(cur))
         if isinstance(cur, OSError) and cur.errno in (errno.ENOSPC, errno.EDQUOT):
-            return True
+            return cur.strerror or os.strerror(cur.errno)
         cur = cur.__cause__ or cur.__context__
-    return False
+    return None
 
 
 def format_bytes(n: int) -> str:

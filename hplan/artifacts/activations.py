@@ -63,16 +63,17 @@ class ActivationChoice:
     """Offload: ordinals of the saved-tensor packs in its forward whose storages move (from the trace)."""
 
     @classmethod
-    def from_dict(cls, obj: dict[str, Any]) -> ActivationChoice:
-        return cls(**{**obj, "recompute_params": tuple(obj.get("recompute_params", ())),
-                      "effects": tuple(tuple(_whole(x) for x in e) for e in obj.get("effects", ())),
-                      "offload_packs": tuple(_whole(x) for x in obj.get("offload_packs", ()))})
+    def from_dict(cls, obj: Any, *, path: str = "activations[0]") -> ActivationChoice:
+        """A choice read from a plan file, every field typed as annotated ([Note: typed artifact fields]): a
+        FieldError naming `path` and the field otherwise (an edited plan's `module: 5` or `prefetch_step: "24"`)."""
+        from hplan.artifacts.typed import typed
+
+        return typed(cls, obj, path=path, minimum=SIGNED)
 
 
-def _whole(x: Any) -> int:
-    if isinstance(x, bool) or not isinstance(x, int):
-        raise ValueError(f"expected an integer, got {x!r}")
-    return x
+SIGNED = {"prefetch_step": -1, "effects": -(2**63)}
+"""Integer fields of a choice that may be negative: "no prefetch" is -1; an effect's bytes are negative where
+activations are gone (its steps are checked against the plan by `activation_problems`)."""
 
 
 def effect_at(choices: tuple[ActivationChoice, ...], n_steps: int) -> list[int]:
