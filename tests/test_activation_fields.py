@@ -104,7 +104,7 @@ def test_choice_shape(plans, tmp_path, edit):
     _refused(plan, tmp_path)
 
 
-@pytest.mark.parametrize("module", ["h.7", "", "x" * 100_000, "h.0.attn"])
+@pytest.mark.parametrize("module", ["h.7", "", "x" * 100_000, "h.0.attn"], ids=["h.7", "empty", "long", "h.0.attn"])
 def test_a_choice_for_a_module_that_is_no_segment(plans, tmp_path, module):
     """A well-typed name that is not one of the trace's segment calls."""
     plan = json.loads(json.dumps(plans["offload"]))
