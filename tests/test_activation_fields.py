@@ -111,3 +111,20 @@ def test_a_choice_for_a_module_that_is_no_segment(plans, tmp_path, module):
     plan["activations"][0]["module"] = module
     line = _refused(plan, tmp_path)
     assert len(line) < 600, line  # a hostile name is not printed in full
+
+
+def test_a_plan_edited_to_undercount_activations_does_not_match_its_trace(tmp_path):
+    """Halving the activation bytes of the steps where saved activations are live (consistently, so every other
+    rule holds) is named at load as a plan that does not match its trace — not left to the budget guard mid-run,
+    which blamed the run ("re-trace")."""
+    plan = json.loads(json.dumps(plan_for(load_workload("gpt:tiny"), activations="keep").to_dict()))
+    live = {t for c in plan["activations"] for t in range(c["d2h_step"] + 1, c["backward_step"])}
+    assert live
+    for t in live:
+        step = plan["steps"][t]
+        cut = step["non_model_bytes"] // 2
+        step["non_model_bytes"] -= cut
+        if step.get("kept_non_model_bytes") is not None:
+            step["kept_non_model_bytes"] -= cut
+    line = _refused(plan, tmp_path)
+    assert "does not match the trace it was made from" in line and "saved activations" in line, line

@@ -105,6 +105,9 @@ def activation_problems(plan: Plan) -> list[str]:
     if problems:
         return problems
     total = effect_at(choices, n)
+    problems += _undercounted(plan)
+    if problems:
+        return problems
     for t, step in enumerate(plan.steps):
         kept = step.kept_non_model_bytes
         if kept is None:
@@ -125,6 +128,23 @@ def activation_problems(plan: Plan) -> list[str]:
         problems.append(f"summary says {plan.summary.recompute_seconds} recompute seconds, the recomputed segments "
                         f"take {seconds}")
     return problems
+
+
+def _undercounted(plan: Plan) -> list[str]:
+    """A step whose kept non-model bytes are fewer than the saved activations of the segment calls live there
+    (after their forward, before their backward): figures no trace gives, so a plan edited to under-count
+    activation bytes is named here, before any step, instead of by the budget guard mid-run."""
+    need = [0] * len(plan.steps)
+    for c in plan.activations:
+        for t in range(c.d2h_step + 1, min(c.backward_step, len(need))):
+            need[t] += c.saved_bytes
+    for t, step in enumerate(plan.steps):
+        kept = step.non_model_bytes if step.kept_non_model_bytes is None else step.kept_non_model_bytes
+        if isinstance(kept, int) and kept < need[t]:
+            return [f"step {step.index} ({step.event}) counts {kept} bytes of activations and temporaries with every "
+                    f"segment kept, fewer than the {need[t]} bytes its segment calls' saved activations hold there: "
+                    "the plan does not match the trace it was made from (edited after `hplan plan`?)"]
+    return []
 
 
 def _choice_problems(c: ActivationChoice, n: int, plan: Plan, param_region: dict[str, int]) -> list[str]:
