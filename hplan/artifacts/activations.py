@@ -68,7 +68,16 @@ class ActivationChoice:
         FieldError naming `path` and the field otherwise (an edited plan's `module: 5` or `prefetch_step: "24"`)."""
         from hplan.artifacts.typed import typed
 
-        return typed(cls, obj, path=path, minimum=SIGNED)
+        return typed(cls, _lists(obj), path=path, minimum=SIGNED)
+
+
+def _lists(obj: Any) -> Any:
+    """Tuples as the lists JSON reads (`Plan.from_dict(plan.to_dict())` passes asdict's tuples)."""
+    if isinstance(obj, dict):
+        return {k: _lists(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_lists(v) for v in obj]
+    return obj
 
 
 SIGNED = {"prefetch_step": -1, "effects": -(2**63)}
