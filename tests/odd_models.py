@@ -152,3 +152,82 @@ def clip() -> hplan.Workload:
 
     return _workload("clip", lambda: transformers.CLIPModel(cfg), batch,
                      loss=lambda m, b: m(**b, return_loss=True).loss)
+
+
+# -- more odd models (issue 30's own hostile cases) ------------------------------------------------------------------
+
+class _Tied(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(32, 16)
+        self.mid = nn.Linear(16, 16)
+        self.head = nn.Linear(16, 32, bias=False)
+        self.head.weight = self.emb.weight  # tied
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(torch.tanh(self.mid(self.emb(x)))).logsumexp(-1).mean()
+
+
+class _Twice(nn.Module):
+    """One layer applied twice per forward (a weight read in two places)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(16, 16), nn.Linear(16, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.b(torch.tanh(self.a(torch.tanh(self.a(x))))).pow(2).mean()
+
+
+class _Unused(nn.Module):
+    """A parameter that never gets a gradient (defined, never used)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b, self.spare = nn.Linear(16, 16), nn.Linear(16, 4), nn.Linear(16, 16)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.b(torch.tanh(self.a(x))).pow(2).mean()
+
+
+class _AllFrozen(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(16, 4).requires_grad_(False)
+        self.scale = nn.Parameter(torch.ones(()), requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return (self.a(x) * self.scale).pow(2).mean().requires_grad_()
+
+
+class _BuffersOnly(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("w", torch.randn(16, 4))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return (x @ self.w).pow(2).mean().requires_grad_()
+
+
+def _tokens(step: int) -> torch.Tensor:
+    return torch.randint(32, (4, 6), generator=torch.Generator().manual_seed(step))
+
+
+def tied() -> hplan.Workload:
+    return _workload("tied", _Tied, _tokens)
+
+
+def used_twice() -> hplan.Workload:
+    return _workload("used-twice", _Twice)
+
+
+def unused() -> hplan.Workload:
+    return _workload("unused", _Unused)
+
+
+def all_frozen() -> hplan.Workload:
+    return _workload("all-frozen", _AllFrozen, optimizer=lambda ps: torch.optim.AdamW(list(ps), lr=1e-2))
+
+
+def buffers_only() -> hplan.Workload:
+    return _workload("buffers-only", _BuffersOnly, optimizer=lambda ps: torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=1e-2))

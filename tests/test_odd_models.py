@@ -101,3 +101,20 @@ def test_clip_traces_plans_and_trains(device, tmp_path):
     trace = _trace("clip", tmp_path, device)
     for plan in _plans(trace, tmp_path, scales=(1.0, 4.0)):
         _trains_like_pytorch("clip", plan, steps=2)
+
+
+# -- more odd models: each works at parity or is refused in one line -----------------------------------------------
+
+@pytest.mark.parametrize("name", ["tied", "used_twice", "unused"])
+def test_tied_shared_and_unused_parameters_train_like_pytorch(name, tmp_path):
+    trace = _trace(name, tmp_path)
+    for plan in _plans(trace, tmp_path, scales=(1.0, 4.0)):
+        _trains_like_pytorch(name, plan)
+
+
+@pytest.mark.parametrize(("name", "words"), [("all_frozen", "no trainable parameters"),
+                                             ("buffers_only", "no parameters")])
+def test_models_with_nothing_to_train_are_refused_in_one_line(name, words, tmp_path):
+    result = runner.invoke(app, ["trace", f"{FILE}:{name}", "-o", str(tmp_path / "t.parquet")])
+    assert result.exit_code == 2 and words in result.stderr, result.output
+    assert len(result.stderr.strip().splitlines()) == 1 and not list(tmp_path.iterdir())
