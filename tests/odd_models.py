@@ -230,4 +230,5 @@ def all_frozen() -> hplan.Workload:
 
 
 def buffers_only() -> hplan.Workload:
-    return _workload("buffers-only", _BuffersOnly, optimizer=lambda ps: torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=1e-2))
+    return _workload("buffers-only", _BuffersOnly,
+                     optimizer=lambda ps: torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=1e-2))
