@@ -428,13 +428,20 @@ class PlanRun(UpdateSteps, GradientOps, StateSync):
         self.records.append(record)
         self.guard_budget(record.resident_bytes, f"plan step {step.index} ({step.event})")
 
+    def _planned(self, where: str) -> str:
+        step = self.plan.steps[self.cursor - 1] if self.cursor else None
+        if step is None or not where.startswith("plan step"):
+            return f"at most {self.plan.gpu_bytes}"
+        return f"{step.non_model_bytes} bytes of activations and temporaries"
+
     def guard_budget(self, used: int, where: str) -> None:
         """Measured fast-tier bytes above the plan's budget stop the run (or warn, when asked)."""
         if used <= self.plan.gpu_bytes:
             return
         message = (f"{where} used {used} bytes of the fast tier in iteration {self.iteration}, over the plan's "
-                   f"budget of {self.plan.gpu_bytes}; the run differs from the traced step — re-trace (e.g. with "
-                   "the shapes this run uses) and re-plan")
+                   f"budget of {self.plan.gpu_bytes}, where the plan counts {self._planned(where)}; the run differs "
+                   "from the traced step, or the plan no longer matches its trace (edited after `hplan plan`) — "
+                   "re-trace (e.g. with the shapes this run uses) and re-plan")
         if self.budget_guard == "stop":
             raise HplanError(message)
         import warnings

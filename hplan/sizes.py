@@ -23,6 +23,10 @@ _UNITS: dict[str, int] = {
     "TIB": 2**40,
 }
 _PATTERN = re.compile(r"^\s*(\d+(?:\.\d+)?|\.\d+)\s*([A-Za-z]*)\s*$")
+MAX_BYTES = 2**62
+"""Sizes end below this (about 4.6 million TB): sums of two stay within the int64 the planner's arrays use. A
+65-digit `--slack` was an OverflowError deep in the planner."""
+MAX_TEXT = "4,611,686TB (2**62 bytes)"
 ACCEPTED = "a positive size such as 24GB (24*10^9 bytes), 24GiB (24*2^30), 512MB, 1.5TB or plain bytes"
 
 
@@ -31,18 +35,32 @@ def parse_size(text: str | int, *, what: str = "size") -> int:
     if isinstance(text, bool):
         raise HplanError(f"invalid {what} {text!r}: expected {ACCEPTED}")
     if isinstance(text, int):
-        if text <= 0:
+        if text <= 0 or text >= MAX_BYTES:
             raise HplanError(f"invalid {what} {text}: expected {ACCEPTED}")
         return text
     match = _PATTERN.match(str(text))
     unit = match.group(2).upper() if match else ""
     if match is None or unit not in _UNITS:
-        raise HplanError(f"invalid {what} {text!r}: expected {ACCEPTED}")
-    value = float(match.group(1)) * _UNITS[unit]
+        raise HplanError(f"invalid {what} {_shown(str(text))}: expected {ACCEPTED}")
+    number = match.group(1)
+    if len(number.partition(".")[0]) > 24:  # beyond any size (and int() refuses 4300 digits)
+        raise _too_large(text, what)
+    value = int(number) * _UNITS[unit] if "." not in number else float(number) * _UNITS[unit]  # whole: exact
+    if not math.isfinite(value) or value >= MAX_BYTES:
+        raise _too_large(text, what)
     n_bytes = int(round(value))
-    if n_bytes <= 0 or not math.isfinite(value):
-        raise HplanError(f"invalid {what} {text!r}: must be more than 0 bytes; expected {ACCEPTED}")
+    if n_bytes <= 0:
+        raise HplanError(f"invalid {what} {_shown(text)}: must be more than 0 bytes; expected {ACCEPTED}")
     return n_bytes
+
+
+def _too_large(text: str, what: str) -> HplanError:
+    return HplanError(f"invalid {what} {_shown(text)}: more than {MAX_TEXT} is no memory or disk size; expected "
+                      f"{ACCEPTED}")
+
+
+def _shown(text: str) -> str:
+    return repr(text) if len(text) <= 40 else repr(text[:30]) + f"… ({len(text)} characters)"
 
 
 def format_size(n_bytes: float, *, binary: bool = False, digits: int = 2) -> str:

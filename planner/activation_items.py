@@ -69,13 +69,28 @@ class Items:
         return tuple(out)
 
     def of(self, decisions: tuple[Decision, ...]) -> tuple[int, ...]:
-        """Mode indices of decisions (one per segment, in order)."""
+        """Mode indices of decisions (one per segment, in order); see `admits`."""
         out = []
         for s, d in enumerate(decisions):
-            labels = [o.choice for o in self.decisions[s]]
-            choice = "offload" if d.choice == "keep" and "keep" not in labels else d.choice  # moves nothing
-            out.append(int(self.first[s]) + labels.index(choice))
+            m = self._mode(s, d)
+            if m is None:
+                raise AssertionError(f"{d.choice} of {d.segment.key} is no mode of this regime: an hplan bug")
+            out.append(m)
         return tuple(out)
+
+    def admits(self, decisions: tuple[Decision, ...]) -> bool:
+        """Whether each decision is one of its segment's modes. A keep and an offload that moves nothing are one
+        mode (whichever the regime has): a frozen block, or one whose saved tensors are all parameters, saves
+        nothing an offload would move, so forced offload passes `_within` in the keep regime as forced keep does
+        in the recompute regime, and those need not be modes there."""
+        return all(self._mode(s, d) is not None for s, d in enumerate(decisions))
+
+    def _mode(self, s: int, d: Decision) -> int | None:
+        labels = [o.choice for o in self.decisions[s]]
+        choice = d.choice
+        if choice not in labels and choice in ("keep", "offload") and not d.segment.offload_bytes:
+            choice = "offload" if choice == "keep" else "keep"  # moves nothing: the same memory, cost, calls
+        return int(self.first[s]) + labels.index(choice) if choice in labels else None
 
     def cost_of(self, chosen: tuple[int, ...]) -> int:
         return int(self.cost[list(chosen)].sum()) if chosen else 0

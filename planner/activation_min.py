@@ -142,7 +142,7 @@ def min_gpu_auto(trace: Trace, hardware: Hardware, items: Items, shared: Shared 
                      + problem.non_model[t] + hardware.slack_bytes for t in range(problem.n_steps)], dtype=np.int64)
     _, chosen = minimax(items, need)
     forced = [decide(trace, c) for c in ("keep", "offload", "recompute")]
-    candidates = [items.to_decisions(chosen)] + [d for d in forced if _within(d, items.allowed)]
+    candidates = [items.to_decisions(chosen)] + [d for d in forced if _within(d, items.allowed) and items.admits(d)]
     best: tuple[int, tuple[Decision, ...], MinGpu | None] | None = None
     floor: tuple[int, tuple[Decision, ...]] | None = None
     pruned = math.inf
@@ -190,8 +190,12 @@ def _within(decisions: tuple[Decision, ...], allowed: frozenset[str]) -> bool:
 
 def auto_regimes(trace: Trace, hardware: Hardware, without: frozenset[str] = frozenset()
                  ) -> list[tuple[str, Hardware, Items]]:
-    """Each allocator-slack regime (hplan.planner.slack.regimes) with its items, the mixed one first."""
-    return [(name, hw, build_items(trace, hw, allowed)) for name, hw, allowed in regimes(hardware, without)]
+    """Each allocator-slack regime (hplan.planner.slack.regimes) with its items, the mixed one first. Without
+    offload (host memory short), the recompute regime is left out when a segment that may not be recomputed saves
+    bytes: its only mode there is an offload (`build_items`), which host memory cannot take."""
+    stuck = "offload" in without and any(not s.recomputable and s.offload_bytes for s in trace.segments)
+    return [(name, hw, build_items(trace, hw, allowed)) for name, hw, allowed in regimes(hardware, without)
+            if not (stuck and allowed == frozenset(("recompute",)))]
 
 
 def min_auto(trace: Trace, hardware: Hardware, without: frozenset[str] = frozenset()

@@ -9,9 +9,9 @@ import torch
 
 from hplan.artifacts.trace import CATEGORIES, TIMELINE_COLUMNS, Event, ParamInfo, Trace
 from hplan.hooks import dtype_name, param_modules, workload_fingerprint
-from hplan.optimizers import check_optimizer, state_spec
-from hplan.tracer.choice_slack import choice_log, choice_slack
 from hplan.artifacts.slack import marks, slack_figures
+from hplan.optimizers import StateSpec, check_optimizer, state_spec
+from hplan.tracer.choice_slack import choice_log, choice_slack
 
 if TYPE_CHECKING:
     from hplan.tracer.core import Recording
@@ -115,17 +115,20 @@ def _param_table(rec: Recording) -> tuple[ParamInfo, ...]:
         group = group_of[id(w)]
         spec = state_spec(opt_name, optimizer.param_groups[group])
         state_bytes = len(spec.tensors) * _nbytes(w) + (_nbytes(w) if trainer.mixed else 0)
-        _check_state(opt_name, name, optimizer.state.get(w, {}), spec.tensors, w)
+        _check_state(opt_name, name, optimizer.state.get(w, {}), spec, w)
         rows.append(ParamInfo(**row, grad_bytes=_nbytes(p), optimizer_bytes=state_bytes,
                               optimizer_tensors=spec.tensors + (("master",) if trainer.mixed else ()),
                               trainable=True, group=group, first_grad_op=rec.first_grad.get(name, -1)))
     return tuple(rows)
 
 
-def _check_state(opt_name: str, name: str, state: dict, expected: tuple[str, ...], w: torch.Tensor) -> None:
-    """The state torch created must be what hplan.optimizers says, or the executor would lay it out wrongly."""
-    found = tuple(k for k, t in state.items() if isinstance(t, torch.Tensor) and t.dim() > 0)
-    if state and (sorted(found) != sorted(expected) or any(state[k].numel() != w.numel() for k in found)):
+def _check_state(opt_name: str, name: str, state: dict, spec: StateSpec, w: torch.Tensor) -> None:
+    """The state torch created must be what hplan.optimizers says, or the executor would lay it out wrongly. The
+    spec's scalars (`step`) are told apart by name, not by being 0-d: a 0-d parameter (CLIP's logit_scale, a
+    learned temperature) has 0-d per-element state too."""
+    found = tuple(k for k, t in state.items() if isinstance(t, torch.Tensor) and k not in spec.scalars)
+    expected = spec.tensors
+    if state and (sorted(found) != sorted(expected) or any(state[k].shape != w.shape for k in found)):
         raise AssertionError(f"{opt_name} keeps per-element state {found} for {name}, hplan.optimizers expects "
                              f"{expected}: an hplan bug, please report it")
 

@@ -193,7 +193,8 @@ class ActivationRun:
                 module = model.get_submodule(path)
             except AttributeError:
                 choice = next(c.choice for c in self.plan.activations if c.module == path and c.choice != "keep")
-                raise HplanError(f"the plan {choice}s the activations of module {path}, which this model does not "
+                shown = repr(path) if len(path) <= 80 else repr(path[:60]) + f"… ({len(path)} characters)"
+                raise HplanError(f"the plan {choice}s the activations of module {shown}, which this model does not "
                                  "have: re-trace and re-plan this workload") from None
             had = "forward" in vars(module)
             previous = vars(module).get("forward")

@@ -107,7 +107,18 @@ def save_checkpoint(directory: CheckpointDir, run: PlanRun, *, global_step: int,
         write_index(folder, metadata)  # DCP's metadata again, as JSON: what a resume reads
         return {"format": FORMAT, "world_size": 1, "fingerprint": fingerprint, "torch": torch.__version__}
 
-    return directory.save(global_step, write)
+    return directory.save(global_step, write, need_bytes=_tensor_bytes(state))
+
+
+def _tensor_bytes(obj: Any) -> int:
+    """Bytes of the tensors in a nested state (what a save writes, less DCP's small metadata)."""
+    if isinstance(obj, torch.Tensor):
+        return obj.numel() * obj.element_size()
+    if isinstance(obj, dict):
+        return sum(_tensor_bytes(v) for v in obj.values())
+    if isinstance(obj, (list, tuple)):
+        return sum(_tensor_bytes(v) for v in obj)
+    return 0
 
 
 def load_checkpoint(directory: CheckpointDir, plan: Plan, *, warn: Callable[[str], None]) -> dict[str, Any]:

@@ -23,6 +23,12 @@ save. Without a readable pointer, the step folders are tried newest first. A `ki
 leaves the pointer's folders intact; its temp folder (or a `.trash-*` folder, see `install`) is removed at
 the next start, under the lock. Checksums use the NVMe tier's algorithms ([Note: nvme checksums]).
 
+[Note: disk full during a save] Before writing, the free space is compared with what the state holds (or the
+last checkpoint's size, whichever is larger) and a save that cannot fit is refused; a write that still fails for
+space (ENOSPC or EDQUOT anywhere in the error's chain, or torch's zip writer failing with a bare RuntimeError while
+the disk could not hold the rest) is named as that, with the bytes needed. Either way the temp folder is removed
+and the pointer still names the previous checkpoint.
+
 Several ranks (issue 17) fit the same layout: every rank writes its shard files into one temp folder (the
 name chosen by rank 0 and broadcast), and after the format's barrier rank 0 builds the manifest over all of
 them and commits, holding the lock (flock is node-local: on a shared file system across nodes only rank 0
@@ -31,6 +37,7 @@ may lock). The manifest records every file, so a missing or damaged shard of any
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import re
@@ -62,6 +69,9 @@ _STEP = re.compile(r"step-(\d{6,})")
 _LEFTOVER = re.compile(r"\.step-\d+\..*\.tmp|\.trash-.*|\.(latest\.json|state\.pt|model\.pt)\..*\.tmp")
 
 Warn = Callable[[str], None]
+FULL_MARGIN = 1 << 20
+"""A write that fails while the disk has less than this beyond what the checkpoint still needed failed for space
+([Note: disk full during a save])."""
 
 
 def holds(root: Path) -> str | None:
@@ -177,16 +187,20 @@ class CheckpointDir:
 
     # -- save ---------------------------------------------------------------------------------------------
 
-    def save(self, global_step: int, write: Callable[[Path], dict[str, Any]]) -> Path:
+    def save(self, global_step: int, write: Callable[[Path], dict[str, Any]], *, need_bytes: int = 0) -> Path:
         """Commit one checkpoint: `write(folder)` fills a temp folder and returns the `info` to record;
-        see [Note: checkpoint commit] for the order of the rest. Returns the new folder."""
+        see [Note: checkpoint commit] for the order of the rest. Returns the new folder. `need_bytes` (what the
+        state holds) is checked against the free space first ([Note: disk full during a save])."""
         if self._fd < 0:
             raise HplanError(f"the checkpoint directory {self.root} was closed; open it again to save")
         name = folder_name(global_step)
+        need = max(need_bytes, self._last_size())
+        if need > (free := free_bytes(self.root)):
+            raise self._full(need, free)
         try:
             tmp = Path(tempfile.mkdtemp(prefix=f".{name}.", suffix=".tmp", dir=self.root))
         except OSError as exc:
-            raise _save_error(self.root, exc) from None
+            raise self._failed(exc, need, 0) from None
         try:
             info = write(tmp)
             tmp.chmod(0o777 & ~current_umask())  # mkdtemp makes 0700; a checkpoint gets the usual permissions
@@ -195,9 +209,10 @@ class CheckpointDir:
             pause()
             final = install(tmp, self.root / name)
         except BaseException as exc:
+            written, free = tree_bytes(tmp), free_bytes(self.root)  # as the write left it
             shutil.rmtree(tmp, ignore_errors=True)
-            if isinstance(exc, OSError):
-                raise _save_error(self.root, exc) from None
+            if isinstance(exc, Exception):
+                raise self._failed(exc, need, written, free) from None
             raise
         pause()
         keep = [name, *[n for n in self.previous if n != name]][:KEEP]
@@ -205,11 +220,37 @@ class CheckpointDir:
             write_durably(self.root / POINTER,
                           json.dumps({"schema": POINTER_SCHEMA, "latest": keep[0], "previous": keep[1:]}) + "\n")
         except OSError as exc:
-            raise _save_error(self.root, exc) from None
+            if name not in self.previous:  # complete but named by no pointer: not left behind for a later run
+                shutil.rmtree(final, ignore_errors=True)
+            raise self._failed(exc, need, 0) from None
         self.previous = keep
         pause()
         self._remove_unlisted(set(keep))
         return final
+
+    def _last_size(self) -> int:
+        """Bytes of the newest checkpoint this run knows of (0 when none): the next one is about as large."""
+        return tree_bytes(self.root / self.previous[0]) if self.previous else 0
+
+    def _full(self, need: int, free: int, *, at_least: bool = False, why: str = "not enough free space") -> HplanError:
+        latest = f"the previous checkpoint there ({self.previous[0]}) is intact and stays the latest" \
+            if self.previous else "no checkpoint of this run was saved"
+        needs = f"{'more than' if at_least else 'about'} {format_bytes(need)}"
+        return HplanError(f"cannot save a checkpoint in {self.root}: {why} — it needs {needs} and the disk has "
+                          f"{format_bytes(free)} free; {latest}; free space or pass another `checkpoint_dir`, then "
+                          "`resume`")
+
+    def _failed(self, exc: Exception, need: int, written: int = 0, free: int | None = None) -> Exception:
+        """The error to raise for a write that failed: disk full (named with the bytes needed) when the error says
+        so or the disk (`free` as the write left it) could not hold the rest, any other OSError as one line,
+        anything else as it is."""
+        free = free_bytes(self.root) if free is None else free
+        if (full := _says_full(exc)) is not None:
+            return self._full(need, free_bytes(self.root), why=full)
+        if not isinstance(exc, (OSError, HplanError)) and free < max(need - written, 0) + FULL_MARGIN:
+            more = written + free > need  # the estimate was short: it needs more than it had
+            return self._full(written + free if more else need, free_bytes(self.root), at_least=more)
+        return _save_error(self.root, exc) if isinstance(exc, OSError) else exc
 
     def _remove_unlisted(self, keep: set[str]) -> None:
         """After a commit: step folders the pointer does not name (older ones, another run's after
@@ -271,6 +312,44 @@ def install(tmp: Path, final: Path) -> Path:
     if trash is not None:
         shutil.rmtree(trash, ignore_errors=True)
     return final
+
+
+def free_bytes(path: Path) -> int:
+    """Bytes an unprivileged writer may still use on the file system holding `path`."""
+    try:
+        st = os.statvfs(path)
+    except OSError:
+        return 2**63  # unknown: the write itself will tell
+    return st.f_bavail * st.f_frsize
+
+
+def tree_bytes(path: Path) -> int:
+    """Bytes of the regular files directly in folder `path` (0 when it is gone); links are not followed."""
+    total = 0
+    try:
+        with os.scandir(path) as entries:
+            for entry in entries:
+                if entry.is_file(follow_symlinks=False):
+                    total += entry.stat(follow_symlinks=False).st_size
+    except OSError:
+        pass
+    return total
+
+
+def _says_full(exc: BaseException) -> str | None:
+    """The OS's words when `exc` or an error it was raised from is ENOSPC or EDQUOT, else None."""
+    seen: set[int] = set()
+    cur: BaseException | None = exc
+    while cur is not None and id(cur) not in seen:
+        seen.add(id(cur))
+        if isinstance(cur, OSError) and cur.errno in (errno.ENOSPC, errno.EDQUOT):
+            return cur.strerror or os.strerror(cur.errno)
+        cur = cur.__cause__ or cur.__context__
+    return None
+
+
+def format_bytes(n: int) -> str:
+    return f"{n:,} bytes" if n < 10**6 else f"{n / 1e6:,.1f} MB ({n:,} bytes)"
 
 
 def _save_error(root: Path, exc: OSError) -> HplanError:

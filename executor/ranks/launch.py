@@ -100,21 +100,59 @@ def launch(fn: Callable[..., Any], *args: Any, nprocs: int | None = None, backen
                   collective_timeout_s=collective_timeout_s, threads=threads)
 
 
+def torchrun_env() -> tuple[int, int, int]:
+    """(RANK, WORLD_SIZE, LOCAL_RANK) of a torchrun (env://) rank, each variable checked first: decimal integers,
+    0 ≤ RANK, LOCAL_RANK < WORLD_SIZE, MASTER_PORT a TCP port, MASTER_ADDR a host name. `MASTER_PORT=99999` was
+    a ValueError deep in torch's rendezvous; a one-line HplanError naming the variable instead."""
+    env = os.environ
+    missing = [v for v in TORCHRUN_VARS if v not in env]
+    if missing:
+        raise HplanError(f"RANK is set but {', '.join(missing)} is not: launch under torchrun, or unset RANK "
+                         "to let launch spawn the ranks")
+    world = env_world_size()
+    rank = _env_int("RANK", 0, world - 1, f"a rank of the {world}")
+    local = _env_int("LOCAL_RANK", 0, world - 1, f"a local rank of the {world}") if "LOCAL_RANK" in env else rank
+    _env_int("MASTER_PORT", 1, 65535, "a TCP port")
+    addr = env["MASTER_ADDR"]
+    if not addr or len(addr) > 253 or not addr.isascii() or any(c.isspace() or c in "/@?#" for c in addr):
+        raise HplanError(f"MASTER_ADDR={_shown(addr)} is not a host name or address: set it to rank 0's host "
+                         "(torchrun: --master-addr)")
+    return rank, world, local
+
+
+def env_world_size() -> int:
+    """WORLD_SIZE, checked as `torchrun_env` does."""
+    return _env_int("WORLD_SIZE", 1, MAX_RANKS, "a number of ranks")
+
+
+MAX_RANKS = 1 << 20
+"""More ranks than any job runs; a WORLD_SIZE beyond it is a typo."""
+
+
+def _env_int(name: str, low: int, high: int, what: str) -> int:
+    text = os.environ[name]
+    stripped = text.strip()
+    if not (stripped.isascii() and stripped.isdigit() and len(stripped) <= 12) or not low <= int(stripped) <= high:
+        raise HplanError(f"{name}={_shown(text)} is not {what} ({low} to {high}): set {name} as torchrun does, or "
+                         "unset RANK and WORLD_SIZE to run one process")
+    return int(stripped)
+
+
+def _shown(text: str) -> str:
+    return repr(text) if len(text) <= 40 else repr(text[:30]) + f"… ({len(text)} characters)"
+
+
 def _run_in_place(fn: Callable[..., Any], args: tuple[Any, ...], *, nprocs: int | None, backend: str,
                   collective_timeout_s: float, threads: int | None) -> list[Any]:
     """torchrun: this process is one rank; results are exchanged so every rank returns the same list."""
     import torch
     import torch.distributed as dist
 
-    missing = [v for v in TORCHRUN_VARS if v not in os.environ]
-    if missing:
-        raise HplanError(f"RANK is set but {', '.join(missing)} is not: launch under torchrun, or unset RANK "
-                         "to let launch spawn the ranks")
-    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    rank, world, local = torchrun_env()
     if nprocs is not None and nprocs != world:
         raise HplanError(f"launch asked for {nprocs} ranks but torchrun started {world}; use --nproc-per-node "
                          f"{nprocs} or drop nprocs")
-    info = RankInfo(rank=rank, world_size=world, local_rank=int(os.environ.get("LOCAL_RANK", rank)), backend=backend)
+    info = RankInfo(rank=rank, world_size=world, local_rank=local, backend=backend)
     if threads is not None:
         torch.set_num_threads(threads)
     owned = not dist.is_initialized()

@@ -63,16 +63,26 @@ class ActivationChoice:
     """Offload: ordinals of the saved-tensor packs in its forward whose storages move (from the trace)."""
 
     @classmethod
-    def from_dict(cls, obj: dict[str, Any]) -> ActivationChoice:
-        return cls(**{**obj, "recompute_params": tuple(obj.get("recompute_params", ())),
-                      "effects": tuple(tuple(_whole(x) for x in e) for e in obj.get("effects", ())),
-                      "offload_packs": tuple(_whole(x) for x in obj.get("offload_packs", ()))})
+    def from_dict(cls, obj: Any, *, path: str = "activations[0]") -> ActivationChoice:
+        """A choice read from a plan file, every field typed as annotated ([Note: typed artifact fields]): a
+        FieldError naming `path` and the field otherwise (an edited plan's `module: 5` or `prefetch_step: "24"`)."""
+        from hplan.artifacts.typed import typed
+
+        return typed(cls, _lists(obj), path=path, minimum=SIGNED)
 
 
-def _whole(x: Any) -> int:
-    if isinstance(x, bool) or not isinstance(x, int):
-        raise ValueError(f"expected an integer, got {x!r}")
-    return x
+def _lists(obj: Any) -> Any:
+    """Tuples as the lists JSON reads (`Plan.from_dict(plan.to_dict())` passes asdict's tuples)."""
+    if isinstance(obj, dict):
+        return {k: _lists(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_lists(v) for v in obj]
+    return obj
+
+
+SIGNED = {"prefetch_step": -1, "effects": -(2**63)}
+"""Integer fields of a choice that may be negative: "no prefetch" is -1; an effect's bytes are negative where
+activations are gone (its steps are checked against the plan by `activation_problems`)."""
 
 
 def effect_at(choices: tuple[ActivationChoice, ...], n_steps: int) -> list[int]:
@@ -104,6 +114,9 @@ def activation_problems(plan: Plan) -> list[str]:
     if problems:
         return problems
     total = effect_at(choices, n)
+    problems += _undercounted(plan)
+    if problems:
+        return problems
     for t, step in enumerate(plan.steps):
         kept = step.kept_non_model_bytes
         if kept is None:
@@ -124,6 +137,23 @@ def activation_problems(plan: Plan) -> list[str]:
         problems.append(f"summary says {plan.summary.recompute_seconds} recompute seconds, the recomputed segments "
                         f"take {seconds}")
     return problems
+
+
+def _undercounted(plan: Plan) -> list[str]:
+    """A step whose kept non-model bytes are fewer than the saved activations of the segment calls live there
+    (after their forward, before their backward): figures no trace gives, so a plan edited to under-count
+    activation bytes is named here, before any step, instead of by the budget guard mid-run."""
+    need = [0] * len(plan.steps)
+    for c in plan.activations:
+        for t in range(c.d2h_step + 1, min(c.backward_step, len(need))):
+            need[t] += c.saved_bytes
+    for t, step in enumerate(plan.steps):
+        kept = step.non_model_bytes if step.kept_non_model_bytes is None else step.kept_non_model_bytes
+        if isinstance(kept, int) and kept < need[t]:
+            return [f"step {step.index} ({step.event}) counts {kept} bytes of activations and temporaries with every "
+                    f"segment kept, fewer than the {need[t]} bytes its segment calls' saved activations hold there: "
+                    "the plan does not match the trace it was made from (edited after `hplan plan`?)"]
+    return []
 
 
 def _choice_problems(c: ActivationChoice, n: int, plan: Plan, param_region: dict[str, int]) -> list[str]:

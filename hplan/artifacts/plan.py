@@ -74,6 +74,7 @@ from hplan.artifacts.activations import ActivationChoice
 from hplan.artifacts.hardware import Hardware
 from hplan.artifacts.io import check_schema, read_json, write_json
 from hplan.artifacts.shard import Collective, Sharding
+from hplan.artifacts.typed import FieldError
 from hplan.errors import HplanError
 
 REGION_KINDS: tuple[str, ...] = ("param", "grad", "master", "state")
@@ -336,6 +337,9 @@ class Plan:
         check_schema(obj, expected=cls.SCHEMA, path=path, what="plan", regenerate=regenerate)
         try:
             return cls.from_dict(obj)
+        except FieldError as exc:
+            raise HplanError(f"{path} is not a valid plan: field {exc.path}: {exc.problem}; regenerate it with "
+                             "`hplan plan`") from None
         except (KeyError, TypeError, ValueError, AttributeError) as exc:
             raise HplanError(f"{path} is an incomplete plan ({type(exc).__name__}: {exc}); regenerate it with "
                              "`hplan plan`") from None
@@ -376,7 +380,8 @@ class Plan:
             sharding=Sharding.from_dict(obj["sharding"]) if obj.get("sharding") else None,
             initial_staged=ints(obj.get("initial_staged", ())),
             initial_host_dirty=ints(obj.get("initial_host_dirty", ())),
-            activations=tuple(ActivationChoice.from_dict(a) for a in obj.get("activations", ())),
+            activations=tuple(ActivationChoice.from_dict(a, path=f"activations[{i}]")
+                              for i, a in enumerate(_list(obj.get("activations", ()), "activations"))),
             placement=_placement(obj.get("placement")),
         )
 
@@ -387,6 +392,12 @@ def _placement(obj: Any) -> PlacementRule | None:
     return PlacementRule(gpu_non_model_bytes=_int(obj["gpu_non_model_bytes"]),
                          host_non_model_bytes=_int(obj["host_non_model_bytes"]),
                          flippable=tuple(_int(c) for c in obj.get("flippable", ())))
+
+
+def _list(x: Any, what: str) -> list[Any] | tuple[Any, ...]:
+    if not isinstance(x, (list, tuple)):
+        raise ValueError(f"{what} must be a list, got {type(x).__name__}")
+    return x
 
 
 def _int(x: Any) -> int:

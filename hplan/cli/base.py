@@ -8,6 +8,7 @@ its commands use these two small subclasses; everything else is Typer's own beha
 
 from __future__ import annotations
 
+import math
 import re
 import sys
 from typing import Any
@@ -18,10 +19,10 @@ from typer.core import TyperCommand, TyperGroup
 
 try:  # recent Typer vendors click as typer._click, whose exceptions are not click's own
     from typer._click import Context, Parameter
-    from typer._click.exceptions import ClickException, NoArgsIsHelpError, UsageError
+    from typer._click.exceptions import BadParameter, ClickException, NoArgsIsHelpError, UsageError
 except ImportError:  # older Typer runs on click itself
     from click import Context, Parameter
-    from click.exceptions import ClickException, NoArgsIsHelpError, UsageError
+    from click.exceptions import BadParameter, ClickException, NoArgsIsHelpError, UsageError
 
 from hplan.cli.common import err_console
 
@@ -35,10 +36,36 @@ def _flags_read_as_flags(params: list[Any]) -> list[Any]:
 
 
 class HplanCommand(TyperCommand):
-    """A command whose --help shows `--json`, not `--json <bool>`."""
+    """A command whose --help shows `--json`, not `--json <bool>`, and whose number options are in range."""
 
     def get_params(self, ctx: Context) -> list[Parameter]:
         return _flags_read_as_flags(super().get_params(ctx))
+
+    def invoke(self, ctx: Context) -> Any:
+        _numbers_in_range(ctx)
+        return super().invoke(ctx)
+
+
+INT64_END = 2**63
+
+
+def _numbers_in_range(ctx: Context) -> None:
+    """Every integer option within int64 and every number option finite, before the command runs: click reads
+    `--steps 99999999999999999999` as a Python int and `--link-gbps 1e400` as inf, which crashed far inside
+    (OverflowError) or ran forever. Each command's own checks (positive, at least 2, …) come after."""
+    for param in ctx.command.params:
+        value = ctx.params.get(param.name or "")
+        for v in value if isinstance(value, (list, tuple)) else (value,):
+            if isinstance(v, bool) or not isinstance(v, (int, float)):
+                continue
+            if isinstance(v, int) and not -INT64_END < v < INT64_END:
+                raise BadParameter(f"{_digits(v)} is out of range (at most {INT64_END - 1:,})", ctx=ctx, param=param)
+            if isinstance(v, float) and not math.isfinite(v):
+                raise BadParameter(f"{v} is not a finite number", ctx=ctx, param=param)
+
+
+def _digits(v: int) -> str:
+    return f"a {len(str(abs(v)))}-digit number" if abs(v) >= 10**24 else f"{v:,}"
 
 
 class HplanGroup(TyperGroup):

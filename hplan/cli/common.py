@@ -144,10 +144,16 @@ def parse_overrides(items: list[str] | None) -> dict[str, str]:
     return out
 
 
+MAX_RATE = 1e6
+"""The largest rate, speed or latency option (GB/s, TFLOP/s, µs): a million is beyond any device and keeps every
+time and byte count derived from it finite and within int64 (`--link-gbps 1e308` overflowed the planner)."""
+
+
 def positive_number(value: float | None, *, what: str) -> float | None:
-    """A number option that must be finite and above zero (a rate, a speed); None passes."""
-    if value is not None and not (math.isfinite(value) and value > 0):
-        raise HplanError(f"invalid {what} {value}: use a finite number above 0")
+    """A number option that must be finite, above zero and at most MAX_RATE (a rate, a speed); None passes."""
+    if value is not None and not (math.isfinite(value) and 0 < value <= MAX_RATE):
+        shown = f"{value:.3g}" if math.isfinite(value) else str(value)
+        raise HplanError(f"invalid {what} {shown}: use a finite number above 0 and at most {MAX_RATE:,.0f}")
     return value
 
 

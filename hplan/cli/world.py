@@ -141,13 +141,11 @@ def env_world() -> int | None:
 
     if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
         return None
-    try:
-        world = int(os.environ["WORLD_SIZE"])
-    except ValueError:
-        world = 0
-    if world < 1:
-        raise HplanError(f"WORLD_SIZE={os.environ['WORLD_SIZE']!r} is not a positive number of ranks; launch under "
-                         "torchrun, or unset RANK and WORLD_SIZE")
+    from hplan.executor.ranks.launch import env_world_size, torchrun_env
+
+    world = env_world_size()
+    if world > 1:
+        torchrun_env()  # every variable of a many-rank run checked before any work
     return world
 
 
