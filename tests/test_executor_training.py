@@ -119,11 +119,25 @@ def test_budget_guard_stops_a_run_over_its_budget(tiny):
     but the measured fast tier exceeds the budget at the first step: the run stops, naming step and bytes. (The
     optimizer step keeps its figure: the validator checks that one against the plan's placement rule.)"""
     workload, _, plan, _ = tiny
-    steps = tuple(s if s.event == "optimizer:optimizer" else dataclasses.replace(s, non_model_bytes=0)
-                  for s in plan.steps)
-    edited = dataclasses.replace(plan, steps=steps, hardware=dataclasses.replace(plan.hardware, slack_bytes=0))
-    low = dataclasses.replace(edited, hardware=dataclasses.replace(
-        edited.hardware, gpu_bytes=max(st.total_bytes for st in replay(edited).states)))
+
+    def edited_to(floor: list[int]) -> Plan:
+        steps = tuple(s if s.event == "optimizer:optimizer" else dataclasses.replace(s, non_model_bytes=floor[s.index])
+                      for s in plan.steps)
+        edited = dataclasses.replace(plan, steps=steps, hardware=dataclasses.replace(plan.hardware, slack_bytes=0))
+        return dataclasses.replace(edited, hardware=dataclasses.replace(
+            edited.hardware, gpu_bytes=max(st.total_bytes for st in replay(edited).states)))
+
+    # Edited below the saved activations the plan's own segment calls hold: the plan does not match its trace,
+    # named before any step (issue 30).
+    with pytest.raises(HplanError, match="does not match the trace it was made from"):
+        run_training(workload, edited_to([0] * len(plan.steps)), steps=1)
+    # Edited down to exactly those saved activations (the temporaries left out): consistent on paper, so only the
+    # budget guard can catch it, at the first step.
+    saved = [0] * len(plan.steps)
+    for c in plan.activations:
+        for t in range(c.d2h_step + 1, min(c.backward_step, len(saved))):
+            saved[t] += c.saved_bytes
+    low = edited_to(saved)
     Plan.from_dict(low.to_dict())
     with pytest.raises(HplanError, match=r"plan step \d+ .* used \d+ bytes .* over the plan's budget"):
         run_training(workload, low, steps=1)
