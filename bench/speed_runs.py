@@ -17,19 +17,9 @@ DS_SYSTEMS = ("ds-z2", "ds-z3", "ds-z2-offload", "ds-z3-offload")
 
 
 def _plain(workload: Any, steps: int) -> dict[str, Any]:
-    from hplan.training import build_optimizer
+    from bench.executor_bench import plain_run
 
-    model = workload.build_model()
-    opt = build_optimizer(workload, model)
-    losses, secs = [], []
-    for i in range(steps):
-        t0 = time.perf_counter()
-        opt.zero_grad(set_to_none=True)
-        loss = workload.loss(model, workload.batch(i))
-        loss.backward()
-        opt.step()
-        secs.append(time.perf_counter() - t0)
-        losses.append(float(loss.detach()))
+    losses, secs = plain_run(workload, steps)
     return {"losses": losses, "step_seconds": secs}
 
 
