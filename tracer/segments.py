@@ -32,8 +32,10 @@ CONTAINERS = (nn.ModuleList, nn.Sequential)
 
 
 def candidates(model: nn.Module) -> dict[str, nn.Module]:
-    """Outermost modules that own parameters and are one of >= 2 same-class children of a plain `nn.ModuleList` or
-    `nn.Sequential` (subclasses, e.g. hplan's vocabulary shards, are containers with their own semantics)."""
+    """Modules that own parameters and are one of >= 2 same-class children of a plain `nn.ModuleList` or
+    `nn.Sequential` (subclasses, e.g. hplan's vocabulary shards, are containers with their own semantics):
+    outermost, except that one whose own such groups hold most of its parameters is replaced by them, nested as
+    deep as that holds (ConvNeXt's and Swin's stages by their blocks; see [Note: activation segments])."""
     found: dict[str, nn.Module] = {}
     for path, container in model.named_modules():
         if type(container) not in CONTAINERS:
@@ -44,14 +46,34 @@ def candidates(model: nn.Module) -> dict[str, nn.Module]:
         for group in by_class.values():
             if len(group) >= 2:
                 found.update((p, m) for p, m in group if any(True for _ in m.parameters()))
-    outer = {p: m for p, m in found.items() if not any(p.startswith(q + ".") for q in found)}
+    chosen = _outermost(found)
+    while True:
+        finer = {}
+        for p, m in chosen.items():
+            inner = _outermost({q: n for q, n in found.items() if q.startswith(p + ".")})
+            if inner and 2 * _params(inner.values()) > _params([m]):
+                finer.update(inner)
+            else:
+                finer[p] = m
+        if finer.keys() == chosen.keys():
+            break
+        chosen = finer
     seen: set[int] = set()
     unique = {}
-    for p, m in outer.items():  # a module registered twice is one module: its first path
+    for p, m in chosen.items():  # a module registered twice is one module: its first path
         if id(m) not in seen:
             seen.add(id(m))
             unique[p] = m
     return unique
+
+
+def _outermost(found: dict[str, nn.Module]) -> dict[str, nn.Module]:
+    return {p: m for p, m in found.items() if not any(p.startswith(q + ".") for q in found)}
+
+
+def _params(modules: Any) -> int:
+    """Parameter elements of `modules` (each parameter once)."""
+    return sum(p.numel() for p in {id(p): p for m in modules for p in m.parameters()}.values())
 
 
 @dataclass(eq=False, slots=True)
