@@ -81,3 +81,76 @@ def test_convnext_tiny_minimum_is_at_most_half_of_keep(tmp_path):
     auto = min_gpu_bytes(trace, hw).gpu_bytes
     keep = min_gpu_bytes(trace, hw, activations="keep").gpu_bytes
     assert auto <= 0.5 * keep, (auto, keep, auto / keep)
+
+
+class Block(nn.Module):
+    """A block of a stage; `odd` makes it unrecomputable: it scales its input in place, or branches on a value."""
+
+    def __init__(self, odd: str = "") -> None:
+        super().__init__()
+        self.lin, self.odd = nn.Linear(16, 16), odd
+
+    def forward(self, x):
+        if self.odd == "inplace":
+            x.mul_(0.5)
+        if self.odd == "branch" and x.mean() > 1e9:
+            x = x * 2
+        return nn.functional.gelu(self.lin(x))
+
+
+class Stage(nn.Module):
+    def __init__(self, odd: str = "") -> None:
+        super().__init__()
+        self.scale = nn.Parameter(torch.ones(16))
+        self.blocks = nn.Sequential(Block(), Block(odd), Block())
+
+    def forward(self, x):
+        return self.blocks(x * self.scale)
+
+
+class Staged(nn.Module):
+    def __init__(self, odd: str) -> None:
+        super().__init__()
+        self.stem, self.head = nn.Linear(8, 16), nn.Linear(16, 1)
+        self.stages = nn.ModuleList([Stage(), Stage(odd)])
+
+    def forward(self, x):
+        x = self.stem(x)
+        for stage in self.stages:
+            x = stage(x)
+        return self.head(x).square().mean()
+
+
+def _staged(odd: str):
+    def batch(step):
+        return torch.randn(64, 8, generator=torch.Generator().manual_seed(step))
+
+    torch.manual_seed(0)
+    return hf.workload(f"staged-{odd}", lambda: Staged(odd), batch=batch, loss=lambda m, b: m(b))
+
+
+@pytest.mark.parametrize(("odd", "op"), [("inplace", "aten::mul_"), ("branch", "aten::_local_scalar_dense")])
+def test_a_nested_block_that_cannot_be_recomputed_is_refused_with_its_op_and_offloaded(odd, op):
+    """Bad input (issue 31 §3): a sub-stage block that modifies its input in place or branches on a value is
+    refused for recompute with the op named; forced recompute and auto at its minimum offload or keep it instead,
+    and the run trains as plain PyTorch."""
+    workload = _staged(odd)
+    trace = trace_workload(workload, device="cpu")
+    by = {s.module: s for s in trace.segments}
+    assert sorted(by) == [f"stages.{s}.blocks.{b}" for s in range(2) for b in range(3)]
+    bad = by["stages.1.blocks.1"]
+    assert not bad.recomputable and op in bad.reason, bad.reason
+    assert all(s.recomputable for k, s in by.items() if k != bad.module)
+    hw = make_hardware("cpu", gpu_bytes=1, **trace_slack(trace))
+    low = min_gpu_bytes(trace, hw).gpu_bytes
+    for choice, budget in (("recompute", 1 << 30), ("auto", low)):
+        plan = make_plan(trace, dataclasses.replace(hw, gpu_bytes=budget), PlanOptions(activations=choice))
+        assert plan.summary.feasible
+        picked = {c.module: c for c in plan.activations}
+        assert picked[bad.module].choice in ("keep", "offload"), picked[bad.module]
+        if choice == "recompute":
+            assert picked["stages.0.blocks.0"].choice == "recompute" and op in picked[bad.module].reason
+    report = run_training(workload, plan, steps=3)
+    reference = plain_losses(workload, 3)
+    assert max(abs(a - b) / max(abs(b), 1e-12) for a, b in zip(report.losses, reference)) <= 1e-5
+    assert report.activation_bytes_moved_per_iter == plan.summary.activation_bytes_moved_per_iter

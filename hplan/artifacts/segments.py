@@ -3,7 +3,8 @@
 [Note: activation segments]
 A *segment* is one call of a checkpointable module in the steady-state iteration: by default every module that is
 one of two or more siblings of the same class in an `nn.ModuleList` / `nn.Sequential` (transformer blocks),
-outermost only. A module the model already checkpoints (its forward runs again in backward), one that runs
+outermost only, except that one whose own such groups hold most of its parameters is split into them (ConvNeXt's
+stages into their blocks: a stage is too coarse a unit). A module the model already checkpoints (its forward runs again in backward), one that runs
 without autograd, one called twice in a micro-step and one whose output gets no gradient are not segments.
 
 What the tracer measures, per segment, in the keep (plain PyTorch) run — identically for cpu and fake traces:
