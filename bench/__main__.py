@@ -39,6 +39,8 @@ SECTIONS: tuple[tuple[str, str, str], ...] = (
      "bench.executor_speed"),
     ("deepspeed", "14. DeepSpeed ZeRO beside hplan and plain PyTorch (measured, CPU)", "bench.deepspeed_bench"),
     ("regimes", "15. Activations: auto's certificate at every budget, each plan's own slack (plans)", "bench.regimes"),
+    ("nested", "16. Activations: segments finer than the outermost siblings (ConvNeXt's blocks) against transformers' "
+     "checkpointing", "bench.nested"),
 )
 
 

@@ -1,0 +1,197 @@
+"""Issue 31 §3 — activation segments finer than the outermost same-class siblings, in one run (plans and CPU
+measurements; no GPU figure).
+
+Two questions. (1) transformers' models, 4 layers at seq 512 × batch 2 (hidden 512, FFN 4× (Llama 1376), vocab
+2048 so the loss head does not set the minimum): auto's `--gpu-mem min` against the same model with transformers'
+own checkpointing on every layer, traced as written (keep); goal ≤ 0.95×. Their blocks hold no same-class groups,
+so their segments are the blocks, as before. (2) ConvNeXt-tiny (the config class's defaults, 224 px): its 4 stages
+are the outermost same-class siblings, but each stage's blocks hold nearly all its weights, so the blocks are the
+segments ([Note: activation segments]); auto's minimum against keep's (goal ≤ 0.5×), beside the minimum with the
+stages as segments (the rule before issue 31, reproduced here by patching the tracer's candidates). All fake
+traces (the CPU trace's segments and peaks, to the byte). Then ConvNeXt-tiny and the Llama are trained on this CPU
+at auto's minimum against plain PyTorch: loss difference, fast-tier peak and bytes moved against the plan.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import tempfile
+from collections.abc import Iterator
+from typing import Any
+from unittest import mock
+
+from bench.context import Context
+from bench.harness import SectionOutput, Table, fmt_bytes
+
+H = 512
+MODELS = {
+    "Llama": ("hf:LlamaForCausalLM", {"num_hidden_layers": 4, "hidden_size": H, "intermediate_size": 1376,
+                                      "num_attention_heads": 8, "num_key_value_heads": 8, "vocab_size": 2048,
+                                      "max_position_embeddings": 512}),
+    "BLOOM": ("hf:BloomForCausalLM", {"n_layer": 4, "hidden_size": H, "n_head": 8, "vocab_size": 2048}),
+    "BART": ("hf:BartForCausalLM", {"decoder_layers": 4, "encoder_layers": 4, "d_model": H, "decoder_ffn_dim": 4 * H,
+                                    "encoder_ffn_dim": 4 * H, "decoder_attention_heads": 8,
+                                    "encoder_attention_heads": 8, "vocab_size": 2048,
+                                    "max_position_embeddings": 512}),
+    "OPT": ("hf:OPTForCausalLM", {"num_hidden_layers": 4, "hidden_size": H, "ffn_dim": 4 * H,
+                                  "num_attention_heads": 8, "word_embed_proj_dim": H, "vocab_size": 2048,
+                                  "max_position_embeddings": 512}),
+    "GPT-2": ("hf:GPT2LMHeadModel", {"n_layer": 4, "n_embd": H, "n_head": 8, "vocab_size": 2048, "n_positions": 512,
+                                     "bos_token_id": 0, "eos_token_id": 0}),
+}
+BATCH, SEQ = 2, 512
+HF_GOAL, KEEP_GOAL = 0.95, 0.5
+CONVNEXT = {"architectures": ["ConvNextForImageClassification"], "model_type": "convnext", "num_labels": 10}
+CONVNEXT_BATCHES, QUICK_BATCHES = (4, 8), (2,)
+TRAIN_STEPS = 3
+
+
+def _adamw(params: Any) -> Any:
+    import torch
+
+    return torch.optim.AdamW(params, lr=1e-3, foreach=False)
+
+
+def _hardware(trace: Any) -> Any:
+    from hplan.planner import make_hardware, trace_slack
+
+    return make_hardware("cpu", gpu_bytes=1, **trace_slack(trace))
+
+
+def _min(trace: Any, choice: str = "auto") -> Any:
+    from hplan.planner import min_gpu_bytes
+
+    return min_gpu_bytes(trace, _hardware(trace), activations=choice)
+
+
+def _checkpointed(build: Any) -> Any:
+    from hplan.models.hf import enable_checkpointing
+
+    model = build()
+    enable_checkpointing(model, {"use_reentrant": False})
+    return model
+
+
+def transformers_table(ctx: Context) -> tuple[Table, dict[str, float]]:
+    import functools
+
+    from hplan.specs import load_workload
+    from hplan.tracer import trace_workload
+
+    table = Table(headers=["model", "segments", "auto", "transformers' checkpointing", "auto ÷ it",
+                           f"≤ {HF_GOAL}×", "what sets auto's minimum"],
+                  caption=f"**`--gpu-mem min`, 4 layers, hidden {H}, vocab 2048, batch {BATCH} × seq {SEQ}** (plans "
+                          "for the CPU fast tier from fake traces).")
+    ratios = {}
+    for name, (spec, config) in MODELS.items():
+        w = load_workload(spec, overrides=config, batch_size=BATCH, seq_len=SEQ if not ctx.quick else 128)
+        trace = trace_workload(w, device="fake")
+        ckpt = trace_workload(dataclasses.replace(w, model=functools.partial(_checkpointed, w.model)), device="fake")
+        auto, hf = _min(trace), _min(ckpt, "keep").gpu_bytes
+        ratios[name] = auto.gpu_bytes / hf
+        where = auto.bottleneck.split(":", 1)[-1].split(" holds")[0].strip()
+        table.add(name, len(trace.segments), fmt_bytes(auto.gpu_bytes), fmt_bytes(hf), f"{ratios[name]:.3f}×",
+                  "yes" if ratios[name] <= HF_GOAL else "NO", where)
+    return table, ratios
+
+
+@contextlib.contextmanager
+def _stages_as_segments() -> Iterator[None]:
+    """The tracer's rule before nested segments: the outermost same-class siblings, never split."""
+    import hplan.tracer.segments as seg
+
+    def outermost(model: Any) -> Any:
+        return seg.first_paths(seg.outermost(seg.same_class_groups(model)))
+
+    with mock.patch.object(seg, "candidates", outermost):
+        yield
+
+
+def _convnext(batch: int) -> Any:
+    from hplan.specs import load_workload
+
+    folder = tempfile.mkdtemp(prefix="hplan-bench-convnext-")
+    with open(f"{folder}/config.json", "w") as f:
+        json.dump(CONVNEXT, f)
+    return dataclasses.replace(load_workload(f"hf:{folder}/config.json", batch_size=batch), optimizer=_adamw)
+
+
+def convnext_table(ctx: Context) -> tuple[Table, dict[int, Any]]:
+    from hplan.tracer import trace_workload
+
+    table = Table(headers=["batch", "segments", "auto", "keep", "auto ÷ keep", f"≤ {KEEP_GOAL}×",
+                           "stages as segments: auto ÷ keep"],
+                  caption="**ConvNeXt-tiny (config defaults, 224 px), `--gpu-mem min`** (plans for the CPU fast tier "
+                          "from fake traces; the allocator slack each plan reserves is part of every figure).")
+    out = {}
+    for batch in QUICK_BATCHES if ctx.quick else CONVNEXT_BATCHES:
+        w = _convnext(batch)
+        trace = trace_workload(w, device="fake")
+        with _stages_as_segments():
+            coarse = trace_workload(w, device="fake")
+        auto, keep = _min(trace).gpu_bytes, _min(trace, "keep").gpu_bytes
+        before = _min(coarse).gpu_bytes / _min(coarse, "keep").gpu_bytes
+        table.add(batch, f"{len(trace.segments)} blocks", fmt_bytes(auto), fmt_bytes(keep), f"{auto / keep:.3f}×",
+                  "yes" if auto <= KEEP_GOAL * keep else "NO", f"{before:.3f}× ({len(coarse.segments)} stages)")
+        out[batch] = (w, trace, auto, keep, before)
+    return table, out
+
+
+def trained(rows: list[tuple[str, Any, Any, int]]) -> Table:
+    from hplan.executor import run_training
+    from hplan.planner import PlanOptions, make_plan
+    from hplan.training import plain_losses
+
+    table = Table(headers=["trained at auto's minimum", "choices (k/o/r)", "loss difference (≤ 1e-5)",
+                           "fast-tier peak / budget", "activation bytes moved: run / plan", "model bytes: run / plan"],
+                  caption=f"**Trained on this CPU at auto's smallest budget** ({TRAIN_STEPS} steps against plain "
+                          "PyTorch; plans from the fake traces above).")
+    for label, w, trace, budget in rows:
+        plan = make_plan(trace, dataclasses.replace(_hardware(trace), gpu_bytes=budget),
+                         PlanOptions(activations="auto"))
+        report = run_training(w, plan, steps=TRAIN_STEPS)
+        ref = plain_losses(w, TRAIN_STEPS)
+        diff = max(abs(a - b) / abs(b) for a, b in zip(report.losses, ref))
+        kinds = [c.choice for c in plan.activations]
+        table.add(label, "/".join(str(kinds.count(c)) for c in ("keep", "offload", "recompute")), f"{diff:.1e}",
+                  f"{fmt_bytes(report.peak_resident_bytes)} / {fmt_bytes(budget)}",
+                  f"{fmt_bytes(report.activation_bytes_moved_per_iter)} / "
+                  f"{fmt_bytes(plan.summary.activation_bytes_moved_per_iter)}",
+                  f"{fmt_bytes(report.bytes_moved_per_iter)} / {fmt_bytes(plan.summary.bytes_moved_per_iter)}")
+    return table
+
+
+def run(ctx: Context) -> SectionOutput:
+    from hplan.specs import load_workload
+    from hplan.tracer import trace_workload
+
+    out = SectionOutput()
+    found = out.part("transformers", lambda: transformers_table(ctx), log=ctx.log)
+    if found is not None:
+        out.tables.append(found[0])
+        r = found[1]
+        out.headline.append("auto's `--gpu-mem min` ÷ transformers' checkpointing, 4 layers, seq 512 × batch 2: "
+                            + ", ".join(f"{k} {v:.3f}×" for k, v in r.items()) + f" (≤ {HF_GOAL}× asked: "
+                            f"{sum(v <= HF_GOAL for v in r.values())} of {len(r)}) — plans")
+    conv = out.part("convnext", lambda: convnext_table(ctx), log=ctx.log)
+    if conv is not None:
+        out.tables.append(conv[0])
+        out.headline.append("ConvNeXt-tiny, blocks as segments: auto's `--gpu-mem min` ÷ keep's " + ", ".join(
+            f"batch {b}: {v[2] / v[3]:.3f}× (stages: {v[4]:.3f}×)" for b, v in conv[1].items())
+            + f" (≤ {KEEP_GOAL}× asked) — plans")
+    rows = []
+    if conv is not None:
+        b = max(conv[1])
+        w, trace, auto, _, _ = conv[1][b]
+        rows.append((f"ConvNeXt-tiny, batch {b}", w, trace, auto))
+    spec, config = MODELS["Llama"]
+    w = dataclasses.replace(load_workload(spec, overrides=config, batch_size=BATCH,
+                                          seq_len=SEQ if not ctx.quick else 128), optimizer=_adamw)
+    trace = trace_workload(w, device="fake")
+    rows.append(("Llama, 4 layers", w, trace, _min(trace).gpu_bytes))
+    done = out.part("trained", lambda: trained(rows), log=ctx.log)
+    if done is not None:
+        out.tables.append(done)
+    return out
