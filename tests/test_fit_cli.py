@@ -139,3 +139,48 @@ def test_model_data_beyond_every_tier_is_answered_without_a_plan(tmp_path):
     row = json.loads(result.stdout)["gpus_rows"][0]
     assert not row["at"]["fits"] and "exceeds the GPU and host together" in row["at"]["reason"]
     assert row["largest_batch"]["best"] is None and row["longest_seq"]["best"] is None
+
+
+@pytest.mark.parametrize("shape", ["linear", "convex", "steps", "flat"])
+@pytest.mark.parametrize(("limit", "start"), [(0, 1), (1, 1), (5, 1), (37, 1), (37, 16), (300, 16), (16, 16),
+                                              (2, 40), (4096, 1)])
+def test_screen_search_finds_the_crossing_in_few_tries(shape, limit, start):
+    """The screen's search ([Note: fit screen]) lands on the largest n whose margin is <= 0 whatever the margin's
+    shape, and on a nearly linear margin (batch) with a handful of traced shapes."""
+    from hplan.cli.fit_search import _screen_boundary
+
+    def margin(n: int) -> int:
+        tried.append(n)
+        x = n - limit
+        return {"linear": 1000 * x, "convex": n * n - limit * limit if x else 0,
+                "steps": (n // 4 - limit // 4) * 10 + (x > 0) if x > 0 else -((limit - n) // 4) * 10,
+                "flat": 1 if x > 0 else -1}[shape]
+
+    tried: list[int] = []
+    assert _screen_boundary(margin, start=start, cap=4096) == limit
+    assert len(set(tried)) == len(tried)  # no shape twice
+    if shape == "linear":
+        assert len(tried) <= 4, tried
+    else:
+        assert len(tried) <= 2 * (4096).bit_length() + 2, tried
+
+
+def test_screened_search_is_proven_by_plans_and_falls_back_where_they_disagree():
+    """The screen's k is checked by plans at k and k + 1; a screen that is wrong either way ends on plans."""
+    from hplan.cli.fit_search import _screened
+
+    for screen_limit, plan_limit in ((10, 10), (10, 7), (10, 13), (0, 3), (5, 0)):
+        planned: list[int] = []
+
+        def probe(n: int) -> Probe:
+            planned.append(n)
+            return Probe(batch=n, seq=1, plan=_Plan(n <= plan_limit))
+
+        found = _screened(lambda n: n - screen_limit, probe, start=1, cap=4096, cap_text="cap")
+        if plan_limit == 0:
+            assert found.best is None and found.next.batch == 1
+        else:
+            assert found.best.batch == plan_limit and found.best.fits
+            assert found.next.batch == plan_limit + 1 and not found.next.fits
+        if screen_limit == plan_limit:
+            assert planned == [plan_limit, plan_limit + 1]  # only the boundary is planned
