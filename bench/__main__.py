@@ -39,6 +39,8 @@ SECTIONS: tuple[tuple[str, str, str], ...] = (
      "bench.executor_speed"),
     ("deepspeed", "14. DeepSpeed ZeRO beside hplan and plain PyTorch (measured, CPU)", "bench.deepspeed_bench"),
     ("regimes", "15. Activations: auto's certificate at every budget, each plan's own slack (plans)", "bench.regimes"),
+    ("fit", "16. Will it fit? Fake-trace and `hplan fit` time on public configs, the Llama-3-8B row (plans)",
+     "bench.fit_cost"),
 )
 
 
