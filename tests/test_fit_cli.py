@@ -184,3 +184,34 @@ def test_screened_search_is_proven_by_plans_and_falls_back_where_they_disagree()
             assert found.next.batch == plan_limit + 1 and not found.next.fits
         if screen_limit == plan_limit:
             assert planned == [plan_limit, plan_limit + 1]  # only the boundary is planned
+
+
+@pytest.mark.slow
+def test_screened_fit_plans_only_the_boundaries_and_agrees_with_a_plan_per_shape(tmp_path):
+    """[Note: fit screen] on a real (tiny) Llama config: the same largest batch and longest sequence as the search
+    that plans every tried shape, with the asked shape and both boundaries' k and k + 1 planned, nothing else."""
+    from hplan.cli.fit_cmd import _planning
+    from hplan.cli.fit_search import Fitter
+
+    path = write_config(tmp_path, dict(TINY_LLAMA, vocab_size=4096))
+    found = {}
+    for screens in (False, True):
+        hardware, planner = _planning(gpu_bytes=300 * 10**6, host_bytes=None, nvme_bytes=None, gpus=1)
+        planned: list[tuple[int, int]] = []
+
+        def counted(trace, hw, planner=planner, planned=planned):
+            planned.append((trace.batch_size, trace.seq_len))
+            return planner(trace, hw)
+
+        fitter = Fitter(spec=f"hf:{path}", precision="bf16-mixed", overrides={}, hardware=hardware, planner=counted)
+        fitter.screens = screens
+        fitter.load(2, 256)
+        fitter.probe("rtx4090", 2, 256)
+        b, s = fitter.largest_batch("rtx4090", 2, 256), fitter.longest_seq("rtx4090", 2, 256)
+        assert b.best.fits and not b.next.fits and b.next.batch == b.best.batch + 1
+        assert s.best.fits and not s.next.fits and s.next.seq == s.best.seq + SEQ_STEP
+        found[screens] = (b.best.batch, s.best.seq, sorted(planned))
+    assert found[True][:2] == found[False][:2]
+    best_b, best_s, planned = found[True]
+    assert set(planned) == {(2, 256), (best_b, 256), (best_b + 1, 256), (2, best_s), (2, best_s + SEQ_STEP)}
+    assert len(found[False][2]) > len(planned)
