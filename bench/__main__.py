@@ -41,6 +41,8 @@ SECTIONS: tuple[tuple[str, str, str], ...] = (
     ("regimes", "15. Activations: auto's certificate at every budget, each plan's own slack (plans)", "bench.regimes"),
     ("nested", "16. Activations: segments finer than the outermost siblings (ConvNeXt's blocks) against transformers' "
      "checkpointing", "bench.nested"),
+    ("fit", "17. Will it fit? Fake-trace and `hplan fit` time on public configs, the Llama-3-8B row (plans)",
+     "bench.fit_cost"),
 )
 
 

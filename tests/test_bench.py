@@ -248,3 +248,17 @@ def test_multigpu_rank_budget_is_sized_from_the_model_and_what_the_machine_offer
     import psutil
 
     assert rank_budget(1000, ranks=2) == ROOM * 1000 or psutil.virtual_memory().available * HEADROOM / 2 < 2000
+
+
+def test_fit_section_says_a_boundary_is_proven_only_by_a_feasible_plan_and_the_next_step_infeasible() -> None:
+    from bench.fit_cost import boundary_cell
+
+    def probe(n: int, fits: bool, key: str = "batch") -> dict:
+        return {key: n, "fits": fits, "reason": "" if fits else "too big", "tokens_per_s": 10.0}
+
+    assert boundary_cell({"best": probe(4, True), "next": probe(5, False), "limit": ""}, "batch")[1]
+    assert not boundary_cell({"best": probe(4, True), "next": probe(6, False), "limit": ""}, "batch")[1]
+    assert not boundary_cell({"best": probe(4, True), "next": probe(5, True), "limit": ""}, "batch")[1]
+    assert boundary_cell({"best": probe(256, True, "seq"), "next": probe(384, False, "seq"), "limit": ""}, "seq")[1]
+    assert boundary_cell({"best": None, "next": probe(1, False), "limit": ""}, "batch")[1]
+    assert boundary_cell({"best": probe(8, True), "next": None, "limit": "cap"}, "batch") == ("≥ 8 (cap)", True)

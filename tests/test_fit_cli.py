@@ -139,3 +139,79 @@ def test_model_data_beyond_every_tier_is_answered_without_a_plan(tmp_path):
     row = json.loads(result.stdout)["gpus_rows"][0]
     assert not row["at"]["fits"] and "exceeds the GPU and host together" in row["at"]["reason"]
     assert row["largest_batch"]["best"] is None and row["longest_seq"]["best"] is None
+
+
+@pytest.mark.parametrize("shape", ["linear", "convex", "steps", "flat"])
+@pytest.mark.parametrize(("limit", "start"), [(0, 1), (1, 1), (5, 1), (37, 1), (37, 16), (300, 16), (16, 16),
+                                              (2, 40), (4096, 1)])
+def test_screen_search_finds_the_crossing_in_few_tries(shape, limit, start):
+    """The screen's search ([Note: fit screen]) lands on the largest n whose margin is <= 0 whatever the margin's
+    shape, and on a nearly linear margin (batch) with a handful of traced shapes."""
+    from hplan.cli.fit_search import _screen_boundary
+
+    def margin(n: int) -> int:
+        tried.append(n)
+        x = n - limit
+        return {"linear": 1000 * x, "convex": n * n - limit * limit if x else 0,
+                "steps": (n // 4 - limit // 4) * 10 + (x > 0) if x > 0 else -((limit - n) // 4) * 10,
+                "flat": 1 if x > 0 else -1}[shape]
+
+    tried: list[int] = []
+    assert _screen_boundary(margin, start=start, cap=4096) == limit
+    assert len(set(tried)) == len(tried)  # no shape twice
+    if shape == "linear":
+        assert len(tried) <= 4, tried
+    else:
+        assert len(tried) <= 2 * (4096).bit_length() + 2, tried
+
+
+def test_screened_search_is_proven_by_plans_and_falls_back_where_they_disagree():
+    """The screen's k is checked by plans at k and k + 1; a screen that is wrong either way ends on plans."""
+    from hplan.cli.fit_search import _screened
+
+    for screen_limit, plan_limit in ((10, 10), (10, 7), (10, 13), (0, 3), (5, 0)):
+        planned: list[int] = []
+
+        def probe(n: int) -> Probe:
+            planned.append(n)
+            return Probe(batch=n, seq=1, plan=_Plan(n <= plan_limit))
+
+        found = _screened(lambda n: n - screen_limit, probe, start=1, cap=4096, cap_text="cap")
+        if plan_limit == 0:
+            assert found.best is None and found.next.batch == 1
+        else:
+            assert found.best.batch == plan_limit and found.best.fits
+            assert found.next.batch == plan_limit + 1 and not found.next.fits
+        if screen_limit == plan_limit:
+            assert planned == [plan_limit, plan_limit + 1]  # only the boundary is planned
+
+
+@pytest.mark.slow
+def test_screened_fit_plans_only_the_boundaries_and_agrees_with_a_plan_per_shape(tmp_path):
+    """[Note: fit screen] on a real (tiny) Llama config: the same largest batch and longest sequence as the search
+    that plans every tried shape, with the asked shape and both boundaries' k and k + 1 planned, nothing else."""
+    from hplan.cli.fit_cmd import _planning
+    from hplan.cli.fit_search import Fitter
+
+    path = write_config(tmp_path, dict(TINY_LLAMA, vocab_size=4096))
+    found = {}
+    for screens in (False, True):
+        hardware, planner = _planning(gpu_bytes=300 * 10**6, host_bytes=None, nvme_bytes=None, gpus=1)
+        planned: list[tuple[int, int]] = []
+
+        def counted(trace, hw, planner=planner, planned=planned):
+            planned.append((trace.batch_size, trace.seq_len))
+            return planner(trace, hw)
+
+        fitter = Fitter(spec=f"hf:{path}", precision="bf16-mixed", overrides={}, hardware=hardware, planner=counted)
+        fitter.screens = screens
+        fitter.load(2, 256)
+        fitter.probe("rtx4090", 2, 256)
+        b, s = fitter.largest_batch("rtx4090", 2, 256), fitter.longest_seq("rtx4090", 2, 256)
+        assert b.best.fits and not b.next.fits and b.next.batch == b.best.batch + 1
+        assert s.best.fits and not s.next.fits and s.next.seq == s.best.seq + SEQ_STEP
+        found[screens] = (b.best.batch, s.best.seq, sorted(planned))
+    assert found[True][:2] == found[False][:2]
+    best_b, best_s, planned = found[True]
+    assert set(planned) == {(2, 256), (best_b, 256), (best_b + 1, 256), (2, best_s), (2, best_s + SEQ_STEP)}
+    assert len(found[False][2]) > len(planned)

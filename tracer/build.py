@@ -62,7 +62,7 @@ def _slack(rec: Recording, steady: pd.DataFrame, peak_bytes: int, events: tuple[
     kept = (int(steady.reserved_bytes.max()) - peak_bytes if rec.device == "cuda"
             else rec.max_reserved_bytes - per_step_peak)
     starts = [w.op_start for w in rec.windows]
-    by_choice = choice_slack(log, rec.op_log, rec.segment_calls, rec.segments, levels, starts)
+    by_choice = choice_slack(log, rec.op_log, rec.segment_calls, rec.segments, levels, starts, figures)
     replayable = choice_log(log, rec.op_log, rec.segment_calls, rec.segments, len(events), starts) \
         if by_choice else None
     return {"allocator_slack_bytes": max(0, kept), "allocator_slack_release_bytes": figures["release"],

@@ -53,11 +53,13 @@ MIX_SAMPLES = 3
 
 
 def choice_slack(log: Log, op_log: Sequence[int], calls: Sequence[Call], segments: Sequence[Segment],
-                 levels: Sequence[int], starts: Sequence[int]) -> dict[str, dict[str, int]]:
+                 levels: Sequence[int], starts: Sequence[int], keep: Mapping[str, int] | None = None
+                 ) -> dict[str, dict[str, int]]:
     """{"offload" | "recompute" | "mixed": {"release": bytes, "expandable": bytes}}: the at-budget slack of each
     pure choice, and the largest over those and the sampled mixes ([Note: slack per choice]); {} when the log's
     marks do not match the events or there are no segments.
-    `op_log[k]`: the log's length where op k starts; `starts[e]`: event e's first op; `levels[e]`: its keep peak."""
+    `op_log[k]`: the log's length where op k starts; `starts[e]`: event e's first op; `levels[e]`: its keep peak;
+    `keep`: the keep step's figures, where each search starts ([Note: a hinted search] in hplan.artifacts.slack)."""
     marks = [i for i, (_, nbytes) in enumerate(log) if nbytes == MARK]
     if not segments or len(marks) != len(levels):
         return {}
@@ -66,11 +68,13 @@ def choice_slack(log: Log, op_log: Sequence[int], calls: Sequence[Call], segment
     if len(pairs) != len(segments):
         return {}
     refused = {s.module for s in segments if not s.recomputable}
-    out = {c: _figures(log, op_log, marks, starts, pairs, levels, segments, c, refused)
-           for c in ("offload", "recompute")}
+    out: dict[str, dict[str, int]] = {}
+    hint = keep
+    for c in ("offload", "recompute"):
+        out[c] = hint = _figures(log, op_log, marks, starts, pairs, levels, segments, c, refused, hint)
     mixed = {k: max(out["offload"][k], out["recompute"][k]) for k in out["offload"]}
     for mix in _mixes(segments):
-        figures = _figures(log, op_log, marks, starts, pairs, levels, segments, mix, refused)
+        figures = hint = _figures(log, op_log, marks, starts, pairs, levels, segments, mix, refused, hint)
         mixed = {k: max(v, figures[k]) for k, v in mixed.items()}
     out["mixed"] = mixed
     return out
@@ -78,11 +82,13 @@ def choice_slack(log: Log, op_log: Sequence[int], calls: Sequence[Call], segment
 
 def _figures(log: Log, op_log: Sequence[int], marks: list[int], starts: Sequence[int],
              pairs: list[tuple[Segment, Call]], levels: Sequence[int], segments: Sequence[Segment],
-             choice: Choice, refused: set[str]) -> dict[str, int]:
+             choice: Choice, refused: set[str], hint: Mapping[str, int] | None = None) -> dict[str, int]:
     modes = _modes(segments, choice, refused)
     rewritten = rewrite(log, op_log, marks, starts, pairs, modes)
     lv = choice_levels(levels, segments, modes)
-    return {"release": smallest_slack(rewritten, lv), "expandable": smallest_slack(rewritten, lv, expandable=True)}
+    hint = hint or {}
+    return {"release": smallest_slack(rewritten, lv, hint=hint.get("release")),
+            "expandable": smallest_slack(rewritten, lv, expandable=True, hint=hint.get("expandable"))}
 
 
 def _mixes(segments: Sequence[Segment]) -> list[dict[tuple[str, int], str]]:

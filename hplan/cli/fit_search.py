@@ -13,6 +13,17 @@ exceeds the GPU, host and disk together, no shape fits anywhere (the plan would 
 all tiers hold), so such a probe is answered from that count, naming it, without tracing or planning.
 A sequence search stops at the model's context (max_position_embeddings) and a
 batch search at BATCH_CAP; the table then says the limit, not an infeasible plan.
+
+[Note: fit screen] A plan of an 8B model takes a minute, a fake trace of it tens of seconds, so the search does
+not plan every shape it tries. It first looks for the boundary with a screen: the smallest GPU budget any
+schedule of that trace needs (hplan.planner.min_gpu_bytes, the minimum make_plan itself starts from; no
+objective is solved), less the GPU's budget. That margin is close to linear in batch and, over a few steps, in
+sequence, so the screen's search interpolates: from two traced shapes it guesses the crossing, then tries the
+guess and the step after it (`_screen_boundary`), falling back to bisection when a guess does not shrink the
+bracket. Only the shapes it lands on are planned: the screen's answer k is then proven by make_plan at k
+(feasible) and at k + 1 (infeasible). Where a plan disagrees with the screen (host memory, which the screen
+counts only as the model data's total), the plain search above continues from there on plans alone, so every
+answer is still a pair of plans. With --gpus N there is no screen: each tried shape is planned.
 """
 
 from __future__ import annotations
@@ -73,6 +84,9 @@ class Fitter:
         """Data-parallel ranks the model data may be sharded over."""
         self.capacity: Callable[[str], tuple[int, int | None, int | None]] | None = None
         """gpu -> (GPU bytes, host bytes or None = unbounded, disk bytes or None = no disk) of its hardware."""
+        self.screens = True
+        """Search on the screen ([Note: fit screen]) and plan only the boundary; False plans every tried shape."""
+        self._margins: dict[tuple[str, int, int], int] = {}
 
     def _capacity(self, gpu: str) -> str:
         """Why no shape can fit `gpu` (its model data exceeds GPU + host + disk together), else ""."""
@@ -145,17 +159,115 @@ class Fitter:
                 self._probes[key] = Probe(batch=batch, seq=seq, plan=plan, reason=reason)
         return self._probes[key]
 
+    def margin(self, gpu: str, batch: int, seq: int) -> int:
+        """The screen ([Note: fit screen]): the smallest GPU budget of the trace at (batch, seq) less `gpu`'s
+        budget; > 0: no plan fits. Needs a trace, never a plan."""
+        key = (gpu, batch, seq)
+        if key not in self._margins:
+            from hplan.planner import min_gpu_bytes
+
+            trace = self.trace(batch, seq)
+            if isinstance(trace, str) or self._capacity(gpu):
+                self._margins[key] = 1 << 62  # beyond the context, or no shape fits: as large as can be
+            else:
+                hardware = self._hardware(gpu, trace)
+                self._margins[key] = min_gpu_bytes(trace, hardware).gpu_bytes - hardware.gpu_bytes
+        return self._margins[key]
+
     def largest_batch(self, gpu: str, batch: int, seq: int) -> Boundary:
-        return _boundary(lambda n: self.probe(gpu, n, seq), start=batch, cap=BATCH_CAP,
-                         cap_text=f"the search's cap, batch {BATCH_CAP}")
+        cap_text = f"the search's cap, batch {BATCH_CAP}"
+        if self.screens and self.ranks == 1:
+            return _screened(lambda n: self.margin(gpu, n, seq), lambda n: self.probe(gpu, n, seq), start=batch,
+                             cap=BATCH_CAP, cap_text=cap_text)
+        return _boundary(lambda n: self.probe(gpu, n, seq), start=batch, cap=BATCH_CAP, cap_text=cap_text)
 
     def longest_seq(self, gpu: str, batch: int, seq: int) -> Boundary:
         units = max(1, seq // SEQ_STEP)
         cap = (self.context // SEQ_STEP) if self.context else 1 << 20
         if cap < 1:
             raise HplanError(f"the model's context ({self.context}) is shorter than the search step {SEQ_STEP}")
+        cap_text = f"the model's context, {self.context} tokens"
+        if self.screens and self.ranks == 1:
+            return _screened(lambda n: self.margin(gpu, batch, n * SEQ_STEP),
+                             lambda n: self.probe(gpu, batch, n * SEQ_STEP), start=min(units, cap), cap=cap,
+                             cap_text=cap_text)
         return _boundary(lambda n: self.probe(gpu, batch, n * SEQ_STEP), start=min(units, cap), cap=cap,
-                         cap_text=f"the model's context, {self.context} tokens")
+                         cap_text=cap_text)
+
+
+def _screened(margin: Callable[[int], int], probe: Callable[[int], Probe], *, start: int, cap: int,
+              cap_text: str) -> Boundary:
+    """The screen's boundary k, proven by the plans at k and k + 1; where a plan disagrees with the screen, the
+    plain search continues from there on plans alone ([Note: fit screen])."""
+    k = _screen_boundary(margin, start=start, cap=cap)
+    if k == 0:
+        first = probe(1)
+        return Boundary(best=None, next=first) if not first.fits else \
+            _boundary(probe, start=1, cap=cap, cap_text=cap_text)
+    best = probe(k)
+    if not best.fits:
+        return _boundary(probe, start=k, cap=cap, cap_text=cap_text)
+    if k >= cap:
+        return Boundary(best=best, next=None, limit=cap_text)
+    nxt = probe(k + 1)
+    if nxt.fits:
+        return _boundary(probe, start=k + 1, cap=cap, cap_text=cap_text)
+    return Boundary(best=best, next=nxt)
+
+
+def _screen_boundary(margin: Callable[[int], int], *, start: int, cap: int) -> int:
+    """The largest n in 1..cap whose margin is <= 0 (0: none), for a margin that grows with n, nearly linearly
+    ([Note: fit screen]): guesses by the line through the two measured points nearest the crossing, and tries the
+    step after a passing guess at once; a guess that does not halve the bracket is followed by a bisection."""
+    seen: dict[int, int] = {}
+    lo, hi = 0, cap + 1  # margin(lo) <= 0 and margin(hi) > 0; 0 and cap + 1 are not measured
+    n, last = min(max(start, 1), cap), ""
+    ref, since = hi - lo, 0  # the bracket's width two tries ago, and tries since it was taken
+    while True:
+        seen[n] = margin(n)
+        passed = seen[n] <= 0
+        if passed:
+            lo = max(lo, n)
+        else:
+            hi = min(hi, n)
+        if hi - lo <= 1:
+            return lo
+        since += 1
+        if since >= 2 and last != "double":
+            halved = 2 * (hi - lo) <= ref
+            ref, since = hi - lo, 0
+            if not halved and hi <= cap and lo >= 1:
+                n, last = (lo + hi) // 2, "bisect"
+                continue
+        if passed and last == "guess" and n + 1 < hi:
+            n, last = n + 1, "next"  # the guess passed: the step after it may be the boundary
+            continue
+        n, last = _guess(seen, lo, hi, cap)
+
+
+def _guess(seen: dict[int, int], lo: int, hi: int, cap: int) -> tuple[int, str]:
+    """The next n strictly between lo and hi: where the line through the measured points nearest the crossing
+    (those at lo and hi, else the two nearest on one side) reaches 0; doubling or halving without two points."""
+    below = sorted(n for n in seen if seen[n] <= 0)
+    above = sorted(n for n in seen if seen[n] > 0)
+    if below and above:
+        a, b = below[-1], above[0]
+    elif len(below) >= 2:
+        a, b = below[-2], below[-1]
+    elif len(above) >= 2:
+        a, b = above[0], above[1]
+    elif below:
+        return min(2 * lo, hi - 1, cap), "double"
+    else:
+        return max(hi // 2, lo + 1), "halve"
+    slope = (seen[b] - seen[a]) / (b - a)
+    if slope <= 0:
+        x = float(2 * lo if not above else (lo + hi) // 2)
+    else:
+        x = a - seen[a] / slope
+    limit_hi = hi - 1 if above else min(hi - 1, 64 * max(lo, 1))  # an extrapolation goes at most 64x further
+    n = int(min(max(int(x), lo + 1), limit_hi))
+    return n, "guess" if n == int(x) else "reach"  # a guess cut short is no boundary to try the next step of
 
 
 def _boundary(probe: Callable[[int], Probe], *, start: int, cap: int, cap_text: str) -> Boundary:
