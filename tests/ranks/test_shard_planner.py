@@ -59,9 +59,12 @@ def test_per_rank_region_bytes_and_collective_bytes_by_hand():
                      ("backward:m0", "sync", "reduce_scatter", 2, 2),
                      ("optimizer:optimizer", "update_gather", "all_gather", 2, 2),
                      ("optimizer:optimizer", "update_gather", "all_gather", 2, 1)]
-    # the full gradient of m0 (4s = 12 elements) lives in its backward step, with the sync's staging piece
+    # the full gradient of m0 (4s = 12 elements) lives in its backward step, with the sync's staging piece; m1's
+    # (8, and its staging piece 2) are still being reduced there, issued asynchronously after backward:m1
     backward_m0 = next(st for st in plan.steps if st.event == "backward:m0")
-    assert backward_m0.gathered_bytes == (12 + 3) * 4
+    assert backward_m0.gathered_bytes == (12 + 3) * 4 + (8 + 2) * 4
+    optimizer = plan.steps[-1]
+    assert optimizer.gathered_bytes >= (12 + 3) * 4  # m0's reductions run into the optimizer step
 
 
 def test_full_sharding_gathers_weights_before_each_use():
@@ -76,6 +79,9 @@ def test_full_sharding_gathers_weights_before_each_use():
     forward_m1 = next(st for st in plan.steps if st.event == "forward:m1")
     assert [(c.purpose, c.before, c.numel) for c in forward_m1.collectives] == [("gather", True, 8)]
     assert forward_m1.gathered_bytes == 8 * 4
+    # m1's gather is issued one step ahead ([Note: collectives in flight]): forward:m0 holds both full copies
+    forward_m0 = next(st for st in plan.steps if st.event == "forward:m0")
+    assert forward_m0.gathered_bytes == (10 + 8) * 4
     assert {r.kind: r.bytes for r in plan.regions if r.chunk == 1} == {"param": 16, "grad": 16, "state": 32}
 
 
