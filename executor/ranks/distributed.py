@@ -6,7 +6,9 @@ event, closes the previous window, finishes the previous step — its `after` ca
 syncs, which end with ÷N on this rank's optimizer piece), then frees the full weight copies that step gathered
 — then does this step: evictions (write-backs first), fetches and allocations, its `before` calls (updated-piece
 and weight all-gathers), waits for what it needs, host updates; at the optimizer step also the fast-tier updates
-on this rank's pieces, then that step's `after` calls (all-gathers of updated pieces) at once. Every rank runs the
+on this rank's pieces, then that step's `after` calls (all-gathers of updated pieces) at once. Weight gathers go
+one step ahead and reductions run beside the next step ([Note: collectives in flight] in hplan.artifacts.shard;
+hplan.executor.ranks.in_flight keeps them): each is waited where its result is read, moved or its buffer reused. Every rank runs the
 same steps, so every rank makes the same calls in the same order; a rank that stops calling makes the others'
 next call fail within the process group's timeout (hplan.executor.ranks.launch).
 Supported on many ranks: fp32 and bf16-mixed (unverified), element-wise optimizers, param groups, LR schedulers,
@@ -24,7 +26,7 @@ from typing import Any, Self
 import torch
 import torch.distributed as dist
 from hplan.executor.device import make_tier
-from hplan.executor.ranks.collectives import Pending
+from hplan.executor.ranks.in_flight import InFlight
 from hplan.executor.ranks.dist_comm import PlanComm, stop_together
 from hplan.executor.gradients import first_nonfinite, move_grad, nonfinite_message
 from hplan.executor.habits import intercepted, with_step_hooks
@@ -129,13 +131,8 @@ class DistRun:
         """Chunks updated at one step → their batch (the same sets every iteration)."""
         self._scattered: set[int] = set()
         self._gathered: set[int] = set()
-        self._prefetched: dict[int, Pending] = {}
-        """Chunk → its weight gather issued one step ahead ([Note: collectives in flight]), waited where used."""
-        self._overlapped = [0, 0]
-        """This iteration's gathers issued ahead and reductions left in flight (Iteration)."""
-        self._reducing: dict[int, tuple[int, Pending]] = {}
-        """Gradient region → (cursor at issue, its latest reduction in flight): waited before the region is read,
-        moved or its chunk's full gradient reopened, and at the latest when the step after the next begins."""
+        self.flight = InFlight()
+        """Calls started and not yet waited for ([Note: collectives in flight])."""
         self._previous: Step | None = None
         self._zeroed = True
         self._window_model = 0
@@ -210,7 +207,7 @@ class DistRun:
         store = self.store
         if store is None or exc_type is not None:
             return
-        self._settle_all()
+        self.flight.settle_all()
         pending = [c for s in self.plan.steps for c in s.collectives if c.purpose == "update_gather" and c.before]
         for call in pending:  # host-updated pieces reach the other ranks at the next read: do it now
             store.fetch(call.region)
@@ -238,7 +235,7 @@ class DistRun:
                              "zero gradients every step")
         if self.cursor == 0:
             self._mark = self._counters()
-        self._settle_older(self.cursor)
+        self.flight.settle_older(self.cursor)
         self._close_window()
         self._finish_previous(step)
         self._do_step(step)
@@ -271,9 +268,9 @@ class DistRun:
                 lay = self.store.layouts[chunk]
                 at = self.store.pieces.storage_offset(self.store.sharding, chunk, "grad")
                 view = self.store.typed(r)[at:at + lay.piece]
-                held = self._reducing.get(r)
+                held = self.flight.latest(r)
                 if held is not None:  # ÷N once the last reduction of the region is in
-                    held[1].then(lambda v=view: v.div_(self.world))
+                    held.then(lambda v=view: v.div_(self.world))
                 else:
                     with torch.no_grad():
                         view.div_(self.world)
@@ -281,34 +278,14 @@ class DistRun:
 
     def _call(self, call: Any, *, async_op: bool = False) -> None:
         chunk = self.store.slots[call.region].region.chunk
-        self._settle(call.region)
+        self.flight.settle(call.region)
         pending = self.comm.run(call, self.store, first_scatter=chunk not in self._scattered, async_op=async_op)
         if call.purpose == "scatter":
             self._scattered.add(chunk)
         elif call.purpose == "gather":
             self._gathered.add(chunk)
-        if not pending.done:
-            self._reducing[call.region] = (self.cursor, pending)
-            self._overlapped[1] += 1
+        self.flight.reduction(call.region, self.cursor, pending)
         self._sample()
-
-    # -- collectives in flight ([Note: collectives in flight] in hplan.artifacts.shard) --------------------
-    def _settle(self, rid: int | None) -> None:
-        """Wait for the reduction in flight on this region, if any."""
-        held = self._reducing.pop(rid, None) if rid is not None else None
-        if held is not None:
-            held[1].wait()
-
-    def _settle_older(self, cursor: int) -> None:
-        """Wait for every reduction issued before `cursor`'s event: each runs beside one step's compute."""
-        for rid in [r for r, (at, _) in self._reducing.items() if at < cursor]:
-            self._settle(rid)
-
-    def _settle_all(self) -> None:
-        for rid in list(self._reducing):
-            self._settle(rid)
-        for chunk in list(self._prefetched):
-            self._prefetched.pop(chunk).wait()
 
     def _prefetch(self, t: int) -> None:
         """Issue step t's weight gathers now, one step ahead, where the plan reserves it (`prefetchable`) and
@@ -325,31 +302,29 @@ class DistRun:
             if not store.slots[call.region].state.on_fast_tier:
                 continue
             chunk = store.slots[call.region].region.chunk
-            self._prefetched[chunk] = self.comm.run(call, store, first_scatter=False, async_op=True)
-            self._overlapped[0] += 1
+            self.flight.gather_ahead(chunk, self.comm.run(call, store, first_scatter=False, async_op=True))
         self._sample()
 
     def _do_step(self, step: Step) -> None:
         store = self.store
         moves = self._moves[self.cursor]
-        if self._reducing:
+        if self.flight.reductions:
             for rid in (*(r for r, _ in moves.evict), *moves.fetch, *moves.alloc):
-                self._settle(rid)
+                self.flight.settle(rid)
         move_regions(store, moves)
         store.require(step.needs, f"plan step {step.index} ({step.event})")
         for call in step.collectives:
             if not call.before:
                 continue
             chunk = store.slots[call.region].region.chunk
-            if call.purpose == "gather" and chunk in self._prefetched:
-                self._prefetched.pop(chunk).wait()
+            if call.purpose == "gather" and self.flight.take_gather(chunk):
                 self._gathered.add(chunk)
                 continue
             self._call(call)
             if call.purpose == "update_gather":
                 store.mark_dirty(call.region)
         if step.event == OPTIMIZER_EVENT:
-            self._settle_all()
+            self.flight.settle_all()
             self._update(sorted(step.host_updates) + sorted(c for c, u in self.updates.items() if u.where == "gpu"),
                          step)
             self._after(step)
@@ -363,7 +338,7 @@ class DistRun:
         """These chunks' updates together: one optimizer call per place and param group (UpdateBatch)."""
         self._updated.update(chunks)
         for c in chunks:  # a host update reads the chunk's reduced gradient
-            self._settle(self.store.region(c, "grad"))
+            self.flight.settle(self.store.region(c, "grad"))
         mine = tuple(c for c in chunks if c in self.updates)  # a piece that is padding only has no update
         parts = [(part, where) for where in ("cpu", "gpu")
                  if (part := tuple(c for c in mine if (self.updates[c].where == "cpu") == (where == "cpu")))]
@@ -426,7 +401,7 @@ class DistRun:
         if rid not in step.writes and rid not in step.overwrites:
             raise HplanError(f"the gradient of {name} arrived at plan step {step.index} ({step.event}), where the "
                              "plan does not write it; re-trace and re-plan")
-        self._settle(rid)  # a reduction still reading the chunk's full gradient ends before it is reopened
+        self.flight.settle(rid)  # a reduction still reading the chunk's full gradient ends before it is reopened
         store.require([rid], f"gradient of {name} at plan step {step.index}")
         if store.sharding.G > 1:
             store.open_full(store.grad_buf[c], zero=True)
@@ -470,10 +445,9 @@ class DistRun:
                              f"{len(self.plan.steps)} steps; re-trace and re-plan this workload")
         self._close_window()
         h2d, d2h, sent, wire = (now - was for now, was in zip(self._counters(), self._mark))
+        ahead, reducing = self.flight.counts()
         self.last = Iteration(h2d_bytes=h2d, d2h_bytes=d2h, collective_bytes=sent, wire_bytes=wire,
-                              peak_resident_bytes=self.peak, gathers_ahead=self._overlapped[0],
-                              reductions_in_flight=self._overlapped[1])
-        self._overlapped = [0, 0]
+                              peak_resident_bytes=self.peak, gathers_ahead=ahead, reductions_in_flight=reducing)
         self.written.clear()
         self._updated.clear()
         self._scattered.clear()
