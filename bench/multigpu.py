@@ -234,7 +234,8 @@ def _cpu(ctx: Context) -> tuple[Table, str]:
     plans = {"same": same, "min": least, "choice": choice}
     names = {"same": "hplan run --nproc 2, FSDP's factors (2/2/2)",
              "min": f"hplan run --nproc 2, README's example (--gpu-mem min: {m['P']}/{m['G']}/{m['OS']})",
-             "choice": f"hplan run --nproc 2, its factors ({f['P']}/{f['G']}/{f['OS']})", "fsdp2": "FSDP2 (fully_shard)"}
+             "choice": f"hplan run --nproc 2, its factors ({f['P']}/{f['G']}/{f['OS']})",
+             "fsdp2": "FSDP2 (fully_shard)"}
     deepspeed = importlib.util.find_spec("deepspeed") is not None and not ctx.quick
     if deepspeed:
         names |= {"ds-z3": "DeepSpeed ZeRO-3", "ds-z2": "DeepSpeed ZeRO-2"}
