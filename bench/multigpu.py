@@ -298,8 +298,8 @@ def _cpu(ctx: Context) -> tuple[Table, str]:
                            "partitions, its own averaging).")
     line = (f"many GPUs (measured, CPU, 2 gloo ranks, {spec}, `hplan run --nproc 2`, {load}): at FSDP's 2/2/2 "
             f"{fmt_ratio(median(ratios['same']))} FSDP2's step (rounds ≤ {fmt_ratio(max(ratios['same']))}; goal ≤ "
-            f"1.00×, rounds ≤ 1.15×); README's example at --gpu-mem min {fmt_ratio(median(ratios['min']))} (goal ≤ "
-            f"1.3×); at its own factors {fmt_ratio(median(ratios['choice']))}")
+            f"1.00×, rounds ≤ 1.15×); README's example at --gpu-mem min {fmt_ratio(median(ratios['min']))} "
+            f"(goal ≤ 1.3×); at its own factors {fmt_ratio(median(ratios['choice']))}")
     if deepspeed:
         line += (f"; DeepSpeed ZeRO-3 {fmt_ratio(median(ratios['ds-z3']))}, ZeRO-2 "
                  f"{fmt_ratio(median(ratios['ds-z2']))}")
