@@ -24,6 +24,7 @@ it (and applies the ÷N and any staging copy) — callers must not read the outp
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -137,9 +138,19 @@ class Pending:
             return
         if self._work is not None:
             self._work.wait()
-        for step in self._finish:
-            step()
         self.done = True
+        with torch.no_grad():
+            for step in self._finish:
+                step()
+
+    def then(self, step: Callable[[], object]) -> Pending:
+        """Run `step` once the call is complete: now if it is, else at the end of `wait()`, in order."""
+        if self.done:
+            with torch.no_grad():
+                step()
+        else:
+            self._finish.append(step)
+        return self
 
 
 class ChunkComm:

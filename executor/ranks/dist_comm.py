@@ -17,7 +17,7 @@ import os
 
 import torch
 import torch.distributed as dist
-from hplan.executor.ranks.collectives import ChunkComm
+from hplan.executor.ranks.collectives import ChunkComm, Pending
 from hplan.executor.ranks.shard_store import ShardStore
 
 from hplan.artifacts import Plan
@@ -86,7 +86,8 @@ class PlanComm:
                     mine = group
             self.comms[(size, stride)] = ChunkComm(mine)
         self.wire = 0
-        """Socket bytes written during collectives since the last reset."""
+        """Socket bytes written while collectives were in flight since the last reset."""
+        self._inflight, self._wire_from = 0, 0
 
     @property
     def sent(self) -> int:
@@ -98,42 +99,60 @@ class PlanComm:
             c.counter.reset()
         self.wire = 0
 
-    def run(self, call: Collective, store: ShardStore, *, first_scatter: bool) -> None:
-        """Do one call of the plan on the store's buffers (see [Note: shard layout])."""
+    def run(self, call: Collective, store: ShardStore, *, first_scatter: bool, async_op: bool = False) -> Pending:
+        """Start one call of the plan on the store's buffers (see [Note: shard layout]); the returned Pending
+        completes it: shows gathered weights, adds a later micro-batch's reduced gradient to the shard and frees
+        the full gradient. `async_op`: return while the call runs ([Note: collectives in flight]); the caller
+        waits before anything reads or frees its buffers. update_gather calls always complete here."""
         comm = self.comms[(call.size, call.stride)]
         chunk = store.slots[call.region].region.chunk
         lay, sh = store.layouts[chunk], store.sharding
-        before = wchar()
+        self._begin()
         with torch.no_grad():
             if call.purpose == "gather":
                 full = store.open_full(store.gather_buf[chunk], zero=False).view(lay.dtype)
                 with torch.autograd._unsafe_preserve_version_counter(full):
-                    comm.all_gather(store.typed(call.region), full)
-                store.show_weights(chunk)
+                    pending = comm.all_gather(store.typed(call.region), full, async_op=async_op)
+                pending.then(lambda: store.show_weights(chunk))
             elif call.purpose == "scatter":
-                full = store.open_full(store.grad_buf[chunk], zero=True).view(lay.dtype)
+                buf = store.grad_buf[chunk]
+                full = store.open_full(buf, zero=True).view(lay.dtype)
                 out = store.typed(call.region)
                 if first_scatter:
-                    comm.reduce_scatter(full, out, average=False)
+                    pending = comm.reduce_scatter(full, out, average=False, async_op=async_op)
                 else:
                     part = torch.empty_like(out)
-                    comm.reduce_scatter(full, part, average=False)
-                    out.add_(part)
-                store.close_full(store.grad_buf[chunk])
+                    pending = comm.reduce_scatter(full, part, average=False, async_op=async_op)
+                    pending.then(lambda: out.add_(part))
+                pending.then(lambda: store.close_full(buf))
             elif call.purpose == "sync":
                 grads = store.typed(call.region)
                 at = store.pieces.storage_offset(sh, chunk, "grad")
                 if call.op == "reduce_scatter":
                     part = torch.empty(lay.piece, dtype=grads.dtype, device=grads.device)
-                    comm.reduce_scatter(grads, part, average=False)
-                    grads[at:at + lay.piece].copy_(part)
+                    pending = comm.reduce_scatter(grads, part, average=False, async_op=async_op)
+                    pending.then(lambda: grads[at:at + lay.piece].copy_(part))
                 else:
-                    comm.all_reduce(grads[at:at + lay.piece], average=False)
+                    pending = comm.all_reduce(grads[at:at + lay.piece], average=False, async_op=async_op)
             elif call.purpose == "update_gather":
                 self._update_gather(call, comm, store, chunk)
+                pending = Pending(None, [])
             else:
+                self._end()
                 raise HplanError(f"unknown collective purpose {call.purpose!r} in the plan; regenerate it")
-        self.wire += wchar() - before
+        return pending.then(self._end)
+
+    def _begin(self) -> None:
+        """A call starts: socket bytes are counted while any call is in flight (calls overlap each other and
+        the compute, so one call's bytes cannot be told from another's)."""
+        if self._inflight == 0:
+            self._wire_from = wchar()
+        self._inflight += 1
+
+    def _end(self) -> None:
+        self._inflight -= 1
+        if self._inflight == 0:
+            self.wire += wchar() - self._wire_from
 
     def _update_gather(self, call: Collective, comm: ChunkComm, store: ShardStore, chunk: int) -> None:
         """Updated pieces → the gradient-shard range of the weights (stage 1); shards → whole weights (stage 2)."""

@@ -6,9 +6,11 @@ event, closes the previous window, finishes the previous step — its `after` ca
 syncs, which end with ÷N on this rank's optimizer piece), then frees the full weight copies that step gathered
 — then does this step: evictions (write-backs first), fetches and allocations, its `before` calls (updated-piece
 and weight all-gathers), waits for what it needs, host updates; at the optimizer step also the fast-tier updates
-on this rank's pieces, then that step's `after` calls (all-gathers of updated pieces) at once. Every rank runs the
-same steps, so every rank makes the same calls in the same order; a rank that stops calling makes the others'
-next call fail within the process group's timeout (hplan.executor.ranks.launch).
+on this rank's pieces, then that step's `after` calls (all-gathers of updated pieces) at once. Weight gathers go
+one step ahead and reductions run beside the next step ([Note: collectives in flight] in hplan.artifacts.shard;
+hplan.executor.ranks.in_flight keeps them): each is waited where its result is read, moved or its buffer
+reused. Every rank runs the same steps, so every rank makes the same calls in the same order; a rank that stops
+calling makes the others' next call fail within the process group's timeout (hplan.executor.ranks.launch).
 Supported on many ranks: fp32 and bf16-mixed (unverified), element-wise optimizers, param groups, LR schedulers,
 accumulation. Refused in one line: clipping by global norm and fp16 loss scaling (they need norms over shards),
 and any plan for another number of ranks.
@@ -24,6 +26,7 @@ from typing import Any, Self
 import torch
 import torch.distributed as dist
 from hplan.executor.device import make_tier
+from hplan.executor.ranks.in_flight import InFlight
 from hplan.executor.ranks.dist_comm import PlanComm, stop_together
 from hplan.executor.gradients import first_nonfinite, move_grad, nonfinite_message
 from hplan.executor.habits import intercepted, with_step_hooks
@@ -38,11 +41,15 @@ from torch import nn
 
 from hplan.artifacts import Plan, Step
 from hplan.artifacts.replay import OPTIMIZER_EVENT, live_in, validate
+from hplan.artifacts.shard import prefetchable
 from hplan.errors import HplanError
 from hplan.grads import installed
 from hplan.hooks import OPTIMIZER_MODULE, EventHooks, canonical_params
 from hplan.optimizers import check_optimizer, state_spec
 from hplan.precision import get_recipe
+
+REDUCTIONS = ("scatter", "sync")
+"""Purposes of the calls issued asynchronously after their step ([Note: collectives in flight])."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -57,6 +64,10 @@ class Iteration:
     """Bytes written to sockets during the calls (gloo on Linux; 0 elsewhere)."""
     peak_resident_bytes: int
     """Highest regions + full copies + non-model bytes in any step window."""
+    gathers_ahead: int = 0
+    """Weight all-gathers issued one step before the step that reads them ([Note: collectives in flight])."""
+    reductions_in_flight: int = 0
+    """Gradient reductions that returned before completing, to run beside the next step's compute."""
 
 
 def check_world(plan: Plan, world: int) -> None:
@@ -108,6 +119,7 @@ class DistRun:
         """Called once the regions and updates exist, before the initial fetches (a resume loads shards here)."""
         self.meter = WindowMeter(make_probe(device)) if measure else None
         self.live = live_in(plan)
+        self._opt_index = next((t for t, s in enumerate(plan.steps) if s.event == OPTIMIZER_EVENT), None)
         self.loss_scale = None
         self.store: ShardStore | None = None
         self.comm: PlanComm | None = None
@@ -119,6 +131,8 @@ class DistRun:
         """Chunks updated at one step → their batch (the same sets every iteration)."""
         self._scattered: set[int] = set()
         self._gathered: set[int] = set()
+        self.flight = InFlight()
+        """Calls started and not yet waited for ([Note: collectives in flight])."""
         self._previous: Step | None = None
         self._zeroed = True
         self._window_model = 0
@@ -193,6 +207,7 @@ class DistRun:
         store = self.store
         if store is None or exc_type is not None:
             return
+        self.flight.settle_all()
         pending = [c for s in self.plan.steps for c in s.collectives if c.purpose == "update_gather" and c.before]
         for call in pending:  # host-updated pieces reach the other ranks at the next read: do it now
             store.fetch(call.region)
@@ -220,6 +235,7 @@ class DistRun:
                              "zero gradients every step")
         if self.cursor == 0:
             self._mark = self._counters()
+        self.flight.settle_older(self.cursor)
         self._close_window()
         self._finish_previous(step)
         self._do_step(step)
@@ -241,48 +257,88 @@ class DistRun:
         self._gathered &= keep
 
     def _after(self, step: Step) -> None:
+        """The step's `after` calls, reductions asynchronous ([Note: collectives in flight]); a call on a region
+        whose previous reduction is still running (a sync after its scatter) waits for it first."""
         for call in step.collectives:
             if not call.before:
-                self._call(call)
+                self._call(call, async_op=call.purpose in REDUCTIONS)
         for r, t in self.sync_at.items():
             if t == step.index:
                 chunk = self.store.slots[r].region.chunk
                 lay = self.store.layouts[chunk]
                 at = self.store.pieces.storage_offset(self.store.sharding, chunk, "grad")
-                with torch.no_grad():
-                    self.store.typed(r)[at:at + lay.piece].div_(self.world)
+                view = self.store.typed(r)[at:at + lay.piece]
+                held = self.flight.latest(r)
+                if held is not None:  # ÷N once the last reduction of the region is in
+                    held.then(lambda v=view: v.div_(self.world))
+                else:
+                    with torch.no_grad():
+                        view.div_(self.world)
         self._sample()
 
-    def _call(self, call: Any) -> None:
+    def _call(self, call: Any, *, async_op: bool = False) -> None:
         chunk = self.store.slots[call.region].region.chunk
-        self.comm.run(call, self.store, first_scatter=chunk not in self._scattered)
+        self.flight.settle(call.region)
+        pending = self.comm.run(call, self.store, first_scatter=chunk not in self._scattered, async_op=async_op)
         if call.purpose == "scatter":
             self._scattered.add(chunk)
         elif call.purpose == "gather":
             self._gathered.add(chunk)
+        self.flight.reduction(call.region, self.cursor, pending)
+        self._sample()
+
+    def _prefetch(self, t: int) -> None:
+        """Issue step t's weight gathers now, one step ahead, where the plan reserves it (`prefetchable`) and
+        the shard is resident and stays so until t: every rank decides alike from the plan alone."""
+        steps, store = self.plan.steps, self.store
+        if t >= len(steps) or not prefetchable(t, self._opt_index):
+            return
+        moves = self._moves[t]
+        moved = {r for r, _ in moves.evict} | set(moves.fetch) | set(moves.alloc)
+        before = [c for c in steps[t].collectives if c.before]
+        for i, call in enumerate(before):
+            if call.purpose != "gather" or call.region in moved or any(c.region == call.region for c in before[:i]):
+                continue
+            if not store.slots[call.region].state.on_fast_tier:
+                continue
+            chunk = store.slots[call.region].region.chunk
+            self.flight.gather_ahead(chunk, self.comm.run(call, store, first_scatter=False, async_op=True))
         self._sample()
 
     def _do_step(self, step: Step) -> None:
         store = self.store
-        move_regions(store, self._moves[self.cursor])
+        moves = self._moves[self.cursor]
+        if self.flight.reductions:
+            for rid in (*(r for r, _ in moves.evict), *moves.fetch, *moves.alloc):
+                self.flight.settle(rid)
+        move_regions(store, moves)
         store.require(step.needs, f"plan step {step.index} ({step.event})")
         for call in step.collectives:
-            if call.before:
-                self._call(call)
-                if call.purpose == "update_gather":
-                    store.mark_dirty(call.region)
+            if not call.before:
+                continue
+            chunk = store.slots[call.region].region.chunk
+            if call.purpose == "gather" and self.flight.take_gather(chunk):
+                self._gathered.add(chunk)
+                continue
+            self._call(call)
+            if call.purpose == "update_gather":
+                store.mark_dirty(call.region)
         if step.event == OPTIMIZER_EVENT:
+            self.flight.settle_all()
             self._update(sorted(step.host_updates) + sorted(c for c, u in self.updates.items() if u.where == "gpu"),
                          step)
             self._after(step)
         else:
             self._update(step.host_updates, step)
             self._previous = step
+            self._prefetch(self.cursor + 1)
         self._sample()
 
     def _update(self, chunks: tuple[int, ...] | list[int], step: Step) -> None:
         """These chunks' updates together: one optimizer call per place and param group (UpdateBatch)."""
         self._updated.update(chunks)
+        for c in chunks:  # a host update reads the chunk's reduced gradient
+            self.flight.settle(self.store.region(c, "grad"))
         mine = tuple(c for c in chunks if c in self.updates)  # a piece that is padding only has no update
         parts = [(part, where) for where in ("cpu", "gpu")
                  if (part := tuple(c for c in mine if (self.updates[c].where == "cpu") == (where == "cpu")))]
@@ -345,6 +401,7 @@ class DistRun:
         if rid not in step.writes and rid not in step.overwrites:
             raise HplanError(f"the gradient of {name} arrived at plan step {step.index} ({step.event}), where the "
                              "plan does not write it; re-trace and re-plan")
+        self.flight.settle(rid)  # a reduction still reading the chunk's full gradient ends before it is reopened
         store.require([rid], f"gradient of {name} at plan step {step.index}")
         if store.sharding.G > 1:
             store.open_full(store.grad_buf[c], zero=True)
@@ -388,8 +445,9 @@ class DistRun:
                              f"{len(self.plan.steps)} steps; re-trace and re-plan this workload")
         self._close_window()
         h2d, d2h, sent, wire = (now - was for now, was in zip(self._counters(), self._mark))
+        ahead, reducing = self.flight.counts()
         self.last = Iteration(h2d_bytes=h2d, d2h_bytes=d2h, collective_bytes=sent, wire_bytes=wire,
-                              peak_resident_bytes=self.peak)
+                              peak_resident_bytes=self.peak, gathers_ahead=ahead, reductions_in_flight=reducing)
         self.written.clear()
         self._updated.clear()
         self._scattered.clear()

@@ -33,6 +33,12 @@ P = 1 or P = G) fits.
   gradient-shard range of the weights, then, when P = 1 < G, the shards over G consecutive ranks.
 `gathered_bytes` of a step is the transient memory this needs beside the regions: full weight copies, full
 gradients, and one staging buffer per call whose input would alias its output (counted, never elided).
+[Note: collectives in flight] The executor overlaps collectives with compute, as FSDP and ZeRO-3 do: a `gather`
+(not preceded at its step by an update_gather of the same region) is issued one step ahead, at step t - 1
+(`prefetchable`), when its shard is resident there and not moved at t, and waited at t; so its full copy is
+counted at t - 1 too. The `after` reductions are issued asynchronously and complete during the following step
+(waited where their result is read, at the latest when the step after it begins), so the full gradient and
+the staging buffers of a step's reductions are counted at the following step too.
 Bytes per call are the ring model of hplan.executor.ranks.collectives ([Note: collective byte counts]): the
 executor counts the same numbers for the calls it makes, so measured equals planned by construction of the
 sizes, and a mismatch means the run did other calls than the plan's.
@@ -272,6 +278,8 @@ def derive(steps: tuple[Step, ...] | list[Step], chunks: tuple[Chunk, ...], regi
             for i, t in enumerate(reads):
                 if i == 0 or reads[i - 1] != t - 1:  # a run of consecutive reading steps shares one gather
                     before[t].append(Collective.make("all_gather", "gather", w, True, P, 1, full, size["param"]))
+                    if prefetchable(t, opt) and not any(x.region == w for x in before[t][:-1]):
+                        gathered[t - 1] += full * size["param"]  # issued one step ahead (executor's prefetch)
                 gathered[t] += full * size["param"]
         if g is None:
             continue
@@ -286,17 +294,27 @@ def derive(steps: tuple[Step, ...] | list[Step], chunks: tuple[Chunk, ...], regi
             first, last = spans[m][0], spans[m][-1]
             if G > 1:
                 after[last].append(Collective.make("reduce_scatter", "scatter", g, False, G, 1, full, size["grad"]))
+                staging = shard_g * size["grad"] if m != order[0] else 0  # later micro-batches: reduce, then add
                 for t in range(first, last + 1):
                     gathered[t] += full * size["grad"]
-                if m != order[0]:  # later micro-batches reduce into a staging buffer, then add
-                    gathered[last] += shard_g * size["grad"]
+                gathered[last] += staging
+                if last + 1 < n_steps:  # in flight through the next step (the executor's asynchronous reductions)
+                    gathered[last + 1] += full * size["grad"] + staging
         last = spans[order[-1]][-1]
         if OS > G:
             after[last].append(Collective.make("reduce_scatter", "sync", g, False, OS // G, G, shard_g, size["grad"]))
             gathered[last] += s * size["grad"]
+            if last + 1 < n_steps:
+                gathered[last + 1] += s * size["grad"]
         if ranks > OS:
             after[last].append(Collective.make("all_reduce", "sync", g, False, ranks // OS, OS, s, size["grad"]))
     return [tuple(b + a) for b, a in zip(before, after)], gathered
+
+
+def prefetchable(t: int, opt: int | None) -> bool:
+    """Whether a weight gather that step t needs may be issued at step t - 1 ([Note: plan collectives]): not at
+    the first step (nothing runs before it) and not from the optimizer step (it ends the iteration)."""
+    return t > 0 and t - 1 != opt
 
 
 def _micro_index(steps: tuple[Step, ...] | list[Step]) -> list[int]:

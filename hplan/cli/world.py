@@ -103,7 +103,7 @@ def summary_rows(plan: Plan) -> list[tuple[str, str]]:
                           f"({plan.options.get('shard', 'searched')})"),
         ("collectives / iteration", f"{format_size(s.collective_bytes_per_rank)} sent per rank in {calls} calls"),
         ("step per rank", f"{_secs(split['step'])} = {why} (a plan; collectives priced as hplan's executor runs "
-                          "them, each blocking at its step)"),
+                          "them: weight gathers one step ahead, reductions beside the next step)"),
     ]
 
 

@@ -91,6 +91,7 @@ def _row(system: System, trace: Trace, hw: Hardware, options: PlanOptions, peak:
                    note=plan.summary.bottleneck)
     s = plan.summary.shard
     split = price(plan, trace, system.schedule, system_steps(system, plan))
-    note = "as hplan's executor runs it: blocking collectives" if system.kind == "hplan" else ""
+    note = "as hplan's executor runs it: gathers one step ahead, reductions settled a step later" \
+        if system.kind == "hplan" else ""
     return Row(system=system.name, factors=f"{s['P']}/{s['G']}/{s['OS']}", step_seconds=split["step"],
                mfu=trace.step_flops / (split["step"] * peak), split=split, note=note, plan=plan)

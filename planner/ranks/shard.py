@@ -8,8 +8,8 @@ needed, and every rank holds exactly as many bytes at every step.
 What it minimises: for each factor choice the usual one-rank problem (`planner.ranks.shard_build`) is searched and
 solved as `make_plan` does — fewest host↔GPU bytes per iteration, then shortest predicted many-rank step — and
 among the factor choices that fit each rank's GPU (and host) budget it keeps the shortest predicted step time
-(`planner.ranks.shard_time`, as hplan's executor runs it: compute, host links, host optimizer and blocking
-collectives), then the fewest collective bytes per rank, then the fewest host↔GPU bytes. When a choice fits
+(`planner.ranks.shard_time`, as hplan's executor runs it: compute, host links, host optimizer and
+collectives issued one step ahead or beside the next step), then the fewest collective bytes per rank, then the fewest host↔GPU bytes. When a choice fits
 all-resident, its chunk size is chosen by step time too (`plan_factors`, REFINED_CHOICES): each chunk is one
 call whose latency is paid per chunk. AMSP (arXiv 2311.00257) chooses its factors by minimising communication
 under a memory limit; hplan prices communication in time, beside compute and offload. The winner's schedule then gets the larger

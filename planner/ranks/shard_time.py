@@ -12,8 +12,11 @@ network phase overlaps another's NVLink phase. How collectives are issued is a `
   waits behind it. A gather whose input shard is fetched from the host at its own step is not prefetched;
 - `overlap_reductions`: gradient reduce-scatters and syncs run on their queues beside the next compute
   (FSDP, DeepSpeed with overlap_comm) — or block the compute stream (DeepSpeed ZeRO-1/2's default);
-- `blocking`: every collective blocks the compute stream — hplan's executor, whose calls are synchronous
-  (executor/ranks/dist_comm.py), so its plans are priced this way;
+- `blocking`: every collective blocks the compute stream;
+- `settle_next`: a reduction issued after step t completes before step t + 2 starts (and all of them before the
+  optimizer step), and a reduction of a region another reduction of the same step still writes waits for it on
+  the compute stream (hplan's executor: [Note: collectives in flight] in hplan.artifacts.shard; its gloo twin
+  cannot order two calls on different groups without waiting);
 - `bucket_bytes`: gradient reductions (and the updated-weight gathers after the optimizer) are coalesced in
   buckets of this many bytes, issued when a bucket fills and at the end of the pass (DeepSpeed's
   reduce_bucket_size / allgather_bucket_size); 0 = one call per chunk, as the plan lists them.
@@ -53,10 +56,13 @@ class CommSchedule:
     bucket_bytes: int = 0
     gather_algorithm: str | None = None
     """Algorithm for weight gathers (None: the hardware's), e.g. MiCS's hierarchical all-gather."""
+    settle_next: bool = False
 
 
-EXECUTOR = CommSchedule(blocking=True)
-"""hplan's executor: synchronous calls at the step that needs them (executor/ranks/dist_comm.py)."""
+EXECUTOR = CommSchedule(prefetch=1, overlap_reductions=True, settle_next=True)
+"""hplan's executor (executor/ranks/distributed.py, [Note: collectives in flight]): weight gathers issued one step
+ahead, reductions asynchronous, each waited where its result is read and at the latest one step later; one call
+per chunk as the plan lists them (no buckets)."""
 
 
 def call_cost(call: Collective, world: World, algorithm: str = "nccl") -> CollectiveCost:
@@ -154,6 +160,8 @@ def _timeline(steps: tuple[Step, ...] | list[Step], sizes: dict[int, int], initi
     gathered: dict[int, tuple[float, str]] = {}
     starts: list[float] = []
     buckets: dict[tuple, list[Collective]] = {}
+    inflight: list[tuple[int, float, str]] = []
+    """(step issued after, end, link) of reductions the executor settles one step later (`settle_next`)."""
     n = len(steps)
 
     def gate(t: int, at: float) -> tuple[float, str]:
@@ -194,6 +202,10 @@ def _timeline(steps: tuple[Step, ...] | list[Step], sizes: dict[int, int], initi
         waits = [(issue, "none"), gathered[t]]
         waits += [(ready.get(r, 0.0), "host") for r in step.needs]
         waits += [synced.get(r, (0.0, "none")) for r in step.reads]
+        if schedule.settle_next:
+            last_step = kind == "optimizer"
+            waits += [(end, lab) for s, end, lab in inflight if last_step or s <= t - 2]
+            inflight = [x for x in inflight if not (last_step or x[0] <= t - 2)]
         start, why = max(waits, key=lambda w: w[0])
         if start > issue and why in exposed:
             exposed[why] += start - issue
@@ -202,11 +214,17 @@ def _timeline(steps: tuple[Step, ...] | list[Step], sizes: dict[int, int], initi
         ahead = t + schedule.prefetch
         if schedule.prefetch and not schedule.blocking and ahead < n and ahead not in gathered:
             nxt = steps[ahead]
-            if not any(c.before and c.region in nxt.fetch for c in nxt.collectives):
+            if not any(c.before and (c.region in nxt.fetch or schedule.settle_next and c.purpose == "update_gather")
+                       for c in nxt.collectives):  # the executor gathers fresh host-updated pieces at their step
                 gathered[ahead] = gate(ahead, start)
+        reducing: dict[int, tuple[float, str]] = {}
         for call in step.collectives:
             if call.before:
                 continue
+            if schedule.settle_next and call.region in reducing:  # the executor waits for the earlier call
+                end, lab = reducing[call.region]
+                exposed[lab] += max(0.0, end - compute_end)
+                compute_end = max(compute_end, end)
             bucketed = schedule.bucket_bytes and (call.purpose in REDUCTIONS or call.purpose == "update_gather")
             if bucketed:
                 key = (call.op, call.purpose, call.size, call.stride, call.itemsize)
@@ -219,6 +237,9 @@ def _timeline(steps: tuple[Step, ...] | list[Step], sizes: dict[int, int], initi
                 done, label = links.run(call, compute_end)
                 if call.purpose in REDUCTIONS:
                     synced[call.region] = (done, label)
+                    reducing[call.region] = (done, label)
+                    if schedule.settle_next:
+                        inflight.append((t, done, label))
             if schedule.blocking or (call.purpose in REDUCTIONS and not schedule.overlap_reductions):
                 exposed[label] += max(0.0, done - compute_end)
                 compute_end = max(compute_end, done)

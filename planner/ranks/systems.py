@@ -20,7 +20,8 @@ Each system is its shard factors ([Note: shard layout]) plus how it issues colle
   synchronisation overlapped with the backward ("AllGather prefetching and ReduceScatter scheduling") in buckets
   of 512 MiB (InternEvo's hybrid_zero_optimizer default, configs/7B_sft.py, the framework AMSP's authors
   build on);
-- hplan: its own plan as its executor runs it (`shard_time.EXECUTOR`: synchronous calls at each step).
+- hplan: its own plan as its executor runs it (`shard_time.EXECUTOR`: gathers one step ahead, reductions
+  asynchronous and settled one step later, one call per chunk).
 What no system here models: their engines' per-module CPU overhead (hooks, bookkeeping), kernels slowed by
 communication running beside them, and network congestion beyond each node's link.
 """

@@ -59,9 +59,12 @@ def test_per_rank_region_bytes_and_collective_bytes_by_hand():
                      ("backward:m0", "sync", "reduce_scatter", 2, 2),
                      ("optimizer:optimizer", "update_gather", "all_gather", 2, 2),
                      ("optimizer:optimizer", "update_gather", "all_gather", 2, 1)]
-    # the full gradient of m0 (4s = 12 elements) lives in its backward step, with the sync's staging piece
+    # the full gradient of m0 (4s = 12 elements) lives in its backward step, with the sync's staging piece; m1's
+    # (8, and its staging piece 2) are still being reduced there, issued asynchronously after backward:m1
     backward_m0 = next(st for st in plan.steps if st.event == "backward:m0")
-    assert backward_m0.gathered_bytes == (12 + 3) * 4
+    assert backward_m0.gathered_bytes == (12 + 3) * 4 + (8 + 2) * 4
+    optimizer = plan.steps[-1]
+    assert optimizer.gathered_bytes >= (12 + 3) * 4  # m0's reductions run into the optimizer step
 
 
 def test_full_sharding_gathers_weights_before_each_use():
@@ -76,6 +79,9 @@ def test_full_sharding_gathers_weights_before_each_use():
     forward_m1 = next(st for st in plan.steps if st.event == "forward:m1")
     assert [(c.purpose, c.before, c.numel) for c in forward_m1.collectives] == [("gather", True, 8)]
     assert forward_m1.gathered_bytes == 8 * 4
+    # m1's gather is issued one step ahead ([Note: collectives in flight]): forward:m0 holds both full copies
+    forward_m0 = next(st for st in plan.steps if st.event == "forward:m0")
+    assert forward_m0.gathered_bytes == (10 + 8) * 4
     assert {r.kind: r.bytes for r in plan.regions if r.chunk == 1} == {"param": 16, "grad": 16, "state": 32}
 
 
@@ -221,7 +227,31 @@ def test_prefetch_in_both_passes_exposes_only_the_first_gather_and_the_last_redu
     blocking = price(plan, trace, CommSchedule(blocking=True))
     # 7 gathers (the last module's forward and backward are consecutive and share one) and 4 reduce-scatters
     assert blocking["step"] == pytest.approx(compute + 11 * g)
-    assert plan.summary.predicted_step_seconds == pytest.approx(blocking["step"])
+    # hplan's executor ([Note: collectives in flight]) issues as FSDP does here: the plan is priced so
+    assert plan.summary.predicted_step_seconds == pytest.approx(fsdp["step"])
+
+
+def test_the_executor_schedule_waits_for_reductions_one_step_later_and_for_chained_syncs():
+    """hplan's executor settles each reduction before the step after the next begins, and a sync of a gradient
+    shard waits for its scatter on the compute stream (on 4 ranks at P=1, G=2, OS=4 each chunk's 1 ms scatter is
+    followed by a 0.5 ms sync): the executor's step exposes each scatter, so it is longer than FSDP's prefetch
+    schedule that lets reductions queue freely (only the last is exposed), and shorter than blocking on every
+    call."""
+    from dataclasses import replace as dc_replace
+
+    from hplan.planner.ranks.shard_time import EXECUTOR, CommSchedule
+    from hplan.planner.ranks.systems import price
+
+    trace = chain_trace((10**6,) * 4, precision="fp16-mixed", flops=2 * 10**9)
+    hardware = hw(4, gpu_bytes=10**11, tflops_16=1.0, efficiency=1.0, intra_gbps=1.0, intra_latency_us=0.0,
+                  inter_latency_us=0.0)
+    plan = plan_for(trace, hardware, 1, 2, 4)  # scatter then sync per chunk: a chained reduction
+    free = price(plan, trace, CommSchedule(prefetch=1))["step"]
+    executor = price(plan, trace, EXECUTOR)["step"]
+    blocking = price(plan, trace, CommSchedule(blocking=True))["step"]
+    assert free < executor < blocking, (free, executor, blocking)
+    assert plan.summary.predicted_step_seconds == pytest.approx(executor)
+    assert dc_replace(EXECUTOR, settle_next=False) == CommSchedule(prefetch=1)
 
 
 def test_step_split_sums_to_the_step_and_the_cli_shows_it(tmp_path):
