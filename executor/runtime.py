@@ -171,8 +171,9 @@ class PlanRun(UpdateSteps, GradientOps, StateSync):
         for r in plan.initial_dirty:
             store.mark_dirty(r)
         self.setup_bytes, store.traffic.h2d = store.traffic.h2d, 0
-        self._quiet: list[Quiet | None] = quiet_table(plan, store.slots, host_phases=self.host.phased)
         self._moves: list[Moves] = moves_table(plan, lambda c: store.region(c, "grad"))
+        self._quiet: list[Quiet | None] = quiet_table(plan, store.slots, host_phases=self.host.phased,
+                                                      moves=self._moves)
         self._grad_home = {id(p): (n, c, r, store.slots[r]) for n, p in store.params.items()
                            if (r := store.region(c := store.chunk_of[n], "grad")) is not None}
         """id(parameter) → (name, chunk, gradient region, its Slot): grad_target's lookups, done once."""
@@ -226,7 +227,11 @@ class PlanRun(UpdateSteps, GradientOps, StateSync):
 
     def _quiet_step(self, quiet: Quiet) -> bool:
         """[Note: quiet events] in hplan.executor.step_table: the same checks and record as the general path, for
-        a step that moves nothing. False (nothing done) when a needed region is missing: the general path raises."""
+        a step that moves nothing. False (nothing done) when a needed region is missing: the general path raises.
+        A step with region moves only: [Note: moving events]."""
+        if quiet.moves is not None:
+            self._moving_step(quiet, quiet.moves)
+            return True
         for slot in quiet.needs:
             if slot.state is _HOST:
                 return False
@@ -235,13 +240,40 @@ class PlanRun(UpdateSteps, GradientOps, StateSync):
                 self.tier.wait(slot.fast)
         self._close_window()
         self._pending = (self.store._resident_bytes, 0, 0)
+        self._advance(quiet.kind)
+        return True
+
+    def _moving_step(self, quiet: Quiet, moves: Moves) -> None:
+        """[Note: moving events]: the general path's work for a step whose only work is region moves."""
+        store = self.store
+        self._close_window()
+        traffic = store.traffic
+        h2d, d2h = traffic.h2d, traffic.d2h
+        forward = quiet.kind == "forward"
+        if forward:
+            self._watch.dtypes(quiet.module)
+        move_regions(store, moves)
+        for slot in quiet.needs:
+            if slot.state is _HOST:
+                step = self.plan.steps[self.cursor]
+                store.require(moves.needs, f"plan step {step.index} ({step.event})")
+        if self.tier.waits:
+            for slot in quiet.needs:
+                self.tier.wait(slot.fast)
+        if forward:
+            self._watch.devices(quiet.module, self.tier.device)
+        self._pending = (store._resident_bytes, traffic.h2d - h2d, traffic.d2h - d2h)
+        self._advance(quiet.kind)
+
+    def _advance(self, kind: str) -> None:
+        """The fast path's end of a step: the cursor moves on; a backward step queues the end-of-backward
+        callback once (as the general path does)."""
         self.cursor += 1
-        if quiet.kind == "backward":
+        if kind == "backward":
             self._zeroed = False
             if not self._queued and self.tier.exposes_host_grads:
                 self._queued = True
                 torch.autograd.Variable._execution_engine.queue_callback(self._show_grads)
-        return True
 
     def _general_event(self, kind: str, module: str) -> None:
         actual = f"{kind}:{module}"
