@@ -36,6 +36,8 @@ class Moves:
     needs: tuple[int, ...]
     writes: frozenset[int] = frozenset()
     """Regions a gradient may be written into during the step's window (`writes` and `overwrites`)."""
+    touched: frozenset[int] = frozenset()
+    """Every region the moves evict, fetch or allocate (a move of one a host update is using must wait)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -54,7 +56,8 @@ def step_moves(step: Step, flipped: frozenset[int] | set[int] = frozenset()) -> 
     writeback = set(step.writeback)
     return Moves(evict=tuple((r, r in writeback) for r in step.evict), fetch=tuple(step.fetch),
                  alloc=tuple(step.alloc), needs=tuple(r for r in step.needs if r not in flipped),
-                 writes=frozenset(step.writes) | frozenset(step.overwrites))
+                 writes=frozenset(step.writes) | frozenset(step.overwrites),
+                 touched=frozenset(step.evict) | frozenset(step.fetch) | frozenset(step.alloc))
 
 
 def moves_table(plan: Plan, grad_region: Any) -> list[Moves]:
