@@ -104,7 +104,7 @@ def _parts() -> list[tuple[str, Any]]:
 
     return [("forward pre-hook → event (all paths)", inner(EventHooks._on_forward)),
             ("forward hook: the backward event's prehook put on the output", inner(EventHooks._on_output)),
-            ("event, quiet path (moves nothing)", PlanRun._quiet_step.__code__),
+            ("event, fast path (moves nothing, or region moves only)", PlanRun._quiet_step.__code__),
             ("event, general path", PlanRun._general_event.__code__),
             ("… of which region moves (evict, write-back, fetch, alloc)", move_regions.__code__),
             ("… of which activation prefetch", ActivationRun.at_step.__code__),

@@ -149,7 +149,8 @@ def profile_table(ctx: Context, plans: dict[str, Path]) -> Table:
 def step_table(ctx: Context, plans: dict[str, Path]) -> tuple[Table, list[str]]:
     steps, n = (3, 1) if ctx.quick else (8, 5)
     runs = rounds(ctx, {"plain": ("plain",), "resident": ("hplan", str(plans["resident"])),
-                        "min": ("hplan", str(plans["min"]))}, steps=steps, n=n)
+                        "min": ("hplan", str(plans["min"])), "min-inline": ("hplan-inline", str(plans["min"]))},
+                  steps=steps, n=n)
     plain = median([steady_median(p) for p in runs["plain"]])
     moved = int(runs["min"][-1].get("moved_bytes", 0))
     memcpy = median([p["memcpy_seconds"] for p in runs["min"]])
@@ -160,13 +161,11 @@ def step_table(ctx: Context, plans: dict[str, Path]) -> tuple[Table, list[str]]:
                           "per run, one torch thread; ratios of steady-step medians within each round; "
                           f"{load_note()} at the end).")
     heads = []
-    for key, label in (("resident", "hplan, all-resident plan"), ("min", "hplan at the minimum budget")):
+    for key, label in (("resident", "hplan, all-resident plan"), ("min", "hplan at the minimum budget"),
+                       ("min-inline", "hplan at the minimum budget, host updates in line (one core)")):
         ratios = round_ratios(runs, key, "plain")
         diff = max(loss_diff(a, b) for a, b in zip(runs[key], runs["plain"]))
-        if key == "resident":
-            goal = 1.03
-        else:
-            goal = 1.15 + memcpy / plain
+        goal = 1.03 if key == "resident" else 1.15 + memcpy / plain
         met = "met" if median(ratios) <= goal else "missed"
         table.add(label, f"{fmt_ratio(min(ratios), 3)} / {fmt_ratio(median(ratios), 3)}",
                   f"≤ {goal:.3f}× ({met})", f"{diff:.1e}", fmt_bytes(runs[key][-1].get("moved_bytes", 0)))
@@ -176,6 +175,10 @@ def step_table(ctx: Context, plans: dict[str, Path]) -> tuple[Table, list[str]]:
                        "right after its steps, median over rounds) ÷ plain's step "
                        f"({plain * 1e3:.1f} ms). Copying the same bytes into freshly allocated memory, as the CPU "
                        f"twin refills a region it really freed, takes {refill * 1e3:.2f} ms (page faults).")
+    table.notes.append("hplan runs a backward step's host updates on one worker thread beside the backward "
+                       "(hplan.executor.overlap): during backward it uses a second core, which plain PyTorch (one "
+                       "torch thread) does not; the in-line row is the same run on one core. On a loaded machine "
+                       "the worker competes for the same cores, so its gain shows only when a core is free.")
     return table, heads
 
 

@@ -3,7 +3,8 @@ or DeepSpeed ZeRO on its torch-optimizer path. Same workload, seed and batches i
 
 `python -m bench.worker speed-run SYSTEM SPEC STEPS [PLAN]` prints one JSON line: losses, step seconds, bytes the
 system copied per iteration where it reports them, and the 1-minute load average when it finished.
-SYSTEM: plain | hplan | ds-z2 | ds-z3 | ds-z2-offload | ds-z3-offload (offload: optimizer, and for ZeRO-3 the
+SYSTEM: plain | hplan | hplan-inline (a backward step's host updates in line, not on hplan's worker thread:
+one core, as plain PyTorch's one torch thread) | ds-z2 | ds-z3 | ds-z2-offload | ds-z3-offload (offload: optimizer, and for ZeRO-3 the
 parameters, on the CPU; DeepSpeed then runs the client's torch AdamW on the host copies, no compiled extension).
 """
 
@@ -23,13 +24,13 @@ def _plain(workload: Any, steps: int) -> dict[str, Any]:
     return {"losses": losses, "step_seconds": secs}
 
 
-def _hplan(workload: Any, steps: int, plan_path: str) -> dict[str, Any]:
+def _hplan(workload: Any, steps: int, plan_path: str, *, overlap: bool = True) -> dict[str, Any]:
     from hplan.artifacts import Plan
     from hplan.executor import run_training
 
     from bench.executor_speed import copy_seconds
 
-    report = run_training(workload, Plan.load(plan_path), steps=steps, device="cpu", measure=False)
+    report = run_training(workload, Plan.load(plan_path), steps=steps, device="cpu", measure=False, overlap=overlap)
     moved = report.bytes_moved_per_iter + report.activation_bytes_moved_per_iter
     return {"losses": list(report.losses), "step_seconds": list(report.step_seconds), "moved_bytes": moved,
             "memcpy_seconds": copy_seconds(moved, fresh=False), "refill_seconds": copy_seconds(moved, fresh=True)}
@@ -83,14 +84,14 @@ def speed_run(system: str, spec: str, steps: int, plan_path: str | None) -> dict
     workload = load_workload(spec)
     if system == "plain":
         out = _plain(workload, steps)
-    elif system == "hplan":
+    elif system in ("hplan", "hplan-inline"):
         if plan_path is None:
-            raise ValueError("speed-run hplan needs a plan file")
-        out = _hplan(workload, steps, plan_path)
+            raise ValueError(f"speed-run {system} needs a plan file")
+        out = _hplan(workload, steps, plan_path, overlap=system == "hplan")
     elif system in DS_SYSTEMS:
         out = _deepspeed(workload, steps, system)
     else:
-        raise ValueError(f"unknown system {system!r}: plain, hplan or one of {', '.join(DS_SYSTEMS)}")
+        raise ValueError(f"unknown system {system!r}: plain, hplan, hplan-inline or one of {', '.join(DS_SYSTEMS)}")
     from bench.harness import self_peak_rss_bytes
 
     return {**out, "system": system, "load1": os.getloadavg()[0], "peak_rss_bytes": self_peak_rss_bytes()}

@@ -31,7 +31,7 @@ from hplan.artifacts import Plan
 
 def attach(model: Any, optimizer: Any, plan: Plan, *, device: str = "cpu", batch_example: Any = None,
            precision: str | None = None, measure: bool = True, budget_guard: str = "stop",
-           nonfinite: str = "ignore", nvme_dir: str | None = None) -> PlanRun:
+           nonfinite: str = "ignore", nvme_dir: str | None = None, overlap: bool = True) -> PlanRun:
     """A context manager replaying `plan` in your loop.
 
     `batch_example` has the workload fingerprint checked; `precision` defaults to the plan's recipe;
@@ -39,7 +39,8 @@ def attach(model: Any, optimizer: Any, plan: Plan, *, device: str = "cpu", batch
     `budget_guard="warn"` only warns when a step measures more than the plan's budget (default: stop);
     `nonfinite="stop"` stops before updating with an inf/NaN gradient, "skip" skips that step (plans that defer
     updates only); the default leaves them to you, as plain PyTorch does; `nvme_dir` is where a plan made with a
-    disk tier keeps its NVMe-homed regions (hplan.executor.tiers.host).
+    disk tier keeps its NVMe-homed regions (hplan.executor.tiers.host); `overlap=False` runs the host updates
+    of backward steps in line instead of on a worker thread beside the backward (hplan.executor.overlap).
     A many-rank plan (`hplan plan --gpus N`) runs on this rank of an initialised torch.distributed job (torchrun):
     hplan.executor.ranks.distributed.DistRun."""
     if plan.sharding is not None:  # many ranks: hplan.executor.ranks.distributed
@@ -48,7 +49,8 @@ def attach(model: Any, optimizer: Any, plan: Plan, *, device: str = "cpu", batch
         return DistRun(model, optimizer, plan, device=device, batch_example=batch_example, measure=measure,
                        budget_guard=budget_guard, nonfinite=nonfinite)  # type: ignore[return-value]
     return PlanRun(model, optimizer, plan, device=device, batch_example=batch_example, precision=precision,
-                   measure=measure, budget_guard=budget_guard, nonfinite=nonfinite, nvme_dir=nvme_dir)
+                   measure=measure, budget_guard=budget_guard, nonfinite=nonfinite, nvme_dir=nvme_dir,
+                   overlap=overlap)
 
 
 __all__ = ["EventRecord", "PlanRun", "RegionState", "attach", "run_training"]

@@ -164,7 +164,11 @@ def first_nonfinite_norm(names: list[str], norms: list[torch.Tensor]) -> str | N
     """The name of the first gradient whose norm is inf or NaN, or None."""
     if not norms:
         return None
-    finite = torch.isfinite(torch.stack([n.float().cpu() for n in norms]))
+    try:  # one device (the usual case): one stack, whatever the dtypes (promoted; inf and NaN stay so)
+        stacked = torch.stack(norms)
+    except RuntimeError:  # fast-tier and host gradients on different devices
+        stacked = torch.stack([n.float().cpu() for n in norms])
+    finite = torch.isfinite(stacked)
     if bool(finite.all()):
         return None
     return names[int((~finite).nonzero()[0, 0])]
@@ -200,12 +204,15 @@ def apply_clips(clips: list[Clip] | tuple[Clip, ...], name: str, grad: torch.Ten
 def move_grad(p: torch.Tensor, grad_target: Callable[[torch.Tensor], tuple[torch.Tensor, bool]]) -> None:
     """Post-accumulate-grad hook body: move autograd's gradient into its region (the first write of the iteration
     overwrites, later ones add), then drop it. Nothing to do when the backward wrote through grad_target."""
-    if p.grad is None:
+    grad = p.grad
+    if grad is None:
         return
     target, first = grad_target(p)
-    with torch.no_grad():
-        if first:
-            target.copy_(p.grad)
-        else:
-            target.add_(p.grad)
+    if grad.requires_grad or torch.is_grad_enabled():  # a create_graph backward: keep the region off the graph
+        with torch.no_grad():
+            target.copy_(grad) if first else target.add_(grad)
+    elif first:
+        target.copy_(grad)
+    else:
+        target.add_(grad)
     p.grad = None

@@ -13,12 +13,13 @@ Every transition is idempotent (STYLE §3) and runs inside `record_function("hpl
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Protocol
 
 import torch
-from hplan.executor.trace_ranges import action
+from hplan.executor.trace_ranges import action, recording
 from hplan.executor.device import FastTier
 from hplan.executor.state import RegionState
 from hplan.executor.step_table import Moves
@@ -26,6 +27,9 @@ from torch import nn
 
 from hplan.artifacts import Plan, Region
 from hplan.errors import HplanError
+
+_HOST = RegionState.HOST
+_NULL = contextlib.nullcontext()
 
 Key = str | tuple[str, str]
 """A view's key inside its region: a parameter name, or (parameter name, state name) in a state region."""
@@ -106,9 +110,12 @@ class RegionStore:
     def fetch(self, rid: int) -> None:
         """host→fast: re-allocate and fill the region. No-op when resident."""
         slot = self.slots[rid]
-        if slot.state.on_fast_tier:
+        if slot.state is not _HOST:
             return
-        with action(f"hplan::fetch::{rid}"):
+        if recording():
+            with action(f"hplan::fetch::{rid}"):
+                self.tier.h2d(slot.fast, slot.host)
+        else:
             self.tier.h2d(slot.fast, slot.host)
         self._arrived(slot)
         self.traffic.h2d += slot.region.bytes
@@ -116,9 +123,12 @@ class RegionStore:
     def alloc(self, rid: int) -> None:
         """Make room for the region on the fast tier without copying (its contents are dead). No-op when resident."""
         slot = self.slots[rid]
-        if slot.state.on_fast_tier:
+        if slot.state is not _HOST:
             return
-        with action(f"hplan::alloc::{rid}"):
+        if recording():
+            with action(f"hplan::alloc::{rid}"):
+                self.tier.alloc(slot.fast, slot.region.bytes)
+        else:
             self.tier.alloc(slot.fast, slot.region.bytes)
         self._arrived(slot)
 
@@ -132,28 +142,32 @@ class RegionStore:
     def evict(self, rid: int, *, writeback: bool) -> None:
         """Leave the fast tier, copying fast→host first when asked. No-op when not resident."""
         slot = self.slots[rid]
-        if not slot.state.on_fast_tier:
+        if slot.state is _HOST:
             return
+        traced = recording()
         if writeback and slot.state is RegionState.RESIDENT_DIRTY:
-            with action(f"hplan::writeback::{rid}"):
+            with action(f"hplan::writeback::{rid}") if traced else _NULL:
                 self.tier.d2h(slot.host, slot.fast)
             self.traffic.d2h += slot.region.bytes
         if slot.region.kind == "param":
             for name in slot.fast_views:
                 self.params[name].data = self.placeholders[name]
-        with action(f"hplan::evict::{rid}"):
+        if traced:
+            with action(f"hplan::evict::{rid}"):
+                self.tier.release(slot.fast)
+        else:
             self.tier.release(slot.fast)
         self._resident_bytes -= slot.region.bytes
         slot.state = RegionState.HOST
 
     def mark_dirty(self, rid: int) -> None:
         slot = self.slots[rid]
-        if slot.state.on_fast_tier:
+        if slot.state is not _HOST:
             slot.state = RegionState.RESIDENT_DIRTY
 
     def require(self, rids: tuple[int, ...] | list[int] | set[int], where: str) -> None:
         """Raise unless every region is resident (a plan that misses one would corrupt training)."""
-        missing = sorted(r for r in rids if not self.slots[r].state.on_fast_tier)
+        missing = sorted(r for r in rids if self.slots[r].state is _HOST)
         if missing:
             kinds = ", ".join(f"{self.slots[r].region.kind} of chunk {self.slots[r].region.chunk}" for r in missing[:3])
             raise HplanError(f"{where}: regions {missing} ({kinds}) are needed but not on the fast tier; the run "
@@ -166,7 +180,7 @@ class RegionStore:
     def current(self, rid: int, key: Key) -> torch.Tensor:
         """The view holding the region's current contents: fast when resident, else host."""
         slot = self.slots[rid]
-        return (slot.fast_views if slot.state.on_fast_tier else slot.host_views)[key]
+        return (slot.host_views if slot.state is _HOST else slot.fast_views)[key]
 
     def region(self, chunk: int, kind: str) -> int | None:
         return self.by_chunk.get(chunk, {}).get(kind)

@@ -24,6 +24,7 @@ from hplan.executor.evaluation import EvalPass
 from hplan.executor.gradients import Clip, GradientOps, move_grad
 from hplan.executor.habits import intercepted, with_step_hooks
 from hplan.executor.measure import EventRecord, WindowMeter, make_probe
+from hplan.executor.overlap import UpdateWorker
 from hplan.executor.param_watch import ParamWatch
 from hplan.executor.regions import move_regions
 from hplan.executor.scale import LossScale
@@ -55,7 +56,8 @@ class PlanRun(UpdateSteps, GradientOps, StateSync):
 
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, plan: Plan, *, device: str = "cpu",
                  batch_example: Any = None, precision: str | None = None, measure: bool = True,
-                 budget_guard: str = "stop", nonfinite: str = "ignore", nvme_dir: str | None = None) -> None:
+                 budget_guard: str = "stop", nonfinite: str = "ignore", nvme_dir: str | None = None,
+                 overlap: bool = True) -> None:
         validate(plan)
         refuse_compiled(model)
         one_rank_only(plan)  # many-rank plans run in hplan.executor.ranks.distributed
@@ -77,6 +79,7 @@ class PlanRun(UpdateSteps, GradientOps, StateSync):
             raise HplanError("skipping steps with non-finite gradients needs every update deferred to the optimizer "
                              "step; re-trace with gradient clipping (max_grad_norm) or use nonfinite='stop'")
         self.budget_guard, self.nonfinite = budget_guard, nonfinite
+        self._budget = plan.gpu_bytes
         self.meter = WindowMeter(make_probe(device)) if measure else None
         """None: resident bytes are model data only (no non-model probe, so no per-op cost on CPU)."""
         self.live = live_in(plan)
@@ -116,6 +119,8 @@ class PlanRun(UpdateSteps, GradientOps, StateSync):
         self.user_skipped = 0
         """Iterations whose optimizer.step() the loop skipped (nothing updated, as in plain PyTorch)."""
         self._has_backward = any(s.event.startswith("backward:") for s in plan.steps)
+        self.worker = UpdateWorker() if overlap else None
+        """The thread a backward step's host updates run on ([Note: overlapped host updates]); None: in line."""
         self.activations = ActivationRun(plan, self.tier.device)
         """The plan's offloaded and recomputed segments (hplan.executor.activations.run)."""
 
@@ -171,8 +176,9 @@ class PlanRun(UpdateSteps, GradientOps, StateSync):
         for r in plan.initial_dirty:
             store.mark_dirty(r)
         self.setup_bytes, store.traffic.h2d = store.traffic.h2d, 0
-        self._quiet: list[Quiet | None] = quiet_table(plan, store.slots, host_phases=self.host.phased)
         self._moves: list[Moves] = moves_table(plan, lambda c: store.region(c, "grad"))
+        self._quiet: list[Quiet | None] = quiet_table(plan, store.slots, host_phases=self.host.phased,
+                                                      moves=self._moves)
         self._grad_home = {id(p): (n, c, r, store.slots[r]) for n, p in store.params.items()
                            if (r := store.region(c := store.chunk_of[n], "grad")) is not None}
         """id(parameter) → (name, chunk, gradient region, its Slot): grad_target's lookups, done once."""
@@ -187,6 +193,15 @@ class PlanRun(UpdateSteps, GradientOps, StateSync):
         """Remove hooks, give the optimizer its state and every parameter its own storage back; the host tier is
         closed on every path (its disk files removed). When the block failed, its error is the one raised: a
         second one met while handing the state back (e.g. another damaged region file) does not replace it."""
+        failed: BaseException | None = None
+        if self.worker is not None:  # [Note: overlapped host updates]: nothing runs on after the block
+            try:
+                if exc[0] is None:
+                    self.worker.drain()
+            except BaseException as error:  # noqa: BLE001 - raised below, once the block is cleaned up
+                failed = error
+            finally:
+                self.worker.close()
         try:
             self._stack.close()
             self.evaluating = None
@@ -203,8 +218,10 @@ class PlanRun(UpdateSteps, GradientOps, StateSync):
                     store.params[name].data = value
                     store.params[name].grad = None
             except HplanError:
-                if exc[0] is None:
+                if exc[0] is None and failed is None:
                     raise
+            if failed is not None:
+                raise failed
         finally:
             if self.store is not None:
                 try:
@@ -218,6 +235,8 @@ class PlanRun(UpdateSteps, GradientOps, StateSync):
         """EventHooks' callback: check the event against the plan, then do the step."""
         if self.activations.suppressed:  # inside a recompute: [Note: recompute events]
             return
+        if kind != "backward" and self.worker is not None and self.worker.busy:
+            self.worker.drain()  # [Note: overlapped host updates]
         quiet = self._quiet[self.cursor]
         if quiet is not None and quiet.module == module and quiet.kind == kind and self.evaluating is None \
                 and not self._pending_flips and not self._shown and self._quiet_step(quiet):
@@ -226,7 +245,11 @@ class PlanRun(UpdateSteps, GradientOps, StateSync):
 
     def _quiet_step(self, quiet: Quiet) -> bool:
         """[Note: quiet events] in hplan.executor.step_table: the same checks and record as the general path, for
-        a step that moves nothing. False (nothing done) when a needed region is missing: the general path raises."""
+        a step that moves nothing. False (nothing done) when a needed region is missing: the general path raises.
+        A step with region moves only: [Note: moving events]."""
+        if quiet.moves is not None:
+            self._moving_step(quiet, quiet.moves)
+            return True
         for slot in quiet.needs:
             if slot.state is _HOST:
                 return False
@@ -235,13 +258,41 @@ class PlanRun(UpdateSteps, GradientOps, StateSync):
                 self.tier.wait(slot.fast)
         self._close_window()
         self._pending = (self.store._resident_bytes, 0, 0)
+        self._advance(quiet.kind)
+        return True
+
+    def _moving_step(self, quiet: Quiet, moves: Moves) -> None:
+        """[Note: moving events]: the general path's work for a step whose only work is region moves."""
+        store = self.store
+        self._close_window()
+        traffic = store.traffic
+        h2d, d2h = traffic.h2d, traffic.d2h
+        forward = quiet.kind == "forward"
+        if forward:
+            self._watch.dtypes(quiet.module)
+        self._wait_for_updates(moves)
+        move_regions(store, moves)
+        for slot in quiet.needs:
+            if slot.state is _HOST:
+                step = self.plan.steps[self.cursor]
+                store.require(moves.needs, f"plan step {step.index} ({step.event})")
+        if self.tier.waits:
+            for slot in quiet.needs:
+                self.tier.wait(slot.fast)
+        if forward:
+            self._watch.devices(quiet.module, self.tier.device)
+        self._pending = (store._resident_bytes, traffic.h2d - h2d, traffic.d2h - d2h)
+        self._advance(quiet.kind)
+
+    def _advance(self, kind: str) -> None:
+        """The fast path's end of a step: the cursor moves on; a backward step queues the end-of-backward
+        callback once (as the general path does)."""
         self.cursor += 1
-        if quiet.kind == "backward":
+        if kind == "backward":
             self._zeroed = False
             if not self._queued and self.tier.exposes_host_grads:
                 self._queued = True
                 torch.autograd.Variable._execution_engine.queue_callback(self._show_grads)
-        return True
 
     def _general_event(self, kind: str, module: str) -> None:
         actual = f"{kind}:{module}"
@@ -293,6 +344,7 @@ class PlanRun(UpdateSteps, GradientOps, StateSync):
         with self._memory_of("cpu"):  # the host tier's own work: staging, disk I/O, placeholders
             self.host.begin_step(step)
         moves = self._moves[self.cursor]
+        self._wait_for_updates(moves)
         move_regions(store, moves)
         self.activations.at_step(step)
         store.require(moves.needs, f"plan step {step.index} ({step.event})")
@@ -301,6 +353,13 @@ class PlanRun(UpdateSteps, GradientOps, StateSync):
             self._optimizer_updates(step)
         elif step.host_updates:
             self._update(step.host_updates, step)
+
+    def _wait_for_updates(self, moves: Moves) -> None:
+        """A move of a region a host update on the worker is using waits for it ([Note: overlapped host
+        updates])."""
+        worker = self.worker
+        if worker is not None and worker.busy and not worker.regions.isdisjoint(moves.touched):
+            worker.drain()
 
     # -- gradients ------------------------------------------------------------------------------------
     def _on_grad(self, p: torch.Tensor) -> None:
@@ -436,7 +495,7 @@ class PlanRun(UpdateSteps, GradientOps, StateSync):
 
     def guard_budget(self, used: int, where: str) -> None:
         """Measured fast-tier bytes above the plan's budget stop the run (or warn, when asked)."""
-        if used <= self.plan.gpu_bytes:
+        if used <= self._budget:
             return
         message = (f"{where} used {used} bytes of the fast tier in iteration {self.iteration}, over the plan's "
                    f"budget of {self.plan.gpu_bytes}, where the plan counts {self._planned(where)}; the run differs "

@@ -7,6 +7,13 @@ gives each such step the event's two halves and the Slots it needs (no dict look
 fast path does exactly those checks and nothing else; every other step takes the general path, with its moves
 as flat tuples (`moves_table`) instead of per-event set building. The checks are the same on both paths: a
 quiet event out of order or a needed region that is not resident raise as before (the general path says so).
+
+[Note: moving events] A step whose only work is region moves (an all-resident plan's backward steps allocate
+their gradient regions; a tight plan's steps evict and fetch) needs none of the general path's iteration-level
+checks either: it is not the first step, flips and updates nothing, prefetches no activations and runs no
+host-tier phase. The fast path then does what the general path would, in its order: close the window, check the
+parameters' dtypes (a forward), the moves (`move_regions`, the same function), the residency check of what the
+step needs, the devices (a forward), and the record's traffic from the store's counters.
 """
 
 from __future__ import annotations
@@ -16,15 +23,6 @@ from typing import Any
 
 from hplan.artifacts import Plan, Step
 from hplan.artifacts.replay import OPTIMIZER_EVENT
-
-
-@dataclass(frozen=True, slots=True)
-class Quiet:
-    """A step that moves nothing: its event as (kind, module), and the Slots it needs resident."""
-
-    kind: str
-    module: str
-    needs: tuple[Any, ...]
 
 
 @dataclass(frozen=True, slots=True)
@@ -38,6 +36,19 @@ class Moves:
     needs: tuple[int, ...]
     writes: frozenset[int] = frozenset()
     """Regions a gradient may be written into during the step's window (`writes` and `overwrites`)."""
+    touched: frozenset[int] = frozenset()
+    """Every region the moves evict, fetch or allocate (a move of one a host update is using must wait)."""
+
+
+@dataclass(frozen=True, slots=True)
+class Quiet:
+    """A step for the fast path: its event as (kind, module), the Slots it needs resident, and its region moves
+    when it has some (None: it moves nothing)."""
+
+    kind: str
+    module: str
+    needs: tuple[Any, ...]
+    moves: Moves | None = None
 
 
 def step_moves(step: Step, flipped: frozenset[int] | set[int] = frozenset()) -> Moves:
@@ -45,7 +56,8 @@ def step_moves(step: Step, flipped: frozenset[int] | set[int] = frozenset()) -> 
     writeback = set(step.writeback)
     return Moves(evict=tuple((r, r in writeback) for r in step.evict), fetch=tuple(step.fetch),
                  alloc=tuple(step.alloc), needs=tuple(r for r in step.needs if r not in flipped),
-                 writes=frozenset(step.writes) | frozenset(step.overwrites))
+                 writes=frozenset(step.writes) | frozenset(step.overwrites),
+                 touched=frozenset(step.evict) | frozenset(step.fetch) | frozenset(step.alloc))
 
 
 def moves_table(plan: Plan, grad_region: Any) -> list[Moves]:
@@ -53,19 +65,24 @@ def moves_table(plan: Plan, grad_region: Any) -> list[Moves]:
     return [step_moves(step, {grad_region(c) for c in step.flips}) for step in plan.steps]
 
 
-def quiet_table(plan: Plan, slots: dict[int, Any], *, host_phases: bool) -> list[Quiet | None]:
+def quiet_table(plan: Plan, slots: dict[int, Any], *, host_phases: bool,
+                moves: list[Moves] | None = None) -> list[Quiet | None]:
     """Per cursor position (one past the last step too, so the hook needs no bounds check): the step's Quiet,
     or None where the hook must take the general path — the first step (iteration start: skipped steps,
-    evaluation passes and the zero_grad check live there), the optimizer step, any step that moves, flips or
-    updates, an activation prefetch, and every step when a host tier runs phases of its own."""
+    evaluation passes and the zero_grad check live there), the optimizer step, any step that flips or updates,
+    an activation prefetch, and every step when a host tier runs phases of its own. A step whose only work is
+    region moves (evictions, fetches, allocations) is fast too when `moves` (moves_table's) is given: its Quiet
+    carries them, and the fast path does them in the general path's order ([Note: moving events])."""
     prefetch = {c.prefetch_step for c in plan.activations if c.choice == "offload" and c.moved_bytes}
     table: list[Quiet | None] = []
     for i, step in enumerate(plan.steps):
+        moving = bool(step.evict or step.fetch or step.alloc)
         busy = (i == 0 or step.event == OPTIMIZER_EVENT or host_phases or step.index in prefetch
-                or step.evict or step.fetch or step.alloc or step.flips or step.host_updates)
+                or step.flips or step.host_updates or (moving and moves is None))
         if busy:
             table.append(None)
             continue
         kind, module = step.event.split(":", 1)
-        table.append(Quiet(kind=kind, module=module, needs=tuple(slots[r] for r in step.needs)))
+        table.append(Quiet(kind=kind, module=module, needs=tuple(slots[r] for r in step.needs),
+                           moves=moves[i] if moving and moves is not None else None))
     return table + [None]

@@ -17,13 +17,13 @@ import torch
 _NULL = contextlib.nullcontext()
 
 
-def _recording() -> bool:
+def recording() -> bool:
     """torch.autograd.profiler's module flag, set while any torch profiler (torch.profiler too) records."""
     return bool(getattr(torch.autograd.profiler, "_is_profiler_enabled", True))
 
 
 def action(label: str | Callable[[], str]) -> Any:
     """`record_function(label)` while a profiler records, else a no-op context (the label is built lazily)."""
-    if not _recording():
+    if not recording():
         return _NULL
     return torch.profiler.record_function(label() if callable(label) else label)

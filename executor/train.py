@@ -37,7 +37,7 @@ def run_training(workload: Workload, plan: Plan, *, steps: int, device: str = "c
                  checkpoint_dir: str | os.PathLike[str] | None = None, resume: bool = False,
                  overwrite: bool = False, on_progress: Progress | None = None, on_warning: Warn | None = None,
                  measure: bool = True, budget_guard: str = "stop", nonfinite: str = "stop",
-                 nvme_dir: str | os.PathLike[str] | None = None) -> RunReport:
+                 nvme_dir: str | os.PathLike[str] | None = None, overlap: bool = True) -> RunReport:
     """Train until global step `steps` (from 0, or from the checkpoint with `resume`) replaying `plan`.
 
     Everything the report holds is measured: losses, step times, the probe's peak fast-tier bytes and the bytes
@@ -45,6 +45,7 @@ def run_training(workload: Workload, plan: Plan, *, steps: int, device: str = "c
     watches every operator), so resident bytes are model data only. A non-finite loss stops the run naming the
     step before anything of that step is updated or saved (`nonfinite="skip"` skips such steps instead, where
     the plan defers updates). `nvme_dir`: where a plan with a disk tier keeps its NVMe-homed regions.
+    `overlap=False`: a backward step's host updates in line, not on a worker thread (hplan.executor.overlap).
 
     `checkpoint_dir` is locked for the run and gets a verified checkpoint after every step (see
     hplan.executor.checkpoints.checkpoint_dir); it must hold none unless `resume` (continue from the newest good one,
@@ -64,7 +65,7 @@ def run_training(workload: Workload, plan: Plan, *, steps: int, device: str = "c
         state = load_checkpoint(checkpoints, plan, warn=warn) if checkpoints is not None and resume else None
         return _train(workload, plan, steps=steps, device=device, metrics_path=metrics_path, state=state,
                       checkpoints=checkpoints, on_progress=on_progress, measure=measure, budget_guard=budget_guard,
-                      nonfinite=nonfinite, nvme_dir=nvme_dir)
+                      nonfinite=nonfinite, nvme_dir=nvme_dir, overlap=overlap)
     finally:
         if checkpoints is not None:
             checkpoints.close()
@@ -73,7 +74,7 @@ def run_training(workload: Workload, plan: Plan, *, steps: int, device: str = "c
 def _train(workload: Workload, plan: Plan, *, steps: int, device: str, metrics_path: str | os.PathLike[str] | None,
            state: dict[str, Any] | None, checkpoints: CheckpointDir | None, on_progress: Progress | None,
            measure: bool, budget_guard: str, nonfinite: str,
-           nvme_dir: str | os.PathLike[str] | None) -> RunReport:
+           nvme_dir: str | os.PathLike[str] | None, overlap: bool) -> RunReport:
     model = workload.build_model()
     optimizer = build_optimizer(workload, model)
     scheduler = workload.scheduler(optimizer) if workload.scheduler is not None else None
@@ -83,7 +84,7 @@ def _train(workload: Workload, plan: Plan, *, steps: int, device: str, metrics_p
     losses, seconds, rows, last, peak = [], [], [], [], 0
     with PlanRun(model, optimizer, plan, device=device, batch_example=workload.batch(0),
                  precision=workload.precision, measure=measure, budget_guard=budget_guard,
-                 nonfinite=nonfinite, nvme_dir=None if nvme_dir is None else str(nvme_dir)) as run:
+                 nonfinite=nonfinite, nvme_dir=None if nvme_dir is None else str(nvme_dir), overlap=overlap) as run:
         run.first_step = first
         if state is not None and run.loss_scale is not None and state.get("loss_scale"):
             run.loss_scale.load_state_dict(state["loss_scale"])

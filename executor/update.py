@@ -66,6 +66,9 @@ class ChunkUpdate:
         self.group_of = {n: g for g, names in self.groups.items() for n in names}
         self.states: dict[str, dict[str, Any]] = {n: {} for n in self.names}
         """Per parameter: its optimizer state as torch keeps it, per-element tensors being region views."""
+        self.written_regions = tuple(regions[k] for k in ("param", "master", "state") if k in regions) \
+            if where == "gpu" else ()
+        """The fast-tier regions a GPU-placed update writes (dirty afterwards); none for a host update."""
         self.started: set[str] = set()
         """Parameters with optimizer state, as torch would have it: updated once, or adopted from the user."""
 

@@ -7,8 +7,10 @@ from __future__ import annotations
 
 from typing import Any
 
+import torch
 from hplan.executor.batch import UpdateBatch
 from hplan.executor.gradients import Clip
+from hplan.executor.overlap import UpdateWorker
 from hplan.executor.scale import LossScale
 from hplan.executor.state import RegionState
 from hplan.executor.tripwires import EagerWatch
@@ -37,6 +39,7 @@ class UpdateSteps:
     _batches: dict[tuple[int, ...], UpdateBatch]
     _updated: set[int]
     _skip_next: bool
+    worker: UpdateWorker | None
 
     def _update(self, chunks: tuple[int, ...] | list[int], step: Step) -> None:
         """The updates of these chunks, together (one optimizer call per place and param group). With a host
@@ -62,26 +65,57 @@ class UpdateSteps:
     def _step_batch(self, chunks: list[int], step: Step) -> None:
         """Check (unless deferred) and step these chunks' updates, one UpdateBatch per place; fast-tier regions
         dirty. Host updates run as host work ([Note: host work off the fast tier]): their fp32 gradients are host
-        memory, which the plan counts in the host phase, not in the fast tier's budget."""
+        memory, which the plan counts in the host phase, not in the fast tier's budget. A backward step's host
+        updates go to the worker thread when the run overlaps them ([Note: overlapped host updates])."""
         parts = [(part, where) for where in ("cpu", "gpu")
                  if (part := [c for c in chunks if (self.updates[c].where == "cpu") == (where == "cpu")])]
-        if self.nonfinite != "ignore" and not self.plan.defer_updates:
+        check = self.nonfinite != "ignore" and not self.plan.defer_updates
+        if self.worker is not None and step.event.startswith("backward:") and not self.host.phased \
+                and self.loss_scale is None and not self.clips and all(where == "cpu" for _, where in parts):
+            self._step_beside(chunks, step, check)
+            return
+        if check:
             self._check_finite(chunks, step)  # type: ignore[attr-defined]  (GradientOps)
         for part, where in parts:
-            key = tuple(part)
-            batch = self._batches.get(key)
-            if batch is None:
-                batch = self._batches[key] = UpdateBatch([self.updates[c] for c in part])
+            batch = self._batch(part)
             with self._memory_of(where):  # type: ignore[attr-defined]  (GradientOps)
                 batch.step(self.written, inv_scale=self.loss_scale.inverse() if self.loss_scale else None,
                            clip=tuple(self.clips) if self.master else ())
         self._updated.update(chunks)
+        mark_dirty = self.store.mark_dirty
         for c in chunks:
-            if self.updates[c].where == "gpu":
-                for kind in ("param", "master", "state"):
-                    rid = self.store.region(c, kind)
-                    if rid is not None:
-                        self.store.mark_dirty(rid)
+            for rid in self.updates[c].written_regions:
+                mark_dirty(rid)
+
+    def _batch(self, chunks: list[int]) -> UpdateBatch:
+        key = tuple(chunks)
+        batch = self._batches.get(key)
+        if batch is None:
+            batch = self._batches[key] = UpdateBatch([self.updates[c] for c in chunks])
+        return batch
+
+    def _step_beside(self, chunks: list[int], step: Step, check: bool) -> None:
+        """[Note: overlapped host updates] in hplan.executor.overlap: the host updates of `chunks` (every one
+        host-placed) on the worker thread, the same body as in line; this thread goes on with the backward."""
+        assert self.worker is not None
+        batch = self._batch(chunks)
+        written = frozenset(self.written)  # these chunks' gradients are final: later writes are refused
+
+        def work() -> None:
+            if check:
+                self._check_finite(chunks, step)  # type: ignore[attr-defined]  (GradientOps)
+            batch.step(written)
+
+        if not self.worker.busy:
+            torch.autograd.Variable._execution_engine.queue_callback(self._drain_updates)
+        self.worker.submit(work, {r for c in chunks for r in self.store.by_chunk[c].values()})
+        self._updated.update(chunks)
+
+    def _drain_updates(self) -> None:
+        """Wait for the worker's updates (the end of a backward, an event that is not a backward step, a move of
+        a region they use)."""
+        if self.worker is not None and self.worker.busy:
+            self.worker.drain()
 
     def _optimizer_updates(self, step: Step) -> None:
         """The optimizer step: deferred host updates and every fast-tier update, after the global checks. A step

@@ -9,7 +9,7 @@ from loops import plan_for
 
 from hplan.errors import HplanError
 from hplan.executor import PlanRun
-from hplan.executor.step_table import quiet_table
+from hplan.executor.step_table import moves_table, quiet_table
 from hplan.specs import load_workload
 from hplan.training import build_optimizer
 
@@ -18,6 +18,13 @@ from hplan.training import build_optimizer
 def roomy():
     workload = load_workload("gpt:tiny")
     return workload, plan_for(workload, extra=3.0)
+
+
+@pytest.fixture(scope="module")
+def tight():
+    """A plan at the smallest fast tier: most steps evict and fetch."""
+    workload = load_workload("gpt:tiny")
+    return workload, plan_for(workload)
 
 
 def _iterations(workload, plan, n, *, general_only=False, before=None):
@@ -45,15 +52,35 @@ def _iterations(workload, plan, n, *, general_only=False, before=None):
             run.step()
             losses.append(float(loss))
             calls.append(count[0])
-        return losses, run.last_records, calls, run
+        weights = {n: p.detach().clone() for n, p in run.store.parameter_values().items()}
+        return losses, run.last_records, calls, weights
 
 
 def test_quiet_events_skip_the_general_path(roomy):
     workload, plan = roomy
     quiet = sum(q is not None for q in quiet_table(plan, {r.id: None for r in plan.regions}, host_phases=False))
     assert quiet >= len(plan.steps) // 4  # an all-resident plan: most events move nothing
+    moves = moves_table(plan, lambda c: None)
+    fast = sum(q is not None for q in quiet_table(plan, {r.id: None for r in plan.regions}, host_phases=False,
+                                                  moves=moves))
+    assert fast > quiet  # its backward steps allocate gradient regions: [Note: moving events]
     _, _, calls, _ = _iterations(workload, plan, 2)
-    assert calls == [len(plan.steps) - quiet] * 2
+    assert calls == [len(plan.steps) - fast] * 2
+
+
+def test_moving_events_take_the_fast_path_with_the_same_records_and_training(tight):
+    """[Note: moving events]: at the smallest budget the fast path evicts; records (the bytes each step moved,
+    resident bytes), losses and weights equal the general path's."""
+    workload, plan = tight
+    moving = [q for q in quiet_table(plan, {r.id: None for r in plan.regions}, host_phases=False,
+                                     moves=moves_table(plan, lambda c: None)) if q is not None and q.moves]
+    assert any(q.moves.evict for q in moving)
+    fast_losses, fast_records, calls, fast_weights = _iterations(workload, plan, 3)
+    slow_losses, slow_records, slow_calls, slow_weights = _iterations(workload, plan, 3, general_only=True)
+    assert calls[-1] < slow_calls[-1] == len(plan.steps)
+    assert fast_losses == slow_losses
+    assert fast_records == slow_records
+    assert all(torch.equal(fast_weights[n], slow_weights[n]) for n in slow_weights)
 
 
 def test_fast_path_records_and_trains_as_the_general_path(roomy):
