@@ -96,7 +96,7 @@ def _budgets(trace: Trace, gpu: str, n: int) -> list[int]:
 
 
 @pytest.mark.parametrize("gpu", ["cpu", "rtx3090"])
-@pytest.mark.parametrize("case", ["llama8", "gpt2_5"])
+@pytest.mark.parametrize("case", [pytest.param("llama8", marks=pytest.mark.slow), "gpt2_5"])  # CI time: llama8 in full
 @pytest.mark.parametrize("n", [5, pytest.param(20, marks=pytest.mark.slow)])
 def test_auto_is_no_worse_than_any_forced_choice_and_its_bound_covers_them(case, gpu, n, request):
     """From auto's minimum to all-resident: auto's objective <= every forced choice's, its bound <= every forced

@@ -46,7 +46,7 @@ def _rel(a: list[float], b: list[float]) -> float:
     return max(abs(x - y) / abs(y) for x, y in zip(a, b, strict=True))
 
 
-@pytest.mark.parametrize("precision,tolerance", [("fp32", 1e-6), ("bf16-mixed", 1e-4)])
+@pytest.mark.parametrize("precision,tolerance", [pytest.param("fp32", 1e-6, marks=pytest.mark.slow), ("bf16-mixed", 1e-4)])  # CI time: fp32 in full
 def test_a_non_prefix_placement_trains_like_plain_pytorch(tmp_path, precision, tolerance):
     """fp32: a host-updated chunk may flip its gradient into its weights' storage, a GPU-updated one may not;
     bf16-mixed at issue 26's budget (3,692,480 B): the prefix search moved 66,304 B per iteration there."""

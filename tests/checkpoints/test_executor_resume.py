@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import sys
 
+import pytest
 import torch
 from hplan.executor import run_training
 from loops import kill_after_save, plan_for
@@ -19,6 +20,7 @@ def _setup(tmp_path):
     return workload, plan
 
 
+@pytest.mark.slow  # CI time: the kill -9 resume and resume under another plan stay fast
 def test_stop_after_five_then_resume(tmp_path):
     workload, plan = _setup(tmp_path)
     full = run_training(workload, plan, steps=10).losses

@@ -124,6 +124,7 @@ def test_a_rank_that_dies_stops_the_run_in_one_line(trace, tmp_path):
     assert done.returncode == 2 and "no good checkpoint" in done.stderr, done.stderr
 
 
+@pytest.mark.slow  # CI time: the one-process rule is checked in tests/checkpoints; this adds 2 ranks
 def test_a_fresh_run_never_replaces_a_checkpoint_unasked(trace, tmp_path):
     """Without --resume, a folder holding a checkpoint is refused in one line and left as it was; --overwrite
     starts afresh, and its first save keeps none of the earlier run's folders as a fallback."""

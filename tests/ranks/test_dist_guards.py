@@ -162,6 +162,7 @@ def _finite_everywhere(folder: Path) -> bool:
 
 # -- non-finite values on ranks ---------------------------------------------------------------------------------
 
+@pytest.mark.slow  # CI time: the one-rank-only gradient piece and NaN loss cases stay fast
 def test_a_non_finite_gradient_on_a_rank_stops_naming_its_step_and_saves_nothing_of_it(root, tmp_path):
     """Rank 1's loss of step 1 has an infinite gradient (the loss is finite): exit 2 in one line naming step 1, the
     parameter and the rank (the gradient sync carries the inf to every rank's piece: every rank stops together and
