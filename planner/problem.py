@@ -47,6 +47,10 @@ class Problem:
     """live[r][t]: the content region r holds when step t begins is read before it is overwritten (`build`
     gives a regions x steps boolean array: the same indexing, without a million Python bools)."""
     non_model: tuple[int, ...] = ()
+    stay_bytes: int = 0
+    """Bytes of model data that must never leave the device: host memory (`Hardware.host_bytes`, two tiers) holds
+    a copy of every region that leaves it at some step (`planner.core.host_bytes_needed`), so at least this much
+    must stay resident all iteration ([Note: host memory in the model] in `planner.intervals`)."""
     _dense: list[Dense] = field(default_factory=list, compare=False, repr=False)
     """Cache of `dense()` (a problem is immutable, so its arrays are made once)."""
 
@@ -311,8 +315,11 @@ def _problem(trace: Trace, s: Structure, hardware: Hardware, gpu_updates: bool) 
             off[(t + 1) % n].add(s.by_chunk[c]["param"])
     dirties = [set(w) | set(o) for w, o in zip(s.writes, s.overwrites)]
     live = _liveness(s, n)
+    stay = 0
+    if hardware.host_bytes is not None and hardware.nvme_bytes is None:
+        stay = max(0, sum(sizes) - hardware.host_bytes)
     problem = Problem(sizes=sizes, needs=_tuples(needs), dirties=_tuples(dirties), off=_tuples(off), cap=tuple(cap),
-                      live=live, non_model=non_model)
+                      live=live, non_model=non_model, stay_bytes=stay)
     problem._dense.append(Dense.of(problem, live))
     return problem
 
