@@ -172,15 +172,16 @@ def _highs(model: IntervalModel, rows: Rows, *, integral: bool, stay: bool = Fal
         c_idx.append(cc.ravel())
         vals.append(vv.ravel())
 
-    for i in np.flatnonzero(rows.count):
-        entry, leave = (rows.first[i] - first) % m, (rows.first[i] + rows.count[i] - first) % m
-        if rows.count[i] == m or entry == 0 or entry + rows.count[i] > m:
-            put(0, int(i), -size[i])  # inside row 0: counted by the anchor row
-        if rows.count[i] < m:
-            if entry:
-                put(int(entry), int(i), -size[i])
-            if leave:
-                put(int(leave), int(i), size[i])
+    gi = np.flatnonzero(rows.count)  # every gap inside a binding row, all at once
+    if len(gi):
+        cnt = rows.count[gi]
+        entry, leave = (rows.first[gi] - first) % m, (rows.first[gi] + cnt - first) % m
+        anchor = (cnt == m) | (entry == 0) | (entry + cnt > m)
+        put(np.zeros(int(anchor.sum()), dtype=np.int64), gi[anchor], -size[gi[anchor]])  # inside row 0: the anchor
+        part = cnt < m
+        enter, out = part & (entry != 0), part & (leave != 0)
+        put(entry[enter], gi[enter], -size[gi[enter]])
+        put(leave[out], gi[out], size[gi[out]])
     put(np.arange(m), g + s + np.arange(m), 1.0)
     put(np.arange(1, m), g + s + np.arange(m - 1), -1.0)
     gap, span, mode = covers

@@ -405,12 +405,19 @@ def partly_used(trace: Trace, groups: list[list[ParamInfo]]) -> bool:
     """Does some event read only part of a group's weights or write only part of its gradients (a tied weight
     read by another module; a Linear's backward, which reads its weight but not its bias)? Then a finer
     chunking can hold less at that event."""
-    weights = [{p.name for p in g} for g in groups]
-    grads = [{p.name for p in g if p.trainable} for g in groups]
+    weight_of = {p.name: k for k, g in enumerate(groups) for p in g}
+    grad_of = {p.name: k for k, g in enumerate(groups) for p in g if p.trainable}
+    n_weights = [len({p.name for p in g}) for g in groups]
+    n_grads = [len({p.name for p in g if p.trainable}) for g in groups]
     for e in trace.events:
         if e.kind == "optimizer":
             continue
-        reads, writes = set(e.params), set(e.grads)
-        if any(reads & g and not g <= reads for g in weights) or any(writes & g and not g <= writes for g in grads):
-            return True
+        for names, of, full in ((e.params, weight_of, n_weights), (e.grads, grad_of, n_grads)):
+            touched: dict[int, int] = {}  # group -> how many of its names the event touches
+            for name in set(names):
+                k = of.get(name)
+                if k is not None:
+                    touched[k] = touched.get(k, 0) + 1
+            if any(count < full[k] for k, count in touched.items()):
+                return True
     return False
