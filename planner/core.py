@@ -109,7 +109,17 @@ def stop_gap(options: PlanOptions) -> float:
 def _reached(cand: Scored, gap: float) -> bool:
     """Has the candidate's solve closed, or (a joint model) come within `gap` of its bound?"""
     r = cand.result
-    return r is not None and (r.optimal or cand.joint is not None and cand.moved - r.lower_bound <= gap * r.lower_bound)
+    if r is None:
+        return False
+    if r.optimal:
+        return True
+    if cand.joint is None:
+        return False
+    if r.stop_bound > r.lower_bound:  # host memory's row: the plan reports the bound without it
+        # ([Note: host memory in the model]), so more nodes are worth it only while they could move the
+        # reported gap by more than a tenth: its own gap is under a tenth of the reported one
+        return cand.moved - r.stop_bound <= max(gap * r.stop_bound, (cand.moved - r.lower_bound) / 10)
+    return cand.moved - r.lower_bound <= gap * r.lower_bound
 
 
 def _improve(search: Search, best: Scored, options: PlanOptions) -> tuple[Scored, Finished, str, int, bool]:

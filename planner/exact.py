@@ -40,6 +40,9 @@ class ExactResult:
     status: str = ""
     x: np.ndarray | None = None
     """Models with choices: the chosen modes of `keep` (per-mode booleans)."""
+    stop_bound: int = 0
+    """The bound branch and bound reached on its own rows, host memory's included ([Note: host memory in the
+    model]): when a search may stop. `lower_bound` is the one a plan reports (without that row)."""
 
 
 def lp_bound(model: IntervalModel, rows: Rows | None = None) -> int:
@@ -150,7 +153,26 @@ def solve_milp(model: IntervalModel, fallback: np.ndarray | None = None, *, max_
         return ExactResult(keep=np.zeros(0, dtype=bool), cost=model.constant, lower_bound=model.constant,
                            optimal=True, status="no choices")
     rows = rows or memory_rows(model)
-    h, lay = _highs(model, rows, integral=True)
+    first = _branch(model, rows, fallback, fallback_x, max_nodes, stop_bytes, stay=False)
+    if model.stay is None or first.keep is not None and model.host_ok(first.keep, first.x):
+        return first
+    # Host memory's row binds ([Note: host memory in the model]): its schedules come from a second branch and
+    # bound with the row; the bound stays the first's, the model's without it (a relaxation).
+    second = _branch(model, rows, fallback, fallback_x, max_nodes, stop_bytes, stay=True)
+    cost = second.cost
+    optimal = cost is not None and cost <= first.lower_bound
+    bound = first.lower_bound if cost is None else min(first.lower_bound, cost)
+    return ExactResult(keep=second.keep, cost=cost, lower_bound=bound, optimal=optimal,
+                       nodes=first.nodes + second.nodes, status=second.status, x=second.x,
+                       stop_bound=max(bound, second.lower_bound))
+
+
+def _branch(model: IntervalModel, rows: Rows, fallback: np.ndarray | None, fallback_x: np.ndarray | None,
+            max_nodes: int, stop_bytes: float, *, stay: bool) -> ExactResult:
+    """One branch and bound (`solve_milp`); with `stay`, host memory's row is in the model and only schedules that
+    keep it are returned (its bound then holds for such schedules only)."""
+    c = model.choices
+    h, lay = _highs(model, rows, integral=True, stay=stay)
     h.setOptionValue("mip_rel_gap", 0.0)
     h.setOptionValue("mip_abs_gap", max(0.99, float(stop_bytes)) / lay.unit)
     h.setOptionValue("mip_max_nodes", int(max_nodes))
@@ -167,9 +189,10 @@ def solve_milp(model: IntervalModel, fallback: np.ndarray | None = None, *, max_
                 modes = np.flatnonzero(c.item == item)
                 x[modes[int(np.argmax(scores[modes]))]] = True
         keep = repair(model, (value[: model.n_gaps] > 0.5) & model.active(x), x)
-        if keep is None:
-            x = None
-    if fallback is not None and (keep is None or model.cost(keep, x) > model.cost(fallback, fallback_x)):
+        if keep is None or stay and not model.host_ok(keep, x):
+            keep, x = None, None
+    if fallback is not None and (keep is None or model.cost(keep, x) > model.cost(fallback, fallback_x)) and \
+            (not stay or model.host_ok(fallback, fallback_x)):
         keep, x = fallback, fallback_x
     cost = model.cost(keep, x) if keep is not None else None
     dual = info.mip_dual_bound * lay.unit + constant_of(model)

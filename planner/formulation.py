@@ -28,7 +28,7 @@ import highspy
 import numpy as np
 from scipy.sparse import csc_matrix
 
-from hplan.planner.intervals import IntervalModel
+from hplan.planner.intervals import IntervalModel, Stay
 
 INF = highspy.kHighsInf
 
@@ -129,7 +129,7 @@ class Layout:
     switch_col: int
 
 
-def _highs(model: IntervalModel, rows: Rows, *, integral: bool) -> tuple[highspy._Highs, Layout]:
+def _highs(model: IntervalModel, rows: Rows, *, integral: bool, stay: bool = False) -> tuple[highspy._Highs, Layout]:
     """A HiGHS instance holding the model, and where its parts are.
 
     Memory rows are chained, not written out: a load column L_j per binding segment j (0 <= L_j <= free_j),
@@ -148,7 +148,9 @@ def _highs(model: IntervalModel, rows: Rows, *, integral: bool) -> tuple[highspy
     covers = model.covers()
     special = rows.special()
     mode_col, switch_col = g + s + m, g + s + m + k
-    n_col = switch_col + int(has_switch)
+    stay = model.stay if stay else None  # host memory's row: a constraint on solutions (see `_stay_rows`)
+    stay_col = switch_col + int(has_switch)
+    n_col = stay_col + (len(stay.bytes) if stay is not None else 0)
     cover_row = m
     special_row = cover_row + len(covers[0])
     item_row = special_row + len(special)
@@ -158,7 +160,8 @@ def _highs(model: IntervalModel, rows: Rows, *, integral: bool) -> tuple[highspy
     n_switch = len(c.switch_modes) if has_switch and c is not None else 0
     persp_row = switch_link_row + n_switch
     persp = has_switch and c is not None and c.switch_bytes > 0 and rows.switch_row >= 0
-    n_row = persp_row + int(persp) + int(has_switch and c is not None and c.switch_bytes < 0)
+    stay_row = persp_row + int(persp) + int(has_switch and c is not None and c.switch_bytes < 0)
+    n_row = stay_row + (_stay_rows(stay) if stay is not None else 0)
     r_idx: list[np.ndarray] = []
     c_idx: list[np.ndarray] = []
     vals: list[np.ndarray] = []
@@ -169,15 +172,16 @@ def _highs(model: IntervalModel, rows: Rows, *, integral: bool) -> tuple[highspy
         c_idx.append(cc.ravel())
         vals.append(vv.ravel())
 
-    for i in np.flatnonzero(rows.count):
-        entry, leave = (rows.first[i] - first) % m, (rows.first[i] + rows.count[i] - first) % m
-        if rows.count[i] == m or entry == 0 or entry + rows.count[i] > m:
-            put(0, int(i), -size[i])  # inside row 0: counted by the anchor row
-        if rows.count[i] < m:
-            if entry:
-                put(int(entry), int(i), -size[i])
-            if leave:
-                put(int(leave), int(i), size[i])
+    gi = np.flatnonzero(rows.count)  # every gap inside a binding row, all at once
+    if len(gi):
+        cnt = rows.count[gi]
+        entry, leave = (rows.first[gi] - first) % m, (rows.first[gi] + cnt - first) % m
+        anchor = (cnt == m) | (entry == 0) | (entry + cnt > m)
+        put(np.zeros(int(anchor.sum()), dtype=np.int64), gi[anchor], -size[gi[anchor]])  # inside row 0: the anchor
+        part = cnt < m
+        enter, out = part & (entry != 0), part & (leave != 0)
+        put(entry[enter], gi[enter], -size[gi[enter]])
+        put(leave[out], gi[out], size[gi[out]])
     put(np.arange(m), g + s + np.arange(m), 1.0)
     put(np.arange(1, m), g + s + np.arange(m - 1), -1.0)
     gap, span, mode = covers
@@ -207,6 +211,13 @@ def _highs(model: IntervalModel, rows: Rows, *, integral: bool) -> tuple[highspy
             if c.switch_bytes < 0:  # then the switch must also be off when no mode turns it on
                 put(persp_row + int(persp), switch_col, 1.0)
                 put(persp_row + int(persp), mode_col + c.switch_modes, -1.0)
+    if stay is not None:  # a_j <= y_i per link, a_j <= x_m per pair with a mode, sum_j bytes_j a_j >= need
+        links, moded = len(stay.link_pair), np.flatnonzero(stay.mode >= 0)
+        put(stay_row + np.arange(links), stay_col + stay.link_pair, 1.0)
+        put(stay_row + np.arange(links), stay.link_gap, -1.0)
+        put(stay_row + links + np.arange(len(moded)), stay_col + moded, 1.0)
+        put(stay_row + links + np.arange(len(moded)), mode_col + stay.mode[moded], -1.0)
+        put(n_row - 1, stay_col + np.arange(len(stay.bytes)), stay.bytes / unit)
     cat = (lambda xs, dtype: np.concatenate(xs).astype(dtype) if xs else np.zeros(0, dtype=dtype))
     matrix = csc_matrix((cat(vals, float), (cat(r_idx, np.int64), cat(c_idx, np.int64))), shape=(n_row, n_col))
     matrix.sum_duplicates()
@@ -222,6 +233,8 @@ def _highs(model: IntervalModel, rows: Rows, *, integral: bool) -> tuple[highspy
     lower[link_row:switch_link_row] = -INF
     upper[switch_link_row:switch_link_row + n_switch] = INF
     lower[persp_row:] = -INF
+    if stay is not None:
+        lower[n_row - 1], upper[n_row - 1] = stay.need / unit, INF
     cost = np.zeros(n_col)
     cost[:g] = -size
     cost[g:g + s] = model.span_size / unit
@@ -246,7 +259,7 @@ def _highs(model: IntervalModel, rows: Rows, *, integral: bool) -> tuple[highspy
     if integral:
         kinds = np.full(n_col, 0)
         kinds[:g] = 1
-        kinds[mode_col:] = 1
+        kinds[mode_col:stay_col] = 1
         lp.integrality_ = [highspy.HighsVarType.kInteger if x else highspy.HighsVarType.kContinuous for x in kinds]
     h = highspy._Highs()  # the public wrapper prints a banner on stdout (breaks --json); same solver underneath
     for name, value_ in (("output_flag", False), ("threads", 1), ("random_seed", 0), ("time_limit", INF)):
@@ -256,6 +269,13 @@ def _highs(model: IntervalModel, rows: Rows, *, integral: bool) -> tuple[highspy
                      special_row=special_row, switch_link_row=switch_link_row, n_switch=n_switch,
                      persp_row=persp_row if persp else -1, mode_col=mode_col,
                      switch_col=switch_col)
+
+
+def _stay_rows(stay: Stay) -> int:
+    """Rows of host memory's constraint ([Note: host memory in the model]): one per link, one per pair with a mode
+    and the bytes row. Only the branch and bound that finds schedules gets them (`planner.exact.solve_milp`); the
+    bounds (the LP's multipliers, `lagrangian_bound`, the dual bound reported) are the model's without them."""
+    return len(stay.link_pair) + int(np.count_nonzero(stay.mode >= 0)) + 1
 
 
 def switch_extras(model: IntervalModel, rows: Rows) -> np.ndarray:

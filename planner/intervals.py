@@ -41,6 +41,19 @@ mode contributes its own pieces of the model above, and the normal-form argument
   temporaries are on the GPU when any update runs there.
 With one mode per item this is the plain model. More decision types (activations: keep, offload, recompute)
 are more items whose modes bring their own gaps, costs and memory.
+
+[Note: host memory in the model] With two tiers, host memory holds a copy of every region that leaves the device
+at some step (`planner.core.host_bytes_needed`), so when the model data is larger than `--cpu-mem` at least
+`Problem.stay_bytes` of it must stay resident all iteration. In normal form a region stays iff it has no off step
+and no dead gap with a step inside (those are always dropped) and every one of its free gaps is kept: a *stay
+pair* (region, mode) per region and mode where that can hold, with a continuous a_j <= y_i for each of its gaps
+(and a_j <= x_m) and one row sum_j bytes_j a_j >= stay_bytes. The row is a constraint on the schedules the
+solver returns: a plan that breaks it is refused for host memory after the fact, which is what made Llama-3-8B
+(128.48 GB of model data) at 128 GB of host memory fall back from keeping every block to recomputing every
+block, 47% above its bound. It is left out of every *bound*: normal form is not without loss of generality under
+it (keeping a dead gap resident could keep a region off the host), so `planner.exact.solve_milp` first solves the
+model without it, whose dual bound is reported, and only where that schedule breaks host memory solves again
+with the row for the schedule; the LP bounds (`planner.exact.lagrangian_bound`) never see it.
 """
 
 from __future__ import annotations
@@ -101,6 +114,26 @@ class Choices:
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
+class Stay:
+    """Regions that may stay resident all iteration ([Note: host memory in the model]): per pair its bytes and
+    mode (-1: any), the (pair, gap) links whose gaps must all be kept, and the bytes that must stay."""
+
+    region: np.ndarray
+    bytes: np.ndarray
+    mode: np.ndarray
+    link_pair: np.ndarray
+    link_gap: np.ndarray
+    need: int
+
+    def stayed(self, keep: np.ndarray, x: np.ndarray | None = None) -> int:
+        """Bytes that stay resident all iteration under the schedule `keep` (and chosen modes `x`)."""
+        ok = np.ones(len(self.bytes), dtype=bool) if x is None else (
+            (self.mode < 0) | np.asarray(x, dtype=bool)[np.maximum(self.mode, 0)])
+        ok[self.link_pair[~np.asarray(keep, dtype=bool)[self.link_gap]]] = False
+        return int(self.bytes[ok].sum())
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
 class IntervalModel:
     """Free gaps (the binaries), dirty spans and the memory each step has for kept gaps."""
 
@@ -127,6 +160,12 @@ class IntervalModel:
     """Per span: its region."""
     choices: Choices | None = None
     """Items with modes; None: one fixed problem (`span` then holds each gap's write-back span)."""
+    stay: Stay | None = None
+    """Host memory's row ([Note: host memory in the model]); None where host memory holds all the model data."""
+
+    def host_ok(self, keep: np.ndarray, x: np.ndarray | None = None) -> bool:
+        """Whether the schedule leaves enough bytes resident all iteration for host memory."""
+        return self.stay is None or self.stay.stayed(keep, x) >= self.stay.need
 
     @property
     def n_gaps(self) -> int:
@@ -243,10 +282,11 @@ def build_intervals(problem: Problem) -> IntervalModel:
     regions, starts, ends, spans, span_size, span_region = [], [], [], [], [], []
     constant = 0
     region_constant = np.zeros(len(problem.sizes), dtype=np.int64)
+    stays: list[tuple[int, int, int]] = []  # (region, first gap, end gap) of regions that may stay
     for r, evs in enumerate(events):
         if not evs:
             continue
-        before = constant
+        before, gap0, leaves = constant, len(regions), False
         evs.sort()
         steps = [t for t, _ in evs]
         if len(set(steps)) != len(steps):
@@ -269,6 +309,7 @@ def build_intervals(problem: Problem) -> IntervalModel:
             if b <= a:
                 b += n
             if not need:  # off step: the region is clean after it, and fetched (or allocated) at b if needed
+                leaves = True
                 close()
                 span, forced = -1, False
                 if b_need and live[b % n]:
@@ -284,6 +325,7 @@ def build_intervals(problem: Problem) -> IntervalModel:
                 forced = forced or (span >= 0 and alive)
                 continue
             if b == a + 1 or not alive:  # nothing inside: kept for free; dead: dropped for free
+                leaves = leaves or b > a + 1
                 continue
             regions.append(r)
             starts.append(a)
@@ -291,6 +333,8 @@ def build_intervals(problem: Problem) -> IntervalModel:
             spans.append(span)
         close()
         region_constant[r] = constant - before
+        if not leaves:
+            stays.append((r, gap0, len(regions)))
     free = problem.room()
     span_arr = np.array(spans, dtype=np.int64)
     sizes_arr = np.array(span_size, dtype=np.int64)
@@ -301,4 +345,18 @@ def build_intervals(problem: Problem) -> IntervalModel:
                          start=np.array(starts, dtype=np.int64), end=np.array(ends, dtype=np.int64),
                          size=np.array([problem.sizes[r] for r in regions], dtype=np.int64), span=span_arr,
                          span_size=sizes_arr, constant=constant, free=free, region_constant=region_constant,
-                         span_region=np.array(span_region, dtype=np.int64))
+                         span_region=np.array(span_region, dtype=np.int64),
+                         stay=_stay(problem, stays, [-1] * len(stays)))
+
+
+def _stay(problem: Problem, pairs: list[tuple[int, int, int]], modes: list[int]) -> Stay | None:
+    """The host-memory row of regions (region, first gap, end gap) that may stay, in `modes` ([Note: host memory in
+    the model]); None where nothing must stay."""
+    if problem.stay_bytes <= 0:
+        return None
+    counts = np.array([e - g for _, g, e in pairs], dtype=np.int64)
+    gaps = np.concatenate([np.arange(g, e) for _, g, e in pairs]).astype(np.int64) if pairs else \
+        np.zeros(0, dtype=np.int64)
+    return Stay(region=np.array([r for r, _, _ in pairs], dtype=np.int64), bytes=np.array([problem.sizes[r] for r, _, _ in pairs], dtype=np.int64),
+                mode=np.array(modes, dtype=np.int64), link_pair=np.repeat(np.arange(len(pairs)), counts),
+                link_gap=gaps, need=int(problem.stay_bytes))

@@ -25,7 +25,7 @@ import numpy as np
 from hplan.artifacts.hardware import Hardware
 from hplan.artifacts.trace import ParamInfo, Trace
 from hplan.errors import HplanError
-from hplan.planner.intervals import Choices, IntervalModel, build_intervals
+from hplan.planner.intervals import Choices, IntervalModel, Stay, build_intervals
 from hplan.planner.problem import Problem, Structure, build
 
 if TYPE_CHECKING:
@@ -174,6 +174,7 @@ def build_joint(trace: Trace, groups: list[list[ParamInfo]], hardware: Hardware,
                           span=np.full(len(region), -1, dtype=np.int64),
                           span_size=np.array([s for s, _ in spans], dtype=np.int64), constant=constant, free=free,
                           span_region=np.array([r for _, r in spans], dtype=np.int64), choices=choices)
+    model = replace(model, stay=_stay(extremes, region_item, columns))
     if acts is not None:
         model = _with_items(model, acts, act0, len(chunks))
     joint = Joint(groups=groups, model=model, chunks=chunks, extremes=extremes, columns=columns, acts=acts,
@@ -220,6 +221,36 @@ def _gaps(extremes: dict[str, Placed], region_item: np.ndarray
             if span >= 0:
                 covers.append((col, span_of[int(span)], mode))
     return gaps, spans, covers, columns
+
+
+def _stay(extremes: dict[str, Placed], region_item: np.ndarray, columns: dict[tuple[int, int, int, int], int]
+          ) -> Stay | None:
+    """Host memory's row of the joint model ([Note: host memory in the model]): a region's events depend
+    on its own chunk's mode only, so each extreme's pairs are that mode's, their gaps mapped to joint columns (a
+    frozen chunk's region once, from the all-host extreme)."""
+    first = extremes["cpu"].model.stay
+    if first is None:
+        return None
+    region, nbytes, mode, link_pair, link_gap = [], [], [], [], []
+    for k, label in enumerate(MODES):
+        m = extremes[label].model
+        st = m.stay
+        assert st is not None
+        bounds = np.searchsorted(st.link_pair, np.arange(len(st.region) + 1))  # link_pair is sorted
+        for j, r in enumerate(st.region.tolist()):
+            it = int(region_item[r])
+            if it < 0 and label != "cpu":
+                continue
+            md = 2 * it + k if it >= 0 else -1
+            gaps = st.link_gap[bounds[j]:bounds[j + 1]].tolist()
+            link_gap += [columns[(r, int(m.start[i]), int(m.end[i]), md)] for i in gaps]
+            link_pair += [len(region)] * len(gaps)
+            region.append(r)
+            nbytes.append(int(st.bytes[j]))
+            mode.append(md)
+    as_array = (lambda xs: np.array(xs, dtype=np.int64))
+    return Stay(region=as_array(region), bytes=as_array(nbytes), mode=as_array(mode), link_pair=as_array(link_pair),
+                link_gap=as_array(link_gap), need=first.need)
 
 
 def _memory(extremes: dict[str, Placed], region_item: np.ndarray, n_items: int

@@ -47,6 +47,10 @@ class Problem:
     """live[r][t]: the content region r holds when step t begins is read before it is overwritten (`build`
     gives a regions x steps boolean array: the same indexing, without a million Python bools)."""
     non_model: tuple[int, ...] = ()
+    stay_bytes: int = 0
+    """Bytes of model data that must never leave the device: host memory (`Hardware.host_bytes`, two tiers) holds
+    a copy of every region that leaves it at some step (`planner.core.host_bytes_needed`), so at least this much
+    must stay resident all iteration ([Note: host memory in the model] in `planner.intervals`)."""
     _dense: list[Dense] = field(default_factory=list, compare=False, repr=False)
     """Cache of `dense()` (a problem is immutable, so its arrays are made once)."""
 
@@ -311,8 +315,11 @@ def _problem(trace: Trace, s: Structure, hardware: Hardware, gpu_updates: bool) 
             off[(t + 1) % n].add(s.by_chunk[c]["param"])
     dirties = [set(w) | set(o) for w, o in zip(s.writes, s.overwrites)]
     live = _liveness(s, n)
+    stay = 0
+    if hardware.host_bytes is not None and hardware.nvme_bytes is None:
+        stay = max(0, sum(sizes) - hardware.host_bytes)
     problem = Problem(sizes=sizes, needs=_tuples(needs), dirties=_tuples(dirties), off=_tuples(off), cap=tuple(cap),
-                      live=live, non_model=non_model)
+                      live=live, non_model=non_model, stay_bytes=stay)
     problem._dense.append(Dense.of(problem, live))
     return problem
 
@@ -398,12 +405,19 @@ def partly_used(trace: Trace, groups: list[list[ParamInfo]]) -> bool:
     """Does some event read only part of a group's weights or write only part of its gradients (a tied weight
     read by another module; a Linear's backward, which reads its weight but not its bias)? Then a finer
     chunking can hold less at that event."""
-    weights = [{p.name for p in g} for g in groups]
-    grads = [{p.name for p in g if p.trainable} for g in groups]
+    weight_of = {p.name: k for k, g in enumerate(groups) for p in g}
+    grad_of = {p.name: k for k, g in enumerate(groups) for p in g if p.trainable}
+    n_weights = [len({p.name for p in g}) for g in groups]
+    n_grads = [len({p.name for p in g if p.trainable}) for g in groups]
     for e in trace.events:
         if e.kind == "optimizer":
             continue
-        reads, writes = set(e.params), set(e.grads)
-        if any(reads & g and not g <= reads for g in weights) or any(writes & g and not g <= writes for g in grads):
-            return True
+        for names, of, full in ((e.params, weight_of, n_weights), (e.grads, grad_of, n_grads)):
+            touched: dict[int, int] = {}  # group -> how many of its names the event touches
+            for name in set(names):
+                k = of.get(name)
+                if k is not None:
+                    touched[k] = touched.get(k, 0) + 1
+            if any(count < full[k] for k, count in touched.items()):
+                return True
     return False

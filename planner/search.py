@@ -270,7 +270,10 @@ class Search:
             return None
         keep, x = self._fallback(joint)
         result = solve_milp(joint.model, keep, max_nodes=self.nodes, rows=rows, fallback_x=x)
-        assert result.keep is not None and result.x is not None
+        if result.keep is None:  # the fallback breaks host memory's row and branch and bound found none
+            self.tick(f"chunks of {target or 'one module'} B: no schedule found that host memory holds")
+            return None
+        assert result.x is not None
         cpu = joint.extremes["cpu"]
         scored = Scored(chunk_target=target, groups=groups, gpu_chunks=cpu.gpu_chunks, structure=cpu.structure,
                         problem=cpu.problem, model=cpu.model, keep=np.zeros(0, dtype=bool), moved=0, result=result,

@@ -63,6 +63,7 @@ def replay(plan: Plan) -> Replay:
     if not dirty <= resident:
         problems.append(f"initial_dirty {sorted(dirty - resident)} not in initial_resident")
     states, h2d_total, d2h_total, peak = [], 0, 0, 0
+    held = sum(size[r] for r in resident)  # bytes of `resident`, kept up to date as it changes
     budget, slack = plan.hardware.gpu_bytes, plan.hardware.slack_bytes
     for t, step in enumerate(plan.steps):
         where = f"step {step.index} ({step.event})"
@@ -74,6 +75,7 @@ def replay(plan: Plan) -> Replay:
             problems.append(f"{where}: writeback {sorted(step.writeback)} must be exactly the evicted regions that "
                             f"are dirty with live content {sorted(must)}")
         d2h = sum(size[r] for r in step.writeback)
+        held -= sum(size[r] for r in evict & resident)
         resident -= evict
         dirty -= evict
         arriving = set(step.fetch) | set(step.alloc)
@@ -85,6 +87,7 @@ def replay(plan: Plan) -> Replay:
         if lost:
             problems.append(f"{where}: allocates regions {lost} whose content is live (they must be fetched)")
         h2d = sum(size[r] for r in step.fetch)
+        held += sum(size[r] for r in arriving - resident)
         resident |= arriving
         flipped_w, flipped_g = set(), set()
         for c in step.flips:
@@ -104,14 +107,17 @@ def replay(plan: Plan) -> Replay:
             on = sorted(set(by_chunk.get(c, {}).values()) & resident)
             if on:
                 problems.append(f"{where}: chunk {c} is updated on the host while regions {on} are on the device")
-        resident_bytes = sum(size[r] for r in resident)
+        resident_bytes = held
         total = resident_bytes + step.non_model_bytes + step.gathered_bytes + slack
         if total > budget:
             problems.append(f"{where}: needs {total} bytes, budget is {budget}")
         peak = max(peak, total)
         states.append(StepState(index=step.index, event=step.event, resident=tuple(sorted(resident)),
                                 resident_bytes=resident_bytes, total_bytes=total, h2d_bytes=h2d, d2h_bytes=d2h))
-        resident = (resident - flipped_w) | flipped_g
+        held -= sum(size[r] for r in resident & flipped_w)
+        resident -= flipped_w
+        held += sum(size[r] for r in flipped_g - resident)
+        resident |= flipped_g
         dirty -= flipped_w
         dirty |= (set(step.writes) | set(step.overwrites)) & resident
         h2d_total, d2h_total = h2d_total + h2d, d2h_total + d2h

@@ -8,6 +8,13 @@ its forward to its backward, its backward window reruns its forward, costing its
 system's own simulator on that trace, unchanged. A segment hplan may not recompute (it draws random numbers
 without a restorable state, reads data-dependent values, ...) is kept here, not offloaded as hplan would: a
 recipe has no offload. Without checkpointable segments in the trace a recipe is its baseline (said in its note).
+
+A recipe fits only where its predicted peak plus the allocator slack of its choices fits the device, on top of the
+system's own rule (Gemini's 90% cap reserves nothing for the allocator): a block wrapped in torch.utils.checkpoint
+makes the same allocations under PyTorch's caching allocator whoever runs it, so the trace's replayed figure for
+recomputing every segment ([Note: slack per choice]) is what that run needs, exactly as hplan reserves it for its
+own plan of the same choices. Without it Gemini's recipe "fit" budgets where its peak plus that slack does not
+(the 8-layer Llama of bench section 15 at 284.78 MB: a 250.8 MB peak beside a 69.2 MB figure).
 """
 
 from __future__ import annotations
@@ -21,6 +28,7 @@ from hplan.planner.activations import Decision, decide, transform, with_slack
 from hplan.planner.baselines.baseline_model import read_trace
 from hplan.planner.baselines.gemini import gemini
 from hplan.planner.baselines.zero_offload import zero_offload
+from hplan.sizes import format_size
 
 SUFFIX = " + activation checkpointing"
 CHECKPOINT_CITATION = ("torch.utils.checkpoint around every checkpointable segment (hplan.planner.baselines.recipes, "
@@ -57,6 +65,13 @@ def hand_recipes(trace: Trace, hardware: Hardware) -> tuple[BaselineResult, ...]
     out = []
     for run in (zero_offload, gemini):
         base = run(work, hardware, facts=facts)
-        out.append(replace(base, name=base.name + SUFFIX, note=f"{said}; {base.note}",
+        note = f"{said}; {base.note}"
+        need = base.predicted_peak_bytes + hardware.slack_bytes
+        feasible = base.feasible and need <= hardware.gpu_bytes  # its choices' allocator slack (module doc)
+        if base.feasible and not feasible:
+            note = (f"{said}; needs {format_size(need)} (peak {format_size(base.predicted_peak_bytes)} + "
+                    f"{format_size(hardware.slack_bytes)} of allocator slack for recomputing every segment); "
+                    f"{base.note}")
+        out.append(replace(base, name=base.name + SUFFIX, feasible=feasible, note=note,
                            citation=f"{base.citation}; {CHECKPOINT_CITATION}"))
     return tuple(out)
