@@ -88,7 +88,8 @@ def plan_decisions(original: Trace, hardware: Hardware, options: PlanOptions, de
     opts = {k: v for k, v in asdict(options).items() if k != "compare"}
     if best is None:
         search.tick("done", search.total)
-        return _infeasible(trace, hardware, smallest.gpu_bytes, smallest.bottleneck, opts)
+        return _infeasible(trace, hardware, smallest.gpu_bytes, _short_words(search, hardware, smallest.gpu_bytes,
+                                                                             smallest.bottleneck), opts)
     best, done, solver, bound, optimal = _improve(search, best, options)
     plan = _plan(trace, hardware, best, done, solver, bound, optimal, smallest.gpu_bytes, smallest.bottleneck, opts)
     if decisions and plan.summary.feasible:
@@ -220,6 +221,17 @@ def host_bytes_needed(plan: Plan, rep: Replay) -> int:
     """Host memory for model data: the host copy of every region that leaves the device at some step."""
     always = set(plan.initial_resident).intersection(*(set(s.resident) for s in rep.states))
     return sum(r.bytes for r in plan.regions if r.id not in always)
+
+
+def _short_words(search: Search, hardware: Hardware, min_bytes: int, bottleneck: str) -> str:
+    """Why nothing fits: where the GPU alone would do, host memory is what is short ([Note: host memory in the
+    model]): the model data it cannot hold must stay on the GPU beside every step's own bytes."""
+    stay = max((problem.stay_bytes for _, problem in search.all_host.values()), default=0)
+    if stay <= 0 or min_bytes > hardware.gpu_bytes or hardware.host_bytes is None:
+        return bottleneck
+    return (f"host memory: the {format_size(hardware.host_bytes)} given cannot hold the model data off the GPU, so "
+            f"{format_size(stay)} of it must stay on the GPU all iteration, and no schedule fits that beside each "
+            f"step's own bytes in {format_size(hardware.gpu_bytes)}; raise --cpu-mem or --gpu-mem, or add --nvme")
 
 
 def _infeasible(trace: Trace, hardware: Hardware, min_bytes: int, bottleneck: str, opts: dict) -> Plan:
