@@ -15,8 +15,9 @@ was assumed. [Note: replay conventions] below.
   Eq. 3) as DeepSpeed's examples print it (DeepSpeedExamples applications/DeepSpeed-Chat, `print_throughput`):
   24·k·B·s·L·h²·(1 + s/6h + V/16Lh), k = 4 with activation checkpointing (the recompute counted), 3 without. The
   papers replayed here are DeepSpeed's or compare against it; whether each used exactly this count is not stated
-  in what we read. PatrickStar's own count is 8 × parameters × tokens (Tencent/PatrickStar examples/pretrain_demo.py: total_macs =
-  numel × batch × seq × 2 × 4, printed as "Tflops Per GPU"); its replays use that.
+  in what we read. PatrickStar's own count is 8 × parameters × tokens (Tencent/PatrickStar
+  examples/pretrain_demo.py: total_macs = numel × batch × seq × 2 × 4, printed as "Tflops Per GPU"); its replays
+  use that.
 - A figure is text (the source states it), a chart label (a value printed on the source's chart) or read off a
   chart (a bar or point without a label, read against the gridlines: about ±1 TFLOPS on a linear axis, more on
   a log axis); the table says which.
