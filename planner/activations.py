@@ -31,6 +31,7 @@ from hplan.artifacts.segments import Segment, effect_totals, effects, shared_win
 from hplan.artifacts.trace import Trace
 from hplan.errors import HplanError
 from hplan.planner.problem import PARAM_CHUNKS, MinGpu, build, group_params, min_gpu
+from hplan.planner.kernel_size import achieved_rate, trace_width
 from hplan.planner.schedule import event_seconds, predict_seconds
 from hplan.planner.slack import counted, figure, for_figure, mix_figure
 
@@ -240,9 +241,9 @@ def _choice(d: Decision, runs: tuple[Effect, ...], prefetch: int, seconds: float
 
 def _recompute_seconds(trace: Trace, hardware: Hardware, decisions: tuple[Decision, ...]) -> dict:
     """A recompute costs its forward: measured when the trace ran on the planned kind of device, else FLOPs at the
-    hardware's rate (the rule of hplan.planner.schedule.event_seconds)."""
+    hardware's rate at the trace's width (the rule of hplan.planner.schedule.event_seconds)."""
     same = (trace.device == "cpu" and hardware.gpu == "cpu") or (trace.device == "cuda" and hardware.gpu != "cpu")
-    rate = hardware.tflops(trace.precision) * 1e12
+    rate = achieved_rate(hardware, trace.precision, trace_width(trace))
     return {d.segment.key: (d.segment.seconds if same and d.segment.seconds > 0 else d.segment.flops / rate)
             for d in decisions if d.choice == "recompute"}
 

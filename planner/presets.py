@@ -95,6 +95,9 @@ class Calibration:
     gpu: str
     efficiency: float
     source: str
+    width: int = 0
+    """Model width (hidden size) the source measured at: other widths scale by [Note: efficiency by width]
+    (hplan.planner.kernel_size); 0 = the source spans many widths, no size correction."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -185,26 +188,33 @@ DEFAULT_EFFICIENCY = 0.30
 """Share of datasheet TFLOPS a single-GPU GPT training step sustains where nothing better is published: Megatron-LM's
 single-V100 baseline, 39 TFLOPS = 30% of peak (Shoeybi et al. 2019, arXiv 1909.08053, abstract).
 hplan.artifacts.hardware.Hardware uses the same default."""
+MEGATRON_WIDTH = 1536
+"""Hidden size of that baseline (Megatron-LM, arXiv 1909.08053, Table 1: the 1.2B model, 40 layers × 1536): every
+calibration that borrows the 30% is measured at this width ([Note: efficiency by width])."""
 
 CALIBRATION: dict[str, Calibration] = {c.gpu: c for c in (
     Calibration(gpu="a100-80gb", efficiency=205 / 312,
                 source="FlashAttention-2 (Dao 2023, arXiv 2307.08691) §4.2 Table 1: GPT3-2.7B, 2k context, 8×A100 "
-                       "80GB SXM, 205 TFLOPs/s per GPU (the 8k-context row reaches 225 = 72%)"),
-    Calibration(gpu="a100-40gb", efficiency=205 / 312, source="as a100-80gb (same chip and clocks)"),
+                       "80GB SXM, 205 TFLOPs/s per GPU (the 8k-context row reaches 225 = 72%); d 2560 (GPT-3 "
+                       "paper, Table 2.1)", width=2560),
+    Calibration(gpu="a100-40gb", efficiency=205 / 312, source="as a100-80gb (same chip and clocks)", width=2560),
     Calibration(gpu="a800-80gb", efficiency=0.63,
                 source="AMSP (arXiv 2311.00257 v2): LLaMA-7B on one node of 8 A800-80GB, 63% MFU (as quoted in "
-                       "hplan issue 25; AMSP's factors move almost nothing on one node's NVLink)"),
+                       "hplan issue 25; AMSP's factors move almost nothing on one node's NVLink); LLaMA-7B's d 4096 "
+                       "(Touvron et al. 2023, Table 2)", width=4096),
     Calibration(gpu="h100-80gb", efficiency=0.47,
                 source="NVIDIA Megatron-LM README: up to 47% MFU on H100 clusters (GPT models, 4096-token sequences)"),
     Calibration(gpu="v100-32gb", efficiency=DEFAULT_EFFICIENCY,
-                source="Megatron-LM (arXiv 1909.08053) abstract: 39 TFLOPS on one V100, 30% of peak"),
+                source="Megatron-LM (arXiv 1909.08053) abstract: 39 TFLOPS on one V100, 30% of peak; its 1.2B "
+                       "single-GPU baseline has hidden size 1536 (Table 1)", width=MEGATRON_WIDTH),
     Calibration(gpu="rtx3090", efficiency=DEFAULT_EFFICIENCY,
-                source="no published training MFU for this card: Megatron-LM's single-GPU 30%"),
+                source="no published training MFU for this card: Megatron-LM's single-GPU 30%", width=MEGATRON_WIDTH),
     Calibration(gpu="rtx2060", efficiency=DEFAULT_EFFICIENCY,
-                source="no published training MFU for this card: Megatron-LM's single-GPU 30%"),
+                source="no published training MFU for this card: Megatron-LM's single-GPU 30%", width=MEGATRON_WIDTH),
     Calibration(gpu="h200", efficiency=0.47, source="as h100-80gb (the same GH100 chip and clocks, more memory)"),
     *(Calibration(gpu=name, efficiency=DEFAULT_EFFICIENCY,
-                  source="no calibrated training MFU in hplan for this GPU yet: Megatron-LM's single-GPU 30%")
+                  source="no calibrated training MFU in hplan for this GPU yet: Megatron-LM's single-GPU 30%",
+                  width=MEGATRON_WIDTH)
       for name in ("rtx4090", "rtx5090", "l4", "l40s", "a6000", "b200", "mi300x")),
 )}
 
@@ -293,7 +303,8 @@ def make_hardware(gpu: str = "rtx3090", gpu_bytes: int | None = None, host_bytes
     values: dict[str, Any] = dict(
         gpu=gpu, gpu_bytes=g.memory_bytes if gpu_bytes is None else gpu_bytes, host_bytes=host_bytes,
         nvme_bytes=nvme_bytes, tflops_16=g.tflops_16, tflops_32=g.tflops_32, efficiency=cal.efficiency,
-        efficiency_32=DEFAULT_EFFICIENCY, h2d_gbps=g.link_gbps, d2h_gbps=g.link_gbps, nvme_read_gbps=n.read_gbps,
+        efficiency_32=DEFAULT_EFFICIENCY, efficiency_width=cal.width, h2d_gbps=g.link_gbps,
+        d2h_gbps=g.link_gbps, nvme_read_gbps=n.read_gbps,
         nvme_write_gbps=n.write_gbps, cpu_optimizer_gbps=h.cpu_optimizer_gbps, host=host,
         intra_gbps=net.intra_gbps, inter_gbps=net.inter_gbps, intra_link=net.intra_link, network=net.name)
     return Hardware(**(values | overrides))

@@ -8,6 +8,7 @@ from hplan.artifacts.hardware import Hardware
 from hplan.artifacts.plan import Step
 from hplan.artifacts.trace import Trace
 from hplan.planner.belady import Schedule
+from hplan.planner.kernel_size import flops_seconds
 from hplan.planner.problem import Problem, Structure
 
 
@@ -141,10 +142,11 @@ pinned memory; it is why many small chunks lose to fewer large ones despite wast
 def event_seconds(trace: Trace, hardware: Hardware) -> list[float]:
     """Compute time of each event on the target: measured times when the trace ran on the same kind of device
     (a CPU trace planned for the CPU executor, a CUDA trace for a GPU), otherwise FLOPs at the hardware's
-    achieved rate (a CPU or fake trace planned for a named GPU)."""
+    achieved rate for the event's width (a CPU or fake trace planned for a named GPU; [Note: efficiency by
+    width] in hplan.planner.kernel_size)."""
     same = (trace.device == "cpu" and hardware.gpu == "cpu") or (trace.device == "cuda" and hardware.gpu != "cpu")
-    rate = hardware.tflops(trace.precision) * 1e12
-    return [e.seconds if same and e.seconds > 0 else e.flops / rate for e in trace.events]
+    priced = flops_seconds(trace, hardware)
+    return [e.seconds if same and e.seconds > 0 else s for e, s in zip(trace.events, priced)]
 
 
 def predict_seconds(steps: tuple[Step, ...], sizes: dict[int, int], initial: frozenset[int], seconds: list[float],

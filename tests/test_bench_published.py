@@ -46,3 +46,47 @@ def test_worker_fake_traces_with_config_overrides(tmp_path) -> None:
     assert res.ok, res.error
     shapes = {p.name: p.shape for p in Trace.load(out).params}
     assert shapes["h.0.attn.c_attn.weight"] == (288, 96) and not any(n.startswith("h.1.") for n in shapes)
+
+
+def test_patrickstar_count_is_eight_flops_per_parameter_per_token() -> None:
+    """PatrickStar prints numel × batch × seq × 2 × 4 as its TFLOPS numerator (examples/pretrain_demo.py)."""
+    import math
+
+    from bench.published import step_flops
+    from hplan.planner.synthetic import gpt_trace
+
+    r = next(x for x in REPLAYS if x.key == "patrickstar-4b-v100")
+    trace = gpt_trace(n_layer=2, d_model=64, n_head=4, vocab=100, n_ctx=32, seq=32)
+    numel = sum(math.prod(p.shape) for p in trace.params)
+    assert step_flops(r, trace, 3, True) == 8 * numel * 3 * r.seq
+    assert step_flops(r, trace, 3, True) == step_flops(r, trace, 3, False)  # its count ignores checkpointing
+
+
+def test_a_ratio_baseline_is_not_a_figure_but_its_chart_tflops_are() -> None:
+    from bench.published import compared
+
+    r = next(x for x in REPLAYS if x.key == "zero3-offload-13b-v100")
+    base, zero3 = (next(s for s in r.systems if s.paper == p) for p in (1.0, 2.3))
+    got = Outcome(system=base, batch=4, fits=True, seconds=10.0, note="", predicted=1.0,
+                  extra={"tflops": 21.0, "samples_per_s": 0.4})
+    assert compared(r, got) == [("TFLOPS", 20.0, 21.0, "read off chart")]
+    got = Outcome(system=zero3, batch=16, fits=True, seconds=10.0, note="", predicted=2.0,
+                  extra={"tflops": 40.0, "samples_per_s": 0.8})
+    assert compared(r, got) == [("×", 2.3, 2.0, "text"), ("TFLOPS", 47.0, 40.0, "read off chart")]
+    assert compared(r, Outcome(system=zero3, batch=0, fits=False, seconds=0.0, note="")) == []
+
+
+def test_a_system_that_updates_as_gradients_arrive_is_priced_without_the_overflow_wait(monkeypatch) -> None:
+    """LoHan's active gradient offloading: no step-wide wait for every gradient before any host update."""
+    from dataclasses import replace
+
+    import bench.published as published
+    from hplan.planner.synthetic import gpt_trace
+
+    trace = replace(gpt_trace(n_layer=2, d_model=64, n_head=4, vocab=100, n_ctx=32, seq=32), defer_updates=True)
+    monkeypatch.setattr(published, "trace_at", lambda ctx, r, batch, cache: trace)
+    r = published.Replay(key="t", title="t", source="s", layers=2, width=64, heads=4, batch=1, seq=32, gpu="v100",
+                         systems=(System(name="eager", sim="hplan", paper=None, eager_updates=True),
+                                  System(name="plain", sim="hplan", paper=None)))
+    eager, plain = published.replay(None, r, {})
+    assert "deferred" not in eager.extra["busy"] and "deferred" in plain.extra["busy"]

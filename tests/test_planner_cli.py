@@ -79,3 +79,13 @@ def test_too_little_host_memory_is_exit_2(trace_file, tmp_path):
     out = tmp_path / "plan.json"
     result = runner.invoke(app, ["plan", str(trace_file), "--gpu-mem", "1500KB", "--cpu-mem", "1KB", "-o", str(out)])
     assert result.exit_code == 2 and "host memory" in result.output and not out.exists()
+
+
+def test_gpu_tflops_is_an_achieved_rate_at_every_width(trace_file, tmp_path):
+    """--gpu-tflops states what the GPU sustains: no width correction ([Note: efficiency by width]) on top."""
+    out = tmp_path / "plan.json"
+    result = runner.invoke(app, ["plan", str(trace_file), "--gpu", "v100-32gb", "--gpu-mem", "3MB",
+                                 "--gpu-tflops", "10", "-o", str(out)])
+    assert result.exit_code == 0, result.output
+    hw = Plan.load(out).hardware
+    assert hw.efficiency_width == 0 and hw.tflops_16 == 10 and hw.efficiency == 1.0

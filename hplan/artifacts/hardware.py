@@ -57,6 +57,9 @@ class Hardware:
     source (a test keeps the two equal)."""
     efficiency_32: float = 0.30
     """The same share for fp32 steps (no tensor cores): presets.DEFAULT_EFFICIENCY."""
+    efficiency_width: int = 0
+    """Model width (hidden size) the efficiencies were measured at: an event of another width computes at
+    efficiency × hplan.planner.kernel_size.width_factor ([Note: efficiency by width]); 0 = no size correction."""
     h2d_gbps: float = 32.0
     """Host→device link, GB/s."""
     d2h_gbps: float = 32.0
@@ -93,13 +96,14 @@ class Hardware:
     """Host preset the CPU optimizer rate came from; informational."""
 
     def __post_init__(self) -> None:
-        for name in ("gpu_bytes", "host_bytes", "nvme_bytes", "slack_bytes", "gpus_per_node", "nodes"):
+        for name in ("gpu_bytes", "host_bytes", "nvme_bytes", "slack_bytes", "efficiency_width", "gpus_per_node",
+                     "nodes"):
             value = getattr(self, name)
             if value is None:
                 continue
             if isinstance(value, bool) or not isinstance(value, int):
                 raise HplanError(f"hardware {name} must be an integer, got {value!r}")
-            floor = 0 if name == "slack_bytes" else 1
+            floor = 0 if name in ("slack_bytes", "efficiency_width") else 1
             if value < floor:
                 raise HplanError(f"hardware {name} must be at least {floor}, got {value}")
         _check_activation_slack(self.activation_slack)

@@ -149,7 +149,8 @@ def _run(*, trace: Path, gpu_mem: str, output: Path | None, cpu_mem: str | None,
     overrides = dict(**slack_fields, host_bytes=size_option(cpu_mem, what="--cpu-mem"),
                      h2d_gbps=link_gbps, d2h_gbps=link_gbps, cpu_optimizer_gbps=cpu_adam_gbps)
     if gpu_tflops is not None:
-        overrides |= dict(tflops_16=gpu_tflops, tflops_32=gpu_tflops, efficiency=1.0, efficiency_32=1.0)
+        overrides |= dict(tflops_16=gpu_tflops, tflops_32=gpu_tflops, efficiency=1.0, efficiency_32=1.0,
+                         efficiency_width=0)  # an achieved rate, taken as given at every width
     overrides |= tier_overrides(nvme=nvme, host=host, nvme_preset=nvme_preset, nvme_read_gbps=nvme_read_gbps,
                                 nvme_write_gbps=nvme_write_gbps, cpu_adam_gbps=cpu_adam_gbps)
     preset = gpu or "rtx3090"

@@ -12,7 +12,8 @@ Shared readings of the trace (stated once here, used by all simulators):
   before the AccumulateGrad node runs, and that is when the systems' gradient hooks fire. From its first
   backward event to that one, autograd holds the gradient (grad_bytes) outside any system buffer.
 - The steady-state iteration is what is simulated: residency at its start is each system's steady state.
-- Compute time of an event: its measured seconds on a CUDA trace, else FLOPs / (datasheet TFLOPS x efficiency).
+- Compute time of an event: its measured seconds on a CUDA trace, else FLOPs / (datasheet TFLOPS x efficiency at
+  the event's width, [Note: efficiency by width] in hplan.planner.kernel_size).
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from hplan.artifacts.hardware import Hardware
 from hplan.artifacts.plan import BaselineResult
 from hplan.artifacts.trace import Event, ParamInfo, Trace
 from hplan.errors import HplanError
+from hplan.planner.kernel_size import flops_seconds
 from hplan.precision import DTYPE_BYTES
 
 FP32_BYTES = 4
@@ -94,9 +96,9 @@ def read_trace(trace: Trace, hardware: Hardware) -> Facts:
             if params[n].grad_bytes > 0:
                 grad_first.setdefault(n, i)
                 grad_done[n] = i
-    rate = hardware.tflops(trace.precision) * 1e12
     measured = trace.device == "cuda"
-    seconds = tuple(e.seconds if measured and e.seconds > 0 else e.flops / rate for e in steps)
+    priced = [s for e, s in zip(trace.events, flops_seconds(trace, hardware)) if e.kind != "optimizer"]
+    seconds = tuple(e.seconds if measured and e.seconds > 0 else s for e, s in zip(steps, priced))
     peak = opt[0].non_model_peak_bytes if opt else 0
     entry = opt[0].entry_non_model_bytes if opt and opt[0].entry_non_model_bytes is not None else peak
     return Facts(params=params, numel=numel, steps=steps, step_params=step_params, grad_first=grad_first,
