@@ -221,7 +221,7 @@ def _cpu(ctx: Context) -> tuple[Table, str]:
     from hplan.specs import load_workload
 
     spec = CPU_SPEC_QUICK if ctx.quick else CPU_SPEC
-    steps, rounds = (6, 2) if ctx.quick else (10, 5)
+    steps, rounds = (4, 1) if ctx.quick else (10, 5)
     trace = trace_workload(load_workload(spec), device="cpu", iters=3)
     slack = default_slack(trace)
     hw = make_hardware("cpu", gpu_bytes=rank_budget(trace.peak_bytes + slack, ranks=2), gpus_per_node=2,

@@ -132,7 +132,7 @@ def _mixed(trace, links):
     raise AssertionError("auto never mixed its choices between the smallest and the keep budget")
 
 
-@pytest.mark.parametrize("case", ["tiny", "llama4"])
+@pytest.mark.parametrize("case", ["tiny", pytest.param("llama4", marks=pytest.mark.slow)])  # CI time: llama4 ~50 s
 def test_mixed_auto_plans_train_as_plain_pytorch_within_budget(case, request):
     """Budgets where auto mixes its choices: losses as plain PyTorch without checkpointing, the fast tier measured
     within budget, and the model and activation bytes moved equal to the plan's."""
