@@ -378,25 +378,18 @@ def fsdp2_rank(info: Any, spec: str, steps: int, cpu: bool = False) -> dict[str,
 def deepspeed_rank(info: Any, spec: str, steps: int, system: str) -> dict[str, list[float]]:
     """DeepSpeed ZeRO (bench.speed_runs.ds_config: ZeRO-2 or ZeRO-3, the workload's torch AdamW) on this rank
     of the launched gloo group, batch(s·N + r) as the others; step seconds and losses."""
-    import logging
     import math
     import os
 
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
     for key, value in (("RANK", info.rank), ("LOCAL_RANK", info.rank), ("WORLD_SIZE", info.world_size)):
         os.environ[key] = str(value)  # what DeepSpeed's own launcher sets; the group itself is launch's
-    import deepspeed
 
-    from bench.speed_runs import ds_config
+    from bench.speed_runs import ds_engine
     from hplan.specs import load_workload
-    from hplan.training import build_optimizer
 
-    logging.getLogger("DeepSpeed").setLevel(logging.ERROR)
-    deepspeed.init_distributed(dist_backend="gloo", verbose=False)  # joins the group launch already made
     workload = load_workload(spec)
-    model = workload.build_model()
-    engine, _, _, _ = deepspeed.initialize(model=model, optimizer=build_optimizer(workload, model),
-                                           config=ds_config(system, workload.batch_size))
+    engine = ds_engine(workload, system)  # joins the group launch already made
     out, losses = [], []
     for step in range(steps):
         start = time.perf_counter()

@@ -49,11 +49,9 @@ def ds_config(system: str, batch_size: int) -> dict[str, Any]:
             "steps_per_print": 10**9, "wall_clock_breakdown": False}
 
 
-def _deepspeed(workload: Any, steps: int, system: str) -> dict[str, Any]:
-    os.environ.setdefault("DS_ACCELERATOR", "cpu")
-    for key, value in (("MASTER_ADDR", "127.0.0.1"), ("MASTER_PORT", str(29500 + os.getpid() % 2000)),
-                       ("RANK", "0"), ("WORLD_SIZE", "1"), ("LOCAL_RANK", "0")):
-        os.environ.setdefault(key, value)
+def ds_engine(workload: Any, system: str) -> Any:
+    """DeepSpeed's engine for `system` on the workload's model and optimizer, in the gloo group the caller's
+    environment names (one rank here, or the group hplan's launch already made)."""
     import logging
 
     import deepspeed
@@ -64,6 +62,15 @@ def _deepspeed(workload: Any, steps: int, system: str) -> dict[str, Any]:
     model = workload.build_model()
     engine, _, _, _ = deepspeed.initialize(model=model, optimizer=build_optimizer(workload, model),
                                            config=ds_config(system, workload.batch_size))
+    return engine
+
+
+def _deepspeed(workload: Any, steps: int, system: str) -> dict[str, Any]:
+    os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    for key, value in (("MASTER_ADDR", "127.0.0.1"), ("MASTER_PORT", str(29500 + os.getpid() % 2000)),
+                       ("RANK", "0"), ("WORLD_SIZE", "1"), ("LOCAL_RANK", "0")):
+        os.environ.setdefault(key, value)
+    engine = ds_engine(workload, system)
     losses, secs = [], []
     for i in range(steps):
         t0 = time.perf_counter()
