@@ -2,7 +2,7 @@
 schedule in one exact model) against the forced choices and transformers' own gradient checkpointing, in one run.
 
 One workload: a transformers Llama decoder from its config (8 layers, hidden 256, fp32, for-loop AdamW so the CPU
-runs compare bit for bit), batch 4 × seq 1024 (seq 256 in --quick), traced on this CPU. Budgets and predicted step
+runs compare bit for bit), batch 4 × seq 1024 (2 × 128 in --quick), traced on this CPU. Budgets and predicted step
 times are plans for the CPU fast tier (`--gpu cpu`, whose "link" is a measured memcpy rate); training runs, peaks,
 bytes moved and step times are measured on this CPU. No GPU figure anywhere.
 
@@ -32,13 +32,13 @@ from bench.harness import SectionOutput, Table, fmt_bytes, fmt_ratio, fmt_second
 
 CONFIG = {"num_hidden_layers": 8, "hidden_size": 256, "intermediate_size": 688, "num_attention_heads": 4,
           "num_key_value_heads": 4, "vocab_size": 2048, "max_position_embeddings": 1024}
-SHAPE, QUICK_SHAPE = (4, 1024), (4, 256)
+SHAPE, QUICK_SHAPE = (4, 1024), (2, 128)
 CHOICES = ("keep", "offload", "recompute")
 BUDGETS = 5
 """Budgets from auto's smallest to all-resident (keep's smallest plus the model data)."""
 TRAIN_STEPS = 3
 TIMED_STEPS = 4
-TIMED_ROUNDS = 3
+TIMED_ROUNDS, QUICK_TIMED_ROUNDS = 3, 1
 CAPACITY_LAYERS = 16
 CAPACITY_SHAPE = (8, 1024)
 CAPACITY_GOAL = 10.0
@@ -160,7 +160,8 @@ def timed(ctx: Context, trace: Any, budget: int) -> tuple[Table, float]:
     w = workload(ctx)
     plans = {c: plan(trace, budget, c) for c in ("auto", "recompute")}
     runs: dict[str, list[float]] = {c: [] for c in plans}
-    for _ in range(TIMED_ROUNDS):
+    rounds = QUICK_TIMED_ROUNDS if ctx.quick else TIMED_ROUNDS
+    for _ in range(rounds):
         for c, p in plans.items():
             report = run_training(w, p, steps=TIMED_STEPS, measure=False)
             runs[c] += list(report.step_seconds[1:])
@@ -168,7 +169,7 @@ def timed(ctx: Context, trace: Any, budget: int) -> tuple[Table, float]:
     spread = {c: statistics.median(v) for c, v in runs.items()}
     table = Table(headers=["at " + fmt_bytes(budget), "auto", "every block recomputed"],
                   caption=f"**Measured step time on this CPU** (no probe; fastest of steps 2–{TIMED_STEPS} over "
-                          f"{TIMED_ROUNDS} interleaved runs each, median beside it).")
+                          f"{rounds} interleaved run(s) each, median beside it).")
     table.add("step time, fastest", fmt_seconds(best["auto"], 3), fmt_seconds(best["recompute"], 3))
     table.add("step time, median", fmt_seconds(spread["auto"], 3), fmt_seconds(spread["recompute"], 3))
     table.add("predicted (plan)", *(fmt_seconds(plans[c].summary.predicted_step_seconds, 3) for c in plans))

@@ -18,7 +18,7 @@ SMALL_GB = (6, 8, 12)
 PAPER_ZERO_OFFLOAD = int(5.25e9)
 """ZeRO-Offload's paper dataflow on gpt:1.3b (2 B gradients down + 2 B weights up per parameter), as issue 15
 states it; the code sends fp32 gradients down (see hplan.planner.baselines.zero_offload)."""
-SWEEP_GB = (8, 16, 24, 40, 80)
+SWEEP_GB, QUICK_SWEEP_GB = (8, 16, 24, 40, 80), (8, 80)
 NAMES = (("zero_offload", "ZeRO-Offload"), ("zero3", "ZeRO-3 offload"), ("gemini", "Gemini"))
 
 
@@ -78,7 +78,7 @@ def sweep_table(ctx: Context) -> tuple[Table, list[tuple[int, dict[str, int | No
                   caption=f"**{spec}, {RECIPE}**: bytes moved per iteration from 8 to 80 GB; a ratio < 1 means hplan "
                           "moves less. Plans, not GPU measurements.")
     series = []
-    for gb in SWEEP_GB:
+    for gb in QUICK_SWEEP_GB if ctx.quick else SWEEP_GB:
         plan, found = compare(trace, gb)
         s = plan.summary
         vals = {k: (found[k].bytes_moved_per_iter if k in found and found[k].feasible else None) for k, _ in NAMES}

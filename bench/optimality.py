@@ -24,7 +24,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-BUDGETS = 7
+BUDGETS, QUICK_BUDGETS = 7, 3
+"""Budgets per trace from the minimum to all-resident (--quick: the minimum, the middle and all-resident)."""
 EXACT_NODES = 200_000
 """Branch-and-bound nodes for the reference optimum (work, not time)."""
 
@@ -173,7 +174,7 @@ def run(ctx: Any) -> Any:
     named.append(("gpt:18b fp16-mixed (synthetic)", gpt_trace(precision="fp16-mixed")))
     cells: list[Cell] = []
     for name, trace in named:
-        sizes = budgets(trace)
+        sizes = budgets(trace, QUICK_BUDGETS if ctx.quick else BUDGETS)
         for k, gpu in enumerate(sizes):
             cells.append(measure(name, trace, gpu, k / (len(sizes) - 1)))
     t = Table(headers=["trace", "GPU", "budget (min → all resident)", "regions × steps", "plan moves", "exact optimum",

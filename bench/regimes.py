@@ -22,7 +22,7 @@ from typing import Any
 from bench.context import Context
 from bench.harness import SectionOutput, Table, fmt_bytes, fmt_ratio, fmt_seconds
 
-BUDGETS, QUICK_BUDGETS = 20, 5
+BUDGETS, QUICK_BUDGETS = 20, 3
 FORCED = ("keep", "offload", "recompute")
 LLAMA = {"num_hidden_layers": 8, "hidden_size": 256, "intermediate_size": 688, "num_attention_heads": 4,
          "num_key_value_heads": 4, "vocab_size": 2048, "max_position_embeddings": 1024}
