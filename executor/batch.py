@@ -29,6 +29,8 @@ class UpdateBatch:
             for g, names in u.groups.items():
                 self.members.setdefault((u.where, g), []).extend((u, n) for n in names)
         self._optimizers: dict[tuple[str, int], torch.optim.Optimizer] = {}
+        self.regions = frozenset(r for u in updates for r in u.store.by_chunk[u.chunk.id].values())
+        """Every region of the batch's chunks (what an update on the worker thread uses)."""
 
     def _optimizer(self, key: tuple[str, int]) -> torch.optim.Optimizer:
         """One optimizer over every member's work tensor, with the members' own state dicts and options."""
@@ -70,7 +72,8 @@ class UpdateBatch:
                 for u, n in members:
                     u.work[n].grad = None
                     if (id(u), n) in grads:
-                        u.keep_lazy_state(n)
+                        if n in u.settling:
+                            u.keep_lazy_state(n)
                         u.started.add(n)
             for u in self.updates:
                 if u.master:

@@ -27,6 +27,8 @@ if TYPE_CHECKING:
     from hplan.executor.update import ChunkUpdate
 
 _LATE = "{what} was called after chunks {chunks} were already updated this iteration; " + FIX
+_NULL = contextlib.nullcontext()
+"""A reusable no-op context (nullcontext keeps no state): no object per update."""
 
 
 class GradientOps:
@@ -47,7 +49,7 @@ class GradientOps:
         ([Note: host work off the fast tier])."""
         if where == "cpu" and self.meter is not None:
             return self.meter.host_work()
-        return contextlib.nullcontext()
+        return _NULL
 
     def _norms(self, names: list[str], norm: Callable[[torch.Tensor], torch.Tensor]) -> list[torch.Tensor]:
         """`norm` of each named gradient, in order. With a master recipe each fp32 copy is made, measured and

@@ -13,6 +13,7 @@ all run at the optimizer step, after the overflow check; a skipped step still mo
 from __future__ import annotations
 
 import contextlib
+import functools
 from typing import Any, Self
 
 import torch
@@ -48,6 +49,7 @@ from hplan.precision import get_recipe
 
 GUARDS = ("stop", "warn")
 _HOST = RegionState.HOST
+_DIRTY = RegionState.RESIDENT_DIRTY
 NONFINITE = ("ignore", "stop", "skip")
 
 
@@ -97,6 +99,8 @@ class PlanRun(UpdateSteps, GradientOps, StateSync):
         self._pending_flips: set[int] = set()
         self._batches: dict[tuple[int, ...], UpdateBatch] = {}
         """Chunks updated at one step → their batch (the same sets every iteration)."""
+        self._split: dict[tuple[int, ...], list[tuple[UpdateBatch, str]]] = {}
+        """Chunks updated at one step → their batches per place (UpdateSteps._parts)."""
         self._shown: set[str] = set()
         self._queued = False
         self._updated: set[int] = set()
@@ -182,6 +186,8 @@ class PlanRun(UpdateSteps, GradientOps, StateSync):
         self._grad_home = {id(p): (n, c, r, store.slots[r]) for n, p in store.params.items()
                            if (r := store.region(c := store.chunk_of[n], "grad")) is not None}
         """id(parameter) → (name, chunk, gradient region, its Slot): grad_target's lookups, done once."""
+        self._grad_of = {n: (store.params[n], c, slot) for n, c, _, slot in self._grad_home.values()}
+        """name → (parameter, chunk, gradient region's Slot): _show_grads' and _hide_grads' lookups, done once."""
         self._stack.enter_context(EventHooks(model, self.on_event))
         self.activations.install(model, self._stack)
         self._stack.enter_context(intercepted(self, optimizer, model))
@@ -362,9 +368,11 @@ class PlanRun(UpdateSteps, GradientOps, StateSync):
             worker.drain()
 
     # -- gradients ------------------------------------------------------------------------------------
-    def _on_grad(self, p: torch.Tensor) -> None:
-        """Post-accumulate-grad hook: autograd's gradient into its region, through grad_target."""
-        move_grad(p, self.grad_target)
+    @functools.cached_property
+    def _on_grad(self) -> Any:
+        """Post-accumulate-grad hook: autograd's gradient into its region, through grad_target (move_grad bound as
+        a C-level partial: one hook call per parameter per iteration, no Python frame of its own)."""
+        return functools.partial(move_grad, grad_target=self.grad_target)
 
     def grad_target(self, param: torch.Tensor) -> tuple[torch.Tensor, bool]:
         """GradSink (hplan.grads): the parameter's gradient lives in its chunk's gradient region."""
@@ -381,7 +389,7 @@ class PlanRun(UpdateSteps, GradientOps, StateSync):
             self.store.require([rid], f"gradient of {name} at plan step {self.plan.steps[self.cursor - 1].index}")
         first = name not in self.written
         self.written.add(name)
-        self.store.mark_dirty(rid)
+        slot.state = _DIRTY  # store.mark_dirty, inline: the region is resident (required just above)
         return slot.fast_views[name], first
 
     def _flip(self, c: int) -> None:
@@ -398,18 +406,21 @@ class PlanRun(UpdateSteps, GradientOps, StateSync):
         """After backward (CPU fast tier only): `.grad` of each written parameter views its current gradient, so
         code reading gradients between backward and the step sees them (and writes to them land in regions)."""
         self._queued = False
+        grad_of, watch, updated = self._grad_of, self.watch, self._updated
         for name in self.written:
-            c = self.store.chunk_of[name]
-            grad = self.store.params[name].grad = self.store.current(self.store.region(c, "grad"), name)
-            self._shown.add(name)
-            if self.watch is not None and c in self._updated:
-                self.watch.shown(name, grad)
+            p, c, slot = grad_of[name]
+            grad = p.grad = (slot.host_views if slot.state is _HOST else slot.fast_views)[name]  # store.current
+            if watch is not None and c in updated:
+                watch.shown(name, grad)
+        self._shown.update(self.written)
 
     def _hide_grads(self) -> None:
         """Before any event: autograd must not accumulate into a shown view behind the regions' bookkeeping."""
-        for name in self._shown:
-            self.store.params[name].grad = None
-        self._shown.clear()
+        if self._shown:
+            grad_of = self._grad_of
+            for name in self._shown:
+                grad_of[name][0].grad = None
+            self._shown.clear()
 
     # -- iteration end, measurement -------------------------------------------------------------------
     def optimizer_event(self) -> list[EventRecord]:
