@@ -170,6 +170,7 @@ class PlanRun(UpdateSteps, GradientOps, StateSync):
                 self.host.settle_chunk(c.id)
                 self.updates[c.id] = update
         optimizer.state.clear()  # hplan holds the state in regions until the block ends
+        self._fast_updates = sorted(c for c, u in self.updates.items() if u.where == "gpu")
         self._names = names
         self._watch = ParamWatch(model, names)
         for name in (n for c in plan.chunks for n in c.trainable):
@@ -264,7 +265,10 @@ class PlanRun(UpdateSteps, GradientOps, StateSync):
                 self.tier.wait(slot.fast)
         self._close_window()
         self._pending = (self.store._resident_bytes, 0, 0)
-        self._advance(quiet.kind)
+        if quiet.kind == "forward":  # _advance, inline for a forward step
+            self.cursor += 1
+        else:
+            self._advance(quiet.kind)
         return True
 
     def _moving_step(self, quiet: Quiet, moves: Moves) -> None:
@@ -276,7 +280,8 @@ class PlanRun(UpdateSteps, GradientOps, StateSync):
         forward = quiet.kind == "forward"
         if forward:
             self._watch.dtypes(quiet.module)
-        self._wait_for_updates(moves)
+        if self.worker is not None and self.worker.busy:
+            self._wait_for_updates(moves)
         move_regions(store, moves)
         for slot in quiet.needs:
             if slot.state is _HOST:
@@ -496,7 +501,8 @@ class PlanRun(UpdateSteps, GradientOps, StateSync):
         record = EventRecord(index=step.index, event=step.event, resident_bytes=model + peak,
                              model_resident_bytes=model, h2d_bytes=h2d, d2h_bytes=d2h)
         self.records.append(record)
-        self.guard_budget(record.resident_bytes, f"plan step {step.index} ({step.event})")
+        if model + peak > self._budget:  # guard_budget's test first: no message built for a step within budget
+            self.guard_budget(record.resident_bytes, f"plan step {step.index} ({step.event})")
 
     def _planned(self, where: str) -> str:
         step = self.plan.steps[self.cursor - 1] if self.cursor else None

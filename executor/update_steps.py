@@ -40,6 +40,8 @@ class UpdateSteps:
     watch: EagerWatch | None
     _batches: dict[tuple[int, ...], UpdateBatch]
     _split: dict[tuple[int, ...], list[tuple[UpdateBatch, str]]]
+    _fast_updates: list[int]
+    """The chunks updated on the fast tier (at the optimizer step), sorted."""
     _updated: set[int]
     _skip_next: bool
     worker: UpdateWorker | None
@@ -156,6 +158,6 @@ class UpdateSteps:
                     update.copy_masters()
                     self.store.mark_dirty(self.store.region(c, "param"))
             return
-        chunks = sorted(step.host_updates) + sorted(c for c, u in self.updates.items() if u.where == "gpu")
+        chunks = sorted(step.host_updates) + self._fast_updates
         if chunks:
             self._update(chunks, step)
