@@ -142,3 +142,57 @@ def step_profile(workload: Any, plan: Any, *, steps: int = 4) -> tuple[float, li
         calls, cum = by_code.get((code.co_filename, code.co_firstlineno, code.co_name), (0, 0.0))
         rows.append((label, calls / iters, cum / iters))
     return per_iter, rows
+
+
+def _own_files() -> tuple[str, ...]:
+    """Directories of hplan's runtime code (the executor package and hplan's hooks and gradient sinks), whose
+    Python frames are the executor's own work; the model's code (hplan.models) is the workload's, as in plain."""
+    import os
+
+    import hplan.executor
+    import hplan.grads
+    import hplan.hooks
+
+    return (os.path.dirname(hplan.executor.__file__) + os.sep, hplan.hooks.__file__, hplan.grads.__file__)
+
+
+def call_counts(workload: Any, plan: Any | None, *, steps: int = 4) -> dict[str, float]:
+    """Function calls per steady iteration of the plain user loop (zero_grad, loss, backward, step), alone
+    (`plan` None) or inside `hplan.attach(plan)` with host updates in line: `calls` counts every Python and C
+    function call (sys.setprofile's call and c_call events, this thread), `own` the Python frames of hplan's
+    runtime code (`_own_files`). Counts, unlike times, do not depend on the machine's load."""
+    import contextlib
+    import sys
+
+    from hplan.executor import attach
+    from hplan.training import build_optimizer
+
+    model = workload.build_model()
+    optimizer = build_optimizer(workload, model)
+    own_files = _own_files()
+    counts = {"calls": 0, "own": 0}
+
+    def profile(frame: Any, event: str, arg: Any) -> None:
+        if event == "call":
+            counts["calls"] += 1
+            if frame.f_code.co_filename.startswith(own_files):
+                counts["own"] += 1
+        elif event == "c_call":
+            counts["calls"] += 1
+
+    block = contextlib.nullcontext() if plan is None else attach(
+        model, optimizer, plan, batch_example=workload.batch(0), precision=workload.precision, measure=False,
+        overlap=False)
+    with block:
+        for i in range(steps + 1):
+            if i == 1:
+                sys.setprofile(profile)
+            try:
+                optimizer.zero_grad(set_to_none=True)
+                loss = workload.loss(model, workload.batch(i))
+                loss.backward()
+                optimizer.step()
+            finally:
+                if i == steps:
+                    sys.setprofile(None)
+    return {k: v / steps for k, v in counts.items()}

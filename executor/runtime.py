@@ -265,10 +265,11 @@ class PlanRun(UpdateSteps, GradientOps, StateSync):
                 self.tier.wait(slot.fast)
         self._close_window()
         self._pending = (self.store._resident_bytes, 0, 0)
-        if quiet.kind == "forward":  # _advance, inline for a forward step
-            self.cursor += 1
-        else:
-            self._advance(quiet.kind)
+        self.cursor += 1  # the step's end, as the general path's
+        if quiet.kind == "backward":
+            self._zeroed = False
+            if not self._queued:
+                self._queue_show_grads()
         return True
 
     def _moving_step(self, quiet: Quiet, moves: Moves) -> None:
@@ -293,17 +294,17 @@ class PlanRun(UpdateSteps, GradientOps, StateSync):
         if forward:
             self._watch.devices(quiet.module, self.tier.device)
         self._pending = (store._resident_bytes, traffic.h2d - h2d, traffic.d2h - d2h)
-        self._advance(quiet.kind)
-
-    def _advance(self, kind: str) -> None:
-        """The fast path's end of a step: the cursor moves on; a backward step queues the end-of-backward
-        callback once (as the general path does)."""
-        self.cursor += 1
-        if kind == "backward":
+        self.cursor += 1  # the step's end, as the general path's
+        if quiet.kind == "backward":
             self._zeroed = False
-            if not self._queued and self.tier.exposes_host_grads:
-                self._queued = True
-                torch.autograd.Variable._execution_engine.queue_callback(self._show_grads)
+            if not self._queued:
+                self._queue_show_grads()
+
+    def _queue_show_grads(self) -> None:
+        """A backward's first event: `_show_grads` runs once when the backward ends (CPU fast tier only)."""
+        if self.tier.exposes_host_grads:
+            self._queued = True
+            torch.autograd.Variable._execution_engine.queue_callback(self._show_grads)
 
     def _general_event(self, kind: str, module: str) -> None:
         actual = f"{kind}:{module}"
@@ -346,9 +347,8 @@ class PlanRun(UpdateSteps, GradientOps, StateSync):
             self._watch.devices(module, self.tier.device)
         self._pending = (self.store.resident_bytes(), traffic.h2d - h2d, traffic.d2h - d2h)
         self.cursor += 1
-        if kind == "backward" and self.tier.exposes_host_grads and not self._queued:
-            self._queued = True
-            torch.autograd.Variable._execution_engine.queue_callback(self._show_grads)
+        if kind == "backward" and not self._queued:
+            self._queue_show_grads()
 
     def _do_step(self, step: Step) -> None:
         store = self.store
