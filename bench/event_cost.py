@@ -93,7 +93,7 @@ def hook_cost(workload: Any, plan: Any, *, n: int = 20000, rounds: int = 7) -> d
 def _parts() -> list[tuple[str, Any]]:
     """(label, code object) of the hooks and executor pieces the profile splits a step into."""
     from hplan.executor.activations.run import ActivationRun, _Offloaded
-    from hplan.executor.gradients import GradientOps
+    from hplan.executor.gradients import GradientOps, move_grad
     from hplan.executor.regions import move_regions
     from hplan.executor.runtime import PlanRun
     from hplan.executor.update_steps import UpdateSteps
@@ -110,7 +110,7 @@ def _parts() -> list[tuple[str, Any]]:
             ("… of which activation prefetch", ActivationRun.at_step.__code__),
             ("… of which chunk updates (host in backward, fast tier at the step)", UpdateSteps._update.__code__),
             ("… of which non-finite gradient checks", GradientOps._check_finite.__code__),
-            ("gradient hook: autograd's gradient into its region", PlanRun._on_grad.__code__),
+            ("gradient hook: autograd's gradient into its region", move_grad.__code__),
             ("activation offload to host (end of a segment's forward)", _Offloaded.to_host.__code__),
             ("gradients shown as `.grad` after backward", PlanRun._show_grads.__code__)]
 

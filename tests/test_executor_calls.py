@@ -113,3 +113,14 @@ def _null():
     import contextlib
 
     return contextlib.nullcontext()
+
+
+def test_the_bench_profile_splits_a_step_by_live_code():
+    """bench section 13's profile names executor code objects: each must still exist (a renamed hook would
+    otherwise fail the bench at run time, not here)."""
+    from bench.event_cost import _parts
+
+    parts = _parts()
+    assert len(parts) == len({label for label, _ in parts})
+    for label, code in parts:
+        assert code.co_filename.endswith(".py") and code.co_firstlineno > 0, label
