@@ -239,6 +239,10 @@ def _run(ctx: Context) -> SectionOutput:
             if label == "hook cost":
                 out.headline.append(f"quiet hook event {table.rows[0][1]} µs forward, {table.rows[1][1]} µs "
                                     "backward (goal ≤ 5 µs)")
+            if label == "calls":
+                out.headline.append(f"function calls per iteration: plain {table.rows[0][1]}, all-resident "
+                                    f"{table.rows[1][1]} ({table.rows[1][3]} of them hplan's), minimum budget "
+                                    f"{table.rows[2][1]} ({table.rows[2][3]})")
     result = out.part("step time", step_table, ctx, plans, log=ctx.log)
     if result is not None:
         out.tables.append(result[0])
