@@ -124,3 +124,32 @@ def test_the_bench_profile_splits_a_step_by_live_code():
     assert len(parts) == len({label for label, _ in parts})
     for label, code in parts:
         assert code.co_filename.endswith(".py") and code.co_firstlineno > 0, label
+
+
+@pytest.mark.parametrize("extra", [0.0, 3.0], ids=["host-updates", "fast-tier-updates"])
+def test_global_optimizer_step_hooks_fire_once_per_step_as_in_plain_pytorch(gpt_tiny, extra):
+    """hplan steps its chunks with optimizers of its own; torch's global step hooks must see only the user's
+    optimizer, once per optimizer.step(), as in plain PyTorch (not once more per update batch)."""
+    from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
+
+    plan = plan_for(gpt_tiny, extra=extra)
+
+    def seen(with_plan: bool) -> list[tuple[str, int]]:
+        model = gpt_tiny.build_model()
+        optimizer = gpt_tiny.optimizer(model.parameters())
+        calls: list[tuple[str, int]] = []
+        handles = [register_optimizer_step_pre_hook(lambda opt, a, k: calls.append(("pre", id(opt) == id(optimizer)))),
+                   register_optimizer_step_post_hook(lambda opt, a, k: calls.append(("post", id(opt) == id(optimizer))))]
+        try:
+            block = hplan.attach(model, optimizer, plan, measure=False) if with_plan else _null()
+            with block:
+                for step in range(2):
+                    gpt_tiny.loss(model, gpt_tiny.batch(step)).backward()
+                    optimizer.step()
+                    optimizer.zero_grad()
+        finally:
+            for handle in handles:
+                handle.remove()
+        return calls
+
+    assert seen(True) == seen(False) == [("pre", True), ("post", True)] * 2
