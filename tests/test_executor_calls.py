@@ -62,11 +62,17 @@ def gpt_tiny():
     return load_workload("gpt:tiny")
 
 
+@pytest.fixture(scope="module")
+def tiny_plans(gpt_tiny):
+    """gpt:tiny's plans at the minimum fast tier (host updates) and with room to spare (all resident), made once."""
+    return {extra: plan_for(gpt_tiny, extra=extra) for extra in (0.0, 3.0)}
+
+
 @pytest.mark.parametrize("extra, per_step", [(3.0, 14), (0.0, 38)], ids=["all-resident", "minimum"])
-def test_hplan_python_frames_per_iteration_stay_within_budget(gpt_tiny, extra, per_step):
+def test_hplan_python_frames_per_iteration_stay_within_budget(gpt_tiny, tiny_plans, extra, per_step):
     """hplan's own frames per steady iteration (events, gradient hooks, region moves, updates) ÷ plan steps. Before
     the fast paths of issue 32 gpt:tiny took 24 per step all-resident and 51 at the minimum; now 12 and 34."""
-    plan = plan_for(gpt_tiny, extra=extra)
+    plan = tiny_plans[extra]
     counts, budget = _budget((gpt_tiny, plan), per_step)
     plain = call_counts(gpt_tiny, None, steps=2)
     assert plain["own"] < 10  # the model's direct gradient writes (hplan.grads) only
@@ -127,12 +133,12 @@ def test_the_bench_profile_splits_a_step_by_live_code():
 
 
 @pytest.mark.parametrize("extra", [0.0, 3.0], ids=["host-updates", "fast-tier-updates"])
-def test_global_optimizer_step_hooks_fire_once_per_step_as_in_plain_pytorch(gpt_tiny, extra):
+def test_global_optimizer_step_hooks_fire_once_per_step_as_in_plain_pytorch(gpt_tiny, tiny_plans, extra):
     """hplan steps its chunks with optimizers of its own; torch's global step hooks must see only the user's
     optimizer, once per optimizer.step(), as in plain PyTorch (not once more per update batch)."""
     from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
-    plan = plan_for(gpt_tiny, extra=extra)
+    plan = tiny_plans[extra]
 
     def seen(with_plan: bool) -> list[tuple[str, int]]:
         model = gpt_tiny.build_model()
