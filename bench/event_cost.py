@@ -93,7 +93,7 @@ def hook_cost(workload: Any, plan: Any, *, n: int = 20000, rounds: int = 7) -> d
 def _parts() -> list[tuple[str, Any]]:
     """(label, code object) of the hooks and executor pieces the profile splits a step into."""
     from hplan.executor.activations.run import ActivationRun, _Offloaded
-    from hplan.executor.gradients import GradientOps
+    from hplan.executor.gradients import GradientOps, move_grad
     from hplan.executor.regions import move_regions
     from hplan.executor.runtime import PlanRun
     from hplan.executor.update_steps import UpdateSteps
@@ -110,7 +110,7 @@ def _parts() -> list[tuple[str, Any]]:
             ("… of which activation prefetch", ActivationRun.at_step.__code__),
             ("… of which chunk updates (host in backward, fast tier at the step)", UpdateSteps._update.__code__),
             ("… of which non-finite gradient checks", GradientOps._check_finite.__code__),
-            ("gradient hook: autograd's gradient into its region", PlanRun._on_grad.__code__),
+            ("gradient hook: autograd's gradient into its region", move_grad.__code__),
             ("activation offload to host (end of a segment's forward)", _Offloaded.to_host.__code__),
             ("gradients shown as `.grad` after backward", PlanRun._show_grads.__code__)]
 
@@ -142,3 +142,57 @@ def step_profile(workload: Any, plan: Any, *, steps: int = 4) -> tuple[float, li
         calls, cum = by_code.get((code.co_filename, code.co_firstlineno, code.co_name), (0, 0.0))
         rows.append((label, calls / iters, cum / iters))
     return per_iter, rows
+
+
+def _own_files() -> tuple[str, ...]:
+    """Directories of hplan's runtime code (the executor package and hplan's hooks and gradient sinks), whose
+    Python frames are the executor's own work; the model's code (hplan.models) is the workload's, as in plain."""
+    import os
+
+    import hplan.executor
+    import hplan.grads
+    import hplan.hooks
+
+    return (os.path.dirname(hplan.executor.__file__) + os.sep, hplan.hooks.__file__, hplan.grads.__file__)
+
+
+def call_counts(workload: Any, plan: Any | None, *, steps: int = 4) -> dict[str, float]:
+    """Function calls per steady iteration of the plain user loop (zero_grad, loss, backward, step), alone
+    (`plan` None) or inside `hplan.attach(plan)` with host updates in line: `calls` counts every Python and C
+    function call (sys.setprofile's call and c_call events, this thread), `own` the Python frames of hplan's
+    runtime code (`_own_files`). Counts, unlike times, do not depend on the machine's load."""
+    import contextlib
+    import sys
+
+    from hplan.executor import attach
+    from hplan.training import build_optimizer
+
+    model = workload.build_model()
+    optimizer = build_optimizer(workload, model)
+    own_files = _own_files()
+    counts = {"calls": 0, "own": 0}
+
+    def profile(frame: Any, event: str, arg: Any) -> None:
+        if event == "call":
+            counts["calls"] += 1
+            if frame.f_code.co_filename.startswith(own_files):
+                counts["own"] += 1
+        elif event == "c_call":
+            counts["calls"] += 1
+
+    block = contextlib.nullcontext() if plan is None else attach(
+        model, optimizer, plan, batch_example=workload.batch(0), precision=workload.precision, measure=False,
+        overlap=False)
+    with block:
+        for i in range(steps + 1):
+            if i == 1:
+                sys.setprofile(profile)
+            try:
+                optimizer.zero_grad(set_to_none=True)
+                loss = workload.loss(model, workload.batch(i))
+                loss.backward()
+                optimizer.step()
+            finally:
+                if i == steps:
+                    sys.setprofile(None)
+    return {k: v / steps for k, v in counts.items()}

@@ -10,6 +10,10 @@ bit for bit (tests/test_optimizers.py checks the result against torch).
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
+from typing import Any
+
 import torch
 from hplan.executor.gradients import Clip, apply_clips
 from hplan.executor.trace_ranges import action
@@ -29,6 +33,9 @@ class UpdateBatch:
             for g, names in u.groups.items():
                 self.members.setdefault((u.where, g), []).extend((u, n) for n in names)
         self._optimizers: dict[tuple[str, int], torch.optim.Optimizer] = {}
+        self._steps: dict[tuple[str, int], Callable[[], Any]] = {}
+        self.regions = frozenset(r for u in updates for r in u.store.by_chunk[u.chunk.id].values())
+        """Every region of the batch's chunks (what an update on the worker thread uses)."""
 
     def _optimizer(self, key: tuple[str, int]) -> torch.optim.Optimizer:
         """One optimizer over every member's work tensor, with the members' own state dicts and options."""
@@ -40,6 +47,7 @@ class UpdateBatch:
             for u, n in members:
                 opt.state[u.work[n]] = u.states[n]
             self._optimizers[key] = opt
+            self._steps[key] = unhooked_step(opt)
         return opt
 
     def step(self, written: set[str], *, inv_scale: torch.Tensor | None = None,
@@ -66,12 +74,24 @@ class UpdateBatch:
                     continue
                 for u, n in members:
                     u.work[n].grad = grads.get((id(u), n))
-                opt.step()
+                self._steps[key]()
                 for u, n in members:
                     u.work[n].grad = None
                     if (id(u), n) in grads:
-                        u.keep_lazy_state(n)
+                        if n in u.settling:
+                            u.keep_lazy_state(n)
                         u.started.add(n)
             for u in self.updates:
                 if u.master:
                     u.copy_masters()
+
+
+def unhooked_step(opt: torch.optim.Optimizer) -> Callable[[], Any]:
+    """`opt.step` without torch's wrapper (Optimizer.profile_hook_step), the same update body. A batch's optimizer
+    is hplan's own: the global optimizer step hooks (torch.optim.optimizer.register_optimizer_step_pre_hook) fire
+    once per step for the user's optimizer (hplan.executor.habits.with_step_hooks), as in plain PyTorch, not again
+    for every batch; and the wrapper's record_function costs more than a small chunk's update."""
+    step = type(opt).step
+    if getattr(step, "hooked", False) and callable(getattr(step, "__wrapped__", None)):
+        return functools.partial(step.__wrapped__, opt)
+    return opt.step

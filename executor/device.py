@@ -12,6 +12,10 @@ import torch
 
 from hplan.errors import HplanError
 
+_grad_enabled = torch.is_grad_enabled
+_set_grad_enabled = torch._C._set_grad_enabled
+_set_version = torch._C._autograd._unsafe_set_version_counter
+
 
 class FastTier:
     """CPU twin: fast-tier buffers are ordinary CPU tensors, distinct from the host store."""
@@ -35,14 +39,27 @@ class FastTier:
         dst.untyped_storage().resize_(nbytes)
 
     def h2d(self, dst: torch.Tensor, src: torch.Tensor) -> None:
-        """Re-allocate `dst` and fill it in place from the host copy."""
+        """Re-allocate `dst` and fill it in place from the host copy, its version counter kept (autograd's saved
+        views of the region see the same data again). torch.no_grad() and _unsafe_preserve_version_counter as
+        their C calls: the Python context managers cost more than a small region's memcpy."""
         dst.untyped_storage().resize_(src.untyped_storage().nbytes())
-        with torch.no_grad(), torch.autograd._unsafe_preserve_version_counter(dst):
+        version = dst._version
+        grad = _grad_enabled()
+        _set_grad_enabled(False)
+        try:
             dst.copy_(src)
+        finally:
+            _set_grad_enabled(grad)
+            _set_version((dst,), (version,))
 
     def d2h(self, dst: torch.Tensor, src: torch.Tensor) -> None:
-        with torch.no_grad():
+        """Fill the host copy from `src` (torch.no_grad() as its C calls, see h2d)."""
+        grad = _grad_enabled()
+        _set_grad_enabled(False)
+        try:
             dst.copy_(src)
+        finally:
+            _set_grad_enabled(grad)
 
     def wait(self, buf: torch.Tensor) -> None:
         """Make compute wait for `buf`'s fetch (synchronous here)."""

@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from hplan.errors import HplanError
+from hplan.executor.state import RegionState
 from hplan.executor.tripwires import FIX
 
 if TYPE_CHECKING:
@@ -27,6 +28,9 @@ if TYPE_CHECKING:
     from hplan.executor.update import ChunkUpdate
 
 _LATE = "{what} was called after chunks {chunks} were already updated this iteration; " + FIX
+_NULL = contextlib.nullcontext()
+_HOST = RegionState.HOST
+"""A reusable no-op context (nullcontext keeps no state): no object per update."""
 
 
 class GradientOps:
@@ -47,7 +51,7 @@ class GradientOps:
         ([Note: host work off the fast tier])."""
         if where == "cpu" and self.meter is not None:
             return self.meter.host_work()
-        return contextlib.nullcontext()
+        return _NULL
 
     def _norms(self, names: list[str], norm: Callable[[torch.Tensor], torch.Tensor]) -> list[torch.Tensor]:
         """`norm` of each named gradient, in order. With a master recipe each fp32 copy is made, measured and
@@ -126,7 +130,9 @@ class GradientOps:
         earlier clips applied) with a master recipe."""
         store = self.store
         if not self.master:
-            return [store.current(store.region(store.chunk_of[n], "grad"), n) for n in names]
+            grad_of = self._grad_of  # type: ignore[attr-defined]  (PlanRun: name → (param, chunk, grad Slot))
+            return [(slot.host_views if slot.state is _HOST else slot.fast_views)[n]  # store.current
+                    for n in names for slot in (grad_of[n][2],)]
         inv = self.loss_scale.inverse() if self.loss_scale else None
         out = []
         for n in names:

@@ -32,15 +32,15 @@ class UpdateWorker:
         self._failed = False
         self.regions: set[int] = set()
         """Region ids of the chunks whose update is queued or running: moving one must wait (`drain`)."""
-
-    @property
-    def busy(self) -> bool:
-        return bool(self._pending)
+        self.busy = False
+        """Updates are queued or running (`bool(self._pending)`, kept as a plain attribute: every event reads
+        it)."""
 
     def submit(self, work: Callable[[], None], regions: set[int] | frozenset[int]) -> None:
         if self._pool is None:
             self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="hplan-update")
         self._pending.append(self._pool.submit(self._guarded, work))
+        self.busy = True
         self.regions |= regions
 
     def _guarded(self, work: Callable[[], None]) -> None:
@@ -54,7 +54,7 @@ class UpdateWorker:
 
     def drain(self) -> None:
         """Wait for every queued update; the first failure's error is raised (the rest never ran)."""
-        pending, self._pending = self._pending, []
+        pending, self._pending, self.busy = self._pending, [], False
         first: BaseException | None = None
         for future in pending:  # every one finished (or skipped) before anything is raised
             error = future.exception()

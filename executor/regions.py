@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 import torch
-from hplan.executor.trace_ranges import action, recording
+from hplan.executor.trace_ranges import action
 from hplan.executor.device import FastTier
 from hplan.executor.state import RegionState
 from hplan.executor.step_table import Moves
@@ -29,6 +29,8 @@ from hplan.artifacts import Plan, Region
 from hplan.errors import HplanError
 
 _HOST = RegionState.HOST
+_RESIDENT = RegionState.RESIDENT
+_PROFILER = torch.autograd.profiler
 _NULL = contextlib.nullcontext()
 
 Key = str | tuple[str, str]
@@ -112,7 +114,7 @@ class RegionStore:
         slot = self.slots[rid]
         if slot.state is not _HOST:
             return
-        if recording():
+        if getattr(_PROFILER, "_is_profiler_enabled", True):  # trace_ranges.recording(), inline
             with action(f"hplan::fetch::{rid}"):
                 self.tier.h2d(slot.fast, slot.host)
         else:
@@ -125,16 +127,20 @@ class RegionStore:
         slot = self.slots[rid]
         if slot.state is not _HOST:
             return
-        if recording():
+        if getattr(_PROFILER, "_is_profiler_enabled", True):  # trace_ranges.recording(), inline
             with action(f"hplan::alloc::{rid}"):
                 self.tier.alloc(slot.fast, slot.region.bytes)
         else:
             self.tier.alloc(slot.fast, slot.region.bytes)
-        self._arrived(slot)
+        if slot.region.kind == "param":
+            self._arrived(slot)
+        else:  # _arrived, inline (a gradient, master or state region: no parameter points at it)
+            self._resident_bytes += slot.region.bytes
+            slot.state = _RESIDENT
 
     def _arrived(self, slot: Slot) -> None:
         self._resident_bytes += slot.region.bytes
-        slot.state = RegionState.RESIDENT
+        slot.state = _RESIDENT
         if slot.region.kind == "param":
             for name, view in slot.fast_views.items():
                 self.params[name].data = view
@@ -144,7 +150,7 @@ class RegionStore:
         slot = self.slots[rid]
         if slot.state is _HOST:
             return
-        traced = recording()
+        traced = getattr(_PROFILER, "_is_profiler_enabled", True)  # trace_ranges.recording(), inline
         if writeback and slot.state is RegionState.RESIDENT_DIRTY:
             with action(f"hplan::writeback::{rid}") if traced else _NULL:
                 self.tier.d2h(slot.host, slot.fast)

@@ -13,6 +13,7 @@ all run at the optimizer step, after the overflow check; a skipped step still mo
 from __future__ import annotations
 
 import contextlib
+import functools
 from typing import Any, Self
 
 import torch
@@ -48,6 +49,7 @@ from hplan.precision import get_recipe
 
 GUARDS = ("stop", "warn")
 _HOST = RegionState.HOST
+_DIRTY = RegionState.RESIDENT_DIRTY
 NONFINITE = ("ignore", "stop", "skip")
 
 
@@ -97,6 +99,8 @@ class PlanRun(UpdateSteps, GradientOps, StateSync):
         self._pending_flips: set[int] = set()
         self._batches: dict[tuple[int, ...], UpdateBatch] = {}
         """Chunks updated at one step → their batch (the same sets every iteration)."""
+        self._split: dict[tuple[int, ...], list[tuple[UpdateBatch, str]]] = {}
+        """Chunks updated at one step → their batches per place (UpdateSteps._parts)."""
         self._shown: set[str] = set()
         self._queued = False
         self._updated: set[int] = set()
@@ -166,6 +170,7 @@ class PlanRun(UpdateSteps, GradientOps, StateSync):
                 self.host.settle_chunk(c.id)
                 self.updates[c.id] = update
         optimizer.state.clear()  # hplan holds the state in regions until the block ends
+        self._fast_updates = sorted(c for c, u in self.updates.items() if u.where == "gpu")
         self._names = names
         self._watch = ParamWatch(model, names)
         for name in (n for c in plan.chunks for n in c.trainable):
@@ -182,6 +187,8 @@ class PlanRun(UpdateSteps, GradientOps, StateSync):
         self._grad_home = {id(p): (n, c, r, store.slots[r]) for n, p in store.params.items()
                            if (r := store.region(c := store.chunk_of[n], "grad")) is not None}
         """id(parameter) → (name, chunk, gradient region, its Slot): grad_target's lookups, done once."""
+        self._grad_of = {n: (store.params[n], c, slot) for n, c, _, slot in self._grad_home.values()}
+        """name → (parameter, chunk, gradient region's Slot): _show_grads' and _hide_grads' lookups, done once."""
         self._stack.enter_context(EventHooks(model, self.on_event))
         self.activations.install(model, self._stack)
         self._stack.enter_context(intercepted(self, optimizer, model))
@@ -258,7 +265,11 @@ class PlanRun(UpdateSteps, GradientOps, StateSync):
                 self.tier.wait(slot.fast)
         self._close_window()
         self._pending = (self.store._resident_bytes, 0, 0)
-        self._advance(quiet.kind)
+        self.cursor += 1  # the step's end, as the general path's
+        if quiet.kind == "backward":
+            self._zeroed = False
+            if not self._queued:
+                self._queue_show_grads()
         return True
 
     def _moving_step(self, quiet: Quiet, moves: Moves) -> None:
@@ -270,7 +281,8 @@ class PlanRun(UpdateSteps, GradientOps, StateSync):
         forward = quiet.kind == "forward"
         if forward:
             self._watch.dtypes(quiet.module)
-        self._wait_for_updates(moves)
+        if self.worker is not None and self.worker.busy:
+            self._wait_for_updates(moves)
         move_regions(store, moves)
         for slot in quiet.needs:
             if slot.state is _HOST:
@@ -282,17 +294,17 @@ class PlanRun(UpdateSteps, GradientOps, StateSync):
         if forward:
             self._watch.devices(quiet.module, self.tier.device)
         self._pending = (store._resident_bytes, traffic.h2d - h2d, traffic.d2h - d2h)
-        self._advance(quiet.kind)
-
-    def _advance(self, kind: str) -> None:
-        """The fast path's end of a step: the cursor moves on; a backward step queues the end-of-backward
-        callback once (as the general path does)."""
-        self.cursor += 1
-        if kind == "backward":
+        self.cursor += 1  # the step's end, as the general path's
+        if quiet.kind == "backward":
             self._zeroed = False
-            if not self._queued and self.tier.exposes_host_grads:
-                self._queued = True
-                torch.autograd.Variable._execution_engine.queue_callback(self._show_grads)
+            if not self._queued:
+                self._queue_show_grads()
+
+    def _queue_show_grads(self) -> None:
+        """A backward's first event: `_show_grads` runs once when the backward ends (CPU fast tier only)."""
+        if self.tier.exposes_host_grads:
+            self._queued = True
+            torch.autograd.Variable._execution_engine.queue_callback(self._show_grads)
 
     def _general_event(self, kind: str, module: str) -> None:
         actual = f"{kind}:{module}"
@@ -335,9 +347,8 @@ class PlanRun(UpdateSteps, GradientOps, StateSync):
             self._watch.devices(module, self.tier.device)
         self._pending = (self.store.resident_bytes(), traffic.h2d - h2d, traffic.d2h - d2h)
         self.cursor += 1
-        if kind == "backward" and self.tier.exposes_host_grads and not self._queued:
-            self._queued = True
-            torch.autograd.Variable._execution_engine.queue_callback(self._show_grads)
+        if kind == "backward" and not self._queued:
+            self._queue_show_grads()
 
     def _do_step(self, step: Step) -> None:
         store = self.store
@@ -362,9 +373,11 @@ class PlanRun(UpdateSteps, GradientOps, StateSync):
             worker.drain()
 
     # -- gradients ------------------------------------------------------------------------------------
-    def _on_grad(self, p: torch.Tensor) -> None:
-        """Post-accumulate-grad hook: autograd's gradient into its region, through grad_target."""
-        move_grad(p, self.grad_target)
+    @functools.cached_property
+    def _on_grad(self) -> Any:
+        """Post-accumulate-grad hook: autograd's gradient into its region, through grad_target (move_grad bound as
+        a C-level partial: one hook call per parameter per iteration, no Python frame of its own)."""
+        return functools.partial(move_grad, grad_target=self.grad_target)
 
     def grad_target(self, param: torch.Tensor) -> tuple[torch.Tensor, bool]:
         """GradSink (hplan.grads): the parameter's gradient lives in its chunk's gradient region."""
@@ -381,7 +394,7 @@ class PlanRun(UpdateSteps, GradientOps, StateSync):
             self.store.require([rid], f"gradient of {name} at plan step {self.plan.steps[self.cursor - 1].index}")
         first = name not in self.written
         self.written.add(name)
-        self.store.mark_dirty(rid)
+        slot.state = _DIRTY  # store.mark_dirty, inline: the region is resident (required just above)
         return slot.fast_views[name], first
 
     def _flip(self, c: int) -> None:
@@ -398,18 +411,21 @@ class PlanRun(UpdateSteps, GradientOps, StateSync):
         """After backward (CPU fast tier only): `.grad` of each written parameter views its current gradient, so
         code reading gradients between backward and the step sees them (and writes to them land in regions)."""
         self._queued = False
+        grad_of, watch, updated = self._grad_of, self.watch, self._updated
         for name in self.written:
-            c = self.store.chunk_of[name]
-            grad = self.store.params[name].grad = self.store.current(self.store.region(c, "grad"), name)
-            self._shown.add(name)
-            if self.watch is not None and c in self._updated:
-                self.watch.shown(name, grad)
+            p, c, slot = grad_of[name]
+            grad = p.grad = (slot.host_views if slot.state is _HOST else slot.fast_views)[name]  # store.current
+            if watch is not None and c in updated:
+                watch.shown(name, grad)
+        self._shown.update(self.written)
 
     def _hide_grads(self) -> None:
         """Before any event: autograd must not accumulate into a shown view behind the regions' bookkeeping."""
-        for name in self._shown:
-            self.store.params[name].grad = None
-        self._shown.clear()
+        if self._shown:
+            grad_of = self._grad_of
+            for name in self._shown:
+                grad_of[name][0].grad = None
+            self._shown.clear()
 
     # -- iteration end, measurement -------------------------------------------------------------------
     def optimizer_event(self) -> list[EventRecord]:
@@ -485,7 +501,8 @@ class PlanRun(UpdateSteps, GradientOps, StateSync):
         record = EventRecord(index=step.index, event=step.event, resident_bytes=model + peak,
                              model_resident_bytes=model, h2d_bytes=h2d, d2h_bytes=d2h)
         self.records.append(record)
-        self.guard_budget(record.resident_bytes, f"plan step {step.index} ({step.event})")
+        if model + peak > self._budget:  # guard_budget's test first: no message built for a step within budget
+            self.guard_budget(record.resident_bytes, f"plan step {step.index} ({step.event})")
 
     def _planned(self, where: str) -> str:
         step = self.plan.steps[self.cursor - 1] if self.cursor else None

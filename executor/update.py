@@ -69,6 +69,13 @@ class ChunkUpdate:
         self.written_regions = tuple(regions[k] for k in ("param", "master", "state") if k in regions) \
             if where == "gpu" else ()
         """The fast-tier regions a GPU-placed update writes (dirty afterwards); none for a host update."""
+        self.written_slots = tuple(store.slots[r] for r in self.written_regions)
+        self.slots = tuple(store.slots[r] for r in regions.values())
+        """The Slots of written_regions and of every region of the chunk (the update's checks, no lookups)."""
+        self.settling: set[str] = set(self.names)
+        """Parameters whose optimizer state may still hold a per-element tensor outside the regions (torch creates
+        SGD's momentum at the first update): keep_lazy_state runs for these only, and drops a name once every state
+        tensor is its region's view; adopt() puts them all back."""
         self.started: set[str] = set()
         """Parameters with optimizer state, as torch would have it: updated once, or adopted from the user."""
 
@@ -111,6 +118,7 @@ class ChunkUpdate:
                 views = {s: self.state_views[n][s] for s in self.specs[n].tensors if s in state}
                 self.states[n].clear()
                 self.states[n].update({**state, **views})
+                self.settling.add(n)
 
     def _take(self, n: str, given: dict[str, Any], state: dict[str, Any], host: dict[str, torch.Tensor],
               group: dict[str, Any]) -> None:
@@ -173,8 +181,12 @@ class ChunkUpdate:
     def keep_lazy_state(self, n: str) -> None:
         """State torch created from the first gradient (SGD momentum with dampening) moves into the region."""
         state = self.states[n]
+        settled = True
         for key, view in self.state_views[n].items():
             value = state.get(key)
             if value is not None and value is not view:
                 view.copy_(value)
                 state[key] = view
+            settled = settled and state.get(key) is view
+        if settled:
+            self.settling.discard(n)

@@ -20,6 +20,8 @@ from hplan.artifacts import Plan, Step
 from hplan.artifacts.replay import OPTIMIZER_EVENT
 from hplan.errors import HplanError
 
+_HOST, _DIRTY = RegionState.HOST, RegionState.RESIDENT_DIRTY
+
 
 class UpdateSteps:
     """Update methods of PlanRun (which sets every attribute declared here)."""
@@ -37,6 +39,9 @@ class UpdateSteps:
     skipped: int
     watch: EagerWatch | None
     _batches: dict[tuple[int, ...], UpdateBatch]
+    _split: dict[tuple[int, ...], list[tuple[UpdateBatch, str]]]
+    _fast_updates: list[int]
+    """The chunks updated on the fast tier (at the optimizer step), sorted."""
     _updated: set[int]
     _skip_next: bool
     worker: UpdateWorker | None
@@ -45,18 +50,21 @@ class UpdateSteps:
         """The updates of these chunks, together (one optimizer call per place and param group). With a host
         tier each host update runs in its own plan phase (its regions staged, then written back), so those
         chunks are stepped one at a time; the same element-wise arithmetic either way."""
+        updates = self.updates
         for c in chunks:
-            if self.updates[c].where == "cpu" and any(self.store.slots[r].state is not RegionState.HOST
-                                                      for r in self.store.by_chunk[c].values()):
-                raise HplanError(f"plan step {step.index} updates chunk {c} on the host while it is on the fast tier")
-        phased = sorted(c for c in chunks if self.host.phased and self.updates[c].where == "cpu")
+            if updates[c].where == "cpu":
+                for slot in updates[c].slots:
+                    if slot.state is not _HOST:
+                        raise HplanError(f"plan step {step.index} updates chunk {c} on the host while it is on the "
+                                         "fast tier")
+        phased = sorted(c for c in chunks if updates[c].where == "cpu") if self.host.phased else []
         for c in phased:
             with self._memory_of("cpu"):  # type: ignore[attr-defined]  (GradientOps)
                 self.host.begin_update(step, c)
             self._step_batch([c], step)
             with self._memory_of("cpu"):  # type: ignore[attr-defined]  (GradientOps)
                 self.host.end_update(step, c)
-        rest = [c for c in chunks if c not in phased]
+        rest = [c for c in chunks if c not in phased] if phased else chunks
         if rest:
             self._step_batch(rest, step)
         if self.watch is not None and step.event != OPTIMIZER_EVENT:
@@ -67,25 +75,34 @@ class UpdateSteps:
         dirty. Host updates run as host work ([Note: host work off the fast tier]): their fp32 gradients are host
         memory, which the plan counts in the host phase, not in the fast tier's budget. A backward step's host
         updates go to the worker thread when the run overlaps them ([Note: overlapped host updates])."""
-        parts = [(part, where) for where in ("cpu", "gpu")
-                 if (part := [c for c in chunks if (self.updates[c].where == "cpu") == (where == "cpu")])]
+        parts = self._parts(chunks)
         check = self.nonfinite != "ignore" and not self.plan.defer_updates
         if self.worker is not None and step.event.startswith("backward:") and not self.host.phased \
-                and self.loss_scale is None and not self.clips and all(where == "cpu" for _, where in parts):
+                and self.loss_scale is None and not self.clips and (not parts or parts[-1][1] == "cpu"):
             self._step_beside(chunks, step, check)
             return
         if check:
             self._check_finite(chunks, step)  # type: ignore[attr-defined]  (GradientOps)
-        for part, where in parts:
-            batch = self._batch(part)
+        for batch, where in parts:
             with self._memory_of(where):  # type: ignore[attr-defined]  (GradientOps)
                 batch.step(self.written, inv_scale=self.loss_scale.inverse() if self.loss_scale else None,
                            clip=tuple(self.clips) if self.master else ())
         self._updated.update(chunks)
-        mark_dirty = self.store.mark_dirty
         for c in chunks:
-            for rid in self.updates[c].written_regions:
-                mark_dirty(rid)
+            for slot in self.updates[c].written_slots:  # store.mark_dirty, inline
+                if slot.state is not _HOST:
+                    slot.state = _DIRTY
+
+    def _parts(self, chunks: list[int] | tuple[int, ...]) -> list[tuple[UpdateBatch, str]]:
+        """The UpdateBatch of these chunks' host updates ("cpu") and of their fast-tier ones ("gpu"), the parts
+        that exist, host first; the same chunk sets recur every iteration, so they are split once."""
+        key = tuple(chunks)
+        parts = self._split.get(key)
+        if parts is None:
+            parts = self._split[key] = [
+                (self._batch(part), where) for where in ("cpu", "gpu")
+                if (part := [c for c in chunks if (self.updates[c].where == "cpu") == (where == "cpu")])]
+        return parts
 
     def _batch(self, chunks: list[int]) -> UpdateBatch:
         key = tuple(chunks)
@@ -108,7 +125,7 @@ class UpdateSteps:
 
         if not self.worker.busy:
             torch.autograd.Variable._execution_engine.queue_callback(self._drain_updates)
-        self.worker.submit(work, {r for c in chunks for r in self.store.by_chunk[c].values()})
+        self.worker.submit(work, batch.regions)
         self._updated.update(chunks)
 
     def _drain_updates(self) -> None:
@@ -141,6 +158,6 @@ class UpdateSteps:
                     update.copy_masters()
                     self.store.mark_dirty(self.store.region(c, "param"))
             return
-        chunks = sorted(step.host_updates) + sorted(c for c, u in self.updates.items() if u.where == "gpu")
+        chunks = sorted(step.host_updates) + self._fast_updates
         if chunks:
             self._update(chunks, step)
