@@ -130,8 +130,19 @@ def test_fit_boundaries_are_proven_by_plans_made_by_hand(tmp_path):
         assert make_plan(trace, hardware, PlanOptions(activations="auto")).summary.feasible is fits, (b, s)
 
 
-def test_model_data_beyond_every_tier_is_answered_without_a_plan(tmp_path):
-    """No shape fits when the model data exceeds GPU + host + disk: fit says so from that count and names it."""
+def test_model_data_beyond_every_tier_is_answered_without_a_plan(tmp_path, monkeypatch):
+    """No shape fits when the model data exceeds GPU + host + disk: fit says so from that count and names it, and
+    traces one shape only (the one that counts the model data; the searches need no other)."""
+    import hplan.tracer
+
+    traced: list[tuple[int, int]] = []
+    real = hplan.tracer.trace_workload
+
+    def counted(workload, **kwargs):
+        traced.append((workload.batch_size, workload.seq_len))
+        return real(workload, **kwargs)
+
+    monkeypatch.setattr(hplan.tracer, "trace_workload", counted)
     path = write_config(tmp_path)
     result = runner.invoke(app, ["fit", f"hf:{path}", "--gpu", "rtx4090", "--gpu-mem", "100KB", "--cpu-mem", "100KB",
                                  "--seq-len", "64", "--json"])
@@ -139,6 +150,7 @@ def test_model_data_beyond_every_tier_is_answered_without_a_plan(tmp_path):
     row = json.loads(result.stdout)["gpus_rows"][0]
     assert not row["at"]["fits"] and "exceeds the GPU and host together" in row["at"]["reason"]
     assert row["largest_batch"]["best"] is None and row["longest_seq"]["best"] is None
+    assert traced == [(1, 64)]
 
 
 @pytest.mark.parametrize("shape", ["linear", "convex", "steps", "flat"])

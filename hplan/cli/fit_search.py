@@ -166,6 +166,9 @@ class Fitter:
         if key not in self._margins:
             from hplan.planner import min_gpu_bytes
 
+            if self.model_bytes is not None and self._capacity(gpu):
+                self._margins[key] = 1 << 62  # no shape fits: as large as can be, and no trace to make
+                return self._margins[key]
             trace = self.trace(batch, seq)
             if isinstance(trace, str) or self._capacity(gpu):
                 self._margins[key] = 1 << 62  # beyond the context, or no shape fits: as large as can be
