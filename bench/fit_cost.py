@@ -3,7 +3,9 @@ time `hplan fit` takes for one GPU on each, its boundaries (each a feasible plan
 larger), and the Llama-3-8B full fine-tune row beside the published figures for that job.
 
 Each measurement runs in a fresh process (`bench.worker`), so its peak RSS is its own; the load average is
-written beside every time, since this machine is shared. GPU figures are plans, not measurements.
+written beside every time, and CPU seconds beside wall seconds, since this machine is shared (CPU time is what a
+quiet machine's wall time would be). GPU figures are plans, not measurements. --quick keeps one row of each
+table (Llama-3-8B's trace and its fit without a disk, which answers from one trace); the full run covers all.
 """
 
 from __future__ import annotations
@@ -77,14 +79,16 @@ def boundary_cell(b: dict[str, Any] | None, what: str) -> tuple[str, bool]:
 
 def run(ctx: Context) -> SectionOutput:
     out = SectionOutput()
-    if ctx.quick:  # every row traces or plans a 3.8B-18B model: tens of minutes on a CPU
-        out.text.append("Skipped in --quick: each row traces or plans a 3.8B-18B model.")
-        return out
-    traces = Table(headers=["workload (batch 1, AdamW, bf16-mixed)", "fake trace time", "peak RSS", "load avg",
-                            "goal (≤ 60 s, ≤ 2 GB)"],
+    specs = SPECS[:1] if ctx.quick else SPECS  # every row traces a 3.8B-18B model: the full run takes minutes
+    if ctx.quick:
+        out.text.append("--quick: Llama-3-8B only; the full run adds the other four configs, gpt:18b and the "
+                        "Llama-3-8B row with a disk tier.")
+    traces = Table(headers=["workload (batch 1, AdamW, bf16-mixed)", "fake trace wall (CPU) time", "peak RSS",
+                            "load avg", "goal (≤ 60 s, ≤ 2 GB)"],
                    caption="**Fake traces** of the public configs (seq 2048) and gpt:18b (its context, 1024): trace "
-                           "time in the worker (imports excluded) and the worker's peak RSS.")
-    for spec in SPECS:
+                           "time in the worker (imports excluded) and the worker's peak RSS; the goal is judged on "
+                           "CPU seconds, what a quiet machine's wall time would be.")
+    for spec in specs:
         seq = "-" if spec.startswith("gpt:") else str(SEQ)
         load = _load()
         res = run_worker(["fake-trace", spec, str(ctx.work_dir / "fit.parquet"), "1", seq, "bf16-mixed"],
@@ -94,17 +98,23 @@ def run(ctx: Context) -> SectionOutput:
             traces.add(spec, "FAILED", res.error, load, "")
             continue
         secs, rss = res.payload["trace_seconds"], res.peak_rss_bytes
-        met = "met" if secs <= TRACE_GOAL_S and rss <= RSS_GOAL else "missed"
-        traces.add(spec, f"{secs:.1f} s", fmt_bytes(rss), load, met)
+        cpu = res.payload.get("trace_cpu_seconds", secs)
+        met = "met" if cpu <= TRACE_GOAL_S and rss <= RSS_GOAL else "missed"
+        traces.add(spec, f"{secs:.1f} s ({cpu:.1f} s)", fmt_bytes(rss), load, met)
     out.tables.append(traces)
 
     fits = Table(headers=["workload", "`hplan fit` wall (CPU) time", "load avg", "b1×s2048", "largest batch",
                           "longest seq", "boundary proven", "goal ≤ 120 s"],
                  caption="**`hplan fit SPEC --gpu rtx4090 --cpu-mem 64GB --seq-len 2048`** (one GPU, the search on): "
-                         "each boundary is a feasible plan and an infeasible one a step larger ([Note: fit screen]).")
-    for spec in SPECS:
+                         "each boundary is a feasible plan and an infeasible one a step larger ([Note: fit screen]); "
+                         "the time is the whole command's, imports included; the goal is judged on CPU seconds. "
+                         "Model data is 16 bytes a parameter (bf16 weights and gradients, fp32 master weights and "
+                         "AdamW state), so only Phi-3-mini's fits 24 GB + 64 GB; the others are answered from "
+                         "that count after one trace.")
+    answers: dict[str, tuple[float, dict[str, Any] | None, str, str, float]] = {}
+    for spec in specs:
         args = ["--gpu", "rtx4090", "--cpu-mem", "64GB", "--seq-len", str(SEQ if not spec.startswith("gpt:") else 1024)]
-        wall, data, err, load, cpu = fit_json(spec, *args, timeout=1800)
+        wall, data, err, load, cpu = answers[spec] = fit_json(spec, *args, timeout=1800)
         if data is None:
             out.failures.append(f"fit {spec}: {err}")
             fits.add(spec, "FAILED", load, err, "", "", "", "")
@@ -115,15 +125,16 @@ def run(ctx: Context) -> SectionOutput:
         b, bok = boundary_cell(row["largest_batch"], "batch")
         s, sok = boundary_cell(row["longest_seq"], "seq")
         fits.add(spec, f"{wall:.0f} s ({cpu:.0f} s)", load, verdict, b, s, "yes" if bok and sok else "NO",
-                 "met" if wall <= FIT_GOAL_S else "missed")
+                 "met" if cpu <= FIT_GOAL_S else "missed")
         if not (bok and sok):
             out.failures.append(f"fit {spec}: a boundary is not proven by plans")
     out.tables.append(fits)
-    out.tables.append(_llama(out))
+    if not ctx.quick:
+        out.tables.append(_llama(out, answers.get(SPECS[0])))
     return out
 
 
-def _llama(out: SectionOutput) -> Table:
+def _llama(out: SectionOutput, without_disk: tuple[float, dict[str, Any] | None, str, str, float] | None) -> Table:
     """The Llama-3-8B full fine-tune on one 24 GB card with 64 GB of host memory, beside the published figures."""
     table = Table(headers=["source", "job", "memory", "tokens/s", "setting"],
                   caption="**Llama-3-8B, full fine-tune, bf16-mixed (fp32 master weights and AdamW state), seq 2048, "
@@ -131,8 +142,11 @@ def _llama(out: SectionOutput) -> Table:
                           "figures for an 8B full fine-tune on one card.")
     spec = "hf:examples/configs/llama-3-8b"
     for extra, label in (([], "64 GB host"), (["--nvme", "2TB"], "64 GB host + 2 TB NVMe")):
-        wall, data, err, load, cpu = fit_json(spec, "--gpu", "rtx4090", "--cpu-mem", "64GB", "--seq-len", str(SEQ),
-                                              *extra, timeout=3000)
+        if not extra and without_disk is not None:  # the same command as the fit table's first row
+            wall, data, err, load, cpu = without_disk
+        else:
+            wall, data, err, load, cpu = fit_json(spec, "--gpu", "rtx4090", "--cpu-mem", "64GB", "--seq-len",
+                                                  str(SEQ), *extra, timeout=3000)
         if data is None:
             out.failures.append(f"llama-3-8b {label}: {err}")
             table.add("hplan fit (plan)", label, "FAILED", err, "")
@@ -142,14 +156,14 @@ def _llama(out: SectionOutput) -> Table:
         if b is None or b["best"] is None:
             reason = (row["at"]["reason"] if not row["at"]["fits"] else "")[:160]
             table.add("hplan fit (plan)", f"rtx4090, {label}", "does not fit", "-",
-                      f"{reason}; fit took {wall:.0f} s at load {load}")
+                      f"{reason}; fit took {wall:.0f} s ({cpu:.0f} s CPU) at load {load}")
             continue
         best = b["best"]
         table.add("hplan fit (plan)", f"rtx4090, {label}: largest batch {best['batch']}",
                   f"GPU {fmt_bytes(best['gpu_bytes'])}, host {fmt_bytes(best['host_bytes'])}, "
                   f"disk {fmt_bytes(best['nvme_bytes'])}", f"{best['tokens_per_s']:,.0f}",
                   f"batch {best['batch'] + 1} infeasible ({(b['next'] or {}).get('reason', b.get('limit', ''))[:80]}); "
-                  f"fit took {wall:.0f} s at load {load}")
+                  f"fit took {wall:.0f} s ({cpu:.0f} s CPU) at load {load}")
     for source, memory_speed, setting, cite in PUBLISHED:
         mem, speed = memory_speed.split(", ")
         table.add(source, "published measurement", mem, speed.replace(" tokens/s", ""), f"{setting} ({cite})")

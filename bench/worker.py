@@ -22,11 +22,11 @@ def fake_trace(spec: str, out: str, batch_size: int | None, seq_len: int | None,
 
     workload = load_workload(spec, batch_size=batch_size, seq_len=seq_len, precision=precision, overrides=overrides)
     rss_before = self_peak_rss_bytes()
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), time.process_time()
     trace = trace_workload(workload, device="fake")
-    seconds = time.perf_counter() - t0
+    seconds, cpu = time.perf_counter() - t0, time.process_time() - c0
     trace.save(out)
-    return {"trace_seconds": seconds, "peak_rss_bytes": self_peak_rss_bytes(), "rss_after_imports_bytes": rss_before,
+    return {"trace_seconds": seconds, "trace_cpu_seconds": cpu, "peak_rss_bytes": self_peak_rss_bytes(), "rss_after_imports_bytes": rss_before,
             "n_ops": trace.n_ops, "n_events": trace.n_events, "peak_bytes": trace.peak_bytes,
             "model_bytes": trace.model_bytes}
 

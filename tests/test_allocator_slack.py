@@ -171,3 +171,81 @@ def test_fake_trace_carries_the_figures_and_plan_uses_the_chosen_one(tmp_path):
                                    "-o", str(tmp_path / "x.json")])
     assert res.exit_code == 2 and "--allocator" in res.output and "Traceback" not in res.output
     assert not (tmp_path / "x.json").exists()
+
+
+class _PagePerPage(ExpandableModel):
+    """The expandable model counted page by page (no bulk path for a block's interior pages): the reference the
+    model's [Note: interior pages] must reproduce exactly."""
+
+    def malloc(self, key: int, nbytes: int) -> None:
+        AllocatorModel.malloc(self, key, nbytes)
+        block = self._live.get(key)
+        if block is None:
+            return
+        page = 2 * MiB if block.small else 20 * MiB
+        first, last = block.addr // page, (block.addr + block.size - 1) // page
+        pages, span = self._pages[block.small], range(block.addr // page, last + 1)
+        need = page * sum(p not in pages for p in span)
+        if self.cap is not None and self._reserved + need > self.cap:
+            self.release_cached(keep=(block.small, span))
+            if self._reserved + need > self.cap:
+                raise OutOfMemory("over")
+        for p in span:
+            if pages.get(p, 0) == 0:
+                self._idle[block.small].discard(p)
+            pages[p] = pages.get(p, 0) + 1
+        self._spans[key] = (block.small, first, last)
+        self._reserved += need
+        self._max_reserved = max(self._max_reserved, self._reserved)
+
+    def _free(self, key: int) -> None:
+        span = self._spans.pop(key, None)
+        AllocatorModel._free(self, key)
+        if span is not None:
+            for p in range(span[1], span[2] + 1):
+                self._pages[span[0]][p] -= 1
+                if self._pages[span[0]][p] == 0:
+                    self._idle[span[0]].add(p)
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_expandable_interior_pages_in_bulk_match_page_by_page(seed):
+    """The bulk path for a block's interior pages gives the same reservation, peak and out-of-memory point as
+    counting every page, under caps that change at each mark and release pages (blocks of 1 to 30 pages, keys
+    reused while live)."""
+    rng = random.Random(seed)
+    a, live, levels = AllocatorModel(record=True), [], []
+    for key in range(1200):
+        if key % 100 == 0:
+            a.mark()
+            levels.append(0)
+        if live and rng.random() < 0.45:
+            a.free(live.pop(rng.randrange(len(live))))
+        else:
+            size = rng.choice([rng.randrange(1, MiB), rng.randrange(MiB, 64 * MiB), rng.randrange(64 * MiB, 600 * MiB)])
+            a.malloc(live[0] if live and rng.random() < 0.05 else key, size)
+            live.append(key)
+        levels[-1] = max(levels[-1], a.allocated_bytes)
+
+    def outcome(model: type[ExpandableModel], caps: list[int]) -> tuple:
+        m, marks = model(cap=caps[0]), 0
+        for i, (k, nbytes) in enumerate(a.log):
+            try:
+                if nbytes == FREE:
+                    m.free(k)
+                elif nbytes == MARK:
+                    marks += 1
+                    m.limit(caps[min(max(0, marks - 1), len(caps) - 1)])
+                else:
+                    m.malloc(k, nbytes)
+            except OutOfMemory:
+                return ("out of memory", i, m.reserved_bytes)
+        return ("held", m.reserved_bytes, m.max_reserved_bytes, sorted(m._pages[False].items()))
+
+    results = set()
+    for slack in range(0, 700 * MiB, 10 * MiB):
+        caps = [level + slack for level in levels]
+        expected = outcome(_PagePerPage, caps)
+        assert outcome(ExpandableModel, caps) == expected, slack
+        results.add(expected[0])
+    assert results == {"out of memory", "held"}  # the caps cover both outcomes

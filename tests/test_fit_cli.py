@@ -130,8 +130,19 @@ def test_fit_boundaries_are_proven_by_plans_made_by_hand(tmp_path):
         assert make_plan(trace, hardware, PlanOptions(activations="auto")).summary.feasible is fits, (b, s)
 
 
-def test_model_data_beyond_every_tier_is_answered_without_a_plan(tmp_path):
-    """No shape fits when the model data exceeds GPU + host + disk: fit says so from that count and names it."""
+def test_model_data_beyond_every_tier_is_answered_without_a_plan(tmp_path, monkeypatch):
+    """No shape fits when the model data exceeds GPU + host + disk: fit says so from that count and names it, and
+    traces one shape only (the one that counts the model data; the searches need no other)."""
+    import hplan.tracer
+
+    traced: list[tuple[int, int]] = []
+    real = hplan.tracer.trace_workload
+
+    def counted(workload, **kwargs):
+        traced.append((workload.batch_size, workload.seq_len))
+        return real(workload, **kwargs)
+
+    monkeypatch.setattr(hplan.tracer, "trace_workload", counted)
     path = write_config(tmp_path)
     result = runner.invoke(app, ["fit", f"hf:{path}", "--gpu", "rtx4090", "--gpu-mem", "100KB", "--cpu-mem", "100KB",
                                  "--seq-len", "64", "--json"])
@@ -139,6 +150,7 @@ def test_model_data_beyond_every_tier_is_answered_without_a_plan(tmp_path):
     row = json.loads(result.stdout)["gpus_rows"][0]
     assert not row["at"]["fits"] and "exceeds the GPU and host together" in row["at"]["reason"]
     assert row["largest_batch"]["best"] is None and row["longest_seq"]["best"] is None
+    assert traced == [(1, 64)]
 
 
 @pytest.mark.parametrize("shape", ["linear", "convex", "steps", "flat"])
@@ -215,3 +227,54 @@ def test_screened_fit_plans_only_the_boundaries_and_agrees_with_a_plan_per_shape
     best_b, best_s, planned = found[True]
     assert set(planned) == {(2, 256), (best_b, 256), (best_b + 1, 256), (2, best_s), (2, best_s + SEQ_STEP)}
     assert len(found[False][2]) > len(planned)
+
+
+@pytest.mark.parametrize("shape", ["linear", "convex", "flat"])
+@pytest.mark.parametrize("error", [1.0, 0.5, 1.3, 3.0])
+@pytest.mark.parametrize(("limit", "start"), [(0, 16), (21, 16), (37, 16), (16, 16), (300, 16), (5, 16), (2, 2)])
+def test_a_borrowed_slope_starts_the_screen_near_the_crossing(shape, error, limit, start):
+    """[Note: a borrowed slope]: with the margin's slope from elsewhere, a linear margin's crossing is found by
+    the guess and the step after it (no doubling); a wrong slope, or a margin that is not linear, still ends at
+    the right n."""
+    from hplan.cli.fit_search import _screen_boundary
+
+    def margin(n: int) -> int:
+        tried.append(n)
+        x = n - limit
+        return {"linear": 1000 * x, "convex": n * n - limit * limit if x else 0, "flat": 1 if x > 0 else -1}[shape]
+
+    tried: list[int] = []
+    assert _screen_boundary(margin, start=start, cap=4096, slope=1000 * error) == limit
+    assert len(set(tried)) == len(tried)
+    if shape == "linear" and error == 1.0:
+        assert len(tried) <= 3, tried  # the asked shape, the guess and the step after it
+        borrowed = len(tried)
+        tried.clear()
+        _screen_boundary(margin, start=start, cap=4096)
+        assert borrowed == len(tried) - 1, tried  # one traced shape fewer than doubling or halving first
+    assert len(tried) <= 2 * (4096).bit_length() + 2, tried
+
+
+def test_the_sequence_search_borrows_the_batch_searchs_slope():
+    """Fitter.longest_seq starts from the per-token slope of the margins the batch search measured at the asked
+    sequence: on a margin linear in tokens it tries the asked shape, the guess and the step after it, no more."""
+    from hplan.cli.fit_search import Fitter
+
+    fitter = Fitter(spec="gpt:tiny", precision=None, overrides={}, hardware=None, planner=None)
+    budget = 2 * 2700  # fits while batch × seq <= 5400 tokens: at batch 2, seq 2688 (21 steps) is the last
+    tried: list[tuple[int, int]] = []
+
+    def margin(gpu: str, batch: int, seq: int) -> int:
+        if (gpu, batch, seq) not in fitter._margins:
+            tried.append((batch, seq))
+            fitter._margins[(gpu, batch, seq)] = 1000 * (batch * seq - budget)
+        return fitter._margins[(gpu, batch, seq)]
+
+    fitter.margin = margin  # type: ignore[method-assign]
+    fitter.probe = lambda gpu, b, s: Probe(batch=b, seq=s, plan=_Plan(margin(gpu, b, s) <= 0))  # type: ignore
+    margin("g", 2, 2048), margin("g", 3, 2048)  # what the batch search measured
+    assert fitter.seq_slope("g", 2, 2048) == pytest.approx(1000 * 2 * SEQ_STEP)
+    tried.clear()
+    found = fitter.longest_seq("g", 2, 2048)
+    assert (found.best.seq, found.next.seq) == (2688, 2688 + SEQ_STEP)
+    assert tried == [(2, 2688), (2, 2688 + SEQ_STEP)], tried

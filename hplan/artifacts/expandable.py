@@ -31,34 +31,43 @@ class ExpandableModel(AllocatorModel):
 
     def __init__(self, *, cap: int | None = None, record: bool = False) -> None:
         super().__init__(cap=cap, record=record)
-        self._pages: dict[tuple[bool, int], int] = {}
-        """Mapped page (pool, index) → live blocks on it."""
-        self._idle: set[tuple[bool, int]] = set()
-        """Mapped pages with no live block: what a release unmaps."""
+        self._pages: dict[bool, dict[int, int]] = {True: {}, False: {}}
+        """Per pool (small: True), mapped page index → live blocks on it."""
+        self._idle: dict[bool, set[int]] = {True: set(), False: set()}
+        """Per pool, mapped pages with no live block: what a release unmaps."""
         self._spans: dict[int, tuple[bool, int, int]] = {}
         """Live key → its block's pool and first and last page."""
         for small in (True, False):
             self._list(_Block(addr=0, size=ADDRESS_SPACE, small=small))
 
     def malloc(self, key: int, nbytes: int) -> None:
+        """As AllocatorModel.malloc, then map the block's pages. [Note: interior pages] A live block is the only
+        one on the pages strictly inside it (blocks of a pool never overlap), so those pages go from unmapped or
+        idle to one block in bulk; only its first and last page may be shared and are counted one by one. The
+        replays behind every slack figure run this per request, so the bulk path is most of their time saved."""
         super().malloc(key, nbytes)
         block = self._live.get(key)
         if block is None:
             return
         small, page = block.small, PAGE[block.small]
         first, last = block.addr // page, (block.addr + block.size - 1) // page
-        span = [(small, p) for p in range(first, last + 1)]
-        need = page * sum(p not in self._pages for p in span)
+        pages, idle = self._pages[small], self._idle[small]
+        span = range(first, last + 1)
+        need = page * (len(span) - len(pages.keys() & span))
         if self.cap is not None and self._reserved + need > self.cap:
-            self.release_cached(keep=span)
+            self.release_cached(keep=(small, span))
             if self._reserved + need > self.cap:
                 raise OutOfMemory(f"{need} more mapped bytes would reserve {self._reserved + need}, over the cap "
                                   f"{self.cap}")
-        for p in range(first, last + 1):
-            count = self._pages.get((small, p), 0)
+        for p in (first, last) if last > first else (first,):
+            count = pages.get(p, 0)
             if count == 0:
-                self._idle.discard((small, p))
-            self._pages[small, p] = count + 1
+                idle.discard(p)
+            pages[p] = count + 1
+        if last - first > 1:
+            inner = range(first + 1, last)
+            idle.difference_update(inner)
+            pages.update(dict.fromkeys(inner, 1))
         self._spans[key] = (small, first, last)
         self._reserved += need
         self._max_reserved = max(self._max_reserved, self._reserved)
@@ -69,18 +78,26 @@ class ExpandableModel(AllocatorModel):
         if span is None:
             return
         small, first, last = span
-        for p in range(first, last + 1):
-            self._pages[small, p] -= 1
-            if self._pages[small, p] == 0:
-                self._idle.add((small, p))
+        pages, idle = self._pages[small], self._idle[small]
+        for p in (first, last) if last > first else (first,):
+            pages[p] -= 1
+            if pages[p] == 0:
+                idle.add(p)
+        if last - first > 1:  # [Note: interior pages]: this block was their only one
+            inner = range(first + 1, last)
+            pages.update(dict.fromkeys(inner, 0))
+            idle.update(inner)
 
-    def release_cached(self, keep: list[tuple[bool, int]] = ()) -> None:  # type: ignore[assignment]
-        """Unmap every page no live block touches, but those of `keep` (the block being placed)."""
-        kept = set(keep) & self._idle
-        for small, p in self._idle - kept:
-            del self._pages[small, p]
-            self._reserved -= PAGE[small]
-        self._idle = kept
+    def release_cached(self, keep: tuple[bool, range] | None = None) -> None:  # type: ignore[override]
+        """Unmap every page no live block touches, but those of `keep` (the pool and pages of the block being
+        placed)."""
+        for small in (True, False):
+            pages, idle = self._pages[small], self._idle[small]
+            kept = idle.intersection(keep[1]) if keep is not None and keep[0] == small else set()
+            for p in idle - kept:
+                del pages[p]
+            self._reserved -= PAGE[small] * (len(idle) - len(kept))
+            idle &= kept  # in place: a caller may hold this pool's set
 
     def _new_segment(self, size: int, small: bool) -> _Block:
         raise AssertionError("an expandable pool's free tail fits every request")

@@ -24,6 +24,14 @@ bracket. Only the shapes it lands on are planned: the screen's answer k is then 
 (feasible) and at k + 1 (infeasible). Where a plan disagrees with the screen (host memory, which the screen
 counts only as the model data's total), the plain search above continues from there on plans alone, so every
 answer is still a pair of plans. With --gpus N there is no screen: each tried shape is planned.
+
+[Note: a borrowed slope] Each tried shape costs a fake trace (15 s of CPU for an 8B model), and with one measured
+point the screen's search doubles the sequence (a far shape, traced only to draw a line). The batch search has
+already measured the margin at two batch sizes at the asked sequence: a slope per token. The sequence search at
+batch b starts from that slope times b × SEQ_STEP, through its one measured point; attention makes the margin
+grow a little faster with sequence than with batch, so the guess lands near the crossing and the line through
+the points it then measures takes over. The slope only chooses which shapes to trace: every answer is still
+the pair of plans at k and k + 1.
 """
 
 from __future__ import annotations
@@ -166,6 +174,9 @@ class Fitter:
         if key not in self._margins:
             from hplan.planner import min_gpu_bytes
 
+            if self.model_bytes is not None and self._capacity(gpu):
+                self._margins[key] = 1 << 62  # no shape fits: as large as can be, and no trace to make
+                return self._margins[key]
             trace = self.trace(batch, seq)
             if isinstance(trace, str) or self._capacity(gpu):
                 self._margins[key] = 1 << 62  # beyond the context, or no shape fits: as large as can be
@@ -173,6 +184,17 @@ class Fitter:
                 hardware = self._hardware(gpu, trace)
                 self._margins[key] = min_gpu_bytes(trace, hardware).gpu_bytes - hardware.gpu_bytes
         return self._margins[key]
+
+    def seq_slope(self, gpu: str, batch: int, seq: int) -> float | None:
+        """The screen's growth per SEQ_STEP tokens at `batch`, borrowed from the margins the batch search measured
+        at `seq` ([Note: a borrowed slope]); None when it measured fewer than two batch sizes there."""
+        at = sorted((b, m) for (g, b, s), m in self._margins.items() if g == gpu and s == seq and m < 1 << 62)
+        if len(at) < 2:
+            return None
+        nearest = sorted(at, key=lambda bm: abs(bm[0] - batch))[:2]
+        (b1, m1), (b2, m2) = sorted(nearest)
+        per_token = (m2 - m1) / ((b2 - b1) * seq)
+        return per_token * batch * SEQ_STEP if per_token > 0 else None
 
     def largest_batch(self, gpu: str, batch: int, seq: int) -> Boundary:
         cap_text = f"the search's cap, batch {BATCH_CAP}"
@@ -190,16 +212,16 @@ class Fitter:
         if self.screens and self.ranks == 1:
             return _screened(lambda n: self.margin(gpu, batch, n * SEQ_STEP),
                              lambda n: self.probe(gpu, batch, n * SEQ_STEP), start=min(units, cap), cap=cap,
-                             cap_text=cap_text)
+                             cap_text=cap_text, slope=self.seq_slope(gpu, batch, seq))
         return _boundary(lambda n: self.probe(gpu, batch, n * SEQ_STEP), start=min(units, cap), cap=cap,
                          cap_text=cap_text)
 
 
 def _screened(margin: Callable[[int], int], probe: Callable[[int], Probe], *, start: int, cap: int,
-              cap_text: str) -> Boundary:
+              cap_text: str, slope: float | None = None) -> Boundary:
     """The screen's boundary k, proven by the plans at k and k + 1; where a plan disagrees with the screen, the
     plain search continues from there on plans alone ([Note: fit screen])."""
-    k = _screen_boundary(margin, start=start, cap=cap)
+    k = _screen_boundary(margin, start=start, cap=cap, slope=slope)
     if k == 0:
         first = probe(1)
         return Boundary(best=None, next=first) if not first.fits else \
@@ -215,10 +237,12 @@ def _screened(margin: Callable[[int], int], probe: Callable[[int], Probe], *, st
     return Boundary(best=best, next=nxt)
 
 
-def _screen_boundary(margin: Callable[[int], int], *, start: int, cap: int) -> int:
+def _screen_boundary(margin: Callable[[int], int], *, start: int, cap: int, slope: float | None = None) -> int:
     """The largest n in 1..cap whose margin is <= 0 (0: none), for a margin that grows with n, nearly linearly
     ([Note: fit screen]): guesses by the line through the two measured points nearest the crossing, and tries the
-    step after a passing guess at once; a guess that does not halve the bracket is followed by a bisection."""
+    step after a passing guess at once; a guess that does not halve the bracket is followed by a bisection.
+    `slope`: the margin's growth per step of n estimated elsewhere ([Note: a borrowed slope]); with one measured
+    point it sets the first guess, where the search would otherwise double or halve."""
     seen: dict[int, int] = {}
     lo, hi = 0, cap + 1  # margin(lo) <= 0 and margin(hi) > 0; 0 and cap + 1 are not measured
     n, last = min(max(start, 1), cap), ""
@@ -242,12 +266,13 @@ def _screen_boundary(margin: Callable[[int], int], *, start: int, cap: int) -> i
         if passed and last == "guess" and n + 1 < hi:
             n, last = n + 1, "next"  # the guess passed: the step after it may be the boundary
             continue
-        n, last = _guess(seen, lo, hi, cap)
+        n, last = _guess(seen, lo, hi, cap, slope)
 
 
-def _guess(seen: dict[int, int], lo: int, hi: int, cap: int) -> tuple[int, str]:
+def _guess(seen: dict[int, int], lo: int, hi: int, cap: int, borrowed: float | None = None) -> tuple[int, str]:
     """The next n strictly between lo and hi: where the line through the measured points nearest the crossing
-    (those at lo and hi, else the two nearest on one side) reaches 0; doubling or halving without two points."""
+    (those at lo and hi, else the two nearest on one side) reaches 0; with one point, the line of the `borrowed`
+    slope through it, else doubling or halving."""
     below = sorted(n for n in seen if seen[n] <= 0)
     above = sorted(n for n in seen if seen[n] > 0)
     if below and above:
@@ -256,11 +281,13 @@ def _guess(seen: dict[int, int], lo: int, hi: int, cap: int) -> tuple[int, str]:
         a, b = below[-2], below[-1]
     elif len(above) >= 2:
         a, b = above[0], above[1]
+    elif borrowed is not None and borrowed > 0 and len(seen) == 1:
+        a = b = (below or above)[0]
     elif below:
         return min(2 * lo, hi - 1, cap), "double"
     else:
         return max(hi // 2, lo + 1), "halve"
-    slope = (seen[b] - seen[a]) / (b - a)
+    slope = (seen[b] - seen[a]) / (b - a) if b != a else float(borrowed or 0)
     if slope <= 0:
         x = float(2 * lo if not above else (lo + hi) // 2)
     else:
