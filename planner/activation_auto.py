@@ -51,9 +51,9 @@ from hplan.artifacts.hardware import Hardware
 from hplan.artifacts.plan import Plan
 from hplan.artifacts.trace import Trace
 from hplan.planner.activation_items import Items
-from hplan.planner.activation_min import RegimeMin, Shared, auto_regimes, min_gpu_auto, min_gpu_of
+from hplan.planner.activation_min import PARTS, RegimeMin, Shared, auto_regimes, min_gpu_auto, min_gpu_of
 from hplan.planner import core
-from hplan.planner.activations import Decision, HostMemoryShort, decide, slack_figure
+from hplan.planner.activations import Decision, HostMemoryShort, decide, modes_of, slack_figure
 from hplan.planner.core import Pruned
 from hplan.planner.slack import for_figure, mix_figure
 from hplan.planner.exact import lp_bound, solve_milp
@@ -90,17 +90,17 @@ def _plan_auto(trace: Trace, hardware: Hardware, options: PlanOptions, on_progre
     mixed: tuple[dict, int] | None = None  # the mixed regime's staged chunkings and its slack
     targets: list[int] = []
     for name, hw, items, own in _order(feasible):
-        cheap = 0 if name in ("keep", "mixed") else items.cost_of(items.keep())  # a pure regime's fixed cost
+        cheap = 0 if name in ("keep", "mixed", PARTS) else items.cost_of(items.keep())  # a pure regime's fixed cost
         if any(items.allowed <= allowed and hw.slack_bytes >= slack for allowed, slack in solved):
             continue  # a solved regime's bound covers its choices at a slack no larger (its bound is in bounds)
         incumbent = None if best is None else _objective(best)
         if incumbent is not None and cheap >= incumbent:
             continue  # its activation cost alone reaches the incumbent: it cannot win
         try:
-            if name == "mixed":
+            if name in ("mixed", PARTS):
                 plan, decisions, priced = _plan_regime(trace, hw, options, on_progress, items, smallest, own.lean,
                                                        own.keep, None if incumbent is None else incumbent - 1)
-                if priced is not None:
+                if priced is not None and name == "mixed":
                     mixed, targets = (priced[0], hw.slack_bytes), _targets(priced[1], options)
                 first = plan.summary  # its bound, under the smallest mixed reserve, is the regime's
                 plan = _settle(trace, hw, options, on_progress, items, smallest, own, plan, decisions)
@@ -121,9 +121,9 @@ def _plan_auto(trace: Trace, hardware: Hardware, options: PlanOptions, on_progre
         if not plan.summary.feasible:  # its minimum fits but no plan was found: nothing bounds its plans
             covered = False
             continue
-        s = first if name == "mixed" else plan.summary
+        s = first if name in ("mixed", PARTS) else plan.summary
         bounds.append(s.lower_bound_bytes)
-        if name == "mixed":
+        if name in ("mixed", PARTS):
             covered = covered and s.activations_free
             if s.activations_free:
                 solved.append((items.allowed, hw.slack_bytes))
@@ -150,7 +150,7 @@ def _settle(trace: Trace, hw: Hardware, options: PlanOptions, on_progress: Progr
     for _ in range(SETTLE_ROUNDS):
         if not plan.summary.feasible or slack_figure(decisions) != "mixed":
             break
-        need = mix_figure(trace, hw, [d.choice for d in decisions]) or 0
+        need = mix_figure(trace, hw, modes_of(decisions)) or 0
         if need <= reserve:
             break
         reserve = need
@@ -201,7 +201,7 @@ def _order(runs: list) -> list:
     """Regimes in solving order: keep alone first where its slack is the smallest figure (it moves nothing where
     everything fits, and its zero objective then ends the search), then the mixed regime, then offload and
     recompute alone."""
-    rank = {"keep": 0, "mixed": 1, "offload": 2, "recompute": 3}
+    rank = {"keep": 0, "mixed": 1, PARTS: 1.5, "offload": 2, "recompute": 3}
     mixed = [r[1].slack_bytes for r in runs if r[0] == "mixed"]
     if mixed and any(r[0] == "keep" and r[1].slack_bytes >= mixed[0] for r in runs):
         rank["keep"] = 4  # the mixed regime covers it
@@ -253,7 +253,7 @@ def _plan_regime(trace: Trace, hardware: Hardware, options: PlanOptions, on_prog
             plan = core.plan_decisions(trace, hardware, options, decisions, on_progress,
                                        targets=[best.chunk_target], shared=items.shared, smallest=smallest)
         elif slack_figure(decisions) == "mixed" and \
-                (mix_figure(trace, hardware, [d.choice for d in decisions]) or 0) > hardware.slack_bytes:
+                (mix_figure(trace, hardware, modes_of(decisions)) or 0) > hardware.slack_bytes:
             # the mix's own log needs more than the regime's figure: planned again under its own ([Note: a mix's
             # own slack]), on the same chunking
             plan = core.plan_decisions(trace, hardware, options, decisions, on_progress,

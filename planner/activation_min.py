@@ -5,7 +5,7 @@ allocator-slack regimes ([Note: auto activations] in hplan.planner.activation_au
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import highspy
@@ -194,8 +194,32 @@ def auto_regimes(trace: Trace, hardware: Hardware, without: frozenset[str] = fro
     offload (host memory short), the recompute regime is left out when a segment that may not be recomputed saves
     bytes: its only mode there is an offload (`build_items`), which host memory cannot take."""
     stuck = "offload" in without and any(not s.recomputable and s.offload_bytes for s in trace.segments)
-    return [(name, hw, build_items(trace, hw, allowed)) for name, hw, allowed in regimes(hardware, without)
-            if not (stuck and allowed == frozenset(("recompute",)))]
+    out = [(name, hw, build_items(trace, hw, allowed)) for name, hw, allowed in regimes(hardware, without)
+           if not (stuck and allowed == frozenset(("recompute",)))]
+    parts = parts_regime(trace, hardware, without)
+    return out[:1] + [(PARTS, parts, build_items(trace, parts, ("keep", "offload")))] + out[1:] if parts else out
+
+
+PARTS = "parts"
+"""The regime of keep and offload mixes where the trace has child segments ([Note: nested segments]): a kept
+block's children offloaded beside offloaded blocks, under the larger of keep's and offload's figures."""
+
+
+def parts_regime(trace: Trace, hardware: Hardware, without: frozenset[str] = frozenset()) -> Hardware | None:
+    """The hardware of the parts regime (`PARTS`), or None where it cannot win: no child segments, no offload, no
+    per-choice table, or a mixed figure no larger. Its figure is a sample (the pure figures) that guides the
+    search: each of its mixed plans reserves the larger of it and its own mix's replayed figure (`for_figure`
+    through `with_slack`), and is searched again under that (`_settle` in hplan.planner.activation_auto), so its
+    bound is a relaxation of every plan it makes ([Note: auto regimes])."""
+    table = dict(hardware.activation_slack)
+    if not trace.nested or "offload" in without or not table:
+        return None
+    figure = max(table["keep"], table["offload"])
+    if figure >= table["mixed"]:
+        return None
+    table["mixed"] = figure
+    return replace(hardware, slack_bytes=figure,
+                   activation_slack=tuple((k, table[k]) for k, _ in hardware.activation_slack))
 
 
 def min_auto(trace: Trace, hardware: Hardware, without: frozenset[str] = frozenset()
