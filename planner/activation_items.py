@@ -111,6 +111,16 @@ class Items:
                 return int(self.first[s]) + j
         return None
 
+    def blocks_only(self) -> Items:
+        """The items without the child segments' modes (each block's own choices only; `self` where none)."""
+        if not self.children:
+            return self
+        keep = np.array([not self._children(int(s), int(m - self.first[s])) for m, s in enumerate(self.item)])
+        decisions = tuple(tuple(d for j, d in enumerate(ds) if not self.children[s][j])
+                          for s, ds in enumerate(self.decisions))
+        return replace(self, decisions=decisions, item=self.item[keep], effect=self.effect[keep],
+                       cost=self.cost[keep], children=())
+
     def cost_of(self, chosen: tuple[int, ...]) -> int:
         return int(self.cost[list(chosen)].sum()) if chosen else 0
 

@@ -15,9 +15,9 @@ from scipy.sparse import coo_matrix
 from hplan.artifacts.hardware import Hardware
 from hplan.artifacts.trace import Trace
 from hplan.planner.activation_items import Items, build_items
-from hplan.planner.activations import Decision, decide, min_gpu_with
+from hplan.planner.activations import Decision, decide, min_gpu_with, modes_of, slack_figure
 from hplan.planner.problem import PARAM_CHUNKS, MinGpu, Problem, Structure, build, group_params, min_gpu
-from hplan.planner.slack import counted, regimes
+from hplan.planner.slack import counted, mix_figure, regimes
 
 
 def minimax(items: Items, need: np.ndarray) -> tuple[int, tuple[int, ...]]:
@@ -143,6 +143,9 @@ def min_gpu_auto(trace: Trace, hardware: Hardware, items: Items, shared: Shared 
     _, chosen = minimax(items, need)
     forced = [decide(trace, c) for c in ("keep", "offload", "recompute")]
     candidates = [items.to_decisions(chosen)] + [d for d in forced if _within(d, items.allowed) and items.admits(d)]
+    if items.children:  # the blocks' own best too: child modes only add choices ([Note: nested segments])
+        blocks = items.blocks_only()
+        candidates.insert(1, blocks.to_decisions(minimax(blocks, need)[1]))
     best: tuple[int, tuple[Decision, ...], MinGpu | None] | None = None
     floor: tuple[int, tuple[Decision, ...]] | None = None
     pruned = math.inf
@@ -154,6 +157,11 @@ def min_gpu_auto(trace: Trace, hardware: Hardware, items: Items, shared: Shared 
         if best is not None and relaxed >= best[0]:
             continue
         value, found = relaxed, None
+        if items.children and slack_figure(decisions) == "mixed":  # its own replayed slack may exceed the sample
+            value = relaxed = relaxed + max(0, (mix_figure(trace, hardware, modes_of(decisions)) or 0)
+                                            - hardware.slack_bytes)
+            if best is not None and relaxed >= best[0]:
+                continue
         if any(d.choice == "recompute" for d in decisions):
             if shared.best is not None and relaxed >= shared.best:
                 pruned = min(pruned, relaxed)  # its true minimum is at least this, no better than another's
