@@ -113,9 +113,9 @@ def activation_problems(plan: Plan) -> list[str]:
     param_region = {name: r.id for r in plan.regions if r.kind == "param" for name in tensors.get(r.chunk, ())}
     for c in choices:
         problems += [f"activation choice for {c.module}: {p}" for p in _choice_problems(c, n, plan, param_region)]
+    problems += _nested_problems(choices)
     if problems:
         return problems
-    problems += _nested_problems(choices)
     total = effect_at(choices, n)
     problems += _undercounted(plan)
     if problems:

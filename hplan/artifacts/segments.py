@@ -104,19 +104,6 @@ def check_segments(segments: tuple[Segment, ...], n_events: int, params: set[str
     is read, by hplan.artifacts.typed): a FieldError naming the first segment that breaks one."""
     from hplan.artifacts.typed import FieldError
 
-    blocks = {s.key: s for s in segments}
-    for i, seg in enumerate(nested):
-        block = blocks.get((seg.parent, seg.micro))
-        problem = segment_problem(seg, n_events) or (
-            "its parent must be a segment of the same micro-step" if block is None else
-            "its module must be a direct child of its parent" if seg.module.rsplit(".", 1)[0] != seg.parent else
-            "its forward must lie inside its parent's, its backward start no earlier" if not (
-                block.forward_events[0] <= seg.forward_events[0] and seg.forward_events[1] <= block.forward_events[1]
-                and block.backward_events[0] <= seg.backward_events[0]) else "")
-        if problem:
-            raise FieldError(f"nested[{i}]", f"{seg.module}: {problem}")
-    if len({s.key for s in nested}) != len(nested):
-        raise FieldError("nested", "repeat a module call")
     for i, seg in enumerate(segments):
         problem = segment_problem(seg, n_events) or ("a segment's parent must be empty" if seg.parent else "")
         unknown = [p for p in seg.params if p not in params]
@@ -127,6 +114,22 @@ def check_segments(segments: tuple[Segment, ...], n_events: int, params: set[str
     keys = [s.key for s in segments]
     if len(set(keys)) != len(keys):
         raise FieldError("segments", "repeat a module call")
+    blocks = {s.key: s for s in segments}
+    for i, seg in enumerate(nested):
+        block = blocks.get((seg.parent, seg.micro))
+        problem = segment_problem(seg, n_events) or (
+            "its parent must be a segment of the same micro-step" if block is None else
+            "its module must be a direct child of its parent" if seg.module.rsplit(".", 1)[0] != seg.parent else
+            "its forward must lie inside its parent's, its backward start no earlier" if not (
+                block.forward_events[0] <= seg.forward_events[0] and seg.forward_events[1] <= block.forward_events[1]
+                and block.backward_events[0] <= seg.backward_events[0]) else "")
+        unknown = [p for p in seg.params if p not in params]
+        if unknown and not problem:
+            problem = f"it names parameters the trace does not have ({unknown[:3]})"
+        if problem:
+            raise FieldError(f"nested[{i}]", f"{seg.module}: {problem}")
+    if len({s.key for s in nested}) != len(nested):
+        raise FieldError("nested", "repeat a module call")
 
 
 def segment_problem(s: Segment, n_events: int) -> str:
