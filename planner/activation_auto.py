@@ -36,6 +36,12 @@ where every solved regime's bound covers all its choices. The mixed figure is a 
 mixed plan reserves the larger of it and its own mix's replayed figure ([Note: a mix's own slack] in
 hplan.artifacts.choice_log), and where its own is larger the regime is searched again under it (`_settle`).
 
+[Note: child segments in auto] Child segments ([Note: nested segments] in hplan.artifacts.segments) enter as more
+modes of their block's item (hplan.planner.activation_items), in a regime of their own (keep and offload under the
+larger pure figure, `activation_min.PARTS`) beside the others. Where every block kept fits the budget they are left
+out of the search (its models stay the size of the blocks', e.g. gpt:18b at 24 GB plans as fast as before); the
+plan then says its bound does not cover every activation choice (`activations_free` false) unless it moves nothing.
+
 `--gpu-mem min` (`min_gpu_auto`): the smallest budget over every choice is a small MILP on the relaxed per-step
 needs (minimise B with need_t + sum of the chosen effects <= B), which is a lower bound; its choices' true minimum
 (weight reads added) and the forced choices' minimums are candidates, and the smallest is the answer.
@@ -75,14 +81,19 @@ def plan_auto(trace: Trace, hardware: Hardware, options: PlanOptions, on_progres
 def _plan_auto(trace: Trace, hardware: Hardware, options: PlanOptions, on_progress: Progress | None,
                without: frozenset[str]) -> Plan:
     shared = Shared()
-    runs = [(name, hw, items, min_gpu_auto(trace, hw, items, shared))
-            for name, hw, items in auto_regimes(trace, hardware, without)]
+    work = replace(trace, nested=()) if trace.nested else trace
+    runs = [(name, hw, items, min_gpu_auto(work, hw, items, shared))
+            for name, hw, items in auto_regimes(work, hardware, without)]
+    if trace.nested and min((r[3].keep for r in runs if r[3].keep is not None), default=0) > hardware.gpu_bytes:
+        work, shared = trace, Shared()  # blocks' activations must give way: child segments may pay
+        runs = [(name, hw, items, min_gpu_auto(work, hw, items, shared))
+                for name, hw, items in auto_regimes(work, hardware, without)]
     _, hw, items, least = min(runs, key=lambda r: (r[3].value, not r[3].exact))
-    smallest = min_gpu_of(trace, hw, items, least, shared)
+    smallest = min_gpu_of(work, hw, items, least, shared)
     feasible = [r for r in runs if r[3].value <= hardware.gpu_bytes]  # the others cannot fit (a proven minimum)
     if not feasible:  # nothing fits: the plan says why, with the smallest budget over every regime
         name, hw, items, first = runs[0]
-        return _plan_regime(trace, hw, options, on_progress, items, smallest, first.lean, first.keep)[0]
+        return _plan_regime(work, hw, options, on_progress, items, smallest, first.lean, first.keep)[0]
     best: Plan | None = None
     bounds: list[int] = []
     covered = True
@@ -98,20 +109,20 @@ def _plan_auto(trace: Trace, hardware: Hardware, options: PlanOptions, on_progre
             continue  # its activation cost alone reaches the incumbent: it cannot win
         try:
             if name in ("mixed", PARTS):
-                plan, decisions, priced = _plan_regime(trace, hw, options, on_progress, items, smallest, own.lean,
+                plan, decisions, priced = _plan_regime(work, hw, options, on_progress, items, smallest, own.lean,
                                                        own.keep, None if incumbent is None else incumbent - 1)
                 if priced is not None and name == "mixed":
                     mixed, targets = (priced[0], hw.slack_bytes), _targets(priced[1], options)
                 first = plan.summary  # its bound, under the smallest mixed reserve, is the regime's
-                plan = _settle(trace, hw, options, on_progress, items, smallest, own, plan, decisions)
+                plan = _settle(work, hw, options, on_progress, items, smallest, own, plan, decisions)
             elif incumbent is not None and mixed is not None and \
                     _priced_bound(*mixed, name, targets, hw.slack_bytes, incumbent) >= incumbent:
                 continue  # priced by the mixed regime's LP multipliers, on every chunking: it cannot win
             else:
-                plan = core.plan_decisions(trace, hw, options, decide(trace, name), on_progress, shared=items.shared,
+                plan = core.plan_decisions(work, hw, options, decide(work, name), on_progress, shared=items.shared,
                                            smallest=smallest,
                                            incumbent=None if incumbent is None else incumbent - cheap - 1)
-                plan = _summary(plan, items, decide(trace, name), None)
+                plan = _summary(plan, items, decide(work, name), None)
         except Pruned:
             continue  # every chunking's bound reaches the incumbent: it cannot win
         except HostMemoryShort:
@@ -133,7 +144,9 @@ def _plan_auto(trace: Trace, hardware: Hardware, options: PlanOptions, on_progre
             best = plan
     if best is None:  # every regime that could fit found no plan: the mixed regime's answer says why
         name, hw, items, first = runs[0]
-        return _plan_regime(trace, hw, options, on_progress, items, smallest, first.lean, first.keep)[0]
+        return _plan_regime(work, hw, options, on_progress, items, smallest, first.lean, first.keep)[0]
+    if work is not trace and _objective(best) > 0:
+        covered = False  # child segments' choices were left out (keep fits): the bound does not cover them
     return _certify(best, bounds, covered)
 
 
