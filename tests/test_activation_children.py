@@ -177,3 +177,45 @@ def test_child_segments_round_trip_and_are_validated_on_load(traced, tmp_path):
         child = dict(meta["nested"][0], **edit)
         with pytest.raises(HplanError, match=rf"field nested\[0\]: .*{message}.*regenerate"):
             Trace.from_metadata({**meta, "nested": [child, *meta["nested"][1:]]})
+
+
+class InPlace(Part):
+    """Scales its input in place first: a recompute would see another value."""
+
+    def forward(self, x):
+        return torch.sin(x.mul_(2.0) * self.w)
+
+
+class BadBlock(Block):
+    def __init__(self) -> None:
+        super().__init__()
+        self.q = InPlace()
+
+
+class BadNet(Net):
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.Sequential(BadBlock(), BadBlock(), BadBlock())
+
+
+def test_a_child_that_cannot_be_recomputed_is_refused_with_its_op_and_kept_or_offloaded():
+    """Bad input: a child that modifies its input in place is refused for recompute with the op named (its block,
+    which made that input, may be); auto never recomputes it, and trains at its minimum as plain PyTorch."""
+    from hplan.planner.activation_items import build_items
+
+    workload = dataclasses.replace(_workload(), name="children-inplace", model=BadNet)
+    trace = trace_workload(workload, device="cpu")
+    kids = {s.module: s for s in trace.nested}
+    bad = kids["blocks.1.q"]
+    assert not bad.recomputable and "aten::mul_" in bad.reason, bad.reason
+    assert all(s.recomputable for s in trace.segments) and kids["blocks.1.p"].recomputable
+    hw = make_hardware("cpu", gpu_bytes=1, **trace_slack(trace))
+    items = build_items(trace, hw)
+    assert not any(d.segment.module == bad.module and d.choice == "recompute"
+                   for modes in items.children for kids_ in modes for d in kids_)
+    plan = make_plan(trace, dataclasses.replace(hw, gpu_bytes=min_gpu_bytes(trace, hw).gpu_bytes))
+    assert plan.summary.feasible
+    assert all(c.choice != "recompute" for c in plan.activations if c.module == bad.module)
+    report = run_training(workload, plan, steps=2)
+    assert list(report.losses) == list(plain_losses(workload, 2))
+    assert report.activation_bytes_moved_per_iter == plan.summary.activation_bytes_moved_per_iter
