@@ -5,7 +5,8 @@ Two questions. (1) transformers' models, 4 layers at seq 512 × batch 2 (hidden 
 2048 so the loss head does not set the minimum): auto's `--gpu-mem min` against the same model with transformers'
 own checkpointing on every layer, traced as written (keep); goal ≤ 0.95×. Their blocks hold no same-class groups,
 so their segments are the blocks, with each block's largest children as child segments ([Note: nested segments]);
-"blocks only" is the minimum without them (the tracer patched). (2) ConvNeXt-tiny (the config class's defaults, 224 px) and a narrower, shallower
+"blocks only" is the minimum without them (the tracer patched). (2) ConvNeXt-tiny (the config class's defaults,
+224 px) and a narrower, shallower
 ConvNeXt (depths 2-2-4-2, widths 32-256): their 4 stages
 are the outermost same-class siblings, but each stage's blocks hold nearly all its weights, so the blocks are the
 segments ([Note: activation segments]); auto's minimum against keep's (goal ≤ 0.5×), beside the minimum with the

@@ -165,7 +165,8 @@ def _print_segments(trace: Trace, console: object) -> None:
                   f"{format_size(saved)} of activations until their backward: plan with --activations offload or "
                   "recompute to free them", highlight=False)
     if trace.nested:
-        console.print(f"{len(trace.nested)} child segment calls inside them (e.g. {trace.nested[0].module}) choose "  # type: ignore[attr-defined]
-                      "on their own while their block is kept", highlight=False)
+        line = (f"{len(trace.nested)} child segment calls inside them (e.g. {trace.nested[0].module}) choose on "
+                "their own while their block is kept")
+        console.print(line, highlight=False)  # type: ignore[attr-defined]
     for module, reason in {s.module: s.reason for s in (*trace.segments, *trace.nested) if not s.recomputable}.items():
         console.print(f"[yellow]note:[/] {module} cannot be recomputed: {reason}", highlight=False)  # type: ignore[attr-defined]
