@@ -4,11 +4,14 @@ measurements; no GPU figure).
 Two questions. (1) transformers' models, 4 layers at seq 512 × batch 2 (hidden 512, FFN 4× (Llama 1376), vocab
 2048 so the loss head does not set the minimum): auto's `--gpu-mem min` against the same model with transformers'
 own checkpointing on every layer, traced as written (keep); goal ≤ 0.95×. Their blocks hold no same-class groups,
-so their segments are the blocks, as before. (2) ConvNeXt-tiny (the config class's defaults, 224 px) and a narrower, shallower
+so their segments are the blocks, with each block's largest children as child segments ([Note: nested segments]);
+"blocks only" is the minimum without them (the tracer patched). (2) ConvNeXt-tiny (the config class's defaults,
+224 px) and a narrower, shallower
 ConvNeXt (depths 2-2-4-2, widths 32-256): their 4 stages
 are the outermost same-class siblings, but each stage's blocks hold nearly all its weights, so the blocks are the
 segments ([Note: activation segments]); auto's minimum against keep's (goal ≤ 0.5×), beside the minimum with the
-stages as segments (the rule before issue 31, reproduced here by patching the tracer's candidates). All fake
+stages as segments (the rule before issue 31, reproduced here by patching the tracer's candidates). (3) An 8-layer
+Llama at a middle budget: auto with and without child segments, predicted and measured CPU step. All fake
 traces (the CPU trace's segments and peaks, to the byte). Then the narrow ConvNeXt and the Llama are trained on this CPU
 at auto's minimum against plain PyTorch: loss difference, fast-tier peak and bytes moved against the plan.
 """
@@ -87,8 +90,8 @@ def transformers_table(ctx: Context) -> tuple[Table, dict[str, float]]:
     from hplan.specs import load_workload
     from hplan.tracer import trace_workload
 
-    table = Table(headers=["model", "segments", "auto", "transformers' checkpointing", "auto ÷ it",
-                           f"≤ {HF_GOAL}×", "what sets auto's minimum"],
+    table = Table(headers=["model", "segments (+ child)", "auto", "transformers' checkpointing", "auto ÷ it",
+                           f"≤ {HF_GOAL}×", "blocks only ÷ it", "what sets auto's minimum"],
                   caption=f"**`--gpu-mem min`, 4 layers, hidden {H}, vocab 2048, batch {BATCH} × seq {SEQ}** (plans "
                           "for the CPU fast tier from fake traces).")
     ratios = {}
@@ -98,12 +101,69 @@ def transformers_table(ctx: Context) -> tuple[Table, dict[str, float]]:
         w = load_workload(spec, overrides=config, batch_size=BATCH, seq_len=SEQ if not ctx.quick else 128)
         trace = trace_workload(w, device="fake")
         ckpt = trace_workload(dataclasses.replace(w, model=functools.partial(_checkpointed, w.model)), device="fake")
+        with _blocks_only():
+            blocks = trace_workload(w, device="fake")
         auto, hf = _min(trace), _min(ckpt, "keep").gpu_bytes
         ratios[name] = auto.gpu_bytes / hf
         where = auto.bottleneck.split(":", 1)[-1].split(" holds")[0].strip()
-        table.add(name, len(trace.segments), fmt_bytes(auto.gpu_bytes), fmt_bytes(hf), f"{ratios[name]:.3f}×",
-                  "yes" if ratios[name] <= HF_GOAL else "NO", where)
+        table.add(name, f"{len(trace.segments)} (+ {len(trace.nested)})", fmt_bytes(auto.gpu_bytes), fmt_bytes(hf),
+                  f"{ratios[name]:.3f}×", "yes" if ratios[name] <= HF_GOAL else "NO",
+                  f"{_min(blocks).gpu_bytes / hf:.3f}×", where)
     return table, ratios
+
+
+@contextlib.contextmanager
+def _blocks_only() -> Iterator[None]:
+    """The tracer without child segments ([Note: nested segments]): blocks are the finest unit, as before them."""
+    import hplan.tracer.nested as nested
+
+    with mock.patch.object(nested, "children_of", lambda blocks: {}):
+        yield
+
+
+def middle_table(ctx: Context) -> Table:
+    """An 8-layer Llama at a middle budget (halfway from auto's minimum to keep's): auto with child segments against
+    auto on blocks only, predicted step (plans) and measured CPU step (interleaved rounds, the load beside)."""
+    import os
+    import statistics
+
+    from hplan.executor import run_training
+    from hplan.planner import PlanOptions, make_plan
+    from hplan.specs import load_workload
+    from hplan.tracer import trace_workload
+
+    spec, config = MODELS["Llama"]
+    w = dataclasses.replace(load_workload(spec, overrides={**config, "num_hidden_layers": 8}, batch_size=BATCH,
+                                          seq_len=SEQ if not ctx.quick else 128), optimizer=_adamw)
+    traces = {"with child segments": trace_workload(w, device="fake")}
+    with _blocks_only():
+        traces["blocks only"] = trace_workload(w, device="fake")
+    low, keep = _min(traces["with child segments"]).gpu_bytes, _min(traces["blocks only"], "keep").gpu_bytes
+    budget = (low + keep) // 2
+    plans = {k: make_plan(t, dataclasses.replace(_hardware(t), gpu_bytes=budget), PlanOptions(activations="auto"))
+             for k, t in traces.items()}
+    measured: dict[str, list[float]] = {k: [] for k in plans}
+    loads = []
+    for _ in range(1 if ctx.quick else 2):
+        for k, plan in plans.items():
+            measured[k] += list(run_training(w, plan, steps=TRAIN_STEPS).step_seconds[1:])
+            loads.append(os.getloadavg()[0])
+    table = Table(headers=["auto at " + fmt_bytes(budget), "choices inside blocks", "predicted step (plan)",
+                           "measured CPU step (median)", "load"],
+                  caption=f"**Middle budget, 8-layer Llama** (hidden {H}, batch {BATCH} × seq "
+                          f"{SEQ if not ctx.quick else 128}; halfway from auto's minimum to keep's; measured steps "
+                          "interleaved, the first of each run left out).")
+    for k, plan in plans.items():
+        inner = sum(1 for c in plan.activations if c.module.count(".") > 2 and c.choice != "keep")
+        table.add(k, inner, f"{plan.summary.predicted_step_seconds * 1e3:.1f} ms",
+                  f"{statistics.median(measured[k]) * 1e3:.0f} ms", f"{statistics.mean(loads):.1f}")
+    (a, pa), (b, pb) = plans.items()
+    dp = pa.summary.predicted_step_seconds - pb.summary.predicted_step_seconds
+    dm = statistics.median(measured[a]) - statistics.median(measured[b])
+    table.add("with ÷ without", "", f"{pa.summary.predicted_step_seconds / pb.summary.predicted_step_seconds:.3f}×",
+              f"{statistics.median(measured[a]) / statistics.median(measured[b]):.3f}×",
+              "signs agree" if (dp <= 0) == (dm <= 0) or dp == 0 else "signs differ")
+    return table
 
 
 @contextlib.contextmanager
@@ -192,6 +252,9 @@ def run(ctx: Context) -> SectionOutput:
         out.headline.append("ConvNeXt, blocks as segments: auto's `--gpu-mem min` ÷ keep's " + ", ".join(
             f"{n} batch {b}: {v[2] / v[3]:.3f}× (stages: {v[4]:.3f}×)" for (n, b), v in conv[1].items())
             + f" (≤ {KEEP_GOAL}× asked) — plans")
+    middle = out.part("middle", lambda: middle_table(ctx), log=ctx.log)
+    if middle is not None:
+        out.tables.append(middle)
     rows = []
     if conv is not None:
         n, b = max(conv[1], key=lambda k: (k[1], k[0] != "ConvNeXt-tiny"))  # the narrow one, largest batch

@@ -36,6 +36,12 @@ where every solved regime's bound covers all its choices. The mixed figure is a 
 mixed plan reserves the larger of it and its own mix's replayed figure ([Note: a mix's own slack] in
 hplan.artifacts.choice_log), and where its own is larger the regime is searched again under it (`_settle`).
 
+[Note: child segments in auto] Child segments ([Note: nested segments] in hplan.artifacts.segments) enter as more
+modes of their block's item (hplan.planner.activation_items), in a regime of their own (keep and offload under the
+larger pure figure, `activation_min.PARTS`) beside the others. Where every block kept fits the budget they are left
+out of the search (its models stay the size of the blocks', e.g. gpt:18b at 24 GB plans as fast as before); the
+plan then says its bound does not cover every activation choice (`activations_free` false) unless it moves nothing.
+
 `--gpu-mem min` (`min_gpu_auto`): the smallest budget over every choice is a small MILP on the relaxed per-step
 needs (minimise B with need_t + sum of the chosen effects <= B), which is a lower bound; its choices' true minimum
 (weight reads added) and the forced choices' minimums are candidates, and the smallest is the answer.
@@ -51,9 +57,9 @@ from hplan.artifacts.hardware import Hardware
 from hplan.artifacts.plan import Plan
 from hplan.artifacts.trace import Trace
 from hplan.planner.activation_items import Items
-from hplan.planner.activation_min import RegimeMin, Shared, auto_regimes, min_gpu_auto, min_gpu_of
+from hplan.planner.activation_min import PARTS, RegimeMin, Shared, auto_regimes, min_gpu_auto, min_gpu_of
 from hplan.planner import core
-from hplan.planner.activations import Decision, HostMemoryShort, decide, slack_figure
+from hplan.planner.activations import Decision, HostMemoryShort, decide, modes_of, slack_figure
 from hplan.planner.core import Pruned
 from hplan.planner.slack import for_figure, mix_figure
 from hplan.planner.exact import lp_bound, solve_milp
@@ -75,14 +81,19 @@ def plan_auto(trace: Trace, hardware: Hardware, options: PlanOptions, on_progres
 def _plan_auto(trace: Trace, hardware: Hardware, options: PlanOptions, on_progress: Progress | None,
                without: frozenset[str]) -> Plan:
     shared = Shared()
-    runs = [(name, hw, items, min_gpu_auto(trace, hw, items, shared))
-            for name, hw, items in auto_regimes(trace, hardware, without)]
+    work = replace(trace, nested=()) if trace.nested else trace
+    runs = [(name, hw, items, min_gpu_auto(work, hw, items, shared))
+            for name, hw, items in auto_regimes(work, hardware, without)]
+    if trace.nested and min((r[3].keep for r in runs if r[3].keep is not None), default=0) > hardware.gpu_bytes:
+        work, shared = trace, Shared()  # blocks' activations must give way: child segments may pay
+        runs = [(name, hw, items, min_gpu_auto(work, hw, items, shared))
+                for name, hw, items in auto_regimes(work, hardware, without)]
     _, hw, items, least = min(runs, key=lambda r: (r[3].value, not r[3].exact))
-    smallest = min_gpu_of(trace, hw, items, least, shared)
+    smallest = min_gpu_of(work, hw, items, least, shared)
     feasible = [r for r in runs if r[3].value <= hardware.gpu_bytes]  # the others cannot fit (a proven minimum)
     if not feasible:  # nothing fits: the plan says why, with the smallest budget over every regime
         name, hw, items, first = runs[0]
-        return _plan_regime(trace, hw, options, on_progress, items, smallest, first.lean, first.keep)[0]
+        return _plan_regime(work, hw, options, on_progress, items, smallest, first.lean, first.keep)[0]
     best: Plan | None = None
     bounds: list[int] = []
     covered = True
@@ -90,28 +101,28 @@ def _plan_auto(trace: Trace, hardware: Hardware, options: PlanOptions, on_progre
     mixed: tuple[dict, int] | None = None  # the mixed regime's staged chunkings and its slack
     targets: list[int] = []
     for name, hw, items, own in _order(feasible):
-        cheap = 0 if name in ("keep", "mixed") else items.cost_of(items.keep())  # a pure regime's fixed cost
+        cheap = 0 if name in ("keep", "mixed", PARTS) else items.cost_of(items.keep())  # a pure regime's fixed cost
         if any(items.allowed <= allowed and hw.slack_bytes >= slack for allowed, slack in solved):
             continue  # a solved regime's bound covers its choices at a slack no larger (its bound is in bounds)
         incumbent = None if best is None else _objective(best)
         if incumbent is not None and cheap >= incumbent:
             continue  # its activation cost alone reaches the incumbent: it cannot win
         try:
-            if name == "mixed":
-                plan, decisions, priced = _plan_regime(trace, hw, options, on_progress, items, smallest, own.lean,
+            if name in ("mixed", PARTS):
+                plan, decisions, priced = _plan_regime(work, hw, options, on_progress, items, smallest, own.lean,
                                                        own.keep, None if incumbent is None else incumbent - 1)
-                if priced is not None:
+                if priced is not None and name == "mixed":
                     mixed, targets = (priced[0], hw.slack_bytes), _targets(priced[1], options)
                 first = plan.summary  # its bound, under the smallest mixed reserve, is the regime's
-                plan = _settle(trace, hw, options, on_progress, items, smallest, own, plan, decisions)
+                plan = _settle(work, hw, options, on_progress, items, smallest, own, plan, decisions)
             elif incumbent is not None and mixed is not None and \
                     _priced_bound(*mixed, name, targets, hw.slack_bytes, incumbent) >= incumbent:
                 continue  # priced by the mixed regime's LP multipliers, on every chunking: it cannot win
             else:
-                plan = core.plan_decisions(trace, hw, options, decide(trace, name), on_progress, shared=items.shared,
+                plan = core.plan_decisions(work, hw, options, decide(work, name), on_progress, shared=items.shared,
                                            smallest=smallest,
                                            incumbent=None if incumbent is None else incumbent - cheap - 1)
-                plan = _summary(plan, items, decide(trace, name), None)
+                plan = _summary(plan, items, decide(work, name), None)
         except Pruned:
             continue  # every chunking's bound reaches the incumbent: it cannot win
         except HostMemoryShort:
@@ -121,9 +132,9 @@ def _plan_auto(trace: Trace, hardware: Hardware, options: PlanOptions, on_progre
         if not plan.summary.feasible:  # its minimum fits but no plan was found: nothing bounds its plans
             covered = False
             continue
-        s = first if name == "mixed" else plan.summary
+        s = first if name in ("mixed", PARTS) else plan.summary
         bounds.append(s.lower_bound_bytes)
-        if name == "mixed":
+        if name in ("mixed", PARTS):
             covered = covered and s.activations_free
             if s.activations_free:
                 solved.append((items.allowed, hw.slack_bytes))
@@ -133,7 +144,9 @@ def _plan_auto(trace: Trace, hardware: Hardware, options: PlanOptions, on_progre
             best = plan
     if best is None:  # every regime that could fit found no plan: the mixed regime's answer says why
         name, hw, items, first = runs[0]
-        return _plan_regime(trace, hw, options, on_progress, items, smallest, first.lean, first.keep)[0]
+        return _plan_regime(work, hw, options, on_progress, items, smallest, first.lean, first.keep)[0]
+    if work is not trace and _objective(best) > 0:
+        covered = False  # child segments' choices were left out (keep fits): the bound does not cover them
     return _certify(best, bounds, covered)
 
 
@@ -150,7 +163,7 @@ def _settle(trace: Trace, hw: Hardware, options: PlanOptions, on_progress: Progr
     for _ in range(SETTLE_ROUNDS):
         if not plan.summary.feasible or slack_figure(decisions) != "mixed":
             break
-        need = mix_figure(trace, hw, [d.choice for d in decisions]) or 0
+        need = mix_figure(trace, hw, modes_of(decisions)) or 0
         if need <= reserve:
             break
         reserve = need
@@ -201,7 +214,7 @@ def _order(runs: list) -> list:
     """Regimes in solving order: keep alone first where its slack is the smallest figure (it moves nothing where
     everything fits, and its zero objective then ends the search), then the mixed regime, then offload and
     recompute alone."""
-    rank = {"keep": 0, "mixed": 1, "offload": 2, "recompute": 3}
+    rank = {"keep": 0, "mixed": 1, PARTS: 1.5, "offload": 2, "recompute": 3}
     mixed = [r[1].slack_bytes for r in runs if r[0] == "mixed"]
     if mixed and any(r[0] == "keep" and r[1].slack_bytes >= mixed[0] for r in runs):
         rank["keep"] = 4  # the mixed regime covers it
@@ -253,7 +266,7 @@ def _plan_regime(trace: Trace, hardware: Hardware, options: PlanOptions, on_prog
             plan = core.plan_decisions(trace, hardware, options, decisions, on_progress,
                                        targets=[best.chunk_target], shared=items.shared, smallest=smallest)
         elif slack_figure(decisions) == "mixed" and \
-                (mix_figure(trace, hardware, [d.choice for d in decisions]) or 0) > hardware.slack_bytes:
+                (mix_figure(trace, hardware, modes_of(decisions)) or 0) > hardware.slack_bytes:
             # the mix's own log needs more than the regime's figure: planned again under its own ([Note: a mix's
             # own slack]), on the same chunking
             plan = core.plan_decisions(trace, hardware, options, decisions, on_progress,

@@ -4,6 +4,7 @@ every step's non-model bytes and its cost in link bytes ([Note: auto activations
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Iterable
 from dataclasses import dataclass, replace
@@ -12,7 +13,7 @@ import numpy as np
 
 from hplan.artifacts.activations import CHOICES
 from hplan.artifacts.hardware import Hardware
-from hplan.artifacts.segments import shared_windows
+from hplan.artifacts.segments import Segment, shared_windows
 from hplan.artifacts.trace import Trace
 from hplan.planner.activations import Decision, _recompute_seconds, decide, effects
 
@@ -26,7 +27,8 @@ class Items:
     trace: Trace
     """The trace as traced (every segment kept)."""
     decisions: tuple[tuple[Decision, ...], ...]
-    """Per segment: one decision per mode, in CHOICES order (keep first where allowed)."""
+    """Per segment: one decision per mode, in CHOICES order (keep first where allowed); a kept block with child
+    segments has one keep mode per combination of its children's choices (`children`)."""
     item: np.ndarray
     """Per mode: its segment."""
     effect: np.ndarray
@@ -37,6 +39,12 @@ class Items:
     """Segment calls charged as sharing their recompute window with another recomputable one."""
     allowed: frozenset[str] = frozenset(CHOICES)
     """The choices the modes are drawn from (an allocator-slack regime, hplan.planner.slack)."""
+    children: tuple[tuple[tuple[Decision, ...], ...], ...] = ()
+    """Per segment and mode: its child segments' choices other than keep ([Note: nested segments]); empty
+    tuples where a segment has no child segments (and () in all where the trace has none)."""
+
+    def _children(self, s: int, j: int) -> tuple[Decision, ...]:
+        return self.children[s][j] if self.children else ()
 
     @property
     def n_modes(self) -> int:
@@ -62,17 +70,20 @@ class Items:
     def to_decisions(self, chosen: tuple[int, ...]) -> tuple[Decision, ...]:
         """The chosen modes as decisions; an offload that moves nothing is a keep (same memory, same cost, the
         same allocator calls: hplan.planner.slack.counted)."""
-        out = []
+        out, inner = [], []
         for s, m in enumerate(chosen):
-            d = self.decisions[s][m - int(self.first[s])]
+            j = m - int(self.first[s])
+            d = self.decisions[s][j]
             out.append(replace(d, choice="keep") if d.choice == "offload" and not d.segment.offload_bytes else d)
-        return tuple(out)
+            inner += [c for c in self._children(s, j) if c.choice != "offload" or c.segment.offload_bytes]
+        return tuple(out + inner)
 
     def of(self, decisions: tuple[Decision, ...]) -> tuple[int, ...]:
         """Mode indices of decisions (one per segment, in order); see `admits`."""
+        blocks, inner = _split(decisions)
         out = []
-        for s, d in enumerate(decisions):
-            m = self._mode(s, d)
+        for s, d in enumerate(blocks):
+            m = self._mode(s, d, inner)
             if m is None:
                 raise AssertionError(f"{d.choice} of {d.segment.key} is no mode of this regime: an hplan bug")
             out.append(m)
@@ -83,14 +94,32 @@ class Items:
         mode (whichever the regime has): a frozen block, or one whose saved tensors are all parameters, saves
         nothing an offload would move, so forced offload passes `_within` in the keep regime as forced keep does
         in the recompute regime, and those need not be modes there."""
-        return all(self._mode(s, d) is not None for s, d in enumerate(decisions))
+        blocks, inner = _split(decisions)
+        return len(blocks) == len(self.first) and all(self._mode(s, d, inner) is not None
+                                                      for s, d in enumerate(blocks))
 
-    def _mode(self, s: int, d: Decision) -> int | None:
+    def _mode(self, s: int, d: Decision, inner: dict[tuple[str, int], Decision]) -> int | None:
         labels = [o.choice for o in self.decisions[s]]
         choice = d.choice
         if choice not in labels and choice in ("keep", "offload") and not d.segment.offload_bytes:
             choice = "offload" if choice == "keep" else "keep"  # moves nothing: the same memory, cost, calls
-        return int(self.first[s]) + labels.index(choice) if choice in labels else None
+        mine = {k: c.choice for k, c in inner.items() if c.segment.parent == d.segment.module
+                and k[1] == d.segment.micro and c.choice != "keep"
+                and not (c.choice == "offload" and not c.segment.offload_bytes)}
+        for j, label in enumerate(labels):
+            if label == choice and mine == {c.segment.key: c.choice for c in self._children(s, j)}:
+                return int(self.first[s]) + j
+        return None
+
+    def blocks_only(self) -> Items:
+        """The items without the child segments' modes (each block's own choices only; `self` where none)."""
+        if not self.children:
+            return self
+        keep = np.array([not self._children(int(s), int(m - self.first[s])) for m, s in enumerate(self.item)])
+        decisions = tuple(tuple(d for j, d in enumerate(ds) if not self.children[s][j])
+                          for s, ds in enumerate(self.decisions))
+        return replace(self, decisions=decisions, item=self.item[keep], effect=self.effect[keep],
+                       cost=self.cost[keep], children=())
 
     def cost_of(self, chosen: tuple[int, ...]) -> int:
         return int(self.cost[list(chosen)].sum()) if chosen else 0
@@ -106,8 +135,10 @@ class Items:
                 raise AssertionError(f"activation choices free more than event {events[t].key} holds: an hplan bug")
             events[t] = replace(events[t], non_model_peak_bytes=nm)
         for s, m in enumerate(chosen):
-            d = self.decisions[s][m - int(self.first[s])]
-            if d.choice == "recompute":
+            j = m - int(self.first[s])
+            for d in (self.decisions[s][j], *self._children(s, j)):
+                if d.choice != "recompute":
+                    continue
                 b0 = d.segment.backward_events[0]
                 events[b0] = replace(events[b0], seconds=events[b0].seconds + d.segment.seconds,
                                      flops=events[b0].flops + d.segment.flops)
@@ -116,17 +147,36 @@ class Items:
 
 def build_items(trace: Trace, hardware: Hardware, allowed: Iterable[str] = CHOICES) -> Items:
     """The items of every segment call (module doc) with the `allowed` choices as modes; a module refused for
-    recompute (any call) gets no recompute, and offload where recompute is its only allowed choice."""
+    recompute (any call) gets no recompute, and offload where recompute is its only allowed choice. Where keep and
+    another choice are allowed, a block with child segments gets one keep mode per combination of its children's
+    choices (keep, an offload that moves bytes, a recompute where allowed), their effects and costs summed
+    ([Note: nested segments]): a child chooses only inside a kept block, and the block's own modes stay modes."""
     allowed = frozenset(allowed)
-    refused = {s.module for s in trace.segments if not s.recomputable}
+    refused = {s.module for s in (*trace.segments, *trace.nested) if not s.recomputable}
     may = [s.module not in refused for s in trace.segments]
     shared = frozenset(shared_windows(s for s, ok in zip(trace.segments, may) if ok)) \
         if "recompute" in allowed else frozenset()
+    kids: dict[tuple[str, int], list[Segment]] = {}
+    if "keep" in allowed and len(allowed) > 1:
+        for c in trace.nested:
+            kids.setdefault((c.parent, c.micro), []).append(c)
+    if "recompute" in allowed and kids:
+        shared = shared | _shared_children(trace, kids, refused)
     rec = decide(trace, "recompute")
-    seconds = _recompute_seconds(trace, hardware, tuple(d for d in rec if d.choice == "recompute"))
+    nested_rec = tuple(Decision(segment=c, choice="recompute") for cs in kids.values() for c in cs)
+    seconds = _recompute_seconds(trace, hardware, tuple(d for d in rec if d.choice == "recompute") + nested_rec)
     link = hardware.h2d_gbps * 1e9
     n = len(trace.events)
-    decisions, item, rows, cost = [], [], [], []
+
+    def row_cost(seg: Segment, choice: str) -> tuple[np.ndarray, int]:
+        row = np.zeros(n, dtype=np.int64)
+        for first, last, b in effects(seg, choice, shared_recompute=seg.key in shared):
+            row[first:last + 1] += b
+        cost = 0 if choice == "keep" else 2 * seg.offload_bytes if choice == "offload" \
+            else math.ceil(seconds.get(seg.key, 0.0) * link)
+        return row, cost
+
+    decisions, children, item, rows, cost = [], [], [], [], []
     for k, (s, ok) in enumerate(zip(trace.segments, may)):
         reason = "" if s.recomputable else s.reason
         modes = [Decision(segment=s, choice=c, reason=reason) for c in ("keep", "offload") if c in allowed]
@@ -134,15 +184,58 @@ def build_items(trace: Trace, hardware: Hardware, allowed: Iterable[str] = CHOIC
             modes.append(Decision(segment=s, choice="recompute"))
         elif not modes and "recompute" in allowed:  # refused: offloaded instead, as `decide` does
             modes.append(Decision(segment=s, choice="offload", reason=reason))
+        inner: list[tuple[Decision, ...]] = [()] * len(modes)
+        combos = _combos(kids.get(s.key, []), allowed, refused)
+        if len(combos) > 1 and modes[0].choice == "keep":
+            modes[1:1] = [modes[0]] * (len(combos) - 1)
+            inner = list(combos) + [()] * (len(modes) - len(combos))
         decisions.append(tuple(modes))
-        for d in modes:
-            row = np.zeros(n, dtype=np.int64)
-            for first, last, b in effects(s, d.choice, shared_recompute=s.key in shared):
-                row[first:last + 1] += b
+        children.append(tuple(inner))
+        for d, extra in zip(modes, inner):
+            row, c = row_cost(s, d.choice)
+            for e in extra:
+                r, ce = row_cost(e.segment, e.choice)
+                row, c = row + r, c + ce
             rows.append(row)
             item.append(k)
-            cost.append(0 if d.choice == "keep" else 2 * s.offload_bytes if d.choice == "offload"
-                        else math.ceil(seconds.get(s.key, 0.0) * link))
+            cost.append(c)
     effect = np.array(rows, dtype=np.int64).reshape(len(rows), n)
     return Items(trace=trace, decisions=tuple(decisions), item=np.array(item, dtype=np.int64), effect=effect,
-                 cost=np.array(cost, dtype=np.int64), shared=shared, allowed=allowed)
+                 cost=np.array(cost, dtype=np.int64), shared=shared, allowed=allowed,
+                 children=tuple(children) if kids else ())
+
+
+def _combos(kids: list[Segment], allowed: frozenset[str], refused: set[str]) -> list[tuple[Decision, ...]]:
+    """Every combination of the children's choices other than keep (all kept first); [] without children."""
+    if not kids:
+        return []
+    per = []
+    for c in kids:
+        opts: list[Decision | None] = [None]
+        if "offload" in allowed and c.offload_bytes:
+            opts.append(Decision(segment=c, choice="offload"))
+        if "recompute" in allowed and c.module not in refused:
+            opts.append(Decision(segment=c, choice="recompute"))
+        per.append(opts)
+    return [tuple(d for d in combo if d is not None) for combo in itertools.product(*per)]
+
+
+def _shared_children(trace: Trace, kids: dict[tuple[str, int], list[Segment]], refused: set[str]
+                     ) -> frozenset[tuple[str, int]]:
+    """Child calls whose recompute could share its window with another recompute (a block's, another child's;
+    never its own block's, which is then kept): each is charged its full transient there."""
+    starts: dict[int, list[tuple[str, str]]] = {}
+    for s in trace.segments:
+        if s.module not in refused:
+            starts.setdefault(s.backward_events[0], []).append((s.module, ""))
+    for cs in kids.values():
+        for c in cs:
+            if c.module not in refused:
+                starts.setdefault(c.backward_events[0], []).append((c.module, c.parent))
+    return frozenset((c.module, c.micro) for cs in kids.values() for c in cs if c.module not in refused
+                     and any(m not in (c.module, c.parent) for m, _ in starts[c.backward_events[0]]))
+
+
+def _split(decisions: tuple[Decision, ...]) -> tuple[list[Decision], dict[tuple[str, int], Decision]]:
+    """Block decisions in order, and the child segments' decisions by call ([Note: nested segments])."""
+    return [d for d in decisions if not d.segment.parent], {d.segment.key: d for d in decisions if d.segment.parent}

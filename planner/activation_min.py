@@ -5,7 +5,7 @@ allocator-slack regimes ([Note: auto activations] in hplan.planner.activation_au
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import highspy
@@ -15,9 +15,9 @@ from scipy.sparse import coo_matrix
 from hplan.artifacts.hardware import Hardware
 from hplan.artifacts.trace import Trace
 from hplan.planner.activation_items import Items, build_items
-from hplan.planner.activations import Decision, decide, min_gpu_with
+from hplan.planner.activations import Decision, decide, min_gpu_with, modes_of, slack_figure
 from hplan.planner.problem import PARAM_CHUNKS, MinGpu, Problem, Structure, build, group_params, min_gpu
-from hplan.planner.slack import counted, regimes
+from hplan.planner.slack import counted, mix_figure, regimes
 
 
 def minimax(items: Items, need: np.ndarray) -> tuple[int, tuple[int, ...]]:
@@ -143,6 +143,9 @@ def min_gpu_auto(trace: Trace, hardware: Hardware, items: Items, shared: Shared 
     _, chosen = minimax(items, need)
     forced = [decide(trace, c) for c in ("keep", "offload", "recompute")]
     candidates = [items.to_decisions(chosen)] + [d for d in forced if _within(d, items.allowed) and items.admits(d)]
+    if items.children:  # the blocks' own best too: child modes only add choices ([Note: nested segments])
+        blocks = items.blocks_only()
+        candidates.insert(1, blocks.to_decisions(minimax(blocks, need)[1]))
     best: tuple[int, tuple[Decision, ...], MinGpu | None] | None = None
     floor: tuple[int, tuple[Decision, ...]] | None = None
     pruned = math.inf
@@ -154,6 +157,11 @@ def min_gpu_auto(trace: Trace, hardware: Hardware, items: Items, shared: Shared 
         if best is not None and relaxed >= best[0]:
             continue
         value, found = relaxed, None
+        if items.children and slack_figure(decisions) == "mixed":  # its own replayed slack may exceed the sample
+            value = relaxed = relaxed + max(0, (mix_figure(trace, hardware, modes_of(decisions)) or 0)
+                                            - hardware.slack_bytes)
+            if best is not None and relaxed >= best[0]:
+                continue
         if any(d.choice == "recompute" for d in decisions):
             if shared.best is not None and relaxed >= shared.best:
                 pruned = min(pruned, relaxed)  # its true minimum is at least this, no better than another's
@@ -194,8 +202,32 @@ def auto_regimes(trace: Trace, hardware: Hardware, without: frozenset[str] = fro
     offload (host memory short), the recompute regime is left out when a segment that may not be recomputed saves
     bytes: its only mode there is an offload (`build_items`), which host memory cannot take."""
     stuck = "offload" in without and any(not s.recomputable and s.offload_bytes for s in trace.segments)
-    return [(name, hw, build_items(trace, hw, allowed)) for name, hw, allowed in regimes(hardware, without)
-            if not (stuck and allowed == frozenset(("recompute",)))]
+    out = [(name, hw, build_items(trace, hw, allowed)) for name, hw, allowed in regimes(hardware, without)
+           if not (stuck and allowed == frozenset(("recompute",)))]
+    parts = parts_regime(trace, hardware, without)
+    return out[:1] + [(PARTS, parts, build_items(trace, parts, ("keep", "offload")))] + out[1:] if parts else out
+
+
+PARTS = "parts"
+"""The regime of keep and offload mixes where the trace has child segments ([Note: nested segments]): a kept
+block's children offloaded beside offloaded blocks, under the larger of keep's and offload's figures."""
+
+
+def parts_regime(trace: Trace, hardware: Hardware, without: frozenset[str] = frozenset()) -> Hardware | None:
+    """The hardware of the parts regime (`PARTS`), or None where it cannot win: no child segments, no offload, no
+    per-choice table, or a mixed figure no larger. Its figure is a sample (the pure figures) that guides the
+    search: each of its mixed plans reserves the larger of it and its own mix's replayed figure (`for_figure`
+    through `with_slack`), and is searched again under that (`_settle` in hplan.planner.activation_auto), so its
+    bound is a relaxation of every plan it makes ([Note: auto regimes])."""
+    table = dict(hardware.activation_slack)
+    if not trace.nested or "offload" in without or not table:
+        return None
+    figure = max(table["keep"], table["offload"])
+    if figure >= table["mixed"]:
+        return None
+    table["mixed"] = figure
+    return replace(hardware, slack_bytes=figure,
+                   activation_slack=tuple((k, table[k]) for k, _ in hardware.activation_slack))
 
 
 def min_auto(trace: Trace, hardware: Hardware, without: frozenset[str] = frozenset()

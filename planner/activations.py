@@ -122,6 +122,11 @@ def transform(trace: Trace, decisions: tuple[Decision, ...], shared: frozenset[t
     return replace(trace, events=tuple(events), params=params)
 
 
+def modes_of(decisions: tuple[Decision, ...]) -> dict[tuple[str, int], str]:
+    """Each segment call's choice, child segments included, for a mix's replay (hplan.planner.slack.mix_figure)."""
+    return {d.segment.key: d.choice for d in decisions}
+
+
 def slack_figure(decisions: tuple[Decision, ...]) -> str:
     """Which allocator-slack figure covers a plan making these choices (hplan.planner.slack.figure)."""
     return figure(counted(d.choice, bool(d.segment.offload_bytes), d.segment.recomputable) for d in decisions)
@@ -131,7 +136,7 @@ def with_slack(hardware: Hardware, decisions: tuple[Decision, ...], trace: Trace
     """`hardware` with the allocator slack of a plan making these choices (hplan.planner.slack): a mix's own
     replayed figure where `trace` carries its log ([Note: a mix's own slack]), else the figure of its kind."""
     name = slack_figure(decisions)
-    own = mix_figure(trace, hardware, [d.choice for d in decisions]) if trace is not None and name == "mixed" \
+    own = mix_figure(trace, hardware, modes_of(decisions)) if trace is not None and name == "mixed" \
         else None
     return for_figure(hardware, name, own)
 

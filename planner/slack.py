@@ -21,7 +21,7 @@ makes one choice other than keep, or where nothing fits, each choice alone under
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import replace
 
 from hplan.artifacts.hardware import Hardware
@@ -106,14 +106,20 @@ def regimes(hardware: Hardware, without: frozenset[str] = frozenset()) -> list[t
             *((c, for_figure(hardware, c), frozenset((c,))) for c in ("keep", "offload", "recompute") if c in every)]
 
 
-def mix_figure(trace: Trace, hardware: Hardware, modes: list[str]) -> int | None:
-    """Slack plus overhead that the mix (segment i makes `modes[i]`) needs, replayed from the trace's own log
+def mix_figure(trace: Trace, hardware: Hardware, modes: list[str] | Mapping[tuple[str, int], str]) -> int | None:
+    """Slack plus overhead that the mix (segment i makes `modes[i]`, or each call its choice by key: child segments
+    included, [Note: nested segments]) needs, replayed from the trace's own log
     ([Note: a mix's own slack] in hplan.artifacts.choice_log) under the allocator `hardware`'s table was made for
     (the larger of release and expandable where their keep figures agree); None without a log or a table."""
     from hplan.artifacts.choice_log import mix_slack
 
     log, table = trace.choice_log, dict(hardware.activation_slack)
-    if log is None or not table or len(modes) != len(trace.segments):
+    segments = trace.segments + trace.nested
+    if isinstance(modes, Mapping):  # by segment call; child segments and any left out keep
+        modes = [modes.get(s.key, "keep") for s in segments]
+    elif len(modes) == len(trace.segments):
+        modes = list(modes) + ["keep"] * len(trace.nested)
+    if log is None or not table or len(modes) != len(segments):
         return None
     keep = table["keep"] - trace.overhead_bytes
     kinds = [kind for kind, value in (("release", trace.allocator_slack_release_bytes),
@@ -121,5 +127,5 @@ def mix_figure(trace: Trace, hardware: Hardware, modes: list[str]) -> int | None
     if not kinds:
         return None
     levels = [e.non_model_peak_bytes for e in trace.events]
-    return max(mix_slack(log, trace.segments, levels, modes, expandable=k == "expandable")
+    return max(mix_slack(log, segments, levels, modes, expandable=k == "expandable")
                for k in kinds) + trace.overhead_bytes

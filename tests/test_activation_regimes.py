@@ -108,10 +108,11 @@ def test_auto_is_no_worse_than_any_forced_choice_and_its_bound_covers_them(case,
         auto = make_plan(trace, hw)
         assert auto.summary.feasible, budget
         s = auto.summary
-        mix = [c.choice for c in auto.activations]
-        assert len(mix) == len(trace.segments)
-        own = mix_slack(trace.choice_log, trace.segments, levels(trace), mix,
-                        expandable=False) + trace.overhead_bytes
+        chosen = {(c.module, c.micro): c.choice for c in auto.activations}
+        every = trace.segments + trace.nested  # child segments' choices too ([Note: nested segments])
+        assert all(s.key in chosen for s in trace.segments) and set(chosen) <= {s.key for s in every}
+        mix = [chosen.get(s.key, "keep") for s in every]
+        own = mix_slack(trace.choice_log, every, levels(trace), mix, expandable=False) + trace.overhead_bytes
         assert auto.hardware.slack_bytes >= own, (budget, mix)  # auto's plan reserves its own mix's figure
         for choice in FORCED:
             forced = make_plan(trace, hw, PlanOptions(activations=choice))

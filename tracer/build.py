@@ -39,6 +39,7 @@ def build_trace(rec: Recording) -> Trace:
         accumulate=workload.accumulate, max_grad_norm=workload.max_grad_norm,
         loss_scale="dynamic" if trainer.scaler is not None else None, defer_updates=trainer.defer_updates,
         optimizer=type(trainer.optimizer).__name__, input_shapes=rec.input_shapes, segments=rec.segments,
+        nested=rec.nested,
     )
 
 
@@ -63,7 +64,8 @@ def _slack(rec: Recording, steady: pd.DataFrame, peak_bytes: int, events: tuple[
             else rec.max_reserved_bytes - per_step_peak)
     starts = [w.op_start for w in rec.windows]
     by_choice = choice_slack(log, rec.op_log, rec.segment_calls, rec.segments, levels, starts, figures)
-    replayable = choice_log(log, rec.op_log, rec.segment_calls, rec.segments, len(events), starts) \
+    replayable = choice_log(log, rec.op_log, rec.segment_calls + rec.nested_calls, rec.segments + rec.nested,
+                            len(events), starts) \
         if by_choice else None
     return {"allocator_slack_bytes": max(0, kept), "allocator_slack_release_bytes": figures["release"],
             "allocator_slack_expandable_bytes": figures["expandable"], "allocator_slack_by_choice": by_choice,

@@ -21,8 +21,9 @@ from hplan.tracer.fake import failed_operator, fake_mode
 from hplan.tracer.meta_build import BUFFERS_UNKNOWN, build_on_meta
 from hplan.tracer.modules import module_paths
 from hplan.tracer.recorder import Recorder, TracerSink, Window, on_accumulate, on_saved
-from hplan.tracer.segment_stats import combine, exclude, iteration_segments
-from hplan.tracer.segments import Call, SegmentTracker
+from hplan.tracer.segment_stats import combine, exclude, iteration_segments, within
+from hplan.tracer.nested import Levels, trackers
+from hplan.tracer.segments import Call
 from torch import fx
 from torch.utils._pytree import tree_leaves, tree_map
 
@@ -68,6 +69,10 @@ class Recording:
     """Per op of the steady iteration, where in `allocator_log` it starts ([Note: slack per choice])."""
     segment_calls: list[Call] = field(default_factory=list)
     """The steady iteration's segment calls, whose storages the log names ([Note: slack per choice])."""
+    nested: tuple[Segment, ...] = ()
+    """Child segments of the segments ([Note: nested segments]), the envelope over the iterations."""
+    nested_calls: list[Call] = field(default_factory=list)
+    """The steady iteration's child segment calls."""
 
 
 def trace_workload(workload: Workload, *, device: str = "cpu", iters: int = DEFAULT_ITERS,
@@ -93,12 +98,13 @@ def record(workload: Workload, *, device: str = "cpu", iters: int = DEFAULT_ITER
         _track_model_data(recorder, trainer, names)
         shapes: dict[str, None] = {}
         per_iteration: list[list[Window]] = []
-        tracker = SegmentTracker(trainer.model, recorder)
-        segments_per_iteration = []
+        tracker, inner = trackers(trainer.model, recorder)
+        segments_per_iteration, nested_per_iteration = [], []
         if tracker.modules:
-            recorder.segments = tracker
+            recorder.segments = Levels(tracker, inner) if inner.modules else tracker
         with contextlib.ExitStack() as stack:
             stack.enter_context(tracker.hooks())
+            stack.enter_context(inner.hooks())
             stack.enter_context(EventHooks(trainer.model, recorder.event))
             stack.enter_context(module_paths(trainer.model, _setter(recorder)))
             stack.callback(trainer.model.register_forward_pre_hook(_shape_hook(shapes), with_kwargs=True).remove)
@@ -110,6 +116,7 @@ def record(workload: Workload, *, device: str = "cpu", iters: int = DEFAULT_ITER
                 _same_parameters(trainer, names, workload, it)
                 per_iteration.append(recorder.finish_iteration())
                 segments_per_iteration.append(iteration_segments(tracker.calls, per_iteration[-1], tracker.excluded))
+                nested_per_iteration.append(iteration_segments(inner.calls, per_iteration[-1], inner.excluded))
                 _track_model_data(recorder, trainer, names)
                 if on_progress is not None:
                     on_progress(it, iters, f"iteration {it}: {len(recorder.rows)} ops recorded")
@@ -125,7 +132,9 @@ def record(workload: Workload, *, device: str = "cpu", iters: int = DEFAULT_ITER
                      warnings=_warnings(device) + notes + tuple(recorder.warnings), iteration_windows=per_iteration,
                      first_grad=dict(recorder.first_grad), last_read=dict(recorder.last_read),
                      input_shapes=tuple(shapes),
-                     segments=exclude(combine(segments_per_iteration, len(windows)), tracker.excluded))
+                     segments=(segments := exclude(combine(segments_per_iteration, len(windows)), tracker.excluded)),
+                     nested=within(segments, exclude(combine(nested_per_iteration, len(windows)), inner.excluded)),
+                     nested_calls=list(inner.calls))
 
 
 def _iteration(recorder: Recorder, trainer: TrainStep, workload: Workload, it: int, device: str,

@@ -21,7 +21,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from hplan.artifacts.allocator import AllocatorModel
@@ -34,6 +34,9 @@ from torch.utils.flop_counter import flop_registry
 from hplan.errors import HplanError
 from hplan.grads import plain_target
 from hplan.probe import MemoryProbe, StorageLedger, new_outputs, storage_key, tensors_in
+
+if TYPE_CHECKING:
+    from hplan.tracer.nested import Levels
 
 _SCALAR = torch.ops.aten._local_scalar_dense.default
 _QUERIES = {torch.ops.prim.device.default}
@@ -89,7 +92,7 @@ class Recorder(TorchDispatchMode):
         self._names: dict[Any, str] = {}
         self.warnings: dict[str, None] = {}
         """One-line notes for the user, in order, without repeats."""
-        self.segments: SegmentTracker | None = None
+        self.segments: SegmentTracker | Levels | None = None
         """Checkpointable segments' bookkeeping ([Note: activation segments]); None when the model has none."""
         self.quiet = False
         """Set while the tracer makes its own aliases: such ops are not part of the step and are not recorded."""

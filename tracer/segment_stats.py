@@ -115,6 +115,21 @@ def exclude(segments: tuple[Segment, ...], excluded: dict[str, str]) -> tuple[Se
     return tuple(s for s in segments if s.module not in excluded)
 
 
+def within(segments: tuple[Segment, ...], children: tuple[Segment, ...]) -> tuple[Segment, ...]:
+    """The child segments whose block is a segment in the same micro-step, with `parent` set, and whose forward
+    lies inside the block's ([Note: nested segments]); a block's children in forward order."""
+    blocks = {s.key: s for s in segments}
+    out = []
+    for c in children:
+        parent = c.module.rsplit(".", 1)[0]
+        b = blocks.get((parent, c.micro))
+        if b is None or not (b.forward_events[0] <= c.forward_events[0] and c.forward_events[1] <= b.forward_events[1]
+                             and b.backward_events[0] <= c.backward_events[0]):
+            continue
+        out.append(replace(c, parent=parent))
+    return tuple(out)
+
+
 def _expand(runs: tuple[tuple[int, ...], ...], n: int, column: int) -> list[int]:
     out = [0] * n
     for run in runs:

@@ -147,8 +147,8 @@ class Call:
 class SegmentTracker:
     """Per-iteration bookkeeping of segment calls, driven by the recorder and the module hooks."""
 
-    def __init__(self, model: nn.Module, recorder: Recorder) -> None:
-        self.modules = candidates(model)
+    def __init__(self, model: nn.Module, recorder: Recorder, modules: dict[str, nn.Module] | None = None) -> None:
+        self.modules = candidates(model) if modules is None else modules
         self.recorder = recorder
         self.excluded: dict[str, str] = {}
         """Module path → why it is not a segment (the model checkpoints it, no autograd, called twice)."""
@@ -246,8 +246,9 @@ class SegmentTracker:
         return hook
 
     # -- saved tensors ----------------------------------------------------------------------------------
-    def pack(self, t: torch.Tensor) -> torch.Tensor:
-        """The tracer's pack hook for `t` (after it is categorised): inside a segment, the graph gets an alias."""
+    def pack(self, t: torch.Tensor, alias: torch.Tensor | None = None) -> torch.Tensor:
+        """The tracer's pack hook for `t` (after it is categorised): inside a segment, the graph gets an alias
+        (`alias`: the one an enclosing level's tracker made, hplan.tracer.nested)."""
         call = self.active
         key = storage_key(t)
         if call is None or self.recorder.phase != "forward":
@@ -268,14 +269,16 @@ class SegmentTracker:
         elif saved.call is not call:
             saved.shared = True
         saved.ordinals.append(ordinal)
-        self.recorder.quiet = True
-        try:
-            alias = t.detach()
-        finally:
-            self.recorder.quiet = False
+        made = alias is None
+        if alias is None:
+            self.recorder.quiet = True
+            try:
+                alias = t.detach()
+            finally:
+                self.recorder.quiet = False
         saved.aliases.append(weakref.ref(alias))
         self._alias_call[alias] = call
-        if self.recorder.graph is not None:
+        if made and self.recorder.graph is not None:
             self.recorder.graph.alias(alias, t)
         return alias
 

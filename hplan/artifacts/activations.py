@@ -15,6 +15,8 @@ different micro-steps may choose differently (auto decides per call; the executo
   in `recompute_params` (so they are resident); bytes are freed only after `d2h_step` and up to `backward_step`
   (where the effect is the recompute's net change of the window's peak); it may add bytes elsewhere (inputs a
   checkpoint keeps alive); `recompute_seconds` is its predicted cost.
+- A child segment's choice (its module inside another listed module, the same micro-step: [Note: nested segments]
+  in hplan.artifacts.segments) other than keep needs its block kept.
 - The summary's `activation_bytes_moved_per_iter` is twice the moved bytes of offloaded segments (down and up), and
   `recompute_seconds` the sum over recomputed ones.
 All of this has defaults meaning "no segments", so the schema stays hplan.plan/2.
@@ -111,6 +113,7 @@ def activation_problems(plan: Plan) -> list[str]:
     param_region = {name: r.id for r in plan.regions if r.kind == "param" for name in tensors.get(r.chunk, ())}
     for c in choices:
         problems += [f"activation choice for {c.module}: {p}" for p in _choice_problems(c, n, plan, param_region)]
+    problems += _nested_problems(choices)
     if problems:
         return problems
     total = effect_at(choices, n)
@@ -139,12 +142,38 @@ def activation_problems(plan: Plan) -> list[str]:
     return problems
 
 
+def enclosing(choices: tuple[ActivationChoice, ...]) -> dict[tuple[str, int], ActivationChoice]:
+    """Child segment calls ([Note: nested segments] in hplan.artifacts.segments) → the choice of the block that
+    encloses them (a listed module whose path is a prefix of theirs, same micro-step)."""
+    by_key = {(c.module, c.micro): c for c in choices}
+    out = {}
+    for c in choices:
+        parts = c.module.split(".")
+        for i in range(len(parts) - 1, 0, -1):
+            outer = by_key.get((".".join(parts[:i]), c.micro))
+            if outer is not None:
+                out[(c.module, c.micro)] = outer
+                break
+    return out
+
+
+def _nested_problems(choices: tuple[ActivationChoice, ...]) -> list[str]:
+    """A child segment may offload or recompute only inside a kept block: the block's own choice covers its
+    children's activations ([Note: nested segments])."""
+    return [f"activation choice for {k[0]}: it {c.choice}s inside {outer.module}, which {outer.choice}s (a child "
+            "segment chooses only inside a kept block)" for k, outer in enclosing(choices).items()
+            if (c := next(x for x in choices if (x.module, x.micro) == k)).choice != "keep" and outer.choice != "keep"]
+
+
 def _undercounted(plan: Plan) -> list[str]:
     """A step whose kept non-model bytes are fewer than the saved activations of the segment calls live there
     (after their forward, before their backward): figures no trace gives, so a plan edited to under-count
     activation bytes is named here, before any step, instead of by the budget guard mid-run."""
     need = [0] * len(plan.steps)
+    inner = enclosing(plan.activations)
     for c in plan.activations:
+        if (c.module, c.micro) in inner:
+            continue  # a child segment's saved activations are its block's too
         for t in range(c.d2h_step + 1, min(c.backward_step, len(need))):
             need[t] += c.saved_bytes
     for t, step in enumerate(plan.steps):

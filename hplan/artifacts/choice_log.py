@@ -71,7 +71,7 @@ def mix_log(choice_log: ChoiceLog, modes: Sequence[str]) -> list[Entry]:
     log = choice_log.log
     at: dict[int, list[Insert]] = {}
     for ins in choice_log.inserts:
-        if modes[ins.segment] == ins.mode:
+        if ins.segment < len(modes) and modes[ins.segment] == ins.mode:  # child segments left out keep
             at.setdefault(ins.at, []).append(ins)
     out: list[Entry] = []
     n = len(log) // 2

@@ -32,6 +32,13 @@ What the tracer measures, per segment, in the keep (plain PyTorch) run — ident
 - The planner adds these per-segment deltas to the events' non-model peaks: they are additive because at any event
   at most one segment's saved storages change (its own forward or backward) while the others' are constant.
 - Every number is the envelope over the traced iterations: the smallest reduction, the largest addition.
+
+[Note: nested segments] A trace also carries *child segments* (`Trace.nested`): the largest parameter-owning
+children of a block (hplan.tracer.nested), measured exactly as blocks are, ownership per level (a child owns what is
+saved only inside it). A child's choice applies only while its block is kept: children of a kept block run one after
+another, so at any event at most one child's saved storages change and the children's effects add up as blocks'
+do. A block offloaded or recomputed takes its children with it (the planner offers a kept block's children's
+choices as modes of the block's item, hplan.planner.activation_items).
 """
 
 from __future__ import annotations
@@ -83,19 +90,22 @@ class Segment:
     """Why it may not be recomputed (empty when it may)."""
     offload_packs: tuple[int, ...] = ()
     """Ordinals, among the saved-tensor packs of its forward, of the packs whose storage an offload moves."""
+    parent: str = ""
+    """A child segment's block (its module path; [Note: nested segments]); empty for a block."""
 
     @property
     def key(self) -> tuple[str, int]:
         return (self.module, self.micro)
 
 
-def check_segments(segments: tuple[Segment, ...], n_events: int, params: set[str]) -> None:
-    """Cross-field rules of a trace's segments (each value's type is checked where the trace is read, by
-    hplan.artifacts.typed): a FieldError naming the first segment that breaks one."""
+def check_segments(segments: tuple[Segment, ...], n_events: int, params: set[str],
+                   nested: tuple[Segment, ...] = ()) -> None:
+    """Cross-field rules of a trace's segments and child segments (each value's type is checked where the trace
+    is read, by hplan.artifacts.typed): a FieldError naming the first segment that breaks one."""
     from hplan.artifacts.typed import FieldError
 
     for i, seg in enumerate(segments):
-        problem = segment_problem(seg, n_events)
+        problem = segment_problem(seg, n_events) or ("a segment's parent must be empty" if seg.parent else "")
         unknown = [p for p in seg.params if p not in params]
         if unknown and not problem:
             problem = f"it names parameters the trace does not have ({unknown[:3]})"
@@ -104,6 +114,22 @@ def check_segments(segments: tuple[Segment, ...], n_events: int, params: set[str
     keys = [s.key for s in segments]
     if len(set(keys)) != len(keys):
         raise FieldError("segments", "repeat a module call")
+    blocks = {s.key: s for s in segments}
+    for i, seg in enumerate(nested):
+        block = blocks.get((seg.parent, seg.micro))
+        problem = segment_problem(seg, n_events) or (
+            "its parent must be a segment of the same micro-step" if block is None else
+            "its module must be a direct child of its parent" if seg.module.rsplit(".", 1)[0] != seg.parent else
+            "its forward must lie inside its parent's, its backward start no earlier" if not (
+                block.forward_events[0] <= seg.forward_events[0] and seg.forward_events[1] <= block.forward_events[1]
+                and block.backward_events[0] <= seg.backward_events[0]) else "")
+        unknown = [p for p in seg.params if p not in params]
+        if unknown and not problem:
+            problem = f"it names parameters the trace does not have ({unknown[:3]})"
+        if problem:
+            raise FieldError(f"nested[{i}]", f"{seg.module}: {problem}")
+    if len({s.key for s in nested}) != len(nested):
+        raise FieldError("nested", "repeat a module call")
 
 
 def segment_problem(s: Segment, n_events: int) -> str:

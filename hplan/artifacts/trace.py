@@ -149,6 +149,9 @@ class Trace:
     segments: tuple[Segment, ...] = ()
     """Checkpointable module calls and what keeping, offloading or recomputing their activations does to the
     events' non-model bytes ([Note: activation segments] in hplan.artifacts.segments); empty in older traces."""
+    nested: tuple[Segment, ...] = ()
+    """Child segments of the segments, each with its `parent` ([Note: nested segments] in
+    hplan.artifacts.segments); empty in older traces and where blocks have no large children."""
     timeline: pd.DataFrame = field(default_factory=pd.DataFrame, compare=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -172,6 +175,7 @@ class Trace:
         meta["params"] = [asdict(p) for p in self.params]
         meta["events"] = [asdict(e) for e in self.events]
         meta["segments"] = [asdict(s) for s in self.segments]
+        meta["nested"] = [asdict(s) for s in self.nested]
         meta["choice_log"] = None if self.choice_log is None else asdict(self.choice_log)
         meta["schema"] = self.SCHEMA
         return meta

@@ -159,15 +159,15 @@ def check_metadata(trace: Trace) -> None:
                     raise FieldError(f"{where}.{field}[{j}]", f"names {name!r}, which is not a parameter of the trace")
     from hplan.artifacts.segments import check_segments
 
-    check_segments(trace.segments, len(trace.events), set(names))
+    check_segments(trace.segments, len(trace.events), set(names), trace.nested)
     if trace.choice_log is not None:
         if trace.choice_log.marks() != len(trace.events):
             raise FieldError("choice_log.log", f"marks {trace.choice_log.marks()} events, the trace has "
                                                f"{len(trace.events)}")
         for i, ins in enumerate(trace.choice_log.inserts):
-            if ins.segment >= len(trace.segments):
+            if ins.segment >= len(trace.segments) + len(trace.nested):
                 raise FieldError(f"choice_log.inserts[{i}].segment", f"must be below the {len(trace.segments)} "
-                                                                     "segments")
+                                                                     f"segments and {len(trace.nested)} nested")
 
 
 def _timeline(pf: Any, p: Path, trace: Trace, columns: list[str], regenerate: str) -> pd.DataFrame:

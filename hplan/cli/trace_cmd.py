@@ -105,7 +105,10 @@ def summary(trace: Trace) -> dict:
             "optimizer": trace.optimizer, "input_shapes": list(trace.input_shapes),
             "segments": [{"module": s.module, "micro": s.micro, "saved_bytes": s.saved_bytes,
                           "offload_bytes": s.offload_bytes, "input_bytes": s.input_bytes,
-                          "recomputable": s.recomputable, "reason": s.reason} for s in trace.segments]}
+                          "recomputable": s.recomputable, "reason": s.reason} for s in trace.segments],
+            "nested": [{"module": s.module, "parent": s.parent, "micro": s.micro, "saved_bytes": s.saved_bytes,
+                        "offload_bytes": s.offload_bytes, "input_bytes": s.input_bytes,
+                        "recomputable": s.recomputable, "reason": s.reason} for s in trace.nested]}
 
 
 def print_summary(trace: Trace, output: Path) -> None:
@@ -161,5 +164,9 @@ def _print_segments(trace: Trace, console: object) -> None:
     console.print(f"{len(trace.segments)} checkpointable segment calls (e.g. {trace.segments[0].module}) save "  # type: ignore[attr-defined]
                   f"{format_size(saved)} of activations until their backward: plan with --activations offload or "
                   "recompute to free them", highlight=False)
-    for module, reason in {s.module: s.reason for s in trace.segments if not s.recomputable}.items():
+    if trace.nested:
+        line = (f"{len(trace.nested)} child segment calls inside them (e.g. {trace.nested[0].module}) choose on "
+                "their own while their block is kept")
+        console.print(line, highlight=False)  # type: ignore[attr-defined]
+    for module, reason in {s.module: s.reason for s in (*trace.segments, *trace.nested) if not s.recomputable}.items():
         console.print(f"[yellow]note:[/] {module} cannot be recomputed: {reason}", highlight=False)  # type: ignore[attr-defined]
