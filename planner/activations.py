@@ -32,7 +32,7 @@ from hplan.artifacts.trace import Trace
 from hplan.errors import HplanError
 from hplan.planner.problem import PARAM_CHUNKS, MinGpu, build, group_params, min_gpu
 from hplan.planner.kernel_size import achieved_rate, trace_width
-from hplan.planner.schedule import event_seconds, predict_seconds
+from hplan.planner.schedule import event_seconds, predict_seconds, with_device_updates
 from hplan.planner.slack import counted, figure, for_figure, mix_figure
 
 
@@ -311,8 +311,8 @@ def _step_time(plan: Plan, work: Trace, hardware: Hardware) -> dict:
         host[r.chunk] += r.bytes
         if r.kind == "grad":
             grad_of[r.chunk] = r.id
-    split = predict_seconds(timing, sizes, frozenset(plan.initial_resident), event_seconds(work, hardware), hardware,
-                            host, grad_of)
+    times = with_device_updates(event_seconds(work, hardware), work, hardware, timing, host, grad_of)
+    split = predict_seconds(timing, sizes, frozenset(plan.initial_resident), times, hardware, host, grad_of)
     seconds = dict(plan.summary.seconds)
     seconds["activation_h2d"] = split["h2d"] - plan.summary.seconds.get("h2d", 0.0)
     seconds["activation_d2h"] = split["d2h"] - plan.summary.seconds.get("d2h", 0.0)

@@ -21,6 +21,15 @@ per their datasheets); on an H100 (295) the non-GEMM share is larger than C says
 An event's width is the smaller dimension of its largest 2-D parameter (a Linear's in or out features, an
 embedding's width); an event without one (attention's products, norms, activations) takes the trace's width,
 that of its largest 2-D parameter. The factor never lifts an efficiency above 1.
+
+[Note: device optimizer step] An AdamW step on the GPU is not a GEMM: per parameter it does about a dozen
+FLOPs against 16 B of model state (weight, gradient, fp32 master and two moments, hplan.planner.presets
+STATE_BYTES_PER_PARAM), far below any GPU's FLOPs per byte, so it runs at memory bandwidth. A fused step (torch's
+fused/foreach AdamW, apex FusedAdam, DeepSpeed's FusedAdam) reads each byte of that state once and writes it
+once, so it takes DEVICE_UPDATE_PASSES × state bytes / the datasheet bandwidth (Hardware.device_memory_gbps) at
+least; the loss scaler's unscale and overflow check add passes over the gradients that are not counted. The
+trace's optimizer event has no FLOPs (hplan.tracer.flops counts matrix products), so without this the model
+would price a step that keeps its optimizer on the GPU as if the update were free.
 """
 
 from __future__ import annotations
@@ -30,6 +39,17 @@ from hplan.artifacts.trace import Trace
 
 NON_GEMM_WIDTH = 576
 """C of [Note: efficiency by width], from FlashAttention-2's Table 1 (GPT3-1.3B 196, GPT3-2.7B 205 TFLOPs/s)."""
+
+
+DEVICE_UPDATE_PASSES = 2
+"""Each byte of model state read once and written once by a fused device optimizer step ([Note: device optimizer
+step])."""
+
+
+def device_update_seconds(state_bytes: int, hardware: Hardware) -> float:
+    """Seconds a fused optimizer step on the device takes over `state_bytes` of model state ([Note: device
+    optimizer step])."""
+    return DEVICE_UPDATE_PASSES * state_bytes / (hardware.device_memory_gbps * 1e9)
 
 
 def width_factor(width: int, calibrated_width: int) -> float:

@@ -218,6 +218,26 @@ CALIBRATION: dict[str, Calibration] = {c.gpu: c for c in (
       for name in ("rtx4090", "rtx5090", "l4", "l40s", "a6000", "b200", "mi300x")),
 )}
 
+MEMORY_GBPS: dict[str, tuple[float, str]] = {
+    # Device memory bandwidth, GB/s (10^9 B/s), from the datasheets and whitepapers GPU_PRESETS cites: what a
+    # device-side optimizer step is bound by ([Note: device optimizer step] in hplan.planner.kernel_size).
+    "rtx3090": (936.0, "NVIDIA Ampere GA102 whitepaper, Appendix A: RTX 3090 memory bandwidth 936 GB/s"),
+    "rtx2060": (336.0, "NVIDIA Turing TU106 whitepaper: RTX 2060, 14 Gbps GDDR6 on 192 bits, 336 GB/s"),
+    "v100-32gb": (900.0, "NVIDIA Tesla V100 datasheet (SXM2): HBM2 bandwidth 900 GB/s"),
+    "a100-40gb": (1555.0, "NVIDIA A100 datasheet: A100 40GB, GPU memory bandwidth 1,555 GB/s"),
+    "a100-80gb": (2039.0, "NVIDIA A100 datasheet: A100 80GB SXM, GPU memory bandwidth 2,039 GB/s"),
+    "a800-80gb": (2039.0, "NVIDIA A800 80GB SXM datasheet: GPU memory bandwidth 2,039 GB/s"),
+    "h100-80gb": (3350.0, "NVIDIA H100 datasheet (SXM): GPU memory bandwidth 3.35 TB/s"),
+    "rtx4090": (1008.0, "NVIDIA Ada Lovelace (AD102) whitepaper, Appendix A: RTX 4090 memory bandwidth 1,008 GB/s"),
+    "rtx5090": (1792.0, "NVIDIA RTX Blackwell (GB202) whitepaper, Appendix A: RTX 5090 memory bandwidth 1,792 GB/s"),
+    "l4": (300.0, "NVIDIA L4 datasheet: GPU memory bandwidth 300 GB/s"),
+    "l40s": (864.0, "NVIDIA L40S datasheet: GPU memory bandwidth 864 GB/s"),
+    "a6000": (768.0, "NVIDIA RTX A6000 datasheet: GPU memory bandwidth 768 GB/s"),
+    "h200": (4800.0, "NVIDIA H200 datasheet (SXM): GPU memory bandwidth 4.8 TB/s"),
+    "b200": (8000.0, "NVIDIA HGX B200 datasheet: 64 TB/s total memory bandwidth / 8 GPUs"),
+    "mi300x": (5300.0, "AMD Instinct MI300X data sheet: peak theoretical memory bandwidth 5.3 TB/s"),
+}
+
 NETWORK_PRESETS: dict[str, NetworkPreset] = {p.name: p for p in (
     NetworkPreset(name="dgx-a100", intra_gbps=300.0, inter_gbps=200.0, intra_link="nvlink",
                   source="NVIDIA DGX A100 system architecture (developer.nvidia.com/blog/defining-ai-innovation-with-"
@@ -303,7 +323,8 @@ def make_hardware(gpu: str = "rtx3090", gpu_bytes: int | None = None, host_bytes
     values: dict[str, Any] = dict(
         gpu=gpu, gpu_bytes=g.memory_bytes if gpu_bytes is None else gpu_bytes, host_bytes=host_bytes,
         nvme_bytes=nvme_bytes, tflops_16=g.tflops_16, tflops_32=g.tflops_32, efficiency=cal.efficiency,
-        efficiency_32=DEFAULT_EFFICIENCY, efficiency_width=cal.width, h2d_gbps=g.link_gbps,
+        efficiency_32=DEFAULT_EFFICIENCY, efficiency_width=cal.width, device_memory_gbps=MEMORY_GBPS[gpu][0],
+        h2d_gbps=g.link_gbps,
         d2h_gbps=g.link_gbps, nvme_read_gbps=n.read_gbps,
         nvme_write_gbps=n.write_gbps, cpu_optimizer_gbps=h.cpu_optimizer_gbps, host=host,
         intra_gbps=net.intra_gbps, inter_gbps=net.inter_gbps, intra_link=net.intra_link, network=net.name)

@@ -8,7 +8,7 @@ from hplan.artifacts.hardware import Hardware
 from hplan.artifacts.plan import Step
 from hplan.artifacts.trace import Trace
 from hplan.planner.belady import Schedule
-from hplan.planner.kernel_size import flops_seconds
+from hplan.planner.kernel_size import device_update_seconds, flops_seconds
 from hplan.planner.problem import Problem, Structure
 
 
@@ -147,6 +147,22 @@ def event_seconds(trace: Trace, hardware: Hardware) -> list[float]:
     same = (trace.device == "cpu" and hardware.gpu == "cpu") or (trace.device == "cuda" and hardware.gpu != "cpu")
     priced = flops_seconds(trace, hardware)
     return [e.seconds if same and e.seconds > 0 else s for e, s in zip(trace.events, priced)]
+
+
+def with_device_updates(seconds: list[float], trace: Trace, hardware: Hardware, steps: tuple[Step, ...],
+                        state_bytes: dict[int, int], grad_of: dict[int, int]) -> list[float]:
+    """`seconds` with the optimizer event charged for the chunks the plan updates on the device (those with a
+    gradient that no step updates on the host): a fused step over their model state at device-memory bandwidth
+    ([Note: device optimizer step] in hplan.planner.kernel_size). An optimizer event measured on the target's
+    kind of device (event_seconds kept its time) already holds that time and is left as it is."""
+    same = (trace.device == "cpu" and hardware.gpu == "cpu") or (trace.device == "cuda" and hardware.gpu != "cpu")
+    on_host = {c for st in steps for c in st.host_updates}
+    device = sum(state_bytes[c] for c in grad_of if c not in on_host)
+    out = list(seconds)
+    for i, e in enumerate(trace.events):
+        if e.kind == "optimizer" and not (same and e.seconds > 0) and device:
+            out[i] += device_update_seconds(device, hardware)
+    return out
 
 
 def predict_seconds(steps: tuple[Step, ...], sizes: dict[int, int], initial: frozenset[int], seconds: list[float],

@@ -46,7 +46,8 @@ from hplan.planner.problem import (
     MODULE_CHUNKS, PARAM_CHUNKS, Problem, Structure, build, event_non_model, group_params, make_regions,
     partly_used,
 )
-from hplan.planner.schedule import drop_dead, event_seconds, hoist_fetches, predict_seconds, to_steps
+from hplan.planner.schedule import (drop_dead, event_seconds, hoist_fetches, predict_seconds, to_steps,
+                                    with_device_updates)
 
 CHUNKS_PER_MODEL: tuple[int, ...] = (256, 64, 16)
 """Coarser chunking candidates: the model's weight bytes split into about this many chunks."""
@@ -131,9 +132,11 @@ def finish(trace: Trace, hardware: Hardware, scored: Scored, keep: np.ndarray | 
     schedule = hoist_fetches(problem, drop_dead(problem, scored.model.schedule(scored.keep if keep is None else keep)))
     steps, initial_dirty = to_steps(trace, structure, problem, schedule)
     sizes = {r.id: r.bytes for r in structure.regions}
-    seconds = predict_seconds(steps, sizes, schedule.initial, event_seconds(trace, hardware), hardware,
-                              host_update_bytes(structure),
-                              {c: regs["grad"] for c, regs in structure.by_chunk.items() if "grad" in regs})
+    state = host_update_bytes(structure)
+    grad_of = {c: regs["grad"] for c, regs in structure.by_chunk.items() if "grad" in regs}
+    seconds = predict_seconds(steps, sizes, schedule.initial,
+                              with_device_updates(event_seconds(trace, hardware), trace, hardware, steps, state,
+                                                  grad_of), hardware, state, grad_of)
     moved = sum(sizes[r] for s in steps for r in (*s.fetch, *s.writeback))
     done = Finished(schedule=schedule, steps=steps, initial_dirty=initial_dirty, seconds=seconds, moved=moved)
     if keep is None:

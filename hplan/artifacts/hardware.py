@@ -60,6 +60,10 @@ class Hardware:
     efficiency_width: int = 0
     """Model width (hidden size) the efficiencies were measured at: an event of another width computes at
     efficiency × hplan.planner.kernel_size.width_factor ([Note: efficiency by width]); 0 = no size correction."""
+    device_memory_gbps: float = 936.0
+    """Device memory bandwidth, GB/s (the GPU preset's datasheet figure, hplan.planner.presets.MEMORY_GBPS; 936 =
+    the RTX 3090, as the other defaults): what an optimizer step on the device is bound by ([Note: device
+    optimizer step] in hplan.planner.kernel_size)."""
     h2d_gbps: float = 32.0
     """Host→device link, GB/s."""
     d2h_gbps: float = 32.0

@@ -25,12 +25,14 @@ from hplan.planner.baselines.baseline_model import Facts, Timeline, peak_of, rea
 from hplan.planner.baselines.gemini import gemini
 from hplan.planner.baselines.zero3_offload import zero3_offload
 from hplan.planner.baselines.zero_offload import zero_offload
+from hplan.planner.kernel_size import device_update_seconds
 from hplan.sizes import format_size
 
 ALL_ON_GPU = "all on GPU"
 ALL_ON_GPU_NOT_MODELLED = (
     "gradient lifetimes: gradients are counted for the whole iteration (zero_grad placement is the loop's)",
-    "the GPU optimizer's own time (memory-bound; the Hardware has no device-memory bandwidth)",
+    "the loss scaler's unscale and overflow passes over the gradients (the optimizer step is priced as one fused "
+    "read and write of the model state, [Note: device optimizer step] in hplan.planner.kernel_size)",
 )
 
 
@@ -43,6 +45,7 @@ def all_on_gpu(trace: Trace, hardware: Hardware, facts: Facts | None = None) -> 
     tl = Timeline(hardware)
     for seconds in facts.compute_seconds:
         tl.compute(seconds)
+    tl.compute(device_update_seconds(facts.state_bytes(), hardware))
     need = peak + hardware.slack_bytes
     feasible = need <= hardware.gpu_bytes
     note = f"model data {format_size(model)} resident; peak at {where}"

@@ -46,6 +46,7 @@ from hplan.artifacts.hardware import Hardware
 from hplan.artifacts.plan import BaselineResult
 from hplan.artifacts.trace import Trace
 from hplan.planner.baselines.baseline_model import FP32_BYTES, Facts, Timeline, read_trace, result
+from hplan.planner.kernel_size import device_update_seconds
 from hplan.sizes import format_size
 
 NAME = "Gemini auto"
@@ -247,6 +248,7 @@ def _gathered(facts: Facts, hardware: Hardware, ratio: Fraction, frozen: int, si
     tl = Timeline(hardware)
     for seconds in facts.compute_seconds:
         tl.compute(seconds)
+    tl.compute(device_update_seconds(facts.state_bytes(), hardware))  # HybridAdam on the device-resident chunk
     note = (f"model under min_chunk_size: one chunk of {size} elements kept on the GPU with masters and moments "
             f"({format_size(state)}), nothing moves" + ("" if feasible else f"; needs {format_size(need)}"))
     return result(NAME, feasible=feasible, h2d=0, d2h=0, peak=peak, min_gpu=need, timeline=tl, note=note,

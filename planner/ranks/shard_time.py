@@ -40,7 +40,7 @@ from hplan.artifacts.plan import Step
 from hplan.artifacts.shard import Collective, Sharding, derive
 from hplan.artifacts.trace import Trace
 from hplan.planner.ranks.collectives import CollectiveCost, World, block_group, collective_cost, strided_group
-from hplan.planner.schedule import TRANSFER_LATENCY_S, event_seconds
+from hplan.planner.schedule import TRANSFER_LATENCY_S, event_seconds, with_device_updates
 from hplan.planner.search import Finished, Scored, finish, host_update_bytes
 
 REDUCTIONS = ("scatter", "sync")
@@ -278,8 +278,10 @@ def step_seconds(trace: Trace, hardware: Hardware, scored: Scored, done: Finishe
     s = scored.structure
     sizes = {r.id: r.bytes for r in s.regions}
     grad_of = {c: regs["grad"] for c, regs in s.by_chunk.items() if "grad" in regs}
-    return predict_shard_seconds(steps, sizes, done.schedule.initial, event_seconds(trace, hardware), hardware,
-                                 host_update_bytes(s), grad_of)
+    state = host_update_bytes(s)
+    return predict_shard_seconds(steps, sizes, done.schedule.initial,
+                                 with_device_updates(event_seconds(trace, hardware), trace, hardware, steps, state,
+                                                     grad_of), hardware, state, grad_of)
 
 
 def shard_step_seconds(trace: Trace, hardware: Hardware, scored: Scored, sharding: Sharding) -> float:

@@ -33,7 +33,7 @@ from dataclasses import dataclass, replace
 from hplan.artifacts.plan import Plan, Step
 from hplan.artifacts.shard import Collective, Sharding
 from hplan.artifacts.trace import Trace
-from hplan.planner.schedule import event_seconds
+from hplan.planner.schedule import event_seconds, with_device_updates
 from hplan.planner.ranks.shard_time import EXECUTOR, CommSchedule, predict_shard_seconds
 
 DEEPSPEED_BUCKET_ELEMENTS = 5 * 10**8
@@ -104,9 +104,10 @@ def price(plan: Plan, trace: Trace, schedule: CommSchedule, steps: tuple[Step, .
         per_chunk[r.chunk] = per_chunk.get(r.chunk, 0) + r.bytes
         if r.kind == "grad":
             grad_of[r.chunk] = r.id
-    return predict_shard_seconds(steps if steps is not None else plan.steps, sizes, frozenset(plan.initial_resident),
-                                 event_seconds(trace, plan.hardware), plan.hardware, per_chunk, grad_of,
-                                 schedule=schedule)
+    steps = steps if steps is not None else plan.steps
+    times = with_device_updates(event_seconds(trace, plan.hardware), trace, plan.hardware, steps, per_chunk, grad_of)
+    return predict_shard_seconds(steps, sizes, frozenset(plan.initial_resident), times, plan.hardware, per_chunk,
+                                 grad_of, schedule=schedule)
 
 
 def system_steps(system: System, plan: Plan) -> tuple[Step, ...]:

@@ -35,7 +35,7 @@ from hplan.planner.belady import Schedule
 from hplan.planner.exact import solve_milp
 from hplan.planner.intervals import build_intervals
 from hplan.planner.problem import Problem
-from hplan.planner.schedule import drop_dead, event_seconds, hoist_fetches, writebacks
+from hplan.planner.schedule import drop_dead, event_seconds, hoist_fetches, with_device_updates, writebacks
 from hplan.planner.tiers.tier_time import predict_tier_seconds
 from hplan.sizes import format_size, format_sizes
 
@@ -120,7 +120,12 @@ def _plan_tiers(trace: Trace, plan: Plan, nodes: int) -> Plan:
     if host is None or host.violations:
         raise AssertionError(f"hplan made an invalid host tier ({host.violations[0] if host else 'no phases'}): an "
                              "hplan bug, please report it")
-    seconds = predict_tier_seconds(tiered, accesses, event_seconds(trace, hw))
+    state: dict[int, int] = {}
+    for r in tiered.regions:
+        state[r.chunk] = state.get(r.chunk, 0) + r.bytes
+    grad_of = {r.chunk: r.id for r in tiered.regions if r.kind == "grad"}
+    seconds = predict_tier_seconds(tiered, accesses,
+                                   with_device_updates(event_seconds(trace, hw), trace, hw, tiered.steps, state, grad_of))
     s = plan.summary
     if "deferred" in s.seconds:  # the two-tier estimate of what deferring updates costs, kept beside the split
         seconds["deferred"] = s.seconds["deferred"]

@@ -203,10 +203,11 @@ def test_factors_that_do_not_fit_the_world_are_refused(p, g, os_, match):
 def _prefetch_case():
     """4 modules of 10⁶ fp16 weights on 2 ranks of one node, 1 GB/s, no latency: every all-gather and
     reduce-scatter of a module's 2·10⁶ B takes g = 2·10⁶ B / (1 GB/s · k/(k−1) = 2) = 1 ms (NCCL's ring
-    algorithm bandwidth); a forward 2 ms, a backward 4 ms (10¹² FLOP/s)."""
+    algorithm bandwidth); a forward 2 ms, a backward 4 ms (10¹² FLOP/s); device memory so fast that the
+    optimizer step on the GPU ([Note: device optimizer step]) takes no measurable time."""
     trace = chain_trace((10**6,) * 4, precision="fp16-mixed", flops=2 * 10**9)
     hardware = hw(2, gpu_bytes=10**11, tflops_16=1.0, efficiency=1.0, intra_gbps=1.0, intra_latency_us=0.0,
-                  inter_latency_us=0.0)
+                  inter_latency_us=0.0, device_memory_gbps=1e9)
     return trace, plan_for(trace, hardware, 2, 2, 2)
 
 
