@@ -5,23 +5,25 @@ file under a region's name, a symlink to a file elsewhere, a FIFO. So a store ne
 name it did not create itself. It works in its own subfolder, `DIR/hplan-regions/` (mode 0700), opened once
 and used through its file descriptor (`dir_fd`), so swapping DIR or a parent for a symlink later cannot
 redirect a write. Every file in it is created with O_CREAT|O_EXCL|O_NOFOLLOW (a name that exists — a symlink,
-a hard link to another file, a FIFO — is refused, never written through), and its inode number is appended
-to the folder's ownership record `.owner` before any byte is written. Every later open is O_NOFOLLOW|O_NONBLOCK
-(a FIFO swapped in cannot hang the run) and checks with fstat that the descriptor is the same regular file
-(inode) that was created; anything else is refused in one line naming the file.
+a hard link to another file, a FIFO — is refused, never written through), and its identity (inode number and, where
+the filesystem keeps one, birth time: hplan.executor.tiers.birth) is appended to the folder's ownership record
+`.owner` before any byte is written. Every later open is O_NOFOLLOW|O_NONBLOCK
+(a FIFO swapped in cannot hang the run) and checks that the descriptor is the same regular file (inode and birth)
+that was created; anything else is refused in one line naming the file.
 
 The record is what lets a later run clean up after a `kill -9` without ever deleting a user's file: a fresh
-store removes, in a leftover `hplan-regions/`, exactly the files the record names whose inode still matches
+store removes, in a leftover `hplan-regions/`, exactly the files the record names whose identity still matches
 (and an empty file whose creation was announced but not completed), then the record, then the folder. If
 anything else is left there, the run stops in one line naming it (hplan deletes nothing it cannot prove it
-wrote). Format, one line each: the header `hplan.nvme-owner/1`, `+ NAME` (about to create NAME) and
-`= NAME INODE` (created). The record itself is hostile input too: read with a size cap, strictly parsed, and
+wrote). Format, one line each: the header `hplan.nvme-owner/2`, `+ NAME` (about to create NAME) and
+`= NAME INODE [BIRTH_NS]` (created; a `/1` record, written before births were kept, has no birth). The record itself is hostile input too: read with a size cap, strictly parsed, and
 only plain region names are accepted, so it can name nothing outside the folder. Unlinking removes a name from
 this folder only: a hard link to a user's file, planted here, loses that one name and no data.
 Limits: another process of the same user writing into this 0700 folder between hplan's fstat and unlink can
-still make hplan unlink a name it planted there; and a region file deleted there and replaced by a new regular
-file that happens to get the freed inode passes the identity check (it is then hplan's file in hplan's folder,
-and its content is still checksummed on every read). Neither can make hplan write through a link.
+still make hplan unlink a name it planted there; and where no birth time is known (another OS, a filesystem
+that keeps none), a region file deleted there and replaced by a new regular file that happens to get the freed
+inode passes the identity check (ext4 reuses a freed inode at once; the birth time tells them apart). Neither can
+make hplan write through a link.
 """
 
 from __future__ import annotations
@@ -34,19 +36,22 @@ import threading
 from pathlib import Path
 
 from hplan.errors import HplanError
+from hplan.executor.tiers.birth import Ident, of_fd, of_name, same
 
 FOLDER = "hplan-regions"
 """The store's subfolder of --nvme-dir."""
 RECORD = ".owner"
 """The ownership record inside it."""
-HEADER = "hplan.nvme-owner/1"
+HEADER = "hplan.nvme-owner/2"
+OLD_HEADERS = ("hplan.nvme-owner/1",)
+"""Records this version still reads (their lines carry no birth time)."""
 PROBE = ".probe"
 """The file the store's O_DIRECT probe writes (created and removed like a region file)."""
 MAX_RECORD = 64 << 20
 """Bytes: a record is ~40 bytes per file created; a larger one is not hplan's."""
 
 _NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]{0,199}\.[01]\.region|\.probe")
-_LINE = re.compile(rf"(\+) ({_NAME.pattern})|(=) ({_NAME.pattern}) ([0-9]{{1,20}})")
+_LINE = re.compile(rf"(\+) ({_NAME.pattern})|(=) ({_NAME.pattern}) ([0-9]{{1,20}})(?: ([0-9]{{1,20}}))?")
 _OPEN = os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK
 
 
@@ -73,8 +78,8 @@ class RunFolder:
                 if owned is None:
                     raise HplanError(f"{self.path} holds no hplan ownership record ({RECORD}): resume only into the "
                                      "`nvme_dir` of the run that saved the checkpoint, or start without `resume`")
-                self.files = {n: ino for n, ino in owned.items() if ino is not None and self._is(n, ino)}
-                """File name → inode of each file this folder provably holds for hplan."""
+                self.files = {n: ident for n, ident in owned.items() if ident is not None and self._is(n, ident)}
+                """File name → identity (inode, birth) of each file this folder provably holds for hplan."""
                 self._record = os.open(RECORD, os.O_WRONLY | os.O_APPEND | _OPEN, dir_fd=self.fd)
                 _require_regular(self._record, self.path / RECORD)
             except BaseException:
@@ -89,7 +94,7 @@ class RunFolder:
                              "`nvme_dir`?): stop it or pass another `nvme_dir`") from None
         self.fd = _open_folder(parent_fd, self.path)
         try:
-            self.files: dict[str, int] = {}
+            self.files: dict[str, Ident] = {}
             self._record = os.open(RECORD, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_EXCL | _OPEN, 0o600,
                                    dir_fd=self.fd)
             _append(self._record, f"{HEADER}\n")
@@ -106,9 +111,10 @@ class RunFolder:
         fd = os.open(name, os.O_RDWR | os.O_CREAT | os.O_EXCL | _OPEN, 0o600, dir_fd=self.fd)
         try:
             ino = os.fstat(fd).st_ino
+            birth = of_fd(fd, ino)
             with self._mutex:
-                _append(self._record, f"= {name} {ino}\n")
-                self.files[name] = ino
+                _append(self._record, f"= {name} {ino}" + ("" if birth is None else f" {birth}") + "\n")
+                self.files[name] = (ino, birth)
         finally:
             os.close(fd)
 
@@ -117,8 +123,8 @@ class RunFolder:
 
         FileNotFoundError when it is gone; HplanError when something else now stands at its name."""
         with self._mutex:
-            ino = self.files.get(name)
-        if ino is None:
+            ident = self.files.get(name)
+        if ident is None:
             raise FileNotFoundError(errno.ENOENT, os.strerror(errno.ENOENT), name)
         try:
             fd = os.open(name, flags | _OPEN, dir_fd=self.fd)
@@ -133,7 +139,7 @@ class RunFolder:
             st = os.fstat(fd)
             if not stat.S_ISREG(st.st_mode):
                 raise self.replaced(name, "now not a regular file")
-            if st.st_ino != ino:
+            if not same(ident, st.st_ino, of_fd(fd, st.st_ino)):
                 raise self.replaced(name, "now another file")
         except BaseException:
             os.close(fd)
@@ -148,8 +154,8 @@ class RunFolder:
     def remove(self, name: str) -> None:
         """Unlink `name` if it is still the file this folder created (never anything else)."""
         with self._mutex:
-            ino = self.files.pop(name, None)
-        if ino is not None and self._is(name, ino):
+            ident = self.files.pop(name, None)
+        if ident is not None and self._is(name, ident):
             _unlink(self.fd, name)
 
     def discard(self) -> None:
@@ -157,8 +163,8 @@ class RunFolder:
         with self._mutex:
             names = dict(self.files)
             self.files.clear()
-        for name, ino in names.items():
-            if self._is(name, ino):
+        for name, ident in names.items():
+            if self._is(name, ident):
                 _unlink(self.fd, name)
         _unlink(self.fd, RECORD)
         try:
@@ -171,8 +177,8 @@ class RunFolder:
             os.close(fd)
         self._record = self.fd = -1
 
-    def _is(self, name: str, ino: int) -> bool:
-        return _lstat_is(self.fd, name, ino)
+    def _is(self, name: str, ident: Ident) -> bool:
+        return _lstat_is(self.fd, name, ident)
 
 
 def remove_leftovers(parent_fd: int, parent: Path) -> None:
@@ -186,8 +192,8 @@ def remove_leftovers(parent_fd: int, parent: Path) -> None:
     fd = _open_folder(parent_fd, path)
     try:
         owned = read_record(fd, path)
-        for name, ino in (owned or {}).items():
-            if _lstat_is(fd, name, ino):
+        for name, ident in (owned or {}).items():
+            if _lstat_is(fd, name, ident):
                 _unlink(fd, name)
         if owned is not None:
             _unlink(fd, RECORD)
@@ -203,8 +209,9 @@ def remove_leftovers(parent_fd: int, parent: Path) -> None:
         os.close(fd)
 
 
-def read_record(folder_fd: int, folder: Path) -> dict[str, int | None] | None:
-    """File name → inode (None: creation announced, not confirmed) from the folder's record; None without one."""
+def read_record(folder_fd: int, folder: Path) -> dict[str, Ident | None] | None:
+    """File name → identity (None: creation announced, not confirmed) from the folder's record; None without
+    one."""
     try:
         fd = os.open(RECORD, os.O_RDONLY | _OPEN, dir_fd=folder_fd)
     except FileNotFoundError:
@@ -226,9 +233,9 @@ def read_record(folder_fd: int, folder: Path) -> dict[str, int | None] | None:
     finally:
         os.close(fd)
     lines = data.split(b"\n")
-    if not lines or lines[0] != HEADER.encode():
+    if not lines or lines[0].decode("ascii", errors="replace") not in (HEADER, *OLD_HEADERS):
         raise _not_ours(folder / RECORD, f"its first line is not {HEADER}")
-    owned: dict[str, int | None] = {}
+    owned: dict[str, Ident | None] = {}
     for raw in lines[1:-1]:  # the last piece is empty, or a line cut short by a kill: not a claim either way
         m = _LINE.fullmatch(raw.decode("ascii", errors="replace"))
         if m is None:
@@ -236,7 +243,7 @@ def read_record(folder_fd: int, folder: Path) -> dict[str, int | None] | None:
         if m.group(1):
             owned.setdefault(m.group(2), None)
         else:
-            owned[m.group(4)] = int(m.group(5))
+            owned[m.group(4)] = (int(m.group(5)), None if m.group(6) is None else int(m.group(6)))
     return owned
 
 
@@ -274,15 +281,15 @@ def _require_regular(fd: int, path: Path) -> os.stat_result:
     return st
 
 
-def _lstat_is(folder_fd: int, name: str, ino: int | None) -> bool:
-    """Is `name` the regular file with inode `ino` (None: an empty regular file, created but never written)?"""
+def _lstat_is(folder_fd: int, name: str, ident: Ident | None) -> bool:
+    """Is `name` the regular file of identity `ident` (None: an empty regular file, created but never written)?"""
     try:
         st = os.stat(name, dir_fd=folder_fd, follow_symlinks=False)
     except FileNotFoundError:
         return False
     if not stat.S_ISREG(st.st_mode):
         return False
-    return st.st_size == 0 if ino is None else st.st_ino == ino
+    return st.st_size == 0 if ident is None else same(ident, st.st_ino, of_name(folder_fd, name, st.st_ino))
 
 
 def _append(fd: int, line: str) -> None:

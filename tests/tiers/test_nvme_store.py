@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from hplan.errors import HplanError
-from hplan.executor.tiers import nvme_format, nvme_io
+from hplan.executor.tiers import birth, nvme_format, nvme_io
 from hplan.executor.tiers.nvme_folder import FOLDER, RECORD
 from hplan.executor.tiers.nvme import DiskStore, aligned_empty, is_aligned, measure_raw_bandwidth, storage_bytes
 
@@ -523,6 +523,47 @@ def test_leftovers_are_removed_only_as_far_as_the_record_proves(tmp_path: Path, 
         (folder / name).unlink()
     with DiskStore(nv) as store:  # an empty folder without a record is an interrupted setup: removed
         store.write_async("a", rand(10, 1)).result()
+    with DiskStore(nv):
+        assert region_files(nv) == []
+
+
+def _with_births(folder: Path, shift: int) -> None:
+    """Rewrite the record's `= NAME INODE BIRTH` lines with BIRTH + shift (a file born at another time)."""
+    lines = (folder / RECORD).read_text().splitlines()
+    out = []
+    for line in lines:
+        parts = line.split(" ")
+        if parts[0] == "=" and len(parts) == 4:
+            parts[3] = str(int(parts[3]) + shift)
+        out.append(" ".join(parts))
+    (folder / RECORD).write_text("\n".join(out) + "\n")
+
+
+@pytest.mark.skipif(birth.of_name(os.open("/", os.O_RDONLY), "tmp", os.stat("/tmp").st_ino) is None,
+                    reason="no birth times on this system (statx)")
+def test_a_new_file_at_a_reused_inode_is_not_taken_for_hplans(nv: Path) -> None:
+    """ext4 hands a freed inode number to the next file at once: a user's file there has hplan's recorded inode
+    but another birth time, so a fresh store neither deletes it nor reads it as its own, and names it."""
+    with DiskStore(nv) as store:
+        store.write_async("a", rand(4096 + 7, 3))
+        store.commit()
+    folder = nv / FOLDER
+    assert len((folder / RECORD).read_text().splitlines()[-1].split(" ")) == 4  # `= NAME INODE BIRTH`
+    data = (folder / "a.0.region").read_bytes()
+    _with_births(folder, 1)  # what the record says no longer matches the file at that inode
+    with pytest.raises(HplanError, match="was not written by hplan") as exc:
+        DiskStore(nv)
+    assert "a.0.region" in one_line(exc)
+    assert region_files(nv) == ["a.0.region"] and (folder / "a.0.region").read_bytes() == data
+
+
+def test_a_record_from_before_births_still_cleans_up_by_inode(nv: Path) -> None:
+    with DiskStore(nv) as store:
+        store.write_async("a", rand(100, 4))
+        store.commit()
+    folder = nv / FOLDER
+    lines = [" ".join(line.split(" ")[:3]) for line in (folder / RECORD).read_text().splitlines()[1:]]
+    (folder / RECORD).write_text("\n".join(["hplan.nvme-owner/1", *lines]) + "\n")
     with DiskStore(nv):
         assert region_files(nv) == []
 
