@@ -161,15 +161,24 @@ def _plan_auto(trace: Trace, hardware: Hardware, options: PlanOptions, on_progre
 def _children_bound(trace: Trace, hardware: Hardware, options: PlanOptions, without: frozenset[str],
                     target: int | None) -> int | None:
     """A lower bound on every plan of chunking `target` that makes a child segment's choice, over every regime with
-    child modes ([Note: child segments in auto]); None where a regime's joint model cannot be staged with every
-    segment kept (nothing proven)."""
+    child modes ([Note: child segments in auto]), and on every plan of the parts regime (`PARTS`: the blocks' search
+    has none); None where a regime's joint model cannot be staged with every segment kept (nothing proven)."""
+    from hplan.planner.activation_items import build_items
+    from hplan.planner.activation_min import parts_regime
     from hplan.planner.exact import lagrangian_bound
+    from hplan.planner.slack import regimes
 
+    # the regimes of `auto_regimes` whose items may have child modes (keep and another choice; build_items)
+    runs = [(hw, allowed) for _, hw, allowed in regimes(hardware, without) if "keep" in allowed and len(allowed) > 1]
+    parts = parts_regime(trace, hardware, without)
     least = 1 << 62  # no regime offers a child choice: no such plan
-    for _, hw, items in auto_regimes(trace, hardware, without):
+    for hw, allowed in runs + ([(parts, frozenset(("keep", "offload")))] if parts else []):
+        items = build_items(trace, hw, allowed)
         kids = items.child_modes()
         if not kids.any():
             continue
+        if hw is parts:  # a regime of child segments only: its plans without a child choice are bounded here too
+            kids[:] = True
         staged = None if target is None else \
             Search(trace, hw, options, acts=items, act0=items.keep()).staged_lp(target)
         if staged is None:
