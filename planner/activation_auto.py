@@ -39,8 +39,13 @@ hplan.artifacts.choice_log), and where its own is larger the regime is searched 
 [Note: child segments in auto] Child segments ([Note: nested segments] in hplan.artifacts.segments) enter as more
 modes of their block's item (hplan.planner.activation_items), in a regime of their own (keep and offload under the
 larger pure figure, `activation_min.PARTS`) beside the others. Where every block kept fits the budget they are left
-out of the search (its models stay the size of the blocks', e.g. gpt:18b at 24 GB plans as fast as before); the
-plan then says its bound does not cover every activation choice (`activations_free` false) unless it moves nothing.
+out of the search (its models stay the size of the blocks', e.g. gpt:18b at 24 GB plans as fast as before), and
+the plan's bound is then made to cover them too (`_children_bound`): per regime with child modes, the LP of the
+winner's chunking's joint model with every child mode, priced over the plans that make at least one child
+choice (`exact.lagrangian_bound` with `must`: a Lagrangian bound, valid for any multipliers, with one item held
+to its cheapest child mode). A plan without a child choice is one of the blocks' regimes', which their bounds
+cover; so the least of both bounds every plan of the chunking. Where it is below the blocks' bound (a child
+choice might win) the whole search runs again with child segments in it.
 
 `--gpu-mem min` (`min_gpu_auto`): the smallest budget over every choice is a small MILP on the relaxed per-step
 needs (minimise B with need_t + sum of the chosen effects <= B), which is a lower bound; its choices' true minimum
@@ -79,9 +84,9 @@ def plan_auto(trace: Trace, hardware: Hardware, options: PlanOptions, on_progres
 
 
 def _plan_auto(trace: Trace, hardware: Hardware, options: PlanOptions, on_progress: Progress | None,
-               without: frozenset[str]) -> Plan:
+               without: frozenset[str], children: bool = False) -> Plan:
     shared = Shared()
-    work = replace(trace, nested=()) if trace.nested else trace
+    work = replace(trace, nested=()) if trace.nested and not children else trace
     runs = [(name, hw, items, min_gpu_auto(work, hw, items, shared))
             for name, hw, items in auto_regimes(work, hardware, without)]
     if trace.nested and min((r[3].keep for r in runs if r[3].keep is not None), default=0) > hardware.gpu_bytes:
@@ -145,9 +150,44 @@ def _plan_auto(trace: Trace, hardware: Hardware, options: PlanOptions, on_progre
     if best is None:  # every regime that could fit found no plan: the mixed regime's answer says why
         name, hw, items, first = runs[0]
         return _plan_regime(work, hw, options, on_progress, items, smallest, first.lean, first.keep)[0]
-    if work is not trace and _objective(best) > 0:
-        covered = False  # child segments' choices were left out (keep fits): the bound does not cover them
+    if work is not trace and _objective(best) > 0 and covered:  # child choices were left out (keep fits)
+        child = _children_bound(trace, hardware, options, without, best.options.get("chunk_bytes"))
+        if child is None or child < min([_objective(best), *bounds]):  # a child choice might win: search them too
+            return _plan_auto(trace, hardware, options, on_progress, without, children=True)
+        bounds.append(child)
     return _certify(best, bounds, covered)
+
+
+def _children_bound(trace: Trace, hardware: Hardware, options: PlanOptions, without: frozenset[str],
+                    target: int | None) -> int | None:
+    """A lower bound on every plan of chunking `target` that makes a child segment's choice, over every regime with
+    child modes ([Note: child segments in auto]), and on every plan of the parts regime (`PARTS`: the blocks' search
+    has none); None where a regime's joint model cannot be staged with every segment kept (nothing proven)."""
+    from hplan.planner.activation_items import build_items
+    from hplan.planner.activation_min import parts_regime
+    from hplan.planner.exact import lagrangian_bound
+    from hplan.planner.slack import regimes
+
+    # the regimes of `auto_regimes` whose items may have child modes (keep and another choice; build_items)
+    runs = [(hw, allowed) for _, hw, allowed in regimes(hardware, without) if "keep" in allowed and len(allowed) > 1]
+    parts = parts_regime(trace, hardware, without)
+    least = 1 << 62  # no regime offers a child choice: no such plan
+    for hw, allowed in runs + ([(parts, frozenset(("keep", "offload")))] if parts else []):
+        items = build_items(trace, hw, allowed)
+        kids = items.child_modes()
+        if not kids.any():
+            continue
+        if hw is parts:  # a regime of child segments only: its plans without a child choice are bounded here too
+            kids[:] = True
+        staged = None if target is None else \
+            Search(trace, hw, options, acts=items, act0=items.keep()).staged_lp(target)
+        if staged is None:
+            return None
+        model, rows, multipliers = staged
+        must = np.zeros(model.choices.n_modes, dtype=bool)
+        must[model.choices.n_modes - items.n_modes:] = kids  # the activation items' modes come last
+        least = min(least, lagrangian_bound(model, rows, *multipliers, must=must))
+    return least
 
 
 SETTLE_ROUNDS = 3

@@ -121,6 +121,11 @@ class Items:
         return replace(self, decisions=decisions, item=self.item[keep], effect=self.effect[keep],
                        cost=self.cost[keep], children=())
 
+    def child_modes(self) -> np.ndarray:
+        """Per mode: whether it makes a child segment's choice (all False without child segments)."""
+        return np.array([bool(self._children(int(s), int(m - self.first[s]))) for m, s in enumerate(self.item)],
+                        dtype=bool)
+
     def cost_of(self, chosen: tuple[int, ...]) -> int:
         return int(self.cost[list(chosen)].sum()) if chosen else 0
 

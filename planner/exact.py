@@ -75,7 +75,7 @@ def lp_multipliers(model: IntervalModel, rows: Rows) -> Multipliers:
 
 def lagrangian_bound(model: IntervalModel, rows: Rows, mem: np.ndarray, cover: np.ndarray,
                      special: np.ndarray | None = None, switch: np.ndarray | None = None, persp: float = 0.0, *,
-                     allowed: np.ndarray | None = None, more_free: int = 0) -> int:
+                     allowed: np.ndarray | None = None, more_free: int = 0, must: np.ndarray | None = None) -> int:
     """A lower bound on the model for any multipliers >= 0, rounded down: the least of the objective plus
     mem·(memory of kept gaps - free) per binding row (bytes per byte), cover·(rhs - z - y + x) per write-back
     row (bytes), and with choices special·(memory with the modes' extras - free) per special row,
@@ -84,7 +84,9 @@ def lagrangian_bound(model: IntervalModel, rows: Rows, mem: np.ndarray, cover: n
     that mode's gaps (y_i <= x_m is kept, not priced). With `allowed` (per mode) each item picks among its allowed
     modes only, and `more_free` adds bytes to every row's free memory: the bound then holds for the model with
     those modes only and that much more room (auto's regimes of one choice at a smaller slack,
-    [Note: auto regimes]); the multipliers may come from the full model's LP."""
+    [Note: auto regimes]); the multipliers may come from the full model's LP. With `must` (per mode) the bound
+    holds for the solutions choosing at least one of those modes: the minimum is separable per item, so the least
+    over items of the others' cheapest modes plus that item's cheapest `must` mode (reduced-cost fixing)."""
     c = model.choices
     m = len(rows.free)
     gap, span, mode = model.covers()
@@ -128,6 +130,11 @@ def lagrangian_bound(model: IntervalModel, rows: Rows, mem: np.ndarray, cover: n
         best = np.full(c.n_items, np.inf)
         np.minimum.at(best, c.item, mode_red)
         value += float(best.sum()) + min(switch_red, 0.0)
+        if must is not None:  # one item takes its cheapest `must` mode (inf where no item has one: infeasible)
+            forced = np.full(c.n_items, np.inf)
+            np.minimum.at(forced, c.item[must], mode_red[must])
+            finite = np.isfinite(best)
+            value += float((forced[finite] - best[finite]).min()) if finite.any() else math.inf
     # Floating-point sums of byte counts up to ~1e12 err by far less than this margin.
     if not math.isfinite(value):
         return 0 if value < 0 else 1 << 62  # an item without an allowed mode: nothing is feasible

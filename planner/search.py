@@ -243,6 +243,11 @@ class Search:
         staged = self._stage(target)
         return staged if not isinstance(staged, tuple) else self._solve_joint(*staged)
 
+    def staged_lp(self, target: int) -> tuple[IntervalModel, Rows, Multipliers] | None:
+        """A chunking's joint model, its rows and LP multipliers (`staged`), staged without solving; None where
+        nothing is placed or no placement fits."""
+        return self.staged[target] if isinstance(self._stage(target), tuple) else None
+
     def _stage(self, target: int) -> Scored | None | tuple[int, list[list[ParamInfo]], Joint, Rows, int]:
         """A chunking's joint model and LP bound, ready to solve; a chunking without trainable chunks is scored
         at once (nothing to place), and one where no placement fits is None."""

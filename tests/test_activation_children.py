@@ -161,6 +161,56 @@ def test_auto_uses_child_choices_where_they_pay_and_never_under_a_moved_block(tr
     assert used
 
 
+def test_where_keep_fits_the_bound_covers_child_choices(traced):
+    """Budgets where every block kept fits but model data moves: auto searches the blocks only, and its bound still
+    covers every child choice (activations_free), at most the objective of plans forced with child choices."""
+    _, trace = traced
+    hw = make_hardware("cpu", gpu_bytes=1, **trace_slack(trace))
+    keep = min_gpu_bytes(trace, hw, activations="keep").gpu_bytes
+    checked = 0
+    for share in (4, 2):
+        at = dataclasses.replace(hw, gpu_bytes=keep + trace.model_bytes // share)
+        auto = make_plan(trace, at)
+        assert auto.summary.feasible and _objective(auto) > 0, share  # keep fits, model data moves
+        assert auto.summary.activations_free, share
+        assert auto.summary.lower_bound_bytes <= _objective(auto)
+        for blocks, kids in (({"blocks.1": "keep"}, {"blocks.1.p": "offload"}),
+                             ({"blocks.0": "keep", "blocks.2": "keep"}, {"blocks.0.q": "recompute",
+                                                                        "blocks.2.p": "offload"}),
+                             ({"blocks.1": "keep", "blocks.2": "keep"}, {"blocks.1.p": "offload", "blocks.1.q":
+                                                                        "offload", "blocks.2.q": "recompute"})):
+            blocks = {f"blocks.{i}": "keep" for i in range(3)} | blocks
+            forced = plan_decisions(trace, at, PlanOptions(activations="auto"), _decisions(trace, blocks, kids))
+            if forced.summary.feasible:
+                assert {c.module: c.choice for c in forced.activations}.items() >= kids.items()
+                assert auto.summary.lower_bound_bytes <= _objective(forced), (share, kids)
+                checked += 1
+    assert checked >= 4
+
+
+def test_where_a_child_choice_might_win_auto_searches_them(traced, monkeypatch):
+    """Where the bound over child choices falls below the blocks' (here forced to 0), auto searches again with
+    the child segments in it, and reports that search's plan and bound."""
+    from hplan.planner import activation_auto
+
+    _, trace = traced
+    hw = make_hardware("cpu", gpu_bytes=1, **trace_slack(trace))
+    at = dataclasses.replace(hw, gpu_bytes=min_gpu_bytes(trace, hw, activations="keep").gpu_bytes
+                             + trace.model_bytes // 4)
+    calls = []
+    full = activation_auto._plan_auto
+
+    def spy(*args, **kwargs):
+        calls.append(kwargs.get("children", False))
+        return full(*args, **kwargs)
+
+    monkeypatch.setattr(activation_auto, "_plan_auto", spy)
+    monkeypatch.setattr(activation_auto, "_children_bound", lambda *a: 0)
+    plan = make_plan(trace, at)
+    assert calls == [False, True]
+    assert plan.summary.feasible and plan.summary.lower_bound_bytes <= _objective(plan)
+
+
 def test_child_segments_round_trip_and_are_validated_on_load(traced, tmp_path):
     """A trace file's child segments load as saved; one naming no segment as its parent, or not its child, is
     refused with the field named and the command that regenerates the file."""

@@ -330,3 +330,36 @@ def test_items_with_any_number_of_modes_solve_exactly():
                                      float(rng.random()) * 3)
             assert bound <= best, seed
     assert checked >= 25
+
+
+def test_lagrangian_bound_over_solutions_making_one_of_some_modes():
+    """`must`: the bound over the solutions that choose at least one of the given modes (auto's bound over child
+    choices) stays below their enumerated best for any multipliers, and is never below the bound over all."""
+    rng = np.random.default_rng(2)
+    checked = stronger = 0
+    for seed in range(40):
+        model = _with_choices(seed)
+        c = model.choices
+        assert c is not None
+        must = np.zeros(c.n_modes, dtype=bool)
+        must[[int(rng.integers(1, 3)), int(rng.integers(4, 6))]] = True
+        best = None
+        for modes in itertools.product(range(3), range(3, 6)):
+            if not must[list(modes)].any():
+                continue
+            x = c.chosen(np.array(modes))
+            for bits in itertools.product([False, True], repeat=model.n_gaps):
+                keep = np.array(bits, dtype=bool) & model.active(x)
+                if model.feasible(keep, x):
+                    best = model.cost(keep, x) if best is None else min(best, model.cost(keep, x))
+        if best is None:
+            continue
+        checked += 1
+        rows = memory_rows(model)
+        for _ in range(10):
+            pick = (rng.random(len(rows.free)) * 3, rng.random(len(model.covers()[0])) * 5,
+                    rng.random(len(rows.special())) * 3, rng.random(len(c.switch_modes)) * 5, float(rng.random()) * 3)
+            bound, plain = lagrangian_bound(model, rows, *pick, must=must), lagrangian_bound(model, rows, *pick)
+            assert plain <= bound <= best, seed
+            stronger += bound > plain
+    assert checked >= 25 and stronger >= 5  # it prices the modes left out
