@@ -71,19 +71,28 @@ def test_small_pool_pages_are_2_mib():
     assert e.reserved_bytes == 2 * MiB
 
 
-def test_recorded_log_replays_to_the_same_reservation():
-    rng = random.Random(3)
+def _random_log(seed: int, n: int, sizes: list[tuple[int, int]], reuse: float = 0.0
+                ) -> tuple[AllocatorModel, list[int]]:
+    """A recorded model driven by `n` random mallocs and frees (a mark every 100; each malloc's size drawn from one
+    of `sizes`' ranges; with probability `reuse` it takes a key still live), and the allocated peak per mark."""
+    rng = random.Random(seed)
     a, live, levels = AllocatorModel(record=True), [], []
-    for key in range(2000):
+    for key in range(n):
         if key % 100 == 0:
             a.mark()
             levels.append(0)
         if live and rng.random() < 0.45:
             a.free(live.pop(rng.randrange(len(live))))
         else:
-            a.malloc(key, rng.choice([rng.randrange(1, 1 << 20), rng.randrange(1 << 20, 64 << 20)]))
+            size = rng.choice([rng.randrange(lo, hi) for lo, hi in sizes])
+            a.malloc(live[0] if reuse and live and rng.random() < reuse else key, size)
             live.append(key)
         levels[-1] = max(levels[-1], a.allocated_bytes)
+    return a, levels
+
+
+def test_recorded_log_replays_to_the_same_reservation():
+    a, levels = _random_log(3, 2000, [(1, MiB), (MiB, 64 * MiB)])
     again = replay(a.log)
     assert again.max_reserved_bytes == a.max_reserved_bytes
     assert again.max_allocated_bytes == a.max_allocated_bytes
@@ -213,19 +222,7 @@ def test_expandable_interior_pages_in_bulk_match_page_by_page(seed):
     """The bulk path for a block's interior pages gives the same reservation, peak and out-of-memory point as
     counting every page, under caps that change at each mark and release pages (blocks of 1 to 30 pages, keys
     reused while live)."""
-    rng = random.Random(seed)
-    a, live, levels = AllocatorModel(record=True), [], []
-    for key in range(1200):
-        if key % 100 == 0:
-            a.mark()
-            levels.append(0)
-        if live and rng.random() < 0.45:
-            a.free(live.pop(rng.randrange(len(live))))
-        else:
-            size = rng.choice([rng.randrange(1, MiB), rng.randrange(MiB, 64 * MiB), rng.randrange(64 * MiB, 600 * MiB)])
-            a.malloc(live[0] if live and rng.random() < 0.05 else key, size)
-            live.append(key)
-        levels[-1] = max(levels[-1], a.allocated_bytes)
+    a, levels = _random_log(seed, 1200, [(1, MiB), (MiB, 64 * MiB), (64 * MiB, 600 * MiB)], reuse=0.05)
 
     def outcome(model: type[ExpandableModel], caps: list[int]) -> tuple:
         m, marks = model(cap=caps[0]), 0
