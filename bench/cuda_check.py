@@ -40,6 +40,7 @@ class Check:
         self.results: dict[str, Any] = {"device": device, "gpu_preset": gpu, "phases": {}}
         self.link_gbps: float | None = None
         self.adam_gbps: float | None = None
+        self.big_cuda_trace = True
 
     def save(self) -> None:
         (self.out / "cuda_check.json").write_text(json.dumps(self.results, indent=1, default=str))
@@ -151,6 +152,9 @@ def _reference(spec: str, steps: int, device: str, **opts: Any) -> dict[str, Any
     from hplan.training import TrainStep
 
     workload = load_workload(spec, **opts)
+    _release()
+    if device == "cuda":
+        torch.cuda.reset_peak_memory_stats()
     trainer = TrainStep(workload, model=workload.build_model().to(device))
     losses, seconds = [], []
     for step in range(steps):
@@ -175,8 +179,9 @@ def _release() -> None:
 
 
 def _run(c: Check, spec: str, plan_path: str, planned: dict[str, Any], ref: dict[str, Any], steps: int,
-         **opts: Any) -> dict[str, Any]:
-    """Train on the plan with the allocator capped at its budget; everything measured beside what was planned."""
+         cap: bool = True, **opts: Any) -> dict[str, Any]:
+    """Train on the plan with the allocator capped at its budget (`cap`; uncapped, the peak shows by how much a
+    plan would miss); everything measured beside what was planned."""
     import torch
 
     from hplan.artifacts import Plan
@@ -186,10 +191,10 @@ def _run(c: Check, spec: str, plan_path: str, planned: dict[str, Any], ref: dict
     plan = Plan.load(plan_path)
     workload = load_workload(spec, accumulate=plan.accumulate, **opts)
     _release()
-    r: dict[str, Any] = {"planned": planned}
+    r: dict[str, Any] = {"planned": planned, "capped": cap}
     if c.device == "cuda":
         total = torch.cuda.get_device_properties(0).total_memory
-        torch.cuda.set_per_process_memory_fraction(min(1.0, planned["gpu_bytes"] / total))
+        torch.cuda.set_per_process_memory_fraction(min(1.0, planned["gpu_bytes"] / total) if cap else 1.0)
         torch.cuda.reset_peak_memory_stats()
     try:
         report = run_training(workload, plan, steps=steps, device=c.device)
@@ -233,6 +238,9 @@ def small(c: Check) -> dict[str, Any]:
         except Exception:  # noqa: BLE001 - one failing plan must not hide the others
             r[name] = {"error": traceback.format_exc()[-2500:]}
         c.save()
+    if c.device == "cuda":  # the usual flow: traced on a CPU, planned for a GPU; uncapped, to see any miss
+        path, planned = _plan(c, r["trace_cpu"]["path"], "small-cpu-min_auto", "min")
+        r["cpu_trace_min_auto"] = _run(c, "gpt:small", path, planned, ref, 6, cap=False)
     return r
 
 
@@ -274,6 +282,10 @@ def hf_llama(c: Check) -> dict[str, Any]:
         except Exception:  # noqa: BLE001
             r[name] = {"error": traceback.format_exc()[-2500:]}
         c.save()
+    if c.device == "cuda":
+        r["trace_cpu"] = _trace(c, spec, "llama", "cpu", *sets, *shape)
+        path, planned = _plan(c, r["trace_cpu"]["path"], "llama-cpu-min_auto", "min")
+        r["cpu_trace_min_auto"] = _run(c, spec, path, planned, ref, 5, cap=False, **opts)
     return r
 
 
@@ -282,25 +294,61 @@ def big(c: Check) -> dict[str, Any]:
     spec, opts = "gpt:1.3b", {"precision": "bf16-mixed", "batch_size": 8}
     shape = ["--precision", "bf16-mixed", "--batch-size", "8"]
     r: dict[str, Any] = {"trace_fake": _trace(c, spec, "big", "fake", *shape)}
-    if c.device == "cuda":
+    if c.device == "cuda" and c.big_cuda_trace:
         try:
             r["trace"] = _trace(c, spec, "big", "cuda", *shape, "--iters", "2")
         except Exception:  # noqa: BLE001
             r["trace"] = {"error": traceback.format_exc()[-2500:]}
     trace = (r.get("trace") or {}).get("path") or r["trace_fake"]["path"]
+    cap = trace != r["trace_fake"]["path"]  # a fake trace's plan runs uncapped: its peak shows any miss
     ref = r["reference"] = _reference(spec, 5, c.device, **opts)
     for name, budget in (("resident", "100GB"), ("at_16GB", "16GB"), ("min", "min")):
         try:
             path, planned = _plan(c, trace, f"big-{name}", budget, "--cpu-mem", "96GB")
-            r[name] = _run(c, spec, path, planned, ref, 5, **opts)
+            r[name] = _run(c, spec, path, planned, ref, 5, cap=cap, **opts)
         except Exception:  # noqa: BLE001
             r[name] = {"error": traceback.format_exc()[-2500:]}
         c.save()
     return r
 
 
-PHASES: tuple[tuple[str, Phase], ...] = (("env", env), ("small", small), ("cli_run", cli_run), ("nvme", nvme),
-                                         ("cuda_tests", cuda_tests), ("hf_llama", hf_llama), ("big", big))
+WORKSPACE_PROBE = """
+import json, threading, torch
+def grow(fn):
+    before = torch.cuda.memory_allocated(); fn(); torch.cuda.synchronize(); return torch.cuda.memory_allocated() - before
+out = {}
+for dtype in (torch.float32, torch.bfloat16):
+    a = torch.randn(1024, 1024, device="cuda", dtype=dtype, requires_grad=True)
+    b = torch.randn(1024, 1024, device="cuda", dtype=dtype)
+    keep = []
+    out[f"{dtype}_first_matmul"] = grow(lambda: keep.append(a @ b)) - keep[-1].nbytes
+    out[f"{dtype}_same_thread_again"] = grow(lambda: keep.append(a @ b)) - keep[-1].nbytes
+    other = {}
+    t = threading.Thread(target=lambda: other.update(d=grow(lambda: keep.append(a @ b)) - keep[-1].nbytes))
+    t.start(); t.join()
+    out[f"{dtype}_another_thread"] = other["d"]
+    out[f"{dtype}_after_backward_total"] = torch.cuda.memory_allocated()
+    (a @ b).sum().backward()
+    torch.cuda.synchronize()
+    out[f"{dtype}_after_backward_total"] = torch.cuda.memory_allocated() - out[f"{dtype}_after_backward_total"]
+    keep.clear(); a.grad = None
+    torch.cuda.empty_cache()
+out["allocated_end"] = torch.cuda.memory_allocated()
+print(json.dumps(out))
+"""
+
+
+def workspaces(c: Check) -> dict[str, Any]:
+    """Bytes the BLAS library's workspaces take in the caching allocator, per thread (a fresh process)."""
+    proc = subprocess.run([sys.executable, "-c", WORKSPACE_PROBE], capture_output=True, text=True, timeout=120)
+    if proc.returncode:
+        raise RuntimeError(proc.stderr[-2000:])
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+PHASES: tuple[tuple[str, Phase], ...] = (("env", env), ("workspaces", workspaces), ("small", small),
+                                         ("cli_run", cli_run), ("nvme", nvme), ("cuda_tests", cuda_tests),
+                                         ("big", big), ("hf_llama", hf_llama))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -310,9 +358,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--gpu", default="h200", help="the preset whose compute constants the plans take")
     p.add_argument("--deadline", type=float, default=420.0, help="seconds after which no phase starts")
     p.add_argument("--only", default="", help="comma-separated phases (default: all)")
+    p.add_argument("--no-big-cuda-trace", action="store_true", help="plan gpt:1.3b from its fake trace only")
     args = p.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
     c = Check(args.out, args.device, args.deadline, args.gpu)
+    c.big_cuda_trace = not args.no_big_cuda_trace
     wanted = set(filter(None, args.only.split(",")))
     for name, phase in PHASES:
         if wanted and name not in wanted:

@@ -1,8 +1,8 @@
 """The fast tier behind a tiny interface, so the CPU twin runs the same logic as CUDA.
 
-On CPU every copy is synchronous and `wait` is a no-op. On CUDA (unverified: this project has no
-GPU) host→device copies run on a side stream and record an event per buffer; compute waits on a
-buffer's event only when a step needs that chunk, so prefetches overlap compute.
+On CPU every copy is synchronous and `wait` is a no-op. On CUDA host→device copies run on a side stream and
+record an event per buffer; compute waits on a buffer's event only when a step needs that chunk, so prefetches
+overlap compute.
 """
 
 from __future__ import annotations
@@ -115,6 +115,15 @@ class CudaTier(FastTier):
         return int(torch.cuda.get_device_properties(self.device).total_memory)
 
 
+def indexed(dev: torch.device) -> torch.device:
+    """`cuda` as the GPU it means (`cuda:N`, the current one): a tensor's device always has an index, and
+    torch.device("cuda") != torch.device("cuda:0"), so an unindexed tier device failed every placement check on
+    the first real GPU run (bench/cuda_check.py, H200)."""
+    if dev.type == "cuda" and dev.index is None:
+        return torch.device("cuda", torch.cuda.current_device())
+    return dev
+
+
 def make_tier(device: str) -> FastTier:
     """The fast tier for `device` ("cpu" or "cuda[:n]")."""
     dev = torch.device(device)
@@ -123,5 +132,5 @@ def make_tier(device: str) -> FastTier:
     if dev.type == "cuda":
         if not torch.cuda.is_available():
             raise HplanError(f"device {device!r} requested but CUDA is not available here; use `device` cpu")
-        return CudaTier(dev)
+        return CudaTier(indexed(dev))
     raise HplanError(f"unsupported device {device!r}: use cpu or cuda")

@@ -151,3 +151,14 @@ def test_cuda_side_stream_training_matches(tiny):
     workload, _, plan, _ = tiny
     report = run_training(workload, plan, steps=3, device="cuda")
     assert report.bytes_moved_per_iter == plan.summary.bytes_moved_per_iter
+
+
+def test_an_unindexed_cuda_device_is_the_current_gpu(monkeypatch):
+    """A tensor's device always has an index and torch.device("cuda") != torch.device("cuda:0"): the tier must hold
+    the indexed device, or every placement check fails on a real GPU (found on an H200 by bench/cuda_check.py)."""
+    from hplan.executor.device import indexed
+
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 3)
+    assert indexed(torch.device("cuda")) == torch.device("cuda:3")
+    assert indexed(torch.device("cuda:1")) == torch.device("cuda:1")
+    assert indexed(torch.device("cpu")) == torch.device("cpu")
