@@ -238,9 +238,14 @@ def small(c: Check) -> dict[str, Any]:
         except Exception:  # noqa: BLE001 - one failing plan must not hide the others
             r[name] = {"error": traceback.format_exc()[-2500:]}
         c.save()
-    if c.device == "cuda":  # the usual flow: traced on a CPU, planned for a GPU; uncapped, to see any miss
-        path, planned = _plan(c, r["trace_cpu"]["path"], "small-cpu-min_auto", "min")
-        r["cpu_trace_min_auto"] = _run(c, "gpt:small", path, planned, ref, 6, cap=False)
+    if c.device == "cuda":  # the usual flow: traced on a CPU, planned for a GPU (its workspaces added), capped
+        for name, extra in (("cpu_trace_min_auto", ()), ("cpu_trace_min_keep", ("--activations", "keep"))):
+            try:
+                path, planned = _plan(c, r["trace_cpu"]["path"], f"small-{name}", "min", *extra)
+                r[name] = _run(c, "gpt:small", path, planned, ref, 6)
+            except Exception:  # noqa: BLE001
+                r[name] = {"error": traceback.format_exc()[-2500:]}
+            c.save()
     return r
 
 

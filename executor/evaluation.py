@@ -72,7 +72,8 @@ class EvalPass:
         """The window since the last evaluation event, against the budget (as training windows are)."""
         run = self.run
         peak = run.meter.close_window() if run.meter is not None else 0
-        run.guard_budget(self.model_bytes + peak, f"evaluation forward before plan step {self.cursor}")
+        used = run.meter.resident(self.model_bytes, peak) if run.meter is not None else self.model_bytes
+        run.guard_budget(used, f"evaluation forward before plan step {self.cursor}")
 
     def rewind(self) -> None:
         """Back to the residency between iterations: what the plan does not hold there leaves (written back

@@ -57,6 +57,12 @@ class WindowMeter:
         """Allocations inside are host memory (a host update's fp32 gradients): not the fast tier's."""
         return self.probe.host_work()
 
+    def resident(self, model: int, peak: int) -> int:
+        """Fast-tier bytes of a window whose probe peak is `peak` and whose chunks hold `model`: on CUDA the
+        allocator's peak already holds the chunks (adding them counted them twice: the first GPU run stopped
+        gpt:1.3b at 18.95 GB of a 16 GB plan that fit); on the CPU twin the probe sees non-model bytes only."""
+        return peak if getattr(self.probe, "counts_model_data", False) else model + peak
+
     def close_window(self) -> int:
         """The peak since the previous call; starts the next window at the current level."""
         peak = int(self.probe.max_allocated_bytes())

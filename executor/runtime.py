@@ -498,10 +498,11 @@ class PlanRun(UpdateSteps, GradientOps, StateSync):
             return
         step = self.plan.steps[self.cursor - 1]
         model, h2d, d2h = self._pending
-        record = EventRecord(index=step.index, event=step.event, resident_bytes=model + peak,
+        used = self.meter.resident(model, peak) if self.meter is not None else model
+        record = EventRecord(index=step.index, event=step.event, resident_bytes=used,
                              model_resident_bytes=model, h2d_bytes=h2d, d2h_bytes=d2h)
         self.records.append(record)
-        if model + peak > self._budget:  # guard_budget's test first: no message built for a step within budget
+        if used > self._budget:  # guard_budget's test first: no message built for a step within budget
             self.guard_budget(record.resident_bytes, f"plan step {step.index} ({step.event})")
 
     def _planned(self, where: str) -> str:

@@ -165,6 +165,9 @@ class TensorProbe:
     A caller that already runs its own dispatch mode passes its ledger and never calls `track`.
     """
 
+    counts_model_data = False
+    """Chunk refills resize existing storages (no dispatched allocation): the peak is non-model bytes only."""
+
     def __init__(self, device: str = "cpu", ledger: StorageLedger | None = None) -> None:
         self.device = torch.device(device)
         self.ledger = ledger if ledger is not None else StorageLedger()
@@ -216,6 +219,10 @@ class CudaProbe:
     Overhead = device memory NVML reports used minus what the caching allocator reserved: the CUDA
     context, cuBLAS/cuDNN workspaces and other non-framework memory Gemini calls "non-model overhead".
     """
+
+    counts_model_data = True
+    """The caching allocator's figures hold every CUDA tensor, the executor's chunks too (a CPU probe counts only
+    storages allocated while it tracks, and chunk refills resize storages it never sees)."""
 
     def __init__(self, device: str = "cuda") -> None:
         if not torch.cuda.is_available():

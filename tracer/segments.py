@@ -262,7 +262,8 @@ class SegmentTracker:
         saved = self._by_key.get(key)
         if saved is None:
             saved = Saved(key=key, nbytes=t.untyped_storage().nbytes(), call=call,
-                          ok=self.recorder.ledger.category(key) == ACTIVATION, created_inside=key in call.created,
+                          ok=self.recorder.ledger.category(key) == ACTIVATION and self._on_device(t),
+                          created_inside=key in call.created,
                           shared=key in self._outside)
             self._by_key[key] = saved
             call.saved.append(saved)
@@ -281,6 +282,10 @@ class SegmentTracker:
         if made and self.recorder.graph is not None:
             self.recorder.graph.alias(alias, t)
         return alias
+
+    def _on_device(self, t: torch.Tensor) -> bool:
+        """On CUDA only GPU tensors are the fast tier's to offload (a kernel may save a CPU scalar beside them)."""
+        return self.recorder.probe.device.type != "cuda" or t.device.type == "cuda"
 
     def unpack(self, t: torch.Tensor) -> None:
         """The tracer's unpack hook saw `t`: the first unpack of a segment's tensor marks where it is needed again."""

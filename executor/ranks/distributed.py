@@ -482,7 +482,7 @@ class DistRun:
         model, self._window_model = self._window_model, self.store.resident_bytes()
         if self.cursor == 0:
             return
-        total = model + non_model
+        total = self.meter.resident(model, non_model) if self.meter is not None else model
         self.peak = max(self.peak, total)
         if total > self.plan.gpu_bytes:
             step = self.plan.steps[self.cursor - 1]

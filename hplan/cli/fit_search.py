@@ -42,6 +42,7 @@ from typing import Any
 
 from hplan.artifacts import Plan, Trace
 from hplan.errors import HplanError
+from hplan.planner import for_gpu
 
 SEQ_STEP = 128
 """Granularity of the longest-sequence search, tokens: answers are multiples of it."""
@@ -162,6 +163,7 @@ class Fitter:
             if isinstance(trace, str):
                 self._probes[key] = Probe(batch=batch, seq=seq, plan=None, reason=trace)
             else:
+                trace = for_gpu(trace, gpu)  # [Note: GEMM workspaces]
                 plan = self._planner(trace, self._hardware(gpu, trace))
                 reason = "" if plan.summary.feasible else plan.summary.bottleneck
                 self._probes[key] = Probe(batch=batch, seq=seq, plan=plan, reason=reason)
@@ -181,6 +183,7 @@ class Fitter:
             if isinstance(trace, str) or self._capacity(gpu):
                 self._margins[key] = 1 << 62  # beyond the context, or no shape fits: as large as can be
             else:
+                trace = for_gpu(trace, gpu)
                 hardware = self._hardware(gpu, trace)
                 self._margins[key] = min_gpu_bytes(trace, hardware).gpu_bytes - hardware.gpu_bytes
         return self._margins[key]

@@ -123,7 +123,7 @@ def _run(*, trace: Path, gpu_mem: str, output: Path | None, cpu_mem: str | None,
     from hplan.artifacts import Trace
     from hplan.artifacts.io import check_input, check_output
     from hplan.cli.common import emit_json, positive_number, progress_bar, size_option
-    from hplan.planner import PlanOptions, make_hardware, make_plan, min_gpu_bytes, trace_slack, validate
+    from hplan.planner import PlanOptions, for_gpu, make_hardware, make_plan, min_gpu_bytes, trace_slack, validate
 
     from hplan.planner.activations import check_choice
 
@@ -136,6 +136,8 @@ def _run(*, trace: Path, gpu_mem: str, output: Path | None, cpu_mem: str | None,
     for value, what in ((gpu_tflops, "--gpu-tflops"), (link_gbps, "--link-gbps"), (cpu_adam_gbps, "--cpu-adam-gbps")):
         positive_number(value, what=what)
     loaded = Trace.load(trace, columns=())  # the planner reads the metadata only: no timeline column
+    preset = gpu or "rtx3090"
+    loaded = for_gpu(loaded, preset)  # a CPU or fake trace: the GPU's GEMM workspaces ([Note: GEMM workspaces])
     ds_cfg = None
     if deepspeed is not None:
         from hplan.cli.deepspeed_opt import check_against_trace, load_ds_config
@@ -153,7 +155,6 @@ def _run(*, trace: Path, gpu_mem: str, output: Path | None, cpu_mem: str | None,
                          efficiency_width=0)  # an achieved rate, taken as given at every width
     overrides |= tier_overrides(nvme=nvme, host=host, nvme_preset=nvme_preset, nvme_read_gbps=nvme_read_gbps,
                                 nvme_write_gbps=nvme_write_gbps, cpu_adam_gbps=cpu_adam_gbps)
-    preset = gpu or "rtx3090"
     from hplan.cli.world import world_overrides
 
     many = world_overrides(world or {}, overrides, compare=compare)  # many ranks: hplan.cli.world

@@ -203,14 +203,14 @@ def _sweep(trace: Path, size_range: str, points: int, gpu: str | None, binary: b
     """Plan at each size, then print the table (or JSON) and draw the plot."""
     from hplan.artifacts import Trace
     from hplan.cli.common import emit_json
-    from hplan.planner import make_hardware, sweep, trace_slack
+    from hplan.planner import for_gpu, make_hardware, sweep, trace_slack
     from hplan.reports import plot_sweep
     from hplan.reports.figure import image_format
 
     image_format(output)
     sizes = _sizes(size_range, points)
     _check_paths(output, trace, None, None)
-    t = Trace.load(trace, columns=())  # the planner reads the metadata only
+    t = for_gpu(Trace.load(trace, columns=()), gpu or "rtx3090")  # the planner reads the metadata only
     rows = sweep(t, sizes, make_hardware(gpu or "rtx3090", gpu_bytes=sizes[0], **trace_slack(t)))
     plot_sweep(rows, output, workload=t.workload, binary=binary)
     if as_json:
