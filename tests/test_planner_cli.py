@@ -8,10 +8,11 @@ from typer.testing import CliRunner
 
 from hplan.artifacts import Plan
 from hplan.cli import app
-from hplan.planner import validate
+from hplan.planner import gemm_workspace_bytes, validate
 from hplan.planner.synthetic import gpt_trace
 
 runner = CliRunner()
+WS = gemm_workspace_bytes("rtx3090")  # a synthetic (fake) trace planned for a GPU gets its GEMM workspaces
 
 
 @pytest.fixture(scope="module")
@@ -23,7 +24,7 @@ def trace_file(tmp_path_factory):
 
 def test_plan_writes_a_valid_plan_and_prints_a_summary(trace_file, tmp_path):
     out = tmp_path / "plan.json"
-    result = runner.invoke(app, ["plan", str(trace_file), "--gpu-mem", "3MB", "--compare", "-o", str(out)])
+    result = runner.invoke(app, ["plan", str(trace_file), "--gpu-mem", str(WS + 3_000_000), "--compare", "-o", str(out)])
     assert result.exit_code == 0, result.output
     assert "bytes moved" in result.output and "Gemini" in result.output
     validate(Plan.load(out))
@@ -31,7 +32,7 @@ def test_plan_writes_a_valid_plan_and_prints_a_summary(trace_file, tmp_path):
 
 def test_json_has_summary_baselines_and_output(trace_file, tmp_path):
     out = tmp_path / "plan.json"
-    result = runner.invoke(app, ["plan", str(trace_file), "--gpu-mem", "3MB", "--compare", "--json",
+    result = runner.invoke(app, ["plan", str(trace_file), "--gpu-mem", str(WS + 3_000_000), "--compare", "--json",
                                  "--solver", "fast", "--chunk-size", "64KB", "--gpu", "a100-40gb", "-o", str(out)])
     assert result.exit_code == 0, result.output
     data = json.loads(result.stdout)
@@ -77,15 +78,29 @@ def test_not_a_trace_is_exit_2(tmp_path):
 
 def test_too_little_host_memory_is_exit_2(trace_file, tmp_path):
     out = tmp_path / "plan.json"
-    result = runner.invoke(app, ["plan", str(trace_file), "--gpu-mem", "1500KB", "--cpu-mem", "1KB", "-o", str(out)])
+    result = runner.invoke(app, ["plan", str(trace_file), "--gpu-mem", str(WS + 1_500_000), "--cpu-mem", "1KB", "-o", str(out)])
     assert result.exit_code == 2 and "host memory" in result.output and not out.exists()
 
 
 def test_gpu_tflops_is_an_achieved_rate_at_every_width(trace_file, tmp_path):
     """--gpu-tflops states what the GPU sustains: no width correction ([Note: efficiency by width]) on top."""
     out = tmp_path / "plan.json"
-    result = runner.invoke(app, ["plan", str(trace_file), "--gpu", "v100-32gb", "--gpu-mem", "3MB",
+    result = runner.invoke(app, ["plan", str(trace_file), "--gpu", "v100-32gb", "--gpu-mem", str(WS + 3_000_000),
                                  "--gpu-tflops", "10", "-o", str(out)])
     assert result.exit_code == 0, result.output
     hw = Plan.load(out).hardware
     assert hw.efficiency_width == 0 and hw.tflops_16 == 10 and hw.efficiency == 1.0
+
+
+def test_a_cpu_or_fake_trace_planned_for_a_gpu_counts_its_gemm_workspaces(trace_file, tmp_path):
+    """[Note: GEMM workspaces]: two cuBLAS workspaces and the Lt one (65 MiB on an H200, measured); none on the CPU
+    tier. The plan's schedule is the same; only its budget grows by them."""
+    mins = {}
+    for gpu in ("cpu", "rtx3090", "h200"):
+        result = runner.invoke(app, ["plan", str(trace_file), "--gpu", gpu, "--gpu-mem", "min", "--json"])
+        assert result.exit_code == 0, result.output
+        data = json.loads(result.stdout)
+        mins[gpu] = (data["gpu_bytes"], data["summary"]["bytes_moved_per_iter"])
+    assert mins["rtx3090"][0] - mins["cpu"][0] == 2 * (8 * 2**20 + 128 * 1024) + 2**20
+    assert mins["h200"][0] - mins["cpu"][0] == 65 * 2**20
+    assert mins["cpu"][1] == mins["rtx3090"][1] == mins["h200"][1]
