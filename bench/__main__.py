@@ -43,6 +43,8 @@ SECTIONS: tuple[tuple[str, str, str], ...] = (
      "checkpointing", "bench.nested"),
     ("fit", "17. Will it fit? Fake-trace and `hplan fit` time on public configs, the Llama-3-8B row (plans)",
      "bench.fit_cost"),
+    ("gpu", "18. The CUDA path on a real GPU: one H200 (measured, 2026-11-28, rendered from bench/gpu_runs/)",
+     "bench.gpu_runs"),
 )
 
 
