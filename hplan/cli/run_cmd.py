@@ -27,7 +27,7 @@ def register(app: typer.Typer) -> None:
         spec: Annotated[str, typer.Argument(help="Workload: file.py:function, gpt:<size> or hf:<Class>.")],
         plan: Annotated[Path, typer.Option("--plan", help="Plan JSON written by `hplan plan`.")],
         steps: Annotated[int, typer.Option("--steps", help="Train until this global step (resumed runs too).")],
-        device: Annotated[str, typer.Option("--device", help="cpu, or cuda (unverified in this release).")] = "cpu",
+        device: Annotated[str, typer.Option("--device", help="cpu, or cuda (run on one H200; NCCL unverified).")] = "cpu",
         metrics: Annotated[Path | None, typer.Option("--metrics", help="Per-event metrics Parquet to write.")] = None,
         checkpoint: Annotated[Path | None, typer.Option("--checkpoint", help="Save full, checksummed state here "
                                                          "each step (locked while the run lasts).")] = None,
