@@ -168,6 +168,10 @@ def check_metadata(trace: Trace) -> None:
             if ins.segment >= len(trace.segments) + len(trace.nested):
                 raise FieldError(f"choice_log.inserts[{i}].segment", f"must be below the {len(trace.segments)} "
                                                                      f"segments and {len(trace.nested)} nested")
+            n = len(trace.segments)
+            if ins.mode == "stage" and not (ins.segment >= n and ins.parent < n and trace.nested[ins.segment - n]
+                                            .parent == trace.segments[ins.parent].module):
+                raise FieldError(f"choice_log.inserts[{i}]", "a stage must be a child segment's, inside its block")
 
 
 def _timeline(pf: Any, p: Path, trace: Trace, columns: list[str], regenerate: str) -> pd.DataFrame:
