@@ -35,7 +35,7 @@ if TYPE_CHECKING:
 MAX_METADATA_BYTES = 256 << 20
 """Largest hplan metadata a trace may carry (a gpt:1.3b trace carries 0.2 MB: its parameter and event tables)."""
 SIGNED = {"first_grad_op": -1, "last_read_op": -1, "group": -1, "recompute_backward_delta": -INT64_END,
-          "log": -INT64_END, "entries": -INT64_END}
+          "log": -INT64_END, "entries": -INT64_END, "parent": -1}
 """Integer fields whose "none" value is -1 (or, for a segment's recompute_backward_delta, which may be negative,
 any int64); every other integer and number in a trace is non-negative."""
 POSITIVE = ("iterations", "accumulate", "batch_size", "seq_len")
