@@ -7,12 +7,14 @@ part holds are measured gone where the plan says."""
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 
 import pandas as pd
 import pytest
 
 from hplan.artifacts.activations import activation_problems
+from hplan.artifacts.plan import Plan
 from hplan.artifacts.choice_log import mix_log
 from hplan.artifacts.replay import validate
 from hplan.artifacts.segments import effects
@@ -76,6 +78,8 @@ def test_a_staged_offload_trains_as_plain_pytorch_with_the_childs_part_back_at_i
     assert p.d2h_step == block.d2h_step and p.prefetch_step == p.backward_step > block.backward_step
     assert staged.summary.activation_bytes_moved_per_iter == plain.summary.activation_bytes_moved_per_iter \
         == 2 * 4 * ROW
+    assert Plan.from_dict(json.loads(json.dumps(staged.to_dict()))) == staged  # a plan file keeps its stages
+    assert all("stage" not in c for c in plain.to_dict()["activations"])  # and one without reads as before
     gap = range(block.backward_step, p.backward_step)
     for t, (a, b) in enumerate(zip(staged.steps, plain.steps)):
         assert a.non_model_bytes == b.non_model_bytes - (2 * ROW if t in gap else 0), t
