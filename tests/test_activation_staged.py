@@ -229,3 +229,11 @@ def test_stages_round_trip_and_are_validated_on_load(traced, tmp_path):
         nested = [*meta["nested"][:i], child, *meta["nested"][i + 1:]]
         with pytest.raises(HplanError, match=rf"field nested\[{i}\]: .*{message}.*regenerate"):
             Trace.from_metadata({**meta, "nested": nested})
+    log = meta["choice_log"]
+    k = next(j for j, ins in enumerate(log["inserts"]) if ins["mode"] == "stage")
+    other = (log["inserts"][k]["parent"] + 1) % len(meta["segments"])
+    for edit, message in (({"parent": -1}, r"choice_log\.inserts\[\d+\]"),
+                          ({"parent": other}, r"a stage must be a child segment's, inside its block")):
+        inserts = [*log["inserts"][:k], dict(log["inserts"][k], **edit), *log["inserts"][k + 1:]]
+        with pytest.raises(HplanError, match=rf"{message}.*regenerate"):
+            Trace.from_metadata({**meta, "choice_log": {**log, "inserts": inserts}})
