@@ -10,6 +10,9 @@ frees first, then in segment order, exactly as the tracer's own rewrite), and `m
 own levels (the events' non-model peaks plus every segment's effects) with the search of [Note: slack at the
 budget]. Pure Python and the allocator model only: the planner runs it on the plan it made
 (hplan.planner.slack.mix_figure). The keys of a recompute's own allocations are negative and unique over the trace.
+A child segment's *stage* ([Note: staged offload] in hplan.artifacts.segments) inserts its part's allocations at the
+start of its own backward window; in a mix that stages it, its block's offload allocations of those storages are
+left out, so a staged plan replays its own log like any other mix.
 """
 
 from __future__ import annotations
