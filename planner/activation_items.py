@@ -155,7 +155,10 @@ def build_items(trace: Trace, hardware: Hardware, allowed: Iterable[str] = CHOIC
     recompute (any call) gets no recompute, and offload where recompute is its only allowed choice. Where keep and
     another choice are allowed, a block with child segments gets one keep mode per combination of its children's
     choices (keep, an offload that moves bytes, a recompute where allowed), their effects and costs summed
-    ([Note: nested segments]): a child chooses only inside a kept block, and the block's own modes stay modes."""
+    ([Note: nested segments]): a child chooses only inside a kept block, and the block's own modes stay modes.
+    There, a block whose children stage part of its offload also gets a *staged* offload ([Note: staged offload]):
+    the block's offload with a `stage` decision per such child, the same bytes moved (its cost), each child's part
+    gone until the child's own backward (its effect)."""
     allowed = frozenset(allowed)
     refused = {s.module for s in (*trace.segments, *trace.nested) if not s.recomputable}
     may = [s.module not in refused for s in trace.segments]
@@ -167,6 +170,7 @@ def build_items(trace: Trace, hardware: Hardware, allowed: Iterable[str] = CHOIC
             kids.setdefault((c.parent, c.micro), []).append(c)
     if "recompute" in allowed and kids:
         shared = shared | _shared_children(trace, kids, refused)
+    stageable = _stageable(trace, hardware) if "offload" in allowed else frozenset()
     rec = decide(trace, "recompute")
     nested_rec = tuple(Decision(segment=c, choice="recompute") for cs in kids.values() for c in cs)
     seconds = _recompute_seconds(trace, hardware, tuple(d for d in rec if d.choice == "recompute") + nested_rec)
@@ -177,7 +181,7 @@ def build_items(trace: Trace, hardware: Hardware, allowed: Iterable[str] = CHOIC
         row = np.zeros(n, dtype=np.int64)
         for first, last, b in effects(seg, choice, shared_recompute=seg.key in shared):
             row[first:last + 1] += b
-        cost = 0 if choice == "keep" else 2 * seg.offload_bytes if choice == "offload" \
+        cost = 0 if choice in ("keep", "stage") else 2 * seg.offload_bytes if choice == "offload" \
             else math.ceil(seconds.get(seg.key, 0.0) * link)
         return row, cost
 
@@ -194,6 +198,11 @@ def build_items(trace: Trace, hardware: Hardware, allowed: Iterable[str] = CHOIC
         if len(combos) > 1 and modes[0].choice == "keep":
             modes[1:1] = [modes[0]] * (len(combos) - 1)
             inner = list(combos) + [()] * (len(modes) - len(combos))
+        stages = tuple(Decision(segment=c, choice="stage") for c in kids.get(s.key, []) if c.key in stageable)
+        off = next((j for j, d in enumerate(modes) if d.choice == "offload" and not inner[j]), None)
+        if stages and off is not None and s.offload_bytes:  # the staged offload, right after the plain one
+            modes.insert(off + 1, modes[off])
+            inner.insert(off + 1, stages)
         decisions.append(tuple(modes))
         children.append(tuple(inner))
         for d, extra in zip(modes, inner):
@@ -208,6 +217,18 @@ def build_items(trace: Trace, hardware: Hardware, allowed: Iterable[str] = CHOIC
     return Items(trace=trace, decisions=tuple(decisions), item=np.array(item, dtype=np.int64), effect=effect,
                  cost=np.array(cost, dtype=np.int64), shared=shared, allowed=allowed,
                  children=tuple(children) if kids else ())
+
+
+def _stageable(trace: Trace, hardware: Hardware) -> frozenset[tuple[str, int]]:
+    """Child segment calls whose block's offload may be staged ([Note: staged offload] in hplan.artifacts.segments):
+    those with a stage, where the trace's log can replay it (its stage inserts; without a log, only where the
+    hardware reserves a flat slack, which no mix replays)."""
+    log = trace.choice_log
+    if log is None:
+        return frozenset() if hardware.activation_slack else frozenset(c.key for c in trace.nested if c.stage_bytes)
+    n = len(trace.segments)
+    replayed = {ins.segment - n for ins in log.inserts if ins.mode == "stage"}
+    return frozenset(c.key for i, c in enumerate(trace.nested) if c.stage_bytes and i in replayed)
 
 
 def _combos(kids: list[Segment], allowed: frozenset[str], refused: set[str]) -> list[tuple[Decision, ...]]:

@@ -247,10 +247,14 @@ def min_auto(trace: Trace, hardware: Hardware, without: frozenset[str] = frozens
 
 
 def _held(decisions: tuple[Decision, ...]) -> int:
-    """The most bytes of offloaded activations in host memory at once (from each forward's end to its backward)."""
+    """The most bytes of offloaded activations in host memory at once (from each forward's end to its backward; a
+    stage's part to its own backward)."""
     held: dict[int, int] = {}
     for d in decisions:
         if d.choice == "offload" and d.segment.offload_bytes:
             for t in range(d.segment.forward_events[1], d.segment.backward_events[0] + 1):
                 held[t] = held.get(t, 0) + d.segment.offload_bytes
+        if d.choice == "stage":  # its part stays in host memory past its block's backward start
+            for t in range(d.segment.stage_from + 1, d.segment.backward_events[0] + 1):
+                held[t] = held.get(t, 0) + d.segment.stage_bytes
     return max(held.values(), default=0)

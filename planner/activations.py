@@ -167,6 +167,8 @@ def _where(decisions: tuple[Decision, ...], t: int) -> str:
             return f"{label}, where the recompute of {s.module} runs"
         if d.choice == "offload" and s.backward_events[0] == t:
             return f"{label}, where {s.module}'s offloaded activations are back"
+        if d.choice == "stage" and s.backward_events[0] == t:
+            return f"{label}, where {s.module}'s part of its block's staged offload is back"
     for d in decisions:
         s = d.segment
         if s.forward_events[0] <= t <= s.forward_events[1] or s.backward_events[0] <= t <= s.backward_events[1]:
@@ -183,11 +185,12 @@ def with_activations(plan: Plan, trace: Trace, work: Trace, decisions: tuple[Dec
         prefetch = _hoist(plan, decisions, prefetch)
     runs = decision_effects(decisions, prefetch, shared)
     plain = decision_effects(decisions, shared=shared)
-    base = effect_at(tuple(_choice(d, r, -1, 0.0) for d, r in zip(decisions, plain)),
+    staged = _stages(decisions)
+    base = effect_at(tuple(_choice(d, r, -1, 0.0, staged) for d, r in zip(decisions, plain)),
                      len(plan.steps))
     kept = [s.non_model_bytes - b for s, b in zip(plan.steps, base)]
     seconds = _recompute_seconds(trace, hardware, decisions)
-    choices = tuple(_choice(d, r, prefetch.get(d.segment.key, -1), seconds.get(d.segment.key, 0.0))
+    choices = tuple(_choice(d, r, prefetch.get(d.segment.key, -1), seconds.get(d.segment.key, 0.0), staged)
                     for d, r in zip(decisions, runs))
     now = effect_at(choices, len(plan.steps))
     changed = any(d.choice != "keep" for d in decisions)  # an all-keep plan's steps stay as they were
@@ -231,17 +234,45 @@ def _check_host(plan: Plan, rep: Any) -> None:
                          f"({host:,} bytes): give more --cpu-mem or use --activations recompute")
 
 
-def _choice(d: Decision, runs: tuple[Effect, ...], prefetch: int, seconds: float) -> ActivationChoice:
+def _stages(decisions: tuple[Decision, ...]) -> dict[tuple[str, int], tuple[Segment, tuple[Segment, ...]]]:
+    """Per staged child call its block, and per block with staged children those children ([Note: staged
+    offload] in hplan.artifacts.segments)."""
+    blocks = {d.segment.key: d.segment for d in decisions if not d.segment.parent}
+    out: dict[tuple[str, int], tuple[Segment, tuple[Segment, ...]]] = {}
+    for d in decisions:
+        if d.choice == "stage":
+            block = blocks[(d.segment.parent, d.segment.micro)]
+            out[d.segment.key] = (block, ())
+            kids = out.get(block.key, (block, ()))[1]
+            out[block.key] = (block, (*kids, d.segment))
+    return out
+
+
+def _choice(d: Decision, runs: tuple[Effect, ...], prefetch: int, seconds: float,
+            staged: dict[tuple[str, int], tuple[Segment, tuple[Segment, ...]]] | None = None) -> ActivationChoice:
     s = d.segment
+    if d.choice == "stage":  # its part of its block's offload: down with the block's, back at its own backward
+        block = (staged or {})[s.key][0]
+        return ActivationChoice(
+            module=s.module, micro=s.micro, choice="offload", stage=True, recomputable=s.recomputable,
+            saved_bytes=s.saved_bytes, moved_bytes=s.stage_bytes, d2h_step=block.forward_events[1],
+            prefetch_step=s.backward_events[0], backward_step=s.backward_events[0], effects=runs,
+            offload_packs=s.stage_packs)
     offload = d.choice == "offload"
+    moved, packs = s.offload_bytes, s.offload_packs
+    if offload and staged and s.key in staged:  # a staged block: its own remainder
+        kids = staged[s.key][1]
+        moved -= sum(c.stage_bytes for c in kids)
+        out = {k for c in kids for k in c.stage_packs}
+        packs = tuple(k for k in packs if k not in out)
     return ActivationChoice(
         module=s.module, micro=s.micro, choice=d.choice, recomputable=s.recomputable, reason=d.reason,
-        saved_bytes=s.saved_bytes, moved_bytes=s.offload_bytes if offload else 0, d2h_step=s.forward_events[1],
+        saved_bytes=s.saved_bytes, moved_bytes=moved if offload else 0, d2h_step=s.forward_events[1],
         prefetch_step=(prefetch if prefetch >= 0 else s.backward_events[0]) if offload else -1,
         backward_step=s.backward_events[0], recompute_params=s.params if d.choice == "recompute" else (),
         recompute_seconds=seconds if d.choice == "recompute" else 0.0,
         recompute_peak_bytes=s.recompute_peak_bytes if d.choice == "recompute" else 0, effects=runs,
-        offload_packs=s.offload_packs if offload else ())
+        offload_packs=packs if offload else ())
 
 
 def _recompute_seconds(trace: Trace, hardware: Hardware, decisions: tuple[Decision, ...]) -> dict:

@@ -146,7 +146,10 @@ def test_auto_minimum_takes_each_choices_own_slack():
     forced = {c: min_gpu_bytes(trace, hw, activations=c).gpu_bytes for c in ("keep", "offload", "recompute")}
     assert auto <= min(forced.values())
     table = dict(hw.activation_slack)
-    assert min_gpu_bytes(trace, flat).gpu_bytes - auto == table["keep"] - min(table["offload"], table["recompute"])
+    # (under a flat reserve a staged offload needs no replay of its own, so it may lower the flat figure: compared
+    # without stages, [Note: staged offload])
+    bare = replace(trace, nested=tuple(replace(c, stage_packs=(), stage_bytes=0, stage_from=0) for c in trace.nested))
+    assert min_gpu_bytes(bare, flat).gpu_bytes - auto == table["keep"] - min(table["offload"], table["recompute"])
     plan = make_plan(trace, replace(hw, gpu_bytes=auto))
     assert plan.summary.feasible
     validate(plan)

@@ -141,8 +141,35 @@ def choice_log(log: Log, op_log: Sequence[int], calls: Sequence[Call], segments:
     found = inserts(log, op_log, marks, starts, pairs, ["offload"] * len(pairs), fresh)
     found += inserts(log, op_log, marks, starts, pairs,
                      ["offload" if s.module in refused else "recompute" for s, _ in pairs], fresh, only="recompute")
+    found += stage_inserts(marks, starts, pairs)
     found.sort(key=lambda ins: ins.segment)  # stable: each segment's own order
     return ChoiceLog(log=tuple(x for entry in log for x in entry), inserts=tuple(found))
+
+
+def stage_inserts(marks: list[int], starts: Sequence[int], pairs: list[tuple[Segment, Call]]) -> list[Insert]:
+    """Per child segment with a stage ([Note: staged offload] in hplan.artifacts.segments), what its block's staged
+    offload does differently: its staged storages allocated again at the start of the child's backward window
+    instead of the block's (`mix_log` drops the block's allocations of them), and freed where the block's
+    backward begins if the block's offload had not counted them gone before it."""
+    index = {seg.key: i for i, (seg, _) in enumerate(pairs)}
+    out: list[Insert] = []
+    for i, (seg, call) in enumerate(pairs):
+        j = index.get((seg.parent, seg.micro)) if seg.stage_packs else None
+        if j is None:
+            continue
+        block, outer = pairs[j]
+        owned = {s.key for s in owned_and_moved(call)[0]}
+        part = [s for s in owned_and_moved(outer)[1] if s.key in owned]
+        b0 = block.backward_events[0]
+        late = [(s.key, FREE) for s in part
+                if max(block.forward_events[1] + 1, bisect.bisect_left(starts, max(s.gone_op or 0, outer.exit_op)))
+                >= b0]  # the block's own rewrite left them in place (`inserts`)
+        if late:
+            out.append(Insert(segment=i, mode="stage", at=marks[b0], order=0,
+                              entries=tuple(x for e in late for x in e), parent=j))
+        out.append(Insert(segment=i, mode="stage", at=marks[seg.backward_events[0]] + 1, order=1,
+                          entries=tuple(x for s in part for x in (s.key, s.nbytes)), parent=j))
+    return out
 
 
 def inserts(log: Log, op_log: Sequence[int], marks: list[int], starts: Sequence[int],

@@ -22,7 +22,7 @@ from hplan.tracer.meta_build import BUFFERS_UNKNOWN, build_on_meta
 from hplan.tracer.modules import module_paths
 from hplan.tracer.recorder import Recorder, TracerSink, Window, on_accumulate, on_saved
 from hplan.tracer.segment_stats import combine, exclude, iteration_segments, within
-from hplan.tracer.nested import Levels, trackers
+from hplan.tracer.nested import Levels, staged, trackers
 from hplan.tracer.segments import Call
 from torch import fx
 from torch.utils._pytree import tree_leaves, tree_map
@@ -116,7 +116,8 @@ def record(workload: Workload, *, device: str = "cpu", iters: int = DEFAULT_ITER
                 _same_parameters(trainer, names, workload, it)
                 per_iteration.append(recorder.finish_iteration())
                 segments_per_iteration.append(iteration_segments(tracker.calls, per_iteration[-1], tracker.excluded))
-                nested_per_iteration.append(iteration_segments(inner.calls, per_iteration[-1], inner.excluded))
+                nested_per_iteration.append(staged(iteration_segments(inner.calls, per_iteration[-1], inner.excluded),
+                                                   segments_per_iteration[-1], tracker.calls, inner.calls))
                 _track_model_data(recorder, trainer, names)
                 if on_progress is not None:
                     on_progress(it, iters, f"iteration {it}: {len(recorder.rows)} ops recorded")

@@ -14,13 +14,16 @@ inside the block (its children included).
 from __future__ import annotations
 
 import contextlib
+from dataclasses import replace
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 
-from hplan.tracer.segments import SegmentTracker, _params
+from hplan.artifacts.segments import Segment
+from hplan.tracer.segment_stats import owned_and_moved
+from hplan.tracer.segments import Call, SegmentTracker, _params
 
 if TYPE_CHECKING:
     from hplan.tracer.recorder import Recorder
@@ -94,3 +97,27 @@ def trackers(model: nn.Module, recorder: Recorder) -> tuple[SegmentTracker, Segm
     """The block level's tracker and the child level's (hplan.tracer.segments.candidates, `children_of`)."""
     outer = SegmentTracker(model, recorder)
     return outer, SegmentTracker(model, recorder, children_of(outer.modules))
+
+
+def staged(children: list[Segment], blocks: list[Segment], outer: list[Call], inner: list[Call]) -> list[Segment]:
+    """One iteration's child segments with their part of their block's offload ([Note: staged offload] in
+    hplan.artifacts.segments): the storages the block's offload moves (`owned_and_moved`) that the child owns,
+    matched by storage key (both levels see the same storages), their packs numbered in the block's forward. A child
+    whose backward starts in its block's first backward window stages nothing."""
+    by_block = {s.key: s for s in blocks}
+    calls = {(c.path, c.micro): c for c in outer}
+    mine = {(c.path, c.micro): c for c in inner}
+    out = []
+    for c in children:
+        key = (c.module.rsplit(".", 1)[0], c.micro)
+        block, call, own = by_block.get(key), calls.get(key), mine.get(c.key)
+        if block is None or call is None or own is None or own.unpack_op is None or call.unpack_op is None \
+                or not block.backward_events[0] < c.backward_events[0]:
+            out.append(c)
+            continue
+        owned = {s.key for s in owned_and_moved(own)[0]}
+        part = [s for s in owned_and_moved(call)[1] if s.key in owned]
+        packs = tuple(sorted(k for s in part for k in s.ordinals))
+        out.append(replace(c, stage_packs=packs, stage_bytes=sum(s.nbytes for s in part),
+                           stage_from=block.backward_events[0]) if packs and part[0].nbytes else c)
+    return out

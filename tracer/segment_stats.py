@@ -99,6 +99,10 @@ def combine(per_iteration: list[list[Segment]], n_events: int) -> tuple[Segment,
         rc = [min(vals) for vals in zip(*(_expand(s.freed, n_events, 3) for s in group))]
         held = [max(vals) for vals in zip(*(_expand(s.recompute_held, n_events, 2) for s in group))]
         reasons = [s.reason for s in group if s.reason]
+        stage = {"stage_bytes": min(s.stage_bytes for s in group)} \
+            if all((s.stage_packs, s.stage_from) == (seg.stage_packs, seg.stage_from) for s in group) \
+            else {"stage_packs": (), "stage_bytes": 0, "stage_from": 0}  # staged differently: not staged
+        seg = replace(seg, **stage)
         out.append(replace(
             seg, freed=_runs4(off, rc), recompute_held=as_runs(held),
             recompute_backward_delta=max(s.recompute_backward_delta for s in group),
@@ -126,6 +130,8 @@ def within(segments: tuple[Segment, ...], children: tuple[Segment, ...]) -> tupl
         if b is None or not (b.forward_events[0] <= c.forward_events[0] and c.forward_events[1] <= b.forward_events[1]
                              and b.backward_events[0] <= c.backward_events[0]):
             continue
+        if c.stage_packs and (c.stage_from != b.backward_events[0] or not set(c.stage_packs) <= set(b.offload_packs)):
+            c = replace(c, stage_packs=(), stage_bytes=0, stage_from=0)  # not the block's offload as combined
         out.append(replace(c, parent=parent))
     return tuple(out)
 

@@ -6,6 +6,9 @@
   reference is dropped, so the storage is freed. At the plan's prefetch step each comes back into a fresh fast-tier
   buffer (counted by the probe like any activation), and an unpack returns a view of it with the saved tensor's
   layout. The buffers die with the last graph reference, as plain PyTorch's saved tensors do.
+- Staged offload ([Note: staged offload] in hplan.artifacts.segments): the block's holder routes each pack a stage
+  names to that child's holder; all go down when the block's forward returns, each child's comes back at its own
+  prefetch step, the block's remainder at the block's.
 - Recompute: the segment's forward runs through non-reentrant `torch.utils.checkpoint` with the RNG state preserved,
   so dropout draws the same masks as plain PyTorch and the recomputed tensors equal the originals bit for bit.
 
@@ -28,7 +31,7 @@ from torch import nn
 from torch.utils._python_dispatch import _disable_current_modes
 from torch.utils.checkpoint import checkpoint
 
-from hplan.artifacts.activations import ActivationChoice
+from hplan.artifacts.activations import ActivationChoice, enclosing
 from hplan.errors import HplanError
 from hplan.probe import storage_key
 
@@ -71,23 +74,32 @@ class _Offloaded:
     """One offloaded segment call's saved storages, from its first pack to its prefetch."""
 
     def __init__(self, choice: ActivationChoice, device: torch.device, side: Any,
-                 spare: dict[int, list[torch.Tensor]] | None = None) -> None:
+                 spare: dict[int, list[torch.Tensor]] | None = None, stages: tuple[_Offloaded, ...] = ()) -> None:
         self.choice, self.device, self.side = choice, device, side
         self.spare = spare if spare is not None else {}
         """Host buffers by size, returned by earlier prefetches (CPU twin): reused instead of fresh memory."""
-        self.selected = frozenset(choice.offload_packs)
+        self.stages = stages
+        """Its children's holders under a staged offload ([Note: staged offload]): each takes the packs its stage
+        names (numbered in this forward), goes down with this one and comes back at its own prefetch step."""
+        self.route: dict[int, _Offloaded] = {k: self for k in choice.offload_packs}
+        for stage in stages:
+            self.route.update((k, stage) for k in stage.choice.offload_packs)
         self.slots: dict[int, _Slot] = {}
         self.packs = 0
 
     def pack(self, t: torch.Tensor) -> Any:
         k = self.packs
         self.packs += 1
-        if k not in self.selected:
+        holder = self.route.get(k)
+        if holder is None:
             return t
         if t.device != self.device:  # e.g. a CPU scalar a CUDA kernel saved: a CPU or fake trace counts it
             raise HplanError(f"segment {self.choice.module}: the plan offloads its saved tensor #{k}, which is on "
                              f"{t.device} in this run, not on {self.device}: this run's kernels save other tensors "
                              f"than the traced ones{CROSS_DEVICE} — re-trace and re-plan")
+        return holder._hold(t)
+
+    def _hold(self, t: torch.Tensor) -> _Packed:
         key = storage_key(t)
         slot = self.slots.get(key)
         if slot is None:
@@ -97,10 +109,14 @@ class _Offloaded:
                        offset=t.storage_offset(), where=self.choice.module)
 
     def to_host(self) -> int:
-        """Copy every selected storage to host memory and drop the fast-tier references; returns bytes copied."""
-        if self.packs <= max(self.selected, default=-1):
+        """Copy every selected storage (its stages' too) to host memory and drop the fast-tier references; returns
+        bytes copied."""
+        if self.packs <= max(self.route, default=-1):
             raise HplanError(f"segment {self.choice.module} saved {self.packs} tensors, fewer than the traced step "
                              "(the run differs from the trace): re-trace and re-plan this workload")
+        return self._down() + sum(stage._down() for stage in self.stages)
+
+    def _down(self) -> int:
         total = 0
         for slot in self.slots.values():
             assert slot.source is not None
@@ -172,9 +188,15 @@ class ActivationRun:
     def __init__(self, plan: Plan, device: torch.device) -> None:
         self.plan, self.device = plan, device
         self.choices = {(c.module, c.micro): c for c in plan.activations}
-        self.modules = sorted({c.module for c in plan.activations if c.choice != "keep"})
+        self.modules = sorted({c.module for c in plan.activations if c.choice != "keep" and not c.stage})
         """Modules with an offloaded or recomputed call: each call runs as its own choice says, since auto decides
-        per segment call and may choose differently in one module's micro-steps."""
+        per segment call and may choose differently in one module's micro-steps. (A stage's module runs inside its
+        block's offload, which routes its packs: it is not wrapped.)"""
+        self.stages: dict[tuple[str, int], list[ActivationChoice]] = {}
+        for (module, micro), block in enclosing(plan.activations).items():
+            c = self.choices[(module, micro)]
+            if c.stage:
+                self.stages.setdefault((block.module, block.micro), []).append(c)
         self.prefetch_at: dict[int, list[tuple[str, int]]] = {}
         for c in plan.activations:
             if c.choice == "offload" and c.moved_bytes:
@@ -237,12 +259,17 @@ class ActivationRun:
 
     def _offload(self, path: str, choice: ActivationChoice, forward: Callable[..., Any], args: tuple[Any, ...],
                  kwargs: dict[str, Any]) -> Any:
-        holder = _Offloaded(choice, self.device, self.side, self.spare)
+        stages = tuple(_Offloaded(c, self.device, self.side, self.spare)
+                       for c in self.stages.get((path, choice.micro), ()))
+        holder = _Offloaded(choice, self.device, self.side, self.spare, stages)
         with torch.autograd.graph.saved_tensors_hooks(holder.pack, unpack):
             out = forward(*args, **kwargs)
-        if choice.moved_bytes:
+        if choice.moved_bytes or stages:
             self.moved += holder.to_host()
+        if choice.moved_bytes:
             self.pending[(path, choice.micro)] = holder
+        for stage in stages:  # each back at its own child's backward ([Note: staged offload])
+            self.pending[(stage.choice.module, stage.choice.micro)] = stage
         return out
 
     def _recompute(self, forward: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:

@@ -16,7 +16,10 @@ different micro-steps may choose differently (auto decides per call; the executo
   (where the effect is the recompute's net change of the window's peak); it may add bytes elsewhere (inputs a
   checkpoint keeps alive); `recompute_seconds` is its predicted cost.
 - A child segment's choice (its module inside another listed module, the same micro-step: [Note: nested segments]
-  in hplan.artifacts.segments) other than keep needs its block kept.
+  in hplan.artifacts.segments) other than keep needs its block kept, except a *stage* (an offload with `stage`):
+  its part of its offloaded block's staged offload ([Note: staged offload]), down at the block's `d2h_step`, its
+  packs (numbered in the block's forward) none of the block's own or another stage's; the block's effects may then
+  free up to its own and its stages' moved bytes.
 - The summary's `activation_bytes_moved_per_iter` is twice the moved bytes of offloaded segments (down and up), and
   `recompute_seconds` the sum over recomputed ones.
 All of this has defaults meaning "no segments", so the schema stays hplan.plan/2.
@@ -63,6 +66,10 @@ class ActivationChoice:
     effects: tuple[Effect, ...] = ()
     offload_packs: tuple[int, ...] = ()
     """Offload: ordinals of the saved-tensor packs in its forward whose storages move (from the trace)."""
+    stage: bool = False
+    """A child segment's part of its offloaded block's *staged* offload ([Note: staged offload] in
+    hplan.artifacts.segments): its `offload_packs` count in the block's forward, they move down with the block's
+    (`d2h_step` is the block's) and come back at its own `prefetch_step`; the block's own choice lists the rest."""
 
     @classmethod
     def from_dict(cls, obj: Any, *, path: str = "activations[0]") -> ActivationChoice:
@@ -111,8 +118,15 @@ def activation_problems(plan: Plan) -> list[str]:
         problems.append("activation choices repeat a segment call")
     tensors = {ch.id: ch.tensors for ch in plan.chunks}
     param_region = {name: r.id for r in plan.regions if r.kind == "param" for name in tensors.get(r.chunk, ())}
+    inner = enclosing(choices)
+    staged: dict[tuple[str, int], int] = {}
     for c in choices:
-        problems += [f"activation choice for {c.module}: {p}" for p in _choice_problems(c, n, plan, param_region)]
+        if c.stage and (c.module, c.micro) in inner:
+            block = inner[(c.module, c.micro)]
+            staged[(block.module, block.micro)] = staged.get((block.module, block.micro), 0) + c.moved_bytes
+    for c in choices:
+        problems += [f"activation choice for {c.module}: {p}" for p in
+                     _choice_problems(c, n, plan, param_region, staged.get((c.module, c.micro), 0))]
     problems += _nested_problems(choices)
     if problems:
         return problems
@@ -159,10 +173,27 @@ def enclosing(choices: tuple[ActivationChoice, ...]) -> dict[tuple[str, int], Ac
 
 def _nested_problems(choices: tuple[ActivationChoice, ...]) -> list[str]:
     """A child segment may offload or recompute only inside a kept block: the block's own choice covers its
-    children's activations ([Note: nested segments])."""
-    return [f"activation choice for {k[0]}: it {c.choice}s inside {outer.module}, which {outer.choice}s (a child "
-            "segment chooses only inside a kept block)" for k, outer in enclosing(choices).items()
-            if (c := next(x for x in choices if (x.module, x.micro) == k)).choice != "keep" and outer.choice != "keep"]
+    children's activations ([Note: nested segments]); a stage only inside an offloaded block, with its packs its
+    own ([Note: staged offload])."""
+    inner = enclosing(choices)
+    by_key = {(x.module, x.micro): x for x in choices}
+    out = [f"activation choice for {k[0]}: it {c.choice}s inside {outer.module}, which {outer.choice}s (a child "
+           "segment chooses only inside a kept block)" for k, outer in inner.items()
+           if not (c := by_key[k]).stage and c.choice != "keep" and outer.choice != "keep"]
+    taken: dict[tuple[str, int], set[int]] = {}
+    for c in choices:
+        if not c.stage:
+            continue
+        outer = inner.get((c.module, c.micro))
+        if outer is None or outer.choice != "offload" or outer.stage:
+            out.append(f"activation choice for {c.module}: a stage must be inside an offloaded block")
+            continue
+        mine = taken.setdefault((outer.module, outer.micro), set(outer.offload_packs))
+        if c.d2h_step != outer.d2h_step or set(c.offload_packs) & mine:
+            out.append(f"activation choice for {c.module}: a stage moves down with its block ({outer.module}, "
+                       "its d2h_step) and names packs neither the block's own nor another stage's")
+        mine.update(c.offload_packs)
+    return out
 
 
 def _undercounted(plan: Plan) -> list[str]:
@@ -185,9 +216,13 @@ def _undercounted(plan: Plan) -> list[str]:
     return []
 
 
-def _choice_problems(c: ActivationChoice, n: int, plan: Plan, param_region: dict[str, int]) -> list[str]:
+def _choice_problems(c: ActivationChoice, n: int, plan: Plan, param_region: dict[str, int], staged: int = 0
+                     ) -> list[str]:
+    """`staged`: the moved bytes of its stages, where it is an offloaded block with some."""
     if c.choice not in CHOICES:
         return [f"choice {c.choice!r} is not one of {', '.join(CHOICES)}"]
+    if not isinstance(c.stage, bool) or (c.stage and (c.choice != "offload" or not c.moved_bytes)):
+        return ["only an offload that moves bytes is a stage"]
     counts = (c.micro, c.saved_bytes, c.moved_bytes, c.d2h_step, c.backward_step, c.recompute_peak_bytes)
     if not all(isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in counts) or \
             not isinstance(c.recompute_seconds, (int, float)) or not math.isfinite(c.recompute_seconds) or \
@@ -215,8 +250,8 @@ def _choice_problems(c: ActivationChoice, n: int, plan: Plan, param_region: dict
             return ["an offload that moves bytes names the packs it moves (offload_packs), and only then"]
         if any(f <= c.d2h_step or last >= c.prefetch_step for f, last, _ in freed):
             return ["an offload frees bytes only between its d2h step and its prefetch step"]
-        if any(-x > c.moved_bytes for x in effect_at((c,), n)):
-            return [f"it frees more than the {c.moved_bytes} bytes it moves"]
+        if any(-x > c.moved_bytes + staged for x in effect_at((c,), n)):
+            return [f"it frees more than the {c.moved_bytes + staged} bytes it and its stages move"]
         return []
     if not c.recomputable:
         return [f"it is not recomputable ({c.reason or 'no reason given'})"]

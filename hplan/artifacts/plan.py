@@ -324,6 +324,9 @@ class Plan:
         data = asdict(self)
         data["hardware"] = self.hardware.to_dict()
         data["optimizer"] = {str(k): v for k, v in sorted(self.optimizer.items())}
+        for choice in data["activations"]:  # written only where set: a plan without stages reads as before
+            if not choice["stage"]:
+                del choice["stage"]
         data["schema"] = self.SCHEMA
         return data
 

@@ -39,6 +39,17 @@ saved only inside it). A child's choice applies only while its block is kept: ch
 another, so at any event at most one child's saved storages change and the children's effects add up as blocks'
 do. A block offloaded or recomputed takes its children with it (the planner offers a kept block's children's
 choices as modes of the block's item, hplan.planner.activation_items).
+
+[Note: staged offload] An offloaded block brings back every storage it moved at the start of its backward, though
+its children's backwards come one after another: the last block's children, say, run backward while the block's
+first child's saved tensors wait. A *staged* offload moves the same storages down at the block's forward end, but
+brings back each child's part (`stage_packs`, `stage_bytes`: storages the block's offload moves and the child owns)
+only at the start of that child's own backward (`backward_events[0]`), the block's own remainder at the block's.
+In the keep run a child's owned storage is alive from its pack until the child's backward first unpacks, so from
+the block's backward start (`stage_from`) to before the child's the staged bytes are gone under a staged offload
+and present in the keep run: the effect `stage` subtracts exactly `stage_bytes` there, on top of the block's own
+offload effect (which ends at the block's backward). A child whose backward starts in its block's first window
+stages nothing (left empty by the tracer).
 """
 
 from __future__ import annotations
@@ -92,6 +103,13 @@ class Segment:
     """Ordinals, among the saved-tensor packs of its forward, of the packs whose storage an offload moves."""
     parent: str = ""
     """A child segment's block (its module path; [Note: nested segments]); empty for a block."""
+    stage_packs: tuple[int, ...] = ()
+    """A child segment's part of its block's offload ([Note: staged offload]): ordinals, among the saved-tensor packs
+    of its *block's* forward, of the packs whose storage the block's offload moves and this child owns."""
+    stage_bytes: int = 0
+    """Their storages' bytes (each once): under a staged offload of its block, gone until this child's backward."""
+    stage_from: int = 0
+    """Its block's `backward_events[0]`: a staged offload keeps `stage_bytes` gone from there to before its own."""
 
     @property
     def key(self) -> tuple[str, int]:
@@ -105,7 +123,8 @@ def check_segments(segments: tuple[Segment, ...], n_events: int, params: set[str
     from hplan.artifacts.typed import FieldError
 
     for i, seg in enumerate(segments):
-        problem = segment_problem(seg, n_events) or ("a segment's parent must be empty" if seg.parent else "")
+        problem = segment_problem(seg, n_events) or ("a segment's parent must be empty" if seg.parent else "") or (
+            "only a child segment stages" if seg.stage_packs or seg.stage_bytes or seg.stage_from else "")
         unknown = [p for p in seg.params if p not in params]
         if unknown and not problem:
             problem = f"it names parameters the trace does not have ({unknown[:3]})"
@@ -130,12 +149,42 @@ def check_segments(segments: tuple[Segment, ...], n_events: int, params: set[str
             raise FieldError(f"nested[{i}]", f"{seg.module}: {problem}")
     if len({s.key for s in nested}) != len(nested):
         raise FieldError("nested", "repeat a module call")
+    staged: dict[tuple[str, int], set[int]] = {}
+    for i, seg in enumerate(nested):
+        if seg.stage_packs or seg.stage_bytes or seg.stage_from:
+            block = blocks[(seg.parent, seg.micro)]
+            taken = staged.setdefault(block.key, set())
+            problem = _stage_problem(seg, block, taken)
+            if problem:
+                raise FieldError(f"nested[{i}]", f"{seg.module}: {problem}")
+            taken.update(seg.stage_packs)
+    for key, taken in staged.items():
+        block = blocks[key]
+        total = sum(s.stage_bytes for s in nested if (s.parent, s.micro) == key)
+        if total > block.offload_bytes:
+            raise FieldError("nested", f"the children of {block.module} stage {total} bytes, more than the "
+                                       f"{block.offload_bytes} its offload moves")
+
+
+def _stage_problem(seg: Segment, block: Segment, taken: set[int]) -> str:
+    """What is wrong with a child's stage fields against its block's ([Note: staged offload]), in words."""
+    packs = seg.stage_packs
+    if not (_count(seg.stage_bytes) and seg.stage_bytes > 0 and packs):
+        return "stage_packs and stage_bytes must both be empty or both be set"
+    if any(not _count(k) for k in packs) or list(packs) != sorted(set(packs)):
+        return "stage_packs must be increasing non-negative ordinals"
+    if not set(packs) <= set(block.offload_packs) or set(packs) & taken:
+        return "stage_packs must be packs its block's offload moves, each staged by one child only"
+    if seg.stage_bytes > block.offload_bytes or seg.stage_from != block.backward_events[0] \
+            or not seg.stage_from < seg.backward_events[0]:
+        return "stage_bytes must be within its block's offload, from its block's backward start to before its own"
+    return ""
 
 
 def segment_problem(s: Segment, n_events: int) -> str:
     """What is wrong with a segment, in words ("" when nothing)."""
     counts = (s.micro, s.saved_bytes, s.offload_bytes, s.input_bytes, s.recompute_peak_bytes,
-              s.recompute_extra_bytes, s.flops)
+              s.recompute_extra_bytes, s.flops, s.stage_bytes, s.stage_from)
     if not isinstance(s.module, str) or not s.module or not all(_count(x) for x in counts):
         return "a module path and non-negative integer sizes are required"
     if not isinstance(s.recompute_backward_delta, int) or isinstance(s.recompute_backward_delta, bool):
@@ -176,6 +225,8 @@ def effects(seg: Segment, choice: str, prefetch: int | None = None, *, shared_re
         p = b0 if prefetch is None else prefetch
         return _merge([(first, min(last, p - 1), -off) for first, last, off, _ in seg.freed
                        if off and first <= min(last, p - 1)])
+    if choice == "stage":  # its part of its block's staged offload ([Note: staged offload])
+        return ((seg.stage_from, b0 - 1, -seg.stage_bytes),) if seg.stage_bytes else ()
     if choice == "recompute":
         runs = [(first, last, -rc) for first, last, _, rc in seg.freed if rc]
         delta = max(seg.recompute_peak_bytes + seg.recompute_extra_bytes, seg.recompute_backward_delta) \

@@ -35,7 +35,7 @@ if TYPE_CHECKING:
 MAX_METADATA_BYTES = 256 << 20
 """Largest hplan metadata a trace may carry (a gpt:1.3b trace carries 0.2 MB: its parameter and event tables)."""
 SIGNED = {"first_grad_op": -1, "last_read_op": -1, "group": -1, "recompute_backward_delta": -INT64_END,
-          "log": -INT64_END, "entries": -INT64_END}
+          "log": -INT64_END, "entries": -INT64_END, "parent": -1}
 """Integer fields whose "none" value is -1 (or, for a segment's recompute_backward_delta, which may be negative,
 any int64); every other integer and number in a trace is non-negative."""
 POSITIVE = ("iterations", "accumulate", "batch_size", "seq_len")
@@ -168,6 +168,10 @@ def check_metadata(trace: Trace) -> None:
             if ins.segment >= len(trace.segments) + len(trace.nested):
                 raise FieldError(f"choice_log.inserts[{i}].segment", f"must be below the {len(trace.segments)} "
                                                                      f"segments and {len(trace.nested)} nested")
+            n = len(trace.segments)
+            if ins.mode == "stage" and not (ins.segment >= n and ins.parent < n and trace.nested[ins.segment - n]
+                                            .parent == trace.segments[ins.parent].module):
+                raise FieldError(f"choice_log.inserts[{i}]", "a stage must be a child segment's, inside its block")
 
 
 def _timeline(pf: Any, p: Path, trace: Trace, columns: list[str], regenerate: str) -> pd.DataFrame:

@@ -323,11 +323,13 @@ def _activation_rows(plan: Plan) -> list[tuple[str, str]]:
 
     if not plan.activations:
         return []
-    kinds = [c.choice for c in plan.activations]
+    kinds = [c.choice for c in plan.activations if not c.stage]
+    stages = sum(1 for c in plan.activations if c.stage)
     s = plan.summary
+    staged = f", {stages} child parts staged back at their own backward" if stages else ""
     text = (f"{len(kinds)} segment calls: {kinds.count('keep')} kept, {kinds.count('offload')} offloaded "
-            f"({format_size(s.activation_bytes_moved_per_iter)} moved per iteration), {kinds.count('recompute')} "
-            f"recomputed ({s.recompute_seconds:.3f} s of compute)")
+            f"({format_size(s.activation_bytes_moved_per_iter)} moved per iteration{staged}), "
+            f"{kinds.count('recompute')} recomputed ({s.recompute_seconds:.3f} s of compute)")
     if plan.options.get("activations") == "auto":
         text += (f"; chosen per segment (auto): {format_size(s.activation_cost_bytes)} of link-byte cost, the bound "
                  f"covering {'every activation choice' if s.activations_free else 'these choices only'}")
