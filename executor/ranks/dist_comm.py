@@ -14,10 +14,12 @@ copy wherever the input would alias the output. Bytes are counted two ways per c
 from __future__ import annotations
 
 import os
+from collections.abc import Callable, Sequence
 
 import torch
 import torch.distributed as dist
 from hplan.executor.ranks.collectives import ChunkComm, Pending
+from hplan.executor.ranks.packing import run_bucket
 from hplan.executor.ranks.shard_store import ShardStore
 
 from hplan.artifacts import Plan
@@ -94,6 +96,11 @@ class PlanComm:
         """Ring-model bytes sent since the last reset, over every group."""
         return sum(c.counter.sent for c in self.comms.values())
 
+    @property
+    def calls(self) -> int:
+        """Calls made since the last reset, over every group (a bucket is one call)."""
+        return sum(t.calls for c in self.comms.values() for t in c.counter.by_op.values())
+
     def reset(self) -> None:
         for c in self.comms.values():
             c.counter.reset()
@@ -140,6 +147,19 @@ class PlanComm:
             else:
                 self._end()
                 raise HplanError(f"unknown collective purpose {call.purpose!r} in the plan; regenerate it")
+        return pending.then(self._end)
+
+    def run_bucket(self, calls: Sequence[Collective], store: ShardStore, *, first: Callable[[int], bool],
+                   async_op: bool = False) -> Pending:
+        """Start a bucket of the plan's calls as one flat call ([Note: collective buckets] in
+        hplan.artifacts.buckets, hplan.executor.ranks.packing); the Pending completes it as `run` completes each."""
+        comm = self.comms[(calls[0].size, calls[0].stride)]
+        self._begin()
+        try:
+            pending = run_bucket(comm, calls, store, first=first, async_op=async_op)
+        except BaseException:
+            self._end()
+            raise
         return pending.then(self._end)
 
     def _begin(self) -> None:
