@@ -29,12 +29,17 @@ def run_bucket(comm: ChunkComm, calls: Sequence[Collective], store: ShardStore, 
     chunks = [store.slots[c.region].region.chunk for c in calls]
     with torch.no_grad():
         if purpose == "gather":
-            return _gather(comm, calls, chunks, store, async_op)
+            shards = [store.typed(c.region) for c in calls]
+            fulls = [store.open_full(store.gather_buf[ch], zero=False).view(store.layouts[ch].dtype) for ch in chunks]
+            pending = gather(comm, shards, fulls, async_op)
+            for ch in chunks:
+                pending.then(lambda ch=ch: store.show_weights(ch))
+            return pending
         if purpose == "scatter":
             fulls = [store.open_full(store.grad_buf[ch], zero=True).view(store.layouts[ch].dtype) for ch in chunks]
             outs = [store.typed(c.region) for c in calls]
             writes = [(o.copy_ if first(ch) else o.add_) for o, ch in zip(outs, chunks)]
-            pending = _reduce_scatter(comm, fulls, writes, async_op)
+            pending = reduce_scatter(comm, fulls, writes, async_op)
             for ch in chunks:  # packed: the full gradients are not read again
                 store.close_full(store.grad_buf[ch])
             return pending
@@ -44,17 +49,15 @@ def run_bucket(comm: ChunkComm, calls: Sequence[Collective], store: ShardStore, 
                 at, piece = store.pieces.storage_offset(store.sharding, ch, "grad"), store.layouts[ch].piece
                 pieces.append(store.typed(c.region)[at:at + piece])
             if op == "reduce_scatter":
-                return _reduce_scatter(comm, [store.typed(c.region) for c in calls], [p.copy_ for p in pieces],
+                return reduce_scatter(comm, [store.typed(c.region) for c in calls], [p.copy_ for p in pieces],
                                        async_op)
-            return _all_reduce(comm, pieces, async_op)
+            return all_reduce(comm, pieces, async_op)
     raise HplanError(f"collective purpose {purpose!r} is not packed; an hplan bug, please report it")
 
 
-def _gather(comm: ChunkComm, calls: Sequence[Collective], chunks: list[int], store: ShardStore,
-            async_op: bool) -> Pending:
+def gather(comm: ChunkComm, shards: list[torch.Tensor], fulls: list[torch.Tensor], async_op: bool) -> Pending:
+    """All-gather every member's shard into its full buffer (rank order) in one call."""
     n = comm.world
-    shards = [store.typed(c.region) for c in calls]
-    fulls = [store.open_full(store.gather_buf[ch], zero=False).view(store.layouts[ch].dtype) for ch in chunks]
     sizes = [s.numel() for s in shards]
     source = torch.cat(shards)
     target = source.new_empty(n * source.numel())
@@ -64,14 +67,13 @@ def _gather(comm: ChunkComm, calls: Sequence[Collective], chunks: list[int], sto
         with _preserved(fulls):
             torch.split_with_sizes_copy(target.view(n, -1), sizes, dim=1, out=[f.view(n, k) for f, k in
                                                                                   zip(fulls, sizes)])
-        for ch in chunks:
-            store.show_weights(ch)
 
     return pending.then(unpack)
 
 
-def _reduce_scatter(comm: ChunkComm, fulls: list[torch.Tensor], writes: list[Callable[[torch.Tensor], object]],
-                    async_op: bool) -> Pending:
+def reduce_scatter(comm: ChunkComm, fulls: list[torch.Tensor], writes: list[Callable[[torch.Tensor], object]],
+                   async_op: bool) -> Pending:
+    """Sum every member's full buffer over the group in one call; `writes[i]` gets member i's shard of the sum."""
     n = comm.world
     source = torch._chunk_cat(fulls, 0, n).view(-1)
     sizes = [f.numel() // n for f in fulls]
@@ -85,7 +87,8 @@ def _reduce_scatter(comm: ChunkComm, fulls: list[torch.Tensor], writes: list[Cal
     return pending.then(unpack)
 
 
-def _all_reduce(comm: ChunkComm, pieces: list[torch.Tensor], async_op: bool) -> Pending:
+def all_reduce(comm: ChunkComm, pieces: list[torch.Tensor], async_op: bool) -> Pending:
+    """Sum every member (a flat view) over the group in place, in one call."""
     n = comm.world
     parts, sizes = [], []
     for p in pieces:

@@ -34,7 +34,7 @@ from typing import TYPE_CHECKING
 from hplan.artifacts.shard import Collective
 
 if TYPE_CHECKING:
-    from hplan.artifacts.plan import Plan, Step
+    from hplan.artifacts.plan import Chunk, Plan, Region, Step
 
 PACKED: tuple[str, ...] = ("gather", "scatter", "sync")
 """Purposes whose calls are packed; `update_gather` (two stages into the weights' own storage) goes alone."""
@@ -117,10 +117,14 @@ def step_buckets(steps: Sequence[Step], sizes: dict[int, int], initial: Iterable
 
 def plan_buckets(plan: Plan) -> list[tuple[tuple[Bucket, ...], tuple[Bucket, ...]]]:
     """`step_buckets` of a many-rank plan."""
-    dtype_of = {c.id: c.dtype for c in plan.chunks}
     return step_buckets(plan.steps, {r.id: r.bytes for r in plan.regions}, plan.initial_resident,
-                        plan.hardware.gpu_bytes, plan.hardware.slack_bytes,
-                        {r.id: f"{dtype_of[r.chunk]}/{r.kind}" for r in plan.regions})
+                        plan.hardware.gpu_bytes, plan.hardware.slack_bytes, region_dtypes(plan.chunks, plan.regions))
+
+
+def region_dtypes(chunks: Iterable[Chunk], regions: Iterable[Region]) -> dict[int, str]:
+    """Region → its element type and kind: calls pack only with calls on alike regions."""
+    dtype_of = {c.id: c.dtype for c in chunks}
+    return {r.id: f"{dtype_of[r.chunk]}/{r.kind}" for r in regions}
 
 
 def _group(calls: list[Collective], room: list[int], windows: list[int], dtypes: dict[int, str]
