@@ -154,6 +154,10 @@ class DistRun:
                 for r in (*s.writes, *s.overwrites):
                     if kinds[r] == "grad":
                         self.sync_at[r] = t
+        self._synced_after: dict[int, list[int]] = {}
+        """Step → the grad regions whose sync ends after it (`sync_at` inverted: no scan per event)."""
+        for r, t in self.sync_at.items():
+            self._synced_after.setdefault(t, []).append(r)
 
     # -- lifecycle ------------------------------------------------------------------------------------
     def __enter__(self) -> Self:
@@ -267,18 +271,17 @@ class DistRun:
         whose previous reduction is still running (a sync after its scatter) waits for it first."""
         for bucket in self.buckets[step.index][1]:
             self._call(bucket, async_op=bucket.first.purpose in REDUCTIONS)
-        for r, t in self.sync_at.items():
-            if t == step.index:
-                chunk = self.store.slots[r].region.chunk
-                lay = self.store.layouts[chunk]
-                at = self.store.pieces.storage_offset(self.store.sharding, chunk, "grad")
-                view = self.store.typed(r)[at:at + lay.piece]
-                held = self.flight.latest(r)
-                if held is not None:  # ÷N once the last reduction of the region is in
-                    held.then(lambda v=view: v.div_(self.world))
-                else:
-                    with torch.no_grad():
-                        view.div_(self.world)
+        for r in self._synced_after.get(step.index, ()):
+            chunk = self.store.slots[r].region.chunk
+            lay = self.store.layouts[chunk]
+            at = self.store.pieces.storage_offset(self.store.sharding, chunk, "grad")
+            view = self.store.typed(r)[at:at + lay.piece]
+            held = self.flight.latest(r)
+            if held is not None:  # ÷N once the last reduction of the region is in
+                held.then(lambda v=view: v.div_(self.world))
+            else:
+                with torch.no_grad():
+                    view.div_(self.world)
         self._sample()
 
     def _call(self, bucket: Bucket, *, async_op: bool = False) -> Pending:
