@@ -19,10 +19,11 @@ from collections.abc import Callable, Sequence
 import torch
 import torch.distributed as dist
 from hplan.executor.ranks.collectives import ChunkComm, Pending
-from hplan.executor.ranks.packing import run_bucket
+from hplan.executor.ranks.packing import Packed, run_bucket
 from hplan.executor.ranks.shard_store import ShardStore
 
 from hplan.artifacts import Plan
+from hplan.artifacts.buckets import staging
 from hplan.artifacts.shard import Collective, group_ranks
 from hplan.errors import HplanError
 
@@ -89,6 +90,8 @@ class PlanComm:
             self.comms[(size, stride)] = ChunkComm(mine)
         self.wire = 0
         """Socket bytes written while collectives were in flight since the last reset."""
+        self._packed: dict[tuple[Collective, ...], Packed] = {}
+        """Bucket → its packed call (views and staging made once)."""
         self._inflight, self._wire_from = 0, 0
 
     @property
@@ -154,9 +157,13 @@ class PlanComm:
         """Start a bucket of the plan's calls as one flat call ([Note: collective buckets] in
         hplan.artifacts.buckets, hplan.executor.ranks.packing); the Pending completes it as `run` completes each."""
         comm = self.comms[(calls[0].size, calls[0].stride)]
+        key = tuple(calls)
+        packed = self._packed.get(key)
+        if packed is None:
+            packed = self._packed[key] = Packed(comm, calls[0].op, staging(calls), store)
         self._begin()
         try:
-            pending = run_bucket(comm, calls, store, first=first, async_op=async_op)
+            pending = run_bucket(comm, calls, store, packed, first=first, async_op=async_op)
         except BaseException:
             self._end()
             raise

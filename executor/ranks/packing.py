@@ -11,17 +11,101 @@ ranks as in its own call, so the sums are bitwise those of the separate calls.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from typing import Protocol
 
 import torch
+from hplan.executor.device import FastTier
 from hplan.executor.ranks.collectives import ChunkComm, Pending
 from hplan.executor.ranks.shard_store import ShardStore
 
 from hplan.artifacts.shard import Collective
 from hplan.errors import HplanError
 
+_set_version = torch._C._autograd._unsafe_set_version_counter
 
-def run_bucket(comm: ChunkComm, calls: Sequence[Collective], store: ShardStore, *, first: Callable[[int], bool],
-               async_op: bool) -> Pending:
+
+class Transient(Protocol):
+    """What a staging buffer needs of the store: its tier, and allocation counted with the full copies."""
+
+    tier: FastTier
+
+    def open_full(self, buf: torch.Tensor, *, zero: bool) -> torch.Tensor: ...
+
+    def close_full(self, buf: torch.Tensor) -> None: ...
+
+
+class Packed:
+    """One bucket's flat call between `sources` and `targets` (per member; the same tensors for an all-reduce).
+
+    The members' views and the flat staging views are made at the first call and kept: region and full-copy
+    buffers keep their tensors across re-allocation (hplan.executor.ranks.shard_store), and so does the staging
+    buffer, allocated only while a call runs (through `open` / `close`, which count it). A call is then three
+    operators: one packing copy (`_foreach_copy_`, or `_chunk_cat` rank-major), the collective, one unpacking
+    copy — each operator costs the CPU twin's memory probe a Python call."""
+
+    def __init__(self, comm: ChunkComm, op: str, staging_bytes: int, store: Transient) -> None:
+        self.comm, self.op, self.store = comm, op, store
+        self.buf = store.tier.empty(staging_bytes)
+        store.tier.release(self.buf)
+        self.views: tuple | None = None
+
+    def _make_views(self, sources: list[torch.Tensor], targets: list[torch.Tensor]) -> tuple:
+        n, dtype = self.comm.world, sources[0].dtype
+        flat = self.buf.view(dtype)
+        if self.op == "all_gather":
+            seg = [x.numel() for x in sources]
+            total = sum(seg)
+            src, dst = flat[:total], flat[total:total + n * total]
+            return seg, src, dst, list(src.split(seg)), [t.view(n, k) for t, k in zip(targets, seg)], []
+        if self.op == "reduce_scatter":
+            seg = [x.numel() // n for x in sources]
+            total = sum(seg)
+            src, dst = flat[:n * total], flat[n * total:n * total + total]
+            return seg, src, dst, src.view(n, total), list(dst.split(seg)), []
+        seg = [x.numel() + (-x.numel() % n) for x in sources]
+        total = sum(seg)
+        src = flat[:total]
+        parts = list(src.split(seg))
+        pads = [p[x.numel():] for p, x in zip(parts, sources) if p.numel() > x.numel()]
+        return seg, src, src, [p[:x.numel()] for p, x in zip(parts, sources)], None, pads
+
+    def start(self, sources: list[torch.Tensor], targets: list[torch.Tensor], *, add: list[bool] | None = None,
+              async_op: bool, payload_bytes: int) -> Pending:
+        """Pack, start the call; the Pending unpacks into `targets` (added where `add[i]`) and frees the staging."""
+        self.store.open_full(self.buf, zero=False)
+        if self.views is None:
+            self.views = self._make_views(sources, targets)
+        seg, src, dst, packs, unpacks, pads = self.views
+        n = self.comm.world
+        if self.op == "reduce_scatter":
+            torch._chunk_cat(sources, 0, n, out=packs)
+        else:
+            torch._foreach_copy_(packs, sources)
+            if pads:
+                torch._foreach_zero_(pads)
+        pending = self.comm.packed(self.op, src, dst, payload_bytes=payload_bytes, async_op=async_op)
+
+        def unpack() -> None:
+            if self.op == "all_gather":
+                versions = tuple(t._version for t in targets)  # autograd's saved views of the weights: unchanged
+                torch.split_with_sizes_copy(dst.view(n, -1), seg, dim=1, out=unpacks)
+                _set_version(tuple(targets), versions)
+            elif self.op == "reduce_scatter":
+                added = [i for i, a in enumerate(add or ()) if a]
+                copied = [i for i in range(len(targets)) if i not in added]
+                if copied:
+                    torch._foreach_copy_([targets[i] for i in copied], [unpacks[i] for i in copied])
+                if added:
+                    torch._foreach_add_([targets[i] for i in added], [unpacks[i] for i in added])
+            else:
+                torch._foreach_copy_(targets, packs)
+            self.store.close_full(self.buf)
+
+        return pending.then(unpack)
+
+
+def run_bucket(comm: ChunkComm, calls: Sequence[Collective], store: ShardStore, packed: Packed, *,
+               first: Callable[[int], bool], async_op: bool) -> Pending:
     """Start the bucket's one call; the returned Pending completes it as the members' own calls would (gathered
     weights shown, reduced gradients written or added, full gradients freed). `first(chunk)`: whether this is the
     chunk's first scatter of the iteration (written, not added)."""
@@ -31,15 +115,15 @@ def run_bucket(comm: ChunkComm, calls: Sequence[Collective], store: ShardStore, 
         if purpose == "gather":
             shards = [store.typed(c.region) for c in calls]
             fulls = [store.open_full(store.gather_buf[ch], zero=False).view(store.layouts[ch].dtype) for ch in chunks]
-            pending = gather(comm, shards, fulls, async_op)
+            pending = packed.start(shards, fulls, async_op=async_op, payload_bytes=sum(f.nbytes for f in fulls))
             for ch in chunks:
                 pending.then(lambda ch=ch: store.show_weights(ch))
             return pending
         if purpose == "scatter":
             fulls = [store.open_full(store.grad_buf[ch], zero=True).view(store.layouts[ch].dtype) for ch in chunks]
             outs = [store.typed(c.region) for c in calls]
-            writes = [(o.copy_ if first(ch) else o.add_) for o, ch in zip(outs, chunks)]
-            pending = reduce_scatter(comm, fulls, writes, async_op)
+            pending = packed.start(fulls, outs, add=[not first(ch) for ch in chunks], async_op=async_op,
+                                   payload_bytes=sum(f.nbytes for f in fulls))
             for ch in chunks:  # packed: the full gradients are not read again
                 store.close_full(store.grad_buf[ch])
             return pending
@@ -49,73 +133,7 @@ def run_bucket(comm: ChunkComm, calls: Sequence[Collective], store: ShardStore, 
                 at, piece = store.pieces.storage_offset(store.sharding, ch, "grad"), store.layouts[ch].piece
                 pieces.append(store.typed(c.region)[at:at + piece])
             if op == "reduce_scatter":
-                return reduce_scatter(comm, [store.typed(c.region) for c in calls], [p.copy_ for p in pieces],
-                                       async_op)
-            return all_reduce(comm, pieces, async_op)
+                grads = [store.typed(c.region) for c in calls]
+                return packed.start(grads, pieces, async_op=async_op, payload_bytes=sum(g.nbytes for g in grads))
+            return packed.start(pieces, pieces, async_op=async_op, payload_bytes=sum(p.nbytes for p in pieces))
     raise HplanError(f"collective purpose {purpose!r} is not packed; an hplan bug, please report it")
-
-
-def gather(comm: ChunkComm, shards: list[torch.Tensor], fulls: list[torch.Tensor], async_op: bool) -> Pending:
-    """All-gather every member's shard into its full buffer (rank order) in one call."""
-    n = comm.world
-    sizes = [s.numel() for s in shards]
-    source = torch.cat(shards)
-    target = source.new_empty(n * source.numel())
-    pending = comm.packed("all_gather", source, target, payload_bytes=target.nbytes, async_op=async_op)
-
-    def unpack() -> None:
-        with _preserved(fulls):
-            torch.split_with_sizes_copy(target.view(n, -1), sizes, dim=1, out=[f.view(n, k) for f, k in
-                                                                                  zip(fulls, sizes)])
-
-    return pending.then(unpack)
-
-
-def reduce_scatter(comm: ChunkComm, fulls: list[torch.Tensor], writes: list[Callable[[torch.Tensor], object]],
-                   async_op: bool) -> Pending:
-    """Sum every member's full buffer over the group in one call; `writes[i]` gets member i's shard of the sum."""
-    n = comm.world
-    source = torch._chunk_cat(fulls, 0, n).view(-1)
-    sizes = [f.numel() // n for f in fulls]
-    target = source.new_empty(sum(sizes))
-    pending = comm.packed("reduce_scatter", source, target, payload_bytes=source.nbytes, async_op=async_op)
-
-    def unpack() -> None:
-        for write, part in zip(writes, target.split(sizes)):
-            write(part)
-
-    return pending.then(unpack)
-
-
-def all_reduce(comm: ChunkComm, pieces: list[torch.Tensor], async_op: bool) -> Pending:
-    """Sum every member (a flat view) over the group in place, in one call."""
-    n = comm.world
-    parts, sizes = [], []
-    for p in pieces:
-        pad = -p.numel() % n
-        parts += [p, p.new_zeros(pad)] if pad else [p]
-        sizes.append(p.numel() + pad)
-    flat = torch.cat(parts)
-    pending = comm.packed("all_reduce", flat, flat, payload_bytes=sum(p.nbytes for p in pieces), async_op=async_op)
-
-    def unpack() -> None:
-        for p, part in zip(pieces, flat.split(sizes)):
-            p.copy_(part[:p.numel()])
-
-    return pending.then(unpack)
-
-
-class _preserved:
-    """Writes into full weight buffers that autograd saved for backward do not bump their version counters (as
-    the one-call path's all-gather, which writes them outside autograd's view)."""
-
-    def __init__(self, tensors: list[torch.Tensor]) -> None:
-        self.contexts = [torch.autograd._unsafe_preserve_version_counter(t) for t in tensors]
-
-    def __enter__(self) -> None:
-        for c in self.contexts:
-            c.__enter__()
-
-    def __exit__(self, *exc: object) -> None:
-        for c in reversed(self.contexts):
-            c.__exit__(*exc)

@@ -103,37 +103,67 @@ def test_the_planner_prices_the_packed_calls_the_executor_makes(least):
     assert packed["all_reduce"] < alone["all_reduce"]
 
 
+class _Store:
+    """A staging buffer's view of the store: the CPU tier and a count of what is allocated."""
+
+    def __init__(self) -> None:
+        from hplan.executor.device import make_tier
+
+        self.tier, self.transient = make_tier("cpu"), 0
+
+    def open_full(self, buf: torch.Tensor, *, zero: bool) -> torch.Tensor:
+        self.tier.alloc(buf, buf.numel())
+        self.transient += buf.numel()
+        return buf
+
+    def close_full(self, buf: torch.Tensor) -> None:
+        self.transient -= buf.untyped_storage().nbytes()
+        self.tier.release(buf)
+
+
 def _packing(info: RankInfo) -> dict:
-    """Each packed op against the same members' separate calls: results and ring bytes."""
-    from hplan.executor.ranks import packing
+    """Each packed op against the same members' separate calls, twice (views and staging are reused): results,
+    calls and ring bytes, and the staging freed once each call completes."""
     from hplan.executor.ranks.collectives import ChunkComm
+    from hplan.executor.ranks.packing import Packed
 
     n, r = info.world_size, info.rank
     gen = torch.Generator().manual_seed(1 + r)
-    sizes = (6, 10, 4)
-    out: dict = {}
-    one, many = ChunkComm(), ChunkComm()
-    shards = [torch.randn(k, generator=gen) for k in sizes]
-    want = [torch.empty(k * n) for k in sizes]
-    for s, w in zip(shards, want):
-        one.all_gather(s, w)
-    got = [torch.full((k * n,), float("nan")) for k in sizes]
-    packing.gather(many, shards, got, async_op=True).wait()
-    out["gather"] = all(torch.equal(a, b) for a, b in zip(want, got))
-    fulls = [torch.randn(k * n, generator=gen) for k in sizes]
-    want = [torch.empty(k) for k in sizes]
-    for f, w in zip(fulls, want):
-        one.reduce_scatter(f, w, average=False)
-    base = [torch.randn(k, generator=gen) for k in sizes]
-    got = [b.clone() for b in base]
-    packing.reduce_scatter(many, fulls, [g.add_ for g in got], async_op=True).wait()
-    out["scatter"] = all(torch.equal(b + w, g) for b, w, g in zip(base, want, got))
-    pieces = [torch.randn(k, generator=gen) for k in (3, 5, 2)]  # odd sizes: padded to the group
-    want = [p.clone() for p in pieces]
-    for w in want:
-        one.all_reduce(w, average=False)
-    packing.all_reduce(many, pieces, async_op=False)
-    out["all_reduce"] = all(torch.equal(w, p) for w, p in zip(want, pieces))
+    out: dict = {"gather": [], "scatter": [], "all_reduce": [], "freed": []}
+    one, many, store = ChunkComm(), ChunkComm(), _Store()
+    sizes, odd = (6, 10, 4), (3, 5, 2)
+    calls = {"all_gather": [Collective.make("all_gather", "gather", i, True, n, 1, k * n, 4) for i, k in
+                            enumerate(sizes)],
+             "reduce_scatter": [Collective.make("reduce_scatter", "scatter", i, False, n, 1, k * n, 4) for i, k in
+                                enumerate(sizes)],
+             "all_reduce": [Collective.make("all_reduce", "sync", i, False, n, 1, k, 4) for i, k in enumerate(odd)]}
+    packed = {op: Packed(many, op, staging(c), store) for op, c in calls.items()}
+    fulls_out = [torch.empty(k * n) for k in sizes]
+    for _ in range(2):
+        shards = [torch.randn(k, generator=gen) for k in sizes]
+        want = [torch.empty(k * n) for k in sizes]
+        for s, w in zip(shards, want):
+            one.all_gather(s, w)
+        for f in fulls_out:
+            f.fill_(float("nan"))
+        packed["all_gather"].start(shards, fulls_out, async_op=True, payload_bytes=0).wait()
+        out["gather"].append(all(torch.equal(a, b) for a, b in zip(want, fulls_out)))
+        fulls = [torch.randn(k * n, generator=gen) for k in sizes]
+        want = [torch.empty(k) for k in sizes]
+        for f, w in zip(fulls, want):
+            one.reduce_scatter(f, w, average=False)
+        base = [torch.randn(k, generator=gen) for k in sizes]
+        got = [b.clone() for b in base]
+        add = [True, False, True]  # a later micro-batch adds, a first one writes
+        packed["reduce_scatter"].start(fulls, got, add=add, async_op=True, payload_bytes=0).wait()
+        out["scatter"].append(all(torch.equal(b + w if a else w, g) for a, b, w, g in zip(add, base, want, got)))
+        pieces = [torch.randn(k, generator=gen) for k in odd]  # odd sizes: padded to the group
+        want = [p.clone() for p in pieces]
+        for w in want:
+            one.all_reduce(w, average=False)
+        packed["all_reduce"].start(pieces, pieces, async_op=False, payload_bytes=0)
+        out["all_reduce"].append(all(torch.equal(w, p) for w, p in zip(want, pieces)))
+        out["freed"].append(store.transient == 0)
     out["bytes"] = {op: (t.calls, t.sent) for op, t in one.counter.by_op.items()}, \
         {op: (t.calls, t.sent) for op, t in many.counter.by_op.items()}
     return out
@@ -142,9 +172,9 @@ def _packing(info: RankInfo) -> dict:
 def test_packed_calls_give_the_separate_calls_results_bitwise_in_one_call_each():
     results = launch(_packing, nprocs=2, timeout_s=120, collective_timeout_s=60)
     for out in results:
-        assert out["gather"] and out["scatter"] and out["all_reduce"]
+        assert all(out["gather"]) and all(out["scatter"]) and all(out["all_reduce"]) and all(out["freed"])
         separate, packed = out["bytes"]
-        assert {op: c for op, (c, _) in packed.items()} == {"all_gather": 1, "reduce_scatter": 1, "all_reduce": 1}
-        assert {op: c for op, (c, _) in separate.items()} == {"all_gather": 3, "reduce_scatter": 3, "all_reduce": 3}
+        assert {op: c for op, (c, _) in packed.items()} == {"all_gather": 2, "reduce_scatter": 2, "all_reduce": 2}
+        assert {op: c for op, (c, _) in separate.items()} == {"all_gather": 6, "reduce_scatter": 6, "all_reduce": 6}
         # ring bytes: each member padded to the group size, so the packed call sends what the three did
         assert {op: s for op, (_, s) in packed.items()} == {op: s for op, (_, s) in separate.items()}
