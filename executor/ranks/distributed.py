@@ -271,17 +271,18 @@ class DistRun:
         whose previous reduction is still running (a sync after its scatter) waits for it first."""
         for bucket in self.buckets[step.index][1]:
             self._call(bucket, async_op=bucket.first.purpose in REDUCTIONS)
+        views: dict[Pending | None, list[torch.Tensor]] = {}
         for r in self._synced_after.get(step.index, ()):
             chunk = self.store.slots[r].region.chunk
             lay = self.store.layouts[chunk]
             at = self.store.pieces.storage_offset(self.store.sharding, chunk, "grad")
-            view = self.store.typed(r)[at:at + lay.piece]
-            held = self.flight.latest(r)
-            if held is not None:  # ÷N once the last reduction of the region is in
-                held.then(lambda v=view: v.div_(self.world))
+            views.setdefault(self.flight.latest(r), []).append(self.store.typed(r)[at:at + lay.piece])
+        for held, pieces in views.items():  # ÷N once the last reduction of each region is in: one operator per call
+            if held is not None:
+                held.then(lambda v=pieces: torch._foreach_div_(v, self.world))
             else:
                 with torch.no_grad():
-                    view.div_(self.world)
+                    torch._foreach_div_(pieces, self.world)
         self._sample()
 
     def _call(self, bucket: Bucket, *, async_op: bool = False) -> Pending:
