@@ -126,6 +126,7 @@ def _packing(info: RankInfo) -> dict:
     calls and ring bytes, and the staging freed once each call completes."""
     from hplan.executor.ranks.collectives import ChunkComm
     from hplan.executor.ranks.packing import Packed
+    from hplan.probe import TensorProbe
 
     n, r = info.world_size, info.rank
     gen = torch.Generator().manual_seed(1 + r)
@@ -137,7 +138,11 @@ def _packing(info: RankInfo) -> dict:
              "reduce_scatter": [Collective.make("reduce_scatter", "scatter", i, False, n, 1, k * n, 4) for i, k in
                                 enumerate(sizes)],
              "all_reduce": [Collective.make("all_reduce", "sync", i, False, n, 1, k, 4) for i, k in enumerate(odd)]}
-    packed = {op: Packed(many, op, staging(c), store) for op, c in calls.items()}
+    probe = TensorProbe("cpu")
+    with probe.track():  # as in DistRun: the staging is counted while allocated (open_full), never as live storage
+        before = probe.allocated_bytes()
+        packed = {op: Packed(many, op, staging(c), store) for op, c in calls.items()}
+        out["unseen"] = probe.allocated_bytes() == before
     fulls_out = [torch.empty(k * n) for k in sizes]
     for _ in range(2):
         shards = [torch.randn(k, generator=gen) for k in sizes]
@@ -173,6 +178,7 @@ def test_packed_calls_give_the_separate_calls_results_bitwise_in_one_call_each()
     results = launch(_packing, nprocs=2, timeout_s=120, collective_timeout_s=60)
     for out in results:
         assert all(out["gather"]) and all(out["scatter"]) and all(out["all_reduce"]) and all(out["freed"])
+        assert out["unseen"]
         separate, packed = out["bytes"]
         assert {op: c for op, (c, _) in packed.items()} == {"all_gather": 2, "reduce_scatter": 2, "all_reduce": 2}
         assert {op: c for op, (c, _) in separate.items()} == {"all_gather": 6, "reduce_scatter": 6, "all_reduce": 6}
