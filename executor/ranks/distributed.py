@@ -136,9 +136,9 @@ class DistRun:
         self._scattered: set[int] = set()
         self._gathered: set[int] = set()
         self.flight = InFlight()
+        """Calls started and not yet waited for ([Note: collectives in flight])."""
         self.buckets = plan_buckets(plan)
         """Per plan step, (before, after) buckets: the calls made together ([Note: collective buckets])."""
-        """Calls started and not yet waited for ([Note: collectives in flight])."""
         self._previous: Step | None = None
         self._zeroed = True
         self._window_model = 0
