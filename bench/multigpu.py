@@ -12,7 +12,8 @@ the A800's calibrated 63% of 312 TFLOPS (hplan.planner.presets). Beside each pre
 one where issue 25 quotes it, and the seconds per step the model leaves unexplained (the paper's implied step
 minus the predicted one). hplan's own pick, and the plan `hplan plan --shard P=1,G=1,OS=8` makes at AMSP's
 factors, are priced as hplan's executor runs them (weight gathers one step ahead, reductions beside the next
-step, one call per chunk: [Note: collectives in flight] in hplan.artifacts.shard).
+step, a step's alike calls packed into one where the plan's headroom allows: [Note: collectives in flight] in
+hplan.artifacts.shard, [Note: collective buckets] in hplan.artifacts.buckets).
 The CPU part is measured: `hplan run --nproc 2` (hplan.executor.ranks.dist_train.run_distributed, the probe on, as
 users run it) at hplan's factors and at FSDP2's (P = G = OS = 2), and FSDP2 (`fully_shard` per block and the
 root) on the same model and loop, interleaved in rounds; medians of every rank-0 step but each run's first.
@@ -136,7 +137,7 @@ def _goals(results: dict, paper: dict, ratios: dict, factors: dict) -> tuple[lis
                          f"executor runs it): {fmt_pct(cli.mfu, 1)} MFU — within ±20% of the paper's 51% "
                          f"{'met' if ok else 'missed'}; above {', '.join(above) or 'none'} of ZeRO-1, ZeRO-3 and "
                          f"ZeRO++, as the paper ranks AMSP's factors; below AMSP's own row by its buckets "
-                         f"(512 MiB per call against one call per chunk). Priced with blocking collectives (the "
+                         f"(512 MiB per call against one per plan step's alike calls). Priced with blocking collectives (the "
                          f"executor before issue 32) the same plan predicted 40.5%.")
             lines.append(f"many GPUs (plan): `hplan plan --shard P=1,G=1,OS=8` on AMSP's setting predicts "
                          f"{fmt_pct(cli.mfu, 1)} MFU as its executor runs (paper: 51%; was 40.5% with blocking "
@@ -167,7 +168,8 @@ def _goals(results: dict, paper: dict, ratios: dict, factors: dict) -> tuple[lis
     notes.append("hplan's own pick (searched at 1024 GPUs only: at 128 each of its ~25 factor choices plans 8 "
                  "micro-batches, minutes per model) is priced as its executor runs: each weight gather issued one "
                  "step ahead, each reduction beside the next step and settled before the step after it, a sync "
-                 "waiting on the compute stream for the scatter before it, one call per chunk (no buckets). "
+                 "waiting on the compute stream for the scatter before it, a step's alike calls packed into one "
+                 "where the plan's headroom allows ([Note: collective buckets]). "
                  "Compute: 63% of 312 TFLOPS (AMSP's one-node MFU, hplan.planner.presets CALIBRATION), so no row "
                  "exceeds 63%.")
     return lines, notes
@@ -214,6 +216,7 @@ def _cpu(ctx: Context) -> tuple[Table, str]:
     from hplan.executor.ranks.launch import launch
     from hplan.tracer import trace_workload
 
+    from hplan.artifacts.buckets import plan_buckets
     from hplan.artifacts.shard import Sharding
     from hplan.cli.world import ManyRanks
     from hplan.planner import PlanOptions, default_slack, make_hardware
@@ -263,7 +266,8 @@ def _cpu(ctx: Context) -> tuple[Table, str]:
     ctx.log(f"[bench]   many GPUs: 2-rank CPU runs took {time.perf_counter() - t0:.0f} s, {load}")
     fsdp = median([x for r in runs["fsdp2"] for x in r["seconds"]])
     fsdp_cpu = median(cpu["fsdp2"])
-    table = Table(headers=["system (2 ranks, gloo, 1 torch thread each)", "chunks, calls / step", "median step",
+    table = Table(headers=["system (2 ranks, gloo, 1 torch thread each)", "chunks, calls / step (listed → made)",
+                           "median step",
                            "vs FSDP2 (all steps)", "vs FSDP2 per round (min / median / max)",
                            "max loss diff vs FSDP2", "CPU s / step", "CPU vs FSDP2"],
                   caption=f"**Measured on this CPU**: {spec}, fp32 AdamW, the same model, seed, batches and loop; "
@@ -272,7 +276,8 @@ def _cpu(ctx: Context) -> tuple[Table, str]:
     ratios: dict[str, list[float]] = {}
     for key, name in names.items():
         plan = plans.get(key)
-        shape = f"{len(plan.chunks)}, {sum(len(s.collectives) for s in plan.steps)}" if plan else \
+        shape = f"{len(plan.chunks)}, {sum(len(s.collectives) for s in plan.steps)} → " \
+            f"{sum(len(early) + len(late) for early, late in plan_buckets(plan))}" if plan else \
             ("per block + root" if key == "fsdp2" else "its buckets")
         secs = [x for r in runs[key] for x in r["seconds"]]
         ratios[key] = [median(a["seconds"]) / median(b["seconds"]) for a, b in zip(runs[key], runs["fsdp2"])]
@@ -288,7 +293,9 @@ def _cpu(ctx: Context) -> tuple[Table, str]:
                        "work: ratios come from interleaved runs, per round and over all steps.")
     table.notes.append("hplan's executor issues each weight all-gather one step ahead and each gradient "
                        "reduce-scatter / all-reduce asynchronously, waiting where the result is read ([Note: "
-                       "collectives in flight], hplan.artifacts.shard), as FSDP2 prefetches and overlaps. CPU s / "
+                       "collectives in flight], hplan.artifacts.shard), as FSDP2 prefetches and overlaps; the calls a "
+                       "plan step makes alike go as one flat call where the plan's headroom allows ([Note: collective "
+                       "buckets], hplan.artifacts.buckets: listed → made per step). CPU s / "
                        "step: process CPU seconds of the same loop (both ranks' steps), which other load does not "
                        "inflate as it does wall time.")
     if deepspeed:

@@ -75,7 +75,7 @@ def train_attached(info: RankInfo, spec: str, plan: Plan, steps: int, *, first: 
     last = iters[-1]
     return {"losses": losses, "seconds": seconds, "peak": max(i.peak_resident_bytes for i in iters),
             "moved": last.h2d_bytes + last.d2h_bytes, "collective": last.collective_bytes, "wire": last.wire_bytes,
-            "ahead": last.gathers_ahead, "in_flight": last.reductions_in_flight,
+            "ahead": last.gathers_ahead, "in_flight": last.reductions_in_flight, "calls": last.collective_calls,
             "checksum": [float(w.double().sum()) for w in weights.values()],
             "weights": weights if r == 0 else None}
 

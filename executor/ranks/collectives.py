@@ -142,6 +142,7 @@ class Pending:
         with torch.no_grad():
             for step in self._finish:
                 step()
+        self._work, self._finish = None, []  # staging buffers the steps held are freed now, not when this is dropped
 
     def then(self, step: Callable[[], object]) -> Pending:
         """Run `step` once the call is complete: now if it is, else at the end of `wait()`, in order."""
@@ -215,6 +216,36 @@ class ChunkComm:
             work = dist.all_reduce(buf, group=self.group, async_op=async_op) if self.world > 1 else None
         self.counter.add(call if self.world > 1 else _zero(call))
         return Pending(work, finish)
+
+    def packed(self, op: str, source: torch.Tensor, target: torch.Tensor, *, payload_bytes: int,
+               async_op: bool = False) -> Pending:
+        """One call on flat buffers packed from several members ([Note: collective buckets] in
+        hplan.artifacts.buckets): an all-gather of `source` into `target`, a reduce-scatter (SUM) of `source` into
+        `target`, or an all-reduce (SUM) of `source` in place (`target` is `source`). Counted as one call on the
+        flat buffer, whose ring bytes are the members' together (each member padded to the group size)."""
+        _flat(source, "source")
+        _flat(target, "target")
+        if op != "all_gather":
+            _typed(source, op)
+        flat = target if op == "all_gather" else source
+        if flat.numel() % self.world:
+            raise HplanError(f"a packed {op} needs a buffer of a multiple of {self.world} elements, got "
+                             f"{flat.numel()}; pad every member to the group size")
+        call = ring_bytes(op, padded_bytes=flat.numel() * flat.element_size(), payload_bytes=payload_bytes,
+                          group_size=self.world)
+        with action(f"hplan::{op}"):
+            if self.world == 1:
+                if target is not source:
+                    target.copy_(source)
+                work = None
+            elif op == "all_gather":
+                work = dist.all_gather_single(target, source, group=self.group, async_op=async_op)
+            elif op == "reduce_scatter":
+                work = dist.reduce_scatter_single(target, source, group=self.group, async_op=async_op)
+            else:
+                work = dist.all_reduce(source, group=self.group, async_op=async_op)
+        self.counter.add(call if self.world > 1 else _zero(call))
+        return Pending(work, [])
 
     def _layout_for(self, full: torch.Tensor, shard: torch.Tensor, numel: int | None) -> ShardLayout:
         _flat(full, "full")

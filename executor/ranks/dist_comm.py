@@ -14,13 +14,16 @@ copy wherever the input would alias the output. Bytes are counted two ways per c
 from __future__ import annotations
 
 import os
+from collections.abc import Callable, Sequence
 
 import torch
 import torch.distributed as dist
 from hplan.executor.ranks.collectives import ChunkComm, Pending
+from hplan.executor.ranks.packing import Packed, run_bucket
 from hplan.executor.ranks.shard_store import ShardStore
 
 from hplan.artifacts import Plan
+from hplan.artifacts.buckets import staging
 from hplan.artifacts.shard import Collective, group_ranks
 from hplan.errors import HplanError
 
@@ -87,12 +90,19 @@ class PlanComm:
             self.comms[(size, stride)] = ChunkComm(mine)
         self.wire = 0
         """Socket bytes written while collectives were in flight since the last reset."""
+        self._packed: dict[tuple[Collective, ...], Packed] = {}
+        """Bucket → its packed call (views and staging made once)."""
         self._inflight, self._wire_from = 0, 0
 
     @property
     def sent(self) -> int:
         """Ring-model bytes sent since the last reset, over every group."""
         return sum(c.counter.sent for c in self.comms.values())
+
+    @property
+    def calls(self) -> int:
+        """Calls made since the last reset, over every group (a bucket is one call)."""
+        return sum(t.calls for c in self.comms.values() for t in c.counter.by_op.values())
 
     def reset(self) -> None:
         for c in self.comms.values():
@@ -140,6 +150,23 @@ class PlanComm:
             else:
                 self._end()
                 raise HplanError(f"unknown collective purpose {call.purpose!r} in the plan; regenerate it")
+        return pending.then(self._end)
+
+    def run_bucket(self, calls: Sequence[Collective], store: ShardStore, *, first: Callable[[int], bool],
+                   async_op: bool = False) -> Pending:
+        """Start a bucket of the plan's calls as one flat call ([Note: collective buckets] in
+        hplan.artifacts.buckets, hplan.executor.ranks.packing); the Pending completes it as `run` completes each."""
+        comm = self.comms[(calls[0].size, calls[0].stride)]
+        key = tuple(calls)
+        packed = self._packed.get(key)
+        if packed is None:
+            packed = self._packed[key] = Packed(comm, calls[0].op, staging(calls), store)
+        self._begin()
+        try:
+            pending = run_bucket(comm, calls, store, packed, first=first, async_op=async_op)
+        except BaseException:
+            self._end()
+            raise
         return pending.then(self._end)
 
     def _begin(self) -> None:

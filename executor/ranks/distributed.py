@@ -26,6 +26,7 @@ from typing import Any, Self
 import torch
 import torch.distributed as dist
 from hplan.executor.device import make_tier
+from hplan.executor.ranks.collectives import Pending
 from hplan.executor.ranks.in_flight import InFlight
 from hplan.executor.ranks.dist_comm import PlanComm, stop_together
 from hplan.executor.gradients import first_nonfinite, move_grad, nonfinite_message
@@ -40,6 +41,7 @@ from hplan.executor.update import ChunkUpdate
 from torch import nn
 
 from hplan.artifacts import Plan, Step
+from hplan.artifacts.buckets import Bucket, plan_buckets
 from hplan.artifacts.replay import OPTIMIZER_EVENT, live_in, validate
 from hplan.artifacts.shard import prefetchable
 from hplan.errors import HplanError
@@ -68,6 +70,8 @@ class Iteration:
     """Weight all-gathers issued one step before the step that reads them ([Note: collectives in flight])."""
     reductions_in_flight: int = 0
     """Gradient reductions that returned before completing, to run beside the next step's compute."""
+    collective_calls: int = 0
+    """Calls made: the plan's calls, packed in buckets ([Note: collective buckets] in hplan.artifacts.buckets)."""
 
 
 def check_world(plan: Plan, world: int) -> None:
@@ -133,12 +137,14 @@ class DistRun:
         self._gathered: set[int] = set()
         self.flight = InFlight()
         """Calls started and not yet waited for ([Note: collectives in flight])."""
+        self.buckets = plan_buckets(plan)
+        """Per plan step, (before, after) buckets: the calls made together ([Note: collective buckets])."""
         self._previous: Step | None = None
         self._zeroed = True
         self._window_model = 0
         self.peak = 0
         self.last: Iteration | None = None
-        self._mark = (0, 0, 0, 0)
+        self._mark = (0, 0, 0, 0, 0)
         self._stack = contextlib.ExitStack()
         self.sync_at: dict[int, int] = {}
         """Grad region → the step after whose event its sync ends (÷N): the last step writing it."""
@@ -148,6 +154,10 @@ class DistRun:
                 for r in (*s.writes, *s.overwrites):
                     if kinds[r] == "grad":
                         self.sync_at[r] = t
+        self._synced_after: dict[int, list[int]] = {}
+        """Step → the grad regions whose sync ends after it (`sync_at` inverted: no scan per event)."""
+        for r, t in self.sync_at.items():
+            self._synced_after.setdefault(t, []).append(r)
 
     # -- lifecycle ------------------------------------------------------------------------------------
     def __enter__(self) -> Self:
@@ -259,33 +269,43 @@ class DistRun:
     def _after(self, step: Step) -> None:
         """The step's `after` calls, reductions asynchronous ([Note: collectives in flight]); a call on a region
         whose previous reduction is still running (a sync after its scatter) waits for it first."""
-        for call in step.collectives:
-            if not call.before:
-                self._call(call, async_op=call.purpose in REDUCTIONS)
-        for r, t in self.sync_at.items():
-            if t == step.index:
-                chunk = self.store.slots[r].region.chunk
-                lay = self.store.layouts[chunk]
-                at = self.store.pieces.storage_offset(self.store.sharding, chunk, "grad")
-                view = self.store.typed(r)[at:at + lay.piece]
-                held = self.flight.latest(r)
-                if held is not None:  # ÷N once the last reduction of the region is in
-                    held.then(lambda v=view: v.div_(self.world))
-                else:
-                    with torch.no_grad():
-                        view.div_(self.world)
+        for bucket in self.buckets[step.index][1]:
+            self._call(bucket, async_op=bucket.first.purpose in REDUCTIONS)
+        views: dict[Pending | None, list[torch.Tensor]] = {}
+        for r in self._synced_after.get(step.index, ()):
+            chunk = self.store.slots[r].region.chunk
+            lay = self.store.layouts[chunk]
+            at = self.store.pieces.storage_offset(self.store.sharding, chunk, "grad")
+            views.setdefault(self.flight.latest(r), []).append(self.store.typed(r)[at:at + lay.piece])
+        for held, pieces in views.items():  # ÷N once the last reduction of each region is in: one operator per call
+            if held is not None:
+                held.then(lambda v=pieces: torch._foreach_div_(v, self.world))
+            else:
+                with torch.no_grad():
+                    torch._foreach_div_(pieces, self.world)
         self._sample()
 
-    def _call(self, call: Any, *, async_op: bool = False) -> None:
-        chunk = self.store.slots[call.region].region.chunk
-        self.flight.settle(call.region)
-        pending = self.comm.run(call, self.store, first_scatter=chunk not in self._scattered, async_op=async_op)
-        if call.purpose == "scatter":
-            self._scattered.add(chunk)
-        elif call.purpose == "gather":
-            self._gathered.add(chunk)
-        self.flight.reduction(call.region, self.cursor, pending)
+    def _call(self, bucket: Bucket, *, async_op: bool = False) -> Pending:
+        """One bucket's call (the plan's call itself when it is alone), after the reductions still running on its
+        regions."""
+        chunks = [self.store.slots[r].region.chunk for r in bucket.regions]
+        for r in bucket.regions:
+            self.flight.settle(r)
+        if len(bucket.calls) == 1:
+            pending = self.comm.run(bucket.first, self.store, first_scatter=chunks[0] not in self._scattered,
+                                    async_op=async_op)
+        else:
+            pending = self.comm.run_bucket(bucket.calls, self.store, first=lambda c: c not in self._scattered,
+                                           async_op=async_op)
+        purpose = bucket.first.purpose
+        for r, chunk in zip(bucket.regions, chunks):
+            if purpose == "scatter":
+                self._scattered.add(chunk)
+            elif purpose == "gather":
+                self._gathered.add(chunk)
+            self.flight.reduction(r, self.cursor, pending)
         self._sample()
+        return pending
 
     def _prefetch(self, t: int) -> None:
         """Issue step t's weight gathers now, one step ahead, where the plan reserves it (`prefetchable`) and
@@ -296,13 +316,21 @@ class DistRun:
         moves = self._moves[t]
         moved = {r for r, _ in moves.evict} | set(moves.fetch) | set(moves.alloc)
         before = [c for c in steps[t].collectives if c.before]
-        for i, call in enumerate(before):
-            if call.purpose != "gather" or call.region in moved or any(c.region == call.region for c in before[:i]):
+        for bucket in self.buckets[t][0]:
+            if bucket.first.purpose != "gather":
                 continue
-            if not store.slots[call.region].state.on_fast_tier:
+            ahead = all(r not in moved and store.slots[r].state.on_fast_tier for r in bucket.regions)
+            for call in bucket.calls:  # not past an updated-piece gather of its region at t
+                i = before.index(call)
+                ahead = ahead and not any(c.region == call.region for c in before[:i])
+            if not ahead:
                 continue
-            chunk = store.slots[call.region].region.chunk
-            self.flight.gather_ahead(chunk, self.comm.run(call, store, first_scatter=False, async_op=True))
+            if len(bucket.calls) == 1:
+                pending = self.comm.run(bucket.first, store, first_scatter=False, async_op=True)
+            else:
+                pending = self.comm.run_bucket(bucket.calls, store, first=lambda c: False, async_op=True)
+            for r in bucket.regions:
+                self.flight.gather_ahead(store.slots[r].region.chunk, pending)
         self._sample()
 
     def _do_step(self, step: Step) -> None:
@@ -313,16 +341,14 @@ class DistRun:
                 self.flight.settle(rid)
         move_regions(store, moves)
         store.require(step.needs, f"plan step {step.index} ({step.event})")
-        for call in step.collectives:
-            if not call.before:
+        for bucket in self.buckets[self.cursor][0]:
+            chunks = [store.slots[r].region.chunk for r in bucket.regions]
+            if bucket.first.purpose == "gather" and all([self.flight.take_gather(c) for c in chunks]):
+                self._gathered.update(chunks)  # issued one step ahead, as one bucket
                 continue
-            chunk = store.slots[call.region].region.chunk
-            if call.purpose == "gather" and self.flight.take_gather(chunk):
-                self._gathered.add(chunk)
-                continue
-            self._call(call)
-            if call.purpose == "update_gather":
-                store.mark_dirty(call.region)
+            self._call(bucket)
+            if bucket.first.purpose == "update_gather":
+                store.mark_dirty(bucket.first.region)
         if step.event == OPTIMIZER_EVENT:
             self.flight.settle_all()
             self._update(sorted(step.host_updates) + sorted(c for c, u in self.updates.items() if u.where == "gpu"),
@@ -444,10 +470,11 @@ class DistRun:
             raise HplanError(f"iteration ended at plan step {self.cursor - 1} but the plan has "
                              f"{len(self.plan.steps)} steps; re-trace and re-plan this workload")
         self._close_window()
-        h2d, d2h, sent, wire = (now - was for now, was in zip(self._counters(), self._mark))
+        h2d, d2h, sent, wire, calls = (now - was for now, was in zip(self._counters(), self._mark))
         ahead, reducing = self.flight.counts()
         self.last = Iteration(h2d_bytes=h2d, d2h_bytes=d2h, collective_bytes=sent, wire_bytes=wire,
-                              peak_resident_bytes=self.peak, gathers_ahead=ahead, reductions_in_flight=reducing)
+                              peak_resident_bytes=self.peak, gathers_ahead=ahead, reductions_in_flight=reducing,
+                              collective_calls=calls)
         self.written.clear()
         self._updated.clear()
         self._scattered.clear()
@@ -469,9 +496,9 @@ class DistRun:
         """The loss itself (no loss scaling on many ranks); kept so loops written for one rank run unchanged."""
         return loss
 
-    def _counters(self) -> tuple[int, int, int, int]:
+    def _counters(self) -> tuple[int, int, int, int, int]:
         t = self.store.traffic
-        return t.h2d, t.d2h, self.comm.sent, self.comm.wire
+        return t.h2d, t.d2h, self.comm.sent, self.comm.wire, self.comm.calls
 
     def _sample(self) -> None:
         self._window_model = max(self._window_model, self.store.resident_bytes())

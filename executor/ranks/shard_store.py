@@ -12,7 +12,8 @@ Per chunk ([Note: shard layout] in hplan.artifacts.shard):
 piece that falls in it, in the param, grad, master and state regions alike, so the per-chunk update
 (hplan.executor.update.ChunkUpdate) runs unchanged on the piece — element-wise optimizers make that the same
 arithmetic as on the whole tensor. A parameter outside the piece has no update view on this rank.
-Transitions are idempotent (STYLE §3) and run inside `record_function("hplan::<action>::<region>")`.
+Transitions are idempotent (STYLE §3) and run inside `record_function("hplan::<action>::<region>")` while a
+profiler records (hplan.executor.trace_ranges.action: free otherwise).
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ import torch
 from hplan.executor.device import FastTier
 from hplan.executor.regions import Key, Slot, Traffic, _placeholder, plan_params
 from hplan.executor.state import RegionState
+from hplan.executor.trace_ranges import action
 from torch import nn
 
 from hplan.artifacts import Chunk, Plan
@@ -190,7 +192,7 @@ class ShardStore:
         slot = self.slots[rid]
         if slot.state.on_fast_tier:
             return
-        with torch.profiler.record_function(f"hplan::fetch::{rid}"):
+        with action(f"hplan::fetch::{rid}"):
             self.tier.h2d(slot.fast, slot.host)
         self._arrived(slot)
         self.traffic.h2d += slot.region.bytes
@@ -201,7 +203,7 @@ class ShardStore:
         slot = self.slots[rid]
         if slot.state.on_fast_tier:
             return
-        with torch.profiler.record_function(f"hplan::alloc::{rid}"):
+        with action(f"hplan::alloc::{rid}"):
             self.tier.alloc(slot.fast, slot.region.bytes)
         if slot.region.kind == "grad":
             lay = self.layouts[slot.region.chunk]
@@ -223,13 +225,13 @@ class ShardStore:
         if not slot.state.on_fast_tier:
             return
         if writeback and slot.state is RegionState.RESIDENT_DIRTY:
-            with torch.profiler.record_function(f"hplan::writeback::{rid}"):
+            with action(f"hplan::writeback::{rid}"):
                 self.tier.d2h(slot.host, slot.fast)
             self.traffic.d2h += slot.region.bytes
         if slot.region.kind == "param" and self.sharding.P == 1:
             for n in self.layouts[slot.region.chunk].names:
                 self.params[n].data = self.placeholders[n]
-        with torch.profiler.record_function(f"hplan::evict::{rid}"):
+        with action(f"hplan::evict::{rid}"):
             self.tier.release(slot.fast)
         self._resident_bytes -= slot.region.bytes
         slot.state = RegionState.HOST

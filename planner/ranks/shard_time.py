@@ -17,6 +17,9 @@ network phase overlaps another's NVLink phase. How collectives are issued is a `
   optimizer step), and a reduction of a region another reduction of the same step still writes waits for it on
   the compute stream (hplan's executor: [Note: collectives in flight] in hplan.artifacts.shard; its gloo twin
   cannot order two calls on different groups without waiting);
+- `packed`: the calls one step makes alike go as one flat call where the plan's headroom allows (hplan's
+  executor: [Note: collective buckets] in hplan.artifacts.buckets, the same function deciding), so a bucket pays
+  one call's latency for its members' bytes;
 - `bucket_bytes`: gradient reductions (and the updated-weight gathers after the optimizer) are coalesced in
   buckets of this many bytes, issued when a bucket fills and at the end of the pass (DeepSpeed's
   reduce_bucket_size / allgather_bucket_size); 0 = one call per chunk, as the plan lists them.
@@ -37,6 +40,7 @@ from dataclasses import dataclass, replace
 
 from hplan.artifacts.hardware import Hardware
 from hplan.artifacts.plan import Step
+from hplan.artifacts.buckets import Bucket, region_dtypes, step_buckets
 from hplan.artifacts.shard import Collective, Sharding, derive
 from hplan.artifacts.trace import Trace
 from hplan.planner.ranks.collectives import CollectiveCost, World, block_group, collective_cost, strided_group
@@ -57,12 +61,13 @@ class CommSchedule:
     gather_algorithm: str | None = None
     """Algorithm for weight gathers (None: the hardware's), e.g. MiCS's hierarchical all-gather."""
     settle_next: bool = False
+    packed: bool = False
 
 
-EXECUTOR = CommSchedule(prefetch=1, overlap_reductions=True, settle_next=True)
+EXECUTOR = CommSchedule(prefetch=1, overlap_reductions=True, settle_next=True, packed=True)
 """hplan's executor (executor/ranks/distributed.py, [Note: collectives in flight]): weight gathers issued one step
-ahead, reductions asynchronous, each waited where its result is read and at the latest one step later; one call
-per chunk as the plan lists them (no buckets)."""
+ahead, reductions asynchronous, each waited where its result is read and at the latest one step later; a step's
+alike calls packed into one where the headroom allows ([Note: collective buckets])."""
 
 
 def call_cost(call: Collective, world: World, algorithm: str = "nccl") -> CollectiveCost:
@@ -119,9 +124,17 @@ def _merge(calls: list[Collective]) -> Collective:
 
 def predict_shard_seconds(steps: tuple[Step, ...] | list[Step], sizes: dict[int, int], initial: frozenset[int],
                           seconds: list[float], hardware: Hardware, host_bytes: dict[int, int],
-                          grad_of: dict[int, int], *, schedule: CommSchedule = EXECUTOR) -> dict[str, float]:
-    """One steady-state iteration's time ("step") and its split ([Note: exposed time]) under `schedule`."""
+                          grad_of: dict[int, int], *, schedule: CommSchedule = EXECUTOR,
+                          dtypes: dict[int, str] | None = None) -> dict[str, float]:
+    """One steady-state iteration's time ("step") and its split ([Note: exposed time]) under `schedule`.
+    `dtypes` (region → element type, as hplan.artifacts.buckets.plan_buckets keys them): needed for `packed`;
+    without it every call goes alone."""
     world = World.from_hardware(hardware)
+    if schedule.packed and dtypes is not None:
+        groups = step_buckets(steps, sizes, initial, hardware.gpu_bytes, hardware.slack_bytes, dtypes)
+    else:
+        groups = [(tuple(Bucket(calls=(c,)) for c in s.collectives if c.before),
+                   tuple(Bucket(calls=(c,)) for c in s.collectives if not c.before)) for s in steps]
     links = _Links(world, hardware, schedule)
     h2d_bps, d2h_bps = hardware.h2d_gbps * 1e9, hardware.d2h_gbps * 1e9
     cpu_bps = hardware.cpu_optimizer_gbps * 1e9
@@ -133,8 +146,8 @@ def predict_shard_seconds(steps: tuple[Step, ...] | list[Step], sizes: dict[int,
     if not hardware.overlap:  # everything in turn: every second is exposed
         exposed = {"exposed_host": split["h2d"] + split["d2h"], "exposed_intra": 0.0, "exposed_inter": 0.0,
                    "exposed_cpu_optimizer": split["cpu_optimizer"]}
-        for st in steps:
-            for call in st.collectives:
+        for early, late in groups:
+            for call in (b.merged for b in (*early, *late)):
                 cost = links.cost(call)
                 links.busy[call.op] += cost.seconds
                 for link, secs in cost.phases:
@@ -143,13 +156,14 @@ def predict_shard_seconds(steps: tuple[Step, ...] | list[Step], sizes: dict[int,
                         links.busy[x] += secs
         total = sum(split.values()) + sum(links.busy[op] for op in ("all_gather", "reduce_scatter", "all_reduce"))
         return {**split, **links.busy, **exposed, "step": total}
-    return _timeline(steps, sizes, initial, seconds, host_bytes, grad_of, schedule, links, split,
-                     (h2d_bps, d2h_bps, cpu_bps))
+    return _timeline(steps, groups, initial, seconds, host_bytes, grad_of, schedule, links, split,
+                     (h2d_bps, d2h_bps, cpu_bps), sizes)
 
 
-def _timeline(steps: tuple[Step, ...] | list[Step], sizes: dict[int, int], initial: frozenset[int],
-              seconds: list[float], host_bytes: dict[int, int], grad_of: dict[int, int], schedule: CommSchedule,
-              links: _Links, split: dict[str, float], rates: tuple[float, float, float]) -> dict[str, float]:
+def _timeline(steps: tuple[Step, ...] | list[Step], groups: list[tuple[tuple[Bucket, ...], tuple[Bucket, ...]]],
+              initial: frozenset[int], seconds: list[float], host_bytes: dict[int, int], grad_of: dict[int, int],
+              schedule: CommSchedule, links: _Links, split: dict[str, float], rates: tuple[float, float, float],
+              sizes: dict[int, int]) -> dict[str, float]:
     """The overlapped iteration (module docstring): one pass over the steps, issuing each call on its links."""
     h2d_bps, d2h_bps, cpu_bps = rates
     exposed = {"host": 0.0, "intra": 0.0, "inter": 0.0, "cpu_optimizer": 0.0}
@@ -167,11 +181,10 @@ def _timeline(steps: tuple[Step, ...] | list[Step], sizes: dict[int, int], initi
     def gate(t: int, at: float) -> tuple[float, str]:
         """Issue step t's weight gathers at `at`; when the last is done, and on which link."""
         end, label = at, "intra"
-        for call in steps[t].collectives:
-            if call.before:
-                done, lab = links.run(call, max(at, ready.get(call.region, 0.0)))
-                if done >= end:
-                    end, label = done, lab
+        for bucket in groups[t][0]:
+            done, lab = links.run(bucket.merged, max([at] + [ready.get(r, 0.0) for r in bucket.regions]))
+            if done >= end:
+                end, label = done, lab
         return end, label
 
     def flush(key: tuple, at: float) -> float:
@@ -218,11 +231,11 @@ def _timeline(steps: tuple[Step, ...] | list[Step], sizes: dict[int, int], initi
                        for c in nxt.collectives):  # the executor gathers fresh host-updated pieces at their step
                 gathered[ahead] = gate(ahead, start)
         reducing: dict[int, tuple[float, str]] = {}
-        for call in step.collectives:
-            if call.before:
-                continue
-            if schedule.settle_next and call.region in reducing:  # the executor waits for the earlier call
-                end, lab = reducing[call.region]
+        for bucket in groups[t][1]:
+            call = bucket.merged
+            held = [reducing[r] for r in bucket.regions if r in reducing]
+            if schedule.settle_next and held:  # the executor waits for the earlier call
+                end, lab = max(held)
                 exposed[lab] += max(0.0, end - compute_end)
                 compute_end = max(compute_end, end)
             bucketed = schedule.bucket_bytes and (call.purpose in REDUCTIONS or call.purpose == "update_gather")
@@ -236,8 +249,9 @@ def _timeline(steps: tuple[Step, ...] | list[Step], sizes: dict[int, int], initi
             else:
                 done, label = links.run(call, compute_end)
                 if call.purpose in REDUCTIONS:
-                    synced[call.region] = (done, label)
-                    reducing[call.region] = (done, label)
+                    for r in bucket.regions:
+                        synced[r] = (done, label)
+                        reducing[r] = (done, label)
                     if schedule.settle_next:
                         inflight.append((t, done, label))
             if schedule.blocking or (call.purpose in REDUCTIONS and not schedule.overlap_reductions):
@@ -281,7 +295,8 @@ def step_seconds(trace: Trace, hardware: Hardware, scored: Scored, done: Finishe
     state = host_update_bytes(s)
     return predict_shard_seconds(steps, sizes, done.schedule.initial,
                                  with_device_updates(event_seconds(trace, hardware), trace, hardware, steps, state,
-                                                     grad_of), hardware, state, grad_of)
+                                                     grad_of), hardware, state, grad_of,
+                                 dtypes=region_dtypes(s.chunks, s.regions))
 
 
 def shard_step_seconds(trace: Trace, hardware: Hardware, scored: Scored, sharding: Sharding) -> float:

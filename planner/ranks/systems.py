@@ -30,6 +30,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
+from hplan.artifacts.buckets import region_dtypes
 from hplan.artifacts.plan import Plan, Step
 from hplan.artifacts.shard import Collective, Sharding
 from hplan.artifacts.trace import Trace
@@ -107,7 +108,7 @@ def price(plan: Plan, trace: Trace, schedule: CommSchedule, steps: tuple[Step, .
     steps = steps if steps is not None else plan.steps
     times = with_device_updates(event_seconds(trace, plan.hardware), trace, plan.hardware, steps, per_chunk, grad_of)
     return predict_shard_seconds(steps, sizes, frozenset(plan.initial_resident), times, plan.hardware, per_chunk,
-                                 grad_of, schedule=schedule)
+                                 grad_of, schedule=schedule, dtypes=region_dtypes(plan.chunks, plan.regions))
 
 
 def system_steps(system: System, plan: Plan) -> tuple[Step, ...]:
