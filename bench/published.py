@@ -26,6 +26,13 @@ was assumed. [Note: replay conventions] below.
 - An optimizer step kept on the GPU (PyTorch alone, a Gemini chunk kept gathered, hplan's device updates) costs a
   fused read and write of the model state at the GPU's datasheet memory bandwidth ([Note: device optimizer step]
   in hplan.planner.kernel_size); until 2026-11-28 it cost nothing.
+- Kernels: a V100 replay is priced with the calibration of the code its source ran ([Note: kernel generations] in
+  hplan.planner.presets: Megatron-LM's 2019 code 30%, Megatron-LM v1 and newer 48%); each replay's sources row
+  says where the source names its code. The same chip and model differ by 1.6x between the two.
+- Pinned memory: DeepSpeed's offload `pin_memory` defaulted to False in every version the replayed runs used
+  (v0.3.13, v0.4.3, and still at 38327e0, 2025-02: offload_config.py:45, 72); its ZeRO-3 gradient buffers are then
+  pageable and each gradient copy serialises with compute (Zero3Config.pin_memory, [Note: pageable copies]). The
+  16-bit weights it fetches are pinned in every version; ZeRO-2 pins its buffers itself.
 - HBM sizes: "32 GB" and "24 GB" cards hold 32 and 24 GiB; the usable bytes are what nvidia-smi reports
   (V100-SXM2/3-32GB: 32,510 MiB; RTX 4090: 24,564 MiB), the CUDA context and allocator slack then come off as
   the trace's predicted slack.
@@ -92,6 +99,10 @@ class System:
     eager_updates: bool = False
     """The system updates each parameter on the host as its gradient arrives, during the backward pass, with no
     step-wide wait (the loss scaler's overflow check): the trace is priced with defer_updates off."""
+    pin_memory: bool | None = None
+    """ZeRO-3's offload `pin_memory` in the DeepSpeed version the source ran (Zero3Config.pin_memory; None: the
+    simulator's default). DeepSpeed's default was False in v0.3.13, v0.4.3 and still at 38327e0 (2025-02), so a
+    replay of a DeepSpeed run from before 2025 that states no config takes False ([Note: replay conventions])."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -123,6 +134,11 @@ class Replay:
     """Whether --quick runs it: --quick skips gpt:6.7b-18b-sized traces (bench/__main__.py), so only the small
     replays run there."""
     vocab: int = 50257
+    kernels: str = ""
+    """The code generation the source ran, where hplan has a calibration per generation for its GPU
+    (make_hardware(kernels=...), [Note: kernel generations] in hplan.planner.presets); "" = the GPU's default."""
+    kernels_why: str = ""
+    """Where the source says which code it ran."""
 
 
 ZERO_OFFLOAD = "Ren et al., ZeRO-Offload, USENIX ATC'21 (arXiv 2101.06840), abstract"
@@ -138,6 +154,20 @@ PATRICKSTAR = ("Tencent/PatrickStar README, \"Results\": chart doc/mgpu_scalabil
                "shapes from its examples/model_builder.py")
 LOHAN = ("Liao et al., \"LoHan: Low-Cost High-Performance Framework to Fine-Tune 100B Model on a Consumer GPU\" "
          "(arXiv 2403.06504 v2, 2024-12-24; v1 was titled \"Adding NVMe SSDs ...\" and named the system Fuyou)")
+OLD_MEGATRON = ("the tutorial's run (2dea61f, 2020-09-10) used DeepSpeedExamples' Megatron-LM, a fork of Megatron-LM's "
+                "2019 code: Megatron-LM 2019 kernels (the tutorial moved to Megatron-LM-v1.1.5-ZeRO3 only on "
+                "2021-03-08, ba33e86)")
+PAPER_MEGATRON = (f"{OLD_MEGATRON}; the paper's own runs are taken to be the same code (its abstract does not say; "
+                  "the tutorial is the paper's, published with the ZeRO-Offload release)")
+V1_POST = ("DeepSpeed moved its ZeRO-Offload tutorial to DeepSpeedExamples' Megatron-LM-v1.1.5-ZeRO3 the day of the "
+           "post (ba33e86, 2021-03-08; DeepSpeedExamples 7c97fe72, \"Megatron + ZeRO-3\", same day): Megatron-LM "
+           "v1 kernels for both systems")
+V1_PSTAR = ("deeps-1-gpu ran DeepSpeedExamples' Megatron-LM-v1.1.5-ZeRO3 (the README says so): Megatron-LM v1 "
+            "kernels; pstar-1-gpu ran transformers' BertForSequenceClassification at the GPT shapes on PyTorch "
+            "(PatrickStar 1a2a492, v0.4.3, examples/pretrain_bert_demo.py, run_bert.sh), code newer than both "
+            "V100 calibrations, so the newer one")
+DS_PAGEABLE = ("DeepSpeed's offload pin_memory default then was False (Zero3Config.pin_memory): pageable gradient "
+               "buffers")
 REPLAYS: tuple[Replay, ...] = (
     Replay(key="zero-offload-10b", title="ZeRO-Offload: 10B GPT-2 on one V100-32GB",
            source=f"{ZERO_OFFLOAD}: \"40 TFlops/GPU on a single NVIDIA V100 GPU for 10B parameter model\"; "
@@ -148,6 +178,7 @@ REPLAYS: tuple[Replay, ...] = (
                     System(name="Gemini auto + checkpointing (not in the paper)", sim="gemini", paper=None,
                            checkpoint=True),
                     System(name="hplan plan", sim="hplan", paper=None)),
+           kernels="megatron-2019", kernels_why=PAPER_MEGATRON,
            assumed="sequence 1024 (Megatron-LM's GPT-2 default; the tutorial does not set it); the paper's own batch "
                    "for this figure is not in its abstract (the tutorial's 10 is used)"),
     Replay(key="zero-offload-10b-log", title="ZeRO-Offload: DeepSpeed's tutorial run, 10B GPT-2 on one V100-32GB",
@@ -158,12 +189,14 @@ REPLAYS: tuple[Replay, ...] = (
            layers=50, width=4096, heads=32, batch=10, seq=1024, gpu="v100", unit="samples/s",
            logged=(("compute (forward + backward)", 17.9, 19.0), ("cpu_optimizer (the log's optimizer)", 7.6, 8.0)),
            systems=(System(name="ZeRO-Offload", sim="zero-offload", paper=0.3866, checkpoint=True),),
+           kernels="megatron-2019", kernels_why=OLD_MEGATRON,
            assumed="sequence 1024 (the tutorial's Megatron-LM script's default)"),
     Replay(key="pytorch-1.4b", title="PyTorch alone: 1.4B on one V100-32GB",
            source=f"{ZERO_OFFLOAD}: \"30TF using PyTorch alone for a 1.4B parameter model, the largest that can be "
                   "trained without running out of memory\"",
            layers=26, width=2048, heads=16, batch=4, seq=1024, gpu="v100", quick=True,
            systems=(System(name="PyTorch (all on GPU)", sim="pytorch", paper=30.0),),
+           kernels="megatron-2019", kernels_why=PAPER_MEGATRON,
            assumed="shape, batch and checkpointing are not in the abstract: 26 layers × 2048 (1.41B parameters), "
                    "batch 4, sequence 1024, no checkpointing"),
     Replay(key="fuyou-13b-4090", title="ZeRO-Infinity (as Fuyou measured it): GPT-3 13B on one RTX 4090",
@@ -172,13 +205,14 @@ REPLAYS: tuple[Replay, ...] = (
                   "and states 2.32× instead (next setting), so only ZeRO-Infinity's 45 is replayed here",
            layers=40, width=5120, heads=40, batch=16, seq=1024, gpu="rtx4090", host_bytes=768 * 10**9,
            systems=(System(name="ZeRO-Infinity (ZeRO-3, weights and optimizer on CPU, checkpointing)",
-                           sim="zero3-offload", paper=45.0, checkpoint=True),
+                           sim="zero3-offload", paper=45.0, checkpoint=True, pin_memory=False),
                     System(name="hplan plan (v1's Fuyou figure, 156 TFLOPS, is withdrawn in v2: not compared)",
                            sim="hplan", paper=None)),
            assumed="batch and sequence are not in the abstract (batch 16, sequence 1024 used); GPT-3 13B's shape "
                    "(Brown et al. 2020, Table 2.1: 40 layers, 40 heads of 128) with d 5120; the host's CPU Adam "
                    "rate is DeepSpeed's published one and its memory 768 GB, offload to host memory only (the "
-                   "paper's host, SSDs and ZeRO-Infinity's offload target are not in the abstracts)"),
+                   "paper's host, SSDs and ZeRO-Infinity's offload target are not in the abstracts); the paper's "
+                   f"DeepSpeed (2023-24) states no pin_memory: {DS_PAGEABLE}"),
     Replay(key="lohan-13b-4090", title="LoHan (Fuyou) vs ZeRO-Infinity: GPT-3 13B on one RTX 4090",
            source=f"{LOHAN}, v2 abstract: \"LoHan achieves 2.32x throughput than the state-of-the-art baselines "
                   "when fine-tuning a small 13B model\"",
@@ -187,7 +221,7 @@ REPLAYS: tuple[Replay, ...] = (
                                 "CPU optimizer and activation swapping with compute)", sim="hplan", paper=2.32,
                            eager_updates=True),
                     System(name="ZeRO-Infinity (ZeRO-3, weights and optimizer on CPU, checkpointing)",
-                           sim="zero3-offload", paper=1.0, checkpoint=True)),
+                           sim="zero3-offload", paper=1.0, checkpoint=True, pin_memory=False)),
            assumed="the abstract names neither the baseline nor the batch: ZeRO-Infinity (v1's baseline for this "
                    "model) at the same batch 16, sequence 1024; as the setting above. LoHan's \"active gradient "
                    "offloading\" (v2 abstract) lets the CPU optimizer consume gradients during the backward pass "
@@ -200,30 +234,36 @@ REPLAYS: tuple[Replay, ...] = (
                   "20 (ZeRO-2 Offload) TFLOPS/GPU; ZeRO-3 Offload \"consists of a subset of features in ... "
                   "ZeRO-Infinity\" (docs/_tutorials/zero-offload.md)",
            layers=40, width=5120, heads=40, batch=0, seq=1024, gpu="v100", unit="×",
-           batches=(1, 2, 4, 8, 16, 32),
+           batches=(1, 2, 4, 8, 16, 32), kernels="megatron-v1", kernels_why=V1_POST,
            systems=(System(name="ZeRO-3 Offload", sim="zero3-offload", paper=2.3, checkpoint=True,
-                           chart_tflops=47.0),
+                           chart_tflops=47.0, pin_memory=False),
                     System(name="ZeRO-2 Offload", sim="zero-offload", paper=1.0, checkpoint=True, chart_tflops=20.0),
                     System(name="hplan plan", sim="hplan", paper=None)),
            assumed="the post gives no batch: each system runs at the largest of batches 1-32 its simulation fits "
                    "(ZeRO-3's gain comes from \"a larger batch size ... resulting from better GPU memory "
-                   "efficiency\", same post); sequence 1024, GPT-3 13B's shape"),
+                   "efficiency\", same post); sequence 1024, GPT-3 13B's shape; DeepSpeed v0.3.13 (2021-03) with "
+                   f"no config in the post: {DS_PAGEABLE} (cpu_offload_use_pin_memory; stage 2 pins its own)"),
+
     Replay(key="patrickstar-4b-v100", title="PatrickStar vs DeepSpeed ZeRO-3 Offload: 4B GPT on one V100-32GB",
            source=f"{PATRICKSTAR}: GPT2_4B (64 layers, hidden 2304, 16 heads, sequence 1024; Megatron-LM's 4.2B "
                   "shape); pstar-1-gpu at 4B is labelled 48.39, deeps-1-gpu's 4B point is unlabelled",
            layers=64, width=2304, heads=16, batch=16, seq=1024, gpu="v100", flops="8P", host_bytes=240 * 10**9,
+           kernels="megatron-v1", kernels_why=V1_PSTAR,
            systems=(System(name="PatrickStar (Colossal-AI Gemini, its successor, stands in)", sim="gemini",
                            paper=48.39, checkpoint=True, kind="chart label"),
                     System(name="DeepSpeed ZeRO-3 Offload", sim="zero3-offload", paper=33.0, checkpoint=True,
-                           kind="read off chart"),
+                           kind="read off chart", pin_memory=False),
                     System(name="hplan plan", sim="hplan", paper=None)),
            assumed="batch 16 (examples/run_transformers.sh's default BS; the chart does not say), activation "
                    "checkpointing on (its CKP default, and on by default in DeepSpeed's example); the node's 240 GB "
-                   "of host memory for the one GPU; deeps-1-gpu at 4B read against the log axis as about 33"),
+                   "of host memory for the one GPU; deeps-1-gpu at 4B read against the log axis as about 33; "
+                   f"DeepSpeed v0.4.3: {DS_PAGEABLE} (PatrickStar's README names the example, whose ZeRO-3 config "
+                   "has no offload section)"),
     Replay(key="patrickstar-10b-v100", title="PatrickStar: 10B GPT on one V100-32GB",
            source=f"{PATRICKSTAR}: GPT3_10B (50 layers, hidden 4096, 16 heads, sequence 1024: ZeRO-Offload's 10B "
                   "shape); pstar-1-gpu at 10B is labelled 45.69 (DeepSpeed has no 10B point on one GPU)",
            layers=50, width=4096, heads=16, batch=16, seq=1024, gpu="v100", flops="8P", host_bytes=240 * 10**9,
+           kernels="megatron-v1", kernels_why=V1_PSTAR,
            systems=(System(name="PatrickStar (Colossal-AI Gemini, its successor, stands in)", sim="gemini",
                            paper=45.69, checkpoint=True, kind="chart label"),
                     System(name="hplan plan", sim="hplan", paper=None)),
@@ -242,6 +282,26 @@ NOT_REPLAYED = (
      "is replayed twice above: DeepSpeed's ZeRO-3 Offload post (one V100 of a DGX-2) and Fuyou's ZeRO-Infinity "
      "on one RTX 4090"),
 )
+
+
+WHY_MISSED: dict[tuple[str, str], str] = {
+    ("pytorch-1.4b", "PyTorch (all on GPU)"):
+        "the abstract states neither the batch, nor checkpointing, nor its FLOPs count. At Megatron-LM's 2019 "
+        "kernels (the tutorial's code) the step is its matrix products plus a fused optimizer step at HBM "
+        "bandwidth; 30 TFLOPS at batch 4 needs a step 1.25x as long, a quarter of the step that no stated part "
+        "accounts for (a recompute counted as k = 3 would, but the count is not stated, so it is not assumed)",
+    ("zero3-offload-13b-v100", "ZeRO-2 Offload"):
+        "at the post's Megatron-LM v1 kernels ZeRO-2 Offload's simulated 13B step is its compute, DeepSpeed's "
+        "published CPU Adam rate and the 16-bit weights' upload, with the fp32 gradient copy hidden under the "
+        "backward (overlap_comm on, as in the post-day stage-2 config, DeepSpeedExamples 7c97fe72; DeepSpeed "
+        "v0.3.13's stage 2 pins its host buffers, stage2.py:333, 418); the chart's 20 TFLOPS needs about 5 s more "
+        "per step, the length of that copy and the upload run back to back with compute, which the code does not "
+        "do. At the 2019 kernels ZeRO-2 would fit (1.07) and ZeRO-3 would not: the post runs both on one code "
+        "base, so one calibration prices both",
+    ("zero3-offload-13b-v100", "ZeRO-3 Offload"):
+        "the 2.3x ratio misses through its baseline: ZeRO-2 Offload's step (its row)",
+}
+"""Why a figure outside ±25% misses, printed under the table while it does ([Note: replay conventions])."""
 
 
 def megatron_flops(r: Replay, batch: int, checkpoint: bool) -> float:
@@ -264,17 +324,19 @@ def hardware(r: Replay, trace: Any) -> Any:
 
     host = r.host_bytes or DGX2_HOST
     if r.gpu == "v100":
-        return make_hardware("v100-32gb", gpu_bytes=V100_USABLE, host_bytes=host, **trace_slack(trace))
+        return make_hardware("v100-32gb", gpu_bytes=V100_USABLE, host_bytes=host, kernels=r.kernels or None,
+                             **trace_slack(trace))
     return make_hardware("rtx4090", gpu_bytes=RTX4090_USABLE, host_bytes=host, **trace_slack(trace))
 
 
-def price(sim: str, trace: Any, hw: Any, checkpoint: bool) -> tuple[bool, float, str, dict[str, float]]:
+def price(sim: str, trace: Any, hw: Any, checkpoint: bool,
+          pin_memory: bool | None = None) -> tuple[bool, float, str, dict[str, float]]:
     """(fits, predicted step seconds, note, busy seconds by part) of one system on the trace."""
     from hplan.planner import PlanOptions, make_plan
     from hplan.planner.baselines import all_on_gpu
     from hplan.planner.baselines.gemini import gemini
     from hplan.planner.baselines.recipes import checkpointed
-    from hplan.planner.baselines.zero3_offload import zero3_offload
+    from hplan.planner.baselines.zero3_offload import Zero3Config, zero3_offload
     from hplan.planner.baselines.zero_offload import Zero2Config, zero_offload
 
     if sim == "hplan":
@@ -287,7 +349,7 @@ def price(sim: str, trace: Any, hw: Any, checkpoint: bool) -> tuple[bool, float,
     if sim == "zero-offload":
         res = zero_offload(work, hw2, Zero2Config(overlap_comm=True))
     elif sim == "zero3-offload":
-        res = zero3_offload(work, hw2)
+        res = zero3_offload(work, hw2, Zero3Config() if pin_memory is None else Zero3Config(pin_memory=pin_memory))
     elif sim == "gemini":
         res = gemini(work, hw2)
     else:
@@ -338,7 +400,7 @@ def replay(ctx: Context, r: Replay, cache: dict) -> list[Outcome]:
         hw = hardware(r, trace)
         for s in r.systems:
             work = replace(trace, defer_updates=False) if s.eager_updates else trace
-            fits, secs, note, busy = price(s.sim, work, hw, s.checkpoint)
+            fits, secs, note, busy = price(s.sim, work, hw, s.checkpoint, s.pin_memory)
             if fits and secs > 0:
                 best[s.name] = Outcome(system=s, batch=batch, fits=True, seconds=secs, note=note,
                                        extra={"tflops": step_flops(r, trace, batch, s.checkpoint) / secs / 1e12,
@@ -401,14 +463,17 @@ def run(ctx: Context) -> SectionOutput:
                   caption="**Published single-GPU offload results, replayed as plans** — hplan's simulators at each "
                           "paper's model, GPU, batch and sequence; TFLOPS per GPU in the paper's count ([Note: replay "
                           "conventions] in bench/published.py). Plans, not GPU measurements.")
-    sources = Table(headers=["setting", "figure replayed (source)", "assumed where the source is silent"],
+    sources = Table(headers=["setting", "figure replayed (source)", "code it ran: the GPU's calibration",
+                             "assumed where the source is silent"],
                     caption="Sources of the published figures.")
     cache: dict = {}
     tally: dict[str, list[int]] = {}
     rank_ok = rank_bad = 0
     logged: list[str] = []
+    missed: dict[tuple[str, str], str] = {}
     for r in REPLAYS:
-        sources.add(r.title, r.source, r.assumed or "—")
+        sources.add(r.title, r.source, f"{r.kernels}: {r.kernels_why}" if r.kernels else "the GPU's default",
+                    r.assumed or "—")
         if ctx.quick and not r.quick:
             table.add(r.title, "—", "—", "—", "skipped in --quick", "—", "—", "—", "—",
                       f"a {r.layers}×{r.width} model: run `python -m bench --only published`")
@@ -431,6 +496,9 @@ def run(ctx: Context) -> SectionOutput:
             for unit, fig, pred, kind in compared(r, o):
                 ok = abs(pred / fig - 1) <= BAND
                 tally.setdefault(kind, [0, 0])[0 if ok else 1] += 1
+                if not ok and (r.key, o.system.name) in WHY_MISSED and (r.key, o.system.name) not in missed:
+                    missed[(r.key, o.system.name)] = (f"{r.title}, {o.system.name} ({unit}, {pred / fig:.2f}): "
+                                                      f"{WHY_MISSED[(r.key, o.system.name)]}.")
                 published.append(f"{fmt(fig, unit)} ({kind})")
                 ratios.append(f"{pred / fig:.2f}")
                 within.append("yes" if ok else "NO")
@@ -452,14 +520,19 @@ def run(ctx: Context) -> SectionOutput:
                        "Same ranking: the systems with a published outcome, ordered by predicted samples per second "
                        "(a system that does not fit ranks last), against the paper's order. hplan's own plan has no "
                        "published figure except where it stands in for LoHan.")
-    table.notes.append("Compute: datasheet 16-bit TFLOPS × the GPU's calibrated efficiency, scaled by each event's "
-                       "GEMM width ([Note: efficiency by width], hplan.planner.kernel_size: V100 and RTX 4090 "
-                       "calibrated at Megatron-LM's 30% at width 1536); host links at the PCIe generation's rate; CPU "
-                       "Adam at DeepSpeed's published rate (hplan.planner.presets).")
+    table.notes.append("Compute: datasheet 16-bit TFLOPS × the GPU's calibrated efficiency for the code the source "
+                       "ran ([Note: kernel generations], hplan.planner.presets: V100 with Megatron-LM's 2019 code 30%, "
+                       "with Megatron-LM v1 or newer code 48%; RTX 4090 borrows the 30%), all measured at width 1536 "
+                       "and scaled by each event's GEMM width ([Note: efficiency by width], "
+                       "hplan.planner.kernel_size); host links at the PCIe generation's rate; CPU Adam at DeepSpeed's "
+                       "published rate (hplan.planner.presets); a DeepSpeed run from before 2025 that states no config "
+                       "has pageable ZeRO-3 gradient buffers, its gradient copies serialised with compute ([Note: "
+                       "pageable copies], hplan.planner.baselines.baseline_model).")
     table.notes.append("An optimizer step kept on the GPU is priced at the GPU's datasheet memory bandwidth ([Note: device "
                        "optimizer step], hplan.planner.kernel_size). Why each miss misses, and what a fix would need: "
                        "[Note: what the misses say] in bench/published.py.")
     table.notes.extend(logged)
+    table.notes.extend(f"Why it misses: {why}" for why in missed.values())
     table.notes.append(f"Fuyou's 156 TFLOPS (arXiv 2403.06504 v1) is {156 / RTX4090_TFLOPS:.0%} of the RTX 4090's "
                        f"{RTX4090_TFLOPS:g} dense 16-bit TFLOPS with FP32 accumulate, about what a lone large matrix "
                        "product reaches on that card, not a whole step with attention, norms and the optimizer; the "
