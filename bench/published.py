@@ -37,25 +37,27 @@ was assumed. [Note: replay conventions] below.
   (V100-SXM2/3-32GB: 32,510 MiB; RTX 4090: 24,564 MiB), the CUDA context and allocator slack then come off as
   the trace's predicted slack.
 
-[Note: what the misses say] (2026-11-28; probes priced on the same fake traces, model otherwise as committed)
-- PyTorch alone, 1.4B (1.25): the step is its GEMMs plus the optimizer step on the GPU, now priced at memory
-  bandwidth (0.04 s of 0.98 s). The paper's 30 TFLOPS at 1.4B is below Megatron-LM's own single-V100 39 TFLOPS
-  (2019) on a narrower model (width 1536); no model whose efficiency grows with the width gives less at 2048, so
-  what is left is what the abstract does not say (batch, kernels, FLOP count), not a part of the step.
-- PatrickStar 4B and 10B (0.62, 0.71): 48.39 TFLOPS (its 8P count) at batch 16 is an 11.1 s step, while the
-  compute alone, at the V100's calibration, is 14.2 s. That calibration (Megatron-LM 2019, 30% at width 1536) is
-  what DeepSpeed's own tutorial log of the same era shows (forward + backward 17.9-19.0 s, simulated 19.3 s). NVIDIA
-  reports the same 1.2B baseline at 62.4 TFLOPS, 48% of the DGX-2H V100's 130, after Megatron-LM v1.0's software
-  optimizations (nv-adlr.github.io/MegatronLMV1), 1.6x its 2019 figure: a GPU's kernel efficiency depends on the
-  code generation by more than the ±25% band. Probe, V100 at that 48% (0.499 of 125): PatrickStar 0.91 and 1.01,
-  ZeRO-3 Offload 13B 1.16 (chart) and 0.90 (ratio), but PyTorch 1.4B 2.01, the tutorial log 1.28, ZeRO-2 Offload
-  13B 1.32 and DeepSpeed 4B 1.43. One calibration per GPU cannot serve both generations; the model would need
-  each system's code generation, which the sources do not all state. Not changed.
-- LoHan 2.32x (0.71): 2.32 x ZeRO-Infinity's 45 is 104 TFLOPS (Megatron count without recompute), 63% of the RTX
-  4090's 165.2, while the 4090 borrows Megatron-LM's 2019 30% (no published 4090 training MFU other than figures
-  this section or section 17 compares against). Probe, 4090 at 48%: ZeRO-Infinity 1.43, LoHan's stand-in 0.65
-  (hplan's plan recomputes where LoHan swaps activations). The abstracts fix neither the baseline's offload
-  target nor the batch; not changed.
+[Note: what the misses say] (2026-11-28, second pass; the probes priced on the same fake traces)
+- The V100 rows split by the code each source ran, and the model now says so ([Note: kernel generations] in
+  hplan.planner.presets). DeepSpeed's 2020 tutorial log (forward + backward 17.9-19.0 s; simulated 19.3 s at the
+  2019 calibration) ran DeepSpeedExamples' Megatron-LM, a fork of the 2019 code; the ZeRO-3 Offload post and
+  PatrickStar's DeepSpeed series ran Megatron-LM-v1.1.5-ZeRO3 (v1 kernels, 62.4 TFLOPS for the 1.2B model against
+  39 before). PatrickStar's own 48.39 at 4B is an 11.4 s step, while its matrix products alone take 14.2 s at the
+  2019 calibration: unreachable by any schedule (tests/test_kernel_size.py); at v1's it is 0.88, 10B 0.98.
+- DeepSpeed ZeRO-3 before 2025 defaults to pageable gradient buffers (Zero3Config.pin_memory): with v1 kernels and
+  no pageable copies, DeepSpeed 4B priced 45.9 TFLOPS (1.39) and outran PatrickStar; with them 39.4 (1.19) and the
+  ranking holds. The same default moves Fuyou's ZeRO-Infinity from 46.2 to 42.6 and LoHan's ratio from 1.64 to
+  about 1.76 (0.76).
+- ZeRO-2 Offload at 13B (the post's chart, about 20) is the one V100 figure the code does not explain: WHY_MISSED.
+  Through it the post's 2.3x reads about 1.7x (0.75 at the edge of the band).
+- PyTorch alone, 1.4B: WHY_MISSED. Not a part of the step: the abstract does not give the setting.
+- LoHan's artifact (RC4ML/LoHan at feb88fe, evaluation_data.md, "Figure 5(a)/7(a)") gives LoHan's own 13B TFLOPS
+  by batch on one RTX 4090: 42.8 (8), 84.3 (16), 143.1 (32), 155.8 (64), 153.8 (128), so v1's "156" is batch 64;
+  it says the script prints TFLOPS, but its main.py prints only forward and backward+optimizer times, so the count
+  is not known, and its model (gpt_model.py) has no LM head (MSE on the last hidden state) and runs attention over
+  the batch axis (inputs are (seq, batch), FlashAttention reads them as (batch, seq)). 155.8 is 94% of the 4090's
+  165.2 dense TFLOPS in Megatron-LM's count with recompute: no calibration can replay it without knowing the count.
+  The 2.32x of v2 names no baseline or batch; it stays a ratio at batch 16 against ZeRO-Infinity.
 """
 
 from __future__ import annotations
@@ -244,6 +246,25 @@ REPLAYS: tuple[Replay, ...] = (
                    "efficiency\", same post); sequence 1024, GPT-3 13B's shape; DeepSpeed v0.3.13 (2021-03) with "
                    f"no config in the post: {DS_PAGEABLE} (cpu_offload_use_pin_memory; stage 2 pins its own)"),
 
+    Replay(key="patrickstar-1b-v100", title="PatrickStar vs PyTorch vs DeepSpeed ZeRO-3 Offload: 1B GPT on one "
+                                           "V100-32GB",
+           source=f"{PATRICKSTAR}: GPT2_1B (20 layers, hidden 2048, 16 heads, sequence 1024); pstar-1-gpu at 1B is "
+                  "labelled 54.60; torch-1-gpu's star sits on it, a little higher (about 55.7 against the log axis) "
+                  "and deeps-1-gpu's 1B point is unlabelled (about 42.8); torch-1-gpu is plain PyTorch DDP with "
+                  "torch.optim.Adam under autocast (examples/pretrain_bert_demo.py's torch branch at 1a2a492)",
+           layers=20, width=2048, heads=16, batch=16, seq=1024, gpu="v100", flops="8P", host_bytes=240 * 10**9,
+           kernels="megatron-v1", kernels_why=V1_PSTAR, quick=True,
+           systems=(System(name="PatrickStar (Colossal-AI Gemini, its successor, stands in)", sim="gemini",
+                           paper=54.60, checkpoint=True, kind="chart label"),
+                    System(name="PyTorch (all on GPU)", sim="pytorch", paper=55.7, checkpoint=True,
+                           kind="read off chart"),
+                    System(name="DeepSpeed ZeRO-3 Offload", sim="zero3-offload", paper=42.8, checkpoint=True,
+                           kind="read off chart", pin_memory=False),
+                    System(name="hplan plan", sim="hplan", paper=None)),
+           assumed="as the 4B setting: batch 16, checkpointing on for all three (run_bert.sh's CKP default reaches "
+                   "both of pretrain_bert_demo.py's branches through BertConfig), 240 GB of host memory; the points "
+                   "read against the chart's log axis (50 and 100 gridlines); PyTorch's and PatrickStar's 1B points "
+                   "coincide within a reading, so their order is the reading's"),
     Replay(key="patrickstar-4b-v100", title="PatrickStar vs DeepSpeed ZeRO-3 Offload: 4B GPT on one V100-32GB",
            source=f"{PATRICKSTAR}: GPT2_4B (64 layers, hidden 2304, 16 heads, sequence 1024; Megatron-LM's 4.2B "
                   "shape); pstar-1-gpu at 4B is labelled 48.39, deeps-1-gpu's 4B point is unlabelled",
