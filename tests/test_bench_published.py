@@ -103,7 +103,8 @@ def test_every_v100_replay_names_the_code_it_ran_and_is_priced_with_its_calibrat
     assert kernels["zero-offload-10b-log"] == "megatron-2019" and kernels["patrickstar-4b-v100"] == "megatron-v1"
     for r in REPLAYS:
         if r.gpu == "v100":
-            assert r.kernels_why and hardware(r, trace).efficiency == KERNEL_GENERATIONS["v100-32gb"][r.kernels].efficiency
+            calibration = KERNEL_GENERATIONS["v100-32gb"][r.kernels]
+            assert r.kernels_why and hardware(r, trace).efficiency == calibration.efficiency
 
 
 def test_each_explained_miss_names_a_replayed_system() -> None:

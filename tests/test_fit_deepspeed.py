@@ -146,8 +146,8 @@ def test_offload_pin_memory_reaches_the_zero3_simulation() -> None:
 
     def cfg(**pins):
         return parse_ds_config({"zero_optimization": {
-            "stage": 3, "reduce_bucket_size": 20_000, **{k: {"device": "cpu", **({"pin_memory": v} if v is not None else {})}
-                           for k, v in pins.items()}}})
+            "stage": 3, "reduce_bucket_size": 20_000,
+            **{k: {"device": "cpu", **({"pin_memory": v} if v is not None else {})} for k, v in pins.items()}}})
 
     assert cfg(offload_param=None, offload_optimizer=None).pin_memory is None
     assert cfg(offload_param=True, offload_optimizer=None).pin_memory is True
