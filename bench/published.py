@@ -108,8 +108,8 @@ def hardware(r: Replay, trace: Any) -> Any:
     return make_hardware("rtx4090", gpu_bytes=RTX4090_USABLE, host_bytes=host, **trace_slack(trace))
 
 
-def price(sim: str, trace: Any, hw: Any, checkpoint: bool,
-          pin_memory: bool | None = None) -> tuple[bool, float, str, dict[str, float]]:
+def price(sim: str, trace: Any, hw: Any, checkpoint: bool, pin_memory: bool | None = None,
+          device_optimizer: str = "fused") -> tuple[bool, float, str, dict[str, float]]:
     """(fits, predicted step seconds, note, busy seconds by part) of one system on the trace."""
     from hplan.planner import PlanOptions, make_plan
     from hplan.planner.baselines import all_on_gpu
@@ -132,7 +132,7 @@ def price(sim: str, trace: Any, hw: Any, checkpoint: bool,
     elif sim == "gemini":
         res = gemini(work, hw2)
     else:
-        res = all_on_gpu(work, hw2)
+        res = all_on_gpu(work, hw2, optimizer=device_optimizer)
     busy = dict(compute=res.compute_seconds, h2d=res.h2d_seconds, d2h=res.d2h_seconds,
                 cpu_optimizer=res.cpu_optimizer_seconds)
     split = ", ".join(f"{k} {v:.1f}" for k, v in busy.items())
@@ -179,7 +179,7 @@ def replay(ctx: Context, r: Replay, cache: dict) -> list[Outcome]:
         hw = hardware(r, trace)
         for s in r.systems:
             work = replace(trace, defer_updates=False) if s.eager_updates else trace
-            fits, secs, note, busy = price(s.sim, work, hw, s.checkpoint, s.pin_memory)
+            fits, secs, note, busy = price(s.sim, work, hw, s.checkpoint, s.pin_memory, s.device_optimizer)
             if fits and secs > 0:
                 best[s.name] = Outcome(system=s, batch=batch, fits=True, seconds=secs, note=note,
                                        extra={"tflops": step_flops(r, trace, batch, s.checkpoint) / secs / 1e12,

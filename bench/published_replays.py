@@ -27,6 +27,8 @@ class System:
     eager_updates: bool = False
     """The system updates each parameter on the host as its gradient arrives, during the backward pass, with no
     step-wide wait (the loss scaler's overflow check): the trace is priced with defer_updates off."""
+    device_optimizer: str = "fused"
+    """For "pytorch": the optimizer implementation the source ran (hplan.planner.kernel_size DEVICE_STEP_BYTES)."""
     pin_memory: bool | None = None
     """ZeRO-3's offload `pin_memory` in the DeepSpeed version the source ran (Zero3Config.pin_memory; None: the
     simulator's default). DeepSpeed's default was False in v0.3.13, v0.4.3 and still at 38327e0 (2025-02), so a
@@ -123,10 +125,11 @@ REPLAYS: tuple[Replay, ...] = (
            source=f"{ZERO_OFFLOAD}: \"30TF using PyTorch alone for a 1.4B parameter model, the largest that can be "
                   "trained without running out of memory\"",
            layers=26, width=2048, heads=16, batch=4, seq=1024, gpu="v100", quick=True,
-           systems=(System(name="PyTorch (all on GPU)", sim="pytorch", paper=30.0),),
+           systems=(System(name="PyTorch (all on GPU)", sim="pytorch", paper=30.0, device_optimizer="megatron-fp16"),),
            kernels="megatron-2019", kernels_why=PAPER_MEGATRON,
            assumed="shape, batch and checkpointing are not in the abstract: 26 layers × 2048 (1.41B parameters), "
-                   "batch 4, sequence 1024, no checkpointing"),
+                   "batch 4, sequence 1024, no checkpointing; the run is taken to be Megatron-LM's own training "
+                   "loop without DeepSpeed (its FP16_Optimizer around apex FusedAdam, in the tutorial's code)"),
     Replay(key="fuyou-13b-4090", title="ZeRO-Infinity (as Fuyou measured it): GPT-3 13B on one RTX 4090",
            source=f"{LOHAN}, v1 abstract: \"when training a small GPT-3 13B model, Fuyou achieves 156 TFLOPS on an "
                   "RTX 4090 GPU while ZeRO-Infinity only achieves 45 TFLOPS\"; v2's abstract drops the 156 TFLOPS "
@@ -183,7 +186,7 @@ REPLAYS: tuple[Replay, ...] = (
            systems=(System(name="PatrickStar (Colossal-AI Gemini, its successor, stands in)", sim="gemini",
                            paper=54.60, checkpoint=True, kind="chart label"),
                     System(name="PyTorch (all on GPU)", sim="pytorch", paper=55.7, checkpoint=True,
-                           kind="read off chart"),
+                           kind="read off chart", device_optimizer="torch-adam"),
                     System(name="DeepSpeed ZeRO-3 Offload", sim="zero3-offload", paper=42.8, checkpoint=True,
                            kind="read off chart", pin_memory=False),
                     System(name="hplan plan", sim="hplan", paper=None)),

@@ -100,3 +100,21 @@ def test_patrickstars_published_step_needs_the_newer_kernels() -> None:
     gemm = {k: flops / achieved_rate(make_hardware("v100-32gb", kernels=k), "fp16-mixed", 2304)
             for k in ("megatron-2019", "megatron-v1")}
     assert gemm["megatron-2019"] > step > gemm["megatron-v1"] + 2.0
+
+
+def test_a_device_optimizer_step_costs_what_its_implementation_moves() -> None:
+    """Megatron-LM's 2019 FP16_Optimizer runs its overflow check, gradient copy, unscale, clip and weight copy as
+    kernels of their own around apex FusedAdam; torch's unfused Adam runs each update term as one: both move more
+    than a fused step's one read and one write (DEVICE_STEP_BYTES, each count from the code it cites)."""
+    from hplan.planner.baselines import all_on_gpu
+    from hplan.planner.kernel_size import DEVICE_STEP_BYTES, device_update_seconds
+
+    assert [DEVICE_STEP_BYTES[k][0] for k in ("fused", "megatron-fp16", "torch-adam")] == [32, 62, 84]
+    assert DEVICE_STEP_BYTES["megatron-fp16"][0] == 10 + 6 + 8 + 4 + 28 + 6
+    hw = make_hardware("v100-32gb")
+    assert device_update_seconds(16 * 10**9, hw, "megatron-fp16") == pytest.approx(62e9 / 900e9)
+    trace = gpt_trace(n_layer=2, d_model=256, n_head=4, vocab=1000, n_ctx=128, seq=128)
+    fused, megatron = all_on_gpu(trace, hw), all_on_gpu(trace, hw, optimizer="megatron-fp16")
+    state = read_trace(trace, hw).state_bytes()
+    extra = state * (62 - 32) / 16 / 900e9
+    assert megatron.predicted_step_seconds - fused.predicted_step_seconds == pytest.approx(extra)
