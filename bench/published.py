@@ -50,7 +50,14 @@ was assumed. [Note: replay conventions] below.
   about 1.76 (0.76).
 - ZeRO-2 Offload at 13B (the post's chart, about 20) is the one V100 figure the code does not explain: WHY_MISSED.
   Through it the post's 2.3x reads about 1.7x (0.75 at the edge of the band).
-- PyTorch alone, 1.4B: WHY_MISSED. Not a part of the step: the abstract does not give the setting.
+- PyTorch alone, 1.4B (1.25 before): its step is its matrix products and an optimizer step kept on the GPU. In
+  the code the tutorial ran (Megatron-LM's 2019 fork) that step is Megatron-LM's FP16_Optimizer around apex
+  FusedAdam, which moves 62 B per parameter in separate kernels (overflow check, gradient copy, unscale, clip,
+  update, weight copy), not a fused step's 32 (hplan.planner.kernel_size DEVICE_STEP_BYTES): 1.19. The abstract
+  still gives neither batch nor checkpointing (assumed: batch 4, none).
+- PatrickStar's chart at 1B (added): plain PyTorch (torch.optim.Adam, not fused: 84 B per parameter) about 55.7,
+  PatrickStar 54.60 and DeepSpeed about 42.8 on the same machine: an independent check of the v1 calibration
+  (at the 2019 one PyTorch would read 0.69).
 - LoHan's artifact (RC4ML/LoHan at feb88fe, evaluation_data.md, "Figure 5(a)/7(a)") gives LoHan's own 13B TFLOPS
   by batch on one RTX 4090: 42.8 (8), 84.3 (16), 143.1 (32), 155.8 (64), 153.8 (128), so v1's "156" is batch 64;
   it says the script prints TFLOPS, but its main.py prints only forward and backward+optimizer times, so the count
