@@ -36,6 +36,7 @@ from __future__ import annotations
 
 from hplan.artifacts.hardware import Hardware
 from hplan.artifacts.trace import Trace
+from hplan.planner.presets import STATE_BYTES_PER_PARAM
 
 NON_GEMM_WIDTH = 576
 """C of [Note: efficiency by width], from FlashAttention-2's Table 1 (GPT3-1.3B 196, GPT3-2.7B 205 TFLOPs/s)."""
@@ -46,9 +47,9 @@ DEVICE_UPDATE_PASSES = 2
 step])."""
 
 
-STATE_BYTES = 16
+STATE_BYTES = STATE_BYTES_PER_PARAM
 """Bytes of model state per parameter the step's unit counts (weight + grad + fp32 master + two moments in a 16-bit
-mixed recipe, or fp32 weight + grad + moments: hplan.planner.presets STATE_BYTES_PER_PARAM)."""
+mixed recipe, or fp32 weight + grad + moments)."""
 
 DEVICE_STEP_BYTES: dict[str, tuple[int, str]] = {
     "fused": (DEVICE_UPDATE_PASSES * STATE_BYTES,
