@@ -36,6 +36,7 @@ from __future__ import annotations
 
 from hplan.artifacts.hardware import Hardware
 from hplan.artifacts.trace import Trace
+from hplan.planner.presets import STATE_BYTES_PER_PARAM
 
 NON_GEMM_WIDTH = 576
 """C of [Note: efficiency by width], from FlashAttention-2's Table 1 (GPT3-1.3B 196, GPT3-2.7B 205 TFLOPs/s)."""
@@ -46,10 +47,34 @@ DEVICE_UPDATE_PASSES = 2
 step])."""
 
 
-def device_update_seconds(state_bytes: int, hardware: Hardware) -> float:
-    """Seconds a fused optimizer step on the device takes over `state_bytes` of model state ([Note: device
-    optimizer step])."""
-    return DEVICE_UPDATE_PASSES * state_bytes / (hardware.device_memory_gbps * 1e9)
+STATE_BYTES = STATE_BYTES_PER_PARAM
+"""Bytes of model state per parameter the step's unit counts (weight + grad + fp32 master + two moments in a 16-bit
+mixed recipe, or fp32 weight + grad + moments)."""
+
+DEVICE_STEP_BYTES: dict[str, tuple[int, str]] = {
+    "fused": (DEVICE_UPDATE_PASSES * STATE_BYTES,
+              "one read and one write of the state: torch's fused AdamW, apex FusedAdam inside a fused master step, "
+              "DeepSpeed's FusedAdam ([Note: device optimizer step])"),
+    "torch-adam": (84,
+                   "torch.optim.Adam not fused (for-loop or foreach: the same kernels per element), fp32 state, "
+                   "torch/optim/adam.py _single_tensor_adam: exp_avg.lerp_ 12 B, exp_avg_sq.mul_().addcmul_() 24, "
+                   "denom = sqrt() / c .add_(eps) 24, param.addcdiv_ 16; GradScaler's unscale of the gradients 8"),
+    "megatron-fp16": (62,
+                      "Megatron-LM's 2019 FP16_Optimizer around apex FusedAdam (DeepSpeedExamples 69785c7c "
+                      "Megatron-LM/pretrain_gpt2.py:41, 340; fp16/fp16.py:278-310; fp16/fp16util.py:168, 184; "
+                      "fp16/loss_scaler.py:132): overflow check float(g.float().sum()) 10 B, fp16 grad to fp32 "
+                      "master grad 6, unscale mul_ 8, clip norm 4, FusedAdam 28, master to fp16 weight 6"),
+}
+"""Device bytes per parameter of one optimizer step by implementation, for a 16-bit mixed or fp32 Adam recipe
+(16 B of state per parameter): each kernel's reads and writes, counted from the code cited. Weight decay folded
+into the gradient (torch's Adam with weight_decay > 0) is not counted."""
+
+
+def device_update_seconds(state_bytes: int, hardware: Hardware, optimizer: str = "fused") -> float:
+    """Seconds an optimizer step on the device takes over `state_bytes` of model state, by its implementation
+    (DEVICE_STEP_BYTES; [Note: device optimizer step])."""
+    per_param = DEVICE_STEP_BYTES[optimizer][0]
+    return state_bytes * per_param / STATE_BYTES / (hardware.device_memory_gbps * 1e9)
 
 
 def width_factor(width: int, calibrated_width: int) -> float:

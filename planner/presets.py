@@ -98,6 +98,8 @@ class Calibration:
     width: int = 0
     """Model width (hidden size) the source measured at: other widths scale by [Note: efficiency by width]
     (hplan.planner.kernel_size); 0 = the source spans many widths, no size correction."""
+    kernels: str = ""
+    """The code generation the source measured ([Note: kernel generations]); "" = not tied to one."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -204,7 +206,7 @@ CALIBRATION: dict[str, Calibration] = {c.gpu: c for c in (
                        "(Touvron et al. 2023, Table 2)", width=4096),
     Calibration(gpu="h100-80gb", efficiency=0.47,
                 source="NVIDIA Megatron-LM README: up to 47% MFU on H100 clusters (GPT models, 4096-token sequences)"),
-    Calibration(gpu="v100-32gb", efficiency=DEFAULT_EFFICIENCY,
+    Calibration(gpu="v100-32gb", efficiency=DEFAULT_EFFICIENCY, kernels="megatron-2019",
                 source="Megatron-LM (arXiv 1909.08053) abstract: 39 TFLOPS on one V100, 30% of peak; its 1.2B "
                        "single-GPU baseline has hidden size 1536 (Table 1)", width=MEGATRON_WIDTH),
     Calibration(gpu="rtx3090", efficiency=DEFAULT_EFFICIENCY,
@@ -288,16 +290,38 @@ CPU_TIER_COPY_GBPS = 2.4
 jobs): the CPU tier's "link". It changes predicted step times only, never the bytes a plan moves."""
 
 
+KERNEL_GENERATIONS: dict[str, dict[str, Calibration]] = {
+    "v100-32gb": {
+        "megatron-2019": CALIBRATION["v100-32gb"],
+        "megatron-v1": Calibration(
+            gpu="v100-32gb", efficiency=0.48, kernels="megatron-v1", width=MEGATRON_WIDTH,
+            source="NVIDIA ADLR, \"MegatronLM's Supercharged V1.0\" (nv-adlr.github.io/MegatronLMV1): the same 1.2B "
+                   "baseline reaches 62.4 TFLOPS, 48% of the theoretical peak of one V100 of a DGX-2H, after v1.0's "
+                   "software optimizations (39 TFLOPS before); Table 1 there: 1288 ms per iteration on one GPU"),
+    },
+}
+"""[Note: kernel generations] A GPU's calibration is a property of GPU + kernels, and the kernels change with the
+code. On the V100 the same Megatron-LM 1.2B model (40 × 1536) went from 39 TFLOPS (the 2019 paper) to 62.4
+(Megatron-LM v1.0's fused kernels and software optimizations), 1.6× on the same chip: more than any ±25% band.
+Where a run's source states which code it ran, `make_hardware(kernels=...)` prices it with the calibration of
+that code's generation: "megatron-2019" for NVIDIA's 2019 Megatron-LM code and forks of it (DeepSpeedExamples'
+Megatron-LM, 2020), "megatron-v1" for Megatron-LM v1.0 and later (DeepSpeedExamples' Megatron-LM-v1.1.5-ZeRO3,
+2021) and for code newer than both. Without `kernels` a preset keeps its CALIBRATION entry."""
+
+
 def make_hardware(gpu: str = "rtx3090", gpu_bytes: int | None = None, host_bytes: int | None = None,
                   nvme_bytes: int | None = None, host: str = DEFAULT_HOST, nvme: str = DEFAULT_NVME,
-                  network: str | None = None, **overrides: Any) -> Hardware:
+                  network: str | None = None, kernels: str | None = None, **overrides: Any) -> Hardware:
     """A Hardware from presets: `gpu_bytes` defaults to the GPU's memory, `host_bytes` None is unbounded,
     `nvme_bytes` None means no disk tier (the NVMe preset then only sets the rates a plan would use), `network`
-    None is the GPU's usual one (GPU_NETWORK); compute efficiency is the GPU's CALIBRATION.
+    None is the GPU's usual one (GPU_NETWORK); compute efficiency is the GPU's CALIBRATION, or with `kernels` the
+    calibration of that code generation ([Note: kernel generations], KERNEL_GENERATIONS).
     `overrides` replace any other Hardware field (e.g. h2d_gbps=25.0, efficiency=0.4, slack_bytes=...); an
     override of None means "not given" (the preset's value stays)."""
     overrides = {k: v for k, v in overrides.items() if v is not None}
     if gpu == CPU_TIER:
+        if kernels is not None:
+            raise HplanError("the cpu fast tier has no kernel calibrations: `kernels` does not apply")
         if gpu_bytes is None:
             raise HplanError("the cpu fast tier has no preset size: give its budget as `gpu_bytes`")
         gloo = NETWORK_PRESETS["gloo-loopback"]
@@ -320,6 +344,12 @@ def make_hardware(gpu: str = "rtx3090", gpu_bytes: int | None = None, host_bytes
         raise HplanError(f"unknown hardware fields {unknown}: use some of {', '.join(sorted(known))}")
     g, h, n, net = GPU_PRESETS[gpu], HOST_PRESETS[host], NVME_PRESETS[nvme], NETWORK_PRESETS[net_name]
     cal = CALIBRATION[gpu]
+    if kernels is not None:
+        known_kernels = KERNEL_GENERATIONS.get(gpu, {})
+        if kernels not in known_kernels:
+            raise HplanError(f"no {kernels!r} kernel calibration for {gpu}: use one of "
+                             f"{', '.join(known_kernels) or 'none (its CALIBRATION only)'}")
+        cal = known_kernels[kernels]
     values: dict[str, Any] = dict(
         gpu=gpu, gpu_bytes=g.memory_bytes if gpu_bytes is None else gpu_bytes, host_bytes=host_bytes,
         nvme_bytes=nvme_bytes, tflops_16=g.tflops_16, tflops_32=g.tflops_32, efficiency=cal.efficiency,

@@ -90,3 +90,25 @@ def test_a_system_that_updates_as_gradients_arrive_is_priced_without_the_overflo
                                   System(name="plain", sim="hplan", paper=None)))
     eager, plain = published.replay(None, r, {})
     assert "deferred" not in eager.extra["busy"] and "deferred" in plain.extra["busy"]
+
+
+def test_every_v100_replay_names_the_code_it_ran_and_is_priced_with_its_calibration() -> None:
+    """[Note: kernel generations]: the 2020 tutorial's code is Megatron-LM's 2019 fork, the 2021 runs are v1 code."""
+    from bench.published import hardware
+    from hplan.planner.presets import KERNEL_GENERATIONS
+    from hplan.planner.synthetic import gpt_trace
+
+    trace = gpt_trace(n_layer=1, d_model=64, n_head=4, vocab=100, n_ctx=32, seq=32)
+    kernels = {r.key: r.kernels for r in REPLAYS if r.gpu == "v100"}
+    assert kernels["zero-offload-10b-log"] == "megatron-2019" and kernels["patrickstar-4b-v100"] == "megatron-v1"
+    for r in REPLAYS:
+        if r.gpu == "v100":
+            calibration = KERNEL_GENERATIONS["v100-32gb"][r.kernels]
+            assert r.kernels_why and hardware(r, trace).efficiency == calibration.efficiency
+
+
+def test_each_explained_miss_names_a_replayed_system() -> None:
+    from bench.published import WHY_MISSED
+
+    systems = {(r.key, s.name) for r in REPLAYS for s in r.systems}
+    assert set(WHY_MISSED) <= systems

@@ -135,3 +135,28 @@ def test_fit_takes_the_configs_batch_and_precision_and_simulates_it_per_gpu(tmp_
     for row in out["gpus_rows"]:
         assert row["deepspeed"]["simulated"] and not row["deepspeed"]["out_of_memory"]
         assert row["deepspeed"]["bytes_moved_per_iter"] > 0
+
+
+def test_offload_pin_memory_reaches_the_zero3_simulation() -> None:
+    """Pageable gradient buffers serialise ZeRO-3's gradient copies (Zero3Config.pin_memory); the user's offload
+    sections say which they get (a small bucket flushes during the backward, where a copy can overlap)."""
+    from hplan.planner import make_hardware
+    from hplan.planner.baselines.deepspeed_config import simulate_ds
+    from hplan.planner.synthetic import gpt_trace
+
+    def cfg(**pins):
+        return parse_ds_config({"zero_optimization": {
+            "stage": 3, "reduce_bucket_size": 20_000,
+            **{k: {"device": "cpu", **({"pin_memory": v} if v is not None else {})} for k, v in pins.items()}}})
+
+    assert cfg(offload_param=None, offload_optimizer=None).pin_memory is None
+    assert cfg(offload_param=True, offload_optimizer=None).pin_memory is True
+    assert cfg(offload_param=True, offload_optimizer=False).pin_memory is False
+    with pytest.raises(HplanError, match="zero_optimization.offload_param.pin_memory must be true or false"):
+        cfg(offload_param="yes", offload_optimizer=None)
+    trace = gpt_trace(n_layer=2, d_model=256, n_head=4, vocab=1000, n_ctx=128, seq=128, batch=2)
+    hw = make_hardware("rtx4090", h2d_gbps=0.05, d2h_gbps=0.05)
+    pinned, _ = simulate_ds(trace, hw, cfg(offload_param=True, offload_optimizer=True))
+    pageable, _ = simulate_ds(trace, hw, cfg(offload_param=False, offload_optimizer=False))
+    assert pageable.bytes_moved_per_iter == pinned.bytes_moved_per_iter
+    assert pageable.predicted_step_seconds > pinned.predicted_step_seconds

@@ -72,3 +72,49 @@ def test_efficiency_never_exceeds_the_datasheet() -> None:
 def test_hardware_refuses_a_negative_width() -> None:
     with pytest.raises(HplanError, match="efficiency_width"):
         Hardware(gpu_bytes=10**9, efficiency_width=-1)
+
+
+def test_a_stated_code_generation_picks_its_calibration() -> None:
+    """[Note: kernel generations]: the same V100 and model, 39 TFLOPS with Megatron-LM's 2019 code, 62.4 with v1.0."""
+    old, new = make_hardware("v100-32gb", kernels="megatron-2019"), make_hardware("v100-32gb", kernels="megatron-v1")
+    assert old.efficiency == make_hardware("v100-32gb").efficiency == pytest.approx(0.30)  # the default stays
+    assert new.efficiency == pytest.approx(0.48) and new.efficiency_width == old.efficiency_width == 1536
+    with pytest.raises(HplanError, match="megatron-2019, megatron-v1"):
+        make_hardware("v100-32gb", kernels="megatron-v2")
+    with pytest.raises(HplanError, match="no 'megatron-v1' kernel calibration for rtx4090"):
+        make_hardware("rtx4090", kernels="megatron-v1")
+    with pytest.raises(HplanError, match="cpu fast tier"):
+        make_hardware("cpu", gpu_bytes=10**9, kernels="megatron-v1")
+
+
+def test_patrickstars_published_step_needs_the_newer_kernels() -> None:
+    """PatrickStar v0.4.3's 48.39 TFLOPS (its 8 x params x tokens count: forward, backward and recompute) for its
+    4B GPT (64 x 2304) at batch 16 x 1024 on one V100 is an 11.4 s step. Its matrix products alone take longer at
+    the 2019 calibration, so no offload schedule could reach it; at Megatron-LM v1's they fit with room for the
+    CPU optimizer (bench section 12, PatrickStar rows)."""
+    from hplan.planner.kernel_size import achieved_rate
+
+    params = 64 * 12 * 2304**2
+    flops = 8 * params * 16 * 1024
+    step = flops / 48.39e12
+    gemm = {k: flops / achieved_rate(make_hardware("v100-32gb", kernels=k), "fp16-mixed", 2304)
+            for k in ("megatron-2019", "megatron-v1")}
+    assert gemm["megatron-2019"] > step > gemm["megatron-v1"] + 2.0
+
+
+def test_a_device_optimizer_step_costs_what_its_implementation_moves() -> None:
+    """Megatron-LM's 2019 FP16_Optimizer runs its overflow check, gradient copy, unscale, clip and weight copy as
+    kernels of their own around apex FusedAdam; torch's unfused Adam runs each update term as one: both move more
+    than a fused step's one read and one write (DEVICE_STEP_BYTES, each count from the code it cites)."""
+    from hplan.planner.baselines import all_on_gpu
+    from hplan.planner.kernel_size import DEVICE_STEP_BYTES, device_update_seconds
+
+    assert [DEVICE_STEP_BYTES[k][0] for k in ("fused", "megatron-fp16", "torch-adam")] == [32, 62, 84]
+    assert DEVICE_STEP_BYTES["megatron-fp16"][0] == 10 + 6 + 8 + 4 + 28 + 6
+    hw = make_hardware("v100-32gb")
+    assert device_update_seconds(16 * 10**9, hw, "megatron-fp16") == pytest.approx(62e9 / 900e9)
+    trace = gpt_trace(n_layer=2, d_model=256, n_head=4, vocab=1000, n_ctx=128, seq=128)
+    fused, megatron = all_on_gpu(trace, hw), all_on_gpu(trace, hw, optimizer="megatron-fp16")
+    state = read_trace(trace, hw).state_bytes()
+    extra = state * (62 - 32) / 16 / 900e9
+    assert megatron.predicted_step_seconds - fused.predicted_step_seconds == pytest.approx(extra)

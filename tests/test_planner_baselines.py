@@ -201,3 +201,16 @@ def test_compare_and_sweep_rows(tmp_path):
         for b in BASELINE_KEYS:
             assert {f"{b}_feasible", f"{b}_bytes_moved", f"{b}_step_seconds"} <= set(row)
     assert rows[-1]["feasible"] and rows[-1]["bytes_moved"] == 0
+
+
+def test_zero3_pageable_gradient_buffers_serialise_the_gradient_copies():
+    """DeepSpeed before its pinned default (v0.3.13, v0.4.3): the host gradient buffers are pageable, so each
+    gradient copy blocks the host that queues the compute ([Note: pageable copies]); the bytes are the same."""
+    trace = chain_trace(CHAIN, flops=10**12, non_model_bytes=100)
+    slow = make_hardware("rtx3090", gpu_bytes=GB, h2d_gbps=1e-5, d2h_gbps=1e-5)
+    pinned = zero3_offload(trace, slow, Zero3Config(reduce_bucket_size=2500))
+    pageable = zero3_offload(trace, slow, Zero3Config(reduce_bucket_size=2500, pin_memory=False))
+    assert (pageable.h2d_bytes, pageable.d2h_bytes) == (pinned.h2d_bytes, pinned.d2h_bytes)
+    serial = pageable.compute_seconds + pageable.h2d_seconds + pageable.d2h_seconds + pageable.cpu_optimizer_seconds
+    assert pageable.predicted_step_seconds == pytest.approx(serial)
+    assert pinned.predicted_step_seconds < serial - 0.5 * pinned.compute_seconds / 3  # m0's compute overlapped

@@ -36,8 +36,10 @@ ALL_ON_GPU_NOT_MODELLED = (
 )
 
 
-def all_on_gpu(trace: Trace, hardware: Hardware, facts: Facts | None = None) -> BaselineResult:
-    """Plain PyTorch with the optimizer on the GPU: all model data resident, nothing moves."""
+def all_on_gpu(trace: Trace, hardware: Hardware, facts: Facts | None = None,
+               optimizer: str = "fused") -> BaselineResult:
+    """Plain PyTorch with the optimizer on the GPU: all model data resident, nothing moves; the step's device
+    bytes by the optimizer's implementation (hplan.planner.kernel_size DEVICE_STEP_BYTES)."""
     facts = facts or read_trace(trace, hardware)
     model = sum(p.bytes + p.grad_bytes + p.optimizer_bytes for p in facts.params.values())
     per_step = [model + e.non_model_peak_bytes for e in facts.steps]
@@ -45,7 +47,7 @@ def all_on_gpu(trace: Trace, hardware: Hardware, facts: Facts | None = None) -> 
     tl = Timeline(hardware)
     for seconds in facts.compute_seconds:
         tl.compute(seconds)
-    tl.compute(device_update_seconds(facts.state_bytes(), hardware))
+    tl.compute(device_update_seconds(facts.state_bytes(), hardware, optimizer))
     need = peak + hardware.slack_bytes
     feasible = need <= hardware.gpu_bytes
     note = f"model data {format_size(model)} resident; peak at {where}"

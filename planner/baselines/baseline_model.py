@@ -14,6 +14,13 @@ Shared readings of the trace (stated once here, used by all simulators):
 - The steady-state iteration is what is simulated: residency at its start is each system's steady state.
 - Compute time of an event: its measured seconds on a CUDA trace, else FLOPs / (datasheet TFLOPS x efficiency at
   the event's width, [Note: efficiency by width] in hplan.planner.kernel_size).
+
+[Note: pageable copies] A system that copies between the GPU and pageable (unpinned) host memory cannot overlap
+the copy with compute: CUDA's asynchronous copies are synchronous with respect to the host for pageable memory
+(CUDA Runtime API, "API synchronization behavior": a pageable host-to-device copy syncs its stream and returns
+once the data is staged; a device-to-host copy "returns only once the copy has completed"), so the host that
+would queue the next kernels waits for each copy. A simulator prices such a copy with `Timeline.stream_copy`:
+after the compute queued before it, before the compute queued after it.
 """
 
 from __future__ import annotations

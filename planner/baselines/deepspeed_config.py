@@ -73,6 +73,9 @@ class DsConfig:
     model_persistence_threshold: int | None = None
     max_live_parameters: int | None = None
     max_reuse_distance: int | None = None
+    pin_memory: bool | None = None
+    """Whether ZeRO-3's host gradient buffers are pinned: both offload sections' `pin_memory` (each absent one
+    taken as the simulator's default), None when neither says (Zero3Config.pin_memory)."""
     activation_checkpointing: bool = False
     precision: str | None = None
     """"fp16-mixed" / "bf16-mixed" when that section is enabled, "auto" when transformers' Trainer decides (any
@@ -102,9 +105,11 @@ def parse_ds_config(obj: Any, *, where: str = "DeepSpeed config") -> DsConfig:
     if stage is not None and stage > 3:
         raise HplanError(f"{where}: zero_optimization.stage must be 0, 1, 2 or 3, got {stage}")
     values["stage"] = stage or 0
+    pins: list[bool | None] = []
     for key in ("offload_optimizer", "offload_param"):
         section = _section(zero, key, where, prefix="zero_optimization.")
         unknown += [f"zero_optimization.{key}.{k}" for k in section if k not in OFFLOAD_KEYS]
+        pins.append(_bool(section, "pin_memory", where, f"zero_optimization.{key}."))
         device = section.get("device", "none")
         if device is None:
             device = "none"
@@ -127,6 +132,8 @@ def parse_ds_config(obj: Any, *, where: str = "DeepSpeed config") -> DsConfig:
             if key in zero:
                 values[name] = _int(zero, key, where, "zero_optimization.", lo=0)
     values["overlap_comm"] = _bool(zero, "overlap_comm", where, "zero_optimization.")
+    if any(p is not None for p in pins):
+        values["pin_memory"] = all(p is not False for p in pins)
     ac = obj.get("activation_checkpointing")
     if ac is not None and not isinstance(ac, dict):
         raise HplanError(f"{where}: activation_checkpointing must be an object, got {type(ac).__name__}")
@@ -200,7 +207,7 @@ def simulate_ds(trace: Trace, hardware: Hardware, cfg: DsConfig) -> tuple[Baseli
                                       param_persistence_threshold="param_persistence_threshold",
                                       model_persistence_threshold="model_persistence_threshold",
                                       max_live_parameters="max_live_parameters",
-                                      max_reuse_distance="max_reuse_distance"))
+                                      max_reuse_distance="max_reuse_distance", pin_memory="pin_memory"))
         what = "ZeRO stage 3, parameters and optimizer on the CPU"
     else:
         return None, (f"ZeRO stage {cfg.stage} with offload_optimizer {cfg.offload_optimizer} and offload_param "

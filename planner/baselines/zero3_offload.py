@@ -66,6 +66,14 @@ class Zero3Config:
     model_persistence_threshold: int = sys.maxsize
     max_live_parameters: int = 1_000_000_000
     max_reuse_distance: int = 1_000_000_000
+    pin_memory: bool = True
+    """offload_param / offload_optimizer `pin_memory`: whether the host's gradient buffers are pinned (the 16-bit
+    weight partitions are pinned whatever it says: S3:839-862 here; stage3.py:1005, 1074 at v0.4.3; 889, 922 at
+    v0.3.13). True follows this module's source (offload_config.py:75 at v0.19.5). It was False by default in
+    v0.3.13 (constants.py:80, cpu_offload_use_pin_memory), v0.4.3 (offload_constants.py:36, 60) and at 38327e0
+    (2025-02, offload_config.py:45, 72); then the gradient buffers are pageable (v0.4.3 stage3.py:1674-1675,
+    2099-2103; v0.3.13 stage3.py:1214-1223, 1627-1631) and each gradient copy is synchronous with respect to the
+    host: it serialises with compute ([Note: pageable copies] in hplan.planner.baselines.baseline_model)."""
 
 
 @dataclass(slots=True)
@@ -131,8 +139,8 @@ def zero3_offload(trace: Trace, hardware: Hardware, config: Zero3Config = Zero3C
         end = tl.compute(facts.compute_seconds[s], after=ready)
         for n in flushes.get(s, ()):
             g = facts.params[n].grad_bytes
-            back = tl.copy("h2d", g, after=tl.copy("d2h", g, after=end))
-            tl.copy("d2h", facts.fp32_grad_bytes(n), after=back)
+            back = _copy(tl, config, "h2d", g, after=_copy(tl, config, "d2h", g, after=end))
+            _copy(tl, config, "d2h", facts.fp32_grad_bytes(n), after=back)
         _release(walk, facts, config, keep, s, names)
     graded = [n for n in trainable if n in facts.grad_done]
     h2d = fetched + keep_bytes + sum(facts.params[n].grad_bytes for n in graded)
@@ -148,6 +156,16 @@ def zero3_offload(trace: Trace, hardware: Hardware, config: Zero3Config = Zero3C
         note = f"needs {format_size(need)} (peak {format_size(peak)} at {where} + slack); " + note
     return result(NAME, feasible=feasible, h2d=h2d, d2h=d2h, peak=peak, min_gpu=need, timeline=tl, note=note,
                   citation=CITATION, not_modelled=NOT_MODELLED)
+
+
+def _copy(tl: Timeline, config: Zero3Config, link: str, nbytes: int, after: float) -> float:
+    """A gradient copy on DeepSpeed's reduce stream to or from pinned host buffers; with pageable ones it blocks
+    the host that issues the compute, so it runs between the compute before it and the compute after it
+    ([Note: pageable copies] in hplan.planner.baselines.baseline_model)."""
+    if config.pin_memory:
+        return tl.copy(link, nbytes, after=after)
+    tl.free["gpu"] = max(tl.free["gpu"], after)
+    return tl.stream_copy(link, nbytes)
 
 
 def _prefetch(walk: _Walk, facts: Facts, config: Zero3Config, step: int, names: tuple[str, ...]) -> list[str]:
