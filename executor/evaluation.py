@@ -72,7 +72,7 @@ class EvalPass:
         """The window since the last evaluation event, against the budget (as training windows are)."""
         run = self.run
         peak = run.meter.close_window() if run.meter is not None else 0
-        run.guard_budget(self.model_bytes + peak, f"evaluation forward before plan step {self.cursor}")
+        run.guard_budget(self.model_bytes + peak + run.tier.cached, f"evaluation forward before plan step {self.cursor}")
 
     def rewind(self) -> None:
         """Back to the residency between iterations: what the plan does not hold there leaves (written back
