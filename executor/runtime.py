@@ -382,8 +382,9 @@ class PlanRun(UpdateSteps, GradientOps, StateSync):
     @functools.cached_property
     def _on_grad(self) -> Any:
         """Post-accumulate-grad hook: autograd's gradient into its region, through grad_target (move_grad bound as
-        a C-level partial: one hook call per parameter per iteration, no Python frame of its own)."""
-        return functools.partial(move_grad, grad_target=self.grad_target)
+        a C-level partial: one hook call per parameter per iteration, no Python frame of its own), adopted rather
+        than copied where it can be ([Note: adopted gradients] in hplan.executor.gradients)."""
+        return functools.partial(move_grad, grad_target=self.grad_target, adopt=True)
 
     def grad_target(self, param: torch.Tensor) -> tuple[torch.Tensor, bool]:
         """GradSink (hplan.grads): the parameter's gradient lives in its chunk's gradient region."""

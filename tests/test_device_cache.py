@@ -121,3 +121,45 @@ def test_the_budget_guard_counts_kept_blocks_as_reserved_memory(gpt_tiny, reside
             loss = gpt_tiny.loss(model, gpt_tiny.batch(1))
             loss.backward()
             optimizer.step()
+
+
+def _recorded_grads(model: torch.nn.Module, keep: bool) -> dict[str, object]:
+    """A user's post-accumulate-grad hooks, registered before hplan's: each records where autograd's gradient
+    lives (`keep` False: its address only) or keeps the gradient tensor itself (`keep` True)."""
+    seen: dict[str, object] = {}
+
+    def record(p: torch.Tensor, name: str) -> None:
+        if p.grad is not None:
+            seen[name] = p.grad if keep else p.grad.data_ptr()
+
+    for name, p in model.named_parameters():
+        p.register_post_accumulate_grad_hook(lambda p, name=name: record(p, name))
+    return seen
+
+
+def test_a_gradient_no_one_else_holds_is_adopted_by_its_region_not_copied(gpt_tiny, resident_plan):
+    """[Note: adopted gradients]: the region's storage takes autograd's gradient memory (no copy)."""
+    model = gpt_tiny.build_model()
+    optimizer = gpt_tiny.optimizer(model.parameters())
+    seen = _recorded_grads(model, keep=False)
+    with hplan.attach(model, optimizer, resident_plan) as run:
+        gpt_tiny.loss(model, gpt_tiny.batch(0)).backward()
+        assert seen
+        for name, address in seen.items():
+            assert run._grad_of[name][2].fast_views[name].data_ptr() == address, name
+        optimizer.step()
+
+
+def test_a_gradient_a_users_hook_kept_is_copied_and_keeps_its_values(gpt_tiny, resident_plan):
+    """A hook that kept `p.grad` holds autograd's memory: adopting it would hand the hook the region's old block.
+    It gets a copy, so what it kept still equals the gradient the region holds, and training is unchanged."""
+    model = gpt_tiny.build_model()
+    optimizer = gpt_tiny.optimizer(model.parameters())
+    kept = _recorded_grads(model, keep=True)
+    with hplan.attach(model, optimizer, resident_plan) as run:
+        gpt_tiny.loss(model, gpt_tiny.batch(0)).backward()
+        assert kept
+        for name, grad in kept.items():
+            region = run._grad_of[name][2].fast_views[name]
+            assert region.data_ptr() != grad.data_ptr() and torch.equal(region, grad), name
+        optimizer.step()
