@@ -163,9 +163,13 @@ def unpack(packed: Any) -> torch.Tensor:
                          "step (the run differs from the trace): re-trace and re-plan this workload")
     if slot.ready is not None:
         torch.cuda.current_stream(slot.fast.device).wait_event(slot.ready)
-    with _no_modes():  # a view of the prefetched buffer, not an allocation
-        return torch.empty(0, dtype=packed.dtype, device=slot.fast.device).set_(
-            slot.fast.untyped_storage(), packed.offset, packed.size, packed.stride)
+    fast = slot.fast
+    if _dispatch_depth():  # _no_modes, inline (an unpack per offloaded saved tensor)
+        with _disable_current_modes():  # a view of the prefetched buffer, not an allocation
+            return torch.empty(0, dtype=packed.dtype, device=fast.device).set_(
+                fast.untyped_storage(), packed.offset, packed.size, packed.stride)
+    return torch.empty(0, dtype=packed.dtype, device=fast.device).set_(
+        fast.untyped_storage(), packed.offset, packed.size, packed.stride)
 
 
 class ActivationRun:
