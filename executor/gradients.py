@@ -215,12 +215,13 @@ _SOLE_REFS = 3
 
 
 def move_grad(p: torch.Tensor, grad_target: Callable[[torch.Tensor], tuple[torch.Tensor, bool]], *,
-              adopt: bool = False) -> None:
+              adopt: frozenset[int] = frozenset()) -> None:
     """Post-accumulate-grad hook body: move autograd's gradient into its region (the first write of the iteration
     overwrites, later ones add), then drop it. Nothing to do when the backward wrote through grad_target.
 
-    [Note: adopted gradients] With `adopt` (the single-process executor), on the CPU twin a first write whose gradient is the whole of its region, in memory
-    no one else holds, is not copied: the region's storage takes the gradient's memory (the data swapped, as
+    [Note: adopted gradients] For the parameters in `adopt` (ids: the single-process executor's on the CPU twin,
+    each the whole of its gradient region, checked once at set-up), a first write whose gradient is contiguous, in
+    memory of its own no one else holds, is not copied: the region's storage takes the gradient's memory (the data swapped, as
     AccumulateGrad takes the op's output instead of copying it) and the region's previous block dies with the
     gradient. Values are the same bytes; any other holder (a user's hook that kept `p.grad`, a view) gets a copy."""
     grad = p.grad
@@ -231,12 +232,12 @@ def move_grad(p: torch.Tensor, grad_target: Callable[[torch.Tensor], tuple[torch
         with torch.no_grad():
             target.copy_(grad) if first else target.add_(grad)
     elif first:
-        if adopt and grad.is_cpu and target.is_cpu and _refs(grad) == _SOLE_REFS and grad.dtype == target.dtype \
-                and not grad.storage_offset() and not target.storage_offset() and grad.is_contiguous() \
-                and target.is_contiguous():
+        if id(p) in adopt and _refs(grad) == _SOLE_REFS and grad.dtype == target.dtype and grad.is_cpu \
+                and grad.is_contiguous():
             mine, theirs = target.untyped_storage(), grad.untyped_storage()
-            nbytes = mine.nbytes()
-            if nbytes == theirs.nbytes() == target.numel() * target.element_size() and _storage_users(theirs._cdata) == 2:
+            # the same size as the region (which the target view is the whole of): with `grad`'s shape, contiguous,
+            # it is all of its storage, from offset 0
+            if theirs.nbytes() == mine.nbytes() and _storage_users(theirs._cdata) == 2:
                 mine._swap_data_ptr_(theirs)  # 2 users: the gradient tensor and `theirs`, this Python wrapper
                 p.grad = None
                 return

@@ -384,7 +384,24 @@ class PlanRun(UpdateSteps, GradientOps, StateSync):
         """Post-accumulate-grad hook: autograd's gradient into its region, through grad_target (move_grad bound as
         a C-level partial: one hook call per parameter per iteration, no Python frame of its own), adopted rather
         than copied where it can be ([Note: adopted gradients] in hplan.executor.gradients)."""
-        return functools.partial(move_grad, grad_target=self.grad_target, adopt=True)
+        return functools.partial(move_grad, grad_target=self.grad_target, adopt=self._adoptable())
+
+    def _adoptable(self) -> frozenset[int]:
+        """Parameters whose gradient view is the whole of its region, on the CPU twin: their gradients may be
+        adopted rather than copied ([Note: adopted gradients])."""
+        if not self.tier.caches:
+            return frozenset()
+        store, out = self.store, set()
+        for name, param in store.params.items():
+            rid = store.region(store.chunk_of[name], "grad")
+            if rid is None:
+                continue
+            slot = store.slots[rid]
+            view = slot.host_views[name]  # the fast view's layout (made the same way; the fast one may be evicted)
+            if not view.storage_offset() and view.is_contiguous() and \
+                    view.numel() * view.element_size() == slot.region.bytes:
+                out.add(id(param))
+        return frozenset(out)
 
     def grad_target(self, param: torch.Tensor) -> tuple[torch.Tensor, bool]:
         """GradSink (hplan.grads): the parameter's gradient lives in its chunk's gradient region."""

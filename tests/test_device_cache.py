@@ -163,3 +163,27 @@ def test_a_gradient_a_users_hook_kept_is_copied_and_keeps_its_values(gpt_tiny, r
             region = run._grad_of[name][2].fast_views[name]
             assert region.data_ptr() != grad.data_ptr() and torch.equal(region, grad), name
         optimizer.step()
+
+
+def test_only_gradients_that_are_a_whole_region_are_adopted(gpt_tiny):
+    """One chunk per module: a weight and its bias share a gradient region, so neither view is the whole of it and
+    neither is adopted (a swap would hand the region another tensor's memory layout); training stays exact."""
+    from hplan.planner import PlanOptions, make_plan
+    from hplan.tracer import trace_workload
+
+    base = plan_for(gpt_tiny, extra=3.0)
+    plan = make_plan(trace_workload(gpt_tiny, device="cpu", iters=3), base.hardware,
+                     PlanOptions(solver="fast", chunk_bytes=0))
+    shared = [c for c in plan.chunks if len(c.trainable) > 1]
+    assert shared
+    model = gpt_tiny.build_model()
+    optimizer = gpt_tiny.optimizer(model.parameters())
+    with hplan.attach(model, optimizer, plan) as run:
+        adopt = run._on_grad.keywords["adopt"]
+        params = run.store.params
+        assert adopt and not any(id(params[n]) in adopt for c in shared for n in c.trainable)
+    ref = user_loop(gpt_tiny, 2)
+    got = user_loop(gpt_tiny, 2, plan)
+    assert got["losses"] == ref["losses"]
+    for key, value in ref["weights"].items():
+        assert torch.equal(got["weights"][key], value), key
