@@ -24,18 +24,24 @@ MIXED_PARITY_RTOL = 1e-4
 The reference is plain PyTorch under the same recipe (fp32 masters, `hplan.training`), not bf16 AdamW."""
 
 
-def plain_run(workload: Any, steps: int) -> tuple[list[float], list[float]]:
-    """Ordinary PyTorch training with the workload's seed: per-step losses and seconds."""
+def plain_run(workload: Any, steps: int, *, faults: list[int] | None = None) -> tuple[list[float], list[float]]:
+    """Ordinary PyTorch training with the workload's seed: per-step losses and seconds (and, into `faults`, each
+    step's minor page faults, read outside its timing)."""
+    import resource
+
     model = workload.build_model()
     opt = workload.optimizer(model.parameters())
     losses, secs = [], []
     for i in range(steps):
+        before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt if faults is not None else 0
         t0 = time.perf_counter()
         opt.zero_grad(set_to_none=True)
         loss = workload.loss(model, workload.batch(i))
         loss.backward()
         opt.step()
         secs.append(time.perf_counter() - t0)
+        if faults is not None:
+            faults.append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
         losses.append(float(loss.detach()))
     del model, opt
     gc.collect()

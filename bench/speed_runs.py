@@ -4,35 +4,48 @@ or DeepSpeed ZeRO on its torch-optimizer path. Same workload, seed and batches i
 `python -m bench.worker speed-run SYSTEM SPEC STEPS [PLAN]` prints one JSON line: losses, step seconds, bytes the
 system copied per iteration where it reports them, and the 1-minute load average when it finished.
 SYSTEM: plain | hplan | hplan-inline (a backward step's host updates in line, not on hplan's worker thread:
-one core, as plain PyTorch's one torch thread) | ds-z2 | ds-z3 | ds-z2-offload | ds-z3-offload (offload: optimizer, and for ZeRO-3 the
+one core, as plain PyTorch's one torch thread) | hplan-nocache (the CPU twin's block cache off: every released
+region's memory goes back to malloc, as before issue 32's cache) | ds-z2 | ds-z3 | ds-z2-offload | ds-z3-offload (offload: optimizer, and for ZeRO-3 the
 parameters, on the CPU; DeepSpeed then runs the client's torch AdamW on the host copies, no compiled extension).
 """
 
 from __future__ import annotations
 
 import os
+import resource
 import time
 from typing import Any
 
 DS_SYSTEMS = ("ds-z2", "ds-z3", "ds-z2-offload", "ds-z3-offload")
 
 
+def minor_faults() -> int:
+    """Minor page faults this process took so far (pages the kernel handed it again: memory malloc gave back)."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+
+
 def _plain(workload: Any, steps: int) -> dict[str, Any]:
     from bench.executor_bench import plain_run
 
-    losses, secs = plain_run(workload, steps)
-    return {"losses": losses, "step_seconds": secs}
+    faults: list[int] = []
+    losses, secs = plain_run(workload, steps, faults=faults)
+    return {"losses": losses, "step_seconds": secs, "step_faults": faults}
 
 
-def _hplan(workload: Any, steps: int, plan_path: str, *, overlap: bool = True) -> dict[str, Any]:
+def _hplan(workload: Any, steps: int, plan_path: str, *, overlap: bool = True, cache: bool = True) -> dict[str, Any]:
     from hplan.artifacts import Plan
     from hplan.executor import run_training
+    from hplan.executor.device import FastTier
 
     from bench.executor_speed import copy_seconds
 
-    report = run_training(workload, Plan.load(plan_path), steps=steps, device="cpu", measure=False, overlap=overlap)
+    marks = [minor_faults()]  # after each step (run_training's progress callback, outside the step's timing)
+    FastTier.caches = cache
+    report = run_training(workload, Plan.load(plan_path), steps=steps, device="cpu", measure=False, overlap=overlap,
+                          on_progress=lambda *_: marks.append(minor_faults()))
     moved = report.bytes_moved_per_iter + report.activation_bytes_moved_per_iter
     return {"losses": list(report.losses), "step_seconds": list(report.step_seconds), "moved_bytes": moved,
+            "step_faults": [b - a for a, b in zip(marks, marks[1:])],
             "memcpy_seconds": copy_seconds(moved, fresh=False), "refill_seconds": copy_seconds(moved, fresh=True)}
 
 
@@ -91,14 +104,14 @@ def speed_run(system: str, spec: str, steps: int, plan_path: str | None) -> dict
     workload = load_workload(spec)
     if system == "plain":
         out = _plain(workload, steps)
-    elif system in ("hplan", "hplan-inline"):
+    elif system in ("hplan", "hplan-inline", "hplan-nocache"):
         if plan_path is None:
             raise ValueError(f"speed-run {system} needs a plan file")
-        out = _hplan(workload, steps, plan_path, overlap=system == "hplan")
+        out = _hplan(workload, steps, plan_path, overlap=system != "hplan-inline", cache=system != "hplan-nocache")
     elif system in DS_SYSTEMS:
         out = _deepspeed(workload, steps, system)
     else:
-        raise ValueError(f"unknown system {system!r}: plain, hplan, hplan-inline or one of {', '.join(DS_SYSTEMS)}")
+        raise ValueError(f"unknown system {system!r}: plain, hplan, hplan-inline, hplan-nocache or one of {', '.join(DS_SYSTEMS)}")
     from bench.harness import self_peak_rss_bytes
 
     return {**out, "system": system, "load1": os.getloadavg()[0], "peak_rss_bytes": self_peak_rss_bytes()}

@@ -18,10 +18,44 @@ _set_version = torch._C._autograd._unsafe_set_version_counter
 
 
 class FastTier:
-    """CPU twin: fast-tier buffers are ordinary CPU tensors, distinct from the host store."""
+    """CPU twin: fast-tier buffers are ordinary CPU tensors, distinct from the host store.
+
+    [Note: the CPU twin's block cache] CUDA's caching allocator keeps a freed block reserved for the next
+    allocation of its size; the CPU twin's storages go back to malloc, which may hand the pages back to the
+    kernel and fault them in again on the next refill. So a released region's memory is kept, up to `limit`
+    bytes (`keep`), and the next region of the same size takes it (its storage's data swapped in: the storage
+    object, which views and autograd's saved references hold, stays the same). Budget: cached-but-free bytes are
+    bounded by the plan's headroom (PlanRun sets `limit` to the budget minus the plan's fullest step: regions, non-model bytes
+    and slack, as its replay counts them), and the
+    budget guard counts them as CUDA counts reserved memory. `limit` 0 (the default) keeps nothing.
+    """
+
+    caches = True
+    """Keeps released blocks for reuse (the CPU twin); CUDA's own allocator does it there."""
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
+        self.limit = 0
+        """Most bytes of released blocks kept for reuse."""
+        self.cached = 0
+        """Bytes of released blocks kept now (free, not any region's)."""
+        self._blocks: dict[int, list[torch.UntypedStorage]] = {}
+        """Kept blocks by size: storages of their own, holding the memory a released region gave up."""
+        self._empty: list[torch.UntypedStorage] = []
+        """0-byte storages a reused block left behind: the next release's container."""
+
+    def keep(self, limit: int) -> None:
+        """Keep at most `limit` bytes of released blocks; 0 frees every kept block (the block's end)."""
+        self.limit = max(0, int(limit)) if self.caches else 0
+        self._trim()
+
+    def _trim(self) -> None:
+        """Really free kept blocks, largest first, until the cache fits its limit."""
+        blocks = self._blocks
+        while self.cached > self.limit:
+            size = max(n for n, kept in blocks.items() if kept)
+            blocks[size].pop()  # the last reference: its memory goes back to malloc
+            self.cached -= size
 
     def empty(self, nbytes: int) -> torch.Tensor:
         """A fast-tier byte buffer of `nbytes`, allocated."""
@@ -31,18 +65,43 @@ class FastTier:
         return torch.empty(nbytes, dtype=torch.uint8)
 
     def release(self, buf: torch.Tensor) -> None:
-        """Really free the storage; views and autograd's saved references stay valid (size-0 storage)."""
-        buf.untyped_storage().resize_(0)
+        """Free the storage (kept for reuse within `limit`, else really freed); views and autograd's saved
+        references stay valid (size-0 storage)."""
+        storage = buf.untyped_storage()
+        nbytes = storage.nbytes()
+        if nbytes and nbytes <= self.limit - self.cached:
+            block = self._empty.pop() if self._empty else torch.UntypedStorage(0)
+            storage._swap_data_ptr_(block)  # the memory moves to `block`; `storage` is left with 0 bytes
+            self._blocks.setdefault(nbytes, []).append(block)
+            self.cached += nbytes
+        else:
+            storage.resize_(0)
 
     def alloc(self, dst: torch.Tensor, nbytes: int) -> None:
-        """Re-allocate `dst` without filling it (its previous contents are dead)."""
-        dst.untyped_storage().resize_(nbytes)
+        """Re-allocate `dst` without filling it (its previous contents are dead): a kept block of its size when
+        there is one (the tier's methods inline this: a region copy makes no Python call below them)."""
+        blocks = self._blocks.get(nbytes)
+        if blocks:
+            block = blocks.pop()
+            dst.untyped_storage()._swap_data_ptr_(block)
+            self._empty.append(block)
+            self.cached -= nbytes
+        else:
+            dst.untyped_storage().resize_(nbytes)
 
     def h2d(self, dst: torch.Tensor, src: torch.Tensor) -> None:
         """Re-allocate `dst` and fill it in place from the host copy, its version counter kept (autograd's saved
         views of the region see the same data again). torch.no_grad() and _unsafe_preserve_version_counter as
         their C calls: the Python context managers cost more than a small region's memcpy."""
-        dst.untyped_storage().resize_(src.untyped_storage().nbytes())
+        storage, nbytes = dst.untyped_storage(), src.untyped_storage().nbytes()
+        blocks = self._blocks.get(nbytes)
+        if blocks:  # alloc's reuse, inline
+            block = blocks.pop()
+            storage._swap_data_ptr_(block)
+            self._empty.append(block)
+            self.cached -= nbytes
+        else:
+            storage.resize_(nbytes)
         version = dst._version
         grad = _grad_enabled()
         _set_grad_enabled(False)
@@ -79,6 +138,7 @@ class CudaTier(FastTier):
 
     exposes_host_grads = False
     waits = True
+    caches = False
 
     def __init__(self, device: torch.device) -> None:
         super().__init__(device)

@@ -73,7 +73,7 @@ class EvalPass:
         run = self.run
         peak = run.meter.close_window() if run.meter is not None else 0
         used = run.meter.resident(self.model_bytes, peak) if run.meter is not None else self.model_bytes
-        run.guard_budget(used, f"evaluation forward before plan step {self.cursor}")
+        run.guard_budget(used + run.tier.cached, f"evaluation forward before plan step {self.cursor}")
 
     def rewind(self) -> None:
         """Back to the residency between iterations: what the plan does not hold there leaves (written back

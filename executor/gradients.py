@@ -11,6 +11,7 @@ A clip after chunks were updated during backward cannot be honoured and is refus
 from __future__ import annotations
 
 import contextlib
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -207,9 +208,22 @@ def apply_clips(clips: list[Clip] | tuple[Clip, ...], name: str, grad: torch.Ten
             clip.op(grad)
 
 
-def move_grad(p: torch.Tensor, grad_target: Callable[[torch.Tensor], tuple[torch.Tensor, bool]]) -> None:
+_refs = sys.getrefcount
+_storage_users = torch._C._storage_Use_Count
+_SOLE_REFS = 3
+"""sys.getrefcount of `grad` in move_grad when nothing else holds it: `p.grad`, the local name, the call's argument."""
+
+
+def move_grad(p: torch.Tensor, grad_target: Callable[[torch.Tensor], tuple[torch.Tensor, bool]], *,
+              adopt: frozenset[int] = frozenset()) -> None:
     """Post-accumulate-grad hook body: move autograd's gradient into its region (the first write of the iteration
-    overwrites, later ones add), then drop it. Nothing to do when the backward wrote through grad_target."""
+    overwrites, later ones add), then drop it. Nothing to do when the backward wrote through grad_target.
+
+    [Note: adopted gradients] For the parameters in `adopt` (ids: the single-process executor's on the CPU twin,
+    each the whole of its gradient region, checked once at set-up), a first write whose gradient is contiguous, in
+    memory of its own no one else holds, is not copied: the region's storage takes the gradient's memory (the data swapped, as
+    AccumulateGrad takes the op's output instead of copying it) and the region's previous block dies with the
+    gradient. Values are the same bytes; any other holder (a user's hook that kept `p.grad`, a view) gets a copy."""
     grad = p.grad
     if grad is None:
         return
@@ -218,6 +232,15 @@ def move_grad(p: torch.Tensor, grad_target: Callable[[torch.Tensor], tuple[torch
         with torch.no_grad():
             target.copy_(grad) if first else target.add_(grad)
     elif first:
+        if id(p) in adopt and _refs(grad) == _SOLE_REFS and grad.dtype == target.dtype and grad.is_cpu \
+                and grad.is_contiguous():
+            mine, theirs = target.untyped_storage(), grad.untyped_storage()
+            # the same size as the region (which the target view is the whole of): with `grad`'s shape, contiguous,
+            # it is all of its storage, from offset 0
+            if theirs.nbytes() == mine.nbytes() and _storage_users(theirs._cdata) == 2:
+                mine._swap_data_ptr_(theirs)  # 2 users: the gradient tensor and `theirs`, this Python wrapper
+                p.grad = None
+                return
         target.copy_(grad)
     else:
         target.add_(grad)

@@ -39,7 +39,7 @@ from hplan.executor.update import ChunkUpdate
 from torch import nn
 
 from hplan.artifacts import Plan, Step
-from hplan.artifacts.replay import OPTIMIZER_EVENT, live_in, validate
+from hplan.artifacts.replay import OPTIMIZER_EVENT, live_in, replay, validate
 from hplan.artifacts.shard import one_rank_only
 from hplan.errors import HplanError
 from hplan.grads import installed
@@ -82,6 +82,9 @@ class PlanRun(UpdateSteps, GradientOps, StateSync):
                              "step; re-trace with gradient clipping (max_grad_norm) or use nonfinite='stop'")
         self.budget_guard, self.nonfinite = budget_guard, nonfinite
         self._budget = plan.gpu_bytes
+        self._headroom = max(0, plan.gpu_bytes - replay(plan).peak_bytes)
+        """Budget the plan never fills (its fullest step's regions, non-model bytes and slack aside): what the CPU
+        twin's block cache may keep ([Note: the CPU twin's block cache] in hplan.executor.device)."""
         self.meter = WindowMeter(make_probe(device)) if measure else None
         """None: resident bytes are model data only (no non-model probe, so no per-op cost on CPU)."""
         self.live = live_in(plan)
@@ -195,6 +198,8 @@ class PlanRun(UpdateSteps, GradientOps, StateSync):
         self.model_state_hooks(model, self._stack)
         if self.meter is not None:
             self._stack.enter_context(self.meter.track())
+        self.tier.keep(self._headroom)
+        self._stack.callback(self.tier.keep, 0)
 
     def __exit__(self, *exc: object) -> None:
         """Remove hooks, give the optimizer its state and every parameter its own storage back; the host tier is
@@ -230,6 +235,7 @@ class PlanRun(UpdateSteps, GradientOps, StateSync):
             if failed is not None:
                 raise failed
         finally:
+            self.tier.keep(0)  # the blocks kept for reuse, the last regions' among them, go back to malloc
             if self.store is not None:
                 try:
                     self.host.close()
@@ -376,8 +382,26 @@ class PlanRun(UpdateSteps, GradientOps, StateSync):
     @functools.cached_property
     def _on_grad(self) -> Any:
         """Post-accumulate-grad hook: autograd's gradient into its region, through grad_target (move_grad bound as
-        a C-level partial: one hook call per parameter per iteration, no Python frame of its own)."""
-        return functools.partial(move_grad, grad_target=self.grad_target)
+        a C-level partial: one hook call per parameter per iteration, no Python frame of its own), adopted rather
+        than copied where it can be ([Note: adopted gradients] in hplan.executor.gradients)."""
+        return functools.partial(move_grad, grad_target=self.grad_target, adopt=self._adoptable())
+
+    def _adoptable(self) -> frozenset[int]:
+        """Parameters whose gradient view is the whole of its region, on the CPU twin: their gradients may be
+        adopted rather than copied ([Note: adopted gradients])."""
+        if not self.tier.caches:
+            return frozenset()
+        store, out = self.store, set()
+        for name, param in store.params.items():
+            rid = store.region(store.chunk_of[name], "grad")
+            if rid is None:
+                continue
+            slot = store.slots[rid]
+            view = slot.host_views[name]  # the fast view's layout (made the same way; the fast one may be evicted)
+            if not view.storage_offset() and view.is_contiguous() and \
+                    view.numel() * view.element_size() == slot.region.bytes:
+                out.add(id(param))
+        return frozenset(out)
 
     def grad_target(self, param: torch.Tensor) -> tuple[torch.Tensor, bool]:
         """GradSink (hplan.grads): the parameter's gradient lives in its chunk's gradient region."""
@@ -502,8 +526,9 @@ class PlanRun(UpdateSteps, GradientOps, StateSync):
         record = EventRecord(index=step.index, event=step.event, resident_bytes=used,
                              model_resident_bytes=model, h2d_bytes=h2d, d2h_bytes=d2h)
         self.records.append(record)
-        if used > self._budget:  # guard_budget's test first: no message built for a step within budget
-            self.guard_budget(record.resident_bytes, f"plan step {step.index} ({step.event})")
+        cached = self.tier.cached  # kept free blocks count as CUDA's reserved memory does
+        if used + cached > self._budget:  # guard_budget's test first: no message for a step within budget
+            self.guard_budget(record.resident_bytes + cached, f"plan step {step.index} ({step.event})")
 
     def _planned(self, where: str) -> str:
         step = self.plan.steps[self.cursor - 1] if self.cursor else None
@@ -515,7 +540,8 @@ class PlanRun(UpdateSteps, GradientOps, StateSync):
         """Measured fast-tier bytes above the plan's budget stop the run (or warn, when asked)."""
         if used <= self._budget:
             return
-        message = (f"{where} used {used} bytes of the fast tier in iteration {self.iteration}, over the plan's "
+        kept = f" ({self.tier.cached} of them freed blocks kept for reuse)" if self.tier.cached else ""
+        message = (f"{where} used {used} bytes of the fast tier{kept} in iteration {self.iteration}, over the plan's "
                    f"budget of {self.plan.gpu_bytes}, where the plan counts {self._planned(where)}; the run differs "
                    "from the traced step, or the plan no longer matches its trace (edited after `hplan plan`) — "
                    "re-trace (e.g. with the shapes this run uses) and re-plan")

@@ -262,3 +262,10 @@ def test_fit_section_says_a_boundary_is_proven_only_by_a_feasible_plan_and_the_n
     assert boundary_cell({"best": probe(256, True, "seq"), "next": probe(384, False, "seq"), "limit": ""}, "seq")[1]
     assert boundary_cell({"best": None, "next": probe(1, False), "limit": ""}, "batch")[1]
     assert boundary_cell({"best": probe(8, True), "next": None, "limit": "cap"}, "batch") == ("≥ 8 (cap)", True)
+
+
+def test_speed_page_faults_are_the_median_over_rounds_of_each_runs_steady_mean() -> None:
+    from bench.executor_speed import steady_faults
+
+    runs = [{"step_faults": [9000, 10, 30]}, {"step_faults": [5000, 100, 300]}, {"step_faults": [1, 50, 50]}]
+    assert steady_faults(runs) == 50  # steady means 20, 200 and 50: the first step (set-up) is left out

@@ -124,7 +124,7 @@ class _Offloaded:
                 raise HplanError(f"a tensor autograd saved in the forward of {self.choice.module} was modified in "
                                  "place afterwards, which plain PyTorch refuses at backward (\"modified by an "
                                  "inplace operation\"): fix the model (or keep this segment's activations)")
-            with _disable_current_modes():  # host memory is not the fast tier: the probe must not count it
+            with _no_modes():  # host memory is not the fast tier: the probe must not count it
                 storage = slot.source.untyped_storage()
                 raw = torch.empty(0, dtype=torch.uint8, device=self.device).set_(storage)
                 slot.nbytes = storage.nbytes()
@@ -168,6 +168,18 @@ class _Offloaded:
         return total
 
 
+_dispatch_depth = torch._C._len_torch_dispatch_stack
+_NULL = contextlib.nullcontext()
+
+
+def _no_modes() -> contextlib.AbstractContextManager[Any]:
+    """torch's `_disable_current_modes` when a dispatch mode is on (the probe's, counting allocations: a copy to
+    host memory or a view of a prefetched buffer is not one), else a shared no-op: entering it costs a dozen
+    Python calls, and an iteration unpacks every offloaded saved tensor. (Pre-dispatch modes belong to
+    torch.export's tracing, which runs no training loop.)"""
+    return _disable_current_modes() if _dispatch_depth() else _NULL
+
+
 def unpack(packed: Any) -> torch.Tensor:
     if not isinstance(packed, _Packed):
         return packed
@@ -177,9 +189,13 @@ def unpack(packed: Any) -> torch.Tensor:
                          "step (the run differs from the trace): re-trace and re-plan this workload")
     if slot.ready is not None:
         torch.cuda.current_stream(slot.fast.device).wait_event(slot.ready)
-    with _disable_current_modes():  # a view of the prefetched buffer, not an allocation
-        return torch.empty(0, dtype=packed.dtype, device=slot.fast.device).set_(
-            slot.fast.untyped_storage(), packed.offset, packed.size, packed.stride)
+    fast = slot.fast
+    if _dispatch_depth():  # _no_modes, inline (an unpack per offloaded saved tensor)
+        with _disable_current_modes():  # a view of the prefetched buffer, not an allocation
+            return torch.empty(0, dtype=packed.dtype, device=fast.device).set_(
+                fast.untyped_storage(), packed.offset, packed.size, packed.stride)
+    return torch.empty(0, dtype=packed.dtype, device=fast.device).set_(
+        fast.untyped_storage(), packed.offset, packed.size, packed.stride)
 
 
 class ActivationRun:
