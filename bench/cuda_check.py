@@ -27,20 +27,22 @@ from pathlib import Path
 from statistics import median
 from typing import Any
 
+from bench.executor_bench import adam_gbps, max_loss_diff
+
 Phase = Callable[["Check"], dict[str, Any]]
 
 
 class Check:
     """Where files go, the device, the deadline, and the results so far (rewritten after each phase)."""
 
-    def __init__(self, out: Path, device: str, deadline_s: float, gpu: str) -> None:
+    def __init__(self, out: Path, device: str, deadline_s: float, gpu: str, big_cuda_trace: bool = True) -> None:
         self.out, self.device, self.gpu = out, device, gpu
         self.deadline = time.monotonic() + deadline_s
         self.work = Path(tempfile.mkdtemp(prefix="hplan-cuda-check-"))
         self.results: dict[str, Any] = {"device": device, "gpu_preset": gpu, "phases": {}}
         self.link_gbps: float | None = None
         self.adam_gbps: float | None = None
-        self.big_cuda_trace = True
+        self.big_cuda_trace = big_cuda_trace
 
     def save(self) -> None:
         (self.out / "cuda_check.json").write_text(json.dumps(self.results, indent=1, default=str))
@@ -62,6 +64,15 @@ def log(line: str) -> None:
     print(line, flush=True)
 
 
+def _attempt(c: Check, into: dict[str, Any], name: str, fn: Callable[[], dict[str, Any]]) -> None:
+    """`into[name] = fn()`, or its traceback: one failing plan must not hide the others; saved after each."""
+    try:
+        into[name] = fn()
+    except Exception:  # noqa: BLE001
+        into[name] = {"error": traceback.format_exc()[-2500:]}
+    c.save()
+
+
 def sync() -> None:
     import torch
 
@@ -72,8 +83,6 @@ def sync() -> None:
 def env(c: Check) -> dict[str, Any]:
     """The machine, and the constants a plan takes from a preset, measured here."""
     import torch
-
-    from bench.executor_bench import adam_gbps
 
     r: dict[str, Any] = {"torch": torch.__version__, "cuda": torch.version.cuda, "cpus": os.cpu_count()}
     c.adam_gbps = r["host_adamw_gbps"] = adam_gbps(n_params=64 * 2**20)
@@ -201,13 +210,12 @@ def _run(c: Check, spec: str, plan_path: str, planned: dict[str, Any], ref: dict
     except torch.cuda.OutOfMemoryError as exc:  # the check's point: a plan that does not fit its budget
         return {**r, "oom": str(exc).splitlines()[0][:400]}
     finally:
-        if c.device == "cuda":
+        if c.device == "cuda":  # the executor's probe resets the peaks at each plan step: these are the last window's
             r["peak_reserved_bytes"] = torch.cuda.max_memory_reserved()
             r["peak_allocated_bytes"] = torch.cuda.max_memory_allocated()
             torch.cuda.set_per_process_memory_fraction(1.0)
-    losses = [x for x in report.losses]
-    r.update(losses=losses, reference_losses=ref["losses"][:steps],
-             max_rel_loss_diff=max(abs(a - b) / max(abs(a), abs(b), 1e-30) for a, b in zip(losses, ref["losses"])),
+    losses = list(report.losses)
+    r.update(losses=losses, reference_losses=ref["losses"][:steps], max_rel_loss_diff=max_loss_diff(losses, ref["losses"]),
              step_seconds=list(report.step_seconds), reference_step_seconds=ref["step_seconds"][:steps],
              bytes_moved_per_iter=report.bytes_moved_per_iter,
              planned_bytes_moved_per_iter=report.planned_bytes_moved_per_iter,
@@ -231,21 +239,11 @@ def small(c: Check) -> dict[str, Any]:
     budgets = [("min_auto", "min"), ("min_keep", "min", "--activations", "keep"),
                ("min_offload", "min", "--activations", "offload"),
                ("min_recompute", "min", "--activations", "recompute"), ("resident", "4GB")]
-    for name, budget, *extra in budgets:
-        try:
-            path, planned = _plan(c, trace, f"small-{name}", budget, *extra)
-            r[name] = _run(c, "gpt:small", path, planned, ref, 6)
-        except Exception:  # noqa: BLE001 - one failing plan must not hide the others
-            r[name] = {"error": traceback.format_exc()[-2500:]}
-        c.save()
     if c.device == "cuda":  # the usual flow: traced on a CPU, planned for a GPU (its workspaces added), capped
-        for name, extra in (("cpu_trace_min_auto", ()), ("cpu_trace_min_keep", ("--activations", "keep"))):
-            try:
-                path, planned = _plan(c, r["trace_cpu"]["path"], f"small-{name}", "min", *extra)
-                r[name] = _run(c, "gpt:small", path, planned, ref, 6)
-            except Exception:  # noqa: BLE001
-                r[name] = {"error": traceback.format_exc()[-2500:]}
-            c.save()
+        budgets += [("cpu_trace_min_auto", "min"), ("cpu_trace_min_keep", "min", "--activations", "keep")]
+    for name, budget, *extra in budgets:
+        source = r["trace_cpu"]["path"] if name.startswith("cpu_trace") else trace
+        _attempt(c, r, name, lambda: _run(c, "gpt:small", *_plan(c, source, f"small-{name}", budget, *extra), ref, 6))
     return r
 
 
@@ -271,26 +269,21 @@ def nvme(c: Check) -> dict[str, Any]:
 
 def hf_llama(c: Check) -> dict[str, Any]:
     """A transformers model nobody here wrote: a 4-layer Llama, traced on this device, run at its minimum."""
-    sets = ["--set", "num_hidden_layers=4", "--set", "hidden_size=512", "--set", "intermediate_size=1376",
-            "--set", "num_attention_heads=8", "--set", "num_key_value_heads=4", "--set", "vocab_size=8192"]
     spec = "hf:LlamaForCausalLM"
     opts = {"overrides": {"num_hidden_layers": 4, "hidden_size": 512, "intermediate_size": 1376,
                           "num_attention_heads": 8, "num_key_value_heads": 4, "vocab_size": 8192},
             "batch_size": 4, "seq_len": 512}
+    sets = [arg for k, v in opts["overrides"].items() for arg in ("--set", f"{k}={v}")]
     shape = ["--batch-size", "4", "--seq-len", "512"]
     r: dict[str, Any] = {"trace": _trace(c, spec, "llama", c.device, *sets, *shape)}
     ref = r["reference"] = _reference(spec, 5, c.device, **opts)
     for name, budget in (("min_auto", "min"), ("resident", "8GB")):
-        try:
-            path, planned = _plan(c, r["trace"]["path"], f"llama-{name}", budget)
-            r[name] = _run(c, spec, path, planned, ref, 5, **opts)
-        except Exception:  # noqa: BLE001
-            r[name] = {"error": traceback.format_exc()[-2500:]}
-        c.save()
+        _attempt(c, r, name, lambda: _run(c, spec, *_plan(c, r["trace"]["path"], f"llama-{name}", budget), ref, 5,
+                                          **opts))
     if c.device == "cuda":
         r["trace_cpu"] = _trace(c, spec, "llama", "cpu", *sets, *shape)
-        path, planned = _plan(c, r["trace_cpu"]["path"], "llama-cpu-min_auto", "min")
-        r["cpu_trace_min_auto"] = _run(c, spec, path, planned, ref, 5, cap=False, **opts)
+        _attempt(c, r, "cpu_trace_min_auto", lambda: _run(
+            c, spec, *_plan(c, r["trace_cpu"]["path"], "llama-cpu-min_auto", "min"), ref, 5, cap=False, **opts))
     return r
 
 
@@ -308,12 +301,8 @@ def big(c: Check) -> dict[str, Any]:
     cap = trace != r["trace_fake"]["path"]  # a fake trace's plan runs uncapped: its peak shows any miss
     ref = r["reference"] = _reference(spec, 5, c.device, **opts)
     for name, budget in (("resident", "100GB"), ("at_16GB", "16GB"), ("min", "min")):
-        try:
-            path, planned = _plan(c, trace, f"big-{name}", budget, "--cpu-mem", "96GB")
-            r[name] = _run(c, spec, path, planned, ref, 5, cap=cap, **opts)
-        except Exception:  # noqa: BLE001
-            r[name] = {"error": traceback.format_exc()[-2500:]}
-        c.save()
+        _attempt(c, r, name, lambda: _run(c, spec, *_plan(c, trace, f"big-{name}", budget, "--cpu-mem", "96GB"), ref,
+                                          5, cap=cap, **opts))
     return r
 
 
@@ -366,8 +355,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--no-big-cuda-trace", action="store_true", help="plan gpt:1.3b from its fake trace only")
     args = p.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
-    c = Check(args.out, args.device, args.deadline, args.gpu)
-    c.big_cuda_trace = not args.no_big_cuda_trace
+    c = Check(args.out, args.device, args.deadline, args.gpu, big_cuda_trace=not args.no_big_cuda_trace)
     wanted = set(filter(None, args.only.split(",")))
     for name, phase in PHASES:
         if wanted and name not in wanted:

@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from hplan.errors import HplanError
+from hplan.executor.measure import window_bytes
 
 if TYPE_CHECKING:
     from hplan.executor.runtime import PlanRun
@@ -71,9 +72,8 @@ class EvalPass:
     def _guard(self) -> None:
         """The window since the last evaluation event, against the budget (as training windows are)."""
         run = self.run
-        peak = run.meter.close_window() if run.meter is not None else 0
-        used = run.meter.resident(self.model_bytes, peak) if run.meter is not None else self.model_bytes
-        run.guard_budget(used + run.tier.cached, f"evaluation forward before plan step {self.cursor}")
+        run.guard_budget(window_bytes(run.meter, self.model_bytes) + run.tier.cached,
+                         f"evaluation forward before plan step {self.cursor}")
 
     def rewind(self) -> None:
         """Back to the residency between iterations: what the plan does not hold there leaves (written back

@@ -46,6 +46,7 @@ class WindowMeter:
 
     def __init__(self, probe: Any) -> None:
         self.probe = probe
+        self._whole = bool(getattr(probe, "counts_model_data", False))
 
     @contextlib.contextmanager
     def track(self) -> Iterator[None]:
@@ -61,10 +62,16 @@ class WindowMeter:
         """Fast-tier bytes of a window whose probe peak is `peak` and whose chunks hold `model`: on CUDA the
         allocator's peak already holds the chunks (adding them counted them twice: the first GPU run stopped
         gpt:1.3b at 18.95 GB of a 16 GB plan that fit); on the CPU twin the probe sees non-model bytes only."""
-        return peak if getattr(self.probe, "counts_model_data", False) else model + peak
+        return peak if self._whole else model + peak
 
     def close_window(self) -> int:
         """The peak since the previous call; starts the next window at the current level."""
         peak = int(self.probe.max_allocated_bytes())
         self.probe.reset_peak()
         return peak
+
+
+def window_bytes(meter: WindowMeter | None, model: int) -> int:
+    """Close `meter`'s window and return the fast tier's bytes in it, its chunks holding `model`; without a meter
+    (no non-model probe), the model data alone."""
+    return model if meter is None else meter.resident(model, meter.close_window())

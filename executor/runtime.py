@@ -24,7 +24,7 @@ from hplan.executor.device import make_tier
 from hplan.executor.evaluation import EvalPass
 from hplan.executor.gradients import Clip, GradientOps, move_grad
 from hplan.executor.habits import intercepted, with_step_hooks
-from hplan.executor.measure import EventRecord, WindowMeter, make_probe
+from hplan.executor.measure import EventRecord, WindowMeter, make_probe, window_bytes
 from hplan.executor.overlap import UpdateWorker
 from hplan.executor.param_watch import ParamWatch
 from hplan.executor.regions import move_regions
@@ -517,12 +517,11 @@ class PlanRun(UpdateSteps, GradientOps, StateSync):
 
     def _close_window(self) -> None:
         """Record the window that ends now (the previous step's) with the probe's peak in it; guard the budget."""
-        peak = self.meter.close_window() if self.meter is not None else 0
+        model, h2d, d2h = self._pending
+        used = window_bytes(self.meter, model)
         if self.cursor == 0:
             return
         step = self.plan.steps[self.cursor - 1]
-        model, h2d, d2h = self._pending
-        used = self.meter.resident(model, peak) if self.meter is not None else model
         record = EventRecord(index=step.index, event=step.event, resident_bytes=used,
                              model_resident_bytes=model, h2d_bytes=h2d, d2h_bytes=d2h)
         self.records.append(record)

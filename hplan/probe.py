@@ -95,6 +95,8 @@ class MemoryProbe(Protocol):
     """What hplan asks of a device's memory; every answer in bytes."""
 
     device: torch.device
+    counts_model_data: bool
+    """Whether its peaks hold the executor's chunks too (CUDA's allocator) or only what it saw allocated."""
 
     def track(self) -> contextlib.AbstractContextManager[None]: ...
     def allocated_bytes(self) -> int: ...

@@ -31,7 +31,7 @@ from hplan.executor.ranks.in_flight import InFlight
 from hplan.executor.ranks.dist_comm import PlanComm, stop_together
 from hplan.executor.gradients import first_nonfinite, move_grad, nonfinite_message
 from hplan.executor.habits import intercepted, with_step_hooks
-from hplan.executor.measure import WindowMeter, make_probe
+from hplan.executor.measure import WindowMeter, make_probe, window_bytes
 from hplan.executor.regions import move_regions
 from hplan.executor.step_table import moves_table
 from hplan.executor.runtime import check_plan
@@ -505,11 +505,10 @@ class DistRun:
 
     def _close_window(self) -> None:
         """The window that ends now: regions and full copies at their highest, plus the probe's non-model peak."""
-        non_model = self.meter.close_window() if self.meter is not None else 0
         model, self._window_model = self._window_model, self.store.resident_bytes()
+        total = window_bytes(self.meter, model)
         if self.cursor == 0:
             return
-        total = self.meter.resident(model, non_model) if self.meter is not None else model
         self.peak = max(self.peak, total)
         if total > self.plan.gpu_bytes:
             step = self.plan.steps[self.cursor - 1]
