@@ -1,0 +1,145 @@
+"""Selective activation checkpointing of one segment, priced by running its forward once (issue 31 §3).
+
+NOT YET A MODE OF THE PLAN: nothing in the tracer's trace, the planner or the executor calls this module. It is the
+measurement such a mode would be priced by, checked against torch's own selective checkpointing
+(tests/test_activation_selective.py); what is missing before the planner may offer it is listed in ARCHITECTURE.md
+([Note: selective checkpointing]).
+
+Under torch's selective checkpointing (`torch.utils.checkpoint.create_selective_checkpoint_contexts` with `policy`
+below) a segment's forward keeps the outputs of its expensive ops (`SAVE_OPS`: matmuls, convolutions, attention)
+and recomputes the cheap ones (norms, activations, pointwise) at its backward. From its forward's end to its
+backward it then holds its inputs and those outputs in place of what autograd saves; its recompute reruns only the
+cheap ops. `price` measures both sides on the segment's own call:
+- `keep_bytes`: non-model storages autograd saves in the forward (each once; its inputs too where saved): what
+  the segment holds when kept;
+- `held_bytes`: what it holds under selective checkpointing: its inputs' non-model storages and the outputs of its
+  `SAVE_OPS` (each once; torch's cache holds every output of such an op, saved or not);
+- `recompute_elements`: elements the cheap ops write again (their outputs), the recompute's work;
+- `reason`: why its cheap ops may not be recomputed (an in-place op on a storage the forward saves or on an
+  input, a data-dependent op), naming the op; empty when they may.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch.multiprocessing.reductions import StorageWeakRef
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+
+aten = torch.ops.aten
+
+SAVE_OPS = frozenset({
+    aten.mm.default, aten.addmm.default, aten.bmm.default, aten.baddbmm.default, aten.matmul.default,
+    aten.linear.default, aten.convolution.default, aten._convolution.default,
+    aten._scaled_dot_product_flash_attention_for_cpu.default, aten._scaled_dot_product_efficient_attention.default,
+    aten._scaled_dot_product_flash_attention.default, aten._scaled_dot_product_cudnn_attention.default,
+})
+"""The expensive ops whose outputs selective checkpointing keeps (torch's own examples keep the matmuls)."""
+DATA_DEPENDENT = frozenset({aten._local_scalar_dense.default, aten.nonzero.default, aten.is_nonzero.default,
+                            aten.masked_select.default, aten.unique_consecutive.default})
+"""Ops whose result a Python branch may read: a recompute could take another path."""
+
+
+def policy(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> Any:
+    """Selective checkpointing's policy: keep `SAVE_OPS`' outputs, recompute everything else."""
+    from torch.utils.checkpoint import CheckpointPolicy
+
+    return CheckpointPolicy.MUST_SAVE if op in SAVE_OPS else CheckpointPolicy.PREFER_RECOMPUTE
+
+
+def contexts() -> Callable[[], Any]:
+    """The `context_fn` of `torch.utils.checkpoint.checkpoint` for `policy`."""
+    import functools
+
+    from torch.utils.checkpoint import create_selective_checkpoint_contexts
+
+    return functools.partial(create_selective_checkpoint_contexts, policy)
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class SelectivePrice:
+    """What selective checkpointing of one segment call holds and recomputes (module doc)."""
+
+    keep_bytes: int
+    held_bytes: int
+    recompute_elements: int
+    reason: str = ""
+
+    @property
+    def saved_bytes(self) -> int:
+        """Bytes it frees from the forward's end to the backward against keeping (0 where it frees nothing)."""
+        return max(0, self.keep_bytes - self.held_bytes)
+
+
+def _key(t: torch.Tensor) -> StorageWeakRef:
+    return StorageWeakRef(t.untyped_storage())
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.untyped_storage().nbytes()
+
+
+class _Watch(TorchDispatchMode):
+    """Per op of the forward: its outputs' storages (by SAVE_OPS or not), in-place writes and data-dependent ops."""
+
+    def __init__(self, model: set[StorageWeakRef], held: Callable[[StorageWeakRef], bool]) -> None:
+        super().__init__()
+        self.model, self.held = model, held
+        self.save_out: dict[StorageWeakRef, int] = {}
+        self.cheap_elements = 0
+        self.write = ""
+        self.data_dependent = ""
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        if func in DATA_DEPENDENT and not self.data_dependent:
+            self.data_dependent = str(func.overloadpacket.__name__)
+        schema = func._schema
+        for i, a in enumerate(schema.arguments):
+            if a.alias_info is not None and a.alias_info.is_write:
+                value = args[i] if i < len(args) else kwargs.get(a.name)
+                if isinstance(value, torch.Tensor) and not self.write and (
+                        self.held(_key(value)) or _key(value) in self.save_out):
+                    self.write = str(func.overloadpacket.__name__)
+        outs = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)]
+        for t in outs:
+            k = _key(t)
+            if k in self.model:
+                continue
+            if func in SAVE_OPS:
+                self.save_out[k] = _nbytes(t)
+            elif not func.is_view:
+                self.cheap_elements += t.numel()
+        return out
+
+
+def price(module: torch.nn.Module, args: Iterable[Any], kwargs: dict[str, Any] | None = None) -> SelectivePrice:
+    """Run `module(*args, **kwargs)` once with autograd (its gradients are not taken) and price selective
+    checkpointing of that call (module doc). Model data: the module's parameters and buffers."""
+    args, kwargs = tuple(args), dict(kwargs or {})
+    model = {_key(p) for p in (*module.parameters(), *module.buffers())}
+    inputs = {_key(t): _nbytes(t) for t in tree_flatten((args, kwargs))[0]
+              if isinstance(t, torch.Tensor) and _key(t) not in model}
+    saved: dict[StorageWeakRef, int] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        k = _key(t)
+        if k not in model:
+            saved[k] = _nbytes(t)
+        return t
+
+    watch = _Watch(model, lambda k: k in saved or k in inputs)
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), watch:
+        module(*args, **kwargs)
+    reason = f"a data-dependent op ({watch.data_dependent}) may choose another path when recomputed" \
+        if watch.data_dependent else ""
+    if watch.write and not reason:
+        reason = f"an in-place op ({watch.write}) writes a tensor its forward saved, an input or a kept output"
+    held = {**inputs, **{k: b for k, b in watch.save_out.items()}}
+    return SelectivePrice(keep_bytes=sum(saved.values()), held_bytes=sum(held.values()),
+                          recompute_elements=watch.cheap_elements, reason=reason)
