@@ -2,8 +2,8 @@
 
 NOT YET A MODE OF THE PLAN: nothing in the tracer's trace, the planner or the executor calls this module. It is the
 measurement such a mode would be priced by, checked against torch's own selective checkpointing
-(tests/test_activation_selective.py); what is missing before the planner may offer it is listed in ARCHITECTURE.md
-([Note: selective checkpointing]).
+(tests/test_activation_selective.py); [Note: selective checkpointing] below lists what is missing before the
+planner may offer it.
 
 Under torch's selective checkpointing (`torch.utils.checkpoint.create_selective_checkpoint_contexts` with `policy`
 below) a segment's forward keeps the outputs of its expensive ops (`SAVE_OPS`: matmuls, convolutions, attention)
@@ -17,6 +17,18 @@ cheap ops. `price` measures both sides on the segment's own call:
 - `recompute_elements`: elements the cheap ops write again (their outputs), the recompute's work;
 - `reason`: why its cheap ops may not be recomputed (an in-place op on a storage the forward saves or on an
   input, a data-dependent op), naming the op; empty when they may.
+
+[Note: selective checkpointing] What a "selective" mode of a segment's item still needs, so that no certificate
+counts it before it is priced everywhere: (1) the tracer runs `price` on each segment call inside the traced step
+(hplan.tracer.segments) and writes, per segment, the held bytes, the runs of events where it frees keep's minus
+them (as `freed` does for offload), the recompute's transient at the backward start (the cheap ops' outputs made
+again while the kept ones are back) and the cheap ops' measured seconds and FLOPs, identically in fake traces;
+(2) a "selective" insert in the choice log, so a plan with the mode reserves its own mix's replayed slack;
+(3) the planner: one more mode in hplan.planner.activation_items with its effect and cost, seen by the LP,
+`exact.lagrangian_bound(must=...)` and the minimum, refused modes (`reason`) left out so the planner falls back
+to keep, offload or recompute; (4) the executor: the segment's forward under `torch.utils.checkpoint` with
+`contexts()` (non-reentrant), its bytes checked against the plan by the probe and its losses against plain
+PyTorch.
 """
 
 from __future__ import annotations
