@@ -6,8 +6,8 @@ runs compare bit for bit), batch 4 × seq 1024 (2 × 128 in --quick), traced on 
 times are plans for the CPU fast tier (`--gpu cpu`, whose "link" is a measured memcpy rate); training runs, peaks,
 bytes moved and step times are measured on this CPU. No GPU figure anywhere.
 
-Capacity (the last part, skipped in --quick): how much more than the fast tier holds a plain step needs, at loss
-parity. A deeper Llama of the same width (CAPACITY_LAYERS layers, batch 8 × seq 1024; embeddings are 2 × 2048 × 256
+Capacity (the last part; --quick skips it and the measured step time, and plans 3 budgets, not 5): how much more
+than the fast tier holds a plain step needs, at loss parity. A deeper Llama of the same width (CAPACITY_LAYERS layers, batch 8 × seq 1024; embeddings are 2 × 2048 × 256
 of its 13.7 M parameters, so the vocabulary does not dominate), traced on the fake device (which gives the CPU
 trace's segments and peak to the byte, README; a CPU trace of this step would add minutes), planned for the CPU
 fast tier at auto's `--gpu-mem min` and trained on this CPU against plain PyTorch. The ratio is (model state +
@@ -34,11 +34,13 @@ CONFIG = {"num_hidden_layers": 8, "hidden_size": 256, "intermediate_size": 688, 
           "num_key_value_heads": 4, "vocab_size": 2048, "max_position_embeddings": 1024}
 SHAPE, QUICK_SHAPE = (4, 1024), (2, 128)
 CHOICES = ("keep", "offload", "recompute")
-BUDGETS = 5
-"""Budgets from auto's smallest to all-resident (keep's smallest plus the model data)."""
+BUDGETS, QUICK_BUDGETS = 5, 3
+"""Budgets from auto's smallest to all-resident (keep's smallest plus the model data); --quick: the ends and the
+middle."""
 TRAIN_STEPS = 3
 TIMED_STEPS = 4
-TIMED_ROUNDS, QUICK_TIMED_ROUNDS = 3, 1
+TIMED_ROUNDS = 3
+"""Interleaved rounds of the measured step time (not in --quick)."""
 CAPACITY_LAYERS = 16
 CAPACITY_SHAPE = (8, 1024)
 CAPACITY_GOAL = 10.0
@@ -126,16 +128,16 @@ def trained(ctx: Context, trace: Any, budget: int, w: Any = None) -> tuple[Table
     return table, facts
 
 
-def sweep(trace: Any, mins: dict[str, int]) -> tuple[Table, bool, int]:
-    """Predicted step time of every choice between auto's smallest budget and all-resident (plans)."""
+def sweep(trace: Any, mins: dict[str, int], n: int = BUDGETS) -> tuple[Table, bool, int]:
+    """Predicted step time of every choice at `n` budgets from auto's smallest budget to all-resident (plans)."""
     low, high = mins["auto"], mins["keep"] + trace.model_bytes
     table = Table(headers=["budget", "auto choices (k/o/r)", "auto", *CHOICES, "auto gap (certified)"],
                   caption="**Predicted step time** (plans for the CPU fast tier; '—' where the forced choice does "
                           "not fit). Auto minimises link bytes + recompute seconds × the tier's copy rate, which on "
                           "this tier (no copy engines) is its step time's changing part.")
     ok = True
-    for k in range(BUDGETS):
-        budget = low + (high - low) * k // (BUDGETS - 1)
+    for k in range(n):
+        budget = low + (high - low) * k // (n - 1)
         plans = {c: plan(trace, budget, c) for c in ("auto", *CHOICES)}
         a = plans["auto"].summary
         kinds = [c.choice for c in plans["auto"].activations]
@@ -160,7 +162,7 @@ def timed(ctx: Context, trace: Any, budget: int) -> tuple[Table, float]:
     w = workload(ctx)
     plans = {c: plan(trace, budget, c) for c in ("auto", "recompute")}
     runs: dict[str, list[float]] = {c: [] for c in plans}
-    rounds = QUICK_TIMED_ROUNDS if ctx.quick else TIMED_ROUNDS
+    rounds = TIMED_ROUNDS
     for _ in range(rounds):
         for c, p in plans.items():
             report = run_training(w, p, steps=TIMED_STEPS, measure=False)
@@ -245,11 +247,13 @@ def run(ctx: Context) -> SectionOutput:
         out.headline.append(f"{label}, trained at auto's minimum on this CPU: loss difference {f['diff']:.1e} "
                             f"(≤ 1e-5 asked), peak {fmt_bytes(f['peak'])} of {fmt_bytes(f['budget'])}, bytes moved "
                             f"{'equal to' if exact else 'DIFFERENT from'} the plan's — measured")
-    swept = out.part("step-time sweep", lambda: sweep(trace, mins), log=ctx.log)
+    n = QUICK_BUDGETS if ctx.quick else BUDGETS
+    swept = out.part("step-time sweep", lambda: sweep(trace, mins, n), log=ctx.log)
     if swept is not None:
         out.tables.append(swept[0])
-        out.headline.append(f"{label}: auto's predicted step time ≤ every forced choice's at all {BUDGETS} budgets: "
+        out.headline.append(f"{label}: auto's predicted step time ≤ every forced choice's at all {n} budgets: "
                             f"{'yes' if swept[1] else 'NO'} — plans")
+    if swept is not None and not ctx.quick:  # --quick: not timed (a loaded CI box's step times say nothing)
         t = out.part("measured step time", lambda: timed(ctx, trace, swept[2]), log=ctx.log)
         if t is not None:
             out.tables.append(t[0])
