@@ -1,7 +1,7 @@
-"""Issue 31 §3, selective activation checkpointing (not yet a mode of the plan: hplan.tracer.selective's doc). Its price
-is checked against torch's own selective checkpointing on transformers' blocks from configs (Llama, GPT-2): the
-bytes a block holds after its forward under `torch.utils.checkpoint` with hplan's policy equal the priced
-`held_bytes` exactly, it holds less than kept, and its gradients equal plain PyTorch's. A block whose cheap ops
+"""Issue 31 §3, selective activation checkpointing (not yet a mode of the plan: hplan.tracer.selective's doc). Its
+price is checked against torch's own selective checkpointing on transformers' blocks from configs (Llama, GPT-2,
+ConvNeXt): the bytes a block holds after its forward under `torch.utils.checkpoint` with hplan's policy equal the
+priced `held_bytes` exactly, it holds less than kept, and its gradients equal plain PyTorch's. A block whose cheap ops
 cannot be recomputed (an in-place ReLU on a matmul's output, a data-dependent branch) is refused with the op named."""
 
 from __future__ import annotations
@@ -40,8 +40,8 @@ def _key(t: torch.Tensor) -> StorageWeakRef:
     return StorageWeakRef(t.untyped_storage())
 
 
-def _block_call(model: nn.Module, block: nn.Module) -> tuple[tuple, dict]:
-    """The block's own arguments in a forward of the model (no KV cache), its hidden states a fresh leaf."""
+def _block_call(model: nn.Module, block: nn.Module, inputs: dict[str, Any]) -> tuple[tuple, dict]:
+    """The block's own arguments in a forward of the model, its hidden states a fresh leaf."""
     got: dict[str, Any] = {}
 
     def hook(mod: nn.Module, args: tuple, kwargs: dict) -> None:
@@ -49,7 +49,7 @@ def _block_call(model: nn.Module, block: nn.Module) -> tuple[tuple, dict]:
 
     handle = block.register_forward_pre_hook(hook, with_kwargs=True)
     with torch.no_grad():
-        model(input_ids=torch.randint(256, (2, 32), generator=torch.Generator().manual_seed(0)), use_cache=False)
+        model(**inputs)
     handle.remove()
     args = tuple(x.detach().clone().requires_grad_(x.is_floating_point()) if isinstance(x, torch.Tensor) else x
                  for x in got["a"])
@@ -73,29 +73,41 @@ def _held_after_forward(block: nn.Module, args: tuple, kwargs: dict) -> tuple[in
     return alive + sum(inputs.values()), out
 
 
-def _llama() -> tuple[nn.Module, nn.Module]:
+def _tokens() -> dict[str, Any]:
+    return {"input_ids": torch.randint(256, (2, 32), generator=torch.Generator().manual_seed(0)), "use_cache": False}
+
+
+def _llama() -> tuple[nn.Module, nn.Module, dict[str, Any]]:
     cfg = transformers.LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=176, num_hidden_layers=2,
                                    num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
     model = transformers.LlamaForCausalLM(cfg)
-    return model, model.model.layers[1]
+    return model, model.model.layers[1], _tokens()
 
 
-def _gpt2() -> tuple[nn.Module, nn.Module]:
+def _gpt2() -> tuple[nn.Module, nn.Module, dict[str, Any]]:
     cfg = transformers.GPT2Config(vocab_size=256, n_embd=64, n_layer=2, n_head=4, n_positions=64,
                                   bos_token_id=0, eos_token_id=0)
     model = transformers.GPT2LMHeadModel(cfg)
-    return model, model.transformer.h[1]
+    return model, model.transformer.h[1], _tokens()
+
+
+def _convnext() -> tuple[nn.Module, nn.Module, dict[str, Any]]:
+    """Section 16's narrow ConvNeXt (depths 2-2-4-2, widths 32-256) at 64 px: convolutions, not matmuls only."""
+    cfg = transformers.ConvNextConfig(depths=[2, 2, 4, 2], hidden_sizes=[32, 64, 128, 256], num_labels=10)
+    model = transformers.ConvNextForImageClassification(cfg)
+    return model, model.convnext.encoder.stages[0].layers[1], {"pixel_values": torch.randn(2, 3, 64, 64)}
 
 
 def _first(out: Any) -> torch.Tensor:
     return out[0] if isinstance(out, tuple) else out
 
 
-@pytest.mark.parametrize("build", [_llama, _gpt2], ids=["llama", "gpt2"])
+@pytest.mark.parametrize("build", [_llama, pytest.param(_gpt2, marks=pytest.mark.slow),
+                                   pytest.param(_convnext, marks=pytest.mark.slow)], ids=["llama", "gpt2", "convnext"])
 def test_price_matches_torch_selective_checkpointing(build):
     torch.manual_seed(0)
-    model, block = build()
-    args, kwargs = _block_call(model, block)
+    model, block, inputs = build()
+    args, kwargs = _block_call(model, block, inputs)
     p = price(block, args, kwargs)
     assert p.reason == ""
     torch.manual_seed(1)
