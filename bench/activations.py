@@ -7,8 +7,9 @@ times are plans for the CPU fast tier (`--gpu cpu`, whose "link" is a measured m
 bytes moved and step times are measured on this CPU. No GPU figure anywhere.
 
 Capacity (the last part; --quick skips it and the measured step time, and plans 3 budgets, not 5): how much more
-than the fast tier holds a plain step needs, at loss parity. A deeper Llama of the same width (CAPACITY_LAYERS layers, batch 8 × seq 1024; embeddings are 2 × 2048 × 256
-of its 13.7 M parameters, so the vocabulary does not dominate), traced on the fake device (which gives the CPU
+than the fast tier holds a plain step needs, at loss parity. A deeper Llama of the same width (CAPACITY_LAYERS
+layers, batch 8 × seq 1024; embeddings are 2 × 2048 × 256 of its 13.7 M parameters, so the vocabulary does not
+dominate), traced on the fake device (which gives the CPU
 trace's segments and peak to the byte, README; a CPU trace of this step would add minutes), planned for the CPU
 fast tier at auto's `--gpu-mem min` and trained on this CPU against plain PyTorch. The ratio is (model state +
 the activation bytes a plain step holds at its peak, the trace's peak_by_category["activation"], temporaries
