@@ -116,6 +116,15 @@ class DistRun:
         """nonfinite="stop": when any rank's gradient piece holds an inf or NaN, every rank stops at that update with
         the one message naming it, before any rank updates with it ([Note: ranks stop together]; hplan run's
         choice); "ignore" leaves it to the loop with no extra collective, as plain PyTorch (attach's default)."""
+        sharding = plan.sharding
+        self._replicated_grads = sharding is not None and sharding.G == 1 and sharding.OS == 1
+        """[Note: replicated verdicts] G = OS = 1: every rank updates every chunk from the same all-reduced gradient
+        (a ring or tree all-reduce computes each element once and hands the result to all), so every rank's check
+        finds the same first non-finite value — and the lowest rank to see it, the one stop_together would name, is
+        rank 0. Each rank then stops by itself with the message the collective would hand it, and the one blocking
+        agreement per host update (one per chunk at the minimum budget: 27 calls a step on gpt:small, as many as the
+        plan's own) is not made. The verdicts could part only where ranks write different parameters' gradients
+        (a data-dependent branch); a rank going on alone then fails in its next call within the group's timeout."""
         self.iteration = 0
         self.first_step = 0
         """The training step of this block's first iteration: messages name first_step + iteration."""
@@ -374,7 +383,10 @@ class DistRun:
             for part, where in parts:  # every part checked before any is stepped
                 with self._memory_of(where):
                     problem = problem or self._nonfinite_problem(part, step)
-            stop_together(problem, rank=self.rank, world=self.world, device=self.tier.device)
+            if not self._replicated_grads:
+                stop_together(problem, rank=self.rank, world=self.world, device=self.tier.device)
+            elif problem is not None:  # every rank found it ([Note: replicated verdicts])
+                raise HplanError(problem)
         for part, where in parts:  # host updates' temporaries are host memory ([Note: host work off the fast tier])
             batch = self._batches.get(part)
             if batch is None:
@@ -410,7 +422,8 @@ class DistRun:
         bad = first_nonfinite(names, grads)
         if bad is None:
             return None
-        return nonfinite_message(bad, self.first_step + self.iteration, step, f" on rank {self.rank}")
+        seen = 0 if self._replicated_grads else self.rank  # [Note: replicated verdicts]: every rank sees it
+        return nonfinite_message(bad, self.first_step + self.iteration, step, f" on rank {seen}")
 
     # -- gradients ------------------------------------------------------------------------------------
     def _on_grad(self, p: torch.Tensor) -> None:
