@@ -145,6 +145,8 @@ class DistRun:
         self._scattered: set[int] = set()
         self._gathered: set[int] = set()
         self.flight = InFlight()
+        self._agreement: tuple[Any, torch.Tensor, str | None] | None = None
+        """A verdict the ranks agree on before this iteration updates anything (`agree_before_update`)."""
         """Calls started and not yet waited for ([Note: collectives in flight])."""
         self.buckets = plan_buckets(plan)
         """Per plan step, (before, after) buckets: the calls made together ([Note: collective buckets])."""
@@ -369,8 +371,31 @@ class DistRun:
             self._prefetch(self.cursor + 1)
         self._sample()
 
+    def agree_before_update(self, problem: str | None) -> None:
+        """[Note: ranks stop together], without the wait: this rank's verdict (`problem` in words, or None) goes out
+        in an all-reduce now, and the run waits for it only before the iteration first updates anything (the first
+        host update, else the optimizer step), where every rank raises the lowest finder's words or all go on.
+        hplan run checks each loss this way (hplan.executor.ranks.dist_train): the backward runs beside the call
+        instead of behind a rendezvous per step, and nothing is updated or saved either way."""
+        self._settle_agreement()
+        flag = torch.tensor([self.rank if problem is not None else self.world], device=self.tier.device)
+        self._agreement = (dist.all_reduce(flag, op=dist.ReduceOp.MIN, async_op=True), flag, problem)
+
+    def _settle_agreement(self) -> None:
+        if self._agreement is None:
+            return
+        work, flag, problem = self._agreement
+        self._agreement = None
+        work.wait()
+        finder = int(flag)
+        if finder != self.world:
+            message = [problem]
+            dist.broadcast_object_list(message, src=finder)
+            raise HplanError(str(message[0]))
+
     def _update(self, chunks: tuple[int, ...] | list[int], step: Step) -> None:
         """These chunks' updates together: one optimizer call per place and param group (UpdateBatch)."""
+        self._settle_agreement()  # before anything of this iteration is updated
         self._updated.update(chunks)
         for c in chunks:  # a host update reads the chunk's reduced gradient
             self.flight.settle(self.store.region(c, "grad"))

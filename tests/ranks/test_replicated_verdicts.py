@@ -93,3 +93,43 @@ def test_a_non_finite_gradient_on_one_rank_stops_every_rank_of_a_replicated_plan
     assert runs[0]["error"].startswith("the gradient of ") and " at step 1 on rank 0 (seen at plan step " in \
         runs[0]["error"], runs[0]["error"]
     assert [len(r["losses"]) for r in runs] == [1, 1]  # stopped inside step 1, before updating with it
+
+
+def _deferred_rank(info: Any, spec: str, plan: dict[str, Any], steps: int, bad_at: int) -> dict[str, Any]:
+    """hplan run's loss check through `agree_before_update`: rank 1 reports a problem at step `bad_at`; where each
+    rank stopped ("call": the agreement itself, "backward" / "step": at the first update) and with which words."""
+    from hplan.artifacts import Plan
+    from hplan.errors import HplanError
+    from hplan.executor.ranks.distributed import DistRun
+    from hplan.training import build_optimizer
+
+    workload = load_workload(spec)
+    model = workload.build_model()
+    optimizer = build_optimizer(workload, model)
+    where, done = "", 0
+    try:
+        with DistRun(model, optimizer, Plan.from_dict(plan), batch_example=workload.batch(0),
+                     nonfinite="stop") as run:
+            for step in range(steps):
+                loss = workload.loss(run.model, workload.batch(step * info.world_size + info.rank))
+                where = "call"
+                run.agree_before_update(f"bad at {step} on rank 1" if step == bad_at and info.rank == 1 else None)
+                where = "backward"
+                loss.backward()
+                where = "step"
+                run.step()
+                done += 1
+    except HplanError as exc:
+        return {"where": where, "error": str(exc), "done": done}
+    return {"where": "", "error": None, "done": done}
+
+
+@pytest.mark.parametrize("factors", [(1, 1, 1), (2, 2, 2)])
+def test_a_deferred_verdict_stops_every_rank_at_the_first_update_of_that_step(plans, factors):
+    """The loss check of hplan run no longer waits before the backward: the verdict's all-reduce runs beside it
+    and every rank stops at the step's first update with the finder's words, nothing of the step updated."""
+    got = launch(_deferred_rank, SPEC, plans[factors].to_dict(), 3, 1, nprocs=2, timeout_s=300,
+                 collective_timeout_s=60)
+    assert [g["error"] for g in got] == ["bad at 1 on rank 1"] * 2
+    assert [g["done"] for g in got] == [1, 1]
+    assert all(g["where"] in ("backward", "step") for g in got), got
