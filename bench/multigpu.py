@@ -300,7 +300,10 @@ def _cpu(ctx: Context) -> tuple[Table, str]:
                        "reduce-scatter / all-reduce asynchronously, waiting where the result is read ([Note: "
                        "collectives in flight], hplan.artifacts.shard), as FSDP2 prefetches and overlaps; the calls a "
                        "plan step makes alike go as one flat call where the plan's headroom allows ([Note: collective "
-                       "buckets], hplan.artifacts.buckets: listed → made per step). CPU s / "
+                       "buckets], hplan.artifacts.buckets: listed → made per step). hplan run's non-finite checks add no wait per "
+                       "step: the loss verdict's all-reduce runs beside the backward and is waited at the first update, "
+                       "and replicated gradients (G = OS = 1) need no agreement per update ([Note: replicated "
+                       "verdicts], hplan.executor.ranks.distributed). CPU s / "
                        "step: process CPU seconds of the same loop (both ranks' steps), which other load does not "
                        "inflate as it does wall time.")
     if deepspeed:
