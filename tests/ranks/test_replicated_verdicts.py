@@ -23,7 +23,6 @@ SPEC = "gpt:tiny"
 def _rank(info: Any, spec: str, plans: list[dict[str, Any]], steps: int, inf_at: int | None) -> dict[str, Any]:
     """Each plan for `steps` steps under nonfinite="stop": agreement calls per step, the losses, and the error (if
     any); with `inf_at`, rank 1's gradients are infinite at that step (its backward starts from loss × inf)."""
-    import torch
     import torch.distributed as dist
 
     from hplan.artifacts import Plan
@@ -60,7 +59,6 @@ def _rank(info: Any, spec: str, plans: list[dict[str, Any]], steps: int, inf_at:
         out.append({"agreements": agreements[0], "losses": losses, "error": error,
                     "checksum": float(sum(p.detach().double().sum() for p in model.parameters()))})
     distributed.stop_together = real
-    torch.manual_seed(0)
     return {"runs": out}
 
 
