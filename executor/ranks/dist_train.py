@@ -178,7 +178,8 @@ def _train(info: Any, job: Job, plan: Plan, resume_from: str | None) -> dict[str
 
     n, r, k = info.world_size, info.rank, workload.accumulate
     die = os.environ.get(DIE_ENV, "")
-    losses, seconds = [], []
+    local: list[torch.Tensor] = []
+    seconds: list[float] = []
     fallback = resume_from
     with DistRun(model, optimizer, plan, device=device, batch_example=workload.batch(0), measure=job.measure,
                  budget_guard=job.budget_guard, nonfinite="stop", on_setup=setup) as run:
@@ -200,20 +201,24 @@ def _train(info: Any, job: Job, plan: Plan, resume_from: str | None) -> dict[str
                 problem = None if math.isfinite(value) else (
                     f"the loss is {value} at step {step} on rank {r} (micro-batch {i}); every rank stopped before "
                     "updating or saving anything of this step — the last checkpoint holds the state before it")
-                stop_together(problem, rank=r, world=n, device=run.tier.device)  # before backward: nothing updated
+                if i + 1 < k:
+                    stop_together(problem, rank=r, world=n, device=run.tier.device)  # before backward
+                else:  # the last micro-batch's: agreed before the first update, its backward running meanwhile
+                    run.agree_before_update(problem)
                 (loss / k if k > 1 else loss).backward()
                 micro.append(loss.detach())
             last = run.step()
             if scheduler is not None:
                 scheduler.step()
             seconds.append(time.perf_counter() - start)
-            total = torch.stack(micro).mean().reshape(1).to(device)
-            dist.all_reduce(total)
-            losses.append(float(total) / n)
+            local.append(torch.stack(micro).mean())
             if job.checkpoint is not None:
                 dist_checkpoint.save(job.checkpoint, run, global_step=step + 1, scheduler=scheduler,
                                      fallback=fallback)
                 fallback = folder_name(step + 1)
+    totals = torch.stack(local).to(device)  # the mean loss over ranks, one call for the run (not a wait per step)
+    dist.all_reduce(totals)
+    losses = [float(x) / n for x in totals]
     if job.checkpoint is not None and r == 0:
         dist_checkpoint.save_weights(job.checkpoint, model, global_step=job.steps)
     return {"rank": r, "first_step": first, "losses": losses, "seconds": seconds,

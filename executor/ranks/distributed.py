@@ -116,6 +116,15 @@ class DistRun:
         """nonfinite="stop": when any rank's gradient piece holds an inf or NaN, every rank stops at that update with
         the one message naming it, before any rank updates with it ([Note: ranks stop together]; hplan run's
         choice); "ignore" leaves it to the loop with no extra collective, as plain PyTorch (attach's default)."""
+        sharding = plan.sharding
+        self._replicated_grads = sharding is not None and sharding.G == 1 and sharding.OS == 1
+        """[Note: replicated verdicts] G = OS = 1: every rank updates every chunk from the same all-reduced gradient
+        (a ring or tree all-reduce computes each element once and hands the result to all), so every rank's check
+        finds the same first non-finite value — and the lowest rank to see it, the one stop_together would name, is
+        rank 0. Each rank then stops by itself with the message the collective would hand it, and the one blocking
+        agreement per host update (one per chunk at the minimum budget: 27 calls a step on gpt:small, as many as the
+        plan's own) is not made. The verdicts could part only where ranks write different parameters' gradients
+        (a data-dependent branch); a rank going on alone then fails in its next call within the group's timeout."""
         self.iteration = 0
         self.first_step = 0
         """The training step of this block's first iteration: messages name first_step + iteration."""
@@ -136,6 +145,8 @@ class DistRun:
         self._scattered: set[int] = set()
         self._gathered: set[int] = set()
         self.flight = InFlight()
+        self._agreement: tuple[Any, torch.Tensor, str | None] | None = None
+        """A verdict the ranks agree on before this iteration updates anything (`agree_before_update`)."""
         """Calls started and not yet waited for ([Note: collectives in flight])."""
         self.buckets = plan_buckets(plan)
         """Per plan step, (before, after) buckets: the calls made together ([Note: collective buckets])."""
@@ -360,8 +371,31 @@ class DistRun:
             self._prefetch(self.cursor + 1)
         self._sample()
 
+    def agree_before_update(self, problem: str | None) -> None:
+        """[Note: ranks stop together], without the wait: this rank's verdict (`problem` in words, or None) goes out
+        in an all-reduce now, and the run waits for it only before the iteration first updates anything (the first
+        host update, else the optimizer step), where every rank raises the lowest finder's words or all go on.
+        hplan run checks each loss this way (hplan.executor.ranks.dist_train): the backward runs beside the call
+        instead of behind a rendezvous per step, and nothing is updated or saved either way."""
+        self._settle_agreement()
+        flag = torch.tensor([self.rank if problem is not None else self.world], device=self.tier.device)
+        self._agreement = (dist.all_reduce(flag, op=dist.ReduceOp.MIN, async_op=True), flag, problem)
+
+    def _settle_agreement(self) -> None:
+        if self._agreement is None:
+            return
+        work, flag, problem = self._agreement
+        self._agreement = None
+        work.wait()
+        finder = int(flag)
+        if finder != self.world:
+            message = [problem]
+            dist.broadcast_object_list(message, src=finder)
+            raise HplanError(str(message[0]))
+
     def _update(self, chunks: tuple[int, ...] | list[int], step: Step) -> None:
         """These chunks' updates together: one optimizer call per place and param group (UpdateBatch)."""
+        self._settle_agreement()  # before anything of this iteration is updated
         self._updated.update(chunks)
         for c in chunks:  # a host update reads the chunk's reduced gradient
             self.flight.settle(self.store.region(c, "grad"))
@@ -374,7 +408,10 @@ class DistRun:
             for part, where in parts:  # every part checked before any is stepped
                 with self._memory_of(where):
                     problem = problem or self._nonfinite_problem(part, step)
-            stop_together(problem, rank=self.rank, world=self.world, device=self.tier.device)
+            if not self._replicated_grads:
+                stop_together(problem, rank=self.rank, world=self.world, device=self.tier.device)
+            elif problem is not None:  # every rank found it ([Note: replicated verdicts])
+                raise HplanError(problem)
         for part, where in parts:  # host updates' temporaries are host memory ([Note: host work off the fast tier])
             batch = self._batches.get(part)
             if batch is None:
@@ -410,7 +447,8 @@ class DistRun:
         bad = first_nonfinite(names, grads)
         if bad is None:
             return None
-        return nonfinite_message(bad, self.first_step + self.iteration, step, f" on rank {self.rank}")
+        seen = 0 if self._replicated_grads else self.rank  # [Note: replicated verdicts]: every rank sees it
+        return nonfinite_message(bad, self.first_step + self.iteration, step, f" on rank {seen}")
 
     # -- gradients ------------------------------------------------------------------------------------
     def _on_grad(self, p: torch.Tensor) -> None:
