@@ -29,6 +29,7 @@ from hplan.executor.overlap import UpdateWorker
 from hplan.executor.param_watch import ParamWatch
 from hplan.executor.regions import move_regions
 from hplan.executor.scale import LossScale
+from hplan.executor.speculate import Speculation
 from hplan.executor.state import RegionState
 from hplan.executor.step_table import Moves, Quiet, moves_table, quiet_table
 from hplan.executor.statesync import StateSync
@@ -130,6 +131,7 @@ class PlanRun(UpdateSteps, GradientOps, StateSync):
         """The thread a backward step's host updates run on ([Note: overlapped host updates]); None: in line."""
         self.activations = ActivationRun(plan, self.tier.device)
         """The plan's offloaded and recomputed segments (hplan.executor.activations.run)."""
+        self.speculation: Speculation | None = None
 
     # -- lifecycle ------------------------------------------------------------------------------------
     def __enter__(self) -> Self:
@@ -200,6 +202,11 @@ class PlanRun(UpdateSteps, GradientOps, StateSync):
             self._stack.enter_context(self.meter.track())
         self.tier.keep(self._headroom)
         self._stack.callback(self.tier.keep, 0)
+        self.speculation = Speculation(self) if self.loss_scale is not None and self.worker is not None and \
+            plan.defer_updates and not self.host.phased else None
+        """fp16 host updates beside the backward, rolled back on an overflow ([Note: speculative fp16 updates])."""
+        for index in self.speculation.at if self.speculation is not None else ():
+            self._quiet[index] = None
 
     def __exit__(self, *exc: object) -> None:
         """Remove hooks, give the optimizer its state and every parameter its own storage back; the host tier is
@@ -222,6 +229,8 @@ class PlanRun(UpdateSteps, GradientOps, StateSync):
             if store is None:
                 return
             try:
+                if self.speculation is not None and self.speculation.done:  # a step that never came
+                    self.speculation.rollback()
                 self.sync_state()
                 values = store.parameter_values()
                 for rid in store.resident():
@@ -366,6 +375,8 @@ class PlanRun(UpdateSteps, GradientOps, StateSync):
         self.activations.at_step(step)
         store.require(moves.needs, f"plan step {step.index} ({step.event})")
         self._pending_flips = set(step.flips)
+        if self.speculation is not None and self.cursor in self.speculation.at:
+            self.speculation.at_step(self.cursor)
         if step.event == OPTIMIZER_EVENT:
             self._optimizer_updates(step)
         elif step.host_updates:
