@@ -229,9 +229,7 @@ class PlanRun(UpdateSteps, GradientOps, StateSync):
             if store is None:
                 return
             try:
-                if self.speculation is not None and self.speculation.done:  # a step that never came
-                    self.speculation.rollback()
-                self.sync_state()
+                self.sync_state()  # speculated updates of a step that never came are rolled back first
                 values = store.parameter_values()
                 for rid in store.resident():
                     store.evict(rid, writeback=False)

@@ -133,6 +133,15 @@ class Speculation:
         self.end()
         return done
 
+    def abandon(self) -> None:
+        """The optimizer's or the model's state is read or loaded in the middle of an iteration: plain PyTorch has
+        updated nothing yet, so the speculated updates are rolled back and the step makes them as without
+        speculation."""
+        if self.run.worker.busy:
+            self.run.worker.drain()
+        if self.done:
+            self.rollback()
+
     def rollback(self) -> None:
         """Every speculated chunk back to its state before its update (bytes and scalars)."""
         for c in self.done:

@@ -23,7 +23,7 @@ def fp16():
     return workload, plan
 
 
-def _train(workload, plan, n, *, overlap, poison=None, lr_late=False):
+def _train(workload, plan, n, *, overlap, poison=None, lr_late=False, peek=None):
     """n iterations of the loss-scaled loop; `poison`: (parameter name, iteration) whose gradient is made inf.
     Losses, weights, optimizer state, skipped steps, final loss scale."""
     model = workload.build_model()
@@ -41,6 +41,8 @@ def _train(workload, plan, n, *, overlap, poison=None, lr_late=False):
             now["i"] = i
             loss = workload.loss(model, workload.batch(i))
             run.scale(loss).backward()
+            if peek is not None and i == 1:  # a checkpoint between backward and step: plain's state before it
+                peek.append((optimizer.state_dict(), model.state_dict()))
             if lr_late and i == 1:
                 optimizer.param_groups[0]["lr"] *= 0.5  # after backward: the speculated updates used the old one
             run.step()
@@ -102,3 +104,17 @@ def test_a_learning_rate_set_after_backward_redoes_the_updates(fp16, spied):
     ours = _train(workload, plan, 3, overlap=True, lr_late=True)
     assert spied["rollbacks"] == 1
     _same(ours, _train(workload, plan, 3, overlap=False, lr_late=True))
+
+
+def test_state_read_between_backward_and_step_is_before_the_update(fp16, spied):
+    """optimizer.state_dict() and model.state_dict() after backward hold what plain PyTorch holds then: nothing
+    of this step's updates (the speculated ones are rolled back and made at the step)."""
+    workload, plan = fp16
+    ours, theirs = [], []
+    result = _train(workload, plan, 3, overlap=True, peek=ours)
+    assert spied["rollbacks"] == 1
+    _same(result, _train(workload, plan, 3, overlap=False, peek=theirs))
+    (opt, model), (ref_opt, ref_model) = ours[0], theirs[0]
+    assert all(torch.equal(model[k], ref_model[k]) for k in ref_model)
+    for p, q in zip(opt["state"].values(), ref_opt["state"].values()):
+        assert p.keys() == q.keys() and all(torch.equal(p[k], q[k]) for k in q)
