@@ -60,7 +60,7 @@ class PlanRun(UpdateSteps, GradientOps, StateSync):
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, plan: Plan, *, device: str = "cpu",
                  batch_example: Any = None, precision: str | None = None, measure: bool = True,
                  budget_guard: str = "stop", nonfinite: str = "ignore", nvme_dir: str | None = None,
-                 overlap: bool = True) -> None:
+                 overlap: bool = True, speculate: bool = False) -> None:
         validate(plan)
         refuse_compiled(model)
         one_rank_only(plan)  # many-rank plans run in hplan.executor.ranks.distributed
@@ -132,6 +132,9 @@ class PlanRun(UpdateSteps, GradientOps, StateSync):
         self.activations = ActivationRun(plan, self.tier.device)
         """The plan's offloaded and recomputed segments (hplan.executor.activations.run)."""
         self.speculation: Speculation | None = None
+        self._speculate = speculate
+        """Speculate fp16 host updates beside the backward ([Note: speculative fp16 updates]); off by default: on a
+        loaded 2-core machine it measured slower (its copies and a second overflow check), not yet quiet."""
 
     # -- lifecycle ------------------------------------------------------------------------------------
     def __enter__(self) -> Self:
@@ -202,8 +205,8 @@ class PlanRun(UpdateSteps, GradientOps, StateSync):
             self._stack.enter_context(self.meter.track())
         self.tier.keep(self._headroom)
         self._stack.callback(self.tier.keep, 0)
-        self.speculation = Speculation(self) if self.loss_scale is not None and self.worker is not None and \
-            plan.defer_updates and not self.host.phased else None
+        self.speculation = Speculation(self) if self._speculate and self.loss_scale is not None and \
+            self.worker is not None and plan.defer_updates and not self.host.phased else None
         """fp16 host updates beside the backward, rolled back on an overflow ([Note: speculative fp16 updates])."""
         for index in self.speculation.at if self.speculation is not None else ():
             self._quiet[index] = None

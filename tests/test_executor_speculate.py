@@ -36,7 +36,8 @@ def _train(workload, plan, n, *, overlap, poison=None, lr_late=False, peek=None)
 
         getattr(model, module).register_forward_hook(lambda m, args, out: out.register_hook(inf) and None)
     losses = []
-    with PlanRun(model, optimizer, plan, batch_example=workload.batch(0), measure=True, overlap=overlap) as run:
+    with PlanRun(model, optimizer, plan, batch_example=workload.batch(0), measure=True, overlap=overlap,
+                 speculate=True) as run:
         for i in range(n):
             now["i"] = i
             loss = workload.loss(model, workload.batch(i))
