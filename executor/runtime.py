@@ -134,7 +134,7 @@ class PlanRun(UpdateSteps, GradientOps, StateSync):
         self.speculation: Speculation | None = None
         self._speculate = speculate
         """Speculate fp16 host updates beside the backward ([Note: speculative fp16 updates]); off by default: on a
-        loaded 2-core machine it measured slower (its copies and a second overflow check), not yet quiet."""
+        loaded 2-core machine it measured slower, not yet quiet."""
 
     # -- lifecycle ------------------------------------------------------------------------------------
     def __enter__(self) -> Self:

@@ -18,9 +18,9 @@ global check plain PyTorch's GradScaler makes:
 The copies are host memory (the chunk's master, weights and state once more), kept between iterations, and a
 copy costs a memcpy of those bytes per update, so only a run with the worker speculates: in line it would add
 work to the backward and save none. It is opt-in (`attach(..., speculate=True)`): on a loaded 2-core machine
-(load average 8.5) gpt:small at its minimum fp16 budget stepped 1.3-1.5x slower with it than deferred (the
-worker had no free core, and the copies and the step's second overflow check over the speculated chunks' fp32
-gradients cost more than they hide); a quiet measurement, and checking the speculated chunks once, are next.
+(load average 6.5-8.5) gpt:small at its minimum fp16 budget stepped 1.3-1.5x slower with it than deferred, even
+with the step's overflow check skipping the chunks the worker checked (`checked`): the worker had no free core,
+and its copies cost more than they hid. Why, measured on a quiet machine, is next.
 """
 
 from __future__ import annotations
@@ -135,6 +135,16 @@ class Speculation:
         done = frozenset(self.done)
         self.end()
         return done
+
+    def checked(self) -> set[str]:
+        """Written parameters of the speculated chunks whose gradients the worker found finite and which have not
+        changed since: the step's overflow check need not read them again."""
+        out: set[str] = set()
+        for c in self.done:
+            grad, version = self.versions[c]
+            if grad._version == version:
+                out.update(n for n in self.run.updates[c].names if n in self.run.written)
+        return out
 
     def abandon(self) -> None:
         """The optimizer's or the model's state is read or loaded in the middle of an iteration: plain PyTorch has

@@ -143,7 +143,8 @@ class UpdateSteps:
         skip = by_user = self._skip_next
         self._skip_next = False
         if not skip and self.plan.defer_updates and (self.loss_scale is not None or self.nonfinite != "ignore"):
-            skip = self._any_nonfinite()  # type: ignore[attr-defined]  (GradientOps)
+            checked = self.speculation.checked() if self.speculation is not None else set()
+            skip = self._any_nonfinite(sorted(self.written - checked) if checked else None)  # type: ignore[attr-defined]
             if skip and self.loss_scale is None and self.nonfinite == "stop":
                 at = self.training_step()  # type: ignore[attr-defined]  (PlanRun)
                 raise HplanError(f"a gradient is not finite (inf or NaN) at step {at}; stopped before any update of "
