@@ -12,7 +12,8 @@ from __future__ import annotations
 import importlib.util
 
 from bench.context import Context
-from bench.executor_speed import SPEC, load_note, loss_diff, make_plans, round_ratios, rounds
+from bench.executor_speed import (QUICK_ROUNDS, SPEC, load_note, loss_diff, make_plans, reused_quick_runs,
+                                  round_ratios, rounds)
 from bench.harness import SectionOutput, Table, fmt_ratio, median
 
 SKIP = ("skipped: DeepSpeed is not installed here; `DS_BUILD_OPS=0 pip install 'hplan[deepspeed]'` (deepspeed 0.19.8) "
@@ -41,8 +42,11 @@ def one_rank(ctx: Context) -> Table:
     if not ctx.quick:
         systems["DeepSpeed ZeRO-3"] = ("ds-z3",)
         systems["DeepSpeed ZeRO-2 + optimizer offload"] = ("ds-z2-offload",)
-    steps, n = (3, 1) if ctx.quick else (6, 5)
-    runs = rounds(ctx, systems, steps=steps, n=n)
+    steps, n = QUICK_ROUNDS if ctx.quick else (6, 5)
+    quick = reused_quick_runs(ctx)
+    reused = {label: quick[key] for label, key in (("plain PyTorch", "plain"), ("hplan, all-resident", "resident"),
+                                                   ("hplan at the minimum budget", "min")) if key in quick}
+    runs = rounds(ctx, {k: v for k, v in systems.items() if k not in reused}, steps=steps, n=n) | reused
     table = Table(headers=["system", "max loss diff vs plain", "step ÷ plain (min / median over rounds)",
                            "step ÷ DeepSpeed ZeRO-3 + offload (median)"],
                   caption=f"**{SPEC}, one rank** ({n} rounds × {steps} steps, a fresh process per run, one torch "
@@ -54,6 +58,8 @@ def one_rank(ctx: Context) -> Table:
         diff = max(loss_diff(a, b) for a, b in zip(runs[key], runs["plain PyTorch"]))
         table.add(key, f"{diff:.1e}", f"{fmt_ratio(min(ratios), 3)} / {fmt_ratio(median(ratios), 3)}",
                   fmt_ratio(median(vs_ds), 3))
+    if reused:
+        table.notes.append("--quick: the plain PyTorch and hplan runs are section 13's, from the same bench run.")
     table.notes.append("Goal (issue 32): hplan at the minimum budget ≤ DeepSpeed ZeRO-3 with optimizer and parameter "
                        "offload on the same model. DeepSpeed's losses differ from plain PyTorch's where its ZeRO "
                        "optimizer reorders the arithmetic (flat fp32 partitions, its own gradient averaging).")

@@ -21,6 +21,8 @@ from bench.context import Context
 from bench.harness import SectionOutput, Table, fmt_bytes, fmt_ratio, median, rel_diff, run_worker
 
 SPEC = "gpt:small"
+QUICK_ROUNDS = (3, 1)
+"""--quick: steps per run, rounds."""
 
 
 def load_note() -> str:
@@ -66,6 +68,13 @@ def rounds(ctx: Context, systems: dict[str, Sequence[str]], *, steps: int, n: in
             out[key].append(res.payload)
         ctx.log(f"[bench]   round {r + 1}/{n} done ({load_note()})")
     return out
+
+
+def reused_quick_runs(ctx: Context) -> dict[str, list[dict[str, Any]]]:
+    """With --quick, the plain, all-resident and minimum-budget runs this section's step table made in this
+    bench run (one round of QUICK_ROUNDS), for section 14 to reuse instead of starting the same processes again;
+    empty when that table did not run."""
+    return getattr(ctx, "_speed_quick_runs", {}) if ctx.quick else {}
 
 
 def steady_median(payload: dict[str, Any]) -> float:
@@ -187,11 +196,13 @@ def calls_table(ctx: Context, plans: dict[str, Path]) -> Table:
 
 
 def step_table(ctx: Context, plans: dict[str, Path]) -> tuple[Table, list[str]]:
-    steps, n = (3, 1) if ctx.quick else (8, 5)
+    steps, n = QUICK_ROUNDS if ctx.quick else (8, 5)
     runs = rounds(ctx, {"plain": ("plain",), "resident": ("hplan", str(plans["resident"])),
                         "resident-nocache": ("hplan-nocache", str(plans["resident"])),
                         "min": ("hplan", str(plans["min"])), "min-inline": ("hplan-inline", str(plans["min"]))},
                   steps=steps, n=n)
+    if ctx.quick:  # section 14's --quick round reuses these three runs (reused_quick_runs)
+        ctx._speed_quick_runs = {k: runs[k] for k in ("plain", "resident", "min")}  # type: ignore[attr-defined]
     plain = median([steady_median(p) for p in runs["plain"]])
     moved = int(runs["min"][-1].get("moved_bytes", 0))
     memcpy = median([p["memcpy_seconds"] for p in runs["min"]])

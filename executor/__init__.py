@@ -31,7 +31,8 @@ from hplan.artifacts import Plan
 
 def attach(model: Any, optimizer: Any, plan: Plan, *, device: str = "cpu", batch_example: Any = None,
            precision: str | None = None, measure: bool = True, budget_guard: str = "stop",
-           nonfinite: str = "ignore", nvme_dir: str | None = None, overlap: bool = True) -> PlanRun:
+           nonfinite: str = "ignore", nvme_dir: str | None = None, overlap: bool = True,
+           speculate: bool = False) -> PlanRun:
     """A context manager replaying `plan` in your loop.
 
     `batch_example` has the workload fingerprint checked; `precision` defaults to the plan's recipe;
@@ -40,7 +41,9 @@ def attach(model: Any, optimizer: Any, plan: Plan, *, device: str = "cpu", batch
     `nonfinite="stop"` stops before updating with an inf/NaN gradient, "skip" skips that step (plans that defer
     updates only); the default leaves them to you, as plain PyTorch does; `nvme_dir` is where a plan made with a
     disk tier keeps its NVMe-homed regions (hplan.executor.tiers.host); `overlap=False` runs the host updates
-    of backward steps in line instead of on a worker thread beside the backward (hplan.executor.overlap).
+    of backward steps in line instead of on a worker thread beside the backward (hplan.executor.overlap);
+    `speculate=True` runs fp16 host updates beside the backward too, rolled back when the step is skipped
+    (hplan.executor.speculate; off by default until measured faster).
     A many-rank plan (`hplan plan --gpus N`) runs on this rank of an initialised torch.distributed job (torchrun):
     hplan.executor.ranks.distributed.DistRun."""
     if plan.sharding is not None:  # many ranks: hplan.executor.ranks.distributed
@@ -50,7 +53,7 @@ def attach(model: Any, optimizer: Any, plan: Plan, *, device: str = "cpu", batch
                        budget_guard=budget_guard, nonfinite=nonfinite)  # type: ignore[return-value]
     return PlanRun(model, optimizer, plan, device=device, batch_example=batch_example, precision=precision,
                    measure=measure, budget_guard=budget_guard, nonfinite=nonfinite, nvme_dir=nvme_dir,
-                   overlap=overlap)
+                   overlap=overlap, speculate=speculate)
 
 
 __all__ = ["EventRecord", "PlanRun", "RegionState", "attach", "run_training"]

@@ -33,6 +33,9 @@ class UpdateBatch:
             for g, names in u.groups.items():
                 self.members.setdefault((u.where, g), []).extend((u, n) for n in names)
         self._optimizers: dict[tuple[str, int], torch.optim.Optimizer] = {}
+        self._direct = {key: direct_fused_adam(members, key[1]) for key, members in self.members.items()}
+        """Per (place, group): whether its update may call torch's fused Adam kernel directly ([Note: direct
+        fused update])."""
         self._steps: dict[tuple[str, int], Callable[[], Any]] = {}
         self.regions = frozenset(r for u in updates for r in u.store.by_chunk[u.chunk.id].values())
         """Every region of the batch's chunks (what an update on the worker thread uses)."""
@@ -55,6 +58,8 @@ class UpdateBatch:
         """Every member's update: written parameters stepped, the others skipped (as torch skips them)."""
         with action(f"hplan::update_batch::{len(self.updates)}"), torch.no_grad():
             for key, members in self.members.items():
+                if self._direct[key] and fused_adam_step(members, key[1], written):
+                    continue
                 opt = self._optimizer(key)
                 group = opt.param_groups[0]
                 for k, value in members[0][0].user.param_groups[key[1]].items():
@@ -95,3 +100,56 @@ def unhooked_step(opt: torch.optim.Optimizer) -> Callable[[], Any]:
     if getattr(step, "hooked", False) and callable(getattr(step, "__wrapped__", None)):
         return functools.partial(step.__wrapped__, opt)
     return opt.step
+
+
+def direct_fused_adam(members: list[Member], group: int) -> bool:
+    """Whether these members' updates are torch's fused Adam/AdamW kernel on their own tensors, with nothing of
+    the optimizer's machinery that could change the result: see [Note: direct fused update]."""
+    first, _ = members[0]
+    options = first.options[group]
+    return type(first.user) in (torch.optim.Adam, torch.optim.AdamW) and not first.master and \
+        options.get("fused") is True and not options.get("differentiable") and not options.get("capturable")
+
+
+def fused_adam_step(members: list[Member], index: int, written: set[str]) -> bool:
+    """[Note: direct fused update] Torch's Adam.step with `fused=True` on CPU gathers each parameter with a
+    gradient, its `step`, `exp_avg`, `exp_avg_sq` (and `max_exp_avg_sq`), adds 1 to the steps and calls one fused
+    kernel over the lists with the group's scalars; per tensor, that kernel's arithmetic does not depend on the
+    other tensors in the call. A host update at the minimum budget steps a few parameters at a time, about 27
+    times an iteration, and the Python around the kernel (`step`'s wrappers, `_init_group`, grouping by device
+    and dtype) costs more than the kernel on a small chunk. So a batch whose optimizer is exactly torch's Adam or
+    AdamW, fused, without a master copy, calls the same two kernels itself: the same tensors, the same scalars read
+    from the user's group now (LR schedulers work), bit for bit torch's result. Anything else (state not yet
+    created, a tensor lr or betas, grad scaling, another optimizer) returns False: the optimizer's own step runs.
+    Unwritten members are skipped, as torch skips a parameter without a gradient."""
+    group = members[0][0].user.param_groups[index]
+    lr, (beta1, beta2), amsgrad = group["lr"], group["betas"], group["amsgrad"]
+    if torch.is_tensor(lr) or torch.is_tensor(beta1) or torch.is_tensor(beta2) or group.get("differentiable"):
+        return False
+    params, grads, avgs, sqs, maxes, steps, done = [], [], [], [], [], [], []
+    for u, n in members:
+        if n not in written:
+            continue
+        state = u.states[n]
+        step, avg, sq = state.get("step"), state.get("exp_avg"), state.get("exp_avg_sq")
+        if n in u.settling:  # state made outside the regions moves in first (what the step's end would do)
+            u.keep_lazy_state(n)
+        if step is None or avg is None or sq is None or n in u.settling or (amsgrad and "max_exp_avg_sq" not in state):
+            return False
+        params.append(u.work[n])
+        grads.append(u.grad[n])
+        avgs.append(avg)
+        sqs.append(sq)
+        if amsgrad:
+            maxes.append(state["max_exp_avg_sq"])
+        steps.append(step)
+        done.append((u, n))
+    if params:
+        kernel = torch._fused_adamw_ if group.get("decoupled_weight_decay") else torch._fused_adam_
+        torch._foreach_add_(steps, 1)
+        kernel(params, grads, avgs, sqs, maxes, steps, amsgrad=amsgrad, lr=lr, beta1=beta1, beta2=beta2,
+               weight_decay=group["weight_decay"], eps=group["eps"], maximize=group["maximize"], grad_scale=None,
+               found_inf=None)
+    for u, n in done:
+        u.started.add(n)
+    return True

@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from hplan.errors import HplanError
+from hplan.executor.overlap import on_worker
 from hplan.executor.state import RegionState
 from hplan.executor.tripwires import FIX
 
@@ -50,7 +51,7 @@ class GradientOps:
     def _memory_of(self, where: str) -> contextlib.AbstractContextManager[None]:
         """Where an update's temporaries live: the host's memory for a host update ("cpu"), else the fast tier's
         ([Note: host work off the fast tier])."""
-        if where == "cpu" and self.meter is not None:
+        if where == "cpu" and self.meter is not None and not on_worker():
             return self.meter.host_work()
         return _NULL
 

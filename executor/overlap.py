@@ -19,8 +19,17 @@ The worker is a second core's work: benchmarks report the run with and without i
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
+
+_local = threading.local()
+
+
+def on_worker() -> bool:
+    """Whether this code runs on an UpdateWorker's thread: there the fast tier's probe counts nothing already, and
+    setting its count aside (`host_work`) would set aside the main thread's, which shares the flag."""
+    return getattr(_local, "worker", False)
 
 
 class UpdateWorker:
@@ -44,6 +53,7 @@ class UpdateWorker:
         self.regions |= regions
 
     def _guarded(self, work: Callable[[], None]) -> None:
+        _local.worker = True
         if self._failed:  # an earlier update failed: the in-line run would not have reached this one
             return
         try:

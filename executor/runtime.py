@@ -29,6 +29,7 @@ from hplan.executor.overlap import UpdateWorker
 from hplan.executor.param_watch import ParamWatch
 from hplan.executor.regions import move_regions
 from hplan.executor.scale import LossScale
+from hplan.executor.speculate import Speculation
 from hplan.executor.state import RegionState
 from hplan.executor.step_table import Moves, Quiet, moves_table, quiet_table
 from hplan.executor.statesync import StateSync
@@ -59,7 +60,7 @@ class PlanRun(UpdateSteps, GradientOps, StateSync):
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, plan: Plan, *, device: str = "cpu",
                  batch_example: Any = None, precision: str | None = None, measure: bool = True,
                  budget_guard: str = "stop", nonfinite: str = "ignore", nvme_dir: str | None = None,
-                 overlap: bool = True) -> None:
+                 overlap: bool = True, speculate: bool = False) -> None:
         validate(plan)
         refuse_compiled(model)
         one_rank_only(plan)  # many-rank plans run in hplan.executor.ranks.distributed
@@ -130,6 +131,10 @@ class PlanRun(UpdateSteps, GradientOps, StateSync):
         """The thread a backward step's host updates run on ([Note: overlapped host updates]); None: in line."""
         self.activations = ActivationRun(plan, self.tier.device)
         """The plan's offloaded and recomputed segments (hplan.executor.activations.run)."""
+        self.speculation: Speculation | None = None
+        self._speculate = speculate
+        """Speculate fp16 host updates beside the backward ([Note: speculative fp16 updates]); off by default: on a
+        loaded 2-core machine it measured slower, not yet quiet."""
 
     # -- lifecycle ------------------------------------------------------------------------------------
     def __enter__(self) -> Self:
@@ -200,6 +205,11 @@ class PlanRun(UpdateSteps, GradientOps, StateSync):
             self._stack.enter_context(self.meter.track())
         self.tier.keep(self._headroom)
         self._stack.callback(self.tier.keep, 0)
+        self.speculation = Speculation(self) if self._speculate and self.loss_scale is not None and \
+            self.worker is not None and plan.defer_updates and not self.host.phased else None
+        """fp16 host updates beside the backward, rolled back on an overflow ([Note: speculative fp16 updates])."""
+        for index in self.speculation.at if self.speculation is not None else ():
+            self._quiet[index] = None
 
     def __exit__(self, *exc: object) -> None:
         """Remove hooks, give the optimizer its state and every parameter its own storage back; the host tier is
@@ -222,7 +232,7 @@ class PlanRun(UpdateSteps, GradientOps, StateSync):
             if store is None:
                 return
             try:
-                self.sync_state()
+                self.sync_state()  # speculated updates of a step that never came are rolled back first
                 values = store.parameter_values()
                 for rid in store.resident():
                     store.evict(rid, writeback=False)
@@ -366,6 +376,8 @@ class PlanRun(UpdateSteps, GradientOps, StateSync):
         self.activations.at_step(step)
         store.require(moves.needs, f"plan step {step.index} ({step.event})")
         self._pending_flips = set(step.flips)
+        if self.speculation is not None and self.cursor in self.speculation.at:
+            self.speculation.at_step(self.cursor)
         if step.event == OPTIMIZER_EVENT:
             self._optimizer_updates(step)
         elif step.host_updates:

@@ -38,10 +38,14 @@ class StateSync:
     _loaded: dict[str, Any] | None
     host: Any
     """hplan.executor.tiers.host.TieredStore or NoHostTier."""
+    speculation: Any
+    """hplan.executor.speculate.Speculation or None."""
 
     # -- optimizer -------------------------------------------------------------------------------------
     def sync_state(self) -> None:
         """Fill the user's optimizer.state with the state torch would hold (fresh tensors)."""
+        if self.speculation is not None:  # [Note: speculative fp16 updates]
+            self.speculation.abandon()
         self.optimizer.state.clear()
         for update in self.updates.values():
             self.optimizer.state.update(update.materialize())
@@ -57,6 +61,8 @@ class StateSync:
     def adopt_loaded_state(self) -> None:
         """load_state_dict post-hook: the loaded state (full precision, from the stashed dict) moves into regions."""
         loaded, self._loaded = self._loaded, None
+        if self.speculation is not None:
+            self.speculation.abandon()
         if loaded is not None:
             by_index = {i: p for i, p in enumerate(p for g in self.optimizer.param_groups for p in g["params"])}
             for index, state in loaded.get("state", {}).items():
@@ -85,6 +91,8 @@ class StateSync:
 
     def _state_dict_hook(self, local: dict[str, str]) -> Any:
         def hook(module: nn.Module, state_dict: dict[str, Any], prefix: str, local_metadata: Any) -> None:
+            if self.speculation is not None:
+                self.speculation.abandon()
             for key, name in local.items():
                 if prefix + key in state_dict:
                     state_dict[prefix + key] = self.store.param_value(name)

@@ -12,6 +12,7 @@ from hplan.executor.batch import UpdateBatch
 from hplan.executor.gradients import Clip
 from hplan.executor.overlap import UpdateWorker
 from hplan.executor.scale import LossScale
+from hplan.executor.speculate import Speculation
 from hplan.executor.state import RegionState
 from hplan.executor.tripwires import EagerWatch
 from hplan.executor.update import ChunkUpdate
@@ -45,6 +46,7 @@ class UpdateSteps:
     _updated: set[int]
     _skip_next: bool
     worker: UpdateWorker | None
+    speculation: Speculation | None
 
     def _update(self, chunks: tuple[int, ...] | list[int], step: Step) -> None:
         """The updates of these chunks, together (one optimizer call per place and param group). With a host
@@ -141,11 +143,14 @@ class UpdateSteps:
         skip = by_user = self._skip_next
         self._skip_next = False
         if not skip and self.plan.defer_updates and (self.loss_scale is not None or self.nonfinite != "ignore"):
-            skip = self._any_nonfinite()  # type: ignore[attr-defined]  (GradientOps)
+            checked = self.speculation.checked() if self.speculation is not None else set()
+            skip = self._any_nonfinite(sorted(self.written - checked) if checked else None)  # type: ignore[attr-defined]
             if skip and self.loss_scale is None and self.nonfinite == "stop":
                 at = self.training_step()  # type: ignore[attr-defined]  (PlanRun)
                 raise HplanError(f"a gradient is not finite (inf or NaN) at step {at}; stopped before any update of "
                                  "this step")
+        done = self.speculation.keep(self.iteration, skip) if self.speculation is not None else frozenset()
+        """Host chunks already updated beside the backward ([Note: speculative fp16 updates])."""
         if self.loss_scale is not None and not by_user:
             self.loss_scale.update(skip)
         if skip:
@@ -158,6 +163,6 @@ class UpdateSteps:
                     update.copy_masters()
                     self.store.mark_dirty(self.store.region(c, "param"))
             return
-        chunks = sorted(step.host_updates) + self._fast_updates
+        chunks = sorted(c for c in step.host_updates if c not in done) + self._fast_updates
         if chunks:
             self._update(chunks, step)

@@ -97,3 +97,24 @@ def test_a_worker_failure_cancels_the_updates_queued_after_it():
     worker.submit(lambda: ran.append(3), {3})  # a fresh start after a failure
     worker.close()
     assert ran == [3]
+
+
+def test_host_work_on_the_worker_leaves_the_main_threads_count(tight):
+    """The fast tier's probe counts the main thread only; a host update's `_memory_of("cpu")` on the worker must
+    not switch that count off (its flag is shared), or the main thread's allocations meanwhile would escape the
+    budget guard."""
+    workload, plan = tight
+    model = workload.build_model()
+    seen = []
+    with PlanRun(model, build_optimizer(workload, model), plan, batch_example=workload.batch(0), measure=True,
+                 overlap=True) as run:
+        watch = run.meter.probe._watch
+        assert watch is not None and watch.counting
+
+        def work():
+            with run._memory_of("cpu"):
+                seen.append(watch.counting)
+
+        run.worker.submit(work, frozenset())
+        run.worker.drain()
+    assert seen == [True]
