@@ -111,16 +111,15 @@ def lagrangian_bound(model: IntervalModel, rows: Rows, mem: np.ndarray, cover: n
         mode_red = c.cost.astype(float)
         np.add.at(mode_red, gm[gm >= 0], model.size[gm >= 0] + np.minimum(reduced[gm >= 0], 0.0))
         np.add.at(mode_red, mode[mode >= 0], cover[mode >= 0])
-        special_of = {int(j): q for q, j in enumerate(sp)}
         if len(rows.extra_entry):
-            at = np.array([special_of[int(j)] for j in rows.extra_row], dtype=np.int64)
+            at = np.searchsorted(sp, rows.extra_row)  # `sp` is sorted and holds every extra row
             np.add.at(mode_red, c.extra_mode[rows.extra_entry], special[at] * c.extra_bytes[rows.extra_entry])
         switch_red = 0.0
         if switch is not None and len(switch):
             np.add.at(mode_red, c.switch_modes, switch)
             switch_red -= float(switch.sum())
         if rows.switch_row >= 0:
-            switch_red += float(special[special_of[rows.switch_row]]) * c.switch_bytes
+            switch_red += float(special[int(np.searchsorted(sp, rows.switch_row))]) * c.switch_bytes
             if persp and c.switch_bytes > 0:
                 at = switch_extras(model, rows)
                 np.add.at(mode_red, c.extra_mode[at], persp * c.extra_bytes[at])

@@ -48,14 +48,20 @@ class Rows:
     extra_entry: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
     switch_row: int = -1
     """Choices: the binding row of the switch's step (-1: none, or it never binds)."""
+    _special: list[np.ndarray] = field(default_factory=list, compare=False, repr=False)
+    """Cache of `special()` (rows are immutable; the LP, branch and bound and every bound read it)."""
 
     def inside(self, i: int) -> np.ndarray:
         return (self.first[i] + np.arange(self.count[i])) % max(len(self.free), 1)
 
     def special(self) -> np.ndarray:
         """Binding rows where modes add memory, sorted: each gets its own row beside the chain."""
-        rows = [self.extra_row] + ([np.array([self.switch_row])] if self.switch_row >= 0 else [])
-        return np.unique(np.concatenate(rows)).astype(np.int64)
+        if not self._special:
+            rows = [self.extra_row] + ([np.array([self.switch_row])] if self.switch_row >= 0 else [])
+            special = np.unique(np.concatenate(rows)).astype(np.int64)
+            special.setflags(write=False)
+            self._special.append(special)
+        return self._special[0]
 
 
 def memory_rows(model: IntervalModel) -> Rows:
@@ -190,18 +196,17 @@ def _highs(model: IntervalModel, rows: Rows, *, integral: bool, stay: bool = Fal
     put(cover_row + ncov, g + span, 1.0)
     conditional = np.flatnonzero(mode >= 0)
     put(cover_row + conditional, mode_col + mode[conditional], -1.0)
-    special_of = {int(j): q for q, j in enumerate(special)}
     put(special_row + np.arange(len(special)), g + s + (special - first) % max(m, 1), 1.0)
     if c is not None:
         e = rows.extra_entry
-        put(special_row + np.array([special_of[int(j)] for j in rows.extra_row], dtype=np.int64),
+        put(special_row + np.searchsorted(special, rows.extra_row),  # `special` is sorted and holds them all
             mode_col + c.extra_mode[e], c.extra_bytes[e] / unit)
         put(item_row + c.item, mode_col + np.arange(k), 1.0)
         put(link_row + np.arange(len(mode_gaps)), mode_gaps, 1.0)
         put(link_row + np.arange(len(mode_gaps)), mode_col + c.gap_mode[mode_gaps], -1.0)
         if has_switch:
             if rows.switch_row >= 0:
-                put(special_row + special_of[rows.switch_row], switch_col, c.switch_bytes / unit)
+                put(special_row + int(np.searchsorted(special, rows.switch_row)), switch_col, c.switch_bytes / unit)
             put(switch_link_row + np.arange(n_switch), switch_col, 1.0)
             put(switch_link_row + np.arange(n_switch), mode_col + c.switch_modes, -1.0)
             if persp:  # see `switch_cut`
