@@ -363,7 +363,7 @@ def _liveness(s: Structure, n: int) -> np.ndarray:
         def_r += define
         def_t += [t] * len(define)
     n_regions = len(s.regions)
-    if not n or not n_regions:
+    if not n or not n_regions or not use_r + def_r:
         return np.zeros((n_regions, n), dtype=bool)
     key = np.array(use_r + def_r, dtype=np.int64) * n + np.array(use_t + def_t, dtype=np.int64)
     kind = np.zeros(len(key), dtype=bool)
