@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from hplan.planner.formulation import (  # noqa: F401  (Rows, memory_rows, _highs and constant_of re-exported)
-    Rows, _highs, constant_of, memory_rows, switch_extras, switch_room,
+    Rows, _highs, constant_of, memory_rows, solve, switch_extras, switch_room,
 )
 from hplan.planner.intervals import IntervalModel
 
@@ -60,9 +60,8 @@ Multipliers = tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, float]
 def lp_multipliers(model: IntervalModel, rows: Rows) -> Multipliers:
     """The LP relaxation's dual values as `lagrangian_bound`'s multipliers."""
     h, lay = _highs(model, rows, integral=False)
-    h.run()
-    sol = h.getSolution()
-    col_dual, row_dual = np.asarray(sol.col_dual, dtype=float), np.asarray(sol.row_dual, dtype=float)
+    sol = solve(h, lay)
+    col_dual, row_dual = sol.col_dual, sol.row_dual
     m, load_col = len(rows.free), model.n_gaps + model.n_spans
     # A load column at its bound free_j carries the memory row's multiplier as its reduced cost.
     mem = np.roll(-np.minimum(col_dual[load_col:load_col + m], 0.0), lay.first)
@@ -179,15 +178,12 @@ def _branch(model: IntervalModel, rows: Rows, fallback: np.ndarray | None, fallb
     keep it are returned (its bound then holds for such schedules only)."""
     c = model.choices
     h, lay = _highs(model, rows, integral=True, stay=stay)
-    h.setOptionValue("mip_rel_gap", 0.0)
-    h.setOptionValue("mip_abs_gap", max(0.99, float(stop_bytes)) / lay.unit)
-    h.setOptionValue("mip_max_nodes", int(max_nodes))
-    h.run()
-    info = h.getInfo()
-    status = h.modelStatusToString(h.getModelStatus())
+    info = solve(h, lay, (("mip_rel_gap", 0.0), ("mip_abs_gap", max(0.99, float(stop_bytes)) / lay.unit),
+                          ("mip_max_nodes", int(max_nodes))))
+    status = info.status
     keep, x = None, None
     if info.primal_solution_status == 2:  # kSolutionStatusFeasible
-        value = np.asarray(h.getSolution().col_value)
+        value = info.col_value
         if c is not None:
             x = np.zeros(c.n_modes, dtype=bool)
             scores = value[lay.mode_col:lay.mode_col + c.n_modes]

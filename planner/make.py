@@ -17,6 +17,7 @@ from hplan.errors import HplanError
 from hplan.planner.activation_auto import plan_auto
 from hplan.planner.activations import decide
 from hplan.planner.core import plan_decisions
+from hplan.planner.formulation import solves_remembered
 from hplan.planner.options import PlanOptions
 from hplan.planner.search import Progress
 
@@ -26,7 +27,7 @@ def make_plan(trace: Trace, hardware: Hardware, options: PlanOptions | None = No
     """The cheapest schedule found for `hardware`; infeasible budgets give summary.feasible False, never raise.
     `on_progress(done, total, message)` is called as candidates are scored and solved."""
     options = options or PlanOptions()
-    with collector_paused():
+    with collector_paused(), solves_remembered():
         return _make_plan(trace, hardware, options, on_progress)
 
 

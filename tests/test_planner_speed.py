@@ -188,3 +188,34 @@ def test_small_plans_are_byte_identical_to_the_code_before_the_speed_ups(case, t
     gpu = int(fraction * trace.model_bytes) + trace.peak_bytes - trace.model_bytes
     make_plan(trace, Hardware(gpu_bytes=gpu), PlanOptions(chunk_bytes=chunk)).save(tmp_path / "plan.json")
     assert hashlib.sha256((tmp_path / "plan.json").read_bytes()).hexdigest() == GOLDEN[case]
+
+
+def test_a_model_given_twice_within_a_plan_is_solved_once_with_the_same_answer(monkeypatch):
+    """[Note: remembered solves]: inside `solves_remembered` HiGHS runs once per model and options; outside it
+    (and for other options) it runs each time, with the same answer."""
+    import highspy
+
+    from hplan.planner.exact import lp_multipliers, memory_rows, solve_milp
+    from hplan.planner.formulation import solves_remembered
+    from hplan.planner.intervals import build_intervals
+
+    trace = gpt_trace(n_layer=2, d_model=128, vocab=500, n_ctx=64, seq=64, n_head=4, precision="bf16-mixed")
+    groups = group_params(trace, 10**5)
+    gpu = int(0.4 * trace.model_bytes) + trace.peak_bytes - trace.model_bytes
+    model = build_intervals(build(trace, groups, frozenset(), Hardware(gpu_bytes=gpu))[1])
+    rows = memory_rows(model)
+    runs: list[int] = []
+    run = highspy._Highs.run
+    monkeypatch.setattr(highspy._Highs, "run", lambda self: runs.append(1) or run(self))
+    plain = solve_milp(model, max_nodes=20), lp_multipliers(model, rows)
+    assert len(runs) == 2
+    with solves_remembered():
+        first = solve_milp(model, max_nodes=20), lp_multipliers(model, rows)
+        again = solve_milp(model, max_nodes=20), lp_multipliers(model, rows)
+        other = solve_milp(model, max_nodes=21)
+    assert len(runs) == 5  # the repeat was answered from the memo; other options ran
+    for got in (first, again):
+        assert np.array_equal(got[0].keep, plain[0].keep) and got[0].cost == plain[0].cost
+        assert got[0].lower_bound == plain[0].lower_bound and got[0].nodes == plain[0].nodes
+        assert all(np.array_equal(a, b) for a, b in zip(got[1], plain[1]))
+    assert other.cost is not None
