@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from hplan.planner.formulation import (  # noqa: F401  (Rows, memory_rows, _highs and constant_of re-exported)
-    Rows, _highs, constant_of, memory_rows, switch_extras, switch_room,
+    Rows, _highs, constant_of, memory_rows, solve, switch_extras, switch_room,
 )
 from hplan.planner.intervals import IntervalModel
 
@@ -60,9 +60,8 @@ Multipliers = tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, float]
 def lp_multipliers(model: IntervalModel, rows: Rows) -> Multipliers:
     """The LP relaxation's dual values as `lagrangian_bound`'s multipliers."""
     h, lay = _highs(model, rows, integral=False)
-    h.run()
-    sol = h.getSolution()
-    col_dual, row_dual = np.asarray(sol.col_dual, dtype=float), np.asarray(sol.row_dual, dtype=float)
+    sol = solve(h, lay)
+    col_dual, row_dual = sol.col_dual, sol.row_dual
     m, load_col = len(rows.free), model.n_gaps + model.n_spans
     # A load column at its bound free_j carries the memory row's multiplier as its reduced cost.
     mem = np.roll(-np.minimum(col_dual[load_col:load_col + m], 0.0), lay.first)
@@ -111,16 +110,15 @@ def lagrangian_bound(model: IntervalModel, rows: Rows, mem: np.ndarray, cover: n
         mode_red = c.cost.astype(float)
         np.add.at(mode_red, gm[gm >= 0], model.size[gm >= 0] + np.minimum(reduced[gm >= 0], 0.0))
         np.add.at(mode_red, mode[mode >= 0], cover[mode >= 0])
-        special_of = {int(j): q for q, j in enumerate(sp)}
         if len(rows.extra_entry):
-            at = np.array([special_of[int(j)] for j in rows.extra_row], dtype=np.int64)
+            at = np.searchsorted(sp, rows.extra_row)  # `sp` is sorted and holds every extra row
             np.add.at(mode_red, c.extra_mode[rows.extra_entry], special[at] * c.extra_bytes[rows.extra_entry])
         switch_red = 0.0
         if switch is not None and len(switch):
             np.add.at(mode_red, c.switch_modes, switch)
             switch_red -= float(switch.sum())
         if rows.switch_row >= 0:
-            switch_red += float(special[special_of[rows.switch_row]]) * c.switch_bytes
+            switch_red += float(special[int(np.searchsorted(sp, rows.switch_row))]) * c.switch_bytes
             if persp and c.switch_bytes > 0:
                 at = switch_extras(model, rows)
                 np.add.at(mode_red, c.extra_mode[at], persp * c.extra_bytes[at])
@@ -180,15 +178,12 @@ def _branch(model: IntervalModel, rows: Rows, fallback: np.ndarray | None, fallb
     keep it are returned (its bound then holds for such schedules only)."""
     c = model.choices
     h, lay = _highs(model, rows, integral=True, stay=stay)
-    h.setOptionValue("mip_rel_gap", 0.0)
-    h.setOptionValue("mip_abs_gap", max(0.99, float(stop_bytes)) / lay.unit)
-    h.setOptionValue("mip_max_nodes", int(max_nodes))
-    h.run()
-    info = h.getInfo()
-    status = h.modelStatusToString(h.getModelStatus())
+    info = solve(h, lay, (("mip_rel_gap", 0.0), ("mip_abs_gap", max(0.99, float(stop_bytes)) / lay.unit),
+                          ("mip_max_nodes", int(max_nodes))))
+    status = info.status
     keep, x = None, None
     if info.primal_solution_status == 2:  # kSolutionStatusFeasible
-        value = np.asarray(h.getSolution().col_value)
+        value = info.col_value
         if c is not None:
             x = np.zeros(c.n_modes, dtype=bool)
             scores = value[lay.mode_col:lay.mode_col + c.n_modes]

@@ -22,6 +22,9 @@ columns (see `_highs`), which keeps the matrix sparse.
 
 from __future__ import annotations
 
+import hashlib
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import highspy
@@ -48,14 +51,20 @@ class Rows:
     extra_entry: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
     switch_row: int = -1
     """Choices: the binding row of the switch's step (-1: none, or it never binds)."""
+    _special: list[np.ndarray] = field(default_factory=list, compare=False, repr=False)
+    """Cache of `special()` (rows are immutable; the LP, branch and bound and every bound read it)."""
 
     def inside(self, i: int) -> np.ndarray:
         return (self.first[i] + np.arange(self.count[i])) % max(len(self.free), 1)
 
     def special(self) -> np.ndarray:
         """Binding rows where modes add memory, sorted: each gets its own row beside the chain."""
-        rows = [self.extra_row] + ([np.array([self.switch_row])] if self.switch_row >= 0 else [])
-        return np.unique(np.concatenate(rows)).astype(np.int64)
+        if not self._special:
+            rows = [self.extra_row] + ([np.array([self.switch_row])] if self.switch_row >= 0 else [])
+            special = np.unique(np.concatenate(rows)).astype(np.int64)
+            special.setflags(write=False)
+            self._special.append(special)
+        return self._special[0]
 
 
 def memory_rows(model: IntervalModel) -> Rows:
@@ -127,6 +136,8 @@ class Layout:
     """The switch cut's row (-1: none)."""
     mode_col: int
     switch_col: int
+    key: bytes = b""
+    """A digest of everything HiGHS was given (`solve` answers an identical model from its memo)."""
 
 
 def _highs(model: IntervalModel, rows: Rows, *, integral: bool, stay: bool = False) -> tuple[highspy._Highs, Layout]:
@@ -190,18 +201,17 @@ def _highs(model: IntervalModel, rows: Rows, *, integral: bool, stay: bool = Fal
     put(cover_row + ncov, g + span, 1.0)
     conditional = np.flatnonzero(mode >= 0)
     put(cover_row + conditional, mode_col + mode[conditional], -1.0)
-    special_of = {int(j): q for q, j in enumerate(special)}
     put(special_row + np.arange(len(special)), g + s + (special - first) % max(m, 1), 1.0)
     if c is not None:
         e = rows.extra_entry
-        put(special_row + np.array([special_of[int(j)] for j in rows.extra_row], dtype=np.int64),
+        put(special_row + np.searchsorted(special, rows.extra_row),  # `special` is sorted and holds them all
             mode_col + c.extra_mode[e], c.extra_bytes[e] / unit)
         put(item_row + c.item, mode_col + np.arange(k), 1.0)
         put(link_row + np.arange(len(mode_gaps)), mode_gaps, 1.0)
         put(link_row + np.arange(len(mode_gaps)), mode_col + c.gap_mode[mode_gaps], -1.0)
         if has_switch:
             if rows.switch_row >= 0:
-                put(special_row + special_of[rows.switch_row], switch_col, c.switch_bytes / unit)
+                put(special_row + int(np.searchsorted(special, rows.switch_row)), switch_col, c.switch_bytes / unit)
             put(switch_link_row + np.arange(n_switch), switch_col, 1.0)
             put(switch_link_row + np.arange(n_switch), mode_col + c.switch_modes, -1.0)
             if persp:  # see `switch_cut`
@@ -256,11 +266,15 @@ def _highs(model: IntervalModel, rows: Rows, *, integral: bool, stay: bool = Fal
     lp.a_matrix_.value_ = matrix.data.astype(float)
     lp.row_lower_ = lower
     lp.row_upper_ = upper
+    kinds = np.full(n_col, 0)
     if integral:
-        kinds = np.full(n_col, 0)
         kinds[:g] = 1
         kinds[mode_col:stay_col] = 1
         lp.integrality_ = [highspy.HighsVarType.kInteger if x else highspy.HighsVarType.kContinuous for x in kinds]
+    digest = hashlib.blake2b(np.array([n_col, n_row, int(integral)], dtype=np.int64).tobytes(), digest_size=20)
+    for part in (cost, col_upper, lower, upper, matrix.indptr.astype(np.int32), matrix.indices.astype(np.int32),
+                 matrix.data.astype(float), kinds.astype(np.int8)):
+        digest.update(np.ascontiguousarray(part).tobytes())
     h = highspy._Highs()  # the public wrapper prints a banner on stdout (breaks --json); same solver underneath
     for name, value_ in (("output_flag", False), ("threads", 1), ("random_seed", 0), ("time_limit", INF)):
         h.setOptionValue(name, value_)
@@ -268,7 +282,63 @@ def _highs(model: IntervalModel, rows: Rows, *, integral: bool, stay: bool = Fal
     return h, Layout(unit=unit, first=first, covers=covers, special=special, cover_row=cover_row,
                      special_row=special_row, switch_link_row=switch_link_row, n_switch=n_switch,
                      persp_row=persp_row if persp else -1, mode_col=mode_col,
-                     switch_col=switch_col)
+                     switch_col=switch_col, key=digest.digest())
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Solved:
+    """What the planner reads of a HiGHS run."""
+
+    status: str
+    primal_solution_status: int
+    mip_dual_bound: float
+    mip_node_count: int
+    col_value: np.ndarray
+    col_dual: np.ndarray
+    row_dual: np.ndarray
+
+
+_MEMOS: list[dict[bytes, Solved]] = []
+
+
+@contextmanager
+def solves_remembered() -> Iterator[None]:
+    """Within it, `solve` answers a model it has solved already from memory.
+
+    [Note: remembered solves] One `make_plan` gives HiGHS the same model more than once: auto's search runs again
+    with child segments after the blocks' search and plans the forced regimes (keep first) anew, and the children's
+    bound stages the LPs the second search stages again (gpt:1.3b fp16-mixed at 8 GB: 3.6 of 6.6 s of solver time
+    on repeats). HiGHS is deterministic for one input and options (one thread, a fixed seed, no time limit), and
+    each run starts from a fresh instance, so a repeat's answer is the first's: the memo, keyed by a digest of
+    every array and option HiGHS gets, changes no plan. It lives as long as the plan being made."""
+    _MEMOS.append({})
+    try:
+        yield
+    finally:
+        _MEMOS.pop()
+
+
+def solve(h: highspy._Highs, lay: Layout, options: tuple[tuple[str, float | int], ...] = ()) -> Solved:
+    """Set `options`, run HiGHS and read its answer, or the answer to the same model and options from the memo
+    (inside `solves_remembered`)."""
+    memo = _MEMOS[-1] if _MEMOS and lay.key else None
+    key = lay.key + repr(options).encode()
+    if memo is not None and key in memo:
+        return memo[key]
+    for name, value in options:
+        h.setOptionValue(name, value)
+    h.run()
+    info, sol = h.getInfo(), h.getSolution()
+    solved = Solved(status=h.modelStatusToString(h.getModelStatus()),
+                    primal_solution_status=int(info.primal_solution_status),
+                    mip_dual_bound=float(info.mip_dual_bound), mip_node_count=int(info.mip_node_count),
+                    col_value=np.asarray(sol.col_value, dtype=float), col_dual=np.asarray(sol.col_dual, dtype=float),
+                    row_dual=np.asarray(sol.row_dual, dtype=float))
+    for a in (solved.col_value, solved.col_dual, solved.row_dual):
+        a.setflags(write=False)
+    if memo is not None:
+        memo[key] = solved
+    return solved
 
 
 def _stay_rows(stay: Stay) -> int:

@@ -261,16 +261,18 @@ def _memory(extremes: dict[str, Placed], region_item: np.ndarray, n_items: int
     held, base = {}, {}
     for label, p in extremes.items():
         dense = p.problem.dense()
-        per_region = dense.size[:, None] * dense.need
-        bonus = np.zeros_like(per_region)
+        item_of = np.where(region_item >= 0, region_item, n_items)  # row n_items: frozen chunks
+        per_item = np.zeros((n_items + 1, p.problem.n_steps), dtype=np.int64)
+        regions, steps = dense.need_at  # summed over the needed regions only (few per step)
+        np.add.at(per_item, (item_of[regions], steps), dense.size[regions])
+        bonus = np.zeros(p.problem.n_steps, dtype=np.int64)  # a flipped gradient takes its weights' storage
         for t, cs in enumerate(p.structure.flips):
             for c in cs:
-                bonus[p.structure.by_chunk[c]["grad"], t] = dense.size[p.structure.by_chunk[c]["grad"]]
-        net = per_region - bonus
-        per_item = np.zeros((n_items + 1, p.problem.n_steps), dtype=np.int64)  # row n_items: frozen chunks
-        np.add.at(per_item, np.where(region_item >= 0, region_item, n_items), net)
+                g = p.structure.by_chunk[c]["grad"]
+                per_item[item_of[g], t] -= dense.size[g]
+                bonus[t] += dense.size[g]
         held[label] = per_item
-        base[label] = dense.cap - bonus.sum(axis=0)
+        base[label] = dense.cap - bonus
     differ = np.flatnonzero(base["gpu"] != base["cpu"])
     if len(differ) > 1:
         raise HplanError(f"capacity depends on placement at {len(differ)} steps (expected the optimizer step "

@@ -64,7 +64,7 @@ class Problem:
     def room(self) -> np.ndarray:
         """Per step, cap - bytes of the regions needed there (negative: the step cannot fit)."""
         dense = self.dense()
-        return dense.cap - dense.size @ dense.need if self.n_steps else np.zeros(0, dtype=np.int64)
+        return dense.cap - dense.need_bytes if self.n_steps else np.zeros(0, dtype=np.int64)
 
     def dense(self) -> Dense:
         """The problem as regions x steps arrays: solvers and schedule passes read these, not the tuples."""
@@ -82,23 +82,39 @@ class Dense:
     need: np.ndarray
     off: np.ndarray
     live: np.ndarray
+    need_at: tuple[np.ndarray, np.ndarray]
+    """`need`'s true entries as (regions, steps): a step needs few regions, so sums over them beat the matrix."""
+    need_bytes: np.ndarray
+    """Per step, bytes of the regions needed there (`size @ need`, exact int64)."""
 
     @classmethod
     def of(cls, problem: Problem, live: np.ndarray | None = None) -> Dense:
         shape = (len(problem.sizes), problem.n_steps)
-        return cls(size=np.array(problem.sizes, dtype=np.int64), cap=np.array(problem.cap, dtype=np.int64),
-                   need=_matrix(problem.needs, shape), off=_matrix(problem.off, shape),
-                   live=np.array(problem.live, dtype=bool).reshape(shape) if live is None else live)
+        size = np.array(problem.sizes, dtype=np.int64)
+        need_at = _entries(problem.needs)
+        need_bytes = np.zeros(problem.n_steps, dtype=np.int64)
+        np.add.at(need_bytes, need_at[1], size[need_at[0]])
+        return cls(size=size, cap=np.array(problem.cap, dtype=np.int64), need=_matrix(problem.needs, shape, need_at),
+                   off=_matrix(problem.off, shape),
+                   live=np.array(problem.live, dtype=bool).reshape(shape) if live is None else live,
+                   need_at=need_at, need_bytes=need_bytes)
 
 
-def _matrix(per_step: tuple[tuple[int, ...], ...], shape: tuple[int, int]) -> np.ndarray:
-    """A regions x steps boolean matrix true at the regions each step lists."""
-    x = np.zeros(shape, dtype=bool)
+def _entries(per_step: tuple[tuple[int, ...], ...]) -> tuple[np.ndarray, np.ndarray]:
+    """The (region, step) pairs each step lists, as two arrays."""
     lengths = np.fromiter(map(len, per_step), dtype=np.int64, count=len(per_step))
     total = int(lengths.sum())
-    if total:
-        rows = np.fromiter(itertools.chain.from_iterable(per_step), dtype=np.int64, count=total)
-        x[rows, np.repeat(np.arange(len(per_step)), lengths)] = True
+    rows = np.fromiter(itertools.chain.from_iterable(per_step), dtype=np.int64, count=total)
+    return rows, np.repeat(np.arange(len(per_step)), lengths)
+
+
+def _matrix(per_step: tuple[tuple[int, ...], ...], shape: tuple[int, int],
+            entries: tuple[np.ndarray, np.ndarray] | None = None) -> np.ndarray:
+    """A regions x steps boolean matrix true at the regions each step lists (`entries`: `_entries(per_step)`)."""
+    x = np.zeros(shape, dtype=bool)
+    rows, steps = entries if entries is not None else _entries(per_step)
+    if len(rows):
+        x[rows, steps] = True
     return x
 
 
@@ -327,22 +343,52 @@ def _problem(trace: Trace, s: Structure, hardware: Hardware, gpu_updates: bool) 
 def _liveness(s: Structure, n: int) -> np.ndarray:
     """live[r, t], by the same cyclic backward analysis the validator runs on the finished plan: the content
     entering step t is live iff r's next use-or-overwrite at or after t (cyclically) is a use; a region with no
-    use is never live."""
-    use_at: list[tuple[int, ...]] = []
-    def_at: list[tuple[int, ...]] = []
+    use is never live.
+
+    Built run by run, not step by step: a region's events at steps e_0 < ... < e_k cut its row into runs
+    [0, e_0], (e_0, e_1], ..., (e_k, n), each taking the kind of the event that ends it (the last run wraps to
+    e_0's), so the matrix is one `np.repeat` of the events' kinds, linear in regions x steps with no scan."""
+    use_r: list[int] = []
+    use_t: list[int] = []
+    def_r: list[int] = []
+    def_t: list[int] = []
     for t in range(n):
         use, define = [*s.reads[t], *s.writes[t]], list(s.overwrites[t])
         for c in s.host_updates[t]:
             read, overwritten = host_update_effects(s.by_chunk[c])
             use += read
             define += overwritten
-        use_at.append(tuple(use))
-        def_at.append(tuple(define))
-    shape = (len(s.regions), n)
-    uses, defs = _matrix(tuple(use_at), shape), _matrix(tuple(def_at), shape)
-    nxt = next_event(uses | defs)
-    found = nxt < 2 * n
-    return found & np.take_along_axis(uses, np.where(found, nxt % n, 0), axis=1)
+        use_r += use
+        use_t += [t] * len(use)
+        def_r += define
+        def_t += [t] * len(define)
+    n_regions = len(s.regions)
+    if not n or not n_regions or not use_r + def_r:
+        return np.zeros((n_regions, n), dtype=bool)
+    key = np.array(use_r + def_r, dtype=np.int64) * n + np.array(use_t + def_t, dtype=np.int64)
+    kind = np.zeros(len(key), dtype=bool)
+    kind[:len(use_r)] = True
+    order = np.lexsort((~kind, key))  # by region and step; at one step a use comes first and wins
+    key, kind = key[order], kind[order]
+    keep = np.ones(len(key), dtype=bool)
+    keep[1:] = key[1:] != key[:-1]
+    key, kind = key[keep], kind[keep]
+    region, step = key // n, key % n
+    first = np.ones(len(key), dtype=bool)
+    first[1:] = region[1:] != region[:-1]
+    last = np.ones(len(key), dtype=bool)
+    last[:-1] = first[1:]
+    prev = np.empty(len(key), dtype=np.int64)
+    prev[0] = -1
+    prev[1:] = step[:-1]
+    prev[first] = -1
+    idle = np.setdiff1d(np.arange(n_regions), region, assume_unique=True)  # no event: never live
+    runs_region = np.concatenate([region, region[last], idle])
+    runs_at = np.concatenate([step, np.full(int(last.sum()), n), np.zeros(len(idle), dtype=np.int64)])
+    runs_len = np.concatenate([step - prev, n - 1 - step[last], np.full(len(idle), n)])
+    runs_kind = np.concatenate([kind, kind[first], np.zeros(len(idle), dtype=bool)])
+    runs = np.lexsort((runs_at, runs_region))
+    return np.repeat(runs_kind[runs], runs_len[runs]).reshape(n_regions, n)
 
 
 def _tuples(sets: list[set[int]]) -> tuple[tuple[int, ...], ...]:
