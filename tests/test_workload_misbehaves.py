@@ -246,7 +246,7 @@ def test_threads_are_described_by_their_code():
 
 # os.chdir in the workload: every path given is absolute before its code runs
 
-@pytest.mark.parametrize("where", ["model", "loss"])
+@pytest.mark.parametrize("where", ["model", pytest.param("loss", marks=pytest.mark.slow)])  # CI time: one fast
 def test_paths_given_relative_survive_a_workload_that_changes_folder(made, tmp_path, where):
     run_dir = tmp_path / "here"
     elsewhere = tmp_path / "elsewhere"
