@@ -116,7 +116,7 @@ def hardware(r: Replay, trace: Any) -> Any:
 
 
 def price(sim: str, trace: Any, hw: Any, checkpoint: bool, pin_memory: bool | None = None,
-          device_optimizer: str = "fused") -> tuple[bool, float, str, dict[str, float]]:
+          device_optimizer: str = "fused", cpu_adam_copy: bool = False) -> tuple[bool, float, str, dict[str, float]]:
     """(fits, predicted step seconds, note, busy seconds by part) of one system on the trace."""
     from hplan.planner import PlanOptions, make_plan
     from hplan.planner.baselines import all_on_gpu
@@ -133,7 +133,7 @@ def price(sim: str, trace: Any, hw: Any, checkpoint: bool, pin_memory: bool | No
                 busy)
     work, hw2 = checkpointed(trace, hw) if checkpoint else (trace, hw)
     if sim == "zero-offload":
-        res = zero_offload(work, hw2, Zero2Config(overlap_comm=True))
+        res = zero_offload(work, hw2, Zero2Config(overlap_comm=True, cpu_adam_copy=cpu_adam_copy))
     elif sim == "zero3-offload":
         res = zero3_offload(work, hw2, Zero3Config() if pin_memory is None else Zero3Config(pin_memory=pin_memory))
     elif sim == "gemini":
@@ -186,7 +186,8 @@ def replay(ctx: Context, r: Replay, cache: dict) -> list[Outcome]:
         hw = hardware(r, trace)
         for s in r.systems:
             work = replace(trace, defer_updates=False) if s.eager_updates else trace
-            fits, secs, note, busy = price(s.sim, work, hw, s.checkpoint, s.pin_memory, s.device_optimizer)
+            fits, secs, note, busy = price(s.sim, work, hw, s.checkpoint, s.pin_memory, s.device_optimizer,
+                                             s.cpu_adam_copy)
             if fits and secs > 0:
                 best[s.name] = Outcome(system=s, batch=batch, fits=True, seconds=secs, note=note,
                                        extra={"tflops": step_flops(r, trace, batch, s.checkpoint) / secs / 1e12,

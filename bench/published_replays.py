@@ -29,6 +29,9 @@ class System:
     step-wide wait (the loss scaler's overflow check): the trace is priced with defer_updates off."""
     device_optimizer: str = "fused"
     """For "pytorch": the optimizer implementation the source ran (hplan.planner.kernel_size DEVICE_STEP_BYTES)."""
+    cpu_adam_copy: bool = False
+    """ZeRO-2 Offload run on DeepSpeed v0.3.0 to 648f7bf (2021-11): its CPU Adam writes the weights to the GPU
+    itself, under the update (Zero2Config.cpu_adam_copy)."""
     pin_memory: bool | None = None
     """ZeRO-3's offload `pin_memory` in the DeepSpeed version the source ran (Zero3Config.pin_memory; None: the
     simulator's default). DeepSpeed's default was False in v0.3.13, v0.4.3 and still at 38327e0 (2025-02), so a
@@ -103,7 +106,7 @@ REPLAYS: tuple[Replay, ...] = (
            source=f"{ZERO_OFFLOAD}: \"40 TFlops/GPU on a single NVIDIA V100 GPU for 10B parameter model\"; "
                   f"{TUTORIAL}",
            layers=50, width=4096, heads=32, batch=10, seq=1024, gpu="v100",
-           systems=(System(name="ZeRO-Offload", sim="zero-offload", paper=40.0, checkpoint=True),
+           systems=(System(name="ZeRO-Offload", sim="zero-offload", paper=40.0, checkpoint=True, cpu_adam_copy=True),
                     System(name="PyTorch (all on GPU)", sim="pytorch", paper="OOM"),
                     System(name="Gemini auto + checkpointing (not in the paper)", sim="gemini", paper=None,
                            checkpoint=True),
@@ -118,7 +121,8 @@ REPLAYS: tuple[Replay, ...] = (
                   f"optimizer 7.6-8.0 s; {TUTORIAL}",
            layers=50, width=4096, heads=32, batch=10, seq=1024, gpu="v100", unit="samples/s",
            logged=(("compute (forward + backward)", 17.9, 19.0), ("cpu_optimizer (the log's optimizer)", 7.6, 8.0)),
-           systems=(System(name="ZeRO-Offload", sim="zero-offload", paper=0.3866, checkpoint=True),),
+           systems=(System(name="ZeRO-Offload", sim="zero-offload", paper=0.3866, checkpoint=True,
+                           cpu_adam_copy=True),),
            kernels="megatron-2019", kernels_why=OLD_MEGATRON,
            assumed="sequence 1024 (the tutorial's Megatron-LM script's default)"),
     Replay(key="pytorch-1.4b", title="PyTorch alone: 1.4B on one V100-32GB",
@@ -168,7 +172,8 @@ REPLAYS: tuple[Replay, ...] = (
            batches=(1, 2, 4, 8, 16, 32), kernels="megatron-v1", kernels_why=V1_POST,
            systems=(System(name="ZeRO-3 Offload", sim="zero3-offload", paper=2.3, checkpoint=True,
                            chart_tflops=47.0, pin_memory=False),
-                    System(name="ZeRO-2 Offload", sim="zero-offload", paper=1.0, checkpoint=True, chart_tflops=20.0),
+                    System(name="ZeRO-2 Offload", sim="zero-offload", paper=1.0, checkpoint=True, chart_tflops=20.0,
+                           cpu_adam_copy=True),
                     System(name="hplan plan", sim="hplan", paper=None)),
            assumed="the post gives no batch: each system runs at the largest of batches 1-32 its simulation fits "
                    "(ZeRO-3's gain comes from \"a larger batch size ... resulting from better GPU memory "
