@@ -48,8 +48,14 @@ was assumed. [Note: replay conventions] below.
   no pageable copies, DeepSpeed 4B priced 45.9 TFLOPS (1.39) and outran PatrickStar; with them 39.4 (1.19) and the
   ranking holds. The same default moves Fuyou's ZeRO-Infinity from 46.2 to 42.6 and LoHan's ratio from 1.64 to
   about 1.76 (0.76).
-- ZeRO-2 Offload at 13B (the post's chart, about 20) is the one V100 figure the code does not explain: WHY_MISSED.
-  Through it the post's 2.3x reads about 1.7x (0.75 at the edge of the band).
+- ZeRO-2 Offload at 13B (the post's chart, about 20) read 26.0 (1.30) and the post's 2.3x about 1.7x (0.74)
+  while the model let ZeRO-2's fp32 gradient copies run under the backward with overlap_comm. DeepSpeed's stage 2
+  (v0.3.0 to today) checks each gradient for overflow with a host sync before its copy, and v0.3.13's stage 3
+  does not (stage3.py v0.3.13:1562-1568 sums on the device with overlap_comm): ZeRO-2's copies run with the GPU
+  idle ([Note: overflow-check sync] in hplan.planner.baselines.zero_offload). The 2020-21 CPU Adam's tiled weight
+  copy under the update (Zero2Config.cpu_adam_copy) takes back part of that. The same code prices the ZeRO-Offload
+  abstract's 10B at 0.73 of its 40 TFLOPS, while the tutorial's own log of that setting stays within the band
+  (WHY_MISSED).
 - PyTorch alone, 1.4B (1.25 before): its step is its matrix products and an optimizer step kept on the GPU. In
   the code the tutorial ran (Megatron-LM's 2019 fork) that step is Megatron-LM's FP16_Optimizer around apex
   FusedAdam, which moves 62 B per parameter in separate kernels (overflow check, gradient copy, unscale, clip,
