@@ -322,7 +322,9 @@ def run(ctx: Context) -> SectionOutput:
                        "hplan.planner.kernel_size); host links at the PCIe generation's rate; CPU Adam at DeepSpeed's "
                        "published rate (hplan.planner.presets); a DeepSpeed run from before 2025 that states no config "
                        "has pageable ZeRO-3 gradient buffers, its gradient copies serialised with compute ([Note: "
-                       "pageable copies], hplan.planner.baselines.baseline_model).")
+                       "pageable copies], hplan.planner.baselines.baseline_model); ZeRO-2 Offload's fp32 gradient "
+                       "copies wait on its per-gradient overflow check, a host sync, and run with the GPU idle ([Note: "
+                       "overflow-check sync], hplan.planner.baselines.zero_offload).")
     table.notes.append("An optimizer step kept on the GPU is priced at the GPU's datasheet memory bandwidth ([Note: device "
                        "optimizer step], hplan.planner.kernel_size). Why each miss misses, and what a fix would need: "
                        "[Note: what the misses say] in bench/published.py.")
