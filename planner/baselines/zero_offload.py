@@ -38,7 +38,8 @@ kernel that reads it over PCIe into the 16-bit weights on its own stream while t
 (csrc/adam/cpu_adam.cpp v0.3.13:61-107, 66-67; custom_cuda_kernel.cu: `param_update_kernel`): h2d is 4 B per
 parameter, all but the last tile under the host update (Zero2Config.cpu_adam_copy).
 
-So a 16-bit mixed recipe moves 6 B per trainable parameter per iteration. The ZeRO-Offload paper's dataflow
+So a 16-bit mixed recipe moves 6 B per trainable parameter per iteration (8 B with the 2020-21 CPU Adam's fp32
+upload). The ZeRO-Offload paper's dataflow
 (Ren et al. 2021, sec. 4: 16-bit gradients down, 16-bit weights up) moves 4 B; the code sends fp32 gradients.
 Until DeepSpeed PR #7309 (2025-05) the step also copied the fp32 masters to the device and cast there
 (S at 38327e0:1881-1882), a device transient of 4 B x the largest group and an h2d of 4 B per parameter.
