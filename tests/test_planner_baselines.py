@@ -48,6 +48,43 @@ def test_zero_offload_time_is_serial_without_overlap_comm():
     assert r.d2h_seconds > 0 and r.predicted_step_seconds == pytest.approx(parts)
 
 
+def test_zero_offload_overflow_check_serialises_copies_within_a_flush():
+    # [Note: overflow-check sync]: with overlap_comm on, each gradient's overflow check syncs the host on the
+    # previous gradient's copy, so within a flush only the last copy overlaps the backward. Chain of four
+    # 1000-element fp16 parameters, a 2000-element bucket: [m3, m2] flush at backward m1, [m1, m0] at the
+    # epilogue. Forward 0.0469 s an event, backward twice that; each copy 4000 B at 8000 B/s = 0.5 s; each
+    # gradient's norm + check + cast moves 1000 x 52 B at 1e6 B/s = 0.052 s on the GPU.
+    fast = make_hardware("rtx3090", gpu_bytes=GB, slack_bytes=0, d2h_gbps=8e-6, h2d_gbps=8e-6,
+                         device_memory_gbps=1e-3)
+    trace = chain_trace((1000,) * 4, flops=10**12)
+    r = zero_offload(trace, fast, Zero2Config(reduce_bucket_size=2000, overlap_comm=True))
+    fwd = 10**12 / (fast.tflops_16 * 1e12 * fast.efficiency)  # chain parameters are 1-D: no width factor
+    chk, cp = 0.052, 0.5
+    end_m1 = 4 * fwd + 3 * 2 * fwd
+    m3_copy_end = end_m1 + chk + cp                       # serial: m2's check waits for it
+    m2_copy_end = m3_copy_end + chk + cp                  # the flush's last copy overlaps backward m0
+    m1_copy_end = max(m3_copy_end + chk + 2 * fwd + chk, m2_copy_end) + cp
+    step = m1_copy_end + chk + cp + 8000 / 8000           # m0's copy, then the 16-bit weights up (2 B x 4000)
+    assert r.predicted_step_seconds == pytest.approx(step, rel=1e-3)
+    assert r.compute_seconds == pytest.approx(12 * fwd + 4 * chk, rel=1e-3)
+
+
+def test_zero_offload_2020_cpu_adam_copies_weights_under_the_update():
+    # DeepSpeed v0.3.x: CPU Adam writes each 2^30-element tile up as fp32 while the next one is updated, so the
+    # step ends one tile's copy after the update (not the whole 4 B x N copy).
+    n = 3 * 2**30
+    trace = chain_trace((n,))
+    old = make_hardware("v100-32gb", gpu_bytes=10**12, slack_bytes=0)
+    today = zero_offload(trace, old, Zero2Config())
+    then = zero_offload(trace, old, Zero2Config(cpu_adam_copy=True))
+    assert then.h2d_bytes == 4 * n and today.h2d_bytes == 2 * n
+    tile = 4 * 2**30 / (old.h2d_gbps * 1e9)
+    update_end = today.predicted_step_seconds - 2 * n / (old.h2d_gbps * 1e9)
+    shift = today.compute_seconds - then.compute_seconds  # v0.3's lighter overflow check
+    assert then.predicted_step_seconds == pytest.approx(update_end - shift + tile, rel=1e-6)
+    assert then.predicted_step_seconds < today.predicted_step_seconds
+
+
 def test_zero3_exact_on_a_chain():
     # Default config: every parameter is under the 1e5-element persistence threshold, so only the persistent
     # re-gather after the step (12000) and the gradient round trip (16-bit down, up, fp32 down) move.

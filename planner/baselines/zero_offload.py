@@ -13,13 +13,33 @@ config.py / offload_config.py defaults. Per iteration, with N_t = elements of th
   (S:1193-1250); when the next one would overflow it, the bucket is flushed (S:1691-1760): each gradient is cast
   to fp32 on the device (a transient of 4 B/element, S:1601-1602) and copied to the host's fp32 gradient
   buffer (S:1604). The last flush runs in the backward epilogue (S:919-921).
-- d2h: 4 B x N_t (fp32 gradients). The copies run on the current stream when overlap_comm is off (S:1719-1727),
-  so they serialise with backward compute.
+- d2h: 4 B x N_t (fp32 gradients). The copies run on the current stream when overlap_comm is off (S:1719-1727).
+  With overlap_comm on they run on the reduce stream, yet they still serialise with backward compute: before each
+  gradient's copy, copy_grads_in_partition (S:1650-1665) computes its norm (`.double().norm(2)`, S:1575-1588) and
+  checks it for overflow (`update_offload_overflow_tracker_for_param_grad`, S:1498-1500), whose `if ... and
+  self._has_inf_or_nan(grad)` reads a device tensor's truth value: a host sync on the reduce stream, which holds
+  the previous gradient's copy. The autograd thread that runs the hook cannot queue more backward kernels until it
+  returns, so within a flush every copy but the last runs with the GPU idle ([Note: overflow-check sync]).
 - Step (S:2322-2342): DeepSpeedCPUAdam updates the fp32 masters on the host; the masters are cast on the host
   into the 16-bit staging buffer and copied up: h2d = weight bytes of the trainable parameters (2 B x N_t in a
   16-bit recipe), with no device-side temporary.
 
-So a 16-bit mixed recipe moves 6 B per trainable parameter per iteration. The ZeRO-Offload paper's dataflow
+[Note: overflow-check sync] The per-gradient sync is in every DeepSpeed version since ZeRO-Offload's release:
+v0.3.0 and v0.3.13 stage2.py:776-778 (`_has_inf_or_nan` returns `float(x.float().sum())`, stage2.py:1584-1589),
+v0.3.13's average_tensor also syncs the device at each flush with overlap_comm (stage2.py:680-682), and the
+current code at edaa722 (S:1498-1500, 2486-2491) keeps it as a tensor's truth value. The norm, the overflow check
+and the fp32 cast are device kernels on the same stream, priced at the GPU's memory bandwidth by the bytes they
+move (CHECK_BYTES_16).
+
+The 2020-21 CPU Adam (v0.3.0 to 648f7bf, 2021-11-01, "Bfloat16 zero2"): stage2.py's step passed the 16-bit weights
+to DeepSpeedCPUAdam (`fp16_param_groups`, stage2.py v0.3.13:1466-1475), whose AVX loop writes each tile of
+updated fp32 weights (TILE = 2^30 elements, csrc/includes/cpu_adam.h:23) to a pinned double buffer and launches a
+kernel that reads it over PCIe into the 16-bit weights on its own stream while the next tile is updated
+(csrc/adam/cpu_adam.cpp v0.3.13:61-107, 66-67; custom_cuda_kernel.cu: `param_update_kernel`): h2d is 4 B per
+parameter, all but the last tile under the host update (Zero2Config.cpu_adam_copy).
+
+So a 16-bit mixed recipe moves 6 B per trainable parameter per iteration (8 B with the 2020-21 CPU Adam's fp32
+upload). The ZeRO-Offload paper's dataflow
 (Ren et al. 2021, sec. 4: 16-bit gradients down, 16-bit weights up) moves 4 B; the code sends fp32 gradients.
 Until DeepSpeed PR #7309 (2025-05) the step also copied the fp32 masters to the device and cast there
 (S at 38327e0:1881-1882), a device transient of 4 B x the largest group and an h2d of 4 B per parameter.
@@ -47,6 +67,7 @@ NOT_MODELLED = (
     "several optimizer param groups: the trace has no group indices, so one group is assumed (a group's CPU "
     "update then cannot overlap the previous group's h2d copy)",
     "the host-side fp32 -> 16-bit cast into the staging buffer (CPU time), loss-scale overflow steps",
+    "the per-gradient sync's launch latency (the copies and check kernels are priced, not the host's round trips)",
     "flat-group alignment padding (at most one element per group on one GPU) and per-copy launch latency",
     "extra-large parameters (> reduce_bucket_size) keep their gradient outside the bucket until the next flush",
 )
@@ -60,6 +81,23 @@ class Zero2Config:
     """Elements in the contiguous gradient bucket (config.py:113)."""
     overlap_comm: bool = False
     """Stage 2 default (config.py:385): flushes on the current stream, one bucket buffer."""
+    cpu_adam_copy: bool = False
+    """DeepSpeed v0.3.0 to 648f7bf (2021-11): DeepSpeedCPUAdam itself writes the updated weights to the GPU, tile
+    by tile, as fp32 read over PCIe, under the update of the next tile (module docstring). False: today's code,
+    the host casts into the 16-bit staging buffer and the copy follows the update."""
+
+
+CHECK_BYTES_16 = {False: 18 + 28 + 6, True: 18 + 10 + 6}
+"""Device bytes per gradient element of a 16-bit gradient's flush kernels (Zero2Config.cpu_adam_copy era -> bytes):
+the norm `.double().norm(2)` reads 2 and writes 8, then reads 8 (18); the overflow check: edaa722's
+`_has_inf_or_nan` (S:2486-2491) casts to fp32 (2 + 4), isnan and isinf (4 + 1 each), logical_or (1 + 1 + 1),
+`.float()` (1 + 4) and max (4): 28; v0.3.x's `x.float().sum()` (2 + 4 + 4): 10; the fp32 cast for the copy
+(2 + 4): 6."""
+CPU_ADAM_TILE = 2**30
+"""Elements per tile of the 2020-21 CPU Adam's update-and-copy loop (csrc/includes/cpu_adam.h:23 at v0.3.13)."""
+CHECK_BYTES_32 = {False: 20 + 22, True: 20 + 4}
+"""... of an fp32 gradient: the norm reads 4, writes 8, reads 8 (20); the check has no cast: 22 (edaa722) or a sum's
+read, 4 (v0.3.x); no cast for the copy."""
 
 
 def zero_offload(trace: Trace, hardware: Hardware, config: Zero2Config = Zero2Config(),
@@ -87,16 +125,27 @@ def zero_offload(trace: Trace, hardware: Hardware, config: Zero2Config = Zero2Co
 
     d2h = sum(facts.fp32_grad_bytes(n) for n in graded)
     h2d = sum(facts.params[n].bytes for n in trainable)
+    if config.cpu_adam_copy:
+        h2d = sum(facts.numel[n] for n in trainable) * 4
     tl = Timeline(hardware)
+    hbm = hardware.device_memory_gbps * 1e9
     for i, seconds in enumerate(facts.compute_seconds):
         tl.compute(seconds)
-        for n in flushes.get(i, ()):
-            if config.overlap_comm:
-                tl.copy("d2h", facts.fp32_grad_bytes(n), after=tl.free["gpu"])
+        flushed = flushes.get(i, ())
+        for k, n in enumerate(flushed):
+            table = CHECK_BYTES_16 if facts.params[n].dtype in ("float16", "bfloat16") else CHECK_BYTES_32
+            tl.compute(facts.numel[n] * table[config.cpu_adam_copy] / hbm)
+            if k + 1 < len(flushed) or not config.overlap_comm:
+                tl.stream_copy("d2h", facts.fp32_grad_bytes(n))  # the next gradient's overflow check waits for it
             else:
-                tl.stream_copy("d2h", facts.fp32_grad_bytes(n))
-    updated = tl.host_update(facts.state_bytes(), after=tl.makespan)
-    tl.copy("h2d", h2d, after=updated)
+                tl.copy("d2h", facts.fp32_grad_bytes(n), after=tl.free["gpu"])
+    start = tl.makespan
+    updated = tl.host_update(facts.state_bytes(), after=start)
+    if config.cpu_adam_copy:
+        last_tile = min(h2d, CPU_ADAM_TILE * 4)
+        tl.copy("h2d", h2d, after=max(start, updated - (h2d - last_tile) / tl.rate["h2d"]))
+    else:
+        tl.copy("h2d", h2d, after=updated)
 
     need = peak + hardware.slack_bytes
     feasible = need <= hardware.gpu_bytes
