@@ -32,6 +32,10 @@ def on_worker() -> bool:
     return getattr(_local, "worker", False)
 
 
+def _mark_worker() -> None:
+    _local.worker = True
+
+
 class UpdateWorker:
     """One thread for host updates, its queue of unfinished ones, and the regions they use."""
 
@@ -47,13 +51,12 @@ class UpdateWorker:
 
     def submit(self, work: Callable[[], None], regions: set[int] | frozenset[int]) -> None:
         if self._pool is None:
-            self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="hplan-update")
+            self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="hplan-update", initializer=_mark_worker)
         self._pending.append(self._pool.submit(self._guarded, work))
         self.busy = True
         self.regions |= regions
 
     def _guarded(self, work: Callable[[], None]) -> None:
-        _local.worker = True
         if self._failed:  # an earlier update failed: the in-line run would not have reached this one
             return
         try:

@@ -90,9 +90,7 @@ class Speculation:
                 self._save(c, update)
                 batch.step(written, inv_scale=inverse)
 
-            if not run.worker.busy:
-                torch.autograd.Variable._execution_engine.queue_callback(run._drain_updates)
-            run.worker.submit(work, batch.regions)
+            run._beside(work, batch.regions)
 
     def _save(self, c: int, update: Any) -> None:
         store = self.run.store
@@ -124,8 +122,7 @@ class Speculation:
             grad, version = self.versions[c]
             valid = valid and grad._version == version and all(s.state is _HOST for s in run.updates[c].slots)
         try:
-            if self.watch.hyper is not None:
-                self.watch._check_hyper(iteration)
+            self.watch.check_hyper(iteration)
         except HplanError:
             valid = False
         self.watch.reset()

@@ -60,8 +60,7 @@ class EagerWatch:
     def check(self, iteration: int) -> None:
         """At optimizer.step(): refuse what the early updates could not have seen; then start a new iteration."""
         try:
-            if self.hyper is not None:
-                self._check_hyper(iteration)
+            self.check_hyper(iteration)
             for name, (grad, version) in self.versions.items():
                 if grad._version != version:
                     raise HplanError(
@@ -71,7 +70,10 @@ class EagerWatch:
         finally:
             self.reset()
 
-    def _check_hyper(self, iteration: int) -> None:
+    def check_hyper(self, iteration: int) -> None:
+        """Refuse param groups changed since the first early update of this iteration (none yet: nothing to do)."""
+        if self.hyper is None:
+            return
         now = self.optimizer.param_groups
         if len(now) != len(self.hyper):
             raise HplanError(f"param groups were added between backward() and optimizer.step() (iteration "

@@ -5,6 +5,7 @@ for when each runs."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -125,10 +126,15 @@ class UpdateSteps:
                 self._check_finite(chunks, step)  # type: ignore[attr-defined]  (GradientOps)
             batch.step(written)
 
+        self._beside(work, batch.regions)
+        self._updated.update(chunks)
+
+    def _beside(self, work: Callable[[], None], regions: frozenset[int]) -> None:
+        """`work` on the worker thread; the first one queued in a backward has the backward's end wait for all."""
+        assert self.worker is not None
         if not self.worker.busy:
             torch.autograd.Variable._execution_engine.queue_callback(self._drain_updates)
-        self.worker.submit(work, batch.regions)
-        self._updated.update(chunks)
+        self.worker.submit(work, regions)
 
     def _drain_updates(self) -> None:
         """Wait for the worker's updates (the end of a backward, an event that is not a backward step, a move of
@@ -144,7 +150,8 @@ class UpdateSteps:
         self._skip_next = False
         if not skip and self.plan.defer_updates and (self.loss_scale is not None or self.nonfinite != "ignore"):
             checked = self.speculation.checked() if self.speculation is not None else set()
-            skip = self._any_nonfinite(sorted(self.written - checked) if checked else None)  # type: ignore[attr-defined]
+            names = sorted(self.written - checked) if checked else None  # the worker read the rest already
+            skip = self._any_nonfinite(names)  # type: ignore[attr-defined]  (GradientOps)
             if skip and self.loss_scale is None and self.nonfinite == "stop":
                 at = self.training_step()  # type: ignore[attr-defined]  (PlanRun)
                 raise HplanError(f"a gradient is not finite (inf or NaN) at step {at}; stopped before any update of "

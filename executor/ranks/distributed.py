@@ -145,9 +145,9 @@ class DistRun:
         self._scattered: set[int] = set()
         self._gathered: set[int] = set()
         self.flight = InFlight()
+        """Calls started and not yet waited for ([Note: collectives in flight])."""
         self._agreement: tuple[Any, torch.Tensor, str | None] | None = None
         """A verdict the ranks agree on before this iteration updates anything (`agree_before_update`)."""
-        """Calls started and not yet waited for ([Note: collectives in flight])."""
         self.buckets = plan_buckets(plan)
         """Per plan step, (before, after) buckets: the calls made together ([Note: collective buckets])."""
         self._previous: Step | None = None

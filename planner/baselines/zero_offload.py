@@ -93,11 +93,11 @@ the norm `.double().norm(2)` reads 2 and writes 8, then reads 8 (18); the overfl
 `_has_inf_or_nan` (S:2486-2491) casts to fp32 (2 + 4), isnan and isinf (4 + 1 each), logical_or (1 + 1 + 1),
 `.float()` (1 + 4) and max (4): 28; v0.3.x's `x.float().sum()` (2 + 4 + 4): 10; the fp32 cast for the copy
 (2 + 4): 6."""
-CPU_ADAM_TILE = 2**30
-"""Elements per tile of the 2020-21 CPU Adam's update-and-copy loop (csrc/includes/cpu_adam.h:23 at v0.3.13)."""
 CHECK_BYTES_32 = {False: 20 + 22, True: 20 + 4}
 """... of an fp32 gradient: the norm reads 4, writes 8, reads 8 (20); the check has no cast: 22 (edaa722) or a sum's
 read, 4 (v0.3.x); no cast for the copy."""
+CPU_ADAM_TILE = 2**30
+"""Elements per tile of the 2020-21 CPU Adam's update-and-copy loop (csrc/includes/cpu_adam.h:23 at v0.3.13)."""
 
 
 def zero_offload(trace: Trace, hardware: Hardware, config: Zero2Config = Zero2Config(),
@@ -124,9 +124,8 @@ def zero_offload(trace: Trace, hardware: Hardware, config: Zero2Config = Zero2Co
     peak, where = peak_of(per_step, facts, weights + temp_buffer + facts.optimizer_non_model_host)
 
     d2h = sum(facts.fp32_grad_bytes(n) for n in graded)
-    h2d = sum(facts.params[n].bytes for n in trainable)
-    if config.cpu_adam_copy:
-        h2d = sum(facts.numel[n] for n in trainable) * 4
+    h2d = 4 * sum(facts.numel[n] for n in trainable) if config.cpu_adam_copy else \
+        sum(facts.params[n].bytes for n in trainable)
     tl = Timeline(hardware)
     hbm = hardware.device_memory_gbps * 1e9
     for i, seconds in enumerate(facts.compute_seconds):
