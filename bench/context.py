@@ -22,6 +22,8 @@ class Context:
     log: Callable[[str], None] = print
     work_dir: Path = field(default_factory=lambda: Path(tempfile.mkdtemp(prefix="hplan-bench-")))
     fake_runs: dict[str, ChildResult] = field(default_factory=dict)
+    speed_quick_runs: dict[str, list[dict[str, Any]]] = field(default_factory=dict)
+    """--quick: section 13's plain, all-resident and minimum-budget runs, which section 14 reuses."""
     _traces: dict[str, Any] = field(default_factory=dict)
     _bf16: float | None = None
 

@@ -74,7 +74,7 @@ def reused_quick_runs(ctx: Context) -> dict[str, list[dict[str, Any]]]:
     """With --quick, the plain, all-resident and minimum-budget runs this section's step table made in this
     bench run (one round of QUICK_ROUNDS), for section 14 to reuse instead of starting the same processes again;
     empty when that table did not run."""
-    return getattr(ctx, "_speed_quick_runs", {}) if ctx.quick else {}
+    return ctx.speed_quick_runs if ctx.quick else {}
 
 
 def steady_median(payload: dict[str, Any]) -> float:
@@ -202,7 +202,7 @@ def step_table(ctx: Context, plans: dict[str, Path]) -> tuple[Table, list[str]]:
                         "min": ("hplan", str(plans["min"])), "min-inline": ("hplan-inline", str(plans["min"]))},
                   steps=steps, n=n)
     if ctx.quick:  # section 14's --quick round reuses these three runs (reused_quick_runs)
-        ctx._speed_quick_runs = {k: runs[k] for k in ("plain", "resident", "min")}  # type: ignore[attr-defined]
+        ctx.speed_quick_runs = {k: runs[k] for k in ("plain", "resident", "min")}
     plain = median([steady_median(p) for p in runs["plain"]])
     moved = int(runs["min"][-1].get("moved_bytes", 0))
     memcpy = median([p["memcpy_seconds"] for p in runs["min"]])
