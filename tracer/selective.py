@@ -152,6 +152,6 @@ def price(module: torch.nn.Module, args: Iterable[Any], kwargs: dict[str, Any] |
         if watch.data_dependent else ""
     if watch.write and not reason:
         reason = f"an in-place op ({watch.write}) writes a tensor its forward saved, an input or a kept output"
-    held = {**inputs, **{k: b for k, b in watch.save_out.items()}}
+    held = {**inputs, **watch.save_out}
     return SelectivePrice(keep_bytes=sum(saved.values()), held_bytes=sum(held.values()),
                           recompute_elements=watch.cheap_elements, reason=reason)
