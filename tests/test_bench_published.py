@@ -112,3 +112,35 @@ def test_each_explained_miss_names_a_replayed_system() -> None:
 
     systems = {(r.key, s.name) for r in REPLAYS for s in r.systems}
     assert set(WHY_MISSED) <= systems
+
+
+def test_the_abstracts_10b_figure_is_replayed_at_the_papers_training_batch_of_512() -> None:
+    """§6.2.2 and Figure 8: the single-GPU throughput is at training batch 512 with gradient accumulation over
+    Table 3's micro-batch (10 for 10B: 50 layers × 4096); one optimizer step per 51 micro-batches of 10."""
+    from bench.published import accumulation_of
+
+    r = next(x for x in REPLAYS if x.key == "zero-offload-10b")
+    assert (r.layers, r.width, r.batch) == (50, 4096, 10) and abs(r.batch * r.accumulate - 512) < r.batch
+    by_sim = {s.sim: accumulation_of(r, s) for s in r.systems}
+    assert by_sim == {"zero-offload": 51, "pytorch": 1}
+    log = next(x for x in REPLAYS if x.key == "zero-offload-10b-log")
+    assert log.accumulate == 1  # the tutorial's log steps the optimizer every batch of 10
+
+
+def test_an_accumulating_replay_counts_every_micro_batch_of_its_optimizer_step(monkeypatch) -> None:
+    import bench.published as published
+    from hplan.planner.synthetic import gpt_trace
+
+    trace = gpt_trace(n_layer=2, d_model=64, n_head=4, vocab=100, n_ctx=32, seq=32, precision="fp16-mixed")
+    monkeypatch.setattr(published, "trace_at", lambda ctx, r, batch, cache: trace)
+    systems = (System(name="zo", sim="zero-offload", paper=40.0, checkpoint=True),
+               System(name="torch", sim="pytorch", paper=30.0))
+    r = published.Replay(key="t", title="t", source="s", layers=2, width=64, heads=4, batch=2, seq=32, gpu="v100",
+                         vocab=100, systems=systems, accumulate=4)
+    zo, torch = published.replay(None, r, {})
+    single = published.replay(None, published.replace(r, accumulate=1), {})[0]
+    assert (zo.accumulate, torch.accumulate) == (4, 1)
+    assert zo.extra["samples_per_s"] == pytest.approx(4 * 2 / zo.seconds)
+    assert zo.extra["tflops"] == pytest.approx(4 * published.step_flops(r, trace, 2, True) / zo.seconds / 1e12)
+    assert single.seconds < zo.seconds < 4 * single.seconds  # one optimizer step amortised over four
+    assert zo.extra["samples_per_s"] > single.extra["samples_per_s"]

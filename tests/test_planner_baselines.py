@@ -1,10 +1,13 @@
 """The baselines simulate other systems' code: exact bytes on hand-built chains, the issue's reference cases on
 synthetic GPT traces, monotonicity in GPU memory, and feasibility flipping exactly at each memory formula."""
 
+from dataclasses import replace
+
 import pytest
 
 from hplan.artifacts.plan import BaselineResult, Plan
 from hplan.artifacts import Hardware
+from hplan.errors import HplanError
 from hplan.planner import BASELINE_KEYS, PlanOptions, make_plan, sweep
 from hplan.planner.baselines import simulate_baselines
 from hplan.planner.baselines import all_on_gpu
@@ -83,6 +86,38 @@ def test_zero_offload_2020_cpu_adam_copies_weights_under_the_update():
     shift = today.compute_seconds - then.compute_seconds  # v0.3's lighter overflow check
     assert then.predicted_step_seconds == pytest.approx(update_end - shift + tile, rel=1e-6)
     assert then.predicted_step_seconds < today.predicted_step_seconds
+
+
+def test_zero_offload_accumulation_moves_the_running_sums_through_the_host():
+    # [Note: accumulation through the host]: 3 micro-steps: the 16-bit sums go down after micro-steps 0 and 1 and
+    # come up before micro-steps 1 and 2 (2 B x 6000 each time); fp32 gradients down and weights up once.
+    r = zero_offload(chain(), hw(GB), Zero2Config(reduce_bucket_size=2500, accumulate=3))
+    assert (r.h2d_bytes, r.d2h_bytes) == (12000 + 2 * 12000, 24000 + 2 * 12000)
+    assert r.predicted_peak_bytes == 37100  # the same device buffers as one micro-step
+    serial = zero_offload(chain_trace(CHAIN, flops=10**12), hw(GB), Zero2Config(accumulate=3))
+    parts = serial.compute_seconds + serial.d2h_seconds + serial.cpu_optimizer_seconds + serial.h2d_seconds
+    assert serial.predicted_step_seconds == pytest.approx(parts)  # without overlap_comm nothing overlaps
+    one = zero_offload(chain_trace(CHAIN, flops=10**12), hw(GB))
+    assert serial.cpu_optimizer_seconds == pytest.approx(one.cpu_optimizer_seconds)  # one optimizer step
+    with pytest.raises(HplanError, match="accumulate"):
+        zero_offload(chain(), hw(GB), Zero2Config(accumulate=0))
+
+
+def test_zero_offload_accumulation_micro_steps_run_without_the_overflow_sync():
+    # Only the boundary micro-step checks each gradient for overflow with a host sync; before it, the sums' copies
+    # run on the reduce stream: [m3, m2]'s (flushed at backward m1) finish under backward m0 (0.94 s); the
+    # epilogue's flush [m1, m0] is waited for by its synchronize: up m1, up m0, then m0 down, 0.25 s each
+    # (2000 B at 8000 B/s). So one more micro-step costs its compute, its add kernels and 0.75 s.
+    slow = make_hardware("rtx3090", gpu_bytes=GB, slack_bytes=0, d2h_gbps=8e-6, h2d_gbps=8e-6)
+    trace = chain_trace((1000,) * 4, flops=10**13)
+    cfg = Zero2Config(reduce_bucket_size=2000, overlap_comm=True)
+    two, three = (zero_offload(trace, slow, replace(cfg, accumulate=k)) for k in (2, 3))
+    fwd = 10**13 / (slow.tflops_16 * 1e12 * slow.efficiency)
+    add = 1000 * 6 / (slow.device_memory_gbps * 1e9)
+    micro = 12 * fwd + 4 * add + 3 * 0.25
+    assert three.predicted_step_seconds - two.predicted_step_seconds == pytest.approx(micro, rel=1e-6)
+    one = zero_offload(trace, slow, cfg)
+    assert one.predicted_step_seconds > one.compute_seconds + 2 * 0.5  # the boundary's copies serialise
 
 
 def test_zero3_exact_on_a_chain():

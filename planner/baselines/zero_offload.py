@@ -38,6 +38,18 @@ kernel that reads it over PCIe into the 16-bit weights on its own stream while t
 (csrc/adam/cpu_adam.cpp v0.3.13:61-107, 66-67; custom_cuda_kernel.cu: `param_update_kernel`): h2d is 4 B per
 parameter, all but the last tile under the host update (Zero2Config.cpu_adam_copy).
 
+[Note: accumulation through the host] With gradient_accumulation_steps k > 1 (Zero2Config.accumulate), each
+gradient that leaves the bucket goes through copy_grads_in_partition's accumulation (v0.3.0 stage2.py:912-925,
+801-824; S:1650-1665, 1516-1560): from the second micro-step on, the running 16-bit sum is copied up from its
+pinned host buffer (`accumulated_grads_in_cpu`, 2 B per element on the host) into temp_grad_buffer_for_gpu_offload
+and added into the gradient on the device; on every micro-step but the last the sum is copied back down. Only the
+last micro-step (the accumulation boundary) computes the norm, runs the overflow check and sends the fp32 copy
+([Note: overflow-check sync]), and only then does the CPU step run: a non-boundary micro-step has no per-gradient
+host sync. With overlap_comm its copies and add run on the reduce stream, and the device is synchronised at each
+flush (v0.3.0 average_tensor, stage2.py:683-685) and in the backward epilogue (v0.3.0 stage2.py:486-487, S:931), so
+the GPU waits there for the queued copies. Without overlap_comm they run on the current stream. The add kernel
+reads the gradient and the staged sum and writes the gradient (3 x the element size, at HBM bandwidth).
+
 So a 16-bit mixed recipe moves 6 B per trainable parameter per iteration (8 B with the 2020-21 CPU Adam's fp32
 upload). The ZeRO-Offload paper's dataflow
 (Ren et al. 2021, sec. 4: 16-bit gradients down, 16-bit weights up) moves 4 B; the code sends fp32 gradients.
@@ -53,6 +65,7 @@ from hplan.artifacts.hardware import Hardware
 from hplan.artifacts.plan import BaselineResult
 from hplan.artifacts.trace import Trace
 from hplan.planner.baselines.baseline_model import Facts, Timeline, gradient_flushes, peak_of, read_trace, result
+from hplan.errors import HplanError
 from hplan.precision import DTYPE_BYTES
 from hplan.sizes import format_size
 
@@ -63,7 +76,8 @@ CITATION = ("deepspeedai/DeepSpeed@edaa722 (v0.19.5): deepspeed/runtime/zero/sta
             "(current stream without overlap_comm), 2322-2342 (CPU step, 16-bit h2d), 2496-2515 (ipg buffers); "
             "config.py:113, 385; offload_config.py:75")
 NOT_MODELLED = (
-    "gradient accumulation (micro-steps accumulate through the host buffers, S:1650-1660)",
+    "today's extra copy of the running sum down at the accumulation boundary (S:1558-1560; v0.3.x skips it)",
+    "the host's 16-bit accumulation buffers (2 B per element, pinned) in host memory",
     "several optimizer param groups: the trace has no group indices, so one group is assumed (a group's CPU "
     "update then cannot overlap the previous group's h2d copy)",
     "the host-side fp32 -> 16-bit cast into the staging buffer (CPU time), loss-scale overflow steps",
@@ -85,6 +99,10 @@ class Zero2Config:
     """DeepSpeed v0.3.0 to 648f7bf (2021-11): DeepSpeedCPUAdam itself writes the updated weights to the GPU, tile
     by tile, as fp32 read over PCIe, under the update of the next tile (module docstring). False: today's code,
     the host casts into the 16-bit staging buffer and the copy follows the update."""
+    accumulate: int = 1
+    """Micro-steps per optimizer step (gradient_accumulation_steps): above 1 the gradients accumulate through the
+    host ([Note: accumulation through the host]) and the result covers all k micro-steps and one optimizer step
+    (its time, bytes and busy seconds)."""
 
 
 CHECK_BYTES_16 = {False: 18 + 28 + 6, True: 18 + 10 + 6}
@@ -123,34 +141,82 @@ def zero_offload(trace: Trace, hardware: Hardware, config: Zero2Config = Zero2Co
         per_step.append(b)
     peak, where = peak_of(per_step, facts, weights + temp_buffer + facts.optimizer_non_model_host)
 
-    d2h = sum(facts.fp32_grad_bytes(n) for n in graded)
-    h2d = 4 * sum(facts.numel[n] for n in trainable) if config.cpu_adam_copy else \
+    acc = config.accumulate
+    if isinstance(acc, bool) or not isinstance(acc, int) or acc < 1:
+        raise HplanError(f"Zero2Config.accumulate must be a positive integer (micro-steps per optimizer step), "
+                         f"got {acc!r}")
+    sums = sum(facts.params[n].bytes for n in graded)  # the running 16-bit sums, one way, one micro-step
+    d2h = sum(facts.fp32_grad_bytes(n) for n in graded) + (acc - 1) * sums
+    up = 4 * sum(facts.numel[n] for n in trainable) if config.cpu_adam_copy else \
         sum(facts.params[n].bytes for n in trainable)
+    h2d = up + (acc - 1) * sums
     tl = Timeline(hardware)
     hbm = hardware.device_memory_gbps * 1e9
-    for i, seconds in enumerate(facts.compute_seconds):
-        tl.compute(seconds)
-        flushed = flushes.get(i, ())
-        for k, n in enumerate(flushed):
-            table = CHECK_BYTES_16 if facts.params[n].dtype in ("float16", "bfloat16") else CHECK_BYTES_32
-            tl.compute(facts.numel[n] * table[config.cpu_adam_copy] / hbm)
-            if k + 1 < len(flushed) or not config.overlap_comm:
-                tl.stream_copy("d2h", facts.fp32_grad_bytes(n))  # the next gradient's overflow check waits for it
-            else:
-                tl.copy("d2h", facts.fp32_grad_bytes(n), after=tl.free["gpu"])
+    for micro in range(acc):
+        for i, seconds in enumerate(facts.compute_seconds):
+            tl.compute(seconds)
+            if micro + 1 < acc:
+                _accumulate(tl, facts, flushes.get(i, ()), micro, config.overlap_comm, hbm)
+                if i == last_backward and config.overlap_comm:
+                    _synchronize(tl)  # the backward epilogue
+                continue
+            flushed = flushes.get(i, ())
+            for k, n in enumerate(flushed):
+                if micro:  # the sum so far comes up and is added before the norm and the check read it
+                    tl.stream_copy("h2d", facts.params[n].bytes)
+                    tl.compute(facts.numel[n] * 3 * DTYPE_BYTES[facts.params[n].dtype] / hbm)
+                table = CHECK_BYTES_16 if facts.params[n].dtype in ("float16", "bfloat16") else CHECK_BYTES_32
+                tl.compute(facts.numel[n] * table[config.cpu_adam_copy] / hbm)
+                if k + 1 < len(flushed) or not config.overlap_comm:
+                    tl.stream_copy("d2h", facts.fp32_grad_bytes(n))  # the next gradient's check waits for it
+                else:
+                    tl.copy("d2h", facts.fp32_grad_bytes(n), after=tl.free["gpu"])
     start = tl.makespan
     updated = tl.host_update(facts.state_bytes(), after=start)
     if config.cpu_adam_copy:
-        last_tile = min(h2d, CPU_ADAM_TILE * 4)
-        tl.copy("h2d", h2d, after=max(start, updated - (h2d - last_tile) / tl.rate["h2d"]))
+        last_tile = min(up, CPU_ADAM_TILE * 4)
+        tl.copy("h2d", up, after=max(start, updated - (up - last_tile) / tl.rate["h2d"]))
     else:
-        tl.copy("h2d", h2d, after=updated)
+        tl.copy("h2d", up, after=updated)
 
     need = peak + hardware.slack_bytes
+    if acc > 1:
+        d2h_what = f"d2h {acc - 1} x 16-bit sums + fp32 gradients {format_size(d2h)}"
+    else:
+        d2h_what = f"d2h fp32 gradients {format_size(d2h)}"
     feasible = need <= hardware.gpu_bytes
     note = (f"16-bit weights resident ({format_size(weights)}), ipg bucket {format_size(bucket_bytes)}; "
-            f"d2h fp32 gradients {format_size(d2h)}, h2d 16-bit weights {format_size(h2d)}; peak at {where}")
+            f"{d2h_what}, h2d {f'{acc - 1} x 16-bit sums + ' if acc > 1 else ''}weights {format_size(h2d)}; "
+            f"peak at {where}")
     if not feasible:
         note = f"needs {format_size(need)} (peak {format_size(peak)} at {where} + slack); " + note
     return result(NAME, feasible=feasible, h2d=h2d, d2h=d2h, peak=peak, min_gpu=need, timeline=tl, note=note,
                   citation=CITATION, not_modelled=NOT_MODELLED)
+
+
+def _synchronize(tl: Timeline) -> None:
+    """torch.cuda.synchronize(): the GPU's next work waits for every queued copy."""
+    tl.free["gpu"] = max(tl.free["gpu"], tl.free["h2d"], tl.free["d2h"])
+
+
+def _accumulate(tl: Timeline, facts: Facts, flushed: tuple[str, ...] | list[str], micro: int, overlap: bool,
+                hbm: float) -> None:
+    """A non-boundary micro-step's flush: each gradient's running sum up (after the first micro-step), added on
+    the device, and copied back down; no norm, no check ([Note: accumulation through the host])."""
+    if not flushed:
+        return
+    if overlap:
+        _synchronize(tl)  # v0.3.x average_tensor, before the bucket goes to the reduce stream
+    for n in flushed:
+        nbytes = facts.params[n].bytes
+        add = facts.numel[n] * 3 * DTYPE_BYTES[facts.params[n].dtype] / hbm
+        if not overlap:
+            if micro:
+                tl.stream_copy("h2d", nbytes)
+                tl.compute(add)
+            tl.stream_copy("d2h", nbytes)
+            continue
+        summed = tl.copy("h2d", nbytes, after=tl.free["gpu"]) if micro else tl.free["gpu"]
+        if micro:
+            tl.compute(add)  # a kernel on the reduce stream: it takes GPU time, the compute stream does not wait
+        tl.copy("d2h", nbytes, after=summed)
