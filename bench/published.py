@@ -351,6 +351,9 @@ def run(ctx: Context) -> SectionOutput:
                        "pageable copies], hplan.planner.baselines.baseline_model); ZeRO-2 Offload's fp32 gradient "
                        "copies wait on its per-gradient overflow check, a host sync, and run with the GPU idle ([Note: "
                        "overflow-check sync], hplan.planner.baselines.zero_offload).")
+    table.notes.append("A batch of b × k is k micro-batches of b per optimizer step (gradient accumulation, the "
+                       "source's training batch): its predicted step, s, covers all k and one optimizer step "
+                       "([Note: accumulation through the host], hplan.planner.baselines.zero_offload).")
     table.notes.append("An optimizer step kept on the GPU is priced at the GPU's datasheet memory bandwidth ([Note: device "
                        "optimizer step], hplan.planner.kernel_size). Why each miss misses, and what a fix would need: "
                        "[Note: what the misses say] in bench/published.py.")
