@@ -63,6 +63,12 @@ was assumed. [Note: replay conventions] below.
   running sums go down and up on the reduce stream, with no per-gradient sync before the boundary). The 2019
   calibration was not the cause: the simulated micro-step before the boundary, 19.4 s, is 1.02-1.08x the
   tutorial log's forward + backward (17.9-19.0 s, which also carries the boundary's serialised copies).
+  Figure 8's other ZeRO-Offload bars, priced the same way on 2026-11-29 as a check (not in the table; read off the
+  chart): 1B (20 × 2048, Table 3's micro-batch 32, 16 micro-steps) 39.6 against about 36 (1.10); 13B (65 × 4096,
+  micro-batch 4, 128 micro-steps) 44.0 against about 34.5 (1.28, outside the band). The model prices the 13B
+  micro-step at the 10B's efficiency (same width), where the paper's 13B bar is 16% below its 10B one; its 26 GB of
+  16-bit weights leave the 32 GB card about 6 GB, and what that costs in time (allocator retries, smaller
+  kernels' tails) is not modelled. A replay of those bars is left for a session that can re-run the section.
 - PyTorch alone, 1.4B (1.25 before): its step is its matrix products and an optimizer step kept on the GPU. In
   the code the tutorial ran (Megatron-LM's 2019 fork) that step is Megatron-LM's FP16_Optimizer around apex
   FusedAdam, which moves 62 B per parameter in separate kernels (overflow check, gradient copy, unscale, clip,
