@@ -1,8 +1,9 @@
 """Selective activation checkpointing of one segment, priced by running its forward once (issue 31 §3).
 
-NOT YET A MODE OF THE PLAN: nothing in the tracer's trace, the planner or the executor calls this module. It is the
-measurement such a mode would be priced by, checked against torch's own selective checkpointing
-(tests/test_activation_selective.py); [Note: selective checkpointing] below lists what is missing before the
+The tracer prices every segment call with the same policy inside the traced step (hplan.tracer.segments,
+[Note: selective segments] in hplan.artifacts.segments); `price` is the standalone measurement it is checked against,
+itself checked against torch's own selective checkpointing (tests/test_activation_selective.py,
+tests/test_selective_trace.py). [Note: selective checkpointing] below lists what is still missing before the
 planner may offer it.
 
 Under torch's selective checkpointing (`torch.utils.checkpoint.create_selective_checkpoint_contexts` with `policy`

@@ -90,7 +90,7 @@ class Event:
 class Trace:
     """A per-operator memory timeline of a training step, plus what the planner needs."""
 
-    SCHEMA: ClassVar[str] = "hplan.trace/2"
+    SCHEMA: ClassVar[str] = "hplan.trace/3"
     workload: str
     device: str
     """How it was measured: "cpu", "fake" or "cuda"."""

@@ -1,0 +1,127 @@
+"""Issue 31 §3 (1): the tracer prices selective checkpointing per segment call inside the traced step
+([Note: selective segments] in hplan.artifacts.segments). On a transformers Llama from a config, each block's
+held bytes equal hplan.tracer.selective.price's on the same call (which equals torch's own selective checkpointing
+to the byte, tests/test_activation_selective.py), identically in cpu and fake traces; the mode frees less than a
+recompute and more than nothing; a block whose forward writes in place to a matmul's output is refused for it with
+the op named while it stays recomputable; a trace of the previous schema is refused with the command that remakes it.
+"""
+
+from __future__ import annotations
+
+import json
+
+import hf_models as hf
+import pyarrow.parquet as pq
+import pytest
+import torch
+import transformers
+from torch import nn
+
+import hplan
+from hplan.artifacts.segments import effects
+from hplan.artifacts.trace import Trace
+from hplan.errors import HplanError
+from hplan.tracer import trace_workload
+from hplan.tracer.selective import price
+
+
+def _llama() -> nn.Module:
+    cfg = transformers.LlamaConfig(vocab_size=hf.VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
+                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+    return transformers.LlamaForCausalLM(cfg)
+
+
+@pytest.fixture(scope="module")
+def traces():
+    torch.manual_seed(0)
+    w = hf.workload("llama", _llama)
+    return {d: trace_workload(w, device=d) for d in ("cpu", "fake")}
+
+
+def _priced(model: nn.Module, batch: dict) -> list:
+    got: dict[int, tuple] = {}
+    blocks = model.model.layers
+    handles = [b.register_forward_pre_hook(lambda m, a, k, i=i: got.__setitem__(i, (a, k)), with_kwargs=True)
+               for i, b in enumerate(blocks)]
+    model(**batch)
+    for h in handles:
+        h.remove()
+    return [price(b, *got[i]) for i, b in enumerate(blocks)]
+
+
+FIELDS = ("selective_freed", "selective_extra_bytes", "selective_backward_delta", "selective_held_bytes",
+          "selective_flops", "selective_reason")
+
+
+def test_held_bytes_equal_the_price_of_each_block_in_cpu_and_fake_traces(traces):
+    cpu, fake = traces["cpu"], traces["fake"]
+    torch.manual_seed(0)
+    prices = _priced(_llama(), hf.lm_batch(0))
+    assert len(cpu.segments) == len(prices) == 3
+    for seg, p in zip(cpu.segments, prices):
+        assert p.reason == "" and seg.selective_reason == ""
+        assert seg.selective_held_bytes == p.held_bytes  # to the byte
+    for a, b in zip(cpu.segments + cpu.nested, fake.segments + fake.nested):
+        assert [getattr(a, f) for f in FIELDS] == [getattr(b, f) for f in FIELDS], a.module
+    assert all(s.selective_seconds > 0 for s in cpu.segments) and all(s.selective_seconds == 0 for s in fake.segments)
+    assert all(s.selective_seconds < s.seconds for s in cpu.segments)
+
+
+def test_it_frees_less_than_a_recompute_and_more_than_nothing(traces):
+    n = len(traces["cpu"].events)
+    for seg in traces["cpu"].segments:
+        sel, rec = [0] * n, [0] * n
+        for runs, out in ((effects(seg, "selective"), sel), (effects(seg, "recompute"), rec)):
+            for first, last, b in runs:
+                for e in range(first, last + 1):
+                    out[e] += b
+        gap = range(seg.forward_events[1] + 1, seg.backward_events[0])
+        assert min(sel[e] for e in gap) < 0  # frees something between its forward and backward
+        assert all(sel[e] >= rec[e] for e in gap)  # never more than a recompute
+        # the net saving at the widest point is within what selective checkpointing frees against keeping
+        p = seg.saved_bytes + seg.input_bytes - seg.selective_held_bytes
+        assert 0 < -min(sel[e] for e in gap) <= p
+
+
+class _Block(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1, self.fc2 = nn.Linear(16, 32), nn.Linear(32, 16)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.fc2(torch.relu_(self.fc1(x)))  # in place on a matmul's output
+
+
+class _Net(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList([_Block() for _ in range(3)])
+        self.head = nn.Linear(16, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for b in self.blocks:
+            x = b(x)
+        return self.head(x).square().mean()
+
+
+def test_an_in_place_write_to_a_kept_output_is_refused_with_the_op_named():
+    w = hplan.Workload(model=_Net, batch=lambda step: torch.randn(8, 16), loss=lambda m, x: m(x),
+                       optimizer=lambda p: torch.optim.SGD(p, lr=0.1), name="inplace")
+    trace = trace_workload(w, device="cpu")
+    assert trace.segments
+    for seg in trace.segments:
+        assert seg.recomputable  # a full recompute makes both again
+        assert "relu_" in seg.selective_reason and "in-place" in seg.selective_reason
+
+
+def test_a_trace_of_the_previous_schema_is_refused_with_the_command(traces, tmp_path):
+    path = tmp_path / "t.trace"
+    traces["fake"].save(path)
+    table = pq.read_table(path)
+    meta = json.loads(table.schema.metadata[b"hplan"])
+    assert meta["schema"] == "hplan.trace/3"
+    meta["schema"] = "hplan.trace/2"
+    pq.write_table(table.replace_schema_metadata({**table.schema.metadata, b"hplan": json.dumps(meta).encode()}),
+                   path)
+    with pytest.raises(HplanError, match=r"hplan\.trace/2.*hplan trace llama -o"):
+        Trace.load(path)
