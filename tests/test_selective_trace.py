@@ -125,3 +125,46 @@ def test_a_trace_of_the_previous_schema_is_refused_with_the_command(traces, tmp_
                    path)
     with pytest.raises(HplanError, match=r"hplan\.trace/2.*hplan trace llama -o"):
         Trace.load(path)
+
+
+def test_the_items_offer_selective_only_where_asked_and_priced(traces):
+    """Issue 31 §3 (3), internal: `build_items` with SELECTIVE allowed gives each priced block and child one more mode
+    whose effect row is `effects(seg, "selective")` and whose cost is its cheap ops' measured time (below a
+    recompute's); without it the items are as before; the smallest activation peak over the modes is no higher."""
+    import numpy as np
+
+    from hplan.artifacts.activations import CHOICES
+    from hplan.planner import make_hardware
+    from hplan.planner.activation_items import SELECTIVE, build_items
+    from hplan.planner.activation_min import minimax
+
+    trace = traces["cpu"]
+    hw = make_hardware("cpu", gpu_bytes=1)
+    plain, sel = build_items(trace, hw, CHOICES), build_items(trace, hw, (*CHOICES, SELECTIVE))
+    assert SELECTIVE not in {d.choice for ds in plain.decisions for d in ds}
+    n = len(trace.events)
+    for s, seg in enumerate(trace.segments):
+        labels = [d.choice for d in sel.decisions[s]]
+        m = int(sel.first[s]) + labels.index(SELECTIVE)
+        row = np.zeros(n, dtype=np.int64)
+        for first, last, b in effects(seg, SELECTIVE, shared_recompute=seg.key in sel.shared):
+            row[first:last + 1] += b
+        assert np.array_equal(sel.effect[m], row)
+        r = int(sel.first[s]) + labels.index("recompute")
+        assert 0 < sel.cost[m] < sel.cost[r]
+    assert sel.child_modes().any() and any(c.choice == SELECTIVE for cs in sel.children for combo in cs for c in combo)
+    need = np.array([e.non_model_peak_bytes for e in trace.events], dtype=np.int64)
+    assert minimax(sel, need)[0] <= minimax(plain, need)[0]
+
+
+def test_a_refused_segment_gets_no_selective_mode():
+    from hplan.artifacts.activations import CHOICES
+    from hplan.planner import make_hardware
+    from hplan.planner.activation_items import SELECTIVE, build_items
+
+    w = hplan.Workload(model=_Net, batch=lambda step: torch.randn(8, 16), loss=lambda m, x: m(x),
+                       optimizer=lambda p: torch.optim.SGD(p, lr=0.1), name="inplace")
+    trace = trace_workload(w, device="fake")
+    items = build_items(trace, make_hardware("cpu", gpu_bytes=1), (*CHOICES, SELECTIVE))
+    assert trace.segments and all("recompute" in [d.choice for d in ds] and SELECTIVE not in [d.choice for d in ds]
+                                  for ds in items.decisions)

@@ -266,7 +266,9 @@ def effects(seg: Segment, choice: str, prefetch: int | None = None, *, shared_re
         (f0, _), extra = seg.forward_events, seg.selective_extra_bytes
         runs = [(first, last, -freed) for first, last, freed in seg.selective_freed]
         runs += [(f0, b0 - 1, extra)] if extra else []
-        runs += [(b0, b0, seg.selective_backward_delta)] if seg.selective_backward_delta else []
+        delta = max(seg.recompute_peak_bytes + seg.recompute_extra_bytes + extra, seg.selective_backward_delta) \
+            if shared_recompute else seg.selective_backward_delta
+        runs += [(b0, b0, delta)] if delta else []
         runs += [(first, last, held) for first, last, held in seg.recompute_held]
         return _merge(runs)
     if choice == "stage":  # its part of its block's staged offload ([Note: staged offload])
