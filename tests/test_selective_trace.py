@@ -168,3 +168,48 @@ def test_a_refused_segment_gets_no_selective_mode():
     items = build_items(trace, make_hardware("cpu", gpu_bytes=1), (*CHOICES, SELECTIVE))
     assert trace.segments and all("recompute" in [d.choice for d in ds] and SELECTIVE not in [d.choice for d in ds]
                                   for ds in items.decisions)
+
+
+def test_the_executor_checkpoint_holds_the_traced_bytes_and_trains_as_plain(traces):
+    """Issue 31 §3 (4), internal: hplan.executor.activations.run.checkpointed with `selective` holds after a block's
+    forward exactly the trace's `selective_held_bytes` for that block, and a model whose blocks all run through it
+    gives plain PyTorch's loss and gradients bit for bit."""
+    import contextlib
+    import gc
+
+    from torch.utils._pytree import tree_flatten
+    from test_activation_selective import _Alive, _block_call, _key
+
+    from hplan.executor.activations.run import checkpointed
+
+    torch.manual_seed(0)
+    model = _llama()
+    batch = hf.lm_batch(0)
+    seg = traces["cpu"].segments[1]
+    block = model.model.layers[1]
+    args, kwargs = _block_call(model, block, {**batch, "use_cache": False})  # no KV cache holding k and v
+    params = {_key(p) for p in (*block.parameters(), *block.buffers())}
+    inputs = {_key(t): t.untyped_storage().nbytes() for t in tree_flatten((args, kwargs))[0]
+              if isinstance(t, torch.Tensor)}
+    watch = _Alive()
+    with watch:
+        out = checkpointed(block.forward, args, kwargs, contextlib.nullcontext, selective=True)
+    gc.collect()
+    outs = {_key(t) for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)}
+    alive = sum(b for s, b in watch.seen.items() if not s.expired() and s not in params | outs | set(inputs))
+    assert alive + sum(inputs.values()) == seg.selective_held_bytes
+    del out
+
+    def run(wrap: bool) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        torch.manual_seed(0)
+        m = _llama()
+        if wrap:
+            for b in m.model.layers:
+                b.forward = (lambda f: lambda *a, **k: checkpointed(f, a, k, contextlib.nullcontext,
+                                                                    selective=True))(b.forward)
+        loss = hf.lm_loss(m, {**batch, "use_cache": False})  # as under transformers' own checkpointing
+        loss.backward()
+        return loss.detach(), [p.grad for p in m.parameters()]
+
+    (l0, g0), (l1, g1) = run(False), run(True)
+    assert torch.equal(l0, l1) and all(torch.equal(a, b) for a, b in zip(g0, g1))

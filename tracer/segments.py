@@ -22,7 +22,7 @@ from torch import nn
 from torch.utils.weak import WeakIdKeyDictionary
 
 from hplan.probe import storage_key, tensors_in
-from hplan.tracer.selective import SAVE_OPS
+from hplan.checkpoint_policy import SAVE_OPS
 
 if TYPE_CHECKING:
     from hplan.tracer.recorder import Recorder
