@@ -213,3 +213,26 @@ def test_the_executor_checkpoint_holds_the_traced_bytes_and_trains_as_plain(trac
 
     (l0, g0), (l1, g1) = run(False), run(True)
     assert torch.equal(l0, l1) and all(torch.equal(a, b) for a, b in zip(g0, g1))
+
+
+def test_the_bundled_gpt_is_priced_as_its_blocks_calls():
+    """The bundled GPT (gpt:tiny): each block's held bytes equal `price` on its own call, in cpu and fake traces."""
+    from hplan.specs import load_workload
+
+    w = load_workload("gpt:tiny")
+    cpu, fake = trace_workload(w, device="cpu"), trace_workload(w, device="fake")
+    model = w.build_model()
+    got: dict[str, tuple] = {}
+    mods = {s.module: model.get_submodule(s.module) for s in cpu.segments}
+    handles = [m.register_forward_pre_hook(lambda mod, a, k, p=p: got.__setitem__(p, (a, k)), with_kwargs=True)
+               for p, m in mods.items()]
+    batch = w.batch(0)
+    w.loss(model, batch)
+    for h in handles:
+        h.remove()
+    assert len(cpu.segments) == 2
+    for seg, other in zip(cpu.segments, fake.segments):
+        p = price(mods[seg.module], *got[seg.module])
+        assert p.reason == "" == seg.selective_reason
+        assert seg.selective_held_bytes == p.held_bytes == other.selective_held_bytes
+        assert seg.selective_freed == other.selective_freed and seg.selective_freed
