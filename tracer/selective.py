@@ -19,17 +19,18 @@ cheap ops. `price` measures both sides on the segment's own call:
 - `reason`: why its cheap ops may not be recomputed (an in-place op on a storage the forward saves or on an
   input, a data-dependent op), naming the op; empty when they may.
 
-[Note: selective checkpointing] What a "selective" mode of a segment's item still needs, so that no certificate
-counts it before it is priced everywhere: (1) the tracer runs `price` on each segment call inside the traced step
-(hplan.tracer.segments) and writes, per segment, the held bytes, the runs of events where it frees keep's minus
-them (as `freed` does for offload), the recompute's transient at the backward start (the cheap ops' outputs made
-again while the kept ones are back) and the cheap ops' measured seconds and FLOPs, identically in fake traces;
-(2) a "selective" insert in the choice log, so a plan with the mode reserves its own mix's replayed slack;
-(3) the planner: one more mode in hplan.planner.activation_items with its effect and cost, seen by the LP,
-`exact.lagrangian_bound(must=...)` and the minimum, refused modes (`reason`) left out so the planner falls back
-to keep, offload or recompute; (4) the executor: the segment's forward under `torch.utils.checkpoint` with
-`contexts()` (non-reentrant), its bytes checked against the plan by the probe and its losses against plain
-PyTorch.
+[Note: selective checkpointing] What a "selective" choice of the plan needs, and where each part stands:
+(1) done: the tracer prices each segment call inside the traced step (hplan.tracer.segments; [Note: selective
+segments] in hplan.artifacts.segments: held bytes, freed runs, kept outputs the keep run frees, the backward
+window's peak, the cheap ops' FLOPs and seconds), identically in fake traces; trace schema 3;
+(2) missing: "selective" inserts in the choice log (hplan.tracer.choice_slack: the cheap ops' storages freed where
+they go, the kept outputs' keep-run frees moved to the backward, the cheap ops' calls again at the first unpack),
+so a plan with the mode reserves its own mix's replayed slack, and a "selective" figure in hplan.planner.slack;
+(3) in part: hplan.planner.activation_items offers the mode where `allowed` names SELECTIVE (effect, cost, refused
+calls left out), so the minimum search and the bounds see it once a regime allows it; no regime does, and
+`--activations` does not take it (it is not in CHOICES: ActivationChoice, `decide`, `transform`, the reports);
+(4) in part: hplan.executor.activations.run.checkpointed(selective=True) runs a segment under these contexts
+(held bytes equal the trace's, training bit for bit plain); ActivationRun does not call it for any plan choice.
 """
 
 from __future__ import annotations
