@@ -234,10 +234,14 @@ def build_items(trace: Trace, hardware: Hardware, allowed: Iterable[str] = CHOIC
 
 def _selective_seconds(trace: Trace, hardware: Hardware) -> dict[Key, float]:
     """Selective checkpointing costs its cheap ops: measured when the trace ran on the planned kind of device, else
-    their FLOPs at the hardware's rate (`_recompute_seconds`' rule, which prices a recompute's cheap ops the same)."""
+    the larger of their FLOPs at the hardware's rate and their written bytes at device-memory bandwidth (pointwise
+    ops count few FLOPs), never more than the whole forward's FLOPs at that rate (a recompute's price,
+    `_recompute_seconds`: the cheap ops are part of it)."""
     same = (trace.device == "cpu" and hardware.gpu == "cpu") or (trace.device == "cuda" and hardware.gpu != "cpu")
     rate = achieved_rate(hardware, trace.precision, trace_width(trace))
-    return {s.key: (s.selective_seconds if same and s.selective_seconds > 0 else s.selective_flops / rate)
+    memory = hardware.device_memory_gbps * 1e9
+    return {s.key: (s.selective_seconds if same and s.selective_seconds > 0 else
+                    min(s.flops / rate, max(s.selective_flops / rate, s.selective_write_bytes / memory)))
             for s in (*trace.segments, *trace.nested)}
 
 

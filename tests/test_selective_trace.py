@@ -50,7 +50,7 @@ def _priced(model: nn.Module, batch: dict) -> list:
 
 
 FIELDS = ("selective_freed", "selective_extra_bytes", "selective_backward_delta", "selective_held_bytes",
-          "selective_flops", "selective_reason")
+          "selective_flops", "selective_write_bytes", "selective_reason")
 
 
 def test_held_bytes_equal_the_price_of_each_block_in_cpu_and_fake_traces(traces):
@@ -236,3 +236,23 @@ def test_the_bundled_gpt_is_priced_as_its_blocks_calls():
         assert p.reason == "" == seg.selective_reason
         assert seg.selective_held_bytes == p.held_bytes == other.selective_held_bytes
         assert seg.selective_freed == other.selective_freed and seg.selective_freed
+
+
+def test_planned_for_a_gpu_from_a_fake_trace_the_cheap_ops_cost_their_memory_traffic(traces):
+    """Pointwise ops count no FLOPs: from a fake trace, planned for a GPU, selective checkpointing's cost is its
+    cheap ops' written bytes at device-memory bandwidth (not free), never above a recompute's."""
+    from hplan.artifacts.activations import CHOICES
+    from hplan.planner import make_hardware
+    from hplan.planner.activation_items import SELECTIVE, build_items
+
+    trace = traces["fake"]
+    hw = make_hardware("rtx3090", gpu_bytes=1)
+    items = build_items(trace, hw, (*CHOICES, SELECTIVE))
+    link = hw.h2d_gbps * 1e9
+    for s, seg in enumerate(trace.segments):
+        assert seg.selective_write_bytes > 0 and seg.selective_flops < seg.flops
+        labels = [d.choice for d in items.decisions[s]]
+        sel = items.cost[int(items.first[s]) + labels.index(SELECTIVE)]
+        rec = items.cost[int(items.first[s]) + labels.index("recompute")]
+        assert 0 < sel <= rec
+        assert sel >= seg.selective_write_bytes / (hw.device_memory_gbps * 1e9) * link

@@ -98,7 +98,7 @@ def _selective(call: Call, moved: list[Saved], owned: list[Saved], starts: list[
     return {"selective_freed": as_runs(runs), "selective_extra_bytes": held,
             "selective_backward_delta": int(peak - keep_peak),
             "selective_held_bytes": sum(call.inputs.values()) + sum(kept.values()) + call.sac_freed,
-            "selective_flops": int(call.sac_flops), "selective_seconds": float(call.sac_seconds),
+            "selective_flops": int(call.sac_flops), "selective_write_bytes": int(call.sac_bytes), "selective_seconds": float(call.sac_seconds),
             "selective_reason": "; ".join(dict.fromkeys(call.reasons + call.sac_reasons))}
 
 
@@ -141,6 +141,7 @@ def combine(per_iteration: list[list[Segment]], n_events: int) -> tuple[Segment,
             selective_backward_delta=max(s.selective_backward_delta for s in group),
             selective_held_bytes=max(s.selective_held_bytes for s in group),
             selective_flops=max(s.selective_flops for s in group),
+            selective_write_bytes=max(s.selective_write_bytes for s in group),
             selective_reason=next((s.selective_reason for s in group if s.selective_reason), "")))
     return tuple(out)
 

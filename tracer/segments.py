@@ -151,6 +151,8 @@ class Call:
     sac_flops: int = 0
     sac_seconds: float = 0.0
     """FLOPs and measured time of its forward's other ops (what selective checkpointing recomputes)."""
+    sac_bytes: int = 0
+    """Bytes of the new storages its other ops write (the recompute writes them again)."""
     sac_reasons: list[str] = field(default_factory=list)
     """Why selective checkpointing may not recompute its cheap ops, beyond `reasons`."""
 
@@ -344,6 +346,7 @@ class SegmentTracker:
             else:
                 call.sac_flops += flops
                 call.sac_seconds += seconds
+                call.sac_bytes += sum(t.untyped_storage().nbytes() for t in fresh)
             if data_dependent:
                 call.reasons.append(f"it reads tensor values ({func._schema.name}), so its path may depend on them")
             call.peak = max(call.peak, peak)

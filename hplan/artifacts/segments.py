@@ -51,7 +51,9 @@ event to before the backward; `selective_backward_delta` is the recompute window
 own transient as the recompute's, an upper bound: the kept outputs are not made again); `recompute_held` applies as
 for a recompute. Its cost is the cheap ops' time (`selective_seconds`, `selective_flops`). A call refused for
 recompute, or whose forward writes in place to a tensor it saved or to a kept output, is refused
-(`selective_reason`). Every number is an upper bound on memory, so the certificate stays sound.
+(`selective_reason`). Planned for another kind of device than the trace's, its cost is the larger of its cheap
+ops' FLOPs at the achieved rate and their written bytes (`selective_write_bytes`) at device-memory bandwidth,
+never more than the full recompute's. Every number is an upper bound on memory, so the certificate stays sound.
 
 [Note: staged offload] An offloaded block brings back every storage it moved at the start of its backward, though
 its children's backwards come one after another: the last block's children, say, run backward while the block's
@@ -137,6 +139,9 @@ class Segment:
     selective_flops: int = 0
     selective_seconds: float = 0.0
     """FLOPs and measured time of its cheap ops (0 s in fake traces): what selective checkpointing recomputes."""
+    selective_write_bytes: int = 0
+    """Bytes of the new storages its cheap ops write: their recompute writes them again (pointwise ops count few
+    FLOPs, so a plan for another kind of device prices them at least at device-memory bandwidth)."""
     selective_reason: str = ""
     """Why selective checkpointing may not recompute its cheap ops (empty when it may)."""
 
@@ -233,7 +238,8 @@ def segment_problem(s: Segment, n_events: int) -> str:
             return f"recompute_held run {(first, last, held)} lies outside its gap and backward"
     if not isinstance(s.recomputable, bool) or not isinstance(s.reason, str) or (s.recomputable and s.reason):
         return "recomputable must be a boolean, with a reason only when false"
-    if not all(_count(x) for x in (s.selective_extra_bytes, s.selective_held_bytes, s.selective_flops)) \
+    if not all(_count(x) for x in (s.selective_extra_bytes, s.selective_held_bytes, s.selective_flops,
+                                   s.selective_write_bytes)) \
             or not isinstance(s.selective_backward_delta, int) or isinstance(s.selective_backward_delta, bool) \
             or not isinstance(s.selective_seconds, (int, float)) or not 0 <= s.selective_seconds < float("inf") \
             or not isinstance(s.selective_reason, str):
