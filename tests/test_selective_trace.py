@@ -256,3 +256,41 @@ def test_planned_for_a_gpu_from_a_fake_trace_the_cheap_ops_cost_their_memory_tra
         rec = items.cost[int(items.first[s]) + labels.index("recompute")]
         assert 0 < sel <= rec
         assert sel >= seg.selective_write_bytes / (hw.device_memory_gbps * 1e9) * link
+
+
+def test_what_it_frees_before_the_backward_is_at_most_what_a_run_frees(traces):
+    """Soundness of the priced effect: with block 1 under the executor's selective checkpoint, the bytes alive when
+    the loss is computed (an event in the block's gap) are at least the priced saving below plain PyTorch's."""
+    import contextlib
+    import gc
+
+    from test_activation_selective import _Alive, _key
+
+    from hplan.executor.activations.run import checkpointed
+
+    trace = traces["cpu"]
+    seg = trace.segments[1]
+    gap = [e for e in range(seg.forward_events[1] + 1, seg.backward_events[0])
+           if trace.events[e].key.startswith("forward:")]
+    e = gap[-1]
+    planned = -sum(b for first, last, b in effects(seg, "selective") if first <= e <= last)
+    assert planned > 0
+
+    def alive(wrap: bool) -> int:
+        torch.manual_seed(0)
+        m = _llama()
+        if wrap:
+            b = m.model.layers[1]
+            b.forward = (lambda f: lambda *a, **k: checkpointed(f, a, k, contextlib.nullcontext, selective=True))(
+                b.forward)
+        model = {_key(p) for p in m.parameters()}
+        watch = _Alive()
+        with watch:
+            loss = hf.lm_loss(m, {**hf.lm_batch(0), "use_cache": False})
+        gc.collect()
+        total = sum(n for s, n in watch.seen.items() if not s.expired() and s not in model)
+        del loss
+        return total
+
+    saved = alive(False) - alive(True)
+    assert saved >= planned, (saved, planned)
