@@ -215,6 +215,7 @@ def test_the_executor_checkpoint_holds_the_traced_bytes_and_trains_as_plain(trac
     assert torch.equal(l0, l1) and all(torch.equal(a, b) for a, b in zip(g0, g1))
 
 
+@pytest.mark.slow
 def test_the_bundled_gpt_is_priced_as_its_blocks_calls():
     """The bundled GPT (gpt:tiny): each block's held bytes equal `price` on its own call, in cpu and fake traces."""
     from hplan.specs import load_workload
