@@ -148,6 +148,8 @@ class Call:
     keeps, hplan.tracer.selective)."""
     sac_freed: int = 0
     """Bytes of such outputs the keep run frees inside the forward (their keys may be reused): held by the mode."""
+    sac_early: list[tuple[int, int, int]] = field(default_factory=list)
+    """(storage key, bytes, op index) of each such free, so the choice log holds them to the backward's end."""
     sac_flops: int = 0
     sac_seconds: float = 0.0
     """FLOPs and measured time of its forward's other ops (what selective checkpointing recomputes)."""
@@ -372,7 +374,9 @@ class SegmentTracker:
         """The ledger saw storage `key` released."""
         call = self.active
         if call is not None and key in call.sac_out:
-            call.sac_freed += call.sac_out.pop(key)
+            nbytes = call.sac_out.pop(key)
+            call.sac_freed += nbytes
+            call.sac_early.append((key, nbytes, self.recorder.op_index))
         saved = self._by_key.pop(key, None)
         if saved is not None:
             saved.freed_op, saved.freed_event = self.recorder.op_index, self._event()
