@@ -38,3 +38,29 @@ def contexts() -> Callable[[], Any]:
     from torch.utils.checkpoint import create_selective_checkpoint_contexts
 
     return functools.partial(create_selective_checkpoint_contexts, policy)
+
+
+_PLAIN = (type(None), bool, int, float, complex, str, bytes, torch.dtype, torch.device, torch.Size, torch.Tensor,
+          torch.memory_format, torch.layout)
+
+
+def unreplayable(args: Any, kwargs: Any) -> str:
+    """Why selective checkpointing may not run a call with these arguments (empty when it may): an argument that is
+    neither a tensor, a plain value nor a tuple, list or dict of them is state the forward may update (transformers'
+    DynamicCache under `use_cache`: its forward appends to it, so the recompute's ops differ from the forward's and
+    torch's selective checkpointing fails in the backward). Plain recompute does not replay ops by count, so only
+    this mode refuses such calls."""
+    stack = [("", args), ("", kwargs)]
+    while stack:
+        name, value = stack.pop()
+        if isinstance(value, (tuple, list)):
+            stack += [(name, v) for v in value]
+        elif isinstance(value, dict):
+            stack += [(str(k), v) for k, v in value.items()]
+        elif not isinstance(value, _PLAIN) and not callable(value):
+            shown = f"{type(value).__name__}{f' ({name})' if name else ''}"
+            hint = "; turn the model's key/value cache off (`model.config.use_cache = False`) to allow it" \
+                if "cache" in shown.lower() else ""
+            return (f"its call takes a {shown}, state its forward may update, which selective checkpointing cannot "
+                    f"replay{hint}")
+    return ""

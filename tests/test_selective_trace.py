@@ -25,9 +25,12 @@ from hplan.tracer import trace_workload
 from hplan.tracer.selective import price
 
 
-def _llama() -> nn.Module:
+def _llama(use_cache: bool = False) -> nn.Module:
+    """use_cache off, as a training loop (and transformers' own checkpointing) has it: its KV cache is state that
+    selective checkpointing refuses (test_a_call_carrying_a_kv_cache_is_refused_at_trace_and_run_time)."""
     cfg = transformers.LlamaConfig(vocab_size=hf.VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
-                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                                   use_cache=use_cache)
     return transformers.LlamaForCausalLM(cfg)
 
 
@@ -295,3 +298,26 @@ def test_what_it_frees_before_the_backward_is_at_most_what_a_run_frees(traces):
 
     saved = alive(False) - alive(True)
     assert saved >= planned, (saved, planned)
+
+
+def test_a_call_carrying_a_kv_cache_is_refused_at_trace_and_run_time():
+    """With use_cache on, transformers hands each block a DynamicCache its forward appends to: torch's selective
+    checkpointing then fails in the backward (its recompute's ops differ from the forward's). The trace refuses the
+    mode for those calls, naming the cache and the fix, while recompute stays allowed (plain checkpoint runs them);
+    `checkpointed(selective=True)` refuses such a call with the same reason instead of failing in the backward."""
+    import contextlib
+
+    from hplan.executor.activations.run import checkpointed
+    from test_activation_selective import _block_call
+
+    torch.manual_seed(0)
+    trace = trace_workload(hf.workload("llama", lambda: _llama(use_cache=True)), device="fake")
+    assert len(trace.segments) == 3
+    for seg in trace.segments:
+        assert seg.recomputable and "DynamicCache" in seg.selective_reason and "use_cache = False" in seg.selective_reason
+    model = _llama(use_cache=True)
+    block = model.model.layers[0]
+    args, kwargs = _block_call(model, block, hf.lm_batch(0))
+    with pytest.raises(HplanError, match="DynamicCache"):
+        checkpointed(block.forward, args, kwargs, contextlib.nullcontext, selective=True)
+    assert checkpointed(block.forward, args, kwargs, contextlib.nullcontext) is not None  # plain recompute runs it

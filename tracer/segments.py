@@ -22,7 +22,7 @@ from torch import nn
 from torch.utils.weak import WeakIdKeyDictionary
 
 from hplan.probe import storage_key, tensors_in
-from hplan.checkpoint_policy import SAVE_OPS
+from hplan.checkpoint_policy import SAVE_OPS, unreplayable
 
 if TYPE_CHECKING:
     from hplan.tracer.recorder import Recorder
@@ -241,6 +241,8 @@ class SegmentTracker:
             call = Call(path=path, micro=rec.micro, entry_op=rec.op_index, entry_event=self._event(),
                         entry_level=level, peak=level, inputs=inputs, input_refs=refs,
                         buffers={storage_key(b): f"{path}.{name}" for name, b in module.named_buffers() if b is not None})
+            if why := unreplayable(args, kwargs):
+                call.sac_reasons.append(why)
             for key in inputs:
                 self._inputs_of[key].append(call)
             self.calls.append(call)

@@ -32,7 +32,7 @@ from torch.utils._python_dispatch import _disable_current_modes
 from torch.utils.checkpoint import checkpoint
 
 from hplan.artifacts.activations import ActivationChoice, enclosing
-from hplan.checkpoint_policy import contexts
+from hplan.checkpoint_policy import contexts, unreplayable
 from hplan.errors import HplanError
 from hplan.probe import storage_key
 
@@ -326,6 +326,9 @@ def checkpointed(forward: Callable[..., Any], args: tuple[Any, ...], kwargs: dic
     checkpointing's contexts (hplan.checkpoint_policy: the expensive ops' outputs kept, the rest recomputed), what
     the trace prices as `selective_held_bytes` ([Note: selective segments] in hplan.artifacts.segments). NOT YET
     RUN BY A PLAN: no plan choice selects it (hplan.tracer.selective's [Note: selective checkpointing])."""
+    if selective and (why := unreplayable(args, kwargs)):
+        raise HplanError(f"selective checkpointing may not run this segment: {why} (re-trace and re-plan: the "
+                         "trace refuses the mode for such calls)")
     calls = [0]
 
     def body(*a: Any, **k: Any) -> Any:
