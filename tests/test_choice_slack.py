@@ -285,3 +285,10 @@ def test_a_selective_plan_takes_the_selective_figure():
     from hplan.planner.slack import for_figure
 
     assert for_figure(hw, "selective").slack_bytes == 6  # a table without the figure: the mixed one
+    with_it = replace(hw, activation_slack=(*hw.activation_slack, ("selective", 4)))
+    assert for_figure(with_it, "selective").slack_bytes == 4
+    from hplan.errors import HplanError
+
+    for bad in ((*with_it.activation_slack, ("selective", 4)), (*hw.activation_slack, ("sac", 4))):
+        with pytest.raises(HplanError, match="activation_slack"):
+            replace(hw, activation_slack=bad)

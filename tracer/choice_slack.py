@@ -19,6 +19,11 @@ planner's effects say the bytes leave and come back (hplan.artifacts.segments.ef
   storages it saved and a recompute restores keep their keys (their original frees follow), the ones it saves
   but does not own are freed where the segment's backward ends, every other storage it leaves alive right after.
   A segment that may not be recomputed is offloaded, as `--activations recompute` does;
+- selective ([Note: selective segments] in hplan.artifacts.segments): the recompute's frees less its inputs and
+  its expensive ops' outputs (kept by torch's cache, original keys and frees); an output the keep run frees inside
+  the forward is held again, under a fresh key, from that free until the first unpack; there the forward's calls
+  run again as for a recompute, less the kept outputs' allocations (they are not made again). A call refused for
+  the mode (`selective_reason`) keeps. The figure is that of every other segment call kept;
 - the levels are the trace's events' non-model peaks plus every segment's effects under the choice, so each
   figure is the slack a plan making that choice everywhere adds to its own levels.
 A plan that mixes choices needs its own mix's slack, which is not bounded by its pure choices' figures: on the
@@ -55,8 +60,9 @@ MIX_SAMPLES = 3
 def choice_slack(log: Log, op_log: Sequence[int], calls: Sequence[Call], segments: Sequence[Segment],
                  levels: Sequence[int], starts: Sequence[int], keep: Mapping[str, int] | None = None
                  ) -> dict[str, dict[str, int]]:
-    """{"offload" | "recompute" | "mixed": {"release": bytes, "expandable": bytes}}: the at-budget slack of each
-    pure choice, and the largest over those and the sampled mixes ([Note: slack per choice]); {} when the log's
+    """{"offload" | "recompute" | "mixed" | "selective": {"release": bytes, "expandable": bytes}}: the at-budget
+    slack of each pure choice (selective where a segment may take it), and the largest over offload, recompute
+    and the sampled mixes ([Note: slack per choice]); {} when the log's
     marks do not match the events or there are no segments.
     `op_log[k]`: the log's length where op k starts; `starts[e]`: event e's first op; `levels[e]`: its keep peak;
     `keep`: the keep step's figures, where each search starts ([Note: a hinted search] in hplan.artifacts.slack)."""

@@ -23,14 +23,23 @@ cheap ops. `price` measures both sides on the segment's own call:
 (1) done: the tracer prices each segment call inside the traced step (hplan.tracer.segments; [Note: selective
 segments] in hplan.artifacts.segments: held bytes, freed runs, kept outputs the keep run frees, the backward
 window's peak, the cheap ops' FLOPs and seconds), identically in fake traces; trace schema 3;
-(2) missing: "selective" inserts in the choice log (hplan.tracer.choice_slack: the cheap ops' storages freed where
-they go, the kept outputs' keep-run frees moved to the backward, the cheap ops' calls again at the first unpack),
-so a plan with the mode reserves its own mix's replayed slack, and a "selective" figure in hplan.planner.slack;
+(2) done: "selective" inserts in the choice log (hplan.tracer.choice_slack: the cheap ops' storages freed where
+they go, the kept outputs the keep run frees held from there until the recompute takes them, the cheap ops' calls
+again at the first unpack, the kept outputs not made again; within the planned bytes at every event, tested), a
+trace's "selective" slack figure and planner.slack's "selective" figure (`counted`, `figure`, `slack_table`); a
+call carrying state it cannot replay (an argument that is no tensor or plain value, e.g. transformers' DynamicCache
+under use_cache) is refused for the mode in the trace (`selective_reason`) and by `checkpointed(selective=True)`;
 (3) in part: hplan.planner.activation_items offers the mode where `allowed` names SELECTIVE (effect, cost, refused
 calls left out), so the minimum search and the bounds see it once a regime allows it; no regime does, and
 `--activations` does not take it (it is not in CHOICES: ActivationChoice, `decide`, `transform`, the reports);
 (4) in part: hplan.executor.activations.run.checkpointed(selective=True) runs a segment under these contexts
 (held bytes equal the trace's, training bit for bit plain); ActivationRun does not call it for any plan choice.
+Still missing before `--activations selective` and auto may offer it: the plan artifact's choice (CHOICES,
+ActivationChoice's recompute fields, `decide`, `transform`, the replay), auto's regimes (a "selective" regime under
+its own figure, and the mixed regime's figure covering mixes with selective: on GPT-2 the selective figure exceeds
+the sampled mixed one, so the mixed regime is no relaxation of them until mixes with it are sampled), the minimum
+search and the certificate's "covers every activation choice", the reports, ActivationRun's dispatch with the
+probe's byte check, and end-to-end runs (bundled GPT, a transformers Llama) with loss parity.
 """
 
 from __future__ import annotations
