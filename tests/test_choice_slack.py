@@ -292,3 +292,19 @@ def test_a_selective_plan_takes_the_selective_figure():
     for bad in ((*with_it.activation_slack, ("selective", 4)), (*hw.activation_slack, ("sac", 4))):
         with pytest.raises(HplanError, match="activation_slack"):
             replace(hw, activation_slack=bad)
+
+
+@pytest.mark.parametrize("spec", ["hf:LlamaForCausalLM", "hf:GPT2LMHeadModel"])
+def test_selective_rewrite_holds_the_kept_outputs_plain_pytorch_frees(spec):
+    """Where the last forward ends, the selective log holds the keep log's bytes less what the mode frees there, plus
+    every call's kept outputs that plain PyTorch freed inside its forward (torch's cache holds them until the
+    recompute): the cache's bytes are in the replayed log, not only in the planner's levels."""
+    rec, trace = _recorded(spec)
+    _, log, out, _ = _rewritten(spec, "selective")
+    keep, _ = _per_event_peaks(log)
+    peaks, _ = _per_event_peaks(out)
+    last = min(s.backward_events[0] for s in trace.segments) - 1  # every block's forward done, none's backward
+    freed = sum(b for s in trace.segments for first, end, b in s.selective_freed if first <= last <= end)
+    held = sum(c.sac_freed for c in rec.segment_calls)
+    assert held > 0
+    assert abs((peaks[last] - keep[last]) - (held - freed)) <= 4096 * len(trace.segments), (peaks[last], keep[last])
