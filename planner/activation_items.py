@@ -16,8 +16,13 @@ from hplan.artifacts.hardware import Hardware
 from hplan.artifacts.segments import Segment, shared_windows
 from hplan.artifacts.trace import Trace
 from hplan.planner.activations import Decision, _recompute_seconds, decide, effects
+from hplan.planner.kernel_size import achieved_rate, trace_width
 
 Key = tuple[str, int]
+SELECTIVE = "selective"
+"""Selective checkpointing of a segment ([Note: selective segments] in hplan.artifacts.segments): a mode of the
+items when `allowed` names it. NOT YET A CHOICE OF THE PLAN (not in CHOICES): the allocator-slack log, the plan's
+choice and the executor's wiring are missing (hplan.tracer.selective's [Note: selective checkpointing])."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -142,11 +147,13 @@ class Items:
         for s, m in enumerate(chosen):
             j = m - int(self.first[s])
             for d in (self.decisions[s][j], *self._children(s, j)):
-                if d.choice != "recompute":
+                if d.choice not in ("recompute", SELECTIVE):
                     continue
-                b0 = d.segment.backward_events[0]
-                events[b0] = replace(events[b0], seconds=events[b0].seconds + d.segment.seconds,
-                                     flops=events[b0].flops + d.segment.flops)
+                b0, sel = d.segment.backward_events[0], d.choice == SELECTIVE
+                events[b0] = replace(
+                    events[b0],
+                    seconds=events[b0].seconds + (d.segment.selective_seconds if sel else d.segment.seconds),
+                    flops=events[b0].flops + (d.segment.selective_flops if sel else d.segment.flops))
         return replace(self.trace, events=tuple(events))
 
 
@@ -161,19 +168,22 @@ def build_items(trace: Trace, hardware: Hardware, allowed: Iterable[str] = CHOIC
     gone until the child's own backward (its effect)."""
     allowed = frozenset(allowed)
     refused = {s.module for s in (*trace.segments, *trace.nested) if not s.recomputable}
+    no_sac = refused | {s.module for s in (*trace.segments, *trace.nested)
+                        if s.selective_reason or not s.selective_freed}
     may = [s.module not in refused for s in trace.segments]
     shared = frozenset(shared_windows(s for s, ok in zip(trace.segments, may) if ok)) \
-        if "recompute" in allowed else frozenset()
+        if allowed & {"recompute", SELECTIVE} else frozenset()
     kids: dict[tuple[str, int], list[Segment]] = {}
     if "keep" in allowed and len(allowed) > 1:
         for c in trace.nested:
             kids.setdefault((c.parent, c.micro), []).append(c)
-    if "recompute" in allowed and kids:
+    if allowed & {"recompute", SELECTIVE} and kids:
         shared = shared | _shared_children(trace, kids, refused)
     stageable = _stageable(trace, hardware) if "offload" in allowed else frozenset()
     rec = decide(trace, "recompute")
     nested_rec = tuple(Decision(segment=c, choice="recompute") for cs in kids.values() for c in cs)
     seconds = _recompute_seconds(trace, hardware, tuple(d for d in rec if d.choice == "recompute") + nested_rec)
+    sel = _selective_seconds(trace, hardware) if SELECTIVE in allowed else {}
     link = hardware.h2d_gbps * 1e9
     n = len(trace.events)
 
@@ -182,6 +192,7 @@ def build_items(trace: Trace, hardware: Hardware, allowed: Iterable[str] = CHOIC
         for first, last, b in effects(seg, choice, shared_recompute=seg.key in shared):
             row[first:last + 1] += b
         cost = 0 if choice in ("keep", "stage") else 2 * seg.offload_bytes if choice == "offload" \
+            else math.ceil(sel.get(seg.key, 0.0) * link) if choice == SELECTIVE \
             else math.ceil(seconds.get(seg.key, 0.0) * link)
         return row, cost
 
@@ -191,10 +202,12 @@ def build_items(trace: Trace, hardware: Hardware, allowed: Iterable[str] = CHOIC
         modes = [Decision(segment=s, choice=c, reason=reason) for c in ("keep", "offload") if c in allowed]
         if ok and "recompute" in allowed:
             modes.append(Decision(segment=s, choice="recompute"))
+        if SELECTIVE in allowed and s.module not in no_sac:
+            modes.append(Decision(segment=s, choice=SELECTIVE))
         elif not modes and "recompute" in allowed:  # refused: offloaded instead, as `decide` does
             modes.append(Decision(segment=s, choice="offload", reason=reason))
         inner: list[tuple[Decision, ...]] = [()] * len(modes)
-        combos = _combos(kids.get(s.key, []), allowed, refused)
+        combos = _combos(kids.get(s.key, []), allowed, refused, no_sac)
         if len(combos) > 1 and modes[0].choice == "keep":
             modes[1:1] = [modes[0]] * (len(combos) - 1)
             inner = list(combos) + [()] * (len(modes) - len(combos))
@@ -219,6 +232,19 @@ def build_items(trace: Trace, hardware: Hardware, allowed: Iterable[str] = CHOIC
                  children=tuple(children) if kids else ())
 
 
+def _selective_seconds(trace: Trace, hardware: Hardware) -> dict[Key, float]:
+    """Selective checkpointing costs its cheap ops: measured when the trace ran on the planned kind of device, else
+    the larger of their FLOPs at the hardware's rate and their written bytes at device-memory bandwidth (pointwise
+    ops count few FLOPs), never more than the whole forward's FLOPs at that rate (a recompute's price,
+    `_recompute_seconds`: the cheap ops are part of it)."""
+    same = (trace.device == "cpu" and hardware.gpu == "cpu") or (trace.device == "cuda" and hardware.gpu != "cpu")
+    rate = achieved_rate(hardware, trace.precision, trace_width(trace))
+    memory = hardware.device_memory_gbps * 1e9
+    return {s.key: (s.selective_seconds if same and s.selective_seconds > 0 else
+                    min(s.flops / rate, max(s.selective_flops / rate, s.selective_write_bytes / memory)))
+            for s in (*trace.segments, *trace.nested)}
+
+
 def _stageable(trace: Trace, hardware: Hardware) -> frozenset[tuple[str, int]]:
     """Child segment calls whose block's offload may be staged ([Note: staged offload] in hplan.artifacts.segments):
     those with a stage, where the trace's log can replay it (its stage inserts; without a log, only where the
@@ -231,7 +257,8 @@ def _stageable(trace: Trace, hardware: Hardware) -> frozenset[tuple[str, int]]:
     return frozenset(c.key for i, c in enumerate(trace.nested) if c.stage_bytes and i in replayed)
 
 
-def _combos(kids: list[Segment], allowed: frozenset[str], refused: set[str]) -> list[tuple[Decision, ...]]:
+def _combos(kids: list[Segment], allowed: frozenset[str], refused: set[str], no_sac: set[str] = frozenset()
+            ) -> list[tuple[Decision, ...]]:
     """Every combination of the children's choices other than keep (all kept first); [] without children."""
     if not kids:
         return []
@@ -242,6 +269,8 @@ def _combos(kids: list[Segment], allowed: frozenset[str], refused: set[str]) -> 
             opts.append(Decision(segment=c, choice="offload"))
         if "recompute" in allowed and c.module not in refused:
             opts.append(Decision(segment=c, choice="recompute"))
+        if SELECTIVE in allowed and c.module not in no_sac:
+            opts.append(Decision(segment=c, choice=SELECTIVE))
         per.append(opts)
     return [tuple(d for d in combo if d is not None) for combo in itertools.product(*per)]
 

@@ -29,7 +29,9 @@ from hplan.artifacts.trace import Trace
 from hplan.errors import HplanError
 
 FIGURES: tuple[str, ...] = ("keep", "offload", "recompute", "mixed")
-"""Per-choice slack figures ([Note: slack per choice]): a plan making one choice for every segment, or a mix."""
+"""Per-choice slack figures ([Note: slack per choice]): a plan making one choice for every segment, or a mix.
+A trace where some segment may take selective checkpointing adds a "selective" figure (every such segment selective,
+the others kept); a plan's mix that holds it replays its own log (`mix_figure`)."""
 ALLOCATORS: tuple[str, ...] = ("release", "cached", "expandable")
 """Allocator models the planner knows, the default first."""
 DEFAULT_ALLOCATOR = ALLOCATORS[0]
@@ -48,20 +50,21 @@ def slack_table(trace: Trace, allocator: str = DEFAULT_ALLOCATOR) -> tuple[tuple
     """(figure, slack + overhead) for keep, offload, recompute and mixed, as Hardware.activation_slack; () when
     the trace has no per-choice figures (no segments, an older trace, or the "cached" model, which has one)."""
     figures = trace.allocator_slack_by_choice
-    if allocator == "cached" or set(figures) != set(FIGURES[1:]):
+    if allocator == "cached" or set(figures) - {"selective"} != set(FIGURES[1:]):
         return ()
     keep = allocator_slack(trace, allocator)
     mixed = max(keep, figures["mixed"][allocator])
+    selective = (("selective", figures["selective"][allocator]),) if "selective" in figures else ()
     return tuple((name, value + trace.overhead_bytes) for name, value in
                  (("keep", keep), ("offload", figures["offload"][allocator]),
-                  ("recompute", figures["recompute"][allocator]), ("mixed", mixed)))
+                  ("recompute", figures["recompute"][allocator]), ("mixed", mixed), *selective))
 
 
 def counted(choice: str, moves: bool, recomputable: bool = True) -> str | None:
     """A segment call's choice as the allocator sees it: None for a keep or offload that moves nothing (every
     figure replays its calls unchanged); "fallback" for an offload of a call that may not be recomputed (what
     `--activations recompute` does with it, so the recompute figure covers it)."""
-    if choice != "recompute" and not moves:
+    if choice not in ("recompute", "selective") and not moves:
         return None
     return "fallback" if choice == "offload" and not recomputable else choice
 
@@ -76,6 +79,8 @@ def figure(choices: Iterable[str | None]) -> str:
         return "offload"
     if made <= {"recompute", "fallback"}:
         return "recompute"
+    if made == {"selective"}:  # a selective figure exists where a segment may take the mode (choice_slack)
+        return "selective"
     return "mixed"
 
 
@@ -87,6 +92,7 @@ def for_figure(hardware: Hardware, name: str, value: int | None = None) -> Hardw
     table = dict(hardware.activation_slack)
     if not table:
         return hardware
+    name = name if name in table else "mixed"  # a selective plan on a table without its figure
     if value is not None and name == "mixed":
         value = table["mixed"] = max(value, table["mixed"])
         return replace(hardware, slack_bytes=value,

@@ -97,7 +97,7 @@ def test_recompute_rewrite_stays_within_the_planned_bytes_and_frees_what_it_adds
 def test_trace_figures_are_the_rewritten_logs_searched_at_their_levels():
     trace, _, out, levels = _rewritten("hf:LlamaForCausalLM", "offload")
     figures = trace.allocator_slack_by_choice
-    assert set(figures) == {"offload", "recompute", "mixed"}
+    assert set(figures) == {"offload", "recompute", "mixed", "selective"}
     assert figures["offload"]["release"] == smallest_slack(out, levels)
     assert figures["mixed"]["release"] >= max(figures["offload"]["release"], figures["recompute"]["release"])
     mix = {s.key: ("offload", "recompute")[i % 2] for i, s in enumerate(trace.segments)}
@@ -252,3 +252,59 @@ def test_recompute_gives_a_temporary_its_own_key_where_a_restored_storage_reuses
         model.free(key) if nbytes == FREE else model.malloc(key, nbytes)
         peak = max(peak, model.allocated_bytes)
     assert peak == (300 << 10) and model.allocated_bytes == (200 << 10) and 7 in model._live and not late
+
+
+@pytest.mark.parametrize("spec", ["hf:LlamaForCausalLM", "hf:GPT2LMHeadModel"])
+def test_selective_rewrite_stays_within_the_planned_bytes_and_remakes_only_the_cheap_ops(spec):
+    """A segment call made selective ([Note: selective segments]): the rewritten log never holds more than the
+    planner's selective effects at any event, frees all it adds, runs its forward's cheap ops again (more calls than
+    keep) but not its matmuls' outputs (fewer than recompute), and the trace's selective figure is that log searched
+    at its levels, the same figure a plan replays from the trace's choice log."""
+    trace, log, out, levels, gaps, end, keep_end = _beyond_plan(spec, "selective")
+    for e, gap in enumerate(gaps):
+        assert gap <= 4096, (e, gap)
+    assert end == keep_end
+    _, _, again, _ = _rewritten(spec, "recompute")
+    assert len(log) + len(trace.segments) < len(out) < len(again)
+    figures = trace.allocator_slack_by_choice
+    assert figures["selective"]["release"] == smallest_slack(out, levels)
+    from hplan.artifacts.choice_log import mix_slack
+
+    every = ["selective"] * len(trace.segments) + ["keep"] * len(trace.nested)
+    plain = [e.non_model_peak_bytes for e in trace.events]
+    assert mix_slack(trace.choice_log, trace.segments + trace.nested, plain, every) == figures["selective"]["release"]
+    table = dict(trace_slack(trace)["activation_slack"])
+    assert table["selective"] == figures["selective"]["release"] + trace.overhead_bytes
+
+
+def test_a_selective_plan_takes_the_selective_figure():
+    assert figure(["selective", None]) == "selective" and counted("selective", False) == "selective"
+    assert figure(["selective", "recompute"]) == figure(["selective", "offload"]) == "mixed"
+    hw = Hardware(gpu_bytes=10, slack_bytes=5, activation_slack=(("keep", 5), ("offload", 2), ("recompute", 3),
+                                                                 ("mixed", 6)))
+    from hplan.planner.slack import for_figure
+
+    assert for_figure(hw, "selective").slack_bytes == 6  # a table without the figure: the mixed one
+    with_it = replace(hw, activation_slack=(*hw.activation_slack, ("selective", 4)))
+    assert for_figure(with_it, "selective").slack_bytes == 4
+    from hplan.errors import HplanError
+
+    for bad in ((*with_it.activation_slack, ("selective", 4)), (*hw.activation_slack, ("sac", 4))):
+        with pytest.raises(HplanError, match="activation_slack"):
+            replace(hw, activation_slack=bad)
+
+
+@pytest.mark.parametrize("spec", ["hf:LlamaForCausalLM", "hf:GPT2LMHeadModel"])
+def test_selective_rewrite_holds_the_kept_outputs_plain_pytorch_frees(spec):
+    """Where the last forward ends, the selective log holds the keep log's bytes less what the mode frees there, plus
+    every call's kept outputs that plain PyTorch freed inside its forward (torch's cache holds them until the
+    recompute): the cache's bytes are in the replayed log, not only in the planner's levels."""
+    rec, trace = _recorded(spec)
+    _, log, out, _ = _rewritten(spec, "selective")
+    keep, _ = _per_event_peaks(log)
+    peaks, _ = _per_event_peaks(out)
+    last = min(s.backward_events[0] for s in trace.segments) - 1  # every block's forward done, none's backward
+    freed = sum(b for s in trace.segments for first, end, b in s.selective_freed if first <= last <= end)
+    held = sum(c.sac_freed for c in rec.segment_calls)
+    assert held > 0
+    assert abs((peaks[last] - keep[last]) - (held - freed)) <= 4096 * len(trace.segments), (peaks[last], keep[last])

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-FOUNDATION = ("artifacts", "errors", "sizes", "options", "precision", "blame", "probe", "grads", "hooks", "optimizers",
+FOUNDATION = ("artifacts", "errors", "sizes", "options", "precision", "blame", "probe", "grads", "hooks", "optimizers", "checkpoint_policy",
               "training", "workload", "specs", "models")
 """hplan's shared modules: the artifact types and the Workload contract every room reads."""
 ROOMS_MAY_IMPORT = {

@@ -19,6 +19,11 @@ planner's effects say the bytes leave and come back (hplan.artifacts.segments.ef
   storages it saved and a recompute restores keep their keys (their original frees follow), the ones it saves
   but does not own are freed where the segment's backward ends, every other storage it leaves alive right after.
   A segment that may not be recomputed is offloaded, as `--activations recompute` does;
+- selective ([Note: selective segments] in hplan.artifacts.segments): the recompute's frees less its inputs and
+  its expensive ops' outputs (kept by torch's cache, original keys and frees); an output the keep run frees inside
+  the forward is held again, under a fresh key, from that free until the first unpack; there the forward's calls
+  run again as for a recompute, less the kept outputs' allocations (they are not made again). A call refused for
+  the mode (`selective_reason`) keeps. The figure is that of every other segment call kept;
 - the levels are the trace's events' non-model peaks plus every segment's effects under the choice, so each
   figure is the slack a plan making that choice everywhere adds to its own levels.
 A plan that mixes choices needs its own mix's slack, which is not bounded by its pure choices' figures: on the
@@ -55,8 +60,9 @@ MIX_SAMPLES = 3
 def choice_slack(log: Log, op_log: Sequence[int], calls: Sequence[Call], segments: Sequence[Segment],
                  levels: Sequence[int], starts: Sequence[int], keep: Mapping[str, int] | None = None
                  ) -> dict[str, dict[str, int]]:
-    """{"offload" | "recompute" | "mixed": {"release": bytes, "expandable": bytes}}: the at-budget slack of each
-    pure choice, and the largest over those and the sampled mixes ([Note: slack per choice]); {} when the log's
+    """{"offload" | "recompute" | "mixed" | "selective": {"release": bytes, "expandable": bytes}}: the at-budget
+    slack of each pure choice (selective where a segment may take it), and the largest over offload, recompute
+    and the sampled mixes ([Note: slack per choice]); {} when the log's
     marks do not match the events or there are no segments.
     `op_log[k]`: the log's length where op k starts; `starts[e]`: event e's first op; `levels[e]`: its keep peak;
     `keep`: the keep step's figures, where each search starts ([Note: a hinted search] in hplan.artifacts.slack)."""
@@ -77,6 +83,8 @@ def choice_slack(log: Log, op_log: Sequence[int], calls: Sequence[Call], segment
         figures = hint = _figures(log, op_log, marks, starts, pairs, levels, segments, mix, refused, hint)
         mixed = {k: max(v, figures[k]) for k, v in mixed.items()}
     out["mixed"] = mixed
+    if any(not s.selective_reason for s in segments):
+        out["selective"] = _figures(log, op_log, marks, starts, pairs, levels, segments, "selective", refused, hint)
     return out
 
 
@@ -105,7 +113,8 @@ def _modes(segments: Sequence[Segment], choice: Choice, refused: set[str]) -> di
     out = {}
     for s in segments:
         c = choice if isinstance(choice, str) else choice.get(s.key, "keep")
-        out[s.key] = "offload" if c == "recompute" and s.module in refused else c
+        out[s.key] = "offload" if c == "recompute" and s.module in refused else \
+            "keep" if c == "selective" and s.selective_reason else c  # refused: the planner never offers it
     return out
 
 
@@ -141,6 +150,8 @@ def choice_log(log: Log, op_log: Sequence[int], calls: Sequence[Call], segments:
     found = inserts(log, op_log, marks, starts, pairs, ["offload"] * len(pairs), fresh)
     found += inserts(log, op_log, marks, starts, pairs,
                      ["offload" if s.module in refused else "recompute" for s, _ in pairs], fresh, only="recompute")
+    found += inserts(log, op_log, marks, starts, pairs,
+                     ["keep" if s.selective_reason else "selective" for s, _ in pairs], fresh, only="selective")
     found += stage_inserts(marks, starts, pairs)
     found.sort(key=lambda ins: ins.segment)  # stable: each segment's own order
     return ChoiceLog(log=tuple(x for entry in log for x in entry), inserts=tuple(found))
@@ -194,32 +205,55 @@ def inserts(log: Log, op_log: Sequence[int], marks: list[int], starts: Sequence[
         f1, (b0, b1) = seg.forward_events[1], seg.backward_events
         _, moved = owned_and_moved(call)
         restored: set[int] = set()
+        end = marks[b1 + 1] if b1 + 1 < len(marks) else len(log)
+        kept: set[int] = set(call.sac_out) if mode == "selective" else set()
         for s in moved:
-            if mode == "recompute" and s.key in call.inputs:
-                continue  # the checkpoint keeps its inputs
+            if mode != "offload" and s.key in call.inputs or s.key in kept:
+                continue  # the checkpoint keeps its inputs; selective checkpointing its expensive ops' outputs
             first = max(f1 + 1, bisect.bisect_left(starts, max(s.gone_op or 0, call.exit_op)))
             if first < b0:
                 at(marks[first], [(s.key, FREE)])  # before the mark: the window's cap sees it gone
                 restored.add(s.key)
                 if mode == "offload":
                     at(marks[b0] + 1, [(s.key, s.nbytes)], 1)
-        if mode == "recompute":
+        if mode in ("recompute", "selective"):
             extra = {s.key for s in call.saved if s.ok and s.created_inside and s.key not in restored}
-            end = marks[b1 + 1] if b1 + 1 < len(marks) else len(log)
-            again, late = _again(log[op_pos(call.entry_op):op_pos(call.exit_op)], restored, extra, fresh)
-            at(op_pos(call.unpack_op), again, 1)
+            start = op_pos(call.entry_op)
+            forward = log[start:op_pos(call.exit_op)]
+            made_last = {key: j for j, (key, nbytes) in enumerate(forward) if nbytes >= 0}
+            skip = {made_last[k] for k in kept if k in made_last}  # each kept output's allocation: not made again
+            held_free: list[Entry] = []
+            for key, nbytes, op in call.sac_early if mode == "selective" else ():
+                # held by torch's cache from the keep run's free until its recompute takes it (nothing saves it)
+                pos = next((j for j in range(min(op_pos(op + 1), len(log)) - 1, start - 1, -1)
+                            if log[j] == (key, FREE)), None)
+                if pos is None:
+                    continue
+                made = next((j for j in range(pos - 1, start - 1, -1) if log[j][0] == key and log[j][1] >= 0), None)
+                skip |= {made - start} if made is not None else set()
+                held = next(fresh)
+                at(pos + 1, [(held, nbytes)], 1)
+                held_free.append((held, FREE))
+            again, late = _again(forward, restored, extra, fresh, skip)
+            at(op_pos(call.unpack_op), again + held_free, 1)
             at(end, late)
     return out
 
 
-def _again(forward: Sequence[Entry], restored: set[int], extra: set[int], fresh: Iterator[int]
-           ) -> tuple[list[Entry], list[Entry]]:
-    """The forward's calls as its recompute makes them, and the frees due where its backward ends."""
+def _again(forward: Sequence[Entry], restored: set[int], extra: set[int], fresh: Iterator[int],
+           skip: set[int] = frozenset()) -> tuple[list[Entry], list[Entry]]:
+    """The forward's calls as its recompute makes them, and the frees due where its backward ends; `skip`: the
+    positions of allocations it does not make again (selective checkpointing's kept outputs)."""
     names: dict[int, int] = {}
     calls: list[Entry] = []
     last = {key: i for i, (key, nbytes) in enumerate(forward) if nbytes >= 0}
     for i, (key, nbytes) in enumerate(forward):
         if nbytes == MARK:
+            continue
+        if i in skip:  # its later frees in the forward are the original's
+            if names.get(key, key) != key:
+                calls.append((names.pop(key), FREE))
+            names.pop(key, None)
             continue
         if nbytes == FREE:
             if key in names and names[key] != key:

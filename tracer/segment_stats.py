@@ -69,13 +69,37 @@ def _segment(call: Call, starts: list[int], windows: Sequence[Any], f0: int, f1:
             for e in range(max(event, f1 + 1), b1 + 1):
                 held[e] += call.inputs[key]
     packs = sorted(k for s in moved for k in s.ordinals)
-    return Segment(module=call.path, micro=call.micro, forward_events=(f0, f1), backward_events=(b0, b1),
+    sel = _selective(call, moved, owned, starts, f1, b0, transient, extra, keep_peak)
+    return Segment(**sel, module=call.path, micro=call.micro, forward_events=(f0, f1), backward_events=(b0, b1),
                    saved_bytes=_total(owned), offload_bytes=_total(moved), input_bytes=sum(call.inputs.values()),
                    freed=_runs4(off, rc), recompute_backward_delta=int(peak - keep_peak),
                    recompute_peak_bytes=int(transient), recompute_extra_bytes=extra, recompute_held=as_runs(held),
                    params=tuple(call.params), flops=int(call.flops), seconds=float(call.seconds),
                    recomputable=not call.reasons, reason="; ".join(dict.fromkeys(call.reasons)),
                    offload_packs=tuple(packs))
+
+
+def _selective(call: Call, moved: list[Saved], owned: list[Saved], starts: list[int], f1: int, b0: int,
+               transient: int, extra: int, keep_peak: int) -> dict[str, Any]:
+    """The selective-checkpointing fields of a call ([Note: selective segments] in hplan.artifacts.segments): what a
+    recompute frees less the outputs of its expensive ops (kept), those outputs the keep run does not own (held from
+    the forward to the backward), and its backward window's peak with both, as `_segment` prices a recompute."""
+    kept = call.sac_out
+    gone = [s for s in moved if s.key not in call.inputs and s.key not in kept]
+    runs: list[int] = [0] * len(starts)
+    for s in gone:
+        for e in range(max(f1 + 1, bisect.bisect_left(starts, max(s.gone_op, call.exit_op))), b0):
+            runs[e] += s.nbytes
+    gone_at_b0 = sum(s.nbytes for s in gone if max(s.gone_op, call.exit_op) <= starts[b0])
+    mine = {s.key for s in owned}
+    held = call.sac_freed + sum(b for k, b in kept.items() if k not in mine)
+    peak = max(call.pre_peak - gone_at_b0 + held, call.unpack_level - gone_at_b0 + held + transient,
+               call.post_peak + extra + held)
+    return {"selective_freed": as_runs(runs), "selective_extra_bytes": held,
+            "selective_backward_delta": int(peak - keep_peak),
+            "selective_held_bytes": sum(call.inputs.values()) + sum(kept.values()) + call.sac_freed,
+            "selective_flops": int(call.sac_flops), "selective_write_bytes": int(call.sac_bytes), "selective_seconds": float(call.sac_seconds),
+            "selective_reason": "; ".join(dict.fromkeys(call.reasons + call.sac_reasons))}
 
 
 def _total(saved: list[Saved]) -> int:
@@ -110,7 +134,15 @@ def combine(per_iteration: list[list[Segment]], n_events: int) -> tuple[Segment,
             recompute_extra_bytes=max(s.recompute_extra_bytes for s in group),
             saved_bytes=max(s.saved_bytes for s in group), offload_bytes=max(s.offload_bytes for s in group),
             input_bytes=max(s.input_bytes for s in group), flops=max(s.flops for s in group),
-            recomputable=all(s.recomputable for s in group), reason=reasons[0] if reasons else ""))
+            recomputable=all(s.recomputable for s in group), reason=reasons[0] if reasons else "",
+            selective_freed=as_runs([min(vals) for vals in zip(*(_expand(s.selective_freed, n_events, 2)
+                                                                  for s in group))]),
+            selective_extra_bytes=max(s.selective_extra_bytes for s in group),
+            selective_backward_delta=max(s.selective_backward_delta for s in group),
+            selective_held_bytes=max(s.selective_held_bytes for s in group),
+            selective_flops=max(s.selective_flops for s in group),
+            selective_write_bytes=max(s.selective_write_bytes for s in group),
+            selective_reason=next((s.selective_reason for s in group if s.selective_reason), "")))
     return tuple(out)
 
 

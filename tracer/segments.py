@@ -22,6 +22,7 @@ from torch import nn
 from torch.utils.weak import WeakIdKeyDictionary
 
 from hplan.probe import storage_key, tensors_in
+from hplan.checkpoint_policy import SAVE_OPS, unreplayable
 
 if TYPE_CHECKING:
     from hplan.tracer.recorder import Recorder
@@ -142,6 +143,20 @@ class Call:
     pre_peak: int = 0
     post_peak: int = 0
     last_unpack_event: int = -1
+    sac_out: dict[int, int] = field(default_factory=dict)
+    """Storage key → bytes of the non-input outputs of its forward's `SAVE_OPS` (what selective checkpointing
+    keeps, hplan.tracer.selective)."""
+    sac_freed: int = 0
+    """Bytes of such outputs the keep run frees inside the forward (their keys may be reused): held by the mode."""
+    sac_early: list[tuple[int, int, int]] = field(default_factory=list)
+    """(storage key, bytes, op index) of each such free, so the choice log holds them to the backward's end."""
+    sac_flops: int = 0
+    sac_seconds: float = 0.0
+    """FLOPs and measured time of its forward's other ops (what selective checkpointing recomputes)."""
+    sac_bytes: int = 0
+    """Bytes of the new storages its other ops write (the recompute writes them again)."""
+    sac_reasons: list[str] = field(default_factory=list)
+    """Why selective checkpointing may not recompute its cheap ops, beyond `reasons`."""
 
 
 class SegmentTracker:
@@ -226,6 +241,8 @@ class SegmentTracker:
             call = Call(path=path, micro=rec.micro, entry_op=rec.op_index, entry_event=self._event(),
                         entry_level=level, peak=level, inputs=inputs, input_refs=refs,
                         buffers={storage_key(b): f"{path}.{name}" for name, b in module.named_buffers() if b is not None})
+            if why := unreplayable(args, kwargs):
+                call.sac_reasons.append(why)
             for key in inputs:
                 self._inputs_of[key].append(call)
             self.calls.append(call)
@@ -320,6 +337,20 @@ class SegmentTracker:
                 key = storage_key(t)
                 if key not in call.created:
                     self._mutation(call, key, func)
+                elif key in call.sac_out or ((s := self._by_key.get(key)) is not None and s.call is call):
+                    why = (f"an in-place op ({func._schema.name}) writes a tensor its forward saved or a matmul's "
+                           "kept output, which selective checkpointing would hand back changed")
+                    if why not in call.sac_reasons:
+                        call.sac_reasons.append(why)
+            if func in SAVE_OPS:
+                for t in fresh:
+                    key = storage_key(t)
+                    if key not in call.inputs and self.recorder.ledger.category(key) in (ACTIVATION, "temporary"):
+                        call.sac_out[key] = t.untyped_storage().nbytes()
+            else:
+                call.sac_flops += flops
+                call.sac_seconds += seconds
+                call.sac_bytes += sum(t.untyped_storage().nbytes() for t in fresh)
             if data_dependent:
                 call.reasons.append(f"it reads tensor values ({func._schema.name}), so its path may depend on them")
             call.peak = max(call.peak, peak)
@@ -343,6 +374,11 @@ class SegmentTracker:
 
     def freed(self, key: int) -> None:
         """The ledger saw storage `key` released."""
+        call = self.active
+        if call is not None and key in call.sac_out:
+            nbytes = call.sac_out.pop(key)
+            call.sac_freed += nbytes
+            call.sac_early.append((key, nbytes, self.recorder.op_index))
         saved = self._by_key.pop(key, None)
         if saved is not None:
             saved.freed_op, saved.freed_event = self.recorder.op_index, self._event()

@@ -1,8 +1,9 @@
 """Selective activation checkpointing of one segment, priced by running its forward once (issue 31 §3).
 
-NOT YET A MODE OF THE PLAN: nothing in the tracer's trace, the planner or the executor calls this module. It is the
-measurement such a mode would be priced by, checked against torch's own selective checkpointing
-(tests/test_activation_selective.py); [Note: selective checkpointing] below lists what is missing before the
+The tracer prices every segment call with the same policy inside the traced step (hplan.tracer.segments,
+[Note: selective segments] in hplan.artifacts.segments); `price` is the standalone measurement it is checked against,
+itself checked against torch's own selective checkpointing (tests/test_activation_selective.py,
+tests/test_selective_trace.py). [Note: selective checkpointing] below lists what is still missing before the
 planner may offer it.
 
 Under torch's selective checkpointing (`torch.utils.checkpoint.create_selective_checkpoint_contexts` with `policy`
@@ -18,17 +19,29 @@ cheap ops. `price` measures both sides on the segment's own call:
 - `reason`: why its cheap ops may not be recomputed (an in-place op on a storage the forward saves or on an
   input, a data-dependent op), naming the op; empty when they may.
 
-[Note: selective checkpointing] What a "selective" mode of a segment's item still needs, so that no certificate
-counts it before it is priced everywhere: (1) the tracer runs `price` on each segment call inside the traced step
-(hplan.tracer.segments) and writes, per segment, the held bytes, the runs of events where it frees keep's minus
-them (as `freed` does for offload), the recompute's transient at the backward start (the cheap ops' outputs made
-again while the kept ones are back) and the cheap ops' measured seconds and FLOPs, identically in fake traces;
-(2) a "selective" insert in the choice log, so a plan with the mode reserves its own mix's replayed slack;
-(3) the planner: one more mode in hplan.planner.activation_items with its effect and cost, seen by the LP,
-`exact.lagrangian_bound(must=...)` and the minimum, refused modes (`reason`) left out so the planner falls back
-to keep, offload or recompute; (4) the executor: the segment's forward under `torch.utils.checkpoint` with
-`contexts()` (non-reentrant), its bytes checked against the plan by the probe and its losses against plain
-PyTorch.
+[Note: selective checkpointing] What a "selective" choice of the plan needs, and where each part stands:
+(1) done: the tracer prices each segment call inside the traced step (hplan.tracer.segments; [Note: selective
+segments] in hplan.artifacts.segments: held bytes, freed runs, kept outputs the keep run frees, the backward
+window's peak, the cheap ops' FLOPs and seconds), identically in fake traces; trace schema 3;
+(2) done: "selective" inserts in the choice log (hplan.tracer.choice_slack: the cheap ops' storages freed where
+they go, the kept outputs the keep run frees held from there until the recompute takes them, the cheap ops' calls
+again at the first unpack, the kept outputs not made again; within the planned bytes at every event, tested), a
+trace's "selective" slack figure and planner.slack's "selective" figure (`counted`, `figure`, `slack_table`); a
+call carrying state it cannot replay (an argument that is no tensor or plain value, e.g. transformers' DynamicCache
+under use_cache) is refused for the mode in the trace (`selective_reason`) and by `checkpointed(selective=True)`;
+(3) in part: hplan.planner.activation_items offers the mode where `allowed` names SELECTIVE (effect, cost, refused
+calls left out), so the minimum search and the bounds see it once a regime allows it; no regime does, and
+`--activations` does not take it (it is not in CHOICES: ActivationChoice, `decide`, `transform`, the reports);
+(4) in part: hplan.executor.activations.run.checkpointed(selective=True) runs a segment under these contexts
+(held bytes equal the trace's, training bit for bit plain); ActivationRun does not call it for any plan choice.
+Still missing before `--activations selective` and auto may offer it: the plan artifact's choice (CHOICES,
+ActivationChoice's recompute fields, `decide`, `transform`, the replay), auto's regimes (a "selective" regime under
+its own figure, and the mixed regime's figure covering mixes with selective: on bench.regimes' GPT-2, 5 blocks, the
+selective figure, 37.75 MB, exceeds the sampled mixed one, 31.46 MB; of the 781 mixes with selective, 535 replay
+above the mixed figure and 24 above both, up to 39.85 MB, so each such plan must reserve its own replayed figure, as
+mixed plans do, and the mixed regime's figure must cover them for its bound to be a relaxation), the minimum
+search and the certificate's "covers every activation choice", the reports, ActivationRun's dispatch with the
+probe's byte check, and end-to-end runs (bundled GPT, a transformers Llama) with loss parity.
 """
 
 from __future__ import annotations
@@ -42,34 +55,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-aten = torch.ops.aten
-
-SAVE_OPS = frozenset({
-    aten.mm.default, aten.addmm.default, aten.bmm.default, aten.baddbmm.default, aten.matmul.default,
-    aten.linear.default, aten.convolution.default, aten._convolution.default,
-    aten._scaled_dot_product_flash_attention_for_cpu.default, aten._scaled_dot_product_efficient_attention.default,
-    aten._scaled_dot_product_flash_attention.default, aten._scaled_dot_product_cudnn_attention.default,
-})
-"""The expensive ops whose outputs selective checkpointing keeps (torch's own examples keep the matmuls)."""
-DATA_DEPENDENT = frozenset({aten._local_scalar_dense.default, aten.nonzero.default, aten.is_nonzero.default,
-                            aten.masked_select.default, aten.unique_consecutive.default})
-"""Ops whose result a Python branch may read: a recompute could take another path."""
-
-
-def policy(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> Any:
-    """Selective checkpointing's policy: keep `SAVE_OPS`' outputs, recompute everything else."""
-    from torch.utils.checkpoint import CheckpointPolicy
-
-    return CheckpointPolicy.MUST_SAVE if op in SAVE_OPS else CheckpointPolicy.PREFER_RECOMPUTE
-
-
-def contexts() -> Callable[[], Any]:
-    """The `context_fn` of `torch.utils.checkpoint.checkpoint` for `policy`."""
-    import functools
-
-    from torch.utils.checkpoint import create_selective_checkpoint_contexts
-
-    return functools.partial(create_selective_checkpoint_contexts, policy)
+from hplan.checkpoint_policy import DATA_DEPENDENT, SAVE_OPS, contexts, policy  # noqa: F401  (re-exported)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

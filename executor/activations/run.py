@@ -32,6 +32,7 @@ from torch.utils._python_dispatch import _disable_current_modes
 from torch.utils.checkpoint import checkpoint
 
 from hplan.artifacts.activations import ActivationChoice, enclosing
+from hplan.checkpoint_policy import contexts, unreplayable
 from hplan.errors import HplanError
 from hplan.probe import storage_key
 
@@ -289,16 +290,7 @@ class ActivationRun:
         return out
 
     def _recompute(self, forward: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-        calls = [0]
-
-        def body(*a: Any, **k: Any) -> Any:
-            calls[0] += 1
-            if calls[0] == 1:
-                return forward(*a, **k)
-            with self.recomputing():
-                return forward(*a, **k)
-
-        return checkpoint(body, *args, use_reentrant=False, preserve_rng_state=True, **kwargs)
+        return checkpointed(forward, args, kwargs, self.recomputing)
 
     @contextlib.contextmanager
     def recomputing(self) -> Iterator[None]:
@@ -325,6 +317,29 @@ class ActivationRun:
                              "this iteration (its backward did not run as traced): re-trace and re-plan")
         self.last_moved, self.moved = self.moved, 0
         self.calls.clear()
+
+
+def checkpointed(forward: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any],
+                 recomputing: Callable[[], contextlib.AbstractContextManager[Any]], *, selective: bool = False) -> Any:
+    """`forward(*args, **kwargs)` under non-reentrant `torch.utils.checkpoint` with the RNG state preserved, its
+    second run (the recompute) inside `recomputing()` ([Note: recompute events]). `selective`: under selective
+    checkpointing's contexts (hplan.checkpoint_policy: the expensive ops' outputs kept, the rest recomputed), what
+    the trace prices as `selective_held_bytes` ([Note: selective segments] in hplan.artifacts.segments). NOT YET
+    RUN BY A PLAN: no plan choice selects it (hplan.tracer.selective's [Note: selective checkpointing])."""
+    if selective and (why := unreplayable(args, kwargs)):
+        raise HplanError(f"selective checkpointing may not run this segment: {why} (re-trace and re-plan: the "
+                         "trace refuses the mode for such calls)")
+    calls = [0]
+
+    def body(*a: Any, **k: Any) -> Any:
+        calls[0] += 1
+        if calls[0] == 1:
+            return forward(*a, **k)
+        with recomputing():
+            return forward(*a, **k)
+
+    extra = {"context_fn": contexts()} if selective else {}
+    return checkpoint(body, *args, use_reentrant=False, preserve_rng_state=True, **extra, **kwargs)
 
 
 def _restore(module: nn.Module, had: bool, previous: Any) -> None:

@@ -35,7 +35,7 @@ class Insert:
 
     segment: int
     """Index into the trace's segments."""
-    mode: Literal["offload", "recompute", "stage"]
+    mode: Literal["offload", "recompute", "stage", "selective"]
     at: int
     """Position in the keep log (its length: after the last entry)."""
     order: int

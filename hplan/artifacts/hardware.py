@@ -159,11 +159,13 @@ class Hardware:
 
 
 def _check_activation_slack(table: object) -> None:
-    """(figure, bytes) pairs: keep, offload, recompute and mixed once each, non-negative integers."""
+    """(figure, bytes) pairs: keep, offload, recompute and mixed once each (selective at most once, where the trace
+    has its figure), non-negative integers."""
     names = ("keep", "offload", "recompute", "mixed")
     ok = isinstance(table, tuple) and all(
-        isinstance(x, tuple) and len(x) == 2 and x[0] in names and isinstance(x[1], int)
+        isinstance(x, tuple) and len(x) == 2 and x[0] in (*names, "selective") and isinstance(x[1], int)
         and not isinstance(x[1], bool) and x[1] >= 0 for x in table)
-    if not ok or (table and sorted(c for c, _ in table) != sorted(names)):  # type: ignore[union-attr]
-        raise HplanError(f"hardware activation_slack must pair keep, offload, recompute and mixed with byte counts, "
-                         f"got {table!r}")
+    if not ok or (table and sorted(c for c, _ in table if c != "selective") != sorted(names)) \
+            or sum(1 for c, _ in table if c == "selective") > 1:  # type: ignore[union-attr]
+        raise HplanError(f"hardware activation_slack must pair keep, offload, recompute and mixed (and optionally "
+                         f"selective) with byte counts, got {table!r}")

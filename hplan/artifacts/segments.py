@@ -40,6 +40,21 @@ another, so at any event at most one child's saved storages change and the child
 do. A block offloaded or recomputed takes its children with it (the planner offers a kept block's children's
 choices as modes of the block's item, hplan.planner.activation_items).
 
+[Note: selective segments] Under selective checkpointing (hplan.tracer.selective: torch's
+`create_selective_checkpoint_contexts`, the outputs of matmuls, convolutions and attention kept, the rest
+recomputed) a segment holds, between its forward and its backward, its inputs and its expensive ops' outputs. The
+tracer notes, per call, the non-input storages those ops create (the same ops, in the same dispatch, as the
+recompute's own), and prices the mode from the recompute's arithmetic: `selective_freed` is what a recompute frees
+per event less the owned storages the mode keeps; `selective_extra_bytes` are kept outputs the keep run does not
+own (freed early in plain PyTorch, held by torch's cache until the recompute), added from the forward's first
+event to before the backward; `selective_backward_delta` is the recompute window's peak with both (the forward's
+own transient as the recompute's, an upper bound: the kept outputs are not made again); `recompute_held` applies as
+for a recompute. Its cost is the cheap ops' time (`selective_seconds`, `selective_flops`). A call refused for
+recompute, or whose forward writes in place to a tensor it saved or to a kept output, is refused
+(`selective_reason`). Planned for another kind of device than the trace's, its cost is the larger of its cheap
+ops' FLOPs at the achieved rate and their written bytes (`selective_write_bytes`) at device-memory bandwidth,
+never more than the full recompute's. Every number is an upper bound on memory, so the certificate stays sound.
+
 [Note: staged offload] An offloaded block brings back every storage it moved at the start of its backward, though
 its children's backwards come one after another: the last block's children, say, run backward while the block's
 first child's saved tensors wait. A *staged* offload moves the same storages down at the block's forward end, but
@@ -110,6 +125,25 @@ class Segment:
     """Their storages' bytes (each once): under a staged offload of its block, gone until this child's backward."""
     stage_from: int = 0
     """Its block's `backward_events[0]`: a staged offload keeps `stage_bytes` gone from there to before its own."""
+    selective_freed: tuple[Held, ...] = ()
+    """Runs of (first event, last event, bytes) that selective checkpointing frees there against keeping
+    ([Note: selective segments]); empty where it frees nothing (or the trace did not price it)."""
+    selective_extra_bytes: int = 0
+    """Outputs of its expensive ops the keep run does not own, held under selective checkpointing from its forward
+    until its backward."""
+    selective_backward_delta: int = 0
+    """Its backward window's peak under selective checkpointing minus the keep peak there."""
+    selective_held_bytes: int = 0
+    """What it holds between forward and backward under selective checkpointing: its inputs and its expensive ops'
+    outputs (hplan.tracer.selective.price's `held_bytes`)."""
+    selective_flops: int = 0
+    selective_seconds: float = 0.0
+    """FLOPs and measured time of its cheap ops (0 s in fake traces): what selective checkpointing recomputes."""
+    selective_write_bytes: int = 0
+    """Bytes of the new storages its cheap ops write: their recompute writes them again (pointwise ops count few
+    FLOPs, so a plan for another kind of device prices them at least at device-memory bandwidth)."""
+    selective_reason: str = ""
+    """Why selective checkpointing may not recompute its cheap ops (empty when it may)."""
 
     @property
     def key(self) -> tuple[str, int]:
@@ -204,6 +238,15 @@ def segment_problem(s: Segment, n_events: int) -> str:
             return f"recompute_held run {(first, last, held)} lies outside its gap and backward"
     if not isinstance(s.recomputable, bool) or not isinstance(s.reason, str) or (s.recomputable and s.reason):
         return "recomputable must be a boolean, with a reason only when false"
+    if not all(_count(x) for x in (s.selective_extra_bytes, s.selective_held_bytes, s.selective_flops,
+                                   s.selective_write_bytes)) \
+            or not isinstance(s.selective_backward_delta, int) or isinstance(s.selective_backward_delta, bool) \
+            or not isinstance(s.selective_seconds, (int, float)) or not 0 <= s.selective_seconds < float("inf") \
+            or not isinstance(s.selective_reason, str):
+        return "the selective fields must be non-negative integer sizes, finite seconds and a reason string"
+    for first, last, freed in s.selective_freed:
+        if not (f1 < first <= last < b0 and _count(freed) and freed <= s.saved_bytes):
+            return f"selective_freed run {(first, last, freed)} lies outside the gap between its forward and backward"
     if any(not _count(k) for k in s.offload_packs) or list(s.offload_packs) != sorted(set(s.offload_packs)):
         return "offload_packs must be increasing non-negative ordinals"
     if bool(s.offload_packs) != bool(s.offload_bytes):
@@ -225,6 +268,15 @@ def effects(seg: Segment, choice: str, prefetch: int | None = None, *, shared_re
         p = b0 if prefetch is None else prefetch
         return _merge([(first, min(last, p - 1), -off) for first, last, off, _ in seg.freed
                        if off and first <= min(last, p - 1)])
+    if choice == "selective":  # [Note: selective segments]
+        (f0, _), extra = seg.forward_events, seg.selective_extra_bytes
+        runs = [(first, last, -freed) for first, last, freed in seg.selective_freed]
+        runs += [(f0, b0 - 1, extra)] if extra else []
+        delta = max(seg.recompute_peak_bytes + seg.recompute_extra_bytes + extra, seg.selective_backward_delta) \
+            if shared_recompute else seg.selective_backward_delta
+        runs += [(b0, b0, delta)] if delta else []
+        runs += [(first, last, held) for first, last, held in seg.recompute_held]
+        return _merge(runs)
     if choice == "stage":  # its part of its block's staged offload ([Note: staged offload])
         return ((seg.stage_from, b0 - 1, -seg.stage_bytes),) if seg.stage_bytes else ()
     if choice == "recompute":

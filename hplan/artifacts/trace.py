@@ -90,7 +90,7 @@ class Event:
 class Trace:
     """A per-operator memory timeline of a training step, plus what the planner needs."""
 
-    SCHEMA: ClassVar[str] = "hplan.trace/2"
+    SCHEMA: ClassVar[str] = "hplan.trace/3"
     workload: str
     device: str
     """How it was measured: "cpu", "fake" or "cuda"."""
@@ -160,10 +160,10 @@ class Trace:
         if set(self.peak_by_category) != set(CATEGORIES):
             raise HplanError(f"peak_by_category needs keys {CATEGORIES}, got {sorted(self.peak_by_category)}")
         by_choice = self.allocator_slack_by_choice
-        if by_choice and (set(by_choice) != {"offload", "recompute", "mixed"}
+        if by_choice and (set(by_choice) - {"selective"} != {"offload", "recompute", "mixed"}
                           or any(set(f) != {"release", "expandable"} for f in by_choice.values())):
-            raise HplanError("allocator_slack_by_choice needs offload, recompute and mixed, each with release and "
-                             f"expandable figures, got {by_choice!r}")
+            raise HplanError("allocator_slack_by_choice needs offload, recompute and mixed (selective where a "
+                             f"segment may take it), each with release and expandable figures, got {by_choice!r}")
 
     @property
     def n_events(self) -> int:
