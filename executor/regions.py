@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 from hplan.executor.trace_ranges import action
@@ -229,6 +229,9 @@ class RegionStore:
 class Mover(Protocol):
     """What `move_regions` needs of a store: RegionStore (and TieredStore) and the ranks' ShardStore."""
 
+    tier: Any
+    """Its FastTier (lend and settle: [Note: same-step reuse])."""
+
     def evict(self, rid: int, *, writeback: bool) -> None: ...
 
     def fetch(self, rid: int) -> None: ...
@@ -240,13 +243,21 @@ def move_regions(store: Mover, moves: Moves) -> None:
     """A plan step's region moves (compiled at plan load by hplan.executor.step_table.moves_table): its evictions
     (writing back those it names), then its fetches, then its allocations, each in the plan's order. One place
     for the single-process and the ranks' executors, so the order hplan.artifacts.replay checks plans against
-    (room is freed before it is taken) cannot drift apart."""
-    for rid, writeback in moves.evict:
-        store.evict(rid, writeback=writeback)
-    for rid in moves.fetch:
-        store.fetch(rid)
-    for rid in moves.alloc:
-        store.alloc(rid)
+    (room is freed before it is taken) cannot drift apart. A refill may take the block an eviction of the same
+    step released ([Note: same-step reuse] in hplan.executor.device)."""
+    lend = bool(moves.evict) and bool(moves.fetch or moves.alloc)
+    if lend:
+        store.tier.lend()
+    try:
+        for rid, writeback in moves.evict:
+            store.evict(rid, writeback=writeback)
+        for rid in moves.fetch:
+            store.fetch(rid)
+        for rid in moves.alloc:
+            store.alloc(rid)
+    finally:
+        if lend:
+            store.tier.settle()
 
 
 def _layout(region: Region, tensors: tuple[str, ...], trainable: tuple[str, ...], params: dict[str, nn.Parameter],

@@ -510,8 +510,13 @@ class PlanRun(UpdateSteps, GradientOps, StateSync):
     def _flip(self, c: int) -> None:
         """The chunk's weights leave (their storage is freed), its gradient region takes their place."""
         self._pending_flips.discard(c)
-        self.store.evict(self.store.region(c, "param"), writeback=False)
-        self.store.alloc(self.store.region(c, "grad"))
+        tier = self.tier
+        tier.lend()  # the gradient region takes the weights' block ([Note: same-step reuse])
+        try:
+            self.store.evict(self.store.region(c, "param"), writeback=False)
+            self.store.alloc(self.store.region(c, "grad"))
+        finally:
+            tier.settle()
 
     def _complete_flips(self) -> None:
         for c in sorted(self._pending_flips):
