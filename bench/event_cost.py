@@ -117,6 +117,7 @@ def _parts() -> list[tuple[str, Any]]:
             ("forward hook: the backward event's prehook put on the output", inner(EventHooks._on_output)),
             ("event, fast path (moves nothing, or region moves only)", PlanRun._quiet_step.__code__),
             ("event, general path", PlanRun._general_event.__code__),
+            ("unhooked steps passed at the next hooked event (no hook of their own)", PlanRun._catch_up.__code__),
             ("… of which region moves (evict, write-back, fetch, alloc)", move_regions.__code__),
             ("… of which activation prefetch", ActivationRun.at_step.__code__),
             ("… of which chunk updates (host in backward, fast tier at the step)", UpdateSteps._update.__code__),

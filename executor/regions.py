@@ -230,7 +230,7 @@ class Mover(Protocol):
     """What `move_regions` needs of a store: RegionStore (and TieredStore) and the ranks' ShardStore."""
 
     tier: Any
-    """Its FastTier (lend and settle: [Note: same-step reuse])."""
+    """Its FastTier (lend and settle: [Note: same-step reuse]); a store without one moves without lending."""
 
     def evict(self, rid: int, *, writeback: bool) -> None: ...
 
@@ -245,9 +245,9 @@ def move_regions(store: Mover, moves: Moves) -> None:
     for the single-process and the ranks' executors, so the order hplan.artifacts.replay checks plans against
     (room is freed before it is taken) cannot drift apart. A refill may take the block an eviction of the same
     step released ([Note: same-step reuse] in hplan.executor.device)."""
-    lend = bool(moves.evict) and bool(moves.fetch or moves.alloc)
-    if lend:
-        store.tier.lend()
+    tier = getattr(store, "tier", None) if moves.evict and (moves.fetch or moves.alloc) else None
+    if tier is not None:
+        tier.lend()
     try:
         for rid, writeback in moves.evict:
             store.evict(rid, writeback=writeback)
@@ -256,8 +256,8 @@ def move_regions(store: Mover, moves: Moves) -> None:
         for rid in moves.alloc:
             store.alloc(rid)
     finally:
-        if lend:
-            store.tier.settle()
+        if tier is not None:
+            tier.settle()
 
 
 def _layout(region: Region, tensors: tuple[str, ...], trainable: tuple[str, ...], params: dict[str, nn.Parameter],
