@@ -321,6 +321,8 @@ class PlanRun(UpdateSteps, GradientOps, StateSync):
             self._close_window()
             quiet = self._quiet[i]
             if quiet.moves is not None:  # idle steps allocate gradient regions only
+                if self.worker is not None and self.worker.busy:
+                    self._wait_for_updates(quiet.moves)
                 for rid in quiet.moves.alloc:
                     store.alloc(rid)
             for slot in quiet.needs:
