@@ -15,6 +15,8 @@ from hplan.errors import HplanError
 _grad_enabled = torch.is_grad_enabled
 _set_grad_enabled = torch._C._set_grad_enabled
 _set_version = torch._C._autograd._unsafe_set_version_counter
+LENT = 1 << 62
+"""`FastTier._lent` while a step lends ([Note: same-step reuse]): no bound but the step's own evictions."""
 
 
 class FastTier:
@@ -56,7 +58,7 @@ class FastTier:
         budget: what is kept came from this step's evictions, and a refill that finds no block of its size first
         frees the lent blocks (`_fresh`), so the tier never holds more than before the step or after it."""
         if self.caches:
-            self._lent = 1 << 62
+            self._lent = LENT
 
     def settle(self) -> None:
         """The step's moves are done: what a refill did not take is really freed (down to `limit`)."""
@@ -73,7 +75,7 @@ class FastTier:
         """Really free kept blocks, largest first, until the cache fits its limit."""
         blocks = self._blocks
         while self.cached > self.limit:
-            size = max(n for n, kept in blocks.items() if kept)
+            size = max([n for n, kept in blocks.items() if kept])
             blocks[size].pop()  # the last reference: its memory goes back to malloc
             self.cached -= size
 

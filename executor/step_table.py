@@ -48,6 +48,9 @@ class Moves:
     """Regions a gradient may be written into during the step's window (`writes` and `overwrites`)."""
     touched: frozenset[int] = frozenset()
     """Every region the moves evict, fetch or allocate (a move of one a host update is using must wait)."""
+    lend: bool = False
+    """A fetch or allocation has the size of one of the step's evictions: the tier lends the evicted blocks to
+    the step's refills ([Note: same-step reuse] in hplan.executor.device)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -61,18 +64,23 @@ class Quiet:
     moves: Moves | None = None
 
 
-def step_moves(step: Step, flipped: frozenset[int] | set[int] = frozenset()) -> Moves:
-    """One step's Moves; `flipped`: the gradient regions its flips allocate (not required at the event)."""
+def step_moves(step: Step, flipped: frozenset[int] | set[int] = frozenset(),
+               sizes: dict[int, int] | None = None) -> Moves:
+    """One step's Moves; `flipped`: the gradient regions its flips allocate (not required at the event); `sizes`:
+    region bytes (whether the step's refills may take its evicted blocks)."""
     writeback = set(step.writeback)
+    freed = {sizes[r] for r in step.evict} if sizes is not None else set()
     return Moves(evict=tuple((r, r in writeback) for r in step.evict), fetch=tuple(step.fetch),
                  alloc=tuple(step.alloc), needs=tuple(r for r in step.needs if r not in flipped),
                  writes=frozenset(step.writes) | frozenset(step.overwrites),
-                 touched=frozenset(step.evict) | frozenset(step.fetch) | frozenset(step.alloc))
+                 touched=frozenset(step.evict) | frozenset(step.fetch) | frozenset(step.alloc),
+                 lend=any(sizes[r] in freed for r in (*step.fetch, *step.alloc)) if freed and sizes else False)
 
 
 def moves_table(plan: Plan, grad_region: Any) -> list[Moves]:
     """One Moves per plan step; `grad_region(chunk)` → the chunk's gradient region id (flips free it later)."""
-    return [step_moves(step, {grad_region(c) for c in step.flips}) for step in plan.steps]
+    sizes = {r.id: r.bytes for r in plan.regions}
+    return [step_moves(step, {grad_region(c) for c in step.flips}, sizes) for step in plan.steps]
 
 
 def quiet_table(plan: Plan, slots: dict[int, Any], *, host_phases: bool,
