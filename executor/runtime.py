@@ -502,7 +502,7 @@ class PlanRun(UpdateSteps, GradientOps, StateSync):
                 self.store.require([rid], f"gradient of {name} at plan step {self.plan.steps[cursor - 1].index}")
         if self._zeroed:  # a backward event's marks, for backwards whose events have no hook
             self._zeroed = False
-        if not self._queued:
+        if not self._queued and self.tier.exposes_host_grads:
             self._queue_show_grads()
         first = name not in self.written
         self.written.add(name)
