@@ -39,7 +39,6 @@ def hook_cost(workload: Any, plan: Any, *, n: int = 20000, rounds: int = 7) -> d
     """Median µs per quiet event, hook minus empty hook: `forward` (the pre-hook), `forward_post` (the forward
     hook that puts the backward event's prehook on the output's grad node) and `backward` (that prehook's
     callback)."""
-    import torch
     from hplan.executor import PlanRun
     from hplan.hooks import param_owning_modules
     from hplan.training import build_optimizer
@@ -53,6 +52,19 @@ def hook_cost(workload: Any, plan: Any, *, n: int = 20000, rounds: int = 7) -> d
     optimizer = build_optimizer(workload, model)
     modules = dict(param_owning_modules(model))
     out: dict[str, list[float]] = {"forward": [], "forward_post": [], "backward": []}
+    sparse, PlanRun.sparse_hooks = PlanRun.sparse_hooks, False  # the cost where an event is hooked: every event
+    try:
+        _time_hooks(workload, plan, model, optimizer, modules, fwd, bwd, n, rounds, out)
+    finally:
+        PlanRun.sparse_hooks = sparse
+    return {k: sorted(v)[len(v) // 2] for k, v in out.items()}
+
+
+def _time_hooks(workload: Any, plan: Any, model: Any, optimizer: Any, modules: dict[str, Any], fwd: int, bwd: int,
+                n: int, rounds: int, out: dict[str, list[float]]) -> None:
+    import torch
+    from hplan.executor import PlanRun
+
     with PlanRun(model, optimizer, plan, batch_example=workload.batch(0), precision=workload.precision,
                  measure=False) as run:
         loss = workload.loss(model, workload.batch(0))  # one real iteration: every lazy structure exists
@@ -87,7 +99,6 @@ def hook_cost(workload: Any, plan: Any, *, n: int = 20000, rounds: int = 7) -> d
                 spent = _loop(run, step, real, n) - _loop(run, step, blank, n)
                 out[key].append(spent / n * 1e6)
         run.cursor, run._queued = 0, False
-    return {k: sorted(v)[len(v) // 2] for k, v in out.items()}
 
 
 def _parts() -> list[tuple[str, Any]]:
@@ -106,6 +117,7 @@ def _parts() -> list[tuple[str, Any]]:
             ("forward hook: the backward event's prehook put on the output", inner(EventHooks._on_output)),
             ("event, fast path (moves nothing, or region moves only)", PlanRun._quiet_step.__code__),
             ("event, general path", PlanRun._general_event.__code__),
+            ("unhooked steps passed at the next hooked event (no hook of their own)", PlanRun._catch_up.__code__),
             ("… of which region moves (evict, write-back, fetch, alloc)", move_regions.__code__),
             ("… of which activation prefetch", ActivationRun.at_step.__code__),
             ("… of which chunk updates (host in backward, fast tier at the step)", UpdateSteps._update.__code__),

@@ -134,6 +134,10 @@ def hook_table(ctx: Context, plans: dict[str, Path]) -> Table:
     table.add("forward hook (puts the backward event's prehook on the output)", f"{cost['forward_post']:.2f}", "—")
     table.notes.append("The forward hook's figure includes torch's own `Node.register_prehook` (a RemovableHandle "
                        "per call), which every per-module backward event needs.")
+    table.notes.append("Timed with every event hooked (`PlanRun.sparse_hooks` off). In the step-time runs below "
+                       "(no non-model probe) an event whose every step is idle has no hook at all: on the "
+                       "all-resident plan only the iteration's first event does; the next hooked event passes the "
+                       "others' steps ([Note: hooks only where the plan acts] in hplan.executor.runtime).")
     return table
 
 
@@ -231,7 +235,9 @@ def step_table(ctx: Context, plans: dict[str, Path]) -> tuple[Table, list[str]]:
                        f"{memcpy * 1e3:.2f} ms into buffers allocated beforehand, measured in the hplan process "
                        "right after its steps, median over rounds) ÷ plain's step "
                        f"({plain * 1e3:.1f} ms). Copying the same bytes into freshly allocated memory, as the CPU "
-                       f"twin refills a region it really freed, takes {refill * 1e3:.2f} ms (page faults).")
+                       f"twin refills a region it really freed, takes {refill * 1e3:.2f} ms (page faults); a "
+                       "refill that an eviction of the same step made room for takes the evicted region's block "
+                       "instead ([Note: same-step reuse] in hplan.executor.device).")
     table.notes.append("Minor page faults: getrusage's ru_minflt around each steady step (outside its timing), the "
                        "mean over a run's steps, median over rounds. They are pages malloc gave back to the kernel "
                        "(heap trims) and took again: plain PyTorch takes them too. The CPU twin keeps a released "

@@ -15,6 +15,8 @@ from hplan.errors import HplanError
 _grad_enabled = torch.is_grad_enabled
 _set_grad_enabled = torch._C._set_grad_enabled
 _set_version = torch._C._autograd._unsafe_set_version_counter
+LENT = 1 << 62
+"""`FastTier._lent` while a step lends ([Note: same-step reuse]): no bound but the step's own evictions."""
 
 
 class FastTier:
@@ -43,6 +45,26 @@ class FastTier:
         """Kept blocks by size: storages of their own, holding the memory a released region gave up."""
         self._empty: list[torch.UntypedStorage] = []
         """0-byte storages a reused block left behind: the next release's container."""
+        self._lent = 0
+        """[Note: same-step reuse] Bytes over `limit` a step's released blocks may be kept for its own refills."""
+        self.reused = 0
+        """Refills served by a kept block (counted: tests and the bench read it)."""
+
+    def lend(self) -> None:
+        """[Note: same-step reuse] Until `settle`, keep every released block for a refill of its size, beyond
+        `limit`. A plan step frees room before it takes it (evictions, then fetches and allocations), so a refill
+        can take the memory an eviction of the same step gave up, as CUDA's allocator hands a freed block to the
+        next request of its size; even at zero headroom, where nothing may be kept across steps. Sound for the
+        budget: what is kept came from this step's evictions, and a refill that finds no block of its size first
+        frees the lent blocks (`_fresh`), so the tier never holds more than before the step or after it."""
+        if self.caches:
+            self._lent = LENT
+
+    def settle(self) -> None:
+        """The step's moves are done: what a refill did not take is really freed (down to `limit`)."""
+        self._lent = 0
+        if self.cached > self.limit:
+            self._trim()
 
     def keep(self, limit: int) -> None:
         """Keep at most `limit` bytes of released blocks; 0 frees every kept block (the block's end)."""
@@ -53,7 +75,7 @@ class FastTier:
         """Really free kept blocks, largest first, until the cache fits its limit."""
         blocks = self._blocks
         while self.cached > self.limit:
-            size = max(n for n, kept in blocks.items() if kept)
+            size = max([n for n, kept in blocks.items() if kept])
             blocks[size].pop()  # the last reference: its memory goes back to malloc
             self.cached -= size
 
@@ -69,7 +91,7 @@ class FastTier:
         references stay valid (size-0 storage)."""
         storage = buf.untyped_storage()
         nbytes = storage.nbytes()
-        if nbytes and nbytes <= self.limit - self.cached:
+        if nbytes and nbytes <= self.limit + self._lent - self.cached:
             block = self._empty.pop() if self._empty else torch.UntypedStorage(0)
             storage._swap_data_ptr_(block)  # the memory moves to `block`; `storage` is left with 0 bytes
             self._blocks.setdefault(nbytes, []).append(block)
@@ -86,7 +108,10 @@ class FastTier:
             dst.untyped_storage()._swap_data_ptr_(block)
             self._empty.append(block)
             self.cached -= nbytes
+            self.reused += 1
         else:
+            if self.cached > self.limit:  # lent blocks of other sizes go first ([Note: same-step reuse])
+                self._trim()
             dst.untyped_storage().resize_(nbytes)
 
     def h2d(self, dst: torch.Tensor, src: torch.Tensor) -> None:
@@ -100,7 +125,10 @@ class FastTier:
             storage._swap_data_ptr_(block)
             self._empty.append(block)
             self.cached -= nbytes
+            self.reused += 1
         else:
+            if self.cached > self.limit:  # lent blocks of other sizes go first ([Note: same-step reuse])
+                self._trim()
             storage.resize_(nbytes)
         version = dst._version
         grad = _grad_enabled()

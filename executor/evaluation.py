@@ -13,7 +13,7 @@ plan's figures are per training iteration.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -49,14 +49,22 @@ class EvalPass:
             return False
         if actual == steps[0].event and self.cursor > 0:
             self.rewind()
+        skip = run._unhooked.skip  # [Note: hooks only where the plan acts]: steps whose events have no hook
+        while skip[self.cursor] and steps[self.cursor].event.startswith("forward:"):
+            self._replay(steps[self.cursor])
         step = steps[self.cursor] if self.cursor < len(steps) else None
         if step is None or step.event != actual or not step.event.startswith("forward:"):
             expected = step.event if step is not None and step.event.startswith("forward:") else steps[0].event
             raise HplanError(f"an evaluation forward (under torch.no_grad()) reached {actual!r} where the plan's "
                              f"forward has {expected!r}: evaluation inside hplan.attach must run the training "
                              "model's forward; evaluate other code paths outside the block")
+        self._replay(step)
+        return True
+
+    def _replay(self, step: Any) -> None:
+        """One forward step of the plan, its moves without updates."""
         self._guard()
-        store, before = run.store, run.store.traffic.h2d + run.store.traffic.d2h
+        store, before = self.run.store, self.run.store.traffic.h2d + self.run.store.traffic.d2h
         for rid in step.evict:
             store.evict(rid, writeback=True)
         for rid in step.fetch:
@@ -67,7 +75,6 @@ class EvalPass:
         self.bytes_moved += store.traffic.h2d + store.traffic.d2h - before
         self.model_bytes = store.resident_bytes()
         self.cursor += 1
-        return True
 
     def _guard(self) -> None:
         """The window since the last evaluation event, against the budget (as training windows are)."""

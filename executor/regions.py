@@ -15,11 +15,11 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 from hplan.executor.trace_ranges import action
-from hplan.executor.device import FastTier
+from hplan.executor.device import LENT, FastTier
 from hplan.executor.state import RegionState
 from hplan.executor.step_table import Moves
 from torch import nn
@@ -229,6 +229,9 @@ class RegionStore:
 class Mover(Protocol):
     """What `move_regions` needs of a store: RegionStore (and TieredStore) and the ranks' ShardStore."""
 
+    tier: Any
+    """Its FastTier (lend and settle: [Note: same-step reuse]); a store without one moves without lending."""
+
     def evict(self, rid: int, *, writeback: bool) -> None: ...
 
     def fetch(self, rid: int) -> None: ...
@@ -240,13 +243,24 @@ def move_regions(store: Mover, moves: Moves) -> None:
     """A plan step's region moves (compiled at plan load by hplan.executor.step_table.moves_table): its evictions
     (writing back those it names), then its fetches, then its allocations, each in the plan's order. One place
     for the single-process and the ranks' executors, so the order hplan.artifacts.replay checks plans against
-    (room is freed before it is taken) cannot drift apart."""
-    for rid, writeback in moves.evict:
-        store.evict(rid, writeback=writeback)
-    for rid in moves.fetch:
-        store.fetch(rid)
-    for rid in moves.alloc:
-        store.alloc(rid)
+    (room is freed before it is taken) cannot drift apart. A refill may take the block an eviction of the same
+    step released ([Note: same-step reuse] in hplan.executor.device)."""
+    tier = getattr(store, "tier", None) if moves.lend else None
+    lend = tier is not None and tier.caches
+    if lend:
+        tier._lent = LENT  # tier.lend(), inline ([Note: per-iteration Python work] in hplan.executor.step_table)
+    try:
+        for rid, writeback in moves.evict:
+            store.evict(rid, writeback=writeback)
+        for rid in moves.fetch:
+            store.fetch(rid)
+        for rid in moves.alloc:
+            store.alloc(rid)
+    finally:
+        if lend:
+            tier._lent = 0  # tier.settle(), inline
+            if tier.cached > tier.limit:
+                tier._trim()
 
 
 def _layout(region: Region, tensors: tuple[str, ...], trainable: tuple[str, ...], params: dict[str, nn.Parameter],

@@ -8,6 +8,22 @@ directly (a backward writing through `hplan.grads` gets the region's view as its
 at a step the plan does not write it at is refused, since the plan could then drop it.
 Updates that must see every gradient first (clipping by global norm, fp16 loss scaling: `plan.defer_updates`)
 all run at the optimizer step, after the overflow check; a skipped step still moves what the plan moves.
+
+[Note: hooks only where the plan acts] Most events of a roomy plan do nothing but close a window, and an
+all-resident plan's backward steps only allocate the gradient regions their gradients arrive in. Hooks cost
+even when they do nothing (module hooks take torch's slow call path; a backward event puts a prehook on every
+output's grad node in the forward). So where nothing is lost by it, an event (kind, module) whose every step is
+idle (`unhooked_table` in hplan.executor.step_table: on the fast path, allocating gradient regions at most) gets
+no hook. The next hooked event (the optimizer step at the latest) passes those steps first (`_catch_up`): it
+closes each one's window in order with that step's own model bytes (the same records and budget guard as
+their hooks made: without a probe a window's bytes are the regions resident, which idle steps change only by
+their allocations), allocates what each allocates, and checks what each needs is resident. A gradient that
+arrives meanwhile may be written into any region the unhooked run writes; its region, when an unhooked step
+ahead allocates it, is allocated then (counted from its own step in the records). The event order is still
+checked at every hooked event; a forward passes backward steps only once a gradient arrived (else the general
+path refuses a forward without backward, as before). Not done, so every event keeps its hook: with a non-model
+probe (each window's peak is measured per step), on CUDA (a step waits for the copies its regions need), with a
+host tier's phases, with speculation. `PlanRun.sparse_hooks = False` hooks every event.
 """
 
 from __future__ import annotations
@@ -20,7 +36,7 @@ import torch
 from hplan.executor.activations.run import ActivationRun
 from hplan.executor.admission import check_plan, check_state_regions
 from hplan.executor.batch import UpdateBatch
-from hplan.executor.device import make_tier
+from hplan.executor.device import LENT, make_tier
 from hplan.executor.evaluation import EvalPass
 from hplan.executor.gradients import Clip, GradientOps, move_grad
 from hplan.executor.habits import intercepted, with_step_hooks
@@ -31,7 +47,7 @@ from hplan.executor.regions import move_regions
 from hplan.executor.scale import LossScale
 from hplan.executor.speculate import Speculation
 from hplan.executor.state import RegionState
-from hplan.executor.step_table import Moves, Quiet, moves_table, quiet_table
+from hplan.executor.step_table import Moves, Quiet, Unhooked, moves_table, quiet_table, unhooked_table
 from hplan.executor.statesync import StateSync
 from hplan.executor.tiers.host import check_host_memory, host_tier, make_store, needs_nvme_dir
 from hplan.executor.tripwires import FIX, EagerWatch
@@ -56,6 +72,10 @@ NONFINITE = ("ignore", "stop", "skip")
 
 class PlanRun(UpdateSteps, GradientOps, StateSync):
     """Context manager replaying `plan` during a user's training loop (see hplan.executor.attach)."""
+
+    sparse_hooks = True
+    """[Note: hooks only where the plan acts] Events whose every step is idle get no hook (where that is
+    exact: no non-model probe, a tier without asynchronous copies, no host phases); False hooks every event."""
 
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, plan: Plan, *, device: str = "cpu",
                  batch_example: Any = None, precision: str | None = None, measure: bool = True,
@@ -101,6 +121,8 @@ class PlanRun(UpdateSteps, GradientOps, StateSync):
         self.found_inf = False
         self.skipped = 0
         self._pending_flips: set[int] = set()
+        self._lazy_bytes: dict[int, int] = {}
+        """Unhooked step → bytes of its gradient regions allocated early, by a gradient's arrival."""
         self._batches: dict[tuple[int, ...], UpdateBatch] = {}
         """Chunks updated at one step → their batch (the same sets every iteration)."""
         self._split: dict[tuple[int, ...], list[tuple[UpdateBatch, str]]] = {}
@@ -197,7 +219,9 @@ class PlanRun(UpdateSteps, GradientOps, StateSync):
         """id(parameter) → (name, chunk, gradient region, its Slot): grad_target's lookups, done once."""
         self._grad_of = {n: (store.params[n], c, slot) for n, c, _, slot in self._grad_home.values()}
         """name → (parameter, chunk, gradient region's Slot): _show_grads' and _hide_grads' lookups, done once."""
-        self._stack.enter_context(EventHooks(model, self.on_event))
+        self._unhooked = self._unhooked_table()
+        self._stack.enter_context(EventHooks(model, self.on_event, forward=self._unhooked.forward,
+                                             backward=self._unhooked.backward))
         self.activations.install(model, self._stack)
         self._stack.enter_context(intercepted(self, optimizer, model))
         self.model_state_hooks(model, self._stack)
@@ -210,6 +234,18 @@ class PlanRun(UpdateSteps, GradientOps, StateSync):
         """fp16 host updates beside the backward, rolled back on an overflow ([Note: speculative fp16 updates])."""
         for index in self.speculation.at if self.speculation is not None else ():
             self._quiet[index] = None
+
+    def _unhooked_table(self) -> Any:
+        """[Note: hooks only where the plan acts] The events left without a hook, or every event hooked (an
+        Unhooked whose module sets are None) where a skipped event would lose a measurement or a wait: a
+        non-model probe measures every window, CUDA's tier waits for copies at the steps that need them, a host
+        tier runs phases per step, speculation works at its steps."""
+        n = len(self.plan.steps)
+        if not self.sparse_hooks or self.meter is not None or self.tier.waits or self.host.phased or self._speculate:
+            return Unhooked(skip=(False,) * (n + 1), forward=None, backward=None,  # type: ignore[arg-type]
+                            writes=(frozenset(),) * (n + 1), lazy=({},) * (n + 1))
+        grads = frozenset(r for r, slot in self.store.slots.items() if slot.region.kind == "grad")
+        return unhooked_table(self.plan, self._quiet, grads)
 
     def __exit__(self, *exc: object) -> None:
         """Remove hooks, give the optimizer its state and every parameter its own storage back; the host tier is
@@ -260,11 +296,41 @@ class PlanRun(UpdateSteps, GradientOps, StateSync):
             return
         if kind != "backward" and self.worker is not None and self.worker.busy:
             self.worker.drain()  # [Note: overlapped host updates]
+        if self._unhooked.skip[self.cursor] and self.evaluating is None:
+            self._catch_up(kind)
         quiet = self._quiet[self.cursor]
         if quiet is not None and quiet.module == module and quiet.kind == kind and self.evaluating is None \
                 and not self._pending_flips and not self._shown and self._quiet_step(quiet):
             return
         self._general_event(kind, module)
+
+    def _catch_up(self, kind: str) -> None:
+        """[Note: hooks only where the plan acts] Pass the unhooked steps before this event, as their hooks would
+        have: close each window (the budget guard) with the step's own model bytes, allocate what it allocates
+        (a gradient's arrival may have done it already: those bytes count from their own step on), check what it
+        needs is resident. A forward passes backward steps only once a gradient arrived (else it is a forward
+        without backward, refused by the general path as before)."""
+        store, steps, skip = self.store, self.plan.steps, self._unhooked.skip
+        lazy = self._lazy_bytes
+        ahead = sum(lazy.values())
+        while skip[self.cursor]:
+            i = self.cursor
+            step = steps[i]
+            if kind == "forward" and not self.written and step.event.startswith("backward:"):
+                break
+            self._close_window()
+            quiet = self._quiet[i]
+            if quiet.moves is not None:  # idle steps allocate gradient regions only
+                if self.worker is not None and self.worker.busy:
+                    self._wait_for_updates(quiet.moves)
+                for rid in quiet.moves.alloc:
+                    store.alloc(rid)
+            for slot in quiet.needs:
+                if slot.state is _HOST:
+                    store.require(self._moves[i].needs, f"plan step {step.index} ({step.event})")
+            ahead -= lazy.pop(i, 0)
+            self._pending = (store._resident_bytes - ahead, 0, 0)
+            self.cursor = i + 1
 
     def _quiet_step(self, quiet: Quiet) -> bool:
         """[Note: quiet events] in hplan.executor.step_table: the same checks and record as the general path, for
@@ -420,14 +486,24 @@ class PlanRun(UpdateSteps, GradientOps, StateSync):
         name, c, rid, slot = self._grad_home[id(param)]
         if c in self._pending_flips:
             self._flip(c)
-        if rid not in self._moves[self.cursor - 1].writes:
-            step = self.plan.steps[self.cursor - 1]
+        cursor = self.cursor
+        if rid not in self._moves[cursor - 1].writes and rid not in self._unhooked.writes[cursor]:
+            step = self.plan.steps[cursor - 1]
             raise HplanError(f"the gradient of {name} arrived at plan step {step.index} ({step.event}), where the "
                              "plan does not write it; the run differs from the traced step — re-trace and re-plan")
         if c in self._updated:
             raise HplanError(f"the gradient of {name} arrived after chunk {c} was updated this iteration")
         if slot.state is _HOST:
-            self.store.require([rid], f"gradient of {name} at plan step {self.plan.steps[self.cursor - 1].index}")
+            at = self._unhooked.lazy[cursor].get(rid, -1)
+            if at >= cursor:  # [Note: hooks only where the plan acts]: an unhooked step ahead allocates it
+                self.store.alloc(rid)
+                self._lazy_bytes[at] = self._lazy_bytes.get(at, 0) + slot.region.bytes
+            else:
+                self.store.require([rid], f"gradient of {name} at plan step {self.plan.steps[cursor - 1].index}")
+        if self._zeroed:  # a backward event's marks, for backwards whose events have no hook
+            self._zeroed = False
+        if not self._queued and self.tier.exposes_host_grads:
+            self._queue_show_grads()
         first = name not in self.written
         self.written.add(name)
         slot.state = _DIRTY  # store.mark_dirty, inline: the region is resident (required just above)
@@ -436,8 +512,18 @@ class PlanRun(UpdateSteps, GradientOps, StateSync):
     def _flip(self, c: int) -> None:
         """The chunk's weights leave (their storage is freed), its gradient region takes their place."""
         self._pending_flips.discard(c)
-        self.store.evict(self.store.region(c, "param"), writeback=False)
-        self.store.alloc(self.store.region(c, "grad"))
+        tier = self.tier
+        lend = tier.caches
+        if lend:  # the gradient region takes the weights' block ([Note: same-step reuse]); tier.lend(), inline
+            tier._lent = LENT
+        try:
+            self.store.evict(self.store.region(c, "param"), writeback=False)
+            self.store.alloc(self.store.region(c, "grad"))
+        finally:
+            if lend:  # tier.settle(), inline
+                tier._lent = 0
+                if tier.cached > tier.limit:
+                    tier._trim()
 
     def _complete_flips(self) -> None:
         for c in sorted(self._pending_flips):

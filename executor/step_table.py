@@ -48,6 +48,9 @@ class Moves:
     """Regions a gradient may be written into during the step's window (`writes` and `overwrites`)."""
     touched: frozenset[int] = frozenset()
     """Every region the moves evict, fetch or allocate (a move of one a host update is using must wait)."""
+    lend: bool = False
+    """A fetch or allocation has the size of one of the step's evictions: the tier lends the evicted blocks to
+    the step's refills ([Note: same-step reuse] in hplan.executor.device)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -61,18 +64,23 @@ class Quiet:
     moves: Moves | None = None
 
 
-def step_moves(step: Step, flipped: frozenset[int] | set[int] = frozenset()) -> Moves:
-    """One step's Moves; `flipped`: the gradient regions its flips allocate (not required at the event)."""
+def step_moves(step: Step, flipped: frozenset[int] | set[int] = frozenset(),
+               sizes: dict[int, int] | None = None) -> Moves:
+    """One step's Moves; `flipped`: the gradient regions its flips allocate (not required at the event); `sizes`:
+    region bytes (whether the step's refills may take its evicted blocks)."""
     writeback = set(step.writeback)
+    freed = {sizes[r] for r in step.evict} if sizes is not None else set()
     return Moves(evict=tuple((r, r in writeback) for r in step.evict), fetch=tuple(step.fetch),
                  alloc=tuple(step.alloc), needs=tuple(r for r in step.needs if r not in flipped),
                  writes=frozenset(step.writes) | frozenset(step.overwrites),
-                 touched=frozenset(step.evict) | frozenset(step.fetch) | frozenset(step.alloc))
+                 touched=frozenset(step.evict) | frozenset(step.fetch) | frozenset(step.alloc),
+                 lend=any(sizes[r] in freed for r in (*step.fetch, *step.alloc)) if freed and sizes else False)
 
 
 def moves_table(plan: Plan, grad_region: Any) -> list[Moves]:
     """One Moves per plan step; `grad_region(chunk)` → the chunk's gradient region id (flips free it later)."""
-    return [step_moves(step, {grad_region(c) for c in step.flips}) for step in plan.steps]
+    sizes = {r.id: r.bytes for r in plan.regions}
+    return [step_moves(step, {grad_region(c) for c in step.flips}, sizes) for step in plan.steps]
 
 
 def quiet_table(plan: Plan, slots: dict[int, Any], *, host_phases: bool,
@@ -96,3 +104,55 @@ def quiet_table(plan: Plan, slots: dict[int, Any], *, host_phases: bool,
         table.append(Quiet(kind=kind, module=module, needs=tuple(slots[r] for r in step.needs),
                            moves=moves[i] if moving and moves is not None else None))
     return table + [None]
+
+
+@dataclass(frozen=True, slots=True)
+class Unhooked:
+    """[Note: hooks only where the plan acts] The steps whose events get no hook, per cursor position."""
+
+    skip: tuple[bool, ...]
+    """Per cursor position (one past the last step too): the step's event has no hook; the next hooked event
+    passes it (`PlanRun._catch_up`)."""
+    forward: frozenset[str]
+    """Modules whose forward event is hooked (some step of theirs acts)."""
+    backward: frozenset[str]
+    """Modules whose backward event is hooked."""
+    writes: tuple[frozenset[int], ...]
+    """Per cursor position: the regions the unhooked run starting there (or holding it) writes."""
+    lazy: tuple[dict[int, int], ...]
+    """Per cursor position: gradient region → the unhooked step of that run that allocates it (the gradient's
+    arrival allocates it at the latest; `PlanRun.grad_target`)."""
+
+
+def unhooked_table(plan: Plan, quiet: list[Quiet | None], grad_regions: frozenset[int]) -> Unhooked:
+    """Which events need no hook: a step is *idle* when it is on the fast path (`quiet_table`) and moves nothing
+    but allocations of gradient regions (what a gradient's arrival can do itself); an event (kind, module) is
+    unhooked when every step of it is idle. Consecutive unhooked steps form runs whose writes and lazy
+    allocations a gradient arriving inside the run may use."""
+    n = len(plan.steps)
+    idle = [False] * (n + 1)
+    for i, q in enumerate(quiet[:n]):
+        m = q.moves if q is not None else None
+        idle[i] = q is not None and (m is None or (not m.evict and not m.fetch and set(m.alloc) <= grad_regions))
+    busy = {plan.steps[i].event for i in range(n) if not idle[i]}
+    skip = [idle[i] and plan.steps[i].event not in busy for i in range(n)] + [False]
+    writes: list[frozenset[int]] = [frozenset()] * (n + 1)
+    lazy: list[dict[int, int]] = [{}] * (n + 1)
+    i = 0
+    while i < n:
+        if not skip[i]:
+            i += 1
+            continue
+        j = i
+        while skip[j]:
+            j += 1
+        run_writes = frozenset(r for k in range(i, j) for r in (*plan.steps[k].writes, *plan.steps[k].overwrites))
+        run_lazy = {r: k for k in range(i, j) for r in (quiet[k].moves.alloc if quiet[k].moves else ())}
+        for k in range(i, j + 1):  # j: the hooked step after the run (a gradient may arrive before it fires)
+            writes[k], lazy[k] = run_writes, run_lazy
+        i = j
+    def hooked(kind: str) -> frozenset[str]:
+        return frozenset(e.split(":", 1)[1] for e in busy if e.startswith(kind + ":"))
+
+    return Unhooked(skip=tuple(skip), forward=hooked("forward"), backward=hooked("backward"), writes=tuple(writes),
+                    lazy=tuple(lazy))

@@ -14,7 +14,7 @@ Events:
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Collection, Iterator
 from typing import Any
 
 import torch
@@ -88,17 +88,22 @@ def workload_fingerprint(model: nn.Module, batch: Any, precision: str) -> dict[s
 
 
 class EventHooks:
-    """Context manager reporting forward/backward entry of every parameter-owning module."""
+    """Context manager reporting forward/backward entry of every parameter-owning module; `forward` and
+    `backward`, when given, the modules whose events of that kind are reported (the others get no hook)."""
 
-    def __init__(self, model: nn.Module, callback: EventCallback) -> None:
+    def __init__(self, model: nn.Module, callback: EventCallback, *, forward: Collection[str] | None = None,
+                 backward: Collection[str] | None = None) -> None:
         self._model = model
         self._callback = callback
+        self._forward, self._backward = forward, backward
         self._handles: list[Any] = []
 
     def __enter__(self) -> EventHooks:
         for path, module in param_owning_modules(self._model):
-            self._handles.append(module.register_forward_pre_hook(self._on_forward(path)))
-            self._handles.append(module.register_forward_hook(self._on_output(path)))
+            if self._forward is None or path in self._forward:
+                self._handles.append(module.register_forward_pre_hook(self._on_forward(path)))
+            if self._backward is None or path in self._backward:
+                self._handles.append(module.register_forward_hook(self._on_output(path)))
         return self
 
     def __exit__(self, *exc: object) -> None:
