@@ -120,7 +120,7 @@ def _plan_auto(trace: Trace, hardware: Hardware, options: PlanOptions, on_progre
                     mixed, targets = (priced[0], hw.slack_bytes), _targets(priced[1], options)
                 first = plan.summary  # its bound, under the smallest mixed reserve, is the regime's
                 plan = _settle(work, hw, options, on_progress, items, smallest, own, plan, decisions)
-            elif incumbent is not None and mixed is not None and \
+            elif incumbent is not None and mixed is not None and name != "selective" and \
                     _priced_bound(*mixed, name, targets, hw.slack_bytes, incumbent) >= incumbent:
                 continue  # priced by the mixed regime's LP multipliers, on every chunking: it cannot win
             else:
@@ -254,7 +254,7 @@ def _order(runs: list) -> list:
     """Regimes in solving order: keep alone first where its slack is the smallest figure (it moves nothing where
     everything fits, and its zero objective then ends the search), then the mixed regime, then offload and
     recompute alone."""
-    rank = {"keep": 0, "mixed": 1, PARTS: 1.5, "offload": 2, "recompute": 3}
+    rank = {"keep": 0, "mixed": 1, PARTS: 1.5, "offload": 2, "recompute": 3, "selective": 3.5}
     mixed = [r[1].slack_bytes for r in runs if r[0] == "mixed"]
     if mixed and any(r[0] == "keep" and r[1].slack_bytes >= mixed[0] for r in runs):
         rank["keep"] = 4  # the mixed regime covers it

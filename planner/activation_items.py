@@ -21,8 +21,8 @@ from hplan.planner.kernel_size import achieved_rate, trace_width
 Key = tuple[str, int]
 SELECTIVE = "selective"
 """Selective checkpointing of a segment ([Note: selective segments] in hplan.artifacts.segments): a mode of the
-items when `allowed` names it. NOT YET A CHOICE OF THE PLAN (not in CHOICES): the allocator-slack log, the plan's
-choice and the executor's wiring are missing (hplan.tracer.selective's [Note: selective checkpointing])."""
+items when `allowed` names it. Where it is the only one (auto's selective regime, hplan.planner.slack.regimes),
+each call has one mode, the forced selective plan's (`decide`: a module refused for it kept); it is in no mix."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -196,13 +196,18 @@ def build_items(trace: Trace, hardware: Hardware, allowed: Iterable[str] = CHOIC
             else math.ceil(seconds.get(seg.key, 0.0) * link)
         return row, cost
 
+    forced = decide(trace, SELECTIVE) if allowed == {SELECTIVE} else ()  # the selective regime: one plan
     decisions, children, item, rows, cost = [], [], [], [], []
     for k, (s, ok) in enumerate(zip(trace.segments, may)):
         reason = "" if s.recomputable else s.reason
         modes = [Decision(segment=s, choice=c, reason=reason) for c in ("keep", "offload") if c in allowed]
+        if forced:
+            modes = [forced[k]]
         if ok and "recompute" in allowed:
             modes.append(Decision(segment=s, choice="recompute"))
-        if SELECTIVE in allowed and s.module not in no_sac:
+        if forced:
+            pass
+        elif SELECTIVE in allowed and s.module not in no_sac:
             modes.append(Decision(segment=s, choice=SELECTIVE))
         elif not modes and "recompute" in allowed:  # refused: offloaded instead, as `decide` does
             modes.append(Decision(segment=s, choice="offload", reason=reason))

@@ -37,6 +37,11 @@ if TYPE_CHECKING:
     from hplan.artifacts.plan import Plan
 
 CHOICES: tuple[str, ...] = ("keep", "offload", "recompute")
+"""The choices auto mixes (and the trace's sampled mixes draw from: hplan.tracer.choice_slack)."""
+MODES: tuple[str, ...] = (*CHOICES, "selective")
+"""Every choice a plan may make: "selective" (selective activation checkpointing, [Note: selective segments] in
+hplan.artifacts.segments) is a forced choice and auto's regime of its own, never part of a mix. It follows the
+recompute's rules (its recompute, of the cheap ops only, runs in `backward_step` and reads `recompute_params`)."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -149,7 +154,7 @@ def activation_problems(plan: Plan) -> list[str]:
     if moved != plan.summary.activation_bytes_moved_per_iter:
         problems.append(f"summary says {plan.summary.activation_bytes_moved_per_iter} activation bytes moved per "
                         f"iteration, the offloaded segments move {moved}")
-    seconds = sum(c.recompute_seconds for c in choices if c.choice == "recompute")
+    seconds = sum(c.recompute_seconds for c in choices if c.choice in ("recompute", "selective"))
     if not math.isclose(seconds, plan.summary.recompute_seconds, rel_tol=1e-9, abs_tol=1e-12):
         problems.append(f"summary says {plan.summary.recompute_seconds} recompute seconds, the recomputed segments "
                         f"take {seconds}")
@@ -219,8 +224,8 @@ def _undercounted(plan: Plan) -> list[str]:
 def _choice_problems(c: ActivationChoice, n: int, plan: Plan, param_region: dict[str, int], staged: int = 0
                      ) -> list[str]:
     """`staged`: the moved bytes of its stages, where it is an offloaded block with some."""
-    if c.choice not in CHOICES:
-        return [f"choice {c.choice!r} is not one of {', '.join(CHOICES)}"]
+    if c.choice not in MODES:
+        return [f"choice {c.choice!r} is not one of {', '.join(MODES)}"]
     if not isinstance(c.stage, bool) or (c.stage and (c.choice != "offload" or not c.moved_bytes)):
         return ["only an offload that moves bytes is a stage"]
     counts = (c.micro, c.saved_bytes, c.moved_bytes, c.d2h_step, c.backward_step, c.recompute_peak_bytes)
