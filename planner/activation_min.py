@@ -162,7 +162,7 @@ def min_gpu_auto(trace: Trace, hardware: Hardware, items: Items, shared: Shared 
                                             - hardware.slack_bytes)
             if best is not None and relaxed >= best[0]:
                 continue
-        if any(d.choice == "recompute" for d in decisions):
+        if any(d.choice in ("recompute", "selective") for d in decisions):  # weight reads added
             if shared.best is not None and relaxed >= shared.best:
                 pruned = min(pruned, relaxed)  # its true minimum is at least this, no better than another's
                 continue

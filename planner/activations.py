@@ -296,13 +296,24 @@ def _recompute_seconds(trace: Trace, hardware: Hardware, decisions: tuple[Decisi
     """A recompute costs its forward: measured when the trace ran on the planned kind of device, else FLOPs at the
     hardware's rate at the trace's width (the rule of hplan.planner.schedule.event_seconds)."""
     same = (trace.device == "cpu" and hardware.gpu == "cpu") or (trace.device == "cuda" and hardware.gpu != "cpu")
-    from hplan.planner.activation_items import _selective_seconds
-
     rate = achieved_rate(hardware, trace.precision, trace_width(trace))
-    sel = _selective_seconds(trace, hardware) if any(d.choice == "selective" for d in decisions) else {}
+    sel = selective_seconds(trace, hardware) if any(d.choice == "selective" for d in decisions) else {}
     return {d.segment.key: (d.segment.seconds if same and d.segment.seconds > 0 else d.segment.flops / rate)
             for d in decisions if d.choice == "recompute"} | {d.segment.key: sel[d.segment.key]
                                                                for d in decisions if d.choice == "selective"}
+
+
+def selective_seconds(trace: Trace, hardware: Hardware) -> dict[Key, float]:
+    """Selective checkpointing costs its cheap ops: measured when the trace ran on the planned kind of device, else
+    the larger of their FLOPs at the hardware's rate and their written bytes at device-memory bandwidth (pointwise
+    ops count few FLOPs), never more than the whole forward's FLOPs at that rate (a recompute's price,
+    `_recompute_seconds`: the cheap ops are part of it)."""
+    same = (trace.device == "cpu" and hardware.gpu == "cpu") or (trace.device == "cuda" and hardware.gpu != "cpu")
+    rate = achieved_rate(hardware, trace.precision, trace_width(trace))
+    memory = hardware.device_memory_gbps * 1e9
+    return {s.key: (s.selective_seconds if same and s.selective_seconds > 0 else
+                    min(s.flops / rate, max(s.selective_flops / rate, s.selective_write_bytes / memory)))
+            for s in (*trace.segments, *trace.nested)}
 
 
 def _hoist(plan: Plan, decisions: tuple[Decision, ...], prefetch: dict[tuple[str, int], int]

@@ -15,8 +15,8 @@ figures of a step that offloads, or recomputes, every segment, and a "mixed" fig
 ([Note: slack per choice] in hplan.tracer.choice_slack). `slack_table` gives them to the Hardware, and a plan's
 slack is the figure of the choices it makes (`figure`; hplan.planner.activations.with_slack). The auto decision
 runs in *regimes* (`regimes`): every choice under the mixed figure (the largest), then, where the plan found
-makes one choice other than keep, or where nothing fits, each choice alone under its own, smaller figure
-(hplan.planner.activation_auto).
+makes one choice other than keep, or where nothing fits, each choice alone under its own, smaller figure, and
+selective alone under its figure where the trace has one (hplan.planner.activation_auto).
 """
 
 from __future__ import annotations

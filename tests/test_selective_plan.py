@@ -13,7 +13,7 @@ import math
 import pytest
 from fake_models import HF_SIZES
 
-from hplan.artifacts import Plan
+from hplan.artifacts import Plan, Trace
 from hplan.artifacts.replay import replay
 from hplan.planner import PlanOptions, make_hardware, make_plan, min_gpu_bytes, trace_slack
 from hplan.specs import load_workload
@@ -57,3 +57,61 @@ def test_auto_bounds_the_forced_selective_plan_at_every_budget(llama4, gpu):
         assert objective(auto) <= objective(forced), (budget, objective(auto), objective(forced))
         checked += 1
     assert checked == 10
+
+
+def test_min_auto_is_at_most_the_forced_selective_minimum(llama4):
+    """auto's smallest budget is over its regimes, the selective one among them."""
+    trace = llama4
+    for gpu in ("cpu", "rtx3090"):
+        hw = make_hardware(gpu, gpu_bytes=1, **trace_slack(trace))
+        assert min_gpu_bytes(trace, hw).gpu_bytes <= min_gpu_bytes(trace, hw, activations="selective").gpu_bytes
+
+
+def test_a_call_it_cannot_run_is_kept_with_a_warning_naming_why(tmp_path):
+    """`hplan plan --activations selective` on a Llama traced with use_cache on (a KV cache in each block's call):
+    every call kept, one warning per module naming the cache and the fix; the plan validates."""
+    import hf_models as hf
+    from test_selective_trace import _llama
+    from typer.testing import CliRunner
+
+    from hplan.cli import app
+
+    trace = trace_workload(hf.workload("llama", lambda: _llama(use_cache=True)), device="fake")
+    trace.save(tmp_path / "t.parquet")
+    result = CliRunner().invoke(app, ["plan", str(tmp_path / "t.parquet"), "--gpu", "cpu", "--gpu-mem", "min",
+                                      "--activations", "selective", "-o", str(tmp_path / "p.json")])
+    assert result.exit_code == 0, result.output
+    plan = Plan.load(tmp_path / "p.json")
+    assert plan.activations and {c.choice for c in plan.activations} == {"keep"}
+    assert replay(plan).ok
+    for seg in trace.segments:
+        assert f"warning: {seg.module}: not selective: " in result.stderr and "use_cache = False" in result.stderr
+
+
+def test_trace_plan_run_through_the_cli(tmp_path):
+    """`hplan trace gpt:tiny --batch-size 8` → `hplan plan --activations selective --gpu-mem min` → `hplan run`:
+    every block selective, the run within its budget, losses as plain PyTorch's (1e-5 relative: the run's default
+    optimizer updates on the host; bit for bit with a named kernel, tests/test_activations.py)."""
+    import json
+
+    from typer.testing import CliRunner
+
+    from hplan.cli import app
+    from hplan.training import plain_losses
+
+    runner = CliRunner()
+    trace, plan = tmp_path / "t.parquet", tmp_path / "p.json"
+    assert runner.invoke(app, ["trace", "gpt:tiny", "--batch-size", "8", "--device", "cpu", "-o", str(trace)]
+                         ).exit_code == 0
+    made = runner.invoke(app, ["plan", str(trace), "--gpu", "cpu", "--gpu-mem", "min", "--activations", "selective",
+                               "-o", str(plan)])
+    assert made.exit_code == 0, made.output
+    assert "2 selective" in made.stdout
+    assert {c.choice for c in Plan.load(plan).activations} == {"selective"}
+    result = runner.invoke(app, ["run", "gpt:tiny", "--batch-size", "8", "--plan", str(plan), "--steps", "3", "--json"])
+    assert result.exit_code == 0, result.output
+    report = json.loads(result.stdout)
+    assert report["peak_resident_bytes"] <= report["budget_bytes"] < min_gpu_bytes(
+        Trace.load(trace), activations="keep").gpu_bytes
+    plain = plain_losses(load_workload("gpt:tiny", batch_size=8), 3)
+    assert max(abs(a - b) / abs(b) for a, b in zip(report["losses"], plain, strict=True)) <= 1e-5

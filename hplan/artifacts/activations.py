@@ -15,13 +15,16 @@ different micro-steps may choose differently (auto decides per call; the executo
   in `recompute_params` (so they are resident); bytes are freed only after `d2h_step` and up to `backward_step`
   (where the effect is the recompute's net change of the window's peak); it may add bytes elsewhere (inputs a
   checkpoint keeps alive); `recompute_seconds` is its predicted cost.
+- selective: the recompute's rules (selective activation checkpointing: its cheap ops run again in `backward_step`,
+  reading `recompute_params`; `recompute_seconds` their cost); its effects may add bytes during its forward (kept
+  outputs the keep run frees, [Note: selective segments] in hplan.artifacts.segments).
 - A child segment's choice (its module inside another listed module, the same micro-step: [Note: nested segments]
   in hplan.artifacts.segments) other than keep needs its block kept, except a *stage* (an offload with `stage`):
   its part of its offloaded block's staged offload ([Note: staged offload]), down at the block's `d2h_step`, its
   packs (numbered in the block's forward) none of the block's own or another stage's; the block's effects may then
   free up to its own and its stages' moved bytes.
 - The summary's `activation_bytes_moved_per_iter` is twice the moved bytes of offloaded segments (down and up), and
-  `recompute_seconds` the sum over recomputed ones.
+  `recompute_seconds` the sum over recomputed and selective ones.
 All of this has defaults meaning "no segments", so the schema stays hplan.plan/2.
 """
 
