@@ -126,19 +126,19 @@ def test_mixed_precision_trains_as_plain_pytorch(precision, choice):
         plan.summary.activation_bytes_moved_per_iter
 
 
-def test_selective_checkpointing_trains_as_plain_pytorch_below_the_keep_minimum():
+@pytest.mark.parametrize("case", [pytest.param("gpt", marks=pytest.mark.slow), "llama"])
+def test_selective_checkpointing_trains_as_plain_pytorch_below_the_keep_minimum(case):
     """`--activations selective` (issue 31 §3): the matmuls' and attention's outputs kept, the cheap ops recomputed
     under torch's selective checkpointing, bit for bit as plain PyTorch (the same kernels, the same RNG state), at
     its smallest budget, below keeping's; the trace's selective pricing holds at every step (`_train_and_compare`).
     The bundled GPT with 8 sequences (gpt:tiny's default batch leaves selective nothing to save) and a
     transformers Llama from its config (use_cache off in training: its KV cache would be refused)."""
-    gpt = exact(load_workload("gpt:tiny", batch_size=8))
-    for workload in (gpt, HF_CASES["llama"]()):
-        trace = trace_workload(workload, device="cpu")
-        assert all(not s.selective_reason for s in trace.segments)
-        plan, _ = _train_and_compare(workload, trace, "selective")
-        assert plan.summary.recompute_seconds > 0
-        assert plan.gpu_bytes < min_gpu_bytes(trace, activations="keep").gpu_bytes
+    workload = exact(load_workload("gpt:tiny", batch_size=8)) if case == "gpt" else HF_CASES["llama"]()
+    trace = trace_workload(workload, device="cpu")
+    assert all(not s.selective_reason for s in trace.segments)
+    plan, _ = _train_and_compare(workload, trace, "selective")
+    assert plan.summary.recompute_seconds > 0
+    assert plan.gpu_bytes < min_gpu_bytes(trace, activations="keep").gpu_bytes
 
 
 HF_CASES = {

@@ -35,7 +35,7 @@ def objective(plan: Plan) -> int:
         if c.choice in ("recompute", "selective") else 0 for c in plan.activations)
 
 
-@pytest.mark.parametrize("gpu", ["cpu", "rtx3090"])
+@pytest.mark.parametrize("gpu", [pytest.param("cpu", marks=pytest.mark.slow), "rtx3090"])
 def test_auto_bounds_the_forced_selective_plan_at_every_budget(llama4, gpu):
     trace = llama4
     assert "selective" in trace.allocator_slack_by_choice and all(not s.selective_reason for s in trace.segments)
@@ -88,6 +88,7 @@ def test_a_call_it_cannot_run_is_kept_with_a_warning_naming_why(tmp_path):
         assert f"warning: {seg.module}: not selective: " in result.stderr and "use_cache = False" in result.stderr
 
 
+@pytest.mark.slow
 def test_trace_plan_run_through_the_cli(tmp_path):
     """`hplan trace gpt:tiny --batch-size 8` → `hplan plan --activations selective --gpu-mem min` → `hplan run`:
     every block selective, the run within its budget, losses as plain PyTorch's (1e-5 relative: the run's default
