@@ -25,8 +25,9 @@ Where everything kept fits, the joint model's extremes are built with every segm
 
 [Note: auto regimes] Each choice needs its own allocator slack (hplan.planner.slack), so auto solves every regime
 that can win: keep alone under keep's figure (first where that figure is the smallest: an objective of 0 ends the
-search), every choice under the mixed figure, then offload alone and recompute alone under their own figures,
-each planned exactly as the forced choice is; the smallest objective wins (ties: the first). A regime is skipped
+search), every choice under the mixed figure, then offload alone, recompute alone and (where the trace prices it)
+selective alone under their own figures, each planned exactly as the forced choice is (selective is in no mix:
+its regime is the forced selective plan, so the bound covers keep/offload/recompute mixes and selective alone); the smallest objective wins (ties: the first). A regime is skipped
 only by a proven bound: a solved regime with a superset of its choices at a slack no larger (its bound is in the
 list); a pure regime's fixed activation cost at or above the incumbent; every chunking's LP bound above it
 (`core.Pruned`); or the mixed regime's LP multipliers, per chunking, with each item held to the regime's choice and
@@ -120,7 +121,7 @@ def _plan_auto(trace: Trace, hardware: Hardware, options: PlanOptions, on_progre
                     mixed, targets = (priced[0], hw.slack_bytes), _targets(priced[1], options)
                 first = plan.summary  # its bound, under the smallest mixed reserve, is the regime's
                 plan = _settle(work, hw, options, on_progress, items, smallest, own, plan, decisions)
-            elif incumbent is not None and mixed is not None and \
+            elif incumbent is not None and mixed is not None and name != "selective" and \
                     _priced_bound(*mixed, name, targets, hw.slack_bytes, incumbent) >= incumbent:
                 continue  # priced by the mixed regime's LP multipliers, on every chunking: it cannot win
             else:
@@ -254,7 +255,7 @@ def _order(runs: list) -> list:
     """Regimes in solving order: keep alone first where its slack is the smallest figure (it moves nothing where
     everything fits, and its zero objective then ends the search), then the mixed regime, then offload and
     recompute alone."""
-    rank = {"keep": 0, "mixed": 1, PARTS: 1.5, "offload": 2, "recompute": 3}
+    rank = {"keep": 0, "mixed": 1, PARTS: 1.5, "offload": 2, "recompute": 3, "selective": 3.5}
     mixed = [r[1].slack_bytes for r in runs if r[0] == "mixed"]
     if mixed and any(r[0] == "keep" and r[1].slack_bytes >= mixed[0] for r in runs):
         rank["keep"] = 4  # the mixed regime covers it
@@ -302,7 +303,7 @@ def _plan_regime(trace: Trace, hardware: Hardware, options: PlanOptions, on_prog
     if best is not None:
         bound = _close(search, best, options)
         decisions = items.to_decisions(best.act or act0)
-        if any(d.choice == "recompute" for d in decisions):  # the relaxation left their weight reads out
+        if any(d.choice in ("recompute", "selective") for d in decisions):  # the relaxation left their weight reads out
             plan = core.plan_decisions(trace, hardware, options, decisions, on_progress,
                                        targets=[best.chunk_target], shared=items.shared, smallest=smallest)
         elif slack_figure(decisions) == "mixed" and \

@@ -15,14 +15,14 @@ from hplan.artifacts.activations import CHOICES
 from hplan.artifacts.hardware import Hardware
 from hplan.artifacts.segments import Segment, shared_windows
 from hplan.artifacts.trace import Trace
-from hplan.planner.activations import Decision, _recompute_seconds, decide, effects
+from hplan.planner.activations import Decision, _recompute_seconds, decide, effects, selective_seconds
 from hplan.planner.kernel_size import achieved_rate, trace_width
 
 Key = tuple[str, int]
 SELECTIVE = "selective"
 """Selective checkpointing of a segment ([Note: selective segments] in hplan.artifacts.segments): a mode of the
-items when `allowed` names it. NOT YET A CHOICE OF THE PLAN (not in CHOICES): the allocator-slack log, the plan's
-choice and the executor's wiring are missing (hplan.tracer.selective's [Note: selective checkpointing])."""
+items when `allowed` names it. Where it is the only one (auto's selective regime, hplan.planner.slack.regimes),
+each call has one mode, the forced selective plan's (`decide`: a module refused for it kept); it is in no mix."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -183,7 +183,7 @@ def build_items(trace: Trace, hardware: Hardware, allowed: Iterable[str] = CHOIC
     rec = decide(trace, "recompute")
     nested_rec = tuple(Decision(segment=c, choice="recompute") for cs in kids.values() for c in cs)
     seconds = _recompute_seconds(trace, hardware, tuple(d for d in rec if d.choice == "recompute") + nested_rec)
-    sel = _selective_seconds(trace, hardware) if SELECTIVE in allowed else {}
+    sel = selective_seconds(trace, hardware) if SELECTIVE in allowed else {}
     link = hardware.h2d_gbps * 1e9
     n = len(trace.events)
 
@@ -196,13 +196,20 @@ def build_items(trace: Trace, hardware: Hardware, allowed: Iterable[str] = CHOIC
             else math.ceil(seconds.get(seg.key, 0.0) * link)
         return row, cost
 
+    forced = decide(trace, SELECTIVE) if allowed == {SELECTIVE} else ()  # the selective regime: one plan
+    if forced:  # its windows as the forced plan's (hplan.planner.activations._shared)
+        shared = frozenset(shared_windows(d.segment for d in forced if d.choice == SELECTIVE))
     decisions, children, item, rows, cost = [], [], [], [], []
     for k, (s, ok) in enumerate(zip(trace.segments, may)):
         reason = "" if s.recomputable else s.reason
         modes = [Decision(segment=s, choice=c, reason=reason) for c in ("keep", "offload") if c in allowed]
+        if forced:
+            modes = [forced[k]]
         if ok and "recompute" in allowed:
             modes.append(Decision(segment=s, choice="recompute"))
-        if SELECTIVE in allowed and s.module not in no_sac:
+        if forced:
+            pass
+        elif SELECTIVE in allowed and s.module not in no_sac:
             modes.append(Decision(segment=s, choice=SELECTIVE))
         elif not modes and "recompute" in allowed:  # refused: offloaded instead, as `decide` does
             modes.append(Decision(segment=s, choice="offload", reason=reason))
@@ -230,19 +237,6 @@ def build_items(trace: Trace, hardware: Hardware, allowed: Iterable[str] = CHOIC
     return Items(trace=trace, decisions=tuple(decisions), item=np.array(item, dtype=np.int64), effect=effect,
                  cost=np.array(cost, dtype=np.int64), shared=shared, allowed=allowed,
                  children=tuple(children) if kids else ())
-
-
-def _selective_seconds(trace: Trace, hardware: Hardware) -> dict[Key, float]:
-    """Selective checkpointing costs its cheap ops: measured when the trace ran on the planned kind of device, else
-    the larger of their FLOPs at the hardware's rate and their written bytes at device-memory bandwidth (pointwise
-    ops count few FLOPs), never more than the whole forward's FLOPs at that rate (a recompute's price,
-    `_recompute_seconds`: the cheap ops are part of it)."""
-    same = (trace.device == "cpu" and hardware.gpu == "cpu") or (trace.device == "cuda" and hardware.gpu != "cpu")
-    rate = achieved_rate(hardware, trace.precision, trace_width(trace))
-    memory = hardware.device_memory_gbps * 1e9
-    return {s.key: (s.selective_seconds if same and s.selective_seconds > 0 else
-                    min(s.flops / rate, max(s.selective_flops / rate, s.selective_write_bytes / memory)))
-            for s in (*trace.segments, *trace.nested)}
 
 
 def _stageable(trace: Trace, hardware: Hardware) -> frozenset[tuple[str, int]]:

@@ -162,7 +162,7 @@ def min_gpu_auto(trace: Trace, hardware: Hardware, items: Items, shared: Shared 
                                             - hardware.slack_bytes)
             if best is not None and relaxed >= best[0]:
                 continue
-        if any(d.choice == "recompute" for d in decisions):
+        if any(d.choice in ("recompute", "selective") for d in decisions):  # weight reads added
             if shared.best is not None and relaxed >= shared.best:
                 pruned = min(pruned, relaxed)  # its true minimum is at least this, no better than another's
                 continue
@@ -202,10 +202,20 @@ def auto_regimes(trace: Trace, hardware: Hardware, without: frozenset[str] = fro
     offload (host memory short), the recompute regime is left out when a segment that may not be recomputed saves
     bytes: its only mode there is an offload (`build_items`), which host memory cannot take."""
     stuck = "offload" in without and any(not s.recomputable and s.offload_bytes for s in trace.segments)
-    out = [(name, hw, build_items(trace, hw, allowed)) for name, hw, allowed in regimes(hardware, without)
-           if not (stuck and allowed == frozenset(("recompute",)))]
+    out = [(name, _forced_reserve(trace, hardware, hw, name), build_items(trace, hw, allowed))
+           for name, hw, allowed in regimes(hardware, without) if not (stuck and allowed == frozenset(("recompute",)))]
     parts = parts_regime(trace, hardware, without)
     return out[:1] + [(PARTS, parts, build_items(trace, parts, ("keep", "offload")))] + out[1:] if parts else out
+
+
+def _forced_reserve(trace: Trace, hardware: Hardware, hw: Hardware, name: str) -> Hardware:
+    """The selective regime's hardware: what the forced selective plan reserves (its own mix's replayed figure
+    where larger than the table's: hplan.planner.activations.with_slack), so the regime is that plan's search."""
+    if name != "selective":
+        return hw
+    from hplan.planner.activations import decide, with_slack
+
+    return with_slack(hardware, decide(trace, "selective"), trace)
 
 
 PARTS = "parts"

@@ -23,7 +23,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Any
 
-from hplan.artifacts.activations import CHOICES, ActivationChoice, Effect, effect_at
+from hplan.artifacts.activations import MODES, ActivationChoice, Effect, effect_at
 from hplan.artifacts.hardware import Hardware
 from hplan.artifacts.plan import Plan
 from hplan.artifacts.replay import replay
@@ -44,7 +44,7 @@ class Decision:
     """Why the segment may not be recomputed (and what it falls back to), empty otherwise."""
 
 
-OPTIONS: tuple[str, ...] = ("auto", *CHOICES)
+OPTIONS: tuple[str, ...] = ("auto", *MODES)
 """What --activations takes: "auto" decides per segment (hplan.planner.activation_auto), the others force one."""
 
 
@@ -55,10 +55,16 @@ def check_choice(choice: str) -> str:
 
 
 def decide(trace: Trace, choice: str) -> tuple[Decision, ...]:
-    """The forced choice for every segment call; unrecomputable modules (any of their calls) fall back to offload."""
-    if choice not in CHOICES:
-        raise HplanError(f"--activations {choice!r} is not a forced choice: use one of {', '.join(CHOICES)}")
+    """The forced choice for every segment call; unrecomputable modules (any of their calls) fall back to offload
+    under recompute; under selective, a module refused for it (any call: `selective_refused`) is kept, as the
+    trace's "selective" slack figure keeps it (hplan.tracer.choice_slack)."""
+    if choice not in MODES:
+        raise HplanError(f"--activations {choice!r} is not a forced choice: use one of {', '.join(MODES)}")
     refused = {s.module: s.reason for s in trace.segments if not s.recomputable}
+    if choice == "selective":
+        no = selective_refused(trace)
+        return tuple(Decision(segment=s, choice="keep", reason=f"not selective: {no[s.module]}; kept instead")
+                     if s.module in no else Decision(segment=s, choice="selective") for s in trace.segments)
     out = []
     for s in trace.segments:
         if choice == "recompute" and s.module in refused:
@@ -69,18 +75,27 @@ def decide(trace: Trace, choice: str) -> tuple[Decision, ...]:
     return tuple(out)
 
 
+def selective_refused(trace: Trace) -> dict[str, str]:
+    """Modules whose calls selective checkpointing may not run (any call), with why."""
+    out: dict[str, str] = {}
+    for s in trace.segments:
+        if s.module not in out and (s.selective_reason or not s.recomputable):
+            out[s.module] = s.selective_reason or s.reason
+    return out
+
+
 def fallbacks(plan: Plan) -> list[str]:
     """One line per module whose choice differs from the one asked for (recompute refused), for warnings."""
     lines: dict[str, None] = {}
     for c in plan.activations:
-        if c.reason.startswith("not recomputed"):
+        if c.reason.startswith(("not recomputed", "not selective")):
             lines[f"{c.module}: {c.reason}"] = None
     return list(lines)
 
 
 def _shared(decisions: tuple[Decision, ...]) -> set[tuple[str, int]]:
     """Recomputed segment calls whose backward starts in the same window as another recomputed one."""
-    return shared_windows(d.segment for d in decisions if d.choice == "recompute")
+    return shared_windows(d.segment for d in decisions if d.choice in ("recompute", "selective"))
 
 
 def decision_effects(decisions: tuple[Decision, ...], prefetch: dict[tuple[str, int], int] | None = None,
@@ -109,13 +124,15 @@ def transform(trace: Trace, decisions: tuple[Decision, ...], shared: frozenset[t
             events[t] = replace(e, non_model_peak_bytes=nm)
     last_read = {p.name: p.last_read_op for p in trace.params}
     for d in decisions:
-        if d.choice != "recompute":
+        if d.choice not in ("recompute", "selective"):
             continue
         s = d.segment
         b0 = s.backward_events[0]
         e = events[b0]
+        sel = d.choice == "selective"  # its recompute runs the cheap ops only (the forward's code reads the weights)
         events[b0] = replace(e, params=tuple(sorted({*e.params, *s.params}, key=order.__getitem__)),
-                             seconds=e.seconds + s.seconds, flops=e.flops + s.flops)
+                             seconds=e.seconds + (s.selective_seconds if sel else s.seconds),
+                             flops=e.flops + (s.selective_flops if sel else s.flops))
         for name in s.params:  # the recompute reads them inside this window: no flip of their chunk here
             last_read[name] = max(last_read[name], e.op_end - 1)
     params = tuple(replace(p, last_read_op=last_read[p.name]) for p in trace.params)
@@ -136,7 +153,7 @@ def with_slack(hardware: Hardware, decisions: tuple[Decision, ...], trace: Trace
     """`hardware` with the allocator slack of a plan making these choices (hplan.planner.slack): a mix's own
     replayed figure where `trace` carries its log ([Note: a mix's own slack]), else the figure of its kind."""
     name = slack_figure(decisions)
-    own = mix_figure(trace, hardware, modes_of(decisions)) if trace is not None and name == "mixed" \
+    own = mix_figure(trace, hardware, modes_of(decisions)) if trace is not None and name in ("mixed", "selective") \
         else None
     return for_figure(hardware, name, own)
 
@@ -163,7 +180,7 @@ def _where(decisions: tuple[Decision, ...], t: int) -> str:
     label = f"at event {t}"
     for d in decisions:
         s = d.segment
-        if d.choice == "recompute" and s.backward_events[0] == t:
+        if d.choice in ("recompute", "selective") and s.backward_events[0] == t:
             return f"{label}, where the recompute of {s.module} runs"
         if d.choice == "offload" and s.backward_events[0] == t:
             return f"{label}, where {s.module}'s offloaded activations are back"
@@ -200,7 +217,7 @@ def with_activations(plan: Plan, trace: Trace, work: Trace, decisions: tuple[Dec
     out = replace(plan, steps=steps, activations=choices,
                   summary=replace(plan.summary, activation_bytes_moved_per_iter=moved,
                                   recompute_seconds=sum(c.recompute_seconds for c in choices
-                                                        if c.choice == "recompute")))
+                                                        if c.choice in ("recompute", "selective"))))
     rep = replay(out)
     if not rep.ok:
         raise AssertionError(f"hplan made an invalid activation plan ({rep.violations[0]}): an hplan bug, please "
@@ -258,7 +275,7 @@ def _choice(d: Decision, runs: tuple[Effect, ...], prefetch: int, seconds: float
             saved_bytes=s.saved_bytes, moved_bytes=s.stage_bytes, d2h_step=block.forward_events[1],
             prefetch_step=s.backward_events[0], backward_step=s.backward_events[0], effects=runs,
             offload_packs=s.stage_packs)
-    offload = d.choice == "offload"
+    offload, again = d.choice == "offload", d.choice in ("recompute", "selective")
     moved, packs = s.offload_bytes, s.offload_packs
     if offload and staged and s.key in staged:  # a staged block: its own remainder
         kids = staged[s.key][1]
@@ -269,9 +286,9 @@ def _choice(d: Decision, runs: tuple[Effect, ...], prefetch: int, seconds: float
         module=s.module, micro=s.micro, choice=d.choice, recomputable=s.recomputable, reason=d.reason,
         saved_bytes=s.saved_bytes, moved_bytes=moved if offload else 0, d2h_step=s.forward_events[1],
         prefetch_step=(prefetch if prefetch >= 0 else s.backward_events[0]) if offload else -1,
-        backward_step=s.backward_events[0], recompute_params=s.params if d.choice == "recompute" else (),
-        recompute_seconds=seconds if d.choice == "recompute" else 0.0,
-        recompute_peak_bytes=s.recompute_peak_bytes if d.choice == "recompute" else 0, effects=runs,
+        backward_step=s.backward_events[0], recompute_params=s.params if again else (),
+        recompute_seconds=seconds if again else 0.0,
+        recompute_peak_bytes=s.recompute_peak_bytes if again else 0, effects=runs,
         offload_packs=packs if offload else ())
 
 
@@ -280,8 +297,23 @@ def _recompute_seconds(trace: Trace, hardware: Hardware, decisions: tuple[Decisi
     hardware's rate at the trace's width (the rule of hplan.planner.schedule.event_seconds)."""
     same = (trace.device == "cpu" and hardware.gpu == "cpu") or (trace.device == "cuda" and hardware.gpu != "cpu")
     rate = achieved_rate(hardware, trace.precision, trace_width(trace))
+    sel = selective_seconds(trace, hardware) if any(d.choice == "selective" for d in decisions) else {}
     return {d.segment.key: (d.segment.seconds if same and d.segment.seconds > 0 else d.segment.flops / rate)
-            for d in decisions if d.choice == "recompute"}
+            for d in decisions if d.choice == "recompute"} | {d.segment.key: sel[d.segment.key]
+                                                               for d in decisions if d.choice == "selective"}
+
+
+def selective_seconds(trace: Trace, hardware: Hardware) -> dict[Key, float]:
+    """Selective checkpointing costs its cheap ops: measured when the trace ran on the planned kind of device, else
+    the larger of their FLOPs at the hardware's rate and their written bytes at device-memory bandwidth (pointwise
+    ops count few FLOPs), never more than the whole forward's FLOPs at that rate (a recompute's price,
+    `_recompute_seconds`: the cheap ops are part of it)."""
+    same = (trace.device == "cpu" and hardware.gpu == "cpu") or (trace.device == "cuda" and hardware.gpu != "cpu")
+    rate = achieved_rate(hardware, trace.precision, trace_width(trace))
+    memory = hardware.device_memory_gbps * 1e9
+    return {s.key: (s.selective_seconds if same and s.selective_seconds > 0 else
+                    min(s.flops / rate, max(s.selective_flops / rate, s.selective_write_bytes / memory)))
+            for s in (*trace.segments, *trace.nested)}
 
 
 def _hoist(plan: Plan, decisions: tuple[Decision, ...], prefetch: dict[tuple[str, int], int]

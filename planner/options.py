@@ -8,9 +8,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from hplan.artifacts.activations import CHOICES
+from hplan.artifacts.activations import MODES
 
-ACTIVATION_CHOICES: tuple[str, ...] = ("auto", *CHOICES)
+ACTIVATION_CHOICES: tuple[str, ...] = ("auto", *MODES)
 from hplan.errors import HplanError
 from hplan.planner.presets import GPU_PRESETS, GpuPreset, make_hardware
 

@@ -15,8 +15,8 @@ figures of a step that offloads, or recomputes, every segment, and a "mixed" fig
 ([Note: slack per choice] in hplan.tracer.choice_slack). `slack_table` gives them to the Hardware, and a plan's
 slack is the figure of the choices it makes (`figure`; hplan.planner.activations.with_slack). The auto decision
 runs in *regimes* (`regimes`): every choice under the mixed figure (the largest), then, where the plan found
-makes one choice other than keep, or where nothing fits, each choice alone under its own, smaller figure
-(hplan.planner.activation_auto).
+makes one choice other than keep, or where nothing fits, each choice alone under its own, smaller figure, and
+selective alone under its figure where the trace has one (hplan.planner.activation_auto).
 """
 
 from __future__ import annotations
@@ -93,6 +93,8 @@ def for_figure(hardware: Hardware, name: str, value: int | None = None) -> Hardw
     if not table:
         return hardware
     name = name if name in table else "mixed"  # a selective plan on a table without its figure
+    if value is not None and name == "selective":  # the forced selective mix's own replay (refused calls kept)
+        return replace(hardware, slack_bytes=max(value, table[name]))
     if value is not None and name == "mixed":
         value = table["mixed"] = max(value, table["mixed"])
         return replace(hardware, slack_bytes=value,
@@ -104,12 +106,18 @@ def for_figure(hardware: Hardware, name: str, value: int | None = None) -> Hardw
 
 def regimes(hardware: Hardware, without: frozenset[str] = frozenset()) -> list[tuple[str, Hardware, frozenset[str]]]:
     """The auto decision's regimes (module doc): every choice under the mixed figure first, then each choice alone
-    under its own figure; one regime without a table. Choices in `without` are left out."""
+    under its own figure; one regime without a table. Choices in `without` are left out. Where the table has a
+    "selective" figure, a last regime is the forced selective plan (every call selective that may be, the others
+    kept) under it; selective is in no mix (the mixed figure's samples never hold it), so the mixed regime's
+    bound does not cover it: this regime's does. hplan.planner.activation_min.auto_regimes gives it the forced
+    plan's own reserve (`for_figure` with its replayed figure)."""
     every = frozenset(("keep", "offload", "recompute")) - without
     if not hardware.activation_slack:
         return [("mixed", hardware, every)]
+    alone = [c for c in (*("keep", "offload", "recompute"), "selective") if c in every or
+             (c == "selective" and c not in without and c in dict(hardware.activation_slack))]
     return [("mixed", for_figure(hardware, "mixed"), every),
-            *((c, for_figure(hardware, c), frozenset((c,))) for c in ("keep", "offload", "recompute") if c in every)]
+            *((c, for_figure(hardware, c), frozenset((c,))) for c in alone)]
 
 
 def mix_figure(trace: Trace, hardware: Hardware, modes: list[str] | Mapping[tuple[str, int], str]) -> int | None:

@@ -15,8 +15,9 @@ from hplan.sizes import format_size
 from .figure import traffic_stems
 from .views import PlannedEvent
 
-CHOICE_COLORS = {"keep": "#8c8c8c", "offload": "#2a9d8f", "recompute": "#e9c46a"}
-CHOICE_WORDS = {"keep": "kept on the GPU", "offload": "offloaded to host memory", "recompute": "recomputed in backward"}
+CHOICE_COLORS = {"keep": "#8c8c8c", "offload": "#2a9d8f", "recompute": "#e9c46a", "selective": "#9b5de5"}
+CHOICE_WORDS = {"keep": "kept on the GPU", "offload": "offloaded to host memory", "recompute": "recomputed in backward",
+                "selective": "selective (cheap ops recomputed in backward)"}
 
 
 @dataclass(frozen=True, slots=True)
@@ -67,8 +68,8 @@ def draw_activations(ax: Axes, plan: Plan, planned: list[PlannedEvent], binary: 
             ax.broken_barh([(back, max(right - back, 1))], (row - 0.4, 0.8), facecolors=color, lw=0)
         else:
             ax.broken_barh([(left, right - left)], (row - 0.4, 0.8), facecolors=color, lw=0,
-                           alpha=0.35 if c.choice == "recompute" else 1.0)
-        if c.choice == "recompute":
+                           alpha=0.35 if c.choice in ("recompute", "selective") else 1.0)
+        if c.choice in ("recompute", "selective"):
             ax.plot([right], [row], marker="<", color="#9c6b00", ms=4, ls="none")
     ax.set_ylim(len(choices) - 0.4, -0.6)
     step = max(1, len(choices) // 8)

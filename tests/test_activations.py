@@ -126,6 +126,21 @@ def test_mixed_precision_trains_as_plain_pytorch(precision, choice):
         plan.summary.activation_bytes_moved_per_iter
 
 
+@pytest.mark.parametrize("case", [pytest.param("gpt", marks=pytest.mark.slow), "llama"])
+def test_selective_checkpointing_trains_as_plain_pytorch_below_the_keep_minimum(case):
+    """`--activations selective` (issue 31 §3): the matmuls' and attention's outputs kept, the cheap ops recomputed
+    under torch's selective checkpointing, bit for bit as plain PyTorch (the same kernels, the same RNG state), at
+    its smallest budget, below keeping's; the trace's selective pricing holds at every step (`_train_and_compare`).
+    The bundled GPT with 8 sequences (gpt:tiny's default batch leaves selective nothing to save) and a
+    transformers Llama from its config (use_cache off in training: its KV cache would be refused)."""
+    workload = exact(load_workload("gpt:tiny", batch_size=8)) if case == "gpt" else HF_CASES["llama"]()
+    trace = trace_workload(workload, device="cpu")
+    assert all(not s.selective_reason for s in trace.segments)
+    plan, _ = _train_and_compare(workload, trace, "selective")
+    assert plan.summary.recompute_seconds > 0
+    assert plan.gpu_bytes < min_gpu_bytes(trace, activations="keep").gpu_bytes
+
+
 HF_CASES = {
     "llama": lambda: exact(sized_hf("LlamaForCausalLM")),
     "gpt2-dropout": lambda: exact(sized_hf("GPT2LMHeadModel")),
@@ -197,7 +212,7 @@ def test_cli_refuses_a_bad_choice_and_names_the_budget_a_forced_choice_needs(tin
     trace.save(path)
     bad = runner.invoke(app, ["plan", str(path), "--gpu-mem", "24GB", "--activations", "bogus", "--json"])
     assert bad.exit_code == 2 and bad.stderr.count("\n") == 1
-    assert "--activations takes auto, keep, offload, recompute, got 'bogus'" in bad.stderr
+    assert "--activations takes auto, keep, offload, recompute, selective, got 'bogus'" in bad.stderr
     need = min_gpu_bytes(trace, activations="recompute").gpu_bytes
     small = runner.invoke(app, ["plan", str(path), "--gpu", "cpu", "--gpu-mem", str(need - 1), "--activations",
                                 "recompute", "-o", str(tmp_path / "p.json")])

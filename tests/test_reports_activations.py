@@ -67,6 +67,14 @@ def test_timeline_shows_recomputed_and_kept_segments(trace):
         assert _labels(timeline_figure(trace, plan=keep).axes[-1])[0].startswith("kept on the GPU")
 
 
+def test_timeline_names_selective_segments(trace):
+    """A selective plan's panel names the choice (its own color and words, not the fallback orange unnamed)."""
+    plan = _plan(trace, "selective")
+    assert {c.choice for c in plan.activations} == {"selective"}
+    labels = _labels(timeline_figure(trace, plan=plan).axes[-1])
+    assert labels and all(t.startswith("selective (cheap ops recomputed in backward)") for t in labels), labels
+
+
 def test_sweep_plans_every_activation_choice(trace, tmp_path):
     assert activation_choices(trace)[:3] == CHOICES
     hw = make_hardware("rtx3090", gpu_bytes=1, slack_bytes=default_slack(trace))

@@ -15,13 +15,16 @@ different micro-steps may choose differently (auto decides per call; the executo
   in `recompute_params` (so they are resident); bytes are freed only after `d2h_step` and up to `backward_step`
   (where the effect is the recompute's net change of the window's peak); it may add bytes elsewhere (inputs a
   checkpoint keeps alive); `recompute_seconds` is its predicted cost.
+- selective: the recompute's rules (selective activation checkpointing: its cheap ops run again in `backward_step`,
+  reading `recompute_params`; `recompute_seconds` their cost); its effects may add bytes during its forward (kept
+  outputs the keep run frees, [Note: selective segments] in hplan.artifacts.segments).
 - A child segment's choice (its module inside another listed module, the same micro-step: [Note: nested segments]
   in hplan.artifacts.segments) other than keep needs its block kept, except a *stage* (an offload with `stage`):
   its part of its offloaded block's staged offload ([Note: staged offload]), down at the block's `d2h_step`, its
   packs (numbered in the block's forward) none of the block's own or another stage's; the block's effects may then
   free up to its own and its stages' moved bytes.
 - The summary's `activation_bytes_moved_per_iter` is twice the moved bytes of offloaded segments (down and up), and
-  `recompute_seconds` the sum over recomputed ones.
+  `recompute_seconds` the sum over recomputed and selective ones.
 All of this has defaults meaning "no segments", so the schema stays hplan.plan/2.
 """
 
@@ -37,6 +40,11 @@ if TYPE_CHECKING:
     from hplan.artifacts.plan import Plan
 
 CHOICES: tuple[str, ...] = ("keep", "offload", "recompute")
+"""The choices auto mixes (and the trace's sampled mixes draw from: hplan.tracer.choice_slack)."""
+MODES: tuple[str, ...] = (*CHOICES, "selective")
+"""Every choice a plan may make: "selective" (selective activation checkpointing, [Note: selective segments] in
+hplan.artifacts.segments) is a forced choice and auto's regime of its own, never part of a mix. It follows the
+recompute's rules (its recompute, of the cheap ops only, runs in `backward_step` and reads `recompute_params`)."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -149,7 +157,7 @@ def activation_problems(plan: Plan) -> list[str]:
     if moved != plan.summary.activation_bytes_moved_per_iter:
         problems.append(f"summary says {plan.summary.activation_bytes_moved_per_iter} activation bytes moved per "
                         f"iteration, the offloaded segments move {moved}")
-    seconds = sum(c.recompute_seconds for c in choices if c.choice == "recompute")
+    seconds = sum(c.recompute_seconds for c in choices if c.choice in ("recompute", "selective"))
     if not math.isclose(seconds, plan.summary.recompute_seconds, rel_tol=1e-9, abs_tol=1e-12):
         problems.append(f"summary says {plan.summary.recompute_seconds} recompute seconds, the recomputed segments "
                         f"take {seconds}")
@@ -219,8 +227,8 @@ def _undercounted(plan: Plan) -> list[str]:
 def _choice_problems(c: ActivationChoice, n: int, plan: Plan, param_region: dict[str, int], staged: int = 0
                      ) -> list[str]:
     """`staged`: the moved bytes of its stages, where it is an offloaded block with some."""
-    if c.choice not in CHOICES:
-        return [f"choice {c.choice!r} is not one of {', '.join(CHOICES)}"]
+    if c.choice not in MODES:
+        return [f"choice {c.choice!r} is not one of {', '.join(MODES)}"]
     if not isinstance(c.stage, bool) or (c.stage and (c.choice != "offload" or not c.moved_bytes)):
         return ["only an offload that moves bytes is a stage"]
     counts = (c.micro, c.saved_bytes, c.moved_bytes, c.d2h_step, c.backward_step, c.recompute_peak_bytes)

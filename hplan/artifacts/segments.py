@@ -319,7 +319,7 @@ def effect_totals(choices: Iterable[tuple[Segment, str]], n_events: int,
     calls charged as sharing their recompute window (default: the recomputed ones that do, `shared_windows`)."""
     choices = list(choices)
     if shared is None:
-        shared = shared_windows(s for s, c in choices if c == "recompute")
+        shared = shared_windows(s for s, c in choices if c in ("recompute", "selective"))
     total = [0] * n_events
     for seg, choice in choices:
         for first, last, delta in effects(seg, choice, shared_recompute=seg.key in shared):

@@ -86,7 +86,9 @@ def register(app: typer.Typer) -> None:
                                                  "(default: per segment, decided with the model data's schedule "
                                                  "in the exact model; keeps all where that fits), or for every "
                                                  "segment keep (plain PyTorch), offload (to host memory until its "
-                                                 "backward) or recompute (rerun its forward in backward). "
+                                                 "backward), recompute (rerun its forward in backward) or "
+                                                 "selective (keep matmul/attention outputs, rerun the cheap ops "
+                                                 "in backward; a call it cannot run is kept). "
                                                  "With --gpus/--nodes or --nvme, auto keeps.")
                                ] = "auto",
         allocator: Annotated[str, typer.Option("--allocator", help="Allocator slack to leave room for (predicted): "
@@ -313,7 +315,7 @@ def _bound_scope(s: PlanSummary) -> str:
 
     if not s.activation_cost_bytes and not s.activations_free:
         return ""
-    return (f" and {'any activation choice' if s.activations_free else 'these activation choices'}, "
+    return (f" and {'any keep/offload/recompute mix' if s.activations_free else 'these activation choices'}, "
             f"on bytes moved + {format_size(s.activation_cost_bytes)} of activation cost")
 
 
@@ -329,11 +331,20 @@ def _activation_rows(plan: Plan) -> list[tuple[str, str]]:
     staged = f", {stages} child parts staged back at their own backward" if stages else ""
     text = (f"{len(kinds)} segment calls: {kinds.count('keep')} kept, {kinds.count('offload')} offloaded "
             f"({format_size(s.activation_bytes_moved_per_iter)} moved per iteration{staged}), "
-            f"{kinds.count('recompute')} recomputed ({s.recompute_seconds:.3f} s of compute)")
+            f"{kinds.count('recompute')} recomputed"
+            + (f", {kinds.count('selective')} selective" if "selective" in kinds else "")
+            + f" ({s.recompute_seconds:.3f} s of compute)")
     if plan.options.get("activations") == "auto":
         text += (f"; chosen per segment (auto): {format_size(s.activation_cost_bytes)} of link-byte cost, the bound "
-                 f"covering {'every activation choice' if s.activations_free else 'these choices only'}")
+                 f"covering {_covers(plan) if s.activations_free else 'these choices only'}")
     return [("activations", text)]
+
+
+def _covers(plan: Plan) -> str:
+    """What auto's bound covers: selective checkpointing is in no mix, only its forced plan (a regime of its own)."""
+    if "selective" in dict(plan.hardware.activation_slack):
+        return "every keep/offload/recompute mix and selective alone"
+    return "every activation choice"
 
 
 def _world_rows(plan: Plan) -> list[tuple[str, str]]:
