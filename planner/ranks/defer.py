@@ -5,12 +5,14 @@ it (`derive`, [Note: plan collectives] in hplan.artifacts.shard) and, in a one-r
 updated at the very next step: the write-back reads the reduced gradient, so the executor issues the reduction
 and waits for it at once, with no compute between (hplan.executor.ranks.distributed: a step's `after` calls go out
 at the next event, whose moves then settle them). At `--gpu-mem min` on gpt:small that is every one of the README
-example's 27 all-reduces, each a rendezvous of the ranks with nothing to hide it (the plan's own split: all of
-`all_reduce` exposed). Keeping the gradient on the device one more step moves its write-back and host update to
-the step after, and the reduction runs beside that step's compute — FSDP2's reduce-scatter overlap, within the
-plan's bytes: a deferral is made only where the step it lengthens still fits the budget (regions, non-model and
-transient bytes, slack: the replay's own sum), and never for a region another step reads or writes in between.
-Bytes moved are unchanged; the step model (planner.ranks.shard_time, `settle_next`) prices the overlap.
+example's 27 all-reduces, each a rendezvous of the two ranks with nothing to hide it. Keeping the gradient on the
+device one more step moves its write-back and host update to the step after, and the reduction runs beside that
+step's compute — FSDP2's reduce-scatter overlap, within the plan's bytes: a deferral is made only where the step it
+lengthens still fits the budget (regions, non-model and transient bytes, slack: the replay's own sum), and never
+for a chunk another step touches in between. Bytes moved and calls made are unchanged, and so is the math (each
+chunk's update reads the same reduced gradient). The step model (planner.ranks.shard_time) prices no change: on
+the CPU twin it sums everything, and on a GPU a write-back waits for its reduction on the copy stream, not the
+compute stream; the gain is the executor's main thread, which on the CPU twin blocks on the wait.
 """
 
 from __future__ import annotations
