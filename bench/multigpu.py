@@ -303,7 +303,11 @@ def _cpu(ctx: Context) -> tuple[Table, str]:
                        "buckets], hplan.artifacts.buckets: listed → made per step). hplan run's non-finite checks add no wait per "
                        "step: the loss verdict's all-reduce runs beside the backward and is waited at the first update, "
                        "and replicated gradients (G = OS = 1) need no agreement per update ([Note: replicated "
-                       "verdicts], hplan.executor.ranks.distributed). CPU s / "
+                       "verdicts], hplan.executor.ranks.distributed). A host-updated gradient is written back a step after its "
+                       "reduction is issued wherever the budget allows, so the reduction runs beside that step's "
+                       "compute ([Note: deferred gradient write-back], hplan.planner.ranks.defer), and the CPU "
+                       "probe's dispatch frame costs no dynamo wrapper per operator ([Note: dispatch frame without a "
+                       "wrapper], hplan.probe). CPU s / "
                        "step: process CPU seconds of the same loop (both ranks' steps), which other load does not "
                        "inflate as it does wall time.")
     if deepspeed:

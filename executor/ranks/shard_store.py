@@ -32,6 +32,12 @@ from hplan.artifacts import Chunk, Plan
 from hplan.artifacts.shard import RankPieces, Sharding
 from hplan.errors import HplanError
 
+_unwatched = torch._C._DisableTorchDispatch
+"""A region's fetch, write-back and gradient zeroing fill storages the store already counts (`resident_bytes`) and
+allocate nothing through torch's operators, so the CPU twin's memory probe (hplan.probe, a Python dispatch mode
+costing ~7 µs per operator) is skipped for them, as for packing (hplan.executor.ranks.packing); on CUDA the probe
+reads the allocator and this changes nothing."""
+
 
 @dataclass(kw_only=True, slots=True)
 class ChunkLayout:
@@ -192,7 +198,7 @@ class ShardStore:
         slot = self.slots[rid]
         if slot.state.on_fast_tier:
             return
-        with action(f"hplan::fetch::{rid}"):
+        with action(f"hplan::fetch::{rid}"), _unwatched():
             self.tier.h2d(slot.fast, slot.host)
         self._arrived(slot)
         self.traffic.h2d += slot.region.bytes
@@ -207,9 +213,9 @@ class ShardStore:
             self.tier.alloc(slot.fast, slot.region.bytes)
         if slot.region.kind == "grad":
             lay = self.layouts[slot.region.chunk]
-            flat = self.typed(rid)
             used = lay.offsets[lay.names[-1]][1] if self.sharding.G == 1 else 0
-            flat[used:].zero_()
+            with _unwatched():
+                self.typed(rid)[used:].zero_()
         self._arrived(slot)
 
     def _arrived(self, slot: Slot) -> None:
@@ -225,7 +231,7 @@ class ShardStore:
         if not slot.state.on_fast_tier:
             return
         if writeback and slot.state is RegionState.RESIDENT_DIRTY:
-            with action(f"hplan::writeback::{rid}"):
+            with action(f"hplan::writeback::{rid}"), _unwatched():
                 self.tier.d2h(slot.host, slot.fast)
             self.traffic.d2h += slot.region.bytes
         if slot.region.kind == "param" and self.sharding.P == 1:
@@ -257,7 +263,8 @@ class ShardStore:
             self.tier.alloc(buf, nbytes)
             self.transient_bytes += nbytes
             if zero:
-                buf.zero_()
+                with _unwatched():
+                    buf.zero_()
         return buf
 
     def close_full(self, buf: torch.Tensor) -> None:

@@ -31,6 +31,7 @@ from hplan.planner.core import SEARCH_NODES, _improve, host_bytes_needed
 from hplan.planner.options import PlanOptions
 from hplan.planner.problem import MODULE_CHUNKS, PARAM_CHUNKS, group_params, placement_rule
 from hplan.planner.search import Finished, Scored, chunk_targets, finish
+from hplan.planner.ranks.defer import defer_writebacks
 from hplan.planner.ranks.shard_build import ShardSearch, shard_build
 from hplan.planner.ranks.shard_time import step_seconds, with_collectives
 from hplan.sizes import format_size
@@ -103,6 +104,10 @@ def _candidate(trace: Trace, hardware: Hardware, factors: Sharding, search: Shar
                done: Finished) -> Candidate:
     sharding = search.shardings[scored.chunk_target]
     steps = with_collectives(done.steps, scored, sharding, hardware.ranks)
+    later = defer_writebacks(done.steps, steps, scored.structure.regions, done.schedule.initial, hardware.gpu_bytes,
+                             hardware.slack_bytes)  # [Note: deferred gradient write-back]
+    if later != done.steps:
+        steps = with_collectives(later, scored, sharding, hardware.ranks)
     return Candidate(factors=factors, search=search, scored=scored, sharding=sharding, steps=steps,
                      seconds=step_seconds(trace, hardware, scored, done, steps),
                      collective_bytes=sum(c.sent_bytes for st in steps for c in st.collectives))
