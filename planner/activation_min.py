@@ -157,9 +157,9 @@ def min_gpu_auto(trace: Trace, hardware: Hardware, items: Items, shared: Shared 
         if best is not None and relaxed >= best[0]:
             continue
         value, found = relaxed, None
-        if items.children and slack_figure(decisions) == "mixed":  # its own replayed slack may exceed the sample
-            value = relaxed = relaxed + max(0, (mix_figure(trace, hardware, modes_of(decisions)) or 0)
-                                            - hardware.slack_bytes)
+        if slack_figure(decisions) == "mixed":  # it reserves its own replayed slack, above or below the sample's
+            own = mix_figure(trace, hardware, modes_of(decisions))
+            value = relaxed = relaxed if own is None else relaxed + own - hardware.slack_bytes
             if best is not None and relaxed >= best[0]:
                 continue
         if any(d.choice == "recompute" for d in decisions):
@@ -236,9 +236,9 @@ def min_auto(trace: Trace, hardware: Hardware, without: frozenset[str] = frozens
     host memory given (`--cpu-mem`, no disk tier), choices whose offloads could not sit in host memory beside
     all the model data are left for the smallest budget without offload (as auto's plan does)."""
     shared = Shared()
-    runs = [(hw, items, min_gpu_auto(trace, hw, items, shared)) for _, hw, items in auto_regimes(trace, hardware,
-                                                                                                 without)]
-    hw, items, best = min(runs, key=lambda r: (r[2].value, not r[2].exact))
+    runs = [(hw, items, min_gpu_auto(trace, hw, items, shared), name in ("mixed", PARTS))
+            for name, hw, items in auto_regimes(trace, hardware, without)]  # ties: a single choice's regime
+    hw, items, best, _ = min(runs, key=lambda r: (r[2].value, not r[2].exact, r[3]))
     host = hardware.host_bytes
     if host is not None and hardware.nvme_bytes is None and "offload" not in without \
             and trace.model_bytes + _held(best.lean) > host:

@@ -81,14 +81,14 @@ def figure(choices: Iterable[str | None]) -> str:
 
 def for_figure(hardware: Hardware, name: str, value: int | None = None) -> Hardware:
     """`hardware` with the slack of figure `name` (unchanged without a table); `value`: the mix's own replayed
-    figure: a "mixed" plan reserves the larger of it and the table's (sampled) mixed figure, and records that as its
-    "mixed" entry. (Never less than the sampled figure, so auto's mixed regime, searched under it, is a relaxation
-    of every mixed plan hplan makes: [Note: auto regimes].)"""
+    figure, which a "mixed" plan reserves (and records as its "mixed" entry) whether it is above or below the
+    table's sampled figure: the sample guides auto's search, the plan promises its own ([Note: a floor under every
+    mix] for how auto's bound stays sound)."""
     table = dict(hardware.activation_slack)
     if not table:
         return hardware
     if value is not None and name == "mixed":
-        value = table["mixed"] = max(value, table["mixed"])
+        table["mixed"] = value
         return replace(hardware, slack_bytes=value,
                        activation_slack=tuple((k, table[k]) for k, _ in hardware.activation_slack))
     if table[name] == hardware.slack_bytes:
@@ -121,11 +121,36 @@ def mix_figure(trace: Trace, hardware: Hardware, modes: list[str] | Mapping[tupl
         modes = list(modes) + ["keep"] * len(trace.nested)
     if log is None or not table or len(modes) != len(segments):
         return None
-    keep = table["keep"] - trace.overhead_bytes
-    kinds = [kind for kind, value in (("release", trace.allocator_slack_release_bytes),
-                                      ("expandable", trace.allocator_slack_expandable_bytes)) if value == keep]
+    kinds = _kinds(trace, table)
     if not kinds:
         return None
     levels = [e.non_model_peak_bytes for e in trace.events]
     return max(mix_slack(log, segments, levels, modes, expandable=k == "expandable")
                for k in kinds) + trace.overhead_bytes
+
+
+def mix_floor(trace: Trace, hardware: Hardware) -> int:
+    """Slack plus overhead that no mix's own figure (`mix_figure`, any choice per segment call) is below: the
+    least slack the calls every mix shares run under ([Note: a floor under every mix] in
+    hplan.artifacts.choice_log), at most the table's mixed figure; the mixed figure itself without a log (every
+    mixed plan then reserves it)."""
+    from hplan.artifacts.choice_log import floor_slack
+
+    table = dict(hardware.activation_slack)
+    if not table:
+        return hardware.slack_bytes
+    kinds = _kinds(trace, table)
+    if trace.choice_log is None or not kinds:
+        return table["mixed"]
+    levels = [e.non_model_peak_bytes for e in trace.events]
+    cap = table["mixed"] - trace.overhead_bytes
+    return min(table["mixed"], max(floor_slack(trace.choice_log, trace.segments + trace.nested, levels,
+                                               expandable=k == "expandable", cap=cap) for k in kinds)
+               + trace.overhead_bytes)
+
+
+def _kinds(trace: Trace, table: dict[str, int]) -> list[str]:
+    """The allocator models a mix's own figure is replayed under: those whose keep figure is the table's."""
+    keep = table["keep"] - trace.overhead_bytes
+    return [kind for kind, value in (("release", trace.allocator_slack_release_bytes),
+                                     ("expandable", trace.allocator_slack_expandable_bytes)) if value == keep]
