@@ -66,7 +66,7 @@ from hplan.planner.activation_min import PARTS, RegimeMin, Shared, auto_regimes,
 from hplan.planner import core
 from hplan.planner.activations import Decision, HostMemoryShort, decide, modes_of, slack_figure
 from hplan.planner.core import Pruned
-from hplan.planner.slack import for_figure, mix_figure, mix_floor
+from hplan.planner.slack import for_figure, least_reserve, mix_figure
 from hplan.planner.exact import lp_bound, solve_milp
 from hplan.planner.options import PlanOptions
 from hplan.planner.problem import MinGpu
@@ -191,7 +191,7 @@ def _children_bound(trace: Trace, hardware: Hardware, options: PlanOptions, with
         must[model.choices.n_modes - items.n_modes:] = kids  # the activation items' modes come last
         least = min(least, lagrangian_bound(model, rows, *multipliers, must=must))
         floored = min(floored, lagrangian_bound(model, rows, *multipliers, must=must,
-                                                more_free=hw.slack_bytes - mix_floor(trace, hw)))
+                                                more_free=hw.slack_bytes - least_reserve(hw)))
     return least, floored
 
 
@@ -206,7 +206,7 @@ def _floored(trace: Trace, hw: Hardware, plan: Plan, priced: tuple[dict, list[in
     from hplan.planner.exact import lagrangian_bound
 
     s = plan.summary
-    room = hw.slack_bytes - mix_floor(trace, hw)
+    room = hw.slack_bytes - least_reserve(hw)
     if not s.feasible or not s.activations_free or room <= 0:
         return s
     staged = None if priced is None else priced[0].get(plan.options.get("chunk_bytes"))

@@ -15,9 +15,9 @@ from scipy.sparse import coo_matrix
 from hplan.artifacts.hardware import Hardware
 from hplan.artifacts.trace import Trace
 from hplan.planner.activation_items import Items, build_items
-from hplan.planner.activations import Decision, decide, min_gpu_with, modes_of, slack_figure
+from hplan.planner.activations import Decision, decide, min_gpu_with, slack_figure, with_slack
 from hplan.planner.problem import PARAM_CHUNKS, MinGpu, Problem, Structure, build, group_params, min_gpu
-from hplan.planner.slack import counted, mix_figure, regimes
+from hplan.planner.slack import counted, regimes
 
 
 def minimax(items: Items, need: np.ndarray) -> tuple[int, tuple[int, ...]]:
@@ -158,8 +158,7 @@ def min_gpu_auto(trace: Trace, hardware: Hardware, items: Items, shared: Shared 
             continue
         value, found = relaxed, None
         if slack_figure(decisions) == "mixed":  # it reserves its own replayed slack, above or below the sample's
-            own = mix_figure(trace, hardware, modes_of(decisions))
-            value = relaxed = relaxed if own is None else relaxed + own - hardware.slack_bytes
+            value = relaxed = relaxed + with_slack(hardware, decisions, trace).slack_bytes - hardware.slack_bytes
             if best is not None and relaxed >= best[0]:
                 continue
         if any(d.choice == "recompute" for d in decisions):

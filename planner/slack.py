@@ -81,19 +81,25 @@ def figure(choices: Iterable[str | None]) -> str:
 
 def for_figure(hardware: Hardware, name: str, value: int | None = None) -> Hardware:
     """`hardware` with the slack of figure `name` (unchanged without a table); `value`: the mix's own replayed
-    figure, which a "mixed" plan reserves (and records as its "mixed" entry) whether it is above or below the
-    table's sampled figure: the sample guides auto's search, the plan promises its own ([Note: a floor under every
-    mix] for how auto's bound stays sound)."""
+    figure: a "mixed" plan reserves it, above or below the table's sampled mixed figure, or the table's least
+    figure where that is larger (`least_reserve`), and records that as its "mixed" entry. The sample guides auto's
+    search; the plan promises its own figure ([Note: auto regimes] for how auto's bound covers every mix)."""
     table = dict(hardware.activation_slack)
     if not table:
         return hardware
     if value is not None and name == "mixed":
-        table["mixed"] = value
+        value = table["mixed"] = max(value, least_reserve(hardware))
         return replace(hardware, slack_bytes=value,
                        activation_slack=tuple((k, table[k]) for k, _ in hardware.activation_slack))
     if table[name] == hardware.slack_bytes:
         return hardware
     return replace(hardware, slack_bytes=table[name])
+
+
+def least_reserve(hardware: Hardware) -> int:
+    """The least reserve of any plan: the table's smallest figure (a mixed plan whose own replayed figure is below
+    it reserves this, so every plan reserves at least it and auto's bound can price every mix from it)."""
+    return min(v for _, v in hardware.activation_slack) if hardware.activation_slack else hardware.slack_bytes
 
 
 def regimes(hardware: Hardware, without: frozenset[str] = frozenset()) -> list[tuple[str, Hardware, frozenset[str]]]:
@@ -127,26 +133,6 @@ def mix_figure(trace: Trace, hardware: Hardware, modes: list[str] | Mapping[tupl
     levels = [e.non_model_peak_bytes for e in trace.events]
     return max(mix_slack(log, segments, levels, modes, expandable=k == "expandable")
                for k in kinds) + trace.overhead_bytes
-
-
-def mix_floor(trace: Trace, hardware: Hardware) -> int:
-    """Slack plus overhead that no mix's own figure (`mix_figure`, any choice per segment call) is below: the
-    least slack the calls every mix shares run under ([Note: a floor under every mix] in
-    hplan.artifacts.choice_log), at most the table's mixed figure; the mixed figure itself without a log (every
-    mixed plan then reserves it)."""
-    from hplan.artifacts.choice_log import floor_slack
-
-    table = dict(hardware.activation_slack)
-    if not table:
-        return hardware.slack_bytes
-    kinds = _kinds(trace, table)
-    if trace.choice_log is None or not kinds:
-        return table["mixed"]
-    levels = [e.non_model_peak_bytes for e in trace.events]
-    cap = table["mixed"] - trace.overhead_bytes
-    return min(table["mixed"], max(floor_slack(trace.choice_log, trace.segments + trace.nested, levels,
-                                               expandable=k == "expandable", cap=cap) for k in kinds)
-               + trace.overhead_bytes)
 
 
 def _kinds(trace: Trace, table: dict[str, int]) -> list[str]:

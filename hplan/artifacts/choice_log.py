@@ -22,8 +22,8 @@ from dataclasses import dataclass
 from typing import Literal
 
 from hplan.artifacts.allocator import FREE, MARK
-from hplan.artifacts.segments import Segment, effect_totals, effects
-from hplan.artifacts.slack import GRAIN, holds, smallest_slack
+from hplan.artifacts.segments import Segment, effect_totals
+from hplan.artifacts.slack import smallest_slack
 from hplan.errors import HplanError
 
 Entry = tuple[int, int]
@@ -119,31 +119,3 @@ def mix_slack(choice_log: ChoiceLog, segments: Sequence[Segment], levels: Sequen
         raise HplanError(f"a mix names {len(per)} choices for {len(segments)} segments: an hplan bug")
     return smallest_slack(mix_log(choice_log, per), mix_levels(levels, segments, per), expandable=expandable)
 
-
-def floor_slack(choice_log: ChoiceLog, segments: Sequence[Segment], levels: Sequence[int], *,
-                expandable: bool = False, cap: int | None = None) -> int:
-    """A slack no mix's own figure (`mix_slack`, any choice per segment) is below ([Note: a floor under every
-    mix]); at most `cap` (rounded up to the grid)."""
-    if choice_log.marks() != len(levels):
-        return 0  # the caps are not per event: nothing is proven
-    first = min((ins.at for ins in choice_log.inserts), default=len(choice_log.log) // 2)
-    starts = [lo for s in segments for mode in ("offload", "recompute", "stage")
-              for shared in (False, True) if mode == "recompute" or not shared
-              for lo, _, delta in effects(s, mode, shared_recompute=shared) if delta]
-    event = min(starts, default=len(levels))
-    if event == 0:
-        return 0  # event 0's cap (the calls before the first mark too) may differ
-    log, marks = choice_log.log, 0
-    prefix: list[Entry] = []
-    for i in range(min(first, len(log) // 2)):
-        key, nbytes = log[2 * i], log[2 * i + 1]
-        if nbytes == MARK:
-            marks += 1
-            if marks - 1 >= event:  # event `event`'s window begins: a mix may change its cap
-                break
-        prefix.append((key, nbytes))
-    top = -(-(cap if cap is not None else 1 << 62) // GRAIN) * GRAIN
-    slack = 0
-    while slack < top and not holds(prefix, [level + slack for level in levels], expandable=expandable):
-        slack += GRAIN
-    return min(slack, top)
