@@ -32,9 +32,21 @@ list); a pure regime's fixed activation cost at or above the incumbent; every ch
 (`core.Pruned`); or the mixed regime's LP multipliers, per chunking, with each item held to the regime's choice and
 every row given the slack difference (`exact.lagrangian_bound`, valid for any multipliers). The plan's bound is the
 least over the regimes solved (a skipped regime's is at least the winner's objective); `activations_free` holds only
-where every solved regime's bound covers all its choices. The mixed figure is a sample that guides the search; a
-mixed plan reserves the larger of it and its own mix's replayed figure ([Note: a mix's own slack] in
-hplan.artifacts.choice_log), and where its own is larger the regime is searched again under it (`_settle`).
+where every solved regime's bound covers all its choices. The mixed figure is a sample that guides the search.
+
+[Note: a mix's reserve] A mixed plan reserves its own mix's replayed figure ([Note: a mix's own slack] in
+hplan.artifacts.choice_log), above or below the sample, or the table's least figure where that is larger
+(`slack.least_reserve`: on the 5-block GPT-2 of the tests, mixes need 22-32 MiB against a sample of 30 MiB and a
+least figure of 22 MiB). Where its own is larger than the sample the regime is searched again under it
+(`_settle`); where smaller, the plan is made again under it on the same chunking (`_plan_regime`). The regime's
+search bound covers the plans reserving the sample or more; every other mix makes a choice other than keep and
+reserves at least the least figure, so its bound adds a Lagrangian bound over those plans with the room between
+the sample and the least figure (`_floored`; the children's likewise in `_children_bound`). Every plan therefore
+reserves at least its own figure, and the certificate stays a lower bound over every mix
+(tests/test_activation_floor.py enumerates a 5-block model's mixes). A provable floor under every mix's own
+figure, lower than the least figure but with no reserve added to any plan, was tried: the replay of the calls
+every mix shares (up to the first segment's forward end) gives 20 MiB on that GPT-2 and 2 MiB on gpt:18b, and
+pricing from it widened the narrow ConvNeXt's gaps to 50-100% at middle budgets.
 
 [Note: child segments in auto] Child segments ([Note: nested segments] in hplan.artifacts.segments) enter as more
 modes of their block's item (hplan.planner.activation_items), in a regime of their own (keep and offload under the
@@ -118,7 +130,7 @@ def _plan_auto(trace: Trace, hardware: Hardware, options: PlanOptions, on_progre
                                                        own.keep, None if incumbent is None else incumbent - 1)
                 if priced is not None and name == "mixed":
                     mixed, targets = (priced[0], hw.slack_bytes), _targets(priced[1], options)
-                first = _floored(work, hw, plan, priced)  # its bound, under the floor of every mix's reserve
+                first = _floored(work, hw, plan, priced)  # its bound, over every mix's own reserve
                 plan = _settle(work, hw, options, on_progress, items, smallest, own, plan, decisions)
             elif incumbent is not None and mixed is not None and \
                     _priced_bound(*mixed, name, targets, hw.slack_bytes, incumbent) >= incumbent:
@@ -163,8 +175,8 @@ def _children_bound(trace: Trace, hardware: Hardware, options: PlanOptions, with
     """Lower bounds on every plan of chunking `target` that makes a child segment's choice, over every regime with
     child modes ([Note: child segments in auto]), and on every plan of the parts regime (`PARTS`: the blocks' search
     has none): with each plan reserving its regime's figure (which decides whether child choices are searched, as
-    the figures guide the blocks' search), and with each reserving the floor of every mix (the bound: such plans
-    are mixes, each reserving its own figure, [Note: a floor under every mix]); None where a regime's joint model
+    the figures guide the blocks' search), and with each reserving the least reserve of any plan (the bound: such
+    plans are mixes, each reserving its own figure, [Note: a mix's reserve]); None where a regime's joint model
     cannot be staged with every segment kept (nothing proven)."""
     from hplan.planner.activation_items import build_items
     from hplan.planner.activation_min import parts_regime
@@ -174,7 +186,7 @@ def _children_bound(trace: Trace, hardware: Hardware, options: PlanOptions, with
     # the regimes of `auto_regimes` whose items may have child modes (keep and another choice; build_items)
     runs = [(hw, allowed) for _, hw, allowed in regimes(hardware, without) if "keep" in allowed and len(allowed) > 1]
     parts = parts_regime(trace, hardware, without)
-    least = floored = 1 << 62  # no regime offers a child choice: no such plan
+    least = priced = 1 << 62  # no regime offers a child choice: no such plan
     for hw, allowed in runs + ([(parts, frozenset(("keep", "offload")))] if parts else []):
         items = build_items(trace, hw, allowed)
         kids = items.child_modes()
@@ -190,19 +202,18 @@ def _children_bound(trace: Trace, hardware: Hardware, options: PlanOptions, with
         must = np.zeros(model.choices.n_modes, dtype=bool)
         must[model.choices.n_modes - items.n_modes:] = kids  # the activation items' modes come last
         least = min(least, lagrangian_bound(model, rows, *multipliers, must=must))
-        floored = min(floored, lagrangian_bound(model, rows, *multipliers, must=must,
-                                                more_free=hw.slack_bytes - least_reserve(hw)))
-    return least, floored
+        priced = min(priced, lagrangian_bound(model, rows, *multipliers, must=must,
+                                              more_free=hw.slack_bytes - least_reserve(hw)))
+    return least, priced
 
 
 def _floored(trace: Trace, hw: Hardware, plan: Plan, priced: tuple[dict, list[int]] | None) -> PlanSummary:
-    """The mixed (or parts) regime's summary with its bound lowered to cover every mix it may make, each of which
-    reserves its own replayed figure, perhaps below the sample `hw` searched under ([Note: a floor under every
-    mix]). The search's bound covers every plan at the sample or above; a mix below it makes at least one choice
-    other than keep and reserves at least the floor, so the winner's chunking's LP multipliers priced over the
-    plans with a choice other than keep (`must`), every row given the room between the sample and the floor,
-    bound the rest (`lagrangian_bound`, valid for any multipliers). Where that chunking was not staged nothing is
-    proven."""
+    """The mixed (or parts) regime's summary with its bound lowered to cover every mix, each of which reserves its
+    own replayed figure, perhaps below the sample `hw` searched under ([Note: a mix's reserve]). The search's bound
+    covers every plan reserving the sample or more; a mix below it makes a choice other than keep and reserves at
+    least `least_reserve`, so the winner's chunking's LP multipliers priced over the plans with a choice other
+    than keep (`must`), every row given the room between the sample and that reserve, bound the rest
+    (`lagrangian_bound`, valid for any multipliers). Where that chunking was not staged nothing is proven."""
     from hplan.planner.exact import lagrangian_bound
 
     s = plan.summary

@@ -215,9 +215,9 @@ block's children offloaded beside offloaded blocks, under the larger of keep's a
 def parts_regime(trace: Trace, hardware: Hardware, without: frozenset[str] = frozenset()) -> Hardware | None:
     """The hardware of the parts regime (`PARTS`), or None where it cannot win: no child segments, no offload, no
     per-choice table, or a mixed figure no larger. Its figure is a sample (the pure figures) that guides the
-    search: each of its mixed plans reserves the larger of it and its own mix's replayed figure (`for_figure`
-    through `with_slack`), and is searched again under that (`_settle` in hplan.planner.activation_auto), so its
-    bound is a relaxation of every plan it makes ([Note: auto regimes])."""
+    search: each of its mixed plans reserves its own mix's replayed figure (`for_figure` through `with_slack`),
+    and is searched again under it where that is larger (`_settle` in hplan.planner.activation_auto); its bound
+    covers the plans below it as the mixed regime's does ([Note: a mix's reserve])."""
     table = dict(hardware.activation_slack)
     if not trace.nested or "offload" in without or not table:
         return None

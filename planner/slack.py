@@ -13,7 +13,8 @@ them, plus the non-framework overhead, as Hardware.slack_bytes:
 Each figure is the keep (plain) step's. For "release" and "expandable" a trace with segments also carries the
 figures of a step that offloads, or recomputes, every segment, and a "mixed" figure for plans that mix choices
 ([Note: slack per choice] in hplan.tracer.choice_slack). `slack_table` gives them to the Hardware, and a plan's
-slack is the figure of the choices it makes (`figure`; hplan.planner.activations.with_slack). The auto decision
+slack is the figure of the choices it makes (`figure`; hplan.planner.activations.with_slack): for a mix, its own
+replayed figure, or the table's least where that is larger ([Note: a mix's reserve]). The auto decision
 runs in *regimes* (`regimes`): every choice under the mixed figure (the largest), then, where the plan found
 makes one choice other than keep, or where nothing fits, each choice alone under its own, smaller figure
 (hplan.planner.activation_auto).
