@@ -118,4 +118,3 @@ def mix_slack(choice_log: ChoiceLog, segments: Sequence[Segment], levels: Sequen
     if len(per) != len(segments):
         raise HplanError(f"a mix names {len(per)} choices for {len(segments)} segments: an hplan bug")
     return smallest_slack(mix_log(choice_log, per), mix_levels(levels, segments, per), expandable=expandable)
-
