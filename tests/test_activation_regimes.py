@@ -111,7 +111,7 @@ def test_auto_is_no_worse_than_any_forced_choice_and_its_bound_covers_them(case,
         auto = make_plan(trace, hw)
         assert auto.summary.feasible, budget
         s = auto.summary
-        chosen = {(c.module, c.micro): c.choice for c in auto.activations}
+        chosen = {(c.module, c.micro): "stage" if c.stage else c.choice for c in auto.activations}
         every = trace.segments + trace.nested  # child segments' choices too ([Note: nested segments])
         assert all(s.key in chosen for s in trace.segments) and set(chosen) <= {s.key for s in every}
         mix = [chosen.get(s.key, "keep") for s in every]
