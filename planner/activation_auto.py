@@ -33,9 +33,21 @@ list); a pure regime's fixed activation cost at or above the incumbent; every ch
 (`core.Pruned`); or the mixed regime's LP multipliers, per chunking, with each item held to the regime's choice and
 every row given the slack difference (`exact.lagrangian_bound`, valid for any multipliers). The plan's bound is the
 least over the regimes solved (a skipped regime's is at least the winner's objective); `activations_free` holds only
-where every solved regime's bound covers all its choices. The mixed figure is a sample that guides the search; a
-mixed plan reserves the larger of it and its own mix's replayed figure ([Note: a mix's own slack] in
-hplan.artifacts.choice_log), and where its own is larger the regime is searched again under it (`_settle`).
+where every solved regime's bound covers all its choices. The mixed figure is a sample that guides the search.
+
+[Note: a mix's reserve] A mixed plan reserves its own mix's replayed figure ([Note: a mix's own slack] in
+hplan.artifacts.choice_log), above or below the sample, or the table's least figure where that is larger
+(`slack.least_reserve`: on the 5-block GPT-2 of the tests, mixes need 22-32 MiB against a sample of 30 MiB and a
+least figure of 22 MiB). Where its own is larger than the sample the regime is searched again under it
+(`_settle`); where smaller, the plan is made again under it on the same chunking (`_plan_regime`). The regime's
+search bound covers the plans reserving the sample or more; every other mix makes a choice other than keep and
+reserves at least the least figure, so its bound adds a Lagrangian bound over those plans with the room between
+the sample and the least figure (`_floored`; the children's likewise in `_children_bound`). Every plan therefore
+reserves at least its own figure, and the certificate stays a lower bound over every mix
+(tests/test_activation_floor.py enumerates a 5-block model's mixes). A provable floor under every mix's own
+figure, lower than the least figure but with no reserve added to any plan, was tried: the replay of the calls
+every mix shares (up to the first segment's forward end) gives 20 MiB on that GPT-2 and 2 MiB on gpt:18b, and
+pricing from it widened the narrow ConvNeXt's gaps to 50-100% at middle budgets.
 
 [Note: child segments in auto] Child segments ([Note: nested segments] in hplan.artifacts.segments) enter as more
 modes of their block's item (hplan.planner.activation_items), in a regime of their own (keep and offload under the
@@ -60,14 +72,14 @@ from dataclasses import replace
 import numpy as np
 
 from hplan.artifacts.hardware import Hardware
-from hplan.artifacts.plan import Plan
+from hplan.artifacts.plan import Plan, PlanSummary
 from hplan.artifacts.trace import Trace
 from hplan.planner.activation_items import Items
 from hplan.planner.activation_min import PARTS, RegimeMin, Shared, auto_regimes, min_gpu_auto, min_gpu_of
 from hplan.planner import core
 from hplan.planner.activations import Decision, HostMemoryShort, decide, modes_of, slack_figure
 from hplan.planner.core import Pruned
-from hplan.planner.slack import for_figure, mix_figure
+from hplan.planner.slack import for_figure, least_reserve, mix_figure
 from hplan.planner.exact import lp_bound, solve_milp
 from hplan.planner.options import PlanOptions
 from hplan.planner.problem import MinGpu
@@ -94,7 +106,7 @@ def _plan_auto(trace: Trace, hardware: Hardware, options: PlanOptions, on_progre
         work, shared = trace, Shared()  # blocks' activations must give way: child segments may pay
         runs = [(name, hw, items, min_gpu_auto(work, hw, items, shared))
                 for name, hw, items in auto_regimes(work, hardware, without)]
-    _, hw, items, least = min(runs, key=lambda r: (r[3].value, not r[3].exact))
+    _, hw, items, least = min(runs, key=lambda r: (r[3].value, not r[3].exact, r[0] in ("mixed", PARTS)))
     smallest = min_gpu_of(work, hw, items, least, shared)
     feasible = [r for r in runs if r[3].value <= hardware.gpu_bytes]  # the others cannot fit (a proven minimum)
     if not feasible:  # nothing fits: the plan says why, with the smallest budget over every regime
@@ -119,7 +131,7 @@ def _plan_auto(trace: Trace, hardware: Hardware, options: PlanOptions, on_progre
                                                        own.keep, None if incumbent is None else incumbent - 1)
                 if priced is not None and name == "mixed":
                     mixed, targets = (priced[0], hw.slack_bytes), _targets(priced[1], options)
-                first = plan.summary  # its bound, under the smallest mixed reserve, is the regime's
+                first = _floored(work, hw, plan, priced)  # its bound, over every mix's own reserve
                 plan = _settle(work, hw, options, on_progress, items, smallest, own, plan, decisions)
             elif incumbent is not None and mixed is not None and name != "selective" and \
                     _priced_bound(*mixed, name, targets, hw.slack_bytes, incumbent) >= incumbent:
@@ -153,17 +165,20 @@ def _plan_auto(trace: Trace, hardware: Hardware, options: PlanOptions, on_progre
         return _plan_regime(work, hw, options, on_progress, items, smallest, first.lean, first.keep)[0]
     if work is not trace and _objective(best) > 0 and covered:  # child choices were left out (keep fits)
         child = _children_bound(trace, hardware, options, without, best.options.get("chunk_bytes"))
-        if child is None or child < min([_objective(best), *bounds]):  # a child choice might win: search them too
+        if child is None or child[0] < min([_objective(best), *bounds]):  # a child choice might win: search them
             return _plan_auto(trace, hardware, options, on_progress, without, children=True)
-        bounds.append(child)
+        bounds.append(child[1])
     return _certify(best, bounds, covered)
 
 
 def _children_bound(trace: Trace, hardware: Hardware, options: PlanOptions, without: frozenset[str],
-                    target: int | None) -> int | None:
-    """A lower bound on every plan of chunking `target` that makes a child segment's choice, over every regime with
+                    target: int | None) -> tuple[int, int] | None:
+    """Lower bounds on every plan of chunking `target` that makes a child segment's choice, over every regime with
     child modes ([Note: child segments in auto]), and on every plan of the parts regime (`PARTS`: the blocks' search
-    has none); None where a regime's joint model cannot be staged with every segment kept (nothing proven)."""
+    has none): with each plan reserving its regime's figure (which decides whether child choices are searched, as
+    the figures guide the blocks' search), and with each reserving the least reserve of any plan (the bound: such
+    plans are mixes, each reserving its own figure, [Note: a mix's reserve]); None where a regime's joint model
+    cannot be staged with every segment kept (nothing proven)."""
     from hplan.planner.activation_items import build_items
     from hplan.planner.activation_min import parts_regime
     from hplan.planner.exact import lagrangian_bound
@@ -172,7 +187,7 @@ def _children_bound(trace: Trace, hardware: Hardware, options: PlanOptions, with
     # the regimes of `auto_regimes` whose items may have child modes (keep and another choice; build_items)
     runs = [(hw, allowed) for _, hw, allowed in regimes(hardware, without) if "keep" in allowed and len(allowed) > 1]
     parts = parts_regime(trace, hardware, without)
-    least = 1 << 62  # no regime offers a child choice: no such plan
+    least = priced = 1 << 62  # no regime offers a child choice: no such plan
     for hw, allowed in runs + ([(parts, frozenset(("keep", "offload")))] if parts else []):
         items = build_items(trace, hw, allowed)
         kids = items.child_modes()
@@ -188,7 +203,33 @@ def _children_bound(trace: Trace, hardware: Hardware, options: PlanOptions, with
         must = np.zeros(model.choices.n_modes, dtype=bool)
         must[model.choices.n_modes - items.n_modes:] = kids  # the activation items' modes come last
         least = min(least, lagrangian_bound(model, rows, *multipliers, must=must))
-    return least
+        priced = min(priced, lagrangian_bound(model, rows, *multipliers, must=must,
+                                              more_free=hw.slack_bytes - least_reserve(hw)))
+    return least, priced
+
+
+def _floored(trace: Trace, hw: Hardware, plan: Plan, priced: tuple[dict, list[int]] | None) -> PlanSummary:
+    """The mixed (or parts) regime's summary with its bound lowered to cover every mix, each of which reserves its
+    own replayed figure, perhaps below the sample `hw` searched under ([Note: a mix's reserve]). The search's bound
+    covers every plan reserving the sample or more; a mix below it makes a choice other than keep and reserves at
+    least `least_reserve`, so the winner's chunking's LP multipliers priced over the plans with a choice other
+    than keep (`must`), every row given the room between the sample and that reserve, bound the rest
+    (`lagrangian_bound`, valid for any multipliers). Where that chunking was not staged nothing is proven."""
+    from hplan.planner.exact import lagrangian_bound
+
+    s = plan.summary
+    room = hw.slack_bytes - least_reserve(hw)
+    if not s.feasible or not s.activations_free or room <= 0:
+        return s
+    staged = None if priced is None else priced[0].get(plan.options.get("chunk_bytes"))
+    if staged is None:
+        return replace(s, activations_free=False)
+    model, rows, multipliers = staged
+    c = model.choices
+    act = np.array([k < 0 for k in c.key])[c.item]  # activation items have negative keys
+    must = act & (np.array(c.label) != "keep")
+    return replace(s, lower_bound_bytes=min(s.lower_bound_bytes, lagrangian_bound(
+        model, rows, *multipliers, more_free=room, must=must)))
 
 
 SETTLE_ROUNDS = 3
@@ -307,9 +348,9 @@ def _plan_regime(trace: Trace, hardware: Hardware, options: PlanOptions, on_prog
             plan = core.plan_decisions(trace, hardware, options, decisions, on_progress,
                                        targets=[best.chunk_target], shared=items.shared, smallest=smallest)
         elif slack_figure(decisions) == "mixed" and \
-                (mix_figure(trace, hardware, modes_of(decisions)) or 0) > hardware.slack_bytes:
-            # the mix's own log needs more than the regime's figure: planned again under its own ([Note: a mix's
-            # own slack]), on the same chunking
+                mix_figure(trace, hardware, modes_of(decisions)) not in (None, hardware.slack_bytes):
+            # the mix's own log needs more, or less, than the regime's figure: planned again under its own
+            # ([Note: a mix's own slack]), on the same chunking
             plan = core.plan_decisions(trace, hardware, options, decisions, on_progress,
                                        targets=[best.chunk_target], shared=items.shared, smallest=smallest)
         else:  # the relaxed problem of these choices is their own: its schedule is the plan's

@@ -15,9 +15,9 @@ from scipy.sparse import coo_matrix
 from hplan.artifacts.hardware import Hardware
 from hplan.artifacts.trace import Trace
 from hplan.planner.activation_items import Items, build_items
-from hplan.planner.activations import Decision, decide, min_gpu_with, modes_of, slack_figure
+from hplan.planner.activations import Decision, decide, min_gpu_with, slack_figure, with_slack
 from hplan.planner.problem import PARAM_CHUNKS, MinGpu, Problem, Structure, build, group_params, min_gpu
-from hplan.planner.slack import counted, mix_figure, regimes
+from hplan.planner.slack import counted, regimes
 
 
 def minimax(items: Items, need: np.ndarray) -> tuple[int, tuple[int, ...]]:
@@ -157,9 +157,8 @@ def min_gpu_auto(trace: Trace, hardware: Hardware, items: Items, shared: Shared 
         if best is not None and relaxed >= best[0]:
             continue
         value, found = relaxed, None
-        if items.children and slack_figure(decisions) == "mixed":  # its own replayed slack may exceed the sample
-            value = relaxed = relaxed + max(0, (mix_figure(trace, hardware, modes_of(decisions)) or 0)
-                                            - hardware.slack_bytes)
+        if slack_figure(decisions) == "mixed":  # it reserves its own replayed slack, above or below the sample's
+            value = relaxed = relaxed + with_slack(hardware, decisions, trace).slack_bytes - hardware.slack_bytes
             if best is not None and relaxed >= best[0]:
                 continue
         if any(d.choice in ("recompute", "selective") for d in decisions):  # weight reads added
@@ -226,9 +225,9 @@ block's children offloaded beside offloaded blocks, under the larger of keep's a
 def parts_regime(trace: Trace, hardware: Hardware, without: frozenset[str] = frozenset()) -> Hardware | None:
     """The hardware of the parts regime (`PARTS`), or None where it cannot win: no child segments, no offload, no
     per-choice table, or a mixed figure no larger. Its figure is a sample (the pure figures) that guides the
-    search: each of its mixed plans reserves the larger of it and its own mix's replayed figure (`for_figure`
-    through `with_slack`), and is searched again under that (`_settle` in hplan.planner.activation_auto), so its
-    bound is a relaxation of every plan it makes ([Note: auto regimes])."""
+    search: each of its mixed plans reserves its own mix's replayed figure (`for_figure` through `with_slack`),
+    and is searched again under it where that is larger (`_settle` in hplan.planner.activation_auto); its bound
+    covers the plans below it as the mixed regime's does ([Note: a mix's reserve])."""
     table = dict(hardware.activation_slack)
     if not trace.nested or "offload" in without or not table:
         return None
@@ -246,9 +245,9 @@ def min_auto(trace: Trace, hardware: Hardware, without: frozenset[str] = frozens
     host memory given (`--cpu-mem`, no disk tier), choices whose offloads could not sit in host memory beside
     all the model data are left for the smallest budget without offload (as auto's plan does)."""
     shared = Shared()
-    runs = [(hw, items, min_gpu_auto(trace, hw, items, shared)) for _, hw, items in auto_regimes(trace, hardware,
-                                                                                                 without)]
-    hw, items, best = min(runs, key=lambda r: (r[2].value, not r[2].exact))
+    runs = [(hw, items, min_gpu_auto(trace, hw, items, shared), name in ("mixed", PARTS))
+            for name, hw, items in auto_regimes(trace, hardware, without)]  # ties: a single choice's regime
+    hw, items, best, _ = min(runs, key=lambda r: (r[2].value, not r[2].exact, r[3]))
     host = hardware.host_bytes
     if host is not None and hardware.nvme_bytes is None and "offload" not in without \
             and trace.model_bytes + _held(best.lean) > host:

@@ -74,11 +74,15 @@ def plan_mix(trace: Trace, hardware: Hardware, choices: list[str] | tuple[str, .
     """The plan forced to one choice per segment (`choices[i]` for the trace's segment i; a module that may not be
     recomputed is offloaded instead, as `--activations recompute` does): what auto's certificate is checked
     against, and a mix's own slack with it ([Note: a mix's own slack])."""
+    return plan_decisions(trace, hardware, options or PlanOptions(), mix_decisions(trace, choices))
+
+
+def mix_decisions(trace: Trace, choices: list[str] | tuple[str, ...]) -> tuple:
+    """The decisions `plan_mix` plans."""
     from hplan.planner.activations import Decision
 
     if len(choices) != len(trace.segments):
         raise HplanError(f"a mix needs one choice per segment: {len(trace.segments)}, got {len(choices)}")
     per = {c: decide(trace, c) for c in set(choices)}
-    decisions = tuple(per[c][i] if c != "keep" else Decision(segment=s, choice="keep")
-                      for i, (s, c) in enumerate(zip(trace.segments, choices)))
-    return plan_decisions(trace, hardware, options or PlanOptions(), decisions)
+    return tuple(per[c][i] if c != "keep" else Decision(segment=s, choice="keep")
+                 for i, (s, c) in enumerate(zip(trace.segments, choices)))

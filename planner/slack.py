@@ -13,7 +13,8 @@ them, plus the non-framework overhead, as Hardware.slack_bytes:
 Each figure is the keep (plain) step's. For "release" and "expandable" a trace with segments also carries the
 figures of a step that offloads, or recomputes, every segment, and a "mixed" figure for plans that mix choices
 ([Note: slack per choice] in hplan.tracer.choice_slack). `slack_table` gives them to the Hardware, and a plan's
-slack is the figure of the choices it makes (`figure`; hplan.planner.activations.with_slack). The auto decision
+slack is the figure of the choices it makes (`figure`; hplan.planner.activations.with_slack): for a mix, its own
+replayed figure, or the table's least where that is larger ([Note: a mix's reserve]). The auto decision
 runs in *regimes* (`regimes`): every choice under the mixed figure (the largest), then, where the plan found
 makes one choice other than keep, or where nothing fits, each choice alone under its own, smaller figure, and
 selective alone under its figure where the trace has one (hplan.planner.activation_auto).
@@ -86,9 +87,9 @@ def figure(choices: Iterable[str | None]) -> str:
 
 def for_figure(hardware: Hardware, name: str, value: int | None = None) -> Hardware:
     """`hardware` with the slack of figure `name` (unchanged without a table); `value`: the mix's own replayed
-    figure: a "mixed" plan reserves the larger of it and the table's (sampled) mixed figure, and records that as its
-    "mixed" entry. (Never less than the sampled figure, so auto's mixed regime, searched under it, is a relaxation
-    of every mixed plan hplan makes: [Note: auto regimes].)"""
+    figure: a "mixed" plan reserves it, above or below the table's sampled mixed figure, or the table's least
+    figure where that is larger (`least_reserve`), and records that as its "mixed" entry. The sample guides auto's
+    search; the plan promises its own figure ([Note: auto regimes] for how auto's bound covers every mix)."""
     table = dict(hardware.activation_slack)
     if not table:
         return hardware
@@ -96,12 +97,18 @@ def for_figure(hardware: Hardware, name: str, value: int | None = None) -> Hardw
     if value is not None and name == "selective":  # the forced selective mix's own replay (refused calls kept)
         return replace(hardware, slack_bytes=max(value, table[name]))
     if value is not None and name == "mixed":
-        value = table["mixed"] = max(value, table["mixed"])
+        value = table["mixed"] = max(value, least_reserve(hardware))
         return replace(hardware, slack_bytes=value,
                        activation_slack=tuple((k, table[k]) for k, _ in hardware.activation_slack))
     if table[name] == hardware.slack_bytes:
         return hardware
     return replace(hardware, slack_bytes=table[name])
+
+
+def least_reserve(hardware: Hardware) -> int:
+    """The least reserve of any plan: the table's smallest figure (a mixed plan whose own replayed figure is below
+    it reserves this, so every plan reserves at least it and auto's bound can price every mix from it)."""
+    return min(v for _, v in hardware.activation_slack) if hardware.activation_slack else hardware.slack_bytes
 
 
 def regimes(hardware: Hardware, without: frozenset[str] = frozenset()) -> list[tuple[str, Hardware, frozenset[str]]]:
@@ -135,11 +142,16 @@ def mix_figure(trace: Trace, hardware: Hardware, modes: list[str] | Mapping[tupl
         modes = list(modes) + ["keep"] * len(trace.nested)
     if log is None or not table or len(modes) != len(segments):
         return None
-    keep = table["keep"] - trace.overhead_bytes
-    kinds = [kind for kind, value in (("release", trace.allocator_slack_release_bytes),
-                                      ("expandable", trace.allocator_slack_expandable_bytes)) if value == keep]
+    kinds = _kinds(trace, table)
     if not kinds:
         return None
     levels = [e.non_model_peak_bytes for e in trace.events]
     return max(mix_slack(log, segments, levels, modes, expandable=k == "expandable")
                for k in kinds) + trace.overhead_bytes
+
+
+def _kinds(trace: Trace, table: dict[str, int]) -> list[str]:
+    """The allocator models a mix's own figure is replayed under: those whose keep figure is the table's."""
+    keep = table["keep"] - trace.overhead_bytes
+    return [kind for kind, value in (("release", trace.allocator_slack_release_bytes),
+                                     ("expandable", trace.allocator_slack_expandable_bytes)) if value == keep]
