@@ -19,26 +19,9 @@ from __future__ import annotations
 
 from dataclasses import replace
 
+from hplan.artifacts.buckets import step_totals
 from hplan.artifacts.plan import Region, Step
 from hplan.artifacts.replay import OPTIMIZER_EVENT
-
-
-def step_totals(steps: tuple[Step, ...] | list[Step], sizes: dict[int, int], initial: frozenset[int] | set[int],
-                slack: int) -> list[int]:
-    """Each step's device bytes as the replay sums them (regions after its moves + non-model + transient + slack);
-    many-rank plans make no flips."""
-    held = sum(sizes[r] for r in initial)
-    resident = set(initial)
-    out = []
-    for st in steps:
-        gone = set(st.evict) & resident
-        held -= sum(sizes[r] for r in gone)
-        resident -= gone
-        came = (set(st.fetch) | set(st.alloc)) - resident
-        held += sum(sizes[r] for r in came)
-        resident |= came
-        out.append(held + st.non_model_bytes + st.gathered_bytes + slack)
-    return out
 
 
 def defer_writebacks(steps: tuple[Step, ...], with_calls: tuple[Step, ...], regions: tuple[Region, ...],

@@ -9,7 +9,8 @@ from dataclasses import replace
 import pytest
 
 from hplan.artifacts.replay import OPTIMIZER_EVENT, replay
-from hplan.planner.ranks.defer import defer_writebacks, step_totals
+from hplan.artifacts.buckets import step_totals
+from hplan.planner.ranks.defer import defer_writebacks
 from hplan.specs import load_workload
 from hplan.tracer import trace_workload
 
