@@ -308,3 +308,24 @@ def test_selective_rewrite_holds_the_kept_outputs_plain_pytorch_frees(spec):
     held = sum(c.sac_freed for c in rec.segment_calls)
     assert held > 0
     assert abs((peaks[last] - keep[last]) - (held - freed)) <= 4096 * len(trace.segments), (peaks[last], keep[last])
+
+
+def test_a_mix_figure_is_replayed_once_within_a_plan(monkeypatch):
+    """[figures_remembered] the same mix asked twice within one plan replays its log once, with the same answer;
+    outside a plan every call replays."""
+    import hplan.artifacts.choice_log as choice_log
+    from hplan.planner.slack import figures_remembered, mix_figure
+
+    _, trace = _recorded("hf:LlamaForCausalLM")
+    hw = make_hardware("cpu", gpu_bytes=10**10, **trace_slack(trace))
+    mix = {s.key: ("offload", "recompute")[i % 2] for i, s in enumerate(trace.segments)}
+    calls = []
+    real = choice_log.mix_slack
+    monkeypatch.setattr(choice_log, "mix_slack", lambda *a, **k: calls.append(1) or real(*a, **k))
+    first = mix_figure(trace, hw, mix)
+    once = len(calls)
+    assert once >= 1 and mix_figure(trace, hw, mix) == first and len(calls) == 2 * once
+    with figures_remembered():
+        assert mix_figure(trace, hw, mix) == first and mix_figure(trace, hw, mix) == first
+        assert len(calls) == 3 * once
+    assert mix_figure(trace, hw, mix) == first and len(calls) == 4 * once
