@@ -23,7 +23,8 @@ from bench.context import Context
 from bench.harness import SectionOutput, Table, fmt_bytes, fmt_ratio, fmt_seconds
 
 BUDGETS, QUICK_BUDGETS = 20, 3
-FORCED = ("keep", "offload", "recompute")
+FORCED = ("keep", "offload", "recompute", "selective")
+"""Every `--activations` value a user could force (selective where the trace prices it)."""
 LLAMA = {"num_hidden_layers": 8, "hidden_size": 256, "intermediate_size": 688, "num_attention_heads": 4,
          "num_key_value_heads": 4, "vocab_size": 2048, "max_position_embeddings": 1024}
 GPT2 = {"n_embd": 128, "n_layer": 5, "n_head": 4, "vocab_size": 1024, "n_positions": 1024}
@@ -44,7 +45,7 @@ def objective(plan: Any) -> int:
     link = plan.hardware.h2d_gbps * 1e9
     return plan.summary.bytes_moved_per_iter + sum(
         c.moved_bytes * 2 if c.choice == "offload" else math.ceil(c.recompute_seconds * link)
-        if c.choice == "recompute" else 0 for c in plan.activations)
+        if c.choice in ("recompute", "selective") else 0 for c in plan.activations)
 
 
 def scan(trace: Any, gpu: str, n: int) -> dict[str, Any]:
