@@ -19,7 +19,7 @@ from typing import Any, Protocol
 
 import torch
 from hplan.executor.trace_ranges import action
-from hplan.executor.device import LENT, FastTier
+from hplan.executor.device import FastTier
 from hplan.executor.state import RegionState
 from hplan.executor.step_table import Moves
 from torch import nn
@@ -246,9 +246,8 @@ def move_regions(store: Mover, moves: Moves) -> None:
     (room is freed before it is taken) cannot drift apart. A refill may take the block an eviction of the same
     step released ([Note: same-step reuse] in hplan.executor.device)."""
     tier = getattr(store, "tier", None) if moves.lend else None
-    lend = tier is not None and tier.caches
-    if lend:
-        tier._lent = LENT  # tier.lend(), inline ([Note: per-iteration Python work] in hplan.executor.step_table)
+    if tier is not None:
+        tier.lend()
     try:
         for rid, writeback in moves.evict:
             store.evict(rid, writeback=writeback)
@@ -257,10 +256,8 @@ def move_regions(store: Mover, moves: Moves) -> None:
         for rid in moves.alloc:
             store.alloc(rid)
     finally:
-        if lend:
-            tier._lent = 0  # tier.settle(), inline
-            if tier.cached > tier.limit:
-                tier._trim()
+        if tier is not None:
+            tier.settle()
 
 
 def _layout(region: Region, tensors: tuple[str, ...], trainable: tuple[str, ...], params: dict[str, nn.Parameter],

@@ -36,7 +36,7 @@ import torch
 from hplan.executor.activations.run import ActivationRun
 from hplan.executor.admission import check_plan, check_state_regions
 from hplan.executor.batch import UpdateBatch
-from hplan.executor.device import LENT, make_tier
+from hplan.executor.device import make_tier
 from hplan.executor.evaluation import EvalPass
 from hplan.executor.gradients import Clip, GradientOps, move_grad
 from hplan.executor.habits import intercepted, with_step_hooks
@@ -512,18 +512,12 @@ class PlanRun(UpdateSteps, GradientOps, StateSync):
     def _flip(self, c: int) -> None:
         """The chunk's weights leave (their storage is freed), its gradient region takes their place."""
         self._pending_flips.discard(c)
-        tier = self.tier
-        lend = tier.caches
-        if lend:  # the gradient region takes the weights' block ([Note: same-step reuse]); tier.lend(), inline
-            tier._lent = LENT
+        self.tier.lend()  # the gradient region takes the weights' block ([Note: same-step reuse])
         try:
             self.store.evict(self.store.region(c, "param"), writeback=False)
             self.store.alloc(self.store.region(c, "grad"))
         finally:
-            if lend:  # tier.settle(), inline
-                tier._lent = 0
-                if tier.cached > tier.limit:
-                    tier._trim()
+            self.tier.settle()
 
     def _complete_flips(self) -> None:
         for c in sorted(self._pending_flips):
