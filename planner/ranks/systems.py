@@ -14,8 +14,10 @@ Each system is its shard factors ([Note: shard layout]) plus how it issues colle
   grads, on the reduce stream); hierarchical gathers when a partition group spans nodes
   (mics_hierarchical_params_gather);
 - ZeRO-1 (DeepSpeed stage 1, runtime/zero/stage_1_and_2.py): P = G = 1, OS = all ranks; gradients reduced once
-  per step in buckets of 5e8 elements on the compute stream (overlap_comm defaults to False below stage 3),
-  updated weights all-gathered after the step in buckets of allgather_bucket_size 5e8 elements;
+  per step after the backward (engine.allreduce_gradients -> reduce_gradients: no hooks below stage 2 without
+  overlap_comm, which defaults to False there) in buckets of 5e8 elements on the compute stream, each bucket
+  all-reduced whole over the data-parallel group (`allreduce_steps`), updated weights all-gathered after the
+  step in buckets of allgather_bucket_size 5e8 elements;
 - AMSP (arXiv 2311.00257 v2): the factors its paper reports per model, gathers prefetched, gradient
   synchronisation overlapped with the backward ("AllGather prefetching and ReduceScatter scheduling") in buckets
   of 512 MiB (InternEvo's hybrid_zero_optimizer default, configs/7B_sft.py, the framework AMSP's authors
@@ -95,6 +97,24 @@ def hpz_steps(steps: tuple[Step, ...], gpus_per_node: int) -> tuple[Step, ...]:
     return tuple(out)
 
 
+def allreduce_steps(steps: tuple[Step, ...]) -> tuple[Step, ...]:
+    """DeepSpeed stage 1/2's gradient reduction on a ZeRO-1 plan: each reduce-scatter of gradients becomes an
+    all-reduce of the same buffer. Its default (`use_multi_rank_bucket_allreduce`, runtime/zero/config.py)
+    packs every destination rank's slices of a bucket into one flat tensor and all-reduces it over the
+    data-parallel group (stage_1_and_2.py: average_tensor -> allreduce_and_scatter -> allreduce_bucket ->
+    dist.all_reduce); each rank then keeps its own slice, so twice a reduce-scatter's bytes cross the links.
+    Before DeepSpeed 0.12.4 (PR #4695) a bucket went as one dist.reduce per destination rank's slice: a
+    reduce-scatter's bytes in about one call per rank, which DeepSpeed's blogs/comm-opt/README.md reports 1–2 s
+    per step slower for a dense 7B at 512–1,024 GPUs; the all-reduce is the cheaper of the two and today's."""
+    out = []
+    for st in steps:
+        calls = tuple(Collective.make("all_reduce", c.purpose, c.region, c.before, c.size, c.stride, c.numel,
+                                      c.itemsize) if c.op == "reduce_scatter" and c.purpose == "sync" else c
+                      for c in st.collectives)
+        out.append(replace(st, collectives=calls))
+    return tuple(out)
+
+
 def price(plan: Plan, trace: Trace, schedule: CommSchedule, steps: tuple[Step, ...] | None = None
           ) -> dict[str, float]:
     """The step-time split of a plan's steps (or of other steps over its regions) under a schedule."""
@@ -115,4 +135,6 @@ def system_steps(system: System, plan: Plan) -> tuple[Step, ...]:
     """The plan's steps as the system runs them (hpZ rewrites backward gathers)."""
     if system.kind == "zero++hpz":
         return hpz_steps(plan.steps, plan.hardware.gpus_per_node)
+    if system.kind == "zero1":
+        return allreduce_steps(plan.steps)
     return plan.steps
