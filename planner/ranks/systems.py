@@ -104,8 +104,8 @@ def allreduce_steps(steps: tuple[Step, ...]) -> tuple[Step, ...]:
     data-parallel group (stage_1_and_2.py: average_tensor -> allreduce_and_scatter -> allreduce_bucket ->
     dist.all_reduce); each rank then keeps its own slice, so twice a reduce-scatter's bytes cross the links.
     Before DeepSpeed 0.12.4 (PR #4695) a bucket went as one dist.reduce per destination rank's slice: a
-    reduce-scatter's bytes in about one call per rank, which DeepSpeed's blogs/comm-opt/README.md reports 1–2 s
-    per step slower for a dense 7B at 512–1,024 GPUs; the all-reduce is the cheaper of the two and today's."""
+    reduce-scatter's bytes in about one call per rank, whose all-reduce time for a dense 7B grew by 1 and 2 s
+    from 256 to 512 and 1,024 A100s (DeepSpeed's blogs/comm-opt/README.md, the reason for the change)."""
     out = []
     for st in steps:
         calls = tuple(Collective.make("all_reduce", c.purpose, c.region, c.before, c.size, c.stride, c.numel,
