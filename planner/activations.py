@@ -20,6 +20,7 @@ coefficient column of the joint decision `--activations auto` makes ([Note: auto
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -316,12 +317,37 @@ def selective_seconds(trace: Trace, hardware: Hardware) -> dict[Key, float]:
             for s in (*trace.segments, *trace.nested)}
 
 
+_REPLAYED: list[tuple[Plan, list[int]]] = []
+"""The plan `core._plan` made last and its replay's total bytes per step ([Note: a plan replayed once])."""
+
+
+def replayed(plan: Plan, totals: list[int]) -> None:
+    """Remember the total bytes per step of the plan just made (what `_hoist` reads of it)."""
+    _REPLAYED[:] = [(plan, totals)]
+
+
+def _totals(plan: Plan) -> list[int]:
+    """Each step's total bytes in the replay of `plan` (hplan.artifacts.replay).
+
+    [Note: a plan replayed once] `core._plan` replays the plan it makes (to check it and read its traffic), then
+    puts the summary into it; `with_activations` hoists prefetches on that very plan, which needs its replay's
+    totals again (gpt:18b at 24 GB: two of its six plan replays). A replay reads the summary in one check only (its
+    numbers finite, the budget positive: a broken rule leaves no states); every state comes from the steps,
+    regions, hardware and initial residency, which the summary's replacement keeps. So where this is the plan
+    remembered (the same object) and the check holds, its totals are the remembered ones."""
+    last = _REPLAYED.pop() if _REPLAYED else None
+    s = plan.summary
+    if last is not None and last[0] is plan and plan.hardware.gpu_bytes > 0 \
+            and math.isfinite(s.predicted_step_seconds) and math.isfinite(s.gap):
+        return last[1]
+    return [state.total_bytes for state in replay(plan).states]
+
+
 def _hoist(plan: Plan, decisions: tuple[Decision, ...], prefetch: dict[tuple[str, int], int]
            ) -> dict[tuple[str, int], int]:
     """Each offloaded segment's prefetch moved as early as the budget allows at every step it passes, no earlier than
     the previous offloaded segment's backward step (or its own forward's end), in backward order."""
-    rep = replay(plan)
-    total = [s.total_bytes for s in rep.states]
+    total = _totals(plan)
     budget = plan.hardware.gpu_bytes
     offloaded = sorted((d for d in decisions if d.choice == "offload" and d.segment.offload_bytes),
                        key=lambda d: d.segment.backward_events[0])

@@ -17,7 +17,7 @@ from hplan.artifacts.plan import Plan, PlanSummary
 from hplan.artifacts.replay import Replay, replay, validate  # noqa: F401  (re-exported)
 from hplan.sizes import format_size
 from hplan.artifacts.trace import Trace
-from hplan.planner.activations import Decision, min_gpu_with, transform, with_activations, with_slack
+from hplan.planner.activations import Decision, min_gpu_with, replayed, transform, with_activations, with_slack
 from hplan.planner.exact import lp_bound, solve_milp
 from hplan.planner.options import PlanOptions
 from hplan.planner.problem import PARAM_CHUNKS, MinGpu, min_gpu, placement_rule
@@ -202,7 +202,8 @@ def _plan(trace: Trace, hardware: Hardware, best: Scored, done: Finished, solver
     if hardware.host_bytes is not None and hardware.nvme_bytes is not None:  # issue 16: the host tier
         from hplan.planner.tiers.host import plan_tiers
 
-        plan = plan_tiers(trace, plan, nodes=FINAL_NODES[0 if opts.get("solver") == "fast" else opts["effort"]])
+        return plan_tiers(trace, plan, nodes=FINAL_NODES[0 if opts.get("solver") == "fast" else opts["effort"]])
+    replayed(plan, [state.total_bytes for state in rep.states])  # [Note: a plan replayed once]
     return plan
 
 

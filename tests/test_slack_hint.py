@@ -63,5 +63,7 @@ def test_hinted_search_finds_the_smallest_fitting_grain_from_any_hint(monkeypatc
 
     monkeypatch.setattr(slack, "holds", holds)
     monkeypatch.setattr(slack, "replay", lambda *a, **k: Peak())
+    # the uncapped run's peak, and a cap that acts everywhere below it ([Note: an unbound cap])
+    monkeypatch.setattr(slack, "unbound_slack", lambda *a, **k: (Peak.max_reserved_bytes, Peak.max_reserved_bytes))
     found = slack.smallest_slack([(1, 1)], [0], hint=None if hint is None else hint * slack.GRAIN)
     assert found == answer * slack.GRAIN

@@ -131,21 +131,34 @@ class AllocatorModel:
         """
         if self.log is not None:
             self.log.append((key, nbytes))
-        if key in self._live:
+        live = self._live
+        if key in live:
             self._free(key)
-        size = round_size(nbytes)
+        size = round_size(nbytes) if nbytes <= 0 else -(-nbytes // MIN_BLOCK) * MIN_BLOCK
         if size == 0:
             return
+        # the smallest free block of the pool that fits (lowest address on ties), else a new segment; split when
+        # the rest is big enough to keep, the request keeping the low end. Written out without helper calls: the
+        # slack figures replay a step's calls about fifteen times each, and the planner a mix's own log per plan
         small = size <= SMALL_SIZE
-        block = self._best_fit(size, small) or self._new_segment(size, small)
+        pool = self._small if small else self._large
+        i = bisect.bisect_left(pool, (size,))
+        block = pool.pop(i)[2] if i < len(pool) else self._new_segment(size, small)
         rest = block.size - size
         if (rest >= MIN_BLOCK) if small else (rest > SMALL_SIZE):
-            self._split(block, size)
+            after = block.next
+            tail = _Block(block.addr + size, rest, small, True, 0, block, after)
+            if after is not None:
+                after.prev = tail
+            block.next = tail
+            block.size = size
+            bisect.insort(pool, (rest, tail.addr, tail))  # `pool` is the pool still: a release edits it in place
         block.free = False
         block.requested = size
-        self._live[key] = block
-        self._allocated += size
-        self._max_allocated = max(self._max_allocated, self._allocated)
+        live[key] = block
+        allocated = self._allocated = self._allocated + size
+        if allocated > self._max_allocated:
+            self._max_allocated = allocated
 
     def mark(self) -> None:
         """A plan event begins (recorded only: replays change their cap there)."""
@@ -173,28 +186,31 @@ class AllocatorModel:
         self._allocated -= block.requested
         block.requested = 0
         block.free = True
+        pool = self._small if block.small else self._large  # neighbours merged in leave it (as in malloc)
         after = block.next
         if after is not None and after.free:
-            self._unlist(after)
-            self._absorb(block, after)
+            i = bisect.bisect_left(pool, (after.size, after.addr))
+            assert pool[i][2] is after, "free-block index out of sync"
+            del pool[i]
+            block.size += after.size
+            block.next = nxt = after.next
+            if nxt is not None:
+                nxt.prev = block
         before = block.prev
         if before is not None and before.free:
-            self._unlist(before)
-            self._absorb(before, block)
+            i = bisect.bisect_left(pool, (before.size, before.addr))
+            assert pool[i][2] is before, "free-block index out of sync"
+            del pool[i]
+            before.size += block.size
+            before.next = nxt = block.next
+            if nxt is not None:
+                nxt.prev = before
             block = before
-        self._list(block)
+        bisect.insort(pool, (block.size, block.addr, block))
 
     # -- internals ---------------------------------------------------------------------------------
     def _pool(self, small: bool) -> list[tuple[int, int, _Block]]:
         return self._small if small else self._large
-
-    def _best_fit(self, size: int, small: bool) -> _Block | None:
-        """Take the smallest free block of the pool with at least `size` bytes (lowest address on ties)."""
-        pool = self._pool(small)
-        i = bisect.bisect_left(pool, (size,))
-        if i == len(pool):
-            return None
-        return pool.pop(i)[2]
 
     def _new_segment(self, size: int, small: bool) -> _Block:
         """Reserve a fresh segment for a request that no cached block fits."""
@@ -219,28 +235,5 @@ class AllocatorModel:
                 keep = {id(entry[2]) for entry in whole}
                 pool[:] = [entry for entry in pool if id(entry[2]) not in keep]
 
-    def _split(self, block: _Block, size: int) -> None:
-        """Keep the first `size` bytes in `block`; the rest becomes a free block after it."""
-        tail = _Block(addr=block.addr + size, size=block.size - size, small=block.small, prev=block, next=block.next)
-        if block.next is not None:
-            block.next.prev = tail
-        block.next = tail
-        block.size = size
-        self._list(tail)
-
-    @staticmethod
-    def _absorb(first: _Block, second: _Block) -> None:
-        """Merge `second` (the block right after `first`) into `first`."""
-        first.size += second.size
-        first.next = second.next
-        if second.next is not None:
-            second.next.prev = first
-
     def _list(self, block: _Block) -> None:
         bisect.insort(self._pool(block.small), (block.size, block.addr, block))
-
-    def _unlist(self, block: _Block) -> None:
-        pool = self._pool(block.small)
-        i = bisect.bisect_left(pool, (block.size, block.addr))
-        assert pool[i][2] is block, "free-block index out of sync"
-        pool.pop(i)
