@@ -481,8 +481,9 @@ class PlanRun(UpdateSteps, GradientOps, StateSync):
                 out.add(id(param))
         return frozenset(out)
 
-    def grad_target(self, param: torch.Tensor) -> tuple[torch.Tensor, bool]:
-        """GradSink (hplan.grads): the parameter's gradient lives in its chunk's gradient region."""
+    def grad_target(self, param: torch.Tensor, offer: torch.Tensor | None = None) -> tuple[torch.Tensor, bool]:
+        """GradSink (hplan.grads): the parameter's gradient lives in its chunk's gradient region. `offer`: the
+        gradient itself, whose memory the region may take as its allocation ([Note: adopted gradients])."""
         name, c, rid, slot = self._grad_home[id(param)]
         if c in self._pending_flips:
             self._flip(c)
@@ -496,7 +497,9 @@ class PlanRun(UpdateSteps, GradientOps, StateSync):
         if slot.state is _HOST:
             at = self._unhooked.lazy[cursor].get(rid, -1)
             if at >= cursor:  # [Note: hooks only where the plan acts]: an unhooked step ahead allocates it
-                self.store.alloc(rid)
+                if offer is None or name in self.written or offer.dtype != slot.fast_views[name].dtype or \
+                        not self.store.take(rid, offer):
+                    self.store.alloc(rid)
                 self._lazy_bytes[at] = self._lazy_bytes.get(at, 0) + slot.region.bytes
             else:
                 self.store.require([rid], f"gradient of {name} at plan step {self.plan.steps[cursor - 1].index}")
