@@ -77,6 +77,9 @@ class GradientOps:
         return store is not None and any(id(p) in self._names and self._names[id(p)] in store.chunk_of for p in params)
 
     def _written_of(self, params: list[torch.Tensor] | None, what: str) -> list[str]:
+        if self._collected:  # type: ignore[attr-defined]  (PlanRun: [Note: gradients collected, not hooked])
+            self._collect()  # type: ignore[attr-defined]
+            self._show_grads()  # type: ignore[attr-defined]  (as the backward's end shows them when hooked)
         if self._updated:
             raise HplanError(_LATE.format(what=what, chunks=sorted(self._updated)[:3]))
         wanted = [self._names[id(p)] for p in (params or self.store.params.values()) if id(p) in self._names]
@@ -117,6 +120,9 @@ class GradientOps:
 
     def check_user_unscale(self) -> None:
         """A user's GradScaler is about to unscale `.grad` in place: refuse where that cannot reach the update."""
+        if self._collected:  # type: ignore[attr-defined]  (PlanRun: [Note: gradients collected, not hooked])
+            self._collect()  # type: ignore[attr-defined]
+            self._show_grads()  # type: ignore[attr-defined]
         if self.loss_scale is not None:
             raise HplanError("this run's fp16-mixed recipe scales the loss itself (loss = run.scale(loss)); drop "
                              "the GradScaler, or trace with precision fp32 to keep your own")
