@@ -182,10 +182,11 @@ def first_nonfinite(names: list[str], grads: list[torch.Tensor]) -> str | None:
     small model's step (bench section 13)."""
     if not grads:
         return None
-    device = grads[0].device
-    if all(g.device == device for g in grads):
+    devices = {g.device for g in grads}  # comprehensions, not generators: one call each, not one per gradient
+    if len(devices) == 1:
+        device = devices.pop()
         found = torch.zeros((), device=device)
-        versions = tuple(g._version for g in grads)
+        versions = tuple([g._version for g in grads])
         torch._amp_foreach_non_finite_check_and_unscale_(grads, found, _one(device))
         _set_versions(tuple(grads), versions)  # nothing was changed: no tripwire or saved view sees a write
         if not found.item():
