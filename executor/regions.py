@@ -84,6 +84,8 @@ class RegionStore:
             self._adopt_weights(c.tensors, self.by_chunk[c.id]["param"])
         self._resident_bytes = 0
         """Running sum of the fast-tier storage changes fetch, alloc and evict make: events read it."""
+        self.taken = 0
+        """Regions allocated with a gradient's own memory (`take`): counted for the tests and the bench."""
 
     def _make_views(self, slot: Slot, layout: list[tuple[Key, int, torch.dtype, torch.Size]]) -> None:
         """Views of the host buffer and of the fast buffer, which is allocated just long enough to make them
@@ -135,6 +137,23 @@ class RegionStore:
         else:  # _arrived, inline (a gradient, master or state region: no parameter points at it)
             self._resident_bytes += slot.region.bytes
             slot.state = _RESIDENT
+
+    def take(self, rid: int, tensor: torch.Tensor) -> bool:
+        """`alloc` with `tensor`'s memory as the region's ([Note: adopted gradients] in hplan.executor.gradients):
+        the region's empty storage and the tensor's swap their data, so the tensor is left with none. Only for a
+        region not resident, whose storage is empty, and a tensor whose storage is exactly the region's size;
+        False (nothing done) otherwise."""
+        slot = self.slots[rid]
+        if slot.state is not _HOST:
+            return False
+        mine, theirs = slot.fast.untyped_storage(), tensor.untyped_storage()
+        if mine.nbytes() or theirs.nbytes() != slot.region.bytes:
+            return False
+        mine._swap_data_ptr_(theirs)
+        self._resident_bytes += slot.region.bytes  # _arrived, inline (a gradient region: no parameter points at it)
+        slot.state = _RESIDENT
+        self.taken += 1
+        return True
 
     def _arrived(self, slot: Slot) -> None:
         self._resident_bytes += slot.region.bytes

@@ -133,6 +133,9 @@ class PlanRun(UpdateSteps, GradientOps, StateSync):
         self._zeroed = True
         self._loaded: dict[str, Any] | None = None
         self._stack = contextlib.ExitStack()
+        self._collected: tuple[tuple[torch.Tensor, str], ...] = ()
+        """[Note: gradients collected, not hooked] Parameters whose gradients `_collect` moves (no hook)."""
+        self._collecting = False
         self._pending: tuple[int, int, int] = (0, 0, 0)
         """(model resident bytes, h2d, d2h) of the step whose window is open."""
         self.watch = None if plan.defer_updates else EagerWatch(optimizer)
@@ -203,8 +206,6 @@ class PlanRun(UpdateSteps, GradientOps, StateSync):
         self._fast_updates = sorted(c for c, u in self.updates.items() if u.where == "gpu")
         self._names = names
         self._watch = ParamWatch(model, names)
-        for name in (n for c in plan.chunks for n in c.trainable):
-            self._stack.callback(store.params[name].register_post_accumulate_grad_hook(self._on_grad).remove)
         self._stack.enter_context(installed([store.params[n] for c in plan.chunks for n in c.trainable], self))
         for r in plan.initial_resident:
             (store.fetch if self.live[r][0] else store.alloc)(r)
@@ -220,6 +221,11 @@ class PlanRun(UpdateSteps, GradientOps, StateSync):
         self._grad_of = {n: (store.params[n], c, slot) for n, c, _, slot in self._grad_home.values()}
         """name → (parameter, chunk, gradient region's Slot): _show_grads' and _hide_grads' lookups, done once."""
         self._unhooked = self._unhooked_table()
+        self._collected = self._collected_params()
+        collected = {id(p) for p, _ in self._collected}
+        for name in (n for c in plan.chunks for n in c.trainable):
+            if id(store.params[name]) not in collected:
+                self._stack.callback(store.params[name].register_post_accumulate_grad_hook(self._on_grad).remove)
         self._stack.enter_context(EventHooks(model, self.on_event, forward=self._unhooked.forward,
                                              backward=self._unhooked.backward))
         self.activations.install(model, self._stack)
@@ -246,6 +252,44 @@ class PlanRun(UpdateSteps, GradientOps, StateSync):
                             writes=(frozenset(),) * (n + 1), lazy=({},) * (n + 1))
         grads = frozenset(r for r, slot in self.store.slots.items() if slot.region.kind == "grad")
         return unhooked_table(self.plan, self._quiet, grads)
+
+    def _collected_params(self) -> tuple[tuple[torch.Tensor, str], ...]:
+        """[Note: gradients collected, not hooked] The parameters whose gradients are collected at the next hooked
+        event instead of hooked at arrival (with their names), or none.
+
+        A post-accumulate-grad hook runs between the backward's kernels: on a small model its Python work, cold in
+        the caches each time, cost more than moving the gradient. Where the plan does nothing with a gradient
+        before the optimizer step, nothing needs it earlier: every backward step unhooked ([Note: hooks only where
+        the plan acts]: idle, allocating gradient regions at most), every update on the fast tier at the
+        optimizer step, one forward and backward per iteration, no loss scaling or master copy, no deferred
+        updates, the CPU twin. Then no parameter gets a gradient hook: autograd leaves each gradient in `.grad`, as
+        in plain PyTorch, and `_collect` moves them into their regions, one `move_grad` each (the hook's own body,
+        so the same adoption, checks and records), back to back, before anything reads the regions: the next
+        hooked event (before it passes the unhooked steps, so each adoptable gradient is its region's allocation),
+        the optimizer step's checks, a clip or a GradScaler's unscale. Any other plan hooks every parameter."""
+        plan, steps, skip = self.plan, self.plan.steps, self._unhooked.skip
+        if self._unhooked.forward is None or not self.tier.exposes_host_grads or not self.tier.caches or \
+                self.master or self.loss_scale is not None or plan.defer_updates or \
+                any(u.where != "gpu" for u in self.updates.values()) or \
+                sum(s.event == steps[0].event for s in steps) != 1 or \
+                any(s.event.startswith("backward:") and not skip[i] for i, s in enumerate(steps)):
+            return ()
+        store = self.store
+        return tuple((store.params[n], n) for c in plan.chunks for n in c.trainable)
+
+    def _collect(self) -> None:
+        """[Note: gradients collected, not hooked] Autograd's gradients left in `.grad` into their regions."""
+        shown, on_grad = self._shown, self._on_grad
+        self._collecting = True  # grad_target queues no end-of-backward callback: this may run outside one
+        grad_mode = torch.is_grad_enabled()
+        torch._C._set_grad_enabled(False)  # as autograd runs the hook (a create_graph gradient requires grad)
+        try:
+            for p, name in self._collected:
+                if p.grad is not None and name not in shown:  # a shown `.grad` is its region's view already
+                    on_grad(p)
+        finally:
+            torch._C._set_grad_enabled(grad_mode)
+            self._collecting = False
 
     def __exit__(self, *exc: object) -> None:
         """Remove hooks, give the optimizer its state and every parameter its own storage back; the host tier is
@@ -296,6 +340,8 @@ class PlanRun(UpdateSteps, GradientOps, StateSync):
             return
         if kind != "backward" and self.worker is not None and self.worker.busy:
             self.worker.drain()  # [Note: overlapped host updates]
+        if self._collected:
+            self._collect()
         if self._unhooked.skip[self.cursor] and self.evaluating is None:
             self._catch_up(kind)
         quiet = self._quiet[self.cursor]
@@ -481,8 +527,9 @@ class PlanRun(UpdateSteps, GradientOps, StateSync):
                 out.add(id(param))
         return frozenset(out)
 
-    def grad_target(self, param: torch.Tensor) -> tuple[torch.Tensor, bool]:
-        """GradSink (hplan.grads): the parameter's gradient lives in its chunk's gradient region."""
+    def grad_target(self, param: torch.Tensor, offer: torch.Tensor | None = None) -> tuple[torch.Tensor, bool]:
+        """GradSink (hplan.grads): the parameter's gradient lives in its chunk's gradient region. `offer`: the
+        gradient itself, whose memory the region may take as its allocation ([Note: adopted gradients])."""
         name, c, rid, slot = self._grad_home[id(param)]
         if c in self._pending_flips:
             self._flip(c)
@@ -496,13 +543,15 @@ class PlanRun(UpdateSteps, GradientOps, StateSync):
         if slot.state is _HOST:
             at = self._unhooked.lazy[cursor].get(rid, -1)
             if at >= cursor:  # [Note: hooks only where the plan acts]: an unhooked step ahead allocates it
-                self.store.alloc(rid)
+                if offer is None or name in self.written or offer.dtype != slot.fast_views[name].dtype or \
+                        not self.store.take(rid, offer):
+                    self.store.alloc(rid)
                 self._lazy_bytes[at] = self._lazy_bytes.get(at, 0) + slot.region.bytes
             else:
                 self.store.require([rid], f"gradient of {name} at plan step {self.plan.steps[cursor - 1].index}")
         if self._zeroed:  # a backward event's marks, for backwards whose events have no hook
             self._zeroed = False
-        if not self._queued and self.tier.exposes_host_grads:
+        if not self._queued and self.tier.exposes_host_grads and not self._collecting:
             self._queue_show_grads()
         first = name not in self.written
         self.written.add(name)
@@ -548,6 +597,8 @@ class PlanRun(UpdateSteps, GradientOps, StateSync):
         """optimizer.step(): checks the iteration followed the whole plan and changed nothing the early updates
         read, then the per-chunk updates."""
         self.optimizer._opt_called = True  # type: ignore[attr-defined]  (what LR schedulers check)
+        if self._collected:
+            self._collect()  # [Note: gradients collected, not hooked]: a gradient's arrival marks the backward
         if self._zeroed and self._has_backward and self.evaluating is None:
             raise HplanError(f"zero_grad() was called between backward() and optimizer.step() (iteration "
                              f"{self.iteration}): plain PyTorch would then step without those gradients, which the "

@@ -12,6 +12,7 @@ import hplan
 from hplan.artifacts import replay
 from hplan.errors import HplanError
 from hplan.executor.device import FastTier
+from hplan.executor.runtime import PlanRun
 from hplan.specs import load_workload
 
 
@@ -184,6 +185,49 @@ def test_only_gradients_that_are_a_whole_region_are_adopted(gpt_tiny):
         assert adopt and not any(id(params[n]) in adopt for c in shared for n in c.trainable)
     ref = user_loop(gpt_tiny, 2)
     got = user_loop(gpt_tiny, 2, plan)
+    assert got["losses"] == ref["losses"]
+    for key, value in ref["weights"].items():
+        assert torch.equal(got["weights"][key], value), key
+
+
+def test_a_gradient_arriving_where_no_hook_allocated_its_region_becomes_the_region(gpt_tiny, resident_plan):
+    """[Note: adopted gradients]: without a probe, the all-resident plan's backward steps have no hook, so a
+    gradient's arrival allocates its region. An adoptable gradient is that allocation: the region takes its
+    memory, no block is allocated only to be dropped. Every autograd-written gradient is taken so, the fast tier
+    allocates only the regions written directly (hplan.grads), the budget records are those of the hooked run, and
+    training stays bit-identical."""
+    records = {}
+    for sparse in (True, False):
+        model = gpt_tiny.build_model()
+        optimizer = gpt_tiny.optimizer(model.parameters())
+        seen = _recorded_grads(model, keep=False)
+        PlanRun.sparse_hooks = sparse
+        try:
+            with hplan.attach(model, optimizer, resident_plan, measure=False) as run:
+                allocs = []  # the regions an alloc really allocated (not resident yet)
+                store, alloc = run.store, run.store.alloc
+                store.alloc = lambda rid: (allocs.append(rid) if store.slots[rid].state.name == "HOST" else None,
+                                           alloc(rid))[1]
+                for step in range(2):
+                    seen.clear()
+                    gpt_tiny.loss(model, gpt_tiny.batch(step)).backward()
+                    optimizer.step()
+                    optimizer.zero_grad()
+                records[sparse] = run.last_records
+                taken = run.store.taken
+                grads = {r for r in allocs if run.store.slots[r].region.kind == "grad"}
+        finally:
+            PlanRun.sparse_hooks = True
+        if sparse:
+            assert seen and taken == 2 * len(seen)  # every autograd gradient, both iterations
+            direct = {run.store.region(run.store.chunk_of[n], "grad") for n in run.store.params} - \
+                {run.store.region(run.store.chunk_of[n], "grad") for n in seen}
+            assert grads <= direct  # no region of an adopted gradient was allocated
+        else:
+            assert taken == 0  # hooked steps allocate before the gradient arrives
+    assert records[True] == records[False]
+    ref = user_loop(gpt_tiny, 2)
+    got = user_loop(gpt_tiny, 2, resident_plan)
     assert got["losses"] == ref["losses"]
     for key, value in ref["weights"].items():
         assert torch.equal(got["weights"][key], value), key
