@@ -98,7 +98,7 @@ def _budgets(trace: Trace, gpu: str, n: int) -> list[int]:
     return [low + (high - low) * k // (n - 1) for k in range(n)]
 
 
-@pytest.mark.parametrize("gpu", ["cpu", "rtx3090"])
+@pytest.mark.parametrize("gpu", [pytest.param("cpu", marks=pytest.mark.slow), "rtx3090"])  # CI time: one GPU fast
 @pytest.mark.parametrize("case", [pytest.param("llama8", marks=pytest.mark.slow), "gpt2_5"])  # CI time: llama8 in full
 @pytest.mark.parametrize("n", [5, pytest.param(20, marks=pytest.mark.slow)])
 def test_auto_is_no_worse_than_any_forced_choice_and_its_bound_covers_them(case, gpu, n, request):
@@ -128,7 +128,7 @@ def test_auto_is_no_worse_than_any_forced_choice_and_its_bound_covers_them(case,
                 assert {c.choice for c in auto.activations} == {"keep"}, budget
 
 
-@pytest.mark.parametrize("gpu", ["cpu", "rtx3090"])
+@pytest.mark.parametrize("gpu", ["cpu", pytest.param("rtx3090", marks=pytest.mark.slow)])  # CI time: one fast
 def test_where_keep_fits_without_moving_model_data_auto_moves_nothing(gpt2_5, gpu):
     """Issue 31's first case: from where keep holds everything resident under its own slack (below the mixed
     figure, which auto used to plan every choice under), wherever the forced keep plan moves no byte, auto keeps

@@ -155,6 +155,7 @@ def test_auto_minimum_takes_each_choices_own_slack():
     validate(plan)
 
 
+@pytest.mark.slow  # CI time: bench sections 11 and 16 (--quick in CI) measure the same goal
 def test_auto_minimum_meets_transformers_gradient_checkpointing():
     """Issue 24's goal at a smaller shape (bench section 11 measures the 8-layer, seq 1024 one): auto's smallest
     budget ≤ 1.02× that of the same model with transformers' checkpointing on every layer, traced as written."""

@@ -62,7 +62,7 @@ def test_all_resident_plan_moves_nothing(tiny):
     assert _rel(report.losses, plain_losses(workload, 4)) <= 1e-6
 
 
-@pytest.mark.parametrize("precision", ["bf16-mixed", "fp16-mixed"])
+@pytest.mark.parametrize("precision", [pytest.param("bf16-mixed", marks=pytest.mark.slow), "fp16-mixed"])  # CI time
 def test_same_training_mixed_precision(precision):
     """16-bit compute, fp32 master + moments (fp16: dynamic loss scaling); the same kernels as the reference on
     the fast tier, torch's fused CPU AdamW on the host: 1e-4 relative (bit-identical with the same kernel)."""

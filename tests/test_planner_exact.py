@@ -131,11 +131,13 @@ def own_optimum(trace, hardware: Hardware, plan) -> tuple[int, bool]:  # type: i
     return result.cost, result.optimal
 
 
-def test_default_plans_validate_and_are_near_optimal():
-    """>= 200 random traces: the default plan validates, its bound is below it, and where unlimited branch and
-    bound closes on the same problem the default plan is within 1% of that optimum."""
+@pytest.mark.parametrize("seeds, least", [pytest.param(230, 200, marks=pytest.mark.slow), (60, 50)],
+                         ids=["230-seeds", "60-seeds"])
+def test_default_plans_validate_and_are_near_optimal(seeds, least):
+    """>= 200 random traces (slow; CI runs the first 60): the default plan validates, its bound is below it, and
+    where unlimited branch and bound closes on the same problem the default plan is within 1% of that optimum."""
     plans = closed = 0
-    for seed in range(230):
+    for seed in range(seeds):
         rng = random.Random(seed)
         trace = random_trace(seed, n_params=rng.randint(1, 7), n_events=rng.randint(1, 5))
         hardware = Hardware(gpu_bytes=rng.choice([2500, 4000, 6000, 9000]), slack_bytes=seed % 3 * 100)
@@ -154,7 +156,7 @@ def test_default_plans_validate_and_are_near_optimal():
         if optimal:
             closed += 1
             assert s.bytes_moved_per_iter <= 1.01 * best, seed
-    assert plans >= 200 and closed >= 200
+    assert plans >= least and closed >= least
 
 
 def small_gpt():  # type: ignore[no-untyped-def]

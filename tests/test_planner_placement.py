@@ -168,11 +168,14 @@ def test_lagrangian_bound_holds_for_any_multipliers():
     assert checked >= 40
 
 
-def test_default_plans_replay_within_budget_and_match_the_best_placement():
-    """Random traces: the default plan validates, fits at every step, records its placement rule, and moves no
-    more than 1% over the best of every placement of its chunking; its bound is below that optimum."""
+@pytest.mark.parametrize("seeds, least", [pytest.param(150, 120, marks=pytest.mark.slow), (50, 40)],
+                         ids=["150-seeds", "50-seeds"])
+def test_default_plans_replay_within_budget_and_match_the_best_placement(seeds, least):
+    """Random traces (slow: 150; CI: the first 50): the default plan validates, fits at every step, records its
+    placement rule, and moves no more than 1% over the best of every placement of its chunking; its bound is below
+    that optimum."""
     plans = 0
-    for seed in range(150):
+    for seed in range(seeds):
         rng = random.Random(seed)
         trace = varied_trace(seed, n_params=(1, 7), n_events=(1, 5))
         hardware = Hardware(gpu_bytes=rng.choice([2500, 4000, 6000, 9000]), slack_bytes=seed % 3 * 100)
@@ -186,7 +189,7 @@ def test_default_plans_replay_within_budget_and_match_the_best_placement():
         assert s.placement_free and plan.placement is not None
         best = every_placement(trace, group_params(trace, plan.options["chunk_bytes"]), hardware, interval_optimum)
         assert best is not None and s.lower_bound_bytes <= best <= s.bytes_moved_per_iter <= 1.01 * best, seed
-    assert plans >= 120
+    assert plans >= least
 
 
 def test_plans_are_byte_identical_with_placement_solved():

@@ -40,7 +40,7 @@ def test_a_recipe_fits_only_with_its_choices_allocator_slack(llama):
     assert not gemini.feasible and "allocator slack" in gemini.note
 
 
-@pytest.mark.parametrize("gpu", ["cpu", "rtx3090"])
+@pytest.mark.parametrize("gpu", [pytest.param("cpu", marks=pytest.mark.slow), "rtx3090"])  # CI time: one fast
 def test_auto_is_no_slower_than_a_recipe_that_fits(llama, gpu):
     for budget in _budgets(llama, gpu, (2, 3, 4, 10)):
         hw = make_hardware(gpu, gpu_bytes=budget, **trace_slack(llama))

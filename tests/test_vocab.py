@@ -100,7 +100,7 @@ def test_trace_holds_no_gradient_temporary_of_the_tied_matrix():
         "backward:lm_head.3", "backward:wte.3"]
 
 
-@pytest.mark.parametrize("precision", ["fp32", "bf16-mixed"])
+@pytest.mark.parametrize("precision", [pytest.param("fp32", marks=pytest.mark.slow), "bf16-mixed"])  # CI time
 def test_executor_writes_shard_gradients_into_offloaded_chunks(precision):
     workload = load_workload("gpt:tiny", overrides={"vocab_shard_rows": 64}, precision=precision)
     plan = plan_for(workload)
