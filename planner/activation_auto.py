@@ -27,11 +27,15 @@ Where everything kept fits, the joint model's extremes are built with every segm
 that can win: keep alone under keep's figure (first where that figure is the smallest: an objective of 0 ends the
 search), every choice under the mixed figure, then offload alone, recompute alone and (where the trace prices it)
 selective alone under their own figures, each planned exactly as the forced choice is (selective is in no mix:
-its regime is the forced selective plan, so the bound covers keep/offload/recompute mixes and selective alone); the smallest objective wins (ties: the first). A regime is skipped
-only by a proven bound: a solved regime with a superset of its choices at a slack no larger (its bound is in the
-list); a pure regime's fixed activation cost at or above the incumbent; every chunking's LP bound above it
-(`core.Pruned`); or the mixed regime's LP multipliers, per chunking, with each item held to the regime's choice and
-every row given the slack difference (`exact.lagrangian_bound`, valid for any multipliers). The plan's bound is the
+its regime is the forced selective plan, so the bound covers keep/offload/recompute mixes and selective alone); the smallest objective wins, and
+at an equal objective the shorter predicted step (then the first): equal link bytes can differ in per-call costs,
+e.g. a block's offload staged back in its children's parts against the plain offload of the same bytes (more calls,
+a slower step). A regime is skipped only by a proven bound strictly above the incumbent (one that may tie it is
+solved, for the tie-break): a pure regime's fixed activation cost; every chunking's LP bound (`core.Pruned`); or the
+mixed regime's LP multipliers, per chunking, with each item held to the regime's choice and every row given the
+slack difference (`exact.lagrangian_bound`, valid for any multipliers). A regime whose choices a solved regime
+covers at a slack no larger (its bound is in the list) needs no bound of its own: a pure one is still priced and
+solved where it may tie, a plan to compare but no bound added (nor one whose search's bound reaches the incumbent). The plan's bound is the
 least over the regimes solved (a skipped regime's is at least the winner's objective); `activations_free` holds only
 where every solved regime's bound covers all its choices. The mixed figure is a sample that guides the search.
 
@@ -120,33 +124,42 @@ def _plan_auto(trace: Trace, hardware: Hardware, options: PlanOptions, on_progre
     targets: list[int] = []
     for name, hw, items, own in _order(feasible):
         cheap = 0 if name in ("keep", "mixed", PARTS) else items.cost_of(items.keep())  # a pure regime's fixed cost
-        if any(items.allowed <= allowed and hw.slack_bytes >= slack for allowed, slack in solved):
-            continue  # a solved regime's bound covers its choices at a slack no larger (its bound is in bounds)
         incumbent = None if best is None else _objective(best)
-        if incumbent is not None and cheap >= incumbent:
-            continue  # its activation cost alone reaches the incumbent: it cannot win
+        cover = any(items.allowed <= allowed and hw.slack_bytes >= slack for allowed, slack in solved)
+        if cover and (mixed is None or name in ("mixed", PARTS) or incumbent == 0):
+            continue  # a solved regime's bound covers its choices at a slack no larger (its bound is in bounds)
+        if incumbent is not None and (cheap > incumbent or incumbent == 0):
+            continue  # its activation cost alone is above the incumbent (or nothing moves): it cannot win
         try:
             if name in ("mixed", PARTS):
                 plan, decisions, priced = _plan_regime(work, hw, options, on_progress, items, smallest, own.lean,
-                                                       own.keep, None if incumbent is None else incumbent - 1)
+                                                       own.keep, incumbent)
+                searched = plan.summary.lower_bound_bytes
                 if priced is not None and name == "mixed":
                     mixed, targets = (priced[0], hw.slack_bytes), _targets(priced[1], options)
                 first = _floored(work, hw, plan, priced)  # its bound, over every mix's own reserve
                 plan = _settle(work, hw, options, on_progress, items, smallest, own, plan, decisions)
             elif incumbent is not None and mixed is not None and name != "selective" and \
-                    _priced_bound(*mixed, name, targets, hw.slack_bytes, incumbent) >= incumbent:
-                continue  # priced by the mixed regime's LP multipliers, on every chunking: it cannot win
+                    _priced_bound(*mixed, name, targets, hw.slack_bytes, incumbent) > incumbent:
+                continue  # priced by the mixed regime's LP multipliers, on every chunking: it cannot win or tie
             else:
                 plan = core.plan_decisions(work, hw, options, decide(work, name), on_progress, shared=items.shared,
                                            smallest=smallest,
-                                           incumbent=None if incumbent is None else incumbent - cheap - 1)
+                                           incumbent=None if incumbent is None else incumbent - cheap)
                 plan = _summary(plan, items, decide(work, name), None)
+                searched = plan.summary.lower_bound_bytes
         except Pruned:
             continue  # every chunking's bound reaches the incumbent: it cannot win
         except HostMemoryShort:
             if best is None and name == "mixed":
                 raise
             continue  # its offloads do not fit in host memory: no plan of this regime is hplan's
+        if cover or incumbent is not None and plan.summary.feasible and searched >= incumbent:
+            # solved only to break a tie ([Note: auto regimes]): a solved regime's bound, or its search's, already
+            # covers its plans, so neither its (floored) bound nor a failure to find a plan changes the certificate
+            if plan.summary.feasible and _better(plan, best):
+                best = plan
+            continue
         if not plan.summary.feasible:  # its minimum fits but no plan was found: nothing bounds its plans
             covered = False
             continue
@@ -158,7 +171,7 @@ def _plan_auto(trace: Trace, hardware: Hardware, options: PlanOptions, on_progre
                 solved.append((items.allowed, hw.slack_bytes))
         else:
             solved.append((items.allowed, hw.slack_bytes))
-        if best is None or _objective(plan) < _objective(best):
+        if best is None or _better(plan, best):
             best = plan
     if best is None:  # every regime that could fit found no plan: the mixed regime's answer says why
         name, hw, items, first = runs[0]
@@ -279,8 +292,8 @@ def _priced_bound(staged: dict, slack: int, choice: str, targets: list[int], own
         allowed = ~act | (label == choice) | (~has[c.item] & (label == "offload"))
         value = lagrangian_bound(model, rows, *multipliers, allowed=allowed, more_free=slack - own_slack)
         least = value if least is None else min(least, value)
-        if least < incumbent:
-            break  # it proves nothing against the incumbent: the regime is solved
+        if least <= incumbent:
+            break  # it proves nothing against the incumbent (it may tie): the regime is solved
     return 0 if least is None else least
 
 
@@ -311,6 +324,15 @@ def _certify(plan: Plan, bounds: list[int], covered: bool) -> Plan:
     lb = min([objective, *bounds])
     return replace(plan, summary=replace(s, lower_bound_bytes=lb, gap=(objective - lb) / max(objective, 1),
                                          optimal=objective == lb, activations_free=covered))
+
+
+def _better(plan: Plan, best: Plan) -> bool:
+    """Whether `plan` beats `best`: a smaller objective, or an equal one and a shorter predicted step ([Note: auto
+    regimes]: equal link bytes may differ in per-call costs, e.g. 15 child offloads against 8 blocks' of the same
+    bytes); rounded as `Search.better` rounds, so float noise keeps the first."""
+    a, b = _objective(plan), _objective(best)
+    return a < b or a == b and round(plan.summary.predicted_step_seconds, 12) < \
+        round(best.summary.predicted_step_seconds, 12)
 
 
 def _objective(plan: Plan) -> int:

@@ -217,6 +217,7 @@ def with_activations(plan: Plan, trace: Trace, work: Trace, decisions: tuple[Dec
     moved = 2 * sum(c.moved_bytes for c in choices if c.choice == "offload")
     out = replace(plan, steps=steps, activations=choices,
                   summary=replace(plan.summary, activation_bytes_moved_per_iter=moved,
+                                  activation_cost_bytes=activation_cost(choices, hardware),
                                   recompute_seconds=sum(c.recompute_seconds for c in choices
                                                         if c.choice in ("recompute", "selective"))))
     rep = replay(out)
@@ -226,6 +227,17 @@ def with_activations(plan: Plan, trace: Trace, work: Trace, decisions: tuple[Dec
     _check_host(out, rep)
     return replace(out, summary=replace(out.summary, predicted_peak_bytes=rep.peak_bytes,
                                         **_step_time(out, work, hardware)))
+
+
+def activation_cost(choices: tuple[ActivationChoice, ...], hardware: Hardware) -> int:
+    """The choices' cost in link bytes, as auto prices each mode ([Note: auto activations];
+    hplan.planner.activation_items): an offload's bytes both ways (a staged block's parts included), a recompute's
+    or selective call's predicted seconds at the host→device bandwidth, rounded up per call. Every plan reports it,
+    forced choices too, so plans of any `--activations` compare on one objective."""
+    link = hardware.h2d_gbps * 1e9
+    return sum(2 * c.moved_bytes if c.choice == "offload" else
+               math.ceil(c.recompute_seconds * link) if c.choice in ("recompute", "selective") else 0
+               for c in choices)
 
 
 class HostMemoryShort(HplanError):

@@ -41,6 +41,14 @@ def llama8():
     return trace_workload(w, device="fake")
 
 
+@pytest.fixture(scope="module")
+def llama2():
+    """Section 11's Llama at 2 layers: the smallest with its tie at auto's minimum."""
+    w = load_workload("hf:LlamaForCausalLM", batch_size=4, seq_len=128,
+                      overrides={**HF_SIZES["LlamaForCausalLM"], "num_hidden_layers": 2})
+    return trace_workload(w, device="fake")
+
+
 def levels(trace: Trace) -> list[int]:
     return [e.non_model_peak_bytes for e in trace.events]
 
@@ -126,6 +134,33 @@ def test_auto_is_no_worse_than_any_forced_choice_and_its_bound_covers_them(case,
             if choice == "keep" and forced.summary.bytes_moved_per_iter == 0:
                 assert s.bytes_moved_per_iter == 0 and s.activation_bytes_moved_per_iter == 0, budget
                 assert {c.choice for c in auto.activations} == {"keep"}, budget
+
+
+def test_at_a_tie_on_the_objective_auto_takes_the_shorter_step(llama2):
+    """Section 11's tie: at auto's minimum on the CPU tier, a block's offload staged back in its children's parts
+    (more calls) ties the plain offload of every block on the objective, to the byte; auto takes the shorter
+    predicted step ([Note: auto regimes]), with its certificate as before."""
+    trace = llama2
+    hw = hardware(trace, "cpu", min_gpu_bytes(trace, hardware(trace, "cpu", 1)).gpu_bytes)
+    auto, offload = make_plan(trace, hw), make_plan(trace, hw, PlanOptions(activations="offload"))
+    assert objective(auto) == objective(offload)  # the tie this test is about
+    assert auto.summary.predicted_step_seconds <= offload.summary.predicted_step_seconds
+    assert not any(c.stage for c in auto.activations)
+    assert auto.summary.optimal  # the certificate as before: the tied regime's bound changes nothing
+
+
+@pytest.mark.slow
+def test_on_the_cpu_tier_autos_predicted_step_is_at_most_every_forced_choices(llama8):
+    """Section 11's check on a fake trace of its Llama: on the CPU tier (no copy engines) the objective is the
+    step time's changing part, so from auto's minimum to all-resident no forced choice predicts a shorter step."""
+    trace = llama8
+    for budget in _budgets(trace, "cpu", 5):
+        hw = hardware(trace, "cpu", budget)
+        auto = make_plan(trace, hw).summary
+        for choice in (*FORCED, "selective"):
+            forced = make_plan(trace, hw, PlanOptions(activations=choice)).summary
+            if forced.feasible:
+                assert auto.predicted_step_seconds <= forced.predicted_step_seconds * (1 + 1e-9), (budget, choice)
 
 
 @pytest.mark.parametrize("gpu", ["cpu", pytest.param("rtx3090", marks=pytest.mark.slow)])  # CI time: one fast

@@ -8,6 +8,7 @@ on a four-block transformers Llama built from its config.
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 
 import hf_models as hf
@@ -162,6 +163,33 @@ def test_cli_defaults_to_auto_and_reports_its_cost(tiny, tmp_path):
     assert "chosen per segment (auto)" in out.output
     bad = runner.invoke(app, ["plan", str(path), "--gpu-mem", "min", "--activations", "bogus", "--json"])
     assert bad.exit_code == 2 and bad.stderr.count("\n") == 1 and "--activations takes auto" in bad.stderr
+
+
+def test_a_forced_plan_reports_its_activation_cost_as_auto_prices_it(tiny, tmp_path):
+    """Every plan's summary carries its activation cost, forced choices' too (it read 0 unless auto chose), priced as
+    auto prices the same choices (the pure regime's fixed cost, `build_items`); the CLI shows it on the activations
+    line and keeps the bound's scope to bytes moved for a forced plan (its cost is fixed by its choices)."""
+    from hplan.planner.activation_items import build_items
+
+    _, trace = tiny
+    hw = make_hardware("cpu", gpu_bytes=min_gpu_bytes(trace, make_hardware("cpu", gpu_bytes=1, **trace_slack(trace)),
+                                                     activations="recompute").gpu_bytes, **trace_slack(trace))
+    for choice in ("offload", "recompute"):
+        plan = make_plan(trace, hw, PlanOptions(activations=choice))
+        assert plan.summary.feasible, choice
+        items = build_items(trace, plan.hardware, frozenset((choice,)))
+        assert plan.summary.activation_cost_bytes == items.cost_of(items.keep()) > 0, choice
+    path = tmp_path / "t.parquet"
+    trace.save(path)
+    out = runner.invoke(app, ["plan", str(path), "--gpu", "cpu", "--gpu-mem", "min", "--activations", "offload",
+                              "--json"])
+    assert out.exit_code == 0, out.output
+    assert json.loads(out.stdout)["summary"]["activation_cost_bytes"] > 0
+    out = runner.invoke(app, ["plan", str(path), "--gpu", "cpu", "--gpu-mem", "min", "--activations", "offload",
+                              "-o", str(tmp_path / "p.json")], env={"COLUMNS": "400"})  # no wrapped cells
+    assert out.exit_code == 0, out.output
+    assert "link-byte cost (auto's price of these choices)" in out.output
+    assert "activation cost" not in out.output  # the bound's scope: bytes moved
 
 
 def test_attach_runs_a_mixed_auto_plan_as_plain_pytorch(tiny):

@@ -217,9 +217,10 @@ class PlanSummary:
     placement_free: bool = False
     """The lower bound covers every optimizer placement of the chunking, not only the plan's own."""
     activation_cost_bytes: int = 0
-    """--activations auto ([Note: auto activations]): the activation choices' part of the objective in link bytes
-    (offloaded bytes both ways + recompute seconds at the host→device bandwidth); `lower_bound_bytes` and `gap`
-    then bound `bytes_moved_per_iter` + this."""
+    """The activation choices' part of auto's objective in link bytes ([Note: auto activations]: offloaded bytes
+    both ways + recompute seconds at the host→device bandwidth), for every `--activations` (0 in files written
+    before forced plans reported it). Under auto `lower_bound_bytes` and `gap` bound `bytes_moved_per_iter` + this;
+    for a forced choice they bound `bytes_moved_per_iter` (this is fixed by its choices)."""
     activations_free: bool = False
     """The lower bound covers every activation choice per segment, not only the plan's own."""
 

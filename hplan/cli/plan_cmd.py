@@ -13,7 +13,6 @@ from hplan.errors import HplanError
 
 if TYPE_CHECKING:
     from hplan.artifacts import Plan
-    from hplan.artifacts.plan import PlanSummary
 
 EPILOG = ("Example: hplan plan t.parquet --gpu-mem 24GB --compare -o plan.json  "
           "(infeasible budgets exit 2 naming the smallest GPU that works; --json prints the summary). "
@@ -279,7 +278,7 @@ def _print_summary(plan: Plan, output: Path | None) -> None:
         ("lower bound", f"{format_size(s.lower_bound_bytes)} (gap {s.gap:.1%}, solver {s.solver}"
                         f"{', optimal' if s.optimal else ''}; "
                         f"{'any optimizer placement' if s.placement_free else 'this optimizer placement'}"
-                        f"{_bound_scope(s)} of these chunks)"),
+                        f"{_bound_scope(plan)} of these chunks)"),
         ("predicted peak", format_size(s.predicted_peak_bytes)),
         ("minimum GPU", format_size(s.min_gpu_bytes)),
         ("predicted step time", f"{s.predicted_step_seconds:.3f} s ({split}; a plan, not a measurement)"),
@@ -309,11 +308,13 @@ def _print_summary(plan: Plan, output: Path | None) -> None:
         console.print(f"wrote {output}")
 
 
-def _bound_scope(s: PlanSummary) -> str:
-    """--activations auto: the bound is on bytes moved + the activation choices' cost ([Note: auto activations])."""
+def _bound_scope(plan: Plan) -> str:
+    """--activations auto: the bound is on bytes moved + the activation choices' cost ([Note: auto activations]);
+    a forced choice's is on bytes moved (its cost is fixed by the choices, shown on the activations line)."""
     from hplan.sizes import format_size
 
-    if not s.activation_cost_bytes and not s.activations_free:
+    s = plan.summary
+    if plan.options.get("activations") != "auto" or not s.activation_cost_bytes and not s.activations_free:
         return ""
     return (f" and {'any keep/offload/recompute mix' if s.activations_free else 'these activation choices'}, "
             f"on bytes moved + {format_size(s.activation_cost_bytes)} of activation cost")
@@ -337,6 +338,8 @@ def _activation_rows(plan: Plan) -> list[tuple[str, str]]:
     if plan.options.get("activations") == "auto":
         text += (f"; chosen per segment (auto): {format_size(s.activation_cost_bytes)} of link-byte cost, the bound "
                  f"covering {_covers(plan) if s.activations_free else 'these choices only'}")
+    elif s.activation_cost_bytes:
+        text += f"; {format_size(s.activation_cost_bytes)} of link-byte cost (auto's price of these choices)"
     return [("activations", text)]
 
 
