@@ -185,7 +185,7 @@ def first_nonfinite(names: list[str], grads: list[torch.Tensor]) -> str | None:
     devices = {g.device for g in grads}  # comprehensions, not generators: one call each, not one per gradient
     if len(devices) == 1:
         device = devices.pop()
-        found = torch.zeros((), device=device)
+        found = torch.zeros((), dtype=torch.float32, device=device)  # the kernel's types, whatever the default dtype
         versions = tuple([g._version for g in grads])
         torch._amp_foreach_non_finite_check_and_unscale_(grads, found, _one(device))
         _set_versions(tuple(grads), versions)  # nothing was changed: no tripwire or saved view sees a write
@@ -200,7 +200,7 @@ def first_nonfinite(names: list[str], grads: list[torch.Tensor]) -> str | None:
 def _one(device: torch.device) -> torch.Tensor:
     one = _ONES.get(device)
     if one is None:
-        one = _ONES[device] = torch.ones((), device=device)
+        one = _ONES[device] = torch.ones((), dtype=torch.float32, device=device)
     return one
 
 

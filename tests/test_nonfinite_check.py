@@ -34,6 +34,21 @@ def test_a_finite_gradient_whose_norm_overflows_is_not_refused():
     assert first_nonfinite(["big"], [big]) is None
 
 
+def test_the_check_runs_under_a_float64_default_dtype():
+    """A workload that sets torch's default dtype to float64 (test_workload_odd's default_dtype case): the check's
+    own flag and inverse scale stay float32, the only types the fused kernel takes, and float64 gradients are
+    checked as any other."""
+    before = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    try:
+        grads = [torch.randn(8), torch.randn(3, dtype=torch.float32)]
+        assert first_nonfinite(["a", "b"], grads) is None
+        grads[0][2] = float("nan")
+        assert first_nonfinite(["a", "b"], grads) == "a"
+    finally:
+        torch.set_default_dtype(before)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 def test_the_check_changes_no_gradient(dtype):
     """Its multiplication by 1 leaves every bit of every finite value (±0, subnormals, the largest) as it was,
