@@ -32,15 +32,6 @@ batch b starts from that slope times b × SEQ_STEP, through its one measured poi
 grow a little faster with sequence than with batch, so the guess lands near the crossing and the line through
 the points it then measures takes over. The slope only chooses which shapes to trace: every answer is still
 the pair of plans at k and k + 1.
-
-[Note: a first batch step] With one measured point the batch search used to double (batch 1, then 2: a trace
-of an 8B-class model, 15 s of CPU, drawn only for its slope). The one trace already says how the margin grows:
-the minimum's bottleneck event holds the model data it touches, the slack, and non-model bytes (activations,
-temporaries), and only the last grow with the batch, nearly in proportion. Their bytes per sample, as the
-borrowed slope above, set the first guess; Phi-3-mini on an RTX 4090 (seq 2048) then traces batches 1, 18 and
-19 where it traced 1, 2, 18 and 19. A guess that misses costs what doubling did: the line through the two
-measured points takes over. The guess only chooses which shapes to trace: every answer is still the pair of
-plans at k and k + 1.
 """
 
 from __future__ import annotations
@@ -105,7 +96,6 @@ class Fitter:
         self.screens = True
         """Search on the screen ([Note: fit screen]) and plan only the boundary; False plans every tried shape."""
         self._margins: dict[tuple[str, int, int], int] = {}
-        self._grows: dict[tuple[str, int, int], int] = {}
 
     def _capacity(self, gpu: str) -> str:
         """Why no shape can fit `gpu` (its model data exceeds GPU + host + disk together), else ""."""
@@ -195,17 +185,8 @@ class Fitter:
             else:
                 trace = for_gpu(trace, gpu)
                 hardware = self._hardware(gpu, trace)
-                smallest = min_gpu_bytes(trace, hardware)
-                self._margins[key] = smallest.gpu_bytes - hardware.gpu_bytes
-                self._grows[key] = smallest.non_model_bytes
+                self._margins[key] = min_gpu_bytes(trace, hardware).gpu_bytes - hardware.gpu_bytes
         return self._margins[key]
-
-    def batch_slope(self, gpu: str, batch: int, seq: int) -> float | None:
-        """The screen's growth per sample guessed from the one trace at (batch, seq): its bottleneck's non-model
-        bytes over the batch ([Note: a first batch step]); None when that margin has no trace behind it."""
-        self.margin(gpu, batch, seq)
-        grows = self._grows.get((gpu, batch, seq), 0)
-        return grows / batch if grows > 0 else None
 
     def seq_slope(self, gpu: str, batch: int, seq: int) -> float | None:
         """The screen's growth per SEQ_STEP tokens at `batch`, borrowed from the margins the batch search measured
@@ -222,7 +203,7 @@ class Fitter:
         cap_text = f"the search's cap, batch {BATCH_CAP}"
         if self.screens and self.ranks == 1:
             return _screened(lambda n: self.margin(gpu, n, seq), lambda n: self.probe(gpu, n, seq), start=batch,
-                             cap=BATCH_CAP, cap_text=cap_text, slope=self.batch_slope(gpu, batch, seq))
+                             cap=BATCH_CAP, cap_text=cap_text)
         return _boundary(lambda n: self.probe(gpu, n, seq), start=batch, cap=BATCH_CAP, cap_text=cap_text)
 
     def longest_seq(self, gpu: str, batch: int, seq: int) -> Boundary:
