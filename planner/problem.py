@@ -452,6 +452,9 @@ class MinGpu:
     gpu_bytes: int
     bottleneck: str
     """The event that sets the minimum, in words."""
+    non_model_bytes: int = 0
+    """That event's non-model bytes (activations, temporaries): the part that grows with the batch, from which
+    `hplan fit` guesses its first step ([Note: a first batch step])."""
 
 
 def min_gpu(trace: Trace, hardware: Hardware, built: tuple[Structure, Problem] | None = None) -> MinGpu:
@@ -476,7 +479,7 @@ def min_gpu(trace: Trace, hardware: Hardware, built: tuple[Structure, Problem] |
              f"{format_size(model)} of model data")
     if hardware.slack_bytes:
         words += f" (plus {format_size(hardware.slack_bytes)} slack)"
-    return MinGpu(gpu_bytes=max(1, total), bottleneck=words)
+    return MinGpu(gpu_bytes=max(1, total), bottleneck=words, non_model_bytes=problem.non_model[t])
 
 
 def partly_used(trace: Trace, groups: list[list[ParamInfo]]) -> bool:

@@ -28,8 +28,12 @@ HF_SIZES: dict[str, dict[str, Any]] = {
     "T5ForConditionalGeneration": {"d_model": 128, "d_ff": 256, "d_kv": 32, "num_layers": 2,
                                    "num_decoder_layers": 2, "num_heads": 4, "vocab_size": 1024},
     "GPT2LMHeadModel": {"n_embd": 128, "n_layer": 2, "n_head": 4, "vocab_size": 1024, "n_positions": 128},
+    "MixtralForCausalLM": {"hidden_size": 128, "intermediate_size": 256, "num_hidden_layers": 2,
+                           "num_attention_heads": 4, "num_key_value_heads": 2, "num_local_experts": 4,
+                           "num_experts_per_tok": 2, "vocab_size": 1024, "max_position_embeddings": 128},
 }
-"""Config overrides per `transformers` class: 2 layers, width 128, a 1024-token vocabulary."""
+"""Config overrides per `transformers` class: 2 layers, width 128, a 1024-token vocabulary (Mixtral: 4 experts,
+their `grouped_mm` a kernel the fake mode corrects)."""
 
 
 def hf(name: str, *, batch_size: int = 4, seq_len: int = 64) -> Workload:
@@ -95,7 +99,8 @@ def gpt_tiny(precision: str) -> Workload:
 
 
 HF_MODELS: dict[str, str] = {"llama": "LlamaForCausalLM", "bert": "BertForMaskedLM",
-                             "t5": "T5ForConditionalGeneration", "gpt2": "GPT2LMHeadModel"}
+                             "t5": "T5ForConditionalGeneration", "gpt2": "GPT2LMHeadModel",
+                             "mixtral": "MixtralForCausalLM"}
 """Labels of the `transformers` models (they need transformers installed)."""
 
 MODELS: dict[str, Callable[[], Workload]] = {

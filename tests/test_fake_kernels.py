@@ -57,6 +57,22 @@ def test_fake_lstm_layer_outputs_match_the_real_kernel_forward_and_backward():
     assert fake_grads[3].untyped_storage()._cdata != fake_grads[4].untyped_storage()._cdata
 
 
+def test_fake_grouped_mm_runs_fp32_as_the_cpu_kernel_does_forward_and_backward():
+    """transformers 5's MoE experts call grouped_mm on fp32 weights; the meta kernel allows bf16 only."""
+    gen = torch.Generator().manual_seed(3)
+    x = torch.randn(16, 8, generator=gen, requires_grad=True)
+    w = torch.randn(4, 8, 32, generator=gen, requires_grad=True)  # 32 columns: the CPU kernel's 16-byte strides
+    offs = torch.tensor([3, 7, 12, 16], dtype=torch.int32)
+    real = torch._grouped_mm(x, w, offs=offs)
+    real_grads = torch.autograd.grad(real, (x, w), torch.ones_like(real))  # dense: sum()'s is stride 0
+    with FakeTensorMode() as mode, FakeKernels(KnownValues()):
+        fx, fw, foffs = (mode.from_tensor(t) for t in (x, w, offs))
+        fake = torch._grouped_mm(fx, fw, offs=foffs)
+        fake_grads = torch.autograd.grad(fake, (fx, fw), torch.ones_like(fake))
+    assert _sizes((fake,)) == _sizes((real,))
+    assert _sizes(fake_grads) == _sizes(real_grads)
+
+
 @needs_onednn
 def test_no_workspace_without_grad_mode():
     args = _lstm_layer(4, 2, 8, 8, reverse=False, bias=True)

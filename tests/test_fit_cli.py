@@ -278,3 +278,41 @@ def test_the_sequence_search_borrows_the_batch_searchs_slope():
     found = fitter.longest_seq("g", 2, 2048)
     assert (found.best.seq, found.next.seq) == (2688, 2688 + SEQ_STEP)
     assert tried == [(2, 2688), (2, 2688 + SEQ_STEP)], tried
+
+
+def test_the_batch_search_guesses_its_first_step_from_the_bottlenecks_non_model_bytes():
+    """[Note: a first batch step]: with the non-model bytes of the one traced shape's bottleneck as the growth per
+    sample, a margin linear in the batch is crossed by the asked shape, the guess and the step after it: one
+    traced shape fewer than doubling first (which also traces batch 2)."""
+    from hplan.cli.fit_search import Fitter
+
+    per_sample, fixed, budget = 1000, 700, 18_900  # min = 700 + 1000 × batch: batch 18 fits, 19 does not
+    for borrowed, overstated in ((True, 0), (True, 50), (False, 0)):  # 50: non-model bytes that do not grow
+        fitter = Fitter(spec="gpt:tiny", precision=None, overrides={}, hardware=None, planner=None)
+        tried: list[int] = []
+
+        def margin(gpu: str, batch: int, seq: int, fitter=fitter, tried=tried) -> int:
+            if (gpu, batch, seq) not in fitter._margins:
+                tried.append(batch)
+                fitter._margins[(gpu, batch, seq)] = fixed + per_sample * batch - budget
+                fitter._grows[(gpu, batch, seq)] = per_sample * batch + overstated if borrowed else 0
+            return fitter._margins[(gpu, batch, seq)]
+
+        fitter.margin = margin  # type: ignore[method-assign]
+        fitter.probe = lambda gpu, b, s, m=margin: Probe(batch=b, seq=s, plan=_Plan(m(gpu, b, s) <= 0))  # type: ignore
+        found = fitter.largest_batch("g", 1, 2048)
+        assert (found.best.batch, found.next.batch) == (18, 19)
+        assert sorted(tried) == ([1, 18, 19] if borrowed else [1, 2, 18, 19]), (overstated, tried)
+
+
+def test_min_gpu_names_its_bottlenecks_non_model_bytes():
+    """MinGpu.non_model_bytes is the bottleneck event's non-model figure, the one its words give."""
+    from hplan.planner import make_hardware, min_gpu_bytes, trace_slack
+    from hplan.sizes import format_size
+    from hplan.specs import load_workload
+    from hplan.tracer import trace_workload
+
+    trace = trace_workload(load_workload("gpt:tiny"), device="fake", iters=2)
+    smallest = min_gpu_bytes(trace, make_hardware("rtx4090", **trace_slack(trace, "release")))
+    assert smallest.non_model_bytes > 0
+    assert f"holds {format_size(smallest.non_model_bytes)} of non-model data" in smallest.bottleneck

@@ -107,9 +107,26 @@ def _mkldnn_rnn_layer_backward(func: Any, args: tuple, kwargs: dict) -> Any:
     return dx, dw1, dw2, db, db2, dhx, dcx
 
 
+def _grouped_mm(func: Any, args: tuple, kwargs: dict) -> Any:
+    """The CPU kernel multiplies fp32 and fp16 groups; the meta kernel copies CUDA's bf16-only check, so every
+    mixture-of-experts layer of transformers 5 (whose experts call `grouped_mm` on fp32 master weights, outside
+    autocast) failed to fake-trace. The output's shape comes from the meta kernel on bf16 stand-ins (not recorded:
+    this mode sits below the recorder); its dtype and contiguous layout are the CPU kernel's."""
+    a, b = args[0], args[1]
+    if a.dtype != b.dtype or a.dtype not in (torch.float32, torch.float16) or kwargs.get("out_dtype") is not None:
+        return func(*args, **kwargs)
+    rest = tuple(x.to(torch.bfloat16) if isinstance(x, torch.Tensor) and x.is_floating_point() else x
+                 for x in args[2:])
+    extra = {k: v.to(torch.bfloat16) if isinstance(v, torch.Tensor) and v.is_floating_point() else v
+             for k, v in kwargs.items()}
+    shaped = func(a.to(torch.bfloat16), b.to(torch.bfloat16), *rest, **extra)
+    return torch.empty(shaped.shape, dtype=a.dtype, device=shaped.device)
+
+
 KERNELS: dict[Any, Kernel] = {
     aten.mkldnn_rnn_layer.default: _mkldnn_rnn_layer,
     aten.mkldnn_rnn_layer_backward.default: _mkldnn_rnn_layer_backward,
+    aten._grouped_mm.default: _grouped_mm,
 }
 """Operators whose meta kernel returns outputs of other sizes than the CPU kernel, with the correction."""
 

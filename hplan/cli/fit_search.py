@@ -32,6 +32,18 @@ batch b starts from that slope times b × SEQ_STEP, through its one measured poi
 grow a little faster with sequence than with batch, so the guess lands near the crossing and the line through
 the points it then measures takes over. The slope only chooses which shapes to trace: every answer is still
 the pair of plans at k and k + 1.
+
+[Note: a first batch step] With one measured point the batch search used to double (batch 1, then 2: a trace
+of an 8B-class model, 15 s of CPU, drawn only for its slope). The one trace already says how the margin grows:
+the minimum's bottleneck event holds the model data it touches, the slack, and non-model bytes (activations,
+temporaries), and only the last grow with the batch, nearly in proportion. Their bytes per sample, as the
+borrowed slope above, set the first guess. Some of those bytes do not grow with the batch, so the slope
+overstates the growth and the crossing lies at or past the guess: the search tries the step after the guess
+first (Phi-3-mini on an RTX 4090, seq 2048: the line crosses at 17.x, batch 18 fits, 19 does not; it traces
+batches 1, 18 and 19 where doubling traced 1, 2, 18 and 19). On an exact slope that step fails and the line
+through the two points gives the guess itself next: no more tries than before. A guess that misses costs what
+doubling did: the line through the two measured points takes over. The guess only chooses which shapes to trace: every answer is still the pair of
+plans at k and k + 1.
 """
 
 from __future__ import annotations
@@ -96,6 +108,7 @@ class Fitter:
         self.screens = True
         """Search on the screen ([Note: fit screen]) and plan only the boundary; False plans every tried shape."""
         self._margins: dict[tuple[str, int, int], int] = {}
+        self._grows: dict[tuple[str, int, int], int] = {}
 
     def _capacity(self, gpu: str) -> str:
         """Why no shape can fit `gpu` (its model data exceeds GPU + host + disk together), else ""."""
@@ -185,8 +198,17 @@ class Fitter:
             else:
                 trace = for_gpu(trace, gpu)
                 hardware = self._hardware(gpu, trace)
-                self._margins[key] = min_gpu_bytes(trace, hardware).gpu_bytes - hardware.gpu_bytes
+                smallest = min_gpu_bytes(trace, hardware)
+                self._margins[key] = smallest.gpu_bytes - hardware.gpu_bytes
+                self._grows[key] = smallest.non_model_bytes
         return self._margins[key]
+
+    def batch_slope(self, gpu: str, batch: int, seq: int) -> float | None:
+        """The screen's growth per sample guessed from the one trace at (batch, seq): its bottleneck's non-model
+        bytes over the batch ([Note: a first batch step]); None when that margin has no trace behind it."""
+        self.margin(gpu, batch, seq)
+        grows = self._grows.get((gpu, batch, seq), 0)
+        return grows / batch if grows > 0 else None
 
     def seq_slope(self, gpu: str, batch: int, seq: int) -> float | None:
         """The screen's growth per SEQ_STEP tokens at `batch`, borrowed from the margins the batch search measured
@@ -203,7 +225,7 @@ class Fitter:
         cap_text = f"the search's cap, batch {BATCH_CAP}"
         if self.screens and self.ranks == 1:
             return _screened(lambda n: self.margin(gpu, n, seq), lambda n: self.probe(gpu, n, seq), start=batch,
-                             cap=BATCH_CAP, cap_text=cap_text)
+                             cap=BATCH_CAP, cap_text=cap_text, slope=self.batch_slope(gpu, batch, seq), up=True)
         return _boundary(lambda n: self.probe(gpu, n, seq), start=batch, cap=BATCH_CAP, cap_text=cap_text)
 
     def longest_seq(self, gpu: str, batch: int, seq: int) -> Boundary:
@@ -221,10 +243,10 @@ class Fitter:
 
 
 def _screened(margin: Callable[[int], int], probe: Callable[[int], Probe], *, start: int, cap: int,
-              cap_text: str, slope: float | None = None) -> Boundary:
+              cap_text: str, slope: float | None = None, up: bool = False) -> Boundary:
     """The screen's boundary k, proven by the plans at k and k + 1; where a plan disagrees with the screen, the
     plain search continues from there on plans alone ([Note: fit screen])."""
-    k = _screen_boundary(margin, start=start, cap=cap, slope=slope)
+    k = _screen_boundary(margin, start=start, cap=cap, slope=slope, up=up)
     if k == 0:
         first = probe(1)
         return Boundary(best=None, next=first) if not first.fits else \
@@ -240,7 +262,8 @@ def _screened(margin: Callable[[int], int], probe: Callable[[int], Probe], *, st
     return Boundary(best=best, next=nxt)
 
 
-def _screen_boundary(margin: Callable[[int], int], *, start: int, cap: int, slope: float | None = None) -> int:
+def _screen_boundary(margin: Callable[[int], int], *, start: int, cap: int, slope: float | None = None,
+                     up: bool = False) -> int:
     """The largest n in 1..cap whose margin is <= 0 (0: none), for a margin that grows with n, nearly linearly
     ([Note: fit screen]): guesses by the line through the two measured points nearest the crossing, and tries the
     step after a passing guess at once; a guess that does not halve the bracket is followed by a bisection.
@@ -269,10 +292,11 @@ def _screen_boundary(margin: Callable[[int], int], *, start: int, cap: int, slop
         if passed and last == "guess" and n + 1 < hi:
             n, last = n + 1, "next"  # the guess passed: the step after it may be the boundary
             continue
-        n, last = _guess(seen, lo, hi, cap, slope)
+        n, last = _guess(seen, lo, hi, cap, slope, up)
 
 
-def _guess(seen: dict[int, int], lo: int, hi: int, cap: int, borrowed: float | None = None) -> tuple[int, str]:
+def _guess(seen: dict[int, int], lo: int, hi: int, cap: int, borrowed: float | None = None,
+           up: bool = False) -> tuple[int, str]:
     """The next n strictly between lo and hi: where the line through the measured points nearest the crossing
     (those at lo and hi, else the two nearest on one side) reaches 0; with one point, the line of the `borrowed`
     slope through it, else doubling or halving."""
@@ -296,8 +320,10 @@ def _guess(seen: dict[int, int], lo: int, hi: int, cap: int, borrowed: float | N
     else:
         x = a - seen[a] / slope
     limit_hi = hi - 1 if above else min(hi - 1, 64 * max(lo, 1))  # an extrapolation goes at most 64x further
+    if up and borrowed is not None and a == b and below:  # a slope that overstates the growth: look one further
+        x = int(x) + 1.0  # ([Note: a first batch step])
     n = int(min(max(int(x), lo + 1), limit_hi))
-    return n, "guess" if n == int(x) else "reach"  # a guess cut short is no boundary to try the next step of
+    return n, "guess" if n == int(x) and not (up and a == b) else "reach"  # a guess cut short is no boundary to try the next step of
 
 
 def _boundary(probe: Callable[[int], Probe], *, start: int, cap: int, cap_text: str) -> Boundary:
