@@ -1,6 +1,6 @@
 """`--device fake` on models whose constructor fake tensors cannot run ([Note: fake model build]): ViT's weight
-init and peft's LoRA build on the meta device and trace exactly as on the CPU; Mixtral's expert operator, which has
-no float32 fake kernel, is refused in one line naming it; a model that fails on every device is the user's error,
+init and peft's LoRA build on the meta device and trace exactly as on the CPU; an operator with no fake kernel is
+refused in one line naming it (Mixtral's expert operator, once such a case, fake-traces now); a model that fails on every device is the user's error,
 and `hplan --debug` shows the user's frame."""
 
 from __future__ import annotations
@@ -72,18 +72,54 @@ MIXTRAL = ["--set", "num_hidden_layers=1", "hidden_size=64", "intermediate_size=
            "num_key_value_heads=2", "vocab_size=256", "num_local_experts=4", "--seq-len", "16"]
 
 
+NO_FAKE_KERNEL = """
+import torch, hplan
+from torch import nn
+
+
+@torch.library.custom_op("hplan_test_nofake::scaled", mutates_args=())
+def scaled(x: torch.Tensor) -> torch.Tensor:  # a CPU kernel only: no fake kernel registered
+    return x * 2.0
+
+
+class Net(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return scaled(self.fc(x))
+
+
+def workload() -> hplan.Workload:
+    return hplan.Workload(model=Net, batch=lambda s: torch.ones(2, 4), loss=lambda m, b: m(b).sum(),
+                          optimizer=lambda p: torch.optim.SGD(p, lr=0.1), name="nofake")
+"""
+
+
 def test_an_operator_without_a_fake_kernel_is_one_line_naming_it(tmp_path, caplog):
-    """Mixtral's experts run aten::_grouped_mm, whose fake kernel takes bf16 only: one line, no torch log."""
+    """A custom operator with a CPU kernel and no fake kernel (Mixtral's aten::_grouped_mm was this case until
+    hplan's own fake correction for it): one line naming the operator in its own namespace, no torch log."""
+    (tmp_path / "wl.py").write_text(NO_FAKE_KERNEL)
     out = tmp_path / "t.parquet"
     with caplog.at_level(logging.WARNING):
-        result = runner.invoke(app, ["trace", "hf:MixtralForCausalLM", "--device", "fake", *MIXTRAL, "-o", str(out)])
+        result = runner.invoke(app, ["trace", f"{tmp_path / 'wl.py'}:workload", "--device", "fake", "-o", str(out)])
     assert result.exit_code == 2, result.output
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and "Traceback" not in result.stderr
-    assert "fake tensors cannot run aten::_grouped_mm in forward of model.layers.0.mlp.experts" in lines[0]
+    assert "fake tensors cannot run hplan_test_nofake::scaled in forward of Net" in lines[0]
     assert "the real kernel runs it: trace with --device cpu" in lines[0] and not out.exists()
     assert not [r for r in caplog.records if r.name.startswith("torch._subclasses")]
     assert logging.getLogger("torch._subclasses.fake_tensor").level == logging.NOTSET  # given back
+
+
+def test_mixtral_fake_traces_with_hplans_grouped_mm_correction(tmp_path):
+    """Mixtral's experts run aten::_grouped_mm in float32, which torch's fake kernel refuses (bf16 only, as on CUDA):
+    hplan's fake correction runs it as the CPU kernel does, so the fake trace succeeds."""
+    out = tmp_path / "t.parquet"
+    result = runner.invoke(app, ["trace", "hf:MixtralForCausalLM", "--device", "fake", *MIXTRAL, "-o", str(out)])
+    assert result.exit_code == 0, result.output
+    assert out.exists()
 
 
 @pytest.mark.slow

@@ -283,13 +283,14 @@ REAL_KERNEL_RUNS = "_hplan_real_kernel_runs"
 
 
 def failed_operator(exc: BaseException) -> tuple[str, bool | None] | None:
-    """(`aten::name`, whether the real kernel runs that call: None when not tried) of the operator a fake trace
+    """(`namespace::name`, whether the real kernel runs that call: None when not tried) of the operator a fake trace
     could not run, when `exc` (or its cause) came from one."""
     seen = 0
     while exc is not None and seen < 8:
         func = getattr(exc, FAILED_OPERATOR, None)
         if func is not None:
-            return "aten::" + str(getattr(func, "_opname", func)), getattr(exc, REAL_KERNEL_RUNS, None)
+            space = getattr(func, "namespace", "aten")  # a custom op's own library, e.g. mylib::scaled
+            return f"{space}::{getattr(func, '_opname', func)}", getattr(exc, REAL_KERNEL_RUNS, None)
         exc, seen = exc.__cause__ or exc.__context__, seen + 1
     return None
 
