@@ -33,9 +33,10 @@ was assumed. [Note: replay conventions] below.
   (v0.3.13, v0.4.3, and still at 38327e0, 2025-02: offload_config.py:45, 72); its ZeRO-3 gradient buffers are then
   pageable and each gradient copy serialises with compute (Zero3Config.pin_memory, [Note: pageable copies]). The
   16-bit weights it fetches are pinned in every version; ZeRO-2 pins its buffers itself.
-- HBM sizes: "32 GB" and "24 GB" cards hold 32 and 24 GiB; the usable bytes are what nvidia-smi reports
-  (V100-SXM2/3-32GB: 32,510 MiB; RTX 4090: 24,564 MiB), the CUDA context and allocator slack then come off as
-  the trace's predicted slack.
+- HBM sizes: "32 GB" and "24 GB" cards hold 32 and 24 GiB; each replay is budgeted at its preset, what CUDA lets
+  a process allocate (V100 32GB 31.74 GiB, RTX 4090 23.64 GiB: [Note: GPU memory totals] in
+  hplan.planner.presets), and the CUDA context, the GEMM workspaces ([Note: CUDA context] in
+  hplan.planner.workspace) and the allocator slack come off as the trace's overhead and predicted slack.
 
 [Note: what the misses say] (2026-11-28, second pass; the probes priced on the same fake traces)
 - The V100 rows split by the code each source ran, and the model now says so ([Note: kernel generations] in
@@ -100,8 +101,6 @@ from bench.published_replays import NOT_REPLAYED, REPLAYS, WHY_MISSED, Replay, S
 BAND = 0.25
 """Issue 33: predicted throughput within ±25% of the paper's."""
 PRECISION = "fp16-mixed"
-V100_USABLE = 32510 * 2**20
-RTX4090_USABLE = 24564 * 2**20
 DGX2_HOST = 15 * 10**11
 """DGX-2: 1.5 TB of host memory (NVIDIA DGX-2 datasheet)."""
 RTX4090_TFLOPS = 165.2
@@ -125,13 +124,12 @@ def step_flops(r: Replay, trace: Any, batch: int, checkpoint: bool) -> float:
 
 
 def hardware(r: Replay, trace: Any) -> Any:
-    from hplan.planner import make_hardware, trace_slack
+    from hplan.planner import for_gpu, make_hardware, trace_slack
 
     host = r.host_bytes or DGX2_HOST
-    if r.gpu == "v100":
-        return make_hardware("v100-32gb", gpu_bytes=V100_USABLE, host_bytes=host, kernels=r.kernels or None,
-                             **trace_slack(trace))
-    return make_hardware("rtx4090", gpu_bytes=RTX4090_USABLE, host_bytes=host, **trace_slack(trace))
+    gpu = "v100-32gb" if r.gpu == "v100" else "rtx4090"
+    slack = trace_slack(for_gpu(trace, gpu))  # the CUDA context and GEMM workspaces ([Note: CUDA context])
+    return make_hardware(gpu, host_bytes=host, kernels=(r.kernels or None) if r.gpu == "v100" else None, **slack)
 
 
 def price(sim: str, trace: Any, hw: Any, checkpoint: bool, pin_memory: bool | None = None,

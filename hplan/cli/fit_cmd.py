@@ -24,7 +24,8 @@ def register(app: typer.Typer) -> None:
         gpu: Annotated[str, typer.Option("--gpu", help="GPU preset(s), comma-separated: one row each (e.g. "
                                          "rtx3090,rtx4090,l40s,a100-80gb,h100-80gb).")] = "rtx4090",
         gpu_mem: Annotated[str | None, typer.Option("--gpu-mem", help="Budget each GPU at this memory instead of "
-                                                    "its preset's (e.g. 20GB: what is free beside other jobs).")] = None,
+                                                    "its preset's (e.g. 20GB: what is free beside other jobs); the "
+                                                    "CUDA context is reserved inside it, as inside a preset's.")] = None,
         cpu_mem: Annotated[str | None, typer.Option("--cpu-mem", help="Host memory for offloaded data (default: "
                                                     "unbounded; the table says what each plan needs).")] = None,
         nvme: Annotated[str | None, typer.Option("--nvme", help="Disk space for model data (e.g. 2TB): plans a "

@@ -24,7 +24,9 @@ def register(app: typer.Typer) -> None:
     @app.command("plan", epilog=EPILOG, cls=HplanCommand)
     def plan_command(
         trace: Annotated[Path, typer.Argument(help="Trace file written by `hplan trace`.")],
-        gpu_mem: Annotated[str, typer.Option("--gpu-mem", help="GPU memory budget, e.g. 24GB or 22GiB; `min` plans "
+        gpu_mem: Annotated[str, typer.Option("--gpu-mem", help="GPU memory budget, e.g. 24GB or 22GiB: what CUDA "
+                                             "lets the process allocate, the CUDA context inside it (a CPU or fake "
+                                             "trace's plan reserves --gpu's context and GEMM workspaces); `min` plans "
                                              "at the smallest budget any schedule fits.")],
         output: Annotated[Path | None, typer.Option("-o", "--output", help="Where to write the plan JSON "
                                                     "(optional with --json).")] = None,
