@@ -10,6 +10,7 @@ from typer.testing import CliRunner
 
 from fit_configs import TINY_LLAMA, write_config
 from hplan.cli import app
+from hplan.planner import context_bytes
 from hplan.cli.fit_search import SEQ_STEP, Probe, _boundary
 from hplan.planner.baselines import estimators
 
@@ -278,3 +279,29 @@ def test_the_sequence_search_borrows_the_batch_searchs_slope():
     found = fitter.longest_seq("g", 2, 2048)
     assert (found.best.seq, found.next.seq) == (2688, 2688 + SEQ_STEP)
     assert tried == [(2, 2688), (2, 2688 + SEQ_STEP)], tried
+
+
+def test_fit_says_what_the_job_needs_of_the_card_not_the_budget_its_plan_fills(tmp_path):
+    """The "needs GPU" figure is the job's least budget (`hplan plan --gpu-mem min`'s on the same trace, CUDA
+    context included), at most the plan's peak (a plan at the card's 25 GB keeps what it may), and the table says
+    "X of Y"."""
+    from hplan.artifacts import Trace
+
+    path = write_config(tmp_path)
+    args = ["fit", f"hf:{path}", "--gpu", "rtx4090", "--seq-len", "64", "--batch-size", "2", "--no-search"]
+    result = runner.invoke(app, [*args, "--json"])
+    assert result.exit_code == 0, result.output
+    row = json.loads(result.stdout)["gpus_rows"][0]
+    at = row["at"]
+    trace = tmp_path / "t.parquet"
+    made = runner.invoke(app, ["trace", f"hf:{path}", "--device", "fake", "--precision", "bf16-mixed",
+                               "--batch-size", "2", "--seq-len", "64", "--iters", "2", "-o", str(trace)])
+    assert made.exit_code == 0, made.output
+    least = runner.invoke(app, ["plan", str(trace), "--gpu", "rtx4090", "--gpu-mem", "min", "--json"])
+    assert least.exit_code == 0, least.output
+    assert at["least_gpu_bytes"] == json.loads(least.stdout)["gpu_bytes"]
+    assert context_bytes("rtx4090") < at["least_gpu_bytes"] <= at["gpu_bytes"] < 10**9 < 25 * 10**9 < row["gpu_bytes"]
+    assert Trace.load(trace, columns=()).device == "fake"
+    table = runner.invoke(app, args)
+    assert table.exit_code == 0, table.output
+    assert "of 25.38 GB" in table.output

@@ -103,6 +103,9 @@ def _run(*, spec: str, gpu: str, gpu_mem: str | None, cpu_mem: str | None, nvme:
             if search:
                 row["batch"] = fitter.largest_batch(name, batch_size, seq_len)
                 row["seq"] = fitter.longest_seq(name, batch_size, seq_len)
+            if at.fits:  # the batch search measured it: free there, one bound without --search
+                row["least_gpu_bytes"] = fitter.least_gpu_bytes(name, batch_size, seq_len)
+            row["least"] = fitter.measured_least(name)
             rows.append(row)
     base = fitter.trace(batch_size, seq_len)
     estimates = published_estimates(base, gpus_per_node=gpus) if not isinstance(base, str) else []
@@ -149,23 +152,28 @@ def _planning(*, gpu_bytes: int | None, host_bytes: int | None, nvme_bytes: int 
 def _payload(spec: str, rows: list[dict[str, Any]], estimates: list[Any], **inputs: Any) -> dict[str, Any]:
     from hplan.cli.fit_table import needs, tokens_per_s
 
-    def probe(p: Any) -> dict[str, Any] | None:
+    def probe(p: Any, least: int | None = None) -> dict[str, Any] | None:
         if p is None:
             return None
         out = {"batch": p.batch, "seq": p.seq, "fits": p.fits, "reason": p.reason}
         if p.plan is not None and p.fits:
             out |= {"predicted_step_seconds": p.plan.summary.predicted_step_seconds,
                     "tokens_per_s": tokens_per_s(p, inputs["gpus"]), **needs(p.plan)}
+            out["least_gpu_bytes"] = least  # what the job needs of the card ("gpu_bytes": what its plan fills)
         return out
 
-    def boundary(b: Any) -> dict[str, Any] | None:
-        return None if b is None else {"best": probe(b.best), "next": probe(b.next), "limit": b.limit}
+    def boundary(b: Any, least: dict[tuple[int, int], int]) -> dict[str, Any] | None:
+        if b is None:
+            return None
+        best = probe(b.best, None if b.best is None else least.get((b.best.batch, b.best.seq)))
+        return {"best": best, "next": probe(b.next), "limit": b.limit}
 
     gpus_out = []
     for row in rows:
         gpu_bytes = row["gpu_bytes"]
-        gpus_out.append({"gpu": row["gpu"], "gpu_bytes": gpu_bytes, "at": probe(row["at"]),
-                         "largest_batch": boundary(row.get("batch")), "longest_seq": boundary(row.get("seq")),
+        gpus_out.append({"gpu": row["gpu"], "gpu_bytes": gpu_bytes, "at": probe(row["at"], row.get("least_gpu_bytes")),
+                         "largest_batch": boundary(row.get("batch"), row.get("least", {})),
+                         "longest_seq": boundary(row.get("seq"), row.get("least", {})),
                          "estimators": [asdict(e) | {"fits": gpu_bytes is not None and
                                                       e.fits(gpu_bytes, inputs["host_bytes"])} for e in estimates],
                          **({"deepspeed": row["deepspeed"]} if "deepspeed" in row else {})})

@@ -96,6 +96,7 @@ class Fitter:
         self.screens = True
         """Search on the screen ([Note: fit screen]) and plan only the boundary; False plans every tried shape."""
         self._margins: dict[tuple[str, int, int], int] = {}
+        self._least: dict[tuple[str, int, int], int] = {}
 
     def _capacity(self, gpu: str) -> str:
         """Why no shape can fit `gpu` (its model data exceeds GPU + host + disk together), else ""."""
@@ -185,8 +186,23 @@ class Fitter:
             else:
                 trace = for_gpu(trace, gpu)
                 hardware = self._hardware(gpu, trace)
-                self._margins[key] = min_gpu_bytes(trace, hardware).gpu_bytes - hardware.gpu_bytes
+                self._least[key] = min_gpu_bytes(trace, hardware).gpu_bytes
+                self._margins[key] = self._least[key] - hardware.gpu_bytes
         return self._margins[key]
+
+    def least_gpu_bytes(self, gpu: str, batch: int, seq: int) -> int | None:
+        """What the job at (batch, seq) needs of `gpu`: the smallest budget any schedule fits (`hplan plan --gpu-mem
+        min`'s, CUDA context and slack included), not the budget its plan fills. The screen's figure ([Note: fit
+        screen]): the batch search measured it at the asked shape already. None with --gpus N (no screen)."""
+        if self.ranks != 1:
+            return None
+        self.margin(gpu, batch, seq)
+        return self._least.get((gpu, batch, seq))
+
+    def measured_least(self, gpu: str) -> dict[tuple[int, int], int]:
+        """(batch, seq) -> least_gpu_bytes for the shapes the screen measured on `gpu` (the boundaries' k among
+        them, mostly): read, never computed."""
+        return {(b, s): v for (g, b, s), v in self._least.items() if g == gpu}
 
     def seq_slope(self, gpu: str, batch: int, seq: int) -> float | None:
         """The screen's growth per SEQ_STEP tokens at `batch`, borrowed from the margins the batch search measured
