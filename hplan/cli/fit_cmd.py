@@ -65,8 +65,10 @@ def _run(*, spec: str, gpu: str, gpu_mem: str | None, cpu_mem: str | None, nvme:
     if deepspeed is not None:
         from hplan.cli.deepspeed_opt import load_ds_config
 
+        from hplan.planner.baselines.deepspeed_config import batch_settings
+
         ds_cfg = load_ds_config(deepspeed)
-        batch_size = batch_size or ds_cfg.micro_batch
+        batch_size = batch_size or batch_settings(ds_cfg, gpus, where=f"DeepSpeed config {deepspeed}")[0]
         if precision is None and ds_cfg.precision not in (None, "auto"):
             precision = ds_cfg.precision
         elif precision is None and ds_cfg.precision is None:
@@ -112,9 +114,9 @@ def _run(*, spec: str, gpu: str, gpu_mem: str | None, cpu_mem: str | None, nvme:
     if ds_cfg is not None and not isinstance(base, str):
         from hplan.cli.deepspeed_opt import check_against_trace, ds_verdict
 
-        check_against_trace(ds_cfg, base, deepspeed)
+        check_against_trace(ds_cfg, base, deepspeed, world=gpus)
         for row in rows:
-            row["deepspeed"] = ds_verdict(ds_cfg, base, hardware(row["gpu"], base))
+            row["deepspeed"] = ds_verdict(ds_cfg, base, hardware(row["gpu"], base), world=gpus)
     if as_json:
         emit_json(_payload(spec, rows, estimates, batch_size=batch_size, seq_len=seq_len, gpus=gpus,
                            host_bytes=host_bytes, nvme_bytes=nvme_bytes, precision=precision))

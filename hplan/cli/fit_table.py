@@ -74,8 +74,9 @@ def _ds_cell(verdict: dict[str, Any]) -> str:
     if not verdict["simulated"]:
         return f"not simulated: {verdict['why']}"
     state = "OUT OF MEMORY" if verdict["out_of_memory"] else "fits"
+    micro = verdict.get("micro_steps", 1)
     return (f"{state}: peak {fs(verdict['predicted_peak_bytes'])}, moves {fs(verdict['bytes_moved_per_iter'])}, "
-            f"step {verdict['predicted_step_seconds']:.2f} s")
+            f"step {verdict['predicted_step_seconds']:.2f} s" + (f" ({micro} micro-batches)" if micro > 1 else ""))
 
 
 def _short(name: str) -> str:

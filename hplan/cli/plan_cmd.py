@@ -147,7 +147,7 @@ def _run(*, trace: Path, gpu_mem: str, output: Path | None, cpu_mem: str | None,
         from hplan.cli.deepspeed_opt import check_against_trace, load_ds_config
 
         ds_cfg = load_ds_config(deepspeed)
-        check_against_trace(ds_cfg, loaded, deepspeed)
+        check_against_trace(ds_cfg, loaded, deepspeed, world=_ranks(world))
     slack_fields = trace_slack(loaded, allocator)
     if slack is not None:  # the user's figure holds for every activation choice
         slack_fields = dict(slack_bytes=0 if slack.strip() in ("0", "0B") else size_option(slack, what="--slack"),
@@ -192,7 +192,7 @@ def _run(*, trace: Path, gpu_mem: str, output: Path | None, cpu_mem: str | None,
     if ds_cfg is not None:
         from hplan.cli.deepspeed_opt import ds_verdict, print_verdict
 
-        payload["deepspeed"] = ds_verdict(ds_cfg, loaded, hardware)
+        payload["deepspeed"] = ds_verdict(ds_cfg, loaded, hardware, world=_ranks(world))
         if not as_json and not plan.summary.feasible:
             print_verdict(payload["deepspeed"], None, None)
     if not plan.summary.feasible:
@@ -372,3 +372,9 @@ def _tier_rows(plan: Plan, table: object) -> None:
                              f"NVMe {format_size(homes['nvme'])} (disk used {format_size(s.nvme_bytes_used)})"),
     ):
         table.add_row(key, value)  # type: ignore[attr-defined]
+
+
+def _ranks(world: dict | None) -> int:
+    """Data-parallel ranks of --gpus/--nodes (DeepSpeed's world size)."""
+    world = world or {}
+    return int(world.get("gpus") or 1) * int(world.get("nodes") or 1)
