@@ -70,6 +70,16 @@ was assumed. [Note: replay conventions] below.
   micro-step at the 10B's efficiency (same width), where the paper's 13B bar is 16% below its 10B one; its 26 GB of
   16-bit weights leave the 32 GB card about 6 GB, and what that costs in time (allocator retries, smaller
   kernels' tails) is not modelled. A replay of those bars is left for a session that can re-run the section.
+  Causes checked on 2026-11-29 (no model change; arithmetic on the figures above, not a re-run): (a) GEMM size:
+  hplan's efficiency depends on the width only ([Note: efficiency by width]), and 13B's micro-batch 4 × 1024
+  tokens still makes products of 4096 rows (10B: 10240), with no published V100 figure separating the two;
+  (b) the running 16-bit sums: 13B sends about 26.6 GB down and up per micro-step. The simulator overlaps them
+  with the backward, as v0.3.0's code issues them (non-blocking, on the reduce stream under overlap_comm:
+  [Note: accumulation through the host]). Were they serialised with compute (3.3 s at 16 GB/s against a 10.3 s
+  micro-step), the bars would read 13B about 33 (0.96), 10B about 39 (0.96) and 1B about 39 (1.08): one
+  mechanism for all three bars, but the code read says they overlap, so it stays a candidate for a GPU run to
+  settle (time one 13B micro-step with and without gradient accumulation). Memory pressure (c) needs the 13B
+  trace's peak at micro-batch 4, not priced here.
 - PyTorch alone, 1.4B (1.25 before): its step is its matrix products and an optimizer step kept on the GPU. In
   the code the tutorial ran (Megatron-LM's 2019 fork) that step is Megatron-LM's FP16_Optimizer around apex
   FusedAdam, which moves 62 B per parameter in separate kernels (overflow check, gradient copy, unscale, clip,
