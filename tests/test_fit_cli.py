@@ -10,7 +10,7 @@ from typer.testing import CliRunner
 
 from fit_configs import TINY_LLAMA, write_config
 from hplan.cli import app
-from hplan.planner import context_bytes
+from hplan.planner import context_bytes, reserve_bytes
 from hplan.cli.fit_search import SEQ_STEP, Probe, _boundary
 from hplan.planner.baselines import estimators
 
@@ -112,14 +112,15 @@ def test_fit_boundaries_are_proven_by_plans_made_by_hand(tmp_path):
     plan made by hand (trace, then make_plan) at each boundary agrees with fit's verdict."""
     data = dict(TINY_LLAMA, vocab_size=4096)  # logits dominate: the boundary moves with batch and sequence
     path = write_config(tmp_path, data)
-    result = runner.invoke(app, ["fit", f"hf:{path}", "--gpu", "rtx4090", "--gpu-mem", "40MB", "--seq-len", "256",
+    budget = 40 * 10**6 + reserve_bytes("rtx4090")  # 40 MB beside the CUDA context and workspaces
+    result = runner.invoke(app, ["fit", f"hf:{path}", "--gpu", "rtx4090", "--gpu-mem", str(budget), "--seq-len", "256",
                                  "--batch-size", "2", "--json"])
     assert result.exit_code == 0, result.output
     row = json.loads(result.stdout)["gpus_rows"][0]
     batch, seq = row["largest_batch"], row["longest_seq"]
     assert batch["best"]["fits"] and not batch["next"]["fits"] and batch["next"]["batch"] == batch["best"]["batch"] + 1
     assert seq["best"]["fits"] and not seq["next"]["fits"] and seq["next"]["seq"] == seq["best"]["seq"] + SEQ_STEP
-    from hplan.planner import PlanOptions, make_hardware, make_plan, trace_slack
+    from hplan.planner import PlanOptions, for_gpu, make_hardware, make_plan, trace_slack
     from hplan.specs import load_workload
     from hplan.tracer import trace_workload
 
@@ -127,7 +128,8 @@ def test_fit_boundaries_are_proven_by_plans_made_by_hand(tmp_path):
                        (2, seq["best"]["seq"], True), (2, seq["next"]["seq"], False)):
         trace = trace_workload(load_workload(f"hf:{path}", batch_size=b, seq_len=s, precision="bf16-mixed"),
                                device="fake", iters=2)
-        hardware = make_hardware("rtx4090", gpu_bytes=40 * 10**6, **trace_slack(trace, "release"))
+        trace = for_gpu(trace, "rtx4090")
+        hardware = make_hardware("rtx4090", gpu_bytes=budget, **trace_slack(trace, "release"))
         assert make_plan(trace, hardware, PlanOptions(activations="auto")).summary.feasible is fits, (b, s)
 
 
@@ -209,7 +211,8 @@ def test_screened_fit_plans_only_the_boundaries_and_agrees_with_a_plan_per_shape
     path = write_config(tmp_path, dict(TINY_LLAMA, vocab_size=4096))
     found = {}
     for screens in (False, True):
-        hardware, planner = _planning(gpu_bytes=300 * 10**6, host_bytes=None, nvme_bytes=None, gpus=1)
+        hardware, planner = _planning(gpu_bytes=300 * 10**6 + reserve_bytes("rtx4090"), host_bytes=None,
+                                      nvme_bytes=None, gpus=1)
         planned: list[tuple[int, int]] = []
 
         def counted(trace, hw, planner=planner, planned=planned):
