@@ -163,7 +163,9 @@ def _llama(out: SectionOutput, without_disk: tuple[float, dict[str, Any] | None,
             continue
         best = b["best"]
         table.add("hplan fit (plan)", f"rtx4090, {label}: largest batch {best['batch']}",
-                  f"GPU {fmt_bytes(best['gpu_bytes'])}, host {fmt_bytes(best['host_bytes'])}, "
+                  (f"GPU needs {fmt_bytes(best['least_gpu_bytes'])} (its plan at the card's budget peaks at "
+                   f"{fmt_bytes(best['gpu_bytes'])}), " if best.get("least_gpu_bytes") else
+                   f"GPU {fmt_bytes(best['gpu_bytes'])}, ") + f"host {fmt_bytes(best['host_bytes'])}, "
                   f"disk {fmt_bytes(best['nvme_bytes'])}", f"{best['tokens_per_s']:,.0f}",
                   f"batch {best['batch'] + 1} infeasible ({(b['next'] or {}).get('reason', b.get('limit', ''))[:80]}); "
                   f"fit took {wall:.0f} s ({cpu:.0f} s CPU) at load {load}")

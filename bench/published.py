@@ -33,9 +33,10 @@ was assumed. [Note: replay conventions] below.
   (v0.3.13, v0.4.3, and still at 38327e0, 2025-02: offload_config.py:45, 72); its ZeRO-3 gradient buffers are then
   pageable and each gradient copy serialises with compute (Zero3Config.pin_memory, [Note: pageable copies]). The
   16-bit weights it fetches are pinned in every version; ZeRO-2 pins its buffers itself.
-- HBM sizes: "32 GB" and "24 GB" cards hold 32 and 24 GiB; the usable bytes are what nvidia-smi reports
-  (V100-SXM2/3-32GB: 32,510 MiB; RTX 4090: 24,564 MiB), the CUDA context and allocator slack then come off as
-  the trace's predicted slack.
+- HBM sizes: "32 GB" and "24 GB" cards hold 32 and 24 GiB; each replay is budgeted at its preset, what CUDA lets
+  a process allocate (V100 32GB 31.74 GiB, RTX 4090 23.64 GiB: [Note: GPU memory totals] in
+  hplan.planner.presets), and the CUDA context, the GEMM workspaces ([Note: CUDA context] in
+  hplan.planner.workspace) and the allocator slack come off as the trace's overhead and predicted slack.
 
 [Note: what the misses say] (2026-11-28, second pass; the probes priced on the same fake traces)
 - The V100 rows split by the code each source ran, and the model now says so ([Note: kernel generations] in
@@ -69,6 +70,16 @@ was assumed. [Note: replay conventions] below.
   micro-step at the 10B's efficiency (same width), where the paper's 13B bar is 16% below its 10B one; its 26 GB of
   16-bit weights leave the 32 GB card about 6 GB, and what that costs in time (allocator retries, smaller
   kernels' tails) is not modelled. A replay of those bars is left for a session that can re-run the section.
+  Causes checked on 2026-11-29 (no model change; arithmetic on the figures above, not a re-run): (a) GEMM size:
+  hplan's efficiency depends on the width only ([Note: efficiency by width]), and 13B's micro-batch 4 × 1024
+  tokens still makes products of 4096 rows (10B: 10240), with no published V100 figure separating the two;
+  (b) the running 16-bit sums: 13B sends about 26.6 GB down and up per micro-step. The simulator overlaps them
+  with the backward, as v0.3.0's code issues them (non-blocking, on the reduce stream under overlap_comm:
+  [Note: accumulation through the host]). Were they serialised with compute (3.3 s at 16 GB/s against a 10.3 s
+  micro-step), the bars would read 13B about 33 (0.96), 10B about 39 (0.96) and 1B about 39 (1.08): one
+  mechanism for all three bars, but the code read says they overlap, so it stays a candidate for a GPU run to
+  settle (time one 13B micro-step with and without gradient accumulation). Memory pressure (c) needs the 13B
+  trace's peak at micro-batch 4, not priced here.
 - PyTorch alone, 1.4B (1.25 before): its step is its matrix products and an optimizer step kept on the GPU. In
   the code the tutorial ran (Megatron-LM's 2019 fork) that step is Megatron-LM's FP16_Optimizer around apex
   FusedAdam, which moves 62 B per parameter in separate kernels (overflow check, gradient copy, unscale, clip,
@@ -100,8 +111,6 @@ from bench.published_replays import NOT_REPLAYED, REPLAYS, WHY_MISSED, Replay, S
 BAND = 0.25
 """Issue 33: predicted throughput within ±25% of the paper's."""
 PRECISION = "fp16-mixed"
-V100_USABLE = 32510 * 2**20
-RTX4090_USABLE = 24564 * 2**20
 DGX2_HOST = 15 * 10**11
 """DGX-2: 1.5 TB of host memory (NVIDIA DGX-2 datasheet)."""
 RTX4090_TFLOPS = 165.2
@@ -125,13 +134,12 @@ def step_flops(r: Replay, trace: Any, batch: int, checkpoint: bool) -> float:
 
 
 def hardware(r: Replay, trace: Any) -> Any:
-    from hplan.planner import make_hardware, trace_slack
+    from hplan.planner import for_gpu, make_hardware, trace_slack
 
     host = r.host_bytes or DGX2_HOST
-    if r.gpu == "v100":
-        return make_hardware("v100-32gb", gpu_bytes=V100_USABLE, host_bytes=host, kernels=r.kernels or None,
-                             **trace_slack(trace))
-    return make_hardware("rtx4090", gpu_bytes=RTX4090_USABLE, host_bytes=host, **trace_slack(trace))
+    gpu = "v100-32gb" if r.gpu == "v100" else "rtx4090"
+    slack = trace_slack(for_gpu(trace, gpu))  # the CUDA context and GEMM workspaces ([Note: CUDA context])
+    return make_hardware(gpu, host_bytes=host, kernels=(r.kernels or None) if r.gpu == "v100" else None, **slack)
 
 
 def price(sim: str, trace: Any, hw: Any, checkpoint: bool, pin_memory: bool | None = None,

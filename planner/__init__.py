@@ -16,7 +16,7 @@ from hplan.planner.options import GPU_PRESETS, PlanOptions, make_hardware
 from hplan.planner.problem import MinGpu, build, group_params, min_gpu
 from hplan.planner.baselines.sweep import BASELINE_KEYS, sweep
 from hplan.planner.slack import ALLOCATORS, DEFAULT_ALLOCATOR, allocator_slack, slack_table
-from hplan.planner.workspace import for_gpu, gemm_workspace_bytes
+from hplan.planner.workspace import context_bytes, for_gpu, gemm_workspace_bytes, reserve_bytes
 
 
 def min_gpu_bytes(trace: Trace, hardware: Hardware | None = None, *, activations: str = "auto") -> MinGpu:
@@ -49,5 +49,5 @@ def trace_slack(trace: Trace, allocator: str = DEFAULT_ALLOCATOR) -> dict[str, A
 
 
 __all__ = ["ALLOCATORS", "BASELINE_KEYS", "DEFAULT_ALLOCATOR", "GPU_PRESETS", "Hardware", "MinGpu", "PlanOptions",
-           "allocator_slack", "build", "default_slack", "for_gpu", "gemm_workspace_bytes", "group_params", "make_hardware", "make_plan", "min_gpu_bytes",
+           "allocator_slack", "build", "context_bytes", "reserve_bytes", "default_slack", "for_gpu", "gemm_workspace_bytes", "group_params", "make_hardware", "make_plan", "min_gpu_bytes",
            "slack_table", "sweep", "trace_slack", "validate"]

@@ -3,7 +3,8 @@
 [Note: preset sources] A number here is a datasheet value, a published measurement (cited), or measured on
 this project's dev machine (date and method given). GB/s means 10^9 bytes per second, per direction.
 
-- GPUs: memory and dense TFLOPS from the vendors' datasheets, each preset's `source` naming its document
+- GPUs: dense TFLOPS from the vendors' datasheets, each preset's `source` naming its document; memory as CUDA
+  reports it to a process (MEMORY_TOTALS, [Note: GPU memory totals]), not the datasheet's GB
   (GeForce RTX 3090 / RTX 2060 / RTX 4090 / RTX 5090: NVIDIA's Ampere / Turing / Ada / RTX Blackwell whitepapers;
   V100, A100, H100, H200, L4, L40S, RTX A6000, HGX B200 datasheets; AMD's MI300X data sheet). 16-bit means dense
   (never the sparsity figure), and for GeForce cards the FP32-accumulate rate (half their FP16-accumulate one),
@@ -58,6 +59,7 @@ class GpuPreset:
 
     name: str
     memory_bytes: int
+    """What CUDA lets a process allocate (MEMORY_TOTALS, [Note: GPU memory totals]), not the datasheet's GB."""
     tflops_16: float
     """Published dense fp16/bf16 tensor-core TFLOPS (no sparsity)."""
     tflops_32: float
@@ -116,51 +118,86 @@ class NetworkPreset:
     source: str
 
 
+GIB = 2**30
+MIB = 2**20
+MEMORY_TOTALS: dict[str, tuple[int, str]] = {
+    # [Note: GPU memory totals] The bytes CUDA (or HIP) lets a process allocate: cudaMemGetInfo's total, which
+    # PyTorch reports as "GPU 0 has a total capacity of X GiB" in every out-of-memory error and as
+    # get_device_properties().total_memory. A datasheet's "24 GB" is neither 24e9 nor 24 GiB: the card holds 24 GiB
+    # (nvidia-smi's total, e.g. 24,564 MiB on an RTX 4090) and the driver keeps part of it outside CUDA's total
+    # (RTX 4090: 24,564 MiB in nvidia-smi, 23.64 GiB = 24,207 MiB to PyTorch). Out-of-memory messages print two
+    # decimals of GiB (10 MiB). The CUDA context and the GEMM workspaces come off as a CPU trace's overhead
+    # (hplan.planner.workspace, [Note: CUDA context]); a CUDA trace measured them.
+    "rtx3090": (round(23.70 * GIB), "PyTorch OOM on an RTX 3090: \"23.70 GiB total capacity\" (github.com/Lightning-AI/"
+                                    "lit-llama/issues/137, GaoLii/DSP#10); nvidia-smi 24,576 MiB (noonghunna/club-3090#1127)"),
+    "rtx2060": (round(5.79 * GIB), "PyTorch OOM on an RTX 2060: \"5.79 GiB total capacity\" (facebookresearch/meshrcnn#92)"),
+    "v100-32gb": (round(31.74 * GIB), "PyTorch OOM on a V100 32GB: \"31.74 GiB total capacity\" (liucongg/ChatGLM-"
+                                      "Finetuning#73); nvidia-smi 32,510 MiB (bench.published)"),
+    "a100-40gb": (round(39.43 * GIB), "PyTorch OOM on an A100 40GB: \"total capacity of 39.43 GiB\" (pytorch/pytorch#126766)"),
+    "a100-80gb": (round(79.15 * GIB), "PyTorch OOM on an A100 80GB: \"total capacty of 79.15 GiB\" (pytorch/pytorch#111363)"),
+    "a800-80gb": (round(79.15 * GIB), "as a100-80gb (the same board's 80 GB HBM2e; no A800 figure found)"),
+    "h100-80gb": (round(79.11 * GIB), "PyTorch OOM on an H100 80GB: \"total capacity of 79.11 GiB\" (vllm-project/"
+                                      "vllm#27508); nvidia-smi 81,559 MiB"),
+    "rtx4090": (round(23.64 * GIB), "PyTorch OOM on an RTX 4090: \"total capacity of 23.64 GiB\" (ali-vilab/VGen#104, "
+                                    "3DTopia/Phidias-Diffusion#8); nvidia-smi 24,564 MiB (RLinf/RLinf#255)"),
+    "rtx5090": (round(31.37 * GIB), "PyTorch OOM on an RTX 5090: \"total capacity of 31.37 GiB\" (Wan-Video/Wan2.1#465)"),
+    "l4": (23034 * MIB, "nvidia-smi on an L4: 23,034 MiB (public nvidia-smi outputs); no PyTorch total found, so the "
+                        "driver's part (357 MiB on an RTX 4090) is not taken off: an upper bound"),
+    "l40s": (round(44.52 * GIB), "PyTorch OOM on an L40S: \"total capacity of 44.52 GiB\" (huggingface/sentence-"
+                                 "transformers#3214; ECC on, as shipped)"),
+    "a6000": (round(47.53 * GIB), "PyTorch OOM on an RTX A6000: \"total capacity of 47.53 GiB\" (black-forest-labs/flux2#23)"),
+    "h200": (150_109_880_320, "measured: torch.cuda.get_device_properties().total_memory on an H200, torch 2.11 + CUDA "
+                              "13.0 (bench/gpu_runs/h200-run1.json, env.total_bytes); nvidia-smi 143,771 MiB"),
+    "b200": (round(178.35 * GIB), "CUDA totalGlobalMem on a B200: \"Total Global Memory: 178.35 GB\" (GiB, "
+                                  "pytorch/ao#4002); nvidia-smi 183,359 MiB (NVIDIA/TensorRT-LLM#10278)"),
+    "mi300x": (round(191.98 * GIB), "PyTorch (ROCm) OOM on an MI300X: \"total capacity of 191.98 GiB\" (public logs)"),
+}
+
 GPU_PRESETS: dict[str, GpuPreset] = {p.name: p for p in (
-    GpuPreset(name="rtx3090", memory_bytes=24 * 10**9, tflops_16=71.0, tflops_32=35.6, link_gbps=32.0,
+    GpuPreset(name="rtx3090", memory_bytes=MEMORY_TOTALS["rtx3090"][0], tflops_16=71.0, tflops_32=35.6, link_gbps=32.0,
               source="NVIDIA Ampere GA102 whitepaper, Appendix A: RTX 3090, 24 GB GDDR6X, Peak FP16 Tensor TFLOPS with "
                      "FP32 Accumulate 71 (142 with FP16 accumulate), FP32 35.6, PCIe 4.0"),
-    GpuPreset(name="rtx2060", memory_bytes=6 * 10**9, tflops_16=51.6, tflops_32=6.5, link_gbps=16.0,
+    GpuPreset(name="rtx2060", memory_bytes=MEMORY_TOTALS["rtx2060"][0], tflops_16=51.6, tflops_32=6.5, link_gbps=16.0,
               source="NVIDIA Turing TU106 whitepaper: RTX 2060, 6 GB GDDR6, 51.6 FP16 tensor TFLOPS, FP32 6.5, PCIe 3.0"),
-    GpuPreset(name="v100-32gb", memory_bytes=32 * 10**9, tflops_16=125.0, tflops_32=15.7, link_gbps=16.0,
+    GpuPreset(name="v100-32gb", memory_bytes=MEMORY_TOTALS["v100-32gb"][0], tflops_16=125.0, tflops_32=15.7, link_gbps=16.0,
               source="NVIDIA Tesla V100 datasheet (SXM2): 32 GB HBM2, 125 tensor TFLOPS, FP32 15.7, PCIe 3.0 host"),
-    GpuPreset(name="a100-40gb", memory_bytes=40 * 10**9, tflops_16=312.0, tflops_32=19.5, link_gbps=32.0,
+    GpuPreset(name="a100-40gb", memory_bytes=MEMORY_TOTALS["a100-40gb"][0], tflops_16=312.0, tflops_32=19.5, link_gbps=32.0,
               source="NVIDIA A100 datasheet: 40 GB HBM2, BF16/FP16 tensor 312 dense (624 sparse), FP32 19.5, PCIe 4.0"),
-    GpuPreset(name="a100-80gb", memory_bytes=80 * 10**9, tflops_16=312.0, tflops_32=19.5, link_gbps=32.0,
+    GpuPreset(name="a100-80gb", memory_bytes=MEMORY_TOTALS["a100-80gb"][0], tflops_16=312.0, tflops_32=19.5, link_gbps=32.0,
               source="NVIDIA A100 datasheet: 80 GB HBM2e, BF16/FP16 tensor 312 dense (624 sparse), FP32 19.5, PCIe 4.0"),
     # A800: the A100 die for the Chinese market, NVLink cut to 400 GB/s (NVIDIA A800 80GB SXM datasheet: 312 TFLOPS
     # bf16 dense, 19.5 TFLOPS fp32, 80 GB HBM2e, PCIe gen4); the GPU of AMSP's evaluation (arXiv 2311.00257 v2)
-    GpuPreset(name="a800-80gb", memory_bytes=80 * 10**9, tflops_16=312.0, tflops_32=19.5, link_gbps=32.0,
+    GpuPreset(name="a800-80gb", memory_bytes=MEMORY_TOTALS["a800-80gb"][0], tflops_16=312.0, tflops_32=19.5, link_gbps=32.0,
               source="NVIDIA A800 80GB SXM datasheet: 80 GB HBM2e, BF16 312 dense, FP32 19.5, PCIe 4.0"),
-    GpuPreset(name="h100-80gb", memory_bytes=80 * 10**9, tflops_16=989.0, tflops_32=67.0, link_gbps=64.0,
+    GpuPreset(name="h100-80gb", memory_bytes=MEMORY_TOTALS["h100-80gb"][0], tflops_16=989.0, tflops_32=67.0, link_gbps=64.0,
               source="NVIDIA H100 datasheet (SXM5): 80 GB HBM3, BF16 tensor 989 dense (1,979 sparse), FP32 67, PCIe 5.0"),
     # Today's GPUs (issue 33). GeForce cards run FP16/BF16 tensor math with FP32 accumulate at half the FP16-accumulate
     # rate; training accumulates in FP32, so their FP32-accumulate figure is the one kept, as for the RTX 3090 above.
-    GpuPreset(name="rtx4090", memory_bytes=24 * 10**9, tflops_16=165.2, tflops_32=82.6, link_gbps=32.0,
+    GpuPreset(name="rtx4090", memory_bytes=MEMORY_TOTALS["rtx4090"][0], tflops_16=165.2, tflops_32=82.6, link_gbps=32.0,
               source="NVIDIA Ada Lovelace (AD102) whitepaper, Appendix A: RTX 4090, 24 GB GDDR6X, Peak FP16/BF16 "
                      "Tensor TFLOPS with FP32 Accumulate 165.2 dense (330.4 sparse; 330.3 dense with FP16 "
                      "accumulate), FP32 82.6, PCIe 4.0 x16"),
-    GpuPreset(name="rtx5090", memory_bytes=32 * 10**9, tflops_16=209.5, tflops_32=104.8, link_gbps=64.0,
+    GpuPreset(name="rtx5090", memory_bytes=MEMORY_TOTALS["rtx5090"][0], tflops_16=209.5, tflops_32=104.8, link_gbps=64.0,
               source="NVIDIA RTX Blackwell (GB202) whitepaper, Appendix A: RTX 5090, 32 GB GDDR7, Peak FP16/BF16 "
                      "Tensor TFLOPS with FP32 Accumulate 209.5 dense (419 dense with FP16 accumulate), FP32 104.8, "
                      "PCIe 5.0 x16"),
-    GpuPreset(name="l4", memory_bytes=24 * 10**9, tflops_16=121.0, tflops_32=30.3, link_gbps=32.0,
+    GpuPreset(name="l4", memory_bytes=MEMORY_TOTALS["l4"][0], tflops_16=121.0, tflops_32=30.3, link_gbps=32.0,
               source="NVIDIA L4 datasheet: 24 GB GDDR6, BF16/FP16 Tensor Core 242 TFLOPS with sparsity (121 dense), "
                      "FP32 30.3, PCIe 4.0 x16"),
-    GpuPreset(name="l40s", memory_bytes=48 * 10**9, tflops_16=362.05, tflops_32=91.6, link_gbps=32.0,
+    GpuPreset(name="l40s", memory_bytes=MEMORY_TOTALS["l40s"][0], tflops_16=362.05, tflops_32=91.6, link_gbps=32.0,
               source="NVIDIA L40S datasheet: 48 GB GDDR6, BF16/FP16 Tensor Core 362.05 dense (733 sparse), FP32 91.6, "
                      "PCIe 4.0 x16"),
-    GpuPreset(name="a6000", memory_bytes=48 * 10**9, tflops_16=154.8, tflops_32=38.7, link_gbps=32.0,
+    GpuPreset(name="a6000", memory_bytes=MEMORY_TOTALS["a6000"][0], tflops_16=154.8, tflops_32=38.7, link_gbps=32.0,
               source="NVIDIA RTX A6000 datasheet: 48 GB GDDR6, Tensor performance 309.7 TFLOPS (sparse; the GA102 "
                      "whitepaper's Appendix lists 154.8 dense FP16 with FP32 accumulate, full rate on RTX pro cards), "
                      "single precision 38.7, PCIe 4.0 x16"),
-    GpuPreset(name="h200", memory_bytes=141 * 10**9, tflops_16=989.0, tflops_32=67.0, link_gbps=64.0,
+    GpuPreset(name="h200", memory_bytes=MEMORY_TOTALS["h200"][0], tflops_16=989.0, tflops_32=67.0, link_gbps=64.0,
               source="NVIDIA H200 datasheet (SXM): 141 GB HBM3e, BF16/FP16 Tensor Core 1,979 with sparsity (989 dense), "
                      "FP32 67, PCIe 5.0 x16 to the host"),
-    GpuPreset(name="b200", memory_bytes=180 * 10**9, tflops_16=2250.0, tflops_32=75.0, link_gbps=64.0,
+    GpuPreset(name="b200", memory_bytes=MEMORY_TOTALS["b200"][0], tflops_16=2250.0, tflops_32=75.0, link_gbps=64.0,
               source="NVIDIA HGX B200 datasheet, per GPU of 8: 1,440 GB HBM3e / 8 = 180 GB, FP16/BF16 Tensor Core 36 "
                      "PFLOPS sparse / 8 = 4.5 (2.25 dense), FP32 600 TFLOPS / 8 = 75; host over PCIe 5.0 x16"),
-    GpuPreset(name="mi300x", memory_bytes=192 * 10**9, tflops_16=1307.4, tflops_32=163.4, link_gbps=64.0,
+    GpuPreset(name="mi300x", memory_bytes=MEMORY_TOTALS["mi300x"][0], tflops_16=1307.4, tflops_32=163.4, link_gbps=64.0,
               source="AMD Instinct MI300X data sheet: 192 GB HBM3, peak FP16/BF16 1,307.4 TFLOPS dense (2,614.9 with "
                      "sparsity), FP32 vector 163.4, PCIe 5.0 x16 (128 GB/s both ways)"),
 )}

@@ -163,7 +163,7 @@ def test_fake_trace_carries_the_figures_and_plan_uses_the_chosen_one(tmp_path):
 
     from hplan.artifacts import Plan
     from hplan.cli import app
-    from hplan.planner import gemm_workspace_bytes
+    from hplan.planner import reserve_bytes
     from hplan.specs import load_workload
     from hplan.tracer import trace_workload
 
@@ -177,7 +177,7 @@ def test_fake_trace_carries_the_figures_and_plan_uses_the_chosen_one(tmp_path):
                                        allocator, "-o", str(out)])
         assert res.exit_code == 0, res.output
         # + the default preset's GEMM workspaces, which a fake trace cannot see ([Note: GEMM workspaces])
-        assert Plan.load(out).hardware.slack_bytes == slack + t.overhead_bytes + gemm_workspace_bytes("rtx3090")
+        assert Plan.load(out).hardware.slack_bytes == slack + t.overhead_bytes + reserve_bytes("rtx3090")
     res = CliRunner().invoke(app, ["plan", str(tmp_path / "t.parquet"), "--gpu-mem", "1GB", "--allocator", "huge",
                                    "-o", str(tmp_path / "x.json")])
     assert res.exit_code == 2 and "--allocator" in res.output and "Traceback" not in res.output

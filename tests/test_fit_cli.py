@@ -10,6 +10,7 @@ from typer.testing import CliRunner
 
 from fit_configs import TINY_LLAMA, write_config
 from hplan.cli import app
+from hplan.planner import context_bytes, reserve_bytes
 from hplan.cli.fit_search import SEQ_STEP, Probe, _boundary
 from hplan.planner.baselines import estimators
 
@@ -111,14 +112,15 @@ def test_fit_boundaries_are_proven_by_plans_made_by_hand(tmp_path):
     plan made by hand (trace, then make_plan) at each boundary agrees with fit's verdict."""
     data = dict(TINY_LLAMA, vocab_size=4096)  # logits dominate: the boundary moves with batch and sequence
     path = write_config(tmp_path, data)
-    result = runner.invoke(app, ["fit", f"hf:{path}", "--gpu", "rtx4090", "--gpu-mem", "40MB", "--seq-len", "256",
+    budget = 40 * 10**6 + reserve_bytes("rtx4090")  # 40 MB beside the CUDA context and workspaces
+    result = runner.invoke(app, ["fit", f"hf:{path}", "--gpu", "rtx4090", "--gpu-mem", str(budget), "--seq-len", "256",
                                  "--batch-size", "2", "--json"])
     assert result.exit_code == 0, result.output
     row = json.loads(result.stdout)["gpus_rows"][0]
     batch, seq = row["largest_batch"], row["longest_seq"]
     assert batch["best"]["fits"] and not batch["next"]["fits"] and batch["next"]["batch"] == batch["best"]["batch"] + 1
     assert seq["best"]["fits"] and not seq["next"]["fits"] and seq["next"]["seq"] == seq["best"]["seq"] + SEQ_STEP
-    from hplan.planner import PlanOptions, make_hardware, make_plan, trace_slack
+    from hplan.planner import PlanOptions, for_gpu, make_hardware, make_plan, trace_slack
     from hplan.specs import load_workload
     from hplan.tracer import trace_workload
 
@@ -126,7 +128,8 @@ def test_fit_boundaries_are_proven_by_plans_made_by_hand(tmp_path):
                        (2, seq["best"]["seq"], True), (2, seq["next"]["seq"], False)):
         trace = trace_workload(load_workload(f"hf:{path}", batch_size=b, seq_len=s, precision="bf16-mixed"),
                                device="fake", iters=2)
-        hardware = make_hardware("rtx4090", gpu_bytes=40 * 10**6, **trace_slack(trace, "release"))
+        trace = for_gpu(trace, "rtx4090")
+        hardware = make_hardware("rtx4090", gpu_bytes=budget, **trace_slack(trace, "release"))
         assert make_plan(trace, hardware, PlanOptions(activations="auto")).summary.feasible is fits, (b, s)
 
 
@@ -208,7 +211,8 @@ def test_screened_fit_plans_only_the_boundaries_and_agrees_with_a_plan_per_shape
     path = write_config(tmp_path, dict(TINY_LLAMA, vocab_size=4096))
     found = {}
     for screens in (False, True):
-        hardware, planner = _planning(gpu_bytes=300 * 10**6, host_bytes=None, nvme_bytes=None, gpus=1)
+        hardware, planner = _planning(gpu_bytes=300 * 10**6 + reserve_bytes("rtx4090"), host_bytes=None,
+                                      nvme_bytes=None, gpus=1)
         planned: list[tuple[int, int]] = []
 
         def counted(trace, hw, planner=planner, planned=planned):
@@ -316,3 +320,29 @@ def test_min_gpu_names_its_bottlenecks_non_model_bytes():
     smallest = min_gpu_bytes(trace, make_hardware("rtx4090", **trace_slack(trace, "release")))
     assert smallest.non_model_bytes > 0
     assert f"holds {format_size(smallest.non_model_bytes)} of non-model data" in smallest.bottleneck
+
+
+def test_fit_says_what_the_job_needs_of_the_card_not_the_budget_its_plan_fills(tmp_path):
+    """The "needs GPU" figure is the job's least budget (`hplan plan --gpu-mem min`'s on the same trace, CUDA
+    context included), at most the plan's peak (a plan at the card's 25 GB keeps what it may), and the table says
+    "X of Y"."""
+    from hplan.artifacts import Trace
+
+    path = write_config(tmp_path)
+    args = ["fit", f"hf:{path}", "--gpu", "rtx4090", "--seq-len", "64", "--batch-size", "2", "--no-search"]
+    result = runner.invoke(app, [*args, "--json"])
+    assert result.exit_code == 0, result.output
+    row = json.loads(result.stdout)["gpus_rows"][0]
+    at = row["at"]
+    trace = tmp_path / "t.parquet"
+    made = runner.invoke(app, ["trace", f"hf:{path}", "--device", "fake", "--precision", "bf16-mixed",
+                               "--batch-size", "2", "--seq-len", "64", "--iters", "2", "-o", str(trace)])
+    assert made.exit_code == 0, made.output
+    least = runner.invoke(app, ["plan", str(trace), "--gpu", "rtx4090", "--gpu-mem", "min", "--json"])
+    assert least.exit_code == 0, least.output
+    assert at["least_gpu_bytes"] == json.loads(least.stdout)["gpu_bytes"]
+    assert context_bytes("rtx4090") < at["least_gpu_bytes"] <= at["gpu_bytes"] < 10**9 < 25 * 10**9 < row["gpu_bytes"]
+    assert Trace.load(trace, columns=()).device == "fake"
+    table = runner.invoke(app, args)
+    assert table.exit_code == 0, table.output
+    assert "of 25.38 GB" in table.output

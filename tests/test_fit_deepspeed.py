@@ -37,7 +37,7 @@ CASES = [("ds_zero_offload.json", "fp16-mixed", "zero_offload"), ("ds_zero3_offl
 
 
 @pytest.mark.parametrize(("name", "precision", "system"), CASES)
-@pytest.mark.parametrize("gpu_mem", ["24GB", "48MB"])  # 48 MB: the 30 MB of old plus the GPU's GEMM workspaces
+@pytest.mark.parametrize("gpu_mem", ["24GB", "585MB"])  # the 30 MB of old plus the GPU's CUDA context and GEMM workspaces
 def test_real_configs_get_the_simulators_verdict(traces, tmp_path, name, precision, system, gpu_mem):
     from hplan.artifacts import Trace
     from hplan.planner import for_gpu, make_hardware, trace_slack
@@ -71,7 +71,10 @@ def test_real_configs_get_the_simulators_verdict(traces, tmp_path, name, precisi
     assert verdict["out_of_memory"] is (not expected.feasible)
     assert verdict["bytes_moved_per_iter"] == expected.bytes_moved_per_iter
     assert verdict["predicted_peak_bytes"] == expected.predicted_peak_bytes
-    assert verdict["out_of_memory"] is (gpu_mem == "48MB" and expected.predicted_peak_bytes > 48 * 10**6 - 0)
+    from hplan.planner import context_bytes
+
+    assert verdict["out_of_memory"] is (gpu_mem == "585MB" and
+                                        expected.predicted_peak_bytes > 585 * 10**6 - context_bytes("rtx4090"))
 
 
 def test_unknown_keys_are_named_in_a_warning(traces, tmp_path):
@@ -94,6 +97,9 @@ def test_unknown_keys_are_named_in_a_warning(traces, tmp_path):
     ({"zero_optimization": {"stage": 2, "overlap_comm": "yes"}}, "zero_optimization.overlap_comm"),
     ({"fp16": {"enabled": 1}}, "fp16.enabled"),
     ({"train_micro_batch_size_per_gpu": 0}, "train_micro_batch_size_per_gpu"),
+    ({"gradient_accumulation_steps": "4"}, "gradient_accumulation_steps"),
+    ({"gradient_accumulation_steps": 2.5}, "gradient_accumulation_steps"),
+    ({"train_batch_size": True}, "train_batch_size"),
     ({"zero_optimization": [2]}, "zero_optimization must be an object"),
 ])
 def test_wrong_types_are_one_line_naming_the_key(traces, tmp_path, patch, key):
@@ -160,3 +166,73 @@ def test_offload_pin_memory_reaches_the_zero3_simulation() -> None:
     pageable, _ = simulate_ds(trace, hw, cfg(offload_param=False, offload_optimizer=False))
     assert pageable.bytes_moved_per_iter == pinned.bytes_moved_per_iter
     assert pageable.predicted_step_seconds > pinned.predicted_step_seconds
+
+
+@pytest.mark.parametrize(("keys", "settings"), [
+    ({"train_batch_size": 32, "train_micro_batch_size_per_gpu": 4}, (4, 8)),
+    ({"train_batch_size": 32, "gradient_accumulation_steps": 4}, (8, 4)),
+    ({"train_batch_size": 32}, (32, 1)),
+    ({"train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 4}, (4, 4)),
+    ({"train_micro_batch_size_per_gpu": 4}, (4, 1)),
+    ({"train_batch_size": 16, "train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 8}, (2, 8)),
+])
+def test_batch_keys_resolve_as_deepspeeds_engine_does(keys, settings):
+    """deepspeed/runtime/config.py _set_batch_related_parameters: two of the three set the third."""
+    from hplan.planner.baselines.deepspeed_config import batch_settings
+
+    assert batch_settings(parse_ds_config(keys)) == settings
+    if set(keys) == {"train_batch_size", "train_micro_batch_size_per_gpu"}:  # the ranks share the accumulation
+        assert batch_settings(parse_ds_config(keys), world=2)[1] == settings[1] // 2
+
+
+def test_batch_keys_that_disagree_are_refused_naming_them(traces, tmp_path):
+    """DeepSpeed's _batch_assertion: train_batch_size = micro-batch × accumulation × ranks, else one line, exit 2."""
+    path = tmp_path / "ds.json"
+    path.write_text(json.dumps({"train_batch_size": 10, "train_micro_batch_size_per_gpu": 2,
+                                "gradient_accumulation_steps": 4, "fp16": {"enabled": True},
+                                "zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}}}))
+    result = runner.invoke(app, ["plan", str(traces["fp16-mixed"]), "--gpu-mem", "24GB", "--deepspeed", str(path),
+                                 "--json"])
+    assert result.exit_code == 2 and len(result.output.strip().splitlines()) == 1
+    assert "train_batch_size 10" in result.output and "gradient_accumulation_steps 4" in result.output
+
+
+def test_gradient_accumulation_is_simulated_per_optimizer_step(traces, tmp_path):
+    """gradient_accumulation_steps k: the trace's micro-batch runs k times per optimizer step through the host
+    (Zero2Config.accumulate, [Note: accumulation through the host]); the verdict is that simulation's, its step and
+    bytes cover the k micro-steps, and fit takes such a config (it refused it before: the trace was one micro-batch)."""
+    from hplan.artifacts import Trace
+    from hplan.planner import for_gpu, make_hardware, trace_slack
+    from hplan.planner.baselines.zero_offload import Zero2Config, zero_offload
+
+    cfg = json.loads((DATA / "ds_zero_offload.json").read_text())
+    verdicts = {}
+    for k in (1, 4):
+        path = tmp_path / f"ds{k}.json"
+        path.write_text(json.dumps(cfg | {"gradient_accumulation_steps": k}))
+        result = runner.invoke(app, ["plan", str(traces["fp16-mixed"]), "--gpu", "rtx4090", "--gpu-mem", "24GB",
+                                     "--deepspeed", str(path), "--json"])
+        assert result.exit_code == 0, result.output
+        verdicts[k] = json.loads(result.stdout)["deepspeed"]
+    trace = for_gpu(Trace.load(traces["fp16-mixed"], columns=()), "rtx4090")
+    hardware = make_hardware("rtx4090", gpu_bytes=24 * 10**9, **trace_slack(trace))
+    raw = cfg["zero_optimization"]
+    expected = zero_offload(trace, hardware, Zero2Config(reduce_bucket_size=raw["reduce_bucket_size"],
+                                                         overlap_comm=raw["overlap_comm"], accumulate=4))
+    assert verdicts[4]["micro_steps"] == 4 and "4 micro-steps" in verdicts[4]["what"]
+    assert verdicts[4]["bytes_moved_per_iter"] == expected.bytes_moved_per_iter > verdicts[1]["bytes_moved_per_iter"]
+    assert verdicts[4]["predicted_step_seconds"] == pytest.approx(expected.predicted_step_seconds)
+    assert verdicts[4]["predicted_step_seconds"] > verdicts[1]["predicted_step_seconds"]
+    model = write_config(tmp_path)
+    result = runner.invoke(app, ["fit", f"hf:{model}", "--gpu", "rtx4090", "--seq-len", "64", "--no-search",
+                                 "--deepspeed", str(tmp_path / "ds4.json"), "--json"])
+    assert result.exit_code == 0, result.output
+    assert json.loads(result.stdout)["gpus_rows"][0]["deepspeed"]["micro_steps"] == 4
+    stage3 = tmp_path / "z3.json"
+    stage3.write_text(json.dumps({"gradient_accumulation_steps": 2, "fp16": {"enabled": True}, "zero_optimization": {
+        "stage": 3, "offload_param": {"device": "cpu"}, "offload_optimizer": {"device": "cpu"}}}))
+    result = runner.invoke(app, ["plan", str(traces["fp16-mixed"]), "--gpu-mem", "24GB", "--deepspeed", str(stage3),
+                                 "--json"])
+    assert result.exit_code == 0, result.output
+    verdict = json.loads(result.stdout)["deepspeed"]
+    assert not verdict["simulated"] and "stage 3" in verdict["why"] and "accumulation" in verdict["why"]

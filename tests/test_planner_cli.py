@@ -8,11 +8,11 @@ from typer.testing import CliRunner
 
 from hplan.artifacts import Plan
 from hplan.cli import app
-from hplan.planner import gemm_workspace_bytes, validate
+from hplan.planner import reserve_bytes, validate
 from hplan.planner.synthetic import gpt_trace
 
 runner = CliRunner()
-WS = gemm_workspace_bytes("rtx3090")  # a synthetic (fake) trace planned for a GPU gets its GEMM workspaces
+WS = reserve_bytes("rtx3090")  # a synthetic (fake) trace planned for a GPU gets its CUDA context and GEMM workspaces
 
 
 @pytest.fixture(scope="module")
@@ -94,13 +94,14 @@ def test_gpu_tflops_is_an_achieved_rate_at_every_width(trace_file, tmp_path):
 
 def test_a_cpu_or_fake_trace_planned_for_a_gpu_counts_its_gemm_workspaces(trace_file, tmp_path):
     """[Note: GEMM workspaces]: two cuBLAS workspaces and the Lt one (65 MiB on an H200, measured); none on the CPU
-    tier. The plan's schedule is the same; only its budget grows by them."""
+    tier. With them the CUDA context ([Note: CUDA context]: 512 MiB, 750 MiB measured on the H200). The plan's
+    schedule is the same; only its budget grows by them."""
     mins = {}
     for gpu in ("cpu", "rtx3090", "h200"):
         result = runner.invoke(app, ["plan", str(trace_file), "--gpu", gpu, "--gpu-mem", "min", "--json"])
         assert result.exit_code == 0, result.output
         data = json.loads(result.stdout)
         mins[gpu] = (data["gpu_bytes"], data["summary"]["bytes_moved_per_iter"])
-    assert mins["rtx3090"][0] - mins["cpu"][0] == 2 * (8 * 2**20 + 128 * 1024) + 2**20
-    assert mins["h200"][0] - mins["cpu"][0] == 65 * 2**20
+    assert mins["rtx3090"][0] - mins["cpu"][0] == 2 * (8 * 2**20 + 128 * 1024) + 2**20 + 512 * 2**20
+    assert mins["h200"][0] - mins["cpu"][0] == 65 * 2**20 + 786_284_544
     assert mins["cpu"][1] == mins["rtx3090"][1] == mins["h200"][1]

@@ -12,7 +12,7 @@ from hplan.planner.presets import (
 
 def test_defaults_come_from_the_presets():
     hw = make_hardware()
-    assert (hw.gpu, hw.gpu_bytes, hw.tflops_16, hw.h2d_gbps, hw.d2h_gbps) == ("rtx3090", 24 * 10**9, 71.0, 32.0, 32.0)
+    assert (hw.gpu, hw.gpu_bytes, hw.tflops_16, hw.h2d_gbps, hw.d2h_gbps) == ("rtx3090", round(23.70 * 2**30), 71.0, 32.0, 32.0)
     assert hw.host_bytes is None and hw.nvme_bytes is None
     assert hw.efficiency == DEFAULT_EFFICIENCY == Hardware(gpu_bytes=1).efficiency == 0.30
     assert hw.tflops("fp16-mixed") == pytest.approx(71.0 * 0.30)

@@ -29,8 +29,13 @@ def load_ds_config(path: Path) -> Any:
     return cfg
 
 
-def check_against_trace(cfg: Any, trace: Any, path: Path) -> None:
-    """Refuse a config that describes another run than the trace (precision, micro-batch, accumulation)."""
+def check_against_trace(cfg: Any, trace: Any, path: Path, world: int = 1) -> None:
+    """Refuse a config that describes another run than the trace (precision, micro-batch) or whose batch keys
+    disagree as DeepSpeed would refuse them; the trace is one micro-batch, which the simulation repeats
+    gradient_accumulation_steps times ([Note: user deepspeed config])."""
+    from hplan.planner.baselines.deepspeed_config import batch_settings
+
+    micro, accumulate = batch_settings(cfg, world, where=f"DeepSpeed config {path}")
     if cfg.precision not in (None, "auto") and cfg.precision != trace.precision:
         raise HplanError(f"DeepSpeed config {path} trains {cfg.precision} but the trace is {trace.precision}; "
                          f"trace with --precision {cfg.precision} (or change the config)")
@@ -38,24 +43,36 @@ def check_against_trace(cfg: Any, trace: Any, path: Path) -> None:
         raise HplanError(f"DeepSpeed config {path} enables neither fp16 nor bf16 (DeepSpeed then trains fp32) but the "
                          f"trace is {trace.precision}; trace with --precision fp32 or enable {trace.precision[:4]}")
     batch = trace.input_shapes[0][0] if trace.input_shapes and trace.input_shapes[0] else None
-    if cfg.micro_batch is not None and isinstance(batch, int) and cfg.micro_batch != batch:
-        raise HplanError(f"DeepSpeed config {path}: train_micro_batch_size_per_gpu is {cfg.micro_batch} but the trace's "
-                         f"batch is {batch}; trace with --batch-size {cfg.micro_batch}")
-    if cfg.accumulate is not None and cfg.accumulate != trace.accumulate:
-        raise HplanError(f"DeepSpeed config {path}: gradient_accumulation_steps is {cfg.accumulate} but the trace "
-                         f"accumulates {trace.accumulate}; trace with --accumulate {cfg.accumulate}")
+    if micro is not None and isinstance(batch, int) and micro != batch:
+        key = "train_micro_batch_size_per_gpu" if cfg.micro_batch is not None else "train_batch_size"
+        raise HplanError(f"DeepSpeed config {path}: {key} makes a micro-batch of {micro} per GPU but the trace's "
+                         f"batch is {batch}; trace with --batch-size {micro}")
+    if trace.accumulate != 1:
+        raise HplanError(f"DeepSpeed config {path}: the trace accumulates {trace.accumulate} micro-batches; trace one "
+                         f"(without --accumulate): the simulation repeats it {accumulate} time(s) per optimizer step "
+                         "(gradient_accumulation_steps), as DeepSpeed's engine does")
 
 
-def ds_verdict(cfg: Any, trace: Any, hardware: Any) -> dict[str, Any]:
-    """The simulated run of the config on this trace and hardware, as JSON-ready figures."""
+def accumulation(cfg: Any, world: int = 1) -> int:
+    """The config's gradient accumulation steps over `world` ranks (batch_settings)."""
+    from hplan.planner.baselines.deepspeed_config import batch_settings
+
+    return batch_settings(cfg, world)[1]
+
+
+def ds_verdict(cfg: Any, trace: Any, hardware: Any, world: int = 1) -> dict[str, Any]:
+    """The simulated run of the config on this trace and hardware, as JSON-ready figures: one optimizer step of
+    `micro_steps` micro-batches (bytes and step cover them all)."""
     from dataclasses import asdict
 
     from hplan.planner.baselines.deepspeed_config import simulate_ds
 
-    result, what = simulate_ds(trace, hardware, cfg)
+    micro_steps = accumulation(cfg, world)
+    result, what = simulate_ds(trace, hardware, cfg, accumulate=micro_steps)
     if result is None:
-        return {"simulated": False, "why": what}
-    return {"simulated": True, "what": what, "out_of_memory": not result.feasible, **asdict(result)}
+        return {"simulated": False, "why": what, "micro_steps": micro_steps}
+    return {"simulated": True, "what": what, "out_of_memory": not result.feasible, "micro_steps": micro_steps,
+            **asdict(result)}
 
 
 def print_verdict(verdict: dict[str, Any], hplan_step: float | None, hplan_moved: int | None) -> None:
@@ -71,6 +88,10 @@ def print_verdict(verdict: dict[str, Any], hplan_step: float | None, hplan_moved
     line = (f"your DeepSpeed config ({verdict['what']}): {oom} (peak {fs(verdict['predicted_peak_bytes'])}, needs "
             f"{fs(verdict['min_gpu_bytes'])}), moves {fs(verdict['bytes_moved_per_iter'])} per step, predicted step "
             f"{verdict['predicted_step_seconds']:.3f} s")
+    if verdict.get("micro_steps", 1) > 1:
+        line += f" (an optimizer step of {verdict['micro_steps']} micro-batches)"
     if hplan_step is not None and hplan_moved is not None:
-        line += f"; hplan's plan: moves {fs(hplan_moved)}, step {hplan_step:.3f} s (plans, not measurements)"
+        line += f"; hplan's plan: moves {fs(hplan_moved)}, step {hplan_step:.3f} s (plans, not measurements"
+        line += "; one micro-batch per step: trace with --accumulate to compare)" \
+            if verdict.get("micro_steps", 1) > 1 else ")"
     console.print(line, highlight=False)

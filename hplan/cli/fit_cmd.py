@@ -24,7 +24,8 @@ def register(app: typer.Typer) -> None:
         gpu: Annotated[str, typer.Option("--gpu", help="GPU preset(s), comma-separated: one row each (e.g. "
                                          "rtx3090,rtx4090,l40s,a100-80gb,h100-80gb).")] = "rtx4090",
         gpu_mem: Annotated[str | None, typer.Option("--gpu-mem", help="Budget each GPU at this memory instead of "
-                                                    "its preset's (e.g. 20GB: what is free beside other jobs).")] = None,
+                                                    "its preset's (e.g. 20GB: what is free beside other jobs); the "
+                                                    "CUDA context is reserved inside it, as inside a preset's.")] = None,
         cpu_mem: Annotated[str | None, typer.Option("--cpu-mem", help="Host memory for offloaded data (default: "
                                                     "unbounded; the table says what each plan needs).")] = None,
         nvme: Annotated[str | None, typer.Option("--nvme", help="Disk space for model data (e.g. 2TB): plans a "
@@ -64,8 +65,10 @@ def _run(*, spec: str, gpu: str, gpu_mem: str | None, cpu_mem: str | None, nvme:
     if deepspeed is not None:
         from hplan.cli.deepspeed_opt import load_ds_config
 
+        from hplan.planner.baselines.deepspeed_config import batch_settings
+
         ds_cfg = load_ds_config(deepspeed)
-        batch_size = batch_size or ds_cfg.micro_batch
+        batch_size = batch_size or batch_settings(ds_cfg, gpus, where=f"DeepSpeed config {deepspeed}")[0]
         if precision is None and ds_cfg.precision not in (None, "auto"):
             precision = ds_cfg.precision
         elif precision is None and ds_cfg.precision is None:
@@ -102,15 +105,18 @@ def _run(*, spec: str, gpu: str, gpu_mem: str | None, cpu_mem: str | None, nvme:
             if search:
                 row["batch"] = fitter.largest_batch(name, batch_size, seq_len)
                 row["seq"] = fitter.longest_seq(name, batch_size, seq_len)
+            if at.fits:  # the batch search measured it: free there, one bound without --search
+                row["least_gpu_bytes"] = fitter.least_gpu_bytes(name, batch_size, seq_len)
+            row["least"] = fitter.measured_least(name)
             rows.append(row)
     base = fitter.trace(batch_size, seq_len)
     estimates = published_estimates(base, gpus_per_node=gpus) if not isinstance(base, str) else []
     if ds_cfg is not None and not isinstance(base, str):
         from hplan.cli.deepspeed_opt import check_against_trace, ds_verdict
 
-        check_against_trace(ds_cfg, base, deepspeed)
+        check_against_trace(ds_cfg, base, deepspeed, world=gpus)
         for row in rows:
-            row["deepspeed"] = ds_verdict(ds_cfg, base, hardware(row["gpu"], base))
+            row["deepspeed"] = ds_verdict(ds_cfg, base, hardware(row["gpu"], base), world=gpus)
     if as_json:
         emit_json(_payload(spec, rows, estimates, batch_size=batch_size, seq_len=seq_len, gpus=gpus,
                            host_bytes=host_bytes, nvme_bytes=nvme_bytes, precision=precision))
@@ -148,23 +154,28 @@ def _planning(*, gpu_bytes: int | None, host_bytes: int | None, nvme_bytes: int 
 def _payload(spec: str, rows: list[dict[str, Any]], estimates: list[Any], **inputs: Any) -> dict[str, Any]:
     from hplan.cli.fit_table import needs, tokens_per_s
 
-    def probe(p: Any) -> dict[str, Any] | None:
+    def probe(p: Any, least: int | None = None) -> dict[str, Any] | None:
         if p is None:
             return None
         out = {"batch": p.batch, "seq": p.seq, "fits": p.fits, "reason": p.reason}
         if p.plan is not None and p.fits:
             out |= {"predicted_step_seconds": p.plan.summary.predicted_step_seconds,
                     "tokens_per_s": tokens_per_s(p, inputs["gpus"]), **needs(p.plan)}
+            out["least_gpu_bytes"] = least  # what the job needs of the card ("gpu_bytes": what its plan fills)
         return out
 
-    def boundary(b: Any) -> dict[str, Any] | None:
-        return None if b is None else {"best": probe(b.best), "next": probe(b.next), "limit": b.limit}
+    def boundary(b: Any, least: dict[tuple[int, int], int]) -> dict[str, Any] | None:
+        if b is None:
+            return None
+        best = probe(b.best, None if b.best is None else least.get((b.best.batch, b.best.seq)))
+        return {"best": best, "next": probe(b.next), "limit": b.limit}
 
     gpus_out = []
     for row in rows:
         gpu_bytes = row["gpu_bytes"]
-        gpus_out.append({"gpu": row["gpu"], "gpu_bytes": gpu_bytes, "at": probe(row["at"]),
-                         "largest_batch": boundary(row.get("batch")), "longest_seq": boundary(row.get("seq")),
+        gpus_out.append({"gpu": row["gpu"], "gpu_bytes": gpu_bytes, "at": probe(row["at"], row.get("least_gpu_bytes")),
+                         "largest_batch": boundary(row.get("batch"), row.get("least", {})),
+                         "longest_seq": boundary(row.get("seq"), row.get("least", {})),
                          "estimators": [asdict(e) | {"fits": gpu_bytes is not None and
                                                       e.fits(gpu_bytes, inputs["host_bytes"])} for e in estimates],
                          **({"deepspeed": row["deepspeed"]} if "deepspeed" in row else {})})

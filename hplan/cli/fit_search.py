@@ -109,6 +109,7 @@ class Fitter:
         """Search on the screen ([Note: fit screen]) and plan only the boundary; False plans every tried shape."""
         self._margins: dict[tuple[str, int, int], int] = {}
         self._grows: dict[tuple[str, int, int], int] = {}
+        self._least: dict[tuple[str, int, int], int] = {}
 
     def _capacity(self, gpu: str) -> str:
         """Why no shape can fit `gpu` (its model data exceeds GPU + host + disk together), else ""."""
@@ -199,6 +200,7 @@ class Fitter:
                 trace = for_gpu(trace, gpu)
                 hardware = self._hardware(gpu, trace)
                 smallest = min_gpu_bytes(trace, hardware)
+                self._least[key] = smallest.gpu_bytes
                 self._margins[key] = smallest.gpu_bytes - hardware.gpu_bytes
                 self._grows[key] = smallest.non_model_bytes
         return self._margins[key]
@@ -209,6 +211,20 @@ class Fitter:
         self.margin(gpu, batch, seq)
         grows = self._grows.get((gpu, batch, seq), 0)
         return grows / batch if grows > 0 else None
+
+    def least_gpu_bytes(self, gpu: str, batch: int, seq: int) -> int | None:
+        """What the job at (batch, seq) needs of `gpu`: the smallest budget any schedule fits (`hplan plan --gpu-mem
+        min`'s, CUDA context and slack included), not the budget its plan fills. The screen's figure ([Note: fit
+        screen]): the batch search measured it at the asked shape already. None with --gpus N (no screen)."""
+        if self.ranks != 1:
+            return None
+        self.margin(gpu, batch, seq)
+        return self._least.get((gpu, batch, seq))
+
+    def measured_least(self, gpu: str) -> dict[tuple[int, int], int]:
+        """(batch, seq) -> least_gpu_bytes for the shapes the screen measured on `gpu` (the boundaries' k among
+        them, mostly): read, never computed."""
+        return {(b, s): v for (g, b, s), v in self._least.items() if g == gpu}
 
     def seq_slope(self, gpu: str, batch: int, seq: int) -> float | None:
         """The screen's growth per SEQ_STEP tokens at `batch`, borrowed from the margins the batch search measured

@@ -39,7 +39,7 @@ def print_table(spec: str, rows: list[dict[str, Any]], estimates: list[Any], *, 
                         "(every figure is a plan, not a measurement)")
     ds = any("deepspeed" in row for row in rows)
     for col in ("GPU", f"b{batch_size}×s{seq_len}: step, tokens/s", "largest batch", "longest seq",
-                "needs GPU / host / disk", "published estimators say (GPU, host)",
+                "needs GPU (of the card) / host / disk", "published estimators say (GPU, host)",
                 *(["your DeepSpeed config (simulated)"] if ds else [])):
         table.add_column(col)
     for row in rows:
@@ -48,8 +48,9 @@ def print_table(spec: str, rows: list[dict[str, Any]], estimates: list[Any], *, 
         if at.fits:
             fit = (f"fits: {at.plan.summary.predicted_step_seconds:.2f} s, "
                    f"{tokens_per_s(at, gpus):,.0f} tok/s")
-            n = needs(at.plan)
-            need = f"{fs(n['gpu_bytes'])} / {fs(n['host_bytes'])} / {fs(n['nvme_bytes'])}"
+            n, least = needs(at.plan), row.get("least_gpu_bytes")
+            gpu_need = f"{fs(least)} of {fs(gpu_bytes)}" if least is not None else f"fills {fs(n['gpu_bytes'])}"
+            need = f"{gpu_need} / {fs(n['host_bytes'])} / {fs(n['nvme_bytes'])}"
         else:
             fit, need = f"does not fit: {at.reason}", "-"
         said = "\n".join(f"{_short(e.name)}: {fs(e.gpu_bytes)}" + (f", {fs(e.cpu_bytes)}" if e.cpu_bytes else "")
@@ -61,7 +62,9 @@ def print_table(spec: str, rows: list[dict[str, Any]], estimates: list[Any], *, 
     console = Console(width=max(console.width, 150))  # one row per GPU reads best unwrapped
     console.print(table)
     console.print("largest batch: steps of 1; longest sequence: steps of 128 tokens; each answer is a feasible plan "
-                    "and the next step an infeasible one (hplan fit --json gives both plans' figures). The estimators "
+                    "and the next step an infeasible one (hplan fit --json gives both plans' figures). Needs GPU: the "
+                    "smallest budget any schedule of the job fits (`hplan plan --gpu-mem min`), CUDA context included; "
+                    "host and disk: what the plan at the card's budget uses. The estimators "
                     "count model states only (no activations, buckets or allocator slack).", highlight=False)
 
 
@@ -71,8 +74,9 @@ def _ds_cell(verdict: dict[str, Any]) -> str:
     if not verdict["simulated"]:
         return f"not simulated: {verdict['why']}"
     state = "OUT OF MEMORY" if verdict["out_of_memory"] else "fits"
+    micro = verdict.get("micro_steps", 1)
     return (f"{state}: peak {fs(verdict['predicted_peak_bytes'])}, moves {fs(verdict['bytes_moved_per_iter'])}, "
-            f"step {verdict['predicted_step_seconds']:.2f} s")
+            f"step {verdict['predicted_step_seconds']:.2f} s" + (f" ({micro} micro-batches)" if micro > 1 else ""))
 
 
 def _short(name: str) -> str:

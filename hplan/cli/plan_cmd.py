@@ -23,7 +23,9 @@ def register(app: typer.Typer) -> None:
     @app.command("plan", epilog=EPILOG, cls=HplanCommand)
     def plan_command(
         trace: Annotated[Path, typer.Argument(help="Trace file written by `hplan trace`.")],
-        gpu_mem: Annotated[str, typer.Option("--gpu-mem", help="GPU memory budget, e.g. 24GB or 22GiB; `min` plans "
+        gpu_mem: Annotated[str, typer.Option("--gpu-mem", help="GPU memory budget, e.g. 24GB or 22GiB: what CUDA "
+                                             "lets the process allocate, the CUDA context inside it (a CPU or fake "
+                                             "trace's plan reserves --gpu's context and GEMM workspaces); `min` plans "
                                              "at the smallest budget any schedule fits.")],
         output: Annotated[Path | None, typer.Option("-o", "--output", help="Where to write the plan JSON "
                                                     "(optional with --json).")] = None,
@@ -144,7 +146,7 @@ def _run(*, trace: Path, gpu_mem: str, output: Path | None, cpu_mem: str | None,
         from hplan.cli.deepspeed_opt import check_against_trace, load_ds_config
 
         ds_cfg = load_ds_config(deepspeed)
-        check_against_trace(ds_cfg, loaded, deepspeed)
+        check_against_trace(ds_cfg, loaded, deepspeed, world=_ranks(world))
     slack_fields = trace_slack(loaded, allocator)
     if slack is not None:  # the user's figure holds for every activation choice
         slack_fields = dict(slack_bytes=0 if slack.strip() in ("0", "0B") else size_option(slack, what="--slack"),
@@ -189,7 +191,7 @@ def _run(*, trace: Path, gpu_mem: str, output: Path | None, cpu_mem: str | None,
     if ds_cfg is not None:
         from hplan.cli.deepspeed_opt import ds_verdict, print_verdict
 
-        payload["deepspeed"] = ds_verdict(ds_cfg, loaded, hardware)
+        payload["deepspeed"] = ds_verdict(ds_cfg, loaded, hardware, world=_ranks(world))
         if not as_json and not plan.summary.feasible:
             print_verdict(payload["deepspeed"], None, None)
     if not plan.summary.feasible:
@@ -373,3 +375,9 @@ def _tier_rows(plan: Plan, table: object) -> None:
                              f"NVMe {format_size(homes['nvme'])} (disk used {format_size(s.nvme_bytes_used)})"),
     ):
         table.add_row(key, value)  # type: ignore[attr-defined]
+
+
+def _ranks(world: dict | None) -> int:
+    """Data-parallel ranks of --gpus/--nodes (DeepSpeed's world size)."""
+    world = world or {}
+    return int(world.get("gpus") or 1) * int(world.get("nodes") or 1)

@@ -4,12 +4,15 @@
 ZeRO settings that change what a GPU holds or what moves: `zero_optimization.stage`, `offload_optimizer.device`,
 `offload_param.device`, `reduce_bucket_size`, `overlap_comm`, `allgather_bucket_size`, the `stage3_*` thresholds,
 the `activation_checkpointing` section, `fp16`/`bf16`, `train_micro_batch_size_per_gpu` and
-`gradient_accumulation_steps`. Each value's type is checked (a wrong one is refused naming its key); `"auto"`
+`gradient_accumulation_steps` with `train_batch_size` (resolved and checked as DeepSpeed's engine does:
+`batch_settings`). Each value's type is checked (a wrong one is refused naming its key); `"auto"`
 (the value transformers' Trainer fills in) means DeepSpeed's default. Keys DeepSpeed does not know are named in a
 warning; keys it knows that do not change memory or traffic (optimizer, scheduler, logging) are named as not
 simulated. The config then runs through the simulator of that code: stage 1/2 with the optimizer on the CPU is
 `zero_offload`, stage 3 with parameters and optimizer on the CPU is `zero3_offload`, each with the config's
-bucket sizes and thresholds; an `activation_checkpointing` section runs it on the trace with every block
+bucket sizes and thresholds; the trace is one micro-batch, and with gradient accumulation stage 1/2 runs it that
+many times per optimizer step as the engine does (Zero2Config.accumulate: the verdict's bytes and step cover one
+optimizer step), while stage 3's accumulation is not modelled and says so; an `activation_checkpointing` section runs it on the trace with every block
 recomputed (as [Note: hand recipes] does: DeepSpeed checkpoints the blocks the model hands to
 `deepspeed.checkpointing`, which is every block in the usual setup). Other combinations (no offload, NVMe, stage
 3 with parameters on the GPU) have no code-faithful simulator here, and the result says so instead of guessing.
@@ -82,6 +85,8 @@ class DsConfig:
     recipe), None when neither is (DeepSpeed's fp32)."""
     micro_batch: int | None = None
     accumulate: int | None = None
+    train_batch: int | None = None
+    """train_batch_size: micro-batch × accumulation × data-parallel ranks (`batch_settings` checks it)."""
     unknown: tuple[str, ...] = ()
     """Keys DeepSpeed does not know (dotted paths)."""
     not_simulated: tuple[str, ...] = field(default=())
@@ -151,9 +156,34 @@ def parse_ds_config(obj: Any, *, where: str = "DeepSpeed config") -> DsConfig:
     values["precision"] = enabled[0] if enabled else "auto" if auto else None
     values["micro_batch"] = _int(obj, "train_micro_batch_size_per_gpu", where, "", lo=1)
     values["accumulate"] = _int(obj, "gradient_accumulation_steps", where, "", lo=1)
+    values["train_batch"] = _int(obj, "train_batch_size", where, "", lo=1)
     autos = [f"zero_optimization.{k}" for k, v in zero.items() if v == "auto"]
-    autos += [k for k in ("train_micro_batch_size_per_gpu", "gradient_accumulation_steps") if obj.get(k) == "auto"]
+    autos += [k for k in ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps")
+              if obj.get(k) == "auto"]
     return DsConfig(**values, unknown=tuple(unknown), not_simulated=tuple(ignored), auto=tuple(autos))
+
+
+def batch_settings(cfg: DsConfig, world: int = 1, *, where: str = "DeepSpeed config") -> tuple[int | None, int]:
+    """(micro-batch per GPU or None, gradient accumulation steps) as DeepSpeed's engine derives them from
+    train_batch_size, train_micro_batch_size_per_gpu and gradient_accumulation_steps over `world` ranks
+    (deepspeed/runtime/config.py, DeepSpeedConfig._set_batch_related_parameters: two given set the third, the
+    global batch alone means no accumulation; _batch_assertion: the three must agree); HplanError names the keys."""
+    train, micro, acc = cfg.train_batch, cfg.micro_batch, cfg.accumulate
+    if train is not None and micro is not None and acc is None:
+        acc = train // micro // world
+    elif train is not None and micro is None and acc is not None:
+        micro = train // world // acc
+    elif train is not None and micro is None:
+        micro, acc = train // world, 1
+    acc = 1 if acc is None else acc
+    if micro is not None and micro < 1 or acc < 1:
+        raise HplanError(f"{where}: train_batch_size {train} leaves no whole micro-batch per GPU over {world} GPU(s) "
+                         "and gradient_accumulation_steps; raise train_batch_size or set the other two")
+    if train is not None and micro is not None and train != micro * acc * world:
+        raise HplanError(f"{where}: train_batch_size {train} is not train_micro_batch_size_per_gpu {micro} × "
+                         f"gradient_accumulation_steps {acc} × {world} GPU(s) = {micro * acc * world}, which "
+                         "DeepSpeed refuses; make them agree")
+    return micro, acc
 
 
 def _section(obj: dict, key: str, where: str, prefix: str = "") -> dict:
@@ -187,8 +217,11 @@ def _bool(obj: dict, key: str, where: str, prefix: str) -> bool | None:
     return value
 
 
-def simulate_ds(trace: Trace, hardware: Hardware, cfg: DsConfig) -> tuple[BaselineResult | None, str]:
-    """(the simulated run of `cfg` on the trace, what was simulated) or (None, why it cannot be)."""
+def simulate_ds(trace: Trace, hardware: Hardware, cfg: DsConfig,
+                accumulate: int = 1) -> tuple[BaselineResult | None, str]:
+    """(the simulated run of `cfg` on the trace, what was simulated) or (None, why it cannot be). The trace is one
+    micro-batch; `accumulate` (batch_settings) micro-steps make one optimizer step, and the result covers them all
+    ([Note: accumulation through the host] for stage 1/2)."""
     from hplan.planner.activations import with_slack
     from hplan.planner.baselines.recipes import _decisions, recompute_every_segment
     from hplan.planner.baselines.zero3_offload import Zero3Config, zero3_offload
@@ -198,7 +231,8 @@ def simulate_ds(trace: Trace, hardware: Hardware, cfg: DsConfig) -> tuple[Baseli
         return None, "NVMe offload (ZeRO-Infinity) has no code-faithful simulator in hplan yet"
     if cfg.stage in (1, 2) and cfg.offload_optimizer == "cpu":
         run = zero_offload
-        config: Any = Zero2Config(**_given(cfg, reduce_bucket_size="reduce_bucket_size", overlap_comm="overlap_comm"))
+        config: Any = Zero2Config(**_given(cfg, reduce_bucket_size="reduce_bucket_size", overlap_comm="overlap_comm"),
+                                  accumulate=accumulate)
         what = f"ZeRO stage {cfg.stage}, optimizer on the CPU"
     elif cfg.stage == 3 and cfg.offload_param == "cpu" and cfg.offload_optimizer == "cpu":
         run = zero3_offload
@@ -209,6 +243,9 @@ def simulate_ds(trace: Trace, hardware: Hardware, cfg: DsConfig) -> tuple[Baseli
                                       max_live_parameters="max_live_parameters",
                                       max_reuse_distance="max_reuse_distance", pin_memory="pin_memory"))
         what = "ZeRO stage 3, parameters and optimizer on the CPU"
+        if accumulate > 1:
+            return None, (f"gradient_accumulation_steps {accumulate} with ZeRO stage 3: its accumulation has no "
+                          "code-faithful model in hplan yet (stage 1/2's has)")
     else:
         return None, (f"ZeRO stage {cfg.stage} with offload_optimizer {cfg.offload_optimizer} and offload_param "
                       f"{cfg.offload_param} has no code-faithful simulator in hplan yet (simulated: stage 1/2 with "
@@ -217,6 +254,8 @@ def simulate_ds(trace: Trace, hardware: Hardware, cfg: DsConfig) -> tuple[Baseli
         decisions = _decisions(trace)
         hardware, trace = with_slack(hardware, decisions), recompute_every_segment(trace)
         what += ", every block checkpointed"
+    if accumulate > 1:
+        what += f", {accumulate} micro-steps per optimizer step"
     result = run(trace, hardware, config)
     return replace(result, name=f"your DeepSpeed config ({what})"), what
 
