@@ -11,8 +11,11 @@ plan at k (feasible) and the plan at k + one step (infeasible), so the boundary 
 whatever the search assumed. One verdict needs no plan: when the model data (the same bytes at every shape)
 exceeds the GPU, host and disk together, no shape fits anywhere (the plan would have to keep more bytes than
 all tiers hold), so such a probe is answered from that count, naming it, without tracing or planning.
-A sequence search stops at the model's context (max_position_embeddings) and a
-batch search at BATCH_CAP; the table then says the limit, not an infeasible plan.
+A sequence search stops at the model's context (max_position_embeddings, or the field hplan.models.hf's
+CONTEXT_FIELDS names) and a batch search at BATCH_CAP; the table then says the limit, not an infeasible plan.
+A model that names no context (BLOOM; MPT and Falcon-RW with ALiBi have no position table) is searched up to
+SEQ_CEILING tokens: its answer is still the pair of plans at k and k + one step where the GPU runs out first,
+and "≥ SEQ_CEILING (limit: the search's ceiling ...)" where it does not, which claims no context for the model.
 
 [Note: fit screen] A plan of an 8B model takes a minute, a fake trace of it tens of seconds, so the search does
 not plan every shape it tries. It first looks for the boundary with a screen: the smallest GPU budget any
@@ -58,6 +61,10 @@ from hplan.planner import for_gpu
 
 SEQ_STEP = 128
 """Granularity of the longest-sequence search, tokens: answers are multiples of it."""
+SEQ_CEILING = 1 << 20
+"""The sequence search's ceiling, tokens, for a model whose config names no context ([Note: fit search]): a
+million tokens, past any one-GPU training run's sequence, keeps the search (about 13 doublings from 128 tokens)
+within fit's time goal."""
 BATCH_CAP = 4096
 """The batch search stops here (a plan that fits at it says so)."""
 FIT_ITERS = 2
@@ -246,10 +253,14 @@ class Fitter:
 
     def longest_seq(self, gpu: str, batch: int, seq: int) -> Boundary:
         units = max(1, seq // SEQ_STEP)
-        cap = (self.context // SEQ_STEP) if self.context else 1 << 20
+        if self.context is None:
+            cap = SEQ_CEILING // SEQ_STEP
+            cap_text = f"the search's ceiling, {SEQ_CEILING:,} tokens: the config names no context"
+        else:
+            cap = self.context // SEQ_STEP
+            cap_text = f"the model's context, {self.context} tokens"
         if cap < 1:
             raise HplanError(f"the model's context ({self.context}) is shorter than the search step {SEQ_STEP}")
-        cap_text = f"the model's context, {self.context} tokens"
         if self.screens and self.ranks == 1:
             return _screened(lambda n: self.margin(gpu, batch, n * SEQ_STEP),
                              lambda n: self.probe(gpu, batch, n * SEQ_STEP), start=min(units, cap), cap=cap,

@@ -128,6 +128,29 @@ def _message(exc: BaseException) -> str:
     return " ".join(lines[:2]) if lines[0].endswith(":") and len(lines) > 1 else lines[0]
 
 
+CONTEXT_FIELDS = ("max_position_embeddings", "max_seq_len", "max_sequence_length", "seq_length")
+"""Where transformers configs name the longest sequence a model takes, in the order read: max_position_embeddings
+(GPT-2's n_positions maps to it), then MPT's max_seq_len (its ALiBi table has that many columns: a longer input
+fails), then the names some configs use instead."""
+
+
+def model_context(config: Any, stated: set[str] | None) -> tuple[str, int | None]:
+    """The config's context field and its value (None: it names none). `stated`: the keys the user's config file
+    and overrides set (None: a model class, its defaults are the model). An ALiBi model (Falcon-RW with
+    `alibi: true`) has no position table: a max_position_embeddings the file does not state is only the config
+    class's default, which the model never reads, so it is no context (`hplan fit` then searches up to its
+    ceiling; [Note: fit search])."""
+    for field in CONTEXT_FIELDS:
+        value = getattr(config, field, None)
+        if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+            alias = getattr(config, "attribute_map", {}).get(field)  # n_positions for GPT-2's configs
+            unstated = stated is not None and field not in stated and alias not in stated
+            if unstated and getattr(config, "alibi", False) is True:
+                return field, None
+            return field, value
+    return "max_position_embeddings", None
+
+
 def hf_workload(
     name: str, *, batch_size: int | None = None, seq_len: int | None = None, overrides: dict[str, Any] | None = None
 ) -> Workload:
@@ -137,18 +160,18 @@ def hf_workload(
 
     if hf_config.is_config_spec(name):
         path = hf_config.resolve_config_path(name)
-        config, cls, task = hf_config.make_config(path, hf_config.read_config(path), dict(overrides or {}),
-                                                  typed=_typed, message=_message)
+        data = hf_config.read_config(path)
+        config, cls, task = hf_config.make_config(path, data, dict(overrides or {}), typed=_typed, message=_message)
         n_params = _check_build(cls, config, f"config file {path}")
     else:
-        cls, task = _model_class(name), "causal-lm"
+        cls, task, data = _model_class(name), "causal-lm", None
         config = build_config(cls, overrides)
         n_params = None
     bsz, seq = batch_size or DEFAULT_BATCH, seq_len or DEFAULT_SEQ
-    context = getattr(config, "max_position_embeddings", None)
-    if task != "image-classification" and isinstance(context, int) and not isinstance(context, bool) and seq > context:
+    field, context = model_context(config, None if data is None else set(data) | set(overrides or {}))
+    if task != "image-classification" and context is not None and seq > context:
         raise HplanError(f"sequence length {seq} exceeds hf:{name}'s context {context}; use `seq_len` {context} or "
-                         "less, or raise max_position_embeddings in `overrides`")
+                         f"less, or raise {field} in `overrides`")
     batch = _batch_maker(task, config, bsz, seq)
 
     # Before the first build, not on a built model: submodules copy the config at construction (T5's decoder
@@ -161,7 +184,7 @@ def hf_workload(
         return cls(config)
 
     build.hplan_param_count = n_params  # type: ignore[attr-defined]  # read by `hplan trace` (default device)
-    build.hplan_context = context if isinstance(context, int) and task != "image-classification" else None  # type: ignore[attr-defined]  # `hplan fit`
+    build.hplan_context = context if task != "image-classification" else None  # type: ignore[attr-defined]  # `hplan fit`
     return Workload(
         model=build,
         batch=batch,
