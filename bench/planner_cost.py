@@ -13,6 +13,7 @@ from functools import partial
 from typing import Any
 
 from bench.context import Context
+from hplan.sizes import format_size
 from bench.harness import SectionOutput, Table, fmt_seconds, median
 
 GOAL_18B_SECONDS = 2.0
@@ -109,14 +110,14 @@ def real_table(ctx: Context) -> tuple[Table, list[str]]:
         if spec == "gpt:18b":
             met = median(times) <= GOAL_18B_SECONDS and same
             goal = f"≤ {GOAL_18B_SECONDS:.0f} s and identical: {'met' if met else 'MISSED'}"
-            heads.append(f"gpt:18b fp16-mixed planned for 24 GB in {median(times):.2f} s of CPU ({median(walls):.2f} s "
+            heads.append(f"gpt:18b fp16-mixed planned for an rtx3090 ({format_size(hardware.gpu_bytes)}) in {median(times):.2f} s of CPU ({median(walls):.2f} s "
                          f"wall) with the default options, certified gap {plan.summary.gap:.2%}, "
                          f"{len(results)} re-plans {'byte-identical' if same else 'DIFFERENT'} (goal ≤ 2 s and "
                          f"identical: {'met' if met else 'missed'})")
-        real.add(spec, "24 GB", plan.summary.solver, f"{plan.summary.gap:.2%}", fmt_seconds(median(times), 3),
+        real.add(spec, f"rtx3090 ({format_size(hardware.gpu_bytes)})", plan.summary.solver, f"{plan.summary.gap:.2%}", fmt_seconds(median(times), 3),
                  fmt_seconds(median(walls), 3), f"{len(results)} of {len(results)}" if same else "NO", goal)
     if ctx.quick:
-        real.add("gpt:18b", "24 GB", "—", "—", "skipped in --quick", "—", "—", "—")
+        real.add("gpt:18b", "rtx3090", "—", "—", "skipped in --quick", "—", "—", "—")
     return real, heads
 
 
