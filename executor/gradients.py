@@ -70,7 +70,7 @@ class GradientOps:
     def _first_nonfinite(self, names: list[str]) -> str | None:
         if not self.master:
             return first_nonfinite(names, self._grads(names))
-        return first_nonfinite_norm(names, self._norms(names, lambda g: torch._foreach_norm([g])[0]))
+        return first_nonfinite(names, self._norms(names, lambda g: torch._foreach_norm([g])[0]))
 
     def manages(self, params: list[torch.Tensor]) -> bool:
         store = self.store
@@ -207,14 +207,6 @@ def _one(device: torch.device) -> torch.Tensor:
 _set_versions = torch._C._autograd._unsafe_set_version_counter
 _ONES: dict[torch.device, torch.Tensor] = {}
 """The inverse scale 1, per device, for the non-finite check ([Note: the non-finite check])."""
-
-
-def first_nonfinite_norm(names: list[str], norms: list[torch.Tensor]) -> str | None:
-    """The name of the first gradient whose norm is inf or NaN, or None. The norms are this check's own
-    temporaries: the fused check ([Note: the non-finite check]) runs on them."""
-    if not norms:
-        return None
-    return first_nonfinite(names, norms)
 
 
 def nonfinite_message(name: str, training_step: int, step: Any, where: str = "") -> str:

@@ -150,8 +150,7 @@ class RegionStore:
         if mine.nbytes() or theirs.nbytes() != slot.region.bytes:
             return False
         mine._swap_data_ptr_(theirs)
-        self._resident_bytes += slot.region.bytes  # _arrived, inline (a gradient region: no parameter points at it)
-        slot.state = _RESIDENT
+        self._arrived(slot)
         self.taken += 1
         return True
 
