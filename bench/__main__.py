@@ -1,7 +1,8 @@
 """`python -m bench [--quick] [--out BENCHMARKS.md] [--only KEYS]`: run the suite, write BENCHMARKS.md.
 
 Each table runs in its own section: a failure prints "FAILED: reason" in its place and the suite
-goes on, but the process exits 1 so CI notices. The markdown is written atomically; figures go to
+goes on, but the process exits 1 so CI notices. Without --quick each section runs in a process of its own
+(`bench/isolate.py`), so the sections' memory does not add up. The markdown is written atomically; figures go to
 `bench-figures/` beside it.
 """
 
@@ -96,8 +97,14 @@ def main(argv: list[str] | None = None) -> int:
               flush=True)
 
     ctx = Context(quick=args.quick, out_dir=out.parent, fig_dir=out.parent / "bench-figures", log=log)
-    results = [run_section(key, title, section_fn(module, ctx), log=log)
-               for key, title, module in SECTIONS if not keys or key in keys]
+    chosen = [(key, title, module) for key, title, module in SECTIONS if not keys or key in keys]
+    if args.quick:  # one process: section 14 reuses section 13's runs, and CI's time is short
+        results = [run_section(key, title, section_fn(module, ctx), log=log) for key, title, module in chosen]
+    else:
+        from bench.isolate import run_isolated
+
+        results = [run_isolated(key, title, quick=False, out_dir=ctx.out_dir, fig_dir=ctx.fig_dir,
+                                work_dir=ctx.work_dir, log=log) for key, title, _ in chosen]
     command = "python -m bench " + " ".join(shlex.quote(a) for a in argv)
     text = render_document(command=command.strip(), machine=machine, date=utc_now(), sections=results,
                            quick=args.quick, total_seconds=time.perf_counter() - t0)

@@ -2,13 +2,17 @@
 
 from __future__ import annotations
 
+import json
 import tempfile
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
 from bench.harness import BF16_TOO_SLOW, ChildResult, run_worker
+
+FAKE_RUNS_INDEX = "fake-runs.json"
+"""In the run's work folder: the fake traces made so far, so each section's own process reuses them."""
 
 HEADLINE_SHAPE = (1, 1024)
 """(batch, seq) of the fake GPT traces: the seed's headline setting and issue 3's 18b goal."""
@@ -62,14 +66,31 @@ class Context:
         timeout = 120.0 if self.quick else 420.0
         key = f"{spec}@{precision}"
         if key not in self.fake_runs:
+            self.fake_runs.update(self._shared_fake_runs())
+        if key not in self.fake_runs:
             out = self.work_dir / (spec.replace(":", "_") + f".{precision}.fake.parquet")
             self.log(f"[bench]   fake trace {spec} {precision} (subprocess) …")
             res = run_worker(["fake-trace", spec, str(out), *map(str, HEADLINE_SHAPE), precision], timeout=timeout)
             res.payload.setdefault("path", str(out))
             self.fake_runs[key] = res
+            self._share_fake_runs()
             self.log(f"[bench]   fake trace {spec} {precision}: "
                      + (f"{res.payload.get('trace_seconds', 0):.1f} s" if res.ok else res.error))
         return self.fake_runs[key]
+
+    def _shared_fake_runs(self) -> dict[str, ChildResult]:
+        """Fake traces an earlier section's process made in this run (`bench.isolate`), read from the work folder."""
+        index = self.work_dir / FAKE_RUNS_INDEX
+        if not index.is_file():
+            return {}
+        runs = {k: ChildResult(**v) for k, v in json.loads(index.read_text()).items()}
+        return {k: r for k, r in runs.items() if not r.ok or Path(r.payload.get("path", "")).is_file()}
+
+    def _share_fake_runs(self) -> None:
+        index = self.work_dir / FAKE_RUNS_INDEX
+        tmp = index.with_suffix(".tmp")
+        tmp.write_text(json.dumps({k: asdict(r) for k, r in self.fake_runs.items()}))
+        tmp.replace(index)
 
     def fake_trace(self, spec: str, precision: str = "fp32") -> Any:
         """The Trace of `fake_run(spec, precision)`, loaded once; raises when the trace failed."""
