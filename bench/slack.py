@@ -42,10 +42,11 @@ def run(ctx: Context) -> SectionOutput:
     gpu = "rtx3090"
     fits = Table(headers=["workload", "batch × seq", "feasible", "min GPU (auto)", "blocks kept / offloaded / "
                           "recomputed / selective", "model bytes moved / iteration", "activation bytes moved / iteration",
-                          "recompute (predicted)", "certified gap", "predicted step (plan)", "planning time"],
+                          "recompute (predicted)", "certified gap", "predicted step (plan)", "planning wall (CPU) time"],
                  caption=f"**On an RTX 3090 ({fmt_bytes(make_hardware(gpu).gpu_bytes)}, the preset) with the defaults** "
                          f"({PRECISION}, `--activations auto`, release "
-                         "slack; no CUDA context reserved, as sections 4 and 6 plan gpt:18b; plans, not GPU measurements; planning time measured here, in process).")
+                         "slack; no CUDA context reserved, as sections 4 and 6 plan gpt:18b; plans, not GPU "
+                         "measurements; planning time measured here, in process).")
     for spec, batch, seq in QUICK if ctx.quick else FULL:
         row = out.part(f"{spec} b{batch}×s{seq}", lambda: _row(ctx, spec, batch, seq, gpu), log=ctx.log)
         if row is not None:
@@ -66,7 +67,7 @@ def run(ctx: Context) -> SectionOutput:
 
 def _recompute(seconds: float) -> str:
     """A recompute's predicted seconds, in ms below a second (selective reruns take milliseconds)."""
-    return fmt_seconds(seconds, 2) if seconds >= 1 else f"{1e3 * seconds:.2f} ms"
+    return fmt_seconds(seconds, 2) if seconds >= 1 else f"{1e3 * seconds:.2f} ms" if seconds else "0 s"
 
 
 def _llama(ctx: Context) -> tuple[Table, str]:
@@ -141,22 +142,22 @@ def _row(ctx: Context, spec: str, batch: int, seq: int, gpu: str) -> tuple[list,
             f"segments kept → {fmt_bytes(slack['release'])} released at the budget "
             f"({fmt_bytes(slack['expandable'])} with expandable segments); min GPU {fmt_bytes(floor['cached'])} → "
             f"{fmt_bytes(floor['release'])} (plans)")
-    start = time.perf_counter()
+    start, cpu = time.perf_counter(), time.process_time()
     plan = make_plan(trace, make_hardware(gpu, **trace_slack(trace)))
-    seconds = time.perf_counter() - start
+    seconds, cpu = time.perf_counter() - start, time.process_time() - cpu
     s = plan.summary
     shape = f"{batch} × {seq}"
     if not s.feasible:
-        return cells, line, [spec, shape, "no", fmt_bytes(s.min_gpu_bytes), *["—"] * 6, fmt_seconds(seconds, 2)], (
+        return cells, line, [spec, shape, "no", fmt_bytes(s.min_gpu_bytes), *["—"] * 6, f"{seconds:.2f} s ({cpu:.2f} s)"], (
             f"{spec} {PRECISION} b{batch}×s{seq} on an {gpu} ({fmt_bytes(make_hardware(gpu).gpu_bytes)}): infeasible, needs {fmt_bytes(s.min_gpu_bytes)} (plan)")
     count = {c: sum(a.choice == c for a in plan.activations) for c in ("keep", "offload", "recompute", "selective")}
     fit = [spec, shape, "yes", fmt_bytes(s.min_gpu_bytes), " / ".join(str(v) for v in count.values()),
            fmt_bytes(s.bytes_moved_per_iter), fmt_bytes(s.activation_bytes_moved_per_iter),
            _recompute(s.recompute_seconds), fmt_pct(s.gap), fmt_seconds(s.predicted_step_seconds, 1),
-           fmt_seconds(seconds, 2)]
+           f"{seconds:.2f} s ({cpu:.2f} s)"]
     said = (f"{spec} {PRECISION} b{batch}×s{seq} on an {gpu} ({fmt_bytes(make_hardware(gpu).gpu_bytes)}) (default `--activations auto`): feasible (min GPU "
             f"{fmt_bytes(s.min_gpu_bytes)}; keep needs {fmt_bytes(floor['release'])}), "
             f"{fmt_bytes(s.bytes_moved_per_iter)} of model data and {fmt_bytes(s.activation_bytes_moved_per_iter)} of "
             f"activations moved per iteration, predicted {s.predicted_step_seconds:.1f} s per step (plan), planned in "
-            f"{seconds:.2f} s")
+            f"{seconds:.2f} s ({cpu:.2f} s of CPU)")
     return cells, line, fit, said
