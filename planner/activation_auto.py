@@ -397,7 +397,7 @@ def _reuse(search: Search, best: Scored, trace: Trace, hardware: Hardware, optio
     from hplan.planner import core
     from hplan.planner.activations import transform, with_activations
 
-    work = transform(trace, decisions, items.shared)
+    work = transform(trace, decisions, items.shared, hardware)
     cand = replace(best, moved=best.moved - best.act_cost, finished=None)
     done = finish(work, hardware, cand)
     r = best.result

@@ -99,6 +99,23 @@ def _shared(decisions: tuple[Decision, ...]) -> set[tuple[str, int]]:
     return shared_windows(d.segment for d in decisions if d.choice in ("recompute", "selective"))
 
 
+def _charged(trace: Trace, e: Any, seconds: float, hardware: Hardware) -> Any:
+    """Event `e` with a selective call's price added.
+
+    [Note: selective priced in the step] A selective call's cheap ops are priced by the larger of their FLOPs and
+    their written bytes at device-memory bandwidth (`selective_seconds`: pointwise ops count few FLOPs), and that
+    price is its `recompute_seconds` and its part of the activation cost. The schedule prices an event of a trace
+    made on another kind of device by FLOPs alone (hplan.planner.schedule.event_seconds), which would leave a
+    fake trace's selective rerun out of the predicted step (its cheap ops count 0 FLOPs). So the window gets the
+    price as time (read where the trace ran on the planned kind of device) and as the FLOPs that take that time at
+    the window's rate (read otherwise): the predicted compute holds exactly the summary's recompute seconds."""
+    names = set(e.params)
+    own = [p.shape for p in trace.params if p.name in names and len(p.shape) == 2]
+    width = min(max(own, key=lambda s: s[0] * s[1])) if own else trace_width(trace)  # as kernel_size.event_widths
+    return replace(e, seconds=e.seconds + seconds,
+                   flops=e.flops + math.ceil(seconds * achieved_rate(hardware, trace.precision, width)))
+
+
 def decision_effects(decisions: tuple[Decision, ...], prefetch: dict[tuple[str, int], int] | None = None,
                      shared: frozenset[tuple[str, int]] | None = None) -> list[tuple[Effect, ...]]:
     """Each decision's effects; `shared`: the segment calls charged as sharing their recompute window (default:
@@ -109,9 +126,10 @@ def decision_effects(decisions: tuple[Decision, ...], prefetch: dict[tuple[str, 
             for d in decisions]
 
 
-def transform(trace: Trace, decisions: tuple[Decision, ...], shared: frozenset[tuple[str, int]] | None = None
-              ) -> Trace:
-    """The trace as the executor runs it under `decisions` (module doc, step 2)."""
+def transform(trace: Trace, decisions: tuple[Decision, ...], shared: frozenset[tuple[str, int]] | None = None,
+              hardware: Hardware | None = None) -> Trace:
+    """The trace as the executor runs it under `decisions` (module doc, step 2). With `hardware`, a selective
+    call's window costs its price there (`selective_seconds`, [Note: selective priced in the step])."""
     if all(d.choice == "keep" for d in decisions):
         return trace
     delta = effect_totals(((d.segment, d.choice) for d in decisions), len(trace.events), shared)
@@ -124,6 +142,8 @@ def transform(trace: Trace, decisions: tuple[Decision, ...], shared: frozenset[t
                 raise AssertionError(f"activation choices free more than event {e.key} holds: an hplan bug")
             events[t] = replace(e, non_model_peak_bytes=nm)
     last_read = {p.name: p.last_read_op for p in trace.params}
+    price = selective_seconds(trace, hardware) if hardware is not None and \
+        any(d.choice == "selective" for d in decisions) else {}
     for d in decisions:
         if d.choice not in ("recompute", "selective"):
             continue
@@ -131,9 +151,12 @@ def transform(trace: Trace, decisions: tuple[Decision, ...], shared: frozenset[t
         b0 = s.backward_events[0]
         e = events[b0]
         sel = d.choice == "selective"  # its recompute runs the cheap ops only (the forward's code reads the weights)
-        events[b0] = replace(e, params=tuple(sorted({*e.params, *s.params}, key=order.__getitem__)),
-                             seconds=e.seconds + (s.selective_seconds if sel else s.seconds),
-                             flops=e.flops + (s.selective_flops if sel else s.flops))
+        events[b0] = e = replace(e, params=tuple(sorted({*e.params, *s.params}, key=order.__getitem__)))
+        if sel and price:
+            events[b0] = _charged(trace, e, price[s.key], hardware)
+        else:
+            events[b0] = replace(e, seconds=e.seconds + (s.selective_seconds if sel else s.seconds),
+                                 flops=e.flops + (s.selective_flops if sel else s.flops))
         for name in s.params:  # the recompute reads them inside this window: no flip of their chunk here
             last_read[name] = max(last_read[name], e.op_end - 1)
     params = tuple(replace(p, last_read_op=last_read[p.name]) for p in trace.params)
@@ -163,7 +186,7 @@ def min_gpu_with(trace: Trace, hardware: Hardware, decisions: tuple[Decision, ..
                  shared: frozenset[tuple[str, int]] | None = None, label: str = "") -> MinGpu:
     """The smallest budget under the choices, its bottleneck naming the segment involved there."""
     hardware = with_slack(hardware, decisions, trace)
-    work = transform(trace, decisions, shared)
+    work = transform(trace, decisions, shared, hardware)
     structure, problem = built = build(work, group_params(work, PARAM_CHUNKS), frozenset(), hardware)
     smallest = min_gpu(work, hardware, built)
     choice = {d.choice for d in decisions}

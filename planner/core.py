@@ -68,7 +68,7 @@ def plan_decisions(original: Trace, hardware: Hardware, options: PlanOptions, de
     found elsewhere reaches; chunkings whose LP bound is above it are not solved, and `Pruned` is raised when
     that leaves none (every plan of these choices moves more)."""
     hardware = with_slack(hardware, decisions, original)
-    trace = transform(original, decisions, shared)
+    trace = transform(original, decisions, shared, hardware)
     effort = _effort(options)
     nodes = SEARCH_NODES[effort] if options.solver != "exact" else SEARCH_NODES[1]
     search = Search(trace, hardware, options, on_progress,

@@ -118,3 +118,22 @@ def test_trace_plan_run_through_the_cli(tmp_path):
         Trace.load(trace), activations="keep").gpu_bytes
     plain = plain_losses(load_workload("gpt:tiny", batch_size=8), 3)
     assert max(abs(a - b) / abs(b) for a, b in zip(report["losses"], plain, strict=True)) <= 1e-5
+
+
+def test_the_predicted_compute_holds_the_selective_rerun_the_summary_counts(llama4):
+    """[Note: selective priced in the step]: from a fake trace planned for a GPU, a selective call's cheap ops cost
+    their written bytes at device-memory bandwidth (they count ~0 FLOPs). The summary's recompute seconds and the
+    activation cost count that price; the predicted compute must hold the same seconds (it held only the cheap
+    ops' FLOPs, ~0, before)."""
+    hw = make_hardware("rtx3090", **trace_slack(llama4))  # the whole card: nothing moves under either choice
+    keep = make_plan(llama4, hw, PlanOptions(activations="keep"))
+    sel = make_plan(llama4, hw, PlanOptions(activations="selective"))
+    assert keep.summary.feasible and sel.summary.feasible and not sel.summary.bytes_moved_per_iter
+    assert {c.choice for c in sel.activations} == {"selective"}
+    s = sel.summary
+    assert s.recompute_seconds > 0
+    assert s.recompute_seconds == pytest.approx(sum(c.recompute_seconds for c in sel.activations), rel=1e-12)
+    added = s.seconds["compute"] - keep.summary.seconds["compute"]
+    assert added == pytest.approx(s.recompute_seconds, rel=1e-3)
+    assert s.predicted_step_seconds - keep.summary.predicted_step_seconds == pytest.approx(s.recompute_seconds,
+                                                                                            rel=1e-3)

@@ -213,7 +213,8 @@ class PlanSummary:
     activation_bytes_moved_per_iter: int = 0
     """Saved activations moved per iteration by offloaded segments, both directions ([Note: plan activations])."""
     recompute_seconds: float = 0.0
-    """Predicted time of the recomputed segments' forwards per iteration (part of the predicted compute)."""
+    """Predicted time per iteration of the recomputed segments' forwards and the selective calls' cheap ops (part
+    of the predicted compute: [Note: selective priced in the step] in hplan.planner.activations)."""
     placement_free: bool = False
     """The lower bound covers every optimizer placement of the chunking, not only the plan's own."""
     activation_cost_bytes: int = 0
