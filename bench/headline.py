@@ -27,8 +27,9 @@ GOAL_18B_BYTES = 105 * 10**9
 
 
 def plan_at(trace: Any, gpu: str) -> Any:
-    from hplan.planner import make_hardware, make_plan, trace_slack
+    from hplan.planner import for_gpu, make_hardware, make_plan, trace_slack
 
+    trace = for_gpu(trace, gpu)  # as `hplan plan --gpu` plans a fake trace: the CUDA context reserved
     return make_plan(trace, make_hardware(gpu, **trace_slack(trace)))
 
 

@@ -150,15 +150,14 @@ def fake_trace(ctx: Context, spec: str, shape: tuple[int, int] = PLAN_SHAPE) -> 
 
 
 def plans_table(ctx: Context) -> tuple[Table, list[str], Table]:
-    from hplan.planner import PlanOptions, make_hardware, make_plan
+    from hplan.planner import PlanOptions, for_gpu, make_hardware, make_plan, trace_slack
 
     from hplan.models.gpt import PRESETS, param_count
 
-    rigs = (("RTX 3090 (24 GB) + 64 GB RAM + 2 TB PCIe 4 NVMe (5.6 / 4.3 GB/s)",
-             make_hardware("rtx3090", host_bytes=64 * 10**9, nvme_bytes=2 * 10**12, nvme="pcie4")),
-            ("DGX-2, one GPU's view: V100-32GB + 1.5 TB RAM + the node's NVMe (28 GB/s)",
-             make_hardware("v100-32gb", host_bytes=15 * 10**11, nvme_bytes=30 * 10**12,
-                           nvme_read_gbps=28.0, nvme_write_gbps=28.0)))
+    rigs = (("RTX 3090 (24 GB) + 64 GB RAM + 2 TB PCIe 4 NVMe (5.6 / 4.3 GB/s)", "rtx3090",
+             dict(host_bytes=64 * 10**9, nvme_bytes=2 * 10**12, nvme="pcie4")),
+            ("DGX-2, one GPU's view: V100-32GB + 1.5 TB RAM + the node's NVMe (28 GB/s)", "v100-32gb",
+             dict(host_bytes=15 * 10**11, nvme_bytes=30 * 10**12, nvme_read_gbps=28.0, nvme_write_gbps=28.0)))
     table = Table(headers=["machine (a plan, not a measurement)", "workload", "params", "fits", "host peak",
                            "disk used", "disk read + write / iter", "predicted step time (split, s)"],
                   caption=f"**Plans for one GPU with NVMe** — hplan's simulator on fake traces (bf16-mixed AdamW: 16 B "
@@ -176,8 +175,9 @@ def plans_table(ctx: Context) -> tuple[Table, list[str], Table]:
             continue
         traced.add(spec, fmt_seconds(seconds, 1), fmt_bytes(rss))
         n = param_count(PRESETS[spec.split(":")[1]])
-        for name, hw in rigs:
-            plan = make_plan(trace, hw, PlanOptions(solver="fast"))
+        for name, gpu, rig in rigs:  # as `hplan plan --gpu` plans it: the CUDA context reserved, the trace's slack
+            on_gpu = for_gpu(trace, gpu)
+            plan = make_plan(on_gpu, make_hardware(gpu, **rig, **trace_slack(on_gpu)), PlanOptions(solver="fast"))
             s = plan.summary
             if not s.feasible:
                 table.add(name, spec, f"{n / 1e9:.1f} B", f"no: {s.bottleneck[:140]}", "—", "—", "—", "—")

@@ -91,7 +91,7 @@ def growth_exponent(points: list[tuple[float, float]]) -> float | None:
 
 
 def real_table(ctx: Context) -> tuple[Table, list[str]]:
-    from hplan.planner import make_hardware, make_plan, trace_slack
+    from hplan.planner import for_gpu, make_hardware, make_plan, trace_slack
 
     repeats = 1 if ctx.quick else 3
     real = Table(headers=["trace", "GPU memory", "solver (default effort)", "certified gap", "solve time (CPU)",
@@ -100,7 +100,7 @@ def real_table(ctx: Context) -> tuple[Table, list[str]]:
                          "CPU seconds of the planning process, and its wall seconds beside them (the machine's load).")
     heads = []
     for spec in (["gpt:1.3b"] if ctx.quick else ["gpt:1.3b", "gpt:18b"]):
-        trace = ctx.fake_trace(spec, "fp16-mixed")
+        trace = for_gpu(ctx.fake_trace(spec, "fp16-mixed"), "rtx3090")  # as `hplan plan --gpu rtx3090` loads it
         hardware = make_hardware("rtx3090", **trace_slack(trace))
         results = [cpu_and_wall(partial(make_plan, trace, hardware)) for _ in range(repeats)]
         times, walls, plan = [r[0] for r in results], [r[1] for r in results], results[-1][2]

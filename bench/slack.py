@@ -5,7 +5,8 @@ the budget] in hplan.artifacts.slack) and planned for the smallest GPU under eac
 (hplan.planner.slack): segments kept (the figure before issue 24), released before out-of-memory (PyTorch's
 default, now the planner's), and expandable segments, every segment kept (`--activations keep`) so the slack
 alone moves the minimum. Then gpt:18b at each shape is planned for an RTX 3090 (its preset: 23.70 GiB, as CUDA reports it) with the defaults
-(`--activations auto`, the release slack; like sections 4 and 6, without the CUDA context `hplan plan` reserves):
+(`--activations auto`, the release slack; as `hplan plan --gpu rtx3090` plans it, the CUDA context reserved, as
+in sections 4, 6 and 9):
 issue 24 asks batch 8 × seq 1024 to fit there (127 GB needed before). Last, issue 31 §4's case: Llama-3-8B's shape
 from examples/configs/llama-3-8b (bf16-mixed, batch 1 × seq 2048, fake trace) planned as `hplan plan --gpu rtx3090
 --gpu-mem 24GB --cpu-mem 128GB` plans it, with its certified gap (goal ≤ 2%) and planning time (goal ≤ 60 s of CPU;
@@ -45,7 +46,7 @@ def run(ctx: Context) -> SectionOutput:
                           "recompute (predicted)", "certified gap", "predicted step (plan)", "planning wall (CPU) time"],
                  caption=f"**On an RTX 3090 ({fmt_bytes(make_hardware(gpu).gpu_bytes)}, the preset) with the defaults** "
                          f"({PRECISION}, `--activations auto`, release "
-                         "slack; no CUDA context reserved, as sections 4 and 6 plan gpt:18b; plans, not GPU "
+                         "slack; the CUDA context reserved, as `hplan plan --gpu` does; plans, not GPU "
                          "measurements; planning time measured here, in process).")
     for spec, batch, seq in QUICK if ctx.quick else FULL:
         row = out.part(f"{spec} b{batch}×s{seq}", lambda: _row(ctx, spec, batch, seq, gpu), log=ctx.log)
@@ -123,7 +124,7 @@ def _row(ctx: Context, spec: str, batch: int, seq: int, gpu: str) -> tuple[list,
 
     from hplan.artifacts import Trace
     from hplan.artifacts.hardware import Hardware
-    from hplan.planner import ALLOCATORS, default_slack, make_hardware, make_plan, min_gpu_bytes, trace_slack
+    from hplan.planner import ALLOCATORS, default_slack, for_gpu, make_hardware, make_plan, min_gpu_bytes, trace_slack
 
     path = ctx.work_dir / f"slack_{spec.replace(':', '_')}_b{batch}_s{seq}.parquet"
     ctx.log(f"[bench]   fake trace {spec} {PRECISION} b{batch}×s{seq} (subprocess) …")
@@ -131,7 +132,7 @@ def _row(ctx: Context, spec: str, batch: int, seq: int, gpu: str) -> tuple[list,
                      timeout=120.0 if ctx.quick else 600.0)
     if not res.ok:
         raise RuntimeError(f"fake trace of {spec} b{batch}×s{seq} failed: {res.error}")
-    trace = Trace.load(path, columns=())
+    trace = for_gpu(Trace.load(path, columns=()), gpu)  # as `hplan plan --gpu` loads it: the CUDA context reserved
     slack = {a: default_slack(trace, a) - trace.overhead_bytes for a in ALLOCATORS}
     floor = {a: min_gpu_bytes(trace, Hardware(gpu_bytes=1, slack_bytes=default_slack(trace, a)),
                               activations="keep").gpu_bytes for a in ALLOCATORS}
