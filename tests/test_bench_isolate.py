@@ -47,3 +47,29 @@ def test_a_fake_trace_made_by_one_sections_process_is_reused_by_the_next(tmp_pat
     trace.unlink()  # a trace file gone since is made again, not trusted
     assert "gpt:small@fp32" not in Context(quick=False, out_dir=tmp_path, fig_dir=tmp_path, work_dir=tmp_path,
                                            log=lambda m: None)._shared_fake_runs()
+
+
+def test_the_headlines_gpu_plan_is_the_one_hplan_plan_gives(tmp_path) -> None:
+    """Sections 4, 6, 9 and 10 plan a fake trace for a named GPU as `hplan plan --gpu` does (the CUDA context
+    reserved, `for_gpu`): a headline figure is one a user can reproduce with the CLI (it was not, by 512 MiB)."""
+    from typer.testing import CliRunner
+
+    from hplan.artifacts import Plan, Trace
+    from hplan.cli import app
+    from hplan.tracer import trace_workload
+    from hplan.specs import load_workload
+
+    from bench.headline import plan_at
+
+    path = tmp_path / "t.parquet"
+    trace_workload(load_workload("gpt:tiny"), device="fake").save(path)
+    out = tmp_path / "p.json"
+    from hplan.planner import make_hardware
+
+    made = CliRunner().invoke(app, ["plan", str(path), "--gpu", "rtx3090", "--gpu-mem",
+                                    f"{make_hardware('rtx3090').gpu_bytes}B", "-o", str(out)])
+    assert made.exit_code == 0, made.output
+    cli, bench = Plan.load(out).summary, plan_at(Trace.load(path), "rtx3090").summary
+    assert cli.min_gpu_bytes > 512 * 2**20  # the context is in it
+    for field in ("min_gpu_bytes", "bytes_moved_per_iter", "predicted_peak_bytes", "predicted_step_seconds", "feasible"):
+        assert getattr(bench, field) == getattr(cli, field), field
