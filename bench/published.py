@@ -144,7 +144,8 @@ def hardware(r: Replay, trace: Any) -> Any:
 
 def price(sim: str, trace: Any, hw: Any, checkpoint: bool, pin_memory: bool | None = None,
           device_optimizer: str = "fused", cpu_adam_copy: bool = False,
-          accumulate: int = 1) -> tuple[bool, float, str, dict[str, float]]:
+          accumulate: int = 1, overlap_comm: bool = True,
+          reduce_bucket_size: int = 500_000_000) -> tuple[bool, float, str, dict[str, float]]:
     """(fits, predicted seconds per optimizer step, note, busy seconds by part) of one system on the trace;
     `accumulate` micro-steps per optimizer step where the simulator runs them (accumulation_of)."""
     from hplan.planner import PlanOptions, make_plan
@@ -162,8 +163,8 @@ def price(sim: str, trace: Any, hw: Any, checkpoint: bool, pin_memory: bool | No
                 busy)
     work, hw2 = checkpointed(trace, hw) if checkpoint else (trace, hw)
     if sim == "zero-offload":
-        res = zero_offload(work, hw2, Zero2Config(overlap_comm=True, cpu_adam_copy=cpu_adam_copy,
-                                                  accumulate=accumulate))
+        res = zero_offload(work, hw2, Zero2Config(overlap_comm=overlap_comm, cpu_adam_copy=cpu_adam_copy,
+                                                  accumulate=accumulate, reduce_bucket_size=reduce_bucket_size))
     elif sim == "zero3-offload":
         res = zero3_offload(work, hw2, Zero3Config() if pin_memory is None else Zero3Config(pin_memory=pin_memory))
     elif sim == "gemini":
@@ -231,7 +232,7 @@ def replay(ctx: Context, r: Replay, cache: dict) -> list[Outcome]:
             work = replace(trace, defer_updates=False) if s.eager_updates else trace
             k = accumulation_of(r, s)
             fits, secs, note, busy = price(s.sim, work, hw, s.checkpoint, s.pin_memory, s.device_optimizer,
-                                             s.cpu_adam_copy, k)
+                                             s.cpu_adam_copy, k, s.overlap_comm, s.reduce_bucket_size)
             if fits and secs > 0:
                 best[s.name] = Outcome(system=s, batch=batch, fits=True, seconds=secs, note=note, accumulate=k,
                                        extra={"tflops": k * step_flops(r, trace, batch, s.checkpoint) / secs / 1e12,
