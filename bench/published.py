@@ -54,7 +54,12 @@ was assumed. [Note: replay conventions] below.
   (v0.3.0 to today) checks each gradient for overflow with a host sync before its copy, and v0.3.13's stage 3
   does not (stage3.py v0.3.13:1562-1568 sums on the device with overlap_comm): ZeRO-2's copies run with the GPU
   idle ([Note: overflow-check sync] in hplan.planner.baselines.zero_offload). The 2020-21 CPU Adam's tiled weight
-  copy under the update (Zero2Config.cpu_adam_copy) takes back part of that.
+  copy under the update (Zero2Config.cpu_adam_copy) takes back part of that. The post states no config, so
+  DeepSpeed's default bucket (5e8) is kept. Sensitivity (2026-11-29): the ZeRO-2 example of that day
+  (DeepSpeedExamples 2cd968f, Megatron-LM-v1.1.5-ZeRO3/examples/ds_zero_stage_2_config.json: overlap_comm on,
+  reduce_bucket_size 5e7) would price ZeRO-2 Offload at 27.5 (1.37): at 5e7 most 13B gradients are a flush of
+  their own, and each flush's last fp32 copy escapes the overflow-check serialisation. Not applied: that file has
+  no offload section, so it is not the post's ZeRO-2 Offload run.
 - ZeRO-Offload's abstract, 10B at 40 TFLOPS (0.73 until 2026-11-29, replayed as the tutorial's batch of 10 with a
   CPU step per batch): the paper's run behind it is §6.2.2's single-GPU experiment, Figure 8 (its 10B bar about
   41), at training batch 512 with gradient accumulation over Table 3's micro-batch of 10 and delayed parameter
