@@ -54,32 +54,42 @@ was assumed. [Note: replay conventions] below.
   (v0.3.0 to today) checks each gradient for overflow with a host sync before its copy, and v0.3.13's stage 3
   does not (stage3.py v0.3.13:1562-1568 sums on the device with overlap_comm): ZeRO-2's copies run with the GPU
   idle ([Note: overflow-check sync] in hplan.planner.baselines.zero_offload). The 2020-21 CPU Adam's tiled weight
-  copy under the update (Zero2Config.cpu_adam_copy) takes back part of that.
+  copy under the update (Zero2Config.cpu_adam_copy) takes back part of that. The post states no config, so
+  DeepSpeed's default bucket (5e8) is kept. Sensitivity (2026-11-29): the ZeRO-2 example of that day
+  (DeepSpeedExamples 2cd968f, Megatron-LM-v1.1.5-ZeRO3/examples/ds_zero_stage_2_config.json: overlap_comm on,
+  reduce_bucket_size 5e7) would price ZeRO-2 Offload at 27.5 (1.37): at 5e7 most 13B gradients are a flush of
+  their own, and each flush's last fp32 copy escapes the overflow-check serialisation. Not applied: that file has
+  no offload section, so it is not the post's ZeRO-2 Offload run.
 - ZeRO-Offload's abstract, 10B at 40 TFLOPS (0.73 until 2026-11-29, replayed as the tutorial's batch of 10 with a
   CPU step per batch): the paper's run behind it is §6.2.2's single-GPU experiment, Figure 8 (its 10B bar about
   41), at training batch 512 with gradient accumulation over Table 3's micro-batch of 10 and delayed parameter
   update off. The CPU step (DeepSpeed's published rate: 7.3 s; the log's optimizer 7.6-8.0 s; the paper's Table 4
   CPU-Adam alone 2.57 s at 10B) and the serialised fp32 copies then come once per 51 micro-steps, which the
   simulator now runs ([Note: accumulation through the host] in hplan.planner.baselines.zero_offload: the 16-bit
-  running sums go down and up on the reduce stream, with no per-gradient sync before the boundary). The 2019
+  running sums go up and down with no per-gradient sync before the boundary, on the current stream as the
+  released config runs them, below). The 2019
   calibration was not the cause: the simulated micro-step before the boundary, 19.4 s, is 1.02-1.08x the
   tutorial log's forward + backward (17.9-19.0 s, which also carries the boundary's serialised copies).
-  Figure 8's other ZeRO-Offload bars, priced the same way on 2026-11-29 as a check (not in the table; read off the
-  chart): 1B (20 × 2048, Table 3's micro-batch 32, 16 micro-steps) 39.6 against about 36 (1.10); 13B (65 × 4096,
-  micro-batch 4, 128 micro-steps) 44.0 against about 34.5 (1.28, outside the band). The model prices the 13B
-  micro-step at the 10B's efficiency (same width), where the paper's 13B bar is 16% below its 10B one; its 26 GB of
-  16-bit weights leave the 32 GB card about 6 GB, and what that costs in time (allocator retries, smaller
-  kernels' tails) is not modelled. A replay of those bars is left for a session that can re-run the section.
-  Causes checked on 2026-11-29 (no model change; arithmetic on the figures above, not a re-run): (a) GEMM size:
-  hplan's efficiency depends on the width only ([Note: efficiency by width]), and 13B's micro-batch 4 × 1024
-  tokens still makes products of 4096 rows (10B: 10240), with no published V100 figure separating the two;
-  (b) the running 16-bit sums: 13B sends about 26.6 GB down and up per micro-step. The simulator overlaps them
-  with the backward, as v0.3.0's code issues them (non-blocking, on the reduce stream under overlap_comm:
-  [Note: accumulation through the host]). Were they serialised with compute (3.3 s at 16 GB/s against a 10.3 s
-  micro-step), the bars would read 13B about 33 (0.96), 10B about 39 (0.96) and 1B about 39 (1.08): one
-  mechanism for all three bars, but the code read says they overlap, so it stays a candidate for a GPU run to
-  settle (time one 13B micro-step with and without gradient accumulation). Memory pressure (c) needs the 13B
-  trace's peak at micro-batch 4, not priced here.
+  Figure 8's other ZeRO-Offload bars (read off the chart: 1B about 36, 13B about 34.5) were priced 1.10 and 1.28
+  with overlap_comm on, as the tutorial page's example snippet shows it. The scripts DeepSpeed released for these
+  runs (DeepSpeedExamples b989b41, 2020-09-10, Megatron-LM/scripts/ds_zero-offload_10B_config.json, the config
+  whose wall_clock_breakdown timers the tutorial's log shows) set reduce_bucket_size 5e7 and no overlap_comm, and
+  v0.3.0 defaults it to off (deepspeed/runtime/zero/constants.py:49): reduce_ipg_grads then runs each flush's
+  copies on the current stream (stage2.py:950-956 at v0.3.0), so the running 16-bit sums go up, are added and go
+  down serialised with compute ([Note: accumulation through the host]). Replayed with that config (2026-11-29):
+  13B 0.97, 10B 0.99 against the abstract's 40 (0.96 against the bar's 41), 1B 1.07; the tutorial log's replay is
+  unchanged (0.87: its one-micro-step boundary copies were serialised by the overflow check either way). What
+  separates 13B from 10B is the ratio of parameters to tokens: 13B's micro-batch of 4 sends 1.3x the 10B's sums
+  against half its compute. Checked and not the cause: GEMM size (13B's 4 x 1024 tokens still make products of
+  4096 rows; hplan's efficiency depends on the width only, [Note: efficiency by width]); the two copy directions
+  sharing one CUDA stream (serialising them under overlap_comm moves no bar: they stay hidden under the 5e8 bucket's
+  compute); Table 3's micro-batch for 13B (at 2 instead of 4 the overlap_comm-on model still reads 1.25); memory
+  pressure (13B at micro-batch 4 needs 33.1 of the card's 34.1 GB in the simulation, 10B 32.7: no separation).
+  Not simulated: the same config's cpu_checkpointing (each layer's checkpoint to a pageable host buffer and back,
+  v0.3.0 checkpointing.py:384-405, 522), 2 x layers x batch x 1024 x hidden x 2 B a micro-step: 4.4 GB at 13B,
+  8.4 GB at 10B, 5.4 GB at 1B, 0.3-0.5 s at 16 GB/s, which would lower the bars by 2-4% (13B about 0.95, 10B
+  0.94 to 0.97, 1B 1.03, the log 0.86). The paper's body (Table 3, its config) was not at hand this session: the
+  13B and 1B micro-batches (4, 32) and chart readings are the previous session's.
 - PyTorch alone, 1.4B (1.25 before): its step is its matrix products and an optimizer step kept on the GPU. In
   the code the tutorial ran (Megatron-LM's 2019 fork) that step is Megatron-LM's FP16_Optimizer around apex
   FusedAdam, which moves 62 B per parameter in separate kernels (overflow check, gradient copy, unscale, clip,
@@ -144,7 +154,8 @@ def hardware(r: Replay, trace: Any) -> Any:
 
 def price(sim: str, trace: Any, hw: Any, checkpoint: bool, pin_memory: bool | None = None,
           device_optimizer: str = "fused", cpu_adam_copy: bool = False,
-          accumulate: int = 1) -> tuple[bool, float, str, dict[str, float]]:
+          accumulate: int = 1, overlap_comm: bool = True,
+          reduce_bucket_size: int = 500_000_000) -> tuple[bool, float, str, dict[str, float]]:
     """(fits, predicted seconds per optimizer step, note, busy seconds by part) of one system on the trace;
     `accumulate` micro-steps per optimizer step where the simulator runs them (accumulation_of)."""
     from hplan.planner import PlanOptions, make_plan
@@ -162,8 +173,8 @@ def price(sim: str, trace: Any, hw: Any, checkpoint: bool, pin_memory: bool | No
                 busy)
     work, hw2 = checkpointed(trace, hw) if checkpoint else (trace, hw)
     if sim == "zero-offload":
-        res = zero_offload(work, hw2, Zero2Config(overlap_comm=True, cpu_adam_copy=cpu_adam_copy,
-                                                  accumulate=accumulate))
+        res = zero_offload(work, hw2, Zero2Config(overlap_comm=overlap_comm, cpu_adam_copy=cpu_adam_copy,
+                                                  accumulate=accumulate, reduce_bucket_size=reduce_bucket_size))
     elif sim == "zero3-offload":
         res = zero3_offload(work, hw2, Zero3Config() if pin_memory is None else Zero3Config(pin_memory=pin_memory))
     elif sim == "gemini":
@@ -231,7 +242,7 @@ def replay(ctx: Context, r: Replay, cache: dict) -> list[Outcome]:
             work = replace(trace, defer_updates=False) if s.eager_updates else trace
             k = accumulation_of(r, s)
             fits, secs, note, busy = price(s.sim, work, hw, s.checkpoint, s.pin_memory, s.device_optimizer,
-                                             s.cpu_adam_copy, k)
+                                             s.cpu_adam_copy, k, s.overlap_comm, s.reduce_bucket_size)
             if fits and secs > 0:
                 best[s.name] = Outcome(system=s, batch=batch, fits=True, seconds=secs, note=note, accumulate=k,
                                        extra={"tflops": k * step_flops(r, trace, batch, s.checkpoint) / secs / 1e12,

@@ -32,6 +32,11 @@ class System:
     cpu_adam_copy: bool = False
     """ZeRO-2 Offload run on DeepSpeed v0.3.0 to 648f7bf (2021-11): its CPU Adam writes the weights to the GPU
     itself, under the update (Zero2Config.cpu_adam_copy)."""
+    overlap_comm: bool = True
+    """ZeRO-2 Offload's overlap_comm in the config the source ran (Zero2Config.overlap_comm): off, a flush's
+    copies run on the current stream, serialised with compute; the 2020 scripts set none (ZO_SCRIPTS_2020)."""
+    reduce_bucket_size: int = 500_000_000
+    """ZeRO-2 Offload's reduce_bucket_size in the config the source ran (DeepSpeed's default 5e8)."""
     pin_memory: bool | None = None
     """ZeRO-3's offload `pin_memory` in the DeepSpeed version the source ran (Zero3Config.pin_memory; None: the
     simulator's default). DeepSpeed's default was False in v0.3.13, v0.4.3 and still at 38327e0 (2025-02), so a
@@ -81,7 +86,7 @@ class Replay:
 
 ZERO_OFFLOAD = "Ren et al., ZeRO-Offload, USENIX ATC'21 (arXiv 2101.06840), abstract"
 TUTORIAL = ("shape, batch and config from DeepSpeed's ZeRO-Offload tutorial (docs/_tutorials/zero-offload.md: 50 "
-            "layers, hidden 4096, 32 heads, batch 10, --checkpoint-activations, stage 2 with overlap_comm, one "
+            "layers, hidden 4096, 32 heads, batch 10, --checkpoint-activations, stage 2 with cpu_offload, one "
             "V100-SXM3 32GB)")
 ZERO3_POST = ("DeepSpeed ZeRO-3 Offload announcement (deepspeed.ai, 2021-03-08; docs/_posts/2021-03-08-zero3-"
               "offload.md), Figure 3 (docs/assets/images/zero3-offload-1-v100.png, \"Multi-billion parameter model "
@@ -92,6 +97,16 @@ PATRICKSTAR = ("Tencent/PatrickStar README, \"Results\": chart doc/mgpu_scalabil
                "shapes from its examples/model_builder.py")
 LOHAN = ("Liao et al., \"LoHan: Low-Cost High-Performance Framework to Fine-Tune 100B Model on a Consumer GPU\" "
          "(arXiv 2403.06504 v2, 2024-12-24; v1 was titled \"Adding NVMe SSDs ...\" and named the system Fuyou)")
+ZO_SCRIPTS_2020 = ("the config of the scripts DeepSpeed released with ZeRO-Offload for these runs (DeepSpeedExamples "
+                   "b989b41, 2020-09-10, Megatron-LM/scripts/ds_zero-offload_10B_config.json with "
+                   "ds_zero-offload_10B_pretrain_gpt2_model_parallel.sh, the tutorial's 10B run: its log's timers "
+                   "are that config's wall_clock_breakdown): stage 2, cpu_offload, reduce_bucket_size 5e7, no "
+                   "overlap_comm, so v0.3.0's default, off (deepspeed/runtime/zero/constants.py:49 at v0.3.0): each "
+                   "flush's copies run on the current stream, serialised with compute (the tutorial's page shows "
+                   "overlap_comm in an example snippet, not in the script's config)")
+ZO_CPU_CKPT = ("the same config's activation_checkpointing.cpu_checkpointing (each layer's checkpoint to a pageable "
+               "host buffer and back, v0.3.0 checkpointing.py:384-405, 522) is not simulated: 2 x layers x batch x "
+               "seq x hidden x 2 B a micro-step, 2-4% of these steps at the link rate")
 ZO_SINGLE = ("§6.2.2, \"Single GPU\", and Figure 8 (\"The training throughput with PyTorch, L2L, SwapAdvisor and "
              "ZeRO-Offload on a single GPU with a batch size of 512\"; its 10B ZeRO-Offload bar reads about 41): "
              "training batch 512 with gradient accumulation, the micro-batch of Table 3, delayed parameter update "
@@ -116,14 +131,37 @@ REPLAYS: tuple[Replay, ...] = (
                   f"paper's run behind it: {ZO_SINGLE}; Table 3's 10B row: 50 layers, hidden 4096, batch size "
                   "per GPU 10",
            layers=50, width=4096, heads=32, batch=10, accumulate=51, seq=1024, gpu="v100",
-           systems=(System(name="ZeRO-Offload", sim="zero-offload", paper=40.0, checkpoint=True, cpu_adam_copy=True),
+           systems=(System(name="ZeRO-Offload", sim="zero-offload", paper=40.0, checkpoint=True, cpu_adam_copy=True,
+                           overlap_comm=False, reduce_bucket_size=50_000_000),
                     System(name="PyTorch (all on GPU)", sim="pytorch", paper="OOM")),
            kernels="megatron-2019", kernels_why=PAPER_MEGATRON,
            assumed="512 is not a whole number of micro-batches of 10: 51 micro-steps per optimizer step (510 "
                    "samples; DeepSpeed needs a whole number); sequence 1024 and 32 heads (the tutorial's run of "
-                   "this shape; Table 3 gives neither); activation checkpointing and overlap_comm as in the "
-                   "tutorial; the paper does not state its FLOPs count (Megatron-LM's, recompute counted, as the "
-                   "tutorial log's replay)"),
+                   f"this shape; Table 3 gives neither); activation checkpointing and {ZO_SCRIPTS_2020}, taken to "
+                   f"be the paper's (it gives no config); {ZO_CPU_CKPT}; the paper does not state its FLOPs count "
+                   "(Megatron-LM's, recompute counted, as the tutorial log's replay)"),
+    Replay(key="zero-offload-fig8-13b", title="ZeRO-Offload, Figure 8: 13B GPT-2 on one V100-32GB, training batch 512",
+           source=f"{ZERO_OFFLOAD.replace(', abstract', '')}, {ZO_SINGLE}: the 13B ZeRO-Offload bar, about 34.5 "
+                  "(read off the chart by a previous session, not re-read here: the paper's body was not at hand); "
+                  "Table 3's 13B row as the previous session read it: 65 layers, hidden 4096, batch size per GPU 4; "
+                  "PyTorch does not fit 13B (the abstract: 1.4B is PyTorch's largest)",
+           layers=65, width=4096, heads=32, batch=4, accumulate=128, seq=1024, gpu="v100",
+           systems=(System(name="ZeRO-Offload", sim="zero-offload", paper=34.5, checkpoint=True, kind="read off chart",
+                           cpu_adam_copy=True, overlap_comm=False, reduce_bucket_size=50_000_000),
+                    System(name="PyTorch (all on GPU)", sim="pytorch", paper="OOM")),
+           kernels="megatron-2019", kernels_why=PAPER_MEGATRON,
+           assumed=f"128 micro-steps of 4 per optimizer step (512); sequence 1024, 32 heads; {ZO_SCRIPTS_2020}; "
+                   f"{ZO_CPU_CKPT}; Megatron-LM's FLOPs count, recompute counted, as the 10B row"),
+    Replay(key="zero-offload-fig8-1b", title="ZeRO-Offload, Figure 8: 1B GPT-2 on one V100-32GB, training batch 512",
+           source=f"{ZERO_OFFLOAD.replace(', abstract', '')}, {ZO_SINGLE}: the 1B ZeRO-Offload bar, about 36 (read "
+                  "off the chart by a previous session, not re-read here); Table 3's 1B row as that session read it: "
+                  "20 layers, hidden 2048, batch size per GPU 32",
+           layers=20, width=2048, heads=16, batch=32, accumulate=16, seq=1024, gpu="v100",
+           systems=(System(name="ZeRO-Offload", sim="zero-offload", paper=36.0, checkpoint=True, kind="read off chart",
+                           cpu_adam_copy=True, overlap_comm=False, reduce_bucket_size=50_000_000),),
+           kernels="megatron-2019", kernels_why=PAPER_MEGATRON,
+           assumed=f"16 micro-steps of 32 per optimizer step (512); sequence 1024, 16 heads; {ZO_SCRIPTS_2020}; "
+                   f"{ZO_CPU_CKPT}; Megatron-LM's FLOPs count, recompute counted"),
     Replay(key="zero-offload-10b-log", title="ZeRO-Offload: DeepSpeed's tutorial run, 10B GPT-2 on one V100-32GB",
            source="DeepSpeed's ZeRO-Offload tutorial (docs/_tutorials/zero-offload.md), its training-log screenshot "
                   "(docs/assets/images/zero_offload_dp1_10B_log.png): iterations 8-10 at 25.7-26.8 s, "
@@ -132,12 +170,12 @@ REPLAYS: tuple[Replay, ...] = (
            layers=50, width=4096, heads=32, batch=10, seq=1024, gpu="v100", unit="samples/s",
            logged=(("compute (forward + backward)", 17.9, 19.0), ("cpu_optimizer (the log's optimizer)", 7.6, 8.0)),
            systems=(System(name="ZeRO-Offload", sim="zero-offload", paper=0.3866, checkpoint=True,
-                           cpu_adam_copy=True),
+                           cpu_adam_copy=True, overlap_comm=False, reduce_bucket_size=50_000_000),
                     System(name="Gemini auto + checkpointing (not in the tutorial)", sim="gemini", paper=None,
                            checkpoint=True),
                     System(name="hplan plan", sim="hplan", paper=None)),
            kernels="megatron-2019", kernels_why=OLD_MEGATRON,
-           assumed="sequence 1024 (the tutorial's Megatron-LM script's default)"),
+           assumed=f"sequence 1024 (the script's --seq-length); {ZO_SCRIPTS_2020}; {ZO_CPU_CKPT}"),
     Replay(key="pytorch-1.4b", title="PyTorch alone: 1.4B on one V100-32GB",
            source=f"{ZERO_OFFLOAD}: \"30TF using PyTorch alone for a 1.4B parameter model, the largest that can be "
                   "trained without running out of memory\"",

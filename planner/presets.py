@@ -127,7 +127,11 @@ MEMORY_TOTALS: dict[str, tuple[int, str]] = {
     # (nvidia-smi's total, e.g. 24,564 MiB on an RTX 4090) and the driver keeps part of it outside CUDA's total
     # (RTX 4090: 24,564 MiB in nvidia-smi, 23.64 GiB = 24,207 MiB to PyTorch). Out-of-memory messages print two
     # decimals of GiB (10 MiB). The CUDA context and the GEMM workspaces come off as a CPU trace's overhead
-    # (hplan.planner.workspace, [Note: CUDA context]); a CUDA trace measured them.
+    # (hplan.planner.workspace, [Note: CUDA context]); a CUDA trace measured them. Each total below names the
+    # public thread it was read from (owner/repo#N, or a file of a named repository) or our own measurement; an
+    # exact-string search of public code and logs (2026-11-29) found each of 22.03 (L4), 31.37 (RTX 5090), 44.52
+    # (L40S), 47.53 (RTX A6000), 178.35 (B200) and 191.98 GiB (MI300X) again in several other files, where they
+    # name the card with no other value for it but one (178.36 GiB in an 8 x B200 log, 10 MiB apart).
     "rtx3090": (round(23.70 * GIB), "PyTorch OOM on an RTX 3090: \"23.70 GiB total capacity\" (github.com/Lightning-AI/"
                                     "lit-llama/issues/137, GaoLii/DSP#10); nvidia-smi 24,576 MiB (noonghunna/club-3090#1127)"),
     "rtx2060": (round(5.79 * GIB), "PyTorch OOM on an RTX 2060: \"5.79 GiB total capacity\" (facebookresearch/meshrcnn#92)"),
@@ -141,8 +145,9 @@ MEMORY_TOTALS: dict[str, tuple[int, str]] = {
     "rtx4090": (round(23.64 * GIB), "PyTorch OOM on an RTX 4090: \"total capacity of 23.64 GiB\" (ali-vilab/VGen#104, "
                                     "3DTopia/Phidias-Diffusion#8); nvidia-smi 24,564 MiB (RLinf/RLinf#255)"),
     "rtx5090": (round(31.37 * GIB), "PyTorch OOM on an RTX 5090: \"total capacity of 31.37 GiB\" (Wan-Video/Wan2.1#465)"),
-    "l4": (23034 * MIB, "nvidia-smi on an L4: 23,034 MiB (public nvidia-smi outputs); no PyTorch total found, so the "
-                        "driver's part (357 MiB on an RTX 4090) is not taken off: an upper bound"),
+    "l4": (round(22.03 * GIB), "PyTorch OOM on an L4: \"total capacity of 22.03 GiB\" (ArcInstitute/evo2#190); "
+                               "nvidia-smi 23,034 MiB (lmstudio-ai/lmstudio-bug-tracker#1638), so the driver keeps "
+                               "475 MiB"),
     "l40s": (round(44.52 * GIB), "PyTorch OOM on an L40S: \"total capacity of 44.52 GiB\" (huggingface/sentence-"
                                  "transformers#3214; ECC on, as shipped)"),
     "a6000": (round(47.53 * GIB), "PyTorch OOM on an RTX A6000: \"total capacity of 47.53 GiB\" (black-forest-labs/flux2#23)"),
@@ -150,7 +155,9 @@ MEMORY_TOTALS: dict[str, tuple[int, str]] = {
                               "13.0 (bench/gpu_runs/h200-run1.json, env.total_bytes); nvidia-smi 143,771 MiB"),
     "b200": (round(178.35 * GIB), "CUDA totalGlobalMem on a B200: \"Total Global Memory: 178.35 GB\" (GiB, "
                                   "pytorch/ao#4002); nvidia-smi 183,359 MiB (NVIDIA/TensorRT-LLM#10278)"),
-    "mi300x": (round(191.98 * GIB), "PyTorch (ROCm) OOM on an MI300X: \"total capacity of 191.98 GiB\" (public logs)"),
+    "mi300x": (round(191.98 * GIB), "PyTorch (ROCm) OOM on an MI300X: \"total capacity of 191.98 GiB\" (vllm-project/"
+                                    "vllm#7951, 8 x MI300X; AMD's ROCm/rocm-blogs, blogs/artificial-intelligence/gptq/"
+                                    "README.md, 2025-04-09, one MI300X)"),
 }
 
 GPU_PRESETS: dict[str, GpuPreset] = {p.name: p for p in (

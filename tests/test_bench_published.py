@@ -144,3 +144,43 @@ def test_an_accumulating_replay_counts_every_micro_batch_of_its_optimizer_step(m
     assert zo.extra["tflops"] == pytest.approx(4 * published.step_flops(r, trace, 2, True) / zo.seconds / 1e12)
     assert single.seconds < zo.seconds < 4 * single.seconds  # one optimizer step amortised over four
     assert zo.extra["samples_per_s"] > single.extra["samples_per_s"]
+
+
+def test_the_2020_zero_offload_replays_run_the_released_scripts_config() -> None:
+    """The paper's and the tutorial's runs used the scripts DeepSpeed released with ZeRO-Offload (DeepSpeedExamples
+    b989b41, ds_zero-offload_10B_config.json): reduce_bucket_size 5e7 and no overlap_comm, which v0.3.0 defaults
+    to off; each Figure 8 bar is replayed at training batch 512 over its Table 3 micro-batch."""
+    from bench.published import accumulation_of
+
+    for key, micro in (("zero-offload-10b", 10), ("zero-offload-fig8-13b", 4), ("zero-offload-fig8-1b", 32)):
+        r = next(x for x in REPLAYS if x.key == key)
+        zo = next(s for s in r.systems if s.sim == "zero-offload")
+        assert (zo.overlap_comm, zo.reduce_bucket_size, r.batch) == (False, 50_000_000, micro), key
+        assert abs(r.batch * accumulation_of(r, zo) - 512) < r.batch, key
+    log = next(x for x in REPLAYS if x.key == "zero-offload-10b-log")
+    assert not log.systems[0].overlap_comm and "overlap_comm" in log.assumed
+
+
+def test_a_replay_without_overlap_comm_serialises_the_accumulation_copies(monkeypatch) -> None:
+    """overlap_comm off (v0.3.0's default): each flush's running sums go up and down on the current stream, after
+    the compute queued before them, so the predicted step is longer than with the reduce stream, by about the
+    copies' time ([Note: accumulation through the host] in hplan.planner.baselines.zero_offload)."""
+    import bench.published as published
+    from hplan.planner.synthetic import gpt_trace
+
+    trace = gpt_trace(n_layer=2, d_model=256, n_head=4, vocab=100, n_ctx=64, seq=64, precision="fp16-mixed")
+    monkeypatch.setattr(published, "trace_at", lambda ctx, r, batch, cache: trace)
+
+    def step(overlap: bool) -> float:
+        zo = System(name="zo", sim="zero-offload", paper=40.0, checkpoint=True, overlap_comm=overlap)
+        r = published.Replay(key="t", title="t", source="s", layers=2, width=256, heads=4, batch=2, seq=64,
+                             gpu="v100", vocab=100, systems=(zo,), accumulate=8)
+        (out,) = published.replay(None, r, {})
+        return out.seconds, out.extra["busy"]["compute"]
+
+    (hidden, _), (serial, compute) = step(True), step(False)
+    params = sum(p.bytes for p in trace.params)
+    link = published.hardware(published.Replay(key="t", title="t", source="s", layers=2, width=256, heads=4,
+                                               batch=2, seq=64, gpu="v100", systems=()), trace).h2d_gbps * 1e9
+    assert serial > hidden
+    assert serial >= compute + 0.95 * 7 * 2 * params / link  # 7 micro-steps send the sums both ways, serially

@@ -13,7 +13,7 @@ from hplan.planner.synthetic import gpt_trace
 GIB, MIB = 2**30, 2**20
 NEW = {  # name: (memory as CUDA reports it, dense 16-bit TFLOPS, host link GB/s per direction), as sources state them
     "rtx4090": (round(23.64 * GIB), 165.2, 32.0), "rtx5090": (round(31.37 * GIB), 209.5, 64.0),
-    "l4": (23034 * MIB, 121.0, 32.0), "l40s": (round(44.52 * GIB), 362.05, 32.0),
+    "l4": (round(22.03 * GIB), 121.0, 32.0), "l40s": (round(44.52 * GIB), 362.05, 32.0),
     "a6000": (round(47.53 * GIB), 154.8, 32.0), "h200": (150_109_880_320, 989.0, 64.0),
     "b200": (round(178.35 * GIB), 2250.0, 64.0), "mi300x": (round(191.98 * GIB), 1307.4, 64.0),
 }
@@ -58,6 +58,18 @@ def test_a_plan_on_a_preset_reserves_the_cuda_context(name):
 
 def test_every_preset_cites_a_source():
     assert all(p.source for p in GPU_PRESETS.values())
+
+
+def test_every_memory_total_names_the_thread_or_the_run_it_was_read_from():
+    """A total is a figure someone can look up: a public thread (owner/repo#N) or file of a named repository that
+    prints it, or our own measurement, never "public logs" or nvidia-smi's larger figure alone ([Note: GPU memory
+    totals])."""
+    import re
+
+    for name, (_, source) in MEMORY_TOTALS.items():
+        assert re.search(r"[\w.-]+/[\w.-]+(#\d+|, [\w./-]+\.md)", source) or source.startswith(("measured", "as ")), name
+        assert "public logs" not in source and (name == "h200" or "total capac" in source
+                                                or "Total Global Memory" in source or "as a100" in source), name
 
 
 @pytest.mark.parametrize("name", sorted(NEW))
