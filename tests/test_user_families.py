@@ -1,0 +1,35 @@
+"""A new user's tries on transformers families the other tests do not cover (Qwen3, Gemma-2/3, Phi-3, OLMo,
+Granite, Starcoder2, Mamba, RoBERTa, DeBERTa-v2, DistilBERT, Swin, DINOv2, Wav2Vec2), each with the habits a loop
+has. Each test here is a defect found that way, fixed; the loop is tests/loops.py's, with and without hplan."""
+
+from __future__ import annotations
+
+import hf_models as hf
+import torch
+import transformers
+from loops import plan_for, user_loop
+
+
+def gemma2() -> torch.nn.Module:
+    """Gemma-2 as its config ships: use_cache on (so each block's call takes the model's DynamicCache), eager
+    attention with an explicit mask, sliding-window layers."""
+    cfg = transformers.Gemma2Config(vocab_size=hf.VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                    num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                                    max_position_embeddings=64, sliding_window=8)
+    return transformers.Gemma2ForCausalLM(cfg)
+
+
+def test_a_block_handed_a_kv_cache_is_offloaded_not_recomputed():
+    """`--activations recompute` on a model whose blocks take the KV cache (use_cache on in training, as every
+    transformers decoder config ships): a recompute would append the block's keys and values to the cache a second
+    time (Gemma-2's eager attention then failed in the backward: "size of tensor a (32) must match ... (16)"). The
+    trace refuses recompute for those calls, the plan offloads them instead naming the cache and the fix, and the
+    run trains exactly as plain PyTorch."""
+    workload = hf.workload("gemma2", gemma2)
+    plan = plan_for(workload, activations="recompute")
+    assert plan.activations and {c.choice for c in plan.activations} == {"offload"}
+    assert all("DynamicCache" in c.reason and "use_cache = False" in c.reason for c in plan.activations)
+    ref, got = user_loop(workload, 3), user_loop(workload, 3, plan)
+    assert got["losses"] == ref["losses"]
+    for key, value in ref["weights"].items():
+        assert torch.equal(got["weights"][key], value), key
