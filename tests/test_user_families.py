@@ -33,3 +33,33 @@ def test_a_block_handed_a_kv_cache_is_offloaded_not_recomputed():
     assert got["losses"] == ref["losses"]
     for key, value in ref["weights"].items():
         assert torch.equal(got["weights"][key], value), key
+
+
+def test_an_optimizer_holding_a_parameter_outside_the_model_is_refused():
+    """A learnable temperature in the loss, kept beside the model and handed to the optimizer with the model's
+    parameters: plain PyTorch trains it, while the plan (which places only the model's parameters) left it at its
+    initial value and trained everything else on — losses parted from plain PyTorch's at step 1, silently, in
+    `attach` and in `hplan run`. Refused now at trace time and at attach, naming the group, index and fix."""
+    import pytest
+
+    import hplan
+    from hplan.errors import HplanError
+    from hplan.tracer import trace_workload
+
+    temp = torch.nn.Parameter(torch.tensor(1.0))
+
+    def loss(model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        logits = model(input_ids=batch["input_ids"]).logits / temp
+        return torch.nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1), batch["labels"][:, 1:].flatten())
+
+    workload = hf.workload("gpt2-temp", hf.gpt2, loss=loss)
+    plan = plan_for(workload)
+    model = workload.build_model()
+    optimizer = hf.adamw(list(model.parameters()) + [temp])
+    with pytest.raises(HplanError, match=r"param group 0 holds a parameter that is not the model's \(index \d+, "
+                                         r"shape \[\]\).*make it a parameter of the model"):
+        with hplan.attach(model, optimizer, plan):
+            pass
+    with_temp = hf.workload("gpt2-temp", hf.gpt2, loss=loss, optimizer=lambda ps: hf.adamw(list(ps) + [temp]))
+    with pytest.raises(HplanError, match="not the model's"):
+        trace_workload(with_temp, device="cpu")
