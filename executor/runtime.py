@@ -60,7 +60,7 @@ from hplan.artifacts.replay import OPTIMIZER_EVENT, live_in, replay, validate
 from hplan.artifacts.shard import one_rank_only
 from hplan.errors import HplanError
 from hplan.grads import installed
-from hplan.hooks import OPTIMIZER_MODULE, EventHooks, canonical_params, refuse_compiled
+from hplan.hooks import OPTIMIZER_MODULE, EventHooks, canonical_params, refuse_compiled, refuse_layerdrop
 from hplan.optimizers import check_optimizer, check_owned, state_spec
 from hplan.precision import get_recipe
 
@@ -83,6 +83,7 @@ class PlanRun(UpdateSteps, GradientOps, StateSync):
                  overlap: bool = True, speculate: bool = False) -> None:
         validate(plan)
         refuse_compiled(model)
+        refuse_layerdrop(model)
         one_rank_only(plan)  # many-rank plans run in hplan.executor.ranks.distributed
         check_host_memory(plan)  # issue 16: the host tier (hplan.executor.tiers.host)
         if needs_nvme_dir(plan) and nvme_dir is None:

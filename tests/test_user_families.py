@@ -63,3 +63,45 @@ def test_an_optimizer_holding_a_parameter_outside_the_model_is_refused():
     with_temp = hf.workload("gpt2-temp", hf.gpt2, loss=loss, optimizer=lambda ps: hf.adamw(list(ps) + [temp]))
     with pytest.raises(HplanError, match="not the model's"):
         trace_workload(with_temp, device="cpu")
+
+
+def wav2vec2(layerdrop: float = 0.1) -> torch.nn.Module:
+    """Wav2Vec2 for CTC as its config ships (LayerDrop 0.1, as HuBERT, WavLM and Data2VecAudio), tiny."""
+    cfg = transformers.Wav2Vec2Config(vocab_size=32, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                                      intermediate_size=128, conv_dim=(16, 16), conv_stride=(5, 2),
+                                      conv_kernel=(10, 3), num_conv_pos_embeddings=16,
+                                      num_conv_pos_embedding_groups=4, mask_time_prob=0.0, pad_token_id=0,
+                                      ctc_loss_reduction="mean", layerdrop=layerdrop)
+    return transformers.Wav2Vec2ForCTC(cfg)
+
+
+def wav_batch(step: int) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(step)
+    return {"input_values": torch.randn(2, 800, generator=g), "labels": torch.randint(1, 32, (2, 6), generator=g)}
+
+
+def test_layerdrop_is_refused_up_front_and_wav2vec2_without_it_trains_exactly():
+    """LayerDrop skips layers at random in training: a tiny Wav2Vec2 as its config ships traced fine (its 3 traced
+    iterations drew the same path) and its run stopped at step 3 with "event mismatch ... re-trace and re-plan",
+    which re-tracing cannot mend. Refused now at trace and at attach in one line naming config.layerdrop and the
+    fix; with it off, Wav2Vec2 (conv front end, CTC loss) trains as plain PyTorch with accumulation and clipping."""
+    import dataclasses
+
+    import pytest
+
+    import hplan
+    from hplan.errors import HplanError
+    from hplan.tracer import trace_workload
+
+    shipped = hf.workload("w2v", wav2vec2, batch=wav_batch)
+    with pytest.raises(HplanError, match=r"config\.layerdrop=0\.1.*model\.config\.layerdrop = 0\.0"):
+        trace_workload(shipped, device="cpu")
+    workload = dataclasses.replace(shipped, model=lambda: wav2vec2(0.0), accumulate=2, max_grad_norm=0.5)
+    plan = plan_for(workload)
+    model = wav2vec2()
+    with pytest.raises(HplanError, match=r"config\.layerdrop=0\.1"):
+        hplan.attach(model, hf.adamw(model.parameters()), plan)
+    ref, got = user_loop(workload, 4), user_loop(workload, 4, plan)
+    assert got["losses"] == ref["losses"]
+    for key, value in ref["weights"].items():
+        assert torch.equal(got["weights"][key], value), key
