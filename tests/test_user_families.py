@@ -105,3 +105,48 @@ def test_layerdrop_is_refused_up_front_and_wav2vec2_without_it_trains_exactly():
     assert got["losses"] == ref["losses"]
     for key, value in ref["weights"].items():
         assert torch.equal(got["weights"][key], value), key
+
+
+def deberta() -> torch.nn.Module:
+    """DeBERTa-v2 classifier (relative attention: its relative-position embedding weight goes through dropout into
+    every layer's position projections), dropout on as shipped."""
+    cfg = transformers.DebertaV2Config(vocab_size=hf.VOCAB, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                                       intermediate_size=128, max_position_embeddings=64, num_labels=3,
+                                       relative_attention=True, position_buckets=8, pos_att_type=["p2c", "c2p"])
+    return transformers.DebertaV2ForSequenceClassification(cfg)
+
+
+def test_evaluation_inside_the_block_reads_a_weight_dropout_handed_on():
+    """`model.eval()` + `torch.no_grad()` between steps on DeBERTa-v2: in training its relative-position embedding
+    weight reaches the position projections through dropout (a copy), in eval mode dropout hands on the weight itself,
+    read two plan steps after the training forward last touched it. The plan dropped it there, so the evaluation
+    forward failed inside F.linear ("data is not allocated yet"). The tracer now counts reads of what dropout made
+    of a weight as reads of the weight; evaluation and training equal plain PyTorch's."""
+    import contextlib
+
+    import hplan
+
+    workload = hf.workload("deberta", deberta, batch=hf.cls_batch)
+    plan = plan_for(workload)
+
+    def loop(with_plan: bool) -> tuple[list[float], list[float], dict[str, torch.Tensor]]:
+        model = workload.build_model()
+        optimizer = workload.optimizer(model.parameters())
+        losses, evals = [], []
+        with hplan.attach(model, optimizer, plan) if with_plan else contextlib.nullcontext():
+            for step in range(3):
+                model.train()
+                loss = workload.loss(model, workload.batch(step))
+                loss.backward()
+                optimizer.step()
+                optimizer.zero_grad()
+                losses.append(loss.item())
+                model.eval()
+                with torch.no_grad():
+                    evals.append(workload.loss(model, workload.batch(0)).item())
+        return losses, evals, {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+    ref, got = loop(False), loop(True)
+    assert got[0] == ref[0] and got[1] == ref[1]
+    for key, value in ref[2].items():
+        assert torch.equal(got[2][key], value), key

@@ -107,6 +107,9 @@ def record(workload: Workload, *, device: str = "cpu", iters: int = DEFAULT_ITER
             stack.enter_context(tracker.hooks())
             stack.enter_context(inner.hooks())
             stack.enter_context(EventHooks(trainer.model, recorder.event))
+            for module in trainer.model.modules():
+                if isinstance(module, torch.nn.modules.dropout._DropoutNd):
+                    stack.callback(module.register_forward_hook(recorder.dropout_hook).remove)
             stack.enter_context(module_paths(trainer.model, _setter(recorder)))
             stack.callback(trainer.model.register_forward_pre_hook(_shape_hook(shapes), with_kwargs=True).remove)
             for p in trainer.params:
