@@ -150,3 +150,37 @@ def test_evaluation_inside_the_block_reads_a_weight_dropout_handed_on():
     assert got[0] == ref[0] and got[1] == ref[1]
     for key, value in ref[2].items():
         assert torch.equal(got[2][key], value), key
+
+
+def test_an_hf_class_spec_trains_the_task_its_class_names():
+    """`hf:DistilBertForSequenceClassification` and `hf:Dinov2ForImageClassification` (a class, not a config.json):
+    the spec fed every class a language model's batch (labels = the token ids), so a sequence classifier failed its
+    first forward ("Expected input batch_size (2) to match target batch_size (32)") and an image classifier got
+    token ids; the class's task now comes from the Auto mapping that lists it, as it does for a config file."""
+    from hplan.specs import load_workload
+    from hplan.training import plain_losses
+
+    cls = load_workload("hf:DistilBertForSequenceClassification", batch_size=2, seq_len=16,
+                        overrides={"dim": 32, "n_layers": 1, "n_heads": 2, "hidden_dim": 64, "vocab_size": 64})
+    assert cls.batch(0)["labels"].shape == (2,) and len(plain_losses(cls, 1)) == 1
+    img = load_workload("hf:Dinov2ForImageClassification", batch_size=2,
+                        overrides={"hidden_size": 32, "num_hidden_layers": 1, "num_attention_heads": 2,
+                                   "image_size": 16, "patch_size": 8})
+    assert set(img.batch(0)) == {"pixel_values", "labels"} and img.seq_len is None
+    assert len(plain_losses(img, 1)) == 1
+    lm = load_workload("hf:RobertaForMaskedLM", batch_size=2, seq_len=8,
+                       overrides={"hidden_size": 32, "num_hidden_layers": 1, "num_attention_heads": 2,
+                                  "intermediate_size": 64, "vocab_size": 64})
+    assert lm.batch(0)["labels"].shape == (2, 8)
+
+
+def test_a_list_field_of_an_hf_class_spec_is_named_as_such():
+    """`hf:SwinForImageClassification --set depths=[1,1]`: SwinConfig has `depths`, a list; the spec said it "has no
+    option 'depths'" (false). Now one line saying --set cannot give a list and that a config.json can."""
+    import pytest
+
+    from hplan.errors import HplanError
+    from hplan.specs import load_workload
+
+    with pytest.raises(HplanError, match=r"SwinConfig's option 'depths' is a list.*hf:path/to/config\.json"):
+        load_workload("hf:SwinForImageClassification", overrides={"depths": "[1,1]"})
