@@ -5,6 +5,7 @@ has. Each test here is a defect found that way, fixed; the loop is tests/loops.p
 from __future__ import annotations
 
 import hf_models as hf
+import pytest
 import torch
 import transformers
 from loops import plan_for, user_loop
@@ -19,6 +20,7 @@ def gemma2() -> torch.nn.Module:
     return transformers.Gemma2ForCausalLM(cfg)
 
 
+@pytest.mark.slow  # fast twin: test_selective_trace's KV-cache test (the trace's refusal, fake)
 def test_a_block_handed_a_kv_cache_is_offloaded_not_recomputed():
     """`--activations recompute` on a model whose blocks take the KV cache (use_cache on in training, as every
     transformers decoder config ships): a recompute would append the block's keys and values to the cache a second
@@ -40,8 +42,6 @@ def test_an_optimizer_holding_a_parameter_outside_the_model_is_refused():
     parameters: plain PyTorch trains it, while the plan (which places only the model's parameters) left it at its
     initial value and trained everything else on — losses parted from plain PyTorch's at step 1, silently, in
     `attach` and in `hplan run`. Refused now at trace time and at attach, naming the group, index and fix."""
-    import pytest
-
     import hplan
     from hplan.errors import HplanError
     from hplan.tracer import trace_workload
@@ -80,27 +80,32 @@ def wav_batch(step: int) -> dict[str, torch.Tensor]:
     return {"input_values": torch.randn(2, 800, generator=g), "labels": torch.randint(1, 32, (2, 6), generator=g)}
 
 
-def test_layerdrop_is_refused_up_front_and_wav2vec2_without_it_trains_exactly():
+def test_layerdrop_is_refused_up_front():
     """LayerDrop skips layers at random in training: a tiny Wav2Vec2 as its config ships traced fine (its 3 traced
     iterations drew the same path) and its run stopped at step 3 with "event mismatch ... re-trace and re-plan",
     which re-tracing cannot mend. Refused now at trace and at attach in one line naming config.layerdrop and the
-    fix; with it off, Wav2Vec2 (conv front end, CTC loss) trains as plain PyTorch with accumulation and clipping."""
-    import dataclasses
-
-    import pytest
-
+    fix."""
     import hplan
     from hplan.errors import HplanError
     from hplan.tracer import trace_workload
 
-    shipped = hf.workload("w2v", wav2vec2, batch=wav_batch)
     with pytest.raises(HplanError, match=r"config\.layerdrop=0\.1.*model\.config\.layerdrop = 0\.0"):
-        trace_workload(shipped, device="cpu")
-    workload = dataclasses.replace(shipped, model=lambda: wav2vec2(0.0), accumulate=2, max_grad_norm=0.5)
-    plan = plan_for(workload)
+        trace_workload(hf.workload("w2v", wav2vec2, batch=wav_batch), device="cpu")
+    plan = plan_for(hf.workload("gpt2", hf.gpt2), iters=2)  # any valid plan: LayerDrop is refused before matching
     model = wav2vec2()
     with pytest.raises(HplanError, match=r"config\.layerdrop=0\.1"):
         hplan.attach(model, hf.adamw(model.parameters()), plan)
+
+
+@pytest.mark.slow
+def test_wav2vec2_without_layerdrop_trains_exactly():
+    """With LayerDrop off, Wav2Vec2 (conv front end, CTC loss) trains as plain PyTorch with accumulation and
+    clipping at the smallest budget."""
+    import dataclasses
+
+    workload = dataclasses.replace(hf.workload("w2v", lambda: wav2vec2(0.0), batch=wav_batch), accumulate=2,
+                                   max_grad_norm=0.5)
+    plan = plan_for(workload)
     ref, got = user_loop(workload, 4), user_loop(workload, 4, plan)
     assert got["losses"] == ref["losses"]
     for key, value in ref["weights"].items():
@@ -177,8 +182,6 @@ def test_an_hf_class_spec_trains_the_task_its_class_names():
 def test_a_list_field_of_an_hf_class_spec_is_named_as_such():
     """`hf:SwinForImageClassification --set depths=[1,1]`: SwinConfig has `depths`, a list; the spec said it "has no
     option 'depths'" (false). Now one line saying --set cannot give a list and that a config.json can."""
-    import pytest
-
     from hplan.errors import HplanError
     from hplan.specs import load_workload
 
