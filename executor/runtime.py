@@ -60,8 +60,8 @@ from hplan.artifacts.replay import OPTIMIZER_EVENT, live_in, replay, validate
 from hplan.artifacts.shard import one_rank_only
 from hplan.errors import HplanError
 from hplan.grads import installed
-from hplan.hooks import OPTIMIZER_MODULE, EventHooks, canonical_params, refuse_compiled
-from hplan.optimizers import check_optimizer, state_spec
+from hplan.hooks import OPTIMIZER_MODULE, EventHooks, canonical_params, refuse_compiled, refuse_layerdrop
+from hplan.optimizers import check_optimizer, check_owned, state_spec
 from hplan.precision import get_recipe
 
 GUARDS = ("stop", "warn")
@@ -83,6 +83,7 @@ class PlanRun(UpdateSteps, GradientOps, StateSync):
                  overlap: bool = True, speculate: bool = False) -> None:
         validate(plan)
         refuse_compiled(model)
+        refuse_layerdrop(model)
         one_rank_only(plan)  # many-rank plans run in hplan.executor.ranks.distributed
         check_host_memory(plan)  # issue 16: the host tier (hplan.executor.tiers.host)
         if needs_nvme_dir(plan) and nvme_dir is None:
@@ -166,6 +167,7 @@ class PlanRun(UpdateSteps, GradientOps, StateSync):
         model, plan, optimizer = self.model, self.plan, self.optimizer
         group_of = {id(p): i for i, g in enumerate(optimizer.param_groups) for p in g["params"]}
         names = canonical_params(model)
+        check_owned(optimizer, model)
         missing = [names[id(p)] for p in model.parameters() if p.requires_grad and id(p) not in group_of]
         if missing:
             raise HplanError(f"parameter {missing[0]} requires grad but is not in the optimizer; add it to the "

@@ -45,11 +45,13 @@ _PLAIN = (type(None), bool, int, float, complex, str, bytes, torch.dtype, torch.
 
 
 def unreplayable(args: Any, kwargs: Any) -> str:
-    """Why selective checkpointing may not run a call with these arguments (empty when it may): an argument that is
-    neither a tensor, a plain value nor a tuple, list or dict of them is state the forward may update (transformers'
-    DynamicCache under `use_cache`: its forward appends to it, so the recompute's ops differ from the forward's and
-    torch's selective checkpointing fails in the backward). Plain recompute does not replay ops by count, so only
-    this mode refuses such calls."""
+    """Why no recompute (plain or selective) may rerun a call with these arguments (empty when it may): an argument
+    that is neither a tensor, a plain value nor a tuple, list or dict of them is state the forward may update
+    (transformers' DynamicCache under `use_cache`: its forward appends this block's keys and values, so a recompute
+    appends them a second time and attends over twice the keys: a Gemma-2 block's eager attention then fails on its
+    mask's shape, a Llama block's causal SDPA happens to read only the first half; under selective checkpointing the
+    recompute's ops also differ from the forward's and torch fails in the backward). transformers' own checkpointing
+    drops the cache for such a call; hplan keeps the call as written, so it keeps or offloads it instead."""
     stack = [("", args), ("", kwargs)]
     while stack:
         name, value = stack.pop()
@@ -61,6 +63,5 @@ def unreplayable(args: Any, kwargs: Any) -> str:
             shown = f"{type(value).__name__}{f' ({name})' if name else ''}"
             hint = "; turn the model's key/value cache off (`model.config.use_cache = False`) to allow it" \
                 if "cache" in shown.lower() else ""
-            return (f"its call takes a {shown}, state its forward may update, which selective checkpointing cannot "
-                    f"replay{hint}")
+            return f"its call takes a {shown}, state its forward may update, which a recompute would update again{hint}"
     return ""

@@ -41,6 +41,24 @@ def refuse_compiled(model: nn.Module) -> None:
                          "the model itself (compile is not supported inside a plan)")
 
 
+LAYERDROP_FIELDS = ("layerdrop", "encoder_layerdrop", "decoder_layerdrop")
+"""transformers' config fields for LayerDrop (Wav2Vec2, HuBERT, WavLM and Data2VecAudio ship 0.1; BART, Whisper...)."""
+
+
+def refuse_layerdrop(model: nn.Module) -> None:
+    """LayerDrop skips whole layers at random in training, so each step runs another sequence of modules than the
+    traced one: a run stops at the first step that draws another path (a Wav2Vec2 as its config ships got through a
+    3-iteration trace and failed at step 3 with an event mismatch). Refuse it up front, naming the field and the fix."""
+    for module in model.modules():
+        config = getattr(module, "config", None)
+        for field in LAYERDROP_FIELDS:
+            value = getattr(config, field, None)
+            if isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0:
+                raise HplanError(f"the model skips layers at random in training (config.{field}={value}: LayerDrop), "
+                                 "so its steps do not repeat the traced one; set it to 0 (`model.config."
+                                 f"{field} = 0.0`) to train on a plan")
+
+
 def canonical_params(model: nn.Module) -> dict[int, str]:
     """id(parameter) → its canonical name (the first `named_parameters` gives; tied once)."""
     return {id(p): name for name, p in model.named_parameters()}

@@ -90,6 +90,19 @@ def check_optimizer(optimizer: Any) -> str:
     return name
 
 
+def check_owned(optimizer: Any, model: torch.nn.Module) -> None:
+    """Refuse an optimizer that holds a parameter the model does not (a learnable temperature or loss weight kept
+    beside the model): a plan places and updates only the model's parameters, so that one would never be trained
+    while plain PyTorch's `optimizer.step()` trains it."""
+    mine = {id(p) for p in model.parameters()}
+    for i, group in enumerate(optimizer.param_groups):
+        for j, p in enumerate(group["params"]):
+            if id(p) not in mine:
+                raise HplanError(f"optimizer param group {i} holds a parameter that is not the model's (index {j}, "
+                                 f"shape {list(p.shape)}), which the plan would never update; make it a parameter "
+                                 "of the model (an nn.Parameter attribute of one of its modules) and re-trace")
+
+
 def state_spec(optimizer_name: str, group: Mapping[str, Any]) -> StateSpec:
     return SPECS[optimizer_name](group)
 

@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from hplan.errors import HplanError
-from hplan.optimizers import check_optimizer
+from hplan.optimizers import check_optimizer, check_owned
 from hplan.precision import get_recipe
 from hplan.workload import Workload
 
@@ -139,6 +139,7 @@ def build_optimizer(workload: Workload, model: nn.Module) -> torch.optim.Optimiz
         raise HplanError(f"workload {workload.name!r}: building the optimizer failed ({exc}); "
                          "pass the params it is given to the optimizer") from exc
     check_optimizer(optimizer)
+    check_owned(optimizer, model)
     owned = {id(p) for group in optimizer.param_groups for p in group["params"]}
     names = {id(p): n for n, p in model.named_parameters()}
     missing = [names[id(p)] for p in model.parameters() if p.requires_grad and id(p) not in owned]

@@ -31,7 +31,8 @@ from hplan.artifacts.segments import Segment
 from hplan.artifacts.trace import Trace
 from hplan.errors import HplanError
 from hplan.grads import installed
-from hplan.hooks import EventHooks, canonical_params, describe_batch, refuse_compiled, workload_fingerprint
+from hplan.hooks import (EventHooks, canonical_params, describe_batch, refuse_compiled, refuse_layerdrop,
+                         workload_fingerprint)
 from hplan.blame import at_step
 from hplan.probe import StorageLedger, check_device, make_probe
 from hplan.training import TrainStep
@@ -106,6 +107,9 @@ def record(workload: Workload, *, device: str = "cpu", iters: int = DEFAULT_ITER
             stack.enter_context(tracker.hooks())
             stack.enter_context(inner.hooks())
             stack.enter_context(EventHooks(trainer.model, recorder.event))
+            for module in trainer.model.modules():
+                if isinstance(module, torch.nn.modules.dropout._DropoutNd):
+                    stack.callback(module.register_forward_hook(recorder.dropout_hook).remove)
             stack.enter_context(module_paths(trainer.model, _setter(recorder)))
             stack.callback(trainer.model.register_forward_pre_hook(_shape_hook(shapes), with_kwargs=True).remove)
             for p in trainer.params:
@@ -279,6 +283,7 @@ def _build(workload: Workload, device: str) -> tuple[TrainStep, tuple[str, ...]]
         raise HplanError(f"building the model of {workload.name!r} failed: {type(exc).__name__}: "
                          f"{_first_line(exc)}") from exc
     refuse_compiled(model)
+    refuse_layerdrop(model)
     if not any(True for _ in model.parameters()):
         raise HplanError(f"workload {workload.name!r} builds an empty model (no parameters): nothing to trace")
     return TrainStep(workload, model), notes

@@ -80,6 +80,11 @@ class Recorder(TorchDispatchMode):
         ledger.on_free = self._freed
         self.owner: dict[int, str] = {}
         """Storage key → parameter name, for parameters, their grads, master copies and optimizer state."""
+        self.dropped: dict[int, str] = {}
+        """Storage key → parameter name, for what a dropout module made of that parameter's weight in training: in
+        eval mode dropout hands back the weight itself, so an op reading the output reads the weight (DeBERTa's
+        relative-position embeddings pass through dropout into each layer's position projections). Counted as reads
+        of the weight, so the plan keeps it resident there and an evaluation forward inside the block finds it."""
         self.rows: list[tuple] = []
         self.windows: list[Window] = []
         self.iteration, self.op_index, self.phase, self.module = 0, 0, "forward", ""
@@ -214,6 +219,11 @@ class Recorder(TorchDispatchMode):
             key = storage_key(t)
             name = self.owner.get(key)
             if name is None or self.ledger.category(key) != "param":
+                if (name := self.dropped.get(key)) is not None:  # the weight under eval mode's dropout
+                    window.params[name] = None
+                    self.last_read[name] = self.op_index
+                    if self.segments is not None:
+                        self.segments.read(name)
                 continue
             window.params[name] = None
             self.last_read[name] = self.op_index
@@ -248,8 +258,19 @@ class Recorder(TorchDispatchMode):
         """A storage was released: its address may be reused, so forget what it was."""
         self.allocator.free(key)
         self.owner.pop(key, None)
+        self.dropped.pop(key, None)
         if self.segments is not None:
             self.segments.freed(key)
+
+    def dropout_hook(self, module: Any, args: Any, out: Any) -> None:
+        """A dropout module ran: in training, note its output as the weight it dropped (`dropped`), if it was one."""
+        if not module.training or self.phase != "forward" or not args or not isinstance(args[0], torch.Tensor) \
+                or not isinstance(out, torch.Tensor):
+            return
+        key = storage_key(args[0])
+        name = self.owner.get(key) if self.ledger.category(key) == "param" else self.dropped.get(key)
+        if name is not None:
+            self.dropped[storage_key(out)] = name
 
     def _model_bytes(self) -> int:
         cats = self.ledger.by_category

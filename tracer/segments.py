@@ -241,8 +241,8 @@ class SegmentTracker:
             call = Call(path=path, micro=rec.micro, entry_op=rec.op_index, entry_event=self._event(),
                         entry_level=level, peak=level, inputs=inputs, input_refs=refs,
                         buffers={storage_key(b): f"{path}.{name}" for name, b in module.named_buffers() if b is not None})
-            if why := unreplayable(args, kwargs):
-                call.sac_reasons.append(why)
+            if why := unreplayable(args, kwargs):  # a recompute would update that state again: no mode replays it
+                call.reasons.append(why)
             for key in inputs:
                 self._inputs_of[key].append(call)
             self.calls.append(call)

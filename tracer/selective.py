@@ -28,7 +28,7 @@ they go, the kept outputs the keep run frees held from there until the recompute
 again at the first unpack, the kept outputs not made again; within the planned bytes at every event, tested), a
 trace's "selective" slack figure and planner.slack's "selective" figure (`counted`, `figure`, `slack_table`); a
 call carrying state it cannot replay (an argument that is no tensor or plain value, e.g. transformers' DynamicCache
-under use_cache) is refused for the mode in the trace (`selective_reason`) and by `checkpointed(selective=True)`;
+under use_cache) is refused for it and for recompute in the trace (`reason`) and by `checkpointed`;
 (3) done as a forced choice: "selective" is a plan choice (hplan.artifacts.activations.MODES, with the
 recompute's rules; `decide` keeps a module refused for it, with a warning; `transform` adds its cheap ops' time and
 its weights' reads to its backward window; the plan reserves the larger of the table's "selective" figure and its

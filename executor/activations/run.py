@@ -327,9 +327,9 @@ def checkpointed(forward: Callable[..., Any], args: tuple[Any, ...], kwargs: dic
     checkpointing's contexts (hplan.checkpoint_policy: the expensive ops' outputs kept, the rest recomputed), what
     the trace prices as `selective_held_bytes` ([Note: selective segments] in hplan.artifacts.segments): a plan's
     "selective" choice."""
-    if selective and (why := unreplayable(args, kwargs)):
-        raise HplanError(f"selective checkpointing may not run this segment: {why} (re-trace and re-plan: the "
-                         "trace refuses the mode for such calls)")
+    if why := unreplayable(args, kwargs):
+        raise HplanError(f"{'selective checkpointing' if selective else 'a recompute'} may not run this segment: {why} "
+                         "(re-trace and re-plan: the trace refuses recomputing such calls)")
     calls = [0]
 
     def body(*a: Any, **k: Any) -> Any:

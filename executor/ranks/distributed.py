@@ -47,7 +47,7 @@ from hplan.artifacts.shard import prefetchable
 from hplan.errors import HplanError
 from hplan.grads import installed
 from hplan.hooks import OPTIMIZER_MODULE, EventHooks, canonical_params
-from hplan.optimizers import check_optimizer, state_spec
+from hplan.optimizers import check_optimizer, check_owned, state_spec
 from hplan.precision import get_recipe
 
 REDUCTIONS = ("scatter", "sync")
@@ -175,6 +175,7 @@ class DistRun:
         model, plan, optimizer = self.model, self.plan, self.optimizer
         group_of = {id(p): i for i, g in enumerate(optimizer.param_groups) for p in g["params"]}
         names = canonical_params(model)
+        check_owned(optimizer, model)
         by_name = {names[id(p)]: group_of.get(id(p), -1) for p in model.parameters()}
         missing = [n for n, p in model.named_parameters() if p.requires_grad and by_name.get(n, -1) < 0]
         if missing:

@@ -55,6 +55,10 @@ def build_config(cls: Any, overrides: dict[str, Any] | None) -> Any:
     fields = _public_fields(config_cls)
     kwargs = {}
     for key, value in (overrides or {}).items():
+        if not key.startswith("_") and key not in fields and key in (every := config_cls().to_dict()):
+            raise HplanError(f"{config_cls.__name__}'s option {key!r} is a {type(every[key]).__name__}, which "
+                             "`overrides` cannot set (numbers, booleans and strings only); write it in a config.json "
+                             "with the class in `architectures` and use hf:path/to/config.json")
         if key.startswith("_") or key not in fields:
             sizes = sorted(f for f in fields if _SIZE_NAME.search(f)) or sorted(fields)
             raise HplanError(f"{config_cls.__name__} has no option {key!r}; use one of its public fields "
@@ -164,7 +168,7 @@ def hf_workload(
         config, cls, task = hf_config.make_config(path, data, dict(overrides or {}), typed=_typed, message=_message)
         n_params = _check_build(cls, config, f"config file {path}")
     else:
-        cls, task, data = _model_class(name), "causal-lm", None
+        cls, task, data = _model_class(name), hf_config.class_task(name) or "causal-lm", None
         config = build_config(cls, overrides)
         n_params = None
     bsz, seq = batch_size or DEFAULT_BATCH, seq_len or DEFAULT_SEQ

@@ -159,6 +159,17 @@ def _model_class(path: Path, data: dict[str, Any], model_type: str) -> tuple[typ
                      f"{model_type!r}; add \"architectures\": [\"<ModelClass>\"]")
 
 
+def class_task(name: str) -> str | None:
+    """The task of the transformers model class `name`: the first Auto mapping of TASKS that lists it (None: none
+    does, e.g. a bare LlamaModel), so `hf:<ModelClass>` trains a classifier on class labels as a config would."""
+    from transformers.models.auto import modeling_auto
+
+    for task, table in TASKS:
+        if name in _names(getattr(modeling_auto, table).values()):
+            return task
+    return None
+
+
 def _names(values: Any) -> set[str]:
     out: set[str] = set()
     for value in values:

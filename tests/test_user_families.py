@@ -1,0 +1,189 @@
+"""A new user's tries on transformers families the other tests do not cover (Qwen3, Gemma-2/3, Phi-3, OLMo,
+Granite, Starcoder2, Mamba, RoBERTa, DeBERTa-v2, DistilBERT, Swin, DINOv2, Wav2Vec2), each with the habits a loop
+has. Each test here is a defect found that way, fixed; the loop is tests/loops.py's, with and without hplan."""
+
+from __future__ import annotations
+
+import hf_models as hf
+import pytest
+import torch
+import transformers
+from loops import plan_for, user_loop
+
+
+def gemma2() -> torch.nn.Module:
+    """Gemma-2 as its config ships: use_cache on (so each block's call takes the model's DynamicCache), eager
+    attention with an explicit mask, sliding-window layers."""
+    cfg = transformers.Gemma2Config(vocab_size=hf.VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                    num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                                    max_position_embeddings=64, sliding_window=8)
+    return transformers.Gemma2ForCausalLM(cfg)
+
+
+@pytest.mark.slow  # fast twin: test_selective_trace's KV-cache test (the trace's refusal, fake)
+def test_a_block_handed_a_kv_cache_is_offloaded_not_recomputed():
+    """`--activations recompute` on a model whose blocks take the KV cache (use_cache on in training, as every
+    transformers decoder config ships): a recompute would append the block's keys and values to the cache a second
+    time (Gemma-2's eager attention then failed in the backward: "size of tensor a (32) must match ... (16)"). The
+    trace refuses recompute for those calls, the plan offloads them instead naming the cache and the fix, and the
+    run trains exactly as plain PyTorch."""
+    workload = hf.workload("gemma2", gemma2)
+    plan = plan_for(workload, activations="recompute")
+    assert plan.activations and {c.choice for c in plan.activations} == {"offload"}
+    assert all("DynamicCache" in c.reason and "use_cache = False" in c.reason for c in plan.activations)
+    ref, got = user_loop(workload, 3), user_loop(workload, 3, plan)
+    assert got["losses"] == ref["losses"]
+    for key, value in ref["weights"].items():
+        assert torch.equal(got["weights"][key], value), key
+
+
+def test_an_optimizer_holding_a_parameter_outside_the_model_is_refused():
+    """A learnable temperature in the loss, kept beside the model and handed to the optimizer with the model's
+    parameters: plain PyTorch trains it, while the plan (which places only the model's parameters) left it at its
+    initial value and trained everything else on — losses parted from plain PyTorch's at step 1, silently, in
+    `attach` and in `hplan run`. Refused now at trace time and at attach, naming the group, index and fix."""
+    import hplan
+    from hplan.errors import HplanError
+    from hplan.tracer import trace_workload
+
+    temp = torch.nn.Parameter(torch.tensor(1.0))
+
+    def loss(model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        logits = model(input_ids=batch["input_ids"]).logits / temp
+        return torch.nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1), batch["labels"][:, 1:].flatten())
+
+    workload = hf.workload("gpt2-temp", hf.gpt2, loss=loss)
+    plan = plan_for(workload)
+    model = workload.build_model()
+    optimizer = hf.adamw(list(model.parameters()) + [temp])
+    with pytest.raises(HplanError, match=r"param group 0 holds a parameter that is not the model's \(index \d+, "
+                                         r"shape \[\]\).*make it a parameter of the model"):
+        with hplan.attach(model, optimizer, plan):
+            pass
+    with_temp = hf.workload("gpt2-temp", hf.gpt2, loss=loss, optimizer=lambda ps: hf.adamw(list(ps) + [temp]))
+    with pytest.raises(HplanError, match="not the model's"):
+        trace_workload(with_temp, device="cpu")
+
+
+def wav2vec2(layerdrop: float = 0.1) -> torch.nn.Module:
+    """Wav2Vec2 for CTC as its config ships (LayerDrop 0.1, as HuBERT, WavLM and Data2VecAudio), tiny."""
+    cfg = transformers.Wav2Vec2Config(vocab_size=32, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                                      intermediate_size=128, conv_dim=(16, 16), conv_stride=(5, 2),
+                                      conv_kernel=(10, 3), num_conv_pos_embeddings=16,
+                                      num_conv_pos_embedding_groups=4, mask_time_prob=0.0, pad_token_id=0,
+                                      ctc_loss_reduction="mean", layerdrop=layerdrop)
+    return transformers.Wav2Vec2ForCTC(cfg)
+
+
+def wav_batch(step: int) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(step)
+    return {"input_values": torch.randn(2, 800, generator=g), "labels": torch.randint(1, 32, (2, 6), generator=g)}
+
+
+def test_layerdrop_is_refused_up_front():
+    """LayerDrop skips layers at random in training: a tiny Wav2Vec2 as its config ships traced fine (its 3 traced
+    iterations drew the same path) and its run stopped at step 3 with "event mismatch ... re-trace and re-plan",
+    which re-tracing cannot mend. Refused now at trace and at attach in one line naming config.layerdrop and the
+    fix."""
+    import hplan
+    from hplan.errors import HplanError
+    from hplan.tracer import trace_workload
+
+    with pytest.raises(HplanError, match=r"config\.layerdrop=0\.1.*model\.config\.layerdrop = 0\.0"):
+        trace_workload(hf.workload("w2v", wav2vec2, batch=wav_batch), device="cpu")
+    plan = plan_for(hf.workload("gpt2", hf.gpt2), iters=2)  # any valid plan: LayerDrop is refused before matching
+    model = wav2vec2()
+    with pytest.raises(HplanError, match=r"config\.layerdrop=0\.1"):
+        hplan.attach(model, hf.adamw(model.parameters()), plan)
+
+
+@pytest.mark.slow
+def test_wav2vec2_without_layerdrop_trains_exactly():
+    """With LayerDrop off, Wav2Vec2 (conv front end, CTC loss) trains as plain PyTorch with accumulation and
+    clipping at the smallest budget."""
+    import dataclasses
+
+    workload = dataclasses.replace(hf.workload("w2v", lambda: wav2vec2(0.0), batch=wav_batch), accumulate=2,
+                                   max_grad_norm=0.5)
+    plan = plan_for(workload)
+    ref, got = user_loop(workload, 4), user_loop(workload, 4, plan)
+    assert got["losses"] == ref["losses"]
+    for key, value in ref["weights"].items():
+        assert torch.equal(got["weights"][key], value), key
+
+
+def deberta() -> torch.nn.Module:
+    """DeBERTa-v2 classifier (relative attention: its relative-position embedding weight goes through dropout into
+    every layer's position projections), dropout on as shipped."""
+    cfg = transformers.DebertaV2Config(vocab_size=hf.VOCAB, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                                       intermediate_size=128, max_position_embeddings=64, num_labels=3,
+                                       relative_attention=True, position_buckets=8, pos_att_type=["p2c", "c2p"])
+    return transformers.DebertaV2ForSequenceClassification(cfg)
+
+
+def test_evaluation_inside_the_block_reads_a_weight_dropout_handed_on():
+    """`model.eval()` + `torch.no_grad()` between steps on DeBERTa-v2: in training its relative-position embedding
+    weight reaches the position projections through dropout (a copy), in eval mode dropout hands on the weight itself,
+    read two plan steps after the training forward last touched it. The plan dropped it there, so the evaluation
+    forward failed inside F.linear ("data is not allocated yet"). The tracer now counts reads of what dropout made
+    of a weight as reads of the weight; evaluation and training equal plain PyTorch's."""
+    import contextlib
+
+    import hplan
+
+    workload = hf.workload("deberta", deberta, batch=hf.cls_batch)
+    plan = plan_for(workload)
+
+    def loop(with_plan: bool) -> tuple[list[float], list[float], dict[str, torch.Tensor]]:
+        model = workload.build_model()
+        optimizer = workload.optimizer(model.parameters())
+        losses, evals = [], []
+        with hplan.attach(model, optimizer, plan) if with_plan else contextlib.nullcontext():
+            for step in range(3):
+                model.train()
+                loss = workload.loss(model, workload.batch(step))
+                loss.backward()
+                optimizer.step()
+                optimizer.zero_grad()
+                losses.append(loss.item())
+                model.eval()
+                with torch.no_grad():
+                    evals.append(workload.loss(model, workload.batch(0)).item())
+        return losses, evals, {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+    ref, got = loop(False), loop(True)
+    assert got[0] == ref[0] and got[1] == ref[1]
+    for key, value in ref[2].items():
+        assert torch.equal(got[2][key], value), key
+
+
+def test_an_hf_class_spec_trains_the_task_its_class_names():
+    """`hf:DistilBertForSequenceClassification` and `hf:Dinov2ForImageClassification` (a class, not a config.json):
+    the spec fed every class a language model's batch (labels = the token ids), so a sequence classifier failed its
+    first forward ("Expected input batch_size (2) to match target batch_size (32)") and an image classifier got
+    token ids; the class's task now comes from the Auto mapping that lists it, as it does for a config file."""
+    from hplan.specs import load_workload
+    from hplan.training import plain_losses
+
+    cls = load_workload("hf:DistilBertForSequenceClassification", batch_size=2, seq_len=16,
+                        overrides={"dim": 32, "n_layers": 1, "n_heads": 2, "hidden_dim": 64, "vocab_size": 64})
+    assert cls.batch(0)["labels"].shape == (2,) and len(plain_losses(cls, 1)) == 1
+    img = load_workload("hf:Dinov2ForImageClassification", batch_size=2,
+                        overrides={"hidden_size": 32, "num_hidden_layers": 1, "num_attention_heads": 2,
+                                   "image_size": 16, "patch_size": 8})
+    assert set(img.batch(0)) == {"pixel_values", "labels"} and img.seq_len is None
+    assert len(plain_losses(img, 1)) == 1
+    lm = load_workload("hf:RobertaForMaskedLM", batch_size=2, seq_len=8,
+                       overrides={"hidden_size": 32, "num_hidden_layers": 1, "num_attention_heads": 2,
+                                  "intermediate_size": 64, "vocab_size": 64})
+    assert lm.batch(0)["labels"].shape == (2, 8)
+
+
+def test_a_list_field_of_an_hf_class_spec_is_named_as_such():
+    """`hf:SwinForImageClassification --set depths=[1,1]`: SwinConfig has `depths`, a list; the spec said it "has no
+    option 'depths'" (false). Now one line saying --set cannot give a list and that a config.json can."""
+    from hplan.errors import HplanError
+    from hplan.specs import load_workload
+
+    with pytest.raises(HplanError, match=r"SwinConfig's option 'depths' is a list.*hf:path/to/config\.json"):
+        load_workload("hf:SwinForImageClassification", overrides={"depths": "[1,1]"})
