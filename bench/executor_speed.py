@@ -137,7 +137,7 @@ def hook_table(ctx: Context, plans: dict[str, Path]) -> Table:
     table.notes.append("Timed with every event hooked (`PlanRun.sparse_hooks` off). In the step-time runs below "
                        "(no non-model probe) an event whose every step is idle has no hook at all: on the "
                        "all-resident plan only the iteration's first event does; the next hooked event passes the "
-                       "others' steps ([Note: hooks only where the plan acts] in hplan.executor.runtime), and no "
+                       "others' steps ([Note: hooks only where the plan acts] in hplan.executor.events), and no "
                        "parameter has a gradient hook: the gradients autograd leaves in `.grad` are moved into their "
                        "regions at the optimizer step ([Note: gradients collected, not hooked]).")
     return table

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import sys
+import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -185,7 +186,7 @@ def first_nonfinite(names: list[str], grads: list[torch.Tensor]) -> str | None:
     devices = {g.device for g in grads}  # comprehensions, not generators: one call each, not one per gradient
     if len(devices) == 1:
         device = devices.pop()
-        found = torch.zeros((), dtype=torch.float32, device=device)  # the kernel's types, whatever the default dtype
+        found = _found(device)
         versions = tuple([g._version for g in grads])
         torch._amp_foreach_non_finite_check_and_unscale_(grads, found, _one(device))
         _set_versions(tuple(grads), versions)  # nothing was changed: no tripwire or saved view sees a write
@@ -195,6 +196,23 @@ def first_nonfinite(names: list[str], grads: list[torch.Tensor]) -> str | None:
         if not bool(torch.isfinite(g).all()):
             return name
     return None
+
+
+def _found(device: torch.device) -> torch.Tensor:
+    """The check's flag for `device`, zeroed: one per thread and device, kept, not allocated per check (a check
+    runs per chunk update, about 27 times an iteration at the minimum budget, on the update worker's thread and
+    this one; a tiny allocation there cost several times the zeroing, as it waits on malloc's bookkeeping of the
+    large blocks the step just freed: bench section 13). Per thread, so checks on two threads never share a flag.
+    float32, the kernel's type, whatever the default dtype."""
+    flags: dict[torch.device, torch.Tensor] | None = getattr(_FLAGS, "by_device", None)
+    if flags is None:
+        flags = _FLAGS.by_device = {}
+    found = flags.get(device)
+    if found is None:
+        found = flags[device] = torch.zeros((), dtype=torch.float32, device=device)
+    else:
+        found.zero_()
+    return found
 
 
 def _one(device: torch.device) -> torch.Tensor:
@@ -207,6 +225,8 @@ def _one(device: torch.device) -> torch.Tensor:
 _set_versions = torch._C._autograd._unsafe_set_version_counter
 _ONES: dict[torch.device, torch.Tensor] = {}
 """The inverse scale 1, per device, for the non-finite check ([Note: the non-finite check])."""
+_FLAGS = threading.local()
+"""This thread's non-finite flags, by device (`_found`)."""
 
 
 def nonfinite_message(name: str, training_step: int, step: Any, where: str = "") -> str:

@@ -1,4 +1,4 @@
-"""[Note: gradients collected, not hooked] (hplan.executor.runtime): where the plan does nothing with a gradient
+"""[Note: gradients collected, not hooked] (hplan.executor.grad_arrival): where the plan does nothing with a gradient
 before the optimizer step, no parameter gets a gradient hook and the gradients are collected at the step; a plan
 that moves or updates a gradient earlier keeps every hook. Training, records and the loop's view of `.grad` stay
 those of the hooked run and of plain PyTorch."""

@@ -1,4 +1,4 @@
-"""[Note: hooks only where the plan acts] (hplan.executor.runtime): without a non-model probe, events whose every
+"""[Note: hooks only where the plan acts] (hplan.executor.events): without a non-model probe, events whose every
 step is idle get no hook; the run records, guards, checks and trains exactly as with every event hooked."""
 
 from __future__ import annotations

@@ -4,13 +4,16 @@ counters)."""
 
 from __future__ import annotations
 
+import threading
+
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 from loops import plan_for
 
 import hplan
 from hplan.errors import HplanError
-from hplan.executor.gradients import first_nonfinite
+from hplan.executor.gradients import _found, first_nonfinite
 from hplan.specs import load_workload
 
 
@@ -77,3 +80,42 @@ def test_a_run_that_stops_on_a_nonfinite_gradient_names_it_before_any_update():
             workload.loss(model, workload.batch(0)).backward()
             optimizer.step()
     assert not run._updated
+
+
+class _Ops(TorchDispatchMode):
+    """The ATen ops called under it, by name."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.names: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204
+        self.names.append(func.__name__)
+        return func(*args, **(kwargs or {}))
+
+
+def test_the_check_allocates_no_flag_per_call():
+    """A check runs per chunk update (about 27 an iteration at the minimum budget): its flag is kept and zeroed,
+    not allocated each time, and a flag a failed check set does not make the next check scan every gradient."""
+    grads = [torch.randn(40, 10), torch.randn(10)]
+    first_nonfinite(["a", "b"], grads)
+    with _Ops() as ops:
+        assert first_nonfinite(["a", "b"], grads) is None
+    assert not [n for n in ops.names if n.startswith(("zeros", "empty", "full", "scalar_tensor", "new_"))], ops.names
+    grads[1][3] = float("nan")
+    assert first_nonfinite(["a", "b"], grads) == "b"
+    grads[1][3] = 0.0
+    with _Ops() as ops:
+        assert first_nonfinite(["a", "b"], grads) is None
+    assert not [n for n in ops.names if n.startswith("isfinite")], ops.names  # the flag was reset, no scan
+
+
+def test_each_thread_checks_with_its_own_flag():
+    """The update worker's checks and this thread's may run at once: they never share a flag."""
+    cpu = torch.device("cpu")
+    mine, theirs = _found(cpu), []
+    worker = threading.Thread(target=lambda: theirs.append(_found(cpu)))
+    worker.start()
+    worker.join(timeout=30)
+    assert theirs and theirs[0] is not mine
+    assert _found(cpu) is mine

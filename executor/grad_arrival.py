@@ -1,0 +1,183 @@
+"""PlanRun's gradient arrival: autograd's gradients into their chunks' gradient regions (hooked at arrival, or
+collected at the next hooked event), the weights-to-gradient flips, and `.grad` shown between backward and the
+step. A mixin of hplan.executor.runtime.PlanRun, kept apart to keep that file readable; see [Note: executor step]
+there for when each runs.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import torch
+from hplan.executor.gradients import move_grad
+from hplan.executor.state import RegionState
+from hplan.executor.step_table import Moves, Unhooked
+from hplan.executor.tripwires import EagerWatch
+from hplan.executor.update import ChunkUpdate
+
+from hplan.artifacts import Plan
+from hplan.errors import HplanError
+
+_HOST = RegionState.HOST
+_DIRTY = RegionState.RESIDENT_DIRTY
+
+
+class GradArrival:
+    """Gradient methods of PlanRun (which sets every attribute declared here)."""
+
+    plan: Plan
+    store: Any
+    tier: Any
+    cursor: int
+    master: bool
+    loss_scale: Any
+    updates: dict[int, ChunkUpdate]
+    watch: EagerWatch | None
+    written: set[str]
+    _zeroed: bool
+    _queued: bool
+    _collecting: bool
+    _shown: set[str]
+    _updated: set[int]
+    _pending_flips: set[int]
+    _lazy_bytes: dict[int, int]
+    _moves: list[Moves]
+    _unhooked: Unhooked
+    _collected: tuple[tuple[torch.Tensor, str], ...]
+    _grad_home: dict[int, tuple[str, int, int, Any]]
+    _grad_of: dict[str, tuple[torch.Tensor, int, Any]]
+
+    def _collected_params(self) -> tuple[tuple[torch.Tensor, str], ...]:
+        """[Note: gradients collected, not hooked] The parameters whose gradients are collected at the next hooked
+        event instead of hooked at arrival (with their names), or none.
+
+        A post-accumulate-grad hook runs between the backward's kernels: on a small model its Python work, cold in
+        the caches each time, cost more than moving the gradient. Where the plan does nothing with a gradient
+        before the optimizer step, nothing needs it earlier: every backward step unhooked ([Note: hooks only where
+        the plan acts]: idle, allocating gradient regions at most), every update on the fast tier at the
+        optimizer step, one forward and backward per iteration, no loss scaling or master copy, no deferred
+        updates, the CPU twin. Then no parameter gets a gradient hook: autograd leaves each gradient in `.grad`, as
+        in plain PyTorch, and `_collect` moves them into their regions, one `move_grad` each (the hook's own body,
+        so the same adoption, checks and records), back to back, before anything reads the regions: the next
+        hooked event (before it passes the unhooked steps, so each adoptable gradient is its region's allocation),
+        the optimizer step's checks, a clip or a GradScaler's unscale. Any other plan hooks every parameter."""
+        plan, steps, skip = self.plan, self.plan.steps, self._unhooked.skip
+        if self._unhooked.forward is None or not self.tier.exposes_host_grads or not self.tier.caches or \
+                self.master or self.loss_scale is not None or plan.defer_updates or \
+                any(u.where != "gpu" for u in self.updates.values()) or \
+                sum(s.event == steps[0].event for s in steps) != 1 or \
+                any(s.event.startswith("backward:") and not skip[i] for i, s in enumerate(steps)):
+            return ()
+        store = self.store
+        return tuple((store.params[n], n) for c in plan.chunks for n in c.trainable)
+
+    def _collect(self) -> None:
+        """[Note: gradients collected, not hooked] Autograd's gradients left in `.grad` into their regions."""
+        shown, on_grad = self._shown, self._on_grad
+        self._collecting = True  # grad_target queues no end-of-backward callback: this may run outside one
+        grad_mode = torch.is_grad_enabled()
+        torch._C._set_grad_enabled(False)  # as autograd runs the hook (a create_graph gradient requires grad)
+        try:
+            for p, name in self._collected:
+                if p.grad is not None and name not in shown:  # a shown `.grad` is its region's view already
+                    on_grad(p)
+        finally:
+            torch._C._set_grad_enabled(grad_mode)
+            self._collecting = False
+
+    def _queue_show_grads(self) -> None:
+        """A backward's first event: `_show_grads` runs once when the backward ends (CPU fast tier only)."""
+        if self.tier.exposes_host_grads:
+            self._queued = True
+            torch.autograd.Variable._execution_engine.queue_callback(self._show_grads)
+
+    # -- gradients ------------------------------------------------------------------------------------
+    @functools.cached_property
+    def _on_grad(self) -> Any:
+        """Post-accumulate-grad hook: autograd's gradient into its region, through grad_target (move_grad bound as
+        a C-level partial: one hook call per parameter per iteration, no Python frame of its own), adopted rather
+        than copied where it can be ([Note: adopted gradients] in hplan.executor.gradients)."""
+        return functools.partial(move_grad, grad_target=self.grad_target, adopt=self._adoptable())
+
+    def _adoptable(self) -> frozenset[int]:
+        """Parameters whose gradient view is the whole of its region, on the CPU twin: their gradients may be
+        adopted rather than copied ([Note: adopted gradients])."""
+        if not self.tier.caches:
+            return frozenset()
+        store, out = self.store, set()
+        for name, param in store.params.items():
+            rid = store.region(store.chunk_of[name], "grad")
+            if rid is None:
+                continue
+            slot = store.slots[rid]
+            view = slot.host_views[name]  # the fast view's layout (made the same way; the fast one may be evicted)
+            if not view.storage_offset() and view.is_contiguous() and \
+                    view.numel() * view.element_size() == slot.region.bytes:
+                out.add(id(param))
+        return frozenset(out)
+
+    def grad_target(self, param: torch.Tensor, offer: torch.Tensor | None = None) -> tuple[torch.Tensor, bool]:
+        """GradSink (hplan.grads): the parameter's gradient lives in its chunk's gradient region. `offer`: the
+        gradient itself, whose memory the region may take as its allocation ([Note: adopted gradients])."""
+        name, c, rid, slot = self._grad_home[id(param)]
+        if c in self._pending_flips:
+            self._flip(c)
+        cursor = self.cursor
+        if rid not in self._moves[cursor - 1].writes and rid not in self._unhooked.writes[cursor]:
+            step = self.plan.steps[cursor - 1]
+            raise HplanError(f"the gradient of {name} arrived at plan step {step.index} ({step.event}), where the "
+                             "plan does not write it; the run differs from the traced step — re-trace and re-plan")
+        if c in self._updated:
+            raise HplanError(f"the gradient of {name} arrived after chunk {c} was updated this iteration")
+        if slot.state is _HOST:
+            at = self._unhooked.lazy[cursor].get(rid, -1)
+            if at >= cursor:  # [Note: hooks only where the plan acts]: an unhooked step ahead allocates it
+                if offer is None or name in self.written or offer.dtype != slot.fast_views[name].dtype or \
+                        not self.store.take(rid, offer):
+                    self.store.alloc(rid)
+                self._lazy_bytes[at] = self._lazy_bytes.get(at, 0) + slot.region.bytes
+            else:
+                self.store.require([rid], f"gradient of {name} at plan step {self.plan.steps[cursor - 1].index}")
+        if self._zeroed:  # a backward event's marks, for backwards whose events have no hook
+            self._zeroed = False
+        if not self._queued and self.tier.exposes_host_grads and not self._collecting:
+            self._queue_show_grads()
+        first = name not in self.written
+        self.written.add(name)
+        slot.state = _DIRTY  # store.mark_dirty, inline: the region is resident (required just above)
+        return slot.fast_views[name], first
+
+    def _flip(self, c: int) -> None:
+        """The chunk's weights leave (their storage is freed), its gradient region takes their place."""
+        self._pending_flips.discard(c)
+        self.tier.lend()  # the gradient region takes the weights' block ([Note: same-step reuse])
+        try:
+            self.store.evict(self.store.region(c, "param"), writeback=False)
+            self.store.alloc(self.store.region(c, "grad"))
+        finally:
+            self.tier.settle()
+
+    def _complete_flips(self) -> None:
+        for c in sorted(self._pending_flips):
+            self._flip(c)
+
+    def _show_grads(self) -> None:
+        """After backward (CPU fast tier only): `.grad` of each written parameter views its current gradient, so
+        code reading gradients between backward and the step sees them (and writes to them land in regions)."""
+        self._queued = False
+        grad_of, watch, updated = self._grad_of, self.watch, self._updated
+        for name in self.written:
+            p, c, slot = grad_of[name]
+            grad = p.grad = (slot.host_views if slot.state is _HOST else slot.fast_views)[name]  # store.current
+            if watch is not None and c in updated:
+                watch.shown(name, grad)
+        self._shown.update(self.written)
+
+    def _hide_grads(self) -> None:
+        """Before any event: autograd must not accumulate into a shown view behind the regions' bookkeeping."""
+        if self._shown:
+            grad_of = self._grad_of
+            for name in self._shown:
+                grad_of[name][0].grad = None
+            self._shown.clear()
