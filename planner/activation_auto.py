@@ -26,8 +26,9 @@ Where everything kept fits, the joint model's extremes are built with every segm
 [Note: auto regimes] Each choice needs its own allocator slack (hplan.planner.slack), so auto solves every regime
 that can win: keep alone under keep's figure (first where that figure is the smallest: an objective of 0 ends the
 search), every choice under the mixed figure, then offload alone, recompute alone and (where the trace prices it)
-selective alone under their own figures, each planned exactly as the forced choice is (selective is in no mix:
-its regime is the forced selective plan, so the bound covers keep/offload/recompute mixes and selective alone); the smallest objective wins, and
+selective alone under their own figures, each planned exactly as the forced choice is; where selective is
+priced, a second mixed regime adds it per block ([Note: selective in a mix]; solved after the mixed regime, with
+its objective as the incumbent, so it wins only where a selective block pays); the smallest objective wins, and
 at an equal objective the shorter predicted step (then the first): equal link bytes can differ in per-call costs,
 e.g. a block's offload staged back in its children's parts against the plain offload of the same bytes (more calls,
 a slower step). A regime is skipped only by a proven bound strictly above the incumbent (one that may tie it is
@@ -83,11 +84,15 @@ from hplan.planner.activation_min import PARTS, RegimeMin, Shared, auto_regimes,
 from hplan.planner import core
 from hplan.planner.activations import Decision, HostMemoryShort, decide, modes_of, slack_figure
 from hplan.planner.core import Pruned
-from hplan.planner.slack import for_figure, least_reserve, mix_figure
+from hplan.planner.slack import SELECTIVE_MIX, for_figure, least_reserve, mix_figure
 from hplan.planner.exact import lp_bound, solve_milp
 from hplan.planner.options import PlanOptions
 from hplan.planner.problem import MinGpu
 from hplan.planner.search import Progress, Scored, Search, finish, planned_evaluations
+
+
+MIXES = ("mixed", SELECTIVE_MIX, PARTS)
+"""The regimes of mixes: each plan reserves its own mix's figure, its bound floored to cover every mix."""
 
 
 def plan_auto(trace: Trace, hardware: Hardware, options: PlanOptions, on_progress: Progress | None = None) -> Plan:
@@ -110,7 +115,7 @@ def _plan_auto(trace: Trace, hardware: Hardware, options: PlanOptions, on_progre
         work, shared = trace, Shared()  # blocks' activations must give way: child segments may pay
         runs = [(name, hw, items, min_gpu_auto(work, hw, items, shared))
                 for name, hw, items in auto_regimes(work, hardware, without)]
-    _, hw, items, least = min(runs, key=lambda r: (r[3].value, not r[3].exact, r[0] in ("mixed", PARTS)))
+    _, hw, items, least = min(runs, key=lambda r: (r[3].value, not r[3].exact, r[0] in MIXES))
     smallest = min_gpu_of(work, hw, items, least, shared)
     feasible = [r for r in runs if r[3].value <= hardware.gpu_bytes]  # the others cannot fit (a proven minimum)
     if not feasible:  # nothing fits: the plan says why, with the smallest budget over every regime
@@ -123,15 +128,15 @@ def _plan_auto(trace: Trace, hardware: Hardware, options: PlanOptions, on_progre
     mixed: tuple[dict, int] | None = None  # the mixed regime's staged chunkings and its slack
     targets: list[int] = []
     for name, hw, items, own in _order(feasible):
-        cheap = 0 if name in ("keep", "mixed", PARTS) else items.cost_of(items.keep())  # a pure regime's fixed cost
+        cheap = 0 if name == "keep" or name in MIXES else items.cost_of(items.keep())  # a pure regime's fixed cost
         incumbent = None if best is None else _objective(best)
         cover = any(items.allowed <= allowed and hw.slack_bytes >= slack for allowed, slack in solved)
-        if cover and (mixed is None or name in ("mixed", PARTS) or incumbent == 0):
+        if cover and (mixed is None or name in MIXES or incumbent == 0):
             continue  # a solved regime's bound covers its choices at a slack no larger (its bound is in bounds)
         if incumbent is not None and (cheap > incumbent or incumbent == 0):
             continue  # its activation cost alone is above the incumbent (or nothing moves): it cannot win
         try:
-            if name in ("mixed", PARTS):
+            if name in MIXES:
                 plan, decisions, priced = _plan_regime(work, hw, options, on_progress, items, smallest, own.lean,
                                                        own.keep, incumbent)
                 searched = plan.summary.lower_bound_bytes
@@ -163,9 +168,9 @@ def _plan_auto(trace: Trace, hardware: Hardware, options: PlanOptions, on_progre
         if not plan.summary.feasible:  # its minimum fits but no plan was found: nothing bounds its plans
             covered = False
             continue
-        s = first if name in ("mixed", PARTS) else plan.summary
+        s = first if name in MIXES else plan.summary
         bounds.append(s.lower_bound_bytes)
-        if name in ("mixed", PARTS):
+        if name in MIXES:
             covered = covered and s.activations_free
             if s.activations_free:
                 solved.append((items.allowed, hw.slack_bytes))
@@ -309,7 +314,8 @@ def _order(runs: list) -> list:
     """Regimes in solving order: keep alone first where its slack is the smallest figure (it moves nothing where
     everything fits, and its zero objective then ends the search), then the mixed regime, then offload and
     recompute alone."""
-    rank = {"keep": 0, "mixed": 1, PARTS: 1.5, "offload": 2, "recompute": 3, "selective": 3.5}
+    rank = {"keep": 0, "mixed": 1, SELECTIVE_MIX: 1.2, PARTS: 1.5, "offload": 2, "recompute": 3,
+            "selective": 3.5}
     mixed = [r[1].slack_bytes for r in runs if r[0] == "mixed"]
     if mixed and any(r[0] == "keep" and r[1].slack_bytes >= mixed[0] for r in runs):
         rank["keep"] = 4  # the mixed regime covers it
