@@ -137,13 +137,16 @@ def _plan_auto(trace: Trace, hardware: Hardware, options: PlanOptions, on_progre
             continue  # its activation cost alone is above the incumbent (or nothing moves): it cannot win
         try:
             if name in MIXES:
+                at = best.options.get("chunk_bytes") if name == SELECTIVE_MIX and best is not None else None
                 plan, decisions, priced = _plan_regime(work, hw, options, on_progress, items, smallest, own.lean,
-                                                       own.keep, incumbent)
+                                                       own.keep, incumbent, None if at is None else [at],
+                                                       light=name == SELECTIVE_MIX)
                 searched = plan.summary.lower_bound_bytes
                 if priced is not None and name == "mixed":
                     mixed, targets = (priced[0], hw.slack_bytes), _targets(priced[1], options)
                 first = _floored(work, hw, plan, priced)  # its bound, over every mix's own reserve
-                plan = _settle(work, hw, options, on_progress, items, smallest, own, plan, decisions)
+                plan = _settle(work, hw, options, on_progress, items, smallest, own, plan, decisions,
+                               None if at is None else [at])
             elif incumbent is not None and mixed is not None and name != "selective" and \
                     _priced_bound(*mixed, name, targets, hw.slack_bytes, incumbent) > incumbent:
                 continue  # priced by the mixed regime's LP multipliers, on every chunking: it cannot win or tie
@@ -203,7 +206,11 @@ def _children_bound(trace: Trace, hardware: Hardware, options: PlanOptions, with
     from hplan.planner.slack import regimes
 
     # the regimes of `auto_regimes` whose items may have child modes (keep and another choice; build_items)
-    runs = [(hw, allowed) for _, hw, allowed in regimes(hardware, without) if "keep" in allowed and len(allowed) > 1]
+    runs = [(name, hw, allowed) for name, hw, allowed in regimes(hardware, without)
+            if "keep" in allowed and len(allowed) > 1]
+    if any(name == SELECTIVE_MIX for name, _, _ in runs):  # its plans hold the mixed regime's at the same slack
+        runs = [r for r in runs if r[0] != "mixed"]
+    runs = [(hw, allowed) for _, hw, allowed in runs]
     parts = parts_regime(trace, hardware, without)
     least = priced = 1 << 62  # no regime offers a child choice: no such plan
     for hw, allowed in runs + ([(parts, frozenset(("keep", "offload")))] if parts else []):
@@ -255,7 +262,8 @@ SETTLE_ROUNDS = 3
 
 
 def _settle(trace: Trace, hw: Hardware, options: PlanOptions, on_progress: Progress | None, items: Items,
-            smallest: MinGpu, own: RegimeMin, plan: Plan, decisions: tuple[Decision, ...]) -> Plan:
+            smallest: MinGpu, own: RegimeMin, plan: Plan, decisions: tuple[Decision, ...],
+            targets: list[int] | None = None) -> Plan:
     """The mixed regime's plan once its reserve is a fixed point: where the chosen mix's own log needs more than the
     reserve searched under, the regime is searched again with that figure as its reserve (at most SETTLE_ROUNDS
     times; each round's plan already reserves its own mix's figure, `_plan_regime`), and the best plan wins."""
@@ -269,7 +277,7 @@ def _settle(trace: Trace, hw: Hardware, options: PlanOptions, on_progress: Progr
         reserve = need
         try:
             plan, decisions, _ = _plan_regime(trace, for_figure(hw, "mixed", need), options, on_progress, items,
-                                              smallest, own.lean, own.keep, _objective(best) - 1)
+                                              smallest, own.lean, own.keep, _objective(best) - 1, targets)
         except (Pruned, HostMemoryShort):
             break
         if plan.summary.feasible and _objective(plan) < _objective(best):
@@ -314,8 +322,7 @@ def _order(runs: list) -> list:
     """Regimes in solving order: keep alone first where its slack is the smallest figure (it moves nothing where
     everything fits, and its zero objective then ends the search), then the mixed regime, then offload and
     recompute alone."""
-    rank = {"keep": 0, "mixed": 1, SELECTIVE_MIX: 1.2, PARTS: 1.5, "offload": 2, "recompute": 3,
-            "selective": 3.5}
+    rank = {"keep": 0, "mixed": 1, PARTS: 1.5, "offload": 2, "recompute": 3, "selective": 3.5, SELECTIVE_MIX: 4.5}
     mixed = [r[1].slack_bytes for r in runs if r[0] == "mixed"]
     if mixed and any(r[0] == "keep" and r[1].slack_bytes >= mixed[0] for r in runs):
         rank["keep"] = 4  # the mixed regime covers it
@@ -346,10 +353,14 @@ def _objective(plan: Plan) -> int:
 
 
 def _plan_regime(trace: Trace, hardware: Hardware, options: PlanOptions, on_progress: Progress | None, items: Items,
-                 smallest: MinGpu, lean: tuple[Decision, ...], keep_bytes: int | None, incumbent: int | None = None
+                 smallest: MinGpu, lean: tuple[Decision, ...], keep_bytes: int | None, incumbent: int | None = None,
+                 targets: list[int] | None = None, light: bool = False
                  ) -> tuple[Plan, tuple[Decision, ...], tuple[dict, list[int]] | None]:
     """The auto plan within one regime (its choices, its slack), its decisions and its search's staged chunkings
-    (None at effort 0); `Pruned` where no chunking's bound is at or below `incumbent` (link bytes)."""
+    (None at effort 0); `Pruned` where no chunking's bound is at or below `incumbent` (link bytes). `targets`:
+    the chunkings searched (default: every one). `light`: the lowest effort's node budget and no larger one for
+    the winner (the selective mix's regime, [Note: selective in a mix]: its bound stays a bound, its plan only
+    competes with the incumbent)."""
     fits = keep_bytes is not None and keep_bytes <= hardware.gpu_bytes
     effort = core._effort(options)
     if effort == 0:  # heuristics only: keep everything when that fits, else the smallest budget's choices
@@ -359,18 +370,19 @@ def _plan_regime(trace: Trace, hardware: Hardware, options: PlanOptions, on_prog
         return _summary(plan, items, decisions, None), decisions, None
     act0 = items.keep() if fits else items.of(lean)  # what the extremes are built with (it fits)
     work = trace if fits else items.relaxed(act0)
-    nodes = core.SEARCH_NODES[effort] if options.solver != "exact" else core.SEARCH_NODES[1]
+    nodes = core.SEARCH_NODES[effort] if options.solver != "exact" and not light else core.SEARCH_NODES[1]
     search = Search(work, hardware, options, on_progress, planned_evaluations(work, options, joint=True) + 4,
                     nodes=nodes, acts=items, act0=act0)
     if incumbent is not None:
         search.best_moved = incumbent
+    search.targets = targets
     best = search.run()
     if best is None and search.pruned:
         raise Pruned("every chunking's bound is above the incumbent")
     bound: int | None = None
     plan = None
     if best is not None:
-        bound = _close(search, best, options)
+        bound = _close(search, best, options, light)
         decisions = items.to_decisions(best.act or act0)
         if any(d.choice in ("recompute", "selective") for d in decisions):  # the relaxation left their weight reads out
             plan = core.plan_decisions(trace, hardware, options, decisions, on_progress,
@@ -414,15 +426,16 @@ def _reuse(search: Search, best: Scored, trace: Trace, hardware: Hardware, optio
     return with_activations(plan, trace, work, decisions, items.shared) if plan.summary.feasible else plan
 
 
-def _close(search: Search, best: Scored, options: PlanOptions) -> int:
-    """The winner's larger node budget (as `core._improve` gives a joint model), and its bound on the objective."""
+def _close(search: Search, best: Scored, options: PlanOptions, light: bool = False) -> int:
+    """The winner's larger node budget (as `core._improve` gives a joint model; none where `light`), and its bound
+    on the objective."""
     from hplan.planner import core
 
     result = best.result
     if best.joint is None or result is None:
         return 0
     gap = core.stop_gap(options)
-    if not result.optimal and not core._reached(best, gap):
+    if not light and not result.optimal and not core._reached(best, gap):
         nodes = core.UNLIMITED_NODES if options.solver == "exact" else core.FINAL_NODES[core._effort(options)]
         search.tick(f"exact solve of {len(best.joint.model.size)} gaps with {len(search.acts.first)} segment calls")
         again = solve_milp(best.joint.model, best.joint_keep, max_nodes=nodes, stop_bytes=gap * result.lower_bound,
