@@ -128,6 +128,7 @@ def gpt2_3():
     return workload, trace_workload(workload, device="cpu")
 
 
+@pytest.mark.slow  # CI time: 9 s; the fast tests above cover the planning
 def test_a_mix_with_selective_blocks_trains_as_plain_pytorch_within_budget(gpt2_3):
     """Blocks selective, recomputed and offloaded in one plan, on the CPU twin below keep's smallest budget: losses
     as plain PyTorch's (1e-5 relative), the fast tier within budget, model and activation bytes as planned."""
