@@ -27,8 +27,9 @@ Where everything kept fits, the joint model's extremes are built with every segm
 that can win: keep alone under keep's figure (first where that figure is the smallest: an objective of 0 ends the
 search), every choice under the mixed figure, then offload alone, recompute alone and (where the trace prices it)
 selective alone under their own figures, each planned exactly as the forced choice is; where selective is
-priced, a second mixed regime adds it per block ([Note: selective in a mix]; solved after the mixed regime, with
-its objective as the incumbent, so it wins only where a selective block pays); the smallest objective wins, and
+priced, a second mixed regime adds it per block ([Note: selective in a mix]; solved last, with the best objective
+so far as its incumbent, on the incumbent's chunking only and at the lowest effort's node budget: its bound then
+covers selective mixes of that chunking, as the children's bound does); the smallest objective wins, and
 at an equal objective the shorter predicted step (then the first): equal link bytes can differ in per-call costs,
 e.g. a block's offload staged back in its children's parts against the plain offload of the same bytes (more calls,
 a slower step). A regime is skipped only by a proven bound strictly above the incumbent (one that may tie it is

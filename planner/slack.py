@@ -121,7 +121,8 @@ def regimes(hardware: Hardware, without: frozenset[str] = frozenset()) -> list[t
     under its own figure; one regime without a table. Choices in `without` are left out. Where the table has a
     "selective" figure, a second mixed regime (`SELECTIVE_MIX`) adds selective to the choices per block ([Note:
     selective in a mix] in hplan.planner.activation_items), and a last regime is the forced selective plan (every
-    call selective that may be, the others kept) under its own figure, smaller than the mixed sample. hplan.planner.activation_min.auto_regimes gives it the forced plan's own reserve
+    call selective that may be, the others kept) under its own figure, smaller than the mixed sample.
+    hplan.planner.activation_min.auto_regimes gives it the forced plan's own reserve
     (`for_figure` with its replayed figure)."""
     every = frozenset(("keep", "offload", "recompute")) - without
     if not hardware.activation_slack:
