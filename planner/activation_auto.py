@@ -48,9 +48,9 @@ least figure of 22 MiB). Where its own is larger than the sample the regime is s
 (`_settle`); where smaller, the plan is made again under it on the same chunking (`_plan_regime`). The regime's
 search bound covers the plans reserving the sample or more; every other mix makes a choice other than keep and
 reserves at least the least figure, so its bound adds a Lagrangian bound over those plans with the room between
-the sample and the least figure (`floored` in hplan.planner.activation_bounds; the children's likewise in `children_bound`). Every plan therefore
-reserves at least its own figure, and the certificate stays a lower bound over every mix
-(tests/test_activation_floor.py enumerates a 5-block model's mixes). A provable floor under every mix's own
+the sample and the least figure (`floored` in hplan.planner.activation_bounds; the children's likewise in
+`children_bound`). Every plan therefore reserves at least its own figure, and the certificate stays a lower bound
+over every mix (tests/test_activation_floor.py enumerates a 5-block model's mixes). A provable floor under every mix's own
 figure, lower than the least figure but with no reserve added to any plan, was tried: the replay of the calls
 every mix shares (up to the first segment's forward end) gives 20 MiB on that GPT-2 and 2 MiB on gpt:18b, and
 pricing from it widened the narrow ConvNeXt's gaps to 50-100% at middle budgets.
@@ -59,9 +59,9 @@ pricing from it widened the narrow ConvNeXt's gaps to 50-100% at middle budgets.
 modes of their block's item (hplan.planner.activation_items), in a regime of their own (keep and offload under the
 larger pure figure, `activation_min.PARTS`) beside the others. Where every block kept fits the budget they are left
 out of the search (its models stay the size of the blocks', e.g. gpt:18b at 24 GB plans as fast as before), and
-the plan's bound is then made to cover them too (`activation_bounds.children_bound`): per regime with child modes, the LP of the
-winner's chunking's joint model with every child mode, priced over the plans that make at least one child
-choice (`exact.lagrangian_bound` with `must`: a Lagrangian bound, valid for any multipliers, with one item held
+the plan's bound is then made to cover them too (`activation_bounds.children_bound`): per regime with child modes,
+the LP of the winner's chunking's joint model with every child mode, priced over the plans that make at least one
+child choice (`exact.lagrangian_bound` with `must`: a Lagrangian bound, valid for any multipliers, with one item held
 to its cheapest child mode). A plan without a child choice is one of the blocks' regimes', which their bounds
 cover; so the least of both bounds every plan of the chunking. Where it is below the blocks' bound (a child
 choice might win) the whole search runs again with child segments in it.
