@@ -28,8 +28,8 @@ that can win: keep alone under keep's figure (first where that figure is the sma
 search), every choice under the mixed figure, then offload alone, recompute alone and (where the trace prices it)
 selective alone under their own figures, each planned exactly as the forced choice is; where selective is
 priced, a second mixed regime adds it per block ([Note: selective in a mix]; solved last, with the best objective
-so far as its incumbent, on the incumbent's chunking only and at the lowest effort's node budget: its bound then
-covers selective mixes of that chunking, as the children's bound does); the smallest objective wins, and
+so far as its incumbent, on the incumbent's chunking only, at the lowest effort's node budget and without
+`_settle`'s searches again: its bound then covers selective mixes of that chunking, as the children's bound does); the smallest objective wins, and
 at an equal objective the shorter predicted step (then the first): equal link bytes can differ in per-call costs,
 e.g. a block's offload staged back in its children's parts against the plain offload of the same bytes (more calls,
 a slower step). A regime is skipped only by a proven bound strictly above the incumbent (one that may tie it is
@@ -143,8 +143,8 @@ def _plan_auto(trace: Trace, hardware: Hardware, options: PlanOptions, on_progre
                 if priced is not None and name == "mixed":
                     mixed, targets = (priced[0], hw.slack_bytes), targets_of(priced[1], options)
                 first = floored(work, hw, plan, priced)  # its bound, over every mix's own reserve
-                plan = _settle(work, hw, options, on_progress, items, smallest, own, plan, decisions,
-                               None if at is None else [at])
+                if name != SELECTIVE_MIX:  # (its plan reserves its own mix's figure: `_plan_regime`)
+                    plan = _settle(work, hw, options, on_progress, items, smallest, own, plan, decisions)
             elif incumbent is not None and mixed is not None and name != "selective" and \
                     priced_bound(*mixed, name, targets, hw.slack_bytes, incumbent) > incumbent:
                 continue  # priced by the mixed regime's LP multipliers, on every chunking: it cannot win or tie
@@ -195,8 +195,7 @@ SETTLE_ROUNDS = 3
 
 
 def _settle(trace: Trace, hw: Hardware, options: PlanOptions, on_progress: Progress | None, items: Items,
-            smallest: MinGpu, own: RegimeMin, plan: Plan, decisions: tuple[Decision, ...],
-            targets: list[int] | None = None) -> Plan:
+            smallest: MinGpu, own: RegimeMin, plan: Plan, decisions: tuple[Decision, ...]) -> Plan:
     """The mixed regime's plan once its reserve is a fixed point: where the chosen mix's own log needs more than the
     reserve searched under, the regime is searched again with that figure as its reserve (at most SETTLE_ROUNDS
     times; each round's plan already reserves its own mix's figure, `_plan_regime`), and the best plan wins."""
@@ -210,7 +209,7 @@ def _settle(trace: Trace, hw: Hardware, options: PlanOptions, on_progress: Progr
         reserve = need
         try:
             plan, decisions, _ = _plan_regime(trace, for_figure(hw, "mixed", need), options, on_progress, items,
-                                              smallest, own.lean, own.keep, _objective(best) - 1, targets)
+                                              smallest, own.lean, own.keep, _objective(best) - 1)
         except (Pruned, HostMemoryShort):
             break
         if plan.summary.feasible and _objective(plan) < _objective(best):
