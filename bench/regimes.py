@@ -8,8 +8,9 @@ choice: auto's objective ÷ the forced plan's (≤ 1 is the goal), auto's lower 
 (≤ 1: the bound covers it), the budgets where keep moves nothing but auto moves something (0 is the goal), and
 where a `--compare` hand recipe is feasible, the budgets where auto's predicted step is slower than the recipe's.
 The objective is link bytes: model bytes moved + activation cost ([Note: auto activations]). Then, for the
-GPT-2, every one of its 3^5 per-block mixes is forced and its reserve checked against the replay of its own log
-([Note: a mix's own slack]).
+GPT-2, every one of its 4^5 per-block mixes is forced and its reserve checked against the replay of its own log
+([Note: a mix's own slack]), and its objective compared with auto's bound and objective at that budget. The scan
+counts the budgets where auto's plan mixes selective blocks with other choices ([Note: selective in a mix]).
 """
 
 from __future__ import annotations
@@ -57,7 +58,7 @@ def scan(trace: Any, gpu: str, n: int) -> dict[str, Any]:
     low = min_gpu_bytes(trace, hw(1)).gpu_bytes
     high = min_gpu_bytes(trace, hw(1), activations="keep").gpu_bytes + trace.model_bytes
     out: dict[str, Any] = {"low": low, "high": high, "auto": 0.0, "bound": 0.0, "moved": 0, "recipe": [],
-                           "seconds": []}
+                           "seconds": [], "selective": 0}
     for k in range(n):
         budget = low + (high - low) * k // (n - 1)
         t0 = time.perf_counter()
@@ -66,6 +67,9 @@ def scan(trace: Any, gpu: str, n: int) -> dict[str, Any]:
         if not auto.summary.feasible:
             out["moved"] += 1  # counted as a failure: auto must plan from its own minimum up
             continue
+        blocks = {s.module for s in trace.segments}
+        chosen = {c.choice for c in auto.activations if c.module in blocks}
+        out["selective"] += "selective" in chosen and len(chosen) > 1  # [Note: selective in a mix]
         for choice in FORCED:
             forced = make_plan(trace, hw(budget), PlanOptions(activations=choice))
             if not forced.summary.feasible:
@@ -85,23 +89,30 @@ def scan(trace: Any, gpu: str, n: int) -> dict[str, Any]:
     return out
 
 
-def mixes(trace: Any) -> tuple[int, int, float]:
-    """(mixes, mixes whose reserve is below their own replayed figure, worst own figure ÷ sampled figure)."""
+def mixes(trace: Any) -> tuple[int, int, float, int, int]:
+    """(mixes, mixes whose reserve is below their own replayed figure, worst own figure ÷ sampled figure, mixes
+    whose objective is below auto's bound, mixes whose objective is below auto's), auto planned at the same
+    budget."""
     from hplan.artifacts.choice_log import mix_slack
-    from hplan.planner import make_hardware, min_gpu_bytes, trace_slack
+    from hplan.planner import make_hardware, make_plan, min_gpu_bytes, trace_slack
     from hplan.planner.make import plan_mix
 
     levels = [e.non_model_peak_bytes for e in trace.events]
     hw = make_hardware("rtx3090", gpu_bytes=min_gpu_bytes(trace, activations="keep").gpu_bytes, **trace_slack(trace))
     sample = trace.allocator_slack_by_choice["mixed"]["release"]
-    short, worst, total = 0, 0.0, 0
+    short, worst, total, under_bound, under_auto = 0, 0.0, 0, 0, 0
+    auto = make_plan(trace, hw)
+    rounding = len(trace.segments)  # each recompute's or selective call's cost is rounded up to a byte
     for mix in itertools.product(FORCED, repeat=len(trace.segments)):
         own = mix_slack(trace.choice_log, trace.segments, levels, mix)
         worst = max(worst, own / max(sample, 1))
         plan = plan_mix(trace, hw, mix)
         short += plan.hardware.slack_bytes < own + trace.overhead_bytes
         total += 1
-    return total, short, worst
+        if plan.summary.feasible:
+            under_bound += objective(plan) + rounding < auto.summary.lower_bound_bytes
+            under_auto += objective(plan) + rounding < objective(auto)
+    return total, short, worst, under_bound, under_auto
 
 
 def run(ctx: Context) -> SectionOutput:
@@ -109,7 +120,8 @@ def run(ctx: Context) -> SectionOutput:
     n = QUICK_BUDGETS if ctx.quick else BUDGETS
     table = Table(headers=["workload", "GPU (plan)", "budgets", "auto ÷ forced objective (worst)",
                            "auto's bound ÷ forced objective (worst)", "keep moves nothing, auto moves",
-                           "recipe faster than auto", "auto planning time (median)"],
+                           "recipe faster than auto", "budgets where auto mixes selective blocks",
+                           "auto planning time (median)"],
                   caption=f"**Auto against every forced choice** at {n} budgets from auto's smallest to all-resident "
                           "(fake traces; plans, not GPU measurements). Goals: ratios ≤ 1, no budget where keep moves "
                           "nothing and auto moves something, no feasible hand recipe faster than auto.")
@@ -128,7 +140,8 @@ def run(ctx: Context) -> SectionOutput:
             recipes += [f"{name} {gpu} {fmt_bytes(b)}" for b, _, _ in r["recipe"]]
             secs = sorted(r["seconds"])
             table.add(name, gpu, f"{n} ({fmt_bytes(r['low'])} – {fmt_bytes(r['high'])})", fmt_ratio(r["auto"], 4),
-                      fmt_ratio(r["bound"], 4), r["moved"], slower, fmt_seconds(secs[len(secs) // 2], 3))
+                      fmt_ratio(r["bound"], 4), r["moved"], slower, r["selective"],
+                      fmt_seconds(secs[len(secs) // 2], 3))
     out.tables.append(table)
     out.headline.append(f"auto ÷ every forced choice ≤ {worst_auto:.4f}×, its bound ÷ every forced plan ≤ "
                         f"{worst_bound:.4f}× over {n} budgets × 2 models × 2 GPUs; keep-fits budgets where auto "
@@ -137,12 +150,15 @@ def run(ctx: Context) -> SectionOutput:
     if gpt2 and not ctx.quick:
         m = out.part("mixes", mixes, gpt2[0], log=ctx.log)
         if m is not None:
-            total, short, worst = m
-            mt = Table(headers=["mixes forced", "reserve below own replayed figure", "worst own ÷ sampled figure"],
-                       caption="**Every per-block mix of the GPT-2**, forced (`plan_mix`) at keep's smallest budget "
-                               "on an RTX 3090 (plans): each reserves the replay of its own log.")
-            mt.add(total, short, fmt_ratio(worst, 3))
+            total, short, worst, under_bound, under_auto = m
+            mt = Table(headers=["mixes forced", "reserve below own replayed figure", "worst own ÷ sampled figure",
+                                "objective below auto's bound", "objective below auto's"],
+                       caption="**Every per-block mix of the GPT-2** (keep, offload, recompute, selective: 4^5), "
+                               "forced (`plan_mix`) at keep's smallest budget on an RTX 3090 (plans): each reserves "
+                               "the replay of its own log, and none is below auto's bound or objective there.")
+            mt.add(total, short, fmt_ratio(worst, 3), under_bound, under_auto)
             out.tables.append(mt)
             out.headline.append(f"{short} of {total} forced mixes reserve less than their own replayed slack "
-                                f"(worst own figure {worst:.3f}× the sampled one)")
+                                f"(worst own figure {worst:.3f}× the sampled one); {under_bound} below auto's bound, "
+                                f"{under_auto} below auto's objective")
     return out

@@ -26,8 +26,10 @@ Where everything kept fits, the joint model's extremes are built with every segm
 [Note: auto regimes] Each choice needs its own allocator slack (hplan.planner.slack), so auto solves every regime
 that can win: keep alone under keep's figure (first where that figure is the smallest: an objective of 0 ends the
 search), every choice under the mixed figure, then offload alone, recompute alone and (where the trace prices it)
-selective alone under their own figures, each planned exactly as the forced choice is (selective is in no mix:
-its regime is the forced selective plan, so the bound covers keep/offload/recompute mixes and selective alone); the smallest objective wins, and
+selective alone under their own figures, each planned exactly as the forced choice is; where selective is
+priced, a second mixed regime adds it per block ([Note: selective in a mix]; solved last, with the best objective
+so far as its incumbent, on the incumbent's chunking only, at the lowest effort's node budget and without
+`_settle`'s searches again: its bound then covers selective mixes of that chunking, as the children's bound does); the smallest objective wins, and
 at an equal objective the shorter predicted step (then the first): equal link bytes can differ in per-call costs,
 e.g. a block's offload staged back in its children's parts against the plain offload of the same bytes (more calls,
 a slower step). A regime is skipped only by a proven bound strictly above the incumbent (one that may tie it is
@@ -46,20 +48,20 @@ least figure of 22 MiB). Where its own is larger than the sample the regime is s
 (`_settle`); where smaller, the plan is made again under it on the same chunking (`_plan_regime`). The regime's
 search bound covers the plans reserving the sample or more; every other mix makes a choice other than keep and
 reserves at least the least figure, so its bound adds a Lagrangian bound over those plans with the room between
-the sample and the least figure (`_floored`; the children's likewise in `_children_bound`). Every plan therefore
-reserves at least its own figure, and the certificate stays a lower bound over every mix
-(tests/test_activation_floor.py enumerates a 5-block model's mixes). A provable floor under every mix's own
-figure, lower than the least figure but with no reserve added to any plan, was tried: the replay of the calls
-every mix shares (up to the first segment's forward end) gives 20 MiB on that GPT-2 and 2 MiB on gpt:18b, and
+the sample and the least figure (`floored` in hplan.planner.activation_bounds; the children's likewise in
+`children_bound`). Every plan therefore reserves at least its own figure, and the certificate stays a lower bound
+over every mix (tests/test_activation_floor.py enumerates a 5-block model's mixes). A provable floor under every
+mix's own figure, lower than the least figure but with no reserve added to any plan, was tried: the replay of the
+calls every mix shares (up to the first segment's forward end) gives 20 MiB on that GPT-2 and 2 MiB on gpt:18b, and
 pricing from it widened the narrow ConvNeXt's gaps to 50-100% at middle budgets.
 
 [Note: child segments in auto] Child segments ([Note: nested segments] in hplan.artifacts.segments) enter as more
 modes of their block's item (hplan.planner.activation_items), in a regime of their own (keep and offload under the
 larger pure figure, `activation_min.PARTS`) beside the others. Where every block kept fits the budget they are left
 out of the search (its models stay the size of the blocks', e.g. gpt:18b at 24 GB plans as fast as before), and
-the plan's bound is then made to cover them too (`_children_bound`): per regime with child modes, the LP of the
-winner's chunking's joint model with every child mode, priced over the plans that make at least one child
-choice (`exact.lagrangian_bound` with `must`: a Lagrangian bound, valid for any multipliers, with one item held
+the plan's bound is then made to cover them too (`activation_bounds.children_bound`): per regime with child modes,
+the LP of the winner's chunking's joint model with every child mode, priced over the plans that make at least one
+child choice (`exact.lagrangian_bound` with `must`: a Lagrangian bound, valid for any multipliers, with one item held
 to its cheapest child mode). A plan without a child choice is one of the blocks' regimes', which their bounds
 cover; so the least of both bounds every plan of the chunking. Where it is below the blocks' bound (a child
 choice might win) the whole search runs again with child segments in it.
@@ -73,21 +75,24 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-import numpy as np
-
 from hplan.artifacts.hardware import Hardware
-from hplan.artifacts.plan import Plan, PlanSummary
+from hplan.artifacts.plan import Plan
 from hplan.artifacts.trace import Trace
+from hplan.planner.activation_bounds import children_bound, floored, priced_bound, targets_of
 from hplan.planner.activation_items import Items
 from hplan.planner.activation_min import PARTS, RegimeMin, Shared, auto_regimes, min_gpu_auto, min_gpu_of
 from hplan.planner import core
 from hplan.planner.activations import Decision, HostMemoryShort, decide, modes_of, slack_figure
 from hplan.planner.core import Pruned
-from hplan.planner.slack import for_figure, least_reserve, mix_figure
+from hplan.planner.slack import SELECTIVE_MIX, for_figure, mix_figure
 from hplan.planner.exact import lp_bound, solve_milp
 from hplan.planner.options import PlanOptions
 from hplan.planner.problem import MinGpu
 from hplan.planner.search import Progress, Scored, Search, finish, planned_evaluations
+
+
+MIXES = ("mixed", SELECTIVE_MIX, PARTS)
+"""The regimes of mixes: each plan reserves its own mix's figure, its bound floored to cover every mix."""
 
 
 def plan_auto(trace: Trace, hardware: Hardware, options: PlanOptions, on_progress: Progress | None = None) -> Plan:
@@ -104,13 +109,11 @@ def _plan_auto(trace: Trace, hardware: Hardware, options: PlanOptions, on_progre
                without: frozenset[str], children: bool = False) -> Plan:
     shared = Shared()
     work = replace(trace, nested=()) if trace.nested and not children else trace
-    runs = [(name, hw, items, min_gpu_auto(work, hw, items, shared))
-            for name, hw, items in auto_regimes(work, hardware, without)]
+    runs = _minimums(work, hardware, without, shared)
     if trace.nested and min((r[3].keep for r in runs if r[3].keep is not None), default=0) > hardware.gpu_bytes:
         work, shared = trace, Shared()  # blocks' activations must give way: child segments may pay
-        runs = [(name, hw, items, min_gpu_auto(work, hw, items, shared))
-                for name, hw, items in auto_regimes(work, hardware, without)]
-    _, hw, items, least = min(runs, key=lambda r: (r[3].value, not r[3].exact, r[0] in ("mixed", PARTS)))
+        runs = _minimums(work, hardware, without, shared)
+    _, hw, items, least = min(runs, key=lambda r: (r[3].value, not r[3].exact, r[0] in MIXES))
     smallest = min_gpu_of(work, hw, items, least, shared)
     feasible = [r for r in runs if r[3].value <= hardware.gpu_bytes]  # the others cannot fit (a proven minimum)
     if not feasible:  # nothing fits: the plan says why, with the smallest budget over every regime
@@ -123,24 +126,27 @@ def _plan_auto(trace: Trace, hardware: Hardware, options: PlanOptions, on_progre
     mixed: tuple[dict, int] | None = None  # the mixed regime's staged chunkings and its slack
     targets: list[int] = []
     for name, hw, items, own in _order(feasible):
-        cheap = 0 if name in ("keep", "mixed", PARTS) else items.cost_of(items.keep())  # a pure regime's fixed cost
+        cheap = 0 if name == "keep" or name in MIXES else items.cost_of(items.keep())  # a pure regime's fixed cost
         incumbent = None if best is None else _objective(best)
         cover = any(items.allowed <= allowed and hw.slack_bytes >= slack for allowed, slack in solved)
-        if cover and (mixed is None or name in ("mixed", PARTS) or incumbent == 0):
+        if cover and (mixed is None or name in MIXES or incumbent == 0):
             continue  # a solved regime's bound covers its choices at a slack no larger (its bound is in bounds)
         if incumbent is not None and (cheap > incumbent or incumbent == 0):
             continue  # its activation cost alone is above the incumbent (or nothing moves): it cannot win
         try:
-            if name in ("mixed", PARTS):
+            if name in MIXES:
+                at = best.options.get("chunk_bytes") if name == SELECTIVE_MIX and best is not None else None
                 plan, decisions, priced = _plan_regime(work, hw, options, on_progress, items, smallest, own.lean,
-                                                       own.keep, incumbent)
+                                                       own.keep, incumbent, None if at is None else [at],
+                                                       light=name == SELECTIVE_MIX)
                 searched = plan.summary.lower_bound_bytes
                 if priced is not None and name == "mixed":
-                    mixed, targets = (priced[0], hw.slack_bytes), _targets(priced[1], options)
-                first = _floored(work, hw, plan, priced)  # its bound, over every mix's own reserve
-                plan = _settle(work, hw, options, on_progress, items, smallest, own, plan, decisions)
+                    mixed, targets = (priced[0], hw.slack_bytes), targets_of(priced[1], options)
+                first = floored(work, hw, plan, priced)  # its bound, over every mix's own reserve
+                if name != SELECTIVE_MIX:  # (its plan reserves its own mix's figure: `_plan_regime`)
+                    plan = _settle(work, hw, options, on_progress, items, smallest, own, plan, decisions)
             elif incumbent is not None and mixed is not None and name != "selective" and \
-                    _priced_bound(*mixed, name, targets, hw.slack_bytes, incumbent) > incumbent:
+                    priced_bound(*mixed, name, targets, hw.slack_bytes, incumbent) > incumbent:
                 continue  # priced by the mixed regime's LP multipliers, on every chunking: it cannot win or tie
             else:
                 plan = core.plan_decisions(work, hw, options, decide(work, name), on_progress, shared=items.shared,
@@ -163,9 +169,9 @@ def _plan_auto(trace: Trace, hardware: Hardware, options: PlanOptions, on_progre
         if not plan.summary.feasible:  # its minimum fits but no plan was found: nothing bounds its plans
             covered = False
             continue
-        s = first if name in ("mixed", PARTS) else plan.summary
+        s = first if name in MIXES else plan.summary
         bounds.append(s.lower_bound_bytes)
-        if name in ("mixed", PARTS):
+        if name in MIXES:
             covered = covered and s.activations_free
             if s.activations_free:
                 solved.append((items.allowed, hw.slack_bytes))
@@ -177,72 +183,11 @@ def _plan_auto(trace: Trace, hardware: Hardware, options: PlanOptions, on_progre
         name, hw, items, first = runs[0]
         return _plan_regime(work, hw, options, on_progress, items, smallest, first.lean, first.keep)[0]
     if work is not trace and _objective(best) > 0 and covered:  # child choices were left out (keep fits)
-        child = _children_bound(trace, hardware, options, without, best.options.get("chunk_bytes"))
+        child = children_bound(trace, hardware, options, without, best.options.get("chunk_bytes"))
         if child is None or child[0] < min([_objective(best), *bounds]):  # a child choice might win: search them
             return _plan_auto(trace, hardware, options, on_progress, without, children=True)
         bounds.append(child[1])
     return _certify(best, bounds, covered)
-
-
-def _children_bound(trace: Trace, hardware: Hardware, options: PlanOptions, without: frozenset[str],
-                    target: int | None) -> tuple[int, int] | None:
-    """Lower bounds on every plan of chunking `target` that makes a child segment's choice, over every regime with
-    child modes ([Note: child segments in auto]), and on every plan of the parts regime (`PARTS`: the blocks' search
-    has none): with each plan reserving its regime's figure (which decides whether child choices are searched, as
-    the figures guide the blocks' search), and with each reserving the least reserve of any plan (the bound: such
-    plans are mixes, each reserving its own figure, [Note: a mix's reserve]); None where a regime's joint model
-    cannot be staged with every segment kept (nothing proven)."""
-    from hplan.planner.activation_items import build_items
-    from hplan.planner.activation_min import parts_regime
-    from hplan.planner.exact import lagrangian_bound
-    from hplan.planner.slack import regimes
-
-    # the regimes of `auto_regimes` whose items may have child modes (keep and another choice; build_items)
-    runs = [(hw, allowed) for _, hw, allowed in regimes(hardware, without) if "keep" in allowed and len(allowed) > 1]
-    parts = parts_regime(trace, hardware, without)
-    least = priced = 1 << 62  # no regime offers a child choice: no such plan
-    for hw, allowed in runs + ([(parts, frozenset(("keep", "offload")))] if parts else []):
-        items = build_items(trace, hw, allowed)
-        kids = items.child_modes()
-        if not kids.any():
-            continue
-        if hw is parts:  # a regime of child segments only: its plans without a child choice are bounded here too
-            kids[:] = True
-        staged = None if target is None else \
-            Search(trace, hw, options, acts=items, act0=items.keep()).staged_lp(target)
-        if staged is None:
-            return None
-        model, rows, multipliers = staged
-        must = np.zeros(model.choices.n_modes, dtype=bool)
-        must[model.choices.n_modes - items.n_modes:] = kids  # the activation items' modes come last
-        least = min(least, lagrangian_bound(model, rows, *multipliers, must=must))
-        priced = min(priced, lagrangian_bound(model, rows, *multipliers, must=must,
-                                              more_free=hw.slack_bytes - least_reserve(hw)))
-    return least, priced
-
-
-def _floored(trace: Trace, hw: Hardware, plan: Plan, priced: tuple[dict, list[int]] | None) -> PlanSummary:
-    """The mixed (or parts) regime's summary with its bound lowered to cover every mix, each of which reserves its
-    own replayed figure, perhaps below the sample `hw` searched under ([Note: a mix's reserve]). The search's bound
-    covers every plan reserving the sample or more; a mix below it makes a choice other than keep and reserves at
-    least `least_reserve`, so the winner's chunking's LP multipliers priced over the plans with a choice other
-    than keep (`must`), every row given the room between the sample and that reserve, bound the rest
-    (`lagrangian_bound`, valid for any multipliers). Where that chunking was not staged nothing is proven."""
-    from hplan.planner.exact import lagrangian_bound
-
-    s = plan.summary
-    room = hw.slack_bytes - least_reserve(hw)
-    if not s.feasible or not s.activations_free or room <= 0:
-        return s
-    staged = None if priced is None else priced[0].get(plan.options.get("chunk_bytes"))
-    if staged is None:
-        return replace(s, activations_free=False)
-    model, rows, multipliers = staged
-    c = model.choices
-    act = np.array([k < 0 for k in c.key])[c.item]  # activation items have negative keys
-    must = act & (np.array(c.label) != "keep")
-    return replace(s, lower_bound_bytes=min(s.lower_bound_bytes, lagrangian_bound(
-        model, rows, *multipliers, more_free=room, must=must)))
 
 
 SETTLE_ROUNDS = 3
@@ -272,44 +217,26 @@ def _settle(trace: Trace, hw: Hardware, options: PlanOptions, on_progress: Progr
     return best
 
 
-def _priced_bound(staged: dict, slack: int, choice: str, targets: list[int], own_slack: int, incumbent: int) -> int:
-    """A lower bound on every plan making `choice` for every segment under `own_slack`, on every chunking in
-    `targets`: the mixed regime's LP multipliers per chunking, each item restricted to that choice's mode, every
-    row given the slack difference (`lagrangian_bound`); 0 where a chunking was not staged (nothing proven), and
-    a value below `incumbent` as soon as one chunking's is (the rest need not be priced)."""
-    from hplan.planner.exact import lagrangian_bound
-
-    least = None
-    for target in targets:
-        if target not in staged:
-            return 0
-        model, rows, multipliers = staged[target]
-        c = model.choices
-        label = np.array(c.label)
-        act = np.array([k < 0 for k in c.key])[c.item]  # activation items have negative keys
-        has = np.zeros(c.n_items, dtype=bool)
-        np.logical_or.at(has, c.item, label == choice)
-        allowed = ~act | (label == choice) | (~has[c.item] & (label == "offload"))
-        value = lagrangian_bound(model, rows, *multipliers, allowed=allowed, more_free=slack - own_slack)
-        least = value if least is None else min(least, value)
-        if least <= incumbent:
-            break  # it proves nothing against the incumbent (it may tie): the regime is solved
-    return 0 if least is None else least
-
-
-def _targets(targets: list[int], options: PlanOptions) -> list[int]:
-    """Every chunking a forced plan of any choice may search: the mixed regime's (the trace's own), and one chunk
-    per parameter (a recompute's weight reads may make a module's chunk partly used, which adds it)."""
-    from hplan.planner.problem import PARAM_CHUNKS
-
-    return targets if options.chunk_bytes is not None or PARAM_CHUNKS in targets else [PARAM_CHUNKS, *targets]
+def _minimums(trace: Trace, hardware: Hardware, without: frozenset[str], shared: Shared) -> list:
+    """Each regime with its smallest budget (`min_gpu_auto`). The selective mix's regime holds every mix of the
+    mixed regime at the same slack, so where the mixed regime fits the budget its minimum stands in for the
+    selective mix's (an upper bound on it, marked inexact: the regime fits; 0.16 s of gpt:18b's planning), and
+    the reported smallest budget is the other regimes' there."""
+    out: list = []
+    for name, hw, items in auto_regimes(trace, hardware, without):
+        mixed = next((r[3] for r in out if r[0] == "mixed"), None)
+        if name == SELECTIVE_MIX and mixed is not None and mixed.value <= hardware.gpu_bytes:
+            out.append((name, hw, items, replace(mixed, exact=False)))
+        else:
+            out.append((name, hw, items, min_gpu_auto(trace, hw, items, shared)))
+    return out
 
 
 def _order(runs: list) -> list:
     """Regimes in solving order: keep alone first where its slack is the smallest figure (it moves nothing where
     everything fits, and its zero objective then ends the search), then the mixed regime, then offload and
     recompute alone."""
-    rank = {"keep": 0, "mixed": 1, PARTS: 1.5, "offload": 2, "recompute": 3, "selective": 3.5}
+    rank = {"keep": 0, "mixed": 1, PARTS: 1.5, "offload": 2, "recompute": 3, "selective": 3.5, SELECTIVE_MIX: 4.5}
     mixed = [r[1].slack_bytes for r in runs if r[0] == "mixed"]
     if mixed and any(r[0] == "keep" and r[1].slack_bytes >= mixed[0] for r in runs):
         rank["keep"] = 4  # the mixed regime covers it
@@ -340,10 +267,14 @@ def _objective(plan: Plan) -> int:
 
 
 def _plan_regime(trace: Trace, hardware: Hardware, options: PlanOptions, on_progress: Progress | None, items: Items,
-                 smallest: MinGpu, lean: tuple[Decision, ...], keep_bytes: int | None, incumbent: int | None = None
+                 smallest: MinGpu, lean: tuple[Decision, ...], keep_bytes: int | None, incumbent: int | None = None,
+                 targets: list[int] | None = None, light: bool = False
                  ) -> tuple[Plan, tuple[Decision, ...], tuple[dict, list[int]] | None]:
     """The auto plan within one regime (its choices, its slack), its decisions and its search's staged chunkings
-    (None at effort 0); `Pruned` where no chunking's bound is at or below `incumbent` (link bytes)."""
+    (None at effort 0); `Pruned` where no chunking's bound is at or below `incumbent` (link bytes). `targets`:
+    the chunkings searched (default: every one). `light`: the lowest effort's node budget and no larger one for
+    the winner (the selective mix's regime, [Note: selective in a mix]: its bound stays a bound, its plan only
+    competes with the incumbent)."""
     fits = keep_bytes is not None and keep_bytes <= hardware.gpu_bytes
     effort = core._effort(options)
     if effort == 0:  # heuristics only: keep everything when that fits, else the smallest budget's choices
@@ -353,18 +284,19 @@ def _plan_regime(trace: Trace, hardware: Hardware, options: PlanOptions, on_prog
         return _summary(plan, items, decisions, None), decisions, None
     act0 = items.keep() if fits else items.of(lean)  # what the extremes are built with (it fits)
     work = trace if fits else items.relaxed(act0)
-    nodes = core.SEARCH_NODES[effort] if options.solver != "exact" else core.SEARCH_NODES[1]
+    nodes = core.SEARCH_NODES[effort] if options.solver != "exact" and not light else core.SEARCH_NODES[1]
     search = Search(work, hardware, options, on_progress, planned_evaluations(work, options, joint=True) + 4,
                     nodes=nodes, acts=items, act0=act0)
     if incumbent is not None:
         search.best_moved = incumbent
+    search.targets = targets
     best = search.run()
     if best is None and search.pruned:
         raise Pruned("every chunking's bound is above the incumbent")
     bound: int | None = None
     plan = None
     if best is not None:
-        bound = _close(search, best, options)
+        bound = _close(search, best, options, light)
         decisions = items.to_decisions(best.act or act0)
         if any(d.choice in ("recompute", "selective") for d in decisions):  # the relaxation left their weight reads out
             plan = core.plan_decisions(trace, hardware, options, decisions, on_progress,
@@ -408,15 +340,16 @@ def _reuse(search: Search, best: Scored, trace: Trace, hardware: Hardware, optio
     return with_activations(plan, trace, work, decisions, items.shared) if plan.summary.feasible else plan
 
 
-def _close(search: Search, best: Scored, options: PlanOptions) -> int:
-    """The winner's larger node budget (as `core._improve` gives a joint model), and its bound on the objective."""
+def _close(search: Search, best: Scored, options: PlanOptions, light: bool = False) -> int:
+    """The winner's larger node budget (as `core._improve` gives a joint model; none where `light`), and its bound
+    on the objective."""
     from hplan.planner import core
 
     result = best.result
     if best.joint is None or result is None:
         return 0
     gap = core.stop_gap(options)
-    if not result.optimal and not core._reached(best, gap):
+    if not light and not result.optimal and not core._reached(best, gap):
         nodes = core.UNLIMITED_NODES if options.solver == "exact" else core.FINAL_NODES[core._effort(options)]
         search.tick(f"exact solve of {len(best.joint.model.size)} gaps with {len(search.acts.first)} segment calls")
         again = solve_milp(best.joint.model, best.joint_keep, max_nodes=nodes, stop_bytes=gap * result.lower_bound,

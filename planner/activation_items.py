@@ -22,7 +22,22 @@ Key = tuple[str, int]
 SELECTIVE = "selective"
 """Selective checkpointing of a segment ([Note: selective segments] in hplan.artifacts.segments): a mode of the
 items when `allowed` names it. Where it is the only one (auto's selective regime, hplan.planner.slack.regimes),
-each call has one mode, the forced selective plan's (`decide`: a module refused for it kept); it is in no mix."""
+each call has one mode, the forced selective plan's (`decide`: a module refused for it kept).
+
+[Note: selective in a mix] Where the trace prices selective (its table has the figure), a second mixed regime
+(hplan.planner.slack.SELECTIVE_MIX) has items that give each block that may take it a selective mode beside keep,
+offload and recompute, so auto mixes it per block
+(keep the matmul outputs of one block, recompute another whole, offload a third) in the same joint model, its
+effects and cost those of the forced selective plan's calls (`effects`, `selective_seconds`). A mix holding it
+reserves its own replayed figure like any mix ([Note: a mix's reserve]: the log replays selective calls), and the
+regime's bound, floored to the least reserve, covers it; forced mixes with selective blocks (`plan_mix`)
+are in that bound (tests/test_selective_mix.py enumerates a 5-block model's 4^5 mixes). Child segments get no
+selective mode: their combinations per kept block would grow from 3^k to 4^k (the child search is what the
+batch-8 gpt:18b plan spends its time on), and no `--activations` value makes that choice, so no plan a user can
+force is left out of the bound. It is a regime of its own, not a fourth mode of the mixed regime's: that search
+stops at a node budget, and the larger model found worse plans there (a 5-block GPT-2 on the CPU tier at 321 MB:
+301,614 link bytes against 271,453), so auto's objective rose where selective cannot pay. Solved after the mixed
+regime with its objective as the incumbent, a chunking is searched only where its bound is below it."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -214,7 +229,7 @@ def build_items(trace: Trace, hardware: Hardware, allowed: Iterable[str] = CHOIC
         elif not modes and "recompute" in allowed:  # refused: offloaded instead, as `decide` does
             modes.append(Decision(segment=s, choice="offload", reason=reason))
         inner: list[tuple[Decision, ...]] = [()] * len(modes)
-        combos = _combos(kids.get(s.key, []), allowed, refused, no_sac)
+        combos = _combos(kids.get(s.key, []), allowed - {SELECTIVE}, refused)  # [Note: selective in a mix]
         if len(combos) > 1 and modes[0].choice == "keep":
             modes[1:1] = [modes[0]] * (len(combos) - 1)
             inner = list(combos) + [()] * (len(modes) - len(combos))
@@ -251,8 +266,7 @@ def _stageable(trace: Trace, hardware: Hardware) -> frozenset[tuple[str, int]]:
     return frozenset(c.key for i, c in enumerate(trace.nested) if c.stage_bytes and i in replayed)
 
 
-def _combos(kids: list[Segment], allowed: frozenset[str], refused: set[str], no_sac: set[str] = frozenset()
-            ) -> list[tuple[Decision, ...]]:
+def _combos(kids: list[Segment], allowed: frozenset[str], refused: set[str]) -> list[tuple[Decision, ...]]:
     """Every combination of the children's choices other than keep (all kept first); [] without children."""
     if not kids:
         return []
@@ -263,8 +277,6 @@ def _combos(kids: list[Segment], allowed: frozenset[str], refused: set[str], no_
             opts.append(Decision(segment=c, choice="offload"))
         if "recompute" in allowed and c.module not in refused:
             opts.append(Decision(segment=c, choice="recompute"))
-        if SELECTIVE in allowed and c.module not in no_sac:
-            opts.append(Decision(segment=c, choice=SELECTIVE))
         per.append(opts)
     return [tuple(d for d in combo if d is not None) for combo in itertools.product(*per)]
 

@@ -17,7 +17,7 @@ from hplan.artifacts.trace import Trace
 from hplan.planner.activation_items import Items, build_items
 from hplan.planner.activations import Decision, decide, min_gpu_with, slack_figure, with_slack
 from hplan.planner.problem import PARAM_CHUNKS, MinGpu, Problem, Structure, build, group_params, min_gpu
-from hplan.planner.slack import counted, regimes
+from hplan.planner.slack import SELECTIVE_MIX, counted, regimes
 
 
 def minimax(items: Items, need: np.ndarray) -> tuple[int, tuple[int, ...]]:
@@ -141,7 +141,8 @@ def min_gpu_auto(trace: Trace, hardware: Hardware, items: Items, shared: Shared 
                                                  for c in structure.flips[t])
                      + problem.non_model[t] + hardware.slack_bytes for t in range(problem.n_steps)], dtype=np.int64)
     _, chosen = minimax(items, need)
-    forced = [decide(trace, c) for c in ("keep", "offload", "recompute")]
+    forced = [decide(trace, c) for c in ("keep", "offload", "recompute", "selective")
+              if c != "selective" or c in items.allowed]
     candidates = [items.to_decisions(chosen)] + [d for d in forced if _within(d, items.allowed) and items.admits(d)]
     if items.children:  # the blocks' own best too: child modes only add choices ([Note: nested segments])
         blocks = items.blocks_only()
@@ -245,7 +246,7 @@ def min_auto(trace: Trace, hardware: Hardware, without: frozenset[str] = frozens
     host memory given (`--cpu-mem`, no disk tier), choices whose offloads could not sit in host memory beside
     all the model data are left for the smallest budget without offload (as auto's plan does)."""
     shared = Shared()
-    runs = [(hw, items, min_gpu_auto(trace, hw, items, shared), name in ("mixed", PARTS))
+    runs = [(hw, items, min_gpu_auto(trace, hw, items, shared), name in ("mixed", SELECTIVE_MIX, PARTS))
             for name, hw, items in auto_regimes(trace, hardware, without)]  # ties: a single choice's regime
     hw, items, best, _ = min(runs, key=lambda r: (r[2].value, not r[2].exact, r[3]))
     host = hardware.host_bytes

@@ -17,7 +17,8 @@ slack is the figure of the choices it makes (`figure`; hplan.planner.activations
 replayed figure, or the table's least where that is larger ([Note: a mix's reserve]). The auto decision
 runs in *regimes* (`regimes`): every choice under the mixed figure (the largest), then, where the plan found
 makes one choice other than keep, or where nothing fits, each choice alone under its own, smaller figure, and
-selective alone under its figure where the trace has one (hplan.planner.activation_auto).
+selective alone under its figure where the trace has one, with a second mixed regime whose blocks may take
+selective too (hplan.planner.activation_auto).
 """
 
 from __future__ import annotations
@@ -34,6 +35,9 @@ FIGURES: tuple[str, ...] = ("keep", "offload", "recompute", "mixed")
 """Per-choice slack figures ([Note: slack per choice]): a plan making one choice for every segment, or a mix.
 A trace where some segment may take selective checkpointing adds a "selective" figure (every such segment selective,
 the others kept); a plan's mix that holds it replays its own log (`mix_figure`)."""
+SELECTIVE_MIX = "mixed+selective"
+"""The regime of mixes with selective blocks ([Note: selective in a mix] in hplan.planner.activation_items), under
+the mixed figure beside the mixed regime of keep, offload and recompute."""
 ALLOCATORS: tuple[str, ...] = ("release", "cached", "expandable")
 """Allocator models the planner knows, the default first."""
 DEFAULT_ALLOCATOR = ALLOCATORS[0]
@@ -115,16 +119,19 @@ def least_reserve(hardware: Hardware) -> int:
 def regimes(hardware: Hardware, without: frozenset[str] = frozenset()) -> list[tuple[str, Hardware, frozenset[str]]]:
     """The auto decision's regimes (module doc): every choice under the mixed figure first, then each choice alone
     under its own figure; one regime without a table. Choices in `without` are left out. Where the table has a
-    "selective" figure, a last regime is the forced selective plan (every call selective that may be, the others
-    kept) under it; selective is in no mix (the mixed figure's samples never hold it), so the mixed regime's
-    bound does not cover it: this regime's does. hplan.planner.activation_min.auto_regimes gives it the forced
-    plan's own reserve (`for_figure` with its replayed figure)."""
+    "selective" figure, a second mixed regime (`SELECTIVE_MIX`) adds selective to the choices per block ([Note:
+    selective in a mix] in hplan.planner.activation_items), and a last regime is the forced selective plan (every
+    call selective that may be, the others kept) under its own figure, smaller than the mixed sample.
+    hplan.planner.activation_min.auto_regimes gives it the forced plan's own reserve
+    (`for_figure` with its replayed figure)."""
     every = frozenset(("keep", "offload", "recompute")) - without
     if not hardware.activation_slack:
         return [("mixed", hardware, every)]
     alone = [c for c in (*("keep", "offload", "recompute"), "selective") if c in every or
              (c == "selective" and c not in without and c in dict(hardware.activation_slack))]
-    return [("mixed", for_figure(hardware, "mixed"), every),
+    mixed = for_figure(hardware, "mixed")
+    selective = [(SELECTIVE_MIX, mixed, every | {"selective"})] if "selective" in alone else []
+    return [("mixed", mixed, every), *selective,
             *((c, for_figure(hardware, c), frozenset((c,))) for c in alone)]
 
 

@@ -205,7 +205,7 @@ def test_where_a_child_choice_might_win_auto_searches_them(traced, monkeypatch):
         return full(*args, **kwargs)
 
     monkeypatch.setattr(activation_auto, "_plan_auto", spy)
-    monkeypatch.setattr(activation_auto, "_children_bound", lambda *a: (0, 0))
+    monkeypatch.setattr(activation_auto, "children_bound", lambda *a: (0, 0))
     plan = make_plan(trace, at)
     assert calls == [False, True]
     assert plan.summary.feasible and plan.summary.lower_bound_bytes <= _objective(plan)

@@ -34,8 +34,8 @@ recompute's rules; `decide` keeps a module refused for it, with a warning; `tran
 its weights' reads to its backward window; the plan reserves the larger of the table's "selective" figure and its
 own mix's replay); auto has a "selective" regime (hplan.planner.slack.regimes: the forced selective plan under
 that reserve, items with one mode each), so auto's objective and bound are at most the forced plan's
-(tests/test_selective_plan.py, 10 budgets) and the certificate says "every keep/offload/recompute mix and
-selective alone"; the reports name it;
+(tests/test_selective_plan.py, 10 budgets), and a regime of block mixes holding it ([Note: selective in a mix]
+in hplan.planner.activation_items), so the certificate covers every activation choice; the reports name it;
 (4) done: ActivationRun runs a "selective" call through checkpointed(selective=True), without early stop (an
 early-stopped recompute left torch's cache holding the outputs after the last one it needed through the block's
 backward: 128 KiB over the plan on a Llama block); gpt:tiny (8 sequences) and a transformers Llama train bit for

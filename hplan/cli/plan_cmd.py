@@ -346,9 +346,8 @@ def _activation_rows(plan: Plan) -> list[tuple[str, str]]:
 
 
 def _covers(plan: Plan) -> str:
-    """What auto's bound covers: selective checkpointing is in no mix, only its forced plan (a regime of its own)."""
-    if "selective" in dict(plan.hardware.activation_slack):
-        return "every keep/offload/recompute mix and selective alone"
+    """What auto's bound covers: every block's keep / offload / recompute / selective mix (selective in a mix of
+    its own regime, [Note: selective in a mix] in hplan.planner.activation_items)."""
     return "every activation choice"
 
 

@@ -1,0 +1,115 @@
+"""Lower bounds auto's certificate adds beside each regime's search bound ([Note: auto regimes], [Note: a mix's
+reserve] and [Note: child segments in auto] in hplan.planner.activation_auto): Lagrangian bounds from a staged
+joint model's LP multipliers, valid for any multipliers, over the plans a regime's search does not cover.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import numpy as np
+
+from hplan.artifacts.hardware import Hardware
+from hplan.artifacts.plan import Plan, PlanSummary
+from hplan.artifacts.trace import Trace
+from hplan.planner.options import PlanOptions
+from hplan.planner.search import Search
+from hplan.planner.slack import SELECTIVE_MIX, least_reserve
+
+
+def children_bound(trace: Trace, hardware: Hardware, options: PlanOptions, without: frozenset[str],
+                    target: int | None) -> tuple[int, int] | None:
+    """Lower bounds on every plan of chunking `target` that makes a child segment's choice, over every regime with
+    child modes ([Note: child segments in auto]), and on every plan of the parts regime (`PARTS`: the blocks' search
+    has none): with each plan reserving its regime's figure (which decides whether child choices are searched, as
+    the figures guide the blocks' search), and with each reserving the least reserve of any plan (the bound: such
+    plans are mixes, each reserving its own figure, [Note: a mix's reserve]); None where a regime's joint model
+    cannot be staged with every segment kept (nothing proven)."""
+    from hplan.planner.activation_items import build_items
+    from hplan.planner.activation_min import parts_regime
+    from hplan.planner.exact import lagrangian_bound
+    from hplan.planner.slack import regimes
+
+    # the regimes of `auto_regimes` whose items may have child modes (keep and another choice; build_items)
+    runs = [(name, hw, allowed) for name, hw, allowed in regimes(hardware, without)
+            if "keep" in allowed and len(allowed) > 1]
+    if any(name == SELECTIVE_MIX for name, _, _ in runs):  # its plans hold the mixed regime's at the same slack
+        runs = [r for r in runs if r[0] != "mixed"]
+    runs = [(hw, allowed) for _, hw, allowed in runs]
+    parts = parts_regime(trace, hardware, without)
+    least = priced = 1 << 62  # no regime offers a child choice: no such plan
+    for hw, allowed in runs + ([(parts, frozenset(("keep", "offload")))] if parts else []):
+        items = build_items(trace, hw, allowed)
+        kids = items.child_modes()
+        if not kids.any():
+            continue
+        if hw is parts:  # a regime of child segments only: its plans without a child choice are bounded here too
+            kids[:] = True
+        staged = None if target is None else \
+            Search(trace, hw, options, acts=items, act0=items.keep()).staged_lp(target)
+        if staged is None:
+            return None
+        model, rows, multipliers = staged
+        must = np.zeros(model.choices.n_modes, dtype=bool)
+        must[model.choices.n_modes - items.n_modes:] = kids  # the activation items' modes come last
+        least = min(least, lagrangian_bound(model, rows, *multipliers, must=must))
+        priced = min(priced, lagrangian_bound(model, rows, *multipliers, must=must,
+                                              more_free=hw.slack_bytes - least_reserve(hw)))
+    return least, priced
+
+
+def floored(trace: Trace, hw: Hardware, plan: Plan, priced: tuple[dict, list[int]] | None) -> PlanSummary:
+    """The mixed (or parts) regime's summary with its bound lowered to cover every mix, each of which reserves its
+    own replayed figure, perhaps below the sample `hw` searched under ([Note: a mix's reserve]). The search's bound
+    covers every plan reserving the sample or more; a mix below it makes a choice other than keep and reserves at
+    least `least_reserve`, so the winner's chunking's LP multipliers priced over the plans with a choice other
+    than keep (`must`), every row given the room between the sample and that reserve, bound the rest
+    (`lagrangian_bound`, valid for any multipliers). Where that chunking was not staged nothing is proven."""
+    from hplan.planner.exact import lagrangian_bound
+
+    s = plan.summary
+    room = hw.slack_bytes - least_reserve(hw)
+    if not s.feasible or not s.activations_free or room <= 0:
+        return s
+    staged = None if priced is None else priced[0].get(plan.options.get("chunk_bytes"))
+    if staged is None:
+        return replace(s, activations_free=False)
+    model, rows, multipliers = staged
+    c = model.choices
+    act = np.array([k < 0 for k in c.key])[c.item]  # activation items have negative keys
+    must = act & (np.array(c.label) != "keep")
+    return replace(s, lower_bound_bytes=min(s.lower_bound_bytes, lagrangian_bound(
+        model, rows, *multipliers, more_free=room, must=must)))
+
+
+def priced_bound(staged: dict, slack: int, choice: str, targets: list[int], own_slack: int, incumbent: int) -> int:
+    """A lower bound on every plan making `choice` for every segment under `own_slack`, on every chunking in
+    `targets`: the mixed regime's LP multipliers per chunking, each item restricted to that choice's mode, every
+    row given the slack difference (`lagrangian_bound`); 0 where a chunking was not staged (nothing proven), and
+    a value below `incumbent` as soon as one chunking's is (the rest need not be priced)."""
+    from hplan.planner.exact import lagrangian_bound
+
+    least = None
+    for target in targets:
+        if target not in staged:
+            return 0
+        model, rows, multipliers = staged[target]
+        c = model.choices
+        label = np.array(c.label)
+        act = np.array([k < 0 for k in c.key])[c.item]  # activation items have negative keys
+        has = np.zeros(c.n_items, dtype=bool)
+        np.logical_or.at(has, c.item, label == choice)
+        allowed = ~act | (label == choice) | (~has[c.item] & (label == "offload"))
+        value = lagrangian_bound(model, rows, *multipliers, allowed=allowed, more_free=slack - own_slack)
+        least = value if least is None else min(least, value)
+        if least <= incumbent:
+            break  # it proves nothing against the incumbent (it may tie): the regime is solved
+    return 0 if least is None else least
+
+
+def targets_of(targets: list[int], options: PlanOptions) -> list[int]:
+    """Every chunking a forced plan of any choice may search: the mixed regime's (the trace's own), and one chunk
+    per parameter (a recompute's weight reads may make a module's chunk partly used, which adds it)."""
+    from hplan.planner.problem import PARAM_CHUNKS
+
+    return targets if options.chunk_bytes is not None or PARAM_CHUNKS in targets else [PARAM_CHUNKS, *targets]
