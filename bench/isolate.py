@@ -57,7 +57,10 @@ def result_from_json(data: dict[str, Any]) -> SectionResult:
 
 def _died(rc: int) -> str:
     if rc < 0:
-        name = signal.Signals(-rc).name if -rc in signal.Signals._value2member_map_ else str(-rc)
+        try:
+            name = signal.Signals(-rc).name
+        except ValueError:
+            name = f"signal {-rc}"
         why = " (killed: most likely out of memory)" if rc == -signal.SIGKILL else ""
         return f"the section's process died of {name}{why}"
     return f"the section's process exited {rc} without a result"

@@ -32,7 +32,7 @@ from hplan.artifacts.segments import Segment, effect_totals, effects, shared_win
 from hplan.artifacts.trace import Trace
 from hplan.errors import HplanError
 from hplan.planner.problem import PARAM_CHUNKS, MinGpu, build, group_params, min_gpu
-from hplan.planner.kernel_size import achieved_rate, trace_width
+from hplan.planner.kernel_size import achieved_rate, event_width, trace_width
 from hplan.planner.schedule import event_seconds, predict_seconds, with_device_updates
 from hplan.planner.slack import counted, figure, for_figure, mix_figure
 
@@ -109,9 +109,7 @@ def _charged(trace: Trace, e: Any, seconds: float, hardware: Hardware) -> Any:
     fake trace's selective rerun out of the predicted step (its cheap ops count 0 FLOPs). So the window gets the
     price as time (read where the trace ran on the planned kind of device) and as the FLOPs that take that time at
     the window's rate (read otherwise): the predicted compute holds exactly the summary's recompute seconds."""
-    names = set(e.params)
-    own = [p.shape for p in trace.params if p.name in names and len(p.shape) == 2]
-    width = min(max(own, key=lambda s: s[0] * s[1])) if own else trace_width(trace)  # as kernel_size.event_widths
+    width = event_width(e.params, {p.name: p.shape for p in trace.params if len(p.shape) == 2}, trace_width(trace))
     return replace(e, seconds=e.seconds + seconds,
                    flops=e.flops + math.ceil(seconds * achieved_rate(hardware, trace.precision, width)))
 

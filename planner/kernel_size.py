@@ -34,6 +34,8 @@ would price a step that keeps its optimizer on the GPU as if the update were fre
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Mapping
+
 from hplan.artifacts.hardware import Hardware
 from hplan.artifacts.trace import Trace
 from hplan.planner.presets import STATE_BYTES_PER_PARAM
@@ -94,11 +96,14 @@ def event_widths(trace: Trace) -> list[int]:
     """Width of each event's matrix products ([Note: efficiency by width])."""
     shapes = {p.name: p.shape for p in trace.params if len(p.shape) == 2}
     default = trace_width(trace)
-    out = []
-    for e in trace.events:
-        own = [shapes[n] for n in e.params if n in shapes]
-        out.append(min(max(own, key=lambda s: s[0] * s[1])) if own else default)
-    return out
+    return [event_width(e.params, shapes, default) for e in trace.events]
+
+
+def event_width(params: Iterable[str], shapes: Mapping[str, tuple[int, ...]], default: int) -> int:
+    """Width of the matrix products of an event reading `params`: the smaller side of its largest matrix
+    (`shapes`: the trace's 2-D parameters), or `default` (the trace's width) where it reads none."""
+    own = [shapes[n] for n in params if n in shapes]
+    return min(max(own, key=lambda s: s[0] * s[1])) if own else default
 
 
 def achieved_rate(hardware: Hardware, precision: str, width: int) -> float:

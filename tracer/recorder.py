@@ -217,19 +217,15 @@ class Recorder(TorchDispatchMode):
         """Record the parameters whose weights this forward/backward op touches; refuse writes to them."""
         for t in tensors:
             key = storage_key(t)
-            name = self.owner.get(key)
-            if name is None or self.ledger.category(key) != "param":
-                if (name := self.dropped.get(key)) is not None:  # the weight under eval mode's dropout
-                    window.params[name] = None
-                    self.last_read[name] = self.op_index
-                    if self.segments is not None:
-                        self.segments.read(name)
+            weight = self.ledger.category(key) == "param"
+            name = self.owner.get(key) if weight else self.dropped.get(key)  # or the weight under eval's dropout
+            if name is None:
                 continue
             window.params[name] = None
             self.last_read[name] = self.op_index
             if self.segments is not None:
                 self.segments.read(name)
-            if any(t is m for m in _mutated(func, args)):
+            if weight and any(t is m for m in _mutated(func, args)):
                 raise HplanError(f"the {self.phase} of {self.module or 'the model'} modifies parameter {name} in place "
                                  f"({self._name(func)}); hplan only plans weight changes made by the optimizer")
 
