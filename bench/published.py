@@ -27,7 +27,7 @@ was assumed. [Note: replay conventions] below.
   fused read and write of the model state at the GPU's datasheet memory bandwidth ([Note: device optimizer step]
   in hplan.planner.kernel_size); until 2026-11-28 it cost nothing.
 - Kernels: a V100 replay is priced with the calibration of the code its source ran ([Note: kernel generations] in
-  hplan.planner.presets: Megatron-LM's 2019 code 30%, Megatron-LM v1 and newer 48%); each replay's sources row
+  hplan.planner.calibration: Megatron-LM's 2019 code 30%, Megatron-LM v1 and newer 48%); each replay's sources row
   says where the source names its code. The same chip and model differ by 1.6x between the two.
 - Pinned memory: DeepSpeed's offload `pin_memory` defaulted to False in every version the replayed runs used
   (v0.3.13, v0.4.3, and still at 38327e0, 2025-02: offload_config.py:45, 72); its ZeRO-3 gradient buffers are then
@@ -35,12 +35,12 @@ was assumed. [Note: replay conventions] below.
   16-bit weights it fetches are pinned in every version; ZeRO-2 pins its buffers itself.
 - HBM sizes: "32 GB" and "24 GB" cards hold 32 and 24 GiB; each replay is budgeted at its preset, what CUDA lets
   a process allocate (V100 32GB 31.74 GiB, RTX 4090 23.64 GiB: [Note: GPU memory totals] in
-  hplan.planner.presets), and the CUDA context, the GEMM workspaces ([Note: CUDA context] in
+  hplan.planner.gpu_memory), and the CUDA context, the GEMM workspaces ([Note: CUDA context] in
   hplan.planner.workspace) and the allocator slack come off as the trace's overhead and predicted slack.
 
 [Note: what the misses say] (2026-11-28, second pass; the probes priced on the same fake traces)
 - The V100 rows split by the code each source ran, and the model now says so ([Note: kernel generations] in
-  hplan.planner.presets). DeepSpeed's 2020 tutorial log (forward + backward 17.9-19.0 s; simulated 19.3 s at the
+  hplan.planner.calibration). DeepSpeed's 2020 tutorial log (forward + backward 17.9-19.0 s; simulated 19.3 s at the
   2019 calibration) ran DeepSpeedExamples' Megatron-LM, a fork of the 2019 code; the ZeRO-3 Offload post and
   PatrickStar's DeepSpeed series ran Megatron-LM-v1.1.5-ZeRO3 (v1 kernels, 62.4 TFLOPS for the 1.2B model against
   39 before). PatrickStar's own 48.39 at 4B is an 11.4 s step, while its matrix products alone take 14.2 s at the

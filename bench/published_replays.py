@@ -1,6 +1,6 @@
 """The published single-GPU offload results bench section 12 replays (bench.published): each setting's source,
 shape, GPU, systems and published figures, what it assumes where the source is silent, which code it ran
-([Note: kernel generations] in hplan.planner.presets) and why a remaining miss misses. Data only; the replay
+([Note: kernel generations] in hplan.planner.calibration) and why a remaining miss misses. Data only; the replay
 itself and [Note: replay conventions] are in bench.published."""
 
 from __future__ import annotations
@@ -75,7 +75,7 @@ class Replay:
     vocab: int = 50257
     kernels: str = ""
     """The code generation the source ran, where hplan has a calibration per generation for its GPU
-    (make_hardware(kernels=...), [Note: kernel generations] in hplan.planner.presets); "" = the GPU's default."""
+    (make_hardware(kernels=...), [Note: kernel generations] in hplan.planner.calibration); "" = the GPU's default."""
     kernels_why: str = ""
     """Where the source says which code it ran."""
     accumulate: int = 1

@@ -1,6 +1,6 @@
 """Kernel efficiency by GEMM size: a narrow model computes less of its step in large matrix products.
 
-[Note: efficiency by width] A GPU preset's efficiency ([Note: compute calibration] in hplan.planner.presets) was
+[Note: efficiency by width] A GPU preset's efficiency ([Note: compute calibration] in hplan.planner.calibration) was
 measured on one model, at one width d (the hidden size). A transformer layer's matrix products cost time in
 proportion to d² per token, while its other kernels (layer norms, activations, softmax, residual adds, casts:
 memory-bound, one or two passes over a d-wide row) cost time in proportion to d. So the share of datasheet FLOPs

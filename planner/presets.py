@@ -4,24 +4,18 @@
 this project's dev machine (date and method given). GB/s means 10^9 bytes per second, per direction.
 
 - GPUs: dense TFLOPS from the vendors' datasheets, each preset's `source` naming its document; memory as CUDA
-  reports it to a process (MEMORY_TOTALS, [Note: GPU memory totals]), not the datasheet's GB
-  (GeForce RTX 3090 / RTX 2060 / RTX 4090 / RTX 5090: NVIDIA's Ampere / Turing / Ada / RTX Blackwell whitepapers;
-  V100, A100, H100, H200, L4, L40S, RTX A6000, HGX B200 datasheets; AMD's MI300X data sheet). 16-bit means dense
-  (never the sparsity figure), and for GeForce cards the FP32-accumulate rate (half their FP16-accumulate one),
+  reports it to a process (MEMORY_TOTALS, [Note: GPU memory totals] in hplan.planner.gpu_memory), not the
+  datasheet's GB (GeForce RTX 3090 / RTX 2060 / RTX 4090 / RTX 5090: NVIDIA's Ampere / Turing / Ada / RTX
+  Blackwell whitepapers; V100, A100, H100, H200, L4, L40S, RTX A6000, HGX B200 datasheets;
+  AMD's MI300X data sheet). 16-bit means dense (never the sparsity figure), and for GeForce cards the FP32-accumulate rate (half their FP16-accumulate one),
   since mixed-precision training accumulates in FP32; host link = the PCIe generation's theoretical x16 rate
   per direction (gen3 16 GB/s, gen4 32, gen5 64; SXM/OAM parts reach their host through PCIe 5.0 x16). Achieved PCIe copies are lower (about 80% on pinned memory);
   scale a preset with `h2d_gbps=` / `d2h_gbps=` overrides when you have a measurement.
-- Compute efficiency: [Note: compute calibration] below (CALIBRATION, per GPU, with its source).
+- Compute efficiency: [Note: compute calibration] in hplan.planner.calibration (CALIBRATION, per GPU, with its
+  source; KERNEL_GENERATIONS where the code changed it).
 - Networks (NETWORK_PRESETS): per-GPU intra-node collective bandwidth and per-node network bandwidth, per
   direction, from the system datasheets cited there; per-hop latencies are NCCL's tuning constants
   (hplan.planner.ranks.nccl). A GPU preset picks its usual network (GPU_NETWORK); --network and the link flags override.
-
-[Note: compute calibration] A predicted step divides each event's model FLOPs ([Note: FLOPs are model FLOPs] in
-hplan.tracer.flops) by datasheet 16-bit TFLOPS × the GPU's efficiency: the model-FLOPs utilisation (MFU) a
-transformer training step was measured to sustain on that GPU, with FlashAttention where the source used it.
-It is a property of GPU + kernels, not of the parallel scheme: sources are one-node or per-GPU figures where
-communication is small, so the many-rank model adds its own communication on top. fp32 steps (no tensor cores)
-have no published calibration and keep DEFAULT_EFFICIENCY.
 - Hosts (CPU optimizer rate, GB/s of model state updated: weight + grad + master + moments, 16 B per parameter
   for AdamW in fp32 or a 16-bit mixed recipe):
   * "deepspeed-cpu-adam": DeepSpeed PR #735 (github.com/deepspeedai/DeepSpeed/pull/735, 2021-02-08, by a
@@ -51,6 +45,8 @@ from typing import Any
 
 from hplan.artifacts.hardware import Hardware
 from hplan.errors import HplanError
+from hplan.planner.calibration import CALIBRATION, DEFAULT_EFFICIENCY, KERNEL_GENERATIONS
+from hplan.planner.gpu_memory import MEMORY_GBPS, MEMORY_TOTALS
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -59,7 +55,7 @@ class GpuPreset:
 
     name: str
     memory_bytes: int
-    """What CUDA lets a process allocate (MEMORY_TOTALS, [Note: GPU memory totals]), not the datasheet's GB."""
+    """What CUDA lets a process allocate (MEMORY_TOTALS, hplan.planner.gpu_memory), not the datasheet's GB."""
     tflops_16: float
     """Published dense fp16/bf16 tensor-core TFLOPS (no sparsity)."""
     tflops_32: float
@@ -91,20 +87,6 @@ class NvmePreset:
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
-class Calibration:
-    """A GPU's measured share of its datasheet 16-bit TFLOPS on a transformer training step."""
-
-    gpu: str
-    efficiency: float
-    source: str
-    width: int = 0
-    """Model width (hidden size) the source measured at: other widths scale by [Note: efficiency by width]
-    (hplan.planner.kernel_size); 0 = the source spans many widths, no size correction."""
-    kernels: str = ""
-    """The code generation the source measured ([Note: kernel generations]); "" = not tied to one."""
-
-
-@dataclass(frozen=True, kw_only=True, slots=True)
 class NetworkPreset:
     """A cluster's links as collectives see them (GB/s per direction)."""
 
@@ -117,48 +99,6 @@ class NetworkPreset:
     """"nvlink" or "pci": NCCL's latency row for intra-node hops."""
     source: str
 
-
-GIB = 2**30
-MIB = 2**20
-MEMORY_TOTALS: dict[str, tuple[int, str]] = {
-    # [Note: GPU memory totals] The bytes CUDA (or HIP) lets a process allocate: cudaMemGetInfo's total, which
-    # PyTorch reports as "GPU 0 has a total capacity of X GiB" in every out-of-memory error and as
-    # get_device_properties().total_memory. A datasheet's "24 GB" is neither 24e9 nor 24 GiB: the card holds 24 GiB
-    # (nvidia-smi's total, e.g. 24,564 MiB on an RTX 4090) and the driver keeps part of it outside CUDA's total
-    # (RTX 4090: 24,564 MiB in nvidia-smi, 23.64 GiB = 24,207 MiB to PyTorch). Out-of-memory messages print two
-    # decimals of GiB (10 MiB). The CUDA context and the GEMM workspaces come off as a CPU trace's overhead
-    # (hplan.planner.workspace, [Note: CUDA context]); a CUDA trace measured them. Each total below names the
-    # public thread it was read from (owner/repo#N, or a file of a named repository) or our own measurement; an
-    # exact-string search of public code and logs (2026-11-29) found each of 22.03 (L4), 31.37 (RTX 5090), 44.52
-    # (L40S), 47.53 (RTX A6000), 178.35 (B200) and 191.98 GiB (MI300X) again in several other files, where they
-    # name the card with no other value for it but one (178.36 GiB in an 8 x B200 log, 10 MiB apart).
-    "rtx3090": (round(23.70 * GIB), "PyTorch OOM on an RTX 3090: \"23.70 GiB total capacity\" (github.com/Lightning-AI/"
-                                    "lit-llama/issues/137, GaoLii/DSP#10); nvidia-smi 24,576 MiB (noonghunna/club-3090#1127)"),
-    "rtx2060": (round(5.79 * GIB), "PyTorch OOM on an RTX 2060: \"5.79 GiB total capacity\" (facebookresearch/meshrcnn#92)"),
-    "v100-32gb": (round(31.74 * GIB), "PyTorch OOM on a V100 32GB: \"31.74 GiB total capacity\" (liucongg/ChatGLM-"
-                                      "Finetuning#73); nvidia-smi 32,510 MiB (bench.published)"),
-    "a100-40gb": (round(39.43 * GIB), "PyTorch OOM on an A100 40GB: \"total capacity of 39.43 GiB\" (pytorch/pytorch#126766)"),
-    "a100-80gb": (round(79.15 * GIB), "PyTorch OOM on an A100 80GB: \"total capacty of 79.15 GiB\" (pytorch/pytorch#111363)"),
-    "a800-80gb": (round(79.15 * GIB), "as a100-80gb (the same board's 80 GB HBM2e; no A800 figure found)"),
-    "h100-80gb": (round(79.11 * GIB), "PyTorch OOM on an H100 80GB: \"total capacity of 79.11 GiB\" (vllm-project/"
-                                      "vllm#27508); nvidia-smi 81,559 MiB"),
-    "rtx4090": (round(23.64 * GIB), "PyTorch OOM on an RTX 4090: \"total capacity of 23.64 GiB\" (ali-vilab/VGen#104, "
-                                    "3DTopia/Phidias-Diffusion#8); nvidia-smi 24,564 MiB (RLinf/RLinf#255)"),
-    "rtx5090": (round(31.37 * GIB), "PyTorch OOM on an RTX 5090: \"total capacity of 31.37 GiB\" (Wan-Video/Wan2.1#465)"),
-    "l4": (round(22.03 * GIB), "PyTorch OOM on an L4: \"total capacity of 22.03 GiB\" (ArcInstitute/evo2#190); "
-                               "nvidia-smi 23,034 MiB (lmstudio-ai/lmstudio-bug-tracker#1638), so the driver keeps "
-                               "475 MiB"),
-    "l40s": (round(44.52 * GIB), "PyTorch OOM on an L40S: \"total capacity of 44.52 GiB\" (huggingface/sentence-"
-                                 "transformers#3214; ECC on, as shipped)"),
-    "a6000": (round(47.53 * GIB), "PyTorch OOM on an RTX A6000: \"total capacity of 47.53 GiB\" (black-forest-labs/flux2#23)"),
-    "h200": (150_109_880_320, "measured: torch.cuda.get_device_properties().total_memory on an H200, torch 2.11 + CUDA "
-                              "13.0 (bench/gpu_runs/h200-run1.json, env.total_bytes); nvidia-smi 143,771 MiB"),
-    "b200": (round(178.35 * GIB), "CUDA totalGlobalMem on a B200: \"Total Global Memory: 178.35 GB\" (GiB, "
-                                  "pytorch/ao#4002); nvidia-smi 183,359 MiB (NVIDIA/TensorRT-LLM#10278)"),
-    "mi300x": (round(191.98 * GIB), "PyTorch (ROCm) OOM on an MI300X: \"total capacity of 191.98 GiB\" (vllm-project/"
-                                    "vllm#7951, 8 x MI300X; AMD's ROCm/rocm-blogs, blogs/artificial-intelligence/gptq/"
-                                    "README.md, 2025-04-09, one MI300X)"),
-}
 
 GPU_PRESETS: dict[str, GpuPreset] = {p.name: p for p in (
     GpuPreset(name="rtx3090", memory_bytes=MEMORY_TOTALS["rtx3090"][0], tflops_16=71.0, tflops_32=35.6, link_gbps=32.0,
@@ -230,60 +170,6 @@ NVME_PRESETS: dict[str, NvmePreset] = {p.name: p for p in (
                source="ZeRO-Infinity SC21 slides: 28 GB/s NVMe->GPU per 16-GPU DGX-2 node"),
 )}
 
-DEFAULT_EFFICIENCY = 0.30
-"""Share of datasheet TFLOPS a single-GPU GPT training step sustains where nothing better is published: Megatron-LM's
-single-V100 baseline, 39 TFLOPS = 30% of peak (Shoeybi et al. 2019, arXiv 1909.08053, abstract).
-hplan.artifacts.hardware.Hardware uses the same default."""
-MEGATRON_WIDTH = 1536
-"""Hidden size of that baseline (Megatron-LM, arXiv 1909.08053, Table 1: the 1.2B model, 40 layers × 1536): every
-calibration that borrows the 30% is measured at this width ([Note: efficiency by width])."""
-
-CALIBRATION: dict[str, Calibration] = {c.gpu: c for c in (
-    Calibration(gpu="a100-80gb", efficiency=205 / 312,
-                source="FlashAttention-2 (Dao 2023, arXiv 2307.08691) §4.2 Table 1: GPT3-2.7B, 2k context, 8×A100 "
-                       "80GB SXM, 205 TFLOPs/s per GPU (the 8k-context row reaches 225 = 72%); d 2560 (GPT-3 "
-                       "paper, Table 2.1)", width=2560),
-    Calibration(gpu="a100-40gb", efficiency=205 / 312, source="as a100-80gb (same chip and clocks)", width=2560),
-    Calibration(gpu="a800-80gb", efficiency=0.63,
-                source="AMSP (arXiv 2311.00257 v2): LLaMA-7B on one node of 8 A800-80GB, 63% MFU (as quoted in "
-                       "hplan issue 25; AMSP's factors move almost nothing on one node's NVLink); LLaMA-7B's d 4096 "
-                       "(Touvron et al. 2023, Table 2)", width=4096),
-    Calibration(gpu="h100-80gb", efficiency=0.47,
-                source="NVIDIA Megatron-LM README: up to 47% MFU on H100 clusters (GPT models, 4096-token sequences)"),
-    Calibration(gpu="v100-32gb", efficiency=DEFAULT_EFFICIENCY, kernels="megatron-2019",
-                source="Megatron-LM (arXiv 1909.08053) abstract: 39 TFLOPS on one V100, 30% of peak; its 1.2B "
-                       "single-GPU baseline has hidden size 1536 (Table 1)", width=MEGATRON_WIDTH),
-    Calibration(gpu="rtx3090", efficiency=DEFAULT_EFFICIENCY,
-                source="no published training MFU for this card: Megatron-LM's single-GPU 30%", width=MEGATRON_WIDTH),
-    Calibration(gpu="rtx2060", efficiency=DEFAULT_EFFICIENCY,
-                source="no published training MFU for this card: Megatron-LM's single-GPU 30%", width=MEGATRON_WIDTH),
-    Calibration(gpu="h200", efficiency=0.47, source="as h100-80gb (the same GH100 chip and clocks, more memory)"),
-    *(Calibration(gpu=name, efficiency=DEFAULT_EFFICIENCY,
-                  source="no calibrated training MFU in hplan for this GPU yet: Megatron-LM's single-GPU 30%",
-                  width=MEGATRON_WIDTH)
-      for name in ("rtx4090", "rtx5090", "l4", "l40s", "a6000", "b200", "mi300x")),
-)}
-
-MEMORY_GBPS: dict[str, tuple[float, str]] = {
-    # Device memory bandwidth, GB/s (10^9 B/s), from the datasheets and whitepapers GPU_PRESETS cites: what a
-    # device-side optimizer step is bound by ([Note: device optimizer step] in hplan.planner.kernel_size).
-    "rtx3090": (936.0, "NVIDIA Ampere GA102 whitepaper, Appendix A: RTX 3090 memory bandwidth 936 GB/s"),
-    "rtx2060": (336.0, "NVIDIA Turing TU106 whitepaper: RTX 2060, 14 Gbps GDDR6 on 192 bits, 336 GB/s"),
-    "v100-32gb": (900.0, "NVIDIA Tesla V100 datasheet (SXM2): HBM2 bandwidth 900 GB/s"),
-    "a100-40gb": (1555.0, "NVIDIA A100 datasheet: A100 40GB, GPU memory bandwidth 1,555 GB/s"),
-    "a100-80gb": (2039.0, "NVIDIA A100 datasheet: A100 80GB SXM, GPU memory bandwidth 2,039 GB/s"),
-    "a800-80gb": (2039.0, "NVIDIA A800 80GB SXM datasheet: GPU memory bandwidth 2,039 GB/s"),
-    "h100-80gb": (3350.0, "NVIDIA H100 datasheet (SXM): GPU memory bandwidth 3.35 TB/s"),
-    "rtx4090": (1008.0, "NVIDIA Ada Lovelace (AD102) whitepaper, Appendix A: RTX 4090 memory bandwidth 1,008 GB/s"),
-    "rtx5090": (1792.0, "NVIDIA RTX Blackwell (GB202) whitepaper, Appendix A: RTX 5090 memory bandwidth 1,792 GB/s"),
-    "l4": (300.0, "NVIDIA L4 datasheet: GPU memory bandwidth 300 GB/s"),
-    "l40s": (864.0, "NVIDIA L40S datasheet: GPU memory bandwidth 864 GB/s"),
-    "a6000": (768.0, "NVIDIA RTX A6000 datasheet: GPU memory bandwidth 768 GB/s"),
-    "h200": (4800.0, "NVIDIA H200 datasheet (SXM): GPU memory bandwidth 4.8 TB/s"),
-    "b200": (8000.0, "NVIDIA HGX B200 datasheet: 64 TB/s total memory bandwidth / 8 GPUs"),
-    "mi300x": (5300.0, "AMD Instinct MI300X data sheet: peak theoretical memory bandwidth 5.3 TB/s"),
-}
-
 NETWORK_PRESETS: dict[str, NetworkPreset] = {p.name: p for p in (
     NetworkPreset(name="dgx-a100", intra_gbps=300.0, inter_gbps=200.0, intra_link="nvlink",
                   source="NVIDIA DGX A100 system architecture (developer.nvidia.com/blog/defining-ai-innovation-with-"
@@ -332,25 +218,6 @@ overlaps), compute times are the CPU trace's measured ones, host updates run on 
 CPU_TIER_COPY_GBPS = 2.4
 """One-thread torch copy_ of 256 MiB on this 2-core dev machine, best of 5 (2026-11-23, under load from other
 jobs): the CPU tier's "link". It changes predicted step times only, never the bytes a plan moves."""
-
-
-KERNEL_GENERATIONS: dict[str, dict[str, Calibration]] = {
-    "v100-32gb": {
-        "megatron-2019": CALIBRATION["v100-32gb"],
-        "megatron-v1": Calibration(
-            gpu="v100-32gb", efficiency=0.48, kernels="megatron-v1", width=MEGATRON_WIDTH,
-            source="NVIDIA ADLR, \"MegatronLM's Supercharged V1.0\" (nv-adlr.github.io/MegatronLMV1): the same 1.2B "
-                   "baseline reaches 62.4 TFLOPS, 48% of the theoretical peak of one V100 of a DGX-2H, after v1.0's "
-                   "software optimizations (39 TFLOPS before); Table 1 there: 1288 ms per iteration on one GPU"),
-    },
-}
-"""[Note: kernel generations] A GPU's calibration is a property of GPU + kernels, and the kernels change with the
-code. On the V100 the same Megatron-LM 1.2B model (40 × 1536) went from 39 TFLOPS (the 2019 paper) to 62.4
-(Megatron-LM v1.0's fused kernels and software optimizations), 1.6× on the same chip: more than any ±25% band.
-Where a run's source states which code it ran, `make_hardware(kernels=...)` prices it with the calibration of
-that code's generation: "megatron-2019" for NVIDIA's 2019 Megatron-LM code and forks of it (DeepSpeedExamples'
-Megatron-LM, 2020), "megatron-v1" for Megatron-LM v1.0 and later (DeepSpeedExamples' Megatron-LM-v1.1.5-ZeRO3,
-2021) and for code newer than both. Without `kernels` a preset keeps its CALIBRATION entry."""
 
 
 def make_hardware(gpu: str = "rtx3090", gpu_bytes: int | None = None, host_bytes: int | None = None,

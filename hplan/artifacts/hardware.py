@@ -53,15 +53,15 @@ class Hardware:
     """Datasheet fp32 TFLOPS (no TF32)."""
     efficiency: float = 0.30
     """Share of datasheet 16-bit TFLOPS a training step achieves (model FLOPs utilisation): the GPU preset's
-    calibration (hplan.planner.presets, [Note: compute calibration]); 0.30 = presets.DEFAULT_EFFICIENCY, with its
-    source (a test keeps the two equal)."""
+    calibration (hplan.planner.calibration, [Note: compute calibration]); 0.30 = calibration.DEFAULT_EFFICIENCY,
+    with its source (a test keeps the two equal)."""
     efficiency_32: float = 0.30
-    """The same share for fp32 steps (no tensor cores): presets.DEFAULT_EFFICIENCY."""
+    """The same share for fp32 steps (no tensor cores): calibration.DEFAULT_EFFICIENCY."""
     efficiency_width: int = 0
     """Model width (hidden size) the efficiencies were measured at: an event of another width computes at
     efficiency × hplan.planner.kernel_size.width_factor ([Note: efficiency by width]); 0 = no size correction."""
     device_memory_gbps: float = 936.0
-    """Device memory bandwidth, GB/s (the GPU preset's datasheet figure, hplan.planner.presets.MEMORY_GBPS; 936 =
+    """Device memory bandwidth, GB/s (the GPU preset's datasheet figure, hplan.planner.gpu_memory.MEMORY_GBPS; 936 =
     the RTX 3090, as the other defaults): what an optimizer step on the device is bound by ([Note: device
     optimizer step] in hplan.planner.kernel_size)."""
     h2d_gbps: float = 32.0
