@@ -171,12 +171,13 @@ def middle_table(ctx: Context) -> Table:
 @contextlib.contextmanager
 def _stages_as_segments() -> Iterator[None]:
     """The tracer's rule before nested segments: the outermost same-class siblings, never split."""
+    import hplan.tracer.segment_candidates as rule
     import hplan.tracer.segments as seg
 
     def outermost(model: Any) -> Any:
-        return seg.first_paths(seg.outermost(seg.same_class_groups(model)))
+        return rule.first_paths(rule.outermost(rule.same_class_groups(model)))
 
-    with mock.patch.object(seg, "candidates", outermost):
+    with mock.patch.object(seg, "candidates", outermost):  # where SegmentTracker looks it up
         yield
 
 

@@ -1,14 +1,14 @@
 """Child segments: the largest parameter-owning children of each segment, tracked as segments of their own
 ([Note: nested segments] in hplan.artifacts.segments).
 
-A block's whole forward is the unit of the segments' rule (hplan.tracer.segments.candidates). With few, fat blocks
-the last block's own saved tensors set the smallest budget: its backward follows its forward at once, so a block
-choice frees nothing there. Inside a kept block, its attention's saved tensors can be gone while its MLP runs
-backward (and the other way in forward order), so the block's largest children are offered as segments too, one
-level down. `Levels` drives one SegmentTracker per level over the same recorder; both levels see one alias per
-pack (made by the outer level), so each level's reference counts and first unpacks are those of the same graph
-entries. Ownership is per level: a child owns what is saved only inside it; the block owns what is saved only
-inside the block (its children included).
+A block's whole forward is the unit of the segments' rule (hplan.tracer.segment_candidates.candidates). With few,
+fat blocks the last block's own saved tensors set the smallest budget: its backward follows its forward at once, so
+a block choice frees nothing there. Inside a kept block, its attention's saved tensors can be gone while its MLP
+runs backward (and the other way in forward order), so the block's largest children are offered as segments too, one
+level down. `Levels` drives one SegmentTracker per level over the same recorder; both levels see one alias per pack
+(made by the outer level), so each level's reference counts and first unpacks are those of the same graph entries.
+Ownership is per level: a child owns what is saved only inside it; the block owns what is saved only inside the
+block (its children included).
 """
 
 from __future__ import annotations
@@ -23,7 +23,8 @@ from torch import nn
 
 from hplan.artifacts.segments import Segment
 from hplan.tracer.segment_stats import owned_and_moved
-from hplan.tracer.segments import Call, SegmentTracker, _params
+from hplan.tracer.segment_candidates import param_elements
+from hplan.tracer.segments import Call, SegmentTracker
 
 if TYPE_CHECKING:
     from hplan.tracer.recorder import Recorder
@@ -40,8 +41,8 @@ def children_of(blocks: dict[str, nn.Module]) -> dict[str, nn.Module]:
     out: dict[str, nn.Module] = {}
     seen = {id(m) for m in blocks.values()}
     for path, block in blocks.items():
-        total = _params([block])
-        sizes = [(n, c, _params([c])) for n, c in block.named_children() if id(c) not in seen]
+        total = param_elements([block])
+        sizes = [(n, c, param_elements([c])) for n, c in block.named_children() if id(c) not in seen]
         picked = sorted((x for x in sizes if total and x[2] >= MIN_SHARE * total), key=lambda x: -x[2])
         picked = picked[:MAX_CHILDREN]
         if len(picked) >= 2:
@@ -94,7 +95,7 @@ class Levels:
 
 
 def trackers(model: nn.Module, recorder: Recorder) -> tuple[SegmentTracker, SegmentTracker]:
-    """The block level's tracker and the child level's (hplan.tracer.segments.candidates, `children_of`)."""
+    """The block level's tracker and the child level's (hplan.tracer.segment_candidates.candidates, `children_of`)."""
     outer = SegmentTracker(model, recorder)
     return outer, SegmentTracker(model, recorder, children_of(outer.modules))
 

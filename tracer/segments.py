@@ -1,12 +1,12 @@
 """What the tracer watches of checkpointable segments while the step runs (see [Note: activation segments]).
 
-`SegmentTracker` hooks the candidate modules (`candidates`), the saved-tensor hooks and the recorder's per-operator
-path. While a segment's forward runs it notes the storages autograd saves there (packing an *alias* of each, so the
-storage's reference count tells when nothing but the graph holds it), the storages it creates, in-place writes to
-storages created outside it (buffers, inputs), value reads, its weights, FLOPs, time and its peak above its entry
-level. After it returns, its saved storages are watched until only the graph holds them; in backward, the first
-unpack of anything it saved marks where a recompute would run. `hplan.tracer.segment_stats` turns one iteration's
-calls into Segment artifacts and combines iterations.
+`SegmentTracker` hooks the candidate modules (`candidates`, hplan.tracer.segment_candidates), the saved-tensor hooks
+and the recorder's per-operator path. While a segment's forward runs it notes the storages autograd saves there
+(packing an *alias* of each, so the storage's reference count tells when nothing but the graph holds it), the
+storages it creates, in-place writes to storages created outside it (buffers, inputs), value reads, its weights,
+FLOPs, time and its peak above its entry level. After it returns, its saved storages are watched until only the
+graph holds them; in backward, the first unpack of anything it saved marks where a recompute would run.
+`hplan.tracer.segment_stats` turns one iteration's calls into Segment artifacts and combines iterations.
 """
 
 from __future__ import annotations
@@ -23,71 +23,13 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from hplan.probe import storage_key, tensors_in
 from hplan.checkpoint_policy import SAVE_OPS, unreplayable
+from hplan.tracer.segment_candidates import candidates
 
 if TYPE_CHECKING:
     from hplan.tracer.recorder import Recorder
 
 ACTIVATION = "activation"
 """The ledger category of non-model storages autograd saves (the only ones a segment can own)."""
-CONTAINERS = (nn.ModuleList, nn.Sequential)
-
-
-def candidates(model: nn.Module) -> dict[str, nn.Module]:
-    """Modules that own parameters and are one of >= 2 same-class children of a plain `nn.ModuleList` or
-    `nn.Sequential` (subclasses, e.g. hplan's vocabulary shards, are containers with their own semantics):
-    outermost, except that one whose own such groups hold most of its parameters is replaced by them, nested as
-    deep as that holds (ConvNeXt's and Swin's stages by their blocks; see [Note: activation segments])."""
-    found = same_class_groups(model)
-    chosen = outermost(found)
-    while True:
-        finer = {}
-        for p, m in chosen.items():
-            inner = outermost({q: n for q, n in found.items() if q.startswith(p + ".")})
-            if inner and 2 * _params(inner.values()) > _params([m]):
-                finer.update(inner)
-            else:
-                finer[p] = m
-        if finer.keys() == chosen.keys():
-            break
-        chosen = finer
-    return first_paths(chosen)
-
-
-def same_class_groups(model: nn.Module) -> dict[str, nn.Module]:
-    """Every module that owns parameters and is one of >= 2 same-class children of a plain container (nested
-    or not)."""
-    found: dict[str, nn.Module] = {}
-    for path, container in model.named_modules():
-        if type(container) not in CONTAINERS:
-            continue
-        by_class: dict[type, list[tuple[str, nn.Module]]] = {}
-        for name, child in container.named_children():
-            by_class.setdefault(type(child), []).append((f"{path}.{name}" if path else name, child))
-        for group in by_class.values():
-            if len(group) >= 2:
-                found.update((p, m) for p, m in group if any(True for _ in m.parameters()))
-    return found
-
-
-def first_paths(modules: dict[str, nn.Module]) -> dict[str, nn.Module]:
-    """A module registered twice is one module: its first path."""
-    seen: set[int] = set()
-    unique = {}
-    for p, m in modules.items():
-        if id(m) not in seen:
-            seen.add(id(m))
-            unique[p] = m
-    return unique
-
-
-def outermost(found: dict[str, nn.Module]) -> dict[str, nn.Module]:
-    """Those not inside another one (the rule before nested segments, with `same_class_groups`)."""
-    return {p: m for p, m in found.items() if not any(p.startswith(q + ".") for q in found)}
-
-
-def _params(modules: Any) -> int:
-    """Parameter elements of `modules` (each parameter once)."""
-    return sum(p.numel() for p in {id(p): p for m in modules for p in m.parameters()}.values())
 
 
 @dataclass(eq=False, slots=True)
