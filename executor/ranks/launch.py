@@ -12,9 +12,10 @@ Two ways in, one contract (`launch(fn, *args) -> [result of rank 0, …, result 
 1. the process group's `timeout` bounds every collective (gloo raises "Timed out waiting …" and closes
    the pair), so a rank waiting on a peer that stopped calling collectives fails by itself;
 2. a peer that dies makes gloo fail the survivors' collectives at once ("Connection reset/closed by peer");
-3. the parent's watchdog waits on the ranks' process sentinels: at the first non-zero exit it gives the
-   others a short grace period, then SIGTERM, then SIGKILL; at `timeout_s` it stops everyone. Each rank
-   also asks the kernel to SIGKILL it if this process dies (`PR_SET_PDEATHSIG`), so no rank outlives it.
+3. the parent's watchdog (hplan.executor.ranks.watchdog) waits on the ranks' process sentinels: at the first
+   non-zero exit it gives the others a short grace period, then SIGTERM, then SIGKILL; at `timeout_s` it stops
+   everyone. Each rank also asks the kernel to SIGKILL it if this process dies (`PR_SET_PDEATHSIG`), so no rank
+   outlives it.
 The error names the rank that failed *first*: a rank that died without raising (signal, `os._exit`), else
 the earliest recorded exception — the survivors' "connection closed by peer" errors come after the cause.
 
@@ -32,7 +33,6 @@ from __future__ import annotations
 import ctypes
 import datetime
 import json
-import multiprocessing.connection
 import os
 import pickle  # only to word spawn's failure to send `fn` (spawn pickles what it sends)
 import shutil
@@ -47,18 +47,17 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from hplan.artifacts.io import loads_bounded
 from hplan.errors import HplanError
 from hplan.executor.ranks.rank_results import read_result, result_path, write_result
+from hplan.executor.ranks.watchdog import DEBUG_HINT, failure_message, stop_ranks, supervise
+
+__all__ = ["DEBUG_HINT", "MAX_RANKS", "RENDEZVOUS_S", "TORCHRUN_VARS", "RankInfo", "env_world_size", "launch",
+           "torchrun_env", "under_torchrun"]
 
 TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 RENDEZVOUS_S = 120.0
 """Seconds every spawned rank may take to start (import torch) before the run is abandoned; the parent's
 watchdog (`timeout_s`) still bounds the whole call."""
-DEBUG_HINT = "set HPLAN_DEBUG=1 to see each rank's traceback"
-"""How a failure message points at the ranks' tracebacks (the CLI says `hplan --debug`: hplan.errors.PHRASES)."""
-GRACE_S = 2.0
-"""Seconds the surviving ranks get to fail by themselves (and record why) after the first failure."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -223,15 +222,15 @@ def _spawn(fn: Callable[..., Any], args: tuple[Any, ...], *, nprocs: int, backen
             raise HplanError(f"launch could not send the function or its arguments to the ranks ({_one_line(exc)}); "
                              "pass a module-level function and picklable arguments") from None
         procs = list(context.processes)
-        failed, stopped = _supervise(procs, timeout_s, lambda rank: result_path(workdir, rank).exists())
+        failed, stopped = supervise(procs, timeout_s, lambda rank: result_path(workdir, rank).exists())
         if stopped and failed is None:
             raise HplanError(f"ranks {stopped} of {nprocs} still running after {timeout_s:g} s (launch watchdog); "
                              "find the hang or raise timeout_s")
         if failed is not None:
-            raise HplanError(_failure_message(procs, workdir, stopped))
+            raise HplanError(failure_message(procs, workdir, stopped))
         return [read_result(workdir, rank, procs[rank].exitcode) for rank in range(nprocs)]
     finally:
-        _stop(procs)
+        stop_ranks(procs)
         shutil.rmtree(workdir, ignore_errors=True)
         del store
 
@@ -305,97 +304,11 @@ def _die_with_parent(parent: int) -> None:
         os._exit(1)
 
 
-def _supervise(procs: list[Any], timeout_s: float,
-               returned: Callable[[int], bool] = lambda rank: True) -> tuple[int | None, list[int]]:
-    """Wait for all ranks; on the first failure or at the deadline stop the rest. A rank fails by a non-zero exit,
-    or by exiting 0 without `returned` its result (`os._exit(0)` in the workload): its peers would otherwise wait
-    for it in their next collective until the timeout, then be blamed for it.
-
-    Returns (index of the first rank seen failing or None, ranks this function had to stop)."""
-    deadline = time.monotonic() + timeout_s
-    pending = {p.sentinel: i for i, p in enumerate(procs)}
-    failed: int | None = None
-    while pending and failed is None:
-        remaining = deadline - time.monotonic()
-        if remaining <= 0:
-            return None, _stop(procs)
-        for sentinel in multiprocessing.connection.wait(list(pending), timeout=min(remaining, 1.0)):
-            index = pending.pop(sentinel)
-            procs[index].join()
-            if (procs[index].exitcode != 0 or not returned(index)) and failed is None:
-                failed = index
-    if failed is None:
-        return None, []
-    grace = time.monotonic() + GRACE_S
-    for p in procs:
-        p.join(max(0.0, grace - time.monotonic()))
-    return failed, _stop(procs)
-
-
-def _stop(procs: list[Any]) -> list[int]:
-    """SIGTERM, then SIGKILL after a second, every rank still alive; returns their indices."""
-    alive = [i for i, p in enumerate(procs) if p.is_alive()]
-    for i in alive:
-        procs[i].terminate()
-    deadline = time.monotonic() + 1.0
-    for i in alive:
-        procs[i].join(max(0.0, deadline - time.monotonic()))
-        if procs[i].is_alive():
-            procs[i].kill()
-            procs[i].join()
-    return alive
-
-
-def _failure_message(procs: list[Any], workdir: Path, stopped: list[int]) -> str:
-    """One line naming the rank that failed first and why."""
-    world = len(procs)
-    records: dict[int, dict[str, Any]] = {}
-    silent: list[int] = []
-    for rank, p in enumerate(procs):
-        if rank in stopped or p.exitcode == 0 and result_path(workdir, rank).exists():
-            continue
-        path = workdir / f"rank{rank}.err"
-        if path.exists():
-            records[rank] = loads_bounded(path.read_bytes())
-        else:
-            silent.append(rank)
-    def others(cause: int) -> str:
-        later = sorted(r for r in [*records, *silent] if r != cause)
-        parts = ([f"failed after it: {later}"] if later else []) + ([f"stopped: {stopped}"] if stopped else [])
-        return "; ".join(parts) or "the other ranks had finished"
-
-    if silent:
-        rank = silent[0]
-        code = procs[rank].exitcode
-        how = (f"died from signal {_signal_name(-code)}" if code < 0 else f"exited with code {code}")
-        if code == 0:
-            how += " before returning its result,"
-        return (f"rank {rank} of {world} {how} without raising ({others(rank)}); check that rank for os._exit, "
-                "the OOM killer or an external kill")
-    if not records:  # exit code 0 but no result: handled by _read_result; keep a message anyway
-        return f"a rank of {world} failed without a record; rerun with fewer ranks to isolate it"
-    rank = min(records, key=lambda r: (records[r]["time"], r))
-    same = sorted(r for r in records if records[r]["error"] == records[rank]["error"])
-    if len(same) > 1:  # the ranks agreed on one error (e.g. a refusal every rank raises): say it once
-        later = sorted(r for r in [*records, *silent] if r not in same)
-        rest = "; ".join(([f"failed after them: {later}"] if later else []) + ([f"stopped: {stopped}"] if stopped
-                                                                                 else []))
-        return (f"ranks {same} of {world} failed: {records[rank]['error']}{f' ({rest})' if rest else ''}; "
-                f"{DEBUG_HINT}")
-    return f"rank {rank} of {world} failed: {records[rank]['error']} ({others(rank)}); {DEBUG_HINT}"
-
-
 def _write_atomic(path: Path, data: bytes) -> None:
     tmp = path.with_suffix(".tmp")
     tmp.write_bytes(data)
     os.replace(tmp, path)
 
-
-def _signal_name(number: int) -> str:
-    try:
-        return signal.Signals(number).name
-    except ValueError:
-        return f"#{number}"
 
 
 def _one_line(exc: BaseException) -> str:
