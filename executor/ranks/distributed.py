@@ -1,4 +1,7 @@
-"""DistRun: one rank of a many-rank plan, driven by the model's own events, on torch.distributed.
+"""DistRun: one rank of a many-rank plan, driven by the model's own events, on torch.distributed. Its event and
+collective methods are hplan.executor.ranks.dist_events, its updates and non-finite verdicts
+hplan.executor.ranks.dist_updates (mixins, as PlanRun's are); this module holds its state, setup and exit, gradient
+arrival, the loop habits it refuses and the per-iteration measurement.
 
 [Note: distributed executor step] As hplan.executor.runtime's [Note: executor step], with the plan's collectives
 ([Note: plan collectives] in hplan.artifacts.shard): at each observed event the run checks it is the plan's next
@@ -26,13 +29,13 @@ from typing import Any, Self
 import torch
 import torch.distributed as dist
 from hplan.executor.device import make_tier
-from hplan.executor.ranks.collectives import Pending
 from hplan.executor.ranks.in_flight import InFlight
-from hplan.executor.ranks.dist_comm import PlanComm, stop_together
-from hplan.executor.gradients import first_nonfinite, move_grad, nonfinite_message
+from hplan.executor.ranks.dist_comm import PlanComm
+from hplan.executor.ranks.dist_events import DistEvents
+from hplan.executor.ranks.dist_updates import DistUpdates
+from hplan.executor.gradients import move_grad
 from hplan.executor.habits import intercepted, with_step_hooks
 from hplan.executor.measure import WindowMeter, make_probe, window_bytes
-from hplan.executor.regions import move_regions
 from hplan.executor.step_table import moves_table
 from hplan.executor.runtime import check_plan
 from hplan.executor.ranks.shard_store import ShardStore
@@ -41,17 +44,13 @@ from hplan.executor.update import ChunkUpdate
 from torch import nn
 
 from hplan.artifacts import Plan, Step
-from hplan.artifacts.buckets import Bucket, plan_buckets
+from hplan.artifacts.buckets import plan_buckets
 from hplan.artifacts.replay import OPTIMIZER_EVENT, live_in, validate
-from hplan.artifacts.shard import prefetchable
 from hplan.errors import HplanError
 from hplan.grads import installed
 from hplan.hooks import OPTIMIZER_MODULE, EventHooks, canonical_params
 from hplan.optimizers import check_optimizer, check_owned, state_spec
 from hplan.precision import get_recipe
-
-REDUCTIONS = ("scatter", "sync")
-"""Purposes of the calls issued asynchronously after their step ([Note: collectives in flight])."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -92,7 +91,7 @@ def check_world(plan: Plan, world: int) -> None:
         raise HplanError("fp16 loss scaling is not supported on many ranks yet; use bf16-mixed or fp32")
 
 
-class DistRun:
+class DistRun(DistEvents, DistUpdates):
     """Context manager replaying a many-rank plan on this rank (torch.distributed must be initialised)."""
 
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, plan: Plan, *, device: str = "cpu",
@@ -242,214 +241,6 @@ class DistRun:
                 a, b = store.layouts[c.id].offsets[n]
                 store.params[n].data = values[c.id][a:b].clone().view(store.params[n].shape)
                 store.params[n].grad = None
-
-    # -- events ---------------------------------------------------------------------------------------
-    def on_event(self, kind: str, module: str) -> None:
-        actual, steps = f"{kind}:{module}", self.plan.steps
-        if self.cursor >= len(steps):
-            raise HplanError(f"event {actual!r} after the plan's last step; call optimizer.step() once per iteration")
-        step = steps[self.cursor]
-        if step.event != actual:
-            raise HplanError(f"event mismatch at plan step {step.index}: expected {step.event!r}, got {actual!r}; "
-                             "re-trace and re-plan this workload")
-        if self.cursor == 0 and not self._zeroed:
-            raise HplanError("a new iteration began without optimizer.zero_grad() after the last optimizer.step(); "
-                             "zero gradients every step")
-        if self.cursor == 0:
-            self._mark = self._counters()
-        self.flight.settle_older(self.cursor)
-        self._close_window()
-        self._finish_previous(step)
-        self._do_step(step)
-        self.cursor += 1
-
-    def _finish_previous(self, following: Step) -> None:
-        """The previous step's `after` calls and ÷N, then free the full weight copies it gathered — except those
-        the following step reads again: a run of consecutive steps reading a chunk shares one gather
-        ([Note: plan collectives])."""
-        step, self._previous = self._previous, None
-        if step is None:
-            return
-        self._after(step)
-        reads = set(following.reads) if following.event != OPTIMIZER_EVENT else set()
-        keep = {c for c in self._gathered if self.store.region(c, "param") in reads}
-        for c in sorted(self._gathered - keep):
-            self.store.hide_weights(c)
-            self.store.close_full(self.store.gather_buf[c])
-        self._gathered &= keep
-
-    def _after(self, step: Step) -> None:
-        """The step's `after` calls, reductions asynchronous ([Note: collectives in flight]); a call on a region
-        whose previous reduction is still running (a sync after its scatter) waits for it first."""
-        for bucket in self.buckets[step.index][1]:
-            self._call(bucket, async_op=bucket.first.purpose in REDUCTIONS)
-        views: dict[Pending | None, list[torch.Tensor]] = {}
-        for r in self._synced_after.get(step.index, ()):
-            chunk = self.store.slots[r].region.chunk
-            lay = self.store.layouts[chunk]
-            at = self.store.pieces.storage_offset(self.store.sharding, chunk, "grad")
-            views.setdefault(self.flight.latest(r), []).append(self.store.typed(r)[at:at + lay.piece])
-        for held, pieces in views.items():  # ÷N once the last reduction of each region is in: one operator per call
-            if held is not None:
-                held.then(lambda v=pieces: torch._foreach_div_(v, self.world))
-            else:
-                with torch.no_grad():
-                    torch._foreach_div_(pieces, self.world)
-        self._sample()
-
-    def _call(self, bucket: Bucket, *, async_op: bool = False) -> Pending:
-        """One bucket's call (the plan's call itself when it is alone), after the reductions still running on its
-        regions."""
-        chunks = [self.store.slots[r].region.chunk for r in bucket.regions]
-        for r in bucket.regions:
-            self.flight.settle(r)
-        if len(bucket.calls) == 1:
-            pending = self.comm.run(bucket.first, self.store, first_scatter=chunks[0] not in self._scattered,
-                                    async_op=async_op)
-        else:
-            pending = self.comm.run_bucket(bucket.calls, self.store, first=lambda c: c not in self._scattered,
-                                           async_op=async_op)
-        purpose = bucket.first.purpose
-        for r, chunk in zip(bucket.regions, chunks):
-            if purpose == "scatter":
-                self._scattered.add(chunk)
-            elif purpose == "gather":
-                self._gathered.add(chunk)
-            self.flight.reduction(r, self.cursor, pending)
-        self._sample()
-        return pending
-
-    def _prefetch(self, t: int) -> None:
-        """Issue step t's weight gathers now, one step ahead, where the plan reserves it (`prefetchable`) and
-        the shard is resident and stays so until t: every rank decides alike from the plan alone."""
-        steps, store = self.plan.steps, self.store
-        if t >= len(steps) or not prefetchable(t, self._opt_index):
-            return
-        moves = self._moves[t]
-        moved = {r for r, _ in moves.evict} | set(moves.fetch) | set(moves.alloc)
-        before = [c for c in steps[t].collectives if c.before]
-        for bucket in self.buckets[t][0]:
-            if bucket.first.purpose != "gather":
-                continue
-            ahead = all(r not in moved and store.slots[r].state.on_fast_tier for r in bucket.regions)
-            for call in bucket.calls:  # not past an updated-piece gather of its region at t
-                i = before.index(call)
-                ahead = ahead and not any(c.region == call.region for c in before[:i])
-            if not ahead:
-                continue
-            if len(bucket.calls) == 1:
-                pending = self.comm.run(bucket.first, store, first_scatter=False, async_op=True)
-            else:
-                pending = self.comm.run_bucket(bucket.calls, store, first=lambda c: False, async_op=True)
-            for r in bucket.regions:
-                self.flight.gather_ahead(store.slots[r].region.chunk, pending)
-        self._sample()
-
-    def _do_step(self, step: Step) -> None:
-        store = self.store
-        moves = self._moves[self.cursor]
-        if self.flight.reductions:
-            for rid in (*(r for r, _ in moves.evict), *moves.fetch, *moves.alloc):
-                self.flight.settle(rid)
-        move_regions(store, moves)
-        store.require(step.needs, f"plan step {step.index} ({step.event})")
-        for bucket in self.buckets[self.cursor][0]:
-            chunks = [store.slots[r].region.chunk for r in bucket.regions]
-            if bucket.first.purpose == "gather" and all([self.flight.take_gather(c) for c in chunks]):
-                self._gathered.update(chunks)  # issued one step ahead, as one bucket
-                continue
-            self._call(bucket)
-            if bucket.first.purpose == "update_gather":
-                store.mark_dirty(bucket.first.region)
-        if step.event == OPTIMIZER_EVENT:
-            self.flight.settle_all()
-            self._update(sorted(step.host_updates) + sorted(c for c, u in self.updates.items() if u.where == "gpu"),
-                         step)
-            self._after(step)
-        else:
-            self._update(step.host_updates, step)
-            self._previous = step
-            self._prefetch(self.cursor + 1)
-        self._sample()
-
-    def agree_before_update(self, problem: str | None) -> None:
-        """[Note: ranks stop together], without the wait: this rank's verdict (`problem` in words, or None) goes out
-        in an all-reduce now, and the run waits for it only before the iteration first updates anything (the first
-        host update, else the optimizer step), where every rank raises the lowest finder's words or all go on.
-        hplan run checks each loss this way (hplan.executor.ranks.dist_train): the backward runs beside the call
-        instead of behind a rendezvous per step, and nothing is updated or saved either way."""
-        self._settle_agreement()
-        flag = torch.tensor([self.rank if problem is not None else self.world], device=self.tier.device)
-        self._agreement = (dist.all_reduce(flag, op=dist.ReduceOp.MIN, async_op=True), flag, problem)
-
-    def _settle_agreement(self) -> None:
-        if self._agreement is None:
-            return
-        work, flag, problem = self._agreement
-        self._agreement = None
-        work.wait()
-        finder = int(flag)
-        if finder != self.world:
-            message = [problem]
-            dist.broadcast_object_list(message, src=finder)
-            raise HplanError(str(message[0]))
-
-    def _update(self, chunks: tuple[int, ...] | list[int], step: Step) -> None:
-        """These chunks' updates together: one optimizer call per place and param group (UpdateBatch)."""
-        self._settle_agreement()  # before anything of this iteration is updated
-        self._updated.update(chunks)
-        for c in chunks:  # a host update reads the chunk's reduced gradient
-            self.flight.settle(self.store.region(c, "grad"))
-        mine = tuple(c for c in chunks if c in self.updates)  # a piece that is padding only has no update
-        parts = [(part, where) for where in ("cpu", "gpu")
-                 if (part := tuple(c for c in mine if (self.updates[c].where == "cpu") == (where == "cpu")))]
-        if self.nonfinite == "stop" and (chunks or step.event == OPTIMIZER_EVENT):
-            # every rank reaches this point at this step (the plan's chunks, not this rank's pieces, decide)
-            problem = None
-            for part, where in parts:  # every part checked before any is stepped
-                with self._memory_of(where):
-                    problem = problem or self._nonfinite_problem(part, step)
-            if not self._replicated_grads:
-                stop_together(problem, rank=self.rank, world=self.world, device=self.tier.device)
-            elif problem is not None:  # every rank found it ([Note: replicated verdicts])
-                raise HplanError(problem)
-        for part, where in parts:  # host updates' temporaries are host memory ([Note: host work off the fast tier])
-            batch = self._batches.get(part)
-            if batch is None:
-                batch = self._batches[part] = UpdateBatch([self.updates[c] for c in part])
-            with self._memory_of(where):
-                batch.step(self.written)
-        for c in mine:
-            if self.updates[c].where == "gpu":
-                for kind in ("param", "master", "state"):
-                    rid = self.store.region(c, kind)
-                    if rid is not None:
-                        self.store.mark_dirty(rid)
-
-    def _memory_of(self, where: str) -> contextlib.AbstractContextManager[None]:
-        """Where an update's temporaries live: the host's memory for a host update, else the fast tier's."""
-        if where == "cpu" and self.meter is not None:
-            return self.meter.host_work()
-        return contextlib.nullcontext()
-
-    def _nonfinite_problem(self, chunks: tuple[int, ...], step: Step) -> str | None:
-        """The first of this rank's gradient pieces about to be used that holds an inf or NaN, in words naming the
-        parameter, the training step and this rank — or None. Each rank checks only its own pieces; the ranks then
-        agree in one collective ([Note: ranks stop together]), so all stop at this step with the same message
-        before any rank updates anything of it. A rank stopping alone would leave the others to fail in their next
-        collective ("connection closed by peer") or wait out the timeout. Only under nonfinite="stop": "ignore"
-        makes no extra collective, as plain PyTorch."""
-        names, grads = [], []
-        for c in chunks:
-            u = self.updates[c]
-            written = [n for n in u.names if n in self.written]
-            names += written
-            grads += list(u.fp32_grads(set(written), None).values()) if u.master else [u.grad[n] for n in written]
-        bad = first_nonfinite(names, grads)
-        if bad is None:
-            return None
-        seen = 0 if self._replicated_grads else self.rank  # [Note: replicated verdicts]: every rank sees it
-        return nonfinite_message(bad, self.first_step + self.iteration, step, f" on rank {seen}")
 
     # -- gradients ------------------------------------------------------------------------------------
     def _on_grad(self, p: torch.Tensor) -> None:

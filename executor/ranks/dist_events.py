@@ -1,0 +1,175 @@
+"""DistRun's events: each hook event checked against the plan's next step, and the step done with its collectives
+around it ([Note: distributed executor step] in hplan.executor.ranks.distributed): the previous step's `after`
+calls and ÷N, this step's moves and `before` calls, weight gathers issued one step ahead ([Note: collectives in
+flight] in hplan.artifacts.shard). A mixin of hplan.executor.ranks.distributed.DistRun, kept apart to keep that
+file readable (as hplan.executor.events is for PlanRun).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from hplan.executor.ranks.collectives import Pending
+from hplan.executor.ranks.dist_comm import PlanComm
+from hplan.executor.ranks.in_flight import InFlight
+from hplan.executor.ranks.shard_store import ShardStore
+from hplan.executor.regions import move_regions
+
+from hplan.artifacts import Plan, Step
+from hplan.artifacts.buckets import Bucket
+from hplan.artifacts.replay import OPTIMIZER_EVENT
+from hplan.artifacts.shard import prefetchable
+from hplan.errors import HplanError
+
+REDUCTIONS = ("scatter", "sync")
+"""Purposes of the calls issued asynchronously after their step ([Note: collectives in flight])."""
+
+
+class DistEvents:
+    """Event and collective methods of DistRun (which sets every attribute declared here)."""
+
+    plan: Plan
+    store: ShardStore
+    comm: PlanComm
+    flight: InFlight
+    world: int
+    cursor: int
+    buckets: Any
+    updates: dict[int, Any]
+    _moves: Any
+    _opt_index: int | None
+    _previous: Step | None
+    _zeroed: bool
+    _mark: tuple[int, int, int, int, int]
+    _scattered: set[int]
+    _gathered: set[int]
+    _synced_after: dict[int, list[int]]
+
+    def on_event(self, kind: str, module: str) -> None:
+        actual, steps = f"{kind}:{module}", self.plan.steps
+        if self.cursor >= len(steps):
+            raise HplanError(f"event {actual!r} after the plan's last step; call optimizer.step() once per iteration")
+        step = steps[self.cursor]
+        if step.event != actual:
+            raise HplanError(f"event mismatch at plan step {step.index}: expected {step.event!r}, got {actual!r}; "
+                             "re-trace and re-plan this workload")
+        if self.cursor == 0 and not self._zeroed:
+            raise HplanError("a new iteration began without optimizer.zero_grad() after the last optimizer.step(); "
+                             "zero gradients every step")
+        if self.cursor == 0:
+            self._mark = self._counters()
+        self.flight.settle_older(self.cursor)
+        self._close_window()
+        self._finish_previous(step)
+        self._do_step(step)
+        self.cursor += 1
+
+    def _finish_previous(self, following: Step) -> None:
+        """The previous step's `after` calls and ÷N, then free the full weight copies it gathered — except those
+        the following step reads again: a run of consecutive steps reading a chunk shares one gather
+        ([Note: plan collectives])."""
+        step, self._previous = self._previous, None
+        if step is None:
+            return
+        self._after(step)
+        reads = set(following.reads) if following.event != OPTIMIZER_EVENT else set()
+        keep = {c for c in self._gathered if self.store.region(c, "param") in reads}
+        for c in sorted(self._gathered - keep):
+            self.store.hide_weights(c)
+            self.store.close_full(self.store.gather_buf[c])
+        self._gathered &= keep
+
+    def _after(self, step: Step) -> None:
+        """The step's `after` calls, reductions asynchronous ([Note: collectives in flight]); a call on a region
+        whose previous reduction is still running (a sync after its scatter) waits for it first."""
+        for bucket in self.buckets[step.index][1]:
+            self._call(bucket, async_op=bucket.first.purpose in REDUCTIONS)
+        views: dict[Pending | None, list[torch.Tensor]] = {}
+        for r in self._synced_after.get(step.index, ()):
+            chunk = self.store.slots[r].region.chunk
+            lay = self.store.layouts[chunk]
+            at = self.store.pieces.storage_offset(self.store.sharding, chunk, "grad")
+            views.setdefault(self.flight.latest(r), []).append(self.store.typed(r)[at:at + lay.piece])
+        for held, pieces in views.items():  # ÷N once the last reduction of each region is in: one operator per call
+            if held is not None:
+                held.then(lambda v=pieces: torch._foreach_div_(v, self.world))
+            else:
+                with torch.no_grad():
+                    torch._foreach_div_(pieces, self.world)
+        self._sample()
+
+    def _call(self, bucket: Bucket, *, async_op: bool = False) -> Pending:
+        """One bucket's call (the plan's call itself when it is alone), after the reductions still running on its
+        regions."""
+        chunks = [self.store.slots[r].region.chunk for r in bucket.regions]
+        for r in bucket.regions:
+            self.flight.settle(r)
+        if len(bucket.calls) == 1:
+            pending = self.comm.run(bucket.first, self.store, first_scatter=chunks[0] not in self._scattered,
+                                    async_op=async_op)
+        else:
+            pending = self.comm.run_bucket(bucket.calls, self.store, first=lambda c: c not in self._scattered,
+                                           async_op=async_op)
+        purpose = bucket.first.purpose
+        for r, chunk in zip(bucket.regions, chunks):
+            if purpose == "scatter":
+                self._scattered.add(chunk)
+            elif purpose == "gather":
+                self._gathered.add(chunk)
+            self.flight.reduction(r, self.cursor, pending)
+        self._sample()
+        return pending
+
+    def _prefetch(self, t: int) -> None:
+        """Issue step t's weight gathers now, one step ahead, where the plan reserves it (`prefetchable`) and
+        the shard is resident and stays so until t: every rank decides alike from the plan alone."""
+        steps, store = self.plan.steps, self.store
+        if t >= len(steps) or not prefetchable(t, self._opt_index):
+            return
+        moves = self._moves[t]
+        moved = {r for r, _ in moves.evict} | set(moves.fetch) | set(moves.alloc)
+        before = [c for c in steps[t].collectives if c.before]
+        for bucket in self.buckets[t][0]:
+            if bucket.first.purpose != "gather":
+                continue
+            ahead = all(r not in moved and store.slots[r].state.on_fast_tier for r in bucket.regions)
+            for call in bucket.calls:  # not past an updated-piece gather of its region at t
+                i = before.index(call)
+                ahead = ahead and not any(c.region == call.region for c in before[:i])
+            if not ahead:
+                continue
+            if len(bucket.calls) == 1:
+                pending = self.comm.run(bucket.first, store, first_scatter=False, async_op=True)
+            else:
+                pending = self.comm.run_bucket(bucket.calls, store, first=lambda c: False, async_op=True)
+            for r in bucket.regions:
+                self.flight.gather_ahead(store.slots[r].region.chunk, pending)
+        self._sample()
+
+    def _do_step(self, step: Step) -> None:
+        store = self.store
+        moves = self._moves[self.cursor]
+        if self.flight.reductions:
+            for rid in (*(r for r, _ in moves.evict), *moves.fetch, *moves.alloc):
+                self.flight.settle(rid)
+        move_regions(store, moves)
+        store.require(step.needs, f"plan step {step.index} ({step.event})")
+        for bucket in self.buckets[self.cursor][0]:
+            chunks = [store.slots[r].region.chunk for r in bucket.regions]
+            if bucket.first.purpose == "gather" and all([self.flight.take_gather(c) for c in chunks]):
+                self._gathered.update(chunks)  # issued one step ahead, as one bucket
+                continue
+            self._call(bucket)
+            if bucket.first.purpose == "update_gather":
+                store.mark_dirty(bucket.first.region)
+        if step.event == OPTIMIZER_EVENT:
+            self.flight.settle_all()
+            self._update(sorted(step.host_updates) + sorted(c for c, u in self.updates.items() if u.where == "gpu"),
+                         step)
+            self._after(step)
+        else:
+            self._update(step.host_updates, step)
+            self._previous = step
+            self._prefetch(self.cursor + 1)
+        self._sample()
