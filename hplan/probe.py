@@ -179,6 +179,21 @@ def tensors_in(obj: Any, out: list[torch.Tensor] | None = None) -> list[torch.Te
     return out
 
 
+_WRITES: dict[Any, tuple[tuple[int, str], ...]] = {}
+"""Operator → (position, name) of the arguments its schema marks written in place (`(a!)`), read once per op."""
+
+
+def written_tensors(func: Any, args: Any, kwargs: Any) -> list[torch.Tensor]:
+    """The tensors an operator writes in place: the arguments its schema marks `(a!)`, positional or keyword."""
+    where = _WRITES.get(func)
+    if where is None:
+        where = _WRITES[func] = tuple((i, a.name) for i, a in enumerate(func._schema.arguments)
+                                      if a.alias_info is not None and a.alias_info.is_write)
+    if not where:
+        return []
+    return tensors_in([args[i] if i < len(args) else kwargs.get(name) for i, name in where])
+
+
 def new_outputs(args: Any, kwargs: Any, out: Any) -> list[torch.Tensor]:
     """Output tensors whose storage no input shares: what the operator allocated (in-place and
     out= results are the caller's memory, even when it was created before tracking began)."""

@@ -30,3 +30,15 @@ def test_compiled_code_under_the_probe_still_runs_and_counts() -> None:
         y = torch.compile(f, backend="eager")(x)
         assert torch.equal(y, f(x))
     assert probe.ledger.peak >= y.nbytes
+
+
+def test_written_tensors_are_the_schema_s_in_place_arguments_positional_or_keyword() -> None:
+    """hplan.probe.written_tensors, which the tracer's segment watch and the fake tracer's known values share."""
+    from hplan.probe import written_tensors
+
+    aten = torch.ops.aten
+    a, b, out = torch.ones(2), torch.ones(2), torch.empty(2)
+    assert written_tensors(aten.add_.Tensor, (a, b), {}) == [a]
+    assert written_tensors(aten.add.Tensor, (a, b), {}) == []
+    assert written_tensors(aten.add.out, (a, b), {"out": out}) == [out]
+    assert written_tensors(aten._foreach_add_.Scalar, ([a, b], 1.0), {}) == [a, b]

@@ -41,7 +41,7 @@ from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode, unset_fake
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_map_only
 
-from hplan.probe import storage_key, tensors_in
+from hplan.probe import storage_key, tensors_in, written_tensors
 
 Kernel = Callable[[Any, tuple, dict], Any]
 aten = torch.ops.aten
@@ -157,8 +157,6 @@ class KnownValues:
     """
 
     def __init__(self) -> None:
-        self._writes: dict[Any, tuple[tuple[int, str], ...]] = {}
-        """Per operator: positions / names of the arguments it writes into (its schema's `(a!)`)."""
         self._lost: weakref.WeakSet[torch.Generator] = weakref.WeakSet()
         """Generators that drew numbers the trace did not compute: their later draws differ from the real run."""
 
@@ -201,15 +199,10 @@ class KnownValues:
             if hasattr(t.untyped_storage(), _VALUE):
                 delattr(t.untyped_storage(), _VALUE)
 
-    def _written(self, func: Any, args: tuple, kwargs: dict) -> list[torch.Tensor]:
-        where = self._writes.get(func)
-        if where is None:
-            where = self._writes[func] = tuple((i, a.name) for i, a in enumerate(func._schema.arguments)
-                                               if a.alias_info is not None and a.alias_info.is_write)
-        if not where:
-            return []
-        picked = [args[i] if i < len(args) else kwargs.get(name) for i, name in where]
-        return [t for t in tensors_in(picked) if isinstance(t, FakeTensor)]
+    @staticmethod
+    def _written(func: Any, args: tuple, kwargs: dict) -> list[torch.Tensor]:
+        """The fake tensors the operator writes in place (its schema's `(a!)` arguments)."""
+        return [t for t in written_tensors(func, args, kwargs) if isinstance(t, FakeTensor)]
 
     @staticmethod
     def _argument(func: Any, args: tuple, kwargs: dict, name: str) -> Any:

@@ -21,7 +21,7 @@ import torch
 from torch import nn
 from torch.utils.weak import WeakIdKeyDictionary
 
-from hplan.probe import storage_key, tensors_in
+from hplan.probe import storage_key, tensors_in, written_tensors
 from hplan.checkpoint_policy import SAVE_OPS, unreplayable
 from hplan.tracer.segment_candidates import candidates
 
@@ -117,7 +117,6 @@ class SegmentTracker:
         self._pending: list[Saved] = []
         self._watching: list[Call] = []
         self._inputs_of: dict[int, list[Call]] = {}
-        self._writes: dict[Any, tuple[tuple[int, str], ...]] = {}
 
     # -- setup ------------------------------------------------------------------------------------------
     @contextlib.contextmanager
@@ -275,7 +274,7 @@ class SegmentTracker:
         if call is not None and self.recorder.phase == "forward":
             for t in fresh:
                 call.created.add(storage_key(t))
-            for t in self._written(func, args, kwargs):
+            for t in written_tensors(func, args, kwargs):
                 key = storage_key(t)
                 if key not in call.created:
                     self._mutation(call, key, func)
@@ -353,13 +352,3 @@ class SegmentTracker:
             why = f"it writes in place to a tensor created outside it ({name}), which a recompute would do twice"
         if why not in call.reasons:
             call.reasons.append(why)
-
-    def _written(self, func: Any, args: Any, kwargs: Any) -> list[torch.Tensor]:
-        where = self._writes.get(func)
-        if where is None:
-            where = self._writes[func] = tuple((i, a.name) for i, a in enumerate(func._schema.arguments)
-                                               if a.alias_info is not None and a.alias_info.is_write)
-        if not where:
-            return []
-        picked = [args[i] if i < len(args) else kwargs.get(name) for i, name in where]
-        return tensors_in(picked)
