@@ -13,10 +13,11 @@ import math
 
 import pytest
 from fake_models import HF_SIZES
+from mix_coverage import budgets, forced_mixes, hardware
 
 from hplan.artifacts import Plan, Trace
 from hplan.artifacts.choice_log import mix_slack
-from hplan.planner import PlanOptions, make_hardware, make_plan, min_gpu_bytes, trace_slack
+from hplan.planner import PlanOptions, make_plan, min_gpu_bytes, trace_slack
 from hplan.planner.activations import with_slack
 from hplan.planner.make import mix_decisions, plan_mix
 from hplan.planner.slack import least_reserve, mix_figure
@@ -60,10 +61,6 @@ def objective(plan: Plan) -> int:
         if c.choice == "recompute" else 0 for c in plan.activations)
 
 
-def hardware(trace: Trace, gpu: str, gpu_bytes: int):
-    return make_hardware(gpu, gpu_bytes=gpu_bytes, **trace_slack(trace))
-
-
 def test_the_trace_carries_a_log_that_replays_its_pure_figures(gpt2_5, tmp_path):
     trace = gpt2_5
     n = len(trace.segments)
@@ -100,12 +97,6 @@ def test_a_plan_forced_to_any_mix_reserves_its_own_replayed_slack(gpt2_5, every)
         assert plan.summary.feasible, mix
 
 
-def _budgets(trace: Trace, gpu: str, n: int) -> list[int]:
-    low = min_gpu_bytes(trace, hardware(trace, gpu, 1)).gpu_bytes
-    high = min_gpu_bytes(trace, hardware(trace, gpu, 1), activations="keep").gpu_bytes + trace.model_bytes
-    return [low + (high - low) * k // (n - 1) for k in range(n)]
-
-
 @pytest.mark.parametrize("gpu", [pytest.param("cpu", marks=pytest.mark.slow), "rtx3090"])  # CI time: one GPU fast
 @pytest.mark.parametrize("case", [pytest.param("llama8", marks=pytest.mark.slow), "gpt2_5"])  # CI time: llama8 in full
 @pytest.mark.parametrize("n", [5, pytest.param(20, marks=pytest.mark.slow)])
@@ -114,7 +105,7 @@ def test_auto_is_no_worse_than_any_forced_choice_and_its_bound_covers_them(case,
     plan's objective, and where keep fits without moving model data auto moves nothing."""
     trace = request.getfixturevalue(case)
     slack_rounding = len(trace.segments)  # each recompute's cost is rounded up to a byte
-    for budget in _budgets(trace, gpu, n):
+    for budget in budgets(trace, gpu, n):
         hw = hardware(trace, gpu, budget)
         auto = make_plan(trace, hw)
         assert auto.summary.feasible, budget
@@ -154,7 +145,7 @@ def test_on_the_cpu_tier_autos_predicted_step_is_at_most_every_forced_choices(ll
     """Section 11's check on a fake trace of its Llama: on the CPU tier (no copy engines) the objective is the
     step time's changing part, so from auto's minimum to all-resident no forced choice predicts a shorter step."""
     trace = llama8
-    for budget in _budgets(trace, "cpu", 5):
+    for budget in budgets(trace, "cpu", 5):
         hw = hardware(trace, "cpu", budget)
         auto = make_plan(trace, hw).summary
         for choice in (*FORCED, "selective"):
@@ -262,7 +253,7 @@ def test_autos_bound_covers_a_mix_reserving_less_than_the_sample(gpt2_5):
     search bound alone (under the sample) was 904,843, above it. Auto's bound covers it ([Note: a mix's
     reserve])."""
     trace = gpt2_5
-    low, high = _budgets(trace, "cpu", 2)
+    low, high = budgets(trace, "cpu", 2)
     hw = hardware(trace, "cpu", int(low + (high - low) * 0.1))
     mix = ("recompute",) * 4 + ("keep",)
     forced = plan_mix(trace, hw, mix)
@@ -280,14 +271,7 @@ def test_autos_bound_is_at_most_every_mixs_objective(gpt2_5, gpu, n, every):
     rounding = len(trace.segments)  # each recompute's cost is rounded up to a byte
     checked = 0
     mixes = _mixed(trace, hardware(trace, gpu, 1), every)  # a mix's own figure does not depend on the budget
-    for budget in _budgets(trace, gpu, n):
-        hw = hardware(trace, gpu, budget)
-        auto = make_plan(trace, hw)
-        assert auto.summary.feasible, budget
-        for mix in mixes:
-            forced = plan_mix(trace, hw, mix)
-            if not forced.summary.feasible:
-                continue
-            checked += 1
-            assert auto.summary.lower_bound_bytes <= objective(forced) + rounding, (budget, mix)
+    for auto, mix, forced in forced_mixes(trace, gpu, budgets(trace, gpu, n), mixes):
+        checked += 1
+        assert auto.summary.lower_bound_bytes <= objective(forced) + rounding, (auto.gpu_bytes, mix)
     assert checked

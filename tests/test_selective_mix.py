@@ -14,6 +14,7 @@ import itertools
 
 import pytest
 from fake_models import HF_SIZES
+from mix_coverage import budgets, forced_mixes, hardware
 
 import hplan.planner.activation_min as activation_min
 import hplan.planner.slack as slack
@@ -39,17 +40,6 @@ def gpt2_5():
 
 def objective(plan: Plan) -> int:
     return plan.summary.bytes_moved_per_iter + plan.summary.activation_cost_bytes
-
-
-def hardware(trace, gpu: str, gpu_bytes: int):
-    return make_hardware(gpu, gpu_bytes=gpu_bytes, **trace_slack(trace))
-
-
-def budgets(trace, gpu: str, n: int) -> list[int]:
-    """`n` budgets from auto's smallest to all-resident (bench section 15's scan)."""
-    low = min_gpu_bytes(trace, hardware(trace, gpu, 1)).gpu_bytes
-    high = min_gpu_bytes(trace, hardware(trace, gpu, 1), activations="keep").gpu_bytes + trace.model_bytes
-    return [low + (high - low) * k // (n - 1) for k in range(n)]
 
 
 def without_selective_mix(monkeypatch) -> None:
@@ -103,21 +93,13 @@ def test_autos_bound_and_objective_cover_every_mix_with_selective_blocks(gpt2_5,
     trace = gpt2_5
     rounding = len(trace.segments)  # each recompute's or selective call's cost is rounded up to a byte
     checked = 0
-    mixes = _selective_mixes(every)
     scan = budgets(trace, gpu, 5)
-    for budget in (scan[k] for k in picks):
-        hw = hardware(trace, gpu, budget)
-        auto = make_plan(trace, hw)
-        assert auto.summary.feasible, budget
-        for mix in mixes:
-            forced = plan_mix(trace, hw, mix)
-            if not forced.summary.feasible:
-                continue
-            checked += 1
-            assert auto.summary.lower_bound_bytes <= objective(forced) + rounding, (budget, mix)
-            assert objective(auto) <= objective(forced) + rounding, (budget, mix)
-            own = mix_figure(trace, hw, list(mix))
-            assert own is None or forced.hardware.slack_bytes >= own, mix
+    for auto, mix, forced in forced_mixes(trace, gpu, [scan[k] for k in picks], _selective_mixes(every)):
+        checked += 1
+        assert auto.summary.lower_bound_bytes <= objective(forced) + rounding, (auto.gpu_bytes, mix)
+        assert objective(auto) <= objective(forced) + rounding, (auto.gpu_bytes, mix)
+        own = mix_figure(trace, auto.hardware, list(mix))
+        assert own is None or forced.hardware.slack_bytes >= own, mix
     assert checked
 
 
