@@ -7,14 +7,14 @@ file readable (as hplan.executor.events is for PlanRun).
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 from hplan.executor.ranks.collectives import Pending
 from hplan.executor.ranks.dist_comm import PlanComm
 from hplan.executor.ranks.in_flight import InFlight
 from hplan.executor.ranks.shard_store import ShardStore
 from hplan.executor.regions import move_regions
+from hplan.executor.step_table import Moves
+from hplan.executor.update import ChunkUpdate
 
 from hplan.artifacts import Plan, Step
 from hplan.artifacts.buckets import Bucket
@@ -35,9 +35,9 @@ class DistEvents:
     flight: InFlight
     world: int
     cursor: int
-    buckets: Any
-    updates: dict[int, Any]
-    _moves: Any
+    buckets: list[tuple[tuple[Bucket, ...], tuple[Bucket, ...]]]
+    updates: dict[int, ChunkUpdate]
+    _moves: list[Moves]
     _opt_index: int | None
     _previous: Step | None
     _zeroed: bool
