@@ -27,17 +27,17 @@ def _rank(info: Any, spec: str, plans: list[dict[str, Any]], steps: int, inf_at:
 
     from hplan.artifacts import Plan
     from hplan.errors import HplanError
-    from hplan.executor.ranks import distributed
+    from hplan.executor.ranks import dist_updates, distributed
     from hplan.training import build_optimizer
 
     agreements = [0]
-    real = distributed.stop_together
+    real = dist_updates.stop_together  # where DistRun's updates call it
 
     def counting(*args: Any, **kwargs: Any) -> None:
         agreements[0] += 1
         real(*args, **kwargs)
 
-    distributed.stop_together = counting
+    dist_updates.stop_together = counting
     out = []
     for plan in plans:
         workload = load_workload(spec)
@@ -58,7 +58,7 @@ def _rank(info: Any, spec: str, plans: list[dict[str, Any]], steps: int, inf_at:
             error = str(exc)
         out.append({"agreements": agreements[0], "losses": losses, "error": error,
                     "checksum": float(sum(p.detach().double().sum() for p in model.parameters()))})
-    distributed.stop_together = real
+    dist_updates.stop_together = real
     return {"runs": out}
 
 
