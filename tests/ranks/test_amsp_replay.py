@@ -33,7 +33,7 @@ def _ranked(rows: dict) -> list[str]:
     return sorted(rows, key=lambda name: -rows[name].mfu)
 
 
-def test_7b_at_1024_gpus_ranks_as_the_paper_measured():
+def test_7b_at_1024_gpus_amsp_first_mics_second_zero3_last():
     rows = _rows("7b", 1024)
     order = _ranked(rows)
     assert order[0] == "AMSP" and rows["AMSP"].factors == "1/1/8"
