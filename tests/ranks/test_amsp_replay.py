@@ -147,12 +147,14 @@ def test_zero1_and_mics_tie_where_treated_alike_as_section_8_says():
     """Section 8's account (bench/multigpu_ranking.py): as each code runs, MiCS leads ZeRO-1 by its overlap; with
     both overlapped, or neither, they tie (the paper: 36% against 35%). If the model moves, the note's claim must
     move with it."""
-    from bench.multigpu_ranking import host_loop_views, readings
+    from bench.multigpu_ranking import host_loop_note, host_loop_views, readings, zero1_vs_mics
     from hplan.planner.ranks.amsp_replay import hardware_for
 
     rows = _rows("7b", 1024)
     trace = llama_trace("7b", micro_batches=micro_batches(1024))
-    read = readings(trace, rows, hardware_for(trace, 1024))
+    hw = hardware_for(trace, 1024)
+    read = readings(trace, rows, hw)
+    assert "none is made" in zero1_vs_mics(trace, rows, hw) and "not modelled" in host_loop_note(trace, rows, 1024, 8)
     assert rows["MiCS"].mfu - rows["ZeRO-1"].mfu > 0.05
     assert abs(read["zero1_overlapped"] - rows["MiCS"].mfu) < 0.005
     assert abs(read["blocking"]["ZeRO-1"] - read["blocking"]["MiCS"]) < 0.005
