@@ -25,8 +25,9 @@ from typing import Any
 from bench.harness import fmt_pct
 
 
-def zero1_vs_mics(trace: Any, rows: dict, hw: Any) -> str:
-    """The note on ZeRO-1 against MiCS for LLaMA-7B on 1,024 GPUs, from this run's plans."""
+def zero1_vs_mics(trace: Any, rows: dict, hw: Any, read: dict[str, Any] | None = None) -> str:
+    """The note on ZeRO-1 against MiCS for LLaMA-7B on 1,024 GPUs, from this run's plans (and `readings` of
+    them, computed here unless given)."""
     from hplan.planner.ranks.collectives import World, block_group, collective_cost, strided_group
 
     world = World.from_hardware(hw)
@@ -39,7 +40,7 @@ def zero1_vs_mics(trace: Any, rows: dict, hw: Any) -> str:
     intra = collective_cost("all_gather", weights, block_group(gpn, world), world)
     lat, nodes = world.latencies, n // gpn  # a ring broadcast's NCCL latency (LL, nsteps = ranks: tuning.cc)
     bcast = lat.base("ring", 0) + (n - nodes) * lat.hop("intra", "ring", 0) + nodes * lat.hop("net", "ring", 0)
-    read = readings(trace, rows, hw)
+    read = read if read is not None else readings(trace, rows, hw)
     overlapped, blocking, unprefetched = read["zero1_overlapped"], read["blocking"], read["mics_unprefetched"]
     ranked = sorted(blocking, key=lambda k: -blocking[k])
     paper_order = ranked[:3] == ["AMSP", "ZeRO-1", "MiCS"]
@@ -138,9 +139,10 @@ def views_per_second(repeat: int = 3) -> float:
     return 20000 / best
 
 
-def host_loop_note(trace: Any, rows: dict, ranks: int, gpus_per_node: int) -> str:
-    """The note on ZeRO-3 and ZeRO++ at about 4%, with this CPU's view rate (a measurement, labelled so)."""
-    rate = views_per_second()
+def host_loop_note(trace: Any, rows: dict, ranks: int, gpus_per_node: int, rate: float | None = None) -> str:
+    """The note on ZeRO-3 and ZeRO++ at about 4%, with this CPU's view rate (a measurement, labelled so; measured
+    here unless given)."""
+    rate = rate if rate is not None else views_per_second()
     z3, hpz = host_loop_views(trace, ranks), host_loop_views(trace, ranks, gpus_per_node)
     mics = host_loop_views(trace, gpus_per_node)
     parts, falls = [], []
