@@ -56,6 +56,12 @@ def amsp_table(ctx: Context) -> tuple[Table, list[str]]:
                           fmt_seconds(gap, 2) if gap is not None else "—", r.note)
             ctx.log(f"[bench]   many GPUs: LLaMA-{size} on {n} GPUs replayed")
     lines, notes = _goals(results, PAPER_MFU, PAPER_RATIO, AMSP_FACTORS)
+    if ("7b", 1024) in results and not ctx.quick:  # why the ranking differs from the paper's (bench.multigpu_ranking)
+        from bench.multigpu_ranking import host_loop_note, zero1_vs_mics
+
+        trace = llama_trace("7b", micro_batches=micro_batches(1024))
+        rows, hw = results[("7b", 1024)], hardware_for(trace, 1024)
+        notes[-1:-1] = [host_loop_note(trace, rows, 1024, hw.gpus_per_node), zero1_vs_mics(trace, rows, hw)]
     table.notes.extend(notes)
     return table, lines
 
@@ -126,45 +132,6 @@ def _goals(results: dict, paper: dict, ratios: dict, factors: dict) -> tuple[lis
         notes.append(f"LLaMA-13B on 1024 GPUs: AMSP's 4/4/8 predicted {fmt_ratio(got)} ZeRO-3's throughput "
                      f"(paper: about {ratios[('13b', 1024)][2]:.0f}×); LLaMA-30B's published 8/8/32 is outside "
                      "hplan's layout (a factor is 1, a divisor of the GPUs per node, or all ranks), so not replayed.")
-    notes.append("What the model leaves out, and where it shows (the 'unexplained' column): ZeRO-3 and ZeRO++ at "
-                 "about 4% need over 10 s per step the model does not have — NCCL's own latency model (per-hop "
-                 "latencies, pipelined rings) prices their per-module gathers over 1,024 ranks at about 1–2 ms "
-                 "each, not the tens of ms a 12× collapse needs; the terms not modelled are the ZeRO-3 engine's "
-                 "per-module CPU work (hooks, parameter bookkeeping, stream synchronisation), jitter amplified by "
-                 "synchronising 1,024 ranks per call, and congestion above the node's own link (the paper's "
-                 "leaf-spine placement). MiCS runs on the same engine, which is the one term that would put it "
-                 "below ZeRO-1 (the paper has them at 35% and 36%); in the model its node-local gathers hide "
-                 "behind compute on NVLink and its cross-node all-reduce matches AMSP's, so it lands next to AMSP.")
-    notes.append("MiCS against ZeRO-1, checked in DeepSpeed's code (deepspeedai/DeepSpeed 0.19.6, commit edaa722; "
-                 "git history for 2023): (1) runtime/zero/mics.py MiCS_Optimizer.partition_grads calls "
-                 "allreduce_mics_shard_grads after every reduce-scatter bucket; stage3.py "
-                 "__reduce_and_partition_ipg_grads runs both inside `with stream(reduce_and_partition_stream)`, "
-                 "so the replicas' all-reduce runs beside the backward, not after it; it acts only at "
-                 "is_gradient_accumulation_boundary(), on the grad-partition buffers of gradient_accumulation_dtype, "
-                 "which engine.get_data_types defaults to the model's bf16 (communication_data_type too), so 2 bytes "
-                 "an element as modelled; the compute stream is held back only when more than "
-                 "max_param_reduce_events = 2 buckets are outstanding, which a ~50 ms bucket of backward never "
-                 "reaches. (2) At 1,024 GPUs every backward is a boundary (one micro-batch), and the replay already "
-                 "prices exactly one: nothing amortises either system's boundary work. (3) "
-                 "partitioned_param_coordinator.py fetch_sub_module gathers per module and prefetches up to "
-                 "stage3_prefetch_bucket_size = 5e7 elements ahead (one to three LLaMA-7B projections; "
-                 "max_live_parameters 1e9 never binds), waiting on the all-gather stream only where the module "
-                 "runs; MiCS's _flat_all_gather_with_coalescing_manager gathers within the node "
-                 "(mics_hierarchical_params_gather is off and not needed at 8 ranks): the replay's one-module "
-                 "prefetch. (4) ZeRO-1: stage_1_and_2.py registers no gradient hooks (stage 1, overlap_comm False), "
-                 "engine.allreduce_gradients calls reduce_gradients after the backward, and average_tensor "
-                 "all-reduces each 5e8-element bucket whole over all ranks (use_multi_rank_bucket_allreduce, on by "
-                 "default since 0.12.4; before, one dist.reduce per destination rank, whose time for a 7B grew by 1 "
-                 "and 2 s from 256 to 512 and 1,024 GPUs, DeepSpeed's blogs/comm-opt), on the compute stream; the "
-                 "replay now prices that all-reduce (it had priced a reduce-scatter, half the bytes: ZeRO-1 45.2% "
-                 "→ 41.0%; with overlap_comm set, its buckets reduced beside the backward, 50.8%, still below MiCS). So the code gives MiCS the same network bytes as ZeRO-1's all-reduce, overlapped, "
-                 "and none of its updated-weight all-gather: read faithfully it widens MiCS's lead — issuing "
-                 "MiCS's all-reduce per bucket right after its reduce-scatter, as the code does (the replay "
-                 "coalesces all-reduces in their own buckets, for MiCS and AMSP alike), prices MiCS at 56.3% "
-                 "(AMSP, chained alike, 56.1%). The paper's MiCS below ZeRO-1 is a measured effect of the ZeRO-3 "
-                 "engine (per-module hooks and bookkeeping, allocation of gathered weights, kernels slowed by "
-                 "collectives running beside them) that the code's traffic and overlap do not show, so the model "
-                 "does not reproduce it and no per-system constant stands in for it.")
     notes.append("hplan's own pick (searched at 1024 GPUs only: at 128 each of its ~25 factor choices plans 8 "
                  "micro-batches, minutes per model) is priced as its executor runs: each weight gather issued one "
                  "step ahead, each reduction beside the next step and settled before the step after it, a sync "

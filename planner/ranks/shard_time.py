@@ -22,7 +22,9 @@ network phase overlaps another's NVLink phase. How collectives are issued is a `
   one call's latency for its members' bytes;
 - `bucket_bytes`: gradient reductions (and the updated-weight gathers after the optimizer) are coalesced in
   buckets of this many bytes, issued when a bucket fills and at the end of the pass (DeepSpeed's
-  reduce_bucket_size / allgather_bucket_size); 0 = one call per chunk, as the plan lists them.
+  reduce_bucket_size / allgather_bucket_size); 0 = one call per chunk, as the plan lists them;
+- `update_gather_bytes`: the updated-weight gathers' own bucket where it differs (None: `bucket_bytes`;
+  `WHOLE`: one call for all of them, as DeepSpeed's stage 1/2 all-gathers a parameter group's flat buffer).
 A gradient's write-back, the host update reading it and the GPU update at the optimizer step wait for its
 sync. The iteration ends when compute, the host optimizer and both links are done. Without
 `hardware.overlap` (the CPU fast tier) nothing overlaps: the step is the sum of everything.
@@ -62,6 +64,12 @@ class CommSchedule:
     """Algorithm for weight gathers (None: the hardware's), e.g. MiCS's hierarchical all-gather."""
     settle_next: bool = False
     packed: bool = False
+    update_gather_bytes: int | None = None
+    """Bucket of the updated-weight gathers (None: `bucket_bytes`; `WHOLE`: all in one call)."""
+
+
+WHOLE = 1 << 62
+"""A bucket no step fills: its calls go as one at the end of the pass."""
 
 
 EXECUTOR = CommSchedule(prefetch=1, overlap_reductions=True, settle_next=True, packed=True)
@@ -238,11 +246,11 @@ def _timeline(steps: tuple[Step, ...] | list[Step], groups: list[tuple[tuple[Buc
                 end, lab = max(held)
                 exposed[lab] += max(0.0, end - compute_end)
                 compute_end = max(compute_end, end)
-            bucketed = schedule.bucket_bytes and (call.purpose in REDUCTIONS or call.purpose == "update_gather")
-            if bucketed:
+            limit = schedule.bucket_bytes if call.purpose in REDUCTIONS else _gather_bucket(schedule, call)
+            if limit:
                 key = (call.op, call.purpose, call.size, call.stride, call.itemsize)
                 buckets.setdefault(key, []).append(call)
-                if sum(c.numel for c in buckets[key]) * call.itemsize < schedule.bucket_bytes:
+                if sum(c.numel for c in buckets[key]) * call.itemsize < limit:
                     continue
                 done = flush(key, compute_end)
                 label = _label(links, key)
@@ -270,6 +278,13 @@ def _timeline(steps: tuple[Step, ...] | list[Step], groups: list[tuple[tuple[Buc
     out = {**split, **links.busy, "step": end}
     out.update({f"exposed_{k}": v for k, v in exposed.items()})
     return out
+
+
+def _gather_bucket(schedule: CommSchedule, call: Collective) -> int:
+    """Bucket bytes of a call that is no reduction: updated-weight gathers only (0: not bucketed)."""
+    if call.purpose != "update_gather":
+        return 0
+    return schedule.bucket_bytes if schedule.update_gather_bytes is None else schedule.update_gather_bytes
 
 
 def _label(links: _Links, key: tuple) -> str:

@@ -17,7 +17,10 @@ Each system is its shard factors ([Note: shard layout]) plus how it issues colle
   per step after the backward (engine.allreduce_gradients -> reduce_gradients: no hooks below stage 2 without
   overlap_comm, which defaults to False there) in buckets of 5e8 elements on the compute stream, each bucket
   all-reduced whole over the data-parallel group (`allreduce_steps`), updated weights all-gathered after the
-  step in buckets of allgather_bucket_size 5e8 elements;
+  step, on the compute stream, one all_gather_into_tensor per parameter group's flat buffer (stage_1_and_2.py
+  step -> runtime/utils.py all_gather_dp_groups -> all_gather_into_tensor_dp_groups, DeepSpeed 0.19.8: the
+  allgather_bucket_size loop is only the fallback where the backend lacks all_gather_into_tensor, and NCCL has
+  it; the replay's trace has one group);
 - AMSP (arXiv 2311.00257 v2): the factors its paper reports per model, gathers prefetched, gradient
   synchronisation overlapped with the backward ("AllGather prefetching and ReduceScatter scheduling") in buckets
   of 512 MiB (InternEvo's hybrid_zero_optimizer default, configs/7B_sft.py, the framework AMSP's authors
@@ -37,7 +40,7 @@ from hplan.artifacts.plan import Plan, Step
 from hplan.artifacts.shard import Collective, Sharding
 from hplan.artifacts.trace import Trace
 from hplan.planner.schedule import event_seconds, with_device_updates
-from hplan.planner.ranks.shard_time import EXECUTOR, CommSchedule, predict_shard_seconds
+from hplan.planner.ranks.shard_time import EXECUTOR, WHOLE, CommSchedule, predict_shard_seconds
 
 DEEPSPEED_BUCKET_ELEMENTS = 5 * 10**8
 """reduce_bucket_size and allgather_bucket_size defaults (deepspeed/runtime/zero/config.py)."""
@@ -75,7 +78,8 @@ def systems(grad_itemsize: int, amsp: tuple[int, int, int] | None = None) -> lis
     out = [System(name="ZeRO-3", kind="zero3", schedule=zero3),
            System(name="ZeRO++ (hpZ)", kind="zero++hpz", schedule=zero3),
            System(name="MiCS", kind="mics", schedule=replace(zero3, gather_algorithm="hierarchical")),
-           System(name="ZeRO-1", kind="zero1", schedule=CommSchedule(overlap_reductions=False, bucket_bytes=ds))]
+           System(name="ZeRO-1", kind="zero1",
+                  schedule=CommSchedule(overlap_reductions=False, bucket_bytes=ds, update_gather_bytes=WHOLE))]
     if amsp is not None:
         out.append(System(name="AMSP", kind="amsp", factors=amsp,
                           schedule=CommSchedule(prefetch=1, bucket_bytes=INTERNEVO_BUCKET_BYTES)))
