@@ -339,7 +339,8 @@ class PlanRun(EventDispatch, GradArrival, UpdateSteps, GradientOps, StateSync):
     def _close_window(self) -> None:
         """Record the window that ends now (the previous step's) with the probe's peak in it; guard the budget."""
         model, h2d, d2h = self._pending
-        used = window_bytes(self.meter, model)
+        meter = self.meter
+        used = model if meter is None else window_bytes(meter, model)  # window_bytes' no-probe case, inline
         if self.cursor == 0:
             return
         step = self.plan.steps[self.cursor - 1]
