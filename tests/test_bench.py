@@ -221,6 +221,26 @@ def test_speed_round_ratios_pair_runs_of_the_same_round() -> None:
     assert round_ratios(runs, "a", "b") == [2.0, 2.0]  # first step (warm-up) left out, rounds never mixed
 
 
+def test_speed_rounds_rotate_the_order_and_keep_each_systems_runs_apart(monkeypatch, tmp_path) -> None:
+    """No system always runs first (a cold start) or right after the same one; results stay per system, per
+    round."""
+    from bench import executor_speed
+    from bench.context import Context
+    from bench.harness import ChildResult
+
+    order: list[str] = []
+
+    def fake(args, *, timeout):
+        order.append(args[1])
+        return ChildResult(ok=True, wall_seconds=0.0, peak_rss_bytes=0, payload={"system": args[1], "n": len(order)})
+
+    monkeypatch.setattr(executor_speed, "run_worker", fake)
+    ctx = Context(quick=True, out_dir=tmp_path, fig_dir=tmp_path, log=lambda m: None)
+    runs = executor_speed.rounds(ctx, {"a": ("a",), "b": ("b",), "c": ("c",)}, steps=1, n=3, rotate=True)
+    assert order == ["a", "b", "c", "b", "c", "a", "c", "a", "b"]
+    assert [[p["system"] for p in runs[k]] for k in "abc"] == [["a"] * 3, ["b"] * 3, ["c"] * 3]
+
+
 def test_deepspeed_configs_use_the_client_optimizer_and_offload_as_named() -> None:
     from bench.speed_runs import DS_SYSTEMS, ds_config
 
