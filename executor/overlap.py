@@ -73,15 +73,17 @@ def host_update_seconds(plan: Any) -> list[float]:
 
 
 def use_worker(overlap: bool | str, plan: Any, *, cuda: bool, spare: int | None = None,
-               switch: float | None = None) -> bool:
-    """Whether a run's backward-step host updates go to the worker thread ([Note: when the worker pays])."""
+               switch: float | None = None, speculate: bool = False) -> bool:
+    """Whether a run's backward-step host updates go to the worker thread ([Note: when the worker pays]).
+    `speculate`: the run was asked for speculative fp16 updates, which are the worker's work by definition
+    (hplan.executor.speculate), so "auto" gives it the thread."""
     if overlap not in OVERLAP:
         from hplan.errors import HplanError
 
         raise HplanError(f"`overlap` must be True, False or 'auto', not {overlap!r}")
     if overlap != "auto":
         return bool(overlap)
-    if cuda:
+    if cuda or speculate:
         return True
     prices = host_update_seconds(plan)
     if not prices:

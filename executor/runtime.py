@@ -137,7 +137,8 @@ class PlanRun(EventDispatch, GradArrival, UpdateSteps, GradientOps, StateSync):
         self.user_skipped = 0
         """Iterations whose optimizer.step() the loop skipped (nothing updated, as in plain PyTorch)."""
         self._has_backward = any(s.event.startswith("backward:") for s in plan.steps)
-        self.worker = UpdateWorker() if use_worker(overlap, plan, cuda=self.tier.device.type == "cuda") else None
+        self.worker = UpdateWorker() if use_worker(overlap, plan, cuda=self.tier.device.type == "cuda",
+                                                   speculate=speculate) else None
         """The thread a backward step's host updates run on ([Note: overlapped host updates]); None: in line
         (`overlap=False`, or "auto" where the worker would not pay: [Note: when the worker pays])."""
         self.activations = ActivationRun(plan, self.tier.device)

@@ -134,6 +134,8 @@ def test_auto_puts_host_updates_on_the_worker_only_where_it_pays(tight):
     assert use_worker("auto", plan, cuda=False, spare=1, switch=mean * 0.99)
     assert not use_worker("auto", plan, cuda=False, spare=0, switch=mean * 0.99)  # no core for the worker
     assert use_worker(True, plan, cuda=False, spare=0) and not use_worker(False, plan, cuda=True)
+    assert use_worker("auto", plan, cuda=False, spare=0, speculate=True)  # speculation is the worker's work
+    assert not use_worker(False, plan, cuda=False, speculate=True)
     with pytest.raises(HplanError, match="`overlap` must be"):
         use_worker("yes", plan, cuda=False)
 
