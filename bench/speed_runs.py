@@ -5,7 +5,7 @@ or DeepSpeed ZeRO on its torch-optimizer path. Same workload, seed and batches i
 system copied per iteration where it reports them, and the 1-minute load average when it finished.
 SYSTEM: plain | hplan (hplan's default, `overlap="auto"`: [Note: when the worker pays]) | hplan-inline (a backward
 step's host updates in line: one core, as plain PyTorch's one torch thread) | hplan-worker (always on hplan's worker
-thread, `overlap=True`) | hplan-nocache (the CPU twin's block cache off: every released
+thread, `overlap=True`) | paired, paired-worker (plain and hplan in one process, a step of each in turn: `_paired`) | hplan-nocache (the CPU twin's block cache off: every released
 region's memory goes back to malloc, as before issue 32's cache) | ds-z2 | ds-z3 | ds-z2-offload | ds-z3-offload (offload: optimizer, and for ZeRO-3 the
 parameters, on the CPU; DeepSpeed then runs the client's torch AdamW on the host copies, no compiled extension).
 """
@@ -55,6 +55,40 @@ def _hplan(workload: Any, steps: int, plan_path: str, *, overlap: bool | str = "
             "step_faults": [b - a for a, b in zip(marks, marks[1:])],
             "worker": use_worker(overlap, plan, cuda=False),
             "memcpy_seconds": copy_seconds(moved, fresh=False), "refill_seconds": copy_seconds(moved, fresh=True)}
+
+
+def _paired(workload: Any, steps: int, plan_path: str, *, overlap: bool | str = "auto") -> dict[str, Any]:
+    """Plain PyTorch and hplan (the same loop inside `hplan.attach`) in one process, one step each in turn, who
+    goes first alternating: both see the same load from one moment to the next, so the ratio of their step medians
+    is far less noisy than that of two processes run seconds apart. Each its own model and optimizer, the same
+    seed and batches; losses of both returned (they must agree as in the separate runs)."""
+    from hplan.artifacts import Plan
+    from hplan.executor import attach
+    from hplan.executor.overlap import use_worker
+    from hplan.training import build_optimizer
+
+    plan = Plan.load(plan_path)
+    models = [workload.build_model(), workload.build_model()]
+    opts = [build_optimizer(workload, m) for m in models]
+    secs: list[list[float]] = [[], []]
+    losses: list[list[float]] = [[], []]
+
+    def one(k: int, i: int) -> None:
+        t0 = time.perf_counter()
+        opts[k].zero_grad(set_to_none=True)
+        loss = workload.loss(models[k], workload.batch(i))
+        loss.backward()
+        opts[k].step()
+        secs[k].append(time.perf_counter() - t0)
+        losses[k].append(float(loss.detach()))
+
+    with attach(models[1], opts[1], plan, batch_example=workload.batch(0), precision=workload.precision,
+                measure=False, overlap=overlap):
+        for i in range(steps):
+            for k in ((0, 1) if i % 2 == 0 else (1, 0)):
+                one(k, i)
+    return {"losses": losses[1], "step_seconds": secs[1], "plain_losses": losses[0], "plain_seconds": secs[0],
+            "worker": use_worker(overlap, plan, cuda=False)}
 
 
 def ds_config(system: str, batch_size: int) -> dict[str, Any]:
@@ -116,6 +150,10 @@ def speed_run(system: str, spec: str, steps: int, plan_path: str | None) -> dict
         if plan_path is None:
             raise ValueError(f"speed-run {system} needs a plan file")
         out = _hplan(workload, steps, plan_path, overlap=HPLAN_SYSTEMS[system], cache=system != "hplan-nocache")
+    elif system in ("paired", "paired-worker"):
+        if plan_path is None:
+            raise ValueError(f"speed-run {system} needs a plan file")
+        out = _paired(workload, steps, plan_path, overlap=True if system == "paired-worker" else "auto")
     elif system in DS_SYSTEMS:
         out = _deepspeed(workload, steps, system)
     else:

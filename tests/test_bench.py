@@ -241,6 +241,24 @@ def test_speed_rounds_rotate_the_order_and_keep_each_systems_runs_apart(monkeypa
     assert [[p["system"] for p in runs[k]] for k in "abc"] == [["a"] * 3, ["b"] * 3, ["c"] * 3]
 
 
+def test_paired_speed_steps_alternate_plain_and_hplan_on_the_same_batches(tmp_path) -> None:
+    """Section 13's paired steps: both loops train, step for step, to the same losses (all-resident: bit for bit),
+    each step timed once; the quartiles of the step ratios are those of the inclusive method."""
+    from loops import plan_for
+
+    from bench.executor_speed import quartiles
+    from bench.speed_runs import _paired
+    from hplan.specs import load_workload
+
+    workload = load_workload("gpt:tiny")
+    path = tmp_path / "tiny.plan"
+    plan_for(workload, extra=3.0).save(path)
+    out = _paired(workload, 3, str(path))
+    assert len(out["step_seconds"]) == len(out["plain_seconds"]) == 3
+    assert out["losses"] == out["plain_losses"] and out["worker"] is False
+    assert quartiles([1.0, 2.0, 3.0, 4.0, 5.0]) == (2.0, 4.0) and quartiles([1.5]) == (1.5, 1.5)
+
+
 def test_deepspeed_configs_use_the_client_optimizer_and_offload_as_named() -> None:
     from bench.speed_runs import DS_SYSTEMS, ds_config
 
