@@ -22,8 +22,9 @@ update hides behind the backward's kernels. On the CPU twin the backward and the
 worker can only win the update's time back on a core torch's own threads do not use, and each hand-off costs the
 backward's thread the GIL: a submit, and, when the worker holds the GIL (running Python, or descheduled on a busy
 machine), a wait of up to the interpreter's switch interval (`sys.getswitchinterval()`, 5 ms) — measured on
-gpt:small at the minimum budget: 26 updates of ~0.14 ms an iteration, and the worker's run 1.37× plain against
-1.28× in line. So there the worker takes a run's updates only when the process has a spare core and its
+gpt:small at the minimum budget: 26 updates of ~0.14 ms an iteration; bench section 13, the worker's run 1.37×
+plain against 1.28× in line (load 0.5), and with plain and hplan steps paired in one process 1.33× against 1.26×
+(load 3-5). So there the worker takes a run's updates only when the process has a spare core and its
 backward steps' host updates are, on the plan's own price (bytes of the chunks' regions ÷ the hardware's
 `cpu_optimizer_gbps`), at least one switch interval long on average. `overlap=True` always uses the worker (tests
 force it so), `False` never.
