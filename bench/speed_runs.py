@@ -3,8 +3,9 @@ or DeepSpeed ZeRO on its torch-optimizer path. Same workload, seed and batches i
 
 `python -m bench.worker speed-run SYSTEM SPEC STEPS [PLAN]` prints one JSON line: losses, step seconds, bytes the
 system copied per iteration where it reports them, and the 1-minute load average when it finished.
-SYSTEM: plain | hplan | hplan-inline (a backward step's host updates in line, not on hplan's worker thread:
-one core, as plain PyTorch's one torch thread) | hplan-nocache (the CPU twin's block cache off: every released
+SYSTEM: plain | hplan (hplan's default, `overlap="auto"`: [Note: when the worker pays]) | hplan-inline (a backward
+step's host updates in line: one core, as plain PyTorch's one torch thread) | hplan-worker (always on hplan's worker
+thread, `overlap=True`) | paired, paired-worker (plain and hplan in one process, a step of each in turn: `_paired`) | hplan-nocache (the CPU twin's block cache off: every released
 region's memory goes back to malloc, as before issue 32's cache) | ds-z2 | ds-z3 | ds-z2-offload | ds-z3-offload (offload: optimizer, and for ZeRO-3 the
 parameters, on the CPU; DeepSpeed then runs the client's torch AdamW on the host copies, no compiled extension).
 """
@@ -17,6 +18,9 @@ import time
 from typing import Any
 
 DS_SYSTEMS = ("ds-z2", "ds-z3", "ds-z2-offload", "ds-z3-offload")
+HPLAN_SYSTEMS: dict[str, bool | str] = {"hplan": "auto", "hplan-inline": False, "hplan-worker": True,
+                                        "hplan-nocache": "auto"}
+"""hplan's systems → their `overlap`."""
 
 
 def minor_faults() -> int:
@@ -32,21 +36,59 @@ def _plain(workload: Any, steps: int) -> dict[str, Any]:
     return {"losses": losses, "step_seconds": secs, "step_faults": faults}
 
 
-def _hplan(workload: Any, steps: int, plan_path: str, *, overlap: bool = True, cache: bool = True) -> dict[str, Any]:
+def _hplan(workload: Any, steps: int, plan_path: str, *, overlap: bool | str = "auto",
+           cache: bool = True) -> dict[str, Any]:
     from hplan.artifacts import Plan
     from hplan.executor import run_training
     from hplan.executor.device import FastTier
+    from hplan.executor.overlap import use_worker
 
     from bench.executor_speed import copy_seconds
 
     marks = [minor_faults()]  # after each step (run_training's progress callback, outside the step's timing)
     FastTier.caches = cache
-    report = run_training(workload, Plan.load(plan_path), steps=steps, device="cpu", measure=False, overlap=overlap,
+    plan = Plan.load(plan_path)
+    report = run_training(workload, plan, steps=steps, device="cpu", measure=False, overlap=overlap,
                           on_progress=lambda *_: marks.append(minor_faults()))
     moved = report.bytes_moved_per_iter + report.activation_bytes_moved_per_iter
     return {"losses": list(report.losses), "step_seconds": list(report.step_seconds), "moved_bytes": moved,
             "step_faults": [b - a for a, b in zip(marks, marks[1:])],
+            "worker": use_worker(overlap, plan, cuda=False),
             "memcpy_seconds": copy_seconds(moved, fresh=False), "refill_seconds": copy_seconds(moved, fresh=True)}
+
+
+def _paired(workload: Any, steps: int, plan_path: str, *, overlap: bool | str = "auto") -> dict[str, Any]:
+    """Plain PyTorch and hplan (the same loop inside `hplan.attach`) in one process, one step each in turn, who
+    goes first alternating: both see the same load from one moment to the next, so the ratio of their step medians
+    is far less noisy than that of two processes run seconds apart. Each its own model and optimizer, the same
+    seed and batches; losses of both returned (they must agree as in the separate runs)."""
+    from hplan.artifacts import Plan
+    from hplan.executor import attach
+    from hplan.executor.overlap import use_worker
+    from hplan.training import build_optimizer
+
+    plan = Plan.load(plan_path)
+    models = [workload.build_model(), workload.build_model()]
+    opts = [build_optimizer(workload, m) for m in models]
+    secs: list[list[float]] = [[], []]
+    losses: list[list[float]] = [[], []]
+
+    def one(k: int, i: int) -> None:
+        t0 = time.perf_counter()
+        opts[k].zero_grad(set_to_none=True)
+        loss = workload.loss(models[k], workload.batch(i))
+        loss.backward()
+        opts[k].step()
+        secs[k].append(time.perf_counter() - t0)
+        losses[k].append(float(loss.detach()))
+
+    with attach(models[1], opts[1], plan, batch_example=workload.batch(0), precision=workload.precision,
+                measure=False, overlap=overlap):
+        for i in range(steps):
+            for k in ((0, 1) if i % 2 == 0 else (1, 0)):
+                one(k, i)
+    return {"losses": losses[1], "step_seconds": secs[1], "plain_losses": losses[0], "plain_seconds": secs[0],
+            "worker": use_worker(overlap, plan, cuda=False)}
 
 
 def ds_config(system: str, batch_size: int) -> dict[str, Any]:
@@ -104,14 +146,19 @@ def speed_run(system: str, spec: str, steps: int, plan_path: str | None) -> dict
     workload = load_workload(spec)
     if system == "plain":
         out = _plain(workload, steps)
-    elif system in ("hplan", "hplan-inline", "hplan-nocache"):
+    elif system in HPLAN_SYSTEMS:
         if plan_path is None:
             raise ValueError(f"speed-run {system} needs a plan file")
-        out = _hplan(workload, steps, plan_path, overlap=system != "hplan-inline", cache=system != "hplan-nocache")
+        out = _hplan(workload, steps, plan_path, overlap=HPLAN_SYSTEMS[system], cache=system != "hplan-nocache")
+    elif system in ("paired", "paired-worker"):
+        if plan_path is None:
+            raise ValueError(f"speed-run {system} needs a plan file")
+        out = _paired(workload, steps, plan_path, overlap=True if system == "paired-worker" else "auto")
     elif system in DS_SYSTEMS:
         out = _deepspeed(workload, steps, system)
     else:
-        raise ValueError(f"unknown system {system!r}: plain, hplan, hplan-inline, hplan-nocache or one of {', '.join(DS_SYSTEMS)}")
+        raise ValueError(f"unknown system {system!r}: plain, {', '.join(HPLAN_SYSTEMS)} or one of "
+                         f"{', '.join(DS_SYSTEMS)}")
     from bench.harness import self_peak_rss_bytes
 
     return {**out, "system": system, "load1": os.getloadavg()[0], "peak_rss_bytes": self_peak_rss_bytes()}

@@ -31,7 +31,7 @@ from hplan.artifacts import Plan
 
 def attach(model: Any, optimizer: Any, plan: Plan, *, device: str = "cpu", batch_example: Any = None,
            precision: str | None = None, measure: bool = True, budget_guard: str = "stop",
-           nonfinite: str = "ignore", nvme_dir: str | None = None, overlap: bool = True,
+           nonfinite: str = "ignore", nvme_dir: str | None = None, overlap: bool | str = "auto",
            speculate: bool = False) -> PlanRun:
     """A context manager replaying `plan` in your loop.
 
@@ -40,8 +40,10 @@ def attach(model: Any, optimizer: Any, plan: Plan, *, device: str = "cpu", batch
     `budget_guard="warn"` only warns when a step measures more than the plan's budget (default: stop);
     `nonfinite="stop"` stops before updating with an inf/NaN gradient, "skip" skips that step (plans that defer
     updates only); the default leaves them to you, as plain PyTorch does; `nvme_dir` is where a plan made with a
-    disk tier keeps its NVMe-homed regions (hplan.executor.tiers.host); `overlap=False` runs the host updates
-    of backward steps in line instead of on a worker thread beside the backward (hplan.executor.overlap);
+    disk tier keeps its NVMe-homed regions (hplan.executor.tiers.host); `overlap` puts the host updates of
+    backward steps on a worker thread beside the backward (True), in line (False), or decides where that pays
+    ("auto", the default: always on CUDA; on the CPU twin only with a spare core and long updates, [Note: when
+    the worker pays] in hplan.executor.overlap);
     `speculate=True` runs fp16 host updates beside the backward too, rolled back when the step is skipped
     (hplan.executor.speculate; off by default until measured faster).
     A many-rank plan (`hplan plan --gpus N`) runs on this rank of an initialised torch.distributed job (torchrun):

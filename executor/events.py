@@ -107,7 +107,7 @@ class EventDispatch:
         needs is resident. A forward passes backward steps only once a gradient arrived (else it is a forward
         without backward, refused by the general path as before)."""
         store, steps, skip = self.store, self.plan.steps, self._unhooked.skip
-        lazy = self._lazy_bytes
+        slots, lazy = store.slots, self._lazy_bytes
         ahead = sum(lazy.values())
         while skip[self.cursor]:
             i = self.cursor
@@ -120,7 +120,8 @@ class EventDispatch:
                 if self.worker is not None and self.worker.busy:
                     self._wait_for_updates(quiet.moves)
                 for rid in quiet.moves.alloc:
-                    store.alloc(rid)
+                    if slots[rid].state is _HOST:  # most were allocated by their gradient's arrival already
+                        store.alloc(rid)
             for slot in quiet.needs:
                 if slot.state is _HOST:
                     store.require(self._moves[i].needs, f"plan step {step.index} ({step.event})")

@@ -150,7 +150,11 @@ class RegionStore:
         if mine.nbytes() or theirs.nbytes() != slot.region.bytes:
             return False
         mine._swap_data_ptr_(theirs)
-        self._arrived(slot)
+        if slot.region.kind == "param":
+            self._arrived(slot)
+        else:  # _arrived, inline (a gradient region: no parameter points at it)
+            self._resident_bytes += slot.region.bytes
+            slot.state = _RESIDENT
         self.taken += 1
         return True
 

@@ -26,7 +26,7 @@ from hplan.executor.grad_arrival import GradArrival
 from hplan.executor.gradients import Clip, GradientOps
 from hplan.executor.habits import intercepted, with_step_hooks
 from hplan.executor.measure import EventRecord, WindowMeter, make_probe, window_bytes
-from hplan.executor.overlap import UpdateWorker
+from hplan.executor.overlap import UpdateWorker, use_worker
 from hplan.executor.param_watch import ParamWatch
 from hplan.executor.scale import LossScale
 from hplan.executor.speculate import Speculation
@@ -64,7 +64,7 @@ class PlanRun(EventDispatch, GradArrival, UpdateSteps, GradientOps, StateSync):
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, plan: Plan, *, device: str = "cpu",
                  batch_example: Any = None, precision: str | None = None, measure: bool = True,
                  budget_guard: str = "stop", nonfinite: str = "ignore", nvme_dir: str | None = None,
-                 overlap: bool = True, speculate: bool = False) -> None:
+                 overlap: bool | str = "auto", speculate: bool = False) -> None:
         validate(plan)
         refuse_compiled(model)
         refuse_layerdrop(model)
@@ -137,8 +137,10 @@ class PlanRun(EventDispatch, GradArrival, UpdateSteps, GradientOps, StateSync):
         self.user_skipped = 0
         """Iterations whose optimizer.step() the loop skipped (nothing updated, as in plain PyTorch)."""
         self._has_backward = any(s.event.startswith("backward:") for s in plan.steps)
-        self.worker = UpdateWorker() if overlap else None
-        """The thread a backward step's host updates run on ([Note: overlapped host updates]); None: in line."""
+        self.worker = UpdateWorker() if use_worker(overlap, plan, cuda=self.tier.device.type == "cuda",
+                                                   speculate=speculate) else None
+        """The thread a backward step's host updates run on ([Note: overlapped host updates]); None: in line
+        (`overlap=False`, or "auto" where the worker would not pay: [Note: when the worker pays])."""
         self.activations = ActivationRun(plan, self.tier.device)
         """The plan's offloaded and recomputed segments (hplan.executor.activations.run)."""
         self.speculation: Speculation | None = None
@@ -338,7 +340,8 @@ class PlanRun(EventDispatch, GradArrival, UpdateSteps, GradientOps, StateSync):
     def _close_window(self) -> None:
         """Record the window that ends now (the previous step's) with the probe's peak in it; guard the budget."""
         model, h2d, d2h = self._pending
-        used = window_bytes(self.meter, model)
+        meter = self.meter
+        used = model if meter is None else window_bytes(meter, model)  # window_bytes' no-probe case, inline
         if self.cursor == 0:
             return
         step = self.plan.steps[self.cursor - 1]

@@ -37,7 +37,7 @@ def run_training(workload: Workload, plan: Plan, *, steps: int, device: str = "c
                  checkpoint_dir: str | os.PathLike[str] | None = None, resume: bool = False,
                  overwrite: bool = False, on_progress: Progress | None = None, on_warning: Warn | None = None,
                  measure: bool = True, budget_guard: str = "stop", nonfinite: str = "stop",
-                 nvme_dir: str | os.PathLike[str] | None = None, overlap: bool = True) -> RunReport:
+                 nvme_dir: str | os.PathLike[str] | None = None, overlap: bool | str = "auto") -> RunReport:
     """Train until global step `steps` (from 0, or from the checkpoint with `resume`) replaying `plan`.
 
     Everything the report holds is measured: losses, step times, the probe's peak fast-tier bytes and the bytes
@@ -45,7 +45,8 @@ def run_training(workload: Workload, plan: Plan, *, steps: int, device: str = "c
     watches every operator), so resident bytes are model data only. A non-finite loss stops the run naming the
     step before anything of that step is updated or saved (`nonfinite="skip"` skips such steps instead, where
     the plan defers updates). `nvme_dir`: where a plan with a disk tier keeps its NVMe-homed regions.
-    `overlap=False`: a backward step's host updates in line, not on a worker thread (hplan.executor.overlap).
+    `overlap`: a backward step's host updates on a worker thread (True), in line (False), or where that pays
+    ("auto": [Note: when the worker pays] in hplan.executor.overlap).
 
     `checkpoint_dir` is locked for the run and gets a verified checkpoint after every step (see
     hplan.executor.checkpoints.checkpoint_dir); it must hold none unless `resume` (continue from the newest good one,
@@ -74,7 +75,7 @@ def run_training(workload: Workload, plan: Plan, *, steps: int, device: str = "c
 def _train(workload: Workload, plan: Plan, *, steps: int, device: str, metrics_path: str | os.PathLike[str] | None,
            state: dict[str, Any] | None, checkpoints: CheckpointDir | None, on_progress: Progress | None,
            measure: bool, budget_guard: str, nonfinite: str,
-           nvme_dir: str | os.PathLike[str] | None, overlap: bool) -> RunReport:
+           nvme_dir: str | os.PathLike[str] | None, overlap: bool | str) -> RunReport:
     model = workload.build_model()
     optimizer = build_optimizer(workload, model)
     scheduler = workload.scheduler(optimizer) if workload.scheduler is not None else None

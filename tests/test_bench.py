@@ -221,6 +221,44 @@ def test_speed_round_ratios_pair_runs_of_the_same_round() -> None:
     assert round_ratios(runs, "a", "b") == [2.0, 2.0]  # first step (warm-up) left out, rounds never mixed
 
 
+def test_speed_rounds_rotate_the_order_and_keep_each_systems_runs_apart(monkeypatch, tmp_path) -> None:
+    """No system always runs first (a cold start) or right after the same one; results stay per system, per
+    round."""
+    from bench import executor_speed
+    from bench.context import Context
+    from bench.harness import ChildResult
+
+    order: list[str] = []
+
+    def fake(args, *, timeout):
+        order.append(args[1])
+        return ChildResult(ok=True, wall_seconds=0.0, peak_rss_bytes=0, payload={"system": args[1], "n": len(order)})
+
+    monkeypatch.setattr(executor_speed, "run_worker", fake)
+    ctx = Context(quick=True, out_dir=tmp_path, fig_dir=tmp_path, log=lambda m: None)
+    runs = executor_speed.rounds(ctx, {"a": ("a",), "b": ("b",), "c": ("c",)}, steps=1, n=3, rotate=True)
+    assert order == ["a", "b", "c", "b", "c", "a", "c", "a", "b"]
+    assert [[p["system"] for p in runs[k]] for k in "abc"] == [["a"] * 3, ["b"] * 3, ["c"] * 3]
+
+
+def test_paired_speed_steps_alternate_plain_and_hplan_on_the_same_batches(tmp_path) -> None:
+    """Section 13's paired steps: both loops train, step for step, to the same losses (all-resident: bit for bit),
+    each step timed once; the quartiles of the step ratios are those of the inclusive method."""
+    from loops import plan_for
+
+    from bench.executor_speed import quartiles
+    from bench.speed_runs import _paired
+    from hplan.specs import load_workload
+
+    workload = load_workload("gpt:tiny")
+    path = tmp_path / "tiny.plan"
+    plan_for(workload, extra=3.0).save(path)
+    out = _paired(workload, 3, str(path))
+    assert len(out["step_seconds"]) == len(out["plain_seconds"]) == 3
+    assert out["losses"] == out["plain_losses"] and out["worker"] is False
+    assert quartiles([1.0, 2.0, 3.0, 4.0, 5.0]) == (2.0, 4.0) and quartiles([1.5]) == (1.5, 1.5)
+
+
 def test_deepspeed_configs_use_the_client_optimizer_and_offload_as_named() -> None:
     from bench.speed_runs import DS_SYSTEMS, ds_config
 

@@ -118,3 +118,34 @@ def test_host_work_on_the_worker_leaves_the_main_threads_count(tight):
         run.worker.submit(work, frozenset())
         run.worker.drain()
     assert seen == [True]
+
+
+def test_auto_puts_host_updates_on_the_worker_only_where_it_pays(tight):
+    """[Note: when the worker pays]: CUDA always; the CPU twin only with a spare core and updates the plan prices
+    at a switch interval or more on average; True and False force the choice."""
+    from hplan.executor.overlap import host_update_seconds, use_worker
+
+    _, plan = tight
+    prices = host_update_seconds(plan)
+    assert prices and all(p > 0 for p in prices)
+    mean = sum(prices) / len(prices)
+    assert use_worker("auto", plan, cuda=True, spare=0)
+    assert not use_worker("auto", plan, cuda=False, spare=1, switch=mean * 1.01)  # updates shorter than a hand-off
+    assert use_worker("auto", plan, cuda=False, spare=1, switch=mean * 0.99)
+    assert not use_worker("auto", plan, cuda=False, spare=0, switch=mean * 0.99)  # no core for the worker
+    assert use_worker(True, plan, cuda=False, spare=0) and not use_worker(False, plan, cuda=True)
+    assert use_worker("auto", plan, cuda=False, spare=0, speculate=True)  # speculation is the worker's work
+    assert not use_worker(False, plan, cuda=False, speculate=True)
+    with pytest.raises(HplanError, match="`overlap` must be"):
+        use_worker("yes", plan, cuda=False)
+
+
+def test_the_default_runs_short_host_updates_in_line_on_the_cpu_twin(tight):
+    """gpt:tiny's host updates are microseconds: by default they run in line (no worker thread), as they train."""
+    workload, plan = tight
+    model = workload.build_model()
+    with PlanRun(model, build_optimizer(workload, model), plan, batch_example=workload.batch(0)) as run:
+        assert run.worker is None
+    losses, weights, _, _ = _train(workload, plan, 2, overlap="auto")
+    ref_losses, ref_weights, _, _ = _train(workload, plan, 2, overlap=True)
+    assert losses == ref_losses and all(torch.equal(weights[n], ref_weights[n]) for n in ref_weights)

@@ -119,3 +119,12 @@ def test_state_read_between_backward_and_step_is_before_the_update(fp16, spied):
     assert all(torch.equal(model[k], ref_model[k]) for k in ref_model)
     for p, q in zip(opt["state"].values(), ref_opt["state"].values()):
         assert p.keys() == q.keys() and all(torch.equal(p[k], q[k]) for k in q)
+
+
+def test_asking_for_speculation_gives_it_the_worker_by_default(fp16, spied):
+    """overlap="auto" ([Note: when the worker pays]) runs tiny host updates in line, but speculation is the
+    worker's work: `speculate=True` alone still speculates, and trains as deferred."""
+    workload, plan = fp16
+    ours = _train(workload, plan, 2, overlap="auto")
+    assert spied["saved"] > 0
+    _same(ours, _train(workload, plan, 2, overlap=False))
