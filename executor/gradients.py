@@ -198,6 +198,14 @@ def first_nonfinite(names: list[str], grads: list[torch.Tensor]) -> str | None:
     return None
 
 
+def warm_nonfinite_check(device: torch.device) -> None:
+    """Make this thread's flag and the scale 1 for `device` before a run starts measuring: made lazily inside the
+    first run of a process, their bytes counted in that run's windows and in no later run's, so two runs of the
+    same plan measured differently (tests/test_activation_staged.py compared two runs 8 bytes apart)."""
+    _found(device)
+    _one(device)
+
+
 def _found(device: torch.device) -> torch.Tensor:
     """The check's flag for `device`, zeroed: one per thread and device, kept, not allocated per check (a check
     runs per chunk update, about 27 times an iteration at the minimum budget, on the update worker's thread and

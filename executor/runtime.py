@@ -23,7 +23,7 @@ from hplan.executor.device import make_tier
 from hplan.executor.evaluation import EvalPass
 from hplan.executor.events import EventDispatch
 from hplan.executor.grad_arrival import GradArrival
-from hplan.executor.gradients import Clip, GradientOps
+from hplan.executor.gradients import Clip, GradientOps, warm_nonfinite_check
 from hplan.executor.habits import intercepted, with_step_hooks
 from hplan.executor.measure import EventRecord, WindowMeter, make_probe, window_bytes
 from hplan.executor.overlap import UpdateWorker, use_worker
@@ -220,6 +220,7 @@ class PlanRun(EventDispatch, GradArrival, UpdateSteps, GradientOps, StateSync):
         self._stack.enter_context(intercepted(self, optimizer, model))
         self.model_state_hooks(model, self._stack)
         if self.meter is not None:
+            warm_nonfinite_check(self.tier.device)
             self._stack.enter_context(self.meter.track())
         self.tier.keep(self._headroom)
         self._stack.callback(self.tier.keep, 0)

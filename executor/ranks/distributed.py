@@ -33,7 +33,7 @@ from hplan.executor.ranks.in_flight import InFlight
 from hplan.executor.ranks.dist_comm import PlanComm
 from hplan.executor.ranks.dist_events import DistEvents
 from hplan.executor.ranks.dist_updates import DistUpdates
-from hplan.executor.gradients import move_grad
+from hplan.executor.gradients import move_grad, warm_nonfinite_check
 from hplan.executor.habits import intercepted, with_step_hooks
 from hplan.executor.measure import WindowMeter, make_probe, window_bytes
 from hplan.executor.step_table import moves_table
@@ -216,6 +216,7 @@ class DistRun(DistEvents, DistUpdates):
         self._stack.enter_context(EventHooks(model, self.on_event))
         self._stack.enter_context(intercepted(self, optimizer, model))  # type: ignore[arg-type]
         if self.meter is not None:
+            warm_nonfinite_check(self.tier.device)
             self._stack.enter_context(self.meter.track())
         self.comm.reset()
         return self
