@@ -78,17 +78,17 @@ from dataclasses import replace
 from hplan.artifacts.hardware import Hardware
 from hplan.artifacts.plan import Plan
 from hplan.artifacts.trace import Trace
-from hplan.planner.activation_bounds import children_bound, floored, priced_bound, targets_of
+from hplan.planner.activation_bounds import below, children_bound, floored, priced_bound, targets_of
 from hplan.planner.activation_items import Items
 from hplan.planner.activation_min import PARTS, RegimeMin, Shared, auto_regimes, min_gpu_auto, min_gpu_of
 from hplan.planner import core
-from hplan.planner.activations import Decision, HostMemoryShort, decide, modes_of, slack_figure
+from hplan.planner.activations import Decision, HostMemoryShort, decide, modes_of, slack_figure, with_slack
 from hplan.planner.core import Pruned
 from hplan.planner.slack import SELECTIVE_MIX, for_figure, mix_figure
 from hplan.planner.exact import lp_bound, solve_milp
 from hplan.planner.options import PlanOptions
 from hplan.planner.problem import MinGpu
-from hplan.planner.search import Progress, Scored, Search, finish, planned_evaluations
+from hplan.planner.search import Progress, Scored, Search, chunk_targets, finish, planned_evaluations
 
 
 MIXES = ("mixed", SELECTIVE_MIX, PARTS)
@@ -125,6 +125,8 @@ def _plan_auto(trace: Trace, hardware: Hardware, options: PlanOptions, on_progre
     solved: list[tuple[frozenset[str], int]] = []  # regimes solved with a bound over all their choices
     mixed: tuple[dict, int] | None = None  # the mixed regime's staged chunkings and its slack
     targets: list[int] = []
+    every = targets_of(chunk_targets(work, options), options)  # the chunkings a forced plan of any mix may search
+    made: dict = {}  # the pure regimes' plans (`_made_key`)
     for name, hw, items, own in _order(feasible):
         cheap = 0 if name == "keep" or name in MIXES else items.cost_of(items.keep())  # a pure regime's fixed cost
         incumbent = None if best is None else _objective(best)
@@ -138,11 +140,11 @@ def _plan_auto(trace: Trace, hardware: Hardware, options: PlanOptions, on_progre
                 at = best.options.get("chunk_bytes") if name == SELECTIVE_MIX and best is not None else None
                 plan, decisions, priced = _plan_regime(work, hw, options, on_progress, items, smallest, own.lean,
                                                        own.keep, incumbent, None if at is None else [at],
-                                                       light=name == SELECTIVE_MIX)
-                searched = plan.summary.lower_bound_bytes
+                                                       light=name == SELECTIVE_MIX, stage=every, made=made)
                 if priced is not None and name == "mixed":
                     mixed, targets = (priced[0], hw.slack_bytes), targets_of(priced[1], options)
-                first = floored(work, hw, plan, priced)  # its bound, over every mix's own reserve
+                first = floored(hw, plan, priced, every)  # its bound, over every mix's own reserve
+                searched = first.lower_bound_bytes if first.activations_free else plan.summary.lower_bound_bytes
                 if name != SELECTIVE_MIX:  # (its plan reserves its own mix's figure: `_plan_regime`)
                     plan = _settle(work, hw, options, on_progress, items, smallest, own, plan, decisions)
             elif incumbent is not None and mixed is not None and name != "selective" and \
@@ -152,15 +154,26 @@ def _plan_auto(trace: Trace, hardware: Hardware, options: PlanOptions, on_progre
                 plan = core.plan_decisions(work, hw, options, decide(work, name), on_progress, shared=items.shared,
                                            smallest=smallest,
                                            incumbent=None if incumbent is None else incumbent - cheap)
+                made[_made_key(work, hw, decide(work, name), items)] = plan
                 plan = _summary(plan, items, decide(work, name), None)
                 searched = plan.summary.lower_bound_bytes
-        except Pruned:
-            continue  # every chunking's bound reaches the incumbent: it cannot win
+        except Pruned as e:  # every chunking's bound is above the incumbent: no plan at the sample's slack can win
+            if name in MIXES:  # mixes reserving less ([Note: a pruned mix's floor]): proven unable to win, or bounded
+                staged = getattr(e, "staged", None)
+                if name == "mixed" and staged is not None:
+                    mixed, targets = (staged[0], hw.slack_bytes), targets_of(staged[1], options)
+                under = None if staged is None else below(hw, *staged, every)
+                if under is None:
+                    covered = False
+                elif incumbent is not None and under <= incumbent:
+                    bounds.append(under)
+            continue
         except HostMemoryShort:
             if best is None and name == "mixed":
                 raise
             continue  # its offloads do not fit in host memory: no plan of this regime is hplan's
-        if cover or incumbent is not None and plan.summary.feasible and searched >= incumbent:
+        if cover or incumbent is not None and plan.summary.feasible and searched >= incumbent and \
+                (name not in MIXES or first.activations_free):
             # solved only to break a tie ([Note: auto regimes]): a solved regime's bound, or its search's, already
             # covers its plans, so neither its (floored) bound nor a failure to find a plan changes the certificate
             if plan.summary.feasible and _better(plan, best):
@@ -236,7 +249,7 @@ def _order(runs: list) -> list:
     """Regimes in solving order: keep alone first where its slack is the smallest figure (it moves nothing where
     everything fits, and its zero objective then ends the search), then the mixed regime, then offload and
     recompute alone."""
-    rank = {"keep": 0, "mixed": 1, PARTS: 1.5, "offload": 2, "recompute": 3, "selective": 3.5, SELECTIVE_MIX: 4.5}
+    rank = {"keep": 0, "selective": 0.5, "mixed": 1, PARTS: 1.5, "offload": 2, "recompute": 3, SELECTIVE_MIX: 4.5}
     mixed = [r[1].slack_bytes for r in runs if r[0] == "mixed"]
     if mixed and any(r[0] == "keep" and r[1].slack_bytes >= mixed[0] for r in runs):
         rank["keep"] = 4  # the mixed regime covers it
@@ -268,13 +281,16 @@ def _objective(plan: Plan) -> int:
 
 def _plan_regime(trace: Trace, hardware: Hardware, options: PlanOptions, on_progress: Progress | None, items: Items,
                  smallest: MinGpu, lean: tuple[Decision, ...], keep_bytes: int | None, incumbent: int | None = None,
-                 targets: list[int] | None = None, light: bool = False
-                 ) -> tuple[Plan, tuple[Decision, ...], tuple[dict, list[int]] | None]:
+                 targets: list[int] | None = None, light: bool = False, stage: list[int] = (),
+                 made: dict | None = None) -> tuple[Plan, tuple[Decision, ...], tuple[dict, list[int]] | None]:
     """The auto plan within one regime (its choices, its slack), its decisions and its search's staged chunkings
     (None at effort 0); `Pruned` where no chunking's bound is at or below `incumbent` (link bytes). `targets`:
     the chunkings searched (default: every one). `light`: the lowest effort's node budget and no larger one for
     the winner (the selective mix's regime, [Note: selective in a mix]: its bound stays a bound, its plan only
-    competes with the incumbent)."""
+    competes with the incumbent). `stage`: chunkings whose LP is staged too, searched or not (the bound over the
+    mixes the search does not cover, hplan.planner.activation_bounds.below); a `Pruned` raised carries the staged
+    chunkings and those searched as `staged`. `made`: plans of forced choices made already (`_made_key`), one of
+    which is the plan of the winner's choices where it was made on the winner's chunking."""
     fits = keep_bytes is not None and keep_bytes <= hardware.gpu_bytes
     effort = core._effort(options)
     if effort == 0:  # heuristics only: keep everything when that fits, else the smallest budget's choices
@@ -291,16 +307,23 @@ def _plan_regime(trace: Trace, hardware: Hardware, options: PlanOptions, on_prog
         search.best_moved = incumbent
     search.targets = targets
     best = search.run()
+    for target in stage:
+        if target not in search.staged:
+            search.staged_lp(target)
     if best is None and search.pruned:
-        raise Pruned("every chunking's bound is above the incumbent")
+        pruned = Pruned("every chunking's bound is above the incumbent")
+        pruned.staged = (search.staged, search.searched)  # type: ignore[attr-defined]
+        raise pruned
     bound: int | None = None
     plan = None
     if best is not None:
         bound = _close(search, best, options, light)
         decisions = items.to_decisions(best.act or act0)
         if any(d.choice in ("recompute", "selective") for d in decisions):  # the relaxation left their weight reads out
-            plan = core.plan_decisions(trace, hardware, options, decisions, on_progress,
-                                       targets=[best.chunk_target], shared=items.shared, smallest=smallest)
+            plan = (made or {}).get(_made_key(trace, hardware, decisions, items))
+            if plan is None or plan.options.get("chunk_bytes") != best.chunk_target:
+                plan = core.plan_decisions(trace, hardware, options, decisions, on_progress,
+                                           targets=[best.chunk_target], shared=items.shared, smallest=smallest)
         elif slack_figure(decisions) == "mixed" and \
                 mix_figure(trace, hardware, modes_of(decisions)) not in (None, hardware.slack_bytes):
             # the mix's own log needs more, or less, than the regime's figure: planned again under its own
@@ -318,6 +341,17 @@ def _plan_regime(trace: Trace, hardware: Hardware, options: PlanOptions, on_prog
         plan = core.plan_decisions(trace, hardware, options, lean, on_progress, shared=items.shared,
                                    smallest=smallest)
     return _summary(plan, items, decisions, bound), decisions, (search.staged, search.searched)
+
+
+def _made_key(trace: Trace, hardware: Hardware, decisions: tuple[Decision, ...], items: Items) -> tuple:
+    """What a forced plan of `decisions` depends on beside the options and the reported minimum, which one auto
+    decision shares: the choices, the hardware with the slack they reserve (`with_slack`, whatever regime asked)
+    and the segments' shared effects. [Note: a forced plan made once] `core.plan_decisions` on every chunking
+    and on the one its winner chose make the same plan: that chunking's model, branch and bound and larger node
+    budget are the same (another chunking's search or an incumbent only prunes), so the selective mix's regime,
+    whose winner is often the pure selective plan, takes it from here (0.15 s of gpt:18b's 24 GB plan)."""
+    return (id(trace), tuple((d.segment.key, d.choice, d.reason) for d in decisions),
+            with_slack(hardware, decisions, trace), items.shared)
 
 
 def _reuse(search: Search, best: Scored, trace: Trace, hardware: Hardware, options: PlanOptions,

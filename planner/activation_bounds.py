@@ -58,28 +58,51 @@ def children_bound(trace: Trace, hardware: Hardware, options: PlanOptions, witho
     return least, priced
 
 
-def floored(trace: Trace, hw: Hardware, plan: Plan, priced: tuple[dict, list[int]] | None) -> PlanSummary:
-    """The mixed (or parts) regime's summary with its bound lowered to cover every mix, each of which reserves its
-    own replayed figure, perhaps below the sample `hw` searched under ([Note: a mix's reserve]). The search's bound
-    covers every plan reserving the sample or more; a mix below it makes a choice other than keep and reserves at
-    least `least_reserve`, so the winner's chunking's LP multipliers priced over the plans with a choice other
-    than keep (`must`), every row given the room between the sample and that reserve, bound the rest
-    (`lagrangian_bound`, valid for any multipliers). Where that chunking was not staged nothing is proven."""
+def floored(hw: Hardware, plan: Plan, priced: tuple[dict, list[int]] | None, every: list[int]) -> PlanSummary:
+    """The summary of a regime of mixes (mixed, selective mix or parts) with its bound lowered to cover every mix
+    of every chunking in `every` (`below`), each reserving its own replayed figure, perhaps below the sample `hw`
+    searched under ([Note: a mix's reserve]); not covering every choice where a chunking was not staged."""
+    s = plan.summary
+    if not s.feasible or not s.activations_free:
+        return s
+    value = None if priced is None else below(hw, *priced, every)
+    if value is None:
+        return replace(s, activations_free=False)
+    return replace(s, lower_bound_bytes=min(s.lower_bound_bytes, value))
+
+
+def below(hw: Hardware, staged: dict, searched: list[int], every: list[int]) -> int | None:
+    """A lower bound on the plans of a regime of mixes that its search at the sample `hw.slack_bytes` does not
+    cover, on every chunking in `every`; None where one was not staged (nothing proven).
+
+    [Note: a pruned mix's floor] A mix reserves its own replayed figure ([Note: a mix's own slack]), which may lie
+    below the sample the regime is searched (or pruned) under, down to `least_reserve`; only a mix with a choice
+    other than keep can (an all-keep plan reserves keep's figure: the keep regime's). Per chunking, the staged LP
+    multipliers priced over the plans with such a choice (`must`) and every row given the room between the sample
+    and the least reserve bound every such mix (`lagrangian_bound`, valid for any multipliers); a chunking the
+    search did not solve (the selective mix searches the incumbent's only) adds its plain LP bound, which covers
+    the mixes reserving the sample or more. A chunking the search solved, or pruned because its LP bound is above
+    the incumbent, needs no more: the regime's search bound, as a forced plan's (hplan.planner.core), or that LP
+bound covers those. So the least over `every`
+    (each chunking a forced plan of any mix may search, `targets_of`) bounds every plan of the regime the search
+    does not, whether the regime was solved or pruned: a pruned regime's plans are then covered too, and where
+    the value is at or below the incumbent it enters the certificate (hplan.planner.activation_auto)."""
     from hplan.planner.exact import lagrangian_bound
 
-    s = plan.summary
     room = hw.slack_bytes - least_reserve(hw)
-    if not s.feasible or not s.activations_free or room <= 0:
-        return s
-    staged = None if priced is None else priced[0].get(plan.options.get("chunk_bytes"))
-    if staged is None:
-        return replace(s, activations_free=False)
-    model, rows, multipliers = staged
-    c = model.choices
-    act = np.array([k < 0 for k in c.key])[c.item]  # activation items have negative keys
-    must = act & (np.array(c.label) != "keep")
-    return replace(s, lower_bound_bytes=min(s.lower_bound_bytes, lagrangian_bound(
-        model, rows, *multipliers, more_free=room, must=must)))
+    least = 1 << 62
+    for target in every:
+        if target not in staged:
+            return None
+        model, rows, multipliers = staged[target]
+        if target not in searched:
+            least = min(least, lagrangian_bound(model, rows, *multipliers))
+        if room > 0:
+            c = model.choices
+            act = np.array([k < 0 for k in c.key])[c.item]  # activation items have negative keys
+            must = act & (np.array(c.label) != "keep")
+            least = min(least, lagrangian_bound(model, rows, *multipliers, more_free=room, must=must))
+    return least
 
 
 def priced_bound(staged: dict, slack: int, choice: str, targets: list[int], own_slack: int, incumbent: int) -> int:
