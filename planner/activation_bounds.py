@@ -1,6 +1,7 @@
-"""Lower bounds auto's certificate adds beside each regime's search bound ([Note: auto regimes], [Note: a mix's
-reserve] and [Note: child segments in auto] in hplan.planner.activation_auto): Lagrangian bounds from a staged
-joint model's LP multipliers, valid for any multipliers, over the plans a regime's search does not cover.
+"""Lower bounds auto's certificate takes from a regime's search (`close`) and adds beside it ([Note: auto regimes],
+[Note: a mix's reserve] and [Note: child segments in auto] in hplan.planner.activation_auto): Lagrangian bounds
+from a staged joint model's LP multipliers, valid for any multipliers, over the plans a regime's search does not
+cover.
 """
 
 from __future__ import annotations
@@ -13,7 +14,8 @@ from hplan.artifacts.hardware import Hardware
 from hplan.artifacts.plan import Plan, PlanSummary
 from hplan.artifacts.trace import Trace
 from hplan.planner.options import PlanOptions
-from hplan.planner.search import Search
+from hplan.planner.exact import lp_bound, solve_milp
+from hplan.planner.search import Scored, Search
 from hplan.planner.slack import SELECTIVE_MIX, least_reserve
 
 
@@ -136,3 +138,25 @@ def targets_of(targets: list[int], options: PlanOptions) -> list[int]:
     from hplan.planner.problem import PARAM_CHUNKS
 
     return targets if options.chunk_bytes is not None or PARAM_CHUNKS in targets else [PARAM_CHUNKS, *targets]
+
+
+def close(search: Search, best: Scored, options: PlanOptions, light: bool = False) -> int:
+    """The winner's larger node budget (as `core._improve` gives a joint model; none where `light`), and its bound
+    on the objective: a regime of mixes' search bound (hplan.planner.activation_auto's `_plan_regime`)."""
+    from hplan.planner import core
+
+    result = best.result
+    if best.joint is None or result is None:
+        return 0
+    gap = core.stop_gap(options)
+    if not light and not result.optimal and not core._reached(best, gap):
+        nodes = core.UNLIMITED_NODES if options.solver == "exact" else core.FINAL_NODES[core._effort(options)]
+        search.tick(f"exact solve of {len(best.joint.model.size)} gaps with {len(search.acts.first)} segment calls")
+        again = solve_milp(best.joint.model, best.joint_keep, max_nodes=nodes, stop_bytes=gap * result.lower_bound,
+                           fallback_x=best.joint.x_of(best.gpu_chunks, best.act or None))
+        if again.keep is not None and again.cost is not None and again.cost <= best.moved:
+            best.adopt(search.trace, search.hardware, again, flips=options.flips)
+        best.result = result = again
+    if result.optimal:
+        return best.moved
+    return min(best.moved, max(result.lower_bound, lp_bound(best.joint.model)))
