@@ -16,11 +16,11 @@ from hplan.artifacts.trace import Trace
 from hplan.errors import HplanError
 from hplan.planner.activation_auto import plan_auto
 from hplan.planner.activations import decide
+from hplan.planner.chunking import regions_remembered
 from hplan.planner.core import plan_decisions
 from hplan.planner.formulation import solves_remembered
 from hplan.planner.options import PlanOptions
 from hplan.planner.placement import extremes_remembered
-from hplan.planner.problem import regions_remembered
 from hplan.planner.search import Progress
 from hplan.planner.slack import figures_remembered
 
