@@ -13,6 +13,7 @@ from contextlib import contextmanager
 
 from hplan.artifacts.plan import Chunk, Region
 from hplan.artifacts.trace import ParamInfo, Trace
+from hplan.planner.options import PlanOptions
 
 MODULE_CHUNKS = 0
 """Chunk target meaning "one chunk per module"."""
@@ -132,3 +133,17 @@ def partly_used(trace: Trace, groups: list[list[ParamInfo]]) -> bool:
             if any(count < full[k] for k, count in touched.items()):
                 return True
     return False
+
+
+CHUNKS_PER_MODEL: tuple[int, ...] = (256, 64, 16)
+"""Coarser chunking candidates: the model's weight bytes split into about this many chunks."""
+
+
+def chunk_targets(trace: Trace, options: PlanOptions) -> list[int]:
+    """Module chunks and a few coarser sizes; one chunk per parameter too when an event reads or writes only
+    part of a module's chunk (tied weights, a Linear's backward), where the finer chunking holds less."""
+    if options.chunk_bytes is not None:
+        return [options.chunk_bytes]
+    total = sum(p.bytes for p in trace.params)
+    finest = [PARAM_CHUNKS] if partly_used(trace, group_params(trace, MODULE_CHUNKS)) else []
+    return finest + [MODULE_CHUNKS] + sorted({max(2, total // m) for m in CHUNKS_PER_MODEL})

@@ -20,7 +20,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -28,7 +28,7 @@ from hplan.artifacts.hardware import Hardware
 from hplan.artifacts.trace import ParamInfo, Trace
 from hplan.errors import HplanError
 from hplan.planner.intervals import Choices, IntervalModel, Stay, build_intervals
-from hplan.planner.problem import Problem, Structure, build
+from hplan.planner.problem import Problem, Structure, build, event_non_model
 
 if TYPE_CHECKING:
     from hplan.planner.activation_items import Items
@@ -352,3 +352,29 @@ def _with_items(model: IntervalModel, acts: Items, act0: tuple[int, ...], n_chun
                       extra_step=np.concatenate([c.extra_step, steps]).astype(np.int64),
                       extra_bytes=np.concatenate([c.extra_bytes, extra[modes, steps]]).astype(np.int64))
     return replace(model, free=free.astype(np.int64), choices=choices)
+
+
+def cpu_split(trace: Trace, hardware: Hardware, cpu_only: Any, trainable: list[int], groups: Any,
+              per_chunk: dict[int, dict[str, int]]) -> tuple[int, list[int]]:
+    """How many leading trainable chunks can keep their optimizer on the GPU (at the optimizer step and across
+    the iteration), and for each split k the bytes the CPU-updated chunks k… must move at least (one rank's
+    sizes, or a shard's: `per_chunk` decides)."""
+    read, written = set(), set()
+    for e in trace.events:
+        if e.kind != "optimizer":
+            read.update(e.params)
+            written.update(e.grads)
+    opt = next((t for t, e in enumerate(trace.events) if e.kind == "optimizer"), -1)
+    opt_room = hardware.gpu_bytes - hardware.slack_bytes - event_non_model(trace.events[opt], True)
+    others = np.delete(cpu_only.room(), opt) if opt >= 0 else cpu_only.room()
+    room = int(others.min()) if len(others) else opt_room
+    k_max, at_opt, kept = 0, 0, 0
+    for c in trainable:
+        at_opt += sum(per_chunk[c].values())
+        kept += per_chunk[c].get("master", 0) + per_chunk[c].get("state", 0)
+        if at_opt > opt_room or kept > room:
+            break
+        k_max += 1
+    own = [per_chunk[c]["param"] * any(p.name in read for p in groups[c])
+           + per_chunk[c].get("grad", 0) * any(p.name in written for p in groups[c]) for c in trainable]
+    return k_max, [sum(own[k:]) for k in range(len(trainable) + 1)]
