@@ -202,7 +202,7 @@ def _plan_auto(trace: Trace, hardware: Hardware, options: PlanOptions, on_progre
         name, hw, items, first = runs[0]
         return _plan_regime(work, hw, options, on_progress, items, smallest, first.lean, first.keep)[0]
     if work is not trace and _objective(best) > 0 and covered:  # child choices were left out (keep fits)
-        child = children_bound(trace, hardware, options, without, best.options.get("chunk_bytes"))
+        child = children_bound(trace, hardware, options, without, best.options.get("chunk_bytes"), work)
         if child is None or child[0] < min([_objective(best), *bounds]):  # a child choice might win: search them
             return _plan_auto(trace, hardware, options, on_progress, without, children=True)
         bounds.append(child[1])

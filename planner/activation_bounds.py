@@ -20,13 +20,15 @@ from hplan.planner.slack import SELECTIVE_MIX, least_reserve
 
 
 def children_bound(trace: Trace, hardware: Hardware, options: PlanOptions, without: frozenset[str],
-                    target: int | None) -> tuple[int, int] | None:
+                    target: int | None, work: Trace | None = None) -> tuple[int, int] | None:
     """Lower bounds on every plan of chunking `target` that makes a child segment's choice, over every regime with
     child modes ([Note: child segments in auto]), and on every plan of the parts regime (`PARTS`: the blocks' search
     has none): with each plan reserving its regime's figure (which decides whether child choices are searched, as
     the figures guide the blocks' search), and with each reserving the least reserve of any plan (the bound: such
     plans are mixes, each reserving its own figure, [Note: a mix's reserve]); None where a regime's joint model
-    cannot be staged with every segment kept (nothing proven)."""
+    cannot be staged with every segment kept (nothing proven). `work`: the trace without its child segments, whose
+    events are `trace`'s (every segment kept): the joint models' extremes are built on it, as the blocks' search
+    built them ([Note: remembered extremes]: the same plan's memory answers; the items carry the children)."""
     from hplan.planner.activation_items import build_items
     from hplan.planner.activation_min import parts_regime
     from hplan.planner.exact import lagrangian_bound
@@ -48,7 +50,7 @@ def children_bound(trace: Trace, hardware: Hardware, options: PlanOptions, witho
         if hw is parts:  # a regime of child segments only: its plans without a child choice are bounded here too
             kids[:] = True
         staged = None if target is None else \
-            Search(trace, hw, options, acts=items, act0=items.keep()).staged_lp(target)
+            Search(trace if work is None else work, hw, options, acts=items, act0=items.keep()).staged_lp(target)
         if staged is None:
             return None
         model, rows, multipliers = staged
