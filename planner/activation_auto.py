@@ -25,21 +25,25 @@ Where everything kept fits, the joint model's extremes are built with every segm
 
 [Note: auto regimes] Each choice needs its own allocator slack (hplan.planner.slack), so auto solves every regime
 that can win: keep alone under keep's figure (first where that figure is the smallest: an objective of 0 ends the
-search), every choice under the mixed figure, then offload alone, recompute alone and (where the trace prices it)
-selective alone under their own figures, each planned exactly as the forced choice is; where selective is
-priced, a second mixed regime adds it per block ([Note: selective in a mix]; solved last, with the best objective
-so far as its incumbent, on the incumbent's chunking only, at the lowest effort's node budget and without
-`_settle`'s searches again: its bound then covers selective mixes of that chunking, as the children's bound does); the smallest objective wins, and
-at an equal objective the shorter predicted step (then the first): equal link bytes can differ in per-call costs,
-e.g. a block's offload staged back in its children's parts against the plain offload of the same bytes (more calls,
-a slower step). A regime is skipped only by a proven bound strictly above the incumbent (one that may tie it is
-solved, for the tie-break): a pure regime's fixed activation cost; every chunking's LP bound (`core.Pruned`); or the
-mixed regime's LP multipliers, per chunking, with each item held to the regime's choice and every row given the
-slack difference (`exact.lagrangian_bound`, valid for any multipliers). A regime whose choices a solved regime
-covers at a slack no larger (its bound is in the list) needs no bound of its own: a pure one is still priced and
-solved where it may tie, a plan to compare but no bound added (nor one whose search's bound reaches the incumbent). The plan's bound is the
-least over the regimes solved (a skipped regime's is at least the winner's objective); `activations_free` holds only
-where every solved regime's bound covers all its choices. The mixed figure is a sample that guides the search.
+search), selective alone under its own figure where the trace prices it (the mixed regime's multipliers cannot
+price it, so it is solved wherever it may win; first, it is an incumbent that often prunes the mixed regime: gpt:18b
+b8 at 24 GB, 0.6 s of 2.3), every choice under the mixed figure, then offload alone and recompute alone under their
+own figures, each planned exactly as the forced choice is; where selective is priced, a second mixed regime adds it
+per block ([Note: selective in a mix]; solved last, with the best objective so far as its incumbent, on the
+incumbent's chunking only, at the lowest effort's node budget and without `_settle`'s searches again; its LP is
+staged on every other chunking too, for its bound); the smallest objective wins, and at an equal objective the
+shorter predicted step (then the first): equal link bytes can differ in per-call costs, e.g. a block's offload
+staged back in its children's parts against the plain offload of the same bytes (more calls, a slower step). A
+regime is skipped only by a proven bound strictly above the incumbent (one that may tie it is solved, for the
+tie-break): a pure regime's fixed activation cost; every chunking's LP bound (`core.Pruned`: a regime of mixes
+adds the bound of its mixes reserving less, [Note: a pruned mix's floor]); or the mixed regime's LP multipliers
+(staged, pruned or not), per chunking, with each item held to the regime's choice and every row given the slack
+difference (`exact.lagrangian_bound`, valid for any multipliers). A regime whose choices a solved regime covers at a
+slack no larger (its bound is in the list) needs no bound of its own: a pure one is still priced and solved where
+it may tie, a plan to compare but no bound added (nor one whose bound, floored for a regime of mixes, reaches the
+incumbent). The plan's bound is the least over the regimes solved (a skipped regime's is at least the winner's
+objective); `activations_free` holds only where every solved regime's bound covers all its choices. The mixed
+figure is a sample that guides the search.
 
 [Note: a mix's reserve] A mixed plan reserves its own mix's replayed figure ([Note: a mix's own slack] in
 hplan.artifacts.choice_log), above or below the sample, or the table's least figure where that is larger
@@ -48,9 +52,12 @@ least figure of 22 MiB). Where its own is larger than the sample the regime is s
 (`_settle`); where smaller, the plan is made again under it on the same chunking (`_plan_regime`). The regime's
 search bound covers the plans reserving the sample or more; every other mix makes a choice other than keep and
 reserves at least the least figure, so its bound adds a Lagrangian bound over those plans with the room between
-the sample and the least figure (`floored` in hplan.planner.activation_bounds; the children's likewise in
-`children_bound`). Every plan therefore reserves at least its own figure, and the certificate stays a lower bound
-over every mix (tests/test_activation_floor.py enumerates a 5-block model's mixes). A provable floor under every
+the sample and the least figure, on every chunking a forced mix may search, whether the regime was solved, solved
+only for a tie or pruned (`floored` and `below` in hplan.planner.activation_bounds, [Note: a pruned mix's floor];
+the children's likewise in `children_bound`, on the winner's chunking: no forced plan makes a child choice).
+Every plan therefore reserves at least its own figure, and the certificate stays a lower bound over every mix
+(tests/test_activation_regimes.py enumerates a 5-block model's mixes; tests/test_activation_pruned_floor.py
+overstates the sample so that keep's plan prunes the mixed regime). A provable floor under every
 mix's own figure, lower than the least figure but with no reserve added to any plan, was tried: the replay of the
 calls every mix shares (up to the first segment's forward end) gives 20 MiB on that GPT-2 and 2 MiB on gpt:18b, and
 pricing from it widened the narrow ConvNeXt's gaps to 50-100% at middle budgets.
@@ -78,17 +85,16 @@ from dataclasses import replace
 from hplan.artifacts.hardware import Hardware
 from hplan.artifacts.plan import Plan
 from hplan.artifacts.trace import Trace
-from hplan.planner.activation_bounds import children_bound, floored, priced_bound, targets_of
+from hplan.planner.activation_bounds import below, children_bound, close, floored, priced_bound, targets_of
 from hplan.planner.activation_items import Items
 from hplan.planner.activation_min import PARTS, RegimeMin, Shared, auto_regimes, min_gpu_auto, min_gpu_of
 from hplan.planner import core
-from hplan.planner.activations import Decision, HostMemoryShort, decide, modes_of, slack_figure
+from hplan.planner.activations import Decision, HostMemoryShort, decide, modes_of, slack_figure, with_slack
 from hplan.planner.core import Pruned
 from hplan.planner.slack import SELECTIVE_MIX, for_figure, mix_figure
-from hplan.planner.exact import lp_bound, solve_milp
 from hplan.planner.options import PlanOptions
 from hplan.planner.problem import MinGpu
-from hplan.planner.search import Progress, Scored, Search, finish, planned_evaluations
+from hplan.planner.search import Progress, Scored, Search, chunk_targets, finish, planned_evaluations
 
 
 MIXES = ("mixed", SELECTIVE_MIX, PARTS)
@@ -125,6 +131,8 @@ def _plan_auto(trace: Trace, hardware: Hardware, options: PlanOptions, on_progre
     solved: list[tuple[frozenset[str], int]] = []  # regimes solved with a bound over all their choices
     mixed: tuple[dict, int] | None = None  # the mixed regime's staged chunkings and its slack
     targets: list[int] = []
+    every = targets_of(chunk_targets(work, options), options)  # the chunkings a forced plan of any mix may search
+    made: dict = {}  # the pure regimes' plans (`_made_key`)
     for name, hw, items, own in _order(feasible):
         cheap = 0 if name == "keep" or name in MIXES else items.cost_of(items.keep())  # a pure regime's fixed cost
         incumbent = None if best is None else _objective(best)
@@ -138,11 +146,11 @@ def _plan_auto(trace: Trace, hardware: Hardware, options: PlanOptions, on_progre
                 at = best.options.get("chunk_bytes") if name == SELECTIVE_MIX and best is not None else None
                 plan, decisions, priced = _plan_regime(work, hw, options, on_progress, items, smallest, own.lean,
                                                        own.keep, incumbent, None if at is None else [at],
-                                                       light=name == SELECTIVE_MIX)
-                searched = plan.summary.lower_bound_bytes
+                                                       light=name == SELECTIVE_MIX, stage=every, made=made)
                 if priced is not None and name == "mixed":
                     mixed, targets = (priced[0], hw.slack_bytes), targets_of(priced[1], options)
-                first = floored(work, hw, plan, priced)  # its bound, over every mix's own reserve
+                first = floored(hw, plan, priced, every)  # its bound, over every mix's own reserve
+                searched = first.lower_bound_bytes if first.activations_free else plan.summary.lower_bound_bytes
                 if name != SELECTIVE_MIX:  # (its plan reserves its own mix's figure: `_plan_regime`)
                     plan = _settle(work, hw, options, on_progress, items, smallest, own, plan, decisions)
             elif incumbent is not None and mixed is not None and name != "selective" and \
@@ -152,15 +160,26 @@ def _plan_auto(trace: Trace, hardware: Hardware, options: PlanOptions, on_progre
                 plan = core.plan_decisions(work, hw, options, decide(work, name), on_progress, shared=items.shared,
                                            smallest=smallest,
                                            incumbent=None if incumbent is None else incumbent - cheap)
+                made[_made_key(work, hw, decide(work, name), items)] = plan
                 plan = _summary(plan, items, decide(work, name), None)
                 searched = plan.summary.lower_bound_bytes
-        except Pruned:
-            continue  # every chunking's bound reaches the incumbent: it cannot win
+        except Pruned as e:  # every chunking's bound is above the incumbent: no plan at the sample's slack can win
+            if name in MIXES:  # mixes reserving less ([Note: a pruned mix's floor]): proven unable to win, or bounded
+                staged = getattr(e, "staged", None)
+                if name == "mixed" and staged is not None:
+                    mixed, targets = (staged[0], hw.slack_bytes), targets_of(staged[1], options)
+                under = None if staged is None else below(hw, *staged, every)
+                if under is None:
+                    covered = False
+                elif incumbent is not None and under <= incumbent:
+                    bounds.append(under)
+            continue
         except HostMemoryShort:
             if best is None and name == "mixed":
                 raise
             continue  # its offloads do not fit in host memory: no plan of this regime is hplan's
-        if cover or incumbent is not None and plan.summary.feasible and searched >= incumbent:
+        if cover or incumbent is not None and plan.summary.feasible and searched >= incumbent and \
+                (name not in MIXES or first.activations_free):
             # solved only to break a tie ([Note: auto regimes]): a solved regime's bound, or its search's, already
             # covers its plans, so neither its (floored) bound nor a failure to find a plan changes the certificate
             if plan.summary.feasible and _better(plan, best):
@@ -183,7 +202,7 @@ def _plan_auto(trace: Trace, hardware: Hardware, options: PlanOptions, on_progre
         name, hw, items, first = runs[0]
         return _plan_regime(work, hw, options, on_progress, items, smallest, first.lean, first.keep)[0]
     if work is not trace and _objective(best) > 0 and covered:  # child choices were left out (keep fits)
-        child = children_bound(trace, hardware, options, without, best.options.get("chunk_bytes"))
+        child = children_bound(trace, hardware, options, without, best.options.get("chunk_bytes"), work)
         if child is None or child[0] < min([_objective(best), *bounds]):  # a child choice might win: search them
             return _plan_auto(trace, hardware, options, on_progress, without, children=True)
         bounds.append(child[1])
@@ -233,10 +252,10 @@ def _minimums(trace: Trace, hardware: Hardware, without: frozenset[str], shared:
 
 
 def _order(runs: list) -> list:
-    """Regimes in solving order: keep alone first where its slack is the smallest figure (it moves nothing where
-    everything fits, and its zero objective then ends the search), then the mixed regime, then offload and
-    recompute alone."""
-    rank = {"keep": 0, "mixed": 1, PARTS: 1.5, "offload": 2, "recompute": 3, "selective": 3.5, SELECTIVE_MIX: 4.5}
+    """Regimes in solving order ([Note: auto regimes]): keep alone first where its slack is the smallest figure (it
+    moves nothing where everything fits, and its zero objective then ends the search), then selective alone, the
+    mixed regime, offload and recompute alone, and the selective mix last."""
+    rank = {"keep": 0, "selective": 0.5, "mixed": 1, PARTS: 1.5, "offload": 2, "recompute": 3, SELECTIVE_MIX: 4.5}
     mixed = [r[1].slack_bytes for r in runs if r[0] == "mixed"]
     if mixed and any(r[0] == "keep" and r[1].slack_bytes >= mixed[0] for r in runs):
         rank["keep"] = 4  # the mixed regime covers it
@@ -268,13 +287,16 @@ def _objective(plan: Plan) -> int:
 
 def _plan_regime(trace: Trace, hardware: Hardware, options: PlanOptions, on_progress: Progress | None, items: Items,
                  smallest: MinGpu, lean: tuple[Decision, ...], keep_bytes: int | None, incumbent: int | None = None,
-                 targets: list[int] | None = None, light: bool = False
-                 ) -> tuple[Plan, tuple[Decision, ...], tuple[dict, list[int]] | None]:
+                 targets: list[int] | None = None, light: bool = False, stage: list[int] = (),
+                 made: dict | None = None) -> tuple[Plan, tuple[Decision, ...], tuple[dict, list[int]] | None]:
     """The auto plan within one regime (its choices, its slack), its decisions and its search's staged chunkings
     (None at effort 0); `Pruned` where no chunking's bound is at or below `incumbent` (link bytes). `targets`:
     the chunkings searched (default: every one). `light`: the lowest effort's node budget and no larger one for
     the winner (the selective mix's regime, [Note: selective in a mix]: its bound stays a bound, its plan only
-    competes with the incumbent)."""
+    competes with the incumbent). `stage`: chunkings whose LP is staged too, searched or not (the bound over the
+    mixes the search does not cover, hplan.planner.activation_bounds.below); a `Pruned` raised carries the staged
+    chunkings and those searched as `staged`. `made`: plans of forced choices made already (`_made_key`), one of
+    which is the plan of the winner's choices where it was made on the winner's chunking."""
     fits = keep_bytes is not None and keep_bytes <= hardware.gpu_bytes
     effort = core._effort(options)
     if effort == 0:  # heuristics only: keep everything when that fits, else the smallest budget's choices
@@ -291,16 +313,23 @@ def _plan_regime(trace: Trace, hardware: Hardware, options: PlanOptions, on_prog
         search.best_moved = incumbent
     search.targets = targets
     best = search.run()
+    for target in stage:
+        if target not in search.staged:
+            search.staged_lp(target)
     if best is None and search.pruned:
-        raise Pruned("every chunking's bound is above the incumbent")
+        pruned = Pruned("every chunking's bound is above the incumbent")
+        pruned.staged = (search.staged, search.searched)  # type: ignore[attr-defined]
+        raise pruned
     bound: int | None = None
     plan = None
     if best is not None:
-        bound = _close(search, best, options, light)
+        bound = close(search, best, options, light)
         decisions = items.to_decisions(best.act or act0)
         if any(d.choice in ("recompute", "selective") for d in decisions):  # the relaxation left their weight reads out
-            plan = core.plan_decisions(trace, hardware, options, decisions, on_progress,
-                                       targets=[best.chunk_target], shared=items.shared, smallest=smallest)
+            plan = (made or {}).get(_made_key(trace, hardware, decisions, items))
+            if plan is None or plan.options.get("chunk_bytes") != best.chunk_target:
+                plan = core.plan_decisions(trace, hardware, options, decisions, on_progress,
+                                           targets=[best.chunk_target], shared=items.shared, smallest=smallest)
         elif slack_figure(decisions) == "mixed" and \
                 mix_figure(trace, hardware, modes_of(decisions)) not in (None, hardware.slack_bytes):
             # the mix's own log needs more, or less, than the regime's figure: planned again under its own
@@ -318,6 +347,17 @@ def _plan_regime(trace: Trace, hardware: Hardware, options: PlanOptions, on_prog
         plan = core.plan_decisions(trace, hardware, options, lean, on_progress, shared=items.shared,
                                    smallest=smallest)
     return _summary(plan, items, decisions, bound), decisions, (search.staged, search.searched)
+
+
+def _made_key(trace: Trace, hardware: Hardware, decisions: tuple[Decision, ...], items: Items) -> tuple:
+    """What a forced plan of `decisions` depends on beside the options and the reported minimum, which one auto
+    decision shares: the choices, the hardware with the slack they reserve (`with_slack`, whatever regime asked)
+    and the segments' shared effects. [Note: a forced plan made once] `core.plan_decisions` on every chunking
+    and on the one its winner chose make the same plan: that chunking's model, branch and bound and larger node
+    budget are the same (another chunking's search or an incumbent only prunes), so the selective mix's regime,
+    whose winner is often the pure selective plan, takes it from here (0.15 s of gpt:18b's 24 GB plan)."""
+    return (id(trace), tuple((d.segment.key, d.choice, d.reason) for d in decisions),
+            with_slack(hardware, decisions, trace), items.shared)
 
 
 def _reuse(search: Search, best: Scored, trace: Trace, hardware: Hardware, options: PlanOptions,
@@ -338,28 +378,6 @@ def _reuse(search: Search, best: Scored, trace: Trace, hardware: Hardware, optio
     opts = {k: v for k, v in asdict(options).items() if k != "compare"}
     plan = core._plan(work, hardware, cand, done, solver, 0, False, smallest.gpu_bytes, smallest.bottleneck, opts)
     return with_activations(plan, trace, work, decisions, items.shared) if plan.summary.feasible else plan
-
-
-def _close(search: Search, best: Scored, options: PlanOptions, light: bool = False) -> int:
-    """The winner's larger node budget (as `core._improve` gives a joint model; none where `light`), and its bound
-    on the objective."""
-    from hplan.planner import core
-
-    result = best.result
-    if best.joint is None or result is None:
-        return 0
-    gap = core.stop_gap(options)
-    if not light and not result.optimal and not core._reached(best, gap):
-        nodes = core.UNLIMITED_NODES if options.solver == "exact" else core.FINAL_NODES[core._effort(options)]
-        search.tick(f"exact solve of {len(best.joint.model.size)} gaps with {len(search.acts.first)} segment calls")
-        again = solve_milp(best.joint.model, best.joint_keep, max_nodes=nodes, stop_bytes=gap * result.lower_bound,
-                           fallback_x=best.joint.x_of(best.gpu_chunks, best.act or None))
-        if again.keep is not None and again.cost is not None and again.cost <= best.moved:
-            best.adopt(search.trace, search.hardware, again, flips=options.flips)
-        best.result = result = again
-    if result.optimal:
-        return best.moved
-    return min(best.moved, max(result.lower_bound, lp_bound(best.joint.model)))
 
 
 def _summary(plan: Plan, items: Items, decisions: tuple[Decision, ...], bound: int | None) -> Plan:

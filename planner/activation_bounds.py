@@ -1,6 +1,7 @@
-"""Lower bounds auto's certificate adds beside each regime's search bound ([Note: auto regimes], [Note: a mix's
-reserve] and [Note: child segments in auto] in hplan.planner.activation_auto): Lagrangian bounds from a staged
-joint model's LP multipliers, valid for any multipliers, over the plans a regime's search does not cover.
+"""Lower bounds auto's certificate takes from a regime's search (`close`) and adds beside it ([Note: auto regimes],
+[Note: a mix's reserve] and [Note: child segments in auto] in hplan.planner.activation_auto): Lagrangian bounds
+from a staged joint model's LP multipliers, valid for any multipliers, over the plans a regime's search does not
+cover.
 """
 
 from __future__ import annotations
@@ -13,18 +14,21 @@ from hplan.artifacts.hardware import Hardware
 from hplan.artifacts.plan import Plan, PlanSummary
 from hplan.artifacts.trace import Trace
 from hplan.planner.options import PlanOptions
-from hplan.planner.search import Search
+from hplan.planner.exact import lp_bound, solve_milp
+from hplan.planner.search import Scored, Search
 from hplan.planner.slack import SELECTIVE_MIX, least_reserve
 
 
 def children_bound(trace: Trace, hardware: Hardware, options: PlanOptions, without: frozenset[str],
-                    target: int | None) -> tuple[int, int] | None:
+                    target: int | None, work: Trace | None = None) -> tuple[int, int] | None:
     """Lower bounds on every plan of chunking `target` that makes a child segment's choice, over every regime with
     child modes ([Note: child segments in auto]), and on every plan of the parts regime (`PARTS`: the blocks' search
     has none): with each plan reserving its regime's figure (which decides whether child choices are searched, as
     the figures guide the blocks' search), and with each reserving the least reserve of any plan (the bound: such
     plans are mixes, each reserving its own figure, [Note: a mix's reserve]); None where a regime's joint model
-    cannot be staged with every segment kept (nothing proven)."""
+    cannot be staged with every segment kept (nothing proven). `work`: the trace without its child segments, whose
+    events are `trace`'s (every segment kept): the joint models' extremes are built on it, as the blocks' search
+    built them ([Note: remembered extremes]: the same plan's memory answers; the items carry the children)."""
     from hplan.planner.activation_items import build_items
     from hplan.planner.activation_min import parts_regime
     from hplan.planner.exact import lagrangian_bound
@@ -46,7 +50,7 @@ def children_bound(trace: Trace, hardware: Hardware, options: PlanOptions, witho
         if hw is parts:  # a regime of child segments only: its plans without a child choice are bounded here too
             kids[:] = True
         staged = None if target is None else \
-            Search(trace, hw, options, acts=items, act0=items.keep()).staged_lp(target)
+            Search(trace if work is None else work, hw, options, acts=items, act0=items.keep()).staged_lp(target)
         if staged is None:
             return None
         model, rows, multipliers = staged
@@ -58,28 +62,51 @@ def children_bound(trace: Trace, hardware: Hardware, options: PlanOptions, witho
     return least, priced
 
 
-def floored(trace: Trace, hw: Hardware, plan: Plan, priced: tuple[dict, list[int]] | None) -> PlanSummary:
-    """The mixed (or parts) regime's summary with its bound lowered to cover every mix, each of which reserves its
-    own replayed figure, perhaps below the sample `hw` searched under ([Note: a mix's reserve]). The search's bound
-    covers every plan reserving the sample or more; a mix below it makes a choice other than keep and reserves at
-    least `least_reserve`, so the winner's chunking's LP multipliers priced over the plans with a choice other
-    than keep (`must`), every row given the room between the sample and that reserve, bound the rest
-    (`lagrangian_bound`, valid for any multipliers). Where that chunking was not staged nothing is proven."""
+def floored(hw: Hardware, plan: Plan, priced: tuple[dict, list[int]] | None, every: list[int]) -> PlanSummary:
+    """The summary of a regime of mixes (mixed, selective mix or parts) with its bound lowered to cover every mix
+    of every chunking in `every` (`below`), each reserving its own replayed figure, perhaps below the sample `hw`
+    searched under ([Note: a mix's reserve]); not covering every choice where a chunking was not staged."""
+    s = plan.summary
+    if not s.feasible or not s.activations_free:
+        return s
+    value = None if priced is None else below(hw, *priced, every)
+    if value is None:
+        return replace(s, activations_free=False)
+    return replace(s, lower_bound_bytes=min(s.lower_bound_bytes, value))
+
+
+def below(hw: Hardware, staged: dict, searched: list[int], every: list[int]) -> int | None:
+    """A lower bound on the plans of a regime of mixes that its search at the sample `hw.slack_bytes` does not
+    cover, on every chunking in `every`; None where one was not staged (nothing proven).
+
+    [Note: a pruned mix's floor] A mix reserves its own replayed figure ([Note: a mix's own slack]), which may lie
+    below the sample the regime is searched (or pruned) under, down to `least_reserve`; only a mix with a choice
+    other than keep can (an all-keep plan reserves keep's figure: the keep regime's). Per chunking, the staged LP
+    multipliers priced over the plans with such a choice (`must`) and every row given the room between the sample
+    and the least reserve bound every such mix (`lagrangian_bound`, valid for any multipliers); a chunking the
+    search did not solve (the selective mix searches the incumbent's only) adds its plain LP bound, which covers
+    the mixes reserving the sample or more. A chunking the search solved, or pruned because its LP bound is above
+    the incumbent, needs no more: the regime's search bound, as a forced plan's (hplan.planner.core), or that LP
+bound covers those. So the least over `every`
+    (each chunking a forced plan of any mix may search, `targets_of`) bounds every plan of the regime the search
+    does not, whether the regime was solved or pruned: a pruned regime's plans are then covered too, and where
+    the value is at or below the incumbent it enters the certificate (hplan.planner.activation_auto)."""
     from hplan.planner.exact import lagrangian_bound
 
-    s = plan.summary
     room = hw.slack_bytes - least_reserve(hw)
-    if not s.feasible or not s.activations_free or room <= 0:
-        return s
-    staged = None if priced is None else priced[0].get(plan.options.get("chunk_bytes"))
-    if staged is None:
-        return replace(s, activations_free=False)
-    model, rows, multipliers = staged
-    c = model.choices
-    act = np.array([k < 0 for k in c.key])[c.item]  # activation items have negative keys
-    must = act & (np.array(c.label) != "keep")
-    return replace(s, lower_bound_bytes=min(s.lower_bound_bytes, lagrangian_bound(
-        model, rows, *multipliers, more_free=room, must=must)))
+    least = 1 << 62
+    for target in every:
+        if target not in staged:
+            return None
+        model, rows, multipliers = staged[target]
+        if target not in searched:
+            least = min(least, lagrangian_bound(model, rows, *multipliers))
+        if room > 0:
+            c = model.choices
+            act = np.array([k < 0 for k in c.key])[c.item]  # activation items have negative keys
+            must = act & (np.array(c.label) != "keep")
+            least = min(least, lagrangian_bound(model, rows, *multipliers, more_free=room, must=must))
+    return least
 
 
 def priced_bound(staged: dict, slack: int, choice: str, targets: list[int], own_slack: int, incumbent: int) -> int:
@@ -113,3 +140,25 @@ def targets_of(targets: list[int], options: PlanOptions) -> list[int]:
     from hplan.planner.problem import PARAM_CHUNKS
 
     return targets if options.chunk_bytes is not None or PARAM_CHUNKS in targets else [PARAM_CHUNKS, *targets]
+
+
+def close(search: Search, best: Scored, options: PlanOptions, light: bool = False) -> int:
+    """The winner's larger node budget (as `core._improve` gives a joint model; none where `light`), and its bound
+    on the objective: a regime of mixes' search bound (hplan.planner.activation_auto's `_plan_regime`)."""
+    from hplan.planner import core
+
+    result = best.result
+    if best.joint is None or result is None:
+        return 0
+    gap = core.stop_gap(options)
+    if not light and not result.optimal and not core._reached(best, gap):
+        nodes = core.UNLIMITED_NODES if options.solver == "exact" else core.FINAL_NODES[core._effort(options)]
+        search.tick(f"exact solve of {len(best.joint.model.size)} gaps with {len(search.acts.first)} segment calls")
+        again = solve_milp(best.joint.model, best.joint_keep, max_nodes=nodes, stop_bytes=gap * result.lower_bound,
+                           fallback_x=best.joint.x_of(best.gpu_chunks, best.act or None))
+        if again.keep is not None and again.cost is not None and again.cost <= best.moved:
+            best.adopt(search.trace, search.hardware, again, flips=options.flips)
+        best.result = result = again
+    if result.optimal:
+        return best.moved
+    return min(best.moved, max(result.lower_bound, lp_bound(best.joint.model)))

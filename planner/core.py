@@ -17,7 +17,8 @@ from hplan.artifacts.plan import Plan, PlanSummary
 from hplan.artifacts.replay import Replay, replay, validate  # noqa: F401  (re-exported)
 from hplan.sizes import format_size
 from hplan.artifacts.trace import Trace
-from hplan.planner.activations import Decision, min_gpu_with, replayed, transform, with_activations, with_slack
+from hplan.planner.activation_steps import replayed
+from hplan.planner.activations import Decision, min_gpu_with, transform, with_activations, with_slack
 from hplan.planner.exact import lp_bound, solve_milp
 from hplan.planner.options import PlanOptions
 from hplan.planner.problem import PARAM_CHUNKS, MinGpu, min_gpu, placement_rule

@@ -16,10 +16,11 @@ from hplan.artifacts.trace import Trace
 from hplan.errors import HplanError
 from hplan.planner.activation_auto import plan_auto
 from hplan.planner.activations import decide
+from hplan.planner.chunking import regions_remembered
 from hplan.planner.core import plan_decisions
 from hplan.planner.formulation import solves_remembered
 from hplan.planner.options import PlanOptions
-from hplan.planner.problem import regions_remembered
+from hplan.planner.placement import extremes_remembered
 from hplan.planner.search import Progress
 from hplan.planner.slack import figures_remembered
 
@@ -29,7 +30,8 @@ def make_plan(trace: Trace, hardware: Hardware, options: PlanOptions | None = No
     """The cheapest schedule found for `hardware`; infeasible budgets give summary.feasible False, never raise.
     `on_progress(done, total, message)` is called as candidates are scored and solved."""
     options = options or PlanOptions()
-    with collector_paused(), solves_remembered(), figures_remembered(), regions_remembered():
+    with collector_paused(), solves_remembered(), figures_remembered(), regions_remembered(), \
+            extremes_remembered():
         return _make_plan(trace, hardware, options, on_progress)
 
 

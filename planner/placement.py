@@ -17,8 +17,10 @@ compared: the joint model and the plan agree byte for byte, or planning stops as
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -26,7 +28,7 @@ from hplan.artifacts.hardware import Hardware
 from hplan.artifacts.trace import ParamInfo, Trace
 from hplan.errors import HplanError
 from hplan.planner.intervals import Choices, IntervalModel, Stay, build_intervals
-from hplan.planner.problem import Problem, Structure, build
+from hplan.planner.problem import Problem, Structure, build, event_non_model
 
 if TYPE_CHECKING:
     from hplan.planner.activation_items import Items
@@ -143,9 +145,9 @@ def build_joint(trace: Trace, groups: list[list[ParamInfo]], hardware: Hardware,
         return None
     extremes = {}
     for label, gpu in (("gpu", frozenset(chunks)), ("cpu", frozenset())):
-        structure, problem = build(trace, groups, gpu, hardware, flips=flips)
-        extremes[label] = Placed(gpu_chunks=gpu, structure=structure, problem=problem,
-                                 model=build_intervals(problem), act=act0 if acts is not None else ())
+        structure, problem, model = _extreme(trace, groups, gpu, hardware, flips)
+        extremes[label] = Placed(gpu_chunks=gpu, structure=structure, problem=problem, model=model,
+                                 act=act0 if acts is not None else ())
     structure = extremes["cpu"].structure
     item = {c: k for k, c in enumerate(chunks)}
     region_item = np.array([item.get(r.chunk, -1) for r in structure.regions], dtype=np.int64)
@@ -185,6 +187,41 @@ def build_joint(trace: Trace, groups: list[list[ParamInfo]], hardware: Hardware,
                               placed.model.free):
             raise HplanError(f"the placement model's memory differs from the all-{label} problem's: an hplan bug")
     return joint
+
+
+def _extreme(trace: Trace, groups: list[list[ParamInfo]], gpu: frozenset[int], hardware: Hardware, flips: bool
+             ) -> tuple[Structure, Problem, IntervalModel]:
+    """One extreme placement's structure, problem and interval model, from memory within `extremes_remembered`.
+
+    [Note: remembered extremes] Auto builds the same chunking's extremes on the same trace and hardware in more
+    than one regime: the mixed regime and the selective mix's stage every chunking of the same (relaxed) trace
+    under the same sample (gpt:18b at 24 GB: 10 of 32 builds). They are a pure function of the trace, the
+    chunking, the placement, the hardware and `flips`, made of frozen dataclasses whose arrays no caller writes,
+    so handing them out again changes nothing. The memo holds the trace itself, so no key's id can become another
+    trace's while it lives: as long as the plan being made (hplan.planner.make)."""
+    memo = _EXTREMES[-1] if _EXTREMES else None
+    key = (id(trace), tuple(tuple(ps) for ps in groups), gpu, hardware, flips) if memo is not None else None
+    if memo is not None and key in memo and memo[key][0] is trace:
+        return memo[key][1]
+    structure, problem = build(trace, groups, gpu, hardware, flips=flips)
+    made = (structure, problem, build_intervals(problem))
+    if memo is not None:
+        memo[key] = (trace, made)
+    return made
+
+
+_EXTREMES: list[dict] = []
+
+
+@contextmanager
+def extremes_remembered() -> Iterator[None]:
+    """Within it, `build_joint` takes an extreme placement it has built already from memory ([Note: remembered
+    extremes])."""
+    _EXTREMES.append({})
+    try:
+        yield
+    finally:
+        _EXTREMES.pop()
 
 
 def _gaps(extremes: dict[str, Placed], region_item: np.ndarray
@@ -315,3 +352,29 @@ def _with_items(model: IntervalModel, acts: Items, act0: tuple[int, ...], n_chun
                       extra_step=np.concatenate([c.extra_step, steps]).astype(np.int64),
                       extra_bytes=np.concatenate([c.extra_bytes, extra[modes, steps]]).astype(np.int64))
     return replace(model, free=free.astype(np.int64), choices=choices)
+
+
+def cpu_split(trace: Trace, hardware: Hardware, cpu_only: Any, trainable: list[int], groups: Any,
+              per_chunk: dict[int, dict[str, int]]) -> tuple[int, list[int]]:
+    """How many leading trainable chunks can keep their optimizer on the GPU (at the optimizer step and across
+    the iteration), and for each split k the bytes the CPU-updated chunks k… must move at least (one rank's
+    sizes, or a shard's: `per_chunk` decides)."""
+    read, written = set(), set()
+    for e in trace.events:
+        if e.kind != "optimizer":
+            read.update(e.params)
+            written.update(e.grads)
+    opt = next((t for t, e in enumerate(trace.events) if e.kind == "optimizer"), -1)
+    opt_room = hardware.gpu_bytes - hardware.slack_bytes - event_non_model(trace.events[opt], True)
+    others = np.delete(cpu_only.room(), opt) if opt >= 0 else cpu_only.room()
+    room = int(others.min()) if len(others) else opt_room
+    k_max, at_opt, kept = 0, 0, 0
+    for c in trainable:
+        at_opt += sum(per_chunk[c].values())
+        kept += per_chunk[c].get("master", 0) + per_chunk[c].get("state", 0)
+        if at_opt > opt_room or kept > room:
+            break
+        k_max += 1
+    own = [per_chunk[c]["param"] * any(p.name in read for p in groups[c])
+           + per_chunk[c].get("grad", 0) * any(p.name in written for p in groups[c]) for c in trainable]
+    return k_max, [sum(own[k:]) for k in range(len(trainable) + 1)]

@@ -41,16 +41,12 @@ from hplan.planner.exact import (
 )
 from hplan.planner.intervals import IntervalModel, build_intervals
 from hplan.planner.options import PlanOptions
-from hplan.planner.placement import Joint, build_joint
-from hplan.planner.problem import (
-    MODULE_CHUNKS, PARAM_CHUNKS, Problem, Structure, build, event_non_model, group_params, make_regions,
-    partly_used,
-)
+from hplan.planner.chunking import chunk_targets
+from hplan.planner.placement import Joint, build_joint, cpu_split
+from hplan.planner.problem import Problem, Structure, build, group_params, make_regions
 from hplan.planner.schedule import (drop_dead, event_seconds, hoist_fetches, predict_seconds, to_steps,
                                     with_device_updates)
 
-CHUNKS_PER_MODEL: tuple[int, ...] = (256, 64, 16)
-"""Coarser chunking candidates: the model's weight bytes split into about this many chunks."""
 REFINE_ROUNDS = 6
 """Bisection rounds refining the number of GPU-updated chunks around the best power of two."""
 WINDOW_AT_EFFORT: tuple[int, ...] = (0, 0, 0, 4)
@@ -106,16 +102,6 @@ class Finished:
     initial_dirty: frozenset[int]
     seconds: dict[str, float]
     moved: int
-
-
-def chunk_targets(trace: Trace, options: PlanOptions) -> list[int]:
-    """Module chunks and a few coarser sizes; one chunk per parameter too when an event reads or writes only
-    part of a module's chunk (tied weights, a Linear's backward), where the finer chunking holds less."""
-    if options.chunk_bytes is not None:
-        return [options.chunk_bytes]
-    total = sum(p.bytes for p in trace.params)
-    finest = [PARAM_CHUNKS] if partly_used(trace, group_params(trace, MODULE_CHUNKS)) else []
-    return finest + [MODULE_CHUNKS] + sorted({max(2, total // m) for m in CHUNKS_PER_MODEL})
 
 
 def host_update_bytes(structure: Structure) -> dict[int, int]:
@@ -391,29 +377,3 @@ def planned_evaluations(trace: Trace, options: PlanOptions, *, joint: bool = Fal
     """An upper estimate of solver runs, for progress totals: an LP and a branch and bound per chunking when
     placement is solved inside the model."""
     return len(chunk_targets(trace, options)) * (2 if joint else 8 + 2 * REFINE_ROUNDS)
-
-
-def cpu_split(trace: Trace, hardware: Hardware, cpu_only: Any, trainable: list[int], groups: Any,
-              per_chunk: dict[int, dict[str, int]]) -> tuple[int, list[int]]:
-    """How many leading trainable chunks can keep their optimizer on the GPU (at the optimizer step and across
-    the iteration), and for each split k the bytes the CPU-updated chunks k… must move at least (one rank's
-    sizes, or a shard's: `per_chunk` decides)."""
-    read, written = set(), set()
-    for e in trace.events:
-        if e.kind != "optimizer":
-            read.update(e.params)
-            written.update(e.grads)
-    opt = next((t for t, e in enumerate(trace.events) if e.kind == "optimizer"), -1)
-    opt_room = hardware.gpu_bytes - hardware.slack_bytes - event_non_model(trace.events[opt], True)
-    others = np.delete(cpu_only.room(), opt) if opt >= 0 else cpu_only.room()
-    room = int(others.min()) if len(others) else opt_room
-    k_max, at_opt, kept = 0, 0, 0
-    for c in trainable:
-        at_opt += sum(per_chunk[c].values())
-        kept += per_chunk[c].get("master", 0) + per_chunk[c].get("state", 0)
-        if at_opt > opt_room or kept > room:
-            break
-        k_max += 1
-    own = [per_chunk[c]["param"] * any(p.name in read for p in groups[c])
-           + per_chunk[c].get("grad", 0) * any(p.name in written for p in groups[c]) for c in trainable]
-    return k_max, [sum(own[k:]) for k in range(len(trainable) + 1)]

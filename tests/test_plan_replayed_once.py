@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 
 from hplan.planner import PlanOptions, make_hardware, make_plan, trace_slack
-from hplan.planner import activations
+from hplan.planner import activation_steps, activations
 from hplan.specs import load_workload
 from hplan.tracer import trace_workload
 
@@ -23,9 +23,10 @@ def test_the_hoist_reads_the_plans_own_replay_and_the_plan_is_unchanged(monkeypa
         return real(plan)
 
     monkeypatch.setattr(activations, "replay", counting)
+    monkeypatch.setattr(activation_steps, "replay", counting)
     remembered = make_plan(trace, hardware, options)
     once = calls["n"]
-    monkeypatch.setattr(activations, "replayed", lambda plan, totals: None)  # nothing remembered
+    monkeypatch.setattr(activation_steps, "replayed", lambda plan, totals: None)  # nothing remembered
     import hplan.planner.core as core
 
     monkeypatch.setattr(core, "replayed", lambda plan, totals: None)
@@ -41,14 +42,14 @@ def test_another_plan_or_a_broken_summary_is_replayed():
     hardware = make_hardware("rtx3090", gpu_bytes=10**9, **trace_slack(trace))
     plan = make_plan(trace, hardware, PlanOptions(activations="keep"))
     fresh = [s.total_bytes for s in activations.replay(plan).states]
-    activations.replayed(plan, [0] * len(fresh))  # a wrong memory, for another object
+    activation_steps.replayed(plan, [0] * len(fresh))  # a wrong memory, for another object
     import dataclasses
 
     other = dataclasses.replace(plan)
-    assert activations._totals(other) == fresh  # not the plan remembered: replayed
-    activations.replayed(plan, [0] * len(fresh))
+    assert activation_steps._totals(other) == fresh  # not the plan remembered: replayed
+    activation_steps.replayed(plan, [0] * len(fresh))
     broken = dataclasses.replace(plan, summary=dataclasses.replace(plan.summary, gap=float("nan")))
-    activations.replayed(broken, [0] * len(fresh))
-    assert activations._totals(broken) == []  # a replay that finds a broken rule leaves no states, as before
-    activations.replayed(plan, fresh)
-    assert activations._totals(plan) == fresh and activations._REPLAYED == []
+    activation_steps.replayed(broken, [0] * len(fresh))
+    assert activation_steps._totals(broken) == []  # a replay that finds a broken rule leaves no states, as before
+    activation_steps.replayed(plan, fresh)
+    assert activation_steps._totals(plan) == fresh and activation_steps._REPLAYED == []

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 
 from hplan.planner import PlanOptions, make_hardware, make_plan
-from hplan.planner import problem
+from hplan.planner import chunking, problem
 from hplan.planner.synthetic import gpt_trace
 
 
@@ -13,21 +13,21 @@ def test_a_chunking_is_made_once_within_a_plan_and_the_same_outside(monkeypatch)
     trace = gpt_trace(n_layer=2, d_model=64, n_head=2, precision="fp16-mixed")
     groups = problem.group_params(trace, problem.PARAM_CHUNKS)
     made = {"n": 0}
-    real = problem._make_regions
+    real = chunking._make_regions
 
     def counting(*args):
         made["n"] += 1
         return real(*args)
 
-    monkeypatch.setattr(problem, "_make_regions", counting)
-    plain = problem.make_regions(groups, True)
-    with problem.regions_remembered():
-        first = problem.make_regions(groups, True)
-        again = problem.make_regions([list(ps) for ps in groups], True)  # equal groups, new lists
-        other = problem.make_regions(groups, False)
+    monkeypatch.setattr(chunking, "_make_regions", counting)
+    plain = chunking.make_regions(groups, True)
+    with chunking.regions_remembered():
+        first = chunking.make_regions(groups, True)
+        again = chunking.make_regions([list(ps) for ps in groups], True)  # equal groups, new lists
+        other = chunking.make_regions(groups, False)
     assert again is first and first == plain and other != first
     assert made["n"] == 3  # outside the memo, the first inside, and the other master flag
-    assert not problem._REGIONS  # the memo lives as long as the plan
+    assert not chunking._REGIONS  # the memo lives as long as the plan
 
 
 def test_a_plan_builds_each_chunking_once_and_is_unchanged(monkeypatch):
@@ -37,7 +37,7 @@ def test_a_plan_builds_each_chunking_once_and_is_unchanged(monkeypatch):
     options = PlanOptions()
     remembered = make_plan(trace, hardware, options)
     calls, made = {"n": 0}, {"n": 0}
-    real, outer = problem._make_regions, problem.make_regions
+    real, outer = chunking._make_regions, problem.make_regions
 
     def counting(*args):
         made["n"] += 1
@@ -47,11 +47,11 @@ def test_a_plan_builds_each_chunking_once_and_is_unchanged(monkeypatch):
         calls["n"] += 1
         return outer(*args)
 
-    monkeypatch.setattr(problem, "_make_regions", counting)
+    monkeypatch.setattr(chunking, "_make_regions", counting)
     monkeypatch.setattr(problem, "make_regions", asked)
     again = make_plan(trace, hardware, options)
     assert made["n"] < calls["n"]  # repeats answered from memory
-    monkeypatch.setattr(problem, "regions_remembered", _forgetful)
+    monkeypatch.setattr(chunking, "regions_remembered", _forgetful)
     import hplan.planner.make as make
 
     monkeypatch.setattr(make, "regions_remembered", _forgetful)
