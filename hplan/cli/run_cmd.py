@@ -37,7 +37,9 @@ def register(app: typer.Typer) -> None:
                                                 "holds checkpoints; the first save replaces them.")] = False,
         batch_size: Annotated[int | None, typer.Option("--batch-size", help="Override the batch size.")] = None,
         seq_len: Annotated[int | None, typer.Option("--seq-len", help="Override the sequence length.")] = None,
-        precision: Annotated[str | None, typer.Option("--precision", help="fp32, bf16-mixed or fp16-mixed.")] = None,
+        precision: Annotated[str | None, typer.Option("--precision", help="fp32, bf16-mixed or fp16-mixed; "
+                                                                    "default: the plan's (another is refused).")
+                             ] = None,
         overrides: Annotated[list[str] | None, typer.Option("--set", metavar="KEY=VALUE", help=SET_HELP)] = None,
         budget_guard: Annotated[str, typer.Option("--budget-guard", help="stop (default): a step measuring more than "
                                                   "the plan's budget stops the run, exit 2; warn: only warn.")] = "stop",
@@ -166,7 +168,7 @@ def _run(*, spec: str, plan: Path, steps: int, device: str, metrics: Path | None
     from hplan.specs import load_workload
 
     workload = load_workload(spec, batch_size=batch_size, seq_len=seq_len, overrides=parse_overrides(overrides),
-                             precision=precision, accumulate=the_plan.accumulate,
+                             precision=plan_precision(the_plan, precision), accumulate=the_plan.accumulate,
                              max_grad_norm=the_plan.max_grad_norm)
     with progress_bar(f"training {workload.name}", quiet=as_json) as on_progress:
         report = run_training(workload, the_plan, steps=steps, device=device, metrics_path=metrics,
@@ -191,6 +193,17 @@ def _run(*, spec: str, plan: Path, steps: int, device: str, metrics: Path | None
                           f"B); disk read/write {report.nvme_read_bytes_per_iter}/{report.nvme_write_bytes_per_iter} "
                           f"B/iter (planned {report.planned_nvme_read_bytes_per_iter}/"
                           f"{report.planned_nvme_write_bytes_per_iter})", highlight=False)
+
+
+def plan_precision(plan: Plan, given: str | None) -> str | None:
+    """The precision recipe the plan was traced with, as its accumulation and clipping: the run takes it from the
+    plan, so `--precision` need not be given again; a different value is refused (the plan's bytes are that
+    recipe's). None for a plan that names none (the workload's own then)."""
+    planned = plan.fingerprint.get("precision")
+    if given is not None and planned is not None and given != planned:
+        raise HplanError(f"--precision {given} differs from the plan's {planned} (the plan was traced with it): "
+                         f"leave --precision out, or trace and plan again with --precision {given}")
+    return given if given is not None else planned
 
 
 def _refuse(message: str) -> None:

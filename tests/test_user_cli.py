@@ -1,0 +1,32 @@
+"""A new user's command lines: what `hplan run` takes from the plan, and the helper the tests plan with."""
+
+from __future__ import annotations
+
+import json
+
+from typer.testing import CliRunner
+
+from hplan.cli import app
+
+runner = CliRunner()
+
+
+def test_run_takes_the_precision_from_the_plan(tmp_path):
+    """`hplan trace gpt:tiny --precision bf16-mixed`, `hplan plan`, then `hplan run --plan` without --precision:
+    the run took accumulation and clipping from the plan but the precision from the workload (fp32), so it was
+    refused ("the plan was made for precision 'bf16-mixed', this run uses 'fp32'"), asking for --precision again.
+    Now the run takes it from the plan, and a conflicting --precision is one line, exit 2."""
+    trace, plan = tmp_path / "t.parquet", tmp_path / "p.json"
+    for args in (["trace", "gpt:tiny", "--device", "cpu", "--iters", "2", "--precision", "bf16-mixed", "-o",
+                  str(trace)], ["plan", str(trace), "--gpu", "cpu", "--gpu-mem", "min", "-o", str(plan)]):
+        assert runner.invoke(app, args).exit_code == 0
+    run = ["run", "gpt:tiny", "--plan", str(plan), "--steps", "2", "--json"]
+    bare, named = runner.invoke(app, run), runner.invoke(app, [*run, "--precision", "bf16-mixed"])
+    assert bare.exit_code == 0, bare.output
+    assert named.exit_code == 0, named.output
+    assert json.loads(bare.stdout)["losses"] == json.loads(named.stdout)["losses"]
+    other = runner.invoke(app, [*run, "--precision", "fp32"])
+    assert other.exit_code == 2 and "Traceback" not in other.output
+    line = other.stderr.strip()
+    assert len(line.splitlines()) == 1 and "--precision fp32" in line and "bf16-mixed" in line, line
+    assert "leave --precision out" in line and not other.stdout
