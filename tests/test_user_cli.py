@@ -30,3 +30,27 @@ def test_run_takes_the_precision_from_the_plan(tmp_path):
     line = other.stderr.strip()
     assert len(line.splitlines()) == 1 and "--precision fp32" in line and "bf16-mixed" in line, line
     assert "leave --precision out" in line and not other.stdout
+
+
+def test_the_tests_plan_as_the_cli_plans(tmp_path):
+    """tests/loops.plan_for (the plan nearly every training test runs on) planned with the keep step's allocator
+    slack for every activation choice, while `hplan plan` reserves each choice's own (`activation_slack`): a
+    recompute or offload plan a test certified was not the plan a user gets. Now the same plan, field for field."""
+    from loops import plan_for
+
+    from hplan.artifacts import Plan, Trace
+    from hplan.specs import load_workload
+    from hplan.tracer import trace_workload
+
+    trace = trace_workload(load_workload("gpt:tiny"), device="cpu", iters=2)
+    trace.save(tmp_path / "t.parquet")
+    trace = Trace.load(tmp_path / "t.parquet")
+    for choice in ("recompute", "offload"):
+        ours = plan_for(None, trace=trace, activations=choice, extra=0.25)
+        made = runner.invoke(app, ["plan", str(tmp_path / "t.parquet"), "--gpu", "cpu", "--gpu-mem",
+                                   str(ours.hardware.gpu_bytes), "--activations", choice, "--solver", "fast", "-o",
+                                   str(tmp_path / f"{choice}.json")])
+        assert made.exit_code == 0, made.output
+        cli = Plan.load(tmp_path / f"{choice}.json")
+        assert ours.hardware == cli.hardware, choice
+        assert ours.summary == cli.summary and ours.steps == cli.steps, choice
