@@ -187,3 +187,27 @@ def test_a_list_field_of_an_hf_class_spec_is_named_as_such():
 
     with pytest.raises(HplanError, match=r"SwinConfig's option 'depths' is a list.*hf:path/to/config\.json"):
         load_workload("hf:SwinForImageClassification", overrides={"depths": "[1,1]"})
+
+
+def test_a_fake_trace_runs_an_operator_sized_by_known_values():
+    """DeBERTa-v2's classifier loss takes `(labels >= 0).nonzero()` (an output sized by values) and branches on its
+    size: its fake trace stopped there ("fake tensors cannot run aten::nonzero ... trace with --device cpu"), and
+    fake is the default above 250M parameters. The labels are the batch's, whose values a fake trace follows, so
+    the operator now runs for real on them: the fake trace equals the cpu trace, operator for operator, with the
+    same peak, categories and warnings. On values it does not know (an activation's), the refusal stands."""
+    from hplan.errors import HplanError
+    from hplan.tracer import trace_workload
+
+    workload = hf.workload("deberta", deberta, batch=hf.cls_batch)
+    cpu, fake = trace_workload(workload, device="cpu", iters=2), trace_workload(workload, device="fake", iters=2)
+    assert list(fake.timeline.op) == list(cpu.timeline.op)
+    assert fake.peak_bytes == cpu.peak_bytes and fake.peak_by_category == cpu.peak_by_category
+    assert [e.non_model_peak_bytes for e in fake.events] == [e.non_model_peak_bytes for e in cpu.events]
+    assert set(cpu.warnings) <= set(fake.warnings) and any("aten::nonzero" in w for w in fake.warnings)
+
+    def loss(model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        hidden = model.deberta(input_ids=batch["input_ids"]).last_hidden_state
+        return hidden[hidden > 0].sum()  # sized by activations' values: no fake trace can know it
+
+    with pytest.raises(HplanError, match=r"aten::index in forward .* sized by values this fake trace does not hold.*`device` cpu"):
+        trace_workload(hf.workload("deberta-act", deberta, batch=hf.cls_batch, loss=loss), device="fake", iters=2)
