@@ -211,3 +211,23 @@ def test_a_fake_trace_runs_an_operator_sized_by_known_values():
 
     with pytest.raises(HplanError, match=r"aten::index in forward .* sized by values this fake trace does not hold.*`device` cpu"):
         trace_workload(hf.workload("deberta-act", deberta, batch=hf.cls_batch, loss=loss), device="fake", iters=2)
+
+
+def test_an_hf_class_spec_of_t5_trains_and_a_class_of_no_task_is_refused():
+    """`hf:T5ForConditionalGeneration`: T5Config defines no decoder_start_token_id (T5's checkpoints start the
+    decoder at the pad token, 0) and `--set` cannot add one, so the first forward failed shifting the labels
+    ("'T5Config' object has no attribute 'decoder_start_token_id'"); it starts at the pad token now. A class of no
+    task hplan has a batch for (`hf:CLIPModel`, `hf:WhisperForConditionalGeneration`, a bare `hf:LlamaModel`) was
+    fed a language model's batch and failed inside the model ("'NoneType' object has no attribute 'shape'"); it is
+    refused up front, naming the tasks and the workload-file way."""
+    from hplan.errors import HplanError
+    from hplan.specs import load_workload
+    from hplan.training import plain_losses
+
+    t5 = load_workload("hf:T5ForConditionalGeneration", batch_size=2, seq_len=8,
+                       overrides={"d_model": 32, "d_ff": 64, "d_kv": 8, "num_layers": 1, "num_heads": 4,
+                                  "vocab_size": 64})
+    assert len(plain_losses(t5, 1)) == 1
+    for name in ("CLIPModel", "WhisperForConditionalGeneration", "LlamaModel"):
+        with pytest.raises(HplanError, match=rf"hf:{name} is a class of no task .*seq2seq-lm.*workload file"):
+            load_workload(f"hf:{name}")
