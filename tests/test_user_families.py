@@ -231,3 +231,16 @@ def test_an_hf_class_spec_of_t5_trains_and_a_class_of_no_task_is_refused():
     for name in ("CLIPModel", "WhisperForConditionalGeneration", "LlamaModel"):
         with pytest.raises(HplanError, match=rf"hf:{name} is a class of no task .*seq2seq-lm.*workload file"):
             load_workload(f"hf:{name}")
+
+
+def test_num_labels_sets_an_hf_class_specs_classes():
+    """`hf:ResNetForImageClassification --set num_labels=5`: every config takes num_labels (stored as id2label, so
+    not among its dict's fields) and it was refused as "ResNetConfig has no option 'num_labels'"; a classifier of
+    other than 2 classes needed a config.json. Now the head and the batch's labels have 5 classes."""
+    from hplan.specs import load_workload
+
+    workload = load_workload("hf:ResNetForImageClassification", batch_size=64, overrides={"num_labels": "5"})
+    model = workload.build_model()
+    assert model.config.num_labels == 5 and model.classifier[-1].out_features == 5
+    labels = workload.batch(0)["labels"]
+    assert int(labels.max()) == 4 and int(labels.min()) == 0

@@ -81,6 +81,7 @@ def _public_fields(config_cls: Any) -> dict[str, Any]:
         raise HplanError(f"{config_cls.__name__} cannot be built from its defaults ({type(exc).__name__}: "
                          f"{_message(exc)}); hf: needs a model class whose config has defaults") from exc
     names = set(base.to_dict()) | set(getattr(config_cls, "attribute_map", {}))
+    names.add("num_labels")  # a constructor argument stored as id2label: the classifier heads' class count
     out = {}
     for name in names:
         value = getattr(base, name, None)
