@@ -45,6 +45,7 @@ def intercepted(run: PlanRun, optimizer: torch.optim.Optimizer, model: nn.Module
         _patch(stack, optimizer, "zero_grad", _zero(run, optimizer.zero_grad))
         _patch(stack, model, "zero_grad", _zero(run, model.zero_grad))
         stack.enter_context(_clip_patch(run))
+        stack.enter_context(_averaged_patch(model))
         _patch(stack, torch, "compile", _no_compile(run, torch.compile))
         for register, hook in ((optimizer.register_state_dict_pre_hook, lambda opt: run.sync_state()),
                                (optimizer.register_state_dict_post_hook, lambda opt, sd: run.release_state()),
@@ -171,6 +172,43 @@ def _unscale(scaler: GradScaler, optimizer: torch.optim.Optimizer) -> None:
         if run.optimizer is optimizer:
             run.check_user_unscale()
     return _ORIGINAL_UNSCALE(scaler, optimizer)
+
+
+@contextlib.contextmanager
+def _averaged_patch(model: nn.Module) -> Iterator[None]:
+    """torch's EMA / SWA, `AveragedModel.update_parameters(model)`, reads `model.parameters()`, where inside the
+    block an offloaded weight is a NaN placeholder: the average turned NaN while training went on, silently. For
+    the running model it now averages the current weights, as `model.state_dict()` gives them (copies from the
+    regions); any other model as torch does."""
+    from torch.optim.swa_utils import AveragedModel
+
+    original = AveragedModel.update_parameters
+
+    @functools.wraps(original)
+    def update_parameters(self: AveragedModel, other: nn.Module) -> None:
+        return original(self, _CurrentWeights(model) if other is model else other)  # type: ignore[arg-type]
+
+    AveragedModel.update_parameters = update_parameters  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        AveragedModel.update_parameters = original  # type: ignore[method-assign]
+
+
+class _CurrentWeights:
+    """What AveragedModel reads of a model (parameters, then buffers, in the module's order), with each managed
+    parameter's current value instead of its placeholder."""
+
+    def __init__(self, model: nn.Module) -> None:
+        state = model.state_dict()
+        self._params = [state.get(name, p) for name, p in model.named_parameters()]
+        self._buffers = list(model.buffers())
+
+    def parameters(self) -> Iterator[torch.Tensor]:
+        return iter(self._params)
+
+    def buffers(self) -> Iterator[torch.Tensor]:
+        return iter(self._buffers)
 
 
 def _shape_check(allowed: tuple[str, ...]) -> Callable[..., None]:

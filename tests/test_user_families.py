@@ -244,3 +244,47 @@ def test_num_labels_sets_an_hf_class_specs_classes():
     assert model.config.num_labels == 5 and model.classifier[-1].out_features == 5
     labels = workload.batch(0)["labels"]
     assert int(labels.max()) == 4 and int(labels.min()) == 0
+
+
+def resnet() -> torch.nn.Module:
+    """ResNet (BatchNorm: running statistics are buffers the step updates), tiny."""
+    cfg = transformers.ResNetConfig(num_channels=3, embedding_size=16, hidden_sizes=[16, 32], depths=[1, 1],
+                                    layer_type="basic", num_labels=3)
+    return transformers.ResNetForImageClassification(cfg)
+
+
+def test_torchs_ema_of_the_running_model_averages_its_weights():
+    """An EMA kept with torch's `AveragedModel(model, multi_avg_fn=get_ema_multi_avg_fn(0.9))`, updated after each
+    `optimizer.step()` inside the block: training equalled plain PyTorch, but `update_parameters(model)` read the
+    offloaded weights' NaN placeholders, so the EMA model (the one a user evaluates and ships) came out NaN,
+    exit 0. It now averages the current weights: the EMA equals plain PyTorch's bit for bit (with BatchNorm's
+    buffers too, `use_buffers=True`)."""
+    import contextlib
+
+    from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
+
+    import hplan
+
+    workload = hf.workload("resnet", resnet, batch=hf.image_batch)
+    plan = plan_for(workload)
+
+    def loop(with_plan: bool, use_buffers: bool) -> tuple[list[float], dict[str, torch.Tensor]]:
+        model = workload.build_model()
+        optimizer = workload.optimizer(model.parameters())
+        ema = AveragedModel(model, multi_avg_fn=get_ema_multi_avg_fn(0.9), use_buffers=use_buffers)
+        losses = []
+        with hplan.attach(model, optimizer, plan) if with_plan else contextlib.nullcontext():
+            for step in range(3):
+                loss = workload.loss(model, workload.batch(step))
+                loss.backward()
+                optimizer.step()
+                optimizer.zero_grad()
+                ema.update_parameters(model)
+                losses.append(loss.item())
+        return losses, {k: v.detach().clone() for k, v in ema.state_dict().items()}
+
+    for use_buffers in (False, True):
+        ref, got = loop(False, use_buffers), loop(True, use_buffers)
+        assert got[0] == ref[0]
+        for key, value in ref[1].items():
+            assert torch.equal(got[1][key], value), (use_buffers, key)
