@@ -46,6 +46,8 @@ def intercepted(run: PlanRun, optimizer: torch.optim.Optimizer, model: nn.Module
         _patch(stack, model, "zero_grad", _zero(run, model.zero_grad))
         stack.enter_context(_clip_patch(run))
         stack.enter_context(_averaged_patch(model))
+        for module in model.modules():
+            _patch(stack, module, "__deepcopy__", _no_deepcopy)
         _patch(stack, torch, "compile", _no_compile(run, torch.compile))
         for register, hook in ((optimizer.register_state_dict_pre_hook, lambda opt: run.sync_state()),
                                (optimizer.register_state_dict_post_hook, lambda opt, sd: run.release_state()),
@@ -193,6 +195,15 @@ def _averaged_patch(model: nn.Module) -> Iterator[None]:
         yield
     finally:
         AveragedModel.update_parameters = original  # type: ignore[method-assign]
+
+
+def _no_deepcopy(memo: dict) -> Any:
+    """copy.deepcopy of the running model (or a module of it) copied the offloaded weights' NaN placeholders and the
+    plan's hooks: the copy evaluated to NaN, or (an AveragedModel made inside the block) its state_dict answered
+    with the running model's weights. Refused, naming the copies that work."""
+    raise HplanError("copy.deepcopy of a model inside its attach block would copy the plan's placeholders and hooks, "
+                     "not the weights: copy model.state_dict() instead (or load it into a fresh model), and create "
+                     "an AveragedModel / EMA copy before the block")
 
 
 class _CurrentWeights:

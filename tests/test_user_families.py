@@ -258,8 +258,13 @@ def test_torchs_ema_of_the_running_model_averages_its_weights():
     `optimizer.step()` inside the block: training equalled plain PyTorch, but `update_parameters(model)` read the
     offloaded weights' NaN placeholders, so the EMA model (the one a user evaluates and ships) came out NaN,
     exit 0. It now averages the current weights: the EMA equals plain PyTorch's bit for bit (with BatchNorm's
-    buffers too, `use_buffers=True`)."""
+    buffers too, `use_buffers=True`). `copy.deepcopy(model)` inside the block (an AveragedModel made there, a "best
+    model" copy) copied the placeholders and the plan's hooks (NaN evaluation, or the copy's state_dict answering
+    with the running model's weights): refused in one line naming `model.state_dict()`."""
     import contextlib
+    import copy
+
+    from hplan.errors import HplanError
 
     from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
 
@@ -281,6 +286,13 @@ def test_torchs_ema_of_the_running_model_averages_its_weights():
                 optimizer.zero_grad()
                 ema.update_parameters(model)
                 losses.append(loss.item())
+            if with_plan:  # a copy inside the block held NaN placeholders and the plan's hooks: refused
+                for module in (model, model.classifier):
+                    with pytest.raises(HplanError, match=r"copy\.deepcopy of a model inside its attach block.*"
+                                                         r"model\.state_dict\(\)"):
+                        copy.deepcopy(module)
+        assert torch.equal(copy.deepcopy(model).state_dict()["classifier.1.weight"],
+                           model.state_dict()["classifier.1.weight"])  # after the block, as torch copies
         return losses, {k: v.detach().clone() for k, v in ema.state_dict().items()}
 
     for use_buffers in (False, True):
