@@ -46,6 +46,7 @@ def intercepted(run: PlanRun, optimizer: torch.optim.Optimizer, model: nn.Module
         _patch(stack, model, "zero_grad", _zero(run, model.zero_grad))
         stack.enter_context(_clip_patch(run))
         stack.enter_context(_averaged_patch(model))
+        stack.enter_context(_one_backward_per_forward(run))
         for module in model.modules():
             _patch(stack, module, "__deepcopy__", _no_deepcopy)
         _patch(stack, torch, "compile", _no_compile(run, torch.compile))
@@ -195,6 +196,42 @@ def _averaged_patch(model: nn.Module) -> Iterator[None]:
         yield
     finally:
         AveragedModel.update_parameters = original  # type: ignore[method-assign]
+
+
+@contextlib.contextmanager
+def _one_backward_per_forward(run: PlanRun) -> Iterator[None]:
+    """`loss.backward(retain_graph=True)` then a second backward over the same graph (a second loss, a rescaled
+    one): the plan has already released what the first backward used, so the second failed inside autograd
+    ("setStorage: ... out of bounds for storage of size 0"), or, with the weights resident, as a gradient arriving
+    where the plan writes none. A backward that fails after one of the same iteration kept its graph is reported in
+    one line naming the fix. (A fresh forward's backward is untouched: only a failure is re-worded.)"""
+    kept = [-1]
+    """The iteration in which a backward kept its graph (retain_graph=True)."""
+    original = torch.autograd.backward
+
+    @functools.wraps(original)
+    def backward(*args: Any, **kwargs: Any) -> Any:
+        retain = kwargs.get("retain_graph", args[2] if len(args) > 2 else None)
+        iteration = run.iteration
+        try:
+            out = original(*args, **kwargs)
+        except Exception as exc:
+            if kept[0] != iteration:
+                raise
+            raise HplanError(f"a backward failed after an earlier backward of iteration {iteration} kept its graph "
+                             f"(retain_graph=True) ({type(exc).__name__}: {str(exc).strip().splitlines()[0][:160]}):"
+                             " the plan frees what one backward has used, so a second backward over one graph is "
+                             "not supported; add the losses and call backward once, e.g. (loss_a + loss_b)"
+                             ".backward()") from exc
+        if retain:
+            kept[0] = iteration
+        return out
+
+    torch.autograd.backward = backward  # type: ignore[assignment]
+    try:
+        yield
+    finally:
+        torch.autograd.backward = original  # type: ignore[assignment]
 
 
 def _no_deepcopy(memo: dict) -> Any:

@@ -300,3 +300,37 @@ def test_torchs_ema_of_the_running_model_averages_its_weights():
         assert got[0] == ref[0]
         for key, value in ref[1].items():
             assert torch.equal(got[1][key], value), (use_buffers, key)
+
+
+def test_a_second_backward_over_a_kept_graph_is_named():
+    """`loss.backward(retain_graph=True)` and then a second backward over the same graph (`(0.5 * loss).backward()`,
+    a second loss sharing the graph): the plan had freed the weights the first backward used, and the second
+    failed inside autograd ("RuntimeError: setStorage: ... out of bounds for storage of size 0"). Now one HplanError
+    naming retain_graph and the fix; a loop that keeps the graph but runs one backward trains exactly."""
+    import contextlib
+
+    import hplan
+    from hplan.errors import HplanError
+
+    workload = hf.workload("llama", hf.llama)
+    plan = plan_for(workload)
+
+    def loop(with_plan: bool, twice: bool) -> tuple[list[float], dict[str, torch.Tensor]]:
+        model = workload.build_model()
+        optimizer = workload.optimizer(model.parameters())
+        losses = []
+        with hplan.attach(model, optimizer, plan) if with_plan else contextlib.nullcontext():
+            for step in range(2):
+                loss = workload.loss(model, workload.batch(step))
+                loss.backward(retain_graph=True)
+                if twice:
+                    (0.5 * loss).backward()
+                optimizer.step()
+                optimizer.zero_grad()
+                losses.append(loss.item())
+        return losses, {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+    ref, got = loop(False, False), loop(True, False)
+    assert got[0] == ref[0] and all(torch.equal(got[1][k], v) for k, v in ref[1].items())
+    with pytest.raises(HplanError, match=r"kept its graph \(retain_graph=True\).*\(loss_a \+ loss_b\)\.backward\(\)"):
+        loop(True, True)
