@@ -54,3 +54,33 @@ def test_the_tests_plan_as_the_cli_plans(tmp_path):
         cli = Plan.load(tmp_path / f"{choice}.json")
         assert ours.hardware == cli.hardware, choice
         assert ours.summary == cli.summary and ours.steps == cli.steps, choice
+
+
+SWITCH = {"model_type": "switch_transformers", "architectures": ["SwitchTransformersForConditionalGeneration"],
+          "vocab_size": 2_100_000, "d_model": 128, "d_kv": 16, "d_ff": 256, "expert_capacity": 8, "num_layers": 2,
+          "num_sparse_encoder_layers": 1, "num_decoder_layers": 2, "num_sparse_decoder_layers": 1, "num_heads": 4,
+          "num_experts": 4, "decoder_start_token_id": 0, "pad_token_id": 0}
+"""A SwitchTransformers config of 270M parameters (most in its vocabulary): over 250M, so `hplan trace` defaults to
+fake tensors; its experts take the tokens their router picked (`hidden[mask]`, sized by activations' values)."""
+
+
+def test_a_fake_trace_the_user_did_not_choose_says_so(tmp_path):
+    """`hplan trace hf:config.json` of a model over 250M parameters, no --device: the fake trace (the default there)
+    stopped at an operator sized by values and told the user "trace with --device cpu", a flag they never gave,
+    for a default they did not know. The line now says that fake was the default and why, and what --device cpu
+    costs at that size (its model data and state) with the smaller ways out. SwitchTransformers' router also
+    casts its classifier with `.to(float32)` in every forward, which fake parameters could not do ("Couldn't
+    swap Linear.weight"); the trace now gets as far as the experts."""
+    config = tmp_path / "config.json"
+    config.write_text(json.dumps(SWITCH))
+    out = tmp_path / "t.parquet"
+    result = runner.invoke(app, ["trace", f"hf:{config}", "--batch-size", "2", "--seq-len", "16", "-o", str(out)])
+    assert result.exit_code == 2 and "Traceback" not in result.output
+    line = result.stderr.strip()
+    assert len(line.splitlines()) == 1 and not out.exists(), line
+    assert "aten::nonzero in forward of encoder.block.1.layer.1.mlp.experts" in line, line
+    assert "no --device was given, and fake is the default for an hf: config of more than 250M parameters " \
+           "(this one has 270M)" in line and "--device cpu" in line and "--batch-size" in line, line
+    chosen = runner.invoke(app, ["trace", f"hf:{config}", "--batch-size", "2", "--seq-len", "16", "--device", "fake",
+                                 "-o", str(out)])
+    assert chosen.exit_code == 2 and "no --device was given" not in chosen.stderr  # the user chose fake

@@ -334,3 +334,32 @@ def test_a_second_backward_over_a_kept_graph_is_named():
     assert got[0] == ref[0] and all(torch.equal(got[1][k], v) for k, v in ref[1].items())
     with pytest.raises(HplanError, match=r"kept its graph \(retain_graph=True\).*\(loss_a \+ loss_b\)\.backward\(\)"):
         loop(True, True)
+
+
+class CastsItsHead(torch.nn.Module):
+    """A router as SwitchTransformers writes it: the classifier cast to float32 in every forward (`.to()` that
+    changes nothing on a float32 model)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = torch.nn.Linear(16, 16)
+        self.classifier = torch.nn.Linear(16, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.classifier = self.classifier.to(torch.float32)
+        return self.classifier(torch.relu(self.body(x))).logsumexp(-1).mean()
+
+
+def test_a_module_to_that_changes_nothing_fake_traces():
+    """`module.to(dtype)` in a forward, where every parameter has that dtype already: a no-op on real tensors, but
+    torch's `_apply` swaps fake parameters, which fails ("_apply(): Couldn't swap Linear.weight"), so
+    SwitchTransformers could not be fake-traced. Now the fake trace equals the cpu trace."""
+    import hplan
+    from hplan.tracer import trace_workload
+
+    workload = hplan.Workload(model=CastsItsHead, batch=lambda s: torch.randn(4, 16, generator=torch.Generator()
+                                                                              .manual_seed(s)),
+                              loss=lambda m, b: m(b), optimizer=hf.adamw, name="casts")
+    cpu, fake = trace_workload(workload, device="cpu", iters=2), trace_workload(workload, device="fake", iters=2)
+    assert list(fake.timeline.op) == list(cpu.timeline.op)
+    assert fake.peak_bytes == cpu.peak_bytes and fake.peak_by_category == cpu.peak_by_category

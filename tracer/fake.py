@@ -21,7 +21,7 @@ Plain `FakeTensorMode` drifts from the real run in three ways, each corrected be
   the real run goes. An operator whose output is sized by values (`nonzero`, boolean indexing, `unique`),
   which FakeTensorMode refuses, runs for real the same way when its inputs are known (DeBERTa-v2's loss
   keeps the labels `>= 0`); on unknown values (an activation's) it stays refused, since any size would be a
-  guess (`FakeKernels._from_known_values`);
+  guess (hplan.tracer.fake_python.known_value_op);
 - fp16's GradScaler reads an overflow flag that the real run computes from gradient values (inf/NaN or not)
   and skips the optimizer step when it is set. Fake gradients hold no values, so the flag would be unknown
   and the recorder would invent a nonzero value, skipping every step (no optimizer state is ever created).
@@ -45,6 +45,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_map_only
 
 from hplan.probe import storage_key, tensors_in
+from hplan.tracer.fake_python import known_value_op, module_to_in_place
 
 Kernel = Callable[[Any, tuple, dict], Any]
 aten = torch.ops.aten
@@ -274,8 +275,6 @@ def _dense(t: torch.Tensor) -> bool:
     return True
 
 
-_VALUE_SHAPED = {"DynamicOutputShapeException", "DataDependentOutputException"}
-"""FakeTensorMode's refusals of an operator whose output (its size, or a Python value) depends on tensor values."""
 FAILED_OPERATOR = "_hplan_fake_operator"
 """Attribute of an exception raised while FakeTensorMode ran an operator: that operator."""
 _FAKE_LOG = "torch._subclasses.fake_tensor"
@@ -339,7 +338,7 @@ class FakeKernels(TorchDispatchMode):
                 return kernel(func, args, kwargs)
             out = func(*args, **kwargs)
         except Exception as exc:  # the fake (meta) kernel refused: say which operator (see `failed_operator`)
-            known = self._from_known_values(func, args, kwargs, exc)
+            known = known_value_op(self.values, func, args, kwargs, exc, _twin)
             if known is not None:
                 return known
             if not hasattr(exc, FAILED_OPERATOR):
@@ -348,32 +347,6 @@ class FakeKernels(TorchDispatchMode):
             raise
         self.values.after(func, args, kwargs, out)
         return out
-
-    def _from_known_values(self, func: Any, args: tuple, kwargs: dict, exc: Exception) -> Any:
-        """An operator whose output's size depends on its input's values (`nonzero`, boolean indexing, `unique`:
-        FakeTensorMode refuses them) runs for real when every input's values are known, as the real run computes
-        them from the same batch: DeBERTa-v2's classifier loss takes `(labels >= 0).nonzero()`. The output is a
-        fake tensor of the real result's size, holding its values as a twin. None otherwise (unknown values: the
-        refusal stands, since any size would be a guess)."""
-        if type(exc).__name__ not in _VALUE_SHAPED:
-            return None
-        inputs = tensors_in(kwargs, tensors_in(args))
-        if not all(map(self.values.known, inputs)):
-            return None
-        real_args, real_kwargs = tree_map_only(torch.Tensor, self.values.value, (args, kwargs))
-        device = next((t.device for t in inputs if isinstance(t, FakeTensor)), torch.device("cpu"))
-        try:
-            with unset_fake_temporarily():
-                real_out = func(*real_args, **real_kwargs)
-        except Exception:
-            return None
-
-        def fake(real: torch.Tensor) -> torch.Tensor:
-            made = torch.empty_strided(real.shape, real.stride(), dtype=real.dtype, device=device)
-            _twin(made, real, shared=False)
-            return made
-
-        return tree_map_only(torch.Tensor, fake, real_out)
 
 
 class FakeRecorder(Recorder):
@@ -436,7 +409,8 @@ def fake_mode(device: str) -> Iterator[FakeExecution | None]:
     level = log.level
     log.setLevel(logging.CRITICAL)
     try:
-        with FakeTensorMode() as mode, FakeKernels(values), _transformers_reads_known_values(values):
+        with FakeTensorMode() as mode, FakeKernels(values), _transformers_reads_known_values(values), \
+                module_to_in_place():
             yield FakeExecution(mode, values)
     finally:
         log.setLevel(level)

@@ -150,7 +150,7 @@ def _run(*, spec: str, plan: Path, steps: int, device: str, metrics: Path | None
          nvme_dir: Path | None = None) -> None:
     from hplan.artifacts import Plan
     from hplan.cli.common import (absolute, check_outputs, emit_json, err_console, parse_device, parse_overrides,
-                                  progress_bar, warn_line)
+                                  plan_precision, progress_bar, warn_line)
 
     from hplan.errors import HplanError
 
@@ -193,21 +193,6 @@ def _run(*, spec: str, plan: Path, steps: int, device: str, metrics: Path | None
                           f"B); disk read/write {report.nvme_read_bytes_per_iter}/{report.nvme_write_bytes_per_iter} "
                           f"B/iter (planned {report.planned_nvme_read_bytes_per_iter}/"
                           f"{report.planned_nvme_write_bytes_per_iter})", highlight=False)
-
-
-def plan_precision(plan: Plan, given: str | None) -> str | None:
-    """The precision recipe the plan was traced with, as its accumulation and clipping: the run takes it from the
-    plan, so `--precision` need not be given again; a different value is refused (the plan's bytes are that
-    recipe's). None for a plan that names none (the workload's own then)."""
-    from hplan.precision import get_recipe
-
-    planned = plan.fingerprint.get("precision")
-    if given is not None:
-        get_recipe(given)  # an unknown name is named as such, not as a conflict
-    if given is not None and planned is not None and given != planned:
-        raise HplanError(f"--precision {given} differs from the plan's {planned} (the plan was traced with it): "
-                         f"leave --precision out, or trace and plan again with --precision {given}")
-    return given if given is not None else planned
 
 
 def _refuse(message: str) -> None:

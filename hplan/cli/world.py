@@ -212,7 +212,7 @@ def run_many(*, spec: str, plan: Any, steps: int, device: str, metrics: Any, che
     (checkpoint,) = absolute(checkpoint)  # every rank runs the workload's code, which may os.chdir
     from hplan.executor.ranks.dist_train import run_distributed
 
-    from hplan.cli.run_cmd import plan_precision
+    from hplan.cli.common import plan_precision
 
     load = dict(batch_size=batch_size, seq_len=seq_len, overrides=parse_overrides(overrides),
                 precision=plan_precision(the_plan, precision),
