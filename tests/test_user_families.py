@@ -1,6 +1,8 @@
 """A new user's tries on transformers families the other tests do not cover (Qwen3, Gemma-2/3, Phi-3, OLMo,
-Granite, Starcoder2, Mamba, RoBERTa, DeBERTa-v2, DistilBERT, Swin, DINOv2, Wav2Vec2), each with the habits a loop
-has. Each test here is a defect found that way, fixed; the loop is tests/loops.py's, with and without hplan."""
+Granite, Starcoder2, Mamba, RoBERTa, DeBERTa-v2, DistilBERT, Swin, DINOv2, Wav2Vec2; then Mixtral, Qwen2-MoE,
+OLMoE, Jamba, T5, BART, Pegasus, Marian, CLIP, Whisper, ResNet, ConvNeXt-v2, ALBERT, XLNet, ELECTRA, Funnel,
+BigBird, MPT, GPT-NeoX, SwitchTransformers), each with the habits a loop has. Each test here is a defect found that
+way, fixed; the loop is tests/loops.py's, with and without hplan."""
 
 from __future__ import annotations
 
