@@ -42,6 +42,7 @@ def intercepted(run: PlanRun, optimizer: torch.optim.Optimizer, model: nn.Module
     """Every patch of this module for one run, undone on exit."""
     with contextlib.ExitStack() as stack:
         _patch(stack, optimizer, "step", _step(run, optimizer))
+        _patch(stack, optimizer, "add_param_group", _no_new_group)
         _patch(stack, optimizer, "zero_grad", _zero(run, optimizer.zero_grad))
         _patch(stack, model, "zero_grad", _zero(run, model.zero_grad))
         stack.enter_context(_clip_patch(run))
@@ -95,15 +96,35 @@ def _step(run: PlanRun, optimizer: torch.optim.Optimizer) -> Callable[..., Any]:
     """optimizer.step(closure=None) → the plan's optimizer event. Marked as LR schedulers mark their own wrapper,
     so a scheduler created before or inside the block neither warns nor wraps it again."""
 
+    layout = _groups(optimizer)
+
     def step(closure: Callable[[], Any] | None = None) -> Any:
         if closure is not None:
             raise HplanError("optimizer.step(closure) re-evaluates the model, which a plan cannot schedule; "
                              "call optimizer.step() after backward")
+        if _groups(optimizer) != layout:
+            raise HplanError(GROUPS_CHANGED)
         with_step_hooks(optimizer, run.optimizer_event)
         return None
 
     step._wrapped_by_lr_sched = True  # type: ignore[attr-defined]
     return step
+
+
+GROUPS_CHANGED = ("the optimizer's parameters changed inside the attach block (a param group added, or parameters "
+                  "added to or removed from one): the plan updates the parameters it held at attach, so a new one "
+                  "would silently stay as it is; set up every group before the block (and trace with them)")
+
+
+def _groups(optimizer: torch.optim.Optimizer) -> list[tuple[int, int]]:
+    """Which parameter lists the optimizer holds, and how long each is: a cheap fingerprint of its parameters."""
+    return [(id(group["params"]), len(group["params"])) for group in optimizer.param_groups]
+
+
+def _no_new_group(param_group: dict[str, Any]) -> None:
+    """optimizer.add_param_group inside the block: a learnable temperature added so was never updated (plain PyTorch
+    trains it), exit 0. Refused where it is called."""
+    raise HplanError(f"optimizer.add_param_group inside the attach block: {GROUPS_CHANGED.split(': ', 1)[1]}")
 
 
 def with_step_hooks(optimizer: torch.optim.Optimizer, body: Callable[[], Any]) -> Any:

@@ -365,3 +365,28 @@ def test_a_module_to_that_changes_nothing_fake_traces():
     cpu, fake = trace_workload(workload, device="cpu", iters=2), trace_workload(workload, device="fake", iters=2)
     assert list(fake.timeline.op) == list(cpu.timeline.op)
     assert fake.peak_bytes == cpu.peak_bytes and fake.peak_by_category == cpu.peak_by_category
+
+
+def test_a_parameter_the_optimizer_gains_inside_the_block_is_refused():
+    """A learnable loss temperature handed to the optimizer inside the block (`optimizer.add_param_group` at step 1,
+    or appended to a group's list): plain PyTorch trains it, while the plan, which updates the parameters the
+    optimizer held at attach, left it at 1.0 and the losses parted, exit 0. Refused now where the group is added,
+    and at the next `optimizer.step()` for a group's list edited in place."""
+    import hplan
+    from hplan.errors import HplanError
+
+    workload = hf.workload("gpt2", hf.gpt2)
+    plan = plan_for(workload, iters=2)
+    temp = torch.nn.Parameter(torch.tensor(1.0))
+    for how in ("add_param_group", "append"):
+        model = workload.build_model()
+        optimizer = workload.optimizer(model.parameters())
+        with pytest.raises(HplanError, match=r"optimizer's parameters changed|add_param_group inside the attach"):
+            with hplan.attach(model, optimizer, plan):
+                loss = workload.loss(model, workload.batch(0)) * temp
+                loss.backward()
+                if how == "add_param_group":
+                    optimizer.add_param_group({"params": [temp], "lr": 1e-2})
+                else:
+                    optimizer.param_groups[0]["params"].append(temp)
+                optimizer.step()
