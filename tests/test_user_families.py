@@ -383,10 +383,12 @@ def test_a_parameter_the_optimizer_gains_inside_the_block_is_refused():
         optimizer = workload.optimizer(model.parameters())
         with pytest.raises(HplanError, match=r"optimizer's parameters changed|add_param_group inside the attach"):
             with hplan.attach(model, optimizer, plan):
-                loss = workload.loss(model, workload.batch(0)) * temp
-                loss.backward()
-                if how == "add_param_group":
-                    optimizer.add_param_group({"params": [temp], "lr": 1e-2})
-                else:
-                    optimizer.param_groups[0]["params"].append(temp)
-                optimizer.step()
+                for step in range(2):
+                    if step == 1 and how == "add_param_group":
+                        optimizer.add_param_group({"params": [temp], "lr": 1e-2})
+                    elif step == 1:
+                        optimizer.param_groups[0]["params"].append(temp)
+                    loss = workload.loss(model, workload.batch(step)) * temp
+                    loss.backward()
+                    optimizer.step()
+                    optimizer.zero_grad()
