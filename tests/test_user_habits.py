@@ -41,10 +41,9 @@ def test_torchs_ema_of_the_running_model_averages_its_weights():
     import contextlib
     import copy
 
-    from hplan.errors import HplanError
-
     from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
 
+    from hplan.errors import HplanError
 
     workload = tiny()
     plan = plan_for(workload, iters=2)
