@@ -42,9 +42,14 @@ def intercepted(run: PlanRun, optimizer: torch.optim.Optimizer, model: nn.Module
     """Every patch of this module for one run, undone on exit."""
     with contextlib.ExitStack() as stack:
         _patch(stack, optimizer, "step", _step(run, optimizer))
+        _patch(stack, optimizer, "add_param_group", _no_new_group)
         _patch(stack, optimizer, "zero_grad", _zero(run, optimizer.zero_grad))
         _patch(stack, model, "zero_grad", _zero(run, model.zero_grad))
         stack.enter_context(_clip_patch(run))
+        stack.enter_context(_averaged_patch(model))
+        stack.enter_context(_one_backward_per_forward(run))
+        for module in model.modules():
+            _patch(stack, module, "__deepcopy__", _no_deepcopy)
         _patch(stack, torch, "compile", _no_compile(run, torch.compile))
         for register, hook in ((optimizer.register_state_dict_pre_hook, lambda opt: run.sync_state()),
                                (optimizer.register_state_dict_post_hook, lambda opt, sd: run.release_state()),
@@ -91,15 +96,35 @@ def _step(run: PlanRun, optimizer: torch.optim.Optimizer) -> Callable[..., Any]:
     """optimizer.step(closure=None) → the plan's optimizer event. Marked as LR schedulers mark their own wrapper,
     so a scheduler created before or inside the block neither warns nor wraps it again."""
 
+    layout = _groups(optimizer)
+
     def step(closure: Callable[[], Any] | None = None) -> Any:
         if closure is not None:
             raise HplanError("optimizer.step(closure) re-evaluates the model, which a plan cannot schedule; "
                              "call optimizer.step() after backward")
+        if _groups(optimizer) != layout:
+            raise HplanError(GROUPS_CHANGED)
         with_step_hooks(optimizer, run.optimizer_event)
         return None
 
     step._wrapped_by_lr_sched = True  # type: ignore[attr-defined]
     return step
+
+
+GROUPS_CHANGED = ("the optimizer's parameters changed inside the attach block (a param group added, or parameters "
+                  "added to or removed from one): the plan updates the parameters it held at attach, so a new one "
+                  "would silently stay as it is; set up every group before the block (and trace with them)")
+
+
+def _groups(optimizer: torch.optim.Optimizer) -> list[tuple[int, int]]:
+    """Which parameter lists the optimizer holds, and how long each is: a cheap fingerprint of its parameters."""
+    return [(id(group["params"]), len(group["params"])) for group in optimizer.param_groups]
+
+
+def _no_new_group(param_group: dict[str, Any]) -> None:
+    """optimizer.add_param_group inside the block: a learnable temperature added so was never updated (plain PyTorch
+    trains it), exit 0. Refused where it is called."""
+    raise HplanError(f"optimizer.add_param_group inside the attach block: {GROUPS_CHANGED.split(': ', 1)[1]}")
 
 
 def with_step_hooks(optimizer: torch.optim.Optimizer, body: Callable[[], Any]) -> Any:
@@ -171,6 +196,88 @@ def _unscale(scaler: GradScaler, optimizer: torch.optim.Optimizer) -> None:
         if run.optimizer is optimizer:
             run.check_user_unscale()
     return _ORIGINAL_UNSCALE(scaler, optimizer)
+
+
+@contextlib.contextmanager
+def _averaged_patch(model: nn.Module) -> Iterator[None]:
+    """torch's EMA / SWA, `AveragedModel.update_parameters(model)`, reads `model.parameters()`, where inside the
+    block an offloaded weight is a NaN placeholder: the average turned NaN while training went on, silently. For
+    the running model it now averages the current weights, as `model.state_dict()` gives them (copies from the
+    regions); any other model as torch does."""
+    from torch.optim.swa_utils import AveragedModel
+
+    original = AveragedModel.update_parameters
+
+    @functools.wraps(original)
+    def update_parameters(self: AveragedModel, other: nn.Module) -> None:
+        return original(self, _CurrentWeights(model) if other is model else other)  # type: ignore[arg-type]
+
+    AveragedModel.update_parameters = update_parameters  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        AveragedModel.update_parameters = original  # type: ignore[method-assign]
+
+
+@contextlib.contextmanager
+def _one_backward_per_forward(run: PlanRun) -> Iterator[None]:
+    """`loss.backward(retain_graph=True)` then a second backward over the same graph (a second loss, a rescaled
+    one): the plan has already released what the first backward used, so the second failed inside autograd
+    ("setStorage: ... out of bounds for storage of size 0"), or, with the weights resident, as a gradient arriving
+    where the plan writes none. A backward that fails after one of the same iteration kept its graph is reported in
+    one line naming the fix. (A fresh forward's backward is untouched: only a failure is re-worded.)"""
+    kept = [-1]
+    """The iteration in which a backward kept its graph (retain_graph=True)."""
+    original = torch.autograd.backward
+
+    @functools.wraps(original)
+    def backward(*args: Any, **kwargs: Any) -> Any:
+        retain = kwargs.get("retain_graph", args[2] if len(args) > 2 else None)
+        iteration = run.iteration
+        try:
+            out = original(*args, **kwargs)
+        except Exception as exc:
+            if kept[0] != iteration:
+                raise
+            raise HplanError(f"a backward failed after an earlier backward of iteration {iteration} kept its graph "
+                             f"(retain_graph=True) ({type(exc).__name__}: {str(exc).strip().splitlines()[0][:160]}):"
+                             " the plan frees what one backward has used, so a second backward over one graph is "
+                             "not supported; add the losses and call backward once, e.g. (loss_a + loss_b)"
+                             ".backward()") from exc
+        if retain:
+            kept[0] = iteration
+        return out
+
+    torch.autograd.backward = backward  # type: ignore[assignment]
+    try:
+        yield
+    finally:
+        torch.autograd.backward = original  # type: ignore[assignment]
+
+
+def _no_deepcopy(memo: dict) -> Any:
+    """copy.deepcopy of the running model (or a module of it) copied the offloaded weights' NaN placeholders and the
+    plan's hooks: the copy evaluated to NaN, or (an AveragedModel made inside the block) its state_dict answered
+    with the running model's weights. Refused, naming the copies that work."""
+    raise HplanError("copy.deepcopy of a model inside its attach block would copy the plan's placeholders and hooks, "
+                     "not the weights: copy model.state_dict() instead (or load it into a fresh model), and create "
+                     "an AveragedModel / EMA copy before the block")
+
+
+class _CurrentWeights:
+    """What AveragedModel reads of a model (parameters, then buffers, in the module's order), with each managed
+    parameter's current value instead of its placeholder."""
+
+    def __init__(self, model: nn.Module) -> None:
+        state = model.state_dict()
+        self._params = [state.get(name, p) for name, p in model.named_parameters()]
+        self._buffers = list(model.buffers())
+
+    def parameters(self) -> Iterator[torch.Tensor]:
+        return iter(self._params)
+
+    def buffers(self) -> Iterator[torch.Tensor]:
+        return iter(self._buffers)
 
 
 def _shape_check(allowed: tuple[str, ...]) -> Callable[..., None]:

@@ -8,9 +8,7 @@ weights would hide an activation error) while a cpu trace still takes a few seco
 
 from __future__ import annotations
 
-import copy
 from collections.abc import Callable
-from dataclasses import replace
 from typing import Any
 
 import torch
@@ -37,24 +35,9 @@ their `grouped_mm` a kernel the fake mode corrects)."""
 
 
 def hf(name: str, *, batch_size: int = 4, seq_len: int = 64) -> Workload:
-    """A `transformers` language-modelling step (input_ids → loss with labels), as `hf:<name>` builds it.
-
-    T5 derives its decoder inputs from the labels by shifting in `decoder_start_token_id`, which
-    transformers 5's `T5Config` no longer defines (it moved to the generation config): each built model gets
-    its own copy of the config with the pad token 0, as in the released T5 checkpoints (a copy, because the
-    workload's config is shared by every build)."""
-    workload = load_workload(f"hf:{name}", overrides=HF_SIZES[name], batch_size=batch_size, seq_len=seq_len)
-    if name != "T5ForConditionalGeneration":
-        return workload
-    build = workload.model
-
-    def build_t5() -> nn.Module:
-        model = build()
-        model.config = copy.deepcopy(model.config)
-        model.config.decoder_start_token_id = model.config.pad_token_id
-        return model
-
-    return replace(workload, model=build_t5)
+    """A `transformers` language-modelling step (input_ids → loss with labels), as `hf:<name>` builds it (T5's
+    decoder starts at the pad token, as in its checkpoints: hplan.models.hf)."""
+    return load_workload(f"hf:{name}", overrides=HF_SIZES[name], batch_size=batch_size, seq_len=seq_len)
 
 
 class LSTMLanguageModel(nn.Module):

@@ -12,19 +12,20 @@ from typing import Any
 import torch
 
 import hplan
-from hplan.artifacts import Hardware, Plan, replay
-from hplan.planner import PlanOptions, default_slack, make_plan, min_gpu_bytes
+from hplan.artifacts import Plan, replay
+from hplan.planner import PlanOptions, make_hardware, make_plan, min_gpu_bytes, trace_slack
 from hplan.tracer import trace_workload
 
 
 def plan_for(workload: hplan.Workload, *, extra: float = 0.0, solver: str = "fast", iters: int = 3,
              trace: Any = None, activations: str = "keep") -> Plan:
     """A plan at the smallest fast tier any schedule fits, plus `extra` × the model data (with every checkpointable
-    segment's activations kept, offloaded or recomputed: `activations`)."""
+    segment's activations kept, offloaded or recomputed: `activations`), planned as `hplan plan --gpu cpu` plans:
+    the trace's slack for each activation choice, not the keep step's for all."""
     trace = trace if trace is not None else trace_workload(workload, device="cpu", iters=iters)
-    floor = min_gpu_bytes(trace, activations=activations).gpu_bytes
-    hardware = Hardware(gpu="cpu", gpu_bytes=floor + int(extra * trace.model_bytes), slack_bytes=default_slack(trace),
-                        overlap=False)
+    slack = trace_slack(trace)
+    floor = min_gpu_bytes(trace, make_hardware("cpu", gpu_bytes=1, **slack), activations=activations).gpu_bytes
+    hardware = make_hardware("cpu", gpu_bytes=floor + int(extra * trace.model_bytes), **slack)
     plan = make_plan(trace, hardware, PlanOptions(solver=solver, activations=activations))
     assert plan.summary.feasible, plan.summary.bottleneck
     return plan

@@ -65,7 +65,10 @@ def test_a_model_fake_tensors_cannot_construct_is_built_on_meta_and_traces_as_on
     assert [e.non_model_peak_bytes for e in fake.events] == [e.non_model_peak_bytes for e in cpu.events]
     assert [(p.name, p.bytes, p.trainable) for p in fake.params] == [(p.name, p.bytes, p.trainable) for p in cpu.params]
     has_buffers = any(True for _ in workload.model().buffers())
-    assert any("built on the meta device" in w for w in fake.warnings) == has_buffers
+    # peft's LoRA failed plain fake construction at a `.to()` that changes nothing (torch swaps fake parameters):
+    # hplan's fake mode keeps such a module as it is (hplan.tracer.fake_python), so LoRA builds on fake tensors
+    on_meta = has_buffers and workload.name != "llama-lora"
+    assert any("built on the meta device" in w for w in fake.warnings) == on_meta
 
 
 MIXTRAL = ["--set", "num_hidden_layers=1", "hidden_size=64", "intermediate_size=128", "num_attention_heads=4",

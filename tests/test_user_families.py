@@ -1,6 +1,8 @@
 """A new user's tries on transformers families the other tests do not cover (Qwen3, Gemma-2/3, Phi-3, OLMo,
-Granite, Starcoder2, Mamba, RoBERTa, DeBERTa-v2, DistilBERT, Swin, DINOv2, Wav2Vec2), each with the habits a loop
-has. Each test here is a defect found that way, fixed; the loop is tests/loops.py's, with and without hplan."""
+Granite, Starcoder2, Mamba, RoBERTa, DeBERTa-v2, DistilBERT, Swin, DINOv2, Wav2Vec2; then Mixtral, Qwen2-MoE,
+OLMoE, Jamba, T5, BART, Pegasus, Marian, CLIP, Whisper, ResNet, ConvNeXt-v2, ALBERT, XLNet, ELECTRA, Funnel,
+BigBird, MPT, GPT-NeoX, SwitchTransformers), each with the habits a loop has. Each test here is a defect found that
+way, fixed; the loop is tests/loops.py's, with and without hplan."""
 
 from __future__ import annotations
 
@@ -187,3 +189,89 @@ def test_a_list_field_of_an_hf_class_spec_is_named_as_such():
 
     with pytest.raises(HplanError, match=r"SwinConfig's option 'depths' is a list.*hf:path/to/config\.json"):
         load_workload("hf:SwinForImageClassification", overrides={"depths": "[1,1]"})
+
+
+def test_a_fake_trace_runs_an_operator_sized_by_known_values():
+    """DeBERTa-v2's classifier loss takes `(labels >= 0).nonzero()` (an output sized by values) and branches on its
+    size: its fake trace stopped there ("fake tensors cannot run aten::nonzero ... trace with --device cpu"), and
+    fake is the default above 250M parameters. The labels are the batch's, whose values a fake trace follows, so
+    the operator now runs for real on them: the fake trace equals the cpu trace, operator for operator, with the
+    same peak, categories and warnings. On values it does not know (an activation's), the refusal stands."""
+    from hplan.errors import HplanError
+    from hplan.tracer import trace_workload
+
+    workload = hf.workload("deberta", deberta, batch=hf.cls_batch)
+    cpu, fake = trace_workload(workload, device="cpu", iters=2), trace_workload(workload, device="fake", iters=2)
+    assert list(fake.timeline.op) == list(cpu.timeline.op)
+    assert fake.peak_bytes == cpu.peak_bytes and fake.peak_by_category == cpu.peak_by_category
+    assert [e.non_model_peak_bytes for e in fake.events] == [e.non_model_peak_bytes for e in cpu.events]
+    assert set(cpu.warnings) <= set(fake.warnings) and any("aten::nonzero" in w for w in fake.warnings)
+
+    def loss(model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        hidden = model.deberta(input_ids=batch["input_ids"]).last_hidden_state
+        return hidden[hidden > 0].sum()  # sized by activations' values: no fake trace can know it
+
+    with pytest.raises(HplanError, match=r"aten::index in forward .* sized by values this fake trace does not hold.*`device` cpu"):
+        trace_workload(hf.workload("deberta-act", deberta, batch=hf.cls_batch, loss=loss), device="fake", iters=2)
+
+
+def test_an_hf_class_spec_of_t5_trains_and_a_class_of_no_task_is_refused():
+    """`hf:T5ForConditionalGeneration`: T5Config defines no decoder_start_token_id (T5's checkpoints start the
+    decoder at the pad token, 0) and `--set` cannot add one, so the first forward failed shifting the labels
+    ("'T5Config' object has no attribute 'decoder_start_token_id'"); it starts at the pad token now. A class of no
+    task hplan has a batch for (`hf:CLIPModel`, `hf:WhisperForConditionalGeneration`, a bare `hf:LlamaModel`) was
+    fed a language model's batch and failed inside the model ("'NoneType' object has no attribute 'shape'"); it is
+    refused up front, naming the tasks and the workload-file way."""
+    from hplan.errors import HplanError
+    from hplan.specs import load_workload
+    from hplan.training import plain_losses
+
+    t5 = load_workload("hf:T5ForConditionalGeneration", batch_size=2, seq_len=8,
+                       overrides={"d_model": 32, "d_ff": 64, "d_kv": 8, "num_layers": 1, "num_heads": 4,
+                                  "vocab_size": 64})
+    assert len(plain_losses(t5, 1)) == 1
+    for name in ("CLIPModel", "WhisperForConditionalGeneration", "LlamaModel"):
+        with pytest.raises(HplanError, match=rf"hf:{name} is a class of no task .*seq2seq-lm.*workload file"):
+            load_workload(f"hf:{name}")
+
+
+def test_num_labels_sets_an_hf_class_specs_classes():
+    """`hf:ResNetForImageClassification --set num_labels=5`: every config takes num_labels (stored as id2label, so
+    not among its dict's fields) and it was refused as "ResNetConfig has no option 'num_labels'"; a classifier of
+    other than 2 classes needed a config.json. Now the head and the batch's labels have 5 classes."""
+    from hplan.specs import load_workload
+
+    workload = load_workload("hf:ResNetForImageClassification", batch_size=64, overrides={"num_labels": "5"})
+    model = workload.build_model()
+    assert model.config.num_labels == 5 and model.classifier[-1].out_features == 5
+    labels = workload.batch(0)["labels"]
+    assert int(labels.max()) == 4 and int(labels.min()) == 0
+
+
+class CastsItsHead(torch.nn.Module):
+    """A router as SwitchTransformers writes it: the classifier cast to float32 in every forward (`.to()` that
+    changes nothing on a float32 model)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = torch.nn.Linear(16, 16)
+        self.classifier = torch.nn.Linear(16, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.classifier = self.classifier.to(torch.float32)
+        return self.classifier(torch.relu(self.body(x))).logsumexp(-1).mean()
+
+
+def test_a_module_to_that_changes_nothing_fake_traces():
+    """`module.to(dtype)` in a forward, where every parameter has that dtype already: a no-op on real tensors, but
+    torch's `_apply` swaps fake parameters, which fails ("_apply(): Couldn't swap Linear.weight"), so
+    SwitchTransformers could not be fake-traced. Now the fake trace equals the cpu trace."""
+    import hplan
+    from hplan.tracer import trace_workload
+
+    workload = hplan.Workload(model=CastsItsHead, batch=lambda s: torch.randn(4, 16, generator=torch.Generator()
+                                                                              .manual_seed(s)),
+                              loss=lambda m, b: m(b), optimizer=hf.adamw, name="casts")
+    cpu, fake = trace_workload(workload, device="cpu", iters=2), trace_workload(workload, device="fake", iters=2)
+    assert list(fake.timeline.op) == list(cpu.timeline.op)
+    assert fake.peak_bytes == cpu.peak_bytes and fake.peak_by_category == cpu.peak_by_category

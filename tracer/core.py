@@ -177,7 +177,12 @@ def _iteration(recorder: Recorder, trainer: TrainStep, workload: Workload, it: i
 def _step_error(exc: Exception, recorder: Recorder) -> HplanError:
     text = f"{type(exc).__name__}: {_first_line(exc)}"
     failed = failed_operator(exc)
-    if failed is not None and failed[1] is not False and type(exc).__name__ != "DataDependentOutputException":
+    value_shaped = type(exc).__name__ in ("DataDependentOutputException", "DynamicOutputShapeException")
+    if failed is not None and value_shaped:
+        return HplanError(f"{failed[0]} in {_where(recorder)} makes a tensor sized by values this fake trace does "
+                          f"not hold (computed from weights or activations, not from the batch) ({text}): trace "
+                          "with `device` cpu at a smaller size")
+    if failed is not None and failed[1] is not False and not value_shaped:
         why = "the real kernel runs it" if failed[1] else "the real kernels may run it"
         return HplanError(f"fake tensors cannot run {failed[0]} in {_where(recorder)} ({text}); {why}: trace with "
                           "`device` cpu")

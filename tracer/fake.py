@@ -18,7 +18,10 @@ Plain `FakeTensorMode` drifts from the real run in three ways, each corrected be
   attention mask), which fake tensors do not hold, so it takes its general path instead. Values that the
   real run computes from shapes and constants alone (aranges, counters, masks derived from them) are
   computed for real here, on small tensors only (see `KNOWN_LIMIT_BYTES`), so such branches go the way
-  the real run goes;
+  the real run goes. An operator whose output is sized by values (`nonzero`, boolean indexing, `unique`),
+  which FakeTensorMode refuses, runs for real the same way when its inputs are known (DeBERTa-v2's loss
+  keeps the labels `>= 0`); on unknown values (an activation's) it stays refused, since any size would be a
+  guess (hplan.tracer.fake_python.known_value_op);
 - fp16's GradScaler reads an overflow flag that the real run computes from gradient values (inf/NaN or not)
   and skips the optimizer step when it is set. Fake gradients hold no values, so the flag would be unknown
   and the recorder would invent a nonzero value, skipping every step (no optimizer state is ever created).
@@ -42,6 +45,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_map_only
 
 from hplan.probe import storage_key, tensors_in, written_tensors
+from hplan.tracer.fake_python import known_value_op, module_to_in_place
 
 Kernel = Callable[[Any, tuple, dict], Any]
 aten = torch.ops.aten
@@ -327,6 +331,9 @@ class FakeKernels(TorchDispatchMode):
                 return kernel(func, args, kwargs)
             out = func(*args, **kwargs)
         except Exception as exc:  # the fake (meta) kernel refused: say which operator (see `failed_operator`)
+            known = known_value_op(self.values, func, args, kwargs, exc, _twin)
+            if known is not None:
+                return known
             if not hasattr(exc, FAILED_OPERATOR):
                 setattr(exc, FAILED_OPERATOR, func)
                 setattr(exc, REAL_KERNEL_RUNS, _real_kernel_runs(func, args, kwargs, self.values))
@@ -395,7 +402,8 @@ def fake_mode(device: str) -> Iterator[FakeExecution | None]:
     level = log.level
     log.setLevel(logging.CRITICAL)
     try:
-        with FakeTensorMode() as mode, FakeKernels(values), _transformers_reads_known_values(values):
+        with FakeTensorMode() as mode, FakeKernels(values), _transformers_reads_known_values(values), \
+                module_to_in_place():
             yield FakeExecution(mode, values)
     finally:
         log.setLevel(level)

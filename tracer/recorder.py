@@ -184,7 +184,7 @@ class Recorder(TorchDispatchMode):
         kwargs = kwargs or {}
         if func in _QUERIES or self.quiet:
             return func(*args, **kwargs)
-        if func in _DATA_DEPENDENT and self.phase != "optimizer" and not self.fake:
+        if func in _DATA_DEPENDENT and self.phase != "optimizer" and not (self.fake and func is _SCALAR):
             self._note_data_dependent(func)
         self.probe.reset_peak()
         self.op_log.append(len(self.allocator.log or ()))

@@ -217,3 +217,18 @@ def check_outputs(*, spec: str, plan: Path, metrics: Path | None, checkpoint: Pa
         if metrics is not None and metrics.absolute().resolve().is_relative_to(checkpoint.absolute().resolve()):
             raise HplanError(f"--metrics {metrics} is inside --checkpoint {checkpoint}, which the checkpoint owns; "
                              "write the metrics elsewhere")
+
+
+def plan_precision(plan: Any, given: str | None) -> str | None:
+    """The precision recipe the plan was traced with, as its accumulation and clipping: the run takes it from the
+    plan, so `--precision` need not be given again; a different value is refused (the plan's bytes are that
+    recipe's). None for a plan that names none (the workload's own then)."""
+    from hplan.precision import get_recipe
+
+    planned = plan.fingerprint.get("precision")
+    if given is not None:
+        get_recipe(given)  # an unknown name is named as such, not as a conflict
+    if given is not None and planned is not None and given != planned:
+        raise HplanError(f"--precision {given} differs from the plan's {planned} (the plan was traced with it): "
+                         f"leave --precision out, or trace and plan again with --precision {given}")
+    return given if given is not None else planned

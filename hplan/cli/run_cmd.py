@@ -37,7 +37,9 @@ def register(app: typer.Typer) -> None:
                                                 "holds checkpoints; the first save replaces them.")] = False,
         batch_size: Annotated[int | None, typer.Option("--batch-size", help="Override the batch size.")] = None,
         seq_len: Annotated[int | None, typer.Option("--seq-len", help="Override the sequence length.")] = None,
-        precision: Annotated[str | None, typer.Option("--precision", help="fp32, bf16-mixed or fp16-mixed.")] = None,
+        precision: Annotated[str | None, typer.Option("--precision", help="fp32, bf16-mixed or fp16-mixed; "
+                                                                    "default: the plan's (another is refused).")
+                             ] = None,
         overrides: Annotated[list[str] | None, typer.Option("--set", metavar="KEY=VALUE", help=SET_HELP)] = None,
         budget_guard: Annotated[str, typer.Option("--budget-guard", help="stop (default): a step measuring more than "
                                                   "the plan's budget stops the run, exit 2; warn: only warn.")] = "stop",
@@ -148,7 +150,7 @@ def _run(*, spec: str, plan: Path, steps: int, device: str, metrics: Path | None
          nvme_dir: Path | None = None) -> None:
     from hplan.artifacts import Plan
     from hplan.cli.common import (absolute, check_outputs, emit_json, err_console, parse_device, parse_overrides,
-                                  progress_bar, warn_line)
+                                  plan_precision, progress_bar, warn_line)
 
     from hplan.errors import HplanError
 
@@ -166,7 +168,7 @@ def _run(*, spec: str, plan: Path, steps: int, device: str, metrics: Path | None
     from hplan.specs import load_workload
 
     workload = load_workload(spec, batch_size=batch_size, seq_len=seq_len, overrides=parse_overrides(overrides),
-                             precision=precision, accumulate=the_plan.accumulate,
+                             precision=plan_precision(the_plan, precision), accumulate=the_plan.accumulate,
                              max_grad_norm=the_plan.max_grad_norm)
     with progress_bar(f"training {workload.name}", quiet=as_json) as on_progress:
         report = run_training(workload, the_plan, steps=steps, device=device, metrics_path=metrics,

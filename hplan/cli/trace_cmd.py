@@ -71,10 +71,15 @@ def _run(*, spec: str, output: Path, device: str | None, iters: int, batch_size:
                              defer_updates=defer_updates)
     from hplan.tracer import trace_workload
 
-    device = device or default_device(workload)
+    chosen, device = device, device or default_device(workload)
 
     with progress_bar(f"tracing {workload.name}", quiet=as_json) as on_progress:
-        trace = trace_workload(workload, device=device, iters=iters, on_progress=on_progress)
+        try:
+            trace = trace_workload(workload, device=device, iters=iters, on_progress=on_progress)
+        except HplanError as exc:
+            if chosen is None and device == "fake" and "`device` cpu" in str(exc):
+                raise HplanError(f"{exc} ({_why_fake(workload)})") from exc
+            raise
     trace.save(output)
     if as_json:
         emit_json(summary(trace) | {"output": str(shown)})
@@ -88,6 +93,20 @@ def default_device(workload: object) -> str:
 
     count = getattr(getattr(workload, "model", None), "hplan_param_count", None)
     return "fake" if isinstance(count, int) and count > LARGE_PARAMS else "cpu"
+
+
+def _why_fake(workload: object) -> str:
+    """How a user who gave no --device got a fake trace, and what the way out costs: the refusal's advice
+    (`--device cpu`) names a flag they never set."""
+    from hplan.models.hf_config import LARGE_PARAMS
+    from hplan.sizes import format_size
+
+    count = getattr(getattr(workload, "model", None), "hplan_param_count", 0)
+    return (f"no `device` was given, and fake is the default for an hf: config of more than "
+            f"{LARGE_PARAMS // 1_000_000}M parameters (this one has {count / 1e6:,.0f}M); `device` cpu runs the "
+            f"real step in host memory, about {format_size(16 * count)} of model data and state for AdamW, so at "
+            f"that size trace a smaller `batch_size` / `seq_len` or fewer layers (`overrides` "
+            f"num_hidden_layers=2), whose plan shows the per-layer memory")
 
 
 def summary(trace: Trace) -> dict:

@@ -212,7 +212,10 @@ def run_many(*, spec: str, plan: Any, steps: int, device: str, metrics: Any, che
     (checkpoint,) = absolute(checkpoint)  # every rank runs the workload's code, which may os.chdir
     from hplan.executor.ranks.dist_train import run_distributed
 
-    load = dict(batch_size=batch_size, seq_len=seq_len, overrides=parse_overrides(overrides), precision=precision,
+    from hplan.cli.common import plan_precision
+
+    load = dict(batch_size=batch_size, seq_len=seq_len, overrides=parse_overrides(overrides),
+                precision=plan_precision(the_plan, precision),
                 accumulate=the_plan.accumulate, max_grad_norm=the_plan.max_grad_norm)
     report = run_distributed(spec, the_plan, nproc=nproc, steps=steps, device=device, load=load,
                              checkpoint_dir=checkpoint, resume=resume, overwrite=overwrite, budget_guard=budget_guard,

@@ -81,6 +81,7 @@ def _public_fields(config_cls: Any) -> dict[str, Any]:
         raise HplanError(f"{config_cls.__name__} cannot be built from its defaults ({type(exc).__name__}: "
                          f"{_message(exc)}); hf: needs a model class whose config has defaults") from exc
     names = set(base.to_dict()) | set(getattr(config_cls, "attribute_map", {}))
+    names.add("num_labels")  # a constructor argument stored as id2label: the classifier heads' class count
     out = {}
     for name in names:
         value = getattr(base, name, None)
@@ -168,9 +169,18 @@ def hf_workload(
         config, cls, task = hf_config.make_config(path, data, dict(overrides or {}), typed=_typed, message=_message)
         n_params = _check_build(cls, config, f"config file {path}")
     else:
-        cls, task, data = _model_class(name), hf_config.class_task(name) or "causal-lm", None
+        cls, task, data = _model_class(name), hf_config.class_task(name), None
+        if task is None:  # a bare model or another task's head: no batch and loss of ours would fit it
+            raise HplanError(f"hf:{name} is a class of no task hplan builds a batch and loss for "
+                             f"({', '.join(t for t, _ in hf_config.TASKS)}): name a class with such a head (e.g. "
+                             f"LlamaForCausalLM, BertForSequenceClassification), or write a workload file "
+                             f"(file.py:function returning an hplan.Workload with your batch and loss)")
         config = build_config(cls, overrides)
         n_params = None
+    if task == "seq2seq-lm" and getattr(config, "decoder_start_token_id", None) is None:
+        # T5Config (and MT5, UMT5, LongT5) define none: their checkpoints start the decoder at the pad token (0),
+        # and without it the labels' shift fails in the first forward ("no attribute 'decoder_start_token_id'").
+        config.decoder_start_token_id = getattr(config, "pad_token_id", None) or 0
     bsz, seq = batch_size or DEFAULT_BATCH, seq_len or DEFAULT_SEQ
     field, context = model_context(config, None if data is None else set(data) | set(overrides or {}))
     if task != "image-classification" and context is not None and seq > context:

@@ -1,0 +1,136 @@
+"""A new user's loop habits inside `hplan.attach` that no other test had: torch's EMA (`AveragedModel`), a copy of
+the running model, a second backward over a kept graph, a parameter handed to the optimizer mid-run. Each test is a
+defect found that way, fixed (tests/test_user_families.py has the model families)."""
+
+from __future__ import annotations
+
+import hf_models as hf
+import pytest
+import torch
+from loops import plan_for
+
+import hplan
+
+
+class TinyNorm(torch.nn.Module):
+    """Two layers around a BatchNorm (running statistics: buffers the step updates): the smallest model whose
+    minimum plan leaves weights offloaded between steps."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = torch.nn.Sequential(torch.nn.Linear(16, 64), torch.nn.BatchNorm1d(64), torch.nn.ReLU())
+        self.head = torch.nn.Linear(64, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.body(x)).logsumexp(-1).mean()
+
+
+def tiny() -> hplan.Workload:
+    return hplan.Workload(model=TinyNorm, loss=lambda m, b: m(b), optimizer=hf.adamw, name="tiny-norm",
+                          batch=lambda s: torch.randn(8, 16, generator=torch.Generator().manual_seed(s)))
+
+
+def test_torchs_ema_of_the_running_model_averages_its_weights():
+    """An EMA kept with torch's `AveragedModel(model, multi_avg_fn=get_ema_multi_avg_fn(0.9))`, updated after each
+    `optimizer.step()` inside the block: training equalled plain PyTorch, but `update_parameters(model)` read the
+    offloaded weights' NaN placeholders, so the EMA model (the one a user evaluates and ships) came out NaN,
+    exit 0. It now averages the current weights: the EMA equals plain PyTorch's bit for bit (with BatchNorm's
+    buffers too, `use_buffers=True`). `copy.deepcopy(model)` inside the block (an AveragedModel made there, a "best
+    model" copy) copied the placeholders and the plan's hooks (NaN evaluation, or the copy's state_dict answering
+    with the running model's weights): refused in one line naming `model.state_dict()`."""
+    import contextlib
+    import copy
+
+    from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
+
+    from hplan.errors import HplanError
+
+    workload = tiny()
+    plan = plan_for(workload, iters=2)
+
+    def loop(with_plan: bool, use_buffers: bool) -> tuple[list[float], dict[str, torch.Tensor]]:
+        model = workload.build_model()
+        optimizer = workload.optimizer(model.parameters())
+        ema = AveragedModel(model, multi_avg_fn=get_ema_multi_avg_fn(0.9), use_buffers=use_buffers)
+        losses = []
+        with hplan.attach(model, optimizer, plan) if with_plan else contextlib.nullcontext():
+            for step in range(3):
+                loss = workload.loss(model, workload.batch(step))
+                loss.backward()
+                optimizer.step()
+                optimizer.zero_grad()
+                ema.update_parameters(model)
+                losses.append(loss.item())
+            if with_plan:  # a copy inside the block held NaN placeholders and the plan's hooks: refused
+                for module in (model, model.head):
+                    with pytest.raises(HplanError, match=r"copy\.deepcopy of a model inside its attach block.*"
+                                                         r"model\.state_dict\(\)"):
+                        copy.deepcopy(module)
+        assert torch.equal(copy.deepcopy(model).state_dict()["head.weight"],
+                           model.state_dict()["head.weight"])  # after the block, as torch copies
+        return losses, {k: v.detach().clone() for k, v in ema.state_dict().items()}
+
+    for use_buffers in (False, True):
+        ref, got = loop(False, use_buffers), loop(True, use_buffers)
+        assert got[0] == ref[0]
+        for key, value in ref[1].items():
+            assert torch.equal(got[1][key], value), (use_buffers, key)
+
+
+def test_a_second_backward_over_a_kept_graph_is_named():
+    """`loss.backward(retain_graph=True)` and then a second backward over the same graph (`(0.5 * loss).backward()`,
+    a second loss sharing the graph): the plan had freed the weights the first backward used, and the second
+    failed inside autograd ("RuntimeError: setStorage: ... out of bounds for storage of size 0"). Now one HplanError
+    naming retain_graph and the fix; a loop that keeps the graph but runs one backward trains exactly."""
+    import contextlib
+
+    from hplan.errors import HplanError
+
+    workload = tiny()
+    plan = plan_for(workload, iters=2)
+
+    def loop(with_plan: bool, twice: bool) -> tuple[list[float], dict[str, torch.Tensor]]:
+        model = workload.build_model()
+        optimizer = workload.optimizer(model.parameters())
+        losses = []
+        with hplan.attach(model, optimizer, plan) if with_plan else contextlib.nullcontext():
+            for step in range(2):
+                loss = workload.loss(model, workload.batch(step))
+                loss.backward(retain_graph=True)
+                if twice:
+                    (0.5 * loss).backward()
+                optimizer.step()
+                optimizer.zero_grad()
+                losses.append(loss.item())
+        return losses, {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+    ref, got = loop(False, False), loop(True, False)
+    assert got[0] == ref[0] and all(torch.equal(got[1][k], v) for k, v in ref[1].items())
+    with pytest.raises(HplanError, match=r"kept its graph \(retain_graph=True\).*\(loss_a \+ loss_b\)\.backward\(\)"):
+        loop(True, True)
+
+
+def test_a_parameter_the_optimizer_gains_inside_the_block_is_refused():
+    """A learnable loss temperature handed to the optimizer inside the block (`optimizer.add_param_group` at step 1,
+    or appended to a group's list): plain PyTorch trains it, while the plan, which updates the parameters the
+    optimizer held at attach, left it at 1.0 and the losses parted, exit 0. Refused now where the group is added,
+    and at the next `optimizer.step()` for a group's list edited in place."""
+    from hplan.errors import HplanError
+
+    workload = tiny()
+    plan = plan_for(workload, iters=2)
+    temp = torch.nn.Parameter(torch.tensor(1.0))
+    for how in ("add_param_group", "append"):
+        model = workload.build_model()
+        optimizer = workload.optimizer(model.parameters())
+        with pytest.raises(HplanError, match=r"optimizer's parameters changed|add_param_group inside the attach"):
+            with hplan.attach(model, optimizer, plan):
+                for step in range(2):
+                    if step == 1 and how == "add_param_group":
+                        optimizer.add_param_group({"params": [temp], "lr": 1e-2})
+                    elif step == 1:
+                        optimizer.param_groups[0]["params"].append(temp)
+                    loss = workload.loss(model, workload.batch(step)) * temp
+                    loss.backward()
+                    optimizer.step()
+                    optimizer.zero_grad()
