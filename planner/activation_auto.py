@@ -168,7 +168,8 @@ def _plan_auto(trace: Trace, hardware: Hardware, options: PlanOptions, on_progre
                 staged = getattr(e, "staged", None)
                 if name == "mixed" and staged is not None:
                     mixed, targets = (staged[0], hw.slack_bytes), targets_of(staged[1], options)
-                under = None if staged is None else below(hw, *staged, every)
+                under = None if staged is None else below(hw, *staged, every,
+                                                          enough=None if incumbent is None else incumbent + 1)
                 if under is None:
                     covered = False
                 elif incumbent is not None and under <= incumbent:

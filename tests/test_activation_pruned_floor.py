@@ -81,3 +81,23 @@ def test_the_floor_needs_every_chunking_staged_and_prices_the_unsearched_ones(gp
     value = below(hw, staged, [first], list(staged))
     for target in rest:
         assert value <= lagrangian_bound(*staged[target][:2], *staged[target][2])
+
+
+def test_a_floor_that_would_lower_the_certificate_is_priced_by_its_own_lp():
+    """[Note: a floor priced by its own LP]: on the 2-layer Llama of section 11 at the fourth of six budgets on an
+    RTX 3090, the floor at the sample's shadow prices proved nothing (bound 0: "gap 100%"); the LP solved again
+    with the room prices it above zero, and the bound still covers every forced choice's plan."""
+    from mix_coverage import budgets, hardware
+
+    from hplan.planner.options import PlanOptions
+
+    w = load_workload("hf:LlamaForCausalLM", batch_size=4, seq_len=128,
+                      overrides={**HF_SIZES["LlamaForCausalLM"], "num_hidden_layers": 2})
+    trace = trace_workload(w, device="fake")
+    hw = hardware(trace, "rtx3090", budgets(trace, "rtx3090", 6)[3])
+    auto = make_plan(trace, hw)
+    assert auto.summary.activations_free and auto.summary.lower_bound_bytes > 0
+    for choice in ("keep", "offload", "recompute", "selective"):
+        forced = make_plan(trace, hw, PlanOptions(activations=choice))
+        if forced.summary.feasible:
+            assert auto.summary.lower_bound_bytes <= objective(forced), choice
