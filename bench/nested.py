@@ -12,8 +12,8 @@ are the outermost same-class siblings, but each stage's blocks hold nearly all i
 segments ([Note: activation segments]); auto's minimum against keep's (goal ≤ 0.5×), beside the minimum with the
 stages as segments (the rule before issue 31, reproduced here by patching the tracer's candidates). (3) An 8-layer
 Llama at a middle budget: auto with and without child segments, predicted and measured CPU step. All fake
-traces (the CPU trace's segments and peaks, to the byte). Then the narrow ConvNeXt, the Llama and the OPT (whose
-minimum takes staged offloads: [Note: staged offload]) are trained on this CPU at auto's minimum against plain PyTorch:
+traces (the CPU trace's segments and peaks, to the byte). Then the narrow ConvNeXt and each of the five (OPT's and BART's
+minimums take staged offloads: [Note: staged offload]) are trained on this CPU at auto's minimum against plain PyTorch:
 loss difference, fast-tier peak and bytes moved against the plan.
 """
 
@@ -282,8 +282,8 @@ def run(ctx: Context) -> SectionOutput:
         n, b = max(conv[1], key=lambda k: (k[1], k[0] != "ConvNeXt-tiny"))  # the narrow one, largest batch
         w, trace, auto, _, _ = conv[1][(n, b)]
         rows.append((f"{n}, batch {b}", w, trace, auto))
-    for name in () if ctx.quick else ("Llama", "OPT"):  # OPT: its minimum needs staged offloads; --quick: the
-        # ConvNeXt row alone (kept, offloaded and staged blocks at once; section 11 trains a Llama)
+    for name in () if ctx.quick else MODELS:  # each model whose minimum the table compares (OPT's and BART's take
+        # staged offloads); --quick: the ConvNeXt row alone (kept, offloaded and staged blocks at once)
         spec, config = MODELS[name]
         w = dataclasses.replace(load_workload(spec, overrides=config, batch_size=BATCH,
                                               seq_len=SEQ if not ctx.quick else 128), optimizer=_adamw)
