@@ -65,9 +65,7 @@ def spare_cores() -> int:
 def host_update_seconds(plan: Any) -> list[float]:
     """The plan's price of each backward step's host updates (bytes of its chunks' regions at the hardware's
     `cpu_optimizer_gbps`, as hplan.planner.schedule prices them), one entry per such step."""
-    chunk_bytes: dict[int, int] = {}
-    for region in plan.regions:
-        chunk_bytes[region.chunk] = chunk_bytes.get(region.chunk, 0) + region.bytes
+    chunk_bytes = plan.chunk_bytes()
     bps = plan.hardware.cpu_optimizer_gbps * 1e9
     return [sum(chunk_bytes.get(c, 0) for c in s.host_updates) / bps
             for s in plan.steps if s.host_updates and s.event.startswith("backward:")]

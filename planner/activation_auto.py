@@ -165,7 +165,7 @@ def _plan_auto(trace: Trace, hardware: Hardware, options: PlanOptions, on_progre
                 searched = plan.summary.lower_bound_bytes
         except Pruned as e:  # every chunking's bound is above the incumbent: no plan at the sample's slack can win
             if name in MIXES:  # mixes reserving less ([Note: a pruned mix's floor]): proven unable to win, or bounded
-                staged = getattr(e, "staged", None)
+                staged = e.staged
                 if name == "mixed" and staged is not None:
                     mixed, targets = (staged[0], hw.slack_bytes), targets_of(staged[1], options)
                 under = None if staged is None else below(hw, *staged, every,
@@ -318,9 +318,7 @@ def _plan_regime(trace: Trace, hardware: Hardware, options: PlanOptions, on_prog
         if target not in search.staged:
             search.staged_lp(target)
     if best is None and search.pruned:
-        pruned = Pruned("every chunking's bound is above the incumbent")
-        pruned.staged = (search.staged, search.searched)  # type: ignore[attr-defined]
-        raise pruned
+        raise Pruned("every chunking's bound is above the incumbent", staged=(search.staged, search.searched))
     bound: int | None = None
     plan = None
     if best is not None:

@@ -15,6 +15,7 @@ from hplan.artifacts.plan import Plan, PlanSummary
 from hplan.artifacts.trace import Trace
 from hplan.planner.options import PlanOptions
 from hplan.planner.exact import lp_bound, solve_milp
+from hplan.planner.intervals import Choices
 from hplan.planner.search import Scored, Search
 from hplan.planner.slack import SELECTIVE_MIX, least_reserve
 
@@ -111,7 +112,7 @@ bound covers those. So the least over `every`
             least = min(least, lagrangian_bound(model, rows, *multipliers))
         if room > 0:
             c = model.choices
-            act = np.array([k < 0 for k in c.key])[c.item]  # activation items have negative keys
+            act = _activation_modes(c)
             must = act & (np.array(c.label) != "keep")
             value = lagrangian_bound(model, rows, *multipliers, more_free=room, must=must)
             if enough is not None and value < min(enough, least):
@@ -135,7 +136,7 @@ def priced_bound(staged: dict, slack: int, choice: str, targets: list[int], own_
         model, rows, multipliers = staged[target]
         c = model.choices
         label = np.array(c.label)
-        act = np.array([k < 0 for k in c.key])[c.item]  # activation items have negative keys
+        act = _activation_modes(c)
         has = np.zeros(c.n_items, dtype=bool)
         np.logical_or.at(has, c.item, label == choice)
         allowed = ~act | (label == choice) | (~has[c.item] & (label == "offload"))
@@ -144,6 +145,11 @@ def priced_bound(staged: dict, slack: int, choice: str, targets: list[int], own_
         if least <= incumbent:
             break  # it proves nothing against the incumbent (it may tie): the regime is solved
     return 0 if least is None else least
+
+
+def _activation_modes(choices: Choices) -> np.ndarray:
+    """Per mode of a joint model's choices: whether it is an activation item's (their keys are negative)."""
+    return np.array([k < 0 for k in choices.key])[choices.item]
 
 
 def targets_of(targets: list[int], options: PlanOptions) -> list[int]:

@@ -96,12 +96,8 @@ def step_time(plan: Plan, work: Trace, hardware: Hardware) -> dict:
         return {}
     timing = tuple(replace(s, fetch=(*s.fetch, *fetch.get(t, ())), writeback=(*s.writeback, *back.get(t, ())),
                            reads=(*s.reads, *needs.get(t, ()))) for t, s in enumerate(plan.steps))
-    host = {c.id: 0 for c in plan.chunks}
-    grad_of = {}
-    for r in plan.regions:
-        host[r.chunk] += r.bytes
-        if r.kind == "grad":
-            grad_of[r.chunk] = r.id
+    host = plan.chunk_bytes()
+    grad_of = {r.chunk: r.id for r in plan.regions if r.kind == "grad"}
     times = with_device_updates(event_seconds(work, hardware), work, hardware, timing, host, grad_of)
     split = predict_seconds(timing, sizes, frozenset(plan.initial_resident), times, hardware, host, grad_of)
     seconds = dict(plan.summary.seconds)

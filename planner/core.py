@@ -100,7 +100,12 @@ def plan_decisions(original: Trace, hardware: Hardware, options: PlanOptions, de
 
 class Pruned(Exception):
     """`plan_decisions` with an incumbent: no chunking's bound is at or below it (not an error: the caller keeps
-    its incumbent)."""
+    its incumbent). `staged`: where auto's regime search raised it, its staged chunkings and those it searched
+    (hplan.planner.activation_bounds.below bounds the mixes they hold)."""
+
+    def __init__(self, message: str, staged: tuple[dict, list[int]] | None = None) -> None:
+        super().__init__(message)
+        self.staged = staged
 
 
 def stop_gap(options: PlanOptions) -> float:

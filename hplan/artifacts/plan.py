@@ -153,6 +153,14 @@ class Plan:
     def region_map(self) -> dict[int, Region]:
         return {r.id: r for r in self.regions}
 
+    def chunk_bytes(self) -> dict[int, int]:
+        """Bytes of each chunk's regions (weights, gradient, optimizer state; 0 for a chunk with none): what a host
+        update of the chunk processes, as every step-time model prices it and the executor's worker policy reads."""
+        out = {c.id: 0 for c in self.chunks}
+        for r in self.regions:
+            out[r.chunk] = out.get(r.chunk, 0) + r.bytes
+        return out
+
     def to_dict(self) -> dict[str, Any]:
         data = asdict(self)
         data["hardware"] = self.hardware.to_dict()

@@ -123,12 +123,8 @@ def price(plan: Plan, trace: Trace, schedule: CommSchedule, steps: tuple[Step, .
           ) -> dict[str, float]:
     """The step-time split of a plan's steps (or of other steps over its regions) under a schedule."""
     sizes = {r.id: r.bytes for r in plan.regions}
-    per_chunk: dict[int, int] = {}
-    grad_of = {}
-    for r in plan.regions:
-        per_chunk[r.chunk] = per_chunk.get(r.chunk, 0) + r.bytes
-        if r.kind == "grad":
-            grad_of[r.chunk] = r.id
+    per_chunk = plan.chunk_bytes()
+    grad_of = {r.chunk: r.id for r in plan.regions if r.kind == "grad"}
     steps = steps if steps is not None else plan.steps
     times = with_device_updates(event_seconds(trace, plan.hardware), trace, plan.hardware, steps, per_chunk, grad_of)
     return predict_shard_seconds(steps, sizes, frozenset(plan.initial_resident), times, plan.hardware, per_chunk,

@@ -120,9 +120,7 @@ def _plan_tiers(trace: Trace, plan: Plan, nodes: int) -> Plan:
     if host is None or host.violations:
         raise AssertionError(f"hplan made an invalid host tier ({host.violations[0] if host else 'no phases'}): an "
                              "hplan bug, please report it")
-    state: dict[int, int] = {}
-    for r in tiered.regions:
-        state[r.chunk] = state.get(r.chunk, 0) + r.bytes
+    state = tiered.chunk_bytes()
     grad_of = {r.chunk: r.id for r in tiered.regions if r.kind == "grad"}
     seconds = predict_tier_seconds(tiered, accesses,
                                    with_device_updates(event_seconds(trace, hw), trace, hw, tiered.steps, state, grad_of))

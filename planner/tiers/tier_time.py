@@ -59,18 +59,12 @@ def predict_tier_seconds(plan: Plan, accesses: list[PhaseAccess], seconds: list[
     down = [size[r] for s in plan.steps for r in s.writeback]
     reads = sum(staging_bytes(size[r]) for s in plan.steps for ph in s.host for r in ph.nvme_read)
     writes = sum(staging_bytes(size[r]) for s in plan.steps for ph in s.host for r in ph.nvme_write)
-    updated = sum(_update_bytes(plan)[c] for s in plan.steps for c in s.host_updates)
+    update = plan.chunk_bytes()
+    updated = sum(update[c] for s in plan.steps for c in s.host_updates)
     return {"compute": sum(seconds), "h2d": len(up) * TRANSFER_LATENCY_S + sum(up) / (hw.h2d_gbps * 1e9),
             "d2h": len(down) * TRANSFER_LATENCY_S + sum(down) / (hw.d2h_gbps * 1e9),
             "cpu_optimizer": updated / (hw.cpu_optimizer_gbps * 1e9), "nvme_read": reads / read_bps,
             "nvme_write": writes / write_bps, "nvme_stall": max(0.0, step - free), "step": step}
-
-
-def _update_bytes(plan: Plan) -> dict[int, int]:
-    out: dict[int, int] = {}
-    for r in plan.regions:
-        out[r.chunk] = out.get(r.chunk, 0) + r.bytes
-    return out
 
 
 def _simulate(plan: Plan, accesses: list[PhaseAccess], seconds: list[float], read_bps: float,
@@ -78,7 +72,7 @@ def _simulate(plan: Plan, accesses: list[PhaseAccess], seconds: list[float], rea
     hw = plan.hardware
     h2d, d2h, cpu_bps = hw.h2d_gbps * 1e9, hw.d2h_gbps * 1e9, hw.cpu_optimizer_gbps * 1e9
     size = {r.id: r.bytes for r in plan.regions}
-    update = _update_bytes(plan)
+    update = plan.chunk_bytes()
     grad = {r.chunk: r.id for r in plan.regions if r.kind == "grad"}
     by_step: list[list[PhaseAccess]] = [[] for _ in plan.steps]
     for a in accesses:
