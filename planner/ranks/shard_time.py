@@ -25,6 +25,9 @@ network phase overlaps another's NVLink phase. How collectives are issued is a `
   reduce_bucket_size / allgather_bucket_size); 0 = one call per chunk, as the plan lists them;
 - `update_gather_bytes`: the updated-weight gathers' own bucket where it differs (None: `bucket_bytes`;
   `WHOLE`: one call for all of them, as DeepSpeed's stage 1/2 all-gathers a parameter group's flat buffer).
+- `one_reduce_stream`: gradient reductions share one stream ([Note: one reduction stream]): a bucket fills with
+  the reduce-scatter's input and goes whole, its reduce-scatter and then its replicas' all-reduce, each bucket
+  after the one before.
 A gradient's write-back, the host update reading it and the GPU update at the optimizer step wait for its
 sync. The iteration ends when compute, the host optimizer and both links are done. Without
 `hardware.overlap` (the CPU fast tier) nothing overlaps: the step is the sum of everything.
@@ -34,6 +37,17 @@ the compute stream waits, charged to what it waited for — `exposed_host` (a fe
 `exposed_intra` / `exposed_inter` (a collective: a flat call across nodes is charged to the network, within a
 node to NVLink; a hierarchical call to the link of its last phase), `exposed_cpu_optimizer` (the host update
 running past the last compute) — sums to `step` exactly. Busy seconds per link and per collective op follow.
+
+[Note: one reduction stream] DeepSpeed's stage 3 (ZeRO-3, ZeRO++ and MiCS alike) reduces gradients in one flat
+IPG bucket of reduce_bucket_size elements of full gradients, and issues everything for a bucket inside one
+`with stream(reduce_and_partition_stream)` (runtime/zero/stage3.py, v0.11.1 lines 1134-1170: the bucket's
+reduce-scatter over the partition group, then `partition_grads`); MiCS's `partition_grads` all-reduces that
+bucket's partitions over the replica group right there (runtime/zero/mics.py, v0.11.1 lines 397-432:
+allreduce_mics_shard_grads, at the accumulation boundary; all_reduce_coalesced = one ncclAllReduce per partition
+in one NCCL group, which NCCL's tuning model prices as one call of the summed bytes plus a tree latency per batch
+of work elements: tuning.cc ncclTopoGetAlgoTime, latCount). So the replicas' all-reduce of a bucket goes with
+that bucket, sized by the bucket's full gradients (not by its own bytes), and the next bucket's reduce-scatter
+waits behind it on the stream, on whatever link each uses.
 """
 
 from __future__ import annotations
@@ -66,10 +80,14 @@ class CommSchedule:
     packed: bool = False
     update_gather_bytes: int | None = None
     """Bucket of the updated-weight gathers (None: `bucket_bytes`; `WHOLE`: all in one call)."""
+    one_reduce_stream: bool = False
+    """Reductions on one stream, a bucket's reduce-scatter then its all-reduce ([Note: one reduction stream])."""
 
 
 WHOLE = 1 << 62
 """A bucket no step fills: its calls go as one at the end of the pass."""
+STREAM = ("reductions",)
+"""The bucket key of every reduction under `one_reduce_stream`."""
 
 
 EXECUTOR = CommSchedule(prefetch=1, overlap_reductions=True, settle_next=True, packed=True)
@@ -195,22 +213,34 @@ def _timeline(steps: tuple[Step, ...] | list[Step], groups: list[tuple[tuple[Buc
                 end, label = done, lab
         return end, label
 
-    def flush(key: tuple, at: float) -> float:
+    stream_free = 0.0
+    """When the one reduction stream is free (`one_reduce_stream`)."""
+
+    def flush(key: tuple, at: float) -> tuple[float, str]:
+        """Issue a bucket at `at`: one merged call, or under STREAM its calls of each kind in turn."""
+        nonlocal stream_free
         calls = buckets.pop(key)
-        end, label = links.run(_merge(calls), at)
+        kinds: dict[tuple, list[Collective]] = {}
         for c in calls:
-            if c.purpose in REDUCTIONS:
-                synced[c.region] = (end, label)
-        return end
+            kinds.setdefault((c.op, c.purpose, c.size, c.stride, c.itemsize) if key == STREAM else key, []).append(c)
+        end, label = at, "intra"
+        for group in kinds.values():
+            end, label = links.run(_merge(group), max(end, stream_free) if key == STREAM else at)
+            for c in group:
+                if c.purpose in REDUCTIONS:
+                    synced[c.region] = (end, label)
+        if key == STREAM:
+            stream_free = end
+        return end, label
 
     for t, (step, secs) in enumerate(zip(steps, seconds)):
         issue = compute_end
         kind = step.event.split(":", 1)[0]
         if buckets and kind != "backward":  # the pass ended: what is left in the buckets goes now
             for key in list(buckets):
-                done = flush(key, issue)
+                done, label = flush(key, issue)
                 if schedule.blocking or not schedule.overlap_reductions:
-                    exposed[_label(links, key)] += max(0.0, done - issue)
+                    exposed[label] += max(0.0, done - issue)
                     issue = max(issue, done)
         for r in step.writeback:
             down_free = max(down_free, issue, synced.get(r, (0.0, ""))[0]) + TRANSFER_LATENCY_S + sizes[r] / d2h_bps
@@ -247,13 +277,15 @@ def _timeline(steps: tuple[Step, ...] | list[Step], groups: list[tuple[tuple[Buc
                 exposed[lab] += max(0.0, end - compute_end)
                 compute_end = max(compute_end, end)
             limit = schedule.bucket_bytes if call.purpose in REDUCTIONS else _gather_bucket(schedule, call)
+            if limit and schedule.one_reduce_stream and call.purpose in REDUCTIONS:
+                buckets.setdefault(STREAM, []).append(call)  # weighed with the step's other reductions below
+                continue
             if limit:
                 key = (call.op, call.purpose, call.size, call.stride, call.itemsize)
                 buckets.setdefault(key, []).append(call)
                 if sum(c.numel for c in buckets[key]) * call.itemsize < limit:
                     continue
-                done = flush(key, compute_end)
-                label = _label(links, key)
+                done, label = flush(key, compute_end)
             else:
                 done, label = links.run(call, compute_end)
                 if call.purpose in REDUCTIONS:
@@ -263,6 +295,11 @@ def _timeline(steps: tuple[Step, ...] | list[Step], groups: list[tuple[tuple[Buc
                     if schedule.settle_next:
                         inflight.append((t, done, label))
             if schedule.blocking or (call.purpose in REDUCTIONS and not schedule.overlap_reductions):
+                exposed[label] += max(0.0, done - compute_end)
+                compute_end = max(compute_end, done)
+        if STREAM in buckets and _stream_filled(buckets[STREAM], schedule.bucket_bytes):
+            done, label = flush(STREAM, compute_end)
+            if schedule.blocking or not schedule.overlap_reductions:
                 exposed[label] += max(0.0, done - compute_end)
                 compute_end = max(compute_end, done)
         for c in step.host_updates:
@@ -280,19 +317,18 @@ def _timeline(steps: tuple[Step, ...] | list[Step], groups: list[tuple[tuple[Buc
     return out
 
 
+def _stream_filled(calls: list[Collective], limit: int) -> bool:
+    """Whether one reduction stream's bucket is full: its reduce-scatters' input (the full gradients of DeepSpeed's
+    IPG bucket) reaches `limit` bytes, or, with no reduce-scatter, its calls' own bytes do."""
+    scatters = [c for c in calls if c.purpose == "scatter"] or calls
+    return sum(c.numel * c.itemsize for c in scatters) >= limit
+
+
 def _gather_bucket(schedule: CommSchedule, call: Collective) -> int:
     """Bucket bytes of a call that is no reduction: updated-weight gathers only (0: not bucketed)."""
     if call.purpose != "update_gather":
         return 0
     return schedule.bucket_bytes if schedule.update_gather_bytes is None else schedule.update_gather_bytes
-
-
-def _label(links: _Links, key: tuple) -> str:
-    """The link a bucket of calls is charged to (its group spans nodes: the network)."""
-    op, purpose, size, stride, itemsize = key
-    call = Collective.make(op, purpose, 0, False, size, stride, 1, itemsize)
-    last = links.cost(call).phases
-    return "inter" if last and last[-1][0] in ("both", "inter") else "intra"
 
 
 def with_collectives(steps: tuple[Step, ...], scored: Scored, sharding: Sharding, ranks: int) -> tuple[Step, ...]:

@@ -9,10 +9,15 @@ Each system is its shard factors ([Note: shard layout]) plus how it issues colle
 - ZeRO++ with hpZ only (arXiv 2306.10209 §3.2; AMSP v2 ran it without qwZ/qgZ): ZeRO-3 whose backward
   gathers come from a secondary copy inside the node (a gather over the node's GPUs); the secondary copy's
   memory (weights / GPUs per node per rank) is not in the plan;
-- MiCS (arXiv 2205.00119; DeepSpeed's runtime/zero/mics.py): P = G = OS = GPUs per node, the ZeRO-3 engine
-  above, the replicas' all-reduce per bucket during the backward of the last micro-batch (allreduce_mics_shard_
-  grads, on the reduce stream); hierarchical gathers when a partition group spans nodes
-  (mics_hierarchical_params_gather);
+- MiCS (arXiv 2205.00119; DeepSpeed's runtime/zero/mics.py, read at v0.11.1, Oct 2023, and v0.12.3): P = G =
+  OS = GPUs per node (mics_shard_size 8 in DeepSpeed's own MiCS example, docs/code-docs/source/zero3.rst; LLaMA-7B's
+  and 13B's states fit a node), the ZeRO-3 engine above; each parameter's shard gathered in one NCCL group per
+  fetch with no copy-out (mics.py _flat_all_gather_with_coalescing_manager, MiCS_AllGatherCoalescedHandle); each
+  IPG bucket's partitions all-reduced over the replicas right after that bucket's reduce-scatter, on the same
+  reduce stream, at the accumulation boundary (allreduce_mics_shard_grads: [Note: one reduction stream] in
+  planner.ranks.shard_time). Gathers are flat: the hierarchical gather needs mics_hierarchical_params_gather,
+  False by default (runtime/zero/config.py), and a group spanning nodes (mics_utils.create_mics_comm_groups);
+- ZeRO-3, ZeRO++ and MiCS share stage3.py's one reduce stream ([Note: one reduction stream]);
 - ZeRO-1 (DeepSpeed stage 1, runtime/zero/stage_1_and_2.py): P = G = 1, OS = all ranks; gradients reduced once
   per step after the backward (engine.allreduce_gradients -> reduce_gradients: no hooks below stage 2 without
   overlap_comm, which defaults to False there) in buckets of 5e8 elements on the compute stream, each bucket
@@ -24,7 +29,9 @@ Each system is its shard factors ([Note: shard layout]) plus how it issues colle
 - AMSP (arXiv 2311.00257 v2): the factors its paper reports per model, gathers prefetched, gradient
   synchronisation overlapped with the backward ("AllGather prefetching and ReduceScatter scheduling") in buckets
   of 512 MiB (InternEvo's hybrid_zero_optimizer default, configs/7B_sft.py, the framework AMSP's authors
-  build on);
+  build on), each bucket's whole reduction (both hops) issued when the bucket's gradients fill it, one bucket
+  after another (InternEvo hybrid_zero_optim.py at commit 0aa6d26: _store_and_try_reduce_grads_by_bucket ->
+  _reduce_grads_by_rank, which waits for the bucket in progress before taking the next);
 - hplan: its own plan as its executor runs it (`shard_time.EXECUTOR`: gathers one step ahead, reductions
   asynchronous and settled one step later, one call per chunk).
 What no system here models: their engines' per-module CPU overhead (hooks, bookkeeping), kernels slowed by
@@ -74,15 +81,16 @@ def deepspeed_bucket(itemsize: int) -> int:
 def systems(grad_itemsize: int, amsp: tuple[int, int, int] | None = None) -> list[System]:
     """The systems of AMSP's comparison (and hplan), for gradients of `grad_itemsize` bytes."""
     ds = deepspeed_bucket(grad_itemsize)
-    zero3 = CommSchedule(prefetch=1, bucket_bytes=ds)
+    zero3 = CommSchedule(prefetch=1, bucket_bytes=ds, one_reduce_stream=True)  # stage3.py's one reduce stream
     out = [System(name="ZeRO-3", kind="zero3", schedule=zero3),
            System(name="ZeRO++ (hpZ)", kind="zero++hpz", schedule=zero3),
-           System(name="MiCS", kind="mics", schedule=replace(zero3, gather_algorithm="hierarchical")),
+           System(name="MiCS", kind="mics", schedule=zero3),
            System(name="ZeRO-1", kind="zero1",
                   schedule=CommSchedule(overlap_reductions=False, bucket_bytes=ds, update_gather_bytes=WHOLE))]
     if amsp is not None:
         out.append(System(name="AMSP", kind="amsp", factors=amsp,
-                          schedule=CommSchedule(prefetch=1, bucket_bytes=INTERNEVO_BUCKET_BYTES)))
+                          schedule=CommSchedule(prefetch=1, bucket_bytes=INTERNEVO_BUCKET_BYTES,
+                                                one_reduce_stream=True)))
     out.append(System(name="hplan", kind="hplan", schedule=EXECUTOR))
     return out
 

@@ -1,10 +1,11 @@
 """AMSP's evaluation replayed by the many-rank model (hplan.planner.ranks.amsp_replay), torch-free, on LLaMA-shaped
 synthetic traces: what the model must reproduce of the paper's measurements at 1,024 A800s.
 
-Asserted: AMSP's published factors rank first for 7B and 13B; for 7B, ZeRO-3 last and MiCS second (the paper
-measured ZeRO-3 and ZeRO++ (hpZ) at about 4%, a collapse the model does not have, and MiCS one point below
-ZeRO-1, 35% against 36%: see BENCHMARKS.md, section 8, for the DeepSpeed code read and why the model cannot
-reproduce either); ZeRO-1 priced as DeepSpeed's stage 1/2 reduces, each bucket all-reduced whole, which puts it
+Asserted: for 7B, AMSP's published factors and MiCS lead within a point, ZeRO-3 last (the paper measured ZeRO-3
+and ZeRO++ (hpZ) at about 4%, a collapse the model does not have, and MiCS at 35%, one point below ZeRO-1 and 16
+below AMSP: see BENCHMARKS.md, section 8, for the DeepSpeed code read and why the model cannot reproduce either);
+MiCS's replicas all-reduce each bucket right after its reduce-scatter on one stream, as DeepSpeed's stage 3 does;
+for 13B, AMSP first; ZeRO-1 priced as DeepSpeed's stage 1/2 reduces, each bucket all-reduced whole, which puts it
 nearer the paper's 36% than a reduce-scatter would, and gathers the updated weights in one call; ZeRO-1's
 all-reduce and MiCS's put the same bytes on each node's network (what separates them is ZeRO-1's cross-node
 weight gather and its reduction after the backward: bench/multigpu_ranking.py); for 13B, AMSP above ZeRO-3 (the
@@ -33,13 +34,42 @@ def _ranked(rows: dict) -> list[str]:
     return sorted(rows, key=lambda name: -rows[name].mfu)
 
 
-def test_7b_at_1024_gpus_amsp_first_mics_second_zero3_last():
+def test_7b_at_1024_gpus_amsp_and_mics_lead_within_a_point_zero3_last():
+    """AMSP's 1/1/8 and MiCS's 8/8/8 put the same gradient bytes on each node's network and hide them alike behind
+    the backward once each bucket's reduction goes as their code issues it ([Note: one reduction stream]): the two
+    lead within a point. The paper measured 51% against 35%: section 8 says why no sourced mechanism explains it."""
     rows = _rows("7b", 1024)
     order = _ranked(rows)
-    assert order[0] == "AMSP" and rows["AMSP"].factors == "1/1/8"
-    assert order[-1] == "ZeRO-3" and order[1] == "MiCS"
+    assert set(order[:2]) == {"AMSP", "MiCS"} and rows["AMSP"].factors == "1/1/8"
+    assert abs(rows["AMSP"].mfu - rows["MiCS"].mfu) < 0.01
+    assert order[-1] == "ZeRO-3"
     measured = PAPER_MFU[("7b", 1024)]["AMSP"]
     assert 0.8 * measured <= rows["AMSP"].mfu <= 1.2 * measured
+
+
+def test_mics_all_reduces_each_bucket_after_its_reduce_scatter_on_one_stream():
+    """DeepSpeed's MiCS reduce-scatters each IPG bucket (5e8 elements of full gradients) over the node and, in the
+    same `with stream(reduce_and_partition_stream)`, all-reduces that bucket's eighths over the 128 replicas
+    (stage3.py __reduce_and_partition_ipg_grads -> mics.py partition_grads -> allreduce_mics_shard_grads): the
+    all-reduce goes with its bucket. Held until its own eighths filled a bucket (eight of DeepSpeed's), most of it
+    waited for the end of the backward and was exposed there. ZeRO-3 (reduce-scatters only) is not moved."""
+    from dataclasses import replace
+
+    from hplan.planner.ranks.systems import price, system_steps, systems
+
+    rows = _rows("7b", 1024)
+    trace = llama_trace("7b", micro_batches=micro_batches(1024))
+    by_kind = {s.kind: s for s in systems(2)}
+    assert by_kind["mics"].schedule.one_reduce_stream and by_kind["zero3"].schedule.one_reduce_stream
+    mics = rows["MiCS"]
+    own = price(mics.plan, trace, replace(by_kind["mics"].schedule, one_reduce_stream=False))
+    assert mics.split["exposed_inter"] < own["exposed_inter"] - 0.05
+    # the same bytes in 14 calls of an eighth of a bucket, not 2: more latency, NCCL's tree correction for medium sizes
+    assert own["all_reduce"] < mics.split["all_reduce"] < 1.25 * own["all_reduce"]
+    z3 = rows["ZeRO-3"]
+    alone = price(z3.plan, trace, replace(by_kind["zero3"].schedule, one_reduce_stream=False),
+                  system_steps(by_kind["zero3"], z3.plan))
+    assert alone["step"] == pytest.approx(z3.step_seconds, rel=1e-9)
 
 
 def test_13b_at_1024_gpus_amsp_first_zero3_last():
@@ -143,11 +173,13 @@ def test_zero1_and_mics_put_the_same_gradient_bytes_on_each_node_network():
     assert mics.seconds == pytest.approx(flat.seconds, rel=0.05)
 
 
-def test_zero1_and_mics_tie_where_treated_alike_as_section_8_says():
-    """Section 8's account (bench/multigpu_ranking.py): as each code runs, MiCS leads ZeRO-1 by its overlap; with
-    both overlapped, or neither, they tie (the paper: 36% against 35%). If the model moves, the note's claim must
-    move with it."""
-    from bench.multigpu_ranking import host_loop_note, host_loop_views, readings, zero1_vs_mics
+def test_zero1_against_mics_as_section_8_says():
+    """Section 8's account (bench/multigpu_ranking.py): as each code runs MiCS leads ZeRO-1; with ZeRO-1's reduction
+    overlapped too it still leads, by ZeRO-1's cross-node gather of the updated weights; with nothing overlapped
+    anywhere ZeRO-1 is ahead by about a point (the paper: 36% against 35%), a reading no system runs; and MiCS's
+    measured 35% lies below MiCS with every collective blocking. If the model moves, the notes' claims must move
+    with it."""
+    from bench.multigpu_ranking import host_loop_note, host_loop_views, mics_note, readings, zero1_vs_mics
     from hplan.planner.ranks.amsp_replay import hardware_for
 
     rows = _rows("7b", 1024)
@@ -156,7 +188,10 @@ def test_zero1_and_mics_tie_where_treated_alike_as_section_8_says():
     read = readings(trace, rows, hw)
     assert "none is made" in zero1_vs_mics(trace, rows, hw, read)
     assert "not modelled" in host_loop_note(trace, rows, 1024, 8, rate=1e6)
+    assert "unexplained" in mics_note(trace, rows, hw, read)
     assert rows["MiCS"].mfu - rows["ZeRO-1"].mfu > 0.05
-    assert abs(read["zero1_overlapped"] - rows["MiCS"].mfu) < 0.005
-    assert abs(read["blocking"]["ZeRO-1"] - read["blocking"]["MiCS"]) < 0.005
+    assert rows["MiCS"].mfu - read["zero1_overlapped"] > 0.02
+    assert 0 < read["blocking"]["ZeRO-1"] - read["blocking"]["MiCS"] < 0.02
+    assert read["blocking"]["MiCS"] > PAPER_MFU[("7b", 1024)]["MiCS"] + 0.03
+    assert read["mics_own_buckets"] < rows["MiCS"].mfu - 0.02
     assert host_loop_views(trace, 1024) == 291 * 3 * 1024 and host_loop_views(trace, 8) == 291 * 3 * 8
