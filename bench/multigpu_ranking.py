@@ -47,9 +47,13 @@ def zero1_vs_mics(trace: Any, rows: dict, hw: Any, read: dict[str, Any] | None =
     overlapped, blocking, unprefetched = read["zero1_overlapped"], read["blocking"], read["mics_unprefetched"]
     ranked = sorted(blocking, key=lambda k: -blocking[k])
     paper_order = ranked[:3] == ["AMSP", "ZeRO-1", "MiCS"]
-    z1_over = blocking["ZeRO-1"] > blocking["MiCS"]
-    amsp_ok = 0.8 * 0.51 <= blocking["AMSP"] <= 1.2 * 0.51
     z1, mi = rows["ZeRO-1"].mfu, rows["MiCS"].mfu
+    z1_over = blocking["ZeRO-1"] > blocking["MiCS"]
+    lead = "still leads, by (a): ZeRO-1's cross-node gather of the updated weights" if mi > overlapped \
+        else "no longer leads"
+    above = "only with nothing overlapped anywhere is ZeRO-1 above MiCS" if z1_over \
+        else "under no reading is ZeRO-1 above MiCS"
+    amsp_ok = 0.8 * 0.51 <= blocking["AMSP"] <= 1.2 * 0.51
     order = " > ".join(f"{k} {fmt_pct(v, 1)}" for k, v in sorted(blocking.items(), key=lambda kv: -kv[1]))
     return (
         f"ZeRO-1 against MiCS, from first principles (bench/multigpu_ranking.py). A flat NCCL ring over {n // gpn} "
@@ -80,8 +84,7 @@ def zero1_vs_mics(trace: Any, rows: dict, hw: Any, read: dict[str, Any] | None =
         f"{fmt_pct(mi, 1)} ({(overlapped - mi) * 100:+.2f} points); nothing overlapped anywhere {order} "
         f"(ZeRO-1 {(blocking['ZeRO-1'] - blocking['MiCS']) * 100:+.2f} points on MiCS); MiCS without prefetch "
         f"{fmt_pct(unprefetched, 1)}. With ZeRO-1's reduction overlapped MiCS "
-        f"{'still leads, by (a): ZeRO-1' + chr(39) + 's cross-node gather of the updated weights' if mi > overlapped else 'no longer leads'}; "
-        f"{'only with nothing overlapped anywhere is ZeRO-1 above MiCS' if z1_over else 'under no reading is ZeRO-1 above MiCS'}, "
+        f"{lead}; {above}, "
         "as the paper measured them (36% and 35%, one point); nothing overlapped anywhere "
         f"{'gives the paper' + chr(39) + 's order' if paper_order else 'does not give the paper' + chr(39) + 's order'}"
         f" (AMSP {fmt_pct(blocking['AMSP'], 1)}, {'within' if amsp_ok else 'outside'} ±20% of 51%); no system "
@@ -131,21 +134,23 @@ def mics_note(trace: Any, rows: dict, hw: Any, read: dict[str, Any] | None = Non
         "partitions over the replicas right after, on the same reduce stream (stage3.py "
         "__reduce_and_partition_ipg_grads, v0.12.3 lines 1179–1215 → mics.py partition_grads → "
         "allreduce_mics_shard_grads, lines 397–432; all_reduce_coalesced is one ncclAllReduce per partition in an "
-        "NCCL group, which NCCL's tuning model prices as one call of the summed bytes, tuning.cc "
-        "ncclTopoGetAlgoTime's latCount); AMSP's setting gives a rank 4,096 tokens a step at 1,024 GPUs, one "
+        "NCCL group, which NCCL's tuning model prices as the summed bytes with a latency per batch of ops on a "
+        "tree, tuning.cc ncclTopoGetAlgoTime's latCount: one call here); AMSP's setting gives a rank 4,096 "
+        "tokens a step at 1,024 GPUs, one "
         "micro-batch, so every step is a boundary. Priced so ([Note: one reduction stream], hplan.planner.ranks."
         f"shard_time), MiCS is {fmt_pct(r.mfu, 1)}: {r.step_seconds:.3f} s a step, {r.split['compute']:.3f} s of "
         f"compute at AMSP's one-node 63% and {exposed:.3f} s of collectives exposed; held, as the model did before, "
         "until its own eighths filled a bucket (eight of DeepSpeed's), the replicas' all-reduce exposed more of "
-        f"itself after the backward: {fmt_pct(read['mics_own_buckets'], 1)}. The paper's 35% is a {implied:.2f} s step. "
+        f"itself after the backward: {fmt_pct(read['mics_own_buckets'], 1)}. The paper's 35% is a {implied:.2f} s "
+        "step. "
         f"With every collective of the same plan blocking the compute stream MiCS is "
         f"{fmt_pct(read['blocking']['MiCS'], 1)} ({serial:.2f} s), without prefetch "
         f"{fmt_pct(read['mics_unprefetched'], 1)}: the measured step is {gap:.2f} s longer than MiCS with all of "
         "its communication serialised, so no reading of its traffic or overlap reaches it. What would is time that "
         f"is not communication as DeepSpeed issues it: e.g. {gap / fetches * 1e3:.2f} ms of the stage 3 engine's "
-        f"host work on each of the {fetches} fetches (no A800 measurement of it is at hand), or a partition group "
-        "across nodes the paper does not state. Written down, not modelled: MiCS's 35% is unexplained, and with it "
-        "the paper's ZeRO-1 above MiCS (the note above). Which MiCS build the paper ran is not known either: "
+        f"host work on each of the {fetches} fetches (no A800 measurement of it is at hand), or a MiCS setting "
+        "other than DeepSpeed's example that the paper's text (not readable here) may give. Written down, not "
+        "modelled: MiCS's 35% is unexplained, and with it the paper's ZeRO-1 above MiCS (the note above). Which MiCS build the paper ran is not known either: "
         "DeepSpeed's MiCS gather wait raised _IllegalWork on torch 2.1.0 until v0.13.0 ignored it (PR #4792, Jan "
         "2024).")
 

@@ -44,10 +44,10 @@ IPG bucket of reduce_bucket_size elements of full gradients, and issues everythi
 reduce-scatter over the partition group, then `partition_grads`); MiCS's `partition_grads` all-reduces that
 bucket's partitions over the replica group right there (runtime/zero/mics.py, v0.11.1 lines 397-432:
 allreduce_mics_shard_grads, at the accumulation boundary; all_reduce_coalesced = one ncclAllReduce per partition
-in one NCCL group, which NCCL's tuning model prices as one call of the summed bytes plus a tree latency per batch
-of work elements: tuning.cc ncclTopoGetAlgoTime, latCount). So the replicas' all-reduce of a bucket goes with
-that bucket, sized by the bucket's full gradients (not by its own bytes), and the next bucket's reduce-scatter
-waits behind it on the stream, on whatever link each uses.
+in one NCCL group, which NCCL's tuning model prices as the summed bytes with a latency per op on a ring, per batch
+of ops on a tree: tuning.cc ncclTopoGetAlgoTime, latCount; priced here as one call, a few ms a step short at
+most). So the replicas' all-reduce of a bucket goes with that bucket, sized by the bucket's full gradients (not by
+its own bytes), and the next bucket's reduce-scatter waits behind it on the stream, on whatever link each uses.
 """
 
 from __future__ import annotations
