@@ -151,8 +151,8 @@ def mics_note(trace: Any, rows: dict, hw: Any, read: dict[str, Any] | None = Non
         f"host work on each of the {fetches} fetches (no A800 measurement of it is at hand), or a MiCS setting "
         "other than DeepSpeed's example that the paper's text (not readable here) may give. Written down, not "
         "modelled: MiCS's 35% is unexplained, and with it the paper's ZeRO-1 above MiCS (the note above). Which "
-        "MiCS build the paper ran is not known either: DeepSpeed's MiCS gather wait raised _IllegalWork on torch 2.1.0 until v0.13.0 ignored it (PR #4792, Jan "
-        "2024).")
+        "MiCS build the paper ran is not known either: DeepSpeed's MiCS gather wait raised _IllegalWork on torch "
+        "2.1.0 until v0.13.0 ignored it (PR #4792, Jan 2024).")
 
 
 def readings(trace: Any, rows: dict, hw: Any) -> dict[str, Any]:
