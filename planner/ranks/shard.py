@@ -109,7 +109,7 @@ def _candidate(trace: Trace, hardware: Hardware, factors: Sharding, search: Shar
     if later != done.steps:
         steps = with_collectives(later, scored, sharding, hardware.ranks)
     return Candidate(factors=factors, search=search, scored=scored, sharding=sharding, steps=steps,
-                     seconds=step_seconds(trace, hardware, scored, done, steps),
+                     seconds=step_seconds(trace, hardware, scored, done, steps, sharding),
                      collective_bytes=sum(c.sent_bytes for st in steps for c in st.collectives))
 
 

@@ -47,7 +47,7 @@ from hplan.artifacts.plan import Plan, Step
 from hplan.artifacts.shard import Collective, Sharding
 from hplan.artifacts.trace import Trace
 from hplan.planner.schedule import event_seconds, with_device_updates
-from hplan.planner.ranks.shard_time import EXECUTOR, WHOLE, CommSchedule, predict_shard_seconds
+from hplan.planner.ranks.shard_time import EXECUTOR, WHOLE, CommSchedule, piece_update_bytes, predict_shard_seconds
 
 DEEPSPEED_BUCKET_ELEMENTS = 5 * 10**8
 """reduce_bucket_size and allgather_bucket_size defaults (deepspeed/runtime/zero/config.py)."""
@@ -131,7 +131,7 @@ def price(plan: Plan, trace: Trace, schedule: CommSchedule, steps: tuple[Step, .
           ) -> dict[str, float]:
     """The step-time split of a plan's steps (or of other steps over its regions) under a schedule."""
     sizes = {r.id: r.bytes for r in plan.regions}
-    per_chunk = plan.chunk_bytes()
+    per_chunk = piece_update_bytes(plan.regions, plan.sharding)  # [Note: piece updates] in shard_time
     grad_of = {r.chunk: r.id for r in plan.regions if r.kind == "grad"}
     steps = steps if steps is not None else plan.steps
     times = with_device_updates(event_seconds(trace, plan.hardware), trace, plan.hardware, steps, per_chunk, grad_of)

@@ -67,6 +67,24 @@ def test_per_rank_region_bytes_and_collective_bytes_by_hand():
     assert optimizer.gathered_bytes >= (12 + 3) * 4  # m0's reductions run into the optimizer step
 
 
+def test_a_rank_updates_only_its_optimizer_piece():
+    """[Note: piece updates]: the chain above at P=1, G=2, OS=4 — a rank's update reads and writes its piece s of the
+    weights, of the gradients and its 2s of state: 16s bytes per chunk, 96 in all, not the 192 its regions hold
+    (the executor's update views). The device step is priced over those bytes; fully sharded it is the whole."""
+    from hplan.planner.kernel_size import device_update_seconds
+    from hplan.planner.ranks.shard_time import piece_update_bytes
+
+    trace = chain_trace((10, 7, 4), precision="fp32")
+    plan = plan_for(trace, hw(4), 1, 2, 4)
+    assert piece_update_bytes(plan.regions, plan.sharding) == {0: 48, 1: 32, 2: 16}
+    assert sum(plan.chunk_bytes().values()) == 192
+    assert all(e.seconds == 0 for e in trace.events)  # fake trace: compute is the device update alone
+    assert plan.summary.seconds["compute"] == pytest.approx(device_update_seconds(96, plan.hardware), rel=1e-12)
+    full = plan_for(trace, hw(4), 4, 4, 4)
+    assert piece_update_bytes(full.regions, full.sharding) == full.chunk_bytes()
+    assert piece_update_bytes(plan.regions, None) == plan.chunk_bytes()
+
+
 def test_full_sharding_gathers_weights_before_each_use():
     """ZeRO-3 on 2 ranks: each run of consecutive steps reading a chunk all-gathers it once (⌈n/2⌉·4 B sent), the
     gradient is reduce-scattered once: per chunk 3·⌈n/2⌉·4 B, ZeRO's 3Ψ·(N-1)/N — except the last module, whose
