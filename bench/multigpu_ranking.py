@@ -90,7 +90,7 @@ def zero1_vs_mics(trace: Any, rows: dict, hw: Any, read: dict[str, Any] | None =
         f" (AMSP {fmt_pct(blocking['AMSP'], 1)}, {'within' if amsp_ok else 'outside'} ±20% of 51%); no system "
         "here runs so (DeepSpeed's ZeRO-3 engine prefetches on its own stream and overlap_comm defaults to True "
         "there; AMSP overlaps by design; hplan's executor overlaps), and a margin of "
-        f"{abs(blocking['ZeRO-1'] - blocking['MiCS']) * 100:.2f} points is a tie: "
+        f"{abs(blocking['ZeRO-1'] - blocking['MiCS']) * 100:.2f} points on a reading no system runs is "
         "reported, not adopted. No sound correction flips them and none is made. Which ZeRO-1 the paper ran is not "
         "known here (its text was not readable from this project's machines): InternEvo's own default (zero1 over "
         "all ranks, configs/7B_sft.py; hybrid_zero_optim.py at commit 0aa6d26 all-reduces 512 MiB buckets beside "

@@ -1,7 +1,7 @@
 """AMSP's evaluation replayed by the many-rank model (hplan.planner.ranks.amsp_replay), torch-free, on LLaMA-shaped
 synthetic traces: what the model must reproduce of the paper's measurements at 1,024 A800s.
 
-Asserted: for 7B, AMSP's published factors and MiCS lead within a point, ZeRO-3 last (the paper measured ZeRO-3
+Asserted: for 7B, AMSP's published factors lead, MiCS within a point, ZeRO-3 last (the paper measured ZeRO-3
 and ZeRO++ (hpZ) at about 4%, a collapse the model does not have, and MiCS at 35%, one point below ZeRO-1 and 16
 below AMSP: see BENCHMARKS.md, section 8, for the DeepSpeed code read and why the model cannot reproduce either);
 MiCS's replicas all-reduce each bucket right after its reduce-scatter on one stream, as DeepSpeed's stage 3 does;
@@ -34,13 +34,14 @@ def _ranked(rows: dict) -> list[str]:
     return sorted(rows, key=lambda name: -rows[name].mfu)
 
 
-def test_7b_at_1024_gpus_amsp_and_mics_lead_within_a_point_zero3_last():
+def test_7b_at_1024_gpus_amsp_first_mics_within_a_point_zero3_last():
     """AMSP's 1/1/8 and MiCS's 8/8/8 put the same gradient bytes on each node's network and hide them alike behind
     the backward once each bucket's reduction goes as their code issues it ([Note: one reduction stream]): the two
-    lead within a point. The paper measured 51% against 35%: section 8 says why no sourced mechanism explains it."""
+    lead within a point, AMSP first as its update covers an eighth of the replicated weights and gradients ([Note:
+    piece updates]). The paper measured 51% against 35%: section 8 says why no sourced mechanism explains it."""
     rows = _rows("7b", 1024)
     order = _ranked(rows)
-    assert set(order[:2]) == {"AMSP", "MiCS"} and rows["AMSP"].factors == "1/1/8"
+    assert order[:2] == ["AMSP", "MiCS"] and rows["AMSP"].factors == "1/1/8"
     assert abs(rows["AMSP"].mfu - rows["MiCS"].mfu) < 0.01
     assert order[-1] == "ZeRO-3"
     measured = PAPER_MFU[("7b", 1024)]["AMSP"]
@@ -176,7 +177,7 @@ def test_zero1_and_mics_put_the_same_gradient_bytes_on_each_node_network():
 def test_zero1_against_mics_as_section_8_says():
     """Section 8's account (bench/multigpu_ranking.py): as each code runs MiCS leads ZeRO-1; with ZeRO-1's reduction
     overlapped too it still leads, by ZeRO-1's cross-node gather of the updated weights; with nothing overlapped
-    anywhere ZeRO-1 is ahead by about a point (the paper: 36% against 35%), a reading no system runs; and MiCS's
+    anywhere ZeRO-1 is ahead by about two points (the paper: 36% against 35%), a reading no system runs; and MiCS's
     measured 35% lies below MiCS with every collective blocking. If the model moves, the notes' claims must move
     with it."""
     from bench.multigpu_ranking import host_loop_note, host_loop_views, mics_note, readings, zero1_vs_mics
@@ -191,7 +192,7 @@ def test_zero1_against_mics_as_section_8_says():
     assert "unexplained" in mics_note(trace, rows, hw, read)
     assert rows["MiCS"].mfu - rows["ZeRO-1"].mfu > 0.05
     assert rows["MiCS"].mfu - read["zero1_overlapped"] > 0.02
-    assert 0 < read["blocking"]["ZeRO-1"] - read["blocking"]["MiCS"] < 0.02
+    assert 0 < read["blocking"]["ZeRO-1"] - read["blocking"]["MiCS"] < 0.03
     assert read["blocking"]["MiCS"] > PAPER_MFU[("7b", 1024)]["MiCS"] + 0.03
     assert read["mics_own_buckets"] < rows["MiCS"].mfu - 0.02
     assert host_loop_views(trace, 1024) == 291 * 3 * 1024 and host_loop_views(trace, 8) == 291 * 3 * 8
