@@ -31,7 +31,7 @@ def cases(quick: bool) -> list[Case]:
     """Three model families: bundled GPT, a BatchNorm CNN, a transformers model built from its config."""
     hf = {"n_layer": 2, "n_embd": 128, "n_head": 4, "vocab_size": 2048, "n_positions": 128}
     return [
-        Case(label="gpt:small" if quick else "gpt:mini", spec="gpt:small" if quick else "gpt:mini", kwargs={}),
+        Case(label="gpt:tiny" if quick else "gpt:mini", spec="gpt:tiny" if quick else "gpt:mini", kwargs={}),
         Case(label="CNN + BatchNorm (bench)", spec=None, kwargs={"batch_size": 8 if quick else 32}),
         Case(label="hf:GPT2LMHeadModel (2 layers, d=128)", spec="hf:GPT2LMHeadModel",
              kwargs={"overrides": hf, "batch_size": 4, "seq_len": 64}),

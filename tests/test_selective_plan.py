@@ -36,9 +36,9 @@ def objective(plan: Plan) -> int:
 
 
 @pytest.mark.parametrize("gpu, n", [pytest.param("cpu", 10, marks=pytest.mark.slow),
-                                    pytest.param("rtx3090", 10, marks=pytest.mark.slow), ("rtx3090", 4)])
+                                    pytest.param("rtx3090", 10, marks=pytest.mark.slow), ("rtx3090", 3)])
 def test_auto_bounds_the_forced_selective_plan_at_every_budget(llama4, gpu, n):
-    """n budgets evenly from selective's minimum to keep's (CI: 4 of the slow case's 10, both ends included)."""
+    """n budgets evenly from selective's minimum to keep's (CI: 3, both ends and the middle; the slow cases: 10)."""
     trace = llama4
     assert "selective" in trace.allocator_slack_by_choice and all(not s.selective_reason for s in trace.segments)
     low = min_gpu_bytes(trace, make_hardware(gpu, gpu_bytes=1, **trace_slack(trace)), activations="selective").gpu_bytes

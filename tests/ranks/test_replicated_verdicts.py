@@ -62,18 +62,29 @@ def _rank(info: Any, spec: str, plans: list[dict[str, Any]], steps: int, inf_at:
     return {"runs": out}
 
 
+FACTORS = ((1, 1, 1), (2, 2, 2))
+
+
+def _every_case(info: Any, spec: str, plans: list[dict[str, Any]]) -> dict[str, Any]:
+    """One launch for the module's cases (CI time: each launch starts two ranks): both plans trained cleanly, the
+    replicated plan with rank 1's gradient infinite at step 1, then each plan with a deferred verdict at step 1."""
+    return {"clean": _rank(info, spec, plans, 3, None), "inf": _rank(info, spec, plans[:1], 3, 1),
+            "deferred": [_deferred_rank(info, spec, plan, 3, 1) for plan in plans]}
+
+
 @pytest.fixture(scope="module")
-def plans():
+def ranks():
+    """Each rank's results of `_every_case`."""
     trace = trace_workload(load_workload(SPEC), device="cpu", iters=3)
-    return {f: dist_hplan.plan_at(trace, f) for f in ((1, 1, 1), (2, 2, 2))}
+    plans = [dist_hplan.plan_at(trace, f).to_dict() for f in FACTORS]
+    return launch(_every_case, SPEC, plans, nprocs=2, timeout_s=300, collective_timeout_s=120)
 
 
-def test_replicated_gradients_need_no_agreement_per_update_and_sharded_ones_still_agree(plans):
+def test_replicated_gradients_need_no_agreement_per_update_and_sharded_ones_still_agree(ranks):
     """Without the note, the replicated plan made one blocking all-reduce per host update (as many as its own calls
     on gpt:small at the minimum); the sharded plan's pieces differ per rank, so it still agrees."""
     steps = 3
-    got = launch(_rank, SPEC, [p.to_dict() for p in plans.values()], steps, None, nprocs=2, timeout_s=300,
-                 collective_timeout_s=120)
+    got = [r["clean"] for r in ranks]
     replicated, sharded = ([r["runs"][i] for r in got] for i in range(2))
     assert [r["error"] for r in replicated + sharded] == [None] * 4
     assert [r["agreements"] for r in replicated] == [0, 0]
@@ -82,11 +93,10 @@ def test_replicated_gradients_need_no_agreement_per_update_and_sharded_ones_stil
     assert replicated[0]["losses"] == pytest.approx(sharded[0]["losses"], rel=1e-5)
 
 
-def test_a_non_finite_gradient_on_one_rank_stops_every_rank_of_a_replicated_plan_alike(plans):
+def test_a_non_finite_gradient_on_one_rank_stops_every_rank_of_a_replicated_plan_alike(ranks):
     """Rank 1's gradient is infinite at step 1: the all-reduce carries it to rank 0, so both ranks stop at the same
     update with the message stop_together would hand both (the lowest rank that saw it: 0)."""
-    got = launch(_rank, SPEC, [plans[(1, 1, 1)].to_dict()], 3, 1, nprocs=2, timeout_s=300, collective_timeout_s=60)
-    runs = [r["runs"][0] for r in got]
+    runs = [r["inf"]["runs"][0] for r in ranks]
     assert runs[0]["error"] == runs[1]["error"]
     assert runs[0]["error"].startswith("the gradient of ") and " at step 1 on rank 0 (seen at plan step " in \
         runs[0]["error"], runs[0]["error"]
@@ -122,12 +132,11 @@ def _deferred_rank(info: Any, spec: str, plan: dict[str, Any], steps: int, bad_a
     return {"where": "", "error": None, "done": done}
 
 
-@pytest.mark.parametrize("factors", [(1, 1, 1), (2, 2, 2)])
-def test_a_deferred_verdict_stops_every_rank_at_the_first_update_of_that_step(plans, factors):
+@pytest.mark.parametrize("factors", FACTORS)
+def test_a_deferred_verdict_stops_every_rank_at_the_first_update_of_that_step(ranks, factors):
     """The loss check of hplan run no longer waits before the backward: the verdict's all-reduce runs beside it
     and every rank stops at the step's first update with the finder's words, nothing of the step updated."""
-    got = launch(_deferred_rank, SPEC, plans[factors].to_dict(), 3, 1, nprocs=2, timeout_s=300,
-                 collective_timeout_s=60)
+    got = [r["deferred"][FACTORS.index(factors)] for r in ranks]
     assert [g["error"] for g in got] == ["bad at 1 on rank 1"] * 2
     assert [g["done"] for g in got] == [1, 1]
     assert all(g["where"] in ("backward", "step") for g in got), got
