@@ -31,6 +31,8 @@ from hplan.errors import HplanError
 _HOST = RegionState.HOST
 _RESIDENT = RegionState.RESIDENT
 _PROFILER = torch.autograd.profiler
+_FLAGGED = hasattr(_PROFILER, "_is_profiler_enabled")
+"""torch keeps the profiler's on/off flag there (trace_ranges.recording() reads it the same way)."""
 
 Key = str | tuple[str, str]
 """A view's key inside its region: a parameter name, or (parameter name, state name) in a state region."""
@@ -286,7 +288,7 @@ def move_regions(store: Mover, moves: Moves) -> None:
     (room is freed before it is taken) cannot drift apart. A refill may take the block an eviction of the same
     step released ([Note: same-step reuse] in hplan.executor.device). [Note: inline moves] where the moves were
     resolved to the store's Slots (`moves.at`), unless torch's profiler records (its per-region ranges)."""
-    if moves.at is not None and not getattr(_PROFILER, "_is_profiler_enabled", True):
+    if moves.at is not None and not (_PROFILER._is_profiler_enabled if _FLAGGED else True):
         move_inline(store, moves.at, moves.lend)
         return
     tier = getattr(store, "tier", None) if moves.lend else None
