@@ -68,20 +68,30 @@ iteration packs and unpacks every offloaded saved tensor; a class's construction
 saved tensor that is not offloaded is held as itself, a Tensor, never a tuple."""
 
 
+def routes(choice: ActivationChoice, stages: tuple[ActivationChoice, ...]) -> dict[int, int]:
+    """Pack ordinal → 0 for the segment's own offloaded packs, i + 1 for those of its i-th stage."""
+    out = dict.fromkeys(choice.offload_packs, 0)
+    for i, stage in enumerate(stages):
+        out.update(dict.fromkeys(stage.offload_packs, i + 1))
+    return out
+
+
 class _Offloaded:
     """One offloaded segment call's saved storages, from its first pack to its prefetch."""
 
     def __init__(self, choice: ActivationChoice, device: torch.device, side: Any,
-                 spare: dict[int, list[torch.Tensor]] | None = None, stages: tuple[_Offloaded, ...] = ()) -> None:
+                 spare: dict[int, list[torch.Tensor]] | None = None, stages: tuple[_Offloaded, ...] = (),
+                 route: dict[int, int] | None = None) -> None:
         self.choice, self.device, self.side = choice, device, side
         self.spare = spare if spare is not None else {}
         """Host buffers by size, returned by earlier prefetches (CPU twin): reused instead of fresh memory."""
         self.stages = stages
         """Its children's holders under a staged offload ([Note: staged offload]): each takes the packs its stage
         names (numbered in this forward), goes down with this one and comes back at its own prefetch step."""
-        self.route: dict[int, _Offloaded] = {k: self for k in choice.offload_packs}
-        for stage in stages:
-            self.route.update((k, stage) for k in stage.choice.offload_packs)
+        self.holders = (self, *stages)
+        self.route = route if route is not None else routes(choice, tuple(stage.choice for stage in stages))
+        """Pack ordinal → the index in `holders` of the holder that takes it (the same for every call of the
+        segment: ActivationRun makes it once)."""
         self.slots: dict[int, _Slot] = {}
         self.packs = 0
 
@@ -91,7 +101,7 @@ class _Offloaded:
         route = self.route
         if k not in route:
             return t
-        holder = route[k]
+        holder = self.holders[route[k]]
         if t.device != self.device:  # e.g. a CPU scalar a CUDA kernel saved: a CPU or fake trace counts it
             raise HplanError(f"segment {self.choice.module}: the plan offloads its saved tensor #{k}, which is on "
                              f"{t.device} in this run, not on {self.device}: this run's kernels save other tensors "
@@ -114,7 +124,10 @@ class _Offloaded:
         if self.packs <= max(self.route, default=-1):
             raise HplanError(f"segment {self.choice.module} saved {self.packs} tensors, fewer than the traced step "
                              "(the run differs from the trace): re-trace and re-plan this workload")
-        return self._down() + sum(stage._down() for stage in self.stages)
+        total = self._down()
+        for stage in self.stages:
+            total += stage._down()
+        return total
 
     def _down(self) -> int:
         total = 0
@@ -228,6 +241,8 @@ class ActivationRun:
         """Host copies of offloaded activations, kept for reuse once prefetched (CPU twin; CUDA's pinned memory
         comes from torch's caching host allocator): at most what one iteration holds at once."""
         self.calls: dict[str, int] = {}
+        self._routes: dict[tuple[str, int], dict[int, int]] = {}
+        """(module, micro-step) → its holders' route (`routes`), made at its first call."""
         self.pending: dict[tuple[str, int], _Offloaded] = {}
         self.moved = 0
         """Activation bytes copied (both directions) in the iteration under way."""
@@ -279,9 +294,13 @@ class ActivationRun:
 
     def _offload(self, path: str, choice: ActivationChoice, forward: Callable[..., Any], args: tuple[Any, ...],
                  kwargs: dict[str, Any]) -> Any:
-        stages = tuple(_Offloaded(c, self.device, self.side, self.spare)
-                       for c in self.stages.get((path, choice.micro), ()))
-        holder = _Offloaded(choice, self.device, self.side, self.spare, stages)
+        key = (path, choice.micro)
+        children = self.stages.get(key, ())
+        stages = tuple(_Offloaded(c, self.device, self.side, self.spare) for c in children) if children else ()
+        route = self._routes.get(key)
+        if route is None:
+            route = self._routes[key] = routes(choice, tuple(children))
+        holder = _Offloaded(choice, self.device, self.side, self.spare, stages, route)
         with torch.autograd.graph.saved_tensors_hooks(holder.pack, unpack):
             out = forward(*args, **kwargs)
         if choice.moved_bytes or stages:
