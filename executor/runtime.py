@@ -202,8 +202,9 @@ class PlanRun(EventDispatch, GradArrival, UpdateSteps, GradientOps, StateSync):
             store.mark_dirty(r)
         self.setup_bytes, store.traffic.h2d = store.traffic.h2d, 0
         self._moves: list[Moves] = moves_table(plan, lambda c: store.region(c, "grad"))
-        self._flips = {c.id: Moves(evict=((p, False),), fetch=(), alloc=(g,), needs=(), lend=True) for c in plan.chunks
-                       if (p := store.region(c.id, "param")) is not None and (g := store.region(c.id, "grad")) is not None}
+        self._flips = {c.id: Moves(evict=((p, False),), fetch=(), alloc=(g,), needs=(), lend=True)
+                       for c in plan.chunks if (p := store.region(c.id, "param")) is not None
+                       and (g := store.region(c.id, "grad")) is not None}
         """Chunk → its flip's moves: the weights leave, the gradient region takes their block ([Note: same-step
         reuse])."""
         if getattr(store, "inline_moves", False):  # [Note: inline moves] in hplan.executor.inline_moves
