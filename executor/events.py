@@ -209,8 +209,10 @@ class EventDispatch:
                              "last optimizer.step(); plain PyTorch would add the gradients across steps, which the "
                              "plan does not schedule: zero gradients every step (run.step() does it for you)")
         self._close_window()
-        self._complete_flips()
-        self._hide_grads()
+        if self._pending_flips:
+            self._complete_flips()
+        if self._shown:
+            self._hide_grads()
         traffic = self.store.traffic
         h2d, d2h = traffic.h2d, traffic.d2h
         if kind == "forward":
@@ -218,21 +220,29 @@ class EventDispatch:
         self._do_step(step)
         if kind == "forward":
             self._watch.devices(module, self.tier.device)
-        self._pending = (self.store.resident_bytes(), traffic.h2d - h2d, traffic.d2h - d2h)
+        self._pending = (self.store._resident_bytes, traffic.h2d - h2d, traffic.d2h - d2h)
         self.cursor += 1
         if kind == "backward" and not self._queued:
             self._queue_show_grads()
 
     def _do_step(self, step: Step) -> None:
+        """The general path's step ([Note: executor step]); each piece that has nothing to do at this step is
+        passed without its call ([Note: per-iteration Python work] in hplan.executor.step_table)."""
         store = self.store
-        with self._memory_of("cpu"):  # the host tier's own work: staging, disk I/O, placeholders
-            self.host.begin_step(step)
+        if self.host.phased:
+            with self._memory_of("cpu"):  # the host tier's own work: staging, disk I/O, placeholders
+                self.host.begin_step(step)
         moves = self._moves[self.cursor]
-        self._wait_for_updates(moves)
-        move_regions(store, moves)
-        self.activations.at_step(step)
-        store.require(moves.needs, f"plan step {step.index} ({step.event})")
-        self._pending_flips = set(step.flips)
+        if self.worker is not None:
+            self._wait_for_updates(moves)
+        if moves.evict or moves.fetch or moves.alloc:
+            move_regions(store, moves)
+        if step.index in self.activations.prefetch_at:
+            self.activations.at_step(step)
+        if moves.needs:
+            store.require(moves.needs, f"plan step {step.index} ({step.event})")
+        if step.flips:  # none pending: the event completed the last step's flips first
+            self._pending_flips = set(step.flips)
         if self.speculation is not None and self.cursor in self.speculation.at:
             self.speculation.at_step(self.cursor)
         if step.event == OPTIMIZER_EVENT:

@@ -11,6 +11,7 @@ from typing import Any
 
 import torch
 from hplan.executor.gradients import move_grad
+from hplan.executor.regions import move_regions
 from hplan.executor.state import RegionState
 from hplan.executor.step_table import Moves, Unhooked
 from hplan.executor.tripwires import EagerWatch
@@ -43,6 +44,7 @@ class GradArrival:
     _pending_flips: set[int]
     _lazy_bytes: dict[int, int]
     _moves: list[Moves]
+    _flips: dict[int, Moves]
     _unhooked: Unhooked
     _collected: tuple[tuple[torch.Tensor, str], ...]
     _grad_home: dict[int, tuple[str, int, int, Any]]
@@ -151,16 +153,12 @@ class GradArrival:
     def _flip(self, c: int) -> None:
         """The chunk's weights leave (their storage is freed), its gradient region takes their place."""
         self._pending_flips.discard(c)
-        self.tier.lend()  # the gradient region takes the weights' block ([Note: same-step reuse])
-        try:
-            self.store.evict(self.store.region(c, "param"), writeback=False)
-            self.store.alloc(self.store.region(c, "grad"))
-        finally:
-            self.tier.settle()
+        move_regions(self.store, self._flips[c])  # the gradient region takes the weights' block (lent)
 
     def _complete_flips(self) -> None:
-        for c in sorted(self._pending_flips):
-            self._flip(c)
+        if self._pending_flips:
+            for c in sorted(self._pending_flips):
+                self._flip(c)
 
     def _show_grads(self) -> None:
         """After backward (CPU fast tier only): `.grad` of each written parameter views its current gradient, so

@@ -20,6 +20,7 @@ from typing import Any, Protocol
 import torch
 from hplan.executor.trace_ranges import action
 from hplan.executor.device import FastTier
+from hplan.executor.inline_moves import move_inline
 from hplan.executor.state import RegionState
 from hplan.executor.step_table import Moves
 from torch import nn
@@ -30,6 +31,8 @@ from hplan.errors import HplanError
 _HOST = RegionState.HOST
 _RESIDENT = RegionState.RESIDENT
 _PROFILER = torch.autograd.profiler
+_FLAGGED = hasattr(_PROFILER, "_is_profiler_enabled")
+"""torch keeps the profiler's on/off flag there (trace_ranges.recording() reads it the same way)."""
 
 Key = str | tuple[str, str]
 """A view's key inside its region: a parameter name, or (parameter name, state name) in a state region."""
@@ -45,6 +48,12 @@ class Slot:
     state: RegionState = RegionState.HOST
     fast_views: dict[Key, torch.Tensor] = field(default_factory=dict)
     host_views: dict[Key, torch.Tensor] = field(default_factory=dict)
+    storage: Any = None
+    """`fast`'s storage (the same object for the run: resizes and block swaps keep it): [Note: inline moves]."""
+    binds: tuple[tuple[torch.Tensor, torch.Tensor], ...] = ()
+    """A weight region's (parameter, its fast view) pairs: `.data` while resident."""
+    unbinds: tuple[tuple[torch.Tensor, torch.Tensor], ...] = ()
+    """A weight region's (parameter, its placeholder) pairs: `.data` while evicted."""
 
 
 @dataclass(kw_only=True, slots=True)
@@ -82,6 +91,15 @@ class RegionStore:
             self._make_views(slot, layout)
         for c in plan.chunks:
             self._adopt_weights(c.tensors, self.by_chunk[c.id]["param"])
+        for slot in self.slots.values():
+            slot.storage = slot.fast.untyped_storage()
+            if slot.region.kind == "param":
+                slot.binds = tuple((self.params[n], view) for n, view in slot.fast_views.items())
+                slot.unbinds = tuple((self.params[n], self.placeholders[n]) for n in slot.fast_views)
+        self.inline_moves = type(tier) is FastTier and all(
+            getattr(type(self), name) is getattr(RegionStore, name) for name in ("fetch", "alloc", "evict"))
+        """[Note: inline moves] apply: the CPU twin's tier, and no subclass adding work to a move (the host
+        tier's staging)."""
         self._resident_bytes = 0
         """Running sum of the fast-tier storage changes fetch, alloc and evict make: events read it."""
         self.taken = 0
@@ -196,14 +214,16 @@ class RegionStore:
 
     def require(self, rids: tuple[int, ...] | list[int] | set[int], where: str) -> None:
         """Raise unless every region is resident (a plan that misses one would corrupt training)."""
-        missing = sorted(r for r in rids if self.slots[r].state is _HOST)
-        if missing:
-            kinds = ", ".join(f"{self.slots[r].region.kind} of chunk {self.slots[r].region.chunk}" for r in missing[:3])
-            raise HplanError(f"{where}: regions {missing} ({kinds}) are needed but not on the fast tier; the run "
-                             "differs from the traced step — re-trace and re-plan this workload")
+        slots = self.slots
+        for r in rids:
+            if slots[r].state is _HOST:
+                missing = sorted(r for r in rids if slots[r].state is _HOST)
+                kinds = ", ".join(f"{slots[r].region.kind} of chunk {slots[r].region.chunk}" for r in missing[:3])
+                raise HplanError(f"{where}: regions {missing} ({kinds}) are needed but not on the fast tier; the "
+                                 "run differs from the traced step — re-trace and re-plan this workload")
         if self.tier.waits:
             for r in rids:
-                self.tier.wait(self.slots[r].fast)
+                self.tier.wait(slots[r].fast)
 
     # -- reading ----------------------------------------------------------------------------------------
     def current(self, rid: int, key: Key) -> torch.Tensor:
@@ -266,7 +286,11 @@ def move_regions(store: Mover, moves: Moves) -> None:
     (writing back those it names), then its fetches, then its allocations, each in the plan's order. One place
     for the single-process and the ranks' executors, so the order hplan.artifacts.replay checks plans against
     (room is freed before it is taken) cannot drift apart. A refill may take the block an eviction of the same
-    step released ([Note: same-step reuse] in hplan.executor.device)."""
+    step released ([Note: same-step reuse] in hplan.executor.device). [Note: inline moves] where the moves were
+    resolved to the store's Slots (`moves.at`), unless torch's profiler records (its per-region ranges)."""
+    if moves.at is not None and not (_PROFILER._is_profiler_enabled if _FLAGGED else True):
+        move_inline(store, moves.at, moves.lend)
+        return
     tier = getattr(store, "tier", None) if moves.lend else None
     if tier is not None:
         tier.lend()

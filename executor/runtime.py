@@ -25,6 +25,7 @@ from hplan.executor.events import EventDispatch
 from hplan.executor.grad_arrival import GradArrival
 from hplan.executor.gradients import Clip, GradientOps, warm_nonfinite_check
 from hplan.executor.habits import intercepted, with_step_hooks
+from hplan.executor.inline_moves import with_slots
 from hplan.executor.measure import EventRecord, WindowMeter, make_probe, window_bytes
 from hplan.executor.overlap import UpdateWorker, use_worker
 from hplan.executor.param_watch import ParamWatch
@@ -201,6 +202,14 @@ class PlanRun(EventDispatch, GradArrival, UpdateSteps, GradientOps, StateSync):
             store.mark_dirty(r)
         self.setup_bytes, store.traffic.h2d = store.traffic.h2d, 0
         self._moves: list[Moves] = moves_table(plan, lambda c: store.region(c, "grad"))
+        self._flips = {c.id: Moves(evict=((p, False),), fetch=(), alloc=(g,), needs=(), lend=True)
+                       for c in plan.chunks if (p := store.region(c.id, "param")) is not None
+                       and (g := store.region(c.id, "grad")) is not None}
+        """Chunk → its flip's moves: the weights leave, the gradient region takes their block ([Note: same-step
+        reuse])."""
+        if getattr(store, "inline_moves", False):  # [Note: inline moves] in hplan.executor.inline_moves
+            self._moves = [with_slots(m, store.slots) for m in self._moves]
+            self._flips = {c: with_slots(m, store.slots) for c, m in self._flips.items()}
         self._quiet: list[Quiet | None] = quiet_table(plan, store.slots, host_phases=self.host.phased,
                                                       moves=self._moves)
         self._grad_home = {id(p): (n, c, r, store.slots[r]) for n, p in store.params.items()

@@ -51,6 +51,10 @@ class Moves:
     lend: bool = False
     """A fetch or allocation has the size of one of the step's evictions: the tier lends the evicted blocks to
     the step's refills ([Note: same-step reuse] in hplan.executor.device)."""
+    at: Any = None
+    """The same moves as the store's Slots (evictions with their write-back flag, fetches, allocations, and the
+    fetches' fast and host buffers), where the store moves them inline ([Note: inline moves] in
+    hplan.executor.inline_moves: `with_slots`); None: region by region."""
 
 
 @dataclass(frozen=True, slots=True)

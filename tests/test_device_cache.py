@@ -11,6 +11,7 @@ from loops import plan_for, user_loop
 import hplan
 from hplan.artifacts import replay
 from hplan.errors import HplanError
+from hplan.executor import regions
 from hplan.executor.device import FastTier
 from hplan.executor.runtime import PlanRun
 from hplan.specs import load_workload
@@ -190,13 +191,15 @@ def test_only_gradients_that_are_a_whole_region_are_adopted(gpt_tiny):
         assert torch.equal(got["weights"][key], value), key
 
 
-def test_a_gradient_arriving_where_no_hook_allocated_its_region_becomes_the_region(gpt_tiny, resident_plan):
+def test_a_gradient_arriving_where_no_hook_allocated_its_region_becomes_the_region(gpt_tiny, resident_plan,
+                                                                                    monkeypatch):
     """[Note: adopted gradients]: without a probe, the all-resident plan's backward steps have no hook, so a
     gradient's arrival allocates its region. An adoptable gradient is that allocation: the region takes its
     memory, no block is allocated only to be dropped. Every autograd-written gradient is taken so, the fast tier
     allocates only the regions written directly (hplan.grads), the budget records are those of the hooked run, and
     training stays bit-identical."""
     records = {}
+    inline = regions.move_inline  # a hooked step's allocations are made there: [Note: inline moves]
     for sparse in (True, False):
         model = gpt_tiny.build_model()
         optimizer = gpt_tiny.optimizer(model.parameters())
@@ -208,6 +211,8 @@ def test_a_gradient_arriving_where_no_hook_allocated_its_region_becomes_the_regi
                 store, alloc = run.store, run.store.alloc
                 store.alloc = lambda rid: (allocs.append(rid) if store.slots[rid].state.name == "HOST" else None,
                                            alloc(rid))[1]
+                monkeypatch.setattr(regions, "move_inline", lambda s, at, lend: (
+                    allocs.extend(x.region.id for x in at[2] if x.state.name == "HOST"), inline(s, at, lend))[1])
                 for step in range(2):
                     seen.clear()
                     gpt_tiny.loss(model, gpt_tiny.batch(step)).backward()

@@ -7,7 +7,7 @@ import pytest
 import torch
 from loops import plan_for
 
-from hplan.executor import PlanRun
+from hplan.executor import PlanRun, regions
 from hplan.executor.device import FastTier
 from hplan.specs import load_workload
 from hplan.training import build_optimizer
@@ -20,7 +20,11 @@ def tight():
 
 
 def _run(workload, plan, *, caches: bool, measure: bool):
-    old = FastTier.caches
+    """Losses, records, weights, refills served by kept blocks, the most fast-tier bytes held (regions and kept
+    blocks) after any move, the plan's headroom. [Note: inline moves] do a step's moves in one call: sampled
+    after it, which sees the step's most too (within a step only a fresh allocation adds bytes, and it comes
+    after the lent blocks above the limit are freed; nothing is released after it)."""
+    old, inline = FastTier.caches, regions.move_inline
     FastTier.caches = caches
     try:
         model = workload.build_model()
@@ -28,14 +32,14 @@ def _run(workload, plan, *, caches: bool, measure: bool):
         held = []
         with PlanRun(model, optimizer, plan, batch_example=workload.batch(0), measure=measure) as run:
             tier, store = run.tier, run.store
-            for name in ("release", "alloc", "h2d"):
-                method = getattr(tier, name)
+            for owner, name in ((tier, "release"), (tier, "alloc"), (tier, "h2d"), (regions, "move_inline")):
+                method = getattr(owner, name)
 
                 def sampled(*args, _method=method):
                     _method(*args)
                     held.append(store._resident_bytes + tier.cached)
 
-                setattr(tier, name, sampled)
+                setattr(owner, name, sampled)
             losses, records = [], []
             for i in range(3):
                 loss = workload.loss(model, workload.batch(i))
@@ -45,7 +49,7 @@ def _run(workload, plan, *, caches: bool, measure: bool):
             reused, headroom = tier.reused, run._headroom
         return losses, records, [p.detach().clone() for p in model.parameters()], reused, max(held), headroom
     finally:
-        FastTier.caches = old
+        FastTier.caches, regions.move_inline = old, inline
 
 
 @pytest.mark.parametrize("measure", [False, True])

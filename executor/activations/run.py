@@ -50,6 +50,8 @@ class _Slot:
     nbytes: int = 0
     host: torch.Tensor | None = None
     fast: torch.Tensor | None = None
+    storage: Any = None
+    """`fast`'s storage, once prefetched (what unpack's views are set on)."""
     ready: Any = None
     """CUDA: the event the prefetch copy records (unpack waits on it)."""
 
@@ -59,41 +61,47 @@ CROSS_DEVICE = ("; a plan from a CPU or fake trace offloads what CPU kernels sav
                 "the GPU, `hplan trace --device cuda`, or plan with --activations keep or recompute")
 
 
-@dataclass(eq=False, slots=True)
-class _Packed:
-    """What the autograd graph holds for an offloaded saved tensor: its storage's slot and its layout."""
+_Packed = tuple
+"""What the autograd graph holds for an offloaded saved tensor: (its storage's _Slot, dtype, size, stride, storage
+offset, segment module). A plain tuple ([Note: per-iteration Python work] in hplan.executor.step_table: an
+iteration packs and unpacks every offloaded saved tensor; a class's construction is a Python frame each); a
+saved tensor that is not offloaded is held as itself, a Tensor, never a tuple."""
 
-    slot: _Slot
-    dtype: torch.dtype
-    size: tuple[int, ...]
-    stride: tuple[int, ...]
-    offset: int
-    where: str
+
+def routes(choice: ActivationChoice, stages: tuple[ActivationChoice, ...]) -> dict[int, int]:
+    """Pack ordinal → 0 for the segment's own offloaded packs, i + 1 for those of its i-th stage."""
+    out = dict.fromkeys(choice.offload_packs, 0)
+    for i, stage in enumerate(stages):
+        out.update(dict.fromkeys(stage.offload_packs, i + 1))
+    return out
 
 
 class _Offloaded:
     """One offloaded segment call's saved storages, from its first pack to its prefetch."""
 
     def __init__(self, choice: ActivationChoice, device: torch.device, side: Any,
-                 spare: dict[int, list[torch.Tensor]] | None = None, stages: tuple[_Offloaded, ...] = ()) -> None:
+                 spare: dict[int, list[torch.Tensor]] | None = None, stages: tuple[_Offloaded, ...] = (),
+                 route: dict[int, int] | None = None) -> None:
         self.choice, self.device, self.side = choice, device, side
         self.spare = spare if spare is not None else {}
         """Host buffers by size, returned by earlier prefetches (CPU twin): reused instead of fresh memory."""
         self.stages = stages
         """Its children's holders under a staged offload ([Note: staged offload]): each takes the packs its stage
         names (numbered in this forward), goes down with this one and comes back at its own prefetch step."""
-        self.route: dict[int, _Offloaded] = {k: self for k in choice.offload_packs}
-        for stage in stages:
-            self.route.update((k, stage) for k in stage.choice.offload_packs)
+        self.holders = (self, *stages)
+        self.route = route if route is not None else routes(choice, tuple(stage.choice for stage in stages))
+        """Pack ordinal → the index in `holders` of the holder that takes it (the same for every call of the
+        segment: ActivationRun makes it once)."""
         self.slots: dict[int, _Slot] = {}
         self.packs = 0
 
     def pack(self, t: torch.Tensor) -> Any:
         k = self.packs
         self.packs += 1
-        holder = self.route.get(k)
-        if holder is None:
+        route = self.route
+        if k not in route:
             return t
+        holder = self.holders[route[k]]
         if t.device != self.device:  # e.g. a CPU scalar a CUDA kernel saved: a CPU or fake trace counts it
             raise HplanError(f"segment {self.choice.module}: the plan offloads its saved tensor #{k}, which is on "
                              f"{t.device} in this run, not on {self.device}: this run's kernels save other tensors "
@@ -102,12 +110,13 @@ class _Offloaded:
 
     def _hold(self, t: torch.Tensor) -> _Packed:
         key = storage_key(t)
-        slot = self.slots.get(key)
-        if slot is None:
-            slot = self.slots[key] = _Slot(source=t)
+        slots = self.slots
+        if key in slots:
+            slot = slots[key]
+        else:
+            slot = slots[key] = _Slot(source=t)
         slot.versions.append(t._version)
-        return _Packed(slot=slot, dtype=t.dtype, size=tuple(t.shape), stride=tuple(t.stride()),
-                       offset=t.storage_offset(), where=self.choice.module)
+        return (slot, t.dtype, t.shape, t.stride(), t.storage_offset(), self.choice.module)
 
     def to_host(self) -> int:
         """Copy every selected storage (its stages' too) to host memory and drop the fast-tier references; returns
@@ -115,32 +124,41 @@ class _Offloaded:
         if self.packs <= max(self.route, default=-1):
             raise HplanError(f"segment {self.choice.module} saved {self.packs} tensors, fewer than the traced step "
                              "(the run differs from the trace): re-trace and re-plan this workload")
-        return self._down() + sum(stage._down() for stage in self.stages)
+        total = self._down()
+        for stage in self.stages:
+            total += stage._down()
+        return total
 
     def _down(self) -> int:
         total = 0
-        for slot in self.slots.values():
-            assert slot.source is not None
-            if any(v != slot.source._version for v in slot.versions):
-                raise HplanError(f"a tensor autograd saved in the forward of {self.choice.module} was modified in "
-                                 "place afterwards, which plain PyTorch refuses at backward (\"modified by an "
-                                 "inplace operation\"): fix the model (or keep this segment's activations)")
-            with _no_modes():  # host memory is not the fast tier: the probe must not count it
-                storage = slot.source.untyped_storage()
-                raw = torch.empty(0, dtype=torch.uint8, device=self.device).set_(storage)
-                slot.nbytes = storage.nbytes()
+        modes = _no_modes()  # host memory is not the fast tier: the probe must not count it (one check per call)
+        with modes:
+            for slot in self.slots.values():
+                source = slot.source
+                assert source is not None
+                version = source._version
+                for v in slot.versions:
+                    if v != version:
+                        raise HplanError(f"a tensor autograd saved in the forward of {self.choice.module} was "
+                                         "modified in place afterwards, which plain PyTorch refuses at backward "
+                                         "(\"modified by an inplace operation\"): fix the model (or keep this "
+                                         "segment's activations)")
+                storage = source.untyped_storage()
+                nbytes = slot.nbytes = storage.nbytes()
                 if self.side is None:  # host memory from the spares when one fits: no page faults per copy
-                    spares = self.spare.get(slot.nbytes)
-                    slot.host = spares.pop() if spares else torch.empty(slot.nbytes, dtype=torch.uint8)
-                    slot.host.copy_(raw)
+                    spares = self.spare.get(nbytes)
+                    host = slot.host = spares.pop() if spares else torch.empty(nbytes, dtype=torch.uint8)
+                    host.untyped_storage().copy_(storage)  # whole storage, bytes: no tensor made around it
                 else:  # CUDA (unverified): pinned memory, side stream; the allocator keeps the block until done
-                    slot.host = torch.empty(slot.nbytes, dtype=torch.uint8, pin_memory=True)
+                    raw = torch.empty(0, dtype=torch.uint8, device=self.device).set_(storage)
+                    slot.host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
                     self.side.wait_stream(torch.cuda.current_stream(self.device))
                     with torch.cuda.stream(self.side):
                         slot.host.copy_(raw, non_blocking=True)
                     raw.record_stream(self.side)
-            total += slot.nbytes
-            slot.source = raw = None  # type: ignore[assignment]
+                    raw = None  # type: ignore[assignment]
+                total += nbytes
+                slot.source = source = None  # type: ignore[assignment]
         if total != self.choice.moved_bytes:
             raise HplanError(f"segment {self.choice.module} saved {total} bytes to offload where the plan moves "
                              f"{self.choice.moved_bytes} (the run differs from the trace{CROSS_DEVICE}): re-trace "
@@ -163,7 +181,7 @@ class _Offloaded:
                     slot.ready = torch.cuda.Event()
                     slot.ready.record(self.side)
                 fast.record_stream(self.side)
-            slot.fast, slot.host = fast, None
+            slot.fast, slot.storage, slot.host = fast, fast.untyped_storage(), None
             total += slot.nbytes
         self.slots = {}
         return total
@@ -182,21 +200,19 @@ def _no_modes() -> contextlib.AbstractContextManager[Any]:
 
 
 def unpack(packed: Any) -> torch.Tensor:
-    if not isinstance(packed, _Packed):
+    if type(packed) is not tuple:  # not offloaded: the saved tensor itself (_Packed)
         return packed
-    slot = packed.slot
-    if slot.fast is None:
-        raise HplanError(f"the backward of {packed.where} needs its offloaded activations before the plan's prefetch "
+    slot, dtype, size, stride, offset, where = packed
+    fast = slot.fast
+    if fast is None:
+        raise HplanError(f"the backward of {where} needs its offloaded activations before the plan's prefetch "
                          "step (the run differs from the trace): re-trace and re-plan this workload")
     if slot.ready is not None:
-        torch.cuda.current_stream(slot.fast.device).wait_event(slot.ready)
-    fast = slot.fast
+        torch.cuda.current_stream(fast.device).wait_event(slot.ready)
     if _dispatch_depth():  # _no_modes, inline (an unpack per offloaded saved tensor)
         with _disable_current_modes():  # a view of the prefetched buffer, not an allocation
-            return torch.empty(0, dtype=packed.dtype, device=fast.device).set_(
-                fast.untyped_storage(), packed.offset, packed.size, packed.stride)
-    return torch.empty(0, dtype=packed.dtype, device=fast.device).set_(
-        fast.untyped_storage(), packed.offset, packed.size, packed.stride)
+            return torch.empty(0, dtype=dtype, device=fast.device).set_(slot.storage, offset, size, stride)
+    return torch.empty(0, dtype=dtype, device=fast.device).set_(slot.storage, offset, size, stride)
 
 
 class ActivationRun:
@@ -225,6 +241,8 @@ class ActivationRun:
         """Host copies of offloaded activations, kept for reuse once prefetched (CPU twin; CUDA's pinned memory
         comes from torch's caching host allocator): at most what one iteration holds at once."""
         self.calls: dict[str, int] = {}
+        self._routes: dict[tuple[str, int], dict[int, int]] = {}
+        """(module, micro-step) → its holders' route (`routes`), made at its first call."""
         self.pending: dict[tuple[str, int], _Offloaded] = {}
         self.moved = 0
         """Activation bytes copied (both directions) in the iteration under way."""
@@ -276,9 +294,13 @@ class ActivationRun:
 
     def _offload(self, path: str, choice: ActivationChoice, forward: Callable[..., Any], args: tuple[Any, ...],
                  kwargs: dict[str, Any]) -> Any:
-        stages = tuple(_Offloaded(c, self.device, self.side, self.spare)
-                       for c in self.stages.get((path, choice.micro), ()))
-        holder = _Offloaded(choice, self.device, self.side, self.spare, stages)
+        key = (path, choice.micro)
+        children = self.stages.get(key, ())
+        stages = tuple(_Offloaded(c, self.device, self.side, self.spare) for c in children) if children else ()
+        route = self._routes.get(key)
+        if route is None:
+            route = self._routes[key] = routes(choice, tuple(children))
+        holder = _Offloaded(choice, self.device, self.side, self.spare, stages, route)
         with torch.autograd.graph.saved_tensors_hooks(holder.pack, unpack):
             out = forward(*args, **kwargs)
         if choice.moved_bytes or stages:
