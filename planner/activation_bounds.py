@@ -147,6 +147,41 @@ def priced_bound(staged: dict, slack: int, choice: str, targets: list[int], own_
     return 0 if least is None else least
 
 
+def beyond(staged: dict, targets: list[int], hw: Hardware, incumbent: int) -> bool:
+    """Whether no plan of the mixed regime (`hw`: its sample) on any chunking in `targets` can win or tie
+    `incumbent`, priced by the selective mix's staged LPs (`staged`, at the same sample).
+
+    [Note: a mix priced by a larger mix] The selective mix's items are the mixed regime's with a selective mode
+    added per block (hplan.planner.activation_items.build_items: the same modes, effects and costs besides), at
+    the same sample, so its joint model with each item held to its other modes holds every plan of the mixed
+    regime, and `lagrangian_bound` with `allowed` (valid for any multipliers) bounds them from the selective
+    mix's LP: the plans at the sample (what the mixed regime's search covers, its LP bounds per chunking) and,
+    with `must` and the room down to the least reserve, the mixes reserving less ([Note: a pruned mix's floor]).
+    Where every such bound on every chunking is above the incumbent, the mixed regime cannot win or tie and adds
+    nothing to the certificate: what its own pruned search concluded, without staging its chunkings (gpt:18b at
+    24 GB: its five LPs, 0.2 s of 2.2; the selective mix stages the same chunkings for its own bound). Where one
+    is not, the mixed regime is searched as before. Its own LPs priced keep, offload and recompute alone
+    (`priced_bound`); these then use the selective mix's, each item held to that choice's modes."""
+    from hplan.planner.activation_items import SELECTIVE
+    from hplan.planner.exact import lagrangian_bound
+
+    room = hw.slack_bytes - least_reserve(hw)
+    for target in targets:
+        if target not in staged:
+            return False
+        model, rows, multipliers = staged[target]
+        c = model.choices
+        label = np.array(c.label)
+        act = _activation_modes(c)
+        allowed = ~act | (label != SELECTIVE)
+        if lagrangian_bound(model, rows, *multipliers, allowed=allowed) <= incumbent:
+            return False
+        if room > 0 and lagrangian_bound(model, rows, *multipliers, allowed=allowed, more_free=room,
+                                         must=allowed & act & (label != "keep")) <= incumbent:
+            return False
+    return True
+
+
 def _activation_modes(choices: Choices) -> np.ndarray:
     """Per mode of a joint model's choices: whether it is an activation item's (their keys are negative)."""
     return np.array([k < 0 for k in choices.key])[choices.item]
