@@ -85,8 +85,8 @@ from dataclasses import replace
 from hplan.artifacts.hardware import Hardware
 from hplan.artifacts.plan import Plan
 from hplan.artifacts.trace import Trace
-from hplan.planner.activation_bounds import (beyond, below, children_bound, close, floored, priced_bound,
-                                              targets_of)
+from hplan.planner.activation_bounds import (beyond, below, children_bound, close, floored, prestage, priced_bound,
+                                              regime_search, targets_of)
 from hplan.planner.activation_items import Items
 from hplan.planner.activation_min import PARTS, RegimeMin, Shared, auto_regimes, min_gpu_auto, min_gpu_of
 from hplan.planner import core
@@ -95,7 +95,7 @@ from hplan.planner.core import Pruned
 from hplan.planner.slack import SELECTIVE_MIX, for_figure, mix_figure
 from hplan.planner.options import PlanOptions
 from hplan.planner.problem import MinGpu
-from hplan.planner.search import Progress, Scored, Search, chunk_targets, finish, planned_evaluations
+from hplan.planner.search import Progress, Scored, Search, chunk_targets, finish
 
 
 MIXES = ("mixed", SELECTIVE_MIX, PARTS)
@@ -144,7 +144,7 @@ def _plan_auto(trace: Trace, hardware: Hardware, options: PlanOptions, on_progre
         if incumbent is not None and (cheap > incumbent or incumbent == 0):
             continue  # its activation cost alone is above the incumbent (or nothing moves): it cannot win
         if name == "mixed" and incumbent is not None:  # [Note: a mix priced by a larger mix]
-            ahead = _prestage(work, hw, options, on_progress, every, feasible)
+            ahead = prestage(work, hw, options, on_progress, every, feasible)
             if ahead is not None and beyond(ahead[0].staged, every, hw, incumbent):
                 mixed, targets = (ahead[0].staged, hw.slack_bytes), every
                 continue
@@ -307,14 +307,14 @@ def _plan_regime(trace: Trace, hardware: Hardware, options: PlanOptions, on_prog
     mixes the search does not cover, hplan.planner.activation_bounds.below); a `Pruned` raised carries the staged
     chunkings and those searched as `staged`. `made`: plans of forced choices made already (`_made_key`), one of
     which is the plan of the winner's choices where it was made on the winner's chunking. `ahead`: its search
-    (`_search`) and modes, with chunkings staged already (`_prestage`)."""
+    (`regime_search`) and modes, with chunkings staged already (`prestage`)."""
     fits = keep_bytes is not None and keep_bytes <= hardware.gpu_bytes
     if core._effort(options) == 0:  # heuristics only: keep everything when that fits, else the smallest budget's
         decisions = decide(trace, "keep") if fits else lean  # choices
         plan = core.plan_decisions(trace, hardware, options, decisions, on_progress, shared=items.shared,
                                    smallest=smallest)
         return _summary(plan, items, decisions, None), decisions, None
-    search, act0 = ahead or _search(trace, hardware, options, on_progress, items, lean, keep_bytes, light)
+    search, act0 = ahead or regime_search(trace, hardware, options, on_progress, items, lean, keep_bytes, light)
     if incumbent is not None:
         search.best_moved = incumbent
     search.targets = targets
@@ -351,33 +351,6 @@ def _plan_regime(trace: Trace, hardware: Hardware, options: PlanOptions, on_prog
         plan = core.plan_decisions(trace, hardware, options, lean, on_progress, shared=items.shared,
                                    smallest=smallest)
     return _summary(plan, items, decisions, bound), decisions, (search.staged, search.searched)
-
-
-def _search(trace: Trace, hardware: Hardware, options: PlanOptions, on_progress: Progress | None, items: Items,
-            lean: tuple[Decision, ...], keep_bytes: int | None, light: bool) -> tuple[Search, tuple[int, ...]]:
-    """A regime's search (effort >= 1, `_plan_regime`) and the modes its extremes are built with (they fit)."""
-    fits = keep_bytes is not None and keep_bytes <= hardware.gpu_bytes
-    act0 = items.keep() if fits else items.of(lean)
-    work = trace if fits else items.relaxed(act0)
-    effort = core._effort(options)
-    nodes = core.SEARCH_NODES[effort] if options.solver != "exact" and not light else core.SEARCH_NODES[1]
-    return Search(work, hardware, options, on_progress, planned_evaluations(work, options, joint=True) + 4,
-                  nodes=nodes, acts=items, act0=act0), act0
-
-
-def _prestage(trace: Trace, hw: Hardware, options: PlanOptions, on_progress: Progress | None, every: list[int],
-              feasible: list) -> tuple[Search, tuple[int, ...]] | None:
-    """The selective mix's search with every chunking in `every` staged, where it is a regime at the mixed
-    regime's sample `hw` ([Note: a mix priced by a larger mix]); None where it is not, at effort 0, or where a
-    chunking has no joint model (the mixed regime is then searched as before)."""
-    run = next((r for r in feasible if r[0] == SELECTIVE_MIX and r[1] == hw), None)
-    if run is None or core._effort(options) == 0:
-        return None
-    _, _, items, own = run
-    ahead = _search(trace, hw, options, on_progress, items, own.lean, own.keep, light=True)
-    if not all(isinstance(ahead[0]._stage(t), tuple) for t in every):
-        return None
-    return ahead
 
 
 def _made_key(trace: Trace, hardware: Hardware, decisions: tuple[Decision, ...], items: Items) -> tuple:

@@ -7,6 +7,7 @@ cover.
 from __future__ import annotations
 
 from dataclasses import replace
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -16,8 +17,12 @@ from hplan.artifacts.trace import Trace
 from hplan.planner.options import PlanOptions
 from hplan.planner.exact import lp_bound, solve_milp
 from hplan.planner.intervals import Choices
-from hplan.planner.search import Scored, Search
+from hplan.planner.search import Progress, Scored, Search
 from hplan.planner.slack import SELECTIVE_MIX, least_reserve
+
+if TYPE_CHECKING:
+    from hplan.planner.activation_items import Items
+    from hplan.planner.activations import Decision
 
 
 def children_bound(trace: Trace, hardware: Hardware, options: PlanOptions, without: frozenset[str],
@@ -180,6 +185,38 @@ def beyond(staged: dict, targets: list[int], hw: Hardware, incumbent: int) -> bo
                                          must=allowed & act & (label != "keep")) <= incumbent:
             return False
     return True
+
+
+def regime_search(trace: Trace, hardware: Hardware, options: PlanOptions, on_progress: Progress | None,
+                  items: Items, lean: tuple[Decision, ...], keep_bytes: int | None, light: bool
+                  ) -> tuple[Search, tuple[int, ...]]:
+    """A regime's search (effort >= 1, hplan.planner.activation_auto's `_plan_regime`) and the modes its extremes
+    are built with (they fit)."""
+    from hplan.planner import core
+    from hplan.planner.search import planned_evaluations
+
+    fits = keep_bytes is not None and keep_bytes <= hardware.gpu_bytes
+    act0 = items.keep() if fits else items.of(lean)
+    work = trace if fits else items.relaxed(act0)
+    effort = core._effort(options)
+    nodes = core.SEARCH_NODES[effort] if options.solver != "exact" and not light else core.SEARCH_NODES[1]
+    return Search(work, hardware, options, on_progress, planned_evaluations(work, options, joint=True) + 4,
+                  nodes=nodes, acts=items, act0=act0), act0
+
+
+def prestage(trace: Trace, hw: Hardware, options: PlanOptions, on_progress: Progress | None, every: list[int],
+             feasible: list) -> tuple[Search, tuple[int, ...]] | None:
+    """The selective mix's search with every chunking in `every` staged, where it is a regime at the mixed
+    regime's sample `hw` ([Note: a mix priced by a larger mix]); None where it is not, at effort 0, or where a
+    chunking has no joint model (the mixed regime is then searched as before)."""
+    from hplan.planner import core
+
+    run = next((r for r in feasible if r[0] == SELECTIVE_MIX and r[1] == hw), None)
+    if run is None or core._effort(options) == 0:
+        return None
+    _, _, items, own = run
+    ahead = regime_search(trace, hw, options, on_progress, items, own.lean, own.keep, light=True)
+    return ahead if all(ahead[0].staged_lp(t) is not None for t in every) else None
 
 
 def _activation_modes(choices: Choices) -> np.ndarray:
