@@ -15,7 +15,7 @@ from hplan.artifacts.hardware import Hardware
 from hplan.artifacts.plan import Plan, PlanSummary
 from hplan.artifacts.trace import Trace
 from hplan.planner.options import PlanOptions
-from hplan.planner.exact import lp_bound, solve_milp
+from hplan.planner.exact import lagrangian_bound, lp_bound, solve_milp
 from hplan.planner.intervals import Choices
 from hplan.planner.search import Progress, Scored, Search
 from hplan.planner.slack import SELECTIVE_MIX, least_reserve
@@ -251,4 +251,7 @@ def close(search: Search, best: Scored, options: PlanOptions, light: bool = Fals
         best.result = result = again
     if result.optimal:
         return best.moved
-    return min(best.moved, max(result.lower_bound, lp_bound(best.joint.model)))
+    staged = search.staged.get(best.chunk_target)  # its LP, solved when the chunking was staged
+    mine = staged is not None and staged[0] is best.joint.model
+    lp = lagrangian_bound(staged[0], staged[1], *staged[2]) if mine else lp_bound(best.joint.model)
+    return min(best.moved, max(result.lower_bound, lp))
