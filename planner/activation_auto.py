@@ -37,7 +37,8 @@ staged back in its children's parts against the plain offload of the same bytes 
 regime is skipped only by a proven bound strictly above the incumbent (one that may tie it is solved, for the
 tie-break): a pure regime's fixed activation cost; every chunking's LP bound (`core.Pruned`: a regime of mixes
 adds the bound of its mixes reserving less, [Note: a pruned mix's floor]); or the mixed regime's LP multipliers
-(staged, pruned or not), per chunking, with each item held to the regime's choice and every row given the slack
+(staged, pruned or not; the selective mix's where they rule the mixed regime out, [Note: a mix priced by a larger
+mix]), per chunking, with each item held to the regime's choice and every row given the slack
 difference (`exact.lagrangian_bound`, valid for any multipliers). A regime whose choices a solved regime covers at a
 slack no larger (its bound is in the list) needs no bound of its own: a pure one is still priced and solved where
 it may tie, a plan to compare but no bound added (nor one whose bound, floored for a regime of mixes, reaches the
