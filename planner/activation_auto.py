@@ -37,7 +37,8 @@ staged back in its children's parts against the plain offload of the same bytes 
 regime is skipped only by a proven bound strictly above the incumbent (one that may tie it is solved, for the
 tie-break): a pure regime's fixed activation cost; every chunking's LP bound (`core.Pruned`: a regime of mixes
 adds the bound of its mixes reserving less, [Note: a pruned mix's floor]); or the mixed regime's LP multipliers
-(staged, pruned or not), per chunking, with each item held to the regime's choice and every row given the slack
+(staged, pruned or not; the selective mix's where they rule the mixed regime out, [Note: a mix priced by a larger
+mix]), per chunking, with each item held to the regime's choice and every row given the slack
 difference (`exact.lagrangian_bound`, valid for any multipliers). A regime whose choices a solved regime covers at a
 slack no larger (its bound is in the list) needs no bound of its own: a pure one is still priced and solved where
 it may tie, a plan to compare but no bound added (nor one whose bound, floored for a regime of mixes, reaches the
@@ -85,7 +86,8 @@ from dataclasses import replace
 from hplan.artifacts.hardware import Hardware
 from hplan.artifacts.plan import Plan
 from hplan.artifacts.trace import Trace
-from hplan.planner.activation_bounds import below, children_bound, close, floored, priced_bound, targets_of
+from hplan.planner.activation_bounds import (beyond, below, children_bound, close, floored, prestage, priced_bound,
+                                              regime_search, targets_of)
 from hplan.planner.activation_items import Items
 from hplan.planner.activation_min import PARTS, RegimeMin, Shared, auto_regimes, min_gpu_auto, min_gpu_of
 from hplan.planner import core
@@ -94,7 +96,7 @@ from hplan.planner.core import Pruned
 from hplan.planner.slack import SELECTIVE_MIX, for_figure, mix_figure
 from hplan.planner.options import PlanOptions
 from hplan.planner.problem import MinGpu
-from hplan.planner.search import Progress, Scored, Search, chunk_targets, finish, planned_evaluations
+from hplan.planner.search import Progress, Scored, Search, chunk_targets, finish
 
 
 MIXES = ("mixed", SELECTIVE_MIX, PARTS)
@@ -133,6 +135,7 @@ def _plan_auto(trace: Trace, hardware: Hardware, options: PlanOptions, on_progre
     targets: list[int] = []
     every = targets_of(chunk_targets(work, options), options)  # the chunkings a forced plan of any mix may search
     made: dict = {}  # the pure regimes' plans (`_made_key`)
+    ahead = None  # the selective mix's search, staged before the mixed regime ([Note: a mix priced by a larger mix])
     for name, hw, items, own in _order(feasible):
         cheap = 0 if name == "keep" or name in MIXES else items.cost_of(items.keep())  # a pure regime's fixed cost
         incumbent = None if best is None else _objective(best)
@@ -141,12 +144,18 @@ def _plan_auto(trace: Trace, hardware: Hardware, options: PlanOptions, on_progre
             continue  # a solved regime's bound covers its choices at a slack no larger (its bound is in bounds)
         if incumbent is not None and (cheap > incumbent or incumbent == 0):
             continue  # its activation cost alone is above the incumbent (or nothing moves): it cannot win
+        if name == "mixed" and incumbent is not None:  # [Note: a mix priced by a larger mix]
+            ahead = prestage(work, hw, options, on_progress, every, feasible)
+            if ahead is not None and beyond(ahead[0].staged, every, hw, incumbent):
+                mixed, targets = (ahead[0].staged, hw.slack_bytes), every
+                continue
         try:
             if name in MIXES:
                 at = best.options.get("chunk_bytes") if name == SELECTIVE_MIX and best is not None else None
                 plan, decisions, priced = _plan_regime(work, hw, options, on_progress, items, smallest, own.lean,
                                                        own.keep, incumbent, None if at is None else [at],
-                                                       light=name == SELECTIVE_MIX, stage=every, made=made)
+                                                       light=name == SELECTIVE_MIX, stage=every, made=made,
+                                                       ahead=ahead if name == SELECTIVE_MIX else None)
                 if priced is not None and name == "mixed":
                     mixed, targets = (priced[0], hw.slack_bytes), targets_of(priced[1], options)
                 first = floored(hw, plan, priced, every)  # its bound, over every mix's own reserve
@@ -289,7 +298,8 @@ def _objective(plan: Plan) -> int:
 def _plan_regime(trace: Trace, hardware: Hardware, options: PlanOptions, on_progress: Progress | None, items: Items,
                  smallest: MinGpu, lean: tuple[Decision, ...], keep_bytes: int | None, incumbent: int | None = None,
                  targets: list[int] | None = None, light: bool = False, stage: list[int] = (),
-                 made: dict | None = None) -> tuple[Plan, tuple[Decision, ...], tuple[dict, list[int]] | None]:
+                 made: dict | None = None, ahead: tuple[Search, tuple[int, ...]] | None = None
+                 ) -> tuple[Plan, tuple[Decision, ...], tuple[dict, list[int]] | None]:
     """The auto plan within one regime (its choices, its slack), its decisions and its search's staged chunkings
     (None at effort 0); `Pruned` where no chunking's bound is at or below `incumbent` (link bytes). `targets`:
     the chunkings searched (default: every one). `light`: the lowest effort's node budget and no larger one for
@@ -297,19 +307,15 @@ def _plan_regime(trace: Trace, hardware: Hardware, options: PlanOptions, on_prog
     competes with the incumbent). `stage`: chunkings whose LP is staged too, searched or not (the bound over the
     mixes the search does not cover, hplan.planner.activation_bounds.below); a `Pruned` raised carries the staged
     chunkings and those searched as `staged`. `made`: plans of forced choices made already (`_made_key`), one of
-    which is the plan of the winner's choices where it was made on the winner's chunking."""
+    which is the plan of the winner's choices where it was made on the winner's chunking. `ahead`: its search
+    (`regime_search`) and modes, with chunkings staged already (`prestage`)."""
     fits = keep_bytes is not None and keep_bytes <= hardware.gpu_bytes
-    effort = core._effort(options)
-    if effort == 0:  # heuristics only: keep everything when that fits, else the smallest budget's choices
-        decisions = decide(trace, "keep") if fits else lean
+    if core._effort(options) == 0:  # heuristics only: keep everything when that fits, else the smallest budget's
+        decisions = decide(trace, "keep") if fits else lean  # choices
         plan = core.plan_decisions(trace, hardware, options, decisions, on_progress, shared=items.shared,
                                    smallest=smallest)
         return _summary(plan, items, decisions, None), decisions, None
-    act0 = items.keep() if fits else items.of(lean)  # what the extremes are built with (it fits)
-    work = trace if fits else items.relaxed(act0)
-    nodes = core.SEARCH_NODES[effort] if options.solver != "exact" and not light else core.SEARCH_NODES[1]
-    search = Search(work, hardware, options, on_progress, planned_evaluations(work, options, joint=True) + 4,
-                    nodes=nodes, acts=items, act0=act0)
+    search, act0 = ahead or regime_search(trace, hardware, options, on_progress, items, lean, keep_bytes, light)
     if incumbent is not None:
         search.best_moved = incumbent
     search.targets = targets

@@ -7,6 +7,7 @@ cover.
 from __future__ import annotations
 
 from dataclasses import replace
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -14,10 +15,14 @@ from hplan.artifacts.hardware import Hardware
 from hplan.artifacts.plan import Plan, PlanSummary
 from hplan.artifacts.trace import Trace
 from hplan.planner.options import PlanOptions
-from hplan.planner.exact import lp_bound, solve_milp
+from hplan.planner.exact import lagrangian_bound, lp_bound, solve_milp
 from hplan.planner.intervals import Choices
-from hplan.planner.search import Scored, Search
+from hplan.planner.search import Progress, Scored, Search
 from hplan.planner.slack import SELECTIVE_MIX, least_reserve
+
+if TYPE_CHECKING:
+    from hplan.planner.activation_items import Items
+    from hplan.planner.activations import Decision
 
 
 def children_bound(trace: Trace, hardware: Hardware, options: PlanOptions, without: frozenset[str],
@@ -147,6 +152,73 @@ def priced_bound(staged: dict, slack: int, choice: str, targets: list[int], own_
     return 0 if least is None else least
 
 
+def beyond(staged: dict, targets: list[int], hw: Hardware, incumbent: int) -> bool:
+    """Whether no plan of the mixed regime (`hw`: its sample) on any chunking in `targets` can win or tie
+    `incumbent`, priced by the selective mix's staged LPs (`staged`, at the same sample).
+
+    [Note: a mix priced by a larger mix] The selective mix's items are the mixed regime's with a selective mode
+    added per block (hplan.planner.activation_items.build_items: the same modes, effects and costs besides), at
+    the same sample, so its joint model with each item held to its other modes holds every plan of the mixed
+    regime, and `lagrangian_bound` with `allowed` (valid for any multipliers) bounds them from the selective
+    mix's LP: the plans at the sample (what the mixed regime's search covers, its LP bounds per chunking) and,
+    with `must` and the room down to the least reserve, the mixes reserving less ([Note: a pruned mix's floor]).
+    Where every such bound on every chunking is above the incumbent, the mixed regime cannot win or tie and adds
+    nothing to the certificate: what its own pruned search concluded, without staging its chunkings (gpt:18b at
+    24 GB: its five LPs, 0.2 s of 2.2; the selective mix stages the same chunkings for its own bound). Where one
+    is not, the mixed regime is searched as before. Its own LPs priced keep, offload and recompute alone
+    (`priced_bound`); these then use the selective mix's, each item held to that choice's modes."""
+    from hplan.planner.activation_items import SELECTIVE
+    from hplan.planner.exact import lagrangian_bound
+
+    room = hw.slack_bytes - least_reserve(hw)
+    for target in targets:
+        if target not in staged:
+            return False
+        model, rows, multipliers = staged[target]
+        c = model.choices
+        label = np.array(c.label)
+        act = _activation_modes(c)
+        allowed = ~act | (label != SELECTIVE)
+        if lagrangian_bound(model, rows, *multipliers, allowed=allowed) <= incumbent:
+            return False
+        if room > 0 and lagrangian_bound(model, rows, *multipliers, allowed=allowed, more_free=room,
+                                         must=allowed & act & (label != "keep")) <= incumbent:
+            return False
+    return True
+
+
+def regime_search(trace: Trace, hardware: Hardware, options: PlanOptions, on_progress: Progress | None,
+                  items: Items, lean: tuple[Decision, ...], keep_bytes: int | None, light: bool
+                  ) -> tuple[Search, tuple[int, ...]]:
+    """A regime's search (effort >= 1, hplan.planner.activation_auto's `_plan_regime`) and the modes its extremes
+    are built with (they fit)."""
+    from hplan.planner import core
+    from hplan.planner.search import planned_evaluations
+
+    fits = keep_bytes is not None and keep_bytes <= hardware.gpu_bytes
+    act0 = items.keep() if fits else items.of(lean)
+    work = trace if fits else items.relaxed(act0)
+    effort = core._effort(options)
+    nodes = core.SEARCH_NODES[effort] if options.solver != "exact" and not light else core.SEARCH_NODES[1]
+    return Search(work, hardware, options, on_progress, planned_evaluations(work, options, joint=True) + 4,
+                  nodes=nodes, acts=items, act0=act0), act0
+
+
+def prestage(trace: Trace, hw: Hardware, options: PlanOptions, on_progress: Progress | None, every: list[int],
+             feasible: list) -> tuple[Search, tuple[int, ...]] | None:
+    """The selective mix's search with every chunking in `every` staged, where it is a regime at the mixed
+    regime's sample `hw` ([Note: a mix priced by a larger mix]); None where it is not, at effort 0, or where a
+    chunking has no joint model (the mixed regime is then searched as before)."""
+    from hplan.planner import core
+
+    run = next((r for r in feasible if r[0] == SELECTIVE_MIX and r[1] == hw), None)
+    if run is None or core._effort(options) == 0:
+        return None
+    _, _, items, own = run
+    ahead = regime_search(trace, hw, options, on_progress, items, own.lean, own.keep, light=True)
+    return ahead if all(ahead[0].staged_lp(t) is not None for t in every) else None
+
+
 def _activation_modes(choices: Choices) -> np.ndarray:
     """Per mode of a joint model's choices: whether it is an activation item's (their keys are negative)."""
     return np.array([k < 0 for k in choices.key])[choices.item]
@@ -179,4 +251,7 @@ def close(search: Search, best: Scored, options: PlanOptions, light: bool = Fals
         best.result = result = again
     if result.optimal:
         return best.moved
-    return min(best.moved, max(result.lower_bound, lp_bound(best.joint.model)))
+    staged = search.staged.get(best.chunk_target)  # its LP, solved when the chunking was staged
+    mine = staged is not None and staged[0] is best.joint.model
+    lp = lagrangian_bound(staged[0], staged[1], *staged[2]) if mine else lp_bound(best.joint.model)
+    return min(best.moved, max(result.lower_bound, lp))

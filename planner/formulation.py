@@ -254,23 +254,24 @@ def _highs(model: IntervalModel, rows: Rows, *, integral: bool, stay: bool = Fal
         cost[mode_col:mode_col + k] = mode_cost / unit
     col_upper = np.ones(n_col)
     col_upper[g + s:g + s + m] = free
-    lp = highspy.HighsLp()
-    lp.num_col_, lp.num_row_ = n_col, n_row
-    lp.col_cost_ = cost
-    lp.col_lower_ = np.zeros(n_col)
-    lp.col_upper_ = col_upper
+    lp = highspy.HighsLp()  # lists, not arrays: pybind11 copies a list of Python numbers into a vector faster than
+    lp.num_col_, lp.num_row_ = n_col, n_row  # it iterates a numpy array (the same values either way)
+    lp.col_cost_ = cost.tolist()
+    lp.col_lower_ = [0.0] * n_col
+    lp.col_upper_ = col_upper.tolist()
     lp.offset_ = 0.0  # the constant part is added back by the caller (see `constant_of`)
     lp.a_matrix_.format_ = highspy.MatrixFormat.kColwise
-    lp.a_matrix_.start_ = matrix.indptr.astype(np.int32)
-    lp.a_matrix_.index_ = matrix.indices.astype(np.int32)
-    lp.a_matrix_.value_ = matrix.data.astype(float)
-    lp.row_lower_ = lower
-    lp.row_upper_ = upper
+    lp.a_matrix_.start_ = matrix.indptr.tolist()
+    lp.a_matrix_.index_ = matrix.indices.tolist()
+    lp.a_matrix_.value_ = matrix.data.astype(float).tolist()
+    lp.row_lower_ = lower.tolist()
+    lp.row_upper_ = upper.tolist()
     kinds = np.full(n_col, 0)
     if integral:
         kinds[:g] = 1
         kinds[mode_col:stay_col] = 1
-        lp.integrality_ = [highspy.HighsVarType.kInteger if x else highspy.HighsVarType.kContinuous for x in kinds]
+        integer, continuous = highspy.HighsVarType.kInteger, highspy.HighsVarType.kContinuous
+        lp.integrality_ = [integer if x else continuous for x in kinds.tolist()]
     digest = hashlib.blake2b(np.array([n_col, n_row, int(integral)], dtype=np.int64).tobytes(), digest_size=20)
     for part in (cost, col_upper, lower, upper, matrix.indptr.astype(np.int32), matrix.indices.astype(np.int32),
                  matrix.data.astype(float), kinds.astype(np.int8)):

@@ -143,11 +143,36 @@ def build_joint(trace: Trace, groups: list[list[ParamInfo]], hardware: Hardware,
     chunks = tuple(c for c, ps in enumerate(groups) if ps[0].trainable)
     if not chunks:
         return None
-    extremes = {}
-    for label, gpu in (("gpu", frozenset(chunks)), ("cpu", frozenset())):
-        structure, problem, model = _extreme(trace, groups, gpu, hardware, flips)
-        extremes[label] = Placed(gpu_chunks=gpu, structure=structure, problem=problem, model=model,
-                                 act=act0 if acts is not None else ())
+    model, columns, made = _base(trace, groups, chunks, hardware, flips)
+    extremes = {label: Placed(gpu_chunks=gpu, structure=structure, problem=problem, model=extreme,
+                              act=act0 if acts is not None else ())
+                for label, gpu, (structure, problem, extreme) in made}
+    if acts is not None:
+        model = _with_items(model, acts, act0, len(chunks))
+    joint = Joint(groups=groups, model=model, chunks=chunks, extremes=extremes, columns=columns, acts=acts,
+                  act0=act0 if acts is not None else ())
+    for label, placed in extremes.items():  # both extremes give back their own problems' memory
+        x = joint.x_of(placed.gpu_chunks)
+        if not np.array_equal(model.free - model.load(np.zeros(model.n_gaps, dtype=bool), x),
+                              placed.model.free):
+            raise HplanError(f"the placement model's memory differs from the all-{label} problem's: an hplan bug")
+    return joint
+
+
+def _base(trace: Trace, groups: list[list[ParamInfo]], chunks: tuple[int, ...], hardware: Hardware, flips: bool
+          ) -> tuple[IntervalModel, dict[tuple[int, int, int, int], int], list[tuple[str, frozenset[int], tuple]]]:
+    """The joint model without activation items, its gap columns and both extremes (label, placement, and
+    `_extreme`'s structure, problem and model), from memory within `extremes_remembered`: a pure function of the
+    same arguments as the extremes ([Note: remembered extremes]; the selective mix's and the children's bound
+    build the same chunking's on the same trace and sample)."""
+    memo = _EXTREMES[-1] if _EXTREMES else None
+    key = ("joint", id(trace), tuple(tuple(ps) for ps in groups), hardware, flips) if memo is not None else None
+    if memo is not None and key in memo and memo[key][0] is trace:
+        return memo[key][1]
+    made = [(label, gpu, _extreme(trace, groups, gpu, hardware, flips))
+            for label, gpu in (("gpu", frozenset(chunks)), ("cpu", frozenset()))]
+    extremes = {label: Placed(gpu_chunks=gpu, structure=structure, problem=problem, model=model)
+                for label, gpu, (structure, problem, model) in made}
     structure = extremes["cpu"].structure
     item = {c: k for k, c in enumerate(chunks)}
     region_item = np.array([item.get(r.chunk, -1) for r in structure.regions], dtype=np.int64)
@@ -176,17 +201,10 @@ def build_joint(trace: Trace, groups: list[list[ParamInfo]], hardware: Hardware,
                           span=np.full(len(region), -1, dtype=np.int64),
                           span_size=np.array([s for s, _ in spans], dtype=np.int64), constant=constant, free=free,
                           span_region=np.array([r for _, r in spans], dtype=np.int64), choices=choices)
-    model = replace(model, stay=_stay(extremes, region_item, columns))
-    if acts is not None:
-        model = _with_items(model, acts, act0, len(chunks))
-    joint = Joint(groups=groups, model=model, chunks=chunks, extremes=extremes, columns=columns, acts=acts,
-                  act0=act0 if acts is not None else ())
-    for label, placed in extremes.items():  # both extremes give back their own problems' memory
-        x = joint.x_of(placed.gpu_chunks)
-        if not np.array_equal(model.free - model.load(np.zeros(model.n_gaps, dtype=bool), x),
-                              placed.model.free):
-            raise HplanError(f"the placement model's memory differs from the all-{label} problem's: an hplan bug")
-    return joint
+    out = (replace(model, stay=_stay(extremes, region_item, columns)), columns, made)
+    if memo is not None:
+        memo[key] = (trace, out)
+    return out
 
 
 def _extreme(trace: Trace, groups: list[list[ParamInfo]], gpu: frozenset[int], hardware: Hardware, flips: bool

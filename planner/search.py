@@ -151,10 +151,12 @@ class Search:
         self.staged: dict[int, tuple[IntervalModel, Rows, Multipliers]] = {}
         """Per chunking staged for a joint solve: its model, rows and LP multipliers (auto prices its other
         regimes with them, [Note: auto regimes])."""
+        self.ready: dict[int, tuple[int, list[list[ParamInfo]], Joint, Rows, int]] = {}
+        """Per chunking staged: what `_stage` returned (a pure function of the chunking)."""
         self.pruned = False
+        """Whether a chunking was left unsolved because its LP bound exceeds `best_moved`."""
         self.searched: list[int] = []
         """The chunk targets `run` searched."""
-        """Whether a chunking was left unsolved because its LP bound exceeds `best_moved`."""
         self.solved: list[Scored] = []
         """Every candidate scored, in scoring order."""
         self.all_host: dict[int, tuple[Structure, Problem]] = {}
@@ -236,7 +238,11 @@ class Search:
 
     def _stage(self, target: int) -> Scored | None | tuple[int, list[list[ParamInfo]], Joint, Rows, int]:
         """A chunking's joint model and LP bound, ready to solve; a chunking without trainable chunks is scored
-        at once (nothing to place), and one where no placement fits is None."""
+        at once (nothing to place), and one where no placement fits is None. A chunking staged already is
+        answered from `ready` (auto stages the selective mix's before its search, [Note: a mix priced by a
+        larger mix] in hplan.planner.activation_bounds)."""
+        if target in self.ready:
+            return self.ready[target]
         groups = group_params(self.trace, target)
         joint = build_joint(self.trace, groups, self.hardware, flips=self.options.flips, acts=self.acts,
                             act0=self.act0)
@@ -254,7 +260,8 @@ class Search:
         bound = lagrangian_bound(joint.model, rows, *multipliers)
         self.staged[target] = (joint.model, rows, multipliers)
         self.tick(f"chunks of {target or 'one module'} B: LP bound over every placement")
-        return target, groups, joint, rows, bound
+        self.ready[target] = (target, groups, joint, rows, bound)
+        return self.ready[target]
 
     def _solve_joint(self, target: int, groups: list[list[ParamInfo]], joint: Joint, rows: Rows, bound: int
                      ) -> Scored | None:

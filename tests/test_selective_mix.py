@@ -16,6 +16,7 @@ import pytest
 from fake_models import HF_SIZES
 from mix_coverage import budgets, forced_mixes, hardware
 
+import hplan.planner.activation_auto as activation_auto
 import hplan.planner.activation_min as activation_min
 import hplan.planner.slack as slack
 from hplan.artifacts import Plan
@@ -75,6 +76,24 @@ def test_auto_mixes_selective_blocks_where_that_pays(gpt2_5, monkeypatch):
     assert "selective" not in {c.choice for c in before.activations}
     assert objective(auto) < objective(before)
     assert auto.summary.predicted_step_seconds < before.summary.predicted_step_seconds
+
+
+def test_the_mixed_regime_is_searched_where_the_selective_mixs_lps_cannot_rule_it_out(gpt2_5, monkeypatch):
+    """[Note: a mix priced by a larger mix]: on the CPU tier three quarters of the way up, a keep and recompute mix
+    of the mixed regime beats the selective plan that is the incumbent when the mixed regime's turn comes; the
+    selective mix's LPs, each item held to its other modes, price it at or below the incumbent, so it is searched
+    and auto's plan beats the incumbent (with the prune made unconditional, auto keeps it: every block selective,
+    1.06 MB of link bytes against 0.27 MB)."""
+    trace = gpt2_5
+    hw = hardware(trace, "cpu", budgets(trace, "cpu", 5)[3])
+    seen: list[bool] = []
+    rule = activation_auto.beyond
+    monkeypatch.setattr(activation_auto, "beyond", lambda *a: seen.append(rule(*a)) or seen[-1])
+    auto = make_plan(trace, hw)
+    assert seen == [False]
+    whole = make_plan(trace, hw, PlanOptions(activations="selective"))
+    assert whole.summary.feasible and objective(auto) < objective(whole)
+    assert "recompute" in {c.choice for c in auto.activations}
 
 
 def _selective_mixes(every: bool) -> list[tuple[str, ...]]:
