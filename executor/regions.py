@@ -182,8 +182,9 @@ class RegionStore:
         slot = self.slots[rid]
         if slot.state is _HOST:
             return
+        traced = None  # trace_ranges.recording(), inline, read once and only where it is used
         if writeback and slot.state is RegionState.RESIDENT_DIRTY:
-            if getattr(_PROFILER, "_is_profiler_enabled", True):  # trace_ranges.recording(), inline
+            if traced := getattr(_PROFILER, "_is_profiler_enabled", True):
                 with action(f"hplan::writeback::{rid}"):
                     self.tier.d2h(slot.host, slot.fast)
             else:  # no context manager's two Python calls per write-back
@@ -195,7 +196,7 @@ class RegionStore:
         if slot.adopted:  # [Note: adopted memory goes back to malloc]
             slot.adopted = False
             slot.fast.untyped_storage().resize_(0)
-        elif getattr(_PROFILER, "_is_profiler_enabled", True):  # trace_ranges.recording(), inline
+        elif getattr(_PROFILER, "_is_profiler_enabled", True) if traced is None else traced:
             with action(f"hplan::evict::{rid}"):
                 self.tier.release(slot.fast)
         else:
