@@ -59,8 +59,9 @@ class GradArrival:
         the plan acts]: idle, allocating gradient regions at most), every update on the fast tier at the
         optimizer step, one forward and backward per iteration, no loss scaling or master copy, no deferred
         updates, the CPU twin. Then no parameter gets a gradient hook: autograd leaves each gradient in `.grad`, as
-        in plain PyTorch, and `_collect` moves them into their regions, one `move_grad` each (the hook's own body,
-        so the same adoption, checks and records), back to back, before anything reads the regions: the next
+        in plain PyTorch, and `_collect` moves them into their regions, each taken in line where it is the common
+        case ([Note: collected gradients taken in line]), else by `move_grad` (the hook's own body): the same
+        adoption, checks and records, back to back, before anything reads the regions: the next
         hooked event (before it passes the unhooked steps, so each adoptable gradient is its region's allocation),
         the optimizer step's checks, a clip or a GradScaler's unscale. Any other plan hooks every parameter."""
         plan, steps, skip = self.plan, self.plan.steps, self._unhooked.skip
