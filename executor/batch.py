@@ -88,7 +88,6 @@ class UpdateBatch:
                 if u.master:
                     u.copy_masters()
 
-
     def _step_views(self, key: tuple[str, int], members: list[Member], written: set[str]) -> None:
         """[Note: gradients left on the work tensors] Without a master copy a member's gradient is its region's
         view (`ChunkUpdate.grad`), the same tensor every iteration (a region's memory changes under its storage,

@@ -120,8 +120,9 @@ class EventDispatch:
                 last = steps[i - 1]
                 records.append(EventRecord(index=last.index, event=last.event, resident_bytes=model,
                                            model_resident_bytes=model, h2d_bytes=h2d, d2h_bytes=d2h))
-                if model + tier.cached > self._budget:  # type: ignore[attr-defined]  (PlanRun)
-                    self.guard_budget(model + tier.cached, f"plan step {last.index} ({last.event})")  # type: ignore[attr-defined]
+                used = model + tier.cached  # kept free blocks count as CUDA's reserved memory does
+                if used > self._budget:  # type: ignore[attr-defined]  (PlanRun)
+                    self.guard_budget(used, f"plan step {last.index} ({last.event})")  # type: ignore[attr-defined]
             quiet = self._quiet[i]
             if quiet.moves is not None:  # idle steps allocate gradient regions only
                 if self.worker is not None and self.worker.busy:
