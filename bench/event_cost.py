@@ -123,6 +123,7 @@ def _parts() -> list[tuple[str, Any]]:
             ("… of which chunk updates (host in backward, fast tier at the step)", UpdateSteps._update.__code__),
             ("… of which non-finite gradient checks", GradientOps._check_finite.__code__),
             ("gradient hook: autograd's gradient into its region", move_grad.__code__),
+            ("gradients collected at the step (no gradient hook: all-resident)", PlanRun._collect.__code__),
             ("activation offload to host (end of a segment's forward)", _Offloaded.to_host.__code__),
             ("gradients shown as `.grad` after backward", PlanRun._show_grads.__code__)]
 

@@ -65,16 +65,14 @@ class UpdateBatch:
                 for k, value in members[0][0].user.param_groups[key[1]].items():
                     if k != "params" and k not in IMPLEMENTATION:
                         group[k] = value
+                if not members[0][0].master:
+                    self._step_views(key, members, written)
+                    continue
                 grads = {}
                 for u, n in members:
-                    if n not in written:
-                        continue
-                    if u.master:
-                        grad = u.fp32_grads({n}, inv_scale)[n]
+                    if n in written:
+                        grad = grads[(id(u), n)] = u.fp32_grads({n}, inv_scale)[n]
                         apply_clips(clip, n, grad)
-                    else:
-                        grad = u.grad[n]
-                    grads[(id(u), n)] = grad
                 if not grads:
                     continue
                 for u, n in members:
@@ -89,6 +87,33 @@ class UpdateBatch:
             for u in self.updates:
                 if u.master:
                     u.copy_masters()
+
+    def _step_views(self, key: tuple[str, int], members: list[Member], written: set[str]) -> None:
+        """[Note: gradients left on the work tensors] Without a master copy a member's gradient is its region's
+        view (`ChunkUpdate.grad`), the same tensor every iteration (a region's memory changes under its storage,
+        the view object does not). So `.grad` of a work tensor stays set between steps: it is changed only where a
+        member's written-ness changed (`ChunkUpdate.shown`, per chunk, since two batches may share a chunk's
+        tensors), not set and cleared around every step (two C-level attribute writes with their checks per
+        parameter). The optimizer steps exactly the members written this iteration, as before."""
+        stepped = False
+        for u, n in members:
+            if n in written:
+                stepped = True
+                if n not in u.shown:
+                    u.work[n].grad = u.grad[n]
+                    u.shown.add(n)
+            elif n in u.shown:
+                u.work[n].grad = None
+                u.shown.discard(n)
+        if not stepped:
+            return
+        self._steps[key]()
+        for u, n in members:
+            if n in written:
+                if n in u.settling:
+                    u.keep_lazy_state(n)
+                if n not in u.started:
+                    u.started.add(n)
 
 
 def unhooked_step(opt: torch.optim.Optimizer) -> Callable[[], Any]:

@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 from hplan.executor.evaluation import EvalPass
+from hplan.executor.measure import EventRecord
 from hplan.executor.overlap import UpdateWorker
 from hplan.executor.param_watch import ParamWatch
 from hplan.executor.regions import move_regions
@@ -107,14 +108,21 @@ class EventDispatch:
         needs is resident. A forward passes backward steps only once a gradient arrived (else it is a forward
         without backward, refused by the general path as before)."""
         store, steps, skip = self.store, self.plan.steps, self._unhooked.skip
-        slots, lazy = store.slots, self._lazy_bytes
+        slots, lazy, records, tier = store.slots, self._lazy_bytes, self.records, self.tier
         ahead = sum(lazy.values())
         while skip[self.cursor]:
             i = self.cursor
             step = steps[i]
             if kind == "forward" and not self.written and step.event.startswith("backward:"):
                 break
-            self._close_window()
+            if i:  # _close_window, inline: no probe here, so the window's bytes are its model bytes
+                model, h2d, d2h = self._pending
+                last = steps[i - 1]
+                records.append(EventRecord(index=last.index, event=last.event, resident_bytes=model,
+                                           model_resident_bytes=model, h2d_bytes=h2d, d2h_bytes=d2h))
+                used = model + tier.cached  # kept free blocks count as CUDA's reserved memory does
+                if used > self._budget:  # type: ignore[attr-defined]  (PlanRun)
+                    self.guard_budget(used, f"plan step {last.index} ({last.event})")  # type: ignore[attr-defined]
             quiet = self._quiet[i]
             if quiet.moves is not None:  # idle steps allocate gradient regions only
                 if self.worker is not None and self.worker.busy:
@@ -125,7 +133,8 @@ class EventDispatch:
             for slot in quiet.needs:
                 if slot.state is _HOST:
                     store.require(self._moves[i].needs, f"plan step {step.index} ({step.event})")
-            ahead -= lazy.pop(i, 0)
+            if i in lazy:
+                ahead -= lazy.pop(i)
             self._pending = (store._resident_bytes - ahead, 0, 0)
             self.cursor = i + 1
 

@@ -10,7 +10,7 @@ import functools
 from typing import Any
 
 import torch
-from hplan.executor.gradients import move_grad
+from hplan.executor.gradients import _SOLE_REFS, _refs, _storage_users, move_grad
 from hplan.executor.regions import move_regions
 from hplan.executor.state import RegionState
 from hplan.executor.step_table import Moves, Unhooked
@@ -49,6 +49,7 @@ class GradArrival:
     _collected: tuple[tuple[torch.Tensor, str], ...]
     _grad_home: dict[int, tuple[str, int, int, Any]]
     _grad_of: dict[str, tuple[torch.Tensor, int, Any]]
+    _takeable_at: dict[int, dict[int, tuple[int, int, Any, torch.dtype]]]
 
     def _collected_params(self) -> tuple[tuple[torch.Tensor, str], ...]:
         """[Note: gradients collected, not hooked] The parameters whose gradients are collected at the next hooked
@@ -60,8 +61,9 @@ class GradArrival:
         the plan acts]: idle, allocating gradient regions at most), every update on the fast tier at the
         optimizer step, one forward and backward per iteration, no loss scaling or master copy, no deferred
         updates, the CPU twin. Then no parameter gets a gradient hook: autograd leaves each gradient in `.grad`, as
-        in plain PyTorch, and `_collect` moves them into their regions, one `move_grad` each (the hook's own body,
-        so the same adoption, checks and records), back to back, before anything reads the regions: the next
+        in plain PyTorch, and `_collect` moves them into their regions, each taken in line where it is the common
+        case ([Note: collected gradients taken in line]), else by `move_grad` (the hook's own body): the same
+        adoption, checks and records, back to back, before anything reads the regions: the next
         hooked event (before it passes the unhooked steps, so each adoptable gradient is its region's allocation),
         the optimizer step's checks, a clip or a GradScaler's unscale. Any other plan hooks every parameter."""
         plan, steps, skip = self.plan, self.plan.steps, self._unhooked.skip
@@ -75,18 +77,68 @@ class GradArrival:
         return tuple((store.params[n], n) for c in plan.chunks for n in c.trainable)
 
     def _collect(self) -> None:
-        """[Note: gradients collected, not hooked] Autograd's gradients left in `.grad` into their regions."""
+        """[Note: gradients collected, not hooked] Autograd's gradients left in `.grad` into their regions: each
+        taken as its region's allocation where `_taken` can (the common case), else by `move_grad`."""
         shown, on_grad = self._shown, self._on_grad
         self._collecting = True  # grad_target queues no end-of-backward callback: this may run outside one
         grad_mode = torch.is_grad_enabled()
         torch._C._set_grad_enabled(False)  # as autograd runs the hook (a create_graph gradient requires grad)
         try:
+            lazy = None if self._pending_flips or self._updated else self._takeable()
             for p, name in self._collected:
                 if p.grad is not None and name not in shown:  # a shown `.grad` is its region's view already
-                    on_grad(p)
+                    if lazy is None or not self._taken(p, name, lazy):
+                        on_grad(p)
         finally:
             torch._C._set_grad_enabled(grad_mode)
             self._collecting = False
+
+    def _takeable(self) -> dict[int, tuple[int, int, Any, torch.dtype]]:
+        """[Note: collected gradients taken in line] At this cursor: gradient region → (the unhooked step ahead
+        that allocates it, its bytes, its Slot, its dtype), for the regions the unhooked run writes and allocates
+        later, whose gradients may be adopted: what `grad_target` would check per gradient, worked out once per
+        cursor."""
+        cursor = self.cursor
+        table = self._takeable_at.get(cursor)
+        if table is None:
+            store, writes = self.store, self._moves[cursor - 1].writes | self._unhooked.writes[cursor]
+            adopt = self._on_grad.keywords["adopt"]
+            table = self._takeable_at[cursor] = {
+                rid: (at, slot.region.bytes, slot, slot.fast_views[n].dtype)
+                for pid, (n, c, rid, slot) in self._grad_home.items()
+                if pid in adopt and rid in writes and (at := self._unhooked.lazy[cursor].get(rid, -1)) >= cursor}
+        return table
+
+    def _taken(self, p: torch.Tensor, name: str, lazy: dict[int, tuple[int, int, Any, torch.dtype]]) -> bool:
+        """[Note: collected gradients taken in line] `move_grad`'s adoption of a gradient as its region's
+        allocation (through `grad_target` and `RegionStore.take`), without their three Python calls, for the case
+        that is every gradient of an all-resident iteration: a first write, to a region an unhooked step ahead
+        allocates, not resident yet, of a gradient no one else holds, contiguous, of the region's dtype and size.
+        The same checks, in the same order of effect; False (nothing done) where any fails: `move_grad` does it."""
+        _, _, rid, _ = self._grad_home[id(p)]
+        entry = lazy.get(rid)
+        if entry is None or name in self.written:
+            return False
+        at, nbytes, slot, dtype = entry
+        grad = p.grad
+        if slot.state is not _HOST or grad.requires_grad or _refs(grad) != _SOLE_REFS or not grad.is_cpu or \
+                not grad.is_contiguous() or grad.dtype != dtype:
+            return False
+        theirs = grad.untyped_storage()
+        mine = slot.fast.untyped_storage()
+        if _storage_users(theirs._cdata) != 2 or theirs.nbytes() != nbytes or mine.nbytes():
+            return False
+        mine._swap_data_ptr_(theirs)  # RegionStore.take, inline
+        store = self.store
+        store._resident_bytes += nbytes
+        store.taken += 1
+        slot.adopted = True
+        slot.state = _DIRTY  # grad_target's dirty mark (take's RESIDENT first: nothing reads it between)
+        self._lazy_bytes[at] = self._lazy_bytes.get(at, 0) + nbytes
+        self._zeroed = False
+        self.written.add(name)
+        p.grad = None
+        return True
 
     def _queue_show_grads(self) -> None:
         """A backward's first event: `_show_grads` runs once when the backward ends (CPU fast tier only)."""

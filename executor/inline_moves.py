@@ -65,7 +65,10 @@ def move_inline(store: Any, at: tuple[Any, ...], lend: bool) -> None:
             for param, placeholder in slot.unbinds:
                 param.data = placeholder
             nbytes = slot.region.bytes
-            if nbytes <= tier.limit + tier._lent - tier.cached:  # tier.release: kept for a refill
+            if slot.adopted:  # [Note: adopted memory goes back to malloc] in hplan.executor.regions
+                slot.adopted = False
+                slot.storage.resize_(0)
+            elif nbytes <= tier.limit + tier._lent - tier.cached:  # tier.release: kept for a refill
                 block = empties.pop() if empties else torch.UntypedStorage(0)
                 slot.storage._swap_data_ptr_(block)
                 blocks_of.setdefault(nbytes, []).append(block)

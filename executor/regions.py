@@ -54,6 +54,9 @@ class Slot:
     """A weight region's (parameter, its fast view) pairs: `.data` while resident."""
     unbinds: tuple[tuple[torch.Tensor, torch.Tensor], ...] = ()
     """A weight region's (parameter, its placeholder) pairs: `.data` while evicted."""
+    adopted: bool = False
+    """Its memory is a gradient's it took (`RegionStore.take`): evicted, it goes back to malloc, not the tier's
+    block cache ([Note: adopted memory goes back to malloc])."""
 
 
 @dataclass(kw_only=True, slots=True)
@@ -160,7 +163,15 @@ class RegionStore:
         """`alloc` with `tensor`'s memory as the region's ([Note: adopted gradients] in hplan.executor.gradients):
         the region's empty storage and the tensor's swap their data, so the tensor is left with none. Only for a
         region not resident, whose storage is empty, and a tensor whose storage is exactly the region's size;
-        False (nothing done) otherwise."""
+        False (nothing done) otherwise.
+
+        [Note: adopted memory goes back to malloc] A region that took a gradient's memory gives it back to malloc
+        when evicted, not to the tier's block cache ([Note: the CPU twin's block cache] in hplan.executor.device):
+        its next allocation is the next gradient's own memory again, which autograd asks malloc for, so a kept
+        block would never be reused. Kept, each iteration's gradients filled the cache (gpt:small all-resident:
+        3.2 MB an iteration, up to the plan's headroom) while autograd took fresh pages from the kernel for the
+        next ones (about 800 minor page faults an iteration, in forward and backward); freed, malloc hands the
+        same memory to the next gradients, as in plain PyTorch, where zero_grad frees them."""
         slot = self.slots[rid]
         if slot.state is not _HOST:
             return False
@@ -173,6 +184,7 @@ class RegionStore:
         else:  # _arrived, inline (a gradient region: no parameter points at it)
             self._resident_bytes += slot.region.bytes
             slot.state = _RESIDENT
+        slot.adopted = True
         self.taken += 1
         return True
 
@@ -188,9 +200,9 @@ class RegionStore:
         slot = self.slots[rid]
         if slot.state is _HOST:
             return
-        traced = getattr(_PROFILER, "_is_profiler_enabled", True)  # trace_ranges.recording(), inline
+        traced = None  # trace_ranges.recording(), inline, read once and only where it is used
         if writeback and slot.state is RegionState.RESIDENT_DIRTY:
-            if traced:
+            if traced := getattr(_PROFILER, "_is_profiler_enabled", True):
                 with action(f"hplan::writeback::{rid}"):
                     self.tier.d2h(slot.host, slot.fast)
             else:  # no context manager's two Python calls per write-back
@@ -199,7 +211,10 @@ class RegionStore:
         if slot.region.kind == "param":
             for name in slot.fast_views:
                 self.params[name].data = self.placeholders[name]
-        if traced:
+        if slot.adopted:  # [Note: adopted memory goes back to malloc]
+            slot.adopted = False
+            slot.fast.untyped_storage().resize_(0)
+        elif getattr(_PROFILER, "_is_profiler_enabled", True) if traced is None else traced:
             with action(f"hplan::evict::{rid}"):
                 self.tier.release(slot.fast)
         else:

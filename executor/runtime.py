@@ -122,6 +122,9 @@ class PlanRun(EventDispatch, GradArrival, UpdateSteps, GradientOps, StateSync):
         self._collected: tuple[tuple[torch.Tensor, str], ...] = ()
         """[Note: gradients collected, not hooked] Parameters whose gradients `_collect` moves (no hook)."""
         self._collecting = False
+        self._takeable_at: dict[int, dict[int, tuple[int, int, Any, torch.dtype]]] = {}
+        """Cursor → the gradient regions `_collect` may take gradients into there ([Note: collected gradients
+        taken in line] in hplan.executor.grad_arrival)."""
         self._pending: tuple[int, int, int] = (0, 0, 0)
         """(model resident bytes, h2d, d2h) of the step whose window is open."""
         self.watch = None if plan.defer_updates else EagerWatch(optimizer)

@@ -78,6 +78,9 @@ class ChunkUpdate:
         tensor is its region's view; adopt() puts them all back."""
         self.started: set[str] = set()
         """Parameters with optimizer state, as torch would have it: updated once, or adopted from the user."""
+        self.shown: set[str] = set()
+        """Parameters whose work tensor's `.grad` is their gradient view now ([Note: gradients left on the work
+        tensors] in hplan.executor.batch); the others' is None."""
 
     def _options(self, group: int, works: list[torch.Tensor]) -> dict[str, Any]:
         """The group's options for this place, checked by constructing the optimizer once over the views."""

@@ -92,3 +92,50 @@ def test_zero_grad_between_backward_and_step_is_still_refused(gpt_tiny, roomy):
             gpt_tiny.loss(model, gpt_tiny.batch(0)).backward()
             optimizer.zero_grad()
             optimizer.step()
+
+
+def test_a_taken_gradients_memory_goes_back_to_malloc_not_the_block_cache(gpt_tiny, roomy):
+    """[Note: adopted memory goes back to malloc] (hplan.executor.regions): a region holding a gradient it took is
+    freed when the next forward evicts it, so autograd's next gradients reuse that memory. Kept in the block
+    cache, it was never reused (the next region takes the next gradient again): the cache grew by the taken bytes
+    every iteration, up to the plan's headroom."""
+    model = gpt_tiny.build_model()
+    optimizer = build_optimizer(gpt_tiny, model)
+    cached, taken = [], []
+    with PlanRun(model, optimizer, roomy, batch_example=gpt_tiny.batch(0), measure=False) as run:
+        for i in range(4):
+            gpt_tiny.loss(model, gpt_tiny.batch(i)).backward()
+            run.step()
+            cached.append(run.tier.cached)
+            taken.append(run.store.taken)
+    assert taken[0] > 0 and taken[3] == 4 * taken[0]  # every iteration's gradients taken
+    assert cached[1] == cached[2] == cached[3] <= cached[0]  # nothing piles up
+
+
+def test_a_member_left_unwritten_is_skipped_though_work_grads_stay_set(gpt_tiny, roomy):
+    """[Note: gradients left on the work tensors] (hplan.executor.batch): `.grad` of an update's work tensors stays
+    set between steps, so a member not written at a later step must have it cleared: torch skips it (its state
+    untouched), as it skips a parameter without a gradient; written again, it is stepped again."""
+    model = gpt_tiny.build_model()
+    optimizer = build_optimizer(gpt_tiny, model)
+    with PlanRun(model, optimizer, roomy, batch_example=gpt_tiny.batch(0), measure=False) as run:
+        gpt_tiny.loss(model, gpt_tiny.batch(0)).backward()
+        run.step()
+        batch = next(iter(run._batches.values()))
+        (u, name), *_ = next(iter(batch.members.values()))
+        others = [(v, m) for members in batch.members.values() for v, m in members if m != name]
+        everyone = {name} | {m for _, m in others}
+
+        def steps() -> tuple[float, list[float]]:
+            return float(u.states[name]["step"]), [float(v.states[m]["step"]) for v, m in others]
+
+        before = steps()  # the gradient regions are resident until the next forward: stepping again reads them
+        weight = u.work[name].clone()
+        with torch.no_grad():
+            batch.step(everyone - {name})
+        mine, theirs = steps()
+        assert mine == before[0] and all(t == b + 1 for t, b in zip(theirs, before[1], strict=True))
+        assert torch.equal(u.work[name], weight) and u.work[name].grad is None
+        with torch.no_grad():
+            batch.step(everyone)
+        assert steps()[0] == before[0] + 1
