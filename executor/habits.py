@@ -147,7 +147,8 @@ def _zero(run: PlanRun, original: Callable[..., Any]) -> Callable[..., Any]:
     @functools.wraps(original)
     def zero_grad(*args: Any, **kwargs: Any) -> Any:
         run.zeroed()
-        return original(*args, **kwargs)
+        with torch._C.DisableTorchFunctionSubclass():  # `.grad` of evicted parameters: plain, no tripwire per one
+            return original(*args, **kwargs)
 
     return zero_grad
 

@@ -3,7 +3,8 @@
 Layout of a chunk's regions (exactly `region.bytes`, no padding), see [Note: plan semantics]:
 - param: the chunk's tensors in order, compute dtype; a parameter's `.data` is its view while the region is
   resident, and an empty NaN placeholder of the same shape while it is not — reading a view of a freed
-  (0-byte) storage would crash the process, a placeholder gives NaN (which the non-finite guard reports);
+  (0-byte) storage would crash the process — under a class that gives a reader the exact value instead
+  ([Note: offloaded parameter reads] in hplan.executor.offloaded);
 - grad: the trainable tensors, compute dtype;
 - master: the trainable tensors, fp32 (mixed precision only);
 - state: per trainable tensor, its optimizer's per-element states in hplan.optimizers order (fp32 with a
@@ -20,6 +21,7 @@ from typing import Any, Protocol
 import torch
 from hplan.executor.trace_ranges import action
 from hplan.executor.device import FastTier
+from hplan.executor.offloaded import offloaded_classes
 from hplan.executor.state import RegionState
 from hplan.executor.step_table import Moves
 from torch import nn
@@ -80,6 +82,9 @@ class RegionStore:
                                  f"bytes but this model and optimizer need {need}; the plan was made for another "
                                  "workload, precision or optimizer configuration — re-trace and re-plan it")
             self._make_views(slot, layout)
+        self.own_class, self.off_class, self.quiet = offloaded_classes(self.params, self.offloaded_value)
+        """Each parameter's class, resident and evicted ([Note: offloaded parameter reads] in hplan.executor.offloaded);
+        `quiet` is set while model.state_dict() detaches them."""
         for c in plan.chunks:
             self._adopt_weights(c.tensors, self.by_chunk[c.id]["param"])
         self._resident_bytes = 0
@@ -107,6 +112,7 @@ class RegionStore:
                 slot.host_views[name].copy_(p.detach())
                 self.placeholders[name] = _placeholder(p, self.tier.device)
                 p.data = self.placeholders[name]
+                p.__class__ = self.off_class[name]
 
     # -- transitions ----------------------------------------------------------------------------------
     def fetch(self, rid: int) -> None:
@@ -163,7 +169,9 @@ class RegionStore:
         slot.state = _RESIDENT
         if slot.region.kind == "param":
             for name, view in slot.fast_views.items():
-                self.params[name].data = view
+                p = self.params[name]
+                p.__class__ = self.own_class[name]  # first: `.data =` on an Offloaded parameter is refused
+                p.data = view
 
     def evict(self, rid: int, *, writeback: bool) -> None:
         """Leave the fast tier, copying fast→host first when asked. No-op when not resident."""
@@ -180,7 +188,9 @@ class RegionStore:
             self.traffic.d2h += slot.region.bytes
         if slot.region.kind == "param":
             for name in slot.fast_views:
-                self.params[name].data = self.placeholders[name]
+                p = self.params[name]
+                p.data = self.placeholders[name]
+                p.__class__ = self.off_class[name]
         if traced:
             with action(f"hplan::evict::{rid}"):
                 self.tier.release(slot.fast)
@@ -234,6 +244,16 @@ class RegionStore:
         """One parameter's current value, copied (model.state_dict() inside a block)."""
         with torch.no_grad():
             return self.current(self.by_chunk[self.chunk_of[name]]["param"], name).clone()
+
+    def offloaded_value(self, name: str) -> torch.Tensor:
+        """An evicted parameter's current value on the compute device, copied: what user code reads of it."""
+        with torch.no_grad():
+            return self.current(self.by_chunk[self.chunk_of[name]]["param"], name).to(self.tier.device, copy=True)
+
+    def release_params(self) -> None:
+        """Every parameter its own class again (the block ends)."""
+        for name, p in self.params.items():
+            p.__class__ = self.own_class[name]
 
     def current_shape(self, name: str) -> torch.Size:
         return self.slots[self.by_chunk[self.chunk_of[name]]["param"]].host_views[name].shape

@@ -255,6 +255,7 @@ class PlanRun(EventDispatch, GradArrival, UpdateSteps, GradientOps, StateSync):
                 values = store.parameter_values()
                 for rid in store.resident():
                     store.evict(rid, writeback=False)
+                store.release_params()
                 for name, value in values.items():
                     store.params[name].data = value
                     store.params[name].grad = None
