@@ -289,6 +289,8 @@ def _shape_check(allowed: tuple[str, ...]) -> Callable[..., None]:
         if shape not in known:
             shown = ", ".join(sorted(known)[:4]) + (" …" if len(known) > 4 else "")
             raise HplanError(f"batch shape {shape} was not traced (the plan covers {shown}); its memory is "
-                             "unplanned: re-trace with `iters` covering this shape, or pad batches to a traced shape")
+                             "unplanned: run with the batch options the trace was made with (`batch_size`, `seq_len`, "
+                             "`overrides`), or re-trace and re-plan with "
+                             "`iters` covering this shape, or pad batches to a traced shape")
 
     return hook
