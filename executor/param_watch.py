@@ -10,6 +10,7 @@ before and after the plan's fetches: dtype as the run began, device the compute 
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any
 
 import torch
@@ -47,3 +48,39 @@ class ParamWatch:
 
 def _short(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
+
+
+UNFROZEN = ("the plan holds no gradient or optimizer state for it (it was frozen when the workload was traced), so "
+            "it would silently stay as it is; unfreeze before tracing, or for staged unfreezing end the attach block, "
+            "re-trace and re-plan with it trainable, and attach the new plan")
+
+
+def refuse_unfrozen(frozen: dict[str, nn.Parameter], stack: contextlib.ExitStack) -> None:
+    """A parameter the plan has as frozen that gets a gradient (unfrozen inside the block, `requires_grad_(True)`)
+    is refused when it arrives: plain PyTorch would train it from then on, the plan cannot (it trained on without
+    it, exit 0). A post-accumulate-grad hook, which never fires while the parameter stays frozen: no cost per step.
+    torch registers such hooks only on a tensor requiring grad, so the flag is set for the registration."""
+    for name, p in frozen.items():
+        p.requires_grad_(True)
+        try:
+            stack.callback(p.register_post_accumulate_grad_hook(_unfrozen(name)).remove)
+        finally:
+            p.requires_grad_(False)
+
+
+def check_unfrozen(frozen: dict[str, nn.Parameter]) -> None:
+    """On a run that left the plan (an event it does not have: unfreezing a layer adds its backward), name an
+    unfrozen parameter, the likely cause, rather than the events alone."""
+    names = [n for n, p in frozen.items() if p.requires_grad]
+    if names:
+        raise HplanError(f"parameter {names[0]} requires grad inside the attach block ({len(names)} such), but the "
+                         f"plan has it frozen (requires_grad_(True) during the run?): {UNFROZEN}")
+
+
+def _unfrozen(name: str) -> Any:
+    def hook(p: torch.Tensor) -> None:
+        p.grad = None
+        raise HplanError(f"parameter {name} got a gradient inside the attach block, but the plan has it frozen "
+                         f"(requires_grad_(True) during the run?): {UNFROZEN}")
+
+    return hook

@@ -24,10 +24,10 @@ from hplan.executor.evaluation import EvalPass
 from hplan.executor.events import EventDispatch
 from hplan.executor.grad_arrival import GradArrival
 from hplan.executor.gradients import Clip, GradientOps, warm_nonfinite_check
-from hplan.executor.habits import intercepted, with_step_hooks
+from hplan.executor.habits import ONE_OPTIMIZER, intercepted, with_step_hooks
 from hplan.executor.measure import EventRecord, WindowMeter, make_probe, window_bytes
 from hplan.executor.overlap import UpdateWorker, use_worker
-from hplan.executor.param_watch import ParamWatch
+from hplan.executor.param_watch import ParamWatch, check_unfrozen, refuse_unfrozen
 from hplan.executor.scale import LossScale
 from hplan.executor.speculate import Speculation
 from hplan.executor.state import RegionState
@@ -156,8 +156,9 @@ class PlanRun(EventDispatch, GradArrival, UpdateSteps, GradientOps, StateSync):
         check_owned(optimizer, model)
         missing = [names[id(p)] for p in model.parameters() if p.requires_grad and id(p) not in group_of]
         if missing:
-            raise HplanError(f"parameter {missing[0]} requires grad but is not in the optimizer; add it to the "
-                             "optimizer or set requires_grad=False")
+            raise HplanError(f"parameter {missing[0]} requires grad but is not in the optimizer given to attach "
+                             f"({len(missing)} such); {ONE_OPTIMIZER}, or set requires_grad=False on the ones not "
+                             "to train")
         by_name = {names[id(p)]: group_of.get(id(p), -1) for p in model.parameters()}
 
         def state_names(name: str) -> tuple[str, ...]:
@@ -214,6 +215,10 @@ class PlanRun(EventDispatch, GradArrival, UpdateSteps, GradientOps, StateSync):
         for name in (n for c in plan.chunks for n in c.trainable):
             if id(store.params[name]) not in collected:
                 self._stack.callback(store.params[name].register_post_accumulate_grad_hook(self._on_grad).remove)
+        trainable = {n for c in plan.chunks for n in c.trainable}
+        self._frozen = {n: p for n, p in store.params.items() if n not in trainable}
+        """Parameters the plan has frozen: a gradient for one is refused (`refuse_unfrozen`)."""
+        refuse_unfrozen(self._frozen, self._stack)
         self._stack.enter_context(EventHooks(model, self.on_event, forward=self._unhooked.forward,
                                              backward=self._unhooked.backward))
         self.activations.install(model, self._stack)
@@ -291,6 +296,7 @@ class PlanRun(EventDispatch, GradArrival, UpdateSteps, GradientOps, StateSync):
     def _end_iteration(self) -> list[EventRecord]:
         self.on_event("optimizer", OPTIMIZER_MODULE)
         if self.cursor != len(self.plan.steps):
+            check_unfrozen(self._frozen)
             step = self.plan.steps[self.cursor]
             raise HplanError(f"iteration {self.iteration} ended at plan step {self.cursor - 1} but the plan expects "
                              f"{step.event!r} next ({len(self.plan.steps)} steps); re-trace and re-plan this workload")

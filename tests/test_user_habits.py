@@ -134,3 +134,55 @@ def test_a_parameter_the_optimizer_gains_inside_the_block_is_refused():
                     loss.backward()
                     optimizer.step()
                     optimizer.zero_grad()
+
+
+def test_unfreezing_inside_the_block_names_the_parameter_and_the_fix():
+    """Staged unfreezing (`requires_grad_(True)` on a frozen layer at step 1): plain PyTorch trains the layer from
+    then on; the plan, traced with it frozen, has no gradient or state for it. The middle layer stayed as it was
+    while the rest trained on, exit 0; the first one (whose backward the plan never had) stopped on "event
+    mismatch ... expected 'optimizer:optimizer', got 'backward:body.0'". Both now name the parameter and re-tracing:
+    at its first gradient, or at the event the plan lacks."""
+    from hplan.errors import HplanError
+
+    for layer in (0, 1):
+        def frozen_body() -> TinyNorm:
+            model = TinyNorm()
+            model.body[layer].requires_grad_(False)
+            return model
+
+        workload = hplan.Workload(model=frozen_body, loss=tiny().loss, optimizer=hf.adamw, name="tiny-frozen",
+                                  batch=tiny().batch)
+        plan = plan_for(workload, iters=2)
+        model = workload.build_model()
+        optimizer = workload.optimizer(model.parameters())
+        with pytest.raises(HplanError, match=rf"parameter body\.{layer}\.(weight|bias) (got a gradient|requires grad) "
+                                             r"inside the attach block.*re-trace and re-plan with it trainable"):
+            with hplan.attach(model, optimizer, plan):
+                for step in range(2):
+                    if step == 1:
+                        model.body[layer].requires_grad_(True)
+                    workload.loss(model, workload.batch(step)).backward()
+                    optimizer.step()
+                    optimizer.zero_grad()
+
+
+def test_two_optimizers_on_one_model_say_what_to_do():
+    """One optimizer for the body and one for the head: attach with the body's named only "not in the optimizer",
+    and a second optimizer over parameters the plan also updates stepped them without a word (it found no `.grad`
+    or wrote weights the plan owns). Both are refused naming one optimizer with a param group per part."""
+    from hplan.errors import HplanError
+
+    workload = tiny()
+    plan = plan_for(workload, iters=2)
+    model = workload.build_model()
+    body, head = hf.adamw(model.body.parameters()), hf.adamw(model.head.parameters())
+    with pytest.raises(HplanError, match=r"parameter head\.weight requires grad but is not in the optimizer given "
+                                         r"to attach.*a param group per part"):
+        with hplan.attach(model, body, plan):
+            pass
+    everything = hf.adamw(model.parameters())
+    with pytest.raises(HplanError, match=r"a second optimizer \(AdamW\) stepped parameters.*a param group per part"):
+        with hplan.attach(model, everything, plan):
+            workload.loss(model, workload.batch(0)).backward()
+            everything.step()
+            head.step()
