@@ -84,3 +84,36 @@ def _unfrozen(name: str) -> Any:
                          f"(requires_grad_(True) during the run?): {UNFROZEN}")
 
     return hook
+
+
+class WriteWatch:
+    """In-place writes through a parameter inside the block (`with torch.no_grad(): p.mul_(0.99)`, an EMA copied
+    back, a forward hook editing its weight), checked once per iteration at optimizer.step() by version counter.
+
+    A resident parameter's `.data` is its region's fast copy. The plan writes regions through their own views,
+    which leave the parameter's version counter alone; a write through the parameter bumps it. Such a write is
+    kept only where the plan neither updates the chunk on the host (from its host copy) nor evicts its weights
+    (an eviction writes back only what the plan dirtied): elsewhere it was lost, and training parted from plain
+    PyTorch without a word. (A write to an evicted parameter is refused where it happens: hplan.executor.offloaded.)
+    No cost per event; one version read per parameter per iteration."""
+
+    def __init__(self, params: dict[str, nn.Parameter], kept: set[str], host: set[str]) -> None:
+        self.kept, self.host = kept, host
+        with torch._C.DisableTorchFunctionSubclass():
+            self.seen = {name: (p, p._version) for name, p in params.items()}
+
+    def check(self, iteration: int) -> None:
+        with torch._C.DisableTorchFunctionSubclass():  # an evicted parameter's `_version`: no tripwire
+            for name, (p, seen) in self.seen.items():
+                if p._version != seen:
+                    self._changed(name, p, iteration)
+
+    def _changed(self, name: str, p: nn.Parameter, iteration: int) -> None:
+        if name not in self.kept:
+            where = "updates it on the host from its host copy" if name in self.host else \
+                "evicts its weights without the change"
+            raise HplanError(f"parameter {name} was written in place inside the attach block (iteration {iteration}: "
+                             f"a weight decay by hand, an EMA copied back, a hook editing it?), but the plan {where}, "
+                             "so the change is lost; change weights outside the block or between blocks, or through "
+                             "the optimizer (its weight_decay)")
+        self.seen[name] = (p, p._version)

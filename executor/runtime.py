@@ -27,7 +27,7 @@ from hplan.executor.gradients import Clip, GradientOps, warm_nonfinite_check
 from hplan.executor.habits import ONE_OPTIMIZER, intercepted, with_step_hooks
 from hplan.executor.measure import EventRecord, WindowMeter, make_probe, window_bytes
 from hplan.executor.overlap import UpdateWorker, use_worker
-from hplan.executor.param_watch import ParamWatch, check_unfrozen, refuse_unfrozen
+from hplan.executor.param_watch import ParamWatch, WriteWatch, check_unfrozen, refuse_unfrozen
 from hplan.executor.scale import LossScale
 from hplan.executor.speculate import Speculation
 from hplan.executor.state import RegionState
@@ -219,6 +219,10 @@ class PlanRun(EventDispatch, GradArrival, UpdateSteps, GradientOps, StateSync):
         self._frozen = {n: p for n, p in store.params.items() if n not in trainable}
         """Parameters the plan has frozen: a gradient for one is refused (`refuse_unfrozen`)."""
         refuse_unfrozen(self._frozen, self._stack)
+        evicted = {rid for moves in self._moves for rid, _ in moves.evict}
+        host = {n for c in plan.chunks if plan.optimizer.get(c.id) == "cpu" for n in c.tensors}
+        self._writes = WriteWatch(store.params, {n for c in plan.chunks if store.region(c.id, "param") not in evicted
+                                                 for n in c.tensors} - host, host)
         self._stack.enter_context(EventHooks(model, self.on_event, forward=self._unhooked.forward,
                                              backward=self._unhooked.backward))
         self.activations.install(model, self._stack)
@@ -291,6 +295,7 @@ class PlanRun(EventDispatch, GradArrival, UpdateSteps, GradientOps, StateSync):
                              "plan does not schedule; zero gradients after optimizer.step() or before the forward")
         if self.watch is not None:
             self.watch.check(self.iteration)
+        self._writes.check(self.iteration)
         return self._end_iteration()
 
     def _end_iteration(self) -> list[EventRecord]:

@@ -186,3 +186,44 @@ def test_two_optimizers_on_one_model_say_what_to_do():
             workload.loss(model, workload.batch(0)).backward()
             everything.step()
             head.step()
+
+
+def test_an_in_place_write_to_a_resident_weight_trains_exactly_or_is_refused():
+    """`with torch.no_grad(): w.mul_(0.99)` on a weight resident at that moment (a forward pre-hook decaying its
+    module's weight, a decay by hand between steps). Where the plan keeps the weights on the fast tier and updates
+    them there, the write lands where plain PyTorch's does: bit-equal. Where it updates the chunk on the host, from
+    its host copy, the write was lost and the losses parted, exit 0: now refused at optimizer.step(), naming it."""
+    import contextlib
+
+    from hplan.errors import HplanError
+
+    workload = tiny()
+
+    def loop(plan: object, by_hand: bool = True) -> tuple[list[float], dict[str, torch.Tensor]]:
+        model = workload.build_model()
+        optimizer = workload.optimizer(model.parameters())
+
+        def decay(module: torch.nn.Module, args: object) -> None:
+            with torch.no_grad():
+                module.weight.mul_(0.99)
+
+        model.head.register_forward_pre_hook(decay)
+        losses = []
+        with hplan.attach(model, optimizer, plan) if plan is not None else contextlib.nullcontext():
+            for step in range(2):
+                loss = workload.loss(model, workload.batch(step))
+                loss.backward()
+                optimizer.step()
+                optimizer.zero_grad()
+                if by_hand:  # (at the least plan the bias is offloaded here: that write is refused where it happens)
+                    with torch.no_grad():
+                        model.body[0].bias.mul_(0.99)
+                losses.append(loss.item())
+        return losses, {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+    roomy, least = plan_for(workload, iters=2, extra=3.0), plan_for(workload, iters=2)
+    assert set(roomy.optimizer.values()) == {"gpu"} and "cpu" in least.optimizer.values()
+    ref, got = loop(None), loop(roomy)
+    assert got[0] == ref[0] and all(torch.equal(got[1][k], v) for k, v in ref[1].items())
+    with pytest.raises(HplanError, match=r"parameter head\.weight was written in place .*on the host.*weight_decay"):
+        loop(least, by_hand=False)
