@@ -57,8 +57,8 @@ class _Fetched(torch.autograd.Function):
 
 
 class Offloaded(nn.Parameter):
-    """The class of an evicted parameter (see [Note: offloaded parameter reads]); `_value` and `_name` are set by
-    the region store per parameter class and store (`bind`)."""
+    """The class of an evicted parameter (see [Note: offloaded parameter reads]); each region store makes its own
+    subclass (`offloaded_classes`), whose `_lookup` names a parameter and fetches its value."""
 
     _lookup: Callable[[int], tuple[str, Callable[[], torch.Tensor]] | None]
     _quiet: list[bool]
