@@ -28,7 +28,7 @@ import torch
 from hplan.executor.evaluation import EvalPass
 from hplan.executor.measure import EventRecord
 from hplan.executor.overlap import UpdateWorker
-from hplan.executor.param_watch import ParamWatch
+from hplan.executor.param_watch import ParamWatch, check_unfrozen
 from hplan.executor.regions import move_regions
 from hplan.executor.speculate import Speculation
 from hplan.executor.state import RegionState
@@ -71,6 +71,7 @@ class EventDispatch:
     _quiet: list[Quiet | None]
     _unhooked: Unhooked
     _watch: ParamWatch
+    _frozen: dict[str, Any]
     _collected: tuple[tuple[torch.Tensor, str], ...]
 
     def _unhooked_table(self) -> Any:
@@ -206,6 +207,7 @@ class EventDispatch:
                              "call optimizer.step() (or run.step()) once per iteration or re-plan this workload")
         step = steps[self.cursor]
         if step.event != actual:
+            check_unfrozen(self._frozen)
             hint = (" (a forward without backward? evaluate under torch.no_grad())" if kind == "forward"
                     and step.event.startswith("backward:") else "")
             raise HplanError(f"event mismatch in iteration {self.iteration} at plan step {step.index}: expected "

@@ -10,7 +10,7 @@ import functools
 from typing import Any
 
 import torch
-from hplan.executor.gradients import _SOLE_REFS, _refs, _storage_users, move_grad
+from hplan.executor.gradients import _PLAIN, _SOLE_REFS, _refs, _storage_users, move_grad
 from hplan.executor.regions import move_regions
 from hplan.executor.state import RegionState
 from hplan.executor.step_table import Moves, Unhooked
@@ -181,7 +181,9 @@ class GradArrival:
         if rid not in self._moves[cursor - 1].writes and rid not in self._unhooked.writes[cursor]:
             step = self.plan.steps[cursor - 1]
             raise HplanError(f"the gradient of {name} arrived at plan step {step.index} ({step.event}), where the "
-                             "plan does not write it; the run differs from the traced step — re-trace and re-plan")
+                             "plan does not write it; the run differs from the traced step (a term the trace did "
+                             "not see that reads weights, e.g. a penalty over model.parameters() added to the loss in "
+                             "the loop?) — trace the loss the loop computes (the Workload's loss) and re-plan")
         if c in self._updated:
             raise HplanError(f"the gradient of {name} arrived after chunk {c} was updated this iteration")
         if slot.state is _HOST:
@@ -217,17 +219,19 @@ class GradArrival:
         code reading gradients between backward and the step sees them (and writes to them land in regions)."""
         self._queued = False
         grad_of, watch, updated = self._grad_of, self.watch, self._updated
-        for name in self.written:
-            p, c, slot = grad_of[name]
-            grad = p.grad = (slot.host_views if slot.state is _HOST else slot.fast_views)[name]  # store.current
-            if watch is not None and c in updated:
-                watch.shown(name, grad)
+        with _PLAIN():  # `.grad` of an evicted parameter without its tripwire ([Note: offloaded parameter reads])
+            for name in self.written:
+                p, c, slot = grad_of[name]
+                grad = p.grad = (slot.host_views if slot.state is _HOST else slot.fast_views)[name]  # store.current
+                if watch is not None and c in updated:
+                    watch.shown(name, grad)
         self._shown.update(self.written)
 
     def _hide_grads(self) -> None:
         """Before any event: autograd must not accumulate into a shown view behind the regions' bookkeeping."""
         if self._shown:
             grad_of = self._grad_of
-            for name in self._shown:
-                grad_of[name][0].grad = None
+            with _PLAIN():
+                for name in self._shown:
+                    grad_of[name][0].grad = None
             self._shown.clear()

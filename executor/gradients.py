@@ -270,6 +270,10 @@ _SOLE_REFS = 3
 """sys.getrefcount of `grad` in move_grad when nothing else holds it: `p.grad`, the local name, the call's argument."""
 
 
+_PLAIN = torch._C.DisableTorchFunctionSubclass
+"""hplan's own `.grad` reads and writes of an evicted parameter: plain, not its class's tripwire (no Python frame)."""
+
+
 def move_grad(p: torch.Tensor, grad_target: Callable[..., tuple[torch.Tensor, bool]], *,
               adopt: frozenset[int] = frozenset()) -> None:
     """Post-accumulate-grad hook body: move autograd's gradient into its region (the first write of the iteration
@@ -283,37 +287,38 @@ def move_grad(p: torch.Tensor, grad_target: Callable[..., tuple[torch.Tensor, bo
     Such a gradient is offered to grad_target (`offer`): where its arrival would allocate the region (an unhooked
     step ahead allocates it, [Note: hooks only where the plan acts]), the region takes the gradient's memory as
     its allocation instead — no block allocated only to be dropped — and the gradient is left with none."""
-    grad = p.grad
-    if grad is None:
-        return
-    if grad.requires_grad or torch.is_grad_enabled():  # a create_graph backward: keep the region off the graph
-        target, first = grad_target(p)
-        with torch.no_grad():
-            target.copy_(grad) if first else target.add_(grad)
-        p.grad = None
-        return
-    sole = id(p) in adopt and _refs(grad) == _SOLE_REFS and grad.is_cpu and grad.is_contiguous()
-    if sole:
-        theirs = grad.untyped_storage()
-        sole = _storage_users(theirs._cdata) == 2  # the gradient tensor and `theirs`, this Python wrapper
-        del theirs
-    if sole:
-        target, first = grad_target(p, offer=grad)
-        if not grad.untyped_storage().nbytes():  # taken as the region's allocation
+    with _PLAIN():  # `.grad` of an evicted parameter without its tripwire ([Note: offloaded parameter reads])
+        grad = p.grad
+        if grad is None:
+            return
+        if grad.requires_grad or torch.is_grad_enabled():  # a create_graph backward: keep the region off the graph
+            target, first = grad_target(p)
+            with torch.no_grad():
+                target.copy_(grad) if first else target.add_(grad)
             p.grad = None
             return
-    else:
-        target, first = grad_target(p)
-    if first:
-        if sole and grad.dtype == target.dtype:
-            mine, theirs = target.untyped_storage(), grad.untyped_storage()
-            # the same size as the region (which the target view is the whole of): with `grad`'s shape, contiguous,
-            # it is all of its storage, from offset 0
-            if theirs.nbytes() == mine.nbytes() and _storage_users(theirs._cdata) == 2:
-                mine._swap_data_ptr_(theirs)  # 2 users: the gradient tensor and `theirs`, this Python wrapper
+        sole = id(p) in adopt and _refs(grad) == _SOLE_REFS and grad.is_cpu and grad.is_contiguous()
+        if sole:
+            theirs = grad.untyped_storage()
+            sole = _storage_users(theirs._cdata) == 2  # the gradient tensor and `theirs`, this Python wrapper
+            del theirs
+        if sole:
+            target, first = grad_target(p, offer=grad)
+            if not grad.untyped_storage().nbytes():  # taken as the region's allocation
                 p.grad = None
                 return
-        target.copy_(grad)
-    else:
-        target.add_(grad)
-    p.grad = None
+        else:
+            target, first = grad_target(p)
+        if first:
+            if sole and grad.dtype == target.dtype:
+                mine, theirs = target.untyped_storage(), grad.untyped_storage()
+                # the same size as the region (which the target view is the whole of): with `grad`'s shape, contiguous,
+                # it is all of its storage, from offset 0
+                if theirs.nbytes() == mine.nbytes() and _storage_users(theirs._cdata) == 2:
+                    mine._swap_data_ptr_(theirs)  # 2 users: the gradient tensor and `theirs`, this Python wrapper
+                    p.grad = None
+                    return
+            target.copy_(grad)
+        else:
+            target.add_(grad)
+        p.grad = None

@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.nn.utils.clip_grad as clip_module
 from torch.amp.grad_scaler import GradScaler
+from torch.optim.optimizer import register_optimizer_step_pre_hook
 from torch import nn
 
 from hplan.errors import HplanError
@@ -51,6 +52,7 @@ def intercepted(run: PlanRun, optimizer: torch.optim.Optimizer, model: nn.Module
         for module in model.modules():
             _patch(stack, module, "__deepcopy__", _no_deepcopy)
         _patch(stack, torch, "compile", _no_compile(run, torch.compile))
+        stack.callback(register_optimizer_step_pre_hook(_one_optimizer(run)).remove)
         for register, hook in ((optimizer.register_state_dict_pre_hook, lambda opt: run.sync_state()),
                                (optimizer.register_state_dict_post_hook, lambda opt, sd: run.release_state()),
                                (optimizer.register_load_state_dict_pre_hook, run.stash_loaded_state),
@@ -111,6 +113,26 @@ def _step(run: PlanRun, optimizer: torch.optim.Optimizer) -> Callable[..., Any]:
     return step
 
 
+ONE_OPTIMIZER = ("a plan runs one optimizer's updates: put every trainable parameter in the optimizer given to "
+                 "attach, a param group per part that differs (two optimizers, e.g. one for the body and one for "
+                 "the head, become torch.optim.AdamW([{'params': body, 'lr': 1e-4}, {'params': head, 'lr': 1e-3}]))")
+
+
+def _one_optimizer(run: PlanRun) -> Callable[..., None]:
+    """A global optimizer step pre-hook: another optimizer stepping parameters of the running model would write
+    weights the plan owns (lost, or read as NaN), or skip them for want of `.grad`: refused, naming the fix."""
+
+    def hook(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        if optimizer is run.optimizer:
+            return
+        params = [p for g in optimizer.param_groups for p in g["params"]]
+        if run.manages(params):
+            raise HplanError(f"a second optimizer ({type(optimizer).__name__}) stepped parameters of the model "
+                             f"running on the plan; {ONE_OPTIMIZER}")
+
+    return hook
+
+
 GROUPS_CHANGED = ("the optimizer's parameters changed inside the attach block (a param group added, or parameters "
                   "added to or removed from one): the plan updates the parameters it held at attach, so a new one "
                   "would silently stay as it is; set up every group before the block (and trace with them)")
@@ -147,7 +169,8 @@ def _zero(run: PlanRun, original: Callable[..., Any]) -> Callable[..., Any]:
     @functools.wraps(original)
     def zero_grad(*args: Any, **kwargs: Any) -> Any:
         run.zeroed()
-        return original(*args, **kwargs)
+        with torch._C.DisableTorchFunctionSubclass():  # `.grad` of evicted parameters: plain, no tripwire per one
+            return original(*args, **kwargs)
 
     return zero_grad
 
@@ -288,6 +311,8 @@ def _shape_check(allowed: tuple[str, ...]) -> Callable[..., None]:
         if shape not in known:
             shown = ", ".join(sorted(known)[:4]) + (" …" if len(known) > 4 else "")
             raise HplanError(f"batch shape {shape} was not traced (the plan covers {shown}); its memory is "
-                             "unplanned: re-trace with `iters` covering this shape, or pad batches to a traced shape")
+                             "unplanned: run with the batch options the trace was made with (`batch_size`, `seq_len`, "
+                             "`overrides`), or re-trace and re-plan with "
+                             "`iters` covering this shape, or pad batches to a traced shape")
 
     return hook

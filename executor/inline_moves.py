@@ -62,8 +62,9 @@ def move_inline(store: Any, at: tuple[Any, ...], lend: bool) -> None:
             if writeback and state is _DIRTY:
                 slot.host.copy_(slot.fast)
                 traffic.d2h += slot.region.bytes
-            for param, placeholder in slot.unbinds:
+            for param, placeholder, cls in slot.unbinds:
                 param.data = placeholder
+                param.__class__ = cls  # after `.data =`: an evicted parameter refuses it
             nbytes = slot.region.bytes
             if slot.adopted:  # [Note: adopted memory goes back to malloc] in hplan.executor.regions
                 slot.adopted = False
@@ -100,7 +101,8 @@ def move_inline(store: Any, at: tuple[Any, ...], lend: bool) -> None:
                     slot.storage.resize_(nbytes)
                 if copy:
                     traffic.h2d += nbytes
-                for param, view in slot.binds:
+                for param, view, cls in slot.binds:
+                    param.__class__ = cls  # first: `.data =` on an evicted parameter is refused
                     param.data = view
                 store._resident_bytes += nbytes
                 slot.state = _RESIDENT

@@ -10,6 +10,7 @@ before and after the plan's fetches: dtype as the run began, device the compute 
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any
 
 import torch
@@ -47,3 +48,72 @@ class ParamWatch:
 
 def _short(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
+
+
+UNFROZEN = ("the plan holds no gradient or optimizer state for it (it was frozen when the workload was traced), so "
+            "it would silently stay as it is; unfreeze before tracing, or for staged unfreezing end the attach block, "
+            "re-trace and re-plan with it trainable, and attach the new plan")
+
+
+def refuse_unfrozen(frozen: dict[str, nn.Parameter], stack: contextlib.ExitStack) -> None:
+    """A parameter the plan has as frozen that gets a gradient (unfrozen inside the block, `requires_grad_(True)`)
+    is refused when it arrives: plain PyTorch would train it from then on, the plan cannot (it trained on without
+    it, exit 0). A post-accumulate-grad hook, which never fires while the parameter stays frozen: no cost per step.
+    torch registers such hooks only on a tensor requiring grad, so the flag is set for the registration."""
+    for name, p in frozen.items():
+        p.requires_grad_(True)
+        try:
+            stack.callback(p.register_post_accumulate_grad_hook(_unfrozen(name)).remove)
+        finally:
+            p.requires_grad_(False)
+
+
+def check_unfrozen(frozen: dict[str, nn.Parameter]) -> None:
+    """On a run that left the plan (an event it does not have: unfreezing a layer adds its backward), name an
+    unfrozen parameter, the likely cause, rather than the events alone."""
+    names = [n for n, p in frozen.items() if p.requires_grad]
+    if names:
+        raise HplanError(f"parameter {names[0]} requires grad inside the attach block ({len(names)} such), but the "
+                         f"plan has it frozen (requires_grad_(True) during the run?): {UNFROZEN}")
+
+
+def _unfrozen(name: str) -> Any:
+    def hook(p: torch.Tensor) -> None:
+        p.grad = None
+        raise HplanError(f"parameter {name} got a gradient inside the attach block, but the plan has it frozen "
+                         f"(requires_grad_(True) during the run?): {UNFROZEN}")
+
+    return hook
+
+
+class WriteWatch:
+    """In-place writes through a parameter inside the block (`with torch.no_grad(): p.mul_(0.99)`, an EMA copied
+    back, a forward hook editing its weight), checked once per iteration at optimizer.step() by version counter.
+
+    A resident parameter's `.data` is its region's fast copy. The plan writes regions through their own views,
+    which leave the parameter's version counter alone; a write through the parameter bumps it. Such a write is
+    kept only where the plan neither updates the chunk on the host (from its host copy) nor evicts its weights
+    (an eviction writes back only what the plan dirtied): elsewhere it was lost, and training parted from plain
+    PyTorch without a word. (A write to an evicted parameter is refused where it happens: hplan.executor.offloaded.)
+    No cost per event; one version read per parameter per iteration."""
+
+    def __init__(self, params: dict[str, nn.Parameter], kept: set[str], host: set[str]) -> None:
+        self.kept, self.host = kept, host
+        with torch._C.DisableTorchFunctionSubclass():
+            self.seen = {name: (p, p._version) for name, p in params.items()}
+
+    def check(self, iteration: int) -> None:
+        with torch._C.DisableTorchFunctionSubclass():  # an evicted parameter's `_version`: no tripwire
+            for name, (p, seen) in self.seen.items():
+                if p._version != seen:
+                    self._changed(name, p, iteration)
+
+    def _changed(self, name: str, p: nn.Parameter, iteration: int) -> None:
+        if name not in self.kept:
+            where = "updates it on the host from its host copy" if name in self.host else \
+                "evicts its weights without the change"
+            raise HplanError(f"parameter {name} was written in place inside the attach block (iteration {iteration}: "
+                             f"a weight decay by hand, an EMA copied back, a hook editing it?), but the plan {where}, "
+                             "so the change is lost; change weights outside the block or between blocks, or through "
+                             "the optimizer (its weight_decay)")
+        self.seen[name] = (p, p._version)

@@ -3,7 +3,8 @@
 Layout of a chunk's regions (exactly `region.bytes`, no padding), see [Note: plan semantics]:
 - param: the chunk's tensors in order, compute dtype; a parameter's `.data` is its view while the region is
   resident, and an empty NaN placeholder of the same shape while it is not — reading a view of a freed
-  (0-byte) storage would crash the process, a placeholder gives NaN (which the non-finite guard reports);
+  (0-byte) storage would crash the process — under a class that gives a reader the exact value instead
+  ([Note: offloaded parameter reads] in hplan.executor.offloaded);
 - grad: the trainable tensors, compute dtype;
 - master: the trainable tensors, fp32 (mixed precision only);
 - state: per trainable tensor, its optimizer's per-element states in hplan.optimizers order (fp32 with a
@@ -21,6 +22,7 @@ import torch
 from hplan.executor.trace_ranges import action
 from hplan.executor.device import FastTier
 from hplan.executor.inline_moves import move_inline
+from hplan.executor.offloaded import offloaded_classes
 from hplan.executor.state import RegionState
 from hplan.executor.step_table import Moves
 from torch import nn
@@ -50,10 +52,11 @@ class Slot:
     host_views: dict[Key, torch.Tensor] = field(default_factory=dict)
     storage: Any = None
     """`fast`'s storage (the same object for the run: resizes and block swaps keep it): [Note: inline moves]."""
-    binds: tuple[tuple[torch.Tensor, torch.Tensor], ...] = ()
-    """A weight region's (parameter, its fast view) pairs: `.data` while resident."""
-    unbinds: tuple[tuple[torch.Tensor, torch.Tensor], ...] = ()
-    """A weight region's (parameter, its placeholder) pairs: `.data` while evicted."""
+    binds: tuple[tuple[torch.Tensor, torch.Tensor, type], ...] = ()
+    """A weight region's (parameter, its fast view, its own class): `.data` and class while resident."""
+    unbinds: tuple[tuple[torch.Tensor, torch.Tensor, type], ...] = ()
+    """A weight region's (parameter, its placeholder, its evicted class): `.data` and class while evicted
+    ([Note: offloaded parameter reads] in hplan.executor.offloaded)."""
     adopted: bool = False
     """Its memory is a gradient's it took (`RegionStore.take`): evicted, it goes back to malloc, not the tier's
     block cache ([Note: adopted memory goes back to malloc])."""
@@ -92,13 +95,16 @@ class RegionStore:
                                  f"bytes but this model and optimizer need {need}; the plan was made for another "
                                  "workload, precision or optimizer configuration — re-trace and re-plan it")
             self._make_views(slot, layout)
+        self.own_class, self.off_class, self.quiet = offloaded_classes(self.params, self.offloaded_value)
+        """Each parameter's class, resident and evicted ([Note: offloaded parameter reads] in hplan.executor.offloaded);
+        `quiet` is set while model.state_dict() detaches them."""
         for c in plan.chunks:
             self._adopt_weights(c.tensors, self.by_chunk[c.id]["param"])
         for slot in self.slots.values():
             slot.storage = slot.fast.untyped_storage()
             if slot.region.kind == "param":
-                slot.binds = tuple((self.params[n], view) for n, view in slot.fast_views.items())
-                slot.unbinds = tuple((self.params[n], self.placeholders[n]) for n in slot.fast_views)
+                slot.binds = tuple((self.params[n], view, self.own_class[n]) for n, view in slot.fast_views.items())
+                slot.unbinds = tuple((self.params[n], self.placeholders[n], self.off_class[n]) for n in slot.fast_views)
         self.inline_moves = type(tier) is FastTier and all(
             getattr(type(self), name) is getattr(RegionStore, name) for name in ("fetch", "alloc", "evict"))
         """[Note: inline moves] apply: the CPU twin's tier, and no subclass adding work to a move (the host
@@ -128,6 +134,7 @@ class RegionStore:
                 slot.host_views[name].copy_(p.detach())
                 self.placeholders[name] = _placeholder(p, self.tier.device)
                 p.data = self.placeholders[name]
+                p.__class__ = self.off_class[name]
 
     # -- transitions ----------------------------------------------------------------------------------
     def fetch(self, rid: int) -> None:
@@ -193,7 +200,9 @@ class RegionStore:
         slot.state = _RESIDENT
         if slot.region.kind == "param":
             for name, view in slot.fast_views.items():
-                self.params[name].data = view
+                p = self.params[name]
+                p.__class__ = self.own_class[name]  # first: `.data =` on an Offloaded parameter is refused
+                p.data = view
 
     def evict(self, rid: int, *, writeback: bool) -> None:
         """Leave the fast tier, copying fast→host first when asked. No-op when not resident."""
@@ -210,7 +219,9 @@ class RegionStore:
             self.traffic.d2h += slot.region.bytes
         if slot.region.kind == "param":
             for name in slot.fast_views:
-                self.params[name].data = self.placeholders[name]
+                p = self.params[name]
+                p.data = self.placeholders[name]
+                p.__class__ = self.off_class[name]
         if slot.adopted:  # [Note: adopted memory goes back to malloc]
             slot.adopted = False
             slot.fast.untyped_storage().resize_(0)
@@ -269,6 +280,16 @@ class RegionStore:
         """One parameter's current value, copied (model.state_dict() inside a block)."""
         with torch.no_grad():
             return self.current(self.by_chunk[self.chunk_of[name]]["param"], name).clone()
+
+    def offloaded_value(self, name: str) -> torch.Tensor:
+        """An evicted parameter's current value on the compute device, copied: what user code reads of it."""
+        with torch.no_grad():
+            return self.current(self.by_chunk[self.chunk_of[name]]["param"], name).to(self.tier.device, copy=True)
+
+    def release_params(self) -> None:
+        """Every parameter its own class again (the block ends)."""
+        for name, p in self.params.items():
+            p.__class__ = self.own_class[name]
 
     def current_shape(self, name: str) -> torch.Size:
         return self.slots[self.by_chunk[self.chunk_of[name]]["param"]].host_views[name].shape

@@ -24,11 +24,11 @@ from hplan.executor.evaluation import EvalPass
 from hplan.executor.events import EventDispatch
 from hplan.executor.grad_arrival import GradArrival
 from hplan.executor.gradients import Clip, GradientOps, warm_nonfinite_check
-from hplan.executor.habits import intercepted, with_step_hooks
+from hplan.executor.habits import ONE_OPTIMIZER, intercepted, with_step_hooks
 from hplan.executor.inline_moves import with_slots
 from hplan.executor.measure import EventRecord, WindowMeter, make_probe, window_bytes
 from hplan.executor.overlap import UpdateWorker, use_worker
-from hplan.executor.param_watch import ParamWatch
+from hplan.executor.param_watch import ParamWatch, WriteWatch, check_unfrozen, refuse_unfrozen
 from hplan.executor.scale import LossScale
 from hplan.executor.speculate import Speculation
 from hplan.executor.state import RegionState
@@ -160,8 +160,9 @@ class PlanRun(EventDispatch, GradArrival, UpdateSteps, GradientOps, StateSync):
         check_owned(optimizer, model)
         missing = [names[id(p)] for p in model.parameters() if p.requires_grad and id(p) not in group_of]
         if missing:
-            raise HplanError(f"parameter {missing[0]} requires grad but is not in the optimizer; add it to the "
-                             "optimizer or set requires_grad=False")
+            raise HplanError(f"parameter {missing[0]} requires grad but is not in the optimizer given to attach "
+                             f"({len(missing)} such); {ONE_OPTIMIZER}, or set requires_grad=False on the ones not "
+                             "to train")
         by_name = {names[id(p)]: group_of.get(id(p), -1) for p in model.parameters()}
 
         def state_names(name: str) -> tuple[str, ...]:
@@ -226,6 +227,14 @@ class PlanRun(EventDispatch, GradArrival, UpdateSteps, GradientOps, StateSync):
         for name in (n for c in plan.chunks for n in c.trainable):
             if id(store.params[name]) not in collected:
                 self._stack.callback(store.params[name].register_post_accumulate_grad_hook(self._on_grad).remove)
+        trainable = {n for c in plan.chunks for n in c.trainable}
+        self._frozen = {n: p for n, p in store.params.items() if n not in trainable}
+        """Parameters the plan has frozen: a gradient for one is refused (`refuse_unfrozen`)."""
+        refuse_unfrozen(self._frozen, self._stack)
+        evicted = {rid for moves in self._moves for rid, _ in moves.evict}
+        host = {n for c in plan.chunks if plan.optimizer.get(c.id) == "cpu" for n in c.tensors}
+        self._writes = WriteWatch(store.params, {n for c in plan.chunks if store.region(c.id, "param") not in evicted
+                                                 for n in c.tensors} - host, host)
         self._stack.enter_context(EventHooks(model, self.on_event, forward=self._unhooked.forward,
                                              backward=self._unhooked.backward))
         self.activations.install(model, self._stack)
@@ -267,6 +276,7 @@ class PlanRun(EventDispatch, GradArrival, UpdateSteps, GradientOps, StateSync):
                 values = store.parameter_values()
                 for rid in store.resident():
                     store.evict(rid, writeback=False)
+                store.release_params()
                 for name, value in values.items():
                     store.params[name].data = value
                     store.params[name].grad = None
@@ -297,11 +307,13 @@ class PlanRun(EventDispatch, GradArrival, UpdateSteps, GradientOps, StateSync):
                              "plan does not schedule; zero gradients after optimizer.step() or before the forward")
         if self.watch is not None:
             self.watch.check(self.iteration)
+        self._writes.check(self.iteration)
         return self._end_iteration()
 
     def _end_iteration(self) -> list[EventRecord]:
         self.on_event("optimizer", OPTIMIZER_MODULE)
         if self.cursor != len(self.plan.steps):
+            check_unfrozen(self._frozen)
             step = self.plan.steps[self.cursor]
             raise HplanError(f"iteration {self.iteration} ended at plan step {self.cursor - 1} but the plan expects "
                              f"{step.event!r} next ({len(self.plan.steps)} steps); re-trace and re-plan this workload")

@@ -85,12 +85,19 @@ class StateSync:
             if not local:
                 continue
             loaded: list[str] = []
+            stack.callback(module.register_state_dict_pre_hook(self._quiet_detach).remove)
             stack.callback(module.register_state_dict_post_hook(self._state_dict_hook(local)).remove)
             stack.callback(module.register_load_state_dict_pre_hook(self._load_pre_hook(local, loaded)).remove)
             stack.callback(module.register_load_state_dict_post_hook(_forget_missing(loaded)).remove)
 
+    def _quiet_detach(self, module: nn.Module, prefix: str, keep_vars: bool) -> None:
+        """torch's state_dict detaches each parameter, an offloaded one too: not a read of its value (the post-hook
+        answers with the value), so no copy ([Note: offloaded parameter reads] in hplan.executor.offloaded)."""
+        self.store.quiet[0] = True
+
     def _state_dict_hook(self, local: dict[str, str]) -> Any:
         def hook(module: nn.Module, state_dict: dict[str, Any], prefix: str, local_metadata: Any) -> None:
+            self.store.quiet[0] = False
             if self.speculation is not None:
                 self.speculation.abandon()
             for key, name in local.items():

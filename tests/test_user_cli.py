@@ -11,11 +11,13 @@ from hplan.cli import app
 runner = CliRunner()
 
 
-def test_run_takes_the_precision_from_the_plan(tmp_path):
+def test_run_takes_the_precision_from_the_plan_and_names_the_batch_options(tmp_path):
     """`hplan trace gpt:tiny --precision bf16-mixed`, `hplan plan`, then `hplan run --plan` without --precision:
     the run took accumulation and clipping from the plan but the precision from the workload (fp32), so it was
     refused ("the plan was made for precision 'bf16-mixed', this run uses 'fp32'"), asking for --precision again.
-    Now the run takes it from the plan, and a conflicting --precision is one line, exit 2."""
+    Now the run takes it from the plan, and a conflicting --precision is one line, exit 2. A run whose batches are
+    not the trace's (another --batch-size) was refused as "not traced ... re-trace with --iters covering this
+    shape", pointing away from the fix: the line now names the trace's batch options."""
     trace, plan = tmp_path / "t.parquet", tmp_path / "p.json"
     for args in (["trace", "gpt:tiny", "--device", "cpu", "--iters", "2", "--precision", "bf16-mixed", "-o",
                   str(trace)], ["plan", str(trace), "--gpu", "cpu", "--gpu-mem", "min", "-o", str(plan)]):
@@ -30,6 +32,10 @@ def test_run_takes_the_precision_from_the_plan(tmp_path):
     line = other.stderr.strip()
     assert len(line.splitlines()) == 1 and "--precision fp32" in line and "bf16-mixed" in line, line
     assert "leave --precision out" in line and not other.stdout
+    smaller = runner.invoke(app, [*run, "--batch-size", "1"])
+    line = smaller.stderr.strip()
+    assert smaller.exit_code == 2 and "Traceback" not in smaller.output and len(line.splitlines()) == 1, line
+    assert "was not traced" in line and "--batch-size, --seq-len, --set" in line, line
 
 
 def test_the_tests_plan_as_the_cli_plans(tmp_path):

@@ -134,3 +134,96 @@ def test_a_parameter_the_optimizer_gains_inside_the_block_is_refused():
                     loss.backward()
                     optimizer.step()
                     optimizer.zero_grad()
+
+
+def test_unfreezing_inside_the_block_names_the_parameter_and_the_fix():
+    """Staged unfreezing (`requires_grad_(True)` on a frozen layer at step 1): plain PyTorch trains the layer from
+    then on; the plan, traced with it frozen, has no gradient or state for it. The middle layer stayed as it was
+    while the rest trained on, exit 0; the first one (whose backward the plan never had) stopped on "event
+    mismatch ... expected 'optimizer:optimizer', got 'backward:body.0'". Both now name the parameter and re-tracing:
+    at its first gradient, or at the event the plan lacks."""
+    from hplan.errors import HplanError
+
+    for layer in (0, 1):
+        def frozen_body() -> TinyNorm:
+            model = TinyNorm()
+            model.body[layer].requires_grad_(False)
+            return model
+
+        workload = hplan.Workload(model=frozen_body, loss=tiny().loss, optimizer=hf.adamw, name="tiny-frozen",
+                                  batch=tiny().batch)
+        plan = plan_for(workload, iters=2)
+        model = workload.build_model()
+        optimizer = workload.optimizer(model.parameters())
+        with pytest.raises(HplanError, match=rf"parameter body\.{layer}\.(weight|bias) (got a gradient|requires grad) "
+                                             r"inside the attach block.*re-trace and re-plan with it trainable"):
+            with hplan.attach(model, optimizer, plan):
+                for step in range(2):
+                    if step == 1:
+                        model.body[layer].requires_grad_(True)
+                    workload.loss(model, workload.batch(step)).backward()
+                    optimizer.step()
+                    optimizer.zero_grad()
+
+
+def test_two_optimizers_on_one_model_say_what_to_do():
+    """One optimizer for the body and one for the head: attach with the body's named only "not in the optimizer",
+    and a second optimizer over parameters the plan also updates stepped them without a word (it found no `.grad`
+    or wrote weights the plan owns). Both are refused naming one optimizer with a param group per part."""
+    from hplan.errors import HplanError
+
+    workload = tiny()
+    plan = plan_for(workload, iters=2)
+    model = workload.build_model()
+    body, head = hf.adamw(model.body.parameters()), hf.adamw(model.head.parameters())
+    with pytest.raises(HplanError, match=r"parameter head\.weight requires grad but is not in the optimizer given "
+                                         r"to attach.*a param group per part"):
+        with hplan.attach(model, body, plan):
+            pass
+    everything = hf.adamw(model.parameters())
+    with pytest.raises(HplanError, match=r"a second optimizer \(AdamW\) stepped parameters.*a param group per part"):
+        with hplan.attach(model, everything, plan):
+            workload.loss(model, workload.batch(0)).backward()
+            everything.step()
+            head.step()
+
+
+def test_an_in_place_write_to_a_resident_weight_trains_exactly_or_is_refused():
+    """`with torch.no_grad(): w.mul_(0.99)` on a weight resident at that moment (a forward pre-hook decaying its
+    module's weight, a decay by hand between steps). Where the plan keeps the weights on the fast tier and updates
+    them there, the write lands where plain PyTorch's does: bit-equal. Where it updates the chunk on the host, from
+    its host copy, the write was lost and the losses parted, exit 0: now refused at optimizer.step(), naming it."""
+    import contextlib
+
+    from hplan.errors import HplanError
+
+    workload = tiny()
+
+    def loop(plan: object, by_hand: bool = True) -> tuple[list[float], dict[str, torch.Tensor]]:
+        model = workload.build_model()
+        optimizer = workload.optimizer(model.parameters())
+
+        def decay(module: torch.nn.Module, args: object) -> None:
+            with torch.no_grad():
+                module.weight.mul_(0.99)
+
+        model.head.register_forward_pre_hook(decay)
+        losses = []
+        with hplan.attach(model, optimizer, plan) if plan is not None else contextlib.nullcontext():
+            for step in range(2):
+                loss = workload.loss(model, workload.batch(step))
+                loss.backward()
+                optimizer.step()
+                optimizer.zero_grad()
+                if by_hand:  # (at the least plan the bias is offloaded here: that write is refused where it happens)
+                    with torch.no_grad():
+                        model.body[0].bias.mul_(0.99)
+                losses.append(loss.item())
+        return losses, {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+    roomy, least = plan_for(workload, iters=2, extra=3.0), plan_for(workload, iters=2)
+    assert set(roomy.optimizer.values()) == {"gpu"} and "cpu" in least.optimizer.values()
+    ref, got = loop(None), loop(roomy)
+    assert got[0] == ref[0] and all(torch.equal(got[1][k], v) for k, v in ref[1].items())
+    with pytest.raises(HplanError, match=r"parameter head\.weight was written in place .*on the host.*weight_decay"):
+        loop(least, by_hand=False)
