@@ -125,7 +125,7 @@ class GradArrival:
                 not grad.is_contiguous() or grad.dtype != dtype:
             return False
         theirs = grad.untyped_storage()
-        mine = slot.fast.untyped_storage()
+        mine = slot.storage
         if _storage_users(theirs._cdata) != 2 or theirs.nbytes() != nbytes or mine.nbytes():
             return False
         mine._swap_data_ptr_(theirs)  # RegionStore.take, inline

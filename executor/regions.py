@@ -198,11 +198,9 @@ class RegionStore:
     def _arrived(self, slot: Slot) -> None:
         self._resident_bytes += slot.region.bytes
         slot.state = _RESIDENT
-        if slot.region.kind == "param":
-            for name, view in slot.fast_views.items():
-                p = self.params[name]
-                p.__class__ = self.own_class[name]  # first: `.data =` on an Offloaded parameter is refused
-                p.data = view
+        for p, view, cls in slot.binds:  # a weight region's parameters (the binding move_inline makes too)
+            p.__class__ = cls  # first: `.data =` on an Offloaded parameter is refused
+            p.data = view
 
     def evict(self, rid: int, *, writeback: bool) -> None:
         """Leave the fast tier, copying fast→host first when asked. No-op when not resident."""
@@ -217,14 +215,12 @@ class RegionStore:
             else:  # no context manager's two Python calls per write-back
                 self.tier.d2h(slot.host, slot.fast)
             self.traffic.d2h += slot.region.bytes
-        if slot.region.kind == "param":
-            for name in slot.fast_views:
-                p = self.params[name]
-                p.data = self.placeholders[name]
-                p.__class__ = self.off_class[name]
+        for p, placeholder, cls in slot.unbinds:  # a weight region's parameters (as move_inline unbinds them)
+            p.data = placeholder
+            p.__class__ = cls
         if slot.adopted:  # [Note: adopted memory goes back to malloc]
             slot.adopted = False
-            slot.fast.untyped_storage().resize_(0)
+            slot.storage.resize_(0)
         elif getattr(_PROFILER, "_is_profiler_enabled", True) if traced is None else traced:
             with action(f"hplan::evict::{rid}"):
                 self.tier.release(slot.fast)
