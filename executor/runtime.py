@@ -224,10 +224,11 @@ class PlanRun(EventDispatch, GradArrival, UpdateSteps, GradientOps, StateSync):
         self._unhooked = self._unhooked_table()
         self._collected = self._collected_params()
         collected = {id(p) for p, _ in self._collected}
-        for name in (n for c in plan.chunks for n in c.trainable):
+        trainable = [n for c in plan.chunks for n in c.trainable]
+        for name in trainable:
             if id(store.params[name]) not in collected:
                 self._stack.callback(store.params[name].register_post_accumulate_grad_hook(self._on_grad).remove)
-        trainable = {n for c in plan.chunks for n in c.trainable}
+        trainable = set(trainable)
         self._frozen = {n: p for n, p in store.params.items() if n not in trainable}
         """Parameters the plan has frozen: a gradient for one is refused (`refuse_unfrozen`)."""
         refuse_unfrozen(self._frozen, self._stack)
