@@ -4,8 +4,9 @@ Each system is its shard factors ([Note: shard layout]) plus how it issues colle
 `planner.ranks.shard_time.CommSchedule`), each setting taken from the system's defaults in its code or paper:
 - ZeRO-3 (DeepSpeed, deepspeed/runtime/zero/config.py defaults): P = G = OS = all ranks; weights gathered
   per module and prefetched one module ahead in both passes (stage3_prefetch_bucket_size 5e7 elements, the
-  trace-based prefetcher of partitioned_param_coordinator.py); gradient reduce-scatters beside the backward
-  (overlap_comm defaults to True for stage 3) in buckets of reduce_bucket_size = 5e8 elements;
+  trace-based prefetcher of partitioned_param_coordinator.py); gradient reduce-scatters issued on their own stream
+  during the backward (overlap_comm defaults to True for stage 3) in buckets of reduce_bucket_size = 5e8
+  elements, yet holding the compute as AMSP's traces show ([Note: the paper's baselines]);
 - ZeRO++ with hpZ only (arXiv 2306.10209 §3.2; AMSP v2 ran it without qwZ/qgZ): ZeRO-3 whose backward
   gathers come from a secondary copy inside the node (a gather over the node's GPUs); the secondary copy's
   memory (weights / GPUs per node per rank) is not in the plan;
@@ -17,10 +18,11 @@ Each system is its shard factors ([Note: shard layout]) plus how it issues colle
   reduce stream, at the accumulation boundary (allreduce_mics_shard_grads: [Note: one reduction stream] in
   planner.ranks.shard_time). Gathers are flat: the hierarchical gather needs mics_hierarchical_params_gather,
   False by default (runtime/zero/config.py), and a group spanning nodes (mics_utils.create_mics_comm_groups);
-- ZeRO-3, ZeRO++ and MiCS share stage3.py's one reduce stream ([Note: one reduction stream]);
-- ZeRO-1 (DeepSpeed stage 1, runtime/zero/stage_1_and_2.py): P = G = 1, OS = all ranks; gradients reduced once
-  per step after the backward (engine.allreduce_gradients -> reduce_gradients: no hooks below stage 2 without
-  overlap_comm, which defaults to False there) in buckets of 5e8 elements on the compute stream, each bucket
+- ZeRO-3, ZeRO++ and MiCS share stage3.py's one reduce stream ([Note: one reduction stream]), and block the
+  compute stream on it as AMSP measured them ([Note: the paper's baselines]);
+- ZeRO-1 (DeepSpeed stage 1, runtime/zero/stage_1_and_2.py): P = G = 1, OS = all ranks; gradients reduced in the
+  backward with overlap_comm on, as AMSP ran it ([Note: the paper's baselines]; DeepSpeed's default is off below
+  stage 3, which reduces after the backward on the compute stream) in buckets of 5e8 elements, each bucket
   all-reduced whole over the data-parallel group (`allreduce_steps`), updated weights all-gathered after the
   step, on the compute stream, one all_gather_into_tensor per parameter group's flat buffer (stage_1_and_2.py
   step -> runtime/utils.py all_gather_dp_groups -> all_gather_into_tensor_dp_groups, DeepSpeed 0.19.8: the
@@ -36,6 +38,29 @@ Each system is its shard factors ([Note: shard layout]) plus how it issues colle
   asynchronous and settled one step later, one call per chunk).
 What no system here models: their engines' per-module CPU overhead (hooks, bookkeeping), kernels slowed by
 communication running beside them, and network congestion beyond each node's link.
+
+[Note: the paper's baselines] AMSP's evaluation (arXiv 2311.00257 v2, 13 Mar 2024, §VI.A and §VI.C) says how it
+ran the systems it compares, and the replay runs them so, reading each setting from the paper, none fitted:
+- "The communication-computation overlap configurations are consistently enabled in all baselines" (§VI.A.4):
+  ZeRO-1 is DeepSpeed's stage 1 with overlap_comm on, which hooks every gradient and all-reduces each full bucket
+  on its reduction stream during the backward (stage_1_and_2.py at v0.12.3, Nov 2023: lines 491-492
+  create_reduce_and_remove_grad_hooks when `partition_gradients or overlap_comm`, lines 956-964 average_tensor on
+  `reduction_stream`): `overlap_reductions=True`, not the compute-stream reduction after the backward of
+  DeepSpeed's default;
+- "Even when the communication-computation overlap setting is enabled, DeepSpeed-ZeRO3/MiCS/ZeRO++ fails to
+  effectively overlap ReduceScatter with computation", and "in DeepSpeed-MiCS, the ReduceScatter operation also
+  blocks the concurrent execution of AllReduce" (§VI.C, from their traces, Fig. 14 and Appendix A): stage 3's
+  reductions hold the compute stream (`overlap_reductions=False`), each bucket's reduce-scatter then MiCS's
+  all-reduce on one stream ([Note: one reduction stream]). This is their measurement, not a reading of the code:
+  stage3.py (v0.12.3 lines 1179-1213) issues the bucket on reduce_and_partition_stream and blocks the host only
+  past two buckets in flight, and what stalls the compute in their traces is not identified here (the host work of
+  reduce_scatter_coalesced on the thread that launches the kernels is one candidate: bench/multigpu_ranking.py);
+- "we disabled the overlap between Broadcast and forward computation during the end-to-end system evaluations"
+  (§VI.A.4): AMSP's updated-weight exchange after its optimizer step is not hidden behind the next forward — the
+  replay's one-iteration timeline already ends the step when that exchange ends;
+- the factors (Table IV): MiCS 8×1 (one node) for LLaMA-7B and 13B, ZeRO++'s secondary weights over 8×1 (one
+  node) without quantisation, ZeRO-1 and ZeRO-3 over all ranks, AMSP 1/1/8 and 4/4/8 — as `System.sharding`.
+The code's own defaults stay a reading in bench section 8 (`bench.multigpu_ranking.readings`).
 """
 
 from __future__ import annotations
@@ -81,12 +106,13 @@ def deepspeed_bucket(itemsize: int) -> int:
 def systems(grad_itemsize: int, amsp: tuple[int, int, int] | None = None) -> list[System]:
     """The systems of AMSP's comparison (and hplan), for gradients of `grad_itemsize` bytes."""
     ds = deepspeed_bucket(grad_itemsize)
-    zero3 = CommSchedule(prefetch=1, bucket_bytes=ds, one_reduce_stream=True)  # stage3.py's one reduce stream
+    # stage3.py's one reduce stream, holding the compute stream as AMSP measured it ([Note: the paper's baselines])
+    zero3 = CommSchedule(prefetch=1, bucket_bytes=ds, one_reduce_stream=True, overlap_reductions=False)
     out = [System(name="ZeRO-3", kind="zero3", schedule=zero3),
            System(name="ZeRO++ (hpZ)", kind="zero++hpz", schedule=zero3),
            System(name="MiCS", kind="mics", schedule=zero3),
            System(name="ZeRO-1", kind="zero1",
-                  schedule=CommSchedule(overlap_reductions=False, bucket_bytes=ds, update_gather_bytes=WHOLE))]
+                  schedule=CommSchedule(overlap_reductions=True, bucket_bytes=ds, update_gather_bytes=WHOLE))]
     if amsp is not None:
         out.append(System(name="AMSP", kind="amsp", factors=amsp,
                           schedule=CommSchedule(prefetch=1, bucket_bytes=INTERNEVO_BUCKET_BYTES,
