@@ -14,6 +14,9 @@ thread that launches the kernels, which grow with the world size (0.19.8: runtim
 AllGatherCoalescedHandle.wait, lines 782–801, one narrow (and on CUDA one record_stream) per rank per parameter per
 gather, then a torch.cat of them; runtime/comm/coalesced_collectives.py reduce_scatter_coalesced, lines 92–122, one
 slice per rank per gradient and an interleaving pass over them); `host_loop_note` times such views on this CPU.
+
+AMSP itself. `ablation_note` replays the paper's own overlap ablation (its Table V) as a check of the model where the
+paper measured the system the model describes best.
 """
 
 from __future__ import annotations
@@ -197,3 +200,35 @@ def host_loop_note(trace: Any, rows: dict, ranks: int, gpus_per_node: int, rate:
         "host's cost per view that is this CPU's, not the A800 nodes': written down, not modelled. Beyond it the "
         "model has no term for jitter amplified by synchronising every rank per call, or congestion above a node's "
         "link.")
+
+
+TABLE_V = {1: (0.54, 0.45), 2: (0.60, 0.54)}
+"""AMSP's own overlap ablation (arXiv 2311.00257 v2, Table V: LLaMA-7B on 64 GPUs, M micro-batches), MFU with its
+Broadcast not overlapped (as in its end-to-end runs), then with its AllReduce not overlapped either."""
+
+
+def ablation_note() -> str:
+    """AMSP's 1/1/8 on 64 GPUs against the paper's Table V: the replay's AMSP schedule, then with its gradient
+    all-reduce held on the compute stream — a check of the model on AMSP's own measurements, not fitted to them."""
+    from hplan.artifacts.shard import Sharding
+    from hplan.planner.options import PlanOptions
+    from hplan.planner.ranks.amsp_replay import AMSP_FACTORS, hardware_for
+    from hplan.planner.ranks.shard import make_shard_plan
+    from hplan.planner.ranks.systems import price, systems
+    from hplan.planner.synthetic import llama_trace
+
+    schedule = next(s for s in systems(2, AMSP_FACTORS["7b"]) if s.kind == "amsp").schedule
+    parts, gaps = [], []
+    for m, (paper, paper_serial) in TABLE_V.items():
+        trace = llama_trace("7b", micro_batches=m)
+        hw = hardware_for(trace, 64)
+        plan = make_shard_plan(trace, hw, PlanOptions(solver="fast", chunk_bytes=0), factors=Sharding(P=1, G=1, OS=8))
+        peak = trace.step_flops / hw.tflops_16 / 1e12
+        got = peak / price(plan, trace, schedule)["step"]
+        serial = peak / price(plan, trace, replace(schedule, overlap_reductions=False))["step"]
+        gaps += [abs(got - paper), abs(serial - paper_serial)]
+        parts.append(f"M = {m}: {fmt_pct(got, 1)} against {fmt_pct(paper, 0)}, all-reduce held "
+                     f"{fmt_pct(serial, 1)} against {fmt_pct(paper_serial, 0)}")
+    return ("AMSP's own overlap ablation (Table V, LLaMA-7B on 64 GPUs, its Broadcast not overlapped as in its "
+            "end-to-end runs), replayed at 1/1/8: " + "; ".join(parts) + f". The model's AMSP, and what hiding its "
+            f"all-reduce is worth, are within {max(gaps) * 100:.1f} points of AMSP's own measurements.")

@@ -57,13 +57,13 @@ def amsp_table(ctx: Context) -> tuple[Table, list[str]]:
             ctx.log(f"[bench]   many GPUs: LLaMA-{size} on {n} GPUs replayed")
     lines, notes = _goals(results, PAPER_MFU, PAPER_RATIO, AMSP_FACTORS)
     if ("7b", 1024) in results and not ctx.quick:  # why the ranking differs from the paper's (bench.multigpu_ranking)
-        from bench.multigpu_ranking import host_loop_note, mics_note, readings, zero1_vs_mics
+        from bench.multigpu_ranking import ablation_note, host_loop_note, mics_note, readings, zero1_vs_mics
 
         trace = llama_trace("7b", micro_batches=micro_batches(1024))
         rows, hw = results[("7b", 1024)], hardware_for(trace, 1024)
         read = readings(trace, rows, hw)
         notes[-1:-1] = [host_loop_note(trace, rows, 1024, hw.gpus_per_node), zero1_vs_mics(trace, rows, hw, read),
-                        mics_note(trace, rows, hw, read)]
+                        mics_note(trace, rows, hw, read), ablation_note()]
     table.notes.extend(notes)
     return table, lines
 
