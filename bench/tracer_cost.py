@@ -17,6 +17,9 @@ ITERS = 3
 """Iterations per trace (the tracer's default); the untraced side runs the same number of steps."""
 FAKE_SPECS_FULL = ("gpt:125m", "gpt:350m", "gpt:1.3b", "gpt:6.7b", "gpt:13b", "gpt:18b")
 FAKE_SPECS_QUICK = ("gpt:125m",)
+QUICK_PRECISION = "fp16-mixed"
+"""--quick fake-traces gpt:125m in section 6's recipe, so section 6 reuses the trace (`Context.fake_run`) and CI
+pays for one subprocess, not two; the full run keeps fp32."""
 GOAL_SECONDS, GOAL_RSS = 180.0, 4 * 10**9
 
 
@@ -76,7 +79,7 @@ def fake_rows(ctx: Context) -> tuple[Table, list[str]]:
         if spec not in specs:
             table.add(spec, f"{n / 1e9:.2f} B", "skipped in --quick", "—", "—", "—", "—", "—")
             continue
-        res = ctx.fake_run(spec)
+        res = ctx.fake_run(spec, QUICK_PRECISION if ctx.quick else "fp32")
         if not res.ok:
             table.add(spec, f"{n / 1e9:.2f} B", f"FAILED: {res.error}", "—", "—", "—", "—", "—")
             continue
@@ -90,6 +93,8 @@ def fake_rows(ctx: Context) -> tuple[Table, list[str]]:
         table.add(spec, f"{n / 1e9:.2f} B", fmt_seconds(p["trace_seconds"], 1), fmt_bytes(res.peak_rss_bytes),
                   p["n_ops"], p["n_events"], fmt_bytes(p["peak_bytes"]), goal)
     table.notes.append(f"Shape (batch, seq) = {HEADLINE_SHAPE}; the traces are reused by the movement and headline tables.")
+    if ctx.quick:
+        table.notes.append(f"--quick traces in {QUICK_PRECISION} (the headline table's recipe), not fp32.")
     return table, headline
 
 

@@ -25,3 +25,30 @@ def _torch_threads_given_back():
     yield
     if torch.get_num_threads() != before:
         torch.set_num_threads(before)
+
+
+HEAVY_FIRST = ("test_activations.py", "test_loop_habits.py", "tiers/test_executor_nvme.py", "ranks/test_launch.py",
+               "ranks/test_dist_guards.py", "ranks/test_dist_executor.py", "test_executor_training.py",
+               "test_activation_regimes.py", "checkpoints/test_executor_resume.py", "test_tracer_core.py",
+               "test_workload_misbehaves.py", "test_tracer_accuracy.py", "tiers/test_host_work_budget.py",
+               "test_selective_mix.py", "test_recipes_slack.py", "test_planner_placement.py")
+"""The fast suite's costliest files (measured 2026-11-29), dispatched first. [Note: CI's file order]"""
+
+# [Note: CI's file order]
+# CI runs `-n auto --dist loadfile --no-loadscope-reorder`: each file goes whole to one of the 2 workers, in the
+# order collected. xdist's default reorders files by their number of tests, which sent the few-test, many-second
+# files (2-rank launches, disk tiers) last, so one worker ran them alone at the end. Costly files first and the many
+# cheap ones after fill both workers to the end. The list only orders: a file missing from it runs after, as before.
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    rank = {name: i for i, name in enumerate(HEAVY_FIRST)}
+    tests = Path(__file__).parent
+
+    def order(item: pytest.Item) -> int:
+        try:
+            return rank.get(item.path.relative_to(tests).as_posix(), len(rank))
+        except ValueError:
+            return len(rank)
+
+    items.sort(key=order)  # stable: each file's own tests keep their order

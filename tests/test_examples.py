@@ -22,6 +22,8 @@ def test_own_loop_example_trains_and_moves_the_planned_bytes():
         assert int(moved) == int(planned.rstrip(")")) > 0
 
 
+@pytest.mark.slow  # CI time (a process importing transformers, tracing and training 6 steps): the README shows it as
+# the test below checks, and tests/test_trainer_integration.py trains trace_trainer + HplanCallback plans fast
 def test_trainer_example_trains_on_the_plan_on_a_cpu_machine():
     """The README's Trainer snippet, as shown: it plans for the device it runs on (here the CPU), so its first
     training step is not refused as over budget."""

@@ -35,10 +35,10 @@ def test_kill_9_mid_run_then_resume(tmp_path):
     ck = tmp_path / "ck"
     cmd = [sys.executable, "-c", "from hplan.cli import main; main()", "run", "gpt:tiny", "--plan",
            str(tmp_path / "plan.json"), "--steps", "100000", "--checkpoint", str(ck)]
-    done = kill_after_save(cmd, ck, step=3, timeout_s=60)
-    assert done >= 3
-    resumed = run_training(workload, plan, steps=done + 5, checkpoint_dir=ck, resume=True)
-    full = run_training(workload, plan, steps=done + 5)
+    done = kill_after_save(cmd, ck, step=2, timeout_s=60)
+    assert done >= 2
+    resumed = run_training(workload, plan, steps=done + 2, checkpoint_dir=ck, resume=True)
+    full = run_training(workload, plan, steps=done + 2)
     assert resumed.losses == full.losses[done:]
 
 

@@ -86,47 +86,69 @@ def test_three_settings_match_plain_pytorch_and_fsdp2(trace, tmp_path):
     assert results[0]["ckpt_files"] == ["latest.json", f"step-{STEPS // 2:06d}"]
 
 
-def test_a_rank_that_dies_stops_the_run_in_one_line(trace, tmp_path):
-    """Rank 1 exits abruptly at step 2: rank 0 fails in its next collective, the run exits 2 naming rank 1,
-    and the checkpoint of step 2 is intact."""
+def _cli(*argv: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-c", "from hplan.cli import main; main()", *argv],
+                          env={**os.environ, "COLUMNS": "300", **(env or {})}, capture_output=True, text=True,
+                          timeout=300)
+
+
+def _died_at_step_2(trace, tmp_path):
+    """A 2-rank run whose rank 1 exits abruptly at step 2: (the plan file, the checkpoint folder, the run)."""
     plan = dist_hplan.plan_at(trace, (1, 2, 2))
     plan.save(tmp_path / "plan.json")
-    env = {**os.environ, "HPLAN_TEST_DIE_AT": "1:2", "COLUMNS": "300"}
-    done = subprocess.run([sys.executable, "-c", "from hplan.cli import main; main()", "run", SPEC, "--plan",
-                           str(tmp_path / "plan.json"), "--steps", "6", "--nproc", "2", "--checkpoint",
-                           str(tmp_path / "ck")], env=env, capture_output=True, text=True, timeout=300)
+    done = _cli("run", SPEC, "--plan", str(tmp_path / "plan.json"), "--steps", "6", "--nproc", "2", "--checkpoint",
+                str(tmp_path / "ck"), env={"HPLAN_TEST_DIE_AT": "1:2"})
+    return tmp_path / "plan.json", tmp_path / "ck", done
+
+
+def _damage(folder) -> None:
+    """Overwrite the largest shard of a checkpoint folder."""
+    (max(folder.glob("*.distcp"), key=lambda f: f.stat().st_size)).write_bytes(b"x")
+
+
+def test_a_rank_that_dies_stops_the_run_in_one_line(trace, tmp_path):
+    """Rank 1 exits abruptly at step 2: rank 0 fails in its next collective, the run exits 2 naming rank 1,
+    and the checkpoint of step 2 is intact, step 1's kept as its fallback."""
+    from hplan.executor.ranks.dist_checkpoint import read_pointer
+
+    _, ck, done = _died_at_step_2(trace, tmp_path)
     assert done.returncode == 2, done.stderr
     lines = [line for line in done.stderr.splitlines() if line.startswith("error:")]
     assert len(lines) == 1 and "rank 1 of 2" in lines[0] and "code 3" in lines[0], done.stderr
     assert "Traceback" not in done.stderr  # one line (tracebacks only with hplan --debug)
+    assert read_pointer(ck)["global_step"] == 2
+    assert {k: read_pointer(ck)[k] for k in ("latest", "previous")} == {
+        "latest": "step-000002", "previous": "step-000001"}
+
+
+@pytest.mark.slow  # CI time: three 2-rank launches; tests/checkpoints checks the fallback in one process
+def test_a_damaged_newest_checkpoint_of_many_ranks_falls_back_to_the_previous(trace, tmp_path):
+    """A flipped byte in the newest shard of the dying run's checkpoint: resume falls back to step 1 with one
+    warning line (never trains on it), and the new step-000002 keeps the folder it resumed from as its fallback;
+    with that one damaged too, nothing good is left."""
+    import json
+
     from hplan.executor.ranks.dist_checkpoint import read_pointer
 
-    assert read_pointer(tmp_path / "ck")["global_step"] == 2
-    # A flipped byte in the newest shard: resume falls back to step 1 with one warning line (never trains on it).
-    shard = max((tmp_path / "ck" / "step-000002").glob("*.distcp"), key=lambda f: f.stat().st_size)
+    plan, ck, done = _died_at_step_2(trace, tmp_path)
+    assert done.returncode == 2, done.stderr
+    shard = max((ck / "step-000002").glob("*.distcp"), key=lambda f: f.stat().st_size)
     data = bytearray(shard.read_bytes())
     data[len(data) // 2] ^= 0x40
     shard.write_bytes(bytes(data))
-    cmd = [sys.executable, "-c", "from hplan.cli import main; main()", "run", SPEC, "--plan",
-           str(tmp_path / "plan.json"), "--steps", "2", "--nproc", "2", "--checkpoint", str(tmp_path / "ck"),
-           "--resume", "--json"]
-    env = {**os.environ, "COLUMNS": "300"}
-    done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    argv = ("run", SPEC, "--plan", str(plan), "--steps", "2", "--nproc", "2", "--checkpoint", str(ck), "--resume",
+            "--json")
+    done = _cli(*argv)
     assert done.returncode == 0, done.stderr
     warnings = [line for line in done.stderr.splitlines() if line.startswith("warning:")]
     assert len(warnings) == 1 and "step-000002" in warnings[0] and "step-000001" in warnings[0], done.stderr
-    import json
-
     assert json.loads(done.stdout)["first_step"] == 1
-    # The new step-000002 keeps the folder the run resumed from as its fallback (not the damaged one it replaced).
-    assert {k: read_pointer(tmp_path / "ck")[k] for k in ("latest", "previous")} == {
+    assert {k: read_pointer(ck)[k] for k in ("latest", "previous")} == {
         "latest": "step-000002", "previous": "step-000001"}
-    # Nothing good left (the new step-000002 and its fallback both damaged): exit 2, one line.
     for folder in ("step-000002", "step-000001"):
-        target = tmp_path / "ck" / folder
-        if target.is_dir():
-            (max(target.glob("*.distcp"), key=lambda f: f.stat().st_size)).write_bytes(b"x")
-    done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+        if (ck / folder).is_dir():
+            _damage(ck / folder)
+    done = _cli(*argv)
     assert done.returncode == 2 and "no good checkpoint" in done.stderr, done.stderr
 
 
