@@ -141,3 +141,27 @@ class WriteWatch:
                              "so the change is lost; change weights outside the block or between blocks, or through "
                              "the optimizer (its weight_decay)")
         self.seen[name] = (p, p._version)
+
+
+def refuse_shared_memory(params: dict[str, nn.Parameter]) -> None:
+    """Two parameters over the same memory (tied by data, `b.weight.data = a.weight.data`, not as one Parameter):
+    plain PyTorch's updates of both land in that memory, while the plan gives each its own region, so they trained
+    apart, exit 0. Refused at attach, naming both. (One Parameter in two modules is one parameter to the plan.)"""
+    spans = []
+    with torch._C.DisableTorchFunctionSubclass():
+        for name, p in params.items():
+            ptr = p.untyped_storage().data_ptr() if p.numel() else 0
+            if ptr:
+                start = ptr + p.storage_offset() * p.element_size()
+                extent = 1 + sum((size - 1) * stride for size, stride in zip(p.shape, p.stride(), strict=True))
+                spans.append((start, start + extent * p.element_size(), name))
+    spans.sort()
+    end, last = 0, ""
+    for start, stop, name in spans:
+        if start < end:
+            raise HplanError(f"parameters {last} and {name} share memory (tied by .data?): plain PyTorch's updates of "
+                             "both land in it, the plan gives each its own, so they would train apart; tie them as "
+                             "one Parameter (module_b.weight = module_a.weight) or give each its own copy (.clone()), "
+                             "then re-trace")
+        if stop > end:
+            end, last = stop, name

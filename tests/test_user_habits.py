@@ -246,3 +246,28 @@ def test_new_data_for_a_resident_weight_is_refused():
                 optimizer.step()
                 optimizer.zero_grad()
                 model.head.weight.data = torch.zeros_like(model.head.weight)
+
+
+class TiedByData(torch.nn.Module):
+    """Two layers whose weights are tied by data (`b.weight.data = a.weight.data`), not as one Parameter."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = torch.nn.Linear(16, 16, bias=False), torch.nn.Linear(16, 16, bias=False)
+        self.b.weight.data = self.a.weight.data
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.b(torch.relu(self.a(x))).logsumexp(-1).mean()
+
+
+def test_parameters_tied_by_data_are_refused_naming_both():
+    """In plain PyTorch both updates land in the one memory; the plan gave each weight its own region, so they
+    trained apart (losses parted from the second step, at the floor and all-resident alike), exit 0. Refused."""
+    from hplan.errors import HplanError
+
+    workload = hplan.Workload(model=TiedByData, loss=lambda m, b: m(b), optimizer=hf.adamw, name="tied-by-data",
+                              batch=lambda s: torch.randn(8, 16, generator=torch.Generator().manual_seed(s)))
+    model = workload.build_model()
+    with pytest.raises(HplanError, match=r"parameters a\.weight and b\.weight share memory.*one Parameter"):
+        with hplan.attach(model, workload.optimizer(model.parameters()), plan_for(workload, iters=2, extra=3.0)):
+            pass
