@@ -93,9 +93,18 @@ class Alias(torch.Tensor):
 
     _param: str
 
-    def __repr__(self, **kwargs: Any) -> str:  # printed as the plain tensor plain PyTorch hands out
+    def _plain(self) -> torch.Tensor:
         with torch._C.DisableTorchFunctionSubclass():
-            return repr(self.as_subclass(torch.Tensor))
+            return self.as_subclass(torch.Tensor)
+
+    def __repr__(self, **kwargs: Any) -> str:  # printed, copied and saved as the plain tensor plain PyTorch hands out
+        return repr(self._plain())
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> torch.Tensor:
+        return self._plain().clone()
+
+    def __reduce_ex__(self, protocol: Any) -> Any:
+        return self._plain().__reduce_ex__(protocol)
 
     @classmethod
     def __torch_function__(cls, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:

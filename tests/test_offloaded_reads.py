@@ -5,6 +5,7 @@ went on, exit 0. A tied Llama from its config (random weights), planned at its m
 from __future__ import annotations
 
 import contextlib
+import copy
 from typing import Any
 
 import hf_models as hf
@@ -112,6 +113,9 @@ def test_a_write_through_an_alias_of_an_offloaded_parameter_names_it(planned):
         for write in writes:
             with torch.no_grad(), pytest.raises(HplanError, match=rf"parameter {name} is written .*weight_decay"):
                 write()
+        kept = copy.deepcopy(param.data)  # a "best weights" copy: plain, and its own (it crashed in deepcopy)
+        assert type(kept) is torch.Tensor and torch.equal(kept, model.state_dict()[name])
+        kept.mul_(0.5)
 
 
 def _ema_loop(workload: hplan.Workload, plan: Any) -> tuple[list[torch.Tensor], dict[str, torch.Tensor]]:
