@@ -28,7 +28,7 @@ import torch
 from hplan.executor.evaluation import EvalPass
 from hplan.executor.measure import EventRecord
 from hplan.executor.overlap import UpdateWorker
-from hplan.executor.param_watch import ParamWatch, check_unfrozen
+from hplan.executor.param_watch import ParamWatch, WriteWatch, check_unfrozen
 from hplan.executor.regions import move_regions
 from hplan.executor.speculate import Speculation
 from hplan.executor.state import RegionState
@@ -71,6 +71,7 @@ class EventDispatch:
     _quiet: list[Quiet | None]
     _unhooked: Unhooked
     _watch: ParamWatch
+    _writes: WriteWatch
     _frozen: dict[str, Any]
     _collected: tuple[tuple[torch.Tensor, str], ...]
 
@@ -192,6 +193,8 @@ class EventDispatch:
     def _general_event(self, kind: str, module: str) -> None:
         actual = f"{kind}:{module}"
         steps = self.plan.steps
+        if self.cursor == 0 and self.evaluating is None:  # the first move since the user's code between steps
+            self._writes.bound(self.iteration)  # [Note: new data for a parameter] in hplan.executor.param_watch
         if self.evaluating is not None and self.evaluating.on_event(kind, actual):
             return
         self.evaluating = None

@@ -13,8 +13,13 @@ class swap at each move (no per-operator check; resident parameters are plain). 
   plain PyTorch; with gradients enabled the copy's gradient flows back to the parameter (`_Fetched`), so a
   penalty in the loss trains as plain PyTorch does, where the plan schedules that gradient (elsewhere the
   executor refuses it; its memory is outside the plan, and the budget guard counts it);
-- a write (an in-place operator, `.data`, `out=`) is refused naming the parameter and the fix: the plan owns the
-  weights there, so the write would be lost.
+- a write (an in-place operator, `p[i] = …`, `.data = …`, `out=`) is refused naming the parameter and the fix: the
+  plan owns the weights there, so the write would be lost. Only the tensor written counts: an EMA reading the
+  parameter (`ema.mul_(d).add_(p, alpha=1 - d)`, `torch._foreach_add_(emas, params)`) reads it exactly;
+- an alias (`.data`, `.detach()`, a view, `p[0]`) is the value's copy under the class `Alias`, which refuses a
+  write through it (and through its own views) the same way: in plain PyTorch `p.detach().mul_(0.5)` changes the
+  weight, here it changed the copy and was lost without a word. A read through one is exact at the time it is
+  made; an alias held across a step goes stale (plain PyTorch's tracks the weight): make it when it is read.
 """
 
 from __future__ import annotations
@@ -36,8 +41,10 @@ _METADATA = {getattr(_T, n).__get__ for n in ("shape", "dtype", "device", "requi
 _METADATA |= {_T.grad.__set__, _T.requires_grad.__set__, _T.size, _T.dim, _T.numel, _T.nelement,
               _T.element_size, _T.is_floating_point, _T.is_complex, _T.requires_grad_, _T.register_hook,
               _T.register_post_accumulate_grad_hook, _T.__len__, _T.get_device, _T.type}
-_WRITES = {_T.data.__get__, _T.data.__set__}
-"""`.data` hands out (or replaces) the placeholder itself: a write through it would be lost."""
+_VALUES = {_T.data.__get__, _T.data.__set__}
+"""`.data` is no metadata: it hands out the value (an `Alias`) or replaces it (a write, refused)."""
+_SETS = {_T.data.__set__, _T.__setitem__}
+"""Writes that are not in-place operators (compared by equality: each `_T.data.__set__` is a new object)."""
 
 FIX = ("the plan keeps it off the fast tier at this point, so the change would be lost; change weights outside "
        "the attach block, or between steps with model.load_state_dict() (a decay by hand: the optimizer's "
@@ -67,29 +74,99 @@ class Offloaded(nn.Parameter):
     def __torch_function__(cls, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
         if func in _METADATA or getattr(func, "__name__", "") in ("__get__", "__set__", "__delete__") and \
-                func not in _WRITES:  # attributes: metadata, hooks, .grad (not values)
+                func not in _VALUES:  # attributes: metadata, hooks, .grad (not values)
             with torch._C.DisableTorchFunctionSubclass():
                 return func(*args, **kwargs)
         if cls._quiet[0] and func is _T.detach:  # model.state_dict(): its own hook answers with the value
             with torch._C.DisableTorchFunctionSubclass():
                 return func(*args, **kwargs)
-        name = getattr(func, "__name__", str(func))
-        if func in _WRITES or name.endswith("_") and not name.startswith("__") or \
-                name.startswith("__i") and name.endswith("__") or _written(kwargs.get("out")):
-            first = _first_offloaded((args, kwargs.get("out")))
-            label = "." + (func.__self__.__name__ if func in _WRITES else name)  # type: ignore[union-attr]
-            raise HplanError(f"parameter {cls._lookup(id(first))[0] if first is not None else '?'} is written "
-                             f"({label}) inside the attach block; {FIX}")
-        return func(*_fetched(args), **_fetched(kwargs))
+        _refuse_write(func, args, kwargs, Offloaded)
+        copies: list[torch.Tensor] = []
+        result = func(*_fetched(args, copies), **_fetched(kwargs, copies))
+        return _aliased(result, copies, cls._lookup) if copies else result
 
 
-def _written(out: Any) -> bool:
-    return _first_offloaded(out) is not None
+class Alias(torch.Tensor):
+    """A copy of an offloaded parameter's value handed out where plain PyTorch hands out an alias of the parameter
+    (`.data`, `.detach()`, a view): reads answer as plain tensors, a write names the parameter and is refused
+    (see [Note: offloaded parameter reads])."""
+
+    _param: str
+
+    def _plain(self) -> torch.Tensor:
+        with torch._C.DisableTorchFunctionSubclass():
+            return self.as_subclass(torch.Tensor)
+
+    def __repr__(self, **kwargs: Any) -> str:  # printed, copied and saved as the plain tensor plain PyTorch hands out
+        return repr(self._plain())
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> torch.Tensor:
+        return self._plain().clone()
+
+    def __reduce_ex__(self, protocol: Any) -> Any:
+        return self._plain().__reduce_ex__(protocol)
+
+    @classmethod
+    def __torch_function__(cls, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        _refuse_write(func, args, kwargs, Alias)
+        aliases = [t for t in _tensors((args, kwargs)) if isinstance(t, Alias)]
+        with torch._C.DisableTorchFunctionSubclass():
+            result = func(*args, **kwargs)
+        return _aliased(result, aliases, None)
 
 
-def _first_offloaded(tree: Any) -> Any:
-    if isinstance(tree, Offloaded):
-        return tree
+def _refuse_write(func: Any, args: Any, kwargs: dict[str, Any], kind: type) -> None:
+    """Raise where `func` writes an offloaded parameter or an alias of one (`kind`): an in-place operator's own
+    tensor (the first argument; torch.nn.init passes it as `tensor=`), `out=`, `.data =`, `p[i] = …`. An argument
+    only read (an EMA's `add_(p)`) is not a write."""
+    name = getattr(func, "__name__", "")
+    if func in _SETS or _first(kwargs.get("out"), kind) is not None:
+        pass
+    elif not (name.endswith("_") and not name.startswith("__") or name.startswith("__i") and name.endswith("__")):
+        return
+    written = _first(args[:1] if args else kwargs.get("tensor", kwargs.get("input", kwargs.get("self"))), kind)
+    written = written if written is not None else _first(kwargs.get("out"), kind)
+    if written is None:
+        return
+    label = ("data =" if func == _T.data.__set__ else "[…] =") if func in _SETS else name
+    param = written._param if kind is Alias else type(written)._lookup(id(written))  # type: ignore[attr-defined]
+    param = param if kind is Alias else param[0] if param is not None else "?"
+    via = " through an alias (.data, .detach(), a view)" if kind is Alias else ""
+    raise HplanError(f"parameter {param} is written{via} (.{label}) inside the attach block; {FIX}")
+
+
+def _first(tree: Any, kind: type) -> Any:
+    """The first tensor of class `kind` in `tree` (nested lists, tuples, dict values)."""
+    return next((t for t in _tensors(tree) if isinstance(t, kind)), None)
+
+
+def _tensors(tree: Any) -> list[Any]:
+    if isinstance(tree, torch.Tensor):
+        return [tree]
+    if isinstance(tree, (list, tuple)):
+        return [t for item in tree for t in _tensors(item)]
+    if isinstance(tree, dict):
+        return _tensors(list(tree.values()))
+    return []
+
+
+def _aliased(result: Any, sources: list[torch.Tensor], lookup: Any) -> Any:
+    """`result` with each tensor that shares memory with a fetched copy (or an alias) as an `Alias` of the
+    parameter it came from: in plain PyTorch it would alias that parameter."""
+    if isinstance(result, (list, tuple)) and not isinstance(result, torch.Size):
+        items = [_aliased(r, sources, lookup) for r in result]
+        return type(result)(items) if isinstance(result, list) or type(result) is tuple else result
+    if not isinstance(result, torch.Tensor) or isinstance(result, nn.Parameter):
+        return result
+    with torch._C.DisableTorchFunctionSubclass():
+        ptr = result.untyped_storage().data_ptr()
+        source = next((s for s in sources if ptr and s.untyped_storage().data_ptr() == ptr), None)
+        if source is None:
+            return result.as_subclass(torch.Tensor) if isinstance(result, Alias) else result
+        alias = result.as_subclass(Alias)
+    alias._param = getattr(source, "_param", None) or source._hplan_param  # type: ignore[attr-defined]
+    return alias
     if isinstance(tree, (list, tuple)):
         for item in tree:
             if (found := _first_offloaded(item)) is not None:
@@ -99,24 +176,27 @@ def _first_offloaded(tree: Any) -> Any:
     return None
 
 
-def _fetched(tree: Any) -> Any:
-    """`tree` with every offloaded parameter replaced by its current value (differentiable into it)."""
+def _fetched(tree: Any, copies: list[torch.Tensor]) -> Any:
+    """`tree` with every offloaded parameter replaced by its current value (differentiable into it); each copy
+    is added to `copies`, named, so results sharing its memory become `Alias`es."""
     if isinstance(tree, Offloaded):
         found = type(tree)._lookup(id(tree))
         if found is None:
             raise HplanError("a parameter of a model whose attach block has ended was read while offloaded; "
                              "this is a bug in hplan")
         value = found[1]()
+        value._hplan_param = found[0]  # type: ignore[attr-defined]
+        copies.append(value)
         if tree.requires_grad and torch.is_grad_enabled():
             with torch._C.DisableTorchFunctionSubclass():
                 return _Fetched.apply(tree, value)
         return value
     if isinstance(tree, list):
-        return [_fetched(t) for t in tree]
+        return [_fetched(t, copies) for t in tree]
     if isinstance(tree, tuple):
-        return tuple(_fetched(t) for t in tree)
+        return tuple(_fetched(t, copies) for t in tree)
     if isinstance(tree, dict):
-        return {k: _fetched(v) for k, v in tree.items()}
+        return {k: _fetched(v, copies) for k, v in tree.items()}
     return tree
 
 

@@ -95,18 +95,42 @@ class WriteWatch:
     kept only where the plan neither updates the chunk on the host (from its host copy) nor evicts its weights
     (an eviction writes back only what the plan dirtied): elsewhere it was lost, and training parted from plain
     PyTorch without a word. (A write to an evicted parameter is refused where it happens: hplan.executor.offloaded.)
-    No cost per event; one version read per parameter per iteration."""
+    No cost per event; one version read per parameter per iteration.
 
-    def __init__(self, params: dict[str, nn.Parameter], kept: set[str], host: set[str]) -> None:
+    [Note: new data for a parameter] `p.data = t` inside the block (a layer re-initialised by hand, weights swapped
+    in) leaves the version counter alone, so it is checked apart: each parameter must be bound where the region
+    store put it (its region's fast view while resident, its placeholder while evicted). Unbound, the plan's next
+    move of its region rebinds it and `t` is dropped, or, kept resident, the steps read `t` while the optimizer
+    updates the region: training parted from plain PyTorch, exit 0. Checked before an iteration's (or an
+    evaluation's) first move (`bound`): a write between steps is seen before any move drops it; one inside a step
+    (a hook) is seen at the next iteration where the region stayed resident. One `is_set_to` per parameter per
+    iteration; no cost per event."""
+
+    def __init__(self, params: dict[str, nn.Parameter], kept: set[str], host: set[str], slots: Any = ()) -> None:
         self.kept, self.host = kept, host
         with torch._C.DisableTorchFunctionSubclass():
             self.seen = {name: (p, p._version) for name, p in params.items()}
+        self.weights = [s for s in slots if s.binds]
+        """The weight regions' slots ([Note: new data for a parameter])."""
+        self.names = {id(p): name for name, p in params.items()}
 
     def check(self, iteration: int) -> None:
         with torch._C.DisableTorchFunctionSubclass():  # an evicted parameter's `_version`: no tripwire
             for name, (p, seen) in self.seen.items():
                 if p._version != seen:
                     self._changed(name, p, iteration)
+
+    def bound(self, iteration: int) -> None:
+        """Every parameter still bound where its region store put it ([Note: new data for a parameter])."""
+        with torch._C.DisableTorchFunctionSubclass():
+            for slot in self.weights:
+                for p, target, _ in slot.binds if slot.state.on_fast_tier else slot.unbinds:
+                    if not p.is_set_to(target):
+                        raise HplanError(f"parameter {self.names.get(id(p), '?')} was given new data (`.data = …`) "
+                                         f"inside the attach block (seen at iteration {iteration}), but the plan holds its "
+                                         "weights in its own buffers and binds .data at each move, so the new data "
+                                         "would be ignored or lost; copy new values in with model.load_state_dict() "
+                                         "between steps, or set them before the block")
 
     def _changed(self, name: str, p: nn.Parameter, iteration: int) -> None:
         if name not in self.kept:
@@ -117,3 +141,27 @@ class WriteWatch:
                              "so the change is lost; change weights outside the block or between blocks, or through "
                              "the optimizer (its weight_decay)")
         self.seen[name] = (p, p._version)
+
+
+def refuse_shared_memory(params: dict[str, nn.Parameter]) -> None:
+    """Two parameters over the same memory (tied by data, `b.weight.data = a.weight.data`, not as one Parameter):
+    plain PyTorch's updates of both land in that memory, while the plan gives each its own region, so they trained
+    apart, exit 0. Refused at attach, naming both. (One Parameter in two modules is one parameter to the plan.)"""
+    spans = []
+    with torch._C.DisableTorchFunctionSubclass():
+        for name, p in params.items():
+            ptr = p.untyped_storage().data_ptr() if p.numel() else 0
+            if ptr:
+                start = ptr + p.storage_offset() * p.element_size()
+                extent = 1 + sum((size - 1) * stride for size, stride in zip(p.shape, p.stride(), strict=True))
+                spans.append((start, start + extent * p.element_size(), name))
+    spans.sort()
+    end, last = 0, ""
+    for start, stop, name in spans:
+        if start < end:
+            raise HplanError(f"parameters {last} and {name} share memory (tied by .data?): plain PyTorch's updates of "
+                             "both land in it, the plan gives each its own, so they would train apart; tie them as "
+                             "one Parameter (module_b.weight = module_a.weight) or give each its own copy (.clone()), "
+                             "then re-trace")
+        if stop > end:
+            end, last = stop, name

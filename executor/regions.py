@@ -23,6 +23,7 @@ from hplan.executor.trace_ranges import action
 from hplan.executor.device import FastTier
 from hplan.executor.inline_moves import move_inline
 from hplan.executor.offloaded import offloaded_classes
+from hplan.executor.param_watch import refuse_shared_memory
 from hplan.executor.state import RegionState
 from hplan.executor.step_table import Moves
 from torch import nn
@@ -375,4 +376,5 @@ def plan_params(model: nn.Module, plan: Plan) -> dict[str, nn.Parameter]:
     if changed:
         raise HplanError(f"parameter {changed[0]} is {'trainable' if params[changed[0]].requires_grad else 'frozen'} "
                          f"here but not in the plan ({len(changed)} such); re-trace with the same requires_grad flags")
+    refuse_shared_memory(params)
     return params

@@ -5,6 +5,7 @@ went on, exit 0. A tied Llama from its config (random weights), planned at its m
 from __future__ import annotations
 
 import contextlib
+import copy
 from typing import Any
 
 import hf_models as hf
@@ -94,3 +95,55 @@ def test_a_write_to_an_offloaded_parameter_names_it(planned):
         for write in (lambda: param.mul_(0.99), lambda: param.data.mul_(0.99), lambda: torch.mul(param, 2, out=param)):
             with torch.no_grad(), pytest.raises(HplanError, match=rf"parameter {name} is written .*weight_decay"):
                 write()
+
+
+def test_a_write_through_an_alias_of_an_offloaded_parameter_names_it(planned):
+    """In plain PyTorch `.detach()`, `.data` and views alias the weight, so `p.detach().mul_(0.5)` changes it: here
+    they were copies of its value and the write was lost, exit 0. Refused, naming the parameter (torch.nn.init's
+    `normal_(p)`, which passes the tensor by keyword, named it '?')."""
+    workload, plan = planned
+    model = workload.build_model()
+    optimizer = workload.optimizer(model.parameters())
+    name = _offloaded(plan)[0]
+    param = dict(model.named_parameters())[name]
+    writes = (lambda: param.detach().mul_(0.5), lambda: param.data.mul_(0.5), lambda: param.detach()[0].zero_(),
+              lambda: param.view(-1).copy_(torch.zeros(param.numel())), lambda: param.data.__setitem__(0, 0.0),
+              lambda: torch.nn.init.normal_(param), lambda: param.__setitem__(0, 0.0))
+    with hplan.attach(model, optimizer, plan):
+        for write in writes:
+            with torch.no_grad(), pytest.raises(HplanError, match=rf"parameter {name} is written .*weight_decay"):
+                write()
+        kept = copy.deepcopy(param.data)  # a "best weights" copy: plain, and its own (it crashed in deepcopy)
+        assert type(kept) is torch.Tensor and torch.equal(kept, model.state_dict()[name])
+        kept.mul_(0.5)
+
+
+def _ema_loop(workload: hplan.Workload, plan: Any) -> tuple[list[torch.Tensor], dict[str, torch.Tensor]]:
+    """An EMA of the weights updated after each step, three ways a user writes one: reading the parameter, its
+    `.data`, and torch._foreach over all of them."""
+    torch.manual_seed(0)
+    model = workload.build_model()
+    optimizer = workload.optimizer(model.parameters())
+    params = list(model.parameters())
+    ema = [[p.detach().clone() for p in params] for _ in range(3)]
+    with hplan.attach(model, optimizer, plan) if plan is not None else contextlib.nullcontext():
+        for step in range(2):
+            workload.loss(model, workload.batch(step)).backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            with torch.no_grad():
+                for e0, e1, p in zip(ema[0], ema[1], params):
+                    e0.mul_(0.9).add_(p, alpha=0.1)
+                    e1.copy_(e1 * 0.9 + 0.1 * p.data)
+                torch._foreach_lerp_(ema[2], params, 0.1)
+    return [e for group in ema for e in group], {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def test_an_ema_reading_offloaded_parameters_is_exact(planned):
+    """Before, `ema.add_(p)` was refused as a write to p (an in-place operator with p among its arguments) and
+    `p.data` refused outright: an EMA, read-only on the weights, could not run at all. Now bit-equal to plain
+    PyTorch."""
+    workload, plan = planned
+    ref, got = _ema_loop(workload, None), _ema_loop(workload, plan)
+    assert all(torch.equal(a, b) for a, b in zip(ref[0], got[0]))
+    assert all(torch.equal(ref[1][k], got[1][k]) for k in ref[1])

@@ -333,3 +333,20 @@ def test_defer_updates_flag_reaches_the_trace():
     assert TrainStep(dataclasses.replace(w, defer_updates=True)).defer_updates
     with pytest.raises(HplanError, match="defer_updates"):
         dataclasses.replace(w, defer_updates="yes")
+
+
+def test_neftune_noise_is_in_the_traced_step(tmp_path):
+    """`neftune_noise_alpha`: Trainer.train() adds a forward hook that adds noise to the embeddings. The traced
+    model lacked it, so the plan missed the noise's bytes at the embedding step (Phi-3 from its config at its
+    floor: 13,328 B used there against 9,192 B planned) and traced a step other than the one trained. Now the
+    workload's model is the trained one: the same loss as the Trainer's model with NEFTune on, draw for draw."""
+    from transformers.integrations.neftune import activate_neftune
+
+    t = trainer(gpt2, tmp_path, Tokens(8), max_steps=2, neftune_noise_alpha=5.0)
+    w = workload_from_trainer(t, steps=2)
+    activate_neftune(t.model, 5.0)
+    losses = []
+    for model in (w.build_model(), t.model):
+        torch.manual_seed(3)
+        losses.append(w.loss(model, w.batch(0)).item())
+    assert losses[0] == losses[1]

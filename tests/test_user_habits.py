@@ -227,3 +227,47 @@ def test_an_in_place_write_to_a_resident_weight_trains_exactly_or_is_refused():
     assert got[0] == ref[0] and all(torch.equal(got[1][k], v) for k, v in ref[1].items())
     with pytest.raises(HplanError, match=r"parameter head\.weight was written in place .*on the host.*weight_decay"):
         loop(least, by_hand=False)
+
+
+def test_new_data_for_a_resident_weight_is_refused():
+    """`layer.weight.data = torch.zeros_like(layer.weight)` between steps (a layer re-initialised by hand) on a weight
+    the plan keeps resident: the forward read the new data while the optimizer updated the plan's buffer, so the
+    weight never trained again and state_dict() answered with the other copy, exit 0. `.data =` leaves the version
+    counter alone; now the binding is checked before the next iteration's first move, and refused naming it."""
+    from hplan.errors import HplanError
+
+    workload = tiny()
+    model = workload.build_model()
+    optimizer = workload.optimizer(model.parameters())
+    with pytest.raises(HplanError, match=r"parameter head\.weight was given new data .*load_state_dict"):
+        with hplan.attach(model, optimizer, plan_for(workload, iters=2, extra=3.0)):
+            for step in range(2):
+                workload.loss(model, workload.batch(step)).backward()
+                optimizer.step()
+                optimizer.zero_grad()
+                model.head.weight.data = torch.zeros_like(model.head.weight)
+
+
+class TiedByData(torch.nn.Module):
+    """Two layers whose weights are tied by data (`b.weight.data = a.weight.data`), not as one Parameter."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = torch.nn.Linear(16, 16, bias=False), torch.nn.Linear(16, 16, bias=False)
+        self.b.weight.data = self.a.weight.data
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.b(torch.relu(self.a(x))).logsumexp(-1).mean()
+
+
+def test_parameters_tied_by_data_are_refused_naming_both():
+    """In plain PyTorch both updates land in the one memory; the plan gave each weight its own region, so they
+    trained apart (losses parted from the second step, at the floor and all-resident alike), exit 0. Refused."""
+    from hplan.errors import HplanError
+
+    workload = hplan.Workload(model=TiedByData, loss=lambda m, b: m(b), optimizer=hf.adamw, name="tied-by-data",
+                              batch=lambda s: torch.randn(8, 16, generator=torch.Generator().manual_seed(s)))
+    model = workload.build_model()
+    with pytest.raises(HplanError, match=r"parameters a\.weight and b\.weight share memory.*one Parameter"):
+        with hplan.attach(model, workload.optimizer(model.parameters()), plan_for(workload, iters=2, extra=3.0)):
+            pass

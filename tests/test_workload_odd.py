@@ -90,7 +90,7 @@ def default_dtype_restored():
 @pytest.mark.parametrize("command,mode,fragment", [
     ("run", "no_grad", "does not require a gradient"),
     ("trace", "patched_adamw", "MyAdamW is not supported"),
-    ("run", "hook_to_meta", "parameter 0.weight is written (.data) inside the attach block"),
+    ("run", "hook_to_meta", "parameter 0.weight is written (.data =) inside the attach block"),
     ("run", "hook_to_double", "parameter 3.weight became float64 before the forward of 3"),
     ("trace", "delete_param --set at=1", "parameters changed during iteration 2 (gone or replaced: 0.bias)"),
     ("trace", "replace_param --set at=0", "parameters changed during iteration 1 (gone or replaced: 0.bias; new: 0.bias)"),

@@ -172,7 +172,7 @@ def workload_from_trainer(trainer: Trainer, *, steps: int = DEFAULT_STEPS) -> hp
     """The Workload of the Trainer's own training step, to trace and plan before `trainer.train()`.
 
     Model: a copy of `trainer.model` as it is now (call this before training), with activation checkpointing
-    enabled as `train()` will enable it. Batches: the first `steps` optimizer steps of the Trainer's own train
+    and NEFTune's embedding noise (`neftune_noise_alpha`) enabled as `train()` will enable them. Batches: the first `steps` optimizer steps of the Trainer's own train
     dataloader (its collator and column filtering), with `num_items_in_batch` counted as the loop counts it.
     Loss: `trainer.compute_loss`, scaled as `training_step` scales it before backward. Optimizer: the Trainer's own
     (its decay / no-decay param groups and optimizer class and kwargs, or the one it was given). Accumulation and
@@ -193,6 +193,10 @@ def workload_from_trainer(trainer: Trainer, *, steps: int = DEFAULT_STEPS) -> hp
     def model() -> torch.nn.Module:
         built = copy.deepcopy(snapshot)
         _enable_checkpointing(built, args)
+        if args.neftune_noise_alpha is not None:  # as `train()` adds it: noise on the embeddings, its bytes traced
+            from transformers.integrations.neftune import activate_neftune
+
+            activate_neftune(built, args.neftune_noise_alpha)
         return built
 
     def batch(i: int) -> tuple[dict[str, Any], Any]:
