@@ -219,12 +219,13 @@ class GradArrival:
         code reading gradients between backward and the step sees them (and writes to them land in regions)."""
         self._queued = False
         grad_of, watch, updated = self._grad_of, self.watch, self._updated
+        seen = watch.versions if watch is not None else None  # EagerWatch.shown's record, inline (one per name)
         with _PLAIN():  # `.grad` of an evicted parameter without its tripwire ([Note: offloaded parameter reads])
             for name in self.written:
                 p, c, slot = grad_of[name]
                 grad = p.grad = (slot.host_views if slot.state is _HOST else slot.fast_views)[name]  # store.current
-                if watch is not None and c in updated:
-                    watch.shown(name, grad)
+                if seen is not None and c in updated:
+                    seen[name] = (grad, grad._version)
         self._shown.update(self.written)
 
     def _hide_grads(self) -> None:
