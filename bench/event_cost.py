@@ -105,7 +105,7 @@ def _parts() -> list[tuple[str, Any]]:
     """(label, code object) of the hooks and executor pieces the profile splits a step into."""
     from hplan.executor.activations.run import ActivationRun, _Offloaded
     from hplan.executor.gradients import GradientOps, move_grad
-    from hplan.executor.regions import move_regions
+    from hplan.executor.inline_moves import move_inline
     from hplan.executor.runtime import PlanRun
     from hplan.executor.update_steps import UpdateSteps
     from hplan.hooks import EventHooks
@@ -118,7 +118,8 @@ def _parts() -> list[tuple[str, Any]]:
             ("event, fast path (moves nothing, or region moves only)", PlanRun._quiet_step.__code__),
             ("event, general path", PlanRun._general_event.__code__),
             ("unhooked steps passed at the next hooked event (no hook of their own)", PlanRun._catch_up.__code__),
-            ("… of which region moves (evict, write-back, fetch, alloc)", move_regions.__code__),
+            ("… of which region moves (evict, write-back, fetch, alloc: a step's in one move_inline call)",
+             move_inline.__code__),
             ("… of which activation prefetch", ActivationRun.at_step.__code__),
             ("… of which chunk updates (host in backward, fast tier at the step)", UpdateSteps._update.__code__),
             ("… of which non-finite gradient checks", GradientOps._check_finite.__code__),

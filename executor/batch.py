@@ -11,6 +11,7 @@ bit for bit (tests/test_optimizers.py checks the result against torch).
 from __future__ import annotations
 
 import functools
+from dataclasses import dataclass
 from collections.abc import Callable
 from typing import Any
 
@@ -21,6 +22,10 @@ from hplan.executor.update import IMPLEMENTATION, ChunkUpdate
 
 Member = tuple[ChunkUpdate, str]
 """A chunk's update and one of its parameters."""
+
+_PROFILER = torch.autograd.profiler
+_grad_enabled = torch.is_grad_enabled
+_set_grad_enabled = torch._C._set_grad_enabled
 
 
 class UpdateBatch:
@@ -37,6 +42,9 @@ class UpdateBatch:
         """Per (place, group): whether its update may call torch's fused Adam kernel directly ([Note: direct
         fused update])."""
         self._steps: dict[tuple[str, int], Callable[[], Any]] = {}
+        self._ready: dict[tuple[str, int], FusedLists] = {}
+        """Per (place, group) with a direct fused update: its kernel's lists, kept while they hold ([Note: fused
+        lists kept])."""
         self.regions = frozenset(r for u in updates for r in u.store.by_chunk[u.chunk.id].values())
         """Every region of the batch's chunks (what an update on the worker thread uses)."""
 
@@ -55,10 +63,22 @@ class UpdateBatch:
 
     def step(self, written: set[str], *, inv_scale: torch.Tensor | None = None,
              clip: tuple[Clip, ...] = ()) -> None:
-        """Every member's update: written parameters stepped, the others skipped (as torch skips them)."""
-        with action(f"hplan::update_batch::{len(self.updates)}"), torch.no_grad():
+        """Every member's update: written parameters stepped, the others skipped (as torch skips them). Grad mode
+        off as torch.no_grad() does, by its two C calls (the context manager is four Python frames, and a host
+        update at the minimum budget runs about 27 times an iteration); the profiler range only while one records
+        (trace_ranges.recording(), inline)."""
+        if getattr(_PROFILER, "_is_profiler_enabled", True):
+            with action(f"hplan::update_batch::{len(self.updates)}"):
+                self._step(written, inv_scale, clip)
+            return
+        self._step(written, inv_scale, clip)
+
+    def _step(self, written: set[str], inv_scale: torch.Tensor | None, clip: tuple[Clip, ...]) -> None:
+        mode = _grad_enabled()
+        _set_grad_enabled(False)
+        try:
             for key, members in self.members.items():
-                if self._direct[key] and fused_adam_step(members, key[1], written):
+                if self._direct[key] and fused_adam_step(members, key[1], written, self._ready, key):
                     continue
                 opt = self._optimizer(key)
                 group = opt.param_groups[0]
@@ -87,6 +107,8 @@ class UpdateBatch:
             for u in self.updates:
                 if u.master:
                     u.copy_masters()
+        finally:
+            _set_grad_enabled(mode)
 
     def _step_views(self, key: tuple[str, int], members: list[Member], written: set[str]) -> None:
         """[Note: gradients left on the work tensors] Without a master copy a member's gradient is its region's
@@ -136,7 +158,49 @@ def direct_fused_adam(members: list[Member], group: int) -> bool:
         options.get("fused") is True and not options.get("differentiable") and not options.get("capturable")
 
 
-def fused_adam_step(members: list[Member], index: int, written: set[str]) -> bool:
+@dataclass(eq=False, slots=True)
+class FusedLists:
+    """[Note: fused lists kept] The lists a direct fused update passes torch's kernel (fused_adam_step), built
+    when every member was written and none was settling, and used again while that still holds: every member
+    written this iteration, the same amsgrad, no member's chunk settling, and each member's state holding the
+    very tensors listed (checked by identity each call: anything that replaced a state entry — adopt() on a
+    loaded state, a speculation's rollback, a checkpoint's step — makes the lists rebuilt, never stale). The
+    same tensors in the same order as a fresh build, so the kernels' arithmetic is unchanged; what is saved is
+    the per-member dict reads and list appends of about 27 host updates an iteration at the minimum budget."""
+
+    names: frozenset[str]
+    amsgrad: bool
+    chunks: tuple[tuple[ChunkUpdate, tuple[str, ...]], ...]
+    """Each member's update with the names it has here (settling checked, started marked per update)."""
+    states: tuple[dict[str, Any], ...]
+    params: list[torch.Tensor]
+    grads: list[torch.Tensor]
+    avgs: list[torch.Tensor]
+    sqs: list[torch.Tensor]
+    maxes: list[torch.Tensor]
+    steps: list[torch.Tensor]
+
+    def holds(self, written: set[str], amsgrad: bool) -> bool:
+        if amsgrad != self.amsgrad or not self.names <= written:
+            return False
+        for u, _ in self.chunks:
+            if u.settling:
+                return False
+        try:
+            for state, step, avg, sq in zip(self.states, self.steps, self.avgs, self.sqs):
+                if state["step"] is not step or state["exp_avg"] is not avg or state["exp_avg_sq"] is not sq:
+                    return False
+            if amsgrad:
+                for state, top in zip(self.states, self.maxes):
+                    if state["max_exp_avg_sq"] is not top:
+                        return False
+        except KeyError:
+            return False
+        return True
+
+
+def fused_adam_step(members: list[Member], index: int, written: set[str],
+                    kept: dict[Any, FusedLists] | None = None, key: Any = None) -> bool:
     """[Note: direct fused update] Torch's Adam.step with `fused=True` on CPU gathers each parameter with a
     gradient, its `step`, `exp_avg`, `exp_avg_sq` (and `max_exp_avg_sq`), adds 1 to the steps and calls one fused
     kernel over the lists with the group's scalars; per tensor, that kernel's arithmetic does not depend on the
@@ -146,12 +210,36 @@ def fused_adam_step(members: list[Member], index: int, written: set[str]) -> boo
     AdamW, fused, without a master copy, calls the same two kernels itself: the same tensors, the same scalars read
     from the user's group now (LR schedulers work), bit for bit torch's result. Anything else (state not yet
     created, a tensor lr or betas, grad scaling, another optimizer) returns False: the optimizer's own step runs.
-    Unwritten members are skipped, as torch skips a parameter without a gradient."""
+    Unwritten members are skipped, as torch skips a parameter without a gradient. `kept` (by `key`): the lists of
+    an earlier call, used while they hold ([Note: fused lists kept])."""
     group = members[0][0].user.param_groups[index]
     lr, (beta1, beta2), amsgrad = group["lr"], group["betas"], group["amsgrad"]
     if torch.is_tensor(lr) or torch.is_tensor(beta1) or torch.is_tensor(beta2) or group.get("differentiable"):
         return False
-    params, grads, avgs, sqs, maxes, steps, done = [], [], [], [], [], [], []
+    lists = kept.get(key) if kept is not None else None
+    if lists is None or not lists.holds(written, amsgrad):
+        lists = _gather(members, written, amsgrad)
+        if lists is None:
+            return False
+        if kept is not None and len(lists.params) == len(members) and \
+                not any(u.settling for u, _ in lists.chunks):
+            kept[key] = lists
+    if lists.params:
+        kernel = torch._fused_adamw_ if group.get("decoupled_weight_decay") else torch._fused_adam_
+        torch._foreach_add_(lists.steps, 1)
+        kernel(lists.params, lists.grads, lists.avgs, lists.sqs, lists.maxes, lists.steps, amsgrad=amsgrad, lr=lr,
+               beta1=beta1, beta2=beta2, weight_decay=group["weight_decay"], eps=group["eps"],
+               maximize=group["maximize"], grad_scale=None, found_inf=None)
+    for u, names in lists.chunks:
+        u.started.update(names)
+    return True
+
+
+def _gather(members: list[Member], written: set[str], amsgrad: bool) -> FusedLists | None:
+    """The written members' kernel lists, their lazily made state moved in first; None where the direct update
+    may not run (state not yet created, or still settling)."""
+    params, grads, avgs, sqs, maxes, steps, states = [], [], [], [], [], [], []
+    chunks: dict[ChunkUpdate, list[str]] = {}
     for u, n in members:
         if n not in written:
             continue
@@ -160,7 +248,7 @@ def fused_adam_step(members: list[Member], index: int, written: set[str]) -> boo
         if n in u.settling:  # state made outside the regions moves in first (what the step's end would do)
             u.keep_lazy_state(n)
         if step is None or avg is None or sq is None or n in u.settling or (amsgrad and "max_exp_avg_sq" not in state):
-            return False
+            return None
         params.append(u.work[n])
         grads.append(u.grad[n])
         avgs.append(avg)
@@ -168,13 +256,8 @@ def fused_adam_step(members: list[Member], index: int, written: set[str]) -> boo
         if amsgrad:
             maxes.append(state["max_exp_avg_sq"])
         steps.append(step)
-        done.append((u, n))
-    if params:
-        kernel = torch._fused_adamw_ if group.get("decoupled_weight_decay") else torch._fused_adam_
-        torch._foreach_add_(steps, 1)
-        kernel(params, grads, avgs, sqs, maxes, steps, amsgrad=amsgrad, lr=lr, beta1=beta1, beta2=beta2,
-               weight_decay=group["weight_decay"], eps=group["eps"], maximize=group["maximize"], grad_scale=None,
-               found_inf=None)
-    for u, n in done:
-        u.started.add(n)
-    return True
+        states.append(state)
+        chunks.setdefault(u, []).append(n)
+    return FusedLists(names=frozenset(n for names in chunks.values() for n in names), amsgrad=amsgrad,
+                      chunks=tuple((u, tuple(names)) for u, names in chunks.items()), states=tuple(states),
+                      params=params, grads=grads, avgs=avgs, sqs=sqs, maxes=maxes, steps=steps)

@@ -29,6 +29,7 @@ from hplan.executor.evaluation import EvalPass
 from hplan.executor.measure import EventRecord
 from hplan.executor.overlap import UpdateWorker
 from hplan.executor.param_watch import ParamWatch, WriteWatch, check_unfrozen
+from hplan.executor.inline_moves import move_inline
 from hplan.executor.regions import move_regions
 from hplan.executor.speculate import Speculation
 from hplan.executor.state import RegionState
@@ -42,6 +43,7 @@ if TYPE_CHECKING:
     from hplan.executor.activations.run import ActivationRun
 
 _HOST = RegionState.HOST
+_PROFILER = torch.autograd.profiler
 
 
 class EventDispatch:
@@ -173,7 +175,10 @@ class EventDispatch:
             self._watch.dtypes(quiet.module)
         if self.worker is not None and self.worker.busy:
             self._wait_for_updates(moves)
-        move_regions(store, moves)
+        if moves.at is not None and not getattr(_PROFILER, "_is_profiler_enabled", True):
+            move_inline(store, moves.at, moves.lend)  # move_regions' own first case, without its frame
+        else:
+            move_regions(store, moves)
         for slot in quiet.needs:
             if slot.state is _HOST:
                 step = self.plan.steps[self.cursor]
@@ -249,7 +254,9 @@ class EventDispatch:
         moves = self._moves[self.cursor]
         if self.worker is not None:
             self._wait_for_updates(moves)
-        if moves.evict or moves.fetch or moves.alloc:
+        if moves.at is not None and not getattr(_PROFILER, "_is_profiler_enabled", True):
+            move_inline(store, moves.at, moves.lend)  # move_regions' own first case, without its frame
+        elif moves.evict or moves.fetch or moves.alloc:
             move_regions(store, moves)
         if step.index in self.activations.prefetch_at:
             self.activations.at_step(step)

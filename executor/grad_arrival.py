@@ -11,6 +11,7 @@ from typing import Any
 
 import torch
 from hplan.executor.gradients import _PLAIN, _SOLE_REFS, _refs, _storage_users, move_grad
+from hplan.executor.inline_moves import move_inline
 from hplan.executor.regions import move_regions
 from hplan.executor.state import RegionState
 from hplan.executor.step_table import Moves, Unhooked
@@ -22,6 +23,7 @@ from hplan.errors import HplanError
 
 _HOST = RegionState.HOST
 _DIRTY = RegionState.RESIDENT_DIRTY
+_PROFILER = torch.autograd.profiler
 
 
 class GradArrival:
@@ -207,7 +209,11 @@ class GradArrival:
     def _flip(self, c: int) -> None:
         """The chunk's weights leave (their storage is freed), its gradient region takes their place."""
         self._pending_flips.discard(c)
-        move_regions(self.store, self._flips[c])  # the gradient region takes the weights' block (lent)
+        moves = self._flips[c]  # the gradient region takes the weights' block (lent)
+        if moves.at is not None and not getattr(_PROFILER, "_is_profiler_enabled", True):
+            move_inline(self.store, moves.at, moves.lend)  # move_regions' own first case, without its frame
+        else:
+            move_regions(self.store, moves)
 
     def _complete_flips(self) -> None:
         if self._pending_flips:
@@ -219,12 +225,13 @@ class GradArrival:
         code reading gradients between backward and the step sees them (and writes to them land in regions)."""
         self._queued = False
         grad_of, watch, updated = self._grad_of, self.watch, self._updated
+        seen = watch.versions if watch is not None else None  # EagerWatch.shown's record, inline (one per name)
         with _PLAIN():  # `.grad` of an evicted parameter without its tripwire ([Note: offloaded parameter reads])
             for name in self.written:
                 p, c, slot = grad_of[name]
                 grad = p.grad = (slot.host_views if slot.state is _HOST else slot.fast_views)[name]  # store.current
-                if watch is not None and c in updated:
-                    watch.shown(name, grad)
+                if seen is not None and c in updated:
+                    seen[name] = (grad, grad._version)
         self._shown.update(self.written)
 
     def _hide_grads(self) -> None:

@@ -297,24 +297,25 @@ def move_grad(p: torch.Tensor, grad_target: Callable[..., tuple[torch.Tensor, bo
                 target.copy_(grad) if first else target.add_(grad)
             p.grad = None
             return
-        sole = id(p) in adopt and _refs(grad) == _SOLE_REFS and grad.is_cpu and grad.is_contiguous()
-        if sole:
+        theirs = None  # the gradient's storage while it may be adopted (one Python wrapper, kept to the end)
+        if id(p) in adopt and _refs(grad) == _SOLE_REFS and grad.is_cpu and grad.is_contiguous():
             theirs = grad.untyped_storage()
-            sole = _storage_users(theirs._cdata) == 2  # the gradient tensor and `theirs`, this Python wrapper
-            del theirs
-        if sole:
+            if _storage_users(theirs._cdata) != 2:  # the gradient tensor and `theirs`, this Python wrapper
+                theirs = None
+        if theirs is not None:
             target, first = grad_target(p, offer=grad)
-            if not grad.untyped_storage().nbytes():  # taken as the region's allocation
+            size = theirs.nbytes()
+            if not size:  # taken as the region's allocation
                 p.grad = None
                 return
         else:
             target, first = grad_target(p)
         if first:
-            if sole and grad.dtype == target.dtype:
-                mine, theirs = target.untyped_storage(), grad.untyped_storage()
+            if theirs is not None and grad.dtype == target.dtype:
+                mine = target.untyped_storage()
                 # the same size as the region (which the target view is the whole of): with `grad`'s shape, contiguous,
                 # it is all of its storage, from offset 0
-                if theirs.nbytes() == mine.nbytes() and _storage_users(theirs._cdata) == 2:
+                if size == mine.nbytes() and _storage_users(theirs._cdata) == 2:
                     mine._swap_data_ptr_(theirs)  # 2 users: the gradient tensor and `theirs`, this Python wrapper
                     p.grad = None
                     return

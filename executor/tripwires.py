@@ -44,6 +44,8 @@ class EagerWatch:
         self.optimizer = optimizer
         self.hyper: list[dict[str, Any]] | None = None
         self.versions: dict[str, tuple[torch.Tensor, int]] = {}
+        """Gradients of already-updated parameters shown as `.grad` (name → the view, its version then), written
+        by GradArrival._show_grads: any write to them is too late."""
         self.early = 0
         """Chunks updated before optimizer.step() this iteration."""
 
@@ -52,10 +54,6 @@ class EagerWatch:
         self.early += chunks
         if self.hyper is None:
             self.hyper = [{k: _frozen(v) for k, v in g.items() if k != "params"} for g in self.optimizer.param_groups]
-
-    def shown(self, name: str, grad: torch.Tensor) -> None:
-        """The gradient of an already-updated parameter is visible as `.grad`: any write to it is too late."""
-        self.versions[name] = (grad, grad._version)
 
     def check(self, iteration: int) -> None:
         """At optimizer.step(): refuse what the early updates could not have seen; then start a new iteration."""

@@ -6,7 +6,7 @@ for when each runs."""
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from hplan.executor.batch import UpdateBatch
@@ -21,6 +21,9 @@ from hplan.executor.update import ChunkUpdate
 from hplan.artifacts import Plan, Step
 from hplan.artifacts.replay import OPTIMIZER_EVENT
 from hplan.errors import HplanError
+
+if TYPE_CHECKING:
+    from hplan.executor.measure import WindowMeter
 
 _HOST, _DIRTY = RegionState.HOST, RegionState.RESIDENT_DIRTY
 
@@ -40,6 +43,8 @@ class UpdateSteps:
     nonfinite: str
     skipped: int
     watch: EagerWatch | None
+    meter: WindowMeter | None
+    """The run's non-model probe's meter, None without one."""
     _batches: dict[tuple[int, ...], UpdateBatch]
     _split: dict[tuple[int, ...], list[tuple[UpdateBatch, str]]]
     _fast_updates: list[int]
@@ -70,15 +75,21 @@ class UpdateSteps:
         rest = [c for c in chunks if c not in phased] if phased else chunks
         if rest:
             self._step_batch(rest, step)
-        if self.watch is not None and step.event != OPTIMIZER_EVENT:
-            self.watch.updated_early(len(chunks))
+        watch = self.watch
+        if watch is not None and step.event != OPTIMIZER_EVENT:
+            if watch.hyper is None:
+                watch.updated_early(len(chunks))
+            else:  # updated_early's count, inline: the options were read at this iteration's first early update
+                watch.early += len(chunks)
 
     def _step_batch(self, chunks: list[int], step: Step) -> None:
         """Check (unless deferred) and step these chunks' updates, one UpdateBatch per place; fast-tier regions
         dirty. Host updates run as host work ([Note: host work off the fast tier]): their fp32 gradients are host
         memory, which the plan counts in the host phase, not in the fast tier's budget. A backward step's host
         updates go to the worker thread when the run overlaps them ([Note: overlapped host updates])."""
-        parts = self._parts(chunks)
+        parts = self._split.get(tuple(chunks))  # _parts' cache, read inline
+        if parts is None:
+            parts = self._parts(chunks)
         check = self.nonfinite != "ignore" and not self.plan.defer_updates
         if self.worker is not None and step.event.startswith("backward:") and not self.host.phased \
                 and self.loss_scale is None and not self.clips and (not parts or parts[-1][1] == "cpu"):
@@ -86,10 +97,14 @@ class UpdateSteps:
             return
         if check:
             self._check_finite(chunks, step)  # type: ignore[attr-defined]  (GradientOps)
+        inv_scale = self.loss_scale.inverse() if self.loss_scale else None
+        clip = tuple(self.clips) if self.master else ()
         for batch, where in parts:
+            if self.meter is None:  # _memory_of's no-probe case (no context), inline
+                batch.step(self.written, inv_scale=inv_scale, clip=clip)
+                continue
             with self._memory_of(where):  # type: ignore[attr-defined]  (GradientOps)
-                batch.step(self.written, inv_scale=self.loss_scale.inverse() if self.loss_scale else None,
-                           clip=tuple(self.clips) if self.master else ())
+                batch.step(self.written, inv_scale=inv_scale, clip=clip)
         self._updated.update(chunks)
         for c in chunks:
             for slot in self.updates[c].written_slots:  # store.mark_dirty, inline

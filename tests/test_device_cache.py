@@ -11,7 +11,7 @@ from loops import plan_for, user_loop
 import hplan
 from hplan.artifacts import replay
 from hplan.errors import HplanError
-from hplan.executor import regions
+from hplan.executor import events, grad_arrival, regions
 from hplan.executor.device import FastTier
 from hplan.executor.runtime import PlanRun
 from hplan.specs import load_workload
@@ -211,8 +211,9 @@ def test_a_gradient_arriving_where_no_hook_allocated_its_region_becomes_the_regi
                 store, alloc = run.store, run.store.alloc
                 store.alloc = lambda rid: (allocs.append(rid) if store.slots[rid].state.name == "HOST" else None,
                                            alloc(rid))[1]
-                monkeypatch.setattr(regions, "move_inline", lambda s, at, lend: (
-                    allocs.extend(x.region.id for x in at[2] if x.state.name == "HOST"), inline(s, at, lend))[1])
+                for caller in (regions, events, grad_arrival):  # each calls move_inline by its own name
+                    monkeypatch.setattr(caller, "move_inline", lambda s, at, lend: (
+                        allocs.extend(x.region.id for x in at[2] if x.state.name == "HOST"), inline(s, at, lend))[1])
                 for step in range(2):
                     seen.clear()
                     gpt_tiny.loss(model, gpt_tiny.batch(step)).backward()

@@ -71,3 +71,49 @@ def test_direct_fused_update_is_torchs_step_bit_for_bit(tight, monkeypatch):
     for p, q in zip(opt.state.values(), ref_opt.state.values()):
         assert p.keys() == q.keys()
         assert all(torch.equal(p[k], q[k]) for k in q)
+
+
+def _train_with_rollback(workload, plan, make_optimizer, n=5, save_at=1, load_at=3):
+    """As _train, with the optimizer's state saved after iteration `save_at` and loaded back before `load_at`
+    (a rollback inside the block: every state entry is replaced by the loaded one)."""
+    model = workload.build_model()
+    optimizer = make_optimizer(model.parameters())
+    losses, saved = [], None
+    with PlanRun(model, optimizer, plan, batch_example=workload.batch(0), measure=False, overlap=False) as run:
+        for i in range(n):
+            if i == load_at:
+                optimizer.load_state_dict(saved)
+            loss = workload.loss(model, workload.batch(i))
+            loss.backward()
+            run.step()
+            if i == save_at:
+                saved = {"state": {k: {s: v.clone() for s, v in st.items()}
+                                   for k, st in optimizer.state_dict()["state"].items()},
+                         "param_groups": [dict(g) for g in optimizer.state_dict()["param_groups"]]}
+            losses.append(float(loss.detach()))
+    return losses, {k: p.detach().clone() for k, p in model.named_parameters()}, optimizer
+
+
+def test_kept_fused_lists_follow_a_loaded_state(tight, monkeypatch):
+    """[Note: fused lists kept]: the kernel's lists are gathered once and used again while they hold; a state loaded
+    inside the block replaces every entry (adopt: new `step` tensors, every parameter settling), so the lists are
+    gathered again and the run stays bit for bit the optimizer's own step (lists kept regardless stepped the
+    replaced counters: the losses parted after the load)."""
+    workload, plan = tight
+    gathered = []
+    real = batch._gather
+
+    def counted(*args, **kwargs):
+        gathered.append(1)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(batch, "_gather", counted)
+    losses, weights, opt = _train_with_rollback(workload, plan, workload.optimizer)
+    updates = sum(len(s.host_updates) > 0 for s in plan.steps)
+    assert 0 < len(gathered) < 5 * updates, "the lists were gathered at every update (none kept)"
+    monkeypatch.setattr(batch, "fused_adam_step", lambda *_: False)  # the optimizer's own step, every batch
+    ref_losses, ref_weights, ref_opt = _train_with_rollback(workload, plan, workload.optimizer)
+    assert losses == ref_losses
+    assert all(torch.equal(weights[k], ref_weights[k]) for k in ref_weights)
+    for p, q in zip(opt.state.values(), ref_opt.state.values()):
+        assert all(torch.equal(p[k], q[k]) for k in q)

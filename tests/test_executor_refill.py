@@ -7,7 +7,7 @@ import pytest
 import torch
 from loops import plan_for
 
-from hplan.executor import PlanRun, regions
+from hplan.executor import PlanRun, events, grad_arrival, regions
 from hplan.executor.device import FastTier
 from hplan.specs import load_workload
 from hplan.training import build_optimizer
@@ -24,7 +24,8 @@ def _run(workload, plan, *, caches: bool, measure: bool):
     blocks) after any move, the plan's headroom. [Note: inline moves] do a step's moves in one call: sampled
     after it, which sees the step's most too (within a step only a fresh allocation adds bytes, and it comes
     after the lent blocks above the limit are freed; nothing is released after it)."""
-    old, inline = FastTier.caches, regions.move_inline
+    old, callers = FastTier.caches, (regions, events, grad_arrival)  # each calls move_inline by its own name
+    inline = [c.move_inline for c in callers]
     FastTier.caches = caches
     try:
         model = workload.build_model()
@@ -32,7 +33,8 @@ def _run(workload, plan, *, caches: bool, measure: bool):
         held = []
         with PlanRun(model, optimizer, plan, batch_example=workload.batch(0), measure=measure) as run:
             tier, store = run.tier, run.store
-            for owner, name in ((tier, "release"), (tier, "alloc"), (tier, "h2d"), (regions, "move_inline")):
+            for owner, name in ((tier, "release"), (tier, "alloc"), (tier, "h2d"),
+                                *((c, "move_inline") for c in callers)):
                 method = getattr(owner, name)
 
                 def sampled(*args, _method=method):
@@ -49,7 +51,9 @@ def _run(workload, plan, *, caches: bool, measure: bool):
             reused, headroom = tier.reused, run._headroom
         return losses, records, [p.detach().clone() for p in model.parameters()], reused, max(held), headroom
     finally:
-        FastTier.caches, regions.move_inline = old, inline
+        FastTier.caches = old
+        for c, method in zip(callers, inline):
+            c.move_inline = method
 
 
 @pytest.mark.parametrize("measure", [False, True])

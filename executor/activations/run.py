@@ -96,6 +96,9 @@ class _Offloaded:
         self.packs = 0
 
     def pack(self, t: torch.Tensor) -> Any:
+        """saved_tensors_hooks' pack: a saved tensor the plan offloads is held by its holder (this segment's, or a
+        stage's) as a _Packed tuple on its storage's _Slot; the others are kept as themselves. The hold is inline
+        (one Python frame per saved tensor, not two)."""
         k = self.packs
         self.packs += 1
         route = self.route
@@ -106,17 +109,14 @@ class _Offloaded:
             raise HplanError(f"segment {self.choice.module}: the plan offloads its saved tensor #{k}, which is on "
                              f"{t.device} in this run, not on {self.device}: this run's kernels save other tensors "
                              f"than the traced ones{CROSS_DEVICE} — re-trace and re-plan")
-        return holder._hold(t)
-
-    def _hold(self, t: torch.Tensor) -> _Packed:
         key = storage_key(t)
-        slots = self.slots
+        slots = holder.slots
         if key in slots:
             slot = slots[key]
         else:
             slot = slots[key] = _Slot(source=t)
         slot.versions.append(t._version)
-        return (slot, t.dtype, t.shape, t.stride(), t.storage_offset(), self.choice.module)
+        return (slot, t.dtype, t.shape, t.stride(), t.storage_offset(), holder.choice.module)
 
     def to_host(self) -> int:
         """Copy every selected storage (its stages' too) to host memory and drop the fast-tier references; returns
