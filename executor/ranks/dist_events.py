@@ -59,6 +59,8 @@ class DistEvents:
                              "zero gradients every step")
         if self.cursor == 0:
             self._mark = self._counters()
+        if self.store.reads.cache:
+            self.store.reads.forget()
         self.flight.settle_older(self.cursor)
         self._close_window()
         self._finish_previous(step)

@@ -227,7 +227,10 @@ class DistRun(DistEvents, DistUpdates):
         hplan.executor.ranks.dist_checkpoint, which writes each rank's shards."""
         self._stack.close()
         store = self.store
-        if store is None or exc_type is not None:
+        if store is None:
+            return
+        if exc_type is not None:  # the weights stay sharded: a later read is refused, never NaN
+            store.reads.closed = "a failed many-rank block"
             return
         self.flight.settle_all()
         pending = [c for s in self.plan.steps for c in s.collectives if c.purpose == "update_gather" and c.before]
@@ -237,6 +240,7 @@ class DistRun(DistEvents, DistUpdates):
         values = {c.id: self.comm.gather_full(store, c.id) for c in self.plan.chunks}
         for rid in store.resident():
             store.evict(rid, writeback=False)
+        store.release_params()
         for c in self.plan.chunks:
             for n in c.tensors:
                 a, b = store.layouts[c.id].offsets[n]
