@@ -11,6 +11,7 @@ import torch
 from hplan.executor.ranks.collectives import Pending
 from hplan.executor.ranks.dist_comm import PlanComm
 from hplan.executor.ranks.in_flight import InFlight
+from hplan.executor.ranks.lookahead import Lookahead
 from hplan.executor.ranks.shard_store import ShardStore
 from hplan.executor.regions import move_regions
 from hplan.executor.step_table import Moves
@@ -19,7 +20,6 @@ from hplan.executor.update import ChunkUpdate
 from hplan.artifacts import Plan, Step
 from hplan.artifacts.buckets import Bucket
 from hplan.artifacts.replay import OPTIMIZER_EVENT
-from hplan.artifacts.shard import prefetchable
 from hplan.errors import HplanError
 
 REDUCTIONS = ("scatter", "sync")
@@ -45,6 +45,7 @@ class DistEvents:
     _scattered: set[int]
     _gathered: set[int]
     _synced_after: dict[int, list[int]]
+    _ahead: Lookahead
 
     def on_event(self, kind: str, module: str) -> None:
         actual, steps = f"{kind}:{module}", self.plan.steps
@@ -85,8 +86,9 @@ class DistEvents:
     def _after(self, step: Step) -> None:
         """The step's `after` calls, reductions asynchronous ([Note: collectives in flight]); a call on a region
         whose previous reduction is still running (a sync after its scatter) waits for it first."""
+        until = self._ahead.deadline[step.index]
         for bucket in self.buckets[step.index][1]:
-            self._call(bucket, async_op=bucket.first.purpose in REDUCTIONS)
+            self._call(bucket, async_op=bucket.first.purpose in REDUCTIONS, until=until)
         views: dict[Pending | None, list[torch.Tensor]] = {}
         for r in self._synced_after.get(step.index, ()):
             chunk = self.store.slots[r].region.chunk
@@ -101,7 +103,7 @@ class DistEvents:
                     torch._foreach_div_(pieces, self.world)
         self._sample()
 
-    def _call(self, bucket: Bucket, *, async_op: bool = False) -> Pending:
+    def _call(self, bucket: Bucket, *, async_op: bool = False, until: int | None = None) -> Pending:
         """One bucket's call (the plan's call itself when it is alone), after the reductions still running on its
         regions."""
         chunks = [self.store.slots[r].region.chunk for r in bucket.regions]
@@ -119,27 +121,16 @@ class DistEvents:
                 self._scattered.add(chunk)
             elif purpose == "gather":
                 self._gathered.add(chunk)
-            self.flight.reduction(r, self.cursor, pending)
+            self.flight.reduction(r, self.cursor if until is None else until, pending)
         self._sample()
         return pending
 
-    def _prefetch(self, t: int) -> None:
-        """Issue step t's weight gathers now, one step ahead, where the plan reserves it (`prefetchable`) and
-        the shard is resident and stays so until t: every rank decides alike from the plan alone."""
-        steps, store = self.plan.steps, self.store
-        if t >= len(steps) or not prefetchable(t, self._opt_index):
-            return
-        moves = self._moves[t]
-        moved = {r for r, _ in moves.evict} | set(moves.fetch) | set(moves.alloc)
-        before = [c for c in steps[t].collectives if c.before]
-        for bucket in self.buckets[t][0]:
-            if bucket.first.purpose != "gather":
-                continue
-            ahead = all(r not in moved and store.slots[r].state.on_fast_tier for r in bucket.regions)
-            for call in bucket.calls:  # not past an updated-piece gather of its region at t
-                i = before.index(call)
-                ahead = ahead and not any(c.region == call.region for c in before[:i])
-            if not ahead:
+    def _prefetch(self, e: int) -> None:
+        """Issue the weight gathers planned ahead at step e ([Note: collectives ahead within the plan's room] in
+        hplan.executor.ranks.lookahead) whose shards are resident now: every rank decides alike from the plan."""
+        store = self.store
+        for _, bucket in self._ahead.issue.get(e, ()):
+            if not all(store.slots[r].state.on_fast_tier for r in bucket.regions):
                 continue
             if len(bucket.calls) == 1:
                 pending = self.comm.run(bucket.first, store, first_scatter=False, async_op=True)
@@ -173,5 +164,6 @@ class DistEvents:
         else:
             self._update(step.host_updates, step)
             self._previous = step
-            self._prefetch(self.cursor + 1)
+            if self.cursor in self._ahead.issue:
+                self._prefetch(self.cursor)
         self._sample()

@@ -30,6 +30,7 @@ import torch
 import torch.distributed as dist
 from hplan.executor.device import make_tier
 from hplan.executor.ranks.in_flight import InFlight
+from hplan.executor.ranks.lookahead import lookahead
 from hplan.executor.ranks.dist_comm import PlanComm
 from hplan.executor.ranks.dist_events import DistEvents
 from hplan.executor.ranks.dist_updates import DistUpdates
@@ -190,6 +191,7 @@ class DistRun(DistEvents, DistUpdates):
         self.comm = PlanComm(plan, self.rank, self.world)
         self._moves = moves_table(plan, lambda c: None)  # moves only: this executor requires step.needs itself
         self.store = store = ShardStore(model, plan, self.tier, self.rank, master=self.master, state_names=state_names)
+        self._ahead = lookahead(plan, self._moves, self.buckets, {r.id: r.chunk for r in plan.regions})
         for c in plan.chunks:
             if not c.trainable:
                 continue

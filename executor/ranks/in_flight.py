@@ -18,7 +18,7 @@ class InFlight:
         self.gathers: dict[int, Pending] = {}
         """Chunk → its weight gather issued one step ahead."""
         self.reductions: dict[int, tuple[int, Pending]] = {}
-        """Gradient region → (plan cursor at issue, its latest reduction)."""
+        """Gradient region → (the last plan step it may run beside, its latest reduction)."""
         self.ahead = 0
         self.reducing = 0
 
@@ -34,10 +34,10 @@ class InFlight:
         pending.wait()
         return True
 
-    def reduction(self, rid: int, cursor: int, pending: Pending) -> None:
-        """A reduction started at `cursor` on region `rid` (kept only while it runs)."""
+    def reduction(self, rid: int, until: int, pending: Pending) -> None:
+        """A reduction on region `rid` that may run beside plan steps up to `until` (kept only while it runs)."""
         if not pending.done:
-            self.reductions[rid] = (cursor, pending)
+            self.reductions[rid] = (until, pending)
             self.reducing += 1
 
     def latest(self, rid: int) -> Pending | None:
@@ -51,8 +51,8 @@ class InFlight:
             held[1].wait()
 
     def settle_older(self, cursor: int) -> None:
-        """Wait for every reduction started before `cursor`'s event: each runs beside one step's compute."""
-        for rid in [r for r, (at, _) in self.reductions.items() if at < cursor]:
+        """Wait for every reduction whose last step ends before `cursor`'s event."""
+        for rid in [r for r, (until, _) in self.reductions.items() if until < cursor]:
             self.settle(rid)
 
     def settle_all(self) -> None:
