@@ -1,7 +1,7 @@
 """DistRun's events: each hook event checked against the plan's next step, and the step done with its collectives
 around it ([Note: distributed executor step] in hplan.executor.ranks.distributed): the previous step's `after`
 calls and ÷N, this step's moves and `before` calls, weight gathers issued one step ahead ([Note: collectives in
-flight] in hplan.artifacts.shard). A mixin of hplan.executor.ranks.distributed.DistRun, kept apart to keep that
+flight] in hplan.artifacts.shard) or further where the plan has room (hplan.executor.ranks.lookahead). A mixin of hplan.executor.ranks.distributed.DistRun, kept apart to keep that
 file readable (as hplan.executor.events is for PlanRun).
 """
 
@@ -151,7 +151,7 @@ class DistEvents:
         for bucket in self.buckets[self.cursor][0]:
             chunks = [store.slots[r].region.chunk for r in bucket.regions]
             if bucket.first.purpose == "gather" and all([self.flight.take_gather(c) for c in chunks]):
-                self._gathered.update(chunks)  # issued one step ahead, as one bucket
+                self._gathered.update(chunks)  # issued ahead, as one bucket
                 continue
             self._call(bucket)
             if bucket.first.purpose == "update_gather":

@@ -1,9 +1,10 @@
 """The collectives a rank has started and not yet waited for ([Note: collectives in flight] in hplan.artifacts.shard).
 
-Weight gathers issued one step ahead are kept per chunk until the step that reads them; gradient reductions per
-region until something reads, moves or reopens it, and at the latest until the event after the next one begins,
-so each runs beside exactly one step's compute — the window the plan reserves its buffers for. Every rank
-starts and waits for the same calls at the same plan steps: which calls go ahead is decided from the plan alone.
+Weight gathers issued ahead are kept per chunk until the step that reads them; gradient reductions per region
+until something reads, moves or reopens it, and at the latest until the event after their last step begins: the
+step after their own where the plan reserves their buffers, later where its windows have room ([Note: collectives
+ahead within the plan's room] in hplan.executor.ranks.lookahead). Every rank starts and waits for the same calls
+at the same plan steps: which calls go ahead, and how long they run, is decided from the plan alone.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ class InFlight:
 
     def __init__(self) -> None:
         self.gathers: dict[int, Pending] = {}
-        """Chunk → its weight gather issued one step ahead."""
+        """Chunk → its weight gather issued ahead."""
         self.reductions: dict[int, tuple[int, Pending]] = {}
         """Gradient region → (the last plan step it may run beside, its latest reduction)."""
         self.ahead = 0
