@@ -66,8 +66,23 @@ def _reference() -> tuple[list[float], list[list[float]], dict[str, torch.Tensor
     return losses, logs, {n: p.detach().clone() for n, p in model.named_parameters()}
 
 
-def _reads_rank(info: RankInfo, plans: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    return [_reads(info, plan) for plan in plans]
+def _reads_rank(info: RankInfo, plans: list[dict[str, Any]]) -> dict[str, Any]:
+    return {"runs": [_reads(info, plan) for plan in plans], "after_failure": _after_failure(plans[0])}
+
+
+def _after_failure(plan: dict[str, Any]) -> str:
+    """The block fails (the user's error): the weights stay sharded, so a read after it is refused, not NaN."""
+    workload = _workload()
+    model = workload.build_model()
+    try:
+        with hplan.attach(model, workload.optimizer(model.parameters()), Plan.from_dict(plan)):
+            raise KeyError("the user's own error")
+    except KeyError:
+        pass
+    try:
+        return f"read {float(model.lm_head.weight.sum())}"
+    except HplanError as error:
+        return str(error)
 
 
 def _reads(info: RankInfo, plan: dict[str, Any]) -> dict[str, Any]:
@@ -111,8 +126,11 @@ def test_reads_of_parameters_a_rank_does_not_hold_train_exactly():
     plans = [dist_hplan.plan_at(trace, factors) for factors in ((2, 2, 2), (1, 2, 2))]
     losses, logs, weights = _reference()
     runs = launch(_reads_rank, [p.to_dict() for p in plans], nprocs=WORLD, timeout_s=120, collective_timeout_s=60)
-    for results in zip(*runs):
+    for results in zip(*(r["runs"] for r in runs)):
         _check(list(results), losses, logs, weights)
+    for r in runs:
+        assert re.fullmatch(r"parameter model\.embed_tokens\.weight was read after a failed many-rank block; .*"
+                            r"resume from the last checkpoint.*", r["after_failure"]), r["after_failure"]
 
 
 def _check(results: list[dict[str, Any]], losses: list[float], logs: list[list[float]],
