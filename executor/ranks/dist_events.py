@@ -1,8 +1,9 @@
 """DistRun's events: each hook event checked against the plan's next step, and the step done with its collectives
 around it ([Note: distributed executor step] in hplan.executor.ranks.distributed): the previous step's `after`
 calls and ÷N, this step's moves and `before` calls, weight gathers issued one step ahead ([Note: collectives in
-flight] in hplan.artifacts.shard) or further where the plan has room (hplan.executor.ranks.lookahead). A mixin of hplan.executor.ranks.distributed.DistRun, kept apart to keep that
-file readable (as hplan.executor.events is for PlanRun).
+flight] in hplan.artifacts.shard) or further where the plan has room (hplan.executor.ranks.lookahead). A mixin of
+hplan.executor.ranks.distributed.DistRun, kept apart to keep that file readable (as hplan.executor.events is for
+PlanRun).
 """
 
 from __future__ import annotations

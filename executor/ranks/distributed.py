@@ -12,8 +12,8 @@ and weight all-gathers), waits for what it needs, host updates; at the optimizer
 on this rank's pieces, then that step's `after` calls (all-gathers of updated pieces) at once. Weight gathers go
 one step ahead and reductions run beside the next step ([Note: collectives in flight] in hplan.artifacts.shard;
 hplan.executor.ranks.in_flight keeps them), further where the plan's windows have room ([Note: collectives ahead
-within the plan's room] in hplan.executor.ranks.lookahead): each is waited where its result is read, moved or its buffer
-reused. Every rank runs the same steps, so every rank makes the same calls in the same order; a rank that stops
+within the plan's room] in hplan.executor.ranks.lookahead): each is waited where its result is read, moved or its
+buffer reused. Every rank runs the same steps, so every rank makes the same calls in the same order; a rank that stops
 calling makes the others' next call fail within the process group's timeout (hplan.executor.ranks.launch).
 Supported on many ranks: fp32 and bf16-mixed (unverified), element-wise optimizers, param groups, LR schedulers,
 accumulation. Refused in one line: clipping by global norm and fp16 loss scaling (they need norms over shards),

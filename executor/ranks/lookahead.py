@@ -16,8 +16,9 @@ windows have room for the extra full copy or full gradient, the executor does th
   copies and staging after what is already reserved there; otherwise one step ahead, as before;
 - a reduction bucket issued after step i's event (it runs in window i + 1) may stay in flight through window
   d ≥ i + 1 when every window in (i + 1, d] has room for its full gradients and staging (counted twice: the
-  full buffer and a staging copy the call may make), d before the optimizer step (which waits for everything);
-  it is still waited earlier wherever its region is read, moved or reopened.
+  full buffer and a staging copy the call may make), d not past the step whose reductions go out next (as
+  FSDP2 waits for a reduce-scatter when the next one is issued) nor the optimizer step (which waits for
+  everything); it is still waited earlier wherever its region is read, moved or reopened.
 The room is the plan's own (hplan.artifacts.buckets.step_totals: regions + non-model + gathered + slack below the
 budget, less the buckets' staging), so every measured window stays within the budget the plan certifies, and
 every rank decides alike from the plan alone. The planner's step-time model still prices one step ahead: on
@@ -64,7 +65,7 @@ def lookahead(plan: Plan, moves: list[Moves], buckets: list[tuple[tuple[Bucket, 
             if w >= 0:
                 room[w] -= sum(b.staging_bytes for b in early)
         room[min(t + 1, n - 1)] -= sum(b.staging_bytes for b in late)
-    weights = {c.id: r.id for r in plan.regions for c in plan.chunks if r.chunk == c.id and r.kind == "param"}
+    weights = {r.chunk: r.id for r in plan.regions if r.kind == "param"}
     reads_at = [set(s.reads) if s.event != OPTIMIZER_EVENT else set() for s in steps]
     issue: dict[int, list[tuple[int, Bucket]]] = {}
     previous_gather = 0
@@ -78,10 +79,13 @@ def lookahead(plan: Plan, moves: list[Moves], buckets: list[tuple[tuple[Bucket, 
         if any(b.first.purpose == "gather" for b in buckets[t][0]):
             previous_gather = t
     deadline: dict[int, int] = {}
+    reducing = [i for i, (_, late) in enumerate(buckets) if any(b.first.purpose in ("scatter", "sync") for b in late)]
+    following = dict(zip(reducing, reducing[1:]))
     for i, (_, late) in enumerate(buckets):
         need = sum(2 * _bytes(b) for b in late if b.first.purpose in ("scatter", "sync"))
+        last = min(following.get(i, n), opt - 1) if opt is not None else i + 1
         d = i + 1
-        while need and opt is not None and d + 1 < opt and room[d + 1] >= need:
+        while need and d + 1 <= last and room[d + 1] >= need:
             d += 1
             room[d] -= need
         deadline[i] = d
