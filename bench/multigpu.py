@@ -140,7 +140,10 @@ def _cpu(ctx: Context) -> tuple[Table, str]:
                        "work: ratios come from interleaved runs, per round and over all steps.")
     table.notes.append("hplan's executor issues each weight all-gather one step ahead and each gradient "
                        "reduce-scatter / all-reduce asynchronously, waiting where the result is read ([Note: "
-                       "collectives in flight], hplan.artifacts.shard), as FSDP2 prefetches and overlaps; the calls a "
+                       "collectives in flight], hplan.artifacts.shard), as FSDP2 prefetches and overlaps — further "
+                       "where the plan's windows have room: the next run of chunks' gather while the current one is "
+                       "read, reductions until the optimizer step ([Note: collectives ahead within the plan's room], "
+                       "hplan.executor.ranks.lookahead); the calls a "
                        "plan step makes alike go as one flat call where the plan's headroom allows ([Note: collective "
                        "buckets], hplan.artifacts.buckets: listed → made per step). hplan run's non-finite checks add no wait per "
                        "step: the loss verdict's all-reduce runs beside the backward and is waited at the first update, "

@@ -1,8 +1,9 @@
 """DistRun's events: each hook event checked against the plan's next step, and the step done with its collectives
 around it ([Note: distributed executor step] in hplan.executor.ranks.distributed): the previous step's `after`
 calls and ÷N, this step's moves and `before` calls, weight gathers issued one step ahead ([Note: collectives in
-flight] in hplan.artifacts.shard). A mixin of hplan.executor.ranks.distributed.DistRun, kept apart to keep that
-file readable (as hplan.executor.events is for PlanRun).
+flight] in hplan.artifacts.shard) or further where the plan has room (hplan.executor.ranks.lookahead). A mixin of
+hplan.executor.ranks.distributed.DistRun, kept apart to keep that file readable (as hplan.executor.events is for
+PlanRun).
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ import torch
 from hplan.executor.ranks.collectives import Pending
 from hplan.executor.ranks.dist_comm import PlanComm
 from hplan.executor.ranks.in_flight import InFlight
+from hplan.executor.ranks.lookahead import Lookahead
 from hplan.executor.ranks.shard_store import ShardStore
 from hplan.executor.regions import move_regions
 from hplan.executor.step_table import Moves
@@ -19,7 +21,6 @@ from hplan.executor.update import ChunkUpdate
 from hplan.artifacts import Plan, Step
 from hplan.artifacts.buckets import Bucket
 from hplan.artifacts.replay import OPTIMIZER_EVENT
-from hplan.artifacts.shard import prefetchable
 from hplan.errors import HplanError
 
 REDUCTIONS = ("scatter", "sync")
@@ -45,6 +46,7 @@ class DistEvents:
     _scattered: set[int]
     _gathered: set[int]
     _synced_after: dict[int, list[int]]
+    _ahead: Lookahead
 
     def on_event(self, kind: str, module: str) -> None:
         actual, steps = f"{kind}:{module}", self.plan.steps
@@ -59,6 +61,8 @@ class DistEvents:
                              "zero gradients every step")
         if self.cursor == 0:
             self._mark = self._counters()
+        if self.store.reads.cache:
+            self.store.reads.forget()
         self.flight.settle_older(self.cursor)
         self._close_window()
         self._finish_previous(step)
@@ -83,8 +87,9 @@ class DistEvents:
     def _after(self, step: Step) -> None:
         """The step's `after` calls, reductions asynchronous ([Note: collectives in flight]); a call on a region
         whose previous reduction is still running (a sync after its scatter) waits for it first."""
+        until = self._ahead.deadline[step.index]
         for bucket in self.buckets[step.index][1]:
-            self._call(bucket, async_op=bucket.first.purpose in REDUCTIONS)
+            self._call(bucket, async_op=bucket.first.purpose in REDUCTIONS, until=until)
         views: dict[Pending | None, list[torch.Tensor]] = {}
         for r in self._synced_after.get(step.index, ()):
             chunk = self.store.slots[r].region.chunk
@@ -99,7 +104,7 @@ class DistEvents:
                     torch._foreach_div_(pieces, self.world)
         self._sample()
 
-    def _call(self, bucket: Bucket, *, async_op: bool = False) -> Pending:
+    def _call(self, bucket: Bucket, *, async_op: bool = False, until: int | None = None) -> Pending:
         """One bucket's call (the plan's call itself when it is alone), after the reductions still running on its
         regions."""
         chunks = [self.store.slots[r].region.chunk for r in bucket.regions]
@@ -117,27 +122,16 @@ class DistEvents:
                 self._scattered.add(chunk)
             elif purpose == "gather":
                 self._gathered.add(chunk)
-            self.flight.reduction(r, self.cursor, pending)
+            self.flight.reduction(r, self.cursor if until is None else until, pending)
         self._sample()
         return pending
 
-    def _prefetch(self, t: int) -> None:
-        """Issue step t's weight gathers now, one step ahead, where the plan reserves it (`prefetchable`) and
-        the shard is resident and stays so until t: every rank decides alike from the plan alone."""
-        steps, store = self.plan.steps, self.store
-        if t >= len(steps) or not prefetchable(t, self._opt_index):
-            return
-        moves = self._moves[t]
-        moved = {r for r, _ in moves.evict} | set(moves.fetch) | set(moves.alloc)
-        before = [c for c in steps[t].collectives if c.before]
-        for bucket in self.buckets[t][0]:
-            if bucket.first.purpose != "gather":
-                continue
-            ahead = all(r not in moved and store.slots[r].state.on_fast_tier for r in bucket.regions)
-            for call in bucket.calls:  # not past an updated-piece gather of its region at t
-                i = before.index(call)
-                ahead = ahead and not any(c.region == call.region for c in before[:i])
-            if not ahead:
+    def _prefetch(self, e: int) -> None:
+        """Issue the weight gathers planned ahead at step e ([Note: collectives ahead within the plan's room] in
+        hplan.executor.ranks.lookahead) whose shards are resident now: every rank decides alike from the plan."""
+        store = self.store
+        for _, bucket in self._ahead.issue.get(e, ()):
+            if not all(store.slots[r].state.on_fast_tier for r in bucket.regions):
                 continue
             if len(bucket.calls) == 1:
                 pending = self.comm.run(bucket.first, store, first_scatter=False, async_op=True)
@@ -158,7 +152,7 @@ class DistEvents:
         for bucket in self.buckets[self.cursor][0]:
             chunks = [store.slots[r].region.chunk for r in bucket.regions]
             if bucket.first.purpose == "gather" and all([self.flight.take_gather(c) for c in chunks]):
-                self._gathered.update(chunks)  # issued one step ahead, as one bucket
+                self._gathered.update(chunks)  # issued ahead, as one bucket
                 continue
             self._call(bucket)
             if bucket.first.purpose == "update_gather":
@@ -171,5 +165,6 @@ class DistEvents:
         else:
             self._update(step.host_updates, step)
             self._previous = step
-            self._prefetch(self.cursor + 1)
+            if self.cursor in self._ahead.issue:
+                self._prefetch(self.cursor)
         self._sample()

@@ -11,8 +11,9 @@ syncs, which end with ÷N on this rank's optimizer piece), then frees the full w
 and weight all-gathers), waits for what it needs, host updates; at the optimizer step also the fast-tier updates
 on this rank's pieces, then that step's `after` calls (all-gathers of updated pieces) at once. Weight gathers go
 one step ahead and reductions run beside the next step ([Note: collectives in flight] in hplan.artifacts.shard;
-hplan.executor.ranks.in_flight keeps them): each is waited where its result is read, moved or its buffer
-reused. Every rank runs the same steps, so every rank makes the same calls in the same order; a rank that stops
+hplan.executor.ranks.in_flight keeps them), further where the plan's windows have room ([Note: collectives ahead
+within the plan's room] in hplan.executor.ranks.lookahead): each is waited where its result is read, moved or its
+buffer reused. Every rank runs the same steps, so every rank makes the same calls in the same order; a rank that stops
 calling makes the others' next call fail within the process group's timeout (hplan.executor.ranks.launch).
 Supported on many ranks: fp32 and bf16-mixed (unverified), element-wise optimizers, param groups, LR schedulers,
 accumulation. Refused in one line: clipping by global norm and fp16 loss scaling (they need norms over shards),
@@ -30,6 +31,7 @@ import torch
 import torch.distributed as dist
 from hplan.executor.device import make_tier
 from hplan.executor.ranks.in_flight import InFlight
+from hplan.executor.ranks.lookahead import lookahead
 from hplan.executor.ranks.dist_comm import PlanComm
 from hplan.executor.ranks.dist_events import DistEvents
 from hplan.executor.ranks.dist_updates import DistUpdates
@@ -190,6 +192,7 @@ class DistRun(DistEvents, DistUpdates):
         self.comm = PlanComm(plan, self.rank, self.world)
         self._moves = moves_table(plan, lambda c: None)  # moves only: this executor requires step.needs itself
         self.store = store = ShardStore(model, plan, self.tier, self.rank, master=self.master, state_names=state_names)
+        self._ahead = lookahead(plan, self._moves, self.buckets, {r.id: r.chunk for r in plan.regions})
         for c in plan.chunks:
             if not c.trainable:
                 continue
@@ -227,7 +230,10 @@ class DistRun(DistEvents, DistUpdates):
         hplan.executor.ranks.dist_checkpoint, which writes each rank's shards."""
         self._stack.close()
         store = self.store
-        if store is None or exc_type is not None:
+        if store is None:
+            return
+        if exc_type is not None:  # the weights stay sharded: a later read is refused, never NaN
+            store.reads.closed = "a failed many-rank block"
             return
         self.flight.settle_all()
         pending = [c for s in self.plan.steps for c in s.collectives if c.purpose == "update_gather" and c.before]
@@ -237,6 +243,7 @@ class DistRun(DistEvents, DistUpdates):
         values = {c.id: self.comm.gather_full(store, c.id) for c in self.plan.chunks}
         for rid in store.resident():
             store.evict(rid, writeback=False)
+        store.release_params()
         for c in self.plan.chunks:
             for n in c.tensors:
                 a, b = store.layouts[c.id].offsets[n]

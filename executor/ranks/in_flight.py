@@ -1,9 +1,10 @@
 """The collectives a rank has started and not yet waited for ([Note: collectives in flight] in hplan.artifacts.shard).
 
-Weight gathers issued one step ahead are kept per chunk until the step that reads them; gradient reductions per
-region until something reads, moves or reopens it, and at the latest until the event after the next one begins,
-so each runs beside exactly one step's compute — the window the plan reserves its buffers for. Every rank
-starts and waits for the same calls at the same plan steps: which calls go ahead is decided from the plan alone.
+Weight gathers issued ahead are kept per chunk until the step that reads them; gradient reductions per region
+until something reads, moves or reopens it, and at the latest until the event after their last step begins: the
+step after their own where the plan reserves their buffers, later where its windows have room ([Note: collectives
+ahead within the plan's room] in hplan.executor.ranks.lookahead). Every rank starts and waits for the same calls
+at the same plan steps: which calls go ahead, and how long they run, is decided from the plan alone.
 """
 
 from __future__ import annotations
@@ -16,9 +17,9 @@ class InFlight:
 
     def __init__(self) -> None:
         self.gathers: dict[int, Pending] = {}
-        """Chunk → its weight gather issued one step ahead."""
+        """Chunk → its weight gather issued ahead."""
         self.reductions: dict[int, tuple[int, Pending]] = {}
-        """Gradient region → (plan cursor at issue, its latest reduction)."""
+        """Gradient region → (the last plan step it may run beside, its latest reduction)."""
         self.ahead = 0
         self.reducing = 0
 
@@ -34,10 +35,10 @@ class InFlight:
         pending.wait()
         return True
 
-    def reduction(self, rid: int, cursor: int, pending: Pending) -> None:
-        """A reduction started at `cursor` on region `rid` (kept only while it runs)."""
+    def reduction(self, rid: int, until: int, pending: Pending) -> None:
+        """A reduction on region `rid` that may run beside plan steps up to `until` (kept only while it runs)."""
         if not pending.done:
-            self.reductions[rid] = (cursor, pending)
+            self.reductions[rid] = (until, pending)
             self.reducing += 1
 
     def latest(self, rid: int) -> Pending | None:
@@ -51,8 +52,8 @@ class InFlight:
             held[1].wait()
 
     def settle_older(self, cursor: int) -> None:
-        """Wait for every reduction started before `cursor`'s event: each runs beside one step's compute."""
-        for rid in [r for r, (at, _) in self.reductions.items() if at < cursor]:
+        """Wait for every reduction whose last step ends before `cursor`'s event."""
+        for rid in [r for r, (until, _) in self.reductions.items() if until < cursor]:
             self.settle(rid)
 
     def settle_all(self) -> None:

@@ -14,6 +14,9 @@ piece that falls in it, in the param, grad, master and state regions alike, so t
 arithmetic as on the whole tensor. A parameter outside the piece has no update view on this rank.
 Transitions are idempotent (STYLE §3) and run inside `record_function("hplan::<action>::<region>")` while a
 profiler records (hplan.executor.trace_ranges.action: free otherwise).
+A parameter whose full weights this rank does not hold points at a NaN placeholder under the `Offloaded` class:
+a read by the user's code gets the exact value ([Note: sharded parameter reads] in
+hplan.executor.ranks.param_reads), a write is refused.
 """
 
 from __future__ import annotations
@@ -23,6 +26,8 @@ from dataclasses import dataclass
 
 import torch
 from hplan.executor.device import FastTier
+from hplan.executor.offloaded import offloaded_classes
+from hplan.executor.ranks.param_reads import ShardReads
 from hplan.executor.regions import Key, Slot, Traffic, _placeholder, plan_params
 from hplan.executor.state import RegionState
 from hplan.executor.trace_ranges import action
@@ -81,6 +86,9 @@ class ShardStore:
             self.by_chunk.setdefault(r.chunk, {})[r.kind] = r.id
         self.traffic = Traffic()
         self.placeholders = {n: _placeholder(p, tier.device) for n, p in self.params.items()}
+        self.reads = ShardReads(self, plan.hardware.ranks)
+        self.own_class, self.off_class, _ = offloaded_classes(self.params, self.reads.value)
+        """Each parameter's class, held and not held ([Note: sharded parameter reads])."""
         self.layouts = {c.id: self._layout(c) for c in plan.chunks}
         self.slots: dict[int, Slot] = {}
         self.gather_buf: dict[int, torch.Tensor] = {}
@@ -185,7 +193,7 @@ class ShardStore:
             for n in c.tensors:
                 a, b = lay.offsets[n]
                 flat[a:b].copy_(self.params[n].detach().reshape(-1))
-                self.params[n].data = self.placeholders[n]
+            self.hide_weights(c.id)
             host.copy_(flat[lay.shard_start:lay.shard_start + host.numel()])
         for kind in ("grad", "master", "state"):
             rid = self.by_chunk[c.id].get(kind)
@@ -222,8 +230,7 @@ class ShardStore:
         self._resident_bytes += slot.region.bytes
         slot.state = RegionState.RESIDENT
         if slot.region.kind == "param" and self.sharding.P == 1:
-            for n in self.layouts[slot.region.chunk].names:
-                self.params[n].data = self.compute[n]
+            self.show_weights(slot.region.chunk)
 
     def evict(self, rid: int, *, writeback: bool) -> None:
         """Leave the fast tier, copying fast→host first when asked. No-op when not resident."""
@@ -235,8 +242,7 @@ class ShardStore:
                 self.tier.d2h(slot.host, slot.fast)
             self.traffic.d2h += slot.region.bytes
         if slot.region.kind == "param" and self.sharding.P == 1:
-            for n in self.layouts[slot.region.chunk].names:
-                self.params[n].data = self.placeholders[n]
+            self.hide_weights(slot.region.chunk)
         with action(f"hplan::evict::{rid}"):
             self.tier.release(slot.fast)
         self._resident_bytes -= slot.region.bytes
@@ -275,12 +281,23 @@ class ShardStore:
             self.transient_bytes -= nbytes
 
     def show_weights(self, c: int) -> None:
+        params, compute, own = self.params, self.compute, self.own_class
         for n in self.layouts[c].names:
-            self.params[n].data = self.compute[n]
+            p = params[n]
+            p.__class__ = own[n]  # first: `.data =` on an Offloaded parameter is refused
+            p.data = compute[n]
 
     def hide_weights(self, c: int) -> None:
+        params, placeholders, off = self.params, self.placeholders, self.off_class
         for n in self.layouts[c].names:
-            self.params[n].data = self.placeholders[n]
+            p = params[n]
+            p.data = placeholders[n]
+            p.__class__ = off[n]
+
+    def release_params(self) -> None:
+        """Every parameter its own class again (the block ends)."""
+        for name, p in self.params.items():
+            p.__class__ = self.own_class[name]
 
     # -- reading --------------------------------------------------------------------------------------
     def current(self, rid: int, key: Key) -> torch.Tensor:

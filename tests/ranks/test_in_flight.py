@@ -24,8 +24,8 @@ def test_reductions_settle_one_event_later_and_finish_steps_run_after_the_wait()
     flight = InFlight()
     a = Pending(_Work(log, "a"), [])
     a.then(lambda: log.append("a: add to the shard")).then(lambda: log.append("a: free the full gradient"))
-    flight.reduction(7, cursor=3, pending=a)
-    flight.reduction(8, cursor=4, pending=Pending(_Work(log, "b"), []))
+    flight.reduction(7, until=3, pending=a)
+    flight.reduction(8, until=4, pending=Pending(_Work(log, "b"), []))
     assert log == [] and flight.latest(7) is a
     flight.settle_older(4)  # the event after a's: a ran beside step 3's compute; b (issued at 4) keeps running
     assert log == ["wait a", "a: add to the shard", "a: free the full gradient"]
@@ -46,5 +46,5 @@ def test_a_gather_issued_ahead_is_waited_once_where_used():
     assert flight.take_gather(2) and log == ["wait g", "show weights"]
     assert not flight.take_gather(2)
     done = Pending(None, [])  # a completed call is never kept in flight
-    flight.reduction(1, cursor=0, pending=done)
+    flight.reduction(1, until=0, pending=done)
     assert not flight.reductions and flight.counts() == (1, 0)

@@ -57,7 +57,7 @@ def _rank(info: Any, spec: str, plans: list[dict[str, Any]], steps: int, inf_at:
         except HplanError as exc:
             error = str(exc)
         out.append({"agreements": agreements[0], "losses": losses, "error": error,
-                    "checksum": float(sum(p.detach().double().sum() for p in model.parameters()))})
+                    "checksum": None if error else float(sum(p.detach().double().sum() for p in model.parameters()))})
     dist_updates.stop_together = real
     return {"runs": out}
 
