@@ -271,21 +271,16 @@ def _descend(trace: Trace, hw: Hardware, options: PlanOptions, on_progress: Prog
     goal = min(x for x in (None if plan is None else _objective(plan), incumbent) if x is not None)
     if least >= hw.slack_bytes or floor >= goal or core._effort(options) == 0:
         return plan
-    found = plan
-    blocks = items.blocks_only()
-    runs = [(items, own.lean)]
-    if blocks is not items:  # its search starts from the least budget's modes where keep does not fit: blocks'
-        lean = next((x for x in (own.lean, decide(trace, "recompute")) if blocks.admits(x)), None)
-        runs += [(blocks, lean)] if lean is not None else []
-    for some, lean in runs:
-        try:
-            again, _, _ = _plan_regime(trace, for_figure(hw, "mixed", least), options, on_progress, some, smallest,
-                                       lean, own.keep, goal - 1)
-        except (Pruned, HostMemoryShort):
-            continue
-        if again.summary.feasible and _objective(again) < goal:
-            found, goal = again, _objective(again)
-    return found
+    blocks = items.blocks_only()  # where keep does not fit, its search starts from the least budget's modes
+    lean = next((x for x in (own.lean, decide(trace, "recompute")) if blocks.admits(x)), None)
+    if lean is None:
+        return plan
+    try:
+        again, _, _ = _plan_regime(trace, for_figure(hw, "mixed", least), options, on_progress, blocks, smallest,
+                                   lean, own.keep, goal - 1)
+    except (Pruned, HostMemoryShort):
+        return plan
+    return again if again.summary.feasible and _objective(again) < goal else plan
 
 
 def _minimums(trace: Trace, hardware: Hardware, without: frozenset[str], shared: Shared) -> list:
