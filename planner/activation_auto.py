@@ -50,7 +50,8 @@ figure is a sample that guides the search.
 hplan.artifacts.choice_log), above or below the sample, or the table's least figure where that is larger
 (`slack.least_reserve`: on the 5-block GPT-2 of the tests, mixes need 22-32 MiB against a sample of 30 MiB and a
 least figure of 22 MiB). Where its own is larger than the sample the regime is searched again under it
-(`_settle`); where smaller, the plan is made again under it on the same chunking (`_plan_regime`). The regime's
+(`_settle`); where smaller, the plan is made again under it on the same chunking (`_plan_regime`), and where
+mixes reserving less might beat it, they are searched too ([Note: a mix below the sample]). The regime's
 search bound covers the plans reserving the sample or more; every other mix makes a choice other than keep and
 reserves at least the least figure, so its bound adds a Lagrangian bound over those plans with the room between
 the sample and the least figure, on every chunking a forced mix may search, whether the regime was solved, solved
@@ -88,12 +89,13 @@ from hplan.artifacts.plan import Plan
 from hplan.artifacts.trace import Trace
 from hplan.planner.activation_bounds import (beyond, below, children_bound, close, floored, prestage, priced_bound,
                                               regime_search, targets_of)
+from hplan.planner.activation_descend import descend
 from hplan.planner.activation_items import Items
 from hplan.planner.activation_min import PARTS, RegimeMin, Shared, auto_regimes, min_gpu_auto, min_gpu_of
 from hplan.planner import core
 from hplan.planner.activations import Decision, HostMemoryShort, decide, modes_of, slack_figure, with_slack
 from hplan.planner.core import Pruned
-from hplan.planner.slack import SELECTIVE_MIX, for_figure, least_reserve, mix_figure
+from hplan.planner.slack import SELECTIVE_MIX, for_figure, mix_figure
 from hplan.planner.options import PlanOptions
 from hplan.planner.problem import MinGpu
 from hplan.planner.search import Progress, Scored, Search, chunk_targets, finish
@@ -163,8 +165,8 @@ def _plan_auto(trace: Trace, hardware: Hardware, options: PlanOptions, on_progre
                 if name != SELECTIVE_MIX:  # (its plan reserves its own mix's figure: `_plan_regime`)
                     plan = _settle(work, hw, options, on_progress, items, smallest, own, plan, decisions)
                     if first.activations_free and first.lower_bound_bytes < plan.summary.lower_bound_bytes:
-                        plan = _descend(work, hw, options, on_progress, items, smallest, own, plan,
-                                        first.lower_bound_bytes, incumbent)
+                        plan = descend(work, hw, options, on_progress, items, smallest, own, plan,
+                                       first.lower_bound_bytes, incumbent)
             elif incumbent is not None and mixed is not None and name != "selective" and \
                     priced_bound(*mixed, name, targets, hw.slack_bytes, incumbent) > incumbent:
                 continue  # priced by the mixed regime's LP multipliers, on every chunking: it cannot win or tie
@@ -187,9 +189,7 @@ def _plan_auto(trace: Trace, hardware: Hardware, options: PlanOptions, on_progre
                 elif incumbent is not None and under <= incumbent:
                     bounds.append(under)
                     if name != SELECTIVE_MIX:  # a mix reserving less may still win ([Note: a mix below the sample])
-                        found = _descend(work, hw, options, on_progress, items, smallest, own, None, under, incumbent)
-                        if found is not None and _better(found, best):
-                            best = found
+                        best = descend(work, hw, options, on_progress, items, smallest, own, best, under, incumbent)
             continue
         except HostMemoryShort:
             if best is None and name == "mixed":
@@ -251,36 +251,6 @@ def _settle(trace: Trace, hw: Hardware, options: PlanOptions, on_progress: Progr
         if plan.summary.feasible and _objective(plan) < _objective(best):
             best = plan
     return best
-
-
-def _descend(trace: Trace, hw: Hardware, options: PlanOptions, on_progress: Progress | None, items: Items,
-             smallest: MinGpu, own: RegimeMin, plan: Plan | None, floor: int, incumbent: int | None) -> Plan | None:
-    """The regime's plan, or a better one among the mixes reserving less than the sample `hw` searched under.
-
-    [Note: a mix below the sample] The regime's search holds each plan to the sample's reserve; a mix whose own
-    replayed figure is smaller reserves only that ([Note: a mix's reserve]), so it may fit with fewer recomputes
-    and win, e.g. the 5-block GPT-2 on the CPU tier at 3/4 of its budget range: searched under the 30 MiB sample,
-    blocks 2 and 3's MLP recomputed (271,453 link bytes), where block 2 alone, reserving its own 22 MiB, reaches
-    211,130. Its floor (`floored`, `below`) bounds those mixes; where it is below both the plan's objective and the
-    incumbent, the regime is searched again with every plan reserving the least reserve (`least_reserve`, at or
-    below every mix's own figure: a relaxation of all of them, with the objective to beat as its incumbent), and
-    its winner is planned under its own figure as any mix is (`_plan_regime`). The certificate is unchanged: the
-    floor still bounds those mixes, and a plan found only lowers the objective. Skipped where the floor is not
-    below the search's bound (gpt:18b: the mixed regime is ruled out, [Note: a mix priced by a larger mix])."""
-    least = least_reserve(hw)
-    goal = min(x for x in (None if plan is None else _objective(plan), incumbent) if x is not None)
-    if least >= hw.slack_bytes or floor >= goal or core._effort(options) == 0:
-        return plan
-    blocks = items.blocks_only()  # where keep does not fit, its search starts from the least budget's modes
-    lean = next((x for x in (own.lean, decide(trace, "recompute")) if blocks.admits(x)), None)
-    if lean is None:
-        return plan
-    try:
-        again, _, _ = _plan_regime(trace, for_figure(hw, "mixed", least), options, on_progress, blocks, smallest,
-                                   lean, own.keep, goal - 1)
-    except (Pruned, HostMemoryShort):
-        return plan
-    return again if again.summary.feasible and _objective(again) < goal else plan
 
 
 def _minimums(trace: Trace, hardware: Hardware, without: frozenset[str], shared: Shared) -> list:
