@@ -9,7 +9,7 @@ from hplan.artifacts.trace import Trace
 from hplan.planner import core
 from hplan.planner.activation_items import Items
 from hplan.planner.activation_min import RegimeMin
-from hplan.planner.activations import HostMemoryShort, decide
+from hplan.planner.activations import HostMemoryShort, decide, with_slack
 from hplan.planner.core import Pruned
 from hplan.planner.options import PlanOptions
 from hplan.planner.problem import MinGpu
@@ -47,11 +47,14 @@ def descend(trace: Trace, hw: Hardware, options: PlanOptions, on_progress: Progr
     if lean is None:
         return plan
     try:
-        again, _, _ = _plan_regime(trace, for_figure(hw, "mixed", least), options, on_progress, blocks, smallest,
-                                   lean, own.keep, goal - 1)
+        again, decisions, _ = _plan_regime(trace, for_figure(hw, "mixed", least), options, on_progress, blocks,
+                                           smallest, lean, own.keep, goal - 1)
     except (Pruned, HostMemoryShort):
         return plan
-    return again if again.summary.feasible and _link(again) < goal else plan
+    # a winner of one choice (all kept, all offloaded) would keep the least reserve, below its own figure: its
+    # regime is solved on its own, so only a plan reserving at least its choices' figure is taken
+    mine = again.summary.feasible and again.hardware.slack_bytes >= with_slack(hw, decisions, trace).slack_bytes
+    return again if mine and _link(again) < goal else plan
 
 
 def _link(plan: Plan) -> int:
