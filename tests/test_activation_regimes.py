@@ -278,6 +278,7 @@ def test_auto_finds_a_mix_that_fits_only_under_its_own_smaller_reserve(gpt2_5):
     auto = make_plan(trace, hw)
     assert objective(auto) <= objective(forced) + len(mix)
     assert auto.summary.lower_bound_bytes <= objective(forced) + len(mix)
+    assert auto.hardware.slack_bytes >= _reserve(trace, auto)  # the plan found reserves its own figure
 
 
 @pytest.mark.slow
@@ -306,10 +307,19 @@ def test_auto_is_no_worse_than_any_forced_block_mix_at_21_budgets(gpt2_5, gpu):
     trace = gpt2_5
     rounding = len(trace.segments)  # each recompute's or selective call's cost is rounded up to a byte
     mixes = list(itertools.product((*FORCED, "selective"), repeat=len(trace.segments)))
-    worse, checked = [], 0
+    worse, checked, seen = [], 0, set()
     for auto, mix, forced in within_reach(trace, gpu, budgets(trace, gpu, 21), mixes):
         checked += 1
+        if auto.gpu_bytes not in seen:
+            seen.add(auto.gpu_bytes)
+            assert auto.hardware.slack_bytes >= _reserve(trace, auto), auto.gpu_bytes
         assert auto.summary.lower_bound_bytes <= link_bytes(forced) + rounding, (auto.gpu_bytes, mix)
         if link_bytes(auto) > link_bytes(forced) + rounding:
             worse.append((auto.gpu_bytes, mix, link_bytes(auto), link_bytes(forced)))
     assert checked and not worse, worse[:5]
+
+
+def _reserve(trace: Trace, plan: Plan) -> int:
+    """The replayed figure of a plan's own choices, child segments' and staged parts' included."""
+    return mix_figure(trace, plan.hardware, {(c.module, c.micro): "stage" if c.stage else c.choice
+                                             for c in plan.activations})
