@@ -50,7 +50,8 @@ figure is a sample that guides the search.
 hplan.artifacts.choice_log), above or below the sample, or the table's least figure where that is larger
 (`slack.least_reserve`: on the 5-block GPT-2 of the tests, mixes need 22-32 MiB against a sample of 30 MiB and a
 least figure of 22 MiB). Where its own is larger than the sample the regime is searched again under it
-(`_settle`); where smaller, the plan is made again under it on the same chunking (`_plan_regime`). The regime's
+(`_settle`); where smaller, the plan is made again under it on the same chunking (`_plan_regime`), and where
+mixes reserving less might beat it, they are searched too ([Note: a mix below the sample]). The regime's
 search bound covers the plans reserving the sample or more; every other mix makes a choice other than keep and
 reserves at least the least figure, so its bound adds a Lagrangian bound over those plans with the room between
 the sample and the least figure, on every chunking a forced mix may search, whether the regime was solved, solved
@@ -88,6 +89,7 @@ from hplan.artifacts.plan import Plan
 from hplan.artifacts.trace import Trace
 from hplan.planner.activation_bounds import (beyond, below, children_bound, close, floored, prestage, priced_bound,
                                               regime_search, targets_of)
+from hplan.planner.activation_descend import descend
 from hplan.planner.activation_items import Items
 from hplan.planner.activation_min import PARTS, RegimeMin, Shared, auto_regimes, min_gpu_auto, min_gpu_of
 from hplan.planner import core
@@ -162,6 +164,9 @@ def _plan_auto(trace: Trace, hardware: Hardware, options: PlanOptions, on_progre
                 searched = first.lower_bound_bytes if first.activations_free else plan.summary.lower_bound_bytes
                 if name != SELECTIVE_MIX:  # (its plan reserves its own mix's figure: `_plan_regime`)
                     plan = _settle(work, hw, options, on_progress, items, smallest, own, plan, decisions)
+                    if first.activations_free and first.lower_bound_bytes < plan.summary.lower_bound_bytes:
+                        plan = descend(work, hw, options, on_progress, items, smallest, own, plan,
+                                       first.lower_bound_bytes, incumbent)
             elif incumbent is not None and mixed is not None and name != "selective" and \
                     priced_bound(*mixed, name, targets, hw.slack_bytes, incumbent) > incumbent:
                 continue  # priced by the mixed regime's LP multipliers, on every chunking: it cannot win or tie
@@ -183,6 +188,8 @@ def _plan_auto(trace: Trace, hardware: Hardware, options: PlanOptions, on_progre
                     covered = False
                 elif incumbent is not None and under <= incumbent:
                     bounds.append(under)
+                    if name != SELECTIVE_MIX:  # a mix reserving less may still win ([Note: a mix below the sample])
+                        best = descend(work, hw, options, on_progress, items, smallest, own, best, under, incumbent)
             continue
         except HostMemoryShort:
             if best is None and name == "mixed":

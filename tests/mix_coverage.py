@@ -35,3 +35,34 @@ def forced_mixes(trace: Trace, gpu: str, scan: Iterable[int],
             forced = plan_mix(trace, hw, mix)
             if forced.summary.feasible:
                 yield auto, mix, forced
+
+
+def link_bytes(plan: Plan) -> int:
+    """A plan's objective as its summary reports it: model bytes moved + activation cost ([Note: auto activations])."""
+    return plan.summary.bytes_moved_per_iter + plan.summary.activation_cost_bytes
+
+
+def within_reach(trace: Trace, gpu: str, scan: list[int], mixes: list[tuple[str, ...]]
+                 ) -> Iterator[tuple[Plan, tuple[str, ...], Plan]]:
+    """`forced_mixes` without the mixes that cannot beat auto: a mix's activation cost is the same at every budget
+    (its choices' bytes and recompute seconds, priced on the same GPU), and a forced plan's objective is at least
+    that, so a mix whose cost (from its plan at the largest budget, where each fits) is above auto's objective
+    and bound at a budget is at least both there and need not be planned. Each mix planned yields (auto, mix, forced)
+    where it fits; a test asserts that the cost is what the forced plan reports."""
+    top = hardware(trace, gpu, max(scan))
+    cost = {}
+    for mix in mixes:
+        plan = plan_mix(trace, top, mix)
+        cost[mix] = link_bytes(plan) - plan.summary.bytes_moved_per_iter if plan.summary.feasible else 0
+    for budget in scan:
+        hw = hardware(trace, gpu, budget)
+        auto = make_plan(trace, hw)
+        assert auto.summary.feasible, budget
+        reach = max(link_bytes(auto), auto.summary.lower_bound_bytes)
+        for mix in mixes:
+            if cost[mix] > reach:
+                continue
+            forced = plan_mix(trace, hw, mix)
+            if forced.summary.feasible:
+                assert forced.summary.activation_cost_bytes == cost[mix] or not cost[mix], mix
+                yield auto, mix, forced

@@ -13,7 +13,7 @@ import math
 
 import pytest
 from fake_models import HF_SIZES
-from mix_coverage import budgets, forced_mixes, hardware
+from mix_coverage import budgets, forced_mixes, hardware, link_bytes, within_reach
 
 from hplan.artifacts import Plan, Trace
 from hplan.artifacts.choice_log import mix_slack
@@ -25,6 +25,7 @@ from hplan.specs import load_workload
 from hplan.tracer import trace_workload
 
 FORCED = ("keep", "offload", "recompute")
+CHOICES = (*FORCED, "selective")
 
 
 @pytest.fixture(scope="module")
@@ -263,6 +264,24 @@ def test_autos_bound_covers_a_mix_reserving_less_than_the_sample(gpt2_5):
     assert make_plan(trace, hw).summary.lower_bound_bytes <= objective(forced) + len(mix)
 
 
+def test_auto_finds_a_mix_that_fits_only_under_its_own_smaller_reserve(gpt2_5):
+    """76% of the way from auto's minimum to all-resident on the CPU tier, the mixed regime searched under the
+    30 MiB sample keeps every block and recomputes two attention children (301,614 link bytes; searched again at
+    the least reserve, its winner needs 36 MiB of its own); block 2 recomputed alone reserves its own 22 MiB and
+    reaches 211,130. Auto searches the mixes reserving less, the blocks' own too ([Note: a mix below the sample]),
+    and is no worse than that forced mix."""
+    trace = gpt2_5
+    low, high = budgets(trace, "cpu", 2)
+    hw = hardware(trace, "cpu", int(low + (high - low) * 0.76))
+    mix = ("keep", "keep", "recompute", "keep", "keep")
+    forced = plan_mix(trace, hw, mix)
+    assert forced.summary.feasible and forced.hardware.slack_bytes < dict(hw.activation_slack)["mixed"]
+    auto = make_plan(trace, hw)
+    assert objective(auto) <= objective(forced) + len(mix)
+    assert auto.summary.lower_bound_bytes <= objective(forced) + len(mix)
+    assert auto.hardware.slack_bytes >= _reserve(trace, auto)  # the plan found reserves its own figure
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("gpu", ["cpu", "rtx3090"])
 @pytest.mark.parametrize("n,every", [(4, False), (12, True)])
@@ -277,3 +296,38 @@ def test_autos_bound_is_at_most_every_mixs_objective(gpt2_5, gpu, n, every):
         checked += 1
         assert auto.summary.lower_bound_bytes <= objective(forced) + rounding, (auto.gpu_bytes, mix)
     assert checked
+
+
+MISSED = "the selective mix's light search loses to forced mixes with selective blocks on an RTX 3090 at 158 and " \
+         "188 MB (38,606,448 against 37,236,980 link bytes; 29,390,432 against 29,081,872): open"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("gpu, choices", [("cpu", CHOICES), ("rtx3090", FORCED),
+                                          pytest.param("rtx3090", CHOICES, marks=pytest.mark.xfail(strict=True,
+                                                                                                   reason=MISSED))])
+def test_auto_is_no_worse_than_any_forced_block_mix_at_21_budgets(gpt2_5, gpu, choices):
+    """At 21 budgets from auto's minimum to all-resident (the 75% one, where the mixed regime's search under its
+    sample missed block 2 recomputed alone, among them): auto's objective <= every forced block mix's of keep,
+    offload, recompute and selective (4^5; 3^5 without selective, `MISSED`; each reserving its own figure) where
+    it fits, and auto's bound <= its objective; a mix whose activation cost alone is above both is not planned
+    (`within_reach`). 25-28 min each at load 12-21 on 2 shared cores."""
+    trace = gpt2_5
+    rounding = len(trace.segments)  # each recompute's or selective call's cost is rounded up to a byte
+    mixes = list(itertools.product(choices, repeat=len(trace.segments)))
+    worse, checked, seen = [], 0, set()
+    for auto, mix, forced in within_reach(trace, gpu, budgets(trace, gpu, 21), mixes):
+        checked += 1
+        if auto.gpu_bytes not in seen:
+            seen.add(auto.gpu_bytes)
+            assert auto.hardware.slack_bytes >= _reserve(trace, auto), auto.gpu_bytes
+        assert auto.summary.lower_bound_bytes <= link_bytes(forced) + rounding, (auto.gpu_bytes, mix)
+        if link_bytes(auto) > link_bytes(forced) + rounding:
+            worse.append((auto.gpu_bytes, mix, link_bytes(auto), link_bytes(forced)))
+    assert checked and not worse, worse[:5]
+
+
+def _reserve(trace: Trace, plan: Plan) -> int:
+    """The replayed figure of a plan's own choices, child segments' and staged parts' included."""
+    return mix_figure(trace, plan.hardware, {(c.module, c.micro): "stage" if c.stage else c.choice
+                                             for c in plan.activations})
