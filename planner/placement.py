@@ -27,6 +27,7 @@ import numpy as np
 from hplan.artifacts.hardware import Hardware
 from hplan.artifacts.trace import ParamInfo, Trace
 from hplan.errors import HplanError
+from hplan.planner.chunking import groups_key
 from hplan.planner.intervals import Choices, IntervalModel, Stay, build_intervals
 from hplan.planner.problem import Problem, Structure, build, event_non_model
 
@@ -166,9 +167,9 @@ def _base(trace: Trace, groups: list[list[ParamInfo]], chunks: tuple[int, ...], 
     same arguments as the extremes ([Note: remembered extremes]; the selective mix's and the children's bound
     build the same chunking's on the same trace and sample)."""
     memo = _EXTREMES[-1] if _EXTREMES else None
-    key = ("joint", id(trace), tuple(tuple(ps) for ps in groups), hardware, flips) if memo is not None else None
+    key = ("joint", id(trace), groups_key(groups), hardware, flips) if memo is not None else None
     if memo is not None and key in memo and memo[key][0] is trace:
-        return memo[key][1]
+        return memo[key][2]
     made = [(label, gpu, _extreme(trace, groups, gpu, hardware, flips))
             for label, gpu in (("gpu", frozenset(chunks)), ("cpu", frozenset()))]
     extremes = {label: Placed(gpu_chunks=gpu, structure=structure, problem=problem, model=model)
@@ -202,8 +203,8 @@ def _base(trace: Trace, groups: list[list[ParamInfo]], chunks: tuple[int, ...], 
                           span_size=np.array([s for s, _ in spans], dtype=np.int64), constant=constant, free=free,
                           span_region=np.array([r for _, r in spans], dtype=np.int64), choices=choices)
     out = (replace(model, stay=_stay(extremes, region_item, columns)), columns, made)
-    if memo is not None:
-        memo[key] = (trace, out)
+    if memo is not None:  # (held as in `_extreme`)
+        memo[key] = (trace, tuple(map(tuple, groups)), out)
     return out
 
 
@@ -218,13 +219,14 @@ def _extreme(trace: Trace, groups: list[list[ParamInfo]], gpu: frozenset[int], h
     so handing them out again changes nothing. The memo holds the trace itself, so no key's id can become another
     trace's while it lives: as long as the plan being made (hplan.planner.make)."""
     memo = _EXTREMES[-1] if _EXTREMES else None
-    key = (id(trace), tuple(tuple(ps) for ps in groups), gpu, hardware, flips) if memo is not None else None
+    key = (id(trace), groups_key(groups), gpu, hardware, flips) if memo is not None else None
     if memo is not None and key in memo and memo[key][0] is trace:
-        return memo[key][1]
+        return memo[key][2]
     structure, problem = build(trace, groups, gpu, hardware, flips=flips)
     made = (structure, problem, build_intervals(problem))
     if memo is not None:
-        memo[key] = (trace, made)
+        # the trace and parameters held: no key's ids can become others' ([Note: chunkings keyed by identity])
+        memo[key] = (trace, tuple(map(tuple, groups)), made)
     return made
 
 
