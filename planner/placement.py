@@ -96,7 +96,8 @@ class Joint:
         """The joint solution's kept gaps as the placement's own keep vector."""
         mode = self._mode_of(x)
         m = placed.model
-        cols = [self.columns[(int(r), int(a), int(b), mode[int(r)])] for r, a, b in zip(m.region, m.start, m.end)]
+        cols = [self.columns[(r, a, b, mode[r])]
+                for r, a, b in zip(m.region.tolist(), m.start.tolist(), m.end.tolist())]
         return np.asarray(keep, dtype=bool)[np.array(cols, dtype=np.int64)] if cols else np.zeros(0, dtype=bool)
 
     def to_joint(self, placed: Placed, keep: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -105,8 +106,8 @@ class Joint:
         mode = self._mode_of(x)
         out = np.zeros(self.model.n_gaps, dtype=bool)
         m = placed.model
-        for i, (r, a, b) in enumerate(zip(m.region, m.start, m.end)):
-            out[self.columns[(int(r), int(a), int(b), mode[int(r)])]] = keep[i]
+        for i, (r, a, b) in enumerate(zip(m.region.tolist(), m.start.tolist(), m.end.tolist())):
+            out[self.columns[(r, a, b, mode[r])]] = keep[i]
         return out, x
 
     def place(self, trace: Trace, hardware: Hardware, gpu_chunks: frozenset[int], *, flips: bool,
@@ -254,18 +255,22 @@ def _gaps(extremes: dict[str, Placed], region_item: np.ndarray
     spans: list[tuple[int, int]] = []
     covers: list[tuple[int, int, int]] = []
     columns: dict[tuple[int, int, int, int], int] = {}
-    keys = {label: {(int(r), int(a), int(b)) for r, a, b, it in zip(p.model.region, p.model.start, p.model.end,
-                                                                    region_item[p.model.region]) if it >= 0}
-            for label, p in extremes.items()}
+    keys = {label: {(r, a, b) for r, a, b, it in zip(p.model.region.tolist(), p.model.start.tolist(),
+                                                     p.model.end.tolist(), region_item[p.model.region].tolist())
+                    if it >= 0}
+            for label, p in extremes.items()}  # (Python ints throughout: numpy scalars are slow to iterate and hash)
+    item_of = region_item.tolist()
     for k, label in enumerate(MODES):
         m = extremes[label].model
         span_of: dict[int, int] = {}
-        for s, (size, r) in enumerate(zip(m.span_size, m.span_region if m.span_region is not None else [])):
-            if region_item[r] >= 0 or label == "cpu":
+        for s, (size, r) in enumerate(zip(m.span_size.tolist(),
+                                          m.span_region.tolist() if m.span_region is not None else [])):
+            if item_of[r] >= 0 or label == "cpu":
                 span_of[s] = len(spans)
-                spans.append((int(size), int(r)))
-        for r, a, b, size, span in zip(m.region, m.start, m.end, m.size, m.span):
-            r, a, b, it = int(r), int(a), int(b), int(region_item[r])
+                spans.append((size, r))
+        for r, a, b, size, span in zip(m.region.tolist(), m.start.tolist(), m.end.tolist(), m.size.tolist(),
+                                       m.span.tolist()):
+            it = item_of[r]
             if it < 0 and label != "cpu":
                 continue
             mode = 2 * it + k if it >= 0 else -1
@@ -273,10 +278,10 @@ def _gaps(extremes: dict[str, Placed], region_item: np.ndarray
             col = columns.get((r, a, b, 2 * it + 1 - k)) if shared else None
             if col is None:
                 col = len(gaps)
-                gaps.append((r, a, b, int(size), -1 if shared or it < 0 else mode))
+                gaps.append((r, a, b, size, -1 if shared or it < 0 else mode))
             columns[(r, a, b, mode)] = col
             if span >= 0:
-                covers.append((col, span_of[int(span)], mode))
+                covers.append((col, span_of[span], mode))
     return gaps, spans, covers, columns
 
 
