@@ -58,6 +58,7 @@ with the row for the schedule; the LP bounds (`planner.exact.lagrangian_bound`) 
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import numpy as np
@@ -225,6 +226,10 @@ class IntervalModel:
             if x[c.switch_modes].any():
                 load[c.switch_step] += c.switch_bytes
         return load
+
+    def triples(self) -> Iterator[tuple[int, int, int]]:
+        """Each gap's (region, start, end), as Python ints (numpy scalars are slow to iterate and hash)."""
+        return zip(self.region.tolist(), self.start.tolist(), self.end.tolist())
 
     def feasible(self, keep: np.ndarray, x: np.ndarray | None = None) -> bool:
         return bool(np.all(self.load(keep, x) <= self.free))

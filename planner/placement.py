@@ -96,8 +96,7 @@ class Joint:
         """The joint solution's kept gaps as the placement's own keep vector."""
         mode = self._mode_of(x)
         m = placed.model
-        cols = [self.columns[(r, a, b, mode[r])]
-                for r, a, b in zip(m.region.tolist(), m.start.tolist(), m.end.tolist())]
+        cols = [self.columns[(r, a, b, mode[r])] for r, a, b in m.triples()]
         return np.asarray(keep, dtype=bool)[np.array(cols, dtype=np.int64)] if cols else np.zeros(0, dtype=bool)
 
     def to_joint(self, placed: Placed, keep: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -106,7 +105,7 @@ class Joint:
         mode = self._mode_of(x)
         out = np.zeros(self.model.n_gaps, dtype=bool)
         m = placed.model
-        for i, (r, a, b) in enumerate(zip(m.region.tolist(), m.start.tolist(), m.end.tolist())):
+        for i, (r, a, b) in enumerate(m.triples()):
             out[self.columns[(r, a, b, mode[r])]] = keep[i]
         return out, x
 
@@ -217,8 +216,8 @@ def _extreme(trace: Trace, groups: list[list[ParamInfo]], gpu: frozenset[int], h
     than one regime: the mixed regime and the selective mix's stage every chunking of the same (relaxed) trace
     under the same sample (gpt:18b at 24 GB: 10 of 32 builds). They are a pure function of the trace, the
     chunking, the placement, the hardware and `flips`, made of frozen dataclasses whose arrays no caller writes,
-    so handing them out again changes nothing. The memo holds the trace itself, so no key's id can become another
-    trace's while it lives: as long as the plan being made (hplan.planner.make)."""
+    so handing them out again changes nothing. The memo holds the trace and the parameters, so no key's id can
+    become another object's while it lives ([Note: chunkings keyed by identity]): the plan being made."""
     memo = _EXTREMES[-1] if _EXTREMES else None
     key = (id(trace), groups_key(groups), gpu, hardware, flips) if memo is not None else None
     if memo is not None and key in memo and memo[key][0] is trace:
@@ -226,7 +225,6 @@ def _extreme(trace: Trace, groups: list[list[ParamInfo]], gpu: frozenset[int], h
     structure, problem = build(trace, groups, gpu, hardware, flips=flips)
     made = (structure, problem, build_intervals(problem))
     if memo is not None:
-        # the trace and parameters held: no key's ids can become others' ([Note: chunkings keyed by identity])
         memo[key] = (trace, tuple(map(tuple, groups)), made)
     return made
 
@@ -255,21 +253,18 @@ def _gaps(extremes: dict[str, Placed], region_item: np.ndarray
     spans: list[tuple[int, int]] = []
     covers: list[tuple[int, int, int]] = []
     columns: dict[tuple[int, int, int, int], int] = {}
-    keys = {label: {(r, a, b) for r, a, b, it in zip(p.model.region.tolist(), p.model.start.tolist(),
-                                                     p.model.end.tolist(), region_item[p.model.region].tolist())
-                    if it >= 0}
-            for label, p in extremes.items()}  # (Python ints throughout: numpy scalars are slow to iterate and hash)
-    item_of = region_item.tolist()
+    keys = {label: {g for g, it in zip(p.model.triples(), region_item[p.model.region].tolist()) if it >= 0}
+            for label, p in extremes.items()}
+    item_of = region_item.tolist()  # (Python ints throughout: numpy scalars are slow to iterate and hash)
     for k, label in enumerate(MODES):
         m = extremes[label].model
         span_of: dict[int, int] = {}
-        for s, (size, r) in enumerate(zip(m.span_size.tolist(),
-                                          m.span_region.tolist() if m.span_region is not None else [])):
+        span_region = [] if m.span_region is None else m.span_region.tolist()
+        for s, (size, r) in enumerate(zip(m.span_size.tolist(), span_region)):
             if item_of[r] >= 0 or label == "cpu":
                 span_of[s] = len(spans)
                 spans.append((size, r))
-        for r, a, b, size, span in zip(m.region.tolist(), m.start.tolist(), m.end.tolist(), m.size.tolist(),
-                                       m.span.tolist()):
+        for (r, a, b), size, span in zip(m.triples(), m.size.tolist(), m.span.tolist()):
             it = item_of[r]
             if it < 0 and label != "cpu":
                 continue
