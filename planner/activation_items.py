@@ -73,7 +73,7 @@ class Items:
     @property
     def first(self) -> np.ndarray:
         """Per segment: its first mode (keep where allowed)."""
-        return np.flatnonzero(np.r_[True, self.item[1:] != self.item[:-1]]) if len(self.item) else self.item
+        return np.flatnonzero(np.concatenate(([True], self.item[1:] != self.item[:-1]))) if len(self.item) else self.item
 
     def keep(self) -> tuple[int, ...]:
         return tuple(int(m) for m in self.first)

@@ -75,21 +75,19 @@ def _pick(items: Items, values: np.ndarray) -> tuple[int, ...]:
 def _solve(cost: np.ndarray, a: Any, lo: np.ndarray, hi: np.ndarray, upper: np.ndarray, b_lower: float, m: int
            ) -> np.ndarray | None:
     """One small MILP (binaries 0..m-1, one continuous column last) by HiGHS on one thread, closed exactly."""
-    lp = highspy.HighsLp()
-    lp.num_col_, lp.num_row_ = a.shape[1], a.shape[0]
-    lp.col_cost_ = cost
-    lp.col_lower_ = np.r_[np.zeros(m), b_lower]
-    lp.col_upper_ = upper
-    lp.a_matrix_.format_ = highspy.MatrixFormat.kColwise
-    lp.a_matrix_.start_ = a.indptr.astype(np.int32)
-    lp.a_matrix_.index_ = a.indices.astype(np.int32)
-    lp.a_matrix_.value_ = a.data.astype(float)
-    lp.row_lower_, lp.row_upper_ = lo, hi
-    lp.integrality_ = [highspy.HighsVarType.kInteger] * m + [highspy.HighsVarType.kContinuous]
     h = highspy._Highs()  # the public wrapper prints a banner on stdout
     for name, value in (("output_flag", False), ("threads", 1), ("random_seed", 0), ("mip_rel_gap", 0.0)):
         h.setOptionValue(name, value)
-    h.passModel(lp)
+    # passModel's array overload ([Note: the model passed as arrays] in hplan.planner.formulation)
+    kinds = np.zeros(a.shape[1], dtype=np.int32)
+    kinds[:m] = 1  # binaries 0..m-1 (integers within [0, 1]), the last column continuous
+    status = h.passModel(a.shape[1], a.shape[0], len(a.data), int(highspy.MatrixFormat.kColwise),
+                         int(highspy.ObjSense.kMinimize), 0.0, np.ascontiguousarray(cost, dtype=float),
+                         np.r_[np.zeros(m), b_lower], np.ascontiguousarray(upper, dtype=float),
+                         np.ascontiguousarray(lo, dtype=float), np.ascontiguousarray(hi, dtype=float),
+                         a.indptr[:-1].astype(np.int32), a.indices.astype(np.int32), a.data.astype(float), kinds)
+    if status == highspy.HighsStatus.kError:
+        raise AssertionError("HiGHS refused the smallest-budget model: an hplan bug")
     h.run()
     if h.getInfo().primal_solution_status != 2:
         return None

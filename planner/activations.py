@@ -158,7 +158,8 @@ def transform(trace: Trace, decisions: tuple[Decision, ...], shared: frozenset[t
                                  flops=e.flops + (s.selective_flops if sel else s.flops))
         for name in s.params:  # the recompute reads them inside this window: no flip of their chunk here
             last_read[name] = max(last_read[name], e.op_end - 1)
-    params = tuple(replace(p, last_read_op=last_read[p.name]) for p in trace.params)
+    params = tuple(p if p.last_read_op == last_read[p.name] else replace(p, last_read_op=last_read[p.name])
+                   for p in trace.params)  # the unchanged ones kept: equal, and the chunking memos' keys stay theirs
     return replace(trace, events=tuple(events), params=params)
 
 

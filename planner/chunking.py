@@ -64,20 +64,33 @@ def make_regions(groups: list[list[ParamInfo]], master: bool) -> tuple[tuple[Chu
     """Chunks and their regions with exact bytes; region ids are dense, in chunk order.
 
     Within `regions_remembered` (one plan) a chunking's answer is remembered: one plan builds the same chunking's
-    regions for every regime, extreme and staged model (gpt:18b at 24 GB: 26 times, 10 different, 478 chunks in
-    the largest). The answer is a pure function of the parameters' fields (frozen, compared by value) and of
-    `master`, made of frozen dataclasses in tuples, so handing it out again changes nothing."""
+    regions for every regime, extreme and staged model (gpt:18b at 24 GB: 24 times, 10 different, 478 chunks in
+    the largest). The answer is a pure function of the parameters' fields (frozen) and of `master`, made of frozen
+    dataclasses in tuples, so handing it out again changes nothing. Keyed by the parameters' identity ([Note:
+    chunkings keyed by identity])."""
     memo = _REGIONS[-1] if _REGIONS else None
     if memo is None:
         return _make_regions(groups, master)
-    key = (master, tuple(tuple(ps) for ps in groups))
-    made = memo.get(key)
-    if made is None:
-        made = memo[key] = _make_regions(groups, master)
-    return made
+    key = (master, groups_key(groups))
+    held = memo.get(key)
+    if held is None:  # the parameters held: their ids stay theirs while the memo lives
+        held = memo[key] = (tuple(map(tuple, groups)), _make_regions(groups, master))
+    return held[1]
 
 
-_REGIONS: list[dict[tuple[bool, tuple[tuple[ParamInfo, ...], ...]], tuple[tuple[Chunk, ...], tuple[Region, ...]]]] = []
+def groups_key(groups: list[list[ParamInfo]]) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """A chunking's key by identity: its parameters' ids and its groups' lengths.
+
+    [Note: chunkings keyed by identity] Hashing a chunking by value hashes every ParamInfo field by field (a
+    generated Python `__hash__` per parameter: 46,000 calls and about 40 ms per gpt:18b plan, its memos' keys
+    built 70 times), and every repeat there is the same parameter objects (make_regions' 14 of 24 calls, once
+    `hplan.planner.activations.transform` keeps the parameters it does not change). Ids name objects only while
+    they live, so a memo keyed this way holds the parameters it was given; equal objects with other ids merely
+    miss and are built again (as costly as hashing them by value)."""
+    return tuple(id(p) for ps in groups for p in ps), tuple(len(ps) for ps in groups)
+
+
+_REGIONS: list[dict[tuple[bool, tuple], tuple[tuple, tuple[tuple[Chunk, ...], tuple[Region, ...]]]]] = []
 
 
 @contextmanager

@@ -58,6 +58,7 @@ with the row for the schedule; the LP bounds (`planner.exact.lagrangian_bound`) 
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import numpy as np
@@ -226,6 +227,10 @@ class IntervalModel:
                 load[c.switch_step] += c.switch_bytes
         return load
 
+    def triples(self) -> Iterator[tuple[int, int, int]]:
+        """Each gap's (region, start, end), as Python ints (numpy scalars are slow to iterate and hash)."""
+        return zip(self.region.tolist(), self.start.tolist(), self.end.tolist())
+
     def feasible(self, keep: np.ndarray, x: np.ndarray | None = None) -> bool:
         return bool(np.all(self.load(keep, x) <= self.free))
 
@@ -283,18 +288,20 @@ def build_intervals(problem: Problem) -> IntervalModel:
     constant = 0
     region_constant = np.zeros(len(problem.sizes), dtype=np.int64)
     stays: list[tuple[int, int, int]] = []  # (region, first gap, end gap) of regions that may stay
+    if any(len({*rs, *off}) != len(rs) + len(off) for rs, off in zip(problem.needs, problem.off)):
+        _clash(events)  # a region listed twice at one step (needed and forced off): one check per step
     for r, evs in enumerate(events):
         if not evs:
             continue
         before, gap0, leaves = constant, len(regions), False
         evs.sort()
-        steps = [t for t, _ in evs]
-        if len(set(steps)) != len(steps):
-            t = next(t for t in steps if steps.count(t) > 1)
-            raise HplanError(f"region {r} is both needed and forced off the device at step {t}: an hplan bug")
-        size, live = problem.sizes[r], problem.live[r]
+        size, live, dirty = problem.sizes[r], problem.live[r], dirty_at[r]
         # Start the walk at a span boundary (a dirtying or off step) when there is one, so spans never wrap.
-        first = next((k for k, (t, need) in enumerate(evs) if not need or t in dirty_at[r]), 0)
+        first = 0
+        for k, (t, need) in enumerate(evs):
+            if not need or t in dirty:
+                first = k
+                break
         evs = evs[first:] + evs[:first]
         span, forced = -1, False
 
@@ -315,7 +322,7 @@ def build_intervals(problem: Problem) -> IntervalModel:
                 if b_need and live[b % n]:
                     constant += size
                 continue
-            if a in dirty_at[r]:
+            if a in dirty:
                 close()
                 span, forced = len(span_size), False
                 span_size.append(size)
@@ -347,6 +354,15 @@ def build_intervals(problem: Problem) -> IntervalModel:
                          span_size=sizes_arr, constant=constant, free=free, region_constant=region_constant,
                          span_region=np.array(span_region, dtype=np.int64),
                          stay=_stay(problem, stays, [-1] * len(stays)))
+
+
+def _clash(events: list[list[tuple[int, bool]]]) -> None:
+    """Raise for the first region (then step) that is both needed and forced off at one step."""
+    for r, evs in enumerate(events):
+        steps = sorted(t for t, _ in evs)
+        t = next((t for t in steps if steps.count(t) > 1), None)
+        if t is not None:
+            raise HplanError(f"region {r} is both needed and forced off the device at step {t}: an hplan bug")
 
 
 def _stay(problem: Problem, pairs: list[tuple[int, int, int]], modes: list[int]) -> Stay | None:

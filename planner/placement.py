@@ -27,6 +27,7 @@ import numpy as np
 from hplan.artifacts.hardware import Hardware
 from hplan.artifacts.trace import ParamInfo, Trace
 from hplan.errors import HplanError
+from hplan.planner.chunking import groups_key
 from hplan.planner.intervals import Choices, IntervalModel, Stay, build_intervals
 from hplan.planner.problem import Problem, Structure, build, event_non_model
 
@@ -95,7 +96,7 @@ class Joint:
         """The joint solution's kept gaps as the placement's own keep vector."""
         mode = self._mode_of(x)
         m = placed.model
-        cols = [self.columns[(int(r), int(a), int(b), mode[int(r)])] for r, a, b in zip(m.region, m.start, m.end)]
+        cols = [self.columns[(r, a, b, mode[r])] for r, a, b in m.triples()]
         return np.asarray(keep, dtype=bool)[np.array(cols, dtype=np.int64)] if cols else np.zeros(0, dtype=bool)
 
     def to_joint(self, placed: Placed, keep: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -104,8 +105,8 @@ class Joint:
         mode = self._mode_of(x)
         out = np.zeros(self.model.n_gaps, dtype=bool)
         m = placed.model
-        for i, (r, a, b) in enumerate(zip(m.region, m.start, m.end)):
-            out[self.columns[(int(r), int(a), int(b), mode[int(r)])]] = keep[i]
+        for i, (r, a, b) in enumerate(m.triples()):
+            out[self.columns[(r, a, b, mode[r])]] = keep[i]
         return out, x
 
     def place(self, trace: Trace, hardware: Hardware, gpu_chunks: frozenset[int], *, flips: bool,
@@ -166,9 +167,9 @@ def _base(trace: Trace, groups: list[list[ParamInfo]], chunks: tuple[int, ...], 
     same arguments as the extremes ([Note: remembered extremes]; the selective mix's and the children's bound
     build the same chunking's on the same trace and sample)."""
     memo = _EXTREMES[-1] if _EXTREMES else None
-    key = ("joint", id(trace), tuple(tuple(ps) for ps in groups), hardware, flips) if memo is not None else None
+    key = ("joint", id(trace), groups_key(groups), hardware, flips) if memo is not None else None
     if memo is not None and key in memo and memo[key][0] is trace:
-        return memo[key][1]
+        return memo[key][2]
     made = [(label, gpu, _extreme(trace, groups, gpu, hardware, flips))
             for label, gpu in (("gpu", frozenset(chunks)), ("cpu", frozenset()))]
     extremes = {label: Placed(gpu_chunks=gpu, structure=structure, problem=problem, model=model)
@@ -202,8 +203,8 @@ def _base(trace: Trace, groups: list[list[ParamInfo]], chunks: tuple[int, ...], 
                           span_size=np.array([s for s, _ in spans], dtype=np.int64), constant=constant, free=free,
                           span_region=np.array([r for _, r in spans], dtype=np.int64), choices=choices)
     out = (replace(model, stay=_stay(extremes, region_item, columns)), columns, made)
-    if memo is not None:
-        memo[key] = (trace, out)
+    if memo is not None:  # (held as in `_extreme`)
+        memo[key] = (trace, tuple(map(tuple, groups)), out)
     return out
 
 
@@ -215,16 +216,16 @@ def _extreme(trace: Trace, groups: list[list[ParamInfo]], gpu: frozenset[int], h
     than one regime: the mixed regime and the selective mix's stage every chunking of the same (relaxed) trace
     under the same sample (gpt:18b at 24 GB: 10 of 32 builds). They are a pure function of the trace, the
     chunking, the placement, the hardware and `flips`, made of frozen dataclasses whose arrays no caller writes,
-    so handing them out again changes nothing. The memo holds the trace itself, so no key's id can become another
-    trace's while it lives: as long as the plan being made (hplan.planner.make)."""
+    so handing them out again changes nothing. The memo holds the trace and the parameters, so no key's id can
+    become another object's while it lives ([Note: chunkings keyed by identity]): the plan being made."""
     memo = _EXTREMES[-1] if _EXTREMES else None
-    key = (id(trace), tuple(tuple(ps) for ps in groups), gpu, hardware, flips) if memo is not None else None
+    key = (id(trace), groups_key(groups), gpu, hardware, flips) if memo is not None else None
     if memo is not None and key in memo and memo[key][0] is trace:
-        return memo[key][1]
+        return memo[key][2]
     structure, problem = build(trace, groups, gpu, hardware, flips=flips)
     made = (structure, problem, build_intervals(problem))
     if memo is not None:
-        memo[key] = (trace, made)
+        memo[key] = (trace, tuple(map(tuple, groups)), made)
     return made
 
 
@@ -252,18 +253,19 @@ def _gaps(extremes: dict[str, Placed], region_item: np.ndarray
     spans: list[tuple[int, int]] = []
     covers: list[tuple[int, int, int]] = []
     columns: dict[tuple[int, int, int, int], int] = {}
-    keys = {label: {(int(r), int(a), int(b)) for r, a, b, it in zip(p.model.region, p.model.start, p.model.end,
-                                                                    region_item[p.model.region]) if it >= 0}
+    keys = {label: {g for g, it in zip(p.model.triples(), region_item[p.model.region].tolist()) if it >= 0}
             for label, p in extremes.items()}
+    item_of = region_item.tolist()  # (Python ints throughout: numpy scalars are slow to iterate and hash)
     for k, label in enumerate(MODES):
         m = extremes[label].model
         span_of: dict[int, int] = {}
-        for s, (size, r) in enumerate(zip(m.span_size, m.span_region if m.span_region is not None else [])):
-            if region_item[r] >= 0 or label == "cpu":
+        span_region = [] if m.span_region is None else m.span_region.tolist()
+        for s, (size, r) in enumerate(zip(m.span_size.tolist(), span_region)):
+            if item_of[r] >= 0 or label == "cpu":
                 span_of[s] = len(spans)
-                spans.append((int(size), int(r)))
-        for r, a, b, size, span in zip(m.region, m.start, m.end, m.size, m.span):
-            r, a, b, it = int(r), int(a), int(b), int(region_item[r])
+                spans.append((size, r))
+        for (r, a, b), size, span in zip(m.triples(), m.size.tolist(), m.span.tolist()):
+            it = item_of[r]
             if it < 0 and label != "cpu":
                 continue
             mode = 2 * it + k if it >= 0 else -1
@@ -271,10 +273,10 @@ def _gaps(extremes: dict[str, Placed], region_item: np.ndarray
             col = columns.get((r, a, b, 2 * it + 1 - k)) if shared else None
             if col is None:
                 col = len(gaps)
-                gaps.append((r, a, b, int(size), -1 if shared or it < 0 else mode))
+                gaps.append((r, a, b, size, -1 if shared or it < 0 else mode))
             columns[(r, a, b, mode)] = col
             if span >= 0:
-                covers.append((col, span_of[int(span)], mode))
+                covers.append((col, span_of[span], mode))
     return gaps, spans, covers, columns
 
 

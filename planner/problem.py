@@ -326,7 +326,7 @@ def _liveness(s: Structure, n: int) -> np.ndarray:
 
 
 def _tuples(sets: list[set[int]]) -> tuple[tuple[int, ...], ...]:
-    return tuple(tuple(sorted(x)) for x in sets)
+    return tuple(map(tuple, map(sorted, sets)))
 
 
 def lower_bound(problem: Problem) -> int:

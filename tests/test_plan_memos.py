@@ -71,3 +71,15 @@ def test_extremes_built_once_per_plan_leave_it_unchanged(gpt2_5, monkeypatch):
     builds.clear()
     forgotten = make_plan(gpt2_5, hw)
     assert once < len(builds) and same(remembered, forgotten)
+
+
+def test_transform_keeps_the_parameters_it_does_not_change(gpt2_5):
+    """[Note: chunkings keyed by identity] in hplan.planner.chunking: a parameter whose last read a choice leaves
+    as it was stays the same object, so the chunking memos (keyed by identity) hit on the transformed trace."""
+    from hplan.planner.activations import decide, transform
+
+    for choice in ("offload", "recompute"):
+        work = transform(gpt2_5, decide(gpt2_5, choice))
+        assert work is not gpt2_5 and len(work.params) == len(gpt2_5.params)
+        assert all((a is b) == (a == b) for a, b in zip(work.params, gpt2_5.params))
+    assert all(a is b for a, b in zip(transform(gpt2_5, decide(gpt2_5, "offload")).params, gpt2_5.params))

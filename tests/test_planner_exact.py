@@ -227,3 +227,45 @@ def test_planner_does_not_import_torch():
 
     code = "import sys, hplan.planner, hplan.planner.exact, hplan.planner.search; assert 'torch' not in sys.modules"
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_a_model_passed_as_arrays_solves_as_the_same_model_passed_as_lists():
+    """[Note: the model passed as arrays]: the LP and the branch and bound HiGHS gets through passModel's array
+    overload are the models a HighsLp of lists gives it (an LP's integrality of continuous columns included), and
+    answer the same to the byte."""
+    import highspy
+
+    from hplan.planner.formulation import _highs, memory_rows
+
+    trace = gpt_trace(n_layer=3, d_model=128, n_head=4, precision="fp16-mixed")
+    hw = Hardware(gpu_bytes=int(0.3 * trace.model_bytes) + trace.peak_bytes - trace.model_bytes)
+    model = build_intervals(build(trace, group_params(trace, 2 * 10**6), frozenset(), hw)[1])
+    rows = memory_rows(model)
+    for integral in (False, True):
+        h, _ = _highs(model, rows, integral=integral)
+        lp = h.getLp()
+        assert len(lp.a_matrix_.start_) == lp.num_col_ + 1 and lp.a_matrix_.start_[-1] == len(lp.a_matrix_.value_)
+        kinds = [int(k) for k in lp.integrality_]
+        assert kinds == [0] * lp.num_col_ if not integral else 1 in kinds
+        lists = highspy.HighsLp()
+        lists.num_col_, lists.num_row_ = lp.num_col_, lp.num_row_
+        for name in ("col_cost_", "col_lower_", "col_upper_", "row_lower_", "row_upper_"):
+            setattr(lists, name, [float(v) for v in getattr(lp, name)])
+        lists.a_matrix_.format_ = highspy.MatrixFormat.kColwise
+        lists.a_matrix_.start_ = [int(v) for v in lp.a_matrix_.start_]
+        lists.a_matrix_.index_ = [int(v) for v in lp.a_matrix_.index_]
+        lists.a_matrix_.value_ = [float(v) for v in lp.a_matrix_.value_]
+        if integral:
+            lists.integrality_ = list(lp.integrality_)
+        answers = []
+        for given in (h, None):
+            if given is None:
+                given = highspy._Highs()
+                for name, value in (("output_flag", False), ("threads", 1), ("random_seed", 0)):
+                    given.setOptionValue(name, value)
+                given.passModel(lists)
+            given.run()
+            sol, info = given.getSolution(), given.getInfo()
+            answers.append((np.asarray(sol.col_value).tobytes(), np.asarray(sol.row_dual).tobytes(),
+                            info.objective_function_value, info.mip_dual_bound))
+        assert answers[0] == answers[1]

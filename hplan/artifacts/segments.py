@@ -290,14 +290,26 @@ def effects(seg: Segment, choice: str, prefetch: int | None = None, *, shared_re
 
 
 def _merge(runs: list[Effect]) -> tuple[Effect, ...]:
-    """Runs summed per event and recompressed (runs may overlap)."""
-    if not runs:
-        return ()
-    total = [0] * (max(last for _, last, _ in runs) + 1)
+    """Runs summed per event and recompressed (runs may overlap): `as_runs` of the per-event sums, found by a sweep
+    over the runs' ends instead of a pass over every event (the planner merges a few runs per segment and choice,
+    1,700 times per gpt:18b plan, over 500 events each)."""
+    change: dict[int, int] = {}
     for first, last, delta in runs:
-        for t in range(first, last + 1):
-            total[t] += delta
-    return as_runs(total)
+        if delta and first <= last:  # an empty run adds nothing (as a pass over its events would)
+            change[first] = change.get(first, 0) + delta
+            change[last + 1] = change.get(last + 1, 0) - delta
+    out: list[list[int]] = []
+    value = 0
+    points = sorted(change)
+    for at, end in zip(points, points[1:]):  # value holds on [at, end)
+        value += change[at]
+        if not value:
+            continue
+        if out and out[-1][1] == at - 1 and out[-1][2] == value:
+            out[-1][1] = end - 1
+        else:
+            out.append([at, end - 1, value])
+    return tuple((a, b, c) for a, b, c in out)
 
 
 def as_runs(values: Sequence[int]) -> tuple[tuple[int, int, int], ...]:
