@@ -166,7 +166,7 @@ def _plan_auto(trace: Trace, hardware: Hardware, options: PlanOptions, on_progre
                     plan = _settle(work, hw, options, on_progress, items, smallest, own, plan, decisions)
                     if first.activations_free and first.lower_bound_bytes < plan.summary.lower_bound_bytes:
                         plan = descend(work, hw, options, on_progress, items, smallest, own, plan,
-                                       first.lower_bound_bytes, incumbent)
+                                       first.lower_bound_bytes, incumbent, _plan_regime)
             elif incumbent is not None and mixed is not None and name != "selective" and \
                     priced_bound(*mixed, name, targets, hw.slack_bytes, incumbent) > incumbent:
                 continue  # priced by the mixed regime's LP multipliers, on every chunking: it cannot win or tie
@@ -189,7 +189,8 @@ def _plan_auto(trace: Trace, hardware: Hardware, options: PlanOptions, on_progre
                 elif incumbent is not None and under <= incumbent:
                     bounds.append(under)
                     if name != SELECTIVE_MIX:  # a mix reserving less may still win ([Note: a mix below the sample])
-                        best = descend(work, hw, options, on_progress, items, smallest, own, best, under, incumbent)
+                        best = descend(work, hw, options, on_progress, items, smallest, own, best, under, incumbent,
+                                       _plan_regime)
             continue
         except HostMemoryShort:
             if best is None and name == "mixed":

@@ -3,13 +3,15 @@ over the mixes that reserve less than the sample might beat the regime's plan (h
 
 from __future__ import annotations
 
+from typing import Callable
+
 from hplan.artifacts.hardware import Hardware
 from hplan.artifacts.plan import Plan
 from hplan.artifacts.trace import Trace
 from hplan.planner import core
 from hplan.planner.activation_items import Items
 from hplan.planner.activation_min import RegimeMin
-from hplan.planner.activations import HostMemoryShort, decide, with_slack
+from hplan.planner.activations import Decision, HostMemoryShort, decide, with_slack
 from hplan.planner.core import Pruned
 from hplan.planner.options import PlanOptions
 from hplan.planner.problem import MinGpu
@@ -18,9 +20,11 @@ from hplan.planner.slack import for_figure, least_reserve
 
 
 def descend(trace: Trace, hw: Hardware, options: PlanOptions, on_progress: Progress | None, items: Items,
-            smallest: MinGpu, own: RegimeMin, plan: Plan, floor: int, incumbent: int | None) -> Plan:
+            smallest: MinGpu, own: RegimeMin, plan: Plan, floor: int, incumbent: int | None,
+            plan_regime: Callable[..., tuple[Plan, tuple[Decision, ...], object]]) -> Plan:
     """`plan` (the regime's, or the incumbent where the regime was pruned), or a better one among the regime's
-    mixes that reserve less than the sample `hw` searched under; `floor`: a bound on those mixes (`below`).
+    mixes that reserve less than the sample `hw` searched under; `floor`: a bound on those mixes (`below`);
+    `plan_regime`: auto's search within one regime (`_plan_regime`, passed in so this module does not import auto's).
 
     [Note: a mix below the sample] The regime's search holds each plan to the sample's reserve; a mix whose own
     replayed figure is smaller reserves only that ([Note: a mix's reserve]), so it may fit with fewer recomputes
@@ -36,8 +40,6 @@ def descend(trace: Trace, hw: Hardware, options: PlanOptions, on_progress: Progr
     is a block's. The certificate is unchanged (the floor still bounds those mixes; a plan found only lowers the
     objective), and so is every plan where the floor does not bind (gpt:18b: the mixed regime is ruled out by the
     selective mix's LPs, [Note: a mix priced by a larger mix]; the selective mix is not searched again)."""
-    from hplan.planner.activation_auto import _plan_regime
-
     least = least_reserve(hw)
     goal = _link(plan) if incumbent is None else min(_link(plan), incumbent)
     if least >= hw.slack_bytes or floor >= goal or core._effort(options) == 0:
@@ -47,7 +49,7 @@ def descend(trace: Trace, hw: Hardware, options: PlanOptions, on_progress: Progr
     if lean is None:
         return plan
     try:
-        again, decisions, _ = _plan_regime(trace, for_figure(hw, "mixed", least), options, on_progress, blocks,
+        again, decisions, _ = plan_regime(trace, for_figure(hw, "mixed", least), options, on_progress, blocks,
                                            smallest, lean, own.keep, goal - 1)
     except (Pruned, HostMemoryShort):
         return plan
