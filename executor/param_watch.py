@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 from hplan.errors import HplanError
+from hplan.executor.state import RegionState
 from hplan.hooks import param_owning_modules
 
 FIX = ("hplan keeps each parameter where its plan puts it: convert or move the model in its factory (before hplan "
@@ -122,9 +123,10 @@ class WriteWatch:
 
     def bound(self, iteration: int) -> None:
         """Every parameter still bound where its region store put it ([Note: new data for a parameter])."""
+        host = RegionState.HOST  # compared in line: this runs every iteration (on_fast_tier is a property call)
         with torch._C.DisableTorchFunctionSubclass():
             for slot in self.weights:
-                for p, target, _ in slot.binds if slot.state.on_fast_tier else slot.unbinds:
+                for p, target, _ in slot.unbinds if slot.state is host else slot.binds:
                     if not p.is_set_to(target):
                         raise HplanError(f"parameter {self.names.get(id(p), '?')} was given new data (`.data = …`) "
                                          f"inside the attach block (seen at iteration {iteration}), but the plan holds its "
