@@ -167,13 +167,6 @@ def _aliased(result: Any, sources: list[torch.Tensor], lookup: Any) -> Any:
         alias = result.as_subclass(Alias)
     alias._param = getattr(source, "_param", None) or source._hplan_param  # type: ignore[attr-defined]
     return alias
-    if isinstance(tree, (list, tuple)):
-        for item in tree:
-            if (found := _first_offloaded(item)) is not None:
-                return found
-    if isinstance(tree, dict):
-        return _first_offloaded(list(tree.values()))
-    return None
 
 
 def _fetched(tree: Any, copies: list[torch.Tensor]) -> Any:

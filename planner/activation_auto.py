@@ -87,6 +87,7 @@ from dataclasses import replace
 from hplan.artifacts.hardware import Hardware
 from hplan.artifacts.plan import Plan
 from hplan.artifacts.trace import Trace
+from hplan.planner.activation_bounds import objective as _objective
 from hplan.planner.activation_bounds import (beyond, below, children_bound, close, floored, prestage, priced_bound,
                                               regime_search, targets_of)
 from hplan.planner.activation_descend import descend
@@ -297,10 +298,6 @@ def _better(plan: Plan, best: Plan) -> bool:
     a, b = _objective(plan), _objective(best)
     return a < b or a == b and round(plan.summary.predicted_step_seconds, 12) < \
         round(best.summary.predicted_step_seconds, 12)
-
-
-def _objective(plan: Plan) -> int:
-    return plan.summary.bytes_moved_per_iter + plan.summary.activation_cost_bytes
 
 
 def _plan_regime(trace: Trace, hardware: Hardware, options: PlanOptions, on_progress: Progress | None, items: Items,

@@ -255,3 +255,8 @@ def close(search: Search, best: Scored, options: PlanOptions, light: bool = Fals
     mine = staged is not None and staged[0] is best.joint.model
     lp = lagrangian_bound(staged[0], staged[1], *staged[2]) if mine else lp_bound(best.joint.model)
     return min(best.moved, max(result.lower_bound, lp))
+
+
+def objective(plan: Plan) -> int:
+    """What auto minimises over plans: link bytes moved per iteration plus the activations' cost in bytes."""
+    return plan.summary.bytes_moved_per_iter + plan.summary.activation_cost_bytes

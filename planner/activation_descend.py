@@ -9,6 +9,7 @@ from hplan.artifacts.hardware import Hardware
 from hplan.artifacts.plan import Plan
 from hplan.artifacts.trace import Trace
 from hplan.planner import core
+from hplan.planner.activation_bounds import objective
 from hplan.planner.activation_items import Items
 from hplan.planner.activation_min import RegimeMin
 from hplan.planner.activations import Decision, HostMemoryShort, decide, with_slack
@@ -41,7 +42,7 @@ def descend(trace: Trace, hw: Hardware, options: PlanOptions, on_progress: Progr
     objective), and so is every plan where the floor does not bind (gpt:18b: the mixed regime is ruled out by the
     selective mix's LPs, [Note: a mix priced by a larger mix]; the selective mix is not searched again)."""
     least = least_reserve(hw)
-    goal = _link(plan) if incumbent is None else min(_link(plan), incumbent)
+    goal = objective(plan) if incumbent is None else min(objective(plan), incumbent)
     if least >= hw.slack_bytes or floor >= goal or core._effort(options) == 0:
         return plan
     blocks = items.blocks_only()  # where keep does not fit, its search starts from the least budget's modes
@@ -56,8 +57,4 @@ def descend(trace: Trace, hw: Hardware, options: PlanOptions, on_progress: Progr
     # a winner of one choice (all kept, all offloaded) would keep the least reserve, below its own figure: its
     # regime is solved on its own, so only a plan reserving at least its choices' figure is taken
     mine = again.summary.feasible and again.hardware.slack_bytes >= with_slack(hw, decisions, trace).slack_bytes
-    return again if mine and _link(again) < goal else plan
-
-
-def _link(plan: Plan) -> int:
-    return plan.summary.bytes_moved_per_iter + plan.summary.activation_cost_bytes
+    return again if mine and objective(again) < goal else plan
