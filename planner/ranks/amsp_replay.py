@@ -23,7 +23,7 @@ from hplan.artifacts.trace import Trace
 from hplan.planner.options import PlanOptions
 from hplan.planner.presets import make_hardware
 from hplan.planner.ranks.shard import make_shard_plan
-from hplan.planner.ranks.systems import System, price, system_steps, systems
+from hplan.planner.ranks.systems import System, system_price, systems
 
 GPU, NETWORK, GPUS_PER_NODE = "a800-80gb", "a800-4xhdr", 8
 SEQ, GLOBAL_TOKENS = 4096, 4 * 1024 * 1024
@@ -96,7 +96,7 @@ def _row(system: System, trace: Trace, hw: Hardware, options: PlanOptions, peak:
         return Row(system=system.name, factors=label, step_seconds=None, mfu=None, split={},
                    note=plan.summary.bottleneck)
     s = plan.summary.shard
-    split = price(plan, trace, system.schedule, system_steps(system, plan))
+    split = system_price(system, plan, trace)
     note = "as hplan's executor runs it: gathers one step ahead, reductions settled a step later" \
         if system.kind == "hplan" else ""
     return Row(system=system.name, factors=f"{s['P']}/{s['G']}/{s['OS']}", step_seconds=split["step"],

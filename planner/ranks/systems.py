@@ -36,8 +36,9 @@ Each system is its shard factors ([Note: shard layout]) plus how it issues colle
   _reduce_grads_by_rank, which waits for the bucket in progress before taking the next);
 - hplan: its own plan as its executor runs it (`shard_time.EXECUTOR`: gathers one step ahead, reductions
   asynchronous and settled one step later, one call per chunk).
-What no system here models: their engines' per-module CPU overhead (hooks, bookkeeping), kernels slowed by
-communication running beside them, and network congestion beyond each node's link.
+- ZeRO-3, ZeRO++ and MiCS pay stage 3's host loops over each group's ranks ([Note: the stage 3 host loop]).
+What no system here models: the rest of their engines' per-module CPU overhead (hooks, bookkeeping), kernels
+slowed by communication running beside them, and network congestion beyond each node's link.
 
 [Note: the paper's baselines] AMSP's evaluation (arXiv 2311.00257 v2, 13 Mar 2024, §VI.A and §VI.C) says how it
 ran the systems it compares, and the replay runs them so, reading each setting from the paper, none fitted:
@@ -61,6 +62,26 @@ ran the systems it compares, and the replay runs them so, reading each setting f
 - the factors (Table IV): MiCS 8×1 (one node) for LLaMA-7B and 13B, ZeRO++'s secondary weights over 8×1 (one
   node) without quantisation, ZeRO-1 and ZeRO-3 over all ranks, AMSP 1/1/8 and 4/4/8 — as `System.sharding`.
 The code's own defaults stay a reading in bench section 8 (`bench.multigpu_ranking.readings`).
+
+[Note: the stage 3 host loop] DeepSpeed's stage 3 engine (ZeRO-3, ZeRO++, MiCS) runs Python loops over the ranks of
+each collective's group on the thread that launches the kernels, so their cost grows with the group, not the bytes:
+- a gather's wait (partition_parameters.py AllGatherCoalescedHandle.wait, v0.12.3 lines 642-656, the same at
+  v0.11.1): per parameter and per rank a `narrow` of the rank's piece, then the `torch.cat` of the pieces and a
+  `record_stream` per piece — 2 ops per parameter per rank, in the forward and again in the backward (ZeRO++'s hpZ
+  backward gathers run over its secondary group, 8 ranks);
+- a reduce-scatter (runtime/comm/coalesced_collectives.py reduce_scatter_coalesced, v0.12.3 line 89): a slice per
+  rank per gradient, then their interleaving into one `torch.cat` — 1 op per parameter per rank;
+- MiCS's gather handle (mics.py MiCS_AllGatherCoalescedHandle.wait, v0.12.3 lines 32-53) marks the parameters
+  available with no per-rank loop; its reduce-scatter is the one above over its 8-rank shard group.
+Each op is priced at `HOST_OP_S`, PyTorch's own measured cost of an eager view op on a CUDA tensor (a cited
+figure, not fitted to AMSP's numbers). The loop for a step's calls runs while the GPU computes the step before, so
+a plan step adds only its host time beyond its compute (`host_loop_seconds`). For LLaMA-7B at 1,024 ranks that is
+291 tensors × 1,024 ranks × 5 ops ≈ 1.5 M ops, 3.4 s at 2.26 µs, against 1 s of compute: ZeRO-3 and ZeRO++ fall
+with the world size and MiCS does not, the paper's direction, which bytes and NCCL's latency model alone do not
+give (their gathers over 1,024 ranks cost 1–2 ms each). Counted on the upper side: a fetch of one parameter
+alone takes a path without the loop (AllGatherHandle), which the trace-based prefetcher, coalescing up to
+stage3_prefetch_bucket_size (5e7) elements per call, leaves to the first fetches. Not counted: the per-call
+narrows of `_all_gather_dtype` and the `torch.cat` of 1,024 × tensors pieces, each O(ranks) too.
 """
 
 from __future__ import annotations
@@ -78,6 +99,10 @@ DEEPSPEED_BUCKET_ELEMENTS = 5 * 10**8
 """reduce_bucket_size and allgather_bucket_size defaults (deepspeed/runtime/zero/config.py)."""
 INTERNEVO_BUCKET_BYTES = 512 * 1024 * 1024
 """hybrid_zero_optimizer.reduce_bucket_size in InternEvo's configs/7B_sft.py."""
+HOST_OP_S = 2.26e-6
+"""Host seconds of one eager PyTorch op on a CUDA tensor: `split` of a CUDA tensor (2 views) in PyTorch's operator
+micro-benchmark, 2.26 µs after pytorch/pytorch PR #32194 (3.33 µs before it), the cheaper figure taken
+([Note: the stage 3 host loop]). Its CPU is not stated; the A800 nodes' is not known either."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -90,6 +115,9 @@ class System:
     schedule: CommSchedule
     factors: tuple[int, int, int] | None = None
     """AMSP's published (P, G, OS); None: the system's rule for the world."""
+    host_ops: tuple[int, int] = (0, 0)
+    """Host ops per rank of the group per parameter tensor in (a weight gather, a gradient reduce-scatter)
+    ([Note: the stage 3 host loop]); (0, 0): none modelled."""
 
     def sharding(self, ranks: int, gpus_per_node: int) -> Sharding | None:
         """The factors on this world (None for hplan: it searches them)."""
@@ -97,6 +125,15 @@ class System:
         rule = {"zero3": (n, n, n), "zero++hpz": (n, n, n), "mics": (g, g, g), "zero1": (1, 1, n)}
         f = self.factors if self.factors is not None else rule.get(self.kind)
         return None if f is None else Sharding(P=f[0], G=f[1], OS=f[2])
+
+
+STAGE3_HOST_OPS = (2, 1)
+"""DeepSpeed stage 3 (v0.11.1-v0.12.3): per parameter and rank of the group, a gather's wait makes a narrow and a
+record_stream (partition_parameters.py AllGatherCoalescedHandle.wait, v0.12.3 lines 642-656) and a reduce-scatter a
+slice (runtime/comm/coalesced_collectives.py reduce_scatter_coalesced, v0.12.3 line 89)."""
+MICS_HOST_OPS = (0, 1)
+"""MiCS: its gather handle returns the gathered buffers with no per-rank loop (mics.py MiCS_AllGatherCoalescedHandle,
+v0.12.3 lines 32-53); its reduce-scatter is stage 3's reduce_scatter_coalesced over the shard group."""
 
 
 def deepspeed_bucket(itemsize: int) -> int:
@@ -108,9 +145,9 @@ def systems(grad_itemsize: int, amsp: tuple[int, int, int] | None = None) -> lis
     ds = deepspeed_bucket(grad_itemsize)
     # stage3.py's one reduce stream, holding the compute stream as AMSP measured it ([Note: the paper's baselines])
     zero3 = CommSchedule(prefetch=1, bucket_bytes=ds, one_reduce_stream=True, overlap_reductions=False)
-    out = [System(name="ZeRO-3", kind="zero3", schedule=zero3),
-           System(name="ZeRO++ (hpZ)", kind="zero++hpz", schedule=zero3),
-           System(name="MiCS", kind="mics", schedule=zero3),
+    out = [System(name="ZeRO-3", kind="zero3", schedule=zero3, host_ops=STAGE3_HOST_OPS),
+           System(name="ZeRO++ (hpZ)", kind="zero++hpz", schedule=zero3, host_ops=STAGE3_HOST_OPS),
+           System(name="MiCS", kind="mics", schedule=zero3, host_ops=MICS_HOST_OPS),
            System(name="ZeRO-1", kind="zero1",
                   schedule=CommSchedule(overlap_reductions=True, bucket_bytes=ds, update_gather_bytes=WHOLE))]
     if amsp is not None:
@@ -172,3 +209,31 @@ def system_steps(system: System, plan: Plan) -> tuple[Step, ...]:
     if system.kind == "zero1":
         return allreduce_steps(plan.steps)
     return plan.steps
+
+
+def host_loop_seconds(system: System, plan: Plan, steps: tuple[Step, ...], compute: list[float]) -> float:
+    """Seconds the stage 3 host loop adds to a step ([Note: the stage 3 host loop]): per plan step, the host ops of
+    its gathers and reduce-scatters (ops per rank × ranks in the call's group × parameter tensors of the chunk)
+    beyond that step's compute, which the GPU runs meanwhile."""
+    gather_ops, scatter_ops = system.host_ops
+    if not gather_ops and not scatter_ops:
+        return 0.0
+    tensors = {r.id: len(plan.chunks[r.chunk].tensors) for r in plan.regions}
+    extra = 0.0
+    for st, busy in zip(steps, compute):
+        ops = sum((gather_ops if c.purpose == "gather" else scatter_ops if c.op == "reduce_scatter" else 0)
+                  * c.size * tensors[c.region] for c in st.collectives)
+        extra += max(0.0, ops * HOST_OP_S - busy)
+    return extra
+
+
+def system_price(system: System, plan: Plan, trace: Trace) -> dict[str, float]:
+    """A system's step-time split: `price` of its steps under its schedule, plus its host loop ("host_loop", in
+    "step"; "timeline" is the step without it)."""
+    steps = system_steps(system, plan)
+    split = price(plan, trace, system.schedule, steps)
+    per_chunk = piece_update_bytes(plan.regions, plan.sharding)
+    grad_of = {r.chunk: r.id for r in plan.regions if r.kind == "grad"}
+    times = with_device_updates(event_seconds(trace, plan.hardware), trace, plan.hardware, steps, per_chunk, grad_of)
+    host = host_loop_seconds(system, plan, steps, times)
+    return {**split, "timeline": split["step"], "host_loop": host, "step": split["step"] + host}

@@ -71,15 +71,38 @@ def test_mics_all_reduces_each_bucket_after_its_reduce_scatter_on_one_stream():
     z3 = rows["ZeRO-3"]
     alone = price(z3.plan, trace, replace(by_kind["zero3"].schedule, one_reduce_stream=False),
                   system_steps(by_kind["zero3"], z3.plan))
-    assert alone["step"] == pytest.approx(z3.step_seconds, rel=1e-9)
+    assert alone["step"] == pytest.approx(z3.split["timeline"], rel=1e-9)
 
 
-def test_13b_at_1024_gpus_amsp_first_zero3_last():
-    """The paper's 13B figure quoted here is AMSP's 4/4/8 at about 13× ZeRO-3: first and last."""
-    rows = _rows("13b", 1024)
-    order = _ranked(rows)
-    assert order[0] == "AMSP" and rows["AMSP"].factors == "4/4/8"
-    assert rows["AMSP"].mfu > 1.2 * rows["ZeRO-3"].mfu
+@pytest.mark.parametrize("size", ["7b", "13b"])
+def test_each_size_ranked_as_the_paper_ranks_it(size):
+    """Every pair of systems the paper measured apart at 1,024 GPUs (arXiv 2311.00257 v2 §I, §VI.B.1: 7B AMSP 51%,
+    ZeRO-1 36%, MiCS 35%, ZeRO-3 and ZeRO++ about 4%; 13B AMSP 52%, MiCS 33%, ZeRO++ 6%, ZeRO-3 4%) comes out in
+    the paper's order. At 13B MiCS leads ZeRO++ by DeepSpeed's stage 3 host loop over all 1,024 ranks, which MiCS's
+    gather handle does not run ([Note: the stage 3 host loop]); without it ZeRO++ led MiCS. ZeRO-1 has no 13B row
+    in the paper (Table IV), so it is not ranked there. AMSP's 4/4/8 for 13B is the published factors."""
+    rows = _rows(size, 1024)
+    paper = PAPER_MFU[(size, 1024)]
+    wrong = [(a, b) for a in paper for b in paper if paper[a] > paper[b] and not rows[a].mfu > rows[b].mfu]
+    assert not wrong, {s: round(rows[s].mfu, 3) for s in paper}
+    assert rows["AMSP"].factors == {"7b": "1/1/8", "13b": "4/4/8"}[size]
+
+
+def test_stage3_host_loop_grows_with_the_group_and_spares_mics():
+    """DeepSpeed's stage 3 host work per parameter and rank of the group (a narrow and a record_stream per gather,
+    a slice per reduce-scatter) is priced at PyTorch's measured per-op cost beyond each step's compute: over
+    1,024 ranks it adds seconds to ZeRO-3, less to ZeRO++ (backward gathers over the node), next to nothing to
+    MiCS (gathers without the loop, reduce-scatters over 8); AMSP and ZeRO-1 have none."""
+    from hplan.planner.ranks.systems import HOST_OP_S, STAGE3_HOST_OPS
+
+    rows = _rows("7b", 1024)
+    host = {name: r.split["host_loop"] for name, r in rows.items()}
+    assert host["AMSP"] == host["ZeRO-1"] == 0.0
+    assert host["MiCS"] < 0.05 < host["ZeRO++ (hpZ)"] < host["ZeRO-3"]
+    ops = 291 * 1024 * (2 * STAGE3_HOST_OPS[0] + STAGE3_HOST_OPS[1])  # forward and backward gathers, one scatter
+    assert host["ZeRO-3"] <= ops * HOST_OP_S
+    assert host["ZeRO-3"] > ops * HOST_OP_S - rows["ZeRO-3"].split["compute"]
+    assert rows["ZeRO-3"].step_seconds == pytest.approx(rows["ZeRO-3"].split["timeline"] + host["ZeRO-3"])
 
 
 def test_zero1_all_reduces_each_bucket_as_deepspeed_stage_1_does():
