@@ -100,9 +100,10 @@ DEEPSPEED_BUCKET_ELEMENTS = 5 * 10**8
 INTERNEVO_BUCKET_BYTES = 512 * 1024 * 1024
 """hybrid_zero_optimizer.reduce_bucket_size in InternEvo's configs/7B_sft.py."""
 HOST_OP_S = 2.26e-6
-"""Host seconds of one eager PyTorch op on a CUDA tensor: `split` of a CUDA tensor (2 views) in PyTorch's operator
-micro-benchmark, 2.26 µs after pytorch/pytorch PR #32194 (3.33 µs before it), the cheaper figure taken
-([Note: the stage 3 host loop]). Its CPU is not stated; the A800 nodes' is not known either."""
+"""Host seconds of one eager PyTorch op on a small tensor: `split` of an 8×8 tensor in 2 in PyTorch's operator
+micro-benchmark, 2.26 µs after pytorch/pytorch PR #32194 (Jan 2020); before it the same benchmark timed the CPU and
+CUDA cases alike (3.340 and 3.333 µs: host-bound, the device's kernels not involved), so the cheaper figure is taken
+([Note: the stage 3 host loop]). The benchmark's CPU is not stated; the A800 nodes' host is not known either."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
