@@ -128,6 +128,11 @@ class System:
         return None if f is None else Sharding(P=f[0], G=f[1], OS=f[2])
 
 
+PER_RANK_REDUCE_SLOWDOWN = 1.2 / 0.36
+"""DeepSpeed stage 1/2's gradient reduction before v0.12.4, against after: DeepSpeed's blogs/comm-opt/README.md
+Table 1, a dense 7B on 1,024 A100s, AllReduce time 1.2 s a step as one dist.reduce per destination rank's slice
+(stage_1_and_2.py v0.11.1 average_tensor, lines 1036-1043), 0.36 s with multi-rank bucketing (PR #4695, in v0.12.4,
+released 2023-11-30; AMSP's v1 is dated 2023-11-01). The replay prices ZeRO-1's all-reduce at 0.32 s there."""
 STAGE3_HOST_OPS = (2, 1)
 """DeepSpeed stage 3 (v0.11.1-v0.12.3): per parameter and rank of the group, a gather's wait makes a narrow and a
 record_stream (partition_parameters.py AllGatherCoalescedHandle.wait, v0.12.3 lines 642-656) and a reduce-scatter a
@@ -209,6 +214,8 @@ def system_steps(system: System, plan: Plan) -> tuple[Step, ...]:
         return hpz_steps(plan.steps, plan.hardware.gpus_per_node)
     if system.kind == "zero1":
         return allreduce_steps(plan.steps)
+    if system.kind == "zero1<0.12.4":
+        return _slowed_reduce(allreduce_steps(plan.steps), PER_RANK_REDUCE_SLOWDOWN)
     return plan.steps
 
 
@@ -238,3 +245,23 @@ def system_price(system: System, plan: Plan, trace: Trace) -> dict[str, float]:
     times = with_device_updates(event_seconds(trace, plan.hardware), trace, plan.hardware, steps, per_chunk, grad_of)
     host = host_loop_seconds(system, plan, steps, times)
     return {**split, "timeline": split["step"], "host_loop": host, "step": split["step"] + host}
+
+
+def zero1_before_0_12_4(system: System) -> System:
+    """ZeRO-1 as DeepSpeed ran it before v0.12.4, the releases AMSP's experiments predate (a reading, not the
+    replay's row: bench section 8): its gradient reduction priced at `PER_RANK_REDUCE_SLOWDOWN` times the bucket's
+    all-reduce, its updated weights all-gathered in shards of allgather_bucket_size elements (runtime/utils.py
+    v0.11.1 all_gather_dp_groups, lines 950-971: numel × ranks // 5e8 calls of dist.all_gather into 1,024 views)."""
+    return replace(system, kind="zero1<0.12.4",
+                   schedule=replace(system.schedule, update_gather_bytes=system.schedule.bucket_bytes))
+
+
+def _slowed_reduce(steps: tuple[Step, ...], factor: float) -> tuple[Step, ...]:
+    """Each gradient all-reduce priced as `factor` times its bytes (the bandwidth term dominates a 1 GB bucket)."""
+    out = []
+    for st in steps:
+        calls = tuple(Collective.make(c.op, c.purpose, c.region, c.before, c.size, c.stride, round(c.numel * factor),
+                                      c.itemsize) if c.op == "all_reduce" and c.purpose == "sync" else c
+                      for c in st.collectives)
+        out.append(replace(st, collectives=calls))
+    return tuple(out)

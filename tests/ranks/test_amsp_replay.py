@@ -129,6 +129,12 @@ def test_zero1_all_reduces_each_bucket_as_deepspeed_stage_1_does():
                                                               rel=0.05)
     assert whole["step"] > scattered["step"] + 0.1
     assert z1.step_seconds < whole["step"] - 0.1  # overlapped, most of it hides behind the backward
+    # before DeepSpeed 0.12.4 (a reading): the reduction at DeepSpeed's measured 1.2 s / 0.36 s, weights in shards
+    from hplan.planner.ranks.systems import PER_RANK_REDUCE_SLOWDOWN, system_price, zero1_before_0_12_4
+
+    old = system_price(zero1_before_0_12_4(zero1), z1.plan, trace)
+    assert old["all_reduce"] == pytest.approx(PER_RANK_REDUCE_SLOWDOWN * z1.split["all_reduce"], rel=0.05)
+    assert old["all_gather"] > z1.split["all_gather"] and old["step"] > z1.step_seconds + 0.2
 
 
 def test_zero3_falls_behind_amsp_as_ranks_grow():
