@@ -35,7 +35,11 @@ PAPER_MFU = {("7b", 1024): {"AMSP": 0.51, "ZeRO-1": 0.36, "MiCS": 0.35, "ZeRO-3"
              ("13b", 1024): {"AMSP": 0.52, "MiCS": 0.33, "ZeRO++ (hpZ)": 0.06, "ZeRO-3": 0.04}}
 """Measured MFU the paper reports at 1,024 GPUs: 7B in §VI.B.1 ("approximately 4%" for ZeRO-3 and ZeRO++); 13B
 AMSP 52% (§I, §VI.B.1; 51% in one sentence of §VI.B.1), MiCS 33% and ZeRO++ 6% (§I), ZeRO-3 4% (§III.A: "from 47%
-to 4%" from 8 to 1,024 GPUs); no 13B figure for ZeRO-1 is in the text (nor a row in Table IV)."""
+to 4%" from 8 to 1,024 GPUs); no 13B figure for ZeRO-1 is in the text (nor a row in Table IV). Published and not
+replayed: LLaMA-30B at 1,024 GPUs (AMSP 42%, 43% in one sentence; MiCS 29%; ZeRO++ 5%: §I, §VI.B.1), whose AMSP
+8/8/32 and MiCS 8×2 (Table IV) are outside hplan's layout and which ran with activation recomputation; and the
+8-GPU figures (LLaMA-7B ZeRO-1 63%, AMSP 64%, MiCS 50%: §I, §III.C; LLaMA-13B ZeRO-3 47%: §III.A), M = 128
+micro-batches a plan, too many to plan in the bench (128 GPUs at M = 8 already take minutes)."""
 PAPER_RATIO = {("13b", 1024): ("AMSP", "ZeRO-3", 13.0)}
 """13B: AMSP's 4/4/8 at 52% against ZeRO-3's 4%, 13× its throughput."""
 
