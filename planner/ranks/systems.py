@@ -73,9 +73,9 @@ each collective's group on the thread that launches the kernels, so their cost g
   rank per gradient, then their interleaving into one `torch.cat` — 1 op per parameter per rank;
 - MiCS's gather handle (mics.py MiCS_AllGatherCoalescedHandle.wait, v0.12.3 lines 32-53) marks the parameters
   available with no per-rank loop; its reduce-scatter is the one above over its 8-rank shard group.
-Each op is priced at `HOST_OP_S`, PyTorch's own measured cost of an eager view op on a CUDA tensor (a cited
-figure, not fitted to AMSP's numbers). The loop for a step's calls runs while the GPU computes the step before, so
-a plan step adds only its host time beyond its compute (`host_loop_seconds`). For LLaMA-7B at 1,024 ranks that is
+Each op is priced at `HOST_OP_S`, PyTorch's own measured host cost of an eager view op (host-bound: its benchmark
+timed CPU and CUDA tensors alike; a cited figure, not fitted to AMSP's numbers). The loop for a step's calls runs
+while the GPU computes the step before, so a plan step adds only its host time beyond its compute (`host_loop_seconds`). For LLaMA-7B at 1,024 ranks that is
 291 tensors × 1,024 ranks × 5 ops ≈ 1.5 M ops, 3.4 s at 2.26 µs, against 1 s of compute: ZeRO-3 and ZeRO++ fall
 with the world size and MiCS does not, the paper's direction, which bytes and NCCL's latency model alone do not
 give (their gathers over 1,024 ranks cost 1–2 ms each). Counted on the upper side: a fetch of one parameter
@@ -112,7 +112,7 @@ class System:
 
     name: str
     kind: str
-    """"zero3", "zero++hpz", "mics", "zero1", "amsp" or "hplan"."""
+    """"zero3", "zero++hpz", "mics", "zero1", "amsp" or "hplan" ("zero1<0.12.4": a reading, `zero1_before_0_12_4`)."""
     schedule: CommSchedule
     factors: tuple[int, int, int] | None = None
     """AMSP's published (P, G, OS); None: the system's rule for the world."""
@@ -132,7 +132,8 @@ PER_RANK_REDUCE_SLOWDOWN = 1.2 / 0.36
 """DeepSpeed stage 1/2's gradient reduction before v0.12.4, against after: DeepSpeed's blogs/comm-opt/README.md
 Table 1, a dense 7B on 1,024 A100s, AllReduce time 1.2 s a step as one dist.reduce per destination rank's slice
 (stage_1_and_2.py v0.11.1 average_tensor, lines 1036-1043), 0.36 s with multi-rank bucketing (PR #4695, in v0.12.4,
-released 2023-11-30; AMSP's v1 is dated 2023-11-01). The replay prices ZeRO-1's all-reduce at 0.32 s there."""
+released 2023-11-30; AMSP's v1 is dated 2023-11-01). A ratio, since the replay's own price of that all-reduce
+(bench section 8 prints it) is near the 0.36 s already."""
 STAGE3_HOST_OPS = (2, 1)
 """DeepSpeed stage 3 (v0.11.1-v0.12.3): per parameter and rank of the group, a gather's wait makes a narrow and a
 record_stream (partition_parameters.py AllGatherCoalescedHandle.wait, v0.12.3 lines 642-656) and a reduce-scatter a
