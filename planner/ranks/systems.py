@@ -76,9 +76,10 @@ each collective's group on the thread that launches the kernels, so their cost g
 Each op is priced at `HOST_OP_S`, PyTorch's own measured host cost of an eager view op (host-bound: its benchmark
 timed CPU and CUDA tensors alike; a cited figure, not fitted to AMSP's numbers). The loop for a step's calls runs
 while the GPU computes the step before, so a plan step adds only its host time beyond its compute
-(`host_loop_seconds`). For LLaMA-7B at 1,024 ranks that is 291 tensors × 1,024 ranks × 5 ops ≈ 1.5 M ops, 3.4 s at 2.26 µs, against 1 s of compute: ZeRO-3 and ZeRO++ fall
-with the world size and MiCS does not, the paper's direction, which bytes and NCCL's latency model alone do not
-give (their gathers over 1,024 ranks cost 1–2 ms each). Counted on the upper side: a fetch of one parameter
+(`host_loop_seconds`). For LLaMA-7B at 1,024 ranks that is 291 tensors × 1,024 ranks × 5 ops ≈ 1.5 M ops,
+3.4 s at 2.26 µs, against 1 s of compute: ZeRO-3 and ZeRO++ fall with the world size and MiCS does not, the
+paper's direction, which bytes and NCCL's latency model alone do not give (their gathers over 1,024 ranks cost
+1–2 ms each). Counted on the upper side: a fetch of one parameter
 alone takes a path without the loop (AllGatherHandle), which the trace-based prefetcher, coalescing up to
 stage3_prefetch_bucket_size (5e7) elements per call, leaves to the first fetches. Not counted: the per-call
 narrows of `_all_gather_dtype` and the `torch.cat` of 1,024 × tensors pieces, each O(ranks) too.
