@@ -21,6 +21,7 @@ paper measured the system the model describes best.
 
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import replace
 from typing import Any
@@ -182,12 +183,13 @@ def host_loop_note(trace: Any, rows: dict, ranks: int, gpus_per_node: int, rate:
     """The note on ZeRO-3 and ZeRO++ at about 4%: the stage 3 host loop as modelled (hplan.planner.ranks.systems
     [Note: the stage 3 host loop], at PyTorch's cited per-op cost), and this CPU's view rate beside it (a
     measurement, labelled so; measured here unless given)."""
-    from hplan.planner.ranks.systems import HOST_OP_S, MICS_HOST_OPS, STAGE3_HOST_OPS
+    from hplan.planner.ranks.systems import HOST_OP_S, MICS_HOST_OPS, PERSISTENCE_THRESHOLD, STAGE3_HOST_OPS
 
     rate = rate if rate is not None else views_per_second()
     (gather, scatter), tensors = STAGE3_HOST_OPS, len(trace.params)
-    z3 = tensors * ranks * (2 * gather + scatter)
-    hpz = tensors * (ranks * (gather + scatter) + gpus_per_node * gather)
+    kept = sum(1 for p in trace.params if math.prod(p.shape) <= PERSISTENCE_THRESHOLD)  # persisted: not gathered
+    z3 = ranks * (2 * gather * (tensors - kept) + scatter * tensors)
+    hpz = (ranks + gpus_per_node) * gather * (tensors - kept) + ranks * scatter * tensors
     mics = tensors * gpus_per_node * (2 * MICS_HOST_OPS[0] + MICS_HOST_OPS[1])
     parts = [f"{name} {fmt_pct(rows[name].mfu * rows[name].step_seconds / rows[name].split['timeline'], 1)} → "
              f"{fmt_pct(rows[name].mfu, 1)} (+{rows[name].split['host_loop']:.2f} s)"
@@ -200,7 +202,7 @@ def host_loop_note(trace: Any, rows: dict, ranks: int, gpus_per_node: int, rate:
         "the kernels (partition_parameters.py AllGatherCoalescedHandle.wait: a narrow and a record_stream per rank "
         "per parameter; coalesced_collectives.py reduce_scatter_coalesced: a slice per rank per gradient; MiCS's "
         f"gather handle has no such loop), {z3 / 1e6:.2f} M ops a step for LLaMA-7B's {len(trace.params)} tensors "
-        f"at {ranks} ranks ({hpz / 1e6:.2f} M for ZeRO++, whose backward gathers span {gpus_per_node}), "
+        f"({kept} small ones persisted, not gathered) at {ranks} ranks ({hpz / 1e6:.2f} M for ZeRO++, whose backward gathers span {gpus_per_node}), "
         f"{mics / 1e3:.0f} k for MiCS (its reduce-scatter's slices), each op at {HOST_OP_S * 1e6:.2f} µs "
         "(PyTorch's operator micro-benchmark, PR #32194), each plan step's host time beyond its compute added: "
         + "; ".join(parts) + ". This CPU makes "

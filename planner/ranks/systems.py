@@ -76,8 +76,9 @@ each collective's group on the thread that launches the kernels, so their cost g
 Each op is priced at `HOST_OP_S`, PyTorch's own measured host cost of an eager view op (host-bound: its benchmark
 timed CPU and CUDA tensors alike; a cited figure, not fitted to AMSP's numbers). The loop for a step's calls runs
 while the GPU computes the step before, so a plan step adds only its host time beyond its compute
-(`host_loop_seconds`). For LLaMA-7B at 1,024 ranks that is 291 tensors × 1,024 ranks × 5 ops ≈ 1.5 M ops,
-3.4 s at 2.26 µs, against 1 s of compute: ZeRO-3 and ZeRO++ fall with the world size and MiCS does not, the
+(`host_loop_seconds`). For LLaMA-7B at 1,024 ranks that is 1,024 ranks × (226 gathered tensors × 4 ops + 291
+gradients × 1) ≈ 1.2 M ops, 2.8 s at 2.26 µs (its 65 RMSNorm weights persisted, `persisted_steps`), against 1 s of
+compute: ZeRO-3 and ZeRO++ fall with the world size and MiCS does not, the
 paper's direction, which bytes and NCCL's latency model alone do not give (their gathers over 1,024 ranks cost
 1–2 ms each). Counted on the upper side: a fetch of one parameter
 alone takes a path without the loop (AllGatherHandle), which the trace-based prefetcher, coalescing up to
@@ -142,6 +143,10 @@ slice (runtime/comm/coalesced_collectives.py reduce_scatter_coalesced, v0.12.3 l
 MICS_HOST_OPS = (0, 1)
 """MiCS: its gather handle returns the gathered buffers with no per-rank loop (mics.py MiCS_AllGatherCoalescedHandle,
 v0.12.3 lines 32-53); its reduce-scatter is stage 3's reduce_scatter_coalesced over the shard group."""
+
+
+PERSISTENCE_THRESHOLD = 10**5
+"""stage3_param_persistence_threshold's default (DeepSpeed runtime/zero/config.py, v0.12.3 line 192)."""
 
 
 def deepspeed_bucket(itemsize: int) -> int:
@@ -210,10 +215,25 @@ def price(plan: Plan, trace: Trace, schedule: CommSchedule, steps: tuple[Step, .
                                  grad_of, schedule=schedule, dtypes=region_dtypes(plan.chunks, plan.regions))
 
 
+def persisted_steps(steps: tuple[Step, ...]) -> tuple[Step, ...]:
+    """Stage 3 without the gathers of parameters it persists: a parameter of at most
+    stage3_param_persistence_threshold elements (1e5 by default, runtime/zero/config.py v0.12.3 line 192) is marked
+    ds_persist (partition_parameters.py v0.12.3 line 1030) and never released after use (partitioned_param_coordinator
+    .py v0.12.3 line 476), so it is gathered once, not per module use: LLaMA's RMSNorm weights (hidden elements). A
+    chunk is dropped when its whole gathered buffer is that small. Their gradients are still reduce-scattered."""
+    out = []
+    for st in steps:
+        calls = tuple(c for c in st.collectives if not (c.purpose == "gather" and c.numel <= PERSISTENCE_THRESHOLD))
+        out.append(replace(st, collectives=calls) if len(calls) != len(st.collectives) else st)
+    return tuple(out)
+
+
 def system_steps(system: System, plan: Plan) -> tuple[Step, ...]:
-    """The plan's steps as the system runs them (hpZ rewrites backward gathers)."""
+    """The plan's steps as the system runs them (hpZ rewrites backward gathers; stage 3 keeps its small parameters)."""
+    if system.kind in ("zero3", "mics"):
+        return persisted_steps(plan.steps)
     if system.kind == "zero++hpz":
-        return hpz_steps(plan.steps, plan.hardware.gpus_per_node)
+        return hpz_steps(persisted_steps(plan.steps), plan.hardware.gpus_per_node)
     if system.kind == "zero1":
         return allreduce_steps(plan.steps)
     if system.kind == "zero1<0.12.4":

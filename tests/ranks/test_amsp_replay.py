@@ -99,9 +99,10 @@ def test_stage3_host_loop_grows_with_the_group_and_spares_mics():
     host = {name: r.split["host_loop"] for name, r in rows.items()}
     assert host["AMSP"] == host["ZeRO-1"] == 0.0
     assert host["MiCS"] < 0.05 < host["ZeRO++ (hpZ)"] < host["ZeRO-3"]
-    ops = 291 * 1024 * (2 * STAGE3_HOST_OPS[0] + STAGE3_HOST_OPS[1])  # forward and backward gathers, one scatter
-    assert host["ZeRO-3"] <= ops * HOST_OP_S
-    assert host["ZeRO-3"] > ops * HOST_OP_S - rows["ZeRO-3"].split["compute"]
+    # forward and backward gathers of the 226 tensors stage 3 does not persist (65 RMSNorm weights of 4,096 elements
+    # are kept whole: stage3_param_persistence_threshold), a reduce-scatter of all 291 gradients
+    ops = 1024 * (226 * 2 * STAGE3_HOST_OPS[0] + 291 * STAGE3_HOST_OPS[1])
+    assert ops * HOST_OP_S - rows["ZeRO-3"].split["compute"] <= host["ZeRO-3"] <= ops * HOST_OP_S
     assert rows["ZeRO-3"].step_seconds == pytest.approx(rows["ZeRO-3"].split["timeline"] + host["ZeRO-3"])
 
 
