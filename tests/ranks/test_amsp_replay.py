@@ -4,12 +4,12 @@ synthetic traces: what the model must reproduce of the paper's measurements at 1
 Asserted: for 7B, with the baselines run as the paper states ([Note: the paper's baselines]: overlap settings on in
 all of them, DeepSpeed's stage 3 reduce-scatter holding the compute as its traces show), the paper's order — AMSP,
 ZeRO-1, MiCS, then ZeRO-3 and ZeRO++ (measured at about 4%; the model's stage 3 host loop takes them to about a
-fifth, not to 4%: BENCHMARKS.md, section 8); AMSP's predicted MFU within ±20% of the measured 51%; MiCS's replicas all-reduce each bucket right
-after its reduce-scatter on one stream, as DeepSpeed's stage 3 does; ZeRO-1 priced as DeepSpeed's stage 1/2
-reduces, each bucket all-reduced whole, and gathers the updated weights in one call; ZeRO-1's all-reduce and
-MiCS's put the same bytes on each node's network (what separates them is how each hides it:
-bench/multigpu_ranking.py); at each size the paper reports, every pair it measured apart in its order (13B: AMSP,
-MiCS, ZeRO++, ZeRO-3); the stage 3 host loop grows with the group and spares MiCS; from fewer GPUs to
+fifth, not to 4%: BENCHMARKS.md, section 8); AMSP's predicted MFU within ±20% of the measured 51%; MiCS's
+replicas all-reduce each bucket right after its reduce-scatter on one stream, as DeepSpeed's stage 3 does; ZeRO-1
+priced as DeepSpeed's stage 1/2 reduces, each bucket all-reduced whole, and gathers the updated weights in one
+call; ZeRO-1's all-reduce and MiCS's put the same bytes on each node's network (what separates them is how each
+hides it: bench/multigpu_ranking.py); at each size the paper reports, every pair it measured apart in its order
+(13B: AMSP, MiCS, ZeRO++, ZeRO-3); the stage 3 host loop grows with the group and spares MiCS; from fewer GPUs to
 1,024 the ZeRO-3 MFU falls and AMSP's lead over it grows, the paper's direction.
 """
 
