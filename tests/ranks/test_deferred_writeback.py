@@ -9,7 +9,8 @@ from dataclasses import replace
 import pytest
 
 from hplan.artifacts.replay import OPTIMIZER_EVENT, replay
-from hplan.artifacts.buckets import step_totals
+from hplan.artifacts.buckets import plan_buckets, step_totals
+from hplan.artifacts.lookahead import lookahead
 from hplan.planner.ranks.defer import DEFER_STEPS, defer_writebacks
 from hplan.specs import load_workload
 from hplan.tracer import trace_workload
@@ -57,6 +58,10 @@ def test_the_readme_example_writes_gradients_back_later_wherever_it_fits(trace):
         assert 1 <= lag <= 1 + DEFER_STEPS
         if lag < 1 + DEFER_STEPS:  # kept one more step, it would not have fitted
             assert totals[t] + sizes[r] > plan.gpu_bytes, (t, r)
+    # [Note: collectives ahead within the plan's room]: the reduction after the last write runs until the write-back
+    ahead = lookahead(plan, plan_buckets(plan))
+    beside = [r for lag, t, r in lags if ahead.deadline[t - lag] == t - 1]
+    assert len(beside) >= len(later) // 2, (lags, ahead.deadline)
     rep = replay(plan)
     assert rep.ok, rep.violations
     assert rep.peak_bytes <= plan.gpu_bytes
