@@ -142,7 +142,7 @@ def _cpu(ctx: Context) -> tuple[Table, str]:
                        "reduce-scatter / all-reduce asynchronously, waiting where the result is read ([Note: "
                        "collectives in flight], hplan.artifacts.shard), as FSDP2 prefetches and overlaps — further "
                        "where the plan's windows have room: the next run of chunks' gather while the current one is "
-                       "read, reductions until the optimizer step ([Note: collectives ahead within the plan's room], "
+                       "read, reductions until their gradients are next used ([Note: collectives ahead within the plan's room], "
                        "hplan.artifacts.lookahead); the calls a "
                        "plan step makes alike go as one flat call where the plan's headroom allows ([Note: collective "
                        "buckets], hplan.artifacts.buckets: listed → made per step). hplan run's non-finite checks add no wait per "
