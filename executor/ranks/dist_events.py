@@ -1,7 +1,7 @@
 """DistRun's events: each hook event checked against the plan's next step, and the step done with its collectives
 around it ([Note: distributed executor step] in hplan.executor.ranks.distributed): the previous step's `after`
 calls and ÷N, this step's moves and `before` calls, weight gathers issued one step ahead ([Note: collectives in
-flight] in hplan.artifacts.shard) or further where the plan has room (hplan.executor.ranks.lookahead). A mixin of
+flight] in hplan.artifacts.shard) or further where the plan has room (hplan.artifacts.lookahead). A mixin of
 hplan.executor.ranks.distributed.DistRun, kept apart to keep that file readable (as hplan.executor.events is for
 PlanRun).
 """
@@ -12,7 +12,7 @@ import torch
 from hplan.executor.ranks.collectives import Pending
 from hplan.executor.ranks.dist_comm import PlanComm
 from hplan.executor.ranks.in_flight import InFlight
-from hplan.executor.ranks.lookahead import Lookahead
+from hplan.artifacts.lookahead import Lookahead
 from hplan.executor.ranks.shard_store import ShardStore
 from hplan.executor.regions import move_regions
 from hplan.executor.step_table import Moves
@@ -128,7 +128,7 @@ class DistEvents:
 
     def _prefetch(self, e: int) -> None:
         """Issue the weight gathers planned ahead at step e ([Note: collectives ahead within the plan's room] in
-        hplan.executor.ranks.lookahead) whose shards are resident now: every rank decides alike from the plan."""
+        hplan.artifacts.lookahead) whose shards are resident now: every rank decides alike from the plan."""
         store = self.store
         for _, bucket in self._ahead.issue.get(e, ()):
             if not all(store.slots[r].state.on_fast_tier for r in bucket.regions):

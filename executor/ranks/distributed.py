@@ -12,7 +12,7 @@ and weight all-gathers), waits for what it needs, host updates; at the optimizer
 on this rank's pieces, then that step's `after` calls (all-gathers of updated pieces) at once. Weight gathers go
 one step ahead and reductions run beside the next step ([Note: collectives in flight] in hplan.artifacts.shard;
 hplan.executor.ranks.in_flight keeps them), further where the plan's windows have room ([Note: collectives ahead
-within the plan's room] in hplan.executor.ranks.lookahead): each is waited where its result is read, moved or its
+within the plan's room] in hplan.artifacts.lookahead): each is waited where its result is read, moved or its
 buffer reused. Every rank runs the same steps, so every rank makes the same calls in the same order; a rank that stops
 calling makes the others' next call fail within the process group's timeout (hplan.executor.ranks.launch).
 Supported on many ranks: fp32 and bf16-mixed (unverified), element-wise optimizers, param groups, LR schedulers,
@@ -31,7 +31,7 @@ import torch
 import torch.distributed as dist
 from hplan.executor.device import make_tier
 from hplan.executor.ranks.in_flight import InFlight
-from hplan.executor.ranks.lookahead import lookahead
+from hplan.artifacts.lookahead import lookahead
 from hplan.executor.ranks.dist_comm import PlanComm
 from hplan.executor.ranks.dist_events import DistEvents
 from hplan.executor.ranks.dist_updates import DistUpdates
@@ -192,7 +192,7 @@ class DistRun(DistEvents, DistUpdates):
         self.comm = PlanComm(plan, self.rank, self.world)
         self._moves = moves_table(plan, lambda c: None)  # moves only: this executor requires step.needs itself
         self.store = store = ShardStore(model, plan, self.tier, self.rank, master=self.master, state_names=state_names)
-        self._ahead = lookahead(plan, self._moves, self.buckets, {r.id: r.chunk for r in plan.regions})
+        self._ahead = lookahead(plan, self.buckets)
         for c in plan.chunks:
             if not c.trainable:
                 continue

@@ -3,7 +3,7 @@
 Weight gathers issued ahead are kept per chunk until the step that reads them; gradient reductions per region
 until something reads, moves or reopens it, and at the latest until the event after their last step begins: the
 step after their own where the plan reserves their buffers, later where its windows have room ([Note: collectives
-ahead within the plan's room] in hplan.executor.ranks.lookahead). Every rank starts and waits for the same calls
+ahead within the plan's room] in hplan.artifacts.lookahead). Every rank starts and waits for the same calls
 at the same plan steps: which calls go ahead, and how long they run, is decided from the plan alone.
 """
 

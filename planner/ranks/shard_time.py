@@ -17,6 +17,9 @@ network phase overlaps another's NVLink phase. How collectives are issued is a `
   optimizer step), and a reduction of a region another reduction of the same step still writes waits for it on
   the compute stream (hplan's executor: [Note: collectives in flight] in hplan.artifacts.shard; its gloo twin
   cannot order two calls on different groups without waiting);
+- `lookahead`: further ahead where the plan's windows have room, from the executor's own schedule ([Note:
+  collectives ahead within the plan's room] in hplan.artifacts.lookahead): a gather bucket goes out as the step it
+  names starts (else at its own step), a reduction after step t is waited after its deadline, not t + 1;
 - `packed`: the calls one step makes alike go as one flat call where the plan's headroom allows (hplan's
   executor: [Note: collective buckets] in hplan.artifacts.buckets, the same function deciding), so a bucket pays
   one call's latency for its members' bytes;
@@ -63,12 +66,13 @@ the shares are 1 and it is the whole chunk's bytes, as `planner.search.host_upda
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, replace
 
 from hplan.artifacts.hardware import Hardware
 from hplan.artifacts.plan import Region, Step
 from hplan.artifacts.buckets import Bucket, region_dtypes, step_buckets
+from hplan.artifacts.lookahead import Lookahead, lookahead_steps
 from hplan.artifacts.shard import Collective, Sharding, derive
 from hplan.artifacts.trace import Trace
 from hplan.planner.ranks.collectives import CollectiveCost, World, block_group, collective_cost, strided_group
@@ -94,6 +98,8 @@ class CommSchedule:
     """Bucket of the updated-weight gathers (None: `bucket_bytes`; `WHOLE`: all in one call)."""
     one_reduce_stream: bool = False
     """Reductions on one stream, a bucket's reduce-scatter then its all-reduce ([Note: one reduction stream])."""
+    lookahead: bool = False
+    """Gathers and reductions as far ahead as the plan's room allows (module docstring; needs `regions`)."""
 
 
 WHOLE = 1 << 62
@@ -102,10 +108,13 @@ STREAM = ("reductions",)
 """The bucket key of every reduction under `one_reduce_stream`."""
 
 
-EXECUTOR = CommSchedule(prefetch=1, overlap_reductions=True, settle_next=True, packed=True)
+EXECUTOR = CommSchedule(prefetch=1, overlap_reductions=True, settle_next=True, packed=True, lookahead=True)
 """hplan's executor (executor/ranks/distributed.py, [Note: collectives in flight]): weight gathers issued one step
-ahead, reductions asynchronous, each waited where its result is read and at the latest one step later; a step's
-alike calls packed into one where the headroom allows ([Note: collective buckets])."""
+ahead, reductions asynchronous, each waited where its result is read and at the latest one step later — further
+where the plan's windows have room ([Note: collectives ahead within the plan's room]); a step's alike calls packed
+into one where the headroom allows ([Note: collective buckets])."""
+ONE_STEP_AHEAD = replace(EXECUTOR, lookahead=False)
+"""Every gather one step ahead, every reduction settled a step later: the price before the lookahead."""
 
 
 def call_cost(call: Collective, world: World, algorithm: str = "nccl") -> CollectiveCost:
@@ -163,10 +172,12 @@ def _merge(calls: list[Collective]) -> Collective:
 def predict_shard_seconds(steps: tuple[Step, ...] | list[Step], sizes: dict[int, int], initial: frozenset[int],
                           seconds: list[float], hardware: Hardware, host_bytes: dict[int, int],
                           grad_of: dict[int, int], *, schedule: CommSchedule = EXECUTOR,
-                          dtypes: dict[int, str] | None = None) -> dict[str, float]:
+                          dtypes: dict[int, str] | None = None,
+                          regions: Sequence[Region] | None = None) -> dict[str, float]:
     """One steady-state iteration's time ("step") and its split ([Note: exposed time]) under `schedule`.
     `dtypes` (region → element type, as hplan.artifacts.buckets.plan_buckets keys them): needed for `packed`;
-    without it every call goes alone."""
+    without it every call goes alone. `regions` (the plan's): needed for `lookahead`; without them every gather
+    and reduction is priced one step ahead."""
     world = World.from_hardware(hardware)
     if schedule.packed and dtypes is not None:
         groups = step_buckets(steps, sizes, initial, hardware.gpu_bytes, hardware.slack_bytes, dtypes)
@@ -194,15 +205,18 @@ def predict_shard_seconds(steps: tuple[Step, ...] | list[Step], sizes: dict[int,
                         links.busy[x] += secs
         total = sum(split.values()) + sum(links.busy[op] for op in ("all_gather", "reduce_scatter", "all_reduce"))
         return {**split, **links.busy, **exposed, "step": total}
+    ahead = lookahead_steps(steps, regions, initial, hardware.gpu_bytes, hardware.slack_bytes, groups) \
+        if schedule.lookahead and regions is not None else None
     return _timeline(steps, groups, initial, seconds, host_bytes, grad_of, schedule, links, split,
-                     (h2d_bps, d2h_bps, cpu_bps), sizes)
+                     (h2d_bps, d2h_bps, cpu_bps), sizes, ahead)
 
 
 def _timeline(steps: tuple[Step, ...] | list[Step], groups: list[tuple[tuple[Bucket, ...], tuple[Bucket, ...]]],
               initial: frozenset[int], seconds: list[float], host_bytes: dict[int, int], grad_of: dict[int, int],
               schedule: CommSchedule, links: _Links, split: dict[str, float], rates: tuple[float, float, float],
-              sizes: dict[int, int]) -> dict[str, float]:
-    """The overlapped iteration (module docstring): one pass over the steps, issuing each call on its links."""
+              sizes: dict[int, int], ahead: Lookahead | None = None) -> dict[str, float]:
+    """The overlapped iteration (module docstring): one pass over the steps, issuing each call on its links
+    (`ahead`: the executor's lookahead schedule; None: `prefetch` steps ahead, reductions a step later)."""
     h2d_bps, d2h_bps, cpu_bps = rates
     exposed = {"host": 0.0, "intra": 0.0, "inter": 0.0, "cpu_optimizer": 0.0}
     up_free = down_free = compute_end = cpu_free = 0.0
@@ -213,13 +227,15 @@ def _timeline(steps: tuple[Step, ...] | list[Step], groups: list[tuple[tuple[Buc
     starts: list[float] = []
     buckets: dict[tuple, list[Collective]] = {}
     inflight: list[tuple[int, float, str]] = []
-    """(step issued after, end, link) of reductions the executor settles one step later (`settle_next`)."""
+    """(last step it may run beside, end, link) of reductions the executor settles then (`settle_next`)."""
+    early: dict[int, list[tuple[float, str]]] = {}  # step → ends of its gather buckets issued ahead (`ahead`)
+    sent: set[int] = set()  # id() of those buckets
     n = len(steps)
 
-    def gate(t: int, at: float) -> tuple[float, str]:
-        """Issue step t's weight gathers at `at`; when the last is done, and on which link."""
+    def gate(t: int, at: float, only: Iterable[Bucket] | None = None) -> tuple[float, str]:
+        """Issue step t's weight gathers (or `only` these) at `at`; when the last is done, and on which link."""
         end, label = at, "intra"
-        for bucket in groups[t][0]:
+        for bucket in groups[t][0] if only is None else only:
             done, lab = links.run(bucket.merged, max([at] + [ready.get(r, 0.0) for r in bucket.regions]))
             if done >= end:
                 end, label = done, lab
@@ -260,26 +276,32 @@ def _timeline(steps: tuple[Step, ...] | list[Step], groups: list[tuple[tuple[Buc
         for r in step.fetch:
             up_free = max(up_free, issue) + TRANSFER_LATENCY_S + sizes[r] / h2d_bps
             ready[r] = up_free
-        if t not in gathered:
+        if ahead is not None:  # the buckets not issued ahead go now, at the step's event
+            gathered[t] = max([gate(t, issue, [b for b in groups[t][0] if id(b) not in sent])] + early.get(t, []))
+        elif t not in gathered:
             gathered[t] = gate(t, issue)
         waits = [(issue, "none"), gathered[t]]
         waits += [(ready.get(r, 0.0), "host") for r in step.needs]
         waits += [synced.get(r, (0.0, "none")) for r in step.reads]
         if schedule.settle_next:
             last_step = kind == "optimizer"
-            waits += [(end, lab) for s, end, lab in inflight if last_step or s <= t - 2]
-            inflight = [x for x in inflight if not (last_step or x[0] <= t - 2)]
+            waits += [(end, lab) for until, end, lab in inflight if last_step or until < t]
+            inflight = [x for x in inflight if not (last_step or x[0] < t)]
         start, why = max(waits, key=lambda w: w[0])
         if start > issue and why in exposed:
             exposed[why] += start - issue
         compute_end = start + secs
         starts.append(start)
-        ahead = t + schedule.prefetch
-        if schedule.prefetch and not schedule.blocking and ahead < n and ahead not in gathered:
-            nxt = steps[ahead]
+        nxt_t = t + schedule.prefetch
+        if ahead is not None:  # [Note: collectives ahead within the plan's room]: issued as compute starts
+            for u, bucket in ahead.issue.get(t, ()):
+                early.setdefault(u, []).append(gate(u, start, [bucket]))
+                sent.add(id(bucket))
+        elif schedule.prefetch and not schedule.blocking and nxt_t < n and nxt_t not in gathered:
+            nxt = steps[nxt_t]
             if not any(c.before and (c.region in nxt.fetch or schedule.settle_next and c.purpose == "update_gather")
                        for c in nxt.collectives):  # the executor gathers fresh host-updated pieces at their step
-                gathered[ahead] = gate(ahead, start)
+                gathered[nxt_t] = gate(nxt_t, start)
         reducing: dict[int, tuple[float, str]] = {}
         for bucket in groups[t][1]:
             call = bucket.merged
@@ -305,7 +327,7 @@ def _timeline(steps: tuple[Step, ...] | list[Step], groups: list[tuple[tuple[Buc
                         synced[r] = (done, label)
                         reducing[r] = (done, label)
                     if schedule.settle_next:
-                        inflight.append((t, done, label))
+                        inflight.append((ahead.deadline[t] if ahead is not None else t + 1, done, label))
             if schedule.blocking or (call.purpose in REDUCTIONS and not schedule.overlap_reductions):
                 exposed[label] += max(0.0, done - compute_end)
                 compute_end = max(compute_end, done)
@@ -373,7 +395,7 @@ def step_seconds(trace: Trace, hardware: Hardware, scored: Scored, done: Finishe
     return predict_shard_seconds(steps, sizes, done.schedule.initial,
                                  with_device_updates(event_seconds(trace, hardware), trace, hardware, steps, state,
                                                      grad_of), hardware, state, grad_of,
-                                 dtypes=region_dtypes(s.chunks, s.regions))
+                                 dtypes=region_dtypes(s.chunks, s.regions), regions=s.regions)
 
 
 def shard_step_seconds(trace: Trace, hardware: Hardware, scored: Scored, sharding: Sharding) -> float:

@@ -212,7 +212,8 @@ def price(plan: Plan, trace: Trace, schedule: CommSchedule, steps: tuple[Step, .
     steps = steps if steps is not None else plan.steps
     times = with_device_updates(event_seconds(trace, plan.hardware), trace, plan.hardware, steps, per_chunk, grad_of)
     return predict_shard_seconds(steps, sizes, frozenset(plan.initial_resident), times, plan.hardware, per_chunk,
-                                 grad_of, schedule=schedule, dtypes=region_dtypes(plan.chunks, plan.regions))
+                                 grad_of, schedule=schedule, dtypes=region_dtypes(plan.chunks, plan.regions),
+                                 regions=plan.regions)
 
 
 def persisted_steps(steps: tuple[Step, ...]) -> tuple[Step, ...]:

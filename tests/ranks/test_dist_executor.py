@@ -16,10 +16,9 @@ import pytest
 import dist_hplan
 import dist_reference as ref
 from hplan.artifacts.buckets import plan_buckets
+from hplan.artifacts.lookahead import lookahead
 from hplan.artifacts.shard import prefetchable
 from hplan.executor.ranks.launch import launch
-from hplan.executor.ranks.lookahead import lookahead
-from hplan.executor.step_table import moves_table
 from hplan.tracer import trace_workload
 from hplan.specs import load_workload
 
@@ -49,8 +48,7 @@ def test_three_settings_match_plain_pytorch_and_fsdp2(trace, tmp_path):
     reading = sum(len(set(st.reads) & weights) for st in shared.steps if st.event != "optimizer:optimizer")
     assert len(gathers) < reading  # runs of consecutive steps reading a chunk share one gather
     # [Note: collectives ahead within the plan's room]: a block's gather goes out while the block before is read
-    ahead = lookahead(shared, moves_table(shared, lambda c: None), plan_buckets(shared),
-                      {r.id: r.chunk for r in shared.regions})
+    ahead = lookahead(shared, plan_buckets(shared))
     assert any(e < t - 1 for e, issued in ahead.issue.items() for t, _ in issued)
     for plan in plans.values():
         assert plan.summary.bytes_moved_per_iter > 0  # below full residency: the plan offloads

@@ -270,7 +270,7 @@ def test_the_executor_schedule_waits_for_reductions_one_step_later_and_for_chain
     blocking = price(plan, trace, CommSchedule(blocking=True))["step"]
     assert free < executor < blocking, (free, executor, blocking)
     assert plan.summary.predicted_step_seconds == pytest.approx(executor)
-    assert dc_replace(EXECUTOR, settle_next=False, packed=False) == CommSchedule(prefetch=1)
+    assert dc_replace(EXECUTOR, settle_next=False, packed=False, lookahead=False) == CommSchedule(prefetch=1)
 
 
 def test_step_split_sums_to_the_step_and_the_cli_shows_it(tmp_path):
