@@ -126,7 +126,7 @@ def lagrangian_bound(model: IntervalModel, rows: Rows, mem: np.ndarray, cover: n
         np.add.at(mode_red, gm[gm >= 0], model.size[gm >= 0] + np.minimum(reduced[gm >= 0], 0.0))
         np.add.at(mode_red, mode[mode >= 0], cover[mode >= 0])
         if len(rows.extra_entry):
-            at = np.searchsorted(sp, rows.extra_row)  # `sp` is sorted and holds every extra row
+            at = rows.extra_at()
             np.add.at(mode_red, c.extra_mode[rows.extra_entry], special[at] * c.extra_bytes[rows.extra_entry])
         switch_red = 0.0
         if switch is not None and len(switch):
