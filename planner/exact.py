@@ -63,8 +63,8 @@ LP_OPTIONS: tuple[tuple[str, str], ...] = (("presolve", "off"),)
 # (a Lagrangian bound at any optimal duals is the LP optimum, rounded down to whole bytes); the duals themselves
 # may be another optimum's (the LPs are degenerate: the write-back rows' and the switch cut's differ), so a bound
 # priced from them with `allowed`, `more_free` or `must` may differ, in either direction; every one is valid
-# (`lagrangian_bound`). Checked: the saved plans of gpt:18b (rtx3090, rtx2060, v100), gpt:1.3b (3 budgets),
-# llama-3-8b (3) and gpt:small (4) are byte for byte the same either way.
+# (`lagrangian_bound`). Checked: the saved plans of gpt:18b (rtx3090, rtx2060, v100; b8 at rtx3090), gpt:1.3b (3
+# budgets), llama-3-8b (3), gpt:small (4) and section 4's 18 synthetic plans are byte for byte the same either way.
 
 
 Multipliers = tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, float]

@@ -54,8 +54,7 @@ class Rows:
     _special: list[np.ndarray] = field(default_factory=list, compare=False, repr=False)
     """Cache of `special()` (rows are immutable; the LP, branch and bound and every bound read it)."""
     _extra_at: list[np.ndarray] = field(default_factory=list, compare=False, repr=False)
-    """Cache of `extra_at()`; like `_special`, a function of `extra_row` and `switch_row` only (rows replaced with
-    more free bytes, as hplan.planner.activation_bounds.below makes them, share both)."""
+    """Cache of `extra_at()`; both caches read `extra_row` and `switch_row` only (rows given more free bytes share)."""
 
     def inside(self, i: int) -> np.ndarray:
         return (self.first[i] + np.arange(self.count[i])) % max(len(self.free), 1)
@@ -70,9 +69,8 @@ class Rows:
         return self._special[0]
 
     def extra_at(self) -> np.ndarray:
-        """Per memory entry kept, its special row's position in `special()`: a search of ~30,000 entries in a
-        model with activation items (about 1 ms), which every bound priced from the rows needs (gpt:18b at 24 GB:
-        24 of them, and the LP's build), so it is made once per rows."""
+        """Per memory entry kept, its row's position in `special()`: with activation items a search of ~30,000
+        entries (~1 ms) that every bound priced from the rows and the LP's build need, so made once."""
         if not self._extra_at:
             at = np.searchsorted(self.special(), self.extra_row)  # `special()` is sorted and holds every extra row
             at.setflags(write=False)
