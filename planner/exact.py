@@ -53,14 +53,29 @@ def lp_bound(model: IntervalModel, rows: Rows | None = None) -> int:
     return lagrangian_bound(model, rows, *lp_multipliers(model, rows))
 
 
+LP_OPTIONS: tuple[tuple[str, str], ...] = (("presolve", "off"),)
+"""HiGHS options of every LP relaxation ([Note: the LP without presolve])."""
+
+# [Note: the LP without presolve] HiGHS' presolve took 78% of an LP's time on gpt:18b's joint models (the chained
+# load columns it eliminates make rows dense again); dual simplex on the whole model does 10-20x the iterations
+# and is still faster: gpt:18b's 12 LPs at 24 GB 0.36 -> 0.21 s of CPU (1.7 s per plan), 1.24 -> 0.41 s at 6 GB,
+# llama-3-8b's 32 at 40 GB 1.09 -> 0.73 s. Both runs end at an optimal basis, so the LP's own bound is the same
+# (a Lagrangian bound at any optimal duals is the LP optimum, rounded down to whole bytes); the duals themselves
+# may be another optimum's (the LPs are degenerate: the write-back rows' and the switch cut's differ), so a bound
+# priced from them with `allowed`, `more_free` or `must` may differ, in either direction; every one is valid
+# (`lagrangian_bound`). Checked: the saved plans of gpt:18b (rtx3090, rtx2060, v100; b8 at rtx3090), gpt:1.3b (3
+# budgets), llama-3-8b (3), gpt:small (4) and section 4's 18 synthetic plans are byte for byte the same either way.
+
+
 Multipliers = tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, float]
 """`lagrangian_bound`'s mem, cover, special, switch and persp."""
 
 
 def lp_multipliers(model: IntervalModel, rows: Rows) -> Multipliers:
-    """The LP relaxation's dual values as `lagrangian_bound`'s multipliers."""
+    """The LP relaxation's dual values as `lagrangian_bound`'s multipliers, from HiGHS' simplex without its
+    presolve ([Note: the LP without presolve])."""
     h, lay = _highs(model, rows, integral=False)
-    sol = solve(h, lay)
+    sol = solve(h, lay, LP_OPTIONS)
     col_dual, row_dual = sol.col_dual, sol.row_dual
     m, load_col = len(rows.free), model.n_gaps + model.n_spans
     # A load column at its bound free_j carries the memory row's multiplier as its reduced cost.
@@ -111,7 +126,7 @@ def lagrangian_bound(model: IntervalModel, rows: Rows, mem: np.ndarray, cover: n
         np.add.at(mode_red, gm[gm >= 0], model.size[gm >= 0] + np.minimum(reduced[gm >= 0], 0.0))
         np.add.at(mode_red, mode[mode >= 0], cover[mode >= 0])
         if len(rows.extra_entry):
-            at = np.searchsorted(sp, rows.extra_row)  # `sp` is sorted and holds every extra row
+            at = rows.extra_at()
             np.add.at(mode_red, c.extra_mode[rows.extra_entry], special[at] * c.extra_bytes[rows.extra_entry])
         switch_red = 0.0
         if switch is not None and len(switch):
