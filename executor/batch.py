@@ -26,6 +26,7 @@ Member = tuple[ChunkUpdate, str]
 _PROFILER = torch.autograd.profiler
 _grad_enabled = torch.is_grad_enabled
 _set_grad_enabled = torch._C._set_grad_enabled
+_Tensor = torch.Tensor
 
 
 class UpdateBatch:
@@ -214,7 +215,8 @@ def fused_adam_step(members: list[Member], index: int, written: set[str],
     an earlier call, used while they hold ([Note: fused lists kept])."""
     group = members[0][0].user.param_groups[index]
     lr, (beta1, beta2), amsgrad = group["lr"], group["betas"], group["amsgrad"]
-    if torch.is_tensor(lr) or torch.is_tensor(beta1) or torch.is_tensor(beta2) or group.get("differentiable"):
+    if isinstance(lr, _Tensor) or isinstance(beta1, _Tensor) or isinstance(beta2, _Tensor) or \
+            group.get("differentiable"):  # torch.is_tensor's test, without its Python frame (3 per host update)
         return False
     lists = kept.get(key) if kept is not None else None
     if lists is None or not lists.holds(written, amsgrad):

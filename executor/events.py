@@ -101,8 +101,12 @@ class EventDispatch:
             self._catch_up(kind)
         quiet = self._quiet[self.cursor]
         if quiet is not None and quiet.module == module and quiet.kind == kind and self.evaluating is None \
-                and not self._pending_flips and not self._shown and self._quiet_step(quiet):
-            return
+                and not self._pending_flips and not self._shown:
+            if quiet.moves is not None:  # _quiet_step's first case, without its frame
+                self._moving_step(quiet, quiet.moves)
+                return
+            if self._quiet_step(quiet):
+                return
         self._general_event(kind, module)
 
     def _catch_up(self, kind: str) -> None:
@@ -261,7 +265,11 @@ class EventDispatch:
         if step.index in self.activations.prefetch_at:
             self.activations.at_step(step)
         if moves.needs:
-            store.require(moves.needs, f"plan step {step.index} ({step.event})")
+            slots = store.slots
+            for r in moves.needs:  # store.require's test, inline: its call (and message) only where it acts
+                if slots[r].state is _HOST or self.tier.waits:
+                    store.require(moves.needs, f"plan step {step.index} ({step.event})")
+                    break
         if step.flips:  # none pending: the event completed the last step's flips first
             self._pending_flips = set(step.flips)
         if self.speculation is not None and self.cursor in self.speculation.at:

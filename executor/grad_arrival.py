@@ -177,8 +177,13 @@ class GradArrival:
         """GradSink (hplan.grads): the parameter's gradient lives in its chunk's gradient region. `offer`: the
         gradient itself, whose memory the region may take as its allocation ([Note: adopted gradients])."""
         name, c, rid, slot = self._grad_home[id(param)]
-        if c in self._pending_flips:
-            self._flip(c)
+        if c in self._pending_flips:  # _flip, inline (a flip per chunk an iteration at the minimum budget)
+            self._pending_flips.discard(c)
+            moves = self._flips[c]
+            if moves.at is not None and not getattr(_PROFILER, "_is_profiler_enabled", True):
+                move_inline(self.store, moves.at, moves.lend)
+            else:
+                move_regions(self.store, moves)
         cursor = self.cursor
         if rid not in self._moves[cursor - 1].writes and rid not in self._unhooked.writes[cursor]:
             step = self.plan.steps[cursor - 1]
