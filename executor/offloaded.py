@@ -41,7 +41,8 @@ _METADATA = {getattr(_T, n).__get__ for n in ("shape", "dtype", "device", "requi
 _METADATA |= {_T.grad.__set__, _T.requires_grad.__set__, _T.size, _T.dim, _T.numel, _T.nelement,
               _T.element_size, _T.is_floating_point, _T.is_complex, _T.requires_grad_, _T.register_hook,
               _T.register_post_accumulate_grad_hook, _T.__len__, _T.get_device, _T.type}
-_VALUES = {_T.data.__get__, _T.data.__set__}
+_DATA_GET = _T.data.__get__
+_VALUES = {_DATA_GET, _T.data.__set__}
 """`.data` is no metadata: it hands out the value (an `Alias`) or replaces it (a write, refused)."""
 _SETS = {_T.data.__set__, _T.__setitem__}
 """Writes that are not in-place operators (compared by equality: each `_T.data.__set__` is a new object)."""
@@ -69,10 +70,16 @@ class Offloaded(nn.Parameter):
 
     _lookup: Callable[[int], tuple[str, Callable[[], torch.Tensor]] | None]
     _quiet: list[bool]
+    _live: Callable[[torch.Tensor], torch.Tensor] | None = None
+    """Makes a live alias of the parameter, where the store has them ([Note: live aliases] in
+    hplan.executor.live_alias)."""
 
     @classmethod
     def __torch_function__(cls, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
+        if cls._live is not None and (func is _T.detach and not cls._quiet[0] or func == _DATA_GET) and \
+                isinstance(args[0], Offloaded):
+            return cls._live(args[0])
         if func in _METADATA or getattr(func, "__name__", "") in ("__get__", "__set__", "__delete__") and \
                 func not in _VALUES:  # attributes: metadata, hooks, .grad (not values)
             with torch._C.DisableTorchFunctionSubclass():
@@ -117,23 +124,29 @@ class Alias(torch.Tensor):
 
 
 def _refuse_write(func: Any, args: Any, kwargs: dict[str, Any], kind: type) -> None:
-    """Raise where `func` writes an offloaded parameter or an alias of one (`kind`): an in-place operator's own
-    tensor (the first argument; torch.nn.init passes it as `tensor=`), `out=`, `.data =`, `p[i] = …`. An argument
-    only read (an EMA's `add_(p)`) is not a write."""
-    name = getattr(func, "__name__", "")
-    if func in _SETS or _first(kwargs.get("out"), kind) is not None:
-        pass
-    elif not (name.endswith("_") and not name.startswith("__") or name.startswith("__i") and name.endswith("__")):
-        return
-    written = _first(args[:1] if args else kwargs.get("tensor", kwargs.get("input", kwargs.get("self"))), kind)
-    written = written if written is not None else _first(kwargs.get("out"), kind)
+    """Raise where `func` writes an offloaded parameter or an alias of one (`kind`)."""
+    written, label = write_target(func, args, kwargs, kind)
     if written is None:
         return
-    label = ("data =" if func == _T.data.__set__ else "[…] =") if func in _SETS else name
     param = written._param if kind is Alias else type(written)._lookup(id(written))  # type: ignore[attr-defined]
     param = param if kind is Alias else param[0] if param is not None else "?"
     via = " through an alias (.data, .detach(), a view)" if kind is Alias else ""
     raise HplanError(f"parameter {param} is written{via} (.{label}) inside the attach block; {FIX}")
+
+
+def write_target(func: Any, args: Any, kwargs: dict[str, Any], kind: type) -> tuple[Any, str]:
+    """The tensor of class `kind` that `func` writes, and how (None where it writes none): an in-place operator's
+    own tensor (the first argument; torch.nn.init passes it as `tensor=`), `out=`, `.data =`, `p[i] = …`. An
+    argument only read (an EMA's `add_(p)`) is not a write."""
+    name = getattr(func, "__name__", "")
+    if func in _SETS or _first(kwargs.get("out"), kind) is not None:
+        pass
+    elif not (name.endswith("_") and not name.startswith("__") or name.startswith("__i") and name.endswith("__")):
+        return None, ""
+    written = _first(args[:1] if args else kwargs.get("tensor", kwargs.get("input", kwargs.get("self"))), kind)
+    written = written if written is not None else _first(kwargs.get("out"), kind)
+    label = ("data =" if func == _T.data.__set__ else "[…] =") if func in _SETS else name
+    return written, label
 
 
 def _first(tree: Any, kind: type) -> Any:

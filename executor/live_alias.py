@@ -1,0 +1,159 @@
+"""`p.data` and `p.detach()` inside the block: aliases that follow the weight wherever the plan keeps it.
+
+[Note: live aliases] In plain PyTorch `w = layer.weight.data` (or `.detach()`) aliases the weight: it reads
+every later update, and a write through it (`w.mul_(0.99)`) changes the weight. Under a plan the weight's memory
+comes and goes: while resident `.data` was a view of its region's fast buffer, which an eviction frees (0 bytes),
+so reading such an alias after the region left read freed storage (a standalone loop segfaulted); an alias made
+while the weight was evicted was a copy, stale after the next step; and `p.data.mul_(…)` on a resident weight
+bumped the version counter of `.data`'s own tensor, not the parameter's, so where the plan updates that chunk on
+the host the write was lost, exit 0. Now a resident parameter has the class `Resident` (a `Parameter` subclass
+whose only overrides are `.data`'s getter and `.detach()`: every operator on the weight still runs torch's C
+path, so the plan's steps pay nothing), and an evicted one's `Offloaded` answers the same two, with a `Live`
+alias: a tensor subclass that holds no memory of the weight (its own storage is the weight's one-element
+placeholder) and resolves, at each operator, to the weight's current value — the region's fast view while
+resident, the exact value copied from the host copy while not. So reads are exact at any time, as in plain
+PyTorch. A write through one lands in the fast view while resident and is reported to `WriteWatch` as a write
+through the parameter (kept where the plan keeps and updates the chunk on the fast tier; refused at
+`optimizer.step()` elsewhere); while evicted it is refused naming the parameter. A view of a live alias
+(`w[0]`, `w.t()`) is live too: it re-derives itself from the current value at each operator.
+Not covered: views of the parameter itself (`p[0]`, `p.T`) made while resident and kept past its eviction,
+and aliases made before the block (they hold the weight's memory from before the block: stale, not freed).
+The one cost on the plan's moves: binding `.data` calls torch's setter directly (`SET_DATA`), not through
+`Resident`'s property.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+
+from hplan.errors import HplanError
+from hplan.executor.offloaded import _METADATA, FIX, Offloaded, write_target
+
+_T = torch.Tensor
+GET_DATA = _T.data.__get__
+SET_DATA = _T.data.__set__
+"""torch's `.data` setter, called directly where the plan binds a parameter ([Note: live aliases])."""
+_plain_detach = _T.detach
+Now = Callable[[], tuple[torch.Tensor, bool]]
+"""An alias's current value and whether the weight is resident."""
+
+
+class Live(torch.Tensor):
+    """An alias of a weight that resolves to its current value at each operator ([Note: live aliases])."""
+
+    _param: str
+    _now: Now
+    _wrote: Callable[[], None]
+
+    def _value(self) -> torch.Tensor:
+        return self._now()[0]
+
+    def __repr__(self, **kwargs: Any) -> str:
+        return repr(self._value())
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> torch.Tensor:
+        return self._value().clone()
+
+    def __reduce_ex__(self, protocol: Any) -> Any:
+        return self._value().clone().__reduce_ex__(protocol)
+
+    @classmethod
+    def __torch_function__(cls, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        if func in _METADATA:
+            with torch._C.DisableTorchFunctionSubclass():
+                return func(*args, **kwargs)
+        target, label = write_target(func, args, kwargs, Live)
+        lives: dict[int, tuple[Live, torch.Tensor, bool]] = {}
+        values, kw = _resolve(args, lives), _resolve(kwargs, lives)
+        if target is not None and not lives[id(target)][2]:
+            raise HplanError(f"parameter {target._param} is written through an alias (.data, .detach(), a view) "
+                             f"(.{label}) inside the attach block; {FIX}")
+        with torch._C.DisableTorchFunctionSubclass():
+            result = func(*values, **kw)
+        if target is not None:
+            target._wrote()
+            return target if result is lives[id(target)][1] else result
+        if not lives:
+            return result
+        return _live_results(result, func, args, kwargs, list(lives.values()), ())
+
+
+def _resolve(tree: Any, lives: dict[int, tuple[Live, torch.Tensor, bool]]) -> Any:
+    """`tree` with each live alias replaced by its current value (recorded in `lives`)."""
+    if isinstance(tree, Live):
+        if id(tree) not in lives:
+            value, resident = tree._now()
+            lives[id(tree)] = (tree, value, resident)
+        return lives[id(tree)][1]
+    if isinstance(tree, list):
+        return [_resolve(t, lives) for t in tree]
+    if isinstance(tree, tuple):
+        return tuple(_resolve(t, lives) for t in tree)
+    if isinstance(tree, dict):
+        return {k: _resolve(v, lives) for k, v in tree.items()}
+    return tree
+
+
+def _live_results(result: Any, func: Any, args: Any, kwargs: Any, lives: list[tuple[Live, torch.Tensor, bool]],
+                  index: tuple[int, ...]) -> Any:
+    """Each result sharing memory with an alias's current value (a view: `w[0]`, `w.t()`, `w.split(…)`) as a live
+    alias that re-runs `func` on the current value; any other result as it is (a copy: `w * 2`, `w.norm()`)."""
+    if isinstance(result, (list, tuple)) and not isinstance(result, torch.Size):
+        items = [_live_results(r, func, args, kwargs, lives, (*index, i)) for i, r in enumerate(result)]
+        return type(result)(items) if isinstance(result, list) or type(result) is tuple else result
+    if not isinstance(result, torch.Tensor) or isinstance(result, nn.Parameter):
+        return result
+    with torch._C.DisableTorchFunctionSubclass():
+        ptr = result.untyped_storage().data_ptr()
+        source = next((live for live, value, _ in lives if ptr and value.untyped_storage().data_ptr() == ptr), None)
+        if source is None:
+            return result
+        view = result.as_subclass(Live)
+
+    def now() -> tuple[torch.Tensor, bool]:
+        found: dict[int, tuple[Live, torch.Tensor, bool]] = {}
+        values, kw = _resolve(args, found), _resolve(kwargs, found)
+        with torch._C.DisableTorchFunctionSubclass():
+            out = func(*values, **kw)
+        for i in index:
+            out = out[i]
+        return out, all(resident for _, _, resident in found.values())
+
+    return _made(view, source._param, now, source._wrote)
+
+
+def _made(alias: Live, name: str, now: Now, wrote: Callable[[], None]) -> Live:
+    alias._param, alias._now, alias._wrote = name, now, wrote
+    return alias
+
+
+def live_classes(params: dict[str, nn.Parameter], own: dict[str, type], off: dict[str, type],
+                 placeholders: dict[str, torch.Tensor], value: Callable[[str], tuple[torch.Tensor, bool]],
+                 quiet: list[bool]) -> tuple[dict[str, type], set[str]]:
+    """Per parameter name the class it has while resident (`Resident`, for a plain `nn.Parameter`; another
+    library's subclass keeps its own), and the set of names written through a live alias (read by `WriteWatch`).
+    The store's `Offloaded` class answers `.data` and `.detach()` with live aliases too."""
+    names = {id(p): n for n, p in params.items()}
+    written: set[str] = set()
+
+    def live(p: torch.Tensor) -> Live:
+        name = names[id(p)]
+        with torch._C.DisableTorchFunctionSubclass():
+            alias = placeholders[name].as_subclass(Live)
+        return _made(alias, name, lambda: value(name), lambda: written.add(name))
+
+    def data(self: torch.Tensor) -> torch.Tensor:
+        return live(self)
+
+    def detach(self: torch.Tensor) -> torch.Tensor:
+        return _plain_detach(self) if quiet[0] else live(self)  # model.state_dict(): its hook answers the value
+
+    resident = type("Resident", (nn.Parameter,), {"data": property(data, SET_DATA), "detach": detach})
+    for cls in {c for c in off.values() if issubclass(c, Offloaded)}:
+        cls._live = staticmethod(live)  # type: ignore[attr-defined]
+    return {n: resident if t is nn.Parameter else t for n, t in own.items()}, written
