@@ -9,10 +9,12 @@ bumped the version counter of `.data`'s own tensor, not the parameter's, so wher
 the host the write was lost, exit 0. Now a resident parameter has the class `Resident` (a `Parameter` subclass
 whose only overrides are `.data`'s getter and `.detach()`: every operator on the weight still runs torch's C
 path, so the plan's steps pay nothing), and an evicted one's `Offloaded` answers the same two, with a `Live`
-alias: a tensor subclass that holds no memory of the weight (its own storage is the weight's one-element
-placeholder) and resolves, at each operator, to the weight's current value — the region's fast view while
-resident, the exact value copied from the host copy while not. So reads are exact at any time, as in plain
-PyTorch. A write through one lands in the fast view while resident and is reported to `WriteWatch` as a write
+alias: a tensor subclass over the region's fast view (made while resident; over the weight's one-element
+placeholder where made while evicted) that resolves, at each operator, to the weight's current value — the
+region's fast view while resident, the exact value copied from the host copy while not. So reads are exact at
+any time, as in plain PyTorch, and C++ code that reads it as a plain tensor (autograd) reads the region, as it
+would a plain alias. `.detach()` is autograd's own in backward (non-reentrant checkpointing's recompute saves
+the weight detached): there it stays plain, or each saved weight became an alias. A write through one lands in the fast view while resident and is reported to `WriteWatch` as a write
 through the parameter (kept where the plan keeps and updates the chunk on the fast tier; refused at
 `optimizer.step()` elsewhere); while evicted it is refused naming the parameter. A view of a live alias
 (`w[0]`, `w.t()`) is live too: it re-derives itself from the current value at each operator.
@@ -38,6 +40,7 @@ GET_DATA = _T.data.__get__
 SET_DATA = _T.data.__set__
 """torch's `.data` setter, called directly where the plan binds a parameter ([Note: live aliases])."""
 _plain_detach = _T.detach
+_graph_task = torch._C._current_graph_task_id
 Now = Callable[[], tuple[torch.Tensor, bool]]
 """An alias's current value and whether the weight is resident."""
 
@@ -48,6 +51,9 @@ class Live(torch.Tensor):
     _param: str
     _now: Now
     _wrote: Callable[[], None]
+    _fast: bool = False
+    """Its own storage is the weight's region (made while resident): where it requires grad (a detached input made
+    differentiable, as reentrant checkpointing does) it computes as itself while resident."""
 
     def _value(self) -> torch.Tensor:
         return self._now()[0]
@@ -88,6 +94,12 @@ def _resolve(tree: Any, lives: dict[int, tuple[Live, torch.Tensor, bool]]) -> An
     if isinstance(tree, Live):
         if id(tree) not in lives:
             value, resident = tree._now()
+            if tree.requires_grad:  # autograd must see the alias itself
+                if not (resident and tree._fast):
+                    raise HplanError(f"a detached alias of parameter {tree._param} made to require grad is used while "
+                                     "the plan keeps the weight off the fast tier (or it was made while it was): its "
+                                     "gradient could not reach it; pass the parameter itself, not p.detach()")
+                value = tree  # computed as a plain tensor (its storage is the region's)
             lives[id(tree)] = (tree, value, resident)
         return lives[id(tree)][1]
     if isinstance(tree, list):
@@ -110,10 +122,12 @@ def _live_results(result: Any, func: Any, args: Any, kwargs: Any, lives: list[tu
         return result
     with torch._C.DisableTorchFunctionSubclass():
         ptr = result.untyped_storage().data_ptr()
-        source = next((live for live, value, _ in lives if ptr and value.untyped_storage().data_ptr() == ptr), None)
+        source = next(((live, resident) for live, value, resident in lives
+                       if ptr and value.untyped_storage().data_ptr() == ptr), None)
         if source is None:
             return result
         view = result.as_subclass(Live)
+    view._fast = source[1]  # over the region's storage where the weight is resident, over a copy where not
 
     def now() -> tuple[torch.Tensor, bool]:
         found: dict[int, tuple[Live, torch.Tensor, bool]] = {}
@@ -124,7 +138,7 @@ def _live_results(result: Any, func: Any, args: Any, kwargs: Any, lives: list[tu
             out = out[i]
         return out, all(resident for _, _, resident in found.values())
 
-    return _made(view, source._param, now, source._wrote)
+    return _made(view, source[0]._param, now, source[0]._wrote)
 
 
 def _made(alias: Live, name: str, now: Now, wrote: Callable[[], None]) -> Live:
@@ -144,16 +158,46 @@ def live_classes(params: dict[str, nn.Parameter], own: dict[str, type], off: dic
     def live(p: torch.Tensor) -> Live:
         name = names[id(p)]
         with torch._C.DisableTorchFunctionSubclass():
-            alias = placeholders[name].as_subclass(Live)
+            fast = not isinstance(p, Offloaded)
+            alias = (GET_DATA(p) if fast else placeholders[name]).as_subclass(Live)
+        alias._fast = fast
         return _made(alias, name, lambda: value(name), lambda: written.add(name))
 
     def data(self: torch.Tensor) -> torch.Tensor:
         return live(self)
 
     def detach(self: torch.Tensor) -> torch.Tensor:
-        return _plain_detach(self) if quiet[0] else live(self)  # model.state_dict(): its hook answers the value
+        if quiet[0] or _graph_task() != -1:  # model.state_dict() (its hook answers the value); autograd's own
+            return _plain_detach(self)  # detaches in backward (checkpoint's recompute saving the weight)
+        return live(self)
 
     resident = type("Resident", (nn.Parameter,), {"data": property(data, SET_DATA), "detach": detach})
     for cls in {c for c in off.values() if issubclass(c, Offloaded)}:
         cls._live = staticmethod(live)  # type: ignore[attr-defined]
     return {n: resident if t is nn.Parameter else t for n, t in own.items()}, written
+
+
+_use_count = torch._C._storage_Use_Count
+
+
+def refuse_kept_aliases(params: dict[str, nn.Parameter]) -> None:
+    """An alias of a weight made before the block (`w = p.data`, `p.detach()`, a view, a `model.state_dict()`
+    kept) holds the weight's memory from before the block: the plan moves the weight into its own buffers, so the
+    alias stopped following it (stale reads, lost writes), exit 0. Refused when the block starts, naming the
+    parameter: its storage is held by more tensors than the model's parameters over it (a storage shared by
+    several parameters, as cuDNN's flattened LSTM weights, counts each). One count per storage at attach."""
+    held: dict[int, list[str]] = {}
+    storages: dict[int, Any] = {}
+    with torch._C.DisableTorchFunctionSubclass():
+        for name, p in params.items():
+            storage = p.untyped_storage()
+            if storage.nbytes():
+                held.setdefault(storage.data_ptr(), []).append(name)
+                storages.setdefault(storage.data_ptr(), storage)
+    for ptr, names in held.items():
+        if _use_count(storages[ptr]._cdata) > len(names) + 1:  # + this storage object
+            raise HplanError(f"parameter {names[0]} has another tensor over its memory, made before the attach block "
+                             "(`w = p.data`, `p.detach()`, a view, a kept model.state_dict() or a forward's graph): "
+                             "the plan moves the weight into its own buffers, so that tensor would no longer follow "
+                             "it (stale reads, lost writes); delete it (or copy it with .clone()) before the block and "
+                             "take aliases inside it, where .data and .detach() follow the weight")

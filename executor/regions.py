@@ -22,7 +22,7 @@ import torch
 from hplan.executor.trace_ranges import action
 from hplan.executor.device import FastTier
 from hplan.executor.inline_moves import move_inline
-from hplan.executor.live_alias import SET_DATA, live_classes
+from hplan.executor.live_alias import SET_DATA, live_classes, refuse_kept_aliases
 from hplan.executor.offloaded import offloaded_classes
 from hplan.executor.param_watch import refuse_shared_memory
 from hplan.executor.state import RegionState
@@ -79,6 +79,7 @@ class RegionStore:
                  state_names: Callable[[str], tuple[str, ...]]) -> None:
         self.tier = tier
         self.params = plan_params(model, plan)
+        refuse_kept_aliases(self.params)
         self.slots: dict[int, Slot] = {}
         self.by_chunk: dict[int, dict[str, int]] = {}
         self.chunk_of = {name: c.id for c in plan.chunks for name in c.tensors}
