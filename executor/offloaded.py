@@ -16,10 +16,11 @@ class swap at each move (no per-operator check; resident parameters are plain). 
 - a write (an in-place operator, `p[i] = …`, `.data = …`, `out=`) is refused naming the parameter and the fix: the
   plan owns the weights there, so the write would be lost. Only the tensor written counts: an EMA reading the
   parameter (`ema.mul_(d).add_(p, alpha=1 - d)`, `torch._foreach_add_(emas, params)`) reads it exactly;
-- an alias (`.data`, `.detach()`, a view, `p[0]`) is the value's copy under the class `Alias`, which refuses a
-  write through it (and through its own views) the same way: in plain PyTorch `p.detach().mul_(0.5)` changes the
-  weight, here it changed the copy and was lost without a word. A read through one is exact at the time it is
-  made; an alias held across a step goes stale (plain PyTorch's tracks the weight): make it when it is read.
+- `.data` and `.detach()` are live aliases that follow the weight ([Note: live aliases] in
+  hplan.executor.live_alias; where the store has them); another alias (a view, `p[0]`) is the value's copy under
+  the class `Alias`, which refuses a write through it (and through its own views) the same way: in plain PyTorch
+  `p.view(-1).mul_(0.5)` changes the weight, here it changed the copy and was lost without a word. A read through
+  one is exact at the time it is made; held across a step it goes stale: make it when it is read.
 """
 
 from __future__ import annotations
