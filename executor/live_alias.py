@@ -155,9 +155,11 @@ def live_classes(params: dict[str, nn.Parameter], own: dict[str, type], off: dic
     names = {id(p): n for n, p in params.items()}
     written: set[str] = set()
 
-    def live(p: torch.Tensor) -> Live:
-        name = names[id(p)]
+    def live(p: torch.Tensor) -> torch.Tensor:
+        name = names.get(id(p))
         with torch._C.DisableTorchFunctionSubclass():
+            if name is None:  # not this store's (a copy made by hand): plain PyTorch's alias
+                return GET_DATA(p)
             fast = not isinstance(p, Offloaded)
             alias = (GET_DATA(p) if fast else placeholders[name]).as_subclass(Live)
         alias._fast = fast
@@ -171,7 +173,15 @@ def live_classes(params: dict[str, nn.Parameter], own: dict[str, type], off: dic
             return _plain_detach(self)  # detaches in backward (checkpoint's recompute saving the weight)
         return live(self)
 
-    resident = type("Resident", (nn.Parameter,), {"data": property(data, SET_DATA), "detach": detach})
+    def deepcopy(self: torch.Tensor, memo: dict[int, Any]) -> nn.Parameter:  # a plain Parameter, as outside the block
+        if id(self) not in memo:
+            with torch._C.DisableTorchFunctionSubclass():
+                memo[id(self)] = nn.Parameter(GET_DATA(self).clone(memory_format=torch.preserve_format),
+                                              self.requires_grad)
+        return memo[id(self)]
+
+    resident = type("Resident", (nn.Parameter,), {"data": property(data, SET_DATA), "detach": detach,
+                                                  "__deepcopy__": deepcopy})
     for cls in {c for c in off.values() if issubclass(c, Offloaded)}:
         cls._live = staticmethod(live)  # type: ignore[attr-defined]
     return {n: resident if t is nn.Parameter else t for n, t in own.items()}, written

@@ -75,6 +75,17 @@ class Offloaded(nn.Parameter):
     """Makes a live alias of the parameter, where the store has them ([Note: live aliases] in
     hplan.executor.live_alias)."""
 
+    def __deepcopy__(self, memo: dict[int, Any]) -> nn.Parameter:
+        """`copy.deepcopy(p)` (a "best weights" copy of one layer): a plain Parameter of the current value. torch's
+        made another `Offloaded` the store did not know, whose first read failed as an hplan bug."""
+        if id(self) not in memo:
+            found = type(self)._lookup(id(self))
+            if found is None:
+                raise HplanError("a parameter of a model whose attach block has ended was copied while offloaded; "
+                                 "this is a bug in hplan")
+            memo[id(self)] = nn.Parameter(found[1](), self.requires_grad)
+        return memo[id(self)]
+
     @classmethod
     def __torch_function__(cls, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}

@@ -109,3 +109,27 @@ def test_an_alias_made_before_the_block_is_refused_naming_it(plans):
     with hplan.attach(model, optimizer, least):
         workload.loss(model, workload.batch(0)).backward()
         optimizer.step()
+
+
+def test_a_copy_of_a_parameter_or_the_model_inside_the_block(plans):
+    """`copy.deepcopy(layer.weight)` (a "best weights" copy) of an offloaded weight made a parameter the plan did not
+    know, whose first read failed as "a bug in hplan"; of a resident one (now of class Resident) a parameter
+    whose `.data` failed. Now a plain Parameter of the current value either way. `torch.save(model)` inside the
+    block failed deep in pickle ("Can't pickle local object ..."): refused in one line naming state_dict(); after
+    the block it pickles."""
+    import copy
+    import io
+
+    workload, least, roomy = plans
+    for plan in (least, roomy):
+        model = workload.build_model()
+        optimizer = workload.optimizer(model.parameters())
+        with hplan.attach(model, optimizer, plan):
+            workload.loss(model, workload.batch(0)).backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            kept = copy.deepcopy(model.head.weight)
+            assert type(kept) is torch.nn.Parameter and torch.equal(kept.data, model.state_dict()["head.weight"])
+            with pytest.raises(HplanError, match=r"torch\.save\(model\) .* save model\.state_dict\(\)"):
+                torch.save(model, io.BytesIO())
+        torch.save(model, io.BytesIO())
