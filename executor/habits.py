@@ -292,7 +292,8 @@ def _no_pickle(protocol: Any) -> Any:
     """torch.save(model) (pickling the running model) failed deep in pickle on one of the plan's hooks ("Can't
     pickle local object '_shape_check.<locals>.hook'"). Refused in one line, naming what works."""
     raise HplanError("torch.save(model) of a model inside its attach block would pickle the plan's hooks and "
-                     "placeholders: save model.state_dict() instead (the current weights), or the model after the block")
+                     "placeholders: save model.state_dict() instead (the current weights), or the model after the "
+                     "block")
 
 
 class _CurrentWeights:

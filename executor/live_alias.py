@@ -14,14 +14,15 @@ placeholder where made while evicted) that resolves, at each operator, to the we
 region's fast view while resident, the exact value copied from the host copy while not. So reads are exact at
 any time, as in plain PyTorch, and C++ code that reads it as a plain tensor (autograd) reads the region, as it
 would a plain alias. `.detach()` is autograd's own in backward (non-reentrant checkpointing's recompute saves
-the weight detached): there it stays plain, or each saved weight became an alias. A write through one lands in the fast view while resident and is reported to `WriteWatch` as a write
-through the parameter (kept where the plan keeps and updates the chunk on the fast tier; refused at
-`optimizer.step()` elsewhere); while evicted it is refused naming the parameter. A view of a live alias
-(`w[0]`, `w.t()`) is live too: it re-derives itself from the current value at each operator.
-Not covered: views of the parameter itself (`p[0]`, `p.T`) made while resident and kept past its eviction,
-and aliases made before the block (they hold the weight's memory from before the block: stale, not freed).
-The one cost on the plan's moves: binding `.data` calls torch's setter directly (`SET_DATA`), not through
-`Resident`'s property.
+the weight detached): there it stays plain, or each saved weight became an alias. A write through a live alias
+lands in the fast view while resident and is reported to `WriteWatch` as a write through the parameter (kept
+where the plan keeps and updates the chunk on the fast tier; refused at `optimizer.step()` elsewhere); while
+evicted it is refused naming the parameter. A view of a live alias (`w[0]`, `w.t()`) is live too: it re-derives
+itself from the current value at each operator. An alias made before the block holds the weight's memory from
+before it (stale reads, lost writes): refused when the block starts (`refuse_kept_aliases`). Not covered: views
+of the parameter itself (`p[0]`, `p.T`) made while resident and kept past its eviction.
+The one cost on the plan's moves: binding `.data` calls torch's setter directly (`SET_DATA`, not through
+`Resident`'s property), about 0.1 µs more per parameter bound or unbound than `p.data = …` on a plain Parameter.
 """
 
 from __future__ import annotations
