@@ -43,8 +43,9 @@ _METADATA |= {_T.grad.__set__, _T.requires_grad.__set__, _T.size, _T.dim, _T.num
               _T.element_size, _T.is_floating_point, _T.is_complex, _T.requires_grad_, _T.register_hook,
               _T.register_post_accumulate_grad_hook, _T.__len__, _T.get_device, _T.type}
 _DATA_GET = _T.data.__get__
-_VALUES = {_DATA_GET, _T.data.__set__}
-"""`.data` is no metadata: it hands out the value (an `Alias`) or replaces it (a write, refused)."""
+_VALUES = {_DATA_GET, _T.data.__set__} | {getattr(_T, n).__get__ for n in ("T", "mT", "H", "mH", "real", "imag")}
+"""`.data` is no metadata: it hands out the value (a live alias) or replaces it (a write, refused); nor are the
+attributes that are views of the value (`p.T`, `p.mT`, `p.H`, …): taken as metadata they read the placeholder (NaN)."""
 _SETS = {_T.data.__set__, _T.__setitem__}
 """Writes that are not in-place operators (compared by equality: each `_T.data.__set__` is a new object)."""
 

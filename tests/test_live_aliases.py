@@ -133,3 +133,18 @@ def test_a_copy_of_a_parameter_or_the_model_inside_the_block(plans):
             with pytest.raises(HplanError, match=r"torch\.save\(model\) .* save model\.state_dict\(\)"):
                 torch.save(model, io.BytesIO())
         torch.save(model, io.BytesIO())
+
+
+def test_attribute_views_of_an_offloaded_weight_read_its_value(plans):
+    """`w.T`, `w.mT`, `w.H` of a weight offloaded at that point (a logger, a tied weight read in code the trace
+    never saw) were taken as metadata and read its NaN placeholder, exit 0. Now its value, as `w.t()` was."""
+    workload, least, _ = plans
+    model = workload.build_model()
+    optimizer = workload.optimizer(model.parameters())
+    with hplan.attach(model, optimizer, least):
+        workload.loss(model, workload.batch(0)).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        value = model.state_dict()["head.weight"]
+        weight = model.head.weight
+        assert torch.equal(weight.T, value.T) and torch.equal(weight.mT, value.mT) and torch.equal(weight.H, value.H)
