@@ -41,7 +41,7 @@ _METADATA = {getattr(_T, n).__get__ for n in ("shape", "dtype", "device", "requi
              if hasattr(getattr(_T, n, None), "__get__")}
 _METADATA |= {_T.grad.__set__, _T.requires_grad.__set__, _T.size, _T.dim, _T.numel, _T.nelement,
               _T.element_size, _T.is_floating_point, _T.is_complex, _T.requires_grad_, _T.register_hook,
-              _T.register_post_accumulate_grad_hook, _T.__len__, _T.get_device, _T.type}
+              _T.register_post_accumulate_grad_hook, _T.__len__, _T.get_device}
 _DATA_GET = _T.data.__get__
 _VALUES = {_DATA_GET, _T.data.__set__} | {getattr(_T, n).__get__ for n in ("T", "mT", "H", "mH", "real", "imag")}
 """`.data` is no metadata: it hands out the value (a live alias) or replaces it (a write, refused); nor are the
