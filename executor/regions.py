@@ -105,9 +105,7 @@ class RegionStore:
             self._adopt_weights(c.tensors, self.by_chunk[c.id]["param"])
         self.live_class, self.alias_writes = live_classes(self.params, self.own_class, self.off_class,
                                                           self.placeholders, self.live_value, self.quiet)
-        """Each parameter's class while resident, and the names written through a live alias since WriteWatch last
-        looked ([Note: live aliases] in hplan.executor.live_alias)."""
-        self.released = False
+        self.released = False  # [Note: live aliases] in hplan.executor.live_alias: classes while resident, writes
         for slot in self.slots.values():
             slot.storage = slot.fast.untyped_storage()
             if slot.region.kind == "param":
@@ -291,11 +289,10 @@ class RegionStore:
             return self.current(self.by_chunk[self.chunk_of[name]]["param"], name).to(self.tier.device, copy=True)
 
     def live_value(self, name: str) -> tuple[torch.Tensor, bool]:
-        """What a live alias of a parameter reads now, and whether it is resident ([Note: live aliases] in
-        hplan.executor.live_alias): the fast view, else the value copied; the parameter's data after the block."""
+        """What a live alias reads now and whether it is resident ([Note: live aliases] in hplan.executor.live_alias):
+        the fast view, else the value copied; the parameter's data after the block."""
         if self.released:
-            with torch._C.DisableTorchFunctionSubclass():
-                return self.params[name].data, True
+            return self.params[name].data, True
         slot = self.slots[self.by_chunk[self.chunk_of[name]]["param"]]
         if slot.state is _HOST:
             return self.offloaded_value(name), False
