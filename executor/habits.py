@@ -51,6 +51,7 @@ def intercepted(run: PlanRun, optimizer: torch.optim.Optimizer, model: nn.Module
         stack.enter_context(_one_backward_per_forward(run))
         for module in model.modules():
             _patch(stack, module, "__deepcopy__", _no_deepcopy)
+            _patch(stack, module, "__reduce_ex__", _no_pickle)
         _patch(stack, torch, "compile", _no_compile(run, torch.compile))
         stack.callback(register_optimizer_step_pre_hook(_one_optimizer(run)).remove)
         for register, hook in ((optimizer.register_state_dict_pre_hook, lambda opt: run.sync_state()),
@@ -285,6 +286,14 @@ def _no_deepcopy(memo: dict) -> Any:
     raise HplanError("copy.deepcopy of a model inside its attach block would copy the plan's placeholders and hooks, "
                      "not the weights: copy model.state_dict() instead (or load it into a fresh model), and create "
                      "an AveragedModel / EMA copy before the block")
+
+
+def _no_pickle(protocol: Any) -> Any:
+    """torch.save(model) (pickling the running model) failed deep in pickle on one of the plan's hooks ("Can't
+    pickle local object '_shape_check.<locals>.hook'"). Refused in one line, naming what works."""
+    raise HplanError("torch.save(model) of a model inside its attach block would pickle the plan's hooks and "
+                     "placeholders: save model.state_dict() instead (the current weights), or the model after the "
+                     "block")
 
 
 class _CurrentWeights:

@@ -22,6 +22,7 @@ from typing import Any
 
 import torch
 from hplan.executor.device import LENT
+from hplan.executor.live_alias import SET_DATA
 from hplan.executor.state import RegionState
 from hplan.executor.step_table import Moves
 
@@ -63,7 +64,7 @@ def move_inline(store: Any, at: tuple[Any, ...], lend: bool) -> None:
                 slot.host.copy_(slot.fast)
                 traffic.d2h += slot.region.bytes
             for param, placeholder, cls in slot.unbinds:
-                param.data = placeholder
+                SET_DATA(param, placeholder)  # not through Resident's property ([Note: live aliases])
                 param.__class__ = cls  # after `.data =`: an evicted parameter refuses it
             nbytes = slot.region.bytes
             if slot.adopted:  # [Note: adopted memory goes back to malloc] in hplan.executor.regions
@@ -103,7 +104,7 @@ def move_inline(store: Any, at: tuple[Any, ...], lend: bool) -> None:
                     traffic.h2d += nbytes
                 for param, view, cls in slot.binds:
                     param.__class__ = cls  # first: `.data =` on an evicted parameter is refused
-                    param.data = view
+                    SET_DATA(param, view)
                 store._resident_bytes += nbytes
                 slot.state = _RESIDENT
         if fasts:

@@ -16,10 +16,11 @@ class swap at each move (no per-operator check; resident parameters are plain). 
 - a write (an in-place operator, `p[i] = …`, `.data = …`, `out=`) is refused naming the parameter and the fix: the
   plan owns the weights there, so the write would be lost. Only the tensor written counts: an EMA reading the
   parameter (`ema.mul_(d).add_(p, alpha=1 - d)`, `torch._foreach_add_(emas, params)`) reads it exactly;
-- an alias (`.data`, `.detach()`, a view, `p[0]`) is the value's copy under the class `Alias`, which refuses a
-  write through it (and through its own views) the same way: in plain PyTorch `p.detach().mul_(0.5)` changes the
-  weight, here it changed the copy and was lost without a word. A read through one is exact at the time it is
-  made; an alias held across a step goes stale (plain PyTorch's tracks the weight): make it when it is read.
+- `.data` and `.detach()` are live aliases that follow the weight ([Note: live aliases] in
+  hplan.executor.live_alias; where the store has them); another alias (a view, `p[0]`) is the value's copy under
+  the class `Alias`, which refuses a write through it (and through its own views) the same way: in plain PyTorch
+  `p.view(-1).mul_(0.5)` changes the weight, here it changed the copy and was lost without a word. A read through
+  one is exact at the time it is made; held across a step it goes stale: make it when it is read.
 """
 
 from __future__ import annotations
@@ -40,9 +41,11 @@ _METADATA = {getattr(_T, n).__get__ for n in ("shape", "dtype", "device", "requi
              if hasattr(getattr(_T, n, None), "__get__")}
 _METADATA |= {_T.grad.__set__, _T.requires_grad.__set__, _T.size, _T.dim, _T.numel, _T.nelement,
               _T.element_size, _T.is_floating_point, _T.is_complex, _T.requires_grad_, _T.register_hook,
-              _T.register_post_accumulate_grad_hook, _T.__len__, _T.get_device, _T.type}
-_VALUES = {_T.data.__get__, _T.data.__set__}
-"""`.data` is no metadata: it hands out the value (an `Alias`) or replaces it (a write, refused)."""
+              _T.register_post_accumulate_grad_hook, _T.__len__, _T.get_device}
+_DATA_GET = _T.data.__get__
+_VALUES = {_DATA_GET, _T.data.__set__} | {getattr(_T, n).__get__ for n in ("T", "mT", "H", "mH", "real", "imag")}
+"""`.data` is no metadata: it hands out the value (a live alias) or replaces it (a write, refused); nor are the
+attributes that are views of the value (`p.T`, `p.mT`, `p.H`, …): taken as metadata they read the placeholder (NaN)."""
 _SETS = {_T.data.__set__, _T.__setitem__}
 """Writes that are not in-place operators (compared by equality: each `_T.data.__set__` is a new object)."""
 
@@ -69,10 +72,27 @@ class Offloaded(nn.Parameter):
 
     _lookup: Callable[[int], tuple[str, Callable[[], torch.Tensor]] | None]
     _quiet: list[bool]
+    _live: Callable[[torch.Tensor], torch.Tensor] | None = None
+    """Makes a live alias of the parameter, where the store has them ([Note: live aliases] in
+    hplan.executor.live_alias)."""
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> nn.Parameter:
+        """`copy.deepcopy(p)` (a "best weights" copy of one layer): a plain Parameter of the current value. torch's
+        made another `Offloaded` the store did not know, whose first read failed as an hplan bug."""
+        if id(self) not in memo:
+            found = type(self)._lookup(id(self))
+            if found is None:
+                raise HplanError("a parameter of a model whose attach block has ended was copied while offloaded; "
+                                 "this is a bug in hplan")
+            memo[id(self)] = nn.Parameter(found[1](), self.requires_grad)
+        return memo[id(self)]
 
     @classmethod
     def __torch_function__(cls, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
+        if cls._live is not None and (func is _T.detach and not cls._quiet[0] or func == _DATA_GET) and \
+                isinstance(args[0], Offloaded):
+            return cls._live(args[0])
         if func in _METADATA or getattr(func, "__name__", "") in ("__get__", "__set__", "__delete__") and \
                 func not in _VALUES:  # attributes: metadata, hooks, .grad (not values)
             with torch._C.DisableTorchFunctionSubclass():
@@ -117,23 +137,29 @@ class Alias(torch.Tensor):
 
 
 def _refuse_write(func: Any, args: Any, kwargs: dict[str, Any], kind: type) -> None:
-    """Raise where `func` writes an offloaded parameter or an alias of one (`kind`): an in-place operator's own
-    tensor (the first argument; torch.nn.init passes it as `tensor=`), `out=`, `.data =`, `p[i] = …`. An argument
-    only read (an EMA's `add_(p)`) is not a write."""
-    name = getattr(func, "__name__", "")
-    if func in _SETS or _first(kwargs.get("out"), kind) is not None:
-        pass
-    elif not (name.endswith("_") and not name.startswith("__") or name.startswith("__i") and name.endswith("__")):
-        return
-    written = _first(args[:1] if args else kwargs.get("tensor", kwargs.get("input", kwargs.get("self"))), kind)
-    written = written if written is not None else _first(kwargs.get("out"), kind)
+    """Raise where `func` writes an offloaded parameter or an alias of one (`kind`)."""
+    written, label = write_target(func, args, kwargs, kind)
     if written is None:
         return
-    label = ("data =" if func == _T.data.__set__ else "[…] =") if func in _SETS else name
     param = written._param if kind is Alias else type(written)._lookup(id(written))  # type: ignore[attr-defined]
     param = param if kind is Alias else param[0] if param is not None else "?"
     via = " through an alias (.data, .detach(), a view)" if kind is Alias else ""
     raise HplanError(f"parameter {param} is written{via} (.{label}) inside the attach block; {FIX}")
+
+
+def write_target(func: Any, args: Any, kwargs: dict[str, Any], kind: type) -> tuple[Any, str]:
+    """The tensor of class `kind` that `func` writes, and how (None where it writes none): an in-place operator's
+    own tensor (the first argument; torch.nn.init passes it as `tensor=`), `out=`, `.data =`, `p[i] = …`. An
+    argument only read (an EMA's `add_(p)`) is not a write."""
+    name = getattr(func, "__name__", "")
+    if func in _SETS or _first(kwargs.get("out"), kind) is not None:
+        pass
+    elif not (name.endswith("_") and not name.startswith("__") or name.startswith("__i") and name.endswith("__")):
+        return None, ""
+    written = _first(args[:1] if args else kwargs.get("tensor", kwargs.get("input", kwargs.get("self"))), kind)
+    written = written if written is not None else _first(kwargs.get("out"), kind)
+    label = ("data =" if func == _T.data.__set__ else "[…] =") if func in _SETS else name
+    return written, label
 
 
 def _first(tree: Any, kind: type) -> Any:

@@ -107,8 +107,12 @@ class WriteWatch:
     (a hook) is seen at the next iteration where the region stayed resident. One `is_set_to` per parameter per
     iteration; no cost per event."""
 
-    def __init__(self, params: dict[str, nn.Parameter], kept: set[str], host: set[str], slots: Any = ()) -> None:
+    def __init__(self, params: dict[str, nn.Parameter], kept: set[str], host: set[str], slots: Any = (),
+                 aliased: set[str] | None = None) -> None:
         self.kept, self.host = kept, host
+        self.aliased = aliased if aliased is not None else set()
+        """Names written through a live alias (`p.data.mul_(…)`: [Note: live aliases] in hplan.executor.live_alias),
+        whose own version counter is not the parameter's: checked as writes through it."""
         with torch._C.DisableTorchFunctionSubclass():
             self.seen = {name: (p, p._version) for name, p in params.items()}
         self.weights = [s for s in slots if s.binds]
@@ -120,6 +124,10 @@ class WriteWatch:
             for name, (p, seen) in self.seen.items():
                 if p._version != seen:
                     self._changed(name, p, iteration)
+            if self.aliased:
+                for name in sorted(self.aliased):
+                    self._changed(name, self.seen[name][0], iteration)
+                self.aliased.clear()
 
     def bound(self, iteration: int) -> None:
         """Every parameter still bound where its region store put it ([Note: new data for a parameter])."""

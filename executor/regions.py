@@ -22,6 +22,7 @@ import torch
 from hplan.executor.trace_ranges import action
 from hplan.executor.device import FastTier
 from hplan.executor.inline_moves import move_inline
+from hplan.executor.live_alias import SET_DATA, live_classes, refuse_kept_aliases
 from hplan.executor.offloaded import offloaded_classes
 from hplan.executor.param_watch import refuse_shared_memory
 from hplan.executor.state import RegionState
@@ -78,6 +79,7 @@ class RegionStore:
                  state_names: Callable[[str], tuple[str, ...]]) -> None:
         self.tier = tier
         self.params = plan_params(model, plan)
+        refuse_kept_aliases(self.params)
         self.slots: dict[int, Slot] = {}
         self.by_chunk: dict[int, dict[str, int]] = {}
         self.chunk_of = {name: c.id for c in plan.chunks for name in c.tensors}
@@ -101,10 +103,13 @@ class RegionStore:
         `quiet` is set while model.state_dict() detaches them."""
         for c in plan.chunks:
             self._adopt_weights(c.tensors, self.by_chunk[c.id]["param"])
+        self.live_class, self.alias_writes = live_classes(self.params, self.own_class, self.off_class,
+                                                          self.placeholders, self.live_value, self.quiet)
+        self.released = False  # [Note: live aliases] in hplan.executor.live_alias: classes while resident, writes
         for slot in self.slots.values():
             slot.storage = slot.fast.untyped_storage()
             if slot.region.kind == "param":
-                slot.binds = tuple((self.params[n], view, self.own_class[n]) for n, view in slot.fast_views.items())
+                slot.binds = tuple((self.params[n], view, self.live_class[n]) for n, view in slot.fast_views.items())
                 slot.unbinds = tuple((self.params[n], self.placeholders[n], self.off_class[n]) for n in slot.fast_views)
         self.inline_moves = type(tier) is FastTier and all(
             getattr(type(self), name) is getattr(RegionStore, name) for name in ("fetch", "alloc", "evict"))
@@ -201,7 +206,7 @@ class RegionStore:
         slot.state = _RESIDENT
         for p, view, cls in slot.binds:  # a weight region's parameters (the binding move_inline makes too)
             p.__class__ = cls  # first: `.data =` on an Offloaded parameter is refused
-            p.data = view
+            SET_DATA(p, view)  # not through Resident's property ([Note: live aliases])
 
     def evict(self, rid: int, *, writeback: bool) -> None:
         """Leave the fast tier, copying fast→host first when asked. No-op when not resident."""
@@ -217,7 +222,7 @@ class RegionStore:
                 self.tier.d2h(slot.host, slot.fast)
             self.traffic.d2h += slot.region.bytes
         for p, placeholder, cls in slot.unbinds:  # a weight region's parameters (as move_inline unbinds them)
-            p.data = placeholder
+            SET_DATA(p, placeholder)
             p.__class__ = cls
         if slot.adopted:  # [Note: adopted memory goes back to malloc]
             slot.adopted = False
@@ -283,8 +288,21 @@ class RegionStore:
         with torch.no_grad():
             return self.current(self.by_chunk[self.chunk_of[name]]["param"], name).to(self.tier.device, copy=True)
 
+    def live_value(self, name: str) -> tuple[torch.Tensor, bool]:
+        """What a live alias reads now and whether it is resident ([Note: live aliases] in hplan.executor.live_alias):
+        the fast view, else the value copied; the parameter's data after the block."""
+        if self.released:
+            return self.params[name].data, True
+        slot = self.slots[self.by_chunk[self.chunk_of[name]]["param"]]
+        if slot.state is _HOST:
+            return self.offloaded_value(name), False
+        if self.tier.waits:
+            self.tier.wait(slot.fast)
+        return slot.fast_views[name], True
+
     def release_params(self) -> None:
         """Every parameter its own class again (the block ends)."""
+        self.released = True
         for name, p in self.params.items():
             p.__class__ = self.own_class[name]
 

@@ -235,7 +235,8 @@ class PlanRun(EventDispatch, GradArrival, UpdateSteps, GradientOps, StateSync):
         evicted = {rid for moves in self._moves for rid, _ in moves.evict}
         host = {n for c in plan.chunks if plan.optimizer.get(c.id) == "cpu" for n in c.tensors}
         self._writes = WriteWatch(store.params, {n for c in plan.chunks if store.region(c.id, "param") not in evicted
-                                                 for n in c.tensors} - host, host, store.slots.values())
+                                                 for n in c.tensors} - host, host, store.slots.values(),
+                                   getattr(store, "alias_writes", None))
         self._stack.enter_context(EventHooks(model, self.on_event, forward=self._unhooked.forward,
                                              backward=self._unhooked.backward))
         self.activations.install(model, self._stack)
