@@ -151,7 +151,7 @@ def _plan_auto(trace: Trace, hardware: Hardware, options: PlanOptions, on_progre
         if name == "mixed" and incumbent is not None:  # [Note: a mix priced by a larger mix]
             ahead = prestage(work, hw, options, on_progress, every, feasible)
             if ahead is not None and beyond(ahead[0].staged, every, hw, incumbent, ahead[0].hardware.slack_bytes):
-                mixed, targets = (ahead[0].staged, hw.slack_bytes), every
+                mixed, targets = (ahead[0].staged, ahead[0].hardware.slack_bytes), every  # its LPs, its sample
                 continue
         try:
             if name in MIXES:
