@@ -258,12 +258,13 @@ def _settle(trace: Trace, hw: Hardware, options: PlanOptions, on_progress: Progr
 
 def _minimums(trace: Trace, hardware: Hardware, without: frozenset[str], shared: Shared) -> list:
     """Each regime with its smallest budget (`min_gpu_auto`). The selective mix's regime holds every mix of the
-    mixed regime, so at the same slack ([Note: the selective mix's sample] in hplan.planner.slack), where the mixed
-    regime fits the budget its minimum stands in for the selective mix's (an upper bound on it, marked inexact: the
-    regime fits; 0.16 s of gpt:18b's planning), and the reported smallest budget is the other regimes' there."""
+    mixed regime (each reserving its own figure, whatever the sample: [Note: the selective mix's sample] in
+    hplan.planner.slack), so where the mixed regime fits the budget its minimum stands in for the selective mix's
+    (an upper bound on it, marked inexact: the regime fits; 0.16 s of gpt:18b's planning), and the reported
+    smallest budget is the other regimes' there."""
     out: list = []
     for name, hw, items in auto_regimes(trace, hardware, without):
-        mixed = next((r[3] for r in out if r[0] == "mixed" and r[1].slack_bytes == hw.slack_bytes), None)
+        mixed = next((r[3] for r in out if r[0] == "mixed"), None)
         if name == SELECTIVE_MIX and mixed is not None and mixed.value <= hardware.gpu_bytes:
             out.append((name, hw, items, replace(mixed, exact=False)))
         else:
