@@ -29,7 +29,8 @@ search), selective alone under its own figure where the trace prices it (the mix
 price it, so it is solved wherever it may win; first, it is an incumbent that often prunes the mixed regime: gpt:18b
 b8 at 24 GB, 0.6 s of 2.3), every choice under the mixed figure, then offload alone and recompute alone under their
 own figures, each planned exactly as the forced choice is; where selective is priced, a second mixed regime adds it
-per block ([Note: selective in a mix]; solved last, with the best objective so far as its incumbent, on the
+per block under the larger of the mixed and selective figures ([Note: selective in a mix], [Note: the selective
+mix's sample] in hplan.planner.slack; solved last, with the best objective so far as its incumbent, on the
 incumbent's chunking only, at the lowest effort's node budget and without `_settle`'s searches again; its LP is
 staged on every other chunking too, for its bound); the smallest objective wins, and at an equal objective the
 shorter predicted step (then the first): equal link bytes can differ in per-call costs, e.g. a block's offload
@@ -149,8 +150,8 @@ def _plan_auto(trace: Trace, hardware: Hardware, options: PlanOptions, on_progre
             continue  # its activation cost alone is above the incumbent (or nothing moves): it cannot win
         if name == "mixed" and incumbent is not None:  # [Note: a mix priced by a larger mix]
             ahead = prestage(work, hw, options, on_progress, every, feasible)
-            if ahead is not None and beyond(ahead[0].staged, every, hw, incumbent):
-                mixed, targets = (ahead[0].staged, hw.slack_bytes), every
+            if ahead is not None and beyond(ahead[0].staged, every, hw, incumbent, ahead[0].hardware.slack_bytes):
+                mixed, targets = (ahead[0].staged, ahead[0].hardware.slack_bytes), every  # its LPs, its sample
                 continue
         try:
             if name in MIXES:
@@ -257,9 +258,10 @@ def _settle(trace: Trace, hw: Hardware, options: PlanOptions, on_progress: Progr
 
 def _minimums(trace: Trace, hardware: Hardware, without: frozenset[str], shared: Shared) -> list:
     """Each regime with its smallest budget (`min_gpu_auto`). The selective mix's regime holds every mix of the
-    mixed regime at the same slack, so where the mixed regime fits the budget its minimum stands in for the
-    selective mix's (an upper bound on it, marked inexact: the regime fits; 0.16 s of gpt:18b's planning), and
-    the reported smallest budget is the other regimes' there."""
+    mixed regime (each reserving its own figure, whatever the sample: [Note: the selective mix's sample] in
+    hplan.planner.slack), so where the mixed regime fits the budget its minimum stands in for the selective mix's
+    (an upper bound on it, marked inexact: the regime fits; 0.16 s of gpt:18b's planning), and the reported
+    smallest budget is the other regimes' there."""
     out: list = []
     for name, hw, items in auto_regimes(trace, hardware, without):
         mixed = next((r[3] for r in out if r[0] == "mixed"), None)

@@ -43,8 +43,9 @@ def children_bound(trace: Trace, hardware: Hardware, options: PlanOptions, witho
     # the regimes of `auto_regimes` whose items may have child modes (keep and another choice; build_items)
     runs = [(name, hw, allowed) for name, hw, allowed in regimes(hardware, without)
             if "keep" in allowed and len(allowed) > 1]
-    if any(name == SELECTIVE_MIX for name, _, _ in runs):  # its plans hold the mixed regime's at the same slack
-        runs = [r for r in runs if r[0] != "mixed"]
+    mixed = [hw for name, hw, _ in runs if name == "mixed"]
+    if any(name == SELECTIVE_MIX and [hw] == mixed for name, hw, _ in runs):  # its plans hold the mixed regime's
+        runs = [r for r in runs if r[0] != "mixed"]  # at the same slack ([Note: the selective mix's sample])
     runs = [(hw, allowed) for _, hw, allowed in runs]
     parts = parts_regime(trace, hardware, without)
     least = priced = 1 << 62  # no regime offers a child choice: no such plan
@@ -152,16 +153,18 @@ def priced_bound(staged: dict, slack: int, choice: str, targets: list[int], own_
     return 0 if least is None else least
 
 
-def beyond(staged: dict, targets: list[int], hw: Hardware, incumbent: int) -> bool:
+def beyond(staged: dict, targets: list[int], hw: Hardware, incumbent: int, sample: int) -> bool:
     """Whether no plan of the mixed regime (`hw`: its sample) on any chunking in `targets` can win or tie
-    `incumbent`, priced by the selective mix's staged LPs (`staged`, at the same sample).
+    `incumbent`, priced by the selective mix's staged LPs (`staged`, at its sample `sample`, at least the mixed
+    regime's: [Note: the selective mix's sample] in hplan.planner.slack).
 
     [Note: a mix priced by a larger mix] The selective mix's items are the mixed regime's with a selective mode
-    added per block (hplan.planner.activation_items.build_items: the same modes, effects and costs besides), at
-    the same sample, so its joint model with each item held to its other modes holds every plan of the mixed
-    regime, and `lagrangian_bound` with `allowed` (valid for any multipliers) bounds them from the selective
-    mix's LP: the plans at the sample (what the mixed regime's search covers, its LP bounds per chunking) and,
-    with `must` and the room down to the least reserve, the mixes reserving less ([Note: a pruned mix's floor]).
+    added per block (hplan.planner.activation_items.build_items: the same modes, effects and costs besides), so
+    its joint model with each item held to its other modes and every row given the room between the two samples
+    holds every plan of the mixed regime, and `lagrangian_bound` with `allowed` and `more_free` (valid for any
+    multipliers) bounds them from the selective mix's LP: the plans at the mixed sample (what the mixed regime's
+    search covers, its LP bounds per chunking) and, with `must` and the room down to the least reserve, the mixes
+    reserving less ([Note: a pruned mix's floor]).
     Where every such bound on every chunking is above the incumbent, the mixed regime cannot win or tie and adds
     nothing to the certificate: what its own pruned search concluded, without staging its chunkings (gpt:18b at
     24 GB: its five LPs, 0.2 s of 2.2; the selective mix stages the same chunkings for its own bound). Where one
@@ -170,7 +173,7 @@ def beyond(staged: dict, targets: list[int], hw: Hardware, incumbent: int) -> bo
     from hplan.planner.activation_items import SELECTIVE
     from hplan.planner.exact import lagrangian_bound
 
-    room = hw.slack_bytes - least_reserve(hw)
+    lift, room = sample - hw.slack_bytes, sample - least_reserve(hw)
     for target in targets:
         if target not in staged:
             return False
@@ -179,9 +182,9 @@ def beyond(staged: dict, targets: list[int], hw: Hardware, incumbent: int) -> bo
         label = np.array(c.label)
         act = _activation_modes(c)
         allowed = ~act | (label != SELECTIVE)
-        if lagrangian_bound(model, rows, *multipliers, allowed=allowed) <= incumbent:
+        if lagrangian_bound(model, rows, *multipliers, allowed=allowed, more_free=lift) <= incumbent:
             return False
-        if room > 0 and lagrangian_bound(model, rows, *multipliers, allowed=allowed, more_free=room,
+        if room > lift and lagrangian_bound(model, rows, *multipliers, allowed=allowed, more_free=room,
                                          must=allowed & act & (label != "keep")) <= incumbent:
             return False
     return True
@@ -206,16 +209,16 @@ def regime_search(trace: Trace, hardware: Hardware, options: PlanOptions, on_pro
 
 def prestage(trace: Trace, hw: Hardware, options: PlanOptions, on_progress: Progress | None, every: list[int],
              feasible: list) -> tuple[Search, tuple[int, ...]] | None:
-    """The selective mix's search with every chunking in `every` staged, where it is a regime at the mixed
-    regime's sample `hw` ([Note: a mix priced by a larger mix]); None where it is not, at effort 0, or where a
+    """The selective mix's search with every chunking in `every` staged, where it is a regime at a sample at least
+    the mixed regime's `hw` ([Note: a mix priced by a larger mix]); None where it is not, at effort 0, or where a
     chunking has no joint model (the mixed regime is then searched as before)."""
     from hplan.planner import core
 
-    run = next((r for r in feasible if r[0] == SELECTIVE_MIX and r[1] == hw), None)
+    run = next((r for r in feasible if r[0] == SELECTIVE_MIX and r[1].slack_bytes >= hw.slack_bytes), None)
     if run is None or core._effort(options) == 0:
         return None
-    _, _, items, own = run
-    ahead = regime_search(trace, hw, options, on_progress, items, own.lean, own.keep, light=True)
+    _, sample, items, own = run
+    ahead = regime_search(trace, sample, options, on_progress, items, own.lean, own.keep, light=True)
     return ahead if all(ahead[0].staged_lp(t) is not None for t in every) else None
 
 
