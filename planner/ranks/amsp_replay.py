@@ -106,8 +106,8 @@ def _row(system: System, trace: Trace, hw: Hardware, options: PlanOptions, peak:
                    note=plan.summary.bottleneck)
     s = plan.summary.shard
     split = system_price(system, plan, trace)
-    note = "as hplan's executor runs it: gathers one step ahead, reductions settled a step later" \
-        if system.kind == "hplan" else ""
+    note = "as hplan's executor runs it: gathers a run of chunks ahead and reductions in flight where the plan's " \
+        "windows have room, else one step ahead and settled a step later" if system.kind == "hplan" else ""
     return Row(system=system.name, factors=f"{s['P']}/{s['G']}/{s['OS']}", step_seconds=split["step"],
                mfu=trace.step_flops / (split["step"] * peak), split=split, note=note, plan=plan)
 
