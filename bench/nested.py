@@ -58,6 +58,9 @@ CONVNEXT_SHAPES = {"ConvNeXt-tiny": {}, "ConvNeXt, depths 2-2-4-2, widths 32-256
 """ConvNeXt-tiny (the config class's defaults) and a narrower, shallower one, where a stage is the coarser unit."""
 CONVNEXT_BATCHES, QUICK_BATCHES = (4, 8), (2,)
 TRAIN_STEPS = 3
+MIDDLE_ROUNDS = 5
+"""Rounds of the middle-budget table: each plan runs TRAIN_STEPS steps a round, the first left out; the two plans'
+predicted steps differ by a few percent, so 2 rounds (4 steps each) read noise as often as not."""
 
 
 def _adamw(params: Any) -> Any:
@@ -146,7 +149,7 @@ def middle_table(ctx: Context) -> Table:
              for k, t in traces.items()}
     measured: dict[str, list[float]] = {k: [] for k in plans}
     loads = []
-    for _ in range(1 if ctx.quick else 2):
+    for _ in range(1 if ctx.quick else MIDDLE_ROUNDS):
         for k, plan in plans.items():
             measured[k] += list(run_training(w, plan, steps=TRAIN_STEPS).step_seconds[1:])
             loads.append(os.getloadavg()[0])
@@ -154,7 +157,7 @@ def middle_table(ctx: Context) -> Table:
                            "measured CPU step (median)", "load"],
                   caption=f"**Middle budget, 8-layer Llama** (hidden {H}, batch {BATCH} × seq "
                           f"{SEQ if not ctx.quick else 128}; halfway from auto's minimum to keep's; measured steps "
-                          "interleaved, the first of each run left out).")
+                          f"interleaved, the first of each run left out; {1 if ctx.quick else MIDDLE_ROUNDS} rounds).")
     for k, plan in plans.items():
         inner = sum(1 for c in plan.activations if c.module.count(".") > 2 and c.choice != "keep")
         table.add(k, inner, f"{plan.summary.predicted_step_seconds * 1e3:.1f} ms",
