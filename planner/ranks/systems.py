@@ -206,14 +206,25 @@ def allreduce_steps(steps: tuple[Step, ...]) -> tuple[Step, ...]:
 def price(plan: Plan, trace: Trace, schedule: CommSchedule, steps: tuple[Step, ...] | None = None
           ) -> dict[str, float]:
     """The step-time split of a plan's steps (or of other steps over its regions) under a schedule."""
-    sizes = {r.id: r.bytes for r in plan.regions}
+    steps = steps if steps is not None else plan.steps
+    return _priced(plan, schedule, steps, *_event_times(plan, trace, steps))
+
+
+def _event_times(plan: Plan, trace: Trace, steps: tuple[Step, ...]
+                 ) -> tuple[list[float], dict[int, int], dict[int, int]]:
+    """Per step its compute seconds with the device updates, the chunks' update bytes and each chunk's gradient
+    region: what `price` and the stage 3 host loop (`system_price`) both read."""
     per_chunk = piece_update_bytes(plan.regions, plan.sharding)  # [Note: piece updates] in shard_time
     grad_of = {r.chunk: r.id for r in plan.regions if r.kind == "grad"}
-    steps = steps if steps is not None else plan.steps
     times = with_device_updates(event_seconds(trace, plan.hardware), trace, plan.hardware, steps, per_chunk, grad_of)
-    return predict_shard_seconds(steps, sizes, frozenset(plan.initial_resident), times, plan.hardware, per_chunk,
-                                 grad_of, schedule=schedule, dtypes=region_dtypes(plan.chunks, plan.regions),
-                                 regions=plan.regions)
+    return times, per_chunk, grad_of
+
+
+def _priced(plan: Plan, schedule: CommSchedule, steps: tuple[Step, ...], times: list[float],
+            per_chunk: dict[int, int], grad_of: dict[int, int]) -> dict[str, float]:
+    return predict_shard_seconds(steps, {r.id: r.bytes for r in plan.regions}, frozenset(plan.initial_resident),
+                                 times, plan.hardware, per_chunk, grad_of, schedule=schedule,
+                                 dtypes=region_dtypes(plan.chunks, plan.regions), regions=plan.regions)
 
 
 def persisted_steps(steps: tuple[Step, ...]) -> tuple[Step, ...]:
@@ -262,10 +273,8 @@ def system_price(system: System, plan: Plan, trace: Trace) -> dict[str, float]:
     """A system's step-time split: `price` of its steps under its schedule, plus its host loop ("host_loop", in
     "step"; "timeline" is the step without it)."""
     steps = system_steps(system, plan)
-    split = price(plan, trace, system.schedule, steps)
-    per_chunk = piece_update_bytes(plan.regions, plan.sharding)
-    grad_of = {r.chunk: r.id for r in plan.regions if r.kind == "grad"}
-    times = with_device_updates(event_seconds(trace, plan.hardware), trace, plan.hardware, steps, per_chunk, grad_of)
+    times, per_chunk, grad_of = _event_times(plan, trace, steps)
+    split = _priced(plan, system.schedule, steps, times, per_chunk, grad_of)
     host = host_loop_seconds(system, plan, steps, times)
     return {**split, "timeline": split["step"], "host_loop": host, "step": split["step"] + host}
 
