@@ -102,7 +102,7 @@ class EventDispatch:
         quiet = self._quiet[self.cursor]
         if quiet is not None and quiet.module == module and quiet.kind == kind and self.evaluating is None \
                 and not self._pending_flips and not self._shown:
-            if quiet.moves is not None:  # _quiet_step's first case, without its frame
+            if quiet.moves is not None:  # [Note: moving events]
                 self._moving_step(quiet, quiet.moves)
                 return
             if self._quiet_step(quiet):
@@ -148,11 +148,8 @@ class EventDispatch:
 
     def _quiet_step(self, quiet: Quiet) -> bool:
         """[Note: quiet events] in hplan.executor.step_table: the same checks and record as the general path, for
-        a step that moves nothing. False (nothing done) when a needed region is missing: the general path raises.
-        A step with region moves only: [Note: moving events]."""
-        if quiet.moves is not None:
-            self._moving_step(quiet, quiet.moves)
-            return True
+        a step that moves nothing (`on_event` takes a step with region moves only to `_moving_step`). False (nothing
+        done) when a needed region is missing: the general path raises."""
         for slot in quiet.needs:
             if slot.state is _HOST:
                 return False
