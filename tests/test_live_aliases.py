@@ -5,6 +5,7 @@ evicted between steps) and with room (kept and updated on the fast tier)."""
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -20,6 +21,18 @@ from hplan.errors import HplanError
 def plans() -> tuple[hplan.Workload, Any, Any]:
     workload = tiny()
     return workload, plan_for(workload, iters=2), plan_for(workload, iters=2, extra=3.0)
+
+
+@contextlib.contextmanager
+def _after_one_step(workload: hplan.Workload, plan: Any) -> Iterator[torch.nn.Module]:
+    """The model inside its attach block after one training step (the block ends when the `with` does)."""
+    model = workload.build_model()
+    optimizer = workload.optimizer(model.parameters())
+    with hplan.attach(model, optimizer, plan):
+        workload.loss(model, workload.batch(0)).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        yield model
 
 
 def _loop(workload: hplan.Workload, plan: Any, hook: str) -> tuple[list[float], dict[str, torch.Tensor]]:
@@ -122,12 +135,7 @@ def test_a_copy_of_a_parameter_or_the_model_inside_the_block(plans):
 
     workload, least, roomy = plans
     for plan in (least, roomy):
-        model = workload.build_model()
-        optimizer = workload.optimizer(model.parameters())
-        with hplan.attach(model, optimizer, plan):
-            workload.loss(model, workload.batch(0)).backward()
-            optimizer.step()
-            optimizer.zero_grad()
+        with _after_one_step(workload, plan) as model:
             kept = copy.deepcopy(model.head.weight)
             assert type(kept) is torch.nn.Parameter and torch.equal(kept.data, model.state_dict()["head.weight"])
             with pytest.raises(HplanError, match=r"torch\.save\(model\) .* save model\.state_dict\(\)"):
@@ -139,12 +147,7 @@ def test_attribute_views_of_an_offloaded_weight_read_its_value(plans):
     """`w.T`, `w.mT`, `w.H` of a weight offloaded at that point (a logger, a tied weight read in code the trace
     never saw) were taken as metadata and read its NaN placeholder, exit 0. Now its value, as `w.t()` was."""
     workload, least, _ = plans
-    model = workload.build_model()
-    optimizer = workload.optimizer(model.parameters())
-    with hplan.attach(model, optimizer, least):
-        workload.loss(model, workload.batch(0)).backward()
-        optimizer.step()
-        optimizer.zero_grad()
+    with _after_one_step(workload, least) as model:
         value = model.state_dict()["head.weight"]
         weight = model.head.weight
         assert torch.equal(weight.T, value.T) and torch.equal(weight.mT, value.mT) and torch.equal(weight.H, value.H)
