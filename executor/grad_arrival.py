@@ -80,20 +80,57 @@ class GradArrival:
 
     def _collect(self) -> None:
         """[Note: gradients collected, not hooked] Autograd's gradients left in `.grad` into their regions: each
-        taken as its region's allocation where `_taken` can (the common case), else by `move_grad`."""
-        shown, on_grad = self._shown, self._on_grad
-        self._collecting = True  # grad_target queues no end-of-backward callback: this may run outside one
-        grad_mode = torch.is_grad_enabled()
-        torch._C._set_grad_enabled(False)  # as autograd runs the hook (a create_graph gradient requires grad)
+        taken as its region's allocation in line where it can be, else by `move_grad`.
+
+        [Note: collected gradients taken in line] `move_grad`'s adoption of a gradient as its region's allocation
+        (through `grad_target` and `RegionStore.take`), without their three Python calls nor one of its own (51
+        an iteration on gpt:small), for the case that is every gradient of an all-resident iteration: a first
+        write, to a region an unhooked step ahead allocates (`_takeable`), not resident yet, of a gradient no one
+        else holds, contiguous, of the region's dtype and size. The same checks, in the same order of effect;
+        where any fails nothing is done here and `move_grad` does it, with this loop's references to the
+        gradient dropped first (they would make it copy, not adopt). Nothing is set up until a gradient is
+        found: the event that starts an iteration and the optimizer event after the step's own collection find
+        none."""
+        shown = self._shown
+        lazy: dict[int, tuple[int, int, Any, torch.dtype]] = {}
+        grad_mode = None
         try:
-            lazy = None if self._pending_flips or self._updated else self._takeable()
             for p, name in self._collected:
-                if p.grad is not None and name not in shown:  # a shown `.grad` is its region's view already
-                    if lazy is None or not self._taken(p, name, lazy):
-                        on_grad(p)
+                grad = p.grad
+                if grad is None or name in shown:  # a shown `.grad` is its region's view already
+                    continue
+                if grad_mode is None:  # the first gradient found: set up as autograd runs the hook
+                    self._collecting = True  # grad_target queues no end-of-backward callback: may run outside one
+                    grad_mode = torch.is_grad_enabled()
+                    torch._C._set_grad_enabled(False)  # (a create_graph gradient requires grad)
+                    if not self._pending_flips and not self._updated:
+                        lazy = self._takeable()
+                    home, written, store, ahead = self._grad_home, self.written, self.store, self._lazy_bytes
+                entry = lazy.get(home[id(p)][2])
+                if entry is not None and name not in written:
+                    at, nbytes, slot, dtype = entry
+                    if slot.state is _HOST and not grad.requires_grad and _refs(grad) == _SOLE_REFS and \
+                            grad.is_cpu and grad.is_contiguous() and grad.dtype == dtype:
+                        theirs = grad.untyped_storage()
+                        mine = slot.storage
+                        if _storage_users(theirs._cdata) == 2 and theirs.nbytes() == nbytes and not mine.nbytes():
+                            mine._swap_data_ptr_(theirs)  # RegionStore.take, inline
+                            store._resident_bytes += nbytes
+                            store.taken += 1
+                            slot.adopted = True
+                            slot.state = _DIRTY  # grad_target's dirty mark (take's RESIDENT first: nothing reads it)
+                            ahead[at] = ahead.get(at, 0) + nbytes
+                            self._zeroed = False
+                            written.add(name)
+                            p.grad = None
+                            continue
+                        theirs = None
+                grad = None  # move_grad counts the gradient's references: this loop's must be gone
+                self._on_grad(p)
         finally:
-            torch._C._set_grad_enabled(grad_mode)
-            self._collecting = False
+            if grad_mode is not None:
+                torch._C._set_grad_enabled(grad_mode)
+                self._collecting = False
 
     def _takeable(self) -> dict[int, tuple[int, int, Any, torch.dtype]]:
         """[Note: collected gradients taken in line] At this cursor: gradient region → (the unhooked step ahead
@@ -110,37 +147,6 @@ class GradArrival:
                 for pid, (n, c, rid, slot) in self._grad_home.items()
                 if pid in adopt and rid in writes and (at := self._unhooked.lazy[cursor].get(rid, -1)) >= cursor}
         return table
-
-    def _taken(self, p: torch.Tensor, name: str, lazy: dict[int, tuple[int, int, Any, torch.dtype]]) -> bool:
-        """[Note: collected gradients taken in line] `move_grad`'s adoption of a gradient as its region's
-        allocation (through `grad_target` and `RegionStore.take`), without their three Python calls, for the case
-        that is every gradient of an all-resident iteration: a first write, to a region an unhooked step ahead
-        allocates, not resident yet, of a gradient no one else holds, contiguous, of the region's dtype and size.
-        The same checks, in the same order of effect; False (nothing done) where any fails: `move_grad` does it."""
-        _, _, rid, _ = self._grad_home[id(p)]
-        entry = lazy.get(rid)
-        if entry is None or name in self.written:
-            return False
-        at, nbytes, slot, dtype = entry
-        grad = p.grad
-        if slot.state is not _HOST or grad.requires_grad or _refs(grad) != _SOLE_REFS or not grad.is_cpu or \
-                not grad.is_contiguous() or grad.dtype != dtype:
-            return False
-        theirs = grad.untyped_storage()
-        mine = slot.storage
-        if _storage_users(theirs._cdata) != 2 or theirs.nbytes() != nbytes or mine.nbytes():
-            return False
-        mine._swap_data_ptr_(theirs)  # RegionStore.take, inline
-        store = self.store
-        store._resident_bytes += nbytes
-        store.taken += 1
-        slot.adopted = True
-        slot.state = _DIRTY  # grad_target's dirty mark (take's RESIDENT first: nothing reads it between)
-        self._lazy_bytes[at] = self._lazy_bytes.get(at, 0) + nbytes
-        self._zeroed = False
-        self.written.add(name)
-        p.grad = None
-        return True
 
     def _queue_show_grads(self) -> None:
         """A backward's first event: `_show_grads` runs once when the backward ends (CPU fast tier only)."""

@@ -146,7 +146,13 @@ def _iteration(workload: Workload, run: PlanRun, step: int, nonfinite: str) -> f
 
 
 def to_device(batch: Any, device: Any) -> Any:
-    """The batch on the compute device (a no-op on CPU)."""
+    """The batch on the compute device (a no-op on CPU). A tensor, or a tuple, list or dict of tensors, already on
+    a CPU device is the batch itself, as the reference loop passes it, without pytree's walk (tens of µs a step
+    on a step of tens of ms: bench section 13)."""
+    if getattr(device, "type", device) == "cpu" and getattr(device, "index", None) is None:
+        leaves = batch.values() if type(batch) is dict else batch if type(batch) in (tuple, list) else (batch,)
+        if all(type(x) is torch.Tensor and x.is_cpu for x in leaves):
+            return batch
     from torch.utils._pytree import tree_map
 
     return tree_map(lambda x: x.to(device) if hasattr(x, "to") else x, batch)

@@ -87,6 +87,35 @@ def test_hplan_python_frames_per_iteration_stay_within_budget(gpt_tiny, tiny_pla
     assert counts["own"] <= budget, (counts, len(plan.steps))
 
 
+def test_an_all_resident_step_makes_no_python_frame_per_gradient(gpt_tiny, tiny_plans):
+    """[Note: collected gradients taken in line]: in a steady all-resident `optimizer.step()` the gradients
+    autograd left in `.grad` are taken into their regions with no Python frame of their own (the collection's
+    frames do not grow with the model's parameters). Before, each taken gradient was a frame (27 on gpt:tiny,
+    34 frames of hplan.executor.grad_arrival in its step; 6 now)."""
+    import hplan.executor.grad_arrival as arrival
+
+    model = gpt_tiny.build_model()
+    optimizer = gpt_tiny.optimizer(model.parameters())
+    frames: list[str] = []
+
+    def profile(frame, event, arg):
+        if event == "call" and frame.f_code.co_filename == arrival.__file__:
+            frames.append(frame.f_code.co_name)
+
+    with hplan.attach(model, optimizer, tiny_plans[3.0], measure=False) as run:
+        for step in range(3):
+            gpt_tiny.loss(model, gpt_tiny.batch(step)).backward()
+            sys.setprofile(profile if step == 2 else None)
+            try:
+                optimizer.step()
+            finally:
+                sys.setprofile(None)
+            optimizer.zero_grad()
+        collected, taken = len(run._collected), run.store.taken
+    assert collected > 20 and taken >= 3 * (collected - 1)  # collected (no gradient hooks), nearly all taken
+    assert len(frames) <= 6, frames
+
+
 @pytest.mark.parametrize("extra", [0.0, 3.0], ids=["host-updates", "fast-tier-updates"])
 def test_momentum_created_after_a_reload_reaches_its_region(extra):
     """SGD creates its momentum at the first update after a state reset: moved into its region then too, so the
