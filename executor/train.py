@@ -100,8 +100,8 @@ def _train(workload: Workload, plan: Plan, *, steps: int, device: str, metrics_p
                 with at_step(step):
                     scheduler.step()
             losses.append(loss if math.isfinite(loss) else None)  # only nonfinite="skip" gets here with one
-            peak = max([peak] + [r.resident_bytes for r in last])
             seconds.append(time.perf_counter() - start)
+            peak = max([peak] + [r.resident_bytes for r in last])  # reading the records is not the step's work
             rows += _rows(step, last, loss, seconds[-1])
             if checkpoints is not None and math.isfinite(loss):
                 save_checkpoint(checkpoints, run, global_step=step + 1, scheduler=scheduler)
