@@ -1,0 +1,80 @@
+"""The CPU twin's offload copies on a thread of their own, beside the forward (hplan.executor.activations.run).
+
+[Note: offload beside the forward] On CUDA an offloaded segment's copy to host memory runs on a side stream: the
+forward goes on while it runs, and the allocator keeps the source block until the copy is done. The CPU twin did
+the copy in line, so its forward stopped for every offloaded byte (gpt:small at the minimum budget: 16.8 MB an
+iteration, ~2.5 ms of a ~50 ms step, cache-cold at ~6 GB/s). With a core to spare it now runs the same way as the
+stream: a segment's copies go, as one `_foreach_copy_` (which releases the GIL while it copies), to one copier
+thread, whose job holds the source buffers until their bytes are copied and then drops them, as the stream's
+`record_stream` does. The prefetch of that segment waits for its copy first. What keeps it exact:
+- the bytes are the same bytes: a copy, in full, done before anything reads the host buffer (the prefetch waits);
+- a saved tensor modified in place after its pack is refused as before: checked at the segment's end (in line),
+  and again for the span the copy ran (each source's version counter read on the copier's thread once its bytes
+  are copied, compared at the prefetch): an in-place write the copy may have half seen raises, never trains on;
+  a model that trains in plain PyTorch never writes a saved tensor before its backward (autograd refuses it);
+- host buffers go back to the spares only at the prefetch, after the copy that filled them is done;
+- only where no probe measures the fast tier's windows (the sources live until their copy is done, which a
+  measured window would count) and no dispatch mode is on; `overlap=False` keeps the copies in line (the
+  executor's call-count tests use it), `True` always uses the thread, "auto" uses it with a spare core.
+"""
+
+from __future__ import annotations
+
+import operator
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any
+
+import torch
+
+from hplan.errors import HplanError
+
+_COPY_ALL = torch._foreach_copy_
+_version_of = operator.attrgetter("_version")
+
+
+def offload_beside(overlap: bool | str, measured: bool) -> bool:
+    """Whether a run's offload copies go to the copier's thread ([Note: offload beside the forward]): `measured`,
+    a probe measures the fast tier's windows."""
+    if measured or overlap is False:
+        return False
+    from hplan.executor.overlap import spare_cores
+
+    return overlap is True or spare_cores() > 0
+
+
+def modified_in_place(module: str) -> HplanError:
+    return HplanError(f"a tensor autograd saved in the forward of {module} was modified in place afterwards, which "
+                      "plain PyTorch refuses at backward (\"modified by an inplace operation\"): fix the model (or "
+                      "keep this segment's activations)")
+
+
+def _copy_down(hosts: list[torch.Tensor], views: list[torch.Tensor],
+               sources: list[torch.Tensor]) -> tuple[int, ...]:
+    """The copier's job: every source's bytes into its host buffer, then the sources' version counters."""
+    _COPY_ALL(hosts, views)
+    return tuple(map(_version_of, sources))
+
+
+class Copier:
+    """One thread for offload copies ([Note: offload beside the forward]), started at the first."""
+
+    def __init__(self) -> None:
+        self._pool: ThreadPoolExecutor | None = None
+
+    def submit(self, hosts: list[torch.Tensor], views: list[torch.Tensor],
+               sources: list[torch.Tensor]) -> Future[tuple[int, ...]]:
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="hplan-offload")
+        return self._pool.submit(_copy_down, hosts, views, sources)
+
+    def close(self) -> None:
+        """Stop the thread once its copies are done (the block is ending)."""
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
+            self._pool = None
+
+
+def finish(copying: Future[tuple[int, ...]], versions: tuple[int, ...], module: str) -> None:
+    """Wait for a segment's copy; refuse it when a source was written in place while it ran."""
+    if copying.result() != versions:
+        raise modified_in_place(module)
