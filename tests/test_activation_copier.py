@@ -60,16 +60,15 @@ def test_a_source_written_in_place_while_its_copy_runs_is_refused():
         source = torch.arange(16, dtype=torch.float32)
         host = torch.empty(64, dtype=torch.uint8)
         view = torch.empty(0, dtype=torch.uint8).set_(source.untyped_storage())
-        copying = work.submit([host], [view], [source])
-        versions = (source._version,)
+        copying = work.down([(host, view, source)])
         source.add_(1)
         gate.set()
         with pytest.raises(HplanError, match="modified in place"):
-            copier.finish(copying, versions, "h.0")
+            copier.finish(copying, "h.0")
         clean = torch.ones(4)
-        copier.finish(work.submit([torch.empty(16, dtype=torch.uint8)],
-                                  [torch.empty(0, dtype=torch.uint8).set_(clean.untyped_storage())], [clean]),
-                      (clean._version,), "h.0")  # unwritten: passes
+        copier.finish(work.down([(torch.empty(16, dtype=torch.uint8),
+                                  torch.empty(0, dtype=torch.uint8).set_(clean.untyped_storage()), clean)]), "h.0")
+        assert torch.equal(host.view(torch.float32), torch.arange(16, dtype=torch.float32) + 1)
     finally:
         gate.set()
         work.close()

@@ -21,6 +21,7 @@ thread, whose job holds the source buffers until their bytes are copied and then
 from __future__ import annotations
 
 import operator
+import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
@@ -29,6 +30,9 @@ import torch
 from hplan.errors import HplanError
 
 _COPY_ALL = torch._foreach_copy_
+Copying = tuple[Future[tuple[int, ...]], tuple[int, ...]]
+"""An offload copy on the copier's thread: its Future (the sources' versions once copied) and their versions at
+the segment's end."""
 _version_of = operator.attrgetter("_version")
 
 
@@ -55,17 +59,61 @@ def _copy_down(hosts: list[torch.Tensor], views: list[torch.Tensor],
     return tuple(map(_version_of, sources))
 
 
+class Ready(threading.Event):
+    """A prefetched buffer's copy is done (set by the copier's thread); `error`: the copy failed."""
+
+    error: BaseException | None = None
+
+
+def _copy_up(pairs: list[tuple[Ready, torch.Tensor, torch.Tensor]]) -> None:
+    """The copier's prefetch job: each host copy back into its fast buffer, in order, each signalled when done."""
+    try:
+        for ready, fast, host in pairs:
+            fast.copy_(host)
+            ready.set()
+    except BaseException as error:
+        for ready, _, _ in pairs:  # the waiting unpack raises, never reads a half-copied buffer
+            if not ready.is_set():
+                ready.error = error
+                ready.set()
+        raise
+
+
+def wait(ready: Ready) -> None:
+    """An unpack's wait for its buffer's prefetch copy (None once done)."""
+    ready.wait()
+    if ready.error is not None:
+        raise HplanError(f"an offloaded activation's copy back failed: {ready.error}") from ready.error
+    return None
+
+
 class Copier:
     """One thread for offload copies ([Note: offload beside the forward]), started at the first."""
 
     def __init__(self) -> None:
         self._pool: ThreadPoolExecutor | None = None
 
-    def submit(self, hosts: list[torch.Tensor], views: list[torch.Tensor],
-               sources: list[torch.Tensor]) -> Future[tuple[int, ...]]:
+    def _start(self) -> ThreadPoolExecutor:
         if self._pool is None:
             self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="hplan-offload")
-        return self._pool.submit(_copy_down, hosts, views, sources)
+        return self._pool
+
+    def down(self, jobs: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]) -> Copying:
+        """A segment's offload copies, (host buffer, the source storage's bytes, the saved source) each; the job
+        holds the sources until their bytes are copied."""
+        hosts, views, sources = (list(column) for column in zip(*jobs))
+        versions = tuple(map(_version_of, sources))
+        return self._start().submit(_copy_down, hosts, views, sources), versions
+
+    def up(self, pairs: list[tuple[Ready, torch.Tensor, torch.Tensor]]) -> None:
+        """A prefetch's copies, in the order given; jobs run in submission order, so a host buffer handed back
+        to the spares here is read by this job before any later offload's job writes it."""
+        self._start().submit(_copy_up, pairs)
+
+    def settle(self) -> None:
+        """Wait for every job submitted so far (before a copy in line touches a spare host buffer)."""
+        if self._pool is not None:
+            self._pool.submit(int).result()
 
     def close(self) -> None:
         """Stop the thread once its copies are done (the block is ending)."""
@@ -74,7 +122,26 @@ class Copier:
             self._pool = None
 
 
-def finish(copying: Future[tuple[int, ...]], versions: tuple[int, ...], module: str) -> None:
-    """Wait for a segment's copy; refuse it when a source was written in place while it ran."""
-    if copying.result() != versions:
+def finish(copying: Copying, module: str) -> None:
+    """Wait for a segment's offload copy; refuse it when a source was written in place while it ran."""
+    future, versions = copying
+    if future.result() != versions:
         raise modified_in_place(module)
+
+
+def up_beside(slots: Any, spare: dict[int, list[torch.Tensor]], device: torch.device, copier: Copier) -> int:
+    """A segment's prefetch with its copies on the copier's thread: each _Slot's fast buffer made here (as in
+    line), the copies in the order the backward reads them (the last saved first), each unpack waiting for its own
+    buffer only (`Ready`); returns the bytes."""
+    total = 0
+    pairs = []
+    for slot in slots:
+        fast = torch.empty(slot.nbytes, dtype=torch.uint8, device=device)
+        slot.fast, slot.storage, slot.ready = fast, fast.untyped_storage(), Ready()
+        pairs.append((slot.ready, fast, slot.host))
+        spare.setdefault(slot.nbytes, []).append(slot.host)  # read by this job before a later one writes it
+        slot.host = None
+        total += slot.nbytes
+    pairs.reverse()
+    copier.up(pairs)
+    return total

@@ -32,7 +32,8 @@ from torch.utils._python_dispatch import _disable_current_modes
 from torch.utils.checkpoint import checkpoint
 
 from hplan.artifacts.activations import ActivationChoice, enclosing
-from hplan.executor.activations.copier import Copier, finish, modified_in_place, offload_beside
+from hplan.executor.activations.copier import (Copier, Ready, finish, modified_in_place, offload_beside,
+                                                up_beside, wait)
 from hplan.checkpoint_policy import contexts, unreplayable
 from hplan.errors import HplanError
 from hplan.probe import storage_key
@@ -84,9 +85,7 @@ class _Offloaded:
                  spare: dict[int, list[torch.Tensor]] | None = None, stages: tuple[_Offloaded, ...] = (),
                  route: dict[int, int] | None = None, copier: Copier | None = None) -> None:
         self.choice, self.device, self.side, self.copier = choice, device, side, copier
-        self.copying: Any = None
-        """CPU twin: its copy's Future and each source's version ([Note: offload beside the forward] in
-        hplan.executor.activations.copier), while the copy may run; None: copied in line."""
+        self.copying: Any = None  # its offload copy on the copier's thread while it may run (copier.Copying)
         self.spare = spare if spare is not None else {}
         """Host buffers by size, returned by earlier prefetches (CPU twin): reused instead of fresh memory."""
         self.stages = stages
@@ -137,9 +136,9 @@ class _Offloaded:
         total = 0
         modes = _no_modes()  # host memory is not the fast tier: the probe must not count it (one check per call)
         beside = self.copier is not None and modes is _NULL  # [Note: offload beside the forward]
-        hosts: list[torch.Tensor] = []
-        views: list[torch.Tensor] = []
-        sources: list[torch.Tensor] = []
+        if self.copier is not None and not beside:  # in line: no prefetch job may still read a spare
+            self.copier.settle()
+        jobs: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []  # (host, source's bytes, source)
         with modes:
             for slot in self.slots.values():
                 source = slot.source
@@ -154,9 +153,7 @@ class _Offloaded:
                     spares = self.spare.get(nbytes)
                     host = slot.host = spares.pop() if spares else torch.empty(nbytes, dtype=torch.uint8)
                     if beside:  # on the copier's thread, this segment's in one call; the job holds the source
-                        hosts.append(host)
-                        views.append(torch.empty(0, dtype=torch.uint8).set_(storage))
-                        sources.append(source)
+                        jobs.append((host, torch.empty(0, dtype=torch.uint8).set_(storage), source))
                     else:
                         host.untyped_storage().copy_(storage)  # whole storage, bytes: no tensor made around it
                 else:  # CUDA (unverified): pinned memory, side stream; the allocator keeps the block until done
@@ -169,10 +166,8 @@ class _Offloaded:
                     raw = None  # type: ignore[assignment]
                 total += nbytes
                 slot.source = source = None  # type: ignore[assignment]
-        if hosts:
-            versions = tuple(t._version for t in sources)
-            self.copying = (self.copier.submit(hosts, views, sources), versions)  # type: ignore[union-attr]
-            hosts = views = sources = []
+        if jobs:
+            self.copying, jobs = self.copier.down(jobs), []  # type: ignore[union-attr]
         if total != self.choice.moved_bytes:
             raise HplanError(f"segment {self.choice.module} saved {total} bytes to offload where the plan moves "
                              f"{self.choice.moved_bytes} (the run differs from the trace{CROSS_DEVICE}): re-trace "
@@ -183,8 +178,11 @@ class _Offloaded:
         """Every storage back into a fresh fast-tier buffer; returns bytes copied."""
         total = 0
         if self.copying is not None:  # its copy to host memory first ([Note: offload beside the forward])
-            (copying, versions), self.copying = self.copying, None
-            finish(copying, versions, self.choice.module)
+            copying, self.copying = self.copying, None
+            finish(copying, self.choice.module)
+        if self.copier is not None and self.side is None and not _dispatch_depth():
+            total, self.slots = up_beside(self.slots.values(), self.spare, self.device, self.copier), {}
+            return total
         for slot in self.slots.values():
             assert slot.host is not None
             fast = torch.empty(slot.nbytes, dtype=torch.uint8, device=self.device)  # the probe counts it
@@ -224,8 +222,12 @@ def unpack(packed: Any) -> torch.Tensor:
     if fast is None:
         raise HplanError(f"the backward of {where} needs its offloaded activations before the plan's prefetch "
                          "step (the run differs from the trace): re-trace and re-plan this workload")
-    if slot.ready is not None:
-        torch.cuda.current_stream(fast.device).wait_event(slot.ready)
+    ready = slot.ready
+    if ready is not None:
+        if type(ready) is Ready:  # the CPU twin's prefetch beside the backward
+            slot.ready = wait(ready)  # None: done
+        else:
+            torch.cuda.current_stream(fast.device).wait_event(ready)
     if _dispatch_depth():  # _no_modes, inline (an unpack per offloaded saved tensor)
         with _disable_current_modes():  # a view of the prefetched buffer, not an allocation
             return torch.empty(0, dtype=dtype, device=fast.device).set_(slot.storage, offset, size, stride)
