@@ -1,18 +1,22 @@
-"""The CPU twin's offload copies on a thread of their own, beside the forward (hplan.executor.activations.run).
+"""The CPU twin's offload and prefetch copies on a thread of their own (hplan.executor.activations.run).
 
-[Note: offload beside the forward] On CUDA an offloaded segment's copy to host memory runs on a side stream: the
-forward goes on while it runs, and the allocator keeps the source block until the copy is done. The CPU twin did
-the copy in line, so its forward stopped for every offloaded byte (gpt:small at the minimum budget: 16.8 MB an
-iteration, ~2.5 ms of a ~50 ms step, cache-cold at ~6 GB/s). With a core to spare it now runs the same way as the
-stream: a segment's copies go, as one `_foreach_copy_` (which releases the GIL while it copies), to one copier
-thread, whose job holds the source buffers until their bytes are copied and then drops them, as the stream's
-`record_stream` does. The prefetch of that segment waits for its copy first. What keeps it exact:
-- the bytes are the same bytes: a copy, in full, done before anything reads the host buffer (the prefetch waits);
+[Note: offload beside the forward] On CUDA an offloaded segment's copies run on a side stream: the forward goes
+on while its copy down runs (the allocator keeps the source block until it is done), and the backward waits for
+a prefetched buffer only where it reads it (an event per buffer). The CPU twin did both copies in line, so its
+step stopped for every offloaded byte (gpt:small at the minimum budget: 16.8 MB each way an iteration, ~4.5 ms of
+a ~50 ms step, cache-cold at ~6-8 GB/s). With a core to spare it now runs as the stream does, on one copier
+thread (jobs in submission order): a segment's copies down go as one `_foreach_copy_` (the GIL released while it
+copies), the job holding the sources until their bytes are copied; its prefetch makes the fast buffers in line,
+as before, and the job copies them back in the order the backward reads them (the last saved first), each
+signalled when done (`Ready`), so an unpack waits for its own buffer only. What keeps it exact:
+- the bytes are the same bytes, each buffer copied in full before anything reads it (the prefetch waits for the
+  copy down; an unpack for its buffer's copy back; a failed copy raises at the unpack, never reads half a buffer);
 - a saved tensor modified in place after its pack is refused as before: checked at the segment's end (in line),
   and again for the span the copy ran (each source's version counter read on the copier's thread once its bytes
   are copied, compared at the prefetch): an in-place write the copy may have half seen raises, never trains on;
   a model that trains in plain PyTorch never writes a saved tensor before its backward (autograd refuses it);
-- host buffers go back to the spares only at the prefetch, after the copy that filled them is done;
+- a host buffer goes back to the spares at the prefetch, and the job that reads it runs before any later job that
+  writes it (one thread, in order); a copy in line waits for the thread first (`settle`);
 - only where no probe measures the fast tier's windows (the sources live until their copy is done, which a
   measured window would count) and no dispatch mode is on; `overlap=False` keeps the copies in line (the
   executor's call-count tests use it), `True` always uses the thread, "auto" uses it with a spare core.
