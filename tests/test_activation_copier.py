@@ -72,3 +72,18 @@ def test_a_source_written_in_place_while_its_copy_runs_is_refused():
     finally:
         gate.set()
         work.close()
+
+
+def test_a_failed_copy_back_raises_at_the_unpack_never_reads_the_buffer():
+    work = copier.Copier()
+    try:
+        good, bad = copier.Ready(), copier.Ready()
+        fast = torch.empty(8, dtype=torch.uint8)
+        work.up([(good, fast, torch.full((8,), 7, dtype=torch.uint8)),
+                 (bad, torch.empty(4, dtype=torch.uint8), torch.ones(8, dtype=torch.uint8))])  # sizes differ
+        assert copier.wait(good) is None and good.done and torch.equal(fast, torch.full((8,), 7, dtype=torch.uint8))
+        with pytest.raises(HplanError, match="copy back failed"):
+            copier.wait(bad)
+        assert not bad.done
+    finally:
+        work.close()

@@ -66,6 +66,8 @@ def _copy_down(hosts: list[torch.Tensor], views: list[torch.Tensor],
 class Ready(threading.Event):
     """A prefetched buffer's copy is done (set by the copier's thread); `error`: the copy failed."""
 
+    done = False
+    """Set (before the event) once the copy is done: an unpack reads it without a call."""
     error: BaseException | None = None
 
 
@@ -74,6 +76,7 @@ def _copy_up(pairs: list[tuple[Ready, torch.Tensor, torch.Tensor]]) -> None:
     try:
         for ready, fast, host in pairs:
             fast.copy_(host)
+            ready.done = True
             ready.set()
     except BaseException as error:
         for ready, _, _ in pairs:  # the waiting unpack raises, never reads a half-copied buffer

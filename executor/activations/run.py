@@ -224,8 +224,8 @@ def unpack(packed: Any) -> torch.Tensor:
                          "step (the run differs from the trace): re-trace and re-plan this workload")
     ready = slot.ready
     if ready is not None:
-        if type(ready) is Ready:  # the CPU twin's prefetch beside the backward
-            slot.ready = wait(ready)  # None: done
+        if type(ready) is Ready:  # the CPU twin's prefetch beside the backward: its copy waited for once
+            slot.ready = None if ready.done else wait(ready)
         else:
             torch.cuda.current_stream(fast.device).wait_event(ready)
     if _dispatch_depth():  # _no_modes, inline (an unpack per offloaded saved tensor)
