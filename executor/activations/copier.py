@@ -86,8 +86,8 @@ def _copy_up(pairs: list[tuple[Ready, torch.Tensor, torch.Tensor]]) -> None:
         raise
 
 
-def wait(ready: Ready) -> None:
-    """An unpack's wait for its buffer's prefetch copy (None once done)."""
+def wait(ready: Ready) -> Ready | None:
+    """An unpack's wait for its buffer's prefetch copy; returns the slot's `ready` from then on (None: done)."""
     ready.wait()
     if ready.error is not None:
         raise HplanError(f"an offloaded activation's copy back failed: {ready.error}") from ready.error
@@ -120,7 +120,7 @@ class Copier:
     def settle(self) -> None:
         """Wait for every job submitted so far (before a copy in line touches a spare host buffer)."""
         if self._pool is not None:
-            self._pool.submit(int).result()
+            self._pool.submit(int).result()  # a no-op job: done once every earlier one is
 
     def close(self) -> None:
         """Stop the thread once its copies are done (the block is ending)."""
@@ -132,7 +132,11 @@ class Copier:
 def finish(copying: Copying, module: str) -> None:
     """Wait for a segment's offload copy; refuse it when a source was written in place while it ran."""
     future, versions = copying
-    if future.result() != versions:
+    try:
+        seen = future.result()
+    except Exception as error:  # noqa: BLE001 - the library raises HplanError
+        raise HplanError(f"the offload copy of {module}'s activations to host memory failed: {error}") from error
+    if seen != versions:
         raise modified_in_place(module)
 
 
