@@ -21,6 +21,7 @@ def offload_plan():
     return workload, plan_for(workload, activations="offload")
 
 
+@pytest.mark.slow  # ~4 s (a trace and a plan); fast CI covers the copier's parity in test_activation_staged
 def test_offload_beside_the_forward_trains_as_plain_pytorch_off_the_main_thread(offload_plan, monkeypatch):
     workload, plan = offload_plan
     threads: list[int] = []
