@@ -226,6 +226,7 @@ def step_table(ctx: Context, plans: dict[str, Path]) -> tuple[Table, list[str], 
         ctx.speed_quick_runs = {k: runs[k] for k in ("plain", "resident", "min")}
     plain = median([steady_median(p) for p in runs["plain"]])
     where = "on the worker thread" if runs["min"][-1].get("worker") else "in line"
+    where += ", activation copies " + ("on the copier thread" if runs["min"][-1].get("copier") else "in line")
     prices = host_update_seconds(Plan.load(plans["min"]))
     mean_price, switch = sum(prices) / max(1, len(prices)), sys.getswitchinterval()
     moved = int(runs["min"][-1].get("moved_bytes", 0))

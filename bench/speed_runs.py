@@ -41,6 +41,7 @@ def _hplan(workload: Any, steps: int, plan_path: str, *, overlap: bool | str = "
     from hplan.artifacts import Plan
     from hplan.executor import run_training
     from hplan.executor.device import FastTier
+    from hplan.executor.activations.copier import offload_beside
     from hplan.executor.overlap import use_worker
 
     from bench.executor_speed import copy_seconds
@@ -53,7 +54,7 @@ def _hplan(workload: Any, steps: int, plan_path: str, *, overlap: bool | str = "
     moved = report.bytes_moved_per_iter + report.activation_bytes_moved_per_iter
     return {"losses": list(report.losses), "step_seconds": list(report.step_seconds), "moved_bytes": moved,
             "step_faults": [b - a for a, b in zip(marks, marks[1:])],
-            "worker": use_worker(overlap, plan, cuda=False),
+            "worker": use_worker(overlap, plan, cuda=False), "copier": offload_beside(overlap, measured=False),
             "memcpy_seconds": copy_seconds(moved, fresh=False), "refill_seconds": copy_seconds(moved, fresh=True)}
 
 

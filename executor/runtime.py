@@ -145,7 +145,7 @@ class PlanRun(EventDispatch, GradArrival, UpdateSteps, GradientOps, StateSync):
                                                    speculate=speculate) else None
         """The thread a backward step's host updates run on ([Note: overlapped host updates]); None: in line
         (`overlap=False`, or "auto" where the worker would not pay: [Note: when the worker pays])."""
-        self.activations = ActivationRun(plan, self.tier.device)
+        self.activations = ActivationRun(plan, self.tier.device, overlap=overlap, measured=self.meter is not None)
         """The plan's offloaded and recomputed segments (hplan.executor.activations.run)."""
         self.speculation: Speculation | None = None
         self._speculate = speculate

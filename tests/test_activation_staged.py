@@ -90,6 +90,9 @@ def test_a_staged_offload_trains_as_plain_pytorch_with_the_childs_part_back_at_i
         assert list(report.losses) == list(plain_losses(workload, 3)), name
         assert report.activation_bytes_moved_per_iter == plan.summary.activation_bytes_moved_per_iter, name
         runs[name] = pd.read_parquet(path)
+    beside = run_training(workload, staged, steps=3, measure=False, overlap=True)  # copies on the copier's thread
+    assert list(beside.losses) == list(plain_losses(workload, 3))  # [Note: offload beside the forward]
+    assert beside.activation_bytes_moved_per_iter == staged.summary.activation_bytes_moved_per_iter
     cols = list(runs["plain"].columns)
     step, index = cols[0], cols[1]
     measured = {k: (d[d[step] == d[step].max()].set_index(index).resident_bytes

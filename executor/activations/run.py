@@ -2,10 +2,10 @@
 
 - Offload: the segment's forward runs under `saved_tensors_hooks` of its own. The packs the plan names (by ordinal,
   from the trace: the storages it owns) are held until its forward returns; then each storage is copied, whole, to
-  host memory outside the fast tier (on CUDA: pinned memory, copied on a side stream; unverified) and the fast-tier
-  reference is dropped, so the storage is freed. At the plan's prefetch step each comes back into a fresh fast-tier
-  buffer (counted by the probe like any activation), and an unpack returns a view of it with the saved tensor's
-  layout. The buffers die with the last graph reference, as plain PyTorch's saved tensors do.
+  host memory outside the fast tier (on CUDA: pinned memory, copied on a side stream, unverified; on the CPU twin
+  on a copier thread: [Note: offload beside the forward]) and the fast-tier reference is dropped, so the storage is
+  freed. At the plan's prefetch step each comes back into a fresh fast-tier buffer (counted by the probe like any
+  activation), and an unpack returns a view of it with the saved tensor's layout. The buffers die with the last graph reference, as plain PyTorch's saved tensors do.
 - Staged offload ([Note: staged offload] in hplan.artifacts.segments): the block's holder routes each pack a stage
   names to that child's holder; all go down when the block's forward returns, each child's comes back at its own
   prefetch step, the block's remainder at the block's.
@@ -32,6 +32,8 @@ from torch.utils._python_dispatch import _disable_current_modes
 from torch.utils.checkpoint import checkpoint
 
 from hplan.artifacts.activations import ActivationChoice, enclosing
+from hplan.executor.activations.copier import (Copier, Ready, finish, modified_in_place, offload_beside,
+                                                up_beside, wait)
 from hplan.checkpoint_policy import contexts, unreplayable
 from hplan.errors import HplanError
 from hplan.probe import storage_key
@@ -81,8 +83,9 @@ class _Offloaded:
 
     def __init__(self, choice: ActivationChoice, device: torch.device, side: Any,
                  spare: dict[int, list[torch.Tensor]] | None = None, stages: tuple[_Offloaded, ...] = (),
-                 route: dict[int, int] | None = None) -> None:
-        self.choice, self.device, self.side = choice, device, side
+                 route: dict[int, int] | None = None, copier: Copier | None = None) -> None:
+        self.choice, self.device, self.side, self.copier = choice, device, side, copier
+        self.copying: Any = None  # its offload copy on the copier's thread while it may run (copier.Copying)
         self.spare = spare if spare is not None else {}
         """Host buffers by size, returned by earlier prefetches (CPU twin): reused instead of fresh memory."""
         self.stages = stages
@@ -132,6 +135,10 @@ class _Offloaded:
     def _down(self) -> int:
         total = 0
         modes = _no_modes()  # host memory is not the fast tier: the probe must not count it (one check per call)
+        beside = self.copier is not None and modes is _NULL  # [Note: offload beside the forward]
+        if self.copier is not None and not beside:  # in line: no prefetch job may still read a spare
+            self.copier.settle()
+        jobs: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []  # (host, source's bytes, source)
         with modes:
             for slot in self.slots.values():
                 source = slot.source
@@ -139,16 +146,16 @@ class _Offloaded:
                 version = source._version
                 for v in slot.versions:
                     if v != version:
-                        raise HplanError(f"a tensor autograd saved in the forward of {self.choice.module} was "
-                                         "modified in place afterwards, which plain PyTorch refuses at backward "
-                                         "(\"modified by an inplace operation\"): fix the model (or keep this "
-                                         "segment's activations)")
+                        raise modified_in_place(self.choice.module)
                 storage = source.untyped_storage()
                 nbytes = slot.nbytes = storage.nbytes()
                 if self.side is None:  # host memory from the spares when one fits: no page faults per copy
                     spares = self.spare.get(nbytes)
                     host = slot.host = spares.pop() if spares else torch.empty(nbytes, dtype=torch.uint8)
-                    host.untyped_storage().copy_(storage)  # whole storage, bytes: no tensor made around it
+                    if beside:  # on the copier's thread, this segment's in one call; the job holds the source
+                        jobs.append((host, torch.empty(0, dtype=torch.uint8).set_(storage), source))
+                    else:
+                        host.untyped_storage().copy_(storage)  # whole storage, bytes: no tensor made around it
                 else:  # CUDA (unverified): pinned memory, side stream; the allocator keeps the block until done
                     raw = torch.empty(0, dtype=torch.uint8, device=self.device).set_(storage)
                     slot.host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
@@ -159,6 +166,8 @@ class _Offloaded:
                     raw = None  # type: ignore[assignment]
                 total += nbytes
                 slot.source = source = None  # type: ignore[assignment]
+        if jobs:
+            self.copying, jobs = self.copier.down(jobs), []  # type: ignore[union-attr]
         if total != self.choice.moved_bytes:
             raise HplanError(f"segment {self.choice.module} saved {total} bytes to offload where the plan moves "
                              f"{self.choice.moved_bytes} (the run differs from the trace{CROSS_DEVICE}): re-trace "
@@ -168,6 +177,12 @@ class _Offloaded:
     def prefetch(self) -> int:
         """Every storage back into a fresh fast-tier buffer; returns bytes copied."""
         total = 0
+        if self.copying is not None:  # its copy to host memory first ([Note: offload beside the forward])
+            copying, self.copying = self.copying, None
+            finish(copying, self.choice.module)
+        if self.copier is not None and self.side is None and not _dispatch_depth():
+            total, self.slots = up_beside(self.slots.values(), self.spare, self.device, self.copier), {}
+            return total
         for slot in self.slots.values():
             assert slot.host is not None
             fast = torch.empty(slot.nbytes, dtype=torch.uint8, device=self.device)  # the probe counts it
@@ -207,8 +222,12 @@ def unpack(packed: Any) -> torch.Tensor:
     if fast is None:
         raise HplanError(f"the backward of {where} needs its offloaded activations before the plan's prefetch "
                          "step (the run differs from the trace): re-trace and re-plan this workload")
-    if slot.ready is not None:
-        torch.cuda.current_stream(fast.device).wait_event(slot.ready)
+    ready = slot.ready
+    if ready is not None:
+        if type(ready) is Ready:  # the CPU twin's prefetch beside the backward: its copy waited for once
+            slot.ready = None if ready.done else wait(ready)
+        else:
+            torch.cuda.current_stream(fast.device).wait_event(ready)
     if _dispatch_depth():  # _no_modes, inline (an unpack per offloaded saved tensor)
         with _disable_current_modes():  # a view of the prefetched buffer, not an allocation
             return torch.empty(0, dtype=dtype, device=fast.device).set_(slot.storage, offset, size, stride)
@@ -218,8 +237,11 @@ def unpack(packed: Any) -> torch.Tensor:
 class ActivationRun:
     """Applies a plan's activation choices to a model for one PlanRun (module doc)."""
 
-    def __init__(self, plan: Plan, device: torch.device) -> None:
+    def __init__(self, plan: Plan, device: torch.device, *, overlap: bool | str = False,
+                 measured: bool = False) -> None:
         self.plan, self.device = plan, device
+        self.copier = Copier() if device.type == "cpu" and offload_beside(overlap, measured) else None
+        """The CPU twin's offload copies' thread ([Note: offload beside the forward]); None: in line."""
         self.choices = {(c.module, c.micro): c for c in plan.activations}
         self.modules = sorted({c.module for c in plan.activations if c.choice != "keep" and not c.stage})
         """Modules with an offloaded or recomputed call: each call runs as its own choice says, since auto decides
@@ -267,6 +289,8 @@ class ActivationRun:
             previous = vars(module).get("forward")
             module.forward = self._wrapped(path, module.forward)
             stack.callback(_restore, module, had, previous)
+        if self.copier is not None:
+            stack.callback(self.copier.close)
 
     def _call(self, path: str) -> ActivationChoice:
         micro = self.calls.get(path, 0)
@@ -296,11 +320,12 @@ class ActivationRun:
                  kwargs: dict[str, Any]) -> Any:
         key = (path, choice.micro)
         children = self.stages.get(key, ())
-        stages = tuple(_Offloaded(c, self.device, self.side, self.spare) for c in children) if children else ()
+        stages = tuple(_Offloaded(c, self.device, self.side, self.spare, copier=self.copier)
+                       for c in children) if children else ()
         route = self._routes.get(key)
         if route is None:
             route = self._routes[key] = routes(choice, tuple(children))
-        holder = _Offloaded(choice, self.device, self.side, self.spare, stages, route)
+        holder = _Offloaded(choice, self.device, self.side, self.spare, stages, route, self.copier)
         with torch.autograd.graph.saved_tensors_hooks(holder.pack, unpack):
             out = forward(*args, **kwargs)
         if choice.moved_bytes or stages:
