@@ -59,7 +59,7 @@ class StorageLedger:
         # against ~3 µs per storage, and a cheaper call at the free); the tracer and the executor's probe add one
         # per operator that allocates.
         self.live[key] = (nbytes, category)
-        self._refs[key] = weakref.ref(storage, _Freed(self, key))
+        self._refs[key] = weakref.ref(storage, lambda _, key=key: self._free(key))
         self.by_category[category] = self.by_category.get(category, 0) + nbytes
         self.total += nbytes
         if self.total > self.peak:
@@ -97,23 +97,6 @@ class StorageLedger:
 
     def reset_peak(self) -> None:
         self.peak = self.total
-
-
-class _Freed:
-    """A storage's free callback: the ledger entry it ends (a bound method plus key, without a closure per cell)."""
-
-    __slots__ = ("ledger", "key")
-
-    def __init__(self, ledger: StorageLedger, key: int) -> None:
-        self.ledger, self.key = ledger, key
-
-    def __call__(self, _ref: Any) -> None:
-        self.ledger._free(self.key)
-
-
-_dispatch_depth = torch._C._len_torch_dispatch_stack
-_pop_dispatch = torch._C._pop_torch_dispatch_stack
-_push_dispatch = torch._C._push_on_torch_dispatch_stack
 
 
 class MemoryProbe(Protocol):
@@ -188,9 +171,9 @@ class _Watch(TorchDispatchMode):
         if not unseen:  # results of storages already counted: no input walk
             return out
         inputs = {storage_key(t) for t in tensors_in(kwargs, tensors_in(args))}
-        cpu = self.device_type == "cpu"
-        for t in unseen:
-            if storage_key(t) not in inputs and ((cpu and t.is_cpu) or t.device.type == self.device_type):
+        for t in unseen:  # is_cpu first: t.device builds a device object (~1 µs)
+            if storage_key(t) not in inputs and ((t.is_cpu and self.device_type == "cpu") or
+                                                 t.device.type == self.device_type):
                 self.ledger.add(t, "temporary")
         return out
 
@@ -298,16 +281,16 @@ class TensorProbe:
         if watch is None or not watch.counting:
             yield
             return
-        depth = _dispatch_depth()
+        depth = torch._C._len_torch_dispatch_stack()
         if not any(torch._C._get_dispatch_stack_at(i) is watch for i in range(depth)):
             yield
             return
         if torch._C._get_dispatch_stack_at(depth - 1) is watch:
-            _pop_dispatch(None)
+            torch._C._pop_torch_dispatch_stack(None)
             try:
                 yield
             finally:
-                _push_dispatch(watch)
+                torch._C._push_on_torch_dispatch_stack(watch)
             return
         watch.counting = False
         try:
