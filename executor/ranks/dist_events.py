@@ -23,6 +23,16 @@ from hplan.artifacts.buckets import Bucket
 from hplan.artifacts.replay import OPTIMIZER_EVENT
 from hplan.errors import HplanError
 
+_unwatched = torch._C._DisableTorchDispatch
+"""The same guard as hplan.executor.ranks.shard_store's: views and in-place work the CPU twin's probe never counts."""
+
+
+def _divide(pieces: list[torch.Tensor], world: int) -> None:
+    """A synced gradient's ÷N in place, one operator for all its pieces, unseen by the probe (it allocates nothing)."""
+    with _unwatched():
+        torch._foreach_div_(pieces, world)
+
+
 REDUCTIONS = ("scatter", "sync")
 """Purposes of the calls issued asynchronously after their step ([Note: collectives in flight])."""
 
@@ -95,13 +105,14 @@ class DistEvents:
             chunk = self.store.slots[r].region.chunk
             lay = self.store.layouts[chunk]
             at = self.store.pieces.storage_offset(self.store.sharding, chunk, "grad")
-            views.setdefault(self.flight.latest(r), []).append(self.store.typed(r)[at:at + lay.piece])
+            with _unwatched():  # views and an in-place ÷N: nothing for the CPU twin's probe to count
+                views.setdefault(self.flight.latest(r), []).append(self.store.typed(r)[at:at + lay.piece])
         for held, pieces in views.items():  # ÷N once the last reduction of each region is in: one operator per call
             if held is not None:
-                held.then(lambda v=pieces: torch._foreach_div_(v, self.world))
+                held.then(lambda v=pieces: _divide(v, self.world))
             else:
                 with torch.no_grad():
-                    torch._foreach_div_(pieces, self.world)
+                    _divide(pieces, self.world)
         self._sample()
 
     def _call(self, bucket: Bucket, *, async_op: bool = False, until: int | None = None) -> Pending:
