@@ -6,7 +6,8 @@ system copied per iteration where it reports them, and the 1-minute load average
 SYSTEM: plain | hplan (hplan's default, `overlap="auto"`: [Note: when the worker pays]) | hplan-inline (a backward
 step's host updates in line: one core, as plain PyTorch's one torch thread) | hplan-worker (always on hplan's worker
 thread, `overlap=True`) | paired, paired-worker (plain and hplan in one process, a step of each in turn: `_paired`) | hplan-nocache (the CPU twin's block cache off: every released
-region's memory goes back to malloc, as before issue 32's cache) | ds-z2 | ds-z3 | ds-z2-offload | ds-z3-offload (offload: optimizer, and for ZeRO-3 the
+region's memory goes back to malloc, as before issue 32's cache) | hplan-nocheck, hplan-worker-nocheck (`nonfinite="ignore"`:
+no check of each gradient for NaN/inf, which `hplan run` does by default and the plain loop does not) | ds-z2 | ds-z3 | ds-z2-offload | ds-z3-offload (offload: optimizer, and for ZeRO-3 the
 parameters, on the CPU; DeepSpeed then runs the client's torch AdamW on the host copies, no compiled extension).
 """
 
@@ -19,7 +20,8 @@ from typing import Any
 
 DS_SYSTEMS = ("ds-z2", "ds-z3", "ds-z2-offload", "ds-z3-offload")
 HPLAN_SYSTEMS: dict[str, bool | str] = {"hplan": "auto", "hplan-inline": False, "hplan-worker": True,
-                                        "hplan-nocache": "auto"}
+                                        "hplan-nocache": "auto", "hplan-nocheck": "auto",
+                                        "hplan-worker-nocheck": True}
 """hplan's systems → their `overlap`."""
 
 
@@ -37,7 +39,7 @@ def _plain(workload: Any, steps: int) -> dict[str, Any]:
 
 
 def _hplan(workload: Any, steps: int, plan_path: str, *, overlap: bool | str = "auto",
-           cache: bool = True) -> dict[str, Any]:
+           cache: bool = True, nonfinite: str = "stop") -> dict[str, Any]:
     from hplan.artifacts import Plan
     from hplan.executor import run_training
     from hplan.executor.device import FastTier
@@ -50,7 +52,7 @@ def _hplan(workload: Any, steps: int, plan_path: str, *, overlap: bool | str = "
     FastTier.caches = cache
     plan = Plan.load(plan_path)
     report = run_training(workload, plan, steps=steps, device="cpu", measure=False, overlap=overlap,
-                          on_progress=lambda *_: marks.append(minor_faults()))
+                          nonfinite=nonfinite, on_progress=lambda *_: marks.append(minor_faults()))
     moved = report.bytes_moved_per_iter + report.activation_bytes_moved_per_iter
     return {"losses": list(report.losses), "step_seconds": list(report.step_seconds), "moved_bytes": moved,
             "step_faults": [b - a for a, b in zip(marks, marks[1:])],
@@ -150,7 +152,8 @@ def speed_run(system: str, spec: str, steps: int, plan_path: str | None) -> dict
     elif system in HPLAN_SYSTEMS:
         if plan_path is None:
             raise ValueError(f"speed-run {system} needs a plan file")
-        out = _hplan(workload, steps, plan_path, overlap=HPLAN_SYSTEMS[system], cache=system != "hplan-nocache")
+        out = _hplan(workload, steps, plan_path, overlap=HPLAN_SYSTEMS[system], cache=system != "hplan-nocache",
+                     nonfinite="ignore" if system.endswith("-nocheck") else "stop")
     elif system in ("paired", "paired-worker"):
         if plan_path is None:
             raise ValueError(f"speed-run {system} needs a plan file")
