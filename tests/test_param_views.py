@@ -87,3 +87,31 @@ def test_a_write_through_a_kept_view_of_an_evicted_weight_is_refused(least):
         optimizer.zero_grad()
         with torch.no_grad(), pytest.raises(HplanError, match=r"parameter head\.weight is written through an alias"):
             kept[0].mul_(0.5)
+
+
+def test_a_weight_read_between_backward_and_step_after_its_early_update_is_refused(least):
+    """A logger's `p.norm()` over `model.named_parameters()` (listed before the block) between `backward()` and
+    `optimizer.step()`: this plan updates host chunks during backward, so the read answered the next step's weights
+    where plain PyTorch reads this step's (exit 0). Now refused naming the parameter and `defer_updates`; the same
+    read after `optimizer.step()` equals plain PyTorch's."""
+    workload, plan = least
+
+    def loop(plan: Any, between: bool) -> list[float]:
+        model = workload.build_model()
+        named = list(model.named_parameters())
+        optimizer = workload.optimizer(model.parameters())
+        seen: list[float] = []
+        with hplan.attach(model, optimizer, plan) if plan is not None else contextlib.nullcontext():
+            for step in range(2):
+                workload.loss(model, workload.batch(step)).backward()
+                if between:
+                    seen += [p.norm().item() for _, p in named]
+                optimizer.step()
+                optimizer.zero_grad()
+                seen += [p.norm().item() for _, p in named]
+        return seen
+
+    assert loop(plan, between=False) == loop(None, between=False)
+    with pytest.raises(HplanError, match=r"parameter \S+ was read between backward\(\) and optimizer\.step\(\), but "
+                                         r"this plan already updated it .*defer_updates"):
+        loop(plan, between=True)
