@@ -20,7 +20,11 @@ Python; the functional forms (`torch.narrow(p, …)`, `torch.t(p)`, … `TORCH_V
 `__torch_function__` sees every operator already. The cost is only on the views: each operator on one re-takes
 it (a few µs), and a view the model's own forward takes of its weight (nn.MultiheadAttention's
 `in_proj_weight.chunk(3)`) is a live alias too (exact; slower by that much per operator on it).
-Not covered: views made by `torch.Tensor.view(p, …)` (the unbound method) or by C++ code.
+Not covered: views made by `torch.Tensor.view(p, …)` (the unbound method) or by C++ code. Not bit for bit: a
+view re-taken at an operator is a new graph node, so backward runs it early, where torch runs the view's own node
+(made when it was taken, or when first used after the weight changed); a weight with three or more gradient terms
+(two kept views, or one of a tied embedding) sums them in another order, equal up to the last bits. Reusing the
+first node instead matched torch's order but delivered the gradient after the plan's step for it (refused).
 """
 
 from __future__ import annotations
