@@ -86,10 +86,10 @@ def functional_views() -> Iterator[None]:
     originals = {n: getattr(torch, n) for n in TORCH_VIEWS}
 
     def wrap(name: str, original: Any) -> Callable[..., Any]:
-        def view(input: Any, *args: Any, **kwargs: Any) -> Any:  # noqa: A002 (torch's parameter name)
-            if getattr(type(input), "_follows_views", False):
-                return getattr(input, name)(*args, **kwargs)
-            return original(input, *args, **kwargs)
+        def view(*args: Any, **kwargs: Any) -> Any:
+            if args and getattr(type(args[0]), "_follows_views", False):
+                return getattr(args[0], name)(*args[1:], **kwargs)
+            return original(*args, **kwargs)
 
         return functools.wraps(original)(view)
 
