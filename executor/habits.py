@@ -26,6 +26,7 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 from torch import nn
 
 from hplan.errors import HplanError
+from hplan.executor.param_views import functional_views
 from hplan.hooks import describe_batch
 
 if TYPE_CHECKING:
@@ -53,6 +54,7 @@ def intercepted(run: PlanRun, optimizer: torch.optim.Optimizer, model: nn.Module
             _patch(stack, module, "__deepcopy__", _no_deepcopy)
             _patch(stack, module, "__reduce_ex__", _no_pickle)
         _patch(stack, torch, "compile", _no_compile(run, torch.compile))
+        stack.enter_context(functional_views())  # torch.narrow(p, …): [Note: parameter views]
         stack.callback(register_optimizer_step_pre_hook(_one_optimizer(run)).remove)
         for register, hook in ((optimizer.register_state_dict_pre_hook, lambda opt: run.sync_state()),
                                (optimizer.register_state_dict_post_hook, lambda opt, sd: run.release_state()),

@@ -18,15 +18,16 @@ the weight detached): there it stays plain, or each saved weight became an alias
 lands in the fast view while resident and is reported to `WriteWatch` as a write through the parameter (kept
 where the plan keeps and updates the chunk on the fast tier; refused at `optimizer.step()` elsewhere); while
 evicted it is refused naming the parameter. A view of a live alias (`w[0]`, `w.t()`) is live too: it re-derives
-itself from the current value at each operator. An alias made before the block holds the weight's memory from
-before it (stale reads, lost writes): refused when the block starts (`refuse_kept_aliases`). Not covered: views
-of the parameter itself (`p[0]`, `p.T`) made while resident and kept past its eviction.
+itself from the current value at each operator; so is a view of the parameter itself ([Note: parameter views] in
+hplan.executor.param_views). An alias made before the block holds the weight's memory from before it (stale
+reads, lost writes): refused when the block starts (`refuse_kept_aliases`).
 The one cost on the plan's moves: binding `.data` calls torch's setter directly (`SET_DATA`, not through
 `Resident`'s property), about 0.1 µs more per parameter bound or unbound than `p.data = …` on a plain Parameter.
 """
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -35,6 +36,7 @@ from torch import nn
 
 from hplan.errors import HplanError
 from hplan.executor.offloaded import _METADATA, FIX, Offloaded, write_target
+from hplan.executor.param_views import offloaded_view, param_values, view_members
 
 _T = torch.Tensor
 GET_DATA = _T.data.__get__
@@ -55,6 +57,9 @@ class Live(torch.Tensor):
     _fast: bool = False
     """Its own storage is the weight's region (made while resident): where it requires grad (a detached input made
     differentiable, as reentrant checkpointing does) it computes as itself while resident."""
+    _grad_follows: bool = False
+    """A view of the parameter itself: its current value is re-taken from the parameter, with its gradient
+    ([Note: parameter views] in hplan.executor.param_views)."""
 
     def _value(self) -> torch.Tensor:
         return self._now()[0]
@@ -87,7 +92,9 @@ class Live(torch.Tensor):
             return target if result is lives[id(target)][1] else result
         if not lives:
             return result
-        return _live_results(result, func, args, kwargs, list(lives.values()), ())
+        sources = [(live._param, value, resident, live._wrote, live._grad_follows)
+                   for live, value, resident in lives.values()]
+        return _live_results(result, func, args, kwargs, sources, (), torch.is_grad_enabled())
 
 
 def _resolve(tree: Any, lives: dict[int, tuple[Live, torch.Tensor, bool]]) -> Any:
@@ -95,7 +102,7 @@ def _resolve(tree: Any, lives: dict[int, tuple[Live, torch.Tensor, bool]]) -> An
     if isinstance(tree, Live):
         if id(tree) not in lives:
             value, resident = tree._now()
-            if tree.requires_grad:  # autograd must see the alias itself
+            if tree.requires_grad and not tree._grad_follows:  # autograd must see the alias itself
                 if not (resident and tree._fast):
                     raise HplanError(f"a detached alias of parameter {tree._param} made to require grad is used while "
                                      "the plan keeps the weight off the fast tier (or it was made while it was): its "
@@ -112,34 +119,40 @@ def _resolve(tree: Any, lives: dict[int, tuple[Live, torch.Tensor, bool]]) -> An
     return tree
 
 
-def _live_results(result: Any, func: Any, args: Any, kwargs: Any, lives: list[tuple[Live, torch.Tensor, bool]],
-                  index: tuple[int, ...]) -> Any:
-    """Each result sharing memory with an alias's current value (a view: `w[0]`, `w.t()`, `w.split(…)`) as a live
-    alias that re-runs `func` on the current value; any other result as it is (a copy: `w * 2`, `w.norm()`)."""
+Source = tuple[str, torch.Tensor, bool, Callable[[], None], bool]
+"""What a result may be a view of: the parameter's name, the value computed with, whether the weight is resident,
+how a write through it is reported, and whether its value carries the parameter's gradient."""
+
+
+def _live_results(result: Any, func: Any, args: Any, kwargs: Any, sources: list[Source], index: tuple[int, ...],
+                  grad: bool) -> Any:
+    """Each result sharing memory with a source's value (a view: `w[0]`, `w.t()`, `w.split(…)`) as a live alias
+    that re-runs `func` on the current values (with gradients where `grad`, made with them); any other result as it
+    is (a copy: `w * 2`, `w.norm()`)."""
     if isinstance(result, (list, tuple)) and not isinstance(result, torch.Size):
-        items = [_live_results(r, func, args, kwargs, lives, (*index, i)) for i, r in enumerate(result)]
+        items = [_live_results(r, func, args, kwargs, sources, (*index, i), grad) for i, r in enumerate(result)]
         return type(result)(items) if isinstance(result, list) or type(result) is tuple else result
     if not isinstance(result, torch.Tensor) or isinstance(result, nn.Parameter):
         return result
     with torch._C.DisableTorchFunctionSubclass():
         ptr = result.untyped_storage().data_ptr()
-        source = next(((live, resident) for live, value, resident in lives
-                       if ptr and value.untyped_storage().data_ptr() == ptr), None)
+        source = next((s for s in sources if ptr and s[1].untyped_storage().data_ptr() == ptr), None)
         if source is None:
             return result
         view = result.as_subclass(Live)
-    view._fast = source[1]  # over the region's storage where the weight is resident, over a copy where not
+    view._fast, view._grad_follows = source[2], source[4]  # over the region's storage where resident, a copy where not
 
     def now() -> tuple[torch.Tensor, bool]:
         found: dict[int, tuple[Live, torch.Tensor, bool]] = {}
-        values, kw = _resolve(args, found), _resolve(kwargs, found)
-        with torch._C.DisableTorchFunctionSubclass():
-            out = func(*values, **kw)
+        with torch.set_grad_enabled(grad and torch.is_grad_enabled()):
+            (values, kw), resident = param_values((_resolve(args, found), _resolve(kwargs, found)))
+            with torch._C.DisableTorchFunctionSubclass():
+                out = func(*values, **kw)
         for i in index:
             out = out[i]
-        return out, all(resident for _, _, resident in found.values())
+        return out, resident and all(r for _, _, r in found.values())
 
-    return _made(view, source[0]._param, now, source[0]._wrote)
+    return _made(view, source[0], now, source[3])
 
 
 def _made(alias: Live, name: str, now: Now, wrote: Callable[[], None]) -> Live:
@@ -155,6 +168,10 @@ def live_classes(params: dict[str, nn.Parameter], own: dict[str, type], off: dic
     The store's `Offloaded` class answers `.data` and `.detach()` with live aliases too."""
     names = {id(p): n for n, p in params.items()}
     written: set[str] = set()
+
+    def follow(result: Any, func: Any, args: Any, kwargs: Any, sources: list[tuple[str, torch.Tensor, bool]]) -> Any:
+        return _live_results(result, func, args, kwargs, [(n, v, r, functools.partial(written.add, n), True)
+                                                          for n, v, r in sources], (), torch.is_grad_enabled())
 
     def live(p: torch.Tensor) -> torch.Tensor:
         name = names.get(id(p))
@@ -182,9 +199,11 @@ def live_classes(params: dict[str, nn.Parameter], own: dict[str, type], off: dic
         return memo[id(self)]
 
     resident = type("Resident", (nn.Parameter,), {"data": property(data, SET_DATA), "detach": detach,
-                                                  "__deepcopy__": deepcopy})
+                                                  "__deepcopy__": deepcopy, "_follows_views": True,
+                                                  **view_members(names, follow)})
     for cls in {c for c in off.values() if issubclass(c, Offloaded)}:
         cls._live = staticmethod(live)  # type: ignore[attr-defined]
+        cls._view = staticmethod(offloaded_view(follow))  # type: ignore[attr-defined]
     return {n: resident if t is nn.Parameter else t for n, t in own.items()}, written
 
 

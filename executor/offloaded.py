@@ -17,10 +17,11 @@ class swap at each move (no per-operator check; resident parameters are plain). 
   plan owns the weights there, so the write would be lost. Only the tensor written counts: an EMA reading the
   parameter (`ema.mul_(d).add_(p, alpha=1 - d)`, `torch._foreach_add_(emas, params)`) reads it exactly;
 - `.data` and `.detach()` are live aliases that follow the weight ([Note: live aliases] in
-  hplan.executor.live_alias; where the store has them); another alias (a view, `p[0]`) is the value's copy under
-  the class `Alias`, which refuses a write through it (and through its own views) the same way: in plain PyTorch
+  hplan.executor.live_alias; where the store has them), and so are its views (`p[0]`, `p.T`: [Note: parameter
+  views] in hplan.executor.param_views). Where the store has none, a view is the value's copy under the class
+  `Alias`, which refuses a write through it (and through its own views) the same way: in plain PyTorch
   `p.view(-1).mul_(0.5)` changes the weight, here it changed the copy and was lost without a word. A read through
-  one is exact at the time it is made; held across a step it goes stale: make it when it is read.
+  one is exact at the time it is made; held across a step it goes stale.
 """
 
 from __future__ import annotations
@@ -75,6 +76,9 @@ class Offloaded(nn.Parameter):
     _live: Callable[[torch.Tensor], torch.Tensor] | None = None
     """Makes a live alias of the parameter, where the store has them ([Note: live aliases] in
     hplan.executor.live_alias)."""
+    _view: Callable[..., Any] | None = None
+    """Makes a view of the parameter a live alias of it, where the store has them ([Note: parameter views] in
+    hplan.executor.param_views)."""
 
     def __deepcopy__(self, memo: dict[int, Any]) -> nn.Parameter:
         """`copy.deepcopy(p)` (a "best weights" copy of one layer): a plain Parameter of the current value. torch's
@@ -103,6 +107,8 @@ class Offloaded(nn.Parameter):
         _refuse_write(func, args, kwargs, Offloaded)
         copies: list[torch.Tensor] = []
         result = func(*_fetched(args, copies), **_fetched(kwargs, copies))
+        if copies and cls._view is not None:
+            return cls._view(result, func, args, kwargs, copies)
         return _aliased(result, copies, cls._lookup) if copies else result
 
 

@@ -27,6 +27,7 @@ from hplan.executor.offloaded import offloaded_classes
 from hplan.executor.param_watch import refuse_shared_memory
 from hplan.executor.state import RegionState
 from hplan.executor.step_table import Moves
+from hplan.executor.tripwires import refuse_read_ahead
 from torch import nn
 
 from hplan.artifacts import Plan, Region
@@ -74,6 +75,7 @@ class Traffic:
 
 class RegionStore:
     """Owns every region buffer and moves regions between the fast tier and the host store on request."""
+    ahead: set[int] | frozenset[int] = frozenset()  # chunks updated before optimizer.step(): the run's set
 
     def __init__(self, model: nn.Module, plan: Plan, tier: FastTier, *, master: bool,
                  state_names: Callable[[str], tuple[str, ...]]) -> None:
@@ -280,11 +282,13 @@ class RegionStore:
 
     def param_value(self, name: str) -> torch.Tensor:
         """One parameter's current value, copied (model.state_dict() inside a block)."""
+        refuse_read_ahead(self, name)
         with torch.no_grad():
             return self.current(self.by_chunk[self.chunk_of[name]]["param"], name).clone()
 
     def offloaded_value(self, name: str) -> torch.Tensor:
         """An evicted parameter's current value on the compute device, copied: what user code reads of it."""
+        refuse_read_ahead(self, name)
         with torch.no_grad():
             return self.current(self.by_chunk[self.chunk_of[name]]["param"], name).to(self.tier.device, copy=True)
 

@@ -175,6 +175,7 @@ class PlanRun(EventDispatch, GradArrival, UpdateSteps, GradientOps, StateSync):
         check_state_regions(plan, state_names, self.opt_name)
         self.store = store = make_store(model, plan, self.tier, master=self.master, state_names=state_names,
                                         nvme_dir=self.nvme_dir)
+        store.ahead = self._updated  # reads of weights already updated are refused (hplan.executor.tripwires)
         self.host = host_tier(store)
         try:
             self._set_up(store, by_name, names)

@@ -9,6 +9,11 @@ learning rate set late, a scheduler stepped before the optimizer) would train di
 shows afterwards; at `optimizer.step()` a difference stops the run, naming the change and the fix
 (`defer_updates=True`, which makes every update wait for the step). Reading gradients changes nothing and
 passes.
+
+Reading such a chunk's weights between `backward()` and `optimizer.step()` (a logger's `p.norm()`, an update-ratio
+`grad.norm() / p.norm()`, `model.state_dict()`) read the host copy the early update had already changed: the next
+step's weights where plain PyTorch reads this step's, exit 0. Refused (`refuse_read_ahead`), naming the parameter
+and the fix. A weight still resident then (the fast copy, not yet refreshed) reads this step's value, as in torch.
 """
 
 from __future__ import annotations
@@ -18,6 +23,7 @@ from typing import Any
 import torch
 
 from hplan.errors import HplanError
+from hplan.executor.state import RegionState
 
 FIX = ("trace with `defer_updates` (defer_updates=True in load_workload or the Workload; clipping with "
        "`max_grad_norm` implies it) so every update waits for optimizer.step()")
@@ -87,3 +93,13 @@ class EagerWatch:
 
     def reset(self) -> None:
         self.hyper, self.versions, self.early = None, {}, 0
+
+
+def refuse_read_ahead(store: Any, name: str) -> None:
+    """Refuse reading parameter `name` from its host copy where the plan already updated it this iteration, before
+    optimizer.step() (`store.ahead`: the run's chunks updated early)."""
+    chunk = store.chunk_of[name]
+    if chunk in store.ahead and store.slots[store.by_chunk[chunk]["param"]].state is RegionState.HOST:
+        raise HplanError(f"parameter {name} was read between backward() and optimizer.step(), but this plan already "
+                         "updated it during backward (it holds the next step's value); read weights before backward() "
+                         f"or after optimizer.step(), or {FIX}")

@@ -55,7 +55,7 @@ class _HeadRows(torch.autograd.Function):
     def forward(ctx: Any, h: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         ctx.save_for_backward(h)
         ctx.weight = weight
-        return h @ weight.t()
+        return F.linear(h, weight)  # h @ W.T, without a view of the weight ([Note: parameter views])
 
     @staticmethod
     @once_differentiable
