@@ -91,24 +91,27 @@ def descend(trace: Trace, hw: Hardware, options: PlanOptions, on_progress: Progr
 SWAPS = 3
 """Mixes planned beside the descent's winner: its choices swapped between two blocks, reserving less."""
 
+REPLAYS = 24
+"""Swaps whose own figure is replayed, nearest blocks first (a replay of gpt:18b's log takes 0.12 s)."""
+
 
 def _swaps(trace: Trace, hw: Hardware, items: Items, decisions: tuple[Decision, ...], reserve: int
            ) -> list[tuple[Decision, ...]]:
     """The winner's choices with two blocks' swapped, each reserving less than `reserve`, least first."""
     if not decisions or not items.admits(decisions):
         return []
-    out = []
-    for i in range(len(decisions)):
-        for j in range(i + 1, len(decisions)):
-            a, b = decisions[i].choice, decisions[j].choice
-            x = next((d for d in items.decisions[i] if d.choice == b), None)
-            y = next((d for d in items.decisions[j] if d.choice == a), None)
-            if a == b or x is None or y is None:
-                continue
-            mix = tuple(x if k == i else y if k == j else d for k, d in enumerate(decisions))
-            figure = with_slack(hw, mix, trace).slack_bytes
-            if figure < reserve:
-                out.append((figure, i, j, mix))
+    n, out = len(decisions), []
+    pairs = [(i, j) for i, j in sorted(((i, j) for i in range(n) for j in range(i + 1, n)), key=lambda p: p[1] - p[0])
+             if decisions[i].choice != decisions[j].choice]
+    for i, j in pairs[:REPLAYS]:
+        x = next((d for d in items.decisions[i] if d.choice == decisions[j].choice), None)
+        y = next((d for d in items.decisions[j] if d.choice == decisions[i].choice), None)
+        if x is None or y is None:
+            continue
+        mix = tuple(x if k == i else y if k == j else d for k, d in enumerate(decisions))
+        figure = with_slack(hw, mix, trace).slack_bytes
+        if figure < reserve:
+            out.append((figure, j - i, i, mix))
     return [m for *_, m in sorted(out, key=lambda r: r[:3])]
 
 
