@@ -50,20 +50,20 @@ figure is a sample that guides the search.
 [Note: a mix's reserve] A mixed plan reserves its own mix's replayed figure ([Note: a mix's own slack] in
 hplan.artifacts.choice_log), above or below the sample, or the table's least figure where that is larger
 (`slack.least_reserve`: on the 5-block GPT-2 of the tests, mixes need 22-32 MiB against a sample of 30 MiB and a
-least figure of 22 MiB). Where its own is larger than the sample the regime is searched again under it
-(`_settle`); where smaller, the plan is made again under it on the same chunking (`_plan_regime`), and where
-mixes reserving less might beat it, they are searched too ([Note: a mix below the sample]). The regime's
-search bound covers the plans reserving the sample or more; every other mix makes a choice other than keep and
-reserves at least the least figure, so its bound adds a Lagrangian bound over those plans with the room between
-the sample and the least figure, on every chunking a forced mix may search, whether the regime was solved, solved
-only for a tie or pruned (`floored` and `below` in hplan.planner.activation_bounds, [Note: a pruned mix's floor];
-the children's likewise in `children_bound`, on the winner's chunking: no forced plan makes a child choice).
-Every plan therefore reserves at least its own figure, and the certificate stays a lower bound over every mix
-(tests/test_activation_regimes.py enumerates a 5-block model's mixes; tests/test_activation_pruned_floor.py
-overstates the sample so that keep's plan prunes the mixed regime). A provable floor under every
-mix's own figure, lower than the least figure but with no reserve added to any plan, was tried: the replay of the
-calls every mix shares (up to the first segment's forward end) gives 20 MiB on that GPT-2 and 2 MiB on gpt:18b, and
-pricing from it widened the narrow ConvNeXt's gaps to 50-100% at middle budgets.
+least figure of 22 MiB). Where its own is larger than the sample the regime is searched again under it (`_settle`);
+where smaller, the plan is made again under it on the same chunking (`_plan_regime`), and where mixes reserving
+less might beat it, they are searched too ([Note: a mix below the sample], the selective mix's [Note: the selective
+mix below its sample]). The regime's search bound covers the plans reserving the sample or more; every other mix
+makes a choice other than keep and reserves at least the least figure, so its bound adds a Lagrangian bound over
+those plans with the room between the sample and the least figure, on every chunking a forced mix may search,
+whether the regime was solved, solved only for a tie or pruned (`floored` and `below` in
+hplan.planner.activation_bounds, [Note: a pruned mix's floor]; the children's likewise in `children_bound`, on the
+winner's chunking: no forced plan makes a child choice). Every plan therefore reserves at least its own figure, and
+the certificate stays a lower bound over every mix (tests/test_activation_regimes.py enumerates a 5-block model's
+mixes; tests/test_activation_pruned_floor.py overstates the sample so that keep's plan prunes the mixed regime). A
+provable floor under every mix's own figure, lower than the least figure but with no reserve added to any plan, was
+tried: the replay of the calls every mix shares (up to the first segment's forward end) gives 20 MiB on that GPT-2
+and 2 MiB on gpt:18b, and pricing from it widened the narrow ConvNeXt's gaps to 50-100% at middle budgets.
 
 [Note: child segments in auto] Child segments ([Note: nested segments] in hplan.artifacts.segments) enter as more
 modes of their block's item (hplan.planner.activation_items), in a regime of their own (keep and offload under the
@@ -166,9 +166,10 @@ def _plan_auto(trace: Trace, hardware: Hardware, options: PlanOptions, on_progre
                 searched = first.lower_bound_bytes if first.activations_free else plan.summary.lower_bound_bytes
                 if name != SELECTIVE_MIX:  # (its plan reserves its own mix's figure: `_plan_regime`)
                     plan = _settle(work, hw, options, on_progress, items, smallest, own, plan, decisions)
-                    if first.activations_free and first.lower_bound_bytes < plan.summary.lower_bound_bytes:
-                        plan = descend(work, hw, options, on_progress, items, smallest, own, plan,
-                                       first.lower_bound_bytes, incumbent, _plan_regime)
+                if first.activations_free and first.lower_bound_bytes < plan.summary.lower_bound_bytes:
+                    sample = plan.summary.lower_bound_bytes if name == SELECTIVE_MIX else None  # [Note: the
+                    plan = descend(work, hw, options, on_progress, items, smallest, own, plan,  # selective mix
+                                   first.lower_bound_bytes, incumbent, _plan_regime, sample)  # below its sample]
             elif incumbent is not None and mixed is not None and name != "selective" and \
                     priced_bound(*mixed, name, targets, hw.slack_bytes, incumbent) > incumbent:
                 continue  # priced by the mixed regime's LP multipliers, on every chunking: it cannot win or tie
@@ -190,9 +191,8 @@ def _plan_auto(trace: Trace, hardware: Hardware, options: PlanOptions, on_progre
                     covered = False
                 elif incumbent is not None and under <= incumbent:
                     bounds.append(under)
-                    if name != SELECTIVE_MIX:  # a mix reserving less may still win ([Note: a mix below the sample])
-                        best = descend(work, hw, options, on_progress, items, smallest, own, best, under, incumbent,
-                                       _plan_regime)
+                    best = descend(work, hw, options, on_progress, items, smallest, own, best, under, incumbent,
+                                   _plan_regime, incumbent if name == SELECTIVE_MIX else None)
             continue
         except HostMemoryShort:
             if best is None and name == "mixed":
