@@ -5,10 +5,12 @@ or DeepSpeed ZeRO on its torch-optimizer path. Same workload, seed and batches i
 system copied per iteration where it reports them, and the 1-minute load average when it finished.
 SYSTEM: plain | hplan (hplan's default, `overlap="auto"`: [Note: when the worker pays]) | hplan-inline (a backward
 step's host updates in line: one core, as plain PyTorch's one torch thread) | hplan-worker (always on hplan's worker
-thread, `overlap=True`) | paired, paired-worker (plain and hplan in one process, a step of each in turn: `_paired`) | hplan-nocache (the CPU twin's block cache off: every released
-region's memory goes back to malloc, as before issue 32's cache) | hplan-nocheck, hplan-worker-nocheck (`nonfinite="ignore"`:
-no check of each gradient for NaN/inf, which `hplan run` does by default and the plain loop does not) | ds-z2 | ds-z3 | ds-z2-offload | ds-z3-offload (offload: optimizer, and for ZeRO-3 the
-parameters, on the CPU; DeepSpeed then runs the client's torch AdamW on the host copies, no compiled extension).
+thread, `overlap=True`) | paired, paired-worker (plain and hplan in one process, a step of each in turn: `_paired`)
+| hplan-nocache (the CPU twin's block cache off: every released region's memory goes back to malloc, as before issue
+32's cache) | hplan-nocheck, hplan-worker-nocheck (`nonfinite="ignore"`: no check of each gradient for NaN/inf,
+which `hplan run` does by default and the plain loop does not) | ds-z2 | ds-z3 | ds-z2-offload | ds-z3-offload
+(offload: optimizer, and for ZeRO-3 the parameters, on the CPU; DeepSpeed then runs the client's torch AdamW on the
+host copies, no compiled extension).
 """
 
 from __future__ import annotations

@@ -5,7 +5,8 @@
   host memory outside the fast tier (on CUDA: pinned memory, copied on a side stream, unverified; on the CPU twin
   on a copier thread: [Note: offload beside the forward]) and the fast-tier reference is dropped, so the storage is
   freed. At the plan's prefetch step each comes back into a fresh fast-tier buffer (counted by the probe like any
-  activation), and an unpack returns a view of it with the saved tensor's layout. The buffers die with the last graph reference, as plain PyTorch's saved tensors do.
+  activation), and an unpack returns a view of it with the saved tensor's layout. The buffers die with the last
+  graph reference, as plain PyTorch's saved tensors do.
 - Staged offload ([Note: staged offload] in hplan.artifacts.segments): the block's holder routes each pack a stage
   names to that child's holder; all go down when the block's forward returns, each child's comes back at its own
   prefetch step, the block's remainder at the block's.
