@@ -15,6 +15,7 @@ host copies, no compiled extension).
 
 from __future__ import annotations
 
+import gc
 import os
 import resource
 import time
@@ -32,9 +33,20 @@ def minor_faults() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
 
 
+def settle_collector() -> None:
+    """[Note: the collector before the timed steps] Every system's child collects its garbage once, right before
+    its timed steps. Python runs a full collection (every object of the process: hundreds of milliseconds with
+    torch loaded) when enough objects have survived into the oldest generation since the last one; the imports
+    and the JSON plan an hplan child loads before its steps tip it over in its fourth step (seen in every such
+    run, 300+ ms under load), while plain PyTorch's child, which imports less, has none in its steps. That is the
+    process's start-up, not a step's work: each child now pays it before timing, the same for every system."""
+    gc.collect()
+
+
 def _plain(workload: Any, steps: int) -> dict[str, Any]:
     from bench.executor_bench import plain_run
 
+    settle_collector()
     faults: list[int] = []
     losses, secs = plain_run(workload, steps, faults=faults)
     return {"losses": losses, "step_seconds": secs, "step_faults": faults}
@@ -53,6 +65,7 @@ def _hplan(workload: Any, steps: int, plan_path: str, *, overlap: bool | str = "
     marks = [minor_faults()]  # after each step (run_training's progress callback, outside the step's timing)
     FastTier.caches = cache
     plan = Plan.load(plan_path)
+    settle_collector()
     report = run_training(workload, plan, steps=steps, device="cpu", measure=False, overlap=overlap,
                           nonfinite=nonfinite, on_progress=lambda *_: marks.append(minor_faults()))
     moved = report.bytes_moved_per_iter + report.activation_bytes_moved_per_iter
@@ -89,6 +102,7 @@ def _paired(workload: Any, steps: int, plan_path: str, *, overlap: bool | str = 
 
     with attach(models[1], opts[1], plan, batch_example=workload.batch(0), precision=workload.precision,
                 measure=False, overlap=overlap):
+        settle_collector()
         for i in range(steps):
             for k in ((0, 1) if i % 2 == 0 else (1, 0)):
                 one(k, i)
@@ -131,6 +145,7 @@ def _deepspeed(workload: Any, steps: int, system: str) -> dict[str, Any]:
                        ("RANK", "0"), ("WORLD_SIZE", "1"), ("LOCAL_RANK", "0")):
         os.environ.setdefault(key, value)
     engine = ds_engine(workload, system)
+    settle_collector()
     losses, secs = [], []
     for i in range(steps):
         t0 = time.perf_counter()
