@@ -56,8 +56,7 @@ def test_a_source_written_in_place_while_its_copy_runs_is_refused():
     work = copier.Copier()
     gate = threading.Event()
     try:
-        work._pool = copier.ThreadPoolExecutor(max_workers=1)
-        work._pool.submit(gate.wait)
+        work.run(gate.wait)  # the copier's thread held until the source is written
         source = torch.arange(16, dtype=torch.float32)
         host = torch.empty(64, dtype=torch.uint8)
         view = torch.empty(0, dtype=torch.uint8).set_(source.untyped_storage())

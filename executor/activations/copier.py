@@ -26,7 +26,9 @@ from __future__ import annotations
 
 import operator
 import threading
-from concurrent.futures import Future, ThreadPoolExecutor
+from _thread import allocate_lock
+from collections.abc import Callable
+from queue import SimpleQueue
 from typing import Any
 
 import torch
@@ -34,9 +36,6 @@ import torch
 from hplan.errors import HplanError
 
 _COPY_ALL = torch._foreach_copy_
-Copying = tuple[Future[tuple[int, ...]], tuple[int, ...]]
-"""An offload copy on the copier's thread: its Future (the sources' versions once copied) and their versions at
-the segment's end."""
 _version_of = operator.attrgetter("_version")
 
 
@@ -63,12 +62,29 @@ def _copy_down(hosts: list[torch.Tensor], views: list[torch.Tensor],
     return tuple(map(_version_of, sources))
 
 
-class Ready(threading.Event):
-    """A prefetched buffer's copy is done (set by the copier's thread); `error`: the copy failed."""
+class Ready:
+    """[Note: the copier's signals] A job's or a prefetched buffer's copy is done: `lock`, taken when made, is
+    released by the copier's thread once the copy is done (or failed: `error`). A lock, not a threading.Event
+    (a Condition, a lock and three Python frames to make; set() takes the Condition's lock and notifies in
+    Python): the copier's thread holds the GIL for each signal, and every moment it holds it the forward's or
+    backward's thread may wait for it, most on a loaded machine. Releasing a lock is one C call; the waiter's
+    `acquire` sleeps without the GIL."""
 
-    done = False
-    """Set (before the event) once the copy is done: an unpack reads it without a call."""
-    error: BaseException | None = None
+    __slots__ = ("lock", "done", "error", "value")
+
+    def __init__(self) -> None:
+        self.lock = allocate_lock()
+        self.lock.acquire()
+        self.done = False
+        """Set (before the lock is released) once the copy is done: an unpack reads it without a call."""
+        self.error: BaseException | None = None
+        self.value: Any = None
+        """A job's result (`Copier.run`)."""
+
+
+Copying = tuple[Ready, tuple[int, ...]]
+"""An offload copy on the copier's thread: its Ready (its value: the sources' versions once copied) and their
+versions at the segment's end."""
 
 
 def _copy_up(pairs: list[tuple[Ready, torch.Tensor, torch.Tensor]]) -> None:
@@ -77,66 +93,101 @@ def _copy_up(pairs: list[tuple[Ready, torch.Tensor, torch.Tensor]]) -> None:
         for ready, fast, host in pairs:
             fast.copy_(host)
             ready.done = True
-            ready.set()
+            ready.lock.release()
     except BaseException as error:
         for ready, _, _ in pairs:  # the waiting unpack raises, never reads a half-copied buffer
-            if not ready.is_set():
+            if not ready.done and ready.error is None:
                 ready.error = error
-                ready.set()
+                ready.lock.release()
         raise
 
 
 def wait(ready: Ready) -> Ready | None:
     """An unpack's wait for its buffer's prefetch copy; returns the slot's `ready` from then on (None: done)."""
-    ready.wait()
+    lock = ready.lock
+    lock.acquire()
+    lock.release()  # for any other unpack of the same buffer
     if ready.error is not None:
         raise HplanError(f"an offloaded activation's copy back failed: {ready.error}") from ready.error
     return None
 
 
+def _serve(jobs: SimpleQueue[Any]) -> None:
+    """The copier's thread: jobs (function, arguments, Ready or None) in submission order until None. A job's
+    Ready gets its result or its error; a prefetch job signals its buffers itself (None)."""
+    get = jobs.get
+    while (job := get()) is not None:
+        fn, args, ready = job
+        try:
+            value = fn(*args)
+        except BaseException as error:  # noqa: BLE001 - handed to the waiter, which raises HplanError
+            if ready is None:
+                continue
+            ready.error = error
+        else:
+            if ready is None:
+                continue
+            ready.value = value
+            ready.done = True
+        ready.lock.release()
+
+
 class Copier:
-    """One thread for offload copies ([Note: offload beside the forward]), started at the first."""
+    """One thread for offload copies ([Note: offload beside the forward]), started at the first. Its own thread
+    and a SimpleQueue, not a ThreadPoolExecutor: a pool's submit and its worker's loop are a dozen Python frames
+    and a Condition per job, run with the GIL on both threads ([Note: the copier's signals])."""
 
     def __init__(self) -> None:
-        self._pool: ThreadPoolExecutor | None = None
+        self._jobs: SimpleQueue[Any] | None = None
+        self._thread: threading.Thread | None = None
 
-    def _start(self) -> ThreadPoolExecutor:
-        if self._pool is None:
-            self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="hplan-offload")
-        return self._pool
+    def _start(self) -> SimpleQueue[Any]:
+        if self._jobs is None:
+            self._jobs = SimpleQueue()
+            self._thread = threading.Thread(target=_serve, args=(self._jobs,), name="hplan-offload", daemon=True)
+            self._thread.start()
+        return self._jobs
+
+    def run(self, fn: Callable[..., Any], *args: Any) -> Ready:
+        """`fn(*args)` on the copier's thread after every job submitted before it; its Ready holds the result."""
+        ready = Ready()
+        self._start().put((fn, args, ready))
+        return ready
 
     def down(self, jobs: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]) -> Copying:
         """A segment's offload copies, (host buffer, the source storage's bytes, the saved source) each; the job
         holds the sources until their bytes are copied."""
         hosts, views, sources = (list(column) for column in zip(*jobs))
         versions = tuple(map(_version_of, sources))
-        return self._start().submit(_copy_down, hosts, views, sources), versions
+        return self.run(_copy_down, hosts, views, sources), versions
 
     def up(self, pairs: list[tuple[Ready, torch.Tensor, torch.Tensor]]) -> None:
         """A prefetch's copies, in the order given; jobs run in submission order, so a host buffer handed back
         to the spares here is read by this job before any later offload's job writes it."""
-        self._start().submit(_copy_up, pairs)
+        self._start().put((_copy_up, (pairs,), None))
 
     def settle(self) -> None:
         """Wait for every job submitted so far (before a copy in line touches a spare host buffer)."""
-        if self._pool is not None:
-            self._pool.submit(int).result()  # a no-op job: done once every earlier one is
+        if self._jobs is not None:
+            self.run(int).lock.acquire()  # a no-op job: done once every earlier one is
 
     def close(self) -> None:
         """Stop the thread once its copies are done (the block is ending)."""
-        if self._pool is not None:
-            self._pool.shutdown(wait=True)
-            self._pool = None
+        if self._jobs is not None:
+            self._jobs.put(None)
+            assert self._thread is not None
+            self._thread.join()
+            self._jobs = self._thread = None
 
 
 def finish(copying: Copying, module: str) -> None:
     """Wait for a segment's offload copy; refuse it when a source was written in place while it ran."""
-    future, versions = copying
-    try:
-        seen = future.result()
-    except Exception as error:  # noqa: BLE001 - the library raises HplanError
+    ready, versions = copying
+    ready.lock.acquire()
+    if ready.error is not None:
+        error = ready.error
         raise HplanError(f"the offload copy of {module}'s activations to host memory failed: {error}") from error
-    if seen != versions:
+    if ready.value != versions:
         raise modified_in_place(module)
 
 
