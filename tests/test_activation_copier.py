@@ -25,13 +25,19 @@ def offload_plan():
 def test_offload_beside_the_forward_trains_as_plain_pytorch_off_the_main_thread(offload_plan, monkeypatch):
     workload, plan = offload_plan
     threads: list[int] = []
-    real = copier._COPY_ALL
+    ups: list[int] = []
+    real_down, real_up = copier._copy_down, copier._copy_up
 
-    def copy_all(hosts, views):
+    def copy_down(*args):
         threads.append(threading.get_ident())
-        real(hosts, views)
+        return real_down(*args)
 
-    monkeypatch.setattr(copier, "_COPY_ALL", copy_all)
+    def copy_up(groups):
+        ups.append(threading.get_ident())
+        real_up(groups)
+
+    monkeypatch.setattr(copier, "_copy_down", copy_down)
+    monkeypatch.setattr(copier, "_copy_up", copy_up)
     ref = user_loop(workload, 3)
     got = user_loop(workload, 3, plan, measure=False, overlap=True)
     assert got["losses"] == ref["losses"]
@@ -39,7 +45,7 @@ def test_offload_beside_the_forward_trains_as_plain_pytorch_off_the_main_thread(
         assert torch.equal(got["weights"][key], value), key
     offloaded = sum(1 for c in plan.activations if c.choice == "offload" and c.moved_bytes)
     assert len(threads) == 3 * offloaded  # every segment's copy, each iteration, on the copier's thread
-    assert threading.get_ident() not in threads
+    assert threading.get_ident() not in threads and len(ups) == len(threads) and threading.get_ident() not in ups
     inline = user_loop(workload, 1, plan, measure=False, overlap=False)
     assert len(threads) == 3 * offloaded and inline["losses"] == ref["losses"][:1]  # overlap=False: in line
 
@@ -79,11 +85,33 @@ def test_a_failed_copy_back_raises_at_the_unpack_never_reads_the_buffer():
     try:
         good, bad = copier.Ready(), copier.Ready()
         fast = torch.empty(8, dtype=torch.uint8)
-        work.up([(good, fast, torch.full((8,), 7, dtype=torch.uint8)),
-                 (bad, torch.empty(4, dtype=torch.uint8), torch.ones(8, dtype=torch.uint8))])  # sizes differ
+        work.up([(good, [fast], [torch.full((8,), 7, dtype=torch.uint8)]),
+                 (bad, [torch.empty(4, dtype=torch.uint8)], [torch.ones(8, dtype=torch.uint8)])])  # sizes differ
         assert copier.wait(good) is None and good.done and torch.equal(fast, torch.full((8,), 7, dtype=torch.uint8))
         with pytest.raises(HplanError, match="copy back failed"):
             copier.wait(bad)
         assert not bad.done
+    finally:
+        work.close()
+
+
+def test_a_prefetch_signals_its_small_buffers_with_the_next_group_and_copies_every_byte():
+    """[Note: the copier's signals]: buffers grouped in the order the backward reads them (the last saved first),
+    a group closed once it holds SIGNAL_BYTES; every buffer's bytes come back exactly."""
+    from types import SimpleNamespace
+
+    big, small = copier.SIGNAL_BYTES, 2048
+    sizes = [big, small, small, big, 4 * big]  # saved in this order: read back in reverse
+    slots = [SimpleNamespace(nbytes=n, host=torch.randint(0, 255, (n,), dtype=torch.uint8), fast=None,
+                             storage=None, ready=None) for n in sizes]
+    hosts = [s.host.clone() for s in slots]
+    work, spare = copier.Copier(), {}
+    try:
+        assert copier.up_beside(slots, spare, torch.device("cpu"), work) == sum(sizes)
+        groups = [s.ready for s in reversed(slots)]
+        assert [groups.index(r) for r in groups] == [0, 1, 2, 2, 2]  # 4 * big alone, big alone, small+small+big
+        for slot, host in zip(slots, hosts):
+            assert copier.wait(slot.ready) is None and slot.ready.done and torch.equal(slot.fast, host)
+        assert sorted(spare) == sorted(set(sizes)) and all(s.host is None for s in slots)
     finally:
         work.close()

@@ -7,8 +7,9 @@ step stopped for every offloaded byte (gpt:small at the minimum budget: 16.8 MB 
 a ~50 ms step, cache-cold at ~6-8 GB/s). With a core to spare it now runs as the stream does, on one copier
 thread (jobs in submission order): a segment's copies down go as one `_foreach_copy_` (the GIL released while it
 copies), the job holding the sources until their bytes are copied; its prefetch makes the fast buffers in line,
-as before, and the job copies them back in the order the backward reads them (the last saved first), each
-signalled when done (`Ready`), so an unpack waits for its own buffer only. What keeps it exact:
+as before, and the job copies them back in the order the backward reads them (the last saved first), signalled
+in groups of a few hundred KB as they are done (`Ready`, [Note: the copier's signals]), so an unpack waits for its
+own buffer's group only. What keeps it exact:
 - the bytes are the same bytes, each buffer copied in full before anything reads it (the prefetch waits for the
   copy down; an unpack for its buffer's copy back; a failed copy raises at the unpack, never reads half a buffer);
 - a saved tensor modified in place after its pack is refused as before: checked at the segment's end (in line),
@@ -87,15 +88,16 @@ Copying = tuple[Ready, tuple[int, ...]]
 versions at the segment's end."""
 
 
-def _copy_up(pairs: list[tuple[Ready, torch.Tensor, torch.Tensor]]) -> None:
-    """The copier's prefetch job: each host copy back into its fast buffer, in order, each signalled when done."""
+def _copy_up(groups: list[tuple[Ready, list[torch.Tensor], list[torch.Tensor]]]) -> None:
+    """The copier's prefetch job: each group's host copies back into their fast buffers (one call), in order, each
+    group signalled when done."""
     try:
-        for ready, fast, host in pairs:
-            fast.copy_(host)
+        for ready, fasts, hosts in groups:
+            _COPY_ALL(fasts, hosts)
             ready.done = True
             ready.lock.release()
     except BaseException as error:
-        for ready, _, _ in pairs:  # the waiting unpack raises, never reads a half-copied buffer
+        for ready, _, _ in groups:  # the waiting unpack raises, never reads a half-copied buffer
             if not ready.done and ready.error is None:
                 ready.error = error
                 ready.lock.release()
@@ -161,10 +163,11 @@ class Copier:
         versions = tuple(map(_version_of, sources))
         return self.run(_copy_down, hosts, views, sources), versions
 
-    def up(self, pairs: list[tuple[Ready, torch.Tensor, torch.Tensor]]) -> None:
-        """A prefetch's copies, in the order given; jobs run in submission order, so a host buffer handed back
-        to the spares here is read by this job before any later offload's job writes it."""
-        self._start().put((_copy_up, (pairs,), None))
+    def up(self, groups: list[tuple[Ready, list[torch.Tensor], list[torch.Tensor]]]) -> None:
+        """A prefetch's copies, (signal, fast buffers, host buffers) a group, in the order given; jobs run in
+        submission order, so a host buffer handed back to the spares here is read by this job before any later
+        offload's job writes it."""
+        self._start().put((_copy_up, (groups,), None))
 
     def settle(self) -> None:
         """Wait for every job submitted so far (before a copy in line touches a spare host buffer)."""
@@ -191,19 +194,34 @@ def finish(copying: Copying, module: str) -> None:
         raise modified_in_place(module)
 
 
+SIGNAL_BYTES = 1 << 18
+"""[Note: the copier's signals] A prefetch signals its buffers in groups of at least this many bytes, in the order
+the backward reads them: each signal is the copier's thread taking the GIL once, and a 2 KB buffer (a layer
+norm's statistics) copies in far less time than that costs; a group's wait is at most one such copy longer."""
+
+
 def up_beside(slots: Any, spare: dict[int, list[torch.Tensor]], device: torch.device, copier: Copier) -> int:
     """A segment's prefetch with its copies on the copier's thread: each _Slot's fast buffer made here (as in
     line), the copies in the order the backward reads them (the last saved first), each unpack waiting for its own
-    buffer only (`Ready`); returns the bytes."""
+    buffer's group only (`Ready`, SIGNAL_BYTES); returns the bytes."""
     total = 0
-    pairs = []
+    made = []
     for slot in slots:
         fast = torch.empty(slot.nbytes, dtype=torch.uint8, device=device)
-        slot.fast, slot.storage, slot.ready = fast, fast.untyped_storage(), Ready()
-        pairs.append((slot.ready, fast, slot.host))
+        slot.fast, slot.storage = fast, fast.untyped_storage()
+        made.append((slot, fast, slot.host))
         spare.setdefault(slot.nbytes, []).append(slot.host)  # read by this job before a later one writes it
         slot.host = None
         total += slot.nbytes
-    pairs.reverse()
-    copier.up(pairs)
+    groups: list[tuple[Ready, list[torch.Tensor], list[torch.Tensor]]] = []
+    size = SIGNAL_BYTES
+    for slot, fast, host in reversed(made):
+        if size >= SIGNAL_BYTES:
+            ready, fasts, hosts, size = Ready(), [], [], 0
+            groups.append((ready, fasts, hosts))
+        slot.ready = ready
+        fasts.append(fast)
+        hosts.append(host)
+        size += slot.nbytes
+    copier.up(groups)
     return total
