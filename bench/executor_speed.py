@@ -283,6 +283,10 @@ def step_table(ctx: Context, plans: dict[str, Path]) -> tuple[Table, list[str], 
                        "by default also checks every gradient before anything is updated (`nonfinite=\"stop\"`: a "
                        "NaN gradient stops the run before it reaches the weights or a checkpoint); its row shows what "
                        "that check costs, with no goal.")
+    table.notes.append("Every child collects its garbage once right before its timed steps, whatever the system "
+                       "([Note: the collector before the timed steps] in bench.speed_runs): until then one of the "
+                       "hplan child's first steady steps at the minimum budget held a full collection of what its "
+                       "imports and plan load left (300+ ms at load 6-7), which plain's child never had.")
     table.notes.append("Rounds: the goal is judged on the median of the per-round ratios, and the table also "
                        "gives the slowest round and how many rounds were within the goal, so a run whose median "
                        "passes on a spread wider than the goal's margin reads as such.")

@@ -37,9 +37,10 @@ def settle_collector() -> None:
     """[Note: the collector before the timed steps] Every system's child collects its garbage once, right before
     its timed steps. Python runs a full collection (every object of the process: hundreds of milliseconds with
     torch loaded) when enough objects have survived into the oldest generation since the last one; the imports
-    and the JSON plan an hplan child loads before its steps tip it over in its fourth step (seen in every such
-    run, 300+ ms under load), while plain PyTorch's child, which imports less, has none in its steps. That is the
-    process's start-up, not a step's work: each child now pays it before timing, the same for every system."""
+    and the JSON plan an hplan child loads before its steps tip it over in one of its first steady steps
+    (gpt:small's minimum budget: its second step in every run seen, 300+ ms at load 6-7), while plain PyTorch's
+    child, which imports less, has none in its steps. That is the process's start-up, not a step's work: each
+    child now pays it before timing, the same for every system."""
     gc.collect()
 
 
