@@ -66,10 +66,13 @@ def _copy_down(hosts: list[torch.Tensor], views: list[torch.Tensor],
 class Ready:
     """[Note: the copier's signals] A job's or a prefetched buffer's copy is done: `lock`, taken when made, is
     released by the copier's thread once the copy is done (or failed: `error`). A lock, not a threading.Event
-    (a Condition, a lock and three Python frames to make; set() takes the Condition's lock and notifies in
+    (a Condition, a lock and two Python frames to make; set() takes the Condition's lock and notifies in
     Python): the copier's thread holds the GIL for each signal, and every moment it holds it the forward's or
     backward's thread may wait for it, most on a loaded machine. Releasing a lock is one C call; the waiter's
-    `acquire` sleeps without the GIL."""
+    `acquire` sleeps without the GIL. With a ThreadPoolExecutor, its Futures and an Event per buffer, the
+    copier's thread made 1001 calls an iteration (568 Python frames) on gpt:small at the minimum budget, the
+    forward's and backward's thread 6167 (2080); with these and grouped signals (SIGNAL_BYTES), 112 (16) and
+    5977 (1828) (sys.setprofile per thread, `overlap="auto"`: counts, not times)."""
 
     __slots__ = ("lock", "done", "error", "value")
 
