@@ -311,8 +311,8 @@ class ActivationRun:
             if not torch.is_grad_enabled() or self.suppressed:
                 return forward(*args, **kwargs)
             choice = self._call(path)
-            if choice.choice == "offload":
-                return self._offload(path, choice, forward, args, kwargs)
+            if choice.choice == "offload" and not choice.stage:  # a stage's packs go with its block's: ViT's
+                return self._offload(path, choice, forward, args, kwargs)  # attention staged in 1, alone in 0
             if choice.choice in ("recompute", "selective"):
                 return self._recompute(forward, args, kwargs, selective=choice.choice == "selective")
             return forward(*args, **kwargs)
