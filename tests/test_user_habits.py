@@ -278,8 +278,8 @@ def test_a_checkpoint_saved_after_an_evaluation_forward_stays_within_the_budget(
     `optimizer.state_dict()` inside the block. The evaluation's last window stays open until training resumes, and
     on the CPU twin it counted the save's host copies (evicted weights, optimizer state) as fast-tier bytes:
     Mixtral's least plan (and this model's without allocator slack) stopped over budget (exit 2), where the same
-    save after a step passed.
-    Host copies are host memory now ([Note: state dict copies in host memory]); the run equals plain PyTorch."""
+    save after a step passed. Host copies are host memory now ([Note: state dict copies in host memory]); the run
+    equals plain PyTorch."""
     import contextlib
     import io
 
