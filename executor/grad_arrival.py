@@ -196,7 +196,9 @@ class GradArrival:
             raise HplanError(f"the gradient of {name} arrived at plan step {step.index} ({step.event}), where the "
                              "plan does not write it; the run differs from the traced step (a term the trace did "
                              "not see that reads weights, e.g. a penalty over model.parameters() added to the loss in "
-                             "the loop?) — trace the loss the loop computes (the Workload's loss) and re-plan")
+                             "the loop?) — trace the loss the loop computes (the Workload's loss) and re-plan; or a "
+                             "view of the weight kept from an earlier micro-step of an accumulation, whose gradient "
+                             "autograd delivers later there: take the view in each micro-step's loss")
         if c in self._updated:
             raise HplanError(f"the gradient of {name} arrived after chunk {c} was updated this iteration")
         if slot.state is _HOST:

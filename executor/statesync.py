@@ -10,6 +10,13 @@ reads it, `StateSync` answers these calls from the regions:
 - model.load_state_dict(): managed parameters written into their regions (host copy, and fast copy when
   resident), the rest (buffers) loaded by torch; strict keys are checked as torch checks them. Refused with a
   master recipe (the fp32 masters would disagree) and in the middle of an iteration.
+
+[Note: state dict copies in host memory] The copies these answers make of what lives in host memory (an evicted
+weight, the optimizer's state and masters, which `materialize` returns on the host) are host memory: on CUDA the
+allocator never sees them, so on the CPU twin they run in `WindowMeter.host_work` ([Note: host work off the fast
+tier] in hplan.executor.measure). Counted, a checkpoint saved after an evaluation forward (whose last window stays
+open until training resumes) put Mixtral's least plan 217 KB over its budget, exit 2, where the same save after a
+step passed (the gap between iterations is not guarded). A resident weight's copy is the fast tier's, counted.
 """
 
 from __future__ import annotations
@@ -21,6 +28,7 @@ import torch
 from torch import nn
 
 from hplan.errors import HplanError
+from hplan.executor.state import RegionState
 
 if TYPE_CHECKING:
     from hplan.executor.regions import RegionStore
@@ -47,8 +55,9 @@ class StateSync:
         if self.speculation is not None:  # [Note: speculative fp16 updates]
             self.speculation.abandon()
         self.optimizer.state.clear()
-        for update in self.updates.values():
-            self.optimizer.state.update(update.materialize())
+        with self._host_copies(True):  # [Note: state dict copies in host memory]
+            for update in self.updates.values():
+                self.optimizer.state.update(update.materialize())
 
     def release_state(self) -> None:
         """state_dict post-hook: the returned dict holds the fresh tensors; the optimizer holds none again."""
@@ -100,11 +109,18 @@ class StateSync:
             self.store.quiet[0] = False
             if self.speculation is not None:
                 self.speculation.abandon()
+            store = self.store
             for key, name in local.items():
                 if prefix + key in state_dict:
-                    state_dict[prefix + key] = self.store.param_value(name)
+                    slot = store.slots[store.by_chunk[store.chunk_of[name]]["param"]]
+                    with self._host_copies(slot.state is RegionState.HOST):  # [Note: state dict copies in host ...]
+                        state_dict[prefix + key] = store.param_value(name)
 
         return hook
+
+    def _host_copies(self, on_host: bool) -> contextlib.AbstractContextManager[None]:
+        meter = getattr(self, "meter", None)
+        return meter.host_work() if on_host and meter is not None else contextlib.nullcontext()
 
     def _load_pre_hook(self, local: dict[str, str], loaded: list[str]) -> Any:
         def hook(module: nn.Module, state_dict: dict[str, Any], prefix: str, local_metadata: Any, strict: bool,

@@ -6,6 +6,8 @@ way, fixed; the loop is tests/loops.py's, with and without hplan."""
 
 from __future__ import annotations
 
+import contextlib
+
 import hf_models as hf
 import pytest
 import torch
@@ -275,3 +277,88 @@ def test_a_module_to_that_changes_nothing_fake_traces():
     cpu, fake = trace_workload(workload, device="cpu", iters=2), trace_workload(workload, device="fake", iters=2)
     assert list(fake.timeline.op) == list(cpu.timeline.op)
     assert fake.peak_bytes == cpu.peak_bytes and fake.peak_by_category == cpu.peak_by_category
+
+
+def test_a_child_call_kept_in_one_micro_step_and_offloaded_in_another_runs():
+    """auto's plan lists a child segment's call only where it offloads or recomputes it: Qwen2-MoE's tiny config
+    under accumulation over 2 at its least plan offloads `model.layers.1.mlp` in micro-step 1 and keeps it in 0.
+    `hplan run` and `attach` stopped at micro-step 0 ("ran forward 1 times in one iteration; the plan has 1"); the
+    kept call now runs as written, and a call beyond the traced micro-steps is still refused."""
+    from types import SimpleNamespace
+
+    from hplan.artifacts.activations import ActivationChoice
+    from hplan.errors import HplanError
+    from hplan.executor.activations.run import ActivationRun
+
+    blocks = [ActivationChoice(module="model.layers.1", micro=m) for m in (0, 1)]
+    child = ActivationChoice(module="model.layers.1.mlp", micro=1, choice="offload", saved_bytes=64, moved_bytes=64,
+                             prefetch_step=3)
+    run = ActivationRun(SimpleNamespace(activations=(*blocks, child), accumulate=2), torch.device("cpu"))
+    assert run.modules == ["model.layers.1.mlp"]
+    assert run._call("model.layers.1.mlp").choice == "keep"
+    assert run._call("model.layers.1.mlp") is child
+    with pytest.raises(HplanError, match="ran forward 3 times in one iteration; the trace has 2"):
+        run._call("model.layers.1.mlp")
+
+
+@pytest.mark.slow  # fast twin: the test above (the executor's choice per call)
+def test_qwen2_moe_at_its_least_auto_plan_trains_exactly():
+    """The case above end to end: Qwen2-MoE with decay groups, accumulation over 2 and clipping, at the smallest
+    budget with `--activations auto` (its mlp offloaded in one micro-step only), equals plain PyTorch bit for bit."""
+    cfg = transformers.Qwen2MoeConfig(vocab_size=hf.VOCAB, hidden_size=64, intermediate_size=128,
+                                      moe_intermediate_size=32, shared_expert_intermediate_size=64, num_experts=4,
+                                      num_experts_per_tok=2, num_hidden_layers=2, num_attention_heads=4,
+                                      num_key_value_heads=2, max_position_embeddings=64)
+    workload = hf.workload("qwen2-moe", lambda: transformers.Qwen2MoeForCausalLM(cfg), optimizer=hf.decay_groups,
+                           accumulate=2, max_grad_norm=1.0)
+    plan = plan_for(workload, activations="auto", iters=2)
+    assert {c.micro for c in plan.activations if c.module == "model.layers.1.mlp"} == {1}
+    ref, got = user_loop(workload, 3), user_loop(workload, 3, plan)
+    assert got["losses"] == ref["losses"]
+    assert all(torch.equal(got["weights"][k], v) for k, v in ref["weights"].items())
+
+
+def test_a_child_staged_in_one_micro_step_and_offloaded_alone_in_another_is_offloaded_once():
+    """ViT under accumulation over 2 at its least auto plan: `vit.layers.0.attention` offloaded on its own in
+    micro-step 0 (so its forward is wrapped) and as a stage of its offloaded block in micro-step 1, whose packs the
+    block's offload routes. The wrapper offloaded the staged call a second time, numbering packs in the child's own
+    forward, and the run stopped: "saved 13 tensors, fewer than the traced step". A staged call now runs inside its
+    block's offload only."""
+    from types import SimpleNamespace
+
+    from hplan.artifacts.activations import ActivationChoice
+    from hplan.executor.activations.run import ActivationRun
+
+    alone = ActivationChoice(module="attn", micro=0, choice="offload", offload_packs=(0,), moved_bytes=8)
+    staged = ActivationChoice(module="attn", micro=1, choice="offload", stage=True, offload_packs=(5,), moved_bytes=8)
+    plan = SimpleNamespace(activations=(ActivationChoice(module="", micro=0), ActivationChoice(module="", micro=1),
+                                        alone, staged), accumulate=2)
+    run = ActivationRun(plan, torch.device("cpu"))
+    offloaded = []
+    run._offload = lambda path, choice, forward, args, kwargs: offloaded.append(choice) or forward(*args, **kwargs)
+    model = torch.nn.Sequential()
+    model.add_module("attn", torch.nn.Linear(2, 2))
+    with contextlib.ExitStack() as stack:
+        run.install(model, stack)
+        for _ in range(2):
+            model(torch.ones(1, 2, requires_grad=True))
+    assert offloaded == [alone]
+
+
+@pytest.mark.slow  # fast twin: the test above (the wrapper's choice per call)
+def test_vit_at_its_least_auto_plan_under_accumulation_trains_exactly():
+    """The case above end to end: ViT for image classification, accumulation over 2, at the smallest budget with
+    `--activations auto`: losses and weights equal plain PyTorch's bit for bit."""
+    cfg = transformers.ViTConfig(image_size=32, patch_size=8, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                                 intermediate_size=128, num_labels=3)
+
+    def batch(step: int) -> dict[str, torch.Tensor]:
+        g = torch.Generator().manual_seed(step)
+        return {"pixel_values": torch.randn(2, 3, 32, 32, generator=g), "labels": torch.randint(3, (2,), generator=g)}
+
+    workload = hf.workload("vit", lambda: transformers.ViTForImageClassification(cfg), batch=batch, accumulate=2)
+    plan = plan_for(workload, activations="auto", iters=2)
+    assert any(c.stage for c in plan.activations)
+    ref, got = user_loop(workload, 3), user_loop(workload, 3, plan)
+    assert got["losses"] == ref["losses"]
+    assert all(torch.equal(got["weights"][k], v) for k, v in ref["weights"].items())

@@ -271,3 +271,46 @@ def test_parameters_tied_by_data_are_refused_naming_both():
     with pytest.raises(HplanError, match=r"parameters a\.weight and b\.weight share memory.*one Parameter"):
         with hplan.attach(model, workload.optimizer(model.parameters()), plan_for(workload, iters=2, extra=3.0)):
             pass
+
+
+def test_a_checkpoint_saved_after_an_evaluation_forward_stays_within_the_budget():
+    """The usual loop: step, evaluate (`model.eval()`, `torch.no_grad()`), then save `model.state_dict()` and
+    `optimizer.state_dict()` inside the block. The evaluation's last window stays open until training resumes, and
+    on the CPU twin it counted the save's host copies (evicted weights, optimizer state) as fast-tier bytes:
+    Mixtral's least plan (and this model's without allocator slack) stopped over budget (exit 2), where the same
+    save after a step passed. Host copies are host memory now ([Note: state dict copies in host memory]); the run
+    equals plain PyTorch."""
+    import contextlib
+    import io
+
+    from hplan.planner import PlanOptions, make_hardware, make_plan, min_gpu_bytes
+    from hplan.tracer import trace_workload
+
+    workload = tiny()
+    trace = trace_workload(workload, device="cpu", iters=2)  # no allocator slack: the CPU twin allocates as traced
+    floor = min_gpu_bytes(trace, make_hardware("cpu", gpu_bytes=1, slack_bytes=0)).gpu_bytes
+    plan = make_plan(trace, make_hardware("cpu", gpu_bytes=floor, slack_bytes=0), PlanOptions(solver="fast"))
+
+    def loop(with_plan: bool) -> tuple[list[float], bytes]:
+        model = workload.build_model()
+        optimizer = workload.optimizer(model.parameters())
+        seen, saved = [], b""
+        with hplan.attach(model, optimizer, plan) if with_plan else contextlib.nullcontext():
+            for step in range(3):
+                model.train()
+                loss = workload.loss(model, workload.batch(step))
+                loss.backward()
+                optimizer.step()
+                optimizer.zero_grad(set_to_none=False)
+                model.eval()
+                with torch.no_grad():
+                    seen += [loss.item(), workload.loss(model, workload.batch(100)).item()]
+                buf = io.BytesIO()
+                torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict()}, buf)
+                saved = buf.getvalue()
+        return seen, saved
+
+    ref, got = loop(False), loop(True)
+    assert got[0] == ref[0]
+    mine, theirs = (torch.load(io.BytesIO(s[1]), weights_only=True) for s in (got, ref))
+    assert all(torch.equal(mine["model"][k], v) for k, v in theirs["model"].items())

@@ -297,9 +297,11 @@ class ActivationRun:
         micro = self.calls.get(path, 0)
         self.calls[path] = micro + 1
         choice = self.choices.get((path, micro))
-        if choice is None:
-            raise HplanError(f"module {path} ran forward {micro + 1} times in one iteration; the plan has "
-                             f"{sum(1 for k in self.choices if k[0] == path)} (the run differs from the trace)")
+        if choice is None:  # a plan lists a child segment's call only where auto offloads
+            if micro < self.plan.accumulate:  # or recomputes it (activation_items `to_decisions`): Qwen2-MoE's mlp
+                return ActivationChoice(module=path, micro=micro)  # kept in micro-step 0, offloaded in 1
+            raise HplanError(f"module {path} ran forward {micro + 1} times in one iteration; the trace has "
+                             f"{self.plan.accumulate} (one per micro-step): the run differs from the trace")
         return choice
 
     def _wrapped(self, path: str, forward: Callable[..., Any]) -> Callable[..., Any]:
@@ -309,8 +311,8 @@ class ActivationRun:
             if not torch.is_grad_enabled() or self.suppressed:
                 return forward(*args, **kwargs)
             choice = self._call(path)
-            if choice.choice == "offload":
-                return self._offload(path, choice, forward, args, kwargs)
+            if choice.choice == "offload" and not choice.stage:  # a stage's packs go with its block's: ViT's
+                return self._offload(path, choice, forward, args, kwargs)  # attention staged in 1, alone in 0
             if choice.choice in ("recompute", "selective"):
                 return self._recompute(forward, args, kwargs, selective=choice.choice == "selective")
             return forward(*args, **kwargs)
