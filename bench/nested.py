@@ -11,7 +11,8 @@ ConvNeXt (depths 2-2-4-2, widths 32-256): their 4 stages
 are the outermost same-class siblings, but each stage's blocks hold nearly all its weights, so the blocks are the
 segments ([Note: activation segments]); auto's minimum against keep's (goal ≤ 0.5×), beside the minimum with the
 stages as segments (the rule before issue 31, reproduced here by patching the tracer's candidates). (3) An 8-layer
-Llama at a middle budget: auto with and without child segments, predicted and measured CPU step. All fake
+Llama at a middle budget: auto with and without child segments, predicted at this machine's rates measured in the
+run ([Note: CPU rates at bench time] in bench.cpu_rates) and measured CPU step in paired rounds. All fake
 traces (the CPU trace's segments and peaks, to the byte). Then the narrow ConvNeXt and each of the five (OPT's and BART's
 minimums take staged offloads: [Note: staged offload]) are trained on this CPU at auto's minimum against plain PyTorch:
 loss difference, fast-tier peak and bytes moved against the plan.
