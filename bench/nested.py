@@ -185,8 +185,8 @@ def middle_table(ctx: Context) -> Table:
                   caption=f"**Middle budget, 8-layer Llama** (hidden {H}, batch {BATCH} × seq {SEQ}; plans priced at "
                           f"this machine's rates measured in this run: {rates['tflops_32'] * 1e3:.0f} GFLOP/s of "
                           f"model FLOPs, link {rates['h2d_gbps']:.1f} GB/s, host AdamW "
-                          f"{rates['cpu_optimizer_gbps']:.1f} GB/s; the budget is the one of {MIDDLE_SCAN} at "
-                          f"1/{MIDDLE_SCAN + 1}s from auto's minimum to keep's where child segments predict the "
+                          f"{rates['cpu_optimizer_gbps']:.1f} GB/s; the budget is the one of {MIDDLE_SCAN}, evenly "
+                          f"spaced strictly between auto's minimum and keep's, where child segments predict the "
                           f"largest gain; {MIDDLE_ROUNDS} paired rounds, the plans' order alternating, "
                           f"{TRAIN_STEPS} steps a run, the first left out).")
     for k, plan in plans.items():
