@@ -66,7 +66,8 @@ MIDDLE_ROUNDS = 8
 """Paired rounds of the middle row: each runs both plans, TRAIN_STEPS steps each (the first left out), the order
 alternating; a round's ratio is its two runs' mean steps divided, and the rows show their spread."""
 GAIN_READABLE = 0.10
-"""A predicted gain this large stands clear of this shared 2-core machine's step noise (a few percent a round)."""
+"""A predicted gain this large stands clear of this shared 2-core machine's step noise: the measured ratio of the
+same two plans read 0.971× to 1.051× over five runs of this section at load 1.0-1.3, and far wider under load."""
 
 
 def _adamw(params: Any) -> Any:
