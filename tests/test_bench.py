@@ -307,3 +307,36 @@ def test_speed_page_faults_are_the_median_over_rounds_of_each_runs_steady_mean()
 
     runs = [{"step_faults": [9000, 10, 30]}, {"step_faults": [5000, 100, 300]}, {"step_faults": [1, 50, 50]}]
     assert steady_faults(runs) == 50  # steady means 20, 200 and 50: the first step (set-up) is left out
+
+
+def test_nested_middle_verdict_reads_a_sign_only_when_every_round_agrees() -> None:
+    nested = importlib.import_module("bench.nested")
+    assert nested._verdict(0.9, 0.85, 0.95) == "signs agree"
+    assert nested._verdict(0.9, 1.01, 1.05) == "signs differ"
+    assert nested._verdict(1.1, 1.01, 1.05) == "signs agree"
+    assert nested._verdict(0.99, 0.97, 1.02).startswith("not readable")
+    assert nested._verdict(1.0, 0.9, 1.1) == "same predicted step"
+
+
+def test_cpu_rates_price_a_fake_trace_at_the_measured_step(monkeypatch: pytest.MonkeyPatch) -> None:
+    """[Note: CPU rates at bench time]: a fake trace's FLOPs priced with the overrides take the measured forward and
+    backward seconds, a device optimizer step the measured optimizer.step seconds (the "cpu" preset alone prices
+    them at Hardware's default GPU rate)."""
+    import dataclasses
+
+    from hplan.planner import make_hardware
+    from hplan.planner.kernel_size import device_update_seconds
+    from hplan.planner.schedule import event_seconds
+
+    rates = importlib.import_module("bench.cpu_rates")
+    executor_bench = importlib.import_module("bench.executor_bench")
+    monkeypatch.setattr(rates, "plain_split", lambda workload: (2.0, 0.5, 1000))
+    monkeypatch.setattr(executor_bench, "memcpy_gbps", lambda: 3.0)
+    monkeypatch.setattr(executor_bench, "adam_gbps", lambda: 5.0)
+    t = sample_trace()
+    t = dataclasses.replace(t, device="fake", events=tuple(dataclasses.replace(e, flops=4 * 10**9) for e in t.events))
+    hw = make_hardware("cpu", gpu_bytes=10**6, **rates.cpu_rates(None, t))
+    assert sum(event_seconds(t, hw)) == pytest.approx(2.0)
+    assert device_update_seconds(16 * 1000, hw) == pytest.approx(0.5)
+    assert (hw.h2d_gbps, hw.d2h_gbps, hw.cpu_optimizer_gbps) == (3.0, 3.0, 5.0)
+    assert sum(event_seconds(t, make_hardware("cpu", gpu_bytes=10**6))) < 0.01  # the preset alone: ~400× too fast
