@@ -1,3 +1,4 @@
+import os
 import sys
 from pathlib import Path
 
@@ -5,6 +6,28 @@ import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """An xdist worker takes its share of the cores for torch's intra-op threads. [Note: a worker's threads]"""
+    workerinput = getattr(config, "workerinput", None)
+    if workerinput is None:
+        return
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    share = max(1, cores // max(1, int(workerinput["workercount"])))
+    torch.set_num_threads(share)
+    os.environ["OMP_NUM_THREADS"] = str(share)  # the CLI and rank subprocesses a test starts take the same share
+
+
+# [Note: a worker's threads]
+# `-n auto` starts one worker per core, and torch's default is one intra-op thread per core in each: on CI's 2 cores,
+# 2 workers x 2 OpenMP threads whose waits spin against each other. Measured 2026-11-29 (load 6, `-n0`,
+# test_executor_direct_update.py + test_executor_refill.py): 32-44 s of CPU with 2 threads, 6-8 s with 1. Each
+# worker gets cores // workers threads instead, and OMP_NUM_THREADS says the same to the subprocesses its tests
+# start, so a run compared with a CLI subprocess still has one thread count (tests/loops.py `cli_env`). With one
+# thread the CPU twin has a spare core, so `overlap="auto"` may hand host updates to the worker thread
+# (hplan.executor.overlap `spare_cores`), which trains the same; tests/test_executor_overlap.py pins both ways.
+# `-n0` runs keep torch's default.
 
 
 @pytest.fixture(scope="module")
