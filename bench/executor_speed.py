@@ -26,10 +26,11 @@ QUICK_ROUNDS = (3, 1)
 """--quick: steps per run, rounds."""
 PAIRED_STEPS = {False: 40, True: 3}
 """Paired steps per process (bench.speed_runs `_paired`), full and --quick."""
-FULL_ROUNDS = (12, 7)
-"""Steps per run, rounds: all-resident's goal leaves 3% while rounds on the shared 2-core machine spread ±10%, so
-the median is over 7 rounds (5 before) of 12-step runs (8 before: a run's first steady steps still take the
-warm-up's page faults); the time the dropped cache-off row took pays for most of it."""
+FULL_ROUNDS = (12, 15)
+"""Steps per run, rounds: all-resident's goal leaves 3% while single rounds on the shared 2-core machine spread
+0.7-1.7x even at load 1 (2026-11-30: two quiet runs of 7 rounds read all-resident 1.062x then 0.895x), so the
+median is over 15 rounds (7 before, 5 before that) of 12-step runs (8 before: a run's first steady steps still take
+the warm-up's page faults)."""
 
 
 def load_note() -> str:
