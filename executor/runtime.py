@@ -401,6 +401,3 @@ class PlanRun(EventDispatch, GradArrival, UpdateSteps, GradientOps, StateSync):
 
         warnings.warn(message, stacklevel=3)
 
-
-def state_of(run: PlanRun, rid: int) -> RegionState:
-    return run.store.slots[rid].state
