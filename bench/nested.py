@@ -76,16 +76,17 @@ def _adamw(params: Any) -> Any:
     return torch.optim.AdamW(params, lr=1e-3, foreach=False)
 
 
-def _hardware(trace: Any) -> Any:
+def _hardware(trace: Any, gpu_bytes: int = 1, rates: dict[str, Any] | None = None) -> Any:
+    """The CPU fast tier for `trace`, at `rates` where given ([Note: CPU rates at bench time] in bench.cpu_rates)."""
     from hplan.planner import make_hardware, trace_slack
 
-    return make_hardware("cpu", gpu_bytes=1, **trace_slack(trace))
+    return make_hardware("cpu", gpu_bytes=gpu_bytes, **(rates or {}), **trace_slack(trace))
 
 
-def _min(trace: Any, choice: str = "auto") -> Any:
+def _min(trace: Any, choice: str = "auto", rates: dict[str, Any] | None = None) -> Any:
     from hplan.planner import min_gpu_bytes
 
-    return min_gpu_bytes(trace, _hardware(trace), activations=choice)
+    return min_gpu_bytes(trace, _hardware(trace, rates=rates), activations=choice)
 
 
 def _checkpointed(build: Any) -> Any:
@@ -144,7 +145,7 @@ def middle_table(ctx: Context) -> Table:
     from bench.cpu_rates import cpu_rates
     from hplan.errors import HplanError
     from hplan.executor import run_training
-    from hplan.planner import PlanOptions, make_hardware, make_plan, min_gpu_bytes, trace_slack
+    from hplan.planner import PlanOptions, make_plan
     from hplan.specs import load_workload
     from hplan.tracer import trace_workload
 
@@ -155,18 +156,14 @@ def middle_table(ctx: Context) -> Table:
     with _blocks_only():
         traces["blocks only"] = trace_workload(w, device="fake")
     rates = cpu_rates(w, traces["with child segments"])
-
-    def hw(trace: Any, budget: int) -> Any:
-        return make_hardware("cpu", gpu_bytes=budget, **rates, **trace_slack(trace))
-
     (a, ta), (b, tb) = traces.items()
-    low = min_gpu_bytes(ta, hw(ta, 1), activations="auto").gpu_bytes
-    keep = min_gpu_bytes(tb, hw(tb, 1), activations="keep").gpu_bytes
+    low, keep = _min(ta, rates=rates).gpu_bytes, _min(tb, "keep", rates).gpu_bytes
     scan = []
     for i in range(1, MIDDLE_SCAN + 1):
         budget = low + (keep - low) * i // (MIDDLE_SCAN + 1)
         try:
-            plans = {k: make_plan(t, hw(t, budget), PlanOptions(activations="auto")) for k, t in traces.items()}
+            plans = {k: make_plan(t, _hardware(t, budget, rates), PlanOptions(activations="auto"))
+                     for k, t in traces.items()}
         except HplanError:  # blocks only may not fit where child segments do: no ratio at this budget
             continue
         scan.append((plans[a].summary.predicted_step_seconds / plans[b].summary.predicted_step_seconds, budget, plans))
