@@ -1,17 +1,11 @@
 """Region buffers that really hold the model: parameters, gradients, masters and optimizer state are views.
 
-Layout of a chunk's regions (exactly `region.bytes`, no padding), see [Note: plan semantics]:
-- param: the chunk's tensors in order, compute dtype; a parameter's `.data` is its view while the region is
-  resident, and an empty NaN placeholder of the same shape while it is not — reading a view of a freed
-  (0-byte) storage would crash the process — under a class that gives a reader the exact value instead
-  ([Note: offloaded parameter reads] in hplan.executor.offloaded);
-- grad: the trainable tensors, compute dtype;
-- master: the trainable tensors, fp32 (mixed precision only);
-- state: per trainable tensor, its optimizer's per-element states in hplan.optimizers order (fp32 with a
-  master copy, else the compute dtype).
+What each region holds, and in which order, is hplan.executor.region_layout's. A parameter's `.data` is its
+fast view while its weight region is resident, and an empty NaN placeholder of the same shape while it is not —
+reading a view of a freed (0-byte) storage would crash the process — under a class that gives a reader the
+exact value instead ([Note: offloaded parameter reads] in hplan.executor.offloaded).
 Every transition is idempotent (STYLE §3) and runs inside `record_function("hplan::<action>::<region>")`.
 """
-
 from __future__ import annotations
 
 from collections.abc import Callable
@@ -24,7 +18,7 @@ from hplan.executor.device import FastTier
 from hplan.executor.inline_moves import move_inline
 from hplan.executor.live_alias import SET_DATA, live_classes, refuse_kept_aliases
 from hplan.executor.offloaded import offloaded_classes
-from hplan.executor.param_watch import refuse_shared_memory
+from hplan.executor.region_layout import Key, placeholder, plan_params, view_layout
 from hplan.executor.state import RegionState
 from hplan.executor.step_table import Moves
 from hplan.executor.tripwires import refuse_read_ahead
@@ -38,10 +32,6 @@ _RESIDENT = RegionState.RESIDENT
 _PROFILER = torch.autograd.profiler
 _FLAGGED = hasattr(_PROFILER, "_is_profiler_enabled")
 """torch keeps the profiler's on/off flag there (trace_ranges.recording() reads it the same way)."""
-
-Key = str | tuple[str, str]
-"""A view's key inside its region: a parameter name, or (parameter name, state name) in a state region."""
-
 
 @dataclass(kw_only=True, slots=True)
 class Slot:
@@ -92,7 +82,7 @@ class RegionStore:
             self.by_chunk.setdefault(region.chunk, {})[region.kind] = region.id
             slot = Slot(region=region, fast=tier.empty(region.bytes), host=tier.host_empty(region.bytes))
             self.slots[region.id] = slot
-            layout = _layout(region, chunks[region.chunk].tensors, chunks[region.chunk].trainable, self.params,
+            layout = view_layout(region, chunks[region.chunk].tensors, chunks[region.chunk].trainable, self.params,
                              master, state_names)
             need = sum(n * dtype.itemsize for _, n, dtype, _ in layout)
             if need != region.bytes:
@@ -140,7 +130,7 @@ class RegionStore:
             for name in names:
                 p = self.params[name]
                 slot.host_views[name].copy_(p.detach())
-                self.placeholders[name] = _placeholder(p, self.tier.device)
+                self.placeholders[name] = placeholder(p, self.tier.device)
                 p.data = self.placeholders[name]
                 p.__class__ = self.off_class[name]
 
@@ -264,6 +254,10 @@ class RegionStore:
     def region(self, chunk: int, kind: str) -> int | None:
         return self.by_chunk.get(chunk, {}).get(kind)
 
+    def param_slot(self, name: str) -> Slot:
+        """The weight region holding parameter `name`."""
+        return self.slots[self.by_chunk[self.chunk_of[name]]["param"]]
+
     def resident_bytes(self) -> int:
         """Fast-tier region storage allocated now (measured at each resize, not read from the plan)."""
         return self._resident_bytes
@@ -297,7 +291,7 @@ class RegionStore:
         the fast view, else the value copied; the parameter's data after the block."""
         if self.released:
             return self.params[name].data, True
-        slot = self.slots[self.by_chunk[self.chunk_of[name]]["param"]]
+        slot = self.param_slot(name)
         if slot.state is _HOST:
             return self.offloaded_value(name), False
         if self.tier.waits:
@@ -311,12 +305,12 @@ class RegionStore:
             p.__class__ = self.own_class[name]
 
     def current_shape(self, name: str) -> torch.Size:
-        return self.slots[self.by_chunk[self.chunk_of[name]]["param"]].host_views[name].shape
+        return self.param_slot(name).host_views[name].shape
 
     def write_param(self, name: str, value: torch.Tensor) -> None:
         """Set one parameter's value (model.load_state_dict() inside a block): the host copy, and the fast copy
         when resident, so every later eviction, with or without write-back, keeps it."""
-        slot = self.slots[self.by_chunk[self.chunk_of[name]]["param"]]
+        slot = self.param_slot(name)
         with torch.no_grad():
             slot.host_views[name].copy_(value)
             if slot.state.on_fast_tier:
@@ -359,44 +353,3 @@ def move_regions(store: Mover, moves: Moves) -> None:
     finally:
         if tier is not None:
             tier.settle()
-
-
-def _layout(region: Region, tensors: tuple[str, ...], trainable: tuple[str, ...], params: dict[str, nn.Parameter],
-            master: bool, state_names: Callable[[str], tuple[str, ...]]
-            ) -> list[tuple[Key, int, torch.dtype, torch.Size]]:
-    """(key, elements, dtype, shape) of each view in the region, in layout order."""
-    if region.kind == "param":
-        return [(n, params[n].numel(), params[n].dtype, params[n].shape) for n in tensors]
-    if region.kind == "grad":
-        return [(n, params[n].numel(), params[n].dtype, params[n].shape) for n in trainable]
-    if region.kind == "master":
-        return [(n, params[n].numel(), torch.float32, params[n].shape) for n in trainable]
-    out: list[tuple[Key, int, torch.dtype, torch.Size]] = []
-    for n in trainable:
-        dtype = torch.float32 if master else params[n].dtype
-        out += [((n, s), params[n].numel(), dtype, params[n].shape) for s in state_names(n)]
-    return out
-
-
-def _placeholder(p: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """A tensor of p's shape and dtype over one element (NaN for floats): what an evicted parameter reads."""
-    fill = float("nan") if p.is_floating_point() else 0
-    return torch.full((1,), fill, dtype=p.dtype, device=device).expand(p.shape) if p.dim() else \
-        torch.full((), fill, dtype=p.dtype, device=device)
-
-
-def plan_params(model: nn.Module, plan: Plan) -> dict[str, nn.Parameter]:
-    """Canonical name → parameter, checking the plan's chunks cover each exactly once and agree on training."""
-    params = dict(model.named_parameters())
-    listed = [name for c in plan.chunks for name in c.tensors]
-    if sorted(listed) != sorted(params):
-        extra, missing = sorted(set(listed) - set(params)), sorted(set(params) - set(listed))
-        raise HplanError(f"plan chunks do not cover the model's parameters exactly once (unknown {extra[:3]}, "
-                         f"missing {missing[:3]}); regenerate the plan for this model")
-    trainable = {name for c in plan.chunks for name in c.trainable}
-    changed = sorted(n for n, p in params.items() if p.requires_grad != (n in trainable))
-    if changed:
-        raise HplanError(f"parameter {changed[0]} is {'trainable' if params[changed[0]].requires_grad else 'frozen'} "
-                         f"here but not in the plan ({len(changed)} such); re-trace with the same requires_grad flags")
-    refuse_shared_memory(params)
-    return params

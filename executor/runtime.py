@@ -19,6 +19,7 @@ import torch
 from hplan.executor.activations.run import ActivationRun
 from hplan.executor.admission import check_plan, check_state_regions
 from hplan.executor.batch import UpdateBatch
+from hplan.executor.budget_guard import BudgetGuard
 from hplan.executor.device import make_tier
 from hplan.executor.evaluation import EvalPass
 from hplan.executor.events import EventDispatch
@@ -26,7 +27,7 @@ from hplan.executor.grad_arrival import GradArrival
 from hplan.executor.gradients import Clip, GradientOps, warm_nonfinite_check
 from hplan.executor.habits import ONE_OPTIMIZER, intercepted, with_step_hooks
 from hplan.executor.inline_moves import with_slots
-from hplan.executor.measure import EventRecord, WindowMeter, make_probe, window_bytes
+from hplan.executor.measure import EventRecord, WindowMeter, make_probe
 from hplan.executor.overlap import UpdateWorker, use_worker
 from hplan.executor.param_watch import ParamWatch, WriteWatch, check_unfrozen, refuse_unfrozen
 from hplan.executor.scale import LossScale
@@ -55,7 +56,7 @@ _DIRTY = RegionState.RESIDENT_DIRTY
 NONFINITE = ("ignore", "stop", "skip")
 
 
-class PlanRun(EventDispatch, GradArrival, UpdateSteps, GradientOps, StateSync):
+class PlanRun(EventDispatch, GradArrival, UpdateSteps, GradientOps, StateSync, BudgetGuard):
     """Context manager replaying `plan` during a user's training loop (see hplan.executor.attach)."""
 
     sparse_hooks = True
@@ -364,40 +365,3 @@ class PlanRun(EventDispatch, GradArrival, UpdateSteps, GradientOps, StateSync):
 
     def zeroed(self) -> None:
         self._zeroed = True
-
-    def _close_window(self) -> None:
-        """Record the window that ends now (the previous step's) with the probe's peak in it; guard the budget."""
-        model, h2d, d2h = self._pending
-        meter = self.meter
-        used = model if meter is None else window_bytes(meter, model)  # window_bytes' no-probe case, inline
-        if self.cursor == 0:
-            return
-        step = self.plan.steps[self.cursor - 1]
-        record = EventRecord(index=step.index, event=step.event, resident_bytes=used,
-                             model_resident_bytes=model, h2d_bytes=h2d, d2h_bytes=d2h)
-        self.records.append(record)
-        cached = self.tier.cached  # kept free blocks count as CUDA's reserved memory does
-        if used + cached > self._budget:  # guard_budget's test first: no message for a step within budget
-            self.guard_budget(record.resident_bytes + cached, f"plan step {step.index} ({step.event})")
-
-    def _planned(self, where: str) -> str:
-        step = self.plan.steps[self.cursor - 1] if self.cursor else None
-        if step is None or not where.startswith("plan step"):
-            return f"at most {self.plan.gpu_bytes}"
-        return f"{step.non_model_bytes} bytes of activations and temporaries"
-
-    def guard_budget(self, used: int, where: str) -> None:
-        """Measured fast-tier bytes above the plan's budget stop the run (or warn, when asked)."""
-        if used <= self._budget:
-            return
-        kept = f" ({self.tier.cached} of them freed blocks kept for reuse)" if self.tier.cached else ""
-        message = (f"{where} used {used} bytes of the fast tier{kept} in iteration {self.iteration}, over the plan's "
-                   f"budget of {self.plan.gpu_bytes}, where the plan counts {self._planned(where)}; the run differs "
-                   "from the traced step, or the plan no longer matches its trace (edited after `hplan plan`) — "
-                   "re-trace (e.g. with the shapes this run uses) and re-plan")
-        if self.budget_guard == "stop":
-            raise HplanError(message)
-        import warnings
-
-        warnings.warn(message, stacklevel=3)
-

@@ -112,7 +112,7 @@ class StateSync:
             store = self.store
             for key, name in local.items():
                 if prefix + key in state_dict:
-                    slot = store.slots[store.by_chunk[store.chunk_of[name]]["param"]]
+                    slot = store.param_slot(name)
                     with self._host_copies(slot.state is RegionState.HOST):  # [Note: state dict copies in host ...]
                         state_dict[prefix + key] = store.param_value(name)
 

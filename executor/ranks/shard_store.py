@@ -28,7 +28,8 @@ import torch
 from hplan.executor.device import FastTier
 from hplan.executor.offloaded import offloaded_classes
 from hplan.executor.ranks.param_reads import ShardReads
-from hplan.executor.regions import Key, Slot, Traffic, _placeholder, plan_params
+from hplan.executor.region_layout import Key, placeholder, plan_params
+from hplan.executor.regions import Slot, Traffic
 from hplan.executor.state import RegionState
 from hplan.executor.trace_ranges import action
 from torch import nn
@@ -85,7 +86,7 @@ class ShardStore:
         for r in plan.regions:
             self.by_chunk.setdefault(r.chunk, {})[r.kind] = r.id
         self.traffic = Traffic()
-        self.placeholders = {n: _placeholder(p, tier.device) for n, p in self.params.items()}
+        self.placeholders = {n: placeholder(p, tier.device) for n, p in self.params.items()}
         self.reads = ShardReads(self, plan.hardware.ranks)
         self.own_class, self.off_class, _ = offloaded_classes(self.params, self.reads.value)
         """Each parameter's class, held and not held ([Note: sharded parameter reads])."""

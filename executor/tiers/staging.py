@@ -5,7 +5,7 @@ rounded up to 4096): page-aligned, so DiskStore moves it with O_DIRECT and no bo
 kernel when dropped, so host memory follows the plan. Two tensors share the mapping: `host`, exactly n bytes
 (what the fast tier copies from and to: its storage has the region's size), and `disk`, the whole mapping
 (what the disk moves: whole pages). The region's host *views* (parameters, gradients, masters, optimizer
-state, as hplan.executor.regions lays them out) are long-lived objects — the private optimizers hold them —
+state, as hplan.executor.region_layout lays them out) are long-lived objects — the private optimizers hold them —
 so staging re-points each one at the new storage with `Tensor.set_`, and dropping re-points it at a one-element
 placeholder with zero strides: reading an unstaged view gives NaN (never freed memory), writing to it fails
 loudly ("more than one element of the written-to tensor refers to a single memory location").
