@@ -60,8 +60,17 @@ def test_direct_fused_update_is_torchs_step_bit_for_bit(tight, monkeypatch):
         return real(*args, **kwargs)
 
     monkeypatch.setattr(module, "adam", counted)
+    foreach_adds = []
+    real_add = torch._foreach_add_
+
+    def add_counted(*args, **kwargs):
+        foreach_adds.append(len(args[0]))
+        return real_add(*args, **kwargs)
+
+    monkeypatch.setattr(torch, "_foreach_add_", add_counted)
     losses, weights, opt = _train(workload, plan, make_optimizer)
     assert fused_calls == [], "a host batch went through torch's Optimizer.step machinery"
+    assert foreach_adds == [], "the CPU step counters went through torch's foreach add (a tensor made per 1)"
     monkeypatch.setattr(batch, "fused_adam_step", lambda *_: False)  # the optimizer's own step, every batch
     ref_losses, ref_weights, ref_opt = _train(workload, plan, make_optimizer)
     assert fused_calls, "the reference run made no fused host update"
