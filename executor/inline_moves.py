@@ -5,14 +5,14 @@ evictions, 86 fetches and 52 allocations per iteration). Region by region, each 
 (the store's method, the tier's, the arrival) and a dozen C calls (storage lookups, grad mode on and off around
 each copy). `move_inline` does the same transitions with what the store resolved once (each Slot's storage, its
 parameters' views and placeholders; the step's Slots in `Moves.at`, compiled at plan load by `with_slots`):
-the step's write-backs are one `_foreach_copy_` (before any of its evictions releases a block), its fetches'
-copies another, their version counters put back in one call, grad mode switched once. Same order (evictions,
-then fetches, then allocations, each in the plan's order: room freed before it is taken), same idempotence (a
-region already where it should be is passed), same bytes, same block cache ([Note: the CPU twin's block
-cache] and [Note: same-step reuse] in hplan.executor.device: FastTier.release's and h2d's logic, inline), same
-counters. Only for a RegionStore on the CPU twin's FastTier whose moves no subclass extends
-(`RegionStore.inline_moves`), and not while torch's profiler records (its per-region ranges come from the
-per-region path).
+its fetches' copies are one `_foreach_copy_`, their version counters put back in one call, no grad mode
+switched; each write-back is its own copy (at gpt:small's minimum a step writes back at most two dirty regions,
+where one call over lists measured slower than two copies: issue 32). Same order (evictions, then fetches, then
+allocations, each in the plan's order: room freed before it is taken), same idempotence (a region already where
+it should be is passed), same bytes, same block cache ([Note: the CPU twin's block cache] and [Note: same-step
+reuse] in hplan.executor.device: FastTier.release's and h2d's logic, inline), same counters. Only for a
+RegionStore on the CPU twin's FastTier whose moves no subclass extends (`RegionStore.inline_moves`), and not
+while torch's profiler records (its per-region ranges come from the per-region path).
 """
 
 from __future__ import annotations
@@ -37,46 +37,33 @@ _copy_all = torch._foreach_copy_
 
 def with_slots(moves: Moves, slots: dict[int, Any]) -> Moves:
     """`moves` with its regions resolved to the store's Slots once ([Note: inline moves]): evictions with their
-    write-back flag, fetches, allocations, the fetches' fast and host buffers (the step's copy) and the
-    evictions the plan writes back (copied when dirty)."""
+    write-back flag, fetches, allocations, and the fetches' fast and host buffers (the step's copy)."""
     if not (moves.evict or moves.fetch or moves.alloc):
         return moves
     fetches = tuple(slots[r] for r in moves.fetch)
     return replace(moves, at=(tuple((slots[r], writeback) for r, writeback in moves.evict), fetches,
                               tuple(slots[r] for r in moves.alloc), tuple(s.fast for s in fetches),
-                              tuple(s.host for s in fetches),
-                              tuple(slots[r] for r, writeback in moves.evict if writeback)))
+                              tuple(s.host for s in fetches)))
 
 
 def move_inline(store: Any, at: tuple[Any, ...], lend: bool) -> None:
-    """[Note: inline moves] The step's evictions (the dirty ones the plan writes back copied first, in one
-    call), fetches (their copies one call) and allocations. No grad mode switch: no buffer here requires grad,
-    so no copy records anything for autograd (FastTier's copies switch it per region: Python-free, not
-    call-free)."""
-    evicts, fetches, allocs, fasts, hosts, backs = at
+    """[Note: inline moves] The step's evictions (each written back first where the plan says), fetches (their
+    copies one call) and allocations. No grad mode switch: no buffer here requires grad, so no copy records
+    anything for autograd (FastTier's copies switch it per region: Python-free, not call-free)."""
+    evicts, fetches, allocs, fasts, hosts = at
     tier = store.tier
     blocks_of, empties = tier._blocks, tier._empty
     if lend and tier.caches:
         tier._lent = LENT  # tier.lend(), inline
     traffic = store.traffic
     try:
-        if backs:  # written back before any block is released; clean after, so each is copied once
-            dirty: list[Any] = []
-            into: list[torch.Tensor] = []
-            out: list[torch.Tensor] = []
-            for slot in backs:  # loops, not comprehensions: no Python frame of their own
-                if slot.state is _DIRTY:
-                    dirty.append(slot)
-                    into.append(slot.host)
-                    out.append(slot.fast)
-            if dirty:
-                _copy_all(into, out)
-                for slot in dirty:
-                    traffic.d2h += slot.region.bytes
-                    slot.state = _RESIDENT
-        for slot, _ in evicts:
-            if slot.state is _HOST:
+        for slot, writeback in evicts:
+            state = slot.state
+            if state is _HOST:
                 continue
+            if writeback and state is _DIRTY:
+                slot.host.copy_(slot.fast)
+                traffic.d2h += slot.region.bytes
             for param, placeholder, cls in slot.unbinds:
                 SET_DATA(param, placeholder)  # not through Resident's property ([Note: live aliases])
                 param.__class__ = cls  # after `.data =`: an evicted parameter refuses it

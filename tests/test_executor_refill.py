@@ -7,7 +7,7 @@ import pytest
 import torch
 from loops import plan_for
 
-from hplan.executor import PlanRun, events, grad_arrival, inline_moves, regions, runtime
+from hplan.executor import PlanRun, events, grad_arrival, regions
 from hplan.executor.device import FastTier
 from hplan.specs import load_workload
 from hplan.training import build_optimizer
@@ -68,43 +68,3 @@ def test_refills_take_the_blocks_their_step_released_and_train_the_same(tight, m
     assert all(torch.equal(a, b) for a, b in zip(weights, ref_weights, strict=True))
     if not measure:
         assert records == ref_records
-
-
-def _train_counted(workload, plan, *, inline: bool, monkeypatch):
-    """Losses, records and weights of 3 iterations, and the sizes of the one-call copies into host buffers
-    (`inline_moves._copy_all`); `inline` False: the moves region by region (no Slots resolved at plan load)."""
-    if not inline:
-        monkeypatch.setattr(runtime, "with_slots", lambda moves, slots: moves)
-    real, into_host, hosts = inline_moves._copy_all, [], set()
-
-    def counted(into, out):
-        if id(into[0]) in hosts:
-            into_host.append(len(into))
-        return real(into, out)
-
-    monkeypatch.setattr(inline_moves, "_copy_all", counted)
-    model = workload.build_model()
-    optimizer = build_optimizer(workload, model)
-    losses, records = [], []
-    with PlanRun(model, optimizer, plan, batch_example=workload.batch(0), measure=False, overlap=False) as run:
-        hosts.update(id(slot.host) for slot in run.store.slots.values())
-        for i in range(3):
-            loss = workload.loss(model, workload.batch(i))
-            loss.backward()
-            records.append(run.step())
-            losses.append(float(loss.detach()))
-    monkeypatch.undo()
-    return losses, records, [p.detach().clone() for p in model.parameters()], into_host
-
-
-def test_a_steps_write_backs_are_one_copy_and_train_the_same(tight, monkeypatch):
-    """[Note: inline moves]: the dirty regions a step writes back are copied in one call, before its evictions
-    release a block; the same bytes each way at each step (the records) and the same training as region by
-    region. (Before, each write-back was its own copy_ call: no copy into host buffers went through one call.)"""
-    workload, plan = tight
-    losses, records, weights, into_host = _train_counted(workload, plan, inline=True, monkeypatch=monkeypatch)
-    ref_losses, ref_records, ref_weights, ref_into = _train_counted(workload, plan, inline=False,
-                                                                      monkeypatch=monkeypatch)
-    assert ref_into == [] and into_host and max(into_host) > 1  # several regions written back in one call
-    assert losses == ref_losses and records == ref_records
-    assert all(torch.equal(a, b) for a, b in zip(weights, ref_weights, strict=True))
