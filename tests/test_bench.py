@@ -246,7 +246,7 @@ def test_paired_speed_steps_alternate_plain_and_hplan_on_the_same_batches(tmp_pa
     each step timed once; the quartiles of the step ratios are those of the inclusive method."""
     from loops import plan_for
 
-    from bench.executor_speed import quartiles
+    from bench.speed_steps import quartiles
     from bench.speed_runs import _paired
     from hplan.specs import load_workload
 
