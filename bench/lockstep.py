@@ -12,7 +12,8 @@ between quiet runs. Here the processes of a round are started together, do their
   the next. A waiting child sleeps in the kernel (no spinning: it takes no core from the one that runs) and the
   kernel wakes it when its byte arrives.
 - each step is timed inside its own process (perf_counter around the step only: the hand-over is outside it, as
-  are the parent's wake-up and the next child's), as in a run alone. hplan's worker and copier threads finish a
+  are the parent's wake-up between turns and the next child's), as in a run alone; the first step (set-up's
+  allocations) is left out of the medians, as before. hplan's worker and copier threads finish a
   step's work before the step returns ([Note: overlapped host updates], [Note: offload beside the forward] in
   hplan.executor), so nothing of one system runs in the other's turn.
 - who goes first alternates (the caller passes `first`); each child gets exactly `steps` turns, and must report
@@ -23,9 +24,12 @@ between quiet runs. Here the processes of a round are started together, do their
   child, its exit status and its last stderr line; one that hangs raises after `timeout` seconds. Either way every
   child is killed: a crash never hangs the bench. A child whose parent is gone reads end-of-file and exits.
 - caches: each step starts right after the other process's step has run on the same cores, so it finds the
-  caches holding the other's data: the same for both systems, and a step of a real training loop rarely starts
-  with warm caches either (the data loader, logging). The processes are not pinned to a core (the machine is
-  shared; pinning would tie them to a core other work may hold).
+  caches holding the other's data: the same for both systems (as in a loop whose data loader or logging runs
+  between steps). The processes are not pinned to a core (the machine is shared; pinning would tie them to a
+  core other work may hold), so which core a woken child runs on is the kernel's choice, alike for both.
+- what lockstep does not remove: load from outside that lands inside one step and not the other's (medians over
+  each process's steps, then over rounds), and what differs between two processes (where the heap and the
+  model's tensors fall in memory): that is what rounds of fresh processes average out.
 Plumbing only: no torch, so its tests run tiny children in well under a second.
 """
 

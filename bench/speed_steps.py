@@ -4,6 +4,7 @@ on) and paired steps in one process (a cross-check), on bench.executor_speed's p
 from __future__ import annotations
 
 import sys
+import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -14,10 +15,11 @@ from bench.harness import REPO_ROOT, Table, fmt_bytes, fmt_ratio, median, rel_di
 
 PAIRED_STEPS = {False: 40, True: 3}
 """Paired steps per process (bench.speed_runs `_paired`), full and --quick."""
-LOCKSTEP_ROUNDS = (24, 11)
+LOCKSTEP_ROUNDS = (24, 9)
 """Steps per process, rounds (full run). A round's cost is mostly its processes' start-up (torch's import, the
-model, the plan), so steps are cheaper than rounds; the fresh-process table this replaced ran 15 rounds × 12 steps
-of five processes one after the other (~340 s), four lockstep pairs × 11 rounds of 24 steps take about as long."""
+model, the plan: ~4 s of CPU each), so steps are cheaper than rounds. Four pairs a round (~8 s each on a quiet
+2-core machine: the two start-ups run at once) × 9 rounds keep the section within ~400 s; the fresh-process table
+this replaced ran 15 rounds of five processes one after the other (~330 s of the section's ~365 s)."""
 
 
 def lockstep_rounds(ctx: Context, pairs: dict[str, Sequence[str]], *, steps: int,
@@ -29,6 +31,7 @@ def lockstep_rounds(ctx: Context, pairs: dict[str, Sequence[str]], *, steps: int
 
     out: dict[str, list[tuple[dict[str, Any], dict[str, Any]]]] = {k: [] for k in pairs}
     for r in range(n):
+        t0 = time.perf_counter()
         for j, (key, args) in enumerate(pairs.items()):
             cmd, env = worker_command(["speed-run", "plain", SPEC, str(steps)])
             cmds = {"plain": cmd, key: worker_command(["speed-run", args[0], SPEC, str(steps), *args[1:]])[0]}
@@ -37,7 +40,9 @@ def lockstep_rounds(ctx: Context, pairs: dict[str, Sequence[str]], *, steps: int
             except RuntimeError as exc:
                 raise RuntimeError(f"lockstep round {r + 1}, {key}: {exc}") from None
             out[key].append((res["plain"], res[key]))
-        ctx.log(f"[bench]   lockstep round {r + 1}/{n} done ({load_note()})")
+        ratios = ", ".join(f"{k} {steady_median(out[k][-1][1]) / steady_median(out[k][-1][0]):.3f}" for k in pairs)
+        ctx.log(f"[bench]   lockstep round {r + 1}/{n} done in {time.perf_counter() - t0:.0f} s ({ratios}; "
+                f"{load_note()})")
     return out
 
 
