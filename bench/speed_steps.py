@@ -110,8 +110,8 @@ def lockstep_table(ctx: Context, plans: dict[str, Path]) -> tuple[Table, list[st
     table.notes.append("This table replaced one that ran each system in a fresh process of its own, one after the "
                        "other (15 rounds × 12 steps, the order rotated): there the two processes of a ratio ran "
                        "seconds apart under different loads, single rounds spread 0.7-1.7× even at load 0.5 and "
-                       "the median over 15 moved ±8% between quiet runs (all-resident 1.062 / 0.895 / 0.944 / "
-                       "1.061×), wider than all-resident's 3% margin. The runs themselves are the same "
+                       "the median over 15 moved ±8% between quiet runs (2026-11-30: all-resident 1.062 / 0.895 / "
+                       "0.944 / 1.061×), wider than all-resident's 3% margin. The runs themselves are the same "
                        "(bench.speed_runs: workload, seed, batches, loop, one torch thread).")
     table.notes.append(f"The minimum budget's goal is 1.15 + (memcpy time of its {fmt_bytes(moved)} per iteration: "
                        f"{memcpy * 1e3:.2f} ms into buffers allocated beforehand, measured in the hplan process "
