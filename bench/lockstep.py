@@ -81,12 +81,21 @@ class _Child:
         try:
             self.proc = subprocess.Popen(list(cmd), stdout=self.out, stderr=self.err, cwd=cwd, pass_fds=(go_r, back_w),
                                          env={**env, ENV: f"{go_r},{back_w}"})
+        except OSError:
+            for f in (self.go, self.back):
+                os.close(f)
+            self.out.close()
+            self.err.close()
+            raise
         finally:
             os.close(go_r)  # the child's ends: once it exits, reading `back` returns end-of-file
             os.close(back_w)
 
-    def give(self) -> None:
-        os.write(self.go, b"g")
+    def give(self, what: str) -> None:
+        try:
+            os.write(self.go, b"g")
+        except BrokenPipeError:  # it exited after its last hand-over
+            raise RuntimeError(f"{self.name} exited {self._status()} ({what}): {self.last_error()}") from None
 
     def take_back(self, timeout: float, what: str) -> None:
         ready, _, _ = select.select([self.back], [], [], timeout)
@@ -109,7 +118,7 @@ class _Child:
     def finish(self, timeout: float) -> dict[str, Any]:
         from bench.harness import parse_last_json
 
-        self.give()
+        self.give("after its steps")
         try:
             rc = self.proc.wait(timeout=timeout)
         except subprocess.TimeoutExpired:
@@ -149,8 +158,9 @@ def lockstep(cmds: Mapping[str, Sequence[str]], *, steps: int, first: int = 0, t
             children[name].take_back(max(0.0, deadline - time.monotonic()), "set-up")
         for step in range(steps):
             for name in order:
-                children[name].give()
-                children[name].take_back(timeout, f"step {step + 1} of {steps}")
+                what = f"step {step + 1} of {steps}"
+                children[name].give(what)
+                children[name].take_back(timeout, what)
         out = {name: children[name].finish(timeout) for name in order}
     finally:
         for child in children.values():

@@ -272,6 +272,11 @@ mode, steps = sys.argv[1], int(sys.argv[2])
 turns = Turns.from_env()
 if mode != "early":
     turns.hand_over()  # set-up done
+if mode == "quit":
+    import os
+    os.close(turns.go)  # gone before its turn comes back: the parent's write to it fails
+    os.write(turns.back, b"t")
+    sys.exit(0)
 spans = []
 for i in range(steps):
     t0 = time.monotonic()
@@ -307,11 +312,12 @@ def test_lockstep_children_take_turns_one_step_at_a_time(first: int) -> None:
 
 @pytest.mark.parametrize("mode, match", [("die", "b exited 1 \\(step 2 of 3\\): died on purpose"),
                                          ("hang", "b: no hand-over within 1 s \\(step 2 of 3\\)"),
-                                         ("early", "b exited 0 \\(step 3 of 3\\)")])
+                                         ("early", "b exited 0 \\(step 3 of 3\\)"),
+                                         ("quit", "b exited 0 \\(step 2 of 3\\)")])
 def test_lockstep_round_fails_fast_naming_a_child_that_dies_hangs_or_skips_a_turn(mode: str, match: str) -> None:
-    """A crash never hangs the bench: a dead child is seen at once (its pipe closes), a hung one after the
-    timeout, one that ran its first step without waiting for its turn when it runs out of steps; both are
-    killed."""
+    """A crash never hangs the bench: a dead child is seen at once (its pipe closes, or the parent's write to it
+    fails), a hung one after the timeout, one that ran its first step without waiting for its turn when it runs
+    out of steps; both are killed."""
     import time
 
     t0 = time.monotonic()
