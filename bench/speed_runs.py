@@ -11,6 +11,8 @@ thread, `overlap=True`) | paired, paired-worker (plain and hplan in one process,
 which `hplan run` does by default and the plain loop does not) | ds-z2 | ds-z3 | ds-z2-offload | ds-z3-offload
 (offload: optimizer, and for ZeRO-3 the parameters, on the CPU; DeepSpeed then runs the client's torch AdamW on the
 host copies, no compiled extension).
+Started by a lockstep parent (bench.lockstep: its pipes named in the environment), plain and hplan's systems hand
+the turn over once set up and after each step, outside the step's timing ([Note: lockstep rounds]).
 """
 
 from __future__ import annotations
