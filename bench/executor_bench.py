@@ -12,6 +12,7 @@ from dataclasses import replace
 
 import gc
 import time
+from collections.abc import Callable
 from typing import Any
 
 from bench.context import Context
@@ -24,9 +25,11 @@ MIXED_PARITY_RTOL = 1e-4
 The reference is plain PyTorch under the same recipe (fp32 masters, `hplan.training`), not bf16 AdamW."""
 
 
-def plain_run(workload: Any, steps: int, *, faults: list[int] | None = None) -> tuple[list[float], list[float]]:
+def plain_run(workload: Any, steps: int, *, faults: list[int] | None = None,
+              after_step: Callable[[], None] | None = None) -> tuple[list[float], list[float]]:
     """Ordinary PyTorch training with the workload's seed: per-step losses and seconds (and, into `faults`, each
-    step's minor page faults, read outside its timing)."""
+    step's minor page faults, read outside its timing); `after_step` is called after each, outside it too (a
+    lockstep round's hand-over: bench.lockstep)."""
     import resource
 
     model = workload.build_model()
@@ -43,6 +46,8 @@ def plain_run(workload: Any, steps: int, *, faults: list[int] | None = None) -> 
         if faults is not None:
             faults.append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
         losses.append(float(loss.detach()))
+        if after_step is not None:
+            after_step()
     del model, opt
     gc.collect()
     return losses, secs

@@ -1,17 +1,17 @@
 """Table 12 — the executor's own cost: a quiet hook event (microbenchmark), where a step's time goes (profile),
-and step time against plain PyTorch at all-resident and at the minimum budget, interleaved in fresh processes.
+and step time against plain PyTorch at all-resident and at the minimum budget, in lockstep rounds.
 
 Goals (issue 32): a hook event that moves nothing ≤ 5 µs; all-resident ≤ 1.03× plain; at the minimum budget ≤
-1.15× plain + the time a host memcpy takes for the bytes it copies (measured here, same sizes). Each round runs
-every system once, each in a fresh process (one torch thread), in the same order; ratios are of step medians
-within a round, so load drift between rounds cancels. The machine is shared: the load average is printed.
+1.15× plain + the time a host memcpy takes for the bytes it copies (measured here, same sizes). Each round runs,
+per row, plain PyTorch and hplan in two fresh processes (one torch thread each) that take turns a step at a time
+([Note: lockstep rounds] in bench.lockstep); ratios are of the two processes' step medians within a round, judged
+on the median over rounds. The machine is shared: the load average is printed.
 """
 
 from __future__ import annotations
 
 import gc
 import os
-import sys
 import time
 from collections.abc import Sequence
 from dataclasses import replace
@@ -19,18 +19,11 @@ from pathlib import Path
 from typing import Any
 
 from bench.context import Context
-from bench.harness import SectionOutput, Table, fmt_bytes, fmt_ratio, median, rel_diff, run_worker
+from bench.harness import SectionOutput, Table, median, rel_diff, run_worker
 
 SPEC = "gpt:small"
 QUICK_ROUNDS = (3, 1)
-"""--quick: steps per run, rounds."""
-PAIRED_STEPS = {False: 40, True: 3}
-"""Paired steps per process (bench.speed_runs `_paired`), full and --quick."""
-FULL_ROUNDS = (12, 15)
-"""Steps per run, rounds: all-resident's goal leaves 3% while single rounds on the shared 2-core machine spread
-0.7-1.7x even at load 1 (2026-11-30: two quiet runs of 7 rounds read all-resident 1.062x then 0.895x), so the
-median is over 15 rounds (7 before, 5 before that) of 12-step runs (8 before: a run's first steady steps still take
-the warm-up's page faults)."""
+"""--quick: steps per run, rounds (section 13's lockstep rounds, section 14's own)."""
 
 
 def load_note() -> str:
@@ -214,141 +207,6 @@ def calls_table(ctx: Context, plans: dict[str, Path]) -> Table:
     return table
 
 
-def step_table(ctx: Context, plans: dict[str, Path]) -> tuple[Table, list[str], dict[str, float]]:
-    """The rounds of fresh processes; returns the table, its headline lines and each row's goal (by key)."""
-    from hplan.artifacts import Plan
-    from hplan.executor.overlap import host_update_seconds
-
-    steps, n = QUICK_ROUNDS if ctx.quick else FULL_ROUNDS
-    runs = rounds(ctx, {"plain": ("plain",), "resident": ("hplan-nocheck", str(plans["resident"])),
-                        "resident-check": ("hplan", str(plans["resident"])),
-                        "min": ("hplan-nocheck", str(plans["min"])),
-                        "min-worker": ("hplan-worker-nocheck", str(plans["min"]))},
-                  steps=steps, n=n, rotate=True)
-    if ctx.quick:  # section 14's --quick round reuses these runs (reused_quick_runs): its hplan checks gradients
-        ctx.speed_quick_runs = {"plain": runs["plain"], "resident": runs["resident-check"]}
-    plain = median([steady_median(p) for p in runs["plain"]])
-    where = "on the worker thread" if runs["min"][-1].get("worker") else "in line"
-    where += ", activation copies " + ("on the copier thread" if runs["min"][-1].get("copier") else "in line")
-    prices = host_update_seconds(Plan.load(plans["min"]))
-    mean_price, switch = sum(prices) / max(1, len(prices)), sys.getswitchinterval()
-    moved = int(runs["min"][-1].get("moved_bytes", 0))
-    memcpy = median([p["memcpy_seconds"] for p in runs["min"]])
-    refill = median([p["refill_seconds"] for p in runs["min"]])
-    table = Table(headers=["system", "step ÷ plain (min / median / max over rounds)", "goal (on the median)",
-                           "rounds within the goal", "max loss diff vs plain", "bytes copied per iter",
-                           "minor page faults per iter"],
-                  caption=f"**Step time against plain PyTorch** ({SPEC}, {n} rounds × {steps} steps, a fresh process "
-                          "per run, one torch thread, each round's order rotated one place; ratios of steady-step "
-                          f"medians within each round; {load_note()} at the end).")
-    heads = []
-    goals: dict[str, float] = {}
-    table.add("plain PyTorch (the reference)", "—", "—", "—", "—", "0 B", f"{steady_faults(runs['plain']):.0f}")
-    for key, label in (("resident", "hplan, all-resident plan"),
-                       ("resident-check", "hplan, all-resident plan, with `hplan run`'s non-finite gradient check"),
-                       ("min", f"hplan at the minimum budget (default: host updates {where})"),
-                       ("min-worker", "hplan at the minimum budget, host updates always on the worker thread")):
-        ratios = round_ratios(runs, key, "plain")
-        diff = max(loss_diff(a, b) for a, b in zip(runs[key], runs["plain"]))
-        spread = f"{fmt_ratio(min(ratios), 3)} / {fmt_ratio(median(ratios), 3)} / {fmt_ratio(max(ratios), 3)}"
-        moved_row, faults = fmt_bytes(runs[key][-1].get("moved_bytes", 0)), f"{steady_faults(runs[key]):.0f}"
-        if key == "resident-check":  # no goal: work the plain loop does not do, shown for its cost
-            table.add(label, spread, "—", "—", f"{diff:.1e}", moved_row, faults)
-            continue
-        goal = 1.03 if key == "resident" else 1.15 + memcpy / plain
-        met = "met" if median(ratios) <= goal else "missed"
-        within = sum(r <= goal for r in ratios)
-        table.add(label, spread, f"≤ {goal:.3f}× ({met})", f"{within} of {len(ratios)}", f"{diff:.1e}", moved_row,
-                  faults)
-        goals[key] = goal
-        heads.append(f"{label}: {fmt_ratio(median(ratios), 3)} plain, median of {len(ratios)} rounds (goal ≤ "
-                     f"{goal:.3f}×: {met}; {within} of {len(ratios)} rounds within it)")
-    table.notes.append(f"The minimum budget's goal is 1.15 + (memcpy time of its {fmt_bytes(moved)} per iteration: "
-                       f"{memcpy * 1e3:.2f} ms into buffers allocated beforehand, measured in the hplan process "
-                       "right after its steps, median over rounds) ÷ plain's step "
-                       f"({plain * 1e3:.1f} ms). Copying the same bytes into freshly allocated memory, as the CPU "
-                       f"twin refills a region it really freed, takes {refill * 1e3:.2f} ms (page faults); a "
-                       "refill that an eviction of the same step made room for takes the evicted region's block "
-                       "instead ([Note: same-step reuse] in hplan.executor.device).")
-    table.notes.append("Minor page faults: getrusage's ru_minflt around each steady step (outside its timing), the "
-                       "mean over a run's steps, median over rounds. They are pages malloc gave back to the kernel "
-                       "(heap trims) and took again: plain PyTorch takes them too. The CPU twin keeps a released "
-                       "region's memory for the next region of its size, within the budget the plan leaves free "
-                       "([Note: the CPU twin's block cache]; `speed-run hplan-nocache` in bench.speed_runs runs "
-                       "it off: within noise of the cache's run in the last run that had both, 0.919× / 1.100× "
-                       "against 0.978× / 1.101×, so this table no longer spends rounds on it). At the minimum "
-                       "budget the plan leaves no room, so nothing is kept there, as CUDA's allocator could keep "
-                       "nothing reserved either.")
-    table.notes.append("The plain loop checks no gradient for NaN or inf, so the rows with a goal run hplan with "
-                       "`nonfinite=\"ignore\"` (the same work; `hplan.attach`'s default). `hplan run` (run_training) "
-                       "by default also checks every gradient before anything is updated (`nonfinite=\"stop\"`: a "
-                       "NaN gradient stops the run before it reaches the weights or a checkpoint); its row shows what "
-                       "that check costs, with no goal.")
-    table.notes.append("Every child collects its garbage once right before its timed steps, whatever the system "
-                       "([Note: the collector before the timed steps] in bench.speed_runs): until then one of the "
-                       "hplan child's first steady steps at the minimum budget held a full collection of what its "
-                       "imports and plan load left (300+ ms at load 6-7), which plain's child never had.")
-    table.notes.append("Rounds: the goal is judged on the median of the per-round ratios, and the table also "
-                       "gives the slowest round and how many rounds were within the goal, so a run whose median "
-                       "passes on a spread wider than the goal's margin reads as such.")
-    table.notes.append("hplan can run a backward step's host updates on one worker thread beside the backward "
-                       "(hplan.executor.overlap): a second core, which plain PyTorch (one torch thread) does not "
-                       "use. By default (`overlap=\"auto\"`, [Note: when the worker pays]) a run on the CPU twin "
-                       "uses it only with a spare core and host updates the plan prices at one GIL switch interval "
-                       f"({switch * 1e3:.0f} ms) or more each on average; this plan prices its {len(prices)} at "
-                       f"{mean_price * 1e3:.2f} ms on average, so the default runs them {where}; "
-                       "the worker row forces the thread (`overlap=True`): every hand-off costs the backward's "
-                       "thread the GIL. On CUDA the worker is the default: there the update hides behind the "
-                       "GPU's kernels.")
-    return table, heads, goals
-
-
-def quartiles(values: list[float]) -> tuple[float, float]:
-    """The 25th and 75th percentiles (inclusive method; the value itself for one)."""
-    import statistics
-
-    if len(values) < 2:
-        return values[0], values[0]
-    q = statistics.quantiles(values, n=4, method="inclusive")
-    return q[0], q[2]
-
-
-def paired_table(ctx: Context, plans: dict[str, Path], goals: dict[str, float]) -> tuple[Table, list[str]]:
-    """Plain and hplan a step each in turn in one process (bench.speed_runs `_paired`), per plan: the ratio of
-    step medians, with the spread of the step-by-step ratios."""
-    steps = PAIRED_STEPS[ctx.quick]
-    configs = {"resident": ("paired", "resident", "hplan, all-resident plan"),
-               "min": ("paired", "min", "hplan at the minimum budget (default)"),
-               "min-worker": ("paired-worker", "min", "hplan at the minimum budget, host updates on the worker")}
-    if ctx.quick:
-        configs = {"min": configs["min"]}
-    table = Table(headers=["system", "step ÷ plain (ratio of step medians)", "step-by-step ratios (25th–75th pct)",
-                           "goal", "max loss diff vs plain"],
-                  caption=f"**Paired steps** ({SPEC}, {steps} steps each of plain PyTorch and of the same loop inside "
-                          "`hplan.attach`, one process per row, a step of each in turn, who goes first alternating, "
-                          "first pair left out; one torch thread; the load both see is the same from one step to the "
-                          f"next; {load_note()} at the end).")
-    heads = []
-    for key, (system, plan, label) in configs.items():
-        res = run_worker(["speed-run", system, SPEC, str(steps), str(plans[plan])], timeout=600)
-        if not res.ok:
-            raise RuntimeError(f"{key}: {res.error}")
-        p = res.payload
-        mine, plain = p["step_seconds"][1:], p["plain_seconds"][1:]
-        ratio = median(mine) / median(plain)
-        lo, hi = quartiles([a / b for a, b in zip(mine, plain)])
-        goal = goals.get(key, goals.get("min", float("nan")))
-        met = "met" if ratio <= goal else "missed"
-        diff = max(rel_diff(x, y) for x, y in zip(p["losses"], p["plain_losses"]))
-        table.add(label, fmt_ratio(ratio, 3), f"{lo:.3f}–{hi:.3f}", f"≤ {goal:.3f}× ({met})", f"{diff:.1e}")
-        heads.append(f"paired steps, {label}: {fmt_ratio(ratio, 3)} plain (goal ≤ {goal:.3f}×: {met})")
-    table.notes.append("Separate processes (the table above) keep each system's memory its own; paired steps share "
-                       "one process's allocator, but see the same load: on this shared machine the rounds' ratios "
-                       "spread wider than all-resident's 3% margin, the paired ratio much less. The goals are the "
-                       "table above's (the minimum budget's from its memcpy measurement).")
-    return table, heads
-
-
 def run(ctx: Context) -> SectionOutput:
     import torch
 
@@ -377,7 +235,9 @@ def _run(ctx: Context) -> SectionOutput:
                 out.headline.append(f"function calls per iteration: plain {table.rows[0][1]}, all-resident "
                                     f"{table.rows[1][1]} ({table.rows[1][3]} of them hplan's), minimum budget "
                                     f"{table.rows[2][1]} ({table.rows[2][3]})")
-    result = out.part("step time", step_table, ctx, plans, log=ctx.log)
+    from bench.speed_steps import lockstep_table, paired_table
+
+    result = out.part("step time (lockstep)", lockstep_table, ctx, plans, log=ctx.log)
     if result is not None:
         out.tables.append(result[0])
         out.headline.extend(result[1])

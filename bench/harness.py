@@ -135,14 +135,19 @@ class ChildResult:
     error: str = ""
 
 
+def worker_command(args: Sequence[str]) -> tuple[list[str], dict[str, str]]:
+    """The argv and environment of `python -m bench.worker ARGS` (run from REPO_ROOT)."""
+    env = {**os.environ, "PYTHONPATH": str(REPO_ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    return [sys.executable, "-m", "bench.worker", *args], env
+
+
 def run_worker(args: Sequence[str], *, timeout: float) -> ChildResult:
     """Run `python -m bench.worker ARGS` and parse the JSON line it prints last.
 
     A subprocess gives each measurement a fresh address space, so peak RSS is the job's own and
     not the high-water mark of everything the suite did before.
     """
-    cmd = [sys.executable, "-m", "bench.worker", *args]
-    env = {**os.environ, "PYTHONPATH": str(REPO_ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    cmd, env = worker_command(args)
     t0 = time.perf_counter()
     try:
         proc = subprocess.run(cmd, check=False, capture_output=True, text=True, timeout=timeout, cwd=REPO_ROOT, env=env)

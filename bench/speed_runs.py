@@ -11,6 +11,8 @@ thread, `overlap=True`) | paired, paired-worker (plain and hplan in one process,
 which `hplan run` does by default and the plain loop does not) | ds-z2 | ds-z3 | ds-z2-offload | ds-z3-offload
 (offload: optimizer, and for ZeRO-3 the parameters, on the CPU; DeepSpeed then runs the client's torch AdamW on the
 host copies, no compiled extension).
+Started by a lockstep parent (bench.lockstep: its pipes named in the environment), plain and hplan's systems hand
+the turn over once set up and after each step, outside the step's timing ([Note: lockstep rounds]).
 """
 
 from __future__ import annotations
@@ -20,6 +22,8 @@ import os
 import resource
 import time
 from typing import Any
+
+from bench.lockstep import Turns
 
 DS_SYSTEMS = ("ds-z2", "ds-z3", "ds-z2-offload", "ds-z3-offload")
 HPLAN_SYSTEMS: dict[str, bool | str] = {"hplan": "auto", "hplan-inline": False, "hplan-worker": True,
@@ -44,17 +48,19 @@ def settle_collector() -> None:
     gc.collect()
 
 
-def _plain(workload: Any, steps: int) -> dict[str, Any]:
+def _plain(workload: Any, steps: int, turns: Turns | None = None) -> dict[str, Any]:
     from bench.executor_bench import plain_run
 
     settle_collector()
     faults: list[int] = []
-    losses, secs = plain_run(workload, steps, faults=faults)
+    if turns is not None:
+        turns.hand_over()  # set-up done: wait for the first turn ([Note: lockstep rounds] in bench.lockstep)
+    losses, secs = plain_run(workload, steps, faults=faults, after_step=turns.hand_over if turns else None)
     return {"losses": losses, "step_seconds": secs, "step_faults": faults}
 
 
 def _hplan(workload: Any, steps: int, plan_path: str, *, overlap: bool | str = "auto",
-           cache: bool = True, nonfinite: str = "stop") -> dict[str, Any]:
+           cache: bool = True, nonfinite: str = "stop", turns: Turns | None = None) -> dict[str, Any]:
     from hplan.artifacts import Plan
     from hplan.executor import run_training
     from hplan.executor.device import FastTier
@@ -63,12 +69,20 @@ def _hplan(workload: Any, steps: int, plan_path: str, *, overlap: bool | str = "
 
     from bench.executor_speed import copy_seconds
 
-    marks = [minor_faults()]  # after each step (run_training's progress callback, outside the step's timing)
     FastTier.caches = cache
     plan = Plan.load(plan_path)
     settle_collector()
+    if turns is not None:
+        turns.hand_over()  # set-up done: wait for the first turn ([Note: lockstep rounds] in bench.lockstep)
+    marks = [minor_faults()]
+
+    def after_step(*_: Any) -> None:  # run_training's progress callback: outside the step's timing
+        marks.append(minor_faults())
+        if turns is not None:
+            turns.hand_over()
+
     report = run_training(workload, plan, steps=steps, device="cpu", measure=False, overlap=overlap,
-                          nonfinite=nonfinite, on_progress=lambda *_: marks.append(minor_faults()))
+                          nonfinite=nonfinite, on_progress=after_step)
     moved = report.bytes_moved_per_iter + report.activation_bytes_moved_per_iter
     return {"losses": list(report.losses), "step_seconds": list(report.step_seconds), "moved_bytes": moved,
             "step_faults": [b - a for a, b in zip(marks, marks[1:])],
@@ -165,13 +179,16 @@ def speed_run(system: str, spec: str, steps: int, plan_path: str | None) -> dict
 
     torch.set_num_threads(1)
     workload = load_workload(spec)
+    turns = Turns.from_env()
+    if turns is not None and system != "plain" and system not in HPLAN_SYSTEMS:
+        raise ValueError(f"speed-run {system} takes no lockstep turns: plain or one of {', '.join(HPLAN_SYSTEMS)}")
     if system == "plain":
-        out = _plain(workload, steps)
+        out = _plain(workload, steps, turns)
     elif system in HPLAN_SYSTEMS:
         if plan_path is None:
             raise ValueError(f"speed-run {system} needs a plan file")
         out = _hplan(workload, steps, plan_path, overlap=HPLAN_SYSTEMS[system], cache=system != "hplan-nocache",
-                     nonfinite="ignore" if system.endswith("-nocheck") else "stop")
+                     nonfinite="ignore" if system.endswith("-nocheck") else "stop", turns=turns)
     elif system in ("paired", "paired-worker"):
         if plan_path is None:
             raise ValueError(f"speed-run {system} needs a plan file")
@@ -183,4 +200,6 @@ def speed_run(system: str, spec: str, steps: int, plan_path: str | None) -> dict
                          f"{', '.join(DS_SYSTEMS)}")
     from bench.harness import self_peak_rss_bytes
 
+    if turns is not None:
+        out["turns"] = turns.count
     return {**out, "system": system, "load1": os.getloadavg()[0], "peak_rss_bytes": self_peak_rss_bytes()}

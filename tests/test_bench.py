@@ -213,62 +213,6 @@ def test_deepspeed_section_skips_with_a_clear_line_when_deepspeed_is_absent(monk
     assert "not installed" in out.text[0] and "hplan[deepspeed]" in out.text[0]
 
 
-def test_speed_round_ratios_pair_runs_of_the_same_round() -> None:
-    from bench.executor_speed import round_ratios
-
-    runs = {"a": [{"step_seconds": [9.0, 2.0, 2.0]}, {"step_seconds": [9.0, 6.0, 6.0]}],
-            "b": [{"step_seconds": [1.0, 1.0, 1.0]}, {"step_seconds": [1.0, 3.0, 3.0]}]}
-    assert round_ratios(runs, "a", "b") == [2.0, 2.0]  # first step (warm-up) left out, rounds never mixed
-
-
-def test_speed_rounds_rotate_the_order_and_keep_each_systems_runs_apart(monkeypatch, tmp_path) -> None:
-    """No system always runs first (a cold start) or right after the same one; results stay per system, per
-    round."""
-    from bench import executor_speed
-    from bench.context import Context
-    from bench.harness import ChildResult
-
-    order: list[str] = []
-
-    def fake(args, *, timeout):
-        order.append(args[1])
-        return ChildResult(ok=True, wall_seconds=0.0, peak_rss_bytes=0, payload={"system": args[1], "n": len(order)})
-
-    monkeypatch.setattr(executor_speed, "run_worker", fake)
-    ctx = Context(quick=True, out_dir=tmp_path, fig_dir=tmp_path, log=lambda m: None)
-    runs = executor_speed.rounds(ctx, {"a": ("a",), "b": ("b",), "c": ("c",)}, steps=1, n=3, rotate=True)
-    assert order == ["a", "b", "c", "b", "c", "a", "c", "a", "b"]
-    assert [[p["system"] for p in runs[k]] for k in "abc"] == [["a"] * 3, ["b"] * 3, ["c"] * 3]
-
-
-def test_paired_speed_steps_alternate_plain_and_hplan_on_the_same_batches(tmp_path) -> None:
-    """Section 13's paired steps: both loops train, step for step, to the same losses (all-resident: bit for bit),
-    each step timed once; the quartiles of the step ratios are those of the inclusive method."""
-    from loops import plan_for
-
-    from bench.executor_speed import quartiles
-    from bench.speed_runs import _paired
-    from hplan.specs import load_workload
-
-    workload = load_workload("gpt:tiny")
-    path = tmp_path / "tiny.plan"
-    plan_for(workload, extra=3.0).save(path)
-    out = _paired(workload, 3, str(path))
-    assert len(out["step_seconds"]) == len(out["plain_seconds"]) == 3
-    assert out["losses"] == out["plain_losses"] and out["worker"] is False
-    assert quartiles([1.0, 2.0, 3.0, 4.0, 5.0]) == (2.0, 4.0) and quartiles([1.5]) == (1.5, 1.5)
-
-
-def test_deepspeed_configs_use_the_client_optimizer_and_offload_as_named() -> None:
-    from bench.speed_runs import DS_SYSTEMS, ds_config
-
-    assert set(DS_SYSTEMS) == {"ds-z2", "ds-z3", "ds-z2-offload", "ds-z3-offload"}
-    z3 = ds_config("ds-z3-offload", 4)["zero_optimization"]
-    assert z3 == {"stage": 3, "offload_optimizer": {"device": "cpu"}, "offload_param": {"device": "cpu"}}
-    z2 = ds_config("ds-z2", 4)
-    assert z2["zero_optimization"] == {"stage": 2} and z2["zero_force_ds_cpu_optimizer"] is False
-
-
 def test_multigpu_rank_budget_is_sized_from_the_model_and_what_the_machine_offers() -> None:
     """bench/multigpu.py planned a fixed 10 GB per rank, which the executor refuses where less than ~20 GB is free."""
     from bench.multigpu import HEADROOM, ROOM, rank_budget
@@ -300,13 +244,6 @@ def test_fit_section_says_a_boundary_is_proven_only_by_a_feasible_plan_and_the_n
     assert boundary_cell({"best": probe(256, True, "seq"), "next": probe(384, False, "seq"), "limit": ""}, "seq")[1]
     assert boundary_cell({"best": None, "next": probe(1, False), "limit": ""}, "batch")[1]
     assert boundary_cell({"best": probe(8, True), "next": None, "limit": "cap"}, "batch") == ("≥ 8 (cap)", True)
-
-
-def test_speed_page_faults_are_the_median_over_rounds_of_each_runs_steady_mean() -> None:
-    from bench.executor_speed import steady_faults
-
-    runs = [{"step_faults": [9000, 10, 30]}, {"step_faults": [5000, 100, 300]}, {"step_faults": [1, 50, 50]}]
-    assert steady_faults(runs) == 50  # steady means 20, 200 and 50: the first step (set-up) is left out
 
 
 def test_nested_middle_verdict_reads_a_sign_only_when_every_round_agrees() -> None:
