@@ -103,7 +103,8 @@ def _time_hooks(workload: Any, plan: Any, model: Any, optimizer: Any, modules: d
 
 def _parts() -> list[tuple[str, Any]]:
     """(label, code object) of the hooks and executor pieces the profile splits a step into."""
-    from hplan.executor.activations.run import ActivationRun, _Offloaded
+    from hplan.executor.activations.offload import Offloaded
+    from hplan.executor.activations.run import ActivationRun
     from hplan.executor.gradients import GradientOps, move_grad
     from hplan.executor.inline_moves import move_inline
     from hplan.executor.runtime import PlanRun
@@ -125,7 +126,7 @@ def _parts() -> list[tuple[str, Any]]:
             ("… of which non-finite gradient checks", GradientOps._check_finite.__code__),
             ("gradient hook: autograd's gradient into its region", move_grad.__code__),
             ("gradients collected at the step (no gradient hook: all-resident)", PlanRun._collect.__code__),
-            ("activation offload to host (end of a segment's forward)", _Offloaded.to_host.__code__),
+            ("activation offload to host (end of a segment's forward)", Offloaded.to_host.__code__),
             ("gradients shown as `.grad` after backward", PlanRun._show_grads.__code__)]
 
 

@@ -51,7 +51,7 @@ figure is a sample that guides the search.
 hplan.artifacts.choice_log), above or below the sample, or the table's least figure where that is larger
 (`slack.least_reserve`: on the 5-block GPT-2 of the tests, mixes need 22-32 MiB against a sample of 30 MiB and a
 least figure of 22 MiB). Where its own is larger than the sample the regime is searched again under it (`_settle`);
-where smaller, the plan is made again under it on the same chunking (`_plan_regime`), and where mixes reserving
+where smaller, the plan is made again under it on the same chunking (`activation_regime.plan_regime`), and where mixes reserving
 less might beat it, they are searched too ([Note: a mix below the sample], the selective mix's [Note: the selective
 mix below its sample]). The regime's search bound covers the plans reserving the sample or more; every other mix
 makes a choice other than keep and reserves at least the least figure, so its bound adds a Lagrangian bound over
@@ -89,18 +89,19 @@ from hplan.artifacts.hardware import Hardware
 from hplan.artifacts.plan import Plan
 from hplan.artifacts.trace import Trace
 from hplan.planner.activation_bounds import objective as _objective
-from hplan.planner.activation_bounds import (beyond, below, children_bound, close, floored, prestage, priced_bound,
-                                              regime_search, targets_of)
+from hplan.planner.activation_bounds import (beyond, below, children_bound, floored, prestage, priced_bound,
+                                              targets_of)
 from hplan.planner.activation_descend import descend
 from hplan.planner.activation_items import Items
 from hplan.planner.activation_min import PARTS, RegimeMin, Shared, auto_regimes, min_gpu_auto, min_gpu_of
+from hplan.planner.activation_regime import made_key, plan_regime, regime_summary
 from hplan.planner import core
-from hplan.planner.activations import Decision, HostMemoryShort, decide, modes_of, slack_figure, with_slack
+from hplan.planner.activations import Decision, HostMemoryShort, decide, modes_of, slack_figure
 from hplan.planner.core import Pruned
 from hplan.planner.slack import SELECTIVE_MIX, for_figure, mix_figure
 from hplan.planner.options import PlanOptions
 from hplan.planner.problem import MinGpu
-from hplan.planner.search import Progress, Scored, Search, chunk_targets, finish
+from hplan.planner.search import Progress, chunk_targets
 
 
 MIXES = ("mixed", SELECTIVE_MIX, PARTS)
@@ -130,7 +131,7 @@ def _plan_auto(trace: Trace, hardware: Hardware, options: PlanOptions, on_progre
     feasible = [r for r in runs if r[3].value <= hardware.gpu_bytes]  # the others cannot fit (a proven minimum)
     if not feasible:  # nothing fits: the plan says why, with the smallest budget over every regime
         name, hw, items, first = runs[0]
-        return _plan_regime(work, hw, options, on_progress, items, smallest, first.lean, first.keep)[0]
+        return plan_regime(work, hw, options, on_progress, items, smallest, first.lean, first.keep)[0]
     best: Plan | None = None
     bounds: list[int] = []
     covered = True
@@ -138,7 +139,7 @@ def _plan_auto(trace: Trace, hardware: Hardware, options: PlanOptions, on_progre
     mixed: tuple[dict, int] | None = None  # the mixed regime's staged chunkings and its slack
     targets: list[int] = []
     every = targets_of(chunk_targets(work, options), options)  # the chunkings a forced plan of any mix may search
-    made: dict = {}  # the pure regimes' plans (`_made_key`)
+    made: dict = {}  # the pure regimes' plans (`made_key`)
     ahead = None  # the selective mix's search, staged before the mixed regime ([Note: a mix priced by a larger mix])
     for name, hw, items, own in _order(feasible):
         cheap = 0 if name == "keep" or name in MIXES else items.cost_of(items.keep())  # a pure regime's fixed cost
@@ -156,20 +157,20 @@ def _plan_auto(trace: Trace, hardware: Hardware, options: PlanOptions, on_progre
         try:
             if name in MIXES:
                 at = best.options.get("chunk_bytes") if name == SELECTIVE_MIX and best is not None else None
-                plan, decisions, priced = _plan_regime(work, hw, options, on_progress, items, smallest, own.lean,
-                                                       own.keep, incumbent, None if at is None else [at],
-                                                       light=name == SELECTIVE_MIX, stage=every, made=made,
-                                                       ahead=ahead if name == SELECTIVE_MIX else None)
+                plan, decisions, priced = plan_regime(work, hw, options, on_progress, items, smallest, own.lean,
+                                                      own.keep, incumbent, None if at is None else [at],
+                                                      light=name == SELECTIVE_MIX, stage=every, made=made,
+                                                      ahead=ahead if name == SELECTIVE_MIX else None)
                 if priced is not None and name == "mixed":
                     mixed, targets = (priced[0], hw.slack_bytes), targets_of(priced[1], options)
                 first = floored(hw, plan, priced, every)  # its bound, over every mix's own reserve
                 searched = first.lower_bound_bytes if first.activations_free else plan.summary.lower_bound_bytes
-                if name != SELECTIVE_MIX:  # (its plan reserves its own mix's figure: `_plan_regime`)
+                if name != SELECTIVE_MIX:  # (its plan reserves its own mix's figure: `plan_regime`)
                     plan = _settle(work, hw, options, on_progress, items, smallest, own, plan, decisions)
                 if first.activations_free and first.lower_bound_bytes < plan.summary.lower_bound_bytes:
                     sample = plan.summary.lower_bound_bytes if name == SELECTIVE_MIX else None  # [Note: the
                     plan = descend(work, hw, options, on_progress, items, smallest, own, plan,  # selective mix
-                                   first.lower_bound_bytes, incumbent, _plan_regime, sample)  # below its sample]
+                                   first.lower_bound_bytes, incumbent, plan_regime, sample)  # below its sample]
             elif incumbent is not None and mixed is not None and name != "selective" and \
                     priced_bound(*mixed, name, targets, hw.slack_bytes, incumbent) > incumbent:
                 continue  # priced by the mixed regime's LP multipliers, on every chunking: it cannot win or tie
@@ -177,8 +178,8 @@ def _plan_auto(trace: Trace, hardware: Hardware, options: PlanOptions, on_progre
                 plan = core.plan_decisions(work, hw, options, decide(work, name), on_progress, shared=items.shared,
                                            smallest=smallest,
                                            incumbent=None if incumbent is None else incumbent - cheap)
-                made[_made_key(work, hw, decide(work, name), items)] = plan
-                plan = _summary(plan, items, decide(work, name), None)
+                made[made_key(work, hw, decide(work, name), items)] = plan
+                plan = regime_summary(plan, items, decide(work, name), None)
                 searched = plan.summary.lower_bound_bytes
         except Pruned as e:  # every chunking's bound is above the incumbent: no plan at the sample's slack can win
             if name in MIXES:  # mixes reserving less ([Note: a pruned mix's floor]): proven unable to win, or bounded
@@ -192,7 +193,7 @@ def _plan_auto(trace: Trace, hardware: Hardware, options: PlanOptions, on_progre
                 elif incumbent is not None and under <= incumbent:
                     bounds.append(under)
                     best = descend(work, hw, options, on_progress, items, smallest, own, best, under, incumbent,
-                                   _plan_regime, incumbent if name == SELECTIVE_MIX else None)
+                                   plan_regime, incumbent if name == SELECTIVE_MIX else None)
             continue
         except HostMemoryShort:
             if best is None and name == "mixed":
@@ -220,7 +221,7 @@ def _plan_auto(trace: Trace, hardware: Hardware, options: PlanOptions, on_progre
             best = plan
     if best is None:  # every regime that could fit found no plan: the mixed regime's answer says why
         name, hw, items, first = runs[0]
-        return _plan_regime(work, hw, options, on_progress, items, smallest, first.lean, first.keep)[0]
+        return plan_regime(work, hw, options, on_progress, items, smallest, first.lean, first.keep)[0]
     if work is not trace and _objective(best) > 0 and covered:  # child choices were left out (keep fits)
         child = children_bound(trace, hardware, options, without, best.options.get("chunk_bytes"), work)
         if child is None or child[0] < min([_objective(best), *bounds]):  # a child choice might win: search them
@@ -237,7 +238,7 @@ def _settle(trace: Trace, hw: Hardware, options: PlanOptions, on_progress: Progr
             smallest: MinGpu, own: RegimeMin, plan: Plan, decisions: tuple[Decision, ...]) -> Plan:
     """The mixed regime's plan once its reserve is a fixed point: where the chosen mix's own log needs more than the
     reserve searched under, the regime is searched again with that figure as its reserve (at most SETTLE_ROUNDS
-    times; each round's plan already reserves its own mix's figure, `_plan_regime`), and the best plan wins."""
+    times; each round's plan already reserves its own mix's figure, `plan_regime`), and the best plan wins."""
     reserve, best = hw.slack_bytes, plan
     for _ in range(SETTLE_ROUNDS):
         if not plan.summary.feasible or slack_figure(decisions) != "mixed":
@@ -247,8 +248,8 @@ def _settle(trace: Trace, hw: Hardware, options: PlanOptions, on_progress: Progr
             break
         reserve = need
         try:
-            plan, decisions, _ = _plan_regime(trace, for_figure(hw, "mixed", need), options, on_progress, items,
-                                              smallest, own.lean, own.keep, _objective(best) - 1)
+            plan, decisions, _ = plan_regime(trace, for_figure(hw, "mixed", need), options, on_progress, items,
+                                             smallest, own.lean, own.keep, _objective(best) - 1)
         except (Pruned, HostMemoryShort):
             break
         if plan.summary.feasible and _objective(plan) < _objective(best):
@@ -300,107 +301,3 @@ def _better(plan: Plan, best: Plan) -> bool:
     a, b = _objective(plan), _objective(best)
     return a < b or a == b and round(plan.summary.predicted_step_seconds, 12) < \
         round(best.summary.predicted_step_seconds, 12)
-
-
-def _plan_regime(trace: Trace, hardware: Hardware, options: PlanOptions, on_progress: Progress | None, items: Items,
-                 smallest: MinGpu, lean: tuple[Decision, ...], keep_bytes: int | None, incumbent: int | None = None,
-                 targets: list[int] | None = None, light: bool = False, stage: list[int] = (),
-                 made: dict | None = None, ahead: tuple[Search, tuple[int, ...]] | None = None
-                 ) -> tuple[Plan, tuple[Decision, ...], tuple[dict, list[int]] | None]:
-    """The auto plan within one regime (its choices, its slack), its decisions and its search's staged chunkings
-    (None at effort 0); `Pruned` where no chunking's bound is at or below `incumbent` (link bytes). `targets`:
-    the chunkings searched (default: every one). `light`: the lowest effort's node budget and no larger one for
-    the winner (the selective mix's regime, [Note: selective in a mix]: its bound stays a bound, its plan only
-    competes with the incumbent). `stage`: chunkings whose LP is staged too, searched or not (the bound over the
-    mixes the search does not cover, hplan.planner.activation_bounds.below); a `Pruned` raised carries the staged
-    chunkings and those searched as `staged`. `made`: plans of forced choices made already (`_made_key`), one of
-    which is the plan of the winner's choices where it was made on the winner's chunking. `ahead`: its search
-    (`regime_search`) and modes, with chunkings staged already (`prestage`)."""
-    fits = keep_bytes is not None and keep_bytes <= hardware.gpu_bytes
-    if core._effort(options) == 0:  # heuristics only: keep everything when that fits, else the smallest budget's
-        decisions = decide(trace, "keep") if fits else lean  # choices
-        plan = core.plan_decisions(trace, hardware, options, decisions, on_progress, shared=items.shared,
-                                   smallest=smallest)
-        return _summary(plan, items, decisions, None), decisions, None
-    search, act0 = ahead or regime_search(trace, hardware, options, on_progress, items, lean, keep_bytes, light)
-    if incumbent is not None:
-        search.best_moved = incumbent
-    search.targets = targets
-    best = search.run()
-    for target in stage:
-        if target not in search.staged:
-            search.staged_lp(target)
-    if best is None and search.pruned:
-        raise Pruned("every chunking's bound is above the incumbent", staged=(search.staged, search.searched))
-    bound: int | None = None
-    plan = None
-    if best is not None:
-        bound = close(search, best, options, light)
-        decisions = items.to_decisions(best.act or act0)
-        if any(d.choice in ("recompute", "selective") for d in decisions):  # the relaxation left their weight reads out
-            plan = (made or {}).get(_made_key(trace, hardware, decisions, items))
-            if plan is None or plan.options.get("chunk_bytes") != best.chunk_target:
-                plan = core.plan_decisions(trace, hardware, options, decisions, on_progress,
-                                           targets=[best.chunk_target], shared=items.shared, smallest=smallest)
-        elif slack_figure(decisions) == "mixed" and \
-                mix_figure(trace, hardware, modes_of(decisions)) not in (None, hardware.slack_bytes):
-            # the mix's own log needs more, or less, than the regime's figure: planned again under its own
-            # ([Note: a mix's own slack]), on the same chunking
-            plan = core.plan_decisions(trace, hardware, options, decisions, on_progress,
-                                       targets=[best.chunk_target], shared=items.shared, smallest=smallest)
-        else:  # the relaxed problem of these choices is their own: its schedule is the plan's
-            plan = _reuse(search, best, trace, hardware, options, decisions, items, smallest)
-    if plan is not None and not plan.summary.feasible and best is not None:  # with their weight reads the choices
-        decisions = lean  # do not fit: the smallest budget's choices, on the same chunking (the bound holds)
-        plan = core.plan_decisions(trace, hardware, options, lean, on_progress, targets=[best.chunk_target],
-                                   shared=items.shared, smallest=smallest)
-    if plan is None or not plan.summary.feasible:
-        decisions, bound = lean, None
-        plan = core.plan_decisions(trace, hardware, options, lean, on_progress, shared=items.shared,
-                                   smallest=smallest)
-    return _summary(plan, items, decisions, bound), decisions, (search.staged, search.searched)
-
-
-def _made_key(trace: Trace, hardware: Hardware, decisions: tuple[Decision, ...], items: Items) -> tuple:
-    """What a forced plan of `decisions` depends on beside the options and the reported minimum, which one auto
-    decision shares: the choices, the hardware with the slack they reserve (`with_slack`, whatever regime asked)
-    and the segments' shared effects. [Note: a forced plan made once] `core.plan_decisions` on every chunking
-    and on the one its winner chose make the same plan: that chunking's model, branch and bound and larger node
-    budget are the same (another chunking's search or an incumbent only prunes), so the selective mix's regime,
-    whose winner is often the pure selective plan, takes it from here (0.15 s of gpt:18b's 24 GB plan)."""
-    return (id(trace), tuple((d.segment.key, d.choice, d.reason) for d in decisions),
-            with_slack(hardware, decisions, trace), items.shared)
-
-
-def _reuse(search: Search, best: Scored, trace: Trace, hardware: Hardware, options: PlanOptions,
-           decisions: tuple[Decision, ...], items: Items, smallest: MinGpu) -> Plan:
-    """The plan of the joint model's winner as it stands, when none of its choices recomputes. (Schedules of
-    equal bytes may differ in predicted time from the forced choice's own search: time only breaks ties.)"""
-    from dataclasses import asdict
-
-    from hplan.planner import core
-    from hplan.planner.activations import transform, with_activations
-
-    work = transform(trace, decisions, items.shared, hardware)
-    cand = replace(best, moved=best.moved - best.act_cost, finished=None)
-    done = finish(work, hardware, cand)
-    r = best.result
-    solver = "exact" if r is not None and r.optimal else (
-        "exact (gap limit)" if core._reached(best, core.stop_gap(options)) else "exact (node limit)")
-    opts = {k: v for k, v in asdict(options).items() if k != "compare"}
-    plan = core._plan(work, hardware, cand, done, solver, 0, False, smallest.gpu_bytes, smallest.bottleneck, opts)
-    return with_activations(plan, trace, work, decisions, items.shared) if plan.summary.feasible else plan
-
-
-def _summary(plan: Plan, items: Items, decisions: tuple[Decision, ...], bound: int | None) -> Plan:
-    """The objective and bound in link bytes ([Note: auto activations]); without `bound` (the relaxation's), the
-    plan's own bound for its fixed choices plus their cost."""
-    s = plan.summary
-    if not s.feasible:
-        return plan
-    act = items.cost_of(items.of(decisions))
-    objective = s.bytes_moved_per_iter + act
-    lb = min(objective, s.lower_bound_bytes + act if bound is None else bound)
-    return replace(plan, summary=replace(s, activation_cost_bytes=act, lower_bound_bytes=lb,
-                                         gap=(objective - lb) / max(objective, 1), optimal=objective == lb,
-                                         activations_free=bound is not None))

@@ -193,7 +193,7 @@ def beyond(staged: dict, targets: list[int], hw: Hardware, incumbent: int, sampl
 def regime_search(trace: Trace, hardware: Hardware, options: PlanOptions, on_progress: Progress | None,
                   items: Items, lean: tuple[Decision, ...], keep_bytes: int | None, light: bool
                   ) -> tuple[Search, tuple[int, ...]]:
-    """A regime's search (effort >= 1, hplan.planner.activation_auto's `_plan_regime`) and the modes its extremes
+    """A regime's search (effort >= 1, hplan.planner.activation_regime's `plan_regime`) and the modes its extremes
     are built with (they fit)."""
     from hplan.planner import core
     from hplan.planner.search import planned_evaluations
@@ -237,7 +237,7 @@ def targets_of(targets: list[int], options: PlanOptions) -> list[int]:
 
 def close(search: Search, best: Scored, options: PlanOptions, light: bool = False) -> int:
     """The winner's larger node budget (as `core._improve` gives a joint model; none where `light`), and its bound
-    on the objective: a regime of mixes' search bound (hplan.planner.activation_auto's `_plan_regime`)."""
+    on the objective: a regime of mixes' search bound (hplan.planner.activation_regime's `plan_regime`)."""
     from hplan.planner import core
 
     result = best.result

@@ -26,7 +26,7 @@ def descend(trace: Trace, hw: Hardware, options: PlanOptions, on_progress: Progr
             ) -> Plan:
     """`plan` (the regime's, or the incumbent where the regime was pruned), or a better one among the regime's
     mixes that reserve less than the sample `hw` searched under; `floor`: a bound on those mixes (`below`);
-    `plan_regime`: auto's search within one regime (`_plan_regime`, passed in so this module does not import auto's).
+    `plan_regime`: auto's search within one regime (hplan.planner.activation_regime's `plan_regime`, passed in).
     `searched`: the selective mix's search bound at its sample ([Note: the selective mix below its sample]).
 
     [Note: a mix below the sample] The regime's search holds each plan to the sample's reserve; a mix whose own
@@ -36,8 +36,8 @@ def descend(trace: Trace, hw: Hardware, options: PlanOptions, on_progress: Progr
     reaches 211,130. The floor (`floored`, `below`) bounds those mixes; where it is below the search's bound, the
     plan's objective and the incumbent, the regime's blocks are searched again with every plan reserving the least
     reserve (`least_reserve`, at or below every mix's own figure: a relaxation of them all, with the objective to
-    beat as its incumbent), and the winner is planned under its own figure as any mix is (`_plan_regime` in
-    hplan.planner.activation_auto).
+    beat as its incumbent), and the winner is planned under its own figure as any mix is (`plan_regime` in
+    hplan.planner.activation_regime).
     Blocks only: a child's recompute there tends to need more than the sample of its own (an attention child at
     76% of that range: 36 MiB, its plan then infeasible after 2.3 s of search), and every choice a user can force
     is a block's. The certificate is unchanged (the floor still bounds those mixes; a plan found only lowers the

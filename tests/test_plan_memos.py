@@ -1,5 +1,5 @@
 """Work one auto decision does once and hands out again, with plans unchanged: a forced plan the selective mix's
-winner shares with the pure selective regime ([Note: a forced plan made once] in hplan.planner.activation_auto),
+winner shares with the pure selective regime ([Note: a forced plan made once] in hplan.planner.activation_regime),
 and the extreme placements of a chunking staged in more than one regime ([Note: remembered extremes] in
 hplan.planner.placement)."""
 
@@ -29,7 +29,7 @@ def same(a, b) -> bool:
 
 
 def test_the_selective_mix_takes_a_forced_plan_made_on_its_winners_chunking(gpt2_5, monkeypatch):
-    from hplan.planner import activation_auto as aa
+    from hplan.planner import activation_regime as aa
     from hplan.planner import core
     from hplan.planner.activation_items import build_items
     from hplan.planner.activation_min import Shared, min_gpu_auto, min_gpu_of
@@ -41,19 +41,19 @@ def test_the_selective_mix_takes_a_forced_plan_made_on_its_winners_chunking(gpt2
     shared = Shared()
     own = min_gpu_auto(trace, hw, items, shared)
     smallest = min_gpu_of(trace, hw, items, own, shared)
-    first, decisions, _ = aa._plan_regime(trace, hw, options, None, items, smallest, own.lean, own.keep, light=True)
+    first, decisions, _ = aa.plan_regime(trace, hw, options, None, items, smallest, own.lean, own.keep, light=True)
     assert any(d.choice == "selective" for d in decisions)  # the branch that plans its choices again
-    made = {aa._made_key(trace, hw, decisions, items): core.plan_decisions(
+    made = {aa.made_key(trace, hw, decisions, items): core.plan_decisions(
         trace, hw, options, decisions, targets=[first.options["chunk_bytes"]], shared=items.shared,
         smallest=smallest)}
     calls = []
     real = core.plan_decisions
     monkeypatch.setattr(core, "plan_decisions", lambda *a, **k: calls.append(k) or real(*a, **k))
-    again, _, _ = aa._plan_regime(trace, hw, options, None, items, smallest, own.lean, own.keep, light=True,
+    again, _, _ = aa.plan_regime(trace, hw, options, None, items, smallest, own.lean, own.keep, light=True,
                                   made=made)
     assert not calls and same(first, again)
     other = {k: replace(v, options={**v.options, "chunk_bytes": -1}) for k, v in made.items()}
-    aa._plan_regime(trace, hw, options, None, items, smallest, own.lean, own.keep, light=True, made=other)
+    aa.plan_regime(trace, hw, options, None, items, smallest, own.lean, own.keep, light=True, made=other)
     assert calls  # made on another chunking: planned again
 
 
