@@ -100,3 +100,79 @@ def test_autocast_inside_the_loss_offloads_and_trains_exactly():
     ref, got = user_loop(workload, 3), user_loop(workload, 3, plan)
     assert got["losses"] == ref["losses"]
     assert all(torch.equal(got["weights"][k], v) for k, v in ref["weights"].items())
+
+
+class Encoding(torch.nn.Module):
+    """Perceiver's trainable position encoding: its forward hands on a view of its weight (`expand`)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.randn(4, 16))
+
+    def forward(self, batch_size: int) -> torch.Tensor:
+        return self.weight.expand(batch_size, -1, -1)
+
+
+class Decodes(torch.nn.Module):
+    """A query built by one module and read by another's LayerNorm, as Perceiver's decoder does."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.encoding, self.norm, self.body = Encoding(), torch.nn.LayerNorm(16), torch.nn.Linear(16, 16)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        query = self.norm(self.encoding(x.shape[0]))
+        return (query @ self.body(x).transpose(1, 2)).logsumexp(-1).mean()
+
+
+def test_a_view_a_forward_hands_on_trains_through_its_own_graph_node():
+    """Perceiver (`PerceiverForMaskedLM`): its trainable position encoding's forward returns
+    `position_embeddings.expand(batch, -1, -1)`, read by the decoder's cross-attention LayerNorm. hplan re-took that
+    view of the weight at the reading operator (a new graph node), so backward sent the weight's gradient before the
+    encoding module's own backward event, and the run stopped even all-resident: "the gradient of
+    ...position_embeddings arrived at plan step 48 (backward:...layernorm1), where the plan does not write it". A
+    view still over the resident weight whose node no backward has run is used as itself now: the same model at
+    all-resident and at its least plan trains bit for bit as plain PyTorch."""
+    workload = hplan.Workload(model=Decodes, loss=lambda m, b: m(b), optimizer=hf.adamw, name="decodes",
+                              batch=lambda s: torch.randn(2, 8, 16, generator=torch.Generator().manual_seed(s)))
+    ref, got = user_loop(workload, 2), user_loop(workload, 2, plan_for(workload, iters=2))
+    assert got["losses"] == ref["losses"]
+    assert all(torch.equal(got["weights"][k], v) for k, v in ref["weights"].items())
+
+
+@pytest.mark.slow  # fast twin: the test above
+def test_perceiver_trains_exactly_at_its_least_auto_plan():
+    """The case above on transformers' Perceiver for masked LM (latent cross-attention, blocks offloaded by auto),
+    with an evaluation under no_grad between steps."""
+    cfg = transformers.PerceiverConfig(vocab_size=hf.VOCAB, d_model=32, d_latents=32, num_latents=8, num_blocks=1,
+                                       num_self_attends_per_block=2, num_self_attention_heads=2,
+                                       num_cross_attention_heads=2, max_position_embeddings=hf.SEQ, qk_channels=32,
+                                       v_channels=32)
+
+    def batch(step: int) -> dict[str, torch.Tensor]:
+        ids = hf.lm_batch(step)["input_ids"]
+        return {"inputs": ids, "labels": ids.clone()}
+
+    workload = hf.workload("perceiver", lambda: transformers.PerceiverForMaskedLM(cfg), batch=batch)
+    plan = plan_for(workload, activations="auto", iters=2)
+
+    def loop(with_plan: bool) -> tuple[list[float], list[float], dict[str, torch.Tensor]]:
+        model = workload.build_model()
+        optimizer = workload.optimizer(model.parameters())
+        losses, evals = [], []
+        with hplan.attach(model, optimizer, plan) if with_plan else contextlib.nullcontext():
+            for step in range(3):
+                model.train()
+                loss = workload.loss(model, workload.batch(step))
+                loss.backward()
+                optimizer.step()
+                optimizer.zero_grad()
+                losses.append(loss.item())
+                model.eval()
+                with torch.no_grad():
+                    evals.append(workload.loss(model, workload.batch(99)).item())
+        return losses, evals, {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+    ref, got = loop(False), loop(True)
+    assert got[0] == ref[0] and got[1] == ref[1]
+    assert all(torch.equal(got[2][k], v) for k, v in ref[2].items())
