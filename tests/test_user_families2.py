@@ -176,3 +176,96 @@ def test_perceiver_trains_exactly_at_its_least_auto_plan():
     ref, got = loop(False), loop(True)
     assert got[0] == ref[0] and got[1] == ref[1]
     assert all(torch.equal(got[2][k], v) for k, v in ref[2].items())
+
+
+def siglip() -> torch.nn.Module:
+    """SigLIP (sigmoid contrastive loss over a text and a vision tower, 0-d logit scale and bias), its vision tower
+    frozen as a user fine-tuning the text side does."""
+    cfg = transformers.SiglipConfig(
+        text_config={"vocab_size": hf.VOCAB, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
+                     "num_attention_heads": 4, "max_position_embeddings": hf.SEQ},
+        vision_config={"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
+                       "image_size": 32, "patch_size": 8})
+    model = transformers.SiglipModel(cfg)
+    model.vision_model.requires_grad_(False)
+    return model
+
+
+def pairs(step: int) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(step)
+    return {"input_ids": torch.randint(hf.VOCAB, (4, hf.SEQ), generator=g),
+            "pixel_values": torch.randn(4, 3, 32, 32, generator=g)}
+
+
+def segformer() -> torch.nn.Module:
+    """SegFormer for semantic segmentation: overlapping strided-conv patch embeddings, reduced-key attention, an
+    all-MLP decode head with BatchNorm, logits upsampled to the labels' size."""
+    cfg = transformers.SegformerConfig(num_encoder_blocks=2, depths=[1, 1], sr_ratios=[2, 1], hidden_sizes=[16, 32],
+                                       patch_sizes=[7, 3], strides=[4, 2], num_attention_heads=[1, 2],
+                                       mlp_ratios=[2, 2], decoder_hidden_size=32, num_labels=4)
+    return transformers.SegformerForSemanticSegmentation(cfg)
+
+
+def masks(step: int) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(step)
+    return {"pixel_values": torch.randn(2, 3, 64, 64, generator=g), "labels": torch.randint(4, (2, 64, 64), generator=g)}
+
+
+def roberta_tokens() -> torch.nn.Module:
+    cfg = transformers.RobertaConfig(vocab_size=hf.VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                                     intermediate_size=64, max_position_embeddings=40, num_labels=5)
+    return transformers.RobertaForTokenClassification(cfg)
+
+
+def tags(step: int) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(step)
+    labels = torch.randint(5, (4, hf.SEQ), generator=g)
+    labels[:, 0] = -100
+    return {"input_ids": torch.randint(3, hf.VOCAB, (4, hf.SEQ), generator=g), "labels": labels}
+
+
+def smoothed(model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    logits = model(input_ids=batch["input_ids"]).logits
+    return torch.nn.functional.cross_entropy(logits.flatten(0, 1), batch["labels"].flatten(), label_smoothing=0.1)
+
+
+def olmoe() -> torch.nn.Module:
+    """OLMoE with its router's load-balancing loss added to the LM loss (output_router_logits)."""
+    cfg = transformers.OlmoeConfig(vocab_size=hf.VOCAB, hidden_size=64, intermediate_size=64, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=4, num_experts=4, num_experts_per_tok=2,
+                                   output_router_logits=True, router_aux_loss_coef=0.01, max_position_embeddings=64)
+    return transformers.OlmoeForCausalLM(cfg)
+
+
+def trainable(params: object) -> torch.optim.Optimizer:
+    return hf.adamw([p for p in params if p.requires_grad])  # type: ignore[attr-defined]
+
+
+FAMILIES = {
+    "siglip-frozen-tower": dict(model=siglip, batch=pairs, loss=lambda m, b: m(**b, return_loss=True).loss,
+                                optimizer=trainable, scheduler=hf.warmup_cosine),
+    "segformer": dict(model=segformer, batch=masks, accumulate=2, max_grad_norm=1.0),
+    "roberta-tokens": dict(model=roberta_tokens, batch=tags, loss=smoothed, optimizer=hf.decay_groups,
+                           max_grad_norm=1.0, scheduler=hf.warmup_cosine),
+    "olmoe-router-loss": dict(model=olmoe, max_grad_norm=0.5),
+    "falcon-parallel": dict(model=lambda: transformers.FalconForCausalLM(transformers.FalconConfig(
+        vocab_size=hf.VOCAB, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, parallel_attn=True,
+        multi_query=True, bias=False, max_position_embeddings=64)), accumulate=4),
+}
+
+
+@pytest.mark.slow  # each family's defects have fast twins above; these keep the families' end-to-end runs
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_a_family_trains_exactly_at_its_least_auto_plan(family):
+    """Each family with its habits (a frozen tower, decay groups and warm-up, accumulation, clipping, label
+    smoothing, a router loss) at the smallest budget with `--activations auto` trains bit for bit as plain
+    PyTorch and moves what the plan says within its budget."""
+    spec = dict(FAMILIES[family])
+    workload = hf.workload(family, spec.pop("model"), **spec)
+    plan = plan_for(workload, activations="auto", iters=2)
+    ref, got = user_loop(workload, 3), user_loop(workload, 3, plan)
+    assert got["losses"] == ref["losses"]
+    assert all(torch.equal(got["weights"][k], v) for k, v in ref["weights"].items())
+    assert max(r.resident_bytes for step in got["records"] for r in step) <= plan.gpu_bytes
+    assert all(sum(r.h2d_bytes + r.d2h_bytes for r in step) == plan.summary.bytes_moved_per_iter
+               for step in got["records"])
