@@ -48,6 +48,9 @@ class GradientOps:
     _names: dict[int, str]
     _updated: set[int]
     meter: WindowMeter | None
+    plan: Any
+    _scaled = 0
+    """run.scale() calls this iteration (fp16-mixed): [Note: an unscaled fp16 backward]."""
 
     def _memory_of(self, where: str) -> contextlib.AbstractContextManager[None]:
         """Where an update's temporaries live: the host's memory for a host update ("cpu"), else the fast tier's
@@ -163,7 +166,25 @@ class GradientOps:
 
     def scale(self, loss: torch.Tensor) -> torch.Tensor:
         """The loss times the current loss scale (fp16-mixed), or the loss itself; call `.backward()` on it."""
-        return loss if self.loss_scale is None else self.loss_scale.scale(loss)
+        if self.loss_scale is None:
+            return loss
+        self._scaled += 1
+        return self.loss_scale.scale(loss)
+
+    def check_scaled(self) -> None:
+        """Refuse an fp16-mixed step whose micro-steps did not all go through `run.scale(loss)`.
+
+        [Note: an unscaled fp16 backward] The update divides every gradient by the loss scale (2**16 at first), as
+        GradScaler does; a loop that calls `loss.backward()` on the plain loss (the habit of an fp32 loop) hands it
+        gradients 2**16 times too small, which Adam's scale invariance all but hides: the losses part from plain
+        PyTorch's in the fourth digit, exit 0 (seen on Falcon under accumulation). Each of the plan's micro-steps
+        needs one scaled loss, so fewer `scale()` calls than micro-steps is refused here, before any update (fp16
+        defers every update to the step)."""
+        if self.loss_scale is not None and self._scaled < self.plan.accumulate:
+            raise HplanError(f"this fp16-mixed plan scales the loss: {self._scaled} of the iteration's "
+                             f"{self.plan.accumulate} backward() calls went through run.scale(loss); call "
+                             "run.scale(loss).backward() (hplan's GradScaler), as plain fp16 training calls "
+                             "scaler.scale(loss).backward()")
 
 
 def first_nonfinite(names: list[str], grads: list[torch.Tensor]) -> str | None:

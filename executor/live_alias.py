@@ -60,6 +60,9 @@ class Live(torch.Tensor):
     _grad_follows: bool = False
     """A view of the parameter itself: its current value is re-taken from the parameter, with its gradient
     ([Note: parameter views] in hplan.executor.param_views)."""
+    _fresh: list[bool] | None = None
+    """Made of the resident weight with a graph node: [True] until a backward runs that node, when it is used as
+    itself while still over the weight's memory ([Note: fresh parameter views])."""
 
     def _value(self) -> torch.Tensor:
         return self._now()[0]
@@ -108,6 +111,8 @@ def _resolve(tree: Any, lives: dict[int, tuple[Live, torch.Tensor, bool]]) -> An
                                      "the plan keeps the weight off the fast tier (or it was made while it was): its "
                                      "gradient could not reach it; pass the parameter itself, not p.detach()")
                 value = tree  # computed as a plain tensor (its storage is the region's)
+            elif tree._fresh is not None and tree._fresh[0] and resident and _over(tree, value):
+                value = tree  # [Note: fresh parameter views]
             lives[id(tree)] = (tree, value, resident)
         return lives[id(tree)][1]
     if isinstance(tree, list):
@@ -141,6 +146,10 @@ def _live_results(result: Any, func: Any, args: Any, kwargs: Any, sources: list[
             return result
         view = result.as_subclass(Live)
     view._fast, view._grad_follows = source[2], source[4]  # over the region's storage where resident, a copy where not
+    node = view.grad_fn
+    if source[2] and source[4] and node is not None:  # [Note: fresh parameter views]
+        view._fresh = fresh = [True]  # a cell, not the view: the node's hook must not hold the view (a cycle)
+        node.register_prehook(functools.partial(_ran, fresh))
 
     def now() -> tuple[torch.Tensor, bool]:
         found: dict[int, tuple[Live, torch.Tensor, bool]] = {}
@@ -153,6 +162,26 @@ def _live_results(result: Any, func: Any, args: Any, kwargs: Any, sources: list[
         return out, resident and all(r for _, _, r in found.values())
 
     return _made(view, source[0], now, source[3])
+
+
+def _over(view: torch.Tensor, value: torch.Tensor) -> bool:
+    """Whether `view` is still the view `value` re-takes: over the same memory, with the same layout."""
+    with torch._C.DisableTorchFunctionSubclass():
+        mine, now = view.untyped_storage(), value.untyped_storage()
+        return mine.nbytes() > 0 and mine.data_ptr() == now.data_ptr() and view.shape == value.shape and \
+            view.stride() == value.stride() and view.storage_offset() == value.storage_offset()
+
+
+def _ran(fresh: list[bool], grad_outputs: Any) -> None:
+    """[Note: fresh parameter views] A view a module's forward takes of its resident weight and hands on
+    (Perceiver's trainable position encoding returns `position_embeddings.expand(batch, -1, -1)`, which the decoder's
+    cross-attention reads) was re-taken at the reading operator as a new graph node, so backward sent the weight's
+    gradient from that node, before the encoding module's own backward event (a prehook on the view's node, which
+    then never ran): refused at all-resident ("arrived at plan step 48 ... where the plan does not write it").
+    While no backward has run the view's own node and the view still lies over the weight's memory, it is what
+    plain PyTorch computes with, node and all, so it is used as itself; once its node ran (a view kept across
+    steps) or the weight moved, it is re-taken as before ([Note: parameter views])."""
+    fresh[0] = False
 
 
 def _made(alias: Live, name: str, now: Now, wrote: Callable[[], None]) -> Live:

@@ -19,7 +19,9 @@ Python; the functional forms (`torch.narrow(p, …)`, `torch.t(p)`, … `TORCH_V
 (`functional_views`; one `type()` lookup per call on any other tensor). An evicted parameter's
 `__torch_function__` sees every operator already. The cost is only on the views: each operator on one re-takes
 it (a few µs), and a view the model's own forward takes of its weight (nn.MultiheadAttention's
-`in_proj_weight.chunk(3)`) is a live alias too (exact; slower by that much per operator on it).
+`in_proj_weight.chunk(3)`) is a live alias too (exact; slower by that much per operator on it), used as
+itself while its graph node is fresh and the weight resident ([Note: fresh parameter views] in
+hplan.executor.live_alias).
 Not covered: views made by `torch.Tensor.view(p, …)` (the unbound method) or by C++ code. Not bit for bit: a
 view re-taken at an operator is a new graph node, so backward runs it early, where torch runs the view's own node
 (made when it was taken, or when first used after the weight changed); a weight with three or more gradient terms

@@ -309,6 +309,7 @@ class PlanRun(EventDispatch, GradArrival, UpdateSteps, GradientOps, StateSync, B
             raise HplanError(f"zero_grad() was called between backward() and optimizer.step() (iteration "
                              f"{self.iteration}): plain PyTorch would then step without those gradients, which the "
                              "plan does not schedule; zero gradients after optimizer.step() or before the forward")
+        self.check_scaled()
         if self.watch is not None:
             self.watch.check(self.iteration)
         self._writes.check(self.iteration)
@@ -328,6 +329,7 @@ class PlanRun(EventDispatch, GradArrival, UpdateSteps, GradientOps, StateSync, B
         self.clips.clear()
         self._updated.clear()
         self._zeroed = False
+        self._scaled = 0
         self.iteration += 1
         self.activations.end_iteration()
         records, self.records, self.cursor = self.records, [], 0
