@@ -50,12 +50,13 @@ def _torch_threads_given_back():
         torch.set_num_threads(before)
 
 
-HEAVY_FIRST = ("test_activations.py", "test_loop_habits.py", "tiers/test_executor_nvme.py", "ranks/test_launch.py",
-               "ranks/test_dist_guards.py", "ranks/test_dist_executor.py", "test_executor_training.py",
-               "test_activation_regimes.py", "checkpoints/test_executor_resume.py", "test_tracer_core.py",
-               "test_workload_misbehaves.py", "test_tracer_accuracy.py", "tiers/test_host_work_budget.py",
-               "test_selective_mix.py", "test_recipes_slack.py", "test_planner_placement.py")
-"""The fast suite's costliest files (measured 2026-11-29), dispatched first. [Note: CI's file order]"""
+HEAVY_FIRST = ("ranks/test_launch.py", "ranks/test_dist_guards.py", "ranks/test_dist_executor.py",
+               "test_activation_regimes.py", "test_workload_misbehaves.py", "tiers/test_executor_nvme.py",
+               "ranks/test_amsp_replay.py", "test_trainer_integration.py", "test_selective_plan.py",
+               "test_recipes_slack.py", "test_number_options.py", "test_selective_mix.py", "test_reports_plots.py",
+               "test_choice_slack.py", "ranks/test_dist_param_reads.py", "test_planner_host_stay.py")
+"""The fast suite's costliest files (measured 2026-11-30, summed JUnit times of a quiet run), dispatched first.
+[Note: CI's file order]"""
 
 # [Note: CI's file order]
 # CI runs `-n auto --dist loadfile --no-loadscope-reorder`: each file goes whole to one of the 2 workers, in the
