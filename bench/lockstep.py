@@ -25,11 +25,20 @@ between quiet runs. Here the processes of a round are started together, do their
   child is killed: a crash never hangs the bench. A child whose parent is gone reads end-of-file and exits.
 - caches: each step starts right after the other process's step has run on the same cores, so it finds the
   caches holding the other's data: the same for both systems (as in a loop whose data loader or logging runs
-  between steps). The processes are not pinned to a core (the machine is shared; pinning would tie them to a
-  core other work may hold), so which core a woken child runs on is the kernel's choice, alike for both.
+  between steps).
 - what lockstep does not remove: load from outside that lands inside one step and not the other's (medians over
   each process's steps, then over rounds), and what differs between two processes (where the heap and the
   model's tensors fall in memory): that is what rounds of fresh processes average out.
+
+[Note: one core for both] Unpinned, the kernel puts each woken child on a core of its choice, and on this VM the two
+vCPUs are not alike (neighbours' load lands on one, not the other): a round whose plain child mostly ran on one core
+and hplan's on the other reads that difference for its whole length. Measured on 2026-11-30 (gpt:small, quiet
+machine, 6 rounds each way, interleaved in one run, /tmp script): the per-round ratio's standard deviation was
+0.077 unpinned against 0.024 with both children pinned to the same core (all-resident), 0.131 against 0.027 at the
+minimum budget. So `lockstep(cores=...)` pins every child of a round to the same cores (set before exec, so torch
+starts pinned), and section 13 pins each round to one core, the next round to the next core. A pinned hplan sees
+one core: its `overlap="auto"` then runs activation copies and host updates in line (no spare core), as plain
+PyTorch with one torch thread has one core; the goal at the minimum budget counts the copies' memcpy time.
 Plumbing only: no torch, so its tests run tiny children in well under a second.
 """
 
@@ -72,15 +81,17 @@ class Turns:
 
 
 class _Child:
-    def __init__(self, name: str, cmd: Sequence[str], env: Mapping[str, str], cwd: str | None) -> None:
+    def __init__(self, name: str, cmd: Sequence[str], env: Mapping[str, str], cwd: str | None,
+                 cores: frozenset[int] | None = None) -> None:
         go_r, self.go = os.pipe()
         self.back, back_w = os.pipe()
         self.out: IO[bytes] = tempfile.TemporaryFile()
         self.err: IO[bytes] = tempfile.TemporaryFile()
         self.name = name
         try:
+            pin = None if cores is None else lambda: os.sched_setaffinity(0, cores)  # before exec: torch starts pinned
             self.proc = subprocess.Popen(list(cmd), stdout=self.out, stderr=self.err, cwd=cwd, pass_fds=(go_r, back_w),
-                                         env={**env, ENV: f"{go_r},{back_w}"})
+                                         env={**env, ENV: f"{go_r},{back_w}"}, preexec_fn=pin)
         except OSError:
             for f in (self.go, self.back):
                 os.close(f)
@@ -140,10 +151,12 @@ class _Child:
 
 
 def lockstep(cmds: Mapping[str, Sequence[str]], *, steps: int, first: int = 0, timeout: float = 300.0,
-             env: Mapping[str, str] | None = None, cwd: str | None = None) -> dict[str, dict[str, Any]]:
+             env: Mapping[str, str] | None = None, cwd: str | None = None,
+             cores: frozenset[int] | None = None) -> dict[str, dict[str, Any]]:
     """One round: every command of `cmds` (name → argv) in a fresh process, started together; once all are set
     up, `steps` turns each in turn, the one at index `first` first; then each finishes in that order. Returns the
-    JSON object each printed last, by name. Raises RuntimeError naming the child that died, hung (`timeout`
+    JSON object each printed last, by name. `cores`: every child runs on these cores only ([Note: one core for
+    both]). Raises RuntimeError naming the child that died, hung (`timeout`
     seconds for any one turn, set-up included) or reported another number of turns."""
     if not cmds or steps < 1:
         raise ValueError(f"lockstep needs commands and steps ≥ 1, got {len(cmds)} and {steps}")
@@ -152,7 +165,7 @@ def lockstep(cmds: Mapping[str, Sequence[str]], *, steps: int, first: int = 0, t
     children: dict[str, _Child] = {}
     try:
         for name in names:
-            children[name] = _Child(name, cmds[name], os.environ if env is None else env, cwd)
+            children[name] = _Child(name, cmds[name], os.environ if env is None else env, cwd, cores)
         deadline = time.monotonic() + timeout
         for name in order:  # set-up: all at once
             children[name].take_back(max(0.0, deadline - time.monotonic()), "set-up")

@@ -22,21 +22,27 @@ model, the plan: ~4 s of CPU each), so steps are cheaper than rounds. Four pairs
 this replaced ran 15 rounds of five processes one after the other (~330 s of the section's ~365 s)."""
 
 
-def lockstep_rounds(ctx: Context, pairs: dict[str, Sequence[str]], *, steps: int,
+def lockstep_rounds(ctx: Context, pairs: dict[str, tuple[Sequence[str], bool]], *, steps: int,
                     n: int) -> dict[str, list[tuple[dict[str, Any], dict[str, Any]]]]:
-    """`n` rounds; in each, for every pair, plain PyTorch's `speed-run` and the pair's (bench.speed_runs), each in
-    a fresh process, in lockstep ([Note: lockstep rounds] in bench.lockstep); who goes first alternates from one
-    pair and round to the next. Per key, per round: (plain's payload, the other's). A failed round raises."""
+    """`n` rounds; in each, for every pair (its `speed-run` arguments, whether pinned), plain PyTorch's `speed-run`
+    and the pair's (bench.speed_runs), each in a fresh process, in lockstep ([Note: lockstep rounds] in
+    bench.lockstep), a pinned pair's two on one core, the next core in the next round ([Note: one core for both]);
+    who goes first alternates from one pair and round to the next. Per key, per round: (plain's payload, the
+    other's). A failed round raises."""
+    import os
+
     from bench.lockstep import lockstep
 
+    cores = sorted(os.sched_getaffinity(0))
     out: dict[str, list[tuple[dict[str, Any], dict[str, Any]]]] = {k: [] for k in pairs}
     for r in range(n):
         t0 = time.perf_counter()
-        for j, (key, args) in enumerate(pairs.items()):
+        for j, (key, (args, pinned)) in enumerate(pairs.items()):
             cmd, env = worker_command(["speed-run", "plain", SPEC, str(steps)])
             cmds = {"plain": cmd, key: worker_command(["speed-run", args[0], SPEC, str(steps), *args[1:]])[0]}
             try:
-                res = lockstep(cmds, steps=steps, first=(r + j) % 2, timeout=600, env=env, cwd=str(REPO_ROOT))
+                res = lockstep(cmds, steps=steps, first=(r + j) % 2, timeout=600, env=env, cwd=str(REPO_ROOT),
+                               cores=frozenset({cores[r % len(cores)]}) if pinned else None)
             except RuntimeError as exc:
                 raise RuntimeError(f"lockstep round {r + 1}, {key}: {exc}") from None
             out[key].append((res["plain"], res[key]))
@@ -53,9 +59,10 @@ def lockstep_table(ctx: Context, plans: dict[str, Path]) -> tuple[Table, list[st
     from hplan.executor.overlap import host_update_seconds
 
     steps, n = QUICK_ROUNDS if ctx.quick else LOCKSTEP_ROUNDS
-    pairs = {"resident": ("hplan-nocheck", str(plans["resident"])),
-             "resident-check": ("hplan", str(plans["resident"])),
-             "min": ("hplan-nocheck", str(plans["min"])), "min-worker": ("hplan-worker-nocheck", str(plans["min"]))}
+    pairs = {"resident": (("hplan-nocheck", str(plans["resident"])), True),
+             "resident-check": (("hplan", str(plans["resident"])), True),
+             "min": (("hplan-nocheck", str(plans["min"])), True),
+             "min-free": (("hplan-nocheck", str(plans["min"])), False)}
     runs = lockstep_rounds(ctx, pairs, steps=steps, n=n)
     if ctx.quick:  # section 14's --quick round reuses these runs (reused_quick_runs): its hplan checks gradients
         ctx.speed_quick_runs = {"plain": [p for p, _ in runs["resident-check"]],
@@ -74,7 +81,8 @@ def lockstep_table(ctx: Context, plans: dict[str, Path]) -> tuple[Table, list[st
                            "minor page faults per iter"],
                   caption=f"**Step time against plain PyTorch, lockstep rounds** ({SPEC}, {n} rounds; in each, per "
                           f"row, plain PyTorch and hplan in two fresh processes started together, {steps} steps each, "
-                          "taking turns a step at a time, who goes first alternating; one torch thread each; ratio "
+                          "taking turns a step at a time, who goes first alternating; one torch thread each; both "
+                          "children of a pinned row's round on one core, the next round on the next core; ratio "
                           "of the two processes' steady-step medians per round; "
                           f"{load_note()} at the end).")
     heads = []
@@ -82,14 +90,15 @@ def lockstep_table(ctx: Context, plans: dict[str, Path]) -> tuple[Table, list[st
     table.add("plain PyTorch (the reference)", "—", "—", "—", "—", "0 B", f"{steady_faults(plains):.0f}")
     for key, label in (("resident", "hplan, all-resident plan"),
                        ("resident-check", "hplan, all-resident plan, with `hplan run`'s non-finite gradient check"),
-                       ("min", f"hplan at the minimum budget (default: host updates {where})"),
-                       ("min-worker", "hplan at the minimum budget, host updates always on the worker thread")):
+                       ("min", f"hplan at the minimum budget (one core, so host updates {where})"),
+                       ("min-free", "hplan at the minimum budget, both unpinned (two cores: activation copies on "
+                                    "the copier thread)")):
         ratios = [steady_median(h) / steady_median(p) for p, h in runs[key]]
         diff = max(loss_diff(h, p) for p, h in runs[key])
         spread = f"{fmt_ratio(min(ratios), 3)} / {fmt_ratio(median(ratios), 3)} / {fmt_ratio(max(ratios), 3)}"
         mine = [h for _, h in runs[key]]
         moved_row, faults = fmt_bytes(mine[-1].get("moved_bytes", 0)), f"{steady_faults(mine):.0f}"
-        if key == "resident-check":  # no goal: work the plain loop does not do, shown for its cost
+        if key in ("resident-check", "min-free"):  # no goal: work plain does not do; a second core plain lacks
             table.add(label, spread, "—", "—", f"{diff:.1e}", moved_row, faults)
             continue
         goal = 1.03 if key == "resident" else 1.15 + memcpy / plain
@@ -146,10 +155,12 @@ def lockstep_table(ctx: Context, plans: dict[str, Path]) -> tuple[Table, list[st
                        "use. By default (`overlap=\"auto\"`, [Note: when the worker pays]) a run on the CPU twin "
                        "uses it only with a spare core and host updates the plan prices at one GIL switch interval "
                        f"({switch * 1e3:.0f} ms) or more each on average; this plan prices its {len(prices)} at "
-                       f"{mean_price * 1e3:.2f} ms on average, so the default runs them {where}; "
-                       "the worker row forces the thread (`overlap=True`): every hand-off costs the backward's "
+                       f"{mean_price * 1e3:.2f} ms on average, so it runs them in line even with two cores, "
+                       "where activation copies go to the copier thread (the unpinned row); the paired table's "
+                       "worker row forces the thread (`overlap=True`): every hand-off costs the backward's "
                        "thread the GIL. On CUDA the worker is the default: there the update hides behind the "
-                       "GPU's kernels.")
+                       "GPU's kernels. The goal rows are pinned ([Note: one core for both] in bench.lockstep): "
+                       "unpinned, the spread of single rounds was 3-5× wider on this VM.")
     return table, heads, goals
 
 

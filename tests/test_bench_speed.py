@@ -124,6 +124,22 @@ def test_lockstep_round_fails_fast_naming_a_child_that_dies_hangs_or_skips_a_tur
     assert time.monotonic() - t0 < 5
 
 
+def test_lockstep_pins_every_child_of_a_round_to_the_cores_given() -> None:
+    """[Note: one core for both]: the children start (before exec) on the round's cores only; unpinned, on all."""
+    import os
+
+    from bench.harness import REPO_ROOT
+    from bench.lockstep import lockstep
+
+    child = ("import json, os\nfrom bench.lockstep import Turns\nt = Turns.from_env()\nt.hand_over()\n"
+             "t.hand_over()\nprint(json.dumps({'turns': t.count, 'cores': sorted(os.sched_getaffinity(0))}))")
+    core = max(os.sched_getaffinity(0))
+    for cores, want in ((frozenset({core}), [core]), (None, sorted(os.sched_getaffinity(0)))):
+        out = lockstep({n: [sys.executable, "-c", child] for n in "ab"}, steps=1, timeout=30, cwd=str(REPO_ROOT),
+                       cores=cores)
+        assert [p["cores"] for p in out.values()] == [want, want]
+
+
 def test_speed_runs_hand_the_turn_over_after_set_up_and_each_step_outside_its_timing(tiny_plan: Path) -> None:
     """bench.speed_runs' plain and hplan children under a lockstep parent: set-up + one hand-over per step, none
     inside a step's timing (the hand-over between steps 2 and 3 here takes 0.3 s; one torch thread, as the
