@@ -68,6 +68,28 @@ def user_loop(workload: hplan.Workload, steps: int, plan: Plan | None = None, *,
     return {"losses": losses, "weights": weights, "optimizer": optimizer, "model": model, "records": records}
 
 
+def train_eval_loop(workload: hplan.Workload, plan: Plan | None, *, eval_step: int,
+                    steps: int = 3) -> tuple[list[float], list[float], dict[str, torch.Tensor]]:
+    """A user's train/eval loop: each step trains (train(), loss, backward, step, zero_grad), then evaluates batch
+    `eval_step` under no_grad in eval mode; in plain PyTorch, or inside `hplan.attach` when a plan is given.
+    Returns the training losses, the evaluation losses and the final state_dict."""
+    model = workload.build_model()
+    optimizer = workload.optimizer(model.parameters())
+    losses, evals = [], []
+    with hplan.attach(model, optimizer, plan) if plan is not None else contextlib.nullcontext():
+        for step in range(steps):
+            model.train()
+            loss = workload.loss(model, workload.batch(step))
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            losses.append(loss.item())
+            model.eval()
+            with torch.no_grad():
+                evals.append(workload.loss(model, workload.batch(eval_step)).item())
+    return losses, evals, {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
 def rel(a: list[float], b: list[float]) -> float:
     return _nan_max(abs(x - y) / abs(y) for x, y in zip(a, b, strict=True))
 

@@ -12,7 +12,7 @@ import hf_models as hf
 import pytest
 import torch
 import transformers
-from loops import plan_for, user_loop
+from loops import plan_for, train_eval_loop, user_loop
 
 
 def gemma2() -> torch.nn.Module:
@@ -131,31 +131,10 @@ def test_evaluation_inside_the_block_reads_a_weight_dropout_handed_on():
     read two plan steps after the training forward last touched it. The plan dropped it there, so the evaluation
     forward failed inside F.linear ("data is not allocated yet"). The tracer now counts reads of what dropout made
     of a weight as reads of the weight; evaluation and training equal plain PyTorch's."""
-    import contextlib
-
-    import hplan
-
     workload = hf.workload("deberta", deberta, batch=hf.cls_batch)
     plan = plan_for(workload)
 
-    def loop(with_plan: bool) -> tuple[list[float], list[float], dict[str, torch.Tensor]]:
-        model = workload.build_model()
-        optimizer = workload.optimizer(model.parameters())
-        losses, evals = [], []
-        with hplan.attach(model, optimizer, plan) if with_plan else contextlib.nullcontext():
-            for step in range(3):
-                model.train()
-                loss = workload.loss(model, workload.batch(step))
-                loss.backward()
-                optimizer.step()
-                optimizer.zero_grad()
-                losses.append(loss.item())
-                model.eval()
-                with torch.no_grad():
-                    evals.append(workload.loss(model, workload.batch(0)).item())
-        return losses, evals, {k: v.detach().clone() for k, v in model.state_dict().items()}
-
-    ref, got = loop(False), loop(True)
+    ref, got = train_eval_loop(workload, None, eval_step=0), train_eval_loop(workload, plan, eval_step=0)
     assert got[0] == ref[0] and got[1] == ref[1]
     for key, value in ref[2].items():
         assert torch.equal(got[2][key], value), key

@@ -6,14 +6,13 @@ fixed; the slow ones keep the families' runs (tests/test_user_families.py has th
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 
 import hf_models as hf
 import pytest
 import torch
 import transformers
-from loops import plan_for, user_loop
+from loops import plan_for, train_eval_loop, user_loop
 
 import hplan
 from hplan.errors import HplanError
@@ -156,24 +155,7 @@ def test_perceiver_trains_exactly_at_its_least_auto_plan():
     workload = hf.workload("perceiver", lambda: transformers.PerceiverForMaskedLM(cfg), batch=batch)
     plan = plan_for(workload, activations="auto", iters=2)
 
-    def loop(with_plan: bool) -> tuple[list[float], list[float], dict[str, torch.Tensor]]:
-        model = workload.build_model()
-        optimizer = workload.optimizer(model.parameters())
-        losses, evals = [], []
-        with hplan.attach(model, optimizer, plan) if with_plan else contextlib.nullcontext():
-            for step in range(3):
-                model.train()
-                loss = workload.loss(model, workload.batch(step))
-                loss.backward()
-                optimizer.step()
-                optimizer.zero_grad()
-                losses.append(loss.item())
-                model.eval()
-                with torch.no_grad():
-                    evals.append(workload.loss(model, workload.batch(99)).item())
-        return losses, evals, {k: v.detach().clone() for k, v in model.state_dict().items()}
-
-    ref, got = loop(False), loop(True)
+    ref, got = train_eval_loop(workload, None, eval_step=99), train_eval_loop(workload, plan, eval_step=99)
     assert got[0] == ref[0] and got[1] == ref[1]
     assert all(torch.equal(got[2][k], v) for k, v in ref[2].items())
 
