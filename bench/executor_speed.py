@@ -1,4 +1,4 @@
-"""Table 12 — the executor's own cost: a quiet hook event (microbenchmark), where a step's time goes (profile),
+"""Section 13 — the executor's own cost: a quiet hook event (microbenchmark), where a step's time goes (profile),
 and step time against plain PyTorch at all-resident and at the minimum budget, in lockstep rounds.
 
 Goals (issue 32): a hook event that moves nothing ≤ 5 µs; all-resident ≤ 1.03× plain; at the minimum budget ≤
@@ -77,9 +77,9 @@ def rounds(ctx: Context, systems: dict[str, Sequence[str]], *, steps: int, n: in
 
 
 def reused_quick_runs(ctx: Context) -> dict[str, list[dict[str, Any]]]:
-    """With --quick, the plain, all-resident and minimum-budget runs this section's step table made in this
-    bench run (one round of QUICK_ROUNDS), for section 14 to reuse instead of starting the same processes again;
-    empty when that table did not run."""
+    """With --quick, the plain and all-resident (gradients checked) runs this section's lockstep table made in
+    this bench run (one round of QUICK_ROUNDS), for section 14 to reuse instead of starting the same processes
+    again; empty when that table did not run."""
     return ctx.speed_quick_runs if ctx.quick else {}
 
 

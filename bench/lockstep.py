@@ -156,8 +156,8 @@ def lockstep(cmds: Mapping[str, Sequence[str]], *, steps: int, first: int = 0, t
     """One round: every command of `cmds` (name → argv) in a fresh process, started together; once all are set
     up, `steps` turns each in turn, the one at index `first` first; then each finishes in that order. Returns the
     JSON object each printed last, by name. `cores`: every child runs on these cores only ([Note: one core for
-    both]). Raises RuntimeError naming the child that died, hung (`timeout`
-    seconds for any one turn, set-up included) or reported another number of turns."""
+    both]). Raises RuntimeError naming the child that died, hung (`timeout` seconds for any one turn, set-up
+    included) or reported another number of turns."""
     if not cmds or steps < 1:
         raise ValueError(f"lockstep needs commands and steps ≥ 1, got {len(cmds)} and {steps}")
     names = list(cmds)

@@ -6,6 +6,7 @@ reading a view of a freed (0-byte) storage would crash the process — under a c
 exact value instead ([Note: offloaded parameter reads] in hplan.executor.offloaded).
 Every transition is idempotent (STYLE §3) and runs inside `record_function("hplan::<action>::<region>")`.
 """
+
 from __future__ import annotations
 
 from collections.abc import Callable
