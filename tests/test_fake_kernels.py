@@ -7,7 +7,8 @@ import random
 import pytest
 import torch
 from hplan.tracer import trace_workload
-from hplan.tracer.fake import KNOWN_LIMIT_BYTES, FakeKernels, KnownValues, fake_mode, onednn_lstm_workspace_bytes
+from hplan.tracer.fake import KNOWN_LIMIT_BYTES, FakeKernels, KnownValues, fake_mode
+from hplan.tracer.fake_kernels import onednn_lstm_workspace_bytes
 from torch import nn
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 

@@ -27,7 +27,7 @@ HIDDEN = {
     "mixtral": {"architectures": ["MixtralForCausalLM"], "model_type": "mixtral", "vocab_size": 3000,
                 "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
                 "num_key_value_heads": 2, "num_local_experts": 4, "num_experts_per_tok": 2,
-                "max_position_embeddings": 2048},  # MoE: grouped_mm experts (tracer/fake.py `_grouped_mm`)
+                "max_position_embeddings": 2048},  # MoE: grouped_mm experts (tracer/fake_kernels.py `_grouped_mm`)
     "gpt_neox": {"architectures": ["GPTNeoXForCausalLM"], "model_type": "gpt_neox", "vocab_size": 3000,
                  "hidden_size": 64, "intermediate_size": 256, "num_hidden_layers": 2, "num_attention_heads": 4,
                  "rotary_pct": 0.25, "use_parallel_residual": True, "max_position_embeddings": 2048},
