@@ -156,7 +156,8 @@ class Plan:
     def chunk_bytes(self) -> dict[int, int]:
         """Bytes of each chunk's regions (weights, gradient, optimizer state; 0 for a chunk with none): what a host
         update of the chunk processes, as the one-rank step-time models price it and the executor's worker policy
-        reads (a many-rank update processes its optimizer piece: [Note: piece updates] in planner.ranks.shard_time)."""
+        reads (a many-rank update processes its optimizer piece: [Note: piece updates] in
+        planner.ranks.piece_update)."""
         out = {c.id: 0 for c in self.chunks}
         for r in self.regions:
             out[r.chunk] = out.get(r.chunk, 0) + r.bytes

@@ -51,17 +51,6 @@ in one NCCL group, which NCCL's tuning model prices as the summed bytes with a l
 of ops on a tree: tuning.cc ncclTopoGetAlgoTime, latCount; priced here as one call, a few ms a step short at
 most). So the replicas' all-reduce of a bucket goes with that bucket, sized by the bucket's full gradients (not by
 its own bytes), and the next bucket's reduce-scatter waits behind it on the stream, on whatever link each uses.
-
-[Note: piece updates] A rank's optimizer step, on the device or the host, updates its optimizer piece of a
-trainable chunk only: hplan.executor.ranks.distributed gives each chunk one ChunkUpdate over the parameters
-`in_piece`, whose weights, gradients, master and state are the store's update views (hplan.executor.update
-ChunkUpdate.__init__: `fast_views` on the device, `host_views` on the host), which
-hplan.executor.ranks.shard_store `ShardStore._views` cuts to the piece's s elements in every region. A param region
-holds (OS/P)·s elements and a grad region (OS/G)·s ([Note: shard layout] in hplan.artifacts.shard), master s and
-state k·s, so one update reads and writes param bytes × P/OS, grad bytes × G/OS and the whole master and state
-(`piece_update_bytes`): at AMSP's 1/1/8 an eighth of the replicated weights and gradients, not all of them; the
-other pieces arrive by the `update_gather` calls, priced as collectives. With P = G = OS (one GPU, ZeRO-3, MiCS)
-the shares are 1 and it is the whole chunk's bytes, as `planner.search.host_update_bytes` counts them.
 """
 
 from __future__ import annotations
@@ -76,6 +65,7 @@ from hplan.artifacts.lookahead import Lookahead, lookahead_steps
 from hplan.artifacts.shard import Collective, Sharding, derive
 from hplan.artifacts.trace import Trace
 from hplan.planner.ranks.collectives import CollectiveCost, World, block_group, collective_cost, strided_group
+from hplan.planner.ranks.piece_update import piece_update_bytes
 from hplan.planner.schedule import TRANSFER_LATENCY_S, event_seconds, with_device_updates
 from hplan.planner.search import Finished, Scored, finish
 
@@ -370,20 +360,6 @@ def with_collectives(steps: tuple[Step, ...], scored: Scored, sharding: Sharding
     s = scored.structure
     calls, gathered = derive(steps, s.chunks, s.regions, s.optimizer, sharding, ranks)
     return tuple(replace(st, collectives=calls[t], gathered_bytes=gathered[t]) for t, st in enumerate(steps))
-
-
-def piece_update_bytes(regions: Iterable[Region], sharding: Sharding | None) -> dict[int, int]:
-    """Model-state bytes one rank's update of each chunk reads and writes: its optimizer piece of every region
-    ([Note: piece updates]); `host_update_bytes` when nothing is sharded."""
-    regions = tuple(regions)
-    trainable = {r.chunk for r in regions if r.kind == "grad"}
-    f = sharding or Sharding(P=1, G=1, OS=1)
-    share = {"param": f.P, "grad": f.G}  # the region holds OS/P (OS/G) pieces; master and state hold one
-    out: dict[int, int] = {}
-    for r in regions:
-        k = share.get(r.kind, f.OS) if r.chunk in trainable else f.OS
-        out[r.chunk] = out.get(r.chunk, 0) + r.bytes * k // f.OS
-    return out
 
 
 def step_seconds(trace: Trace, hardware: Hardware, scored: Scored, done: Finished, steps: tuple[Step, ...],

@@ -95,7 +95,8 @@ from hplan.artifacts.plan import Plan, Step
 from hplan.artifacts.shard import Collective, Sharding
 from hplan.artifacts.trace import Trace
 from hplan.planner.schedule import event_seconds, with_device_updates
-from hplan.planner.ranks.shard_time import EXECUTOR, WHOLE, CommSchedule, piece_update_bytes, predict_shard_seconds
+from hplan.planner.ranks.piece_update import piece_update_bytes
+from hplan.planner.ranks.shard_time import EXECUTOR, WHOLE, CommSchedule, predict_shard_seconds
 
 DEEPSPEED_BUCKET_ELEMENTS = 5 * 10**8
 """reduce_bucket_size and allgather_bucket_size defaults (deepspeed/runtime/zero/config.py)."""
@@ -214,7 +215,7 @@ def _event_times(plan: Plan, trace: Trace, steps: tuple[Step, ...]
                  ) -> tuple[list[float], dict[int, int], dict[int, int]]:
     """Per step its compute seconds with the device updates, the chunks' update bytes and each chunk's gradient
     region: what `price` and the stage 3 host loop (`system_price`) both read."""
-    per_chunk = piece_update_bytes(plan.regions, plan.sharding)  # [Note: piece updates] in shard_time
+    per_chunk = piece_update_bytes(plan.regions, plan.sharding)  # [Note: piece updates] in piece_update
     grad_of = {r.chunk: r.id for r in plan.regions if r.kind == "grad"}
     times = with_device_updates(event_seconds(trace, plan.hardware), trace, plan.hardware, steps, per_chunk, grad_of)
     return times, per_chunk, grad_of

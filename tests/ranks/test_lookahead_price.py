@@ -50,7 +50,8 @@ def test_a_plan_with_room_is_priced_below_one_step_ahead_as_its_executor_runs_it
 
 def test_without_the_plans_regions_every_call_is_priced_one_step_ahead():
     from hplan.artifacts.buckets import region_dtypes
-    from hplan.planner.ranks.shard_time import piece_update_bytes, predict_shard_seconds
+    from hplan.planner.ranks.piece_update import piece_update_bytes
+    from hplan.planner.ranks.shard_time import predict_shard_seconds
     from hplan.planner.schedule import event_seconds, with_device_updates
 
     trace, plan = _plan()

@@ -72,7 +72,7 @@ def test_a_rank_updates_only_its_optimizer_piece():
     weights, of the gradients and its 2s of state: 16s bytes per chunk, 96 in all, not the 192 its regions hold
     (the executor's update views). The device step is priced over those bytes; fully sharded it is the whole."""
     from hplan.planner.kernel_size import device_update_seconds
-    from hplan.planner.ranks.shard_time import piece_update_bytes
+    from hplan.planner.ranks.piece_update import piece_update_bytes
 
     trace = chain_trace((10, 7, 4), precision="fp32")
     plan = plan_for(trace, hw(4), 1, 2, 4)
