@@ -17,20 +17,19 @@ check; regions may change size without an offset allocator; and concurrent O_DIR
 files never contend for one inode's lock. Files are overwritten in place, which measured twice as fast
 as writing fresh files here ([Note: how bytes reach the disk] in nvme_io.py).
 
-[Note: nvme crash safety] Every region has an exact size and a checksum held in memory, recorded when its
-write completes and checked (fstat size, then checksum of the bytes read) on every read, so a file
-truncated, grown or modified between steps, or torn by a kill during a write, is refused with an
-HplanError naming the file — never read silently. A write first invalidates the key: a write that fails
-(disk full, also half way) leaves the key unreadable and removes its file, so no half-written region is
-ever treated as valid. For `kill -9` and resume, each key has two slots: `commit()` pins the current
-version of every region and returns the manifest (key → size, checksum, slot); later writes go to the
-other slot, so the pinned files stay intact until the next commit. The caller must persist the
-manifest with its checkpoint before it writes again (a synchronous checkpoint between steps does), and
-passes it back as `DiskStore(dir, manifest=...)`. Cost: up to twice the regions' bytes on disk once a
-commit happened; no extra bandwidth. commit() also fsyncs what was written since the last one, so a
-committed version survives a power loss too. A store opened without a manifest starts empty: it removes
-what earlier stores left in the directory (as far as their ownership record proves it), so resume from a
-manifest before opening a fresh store there. `close(discard=True)` removes the store's files (scratch data).
+[Note: nvme crash safety] (the bookkeeping: nvme_versions.py) Every region has an exact size and a checksum held in
+memory, recorded when its write completes and checked (fstat size, then checksum of the bytes read) on every read,
+so a file truncated, grown or modified between steps, or torn by a kill during a write, is refused with an
+HplanError naming the file — never read silently. A write first invalidates the key: a write that fails (disk full,
+also half way) leaves the key unreadable and removes its file, so no half-written region is ever treated as valid.
+For `kill -9` and resume, each key has two slots: `commit()` pins the current version of every region and returns
+the manifest (key → size, checksum, slot); later writes go to the other slot, so the pinned files stay intact until
+the next commit. The caller must persist the manifest with its checkpoint before it writes again (a synchronous
+checkpoint between steps does), and passes it back as `DiskStore(dir, manifest=...)`. Cost: up to twice the regions'
+bytes on disk once a commit happened; no extra bandwidth. commit() also fsyncs what was written since the last one,
+so a committed version survives a power loss too. A store opened without a manifest starts empty: it removes what
+earlier stores left in the directory (as far as their ownership record proves it), so resume from a manifest before
+opening a fresh store there. `close(discard=True)` removes the store's files (scratch data).
 """
 
 from __future__ import annotations
@@ -47,6 +46,7 @@ import torch
 from hplan.executor.tiers.durable import unlock
 from hplan.executor.tiers.nvme_folder import RunFolder
 from hplan.executor.tiers.nvme_stats import IoStats, Meter
+from hplan.executor.tiers.nvme_versions import Versions
 from hplan.executor.tiers.nvme_format import (
     MANIFEST_SCHEMA,
     Region,
@@ -109,21 +109,13 @@ class DiskStore:
                 raise dir_error(self.directory, exc) from None
             self.fallback_reason: str | None = probe_direct(self.folder, direct)
             self.direct = self.fallback_reason is None
-            self._regions: dict[str, Region] = {}
-            """Current valid version per key; a key is absent while unwritten or after a failed write."""
-            self._pinned: dict[str, Region] = {}
-            """Versions the last commit (or the loaded manifest) refers to: never overwritten until the next."""
-            self._failed: dict[str, str] = {}
-            """Key → the error of its last write, when that write failed (for the read's message)."""
             self._pending: dict[str, Future[None]] = {}
             """Key → its last submitted transfer; each transfer waits for the one before it on the same key."""
-            self._unsynced: set[str] = set()
-            """Names of files written since the last commit (fsynced by the next)."""
             self._meter = Meter()
             self._mutex = threading.Lock()
             for key, region in pinned.items():
                 self._check_pinned(key, region)
-            self._regions, self._pinned = dict(pinned), dict(pinned)
+            self._versions = Versions(self.directory, pinned)
             self._pool = ThreadPoolExecutor(threads, thread_name_prefix="hplan-nvme")
         except BaseException:
             if self.folder is not None and manifest is None:
@@ -153,7 +145,7 @@ class DiskStore:
         with self._mutex:
             prev = self._pending.get(key)
             if prev is None or prev.done():  # nothing in flight decides the region: refuse bad requests now
-                self._check_readable(key, len(view))
+                self._versions.readable(key, len(view))
             fut = self._pool.submit(self._read, key, [view], direct, prev)
             self._pending[key] = fut
         return fut
@@ -193,9 +185,7 @@ class DiskStore:
         view = box.pop()
         _after(prev)
         with self._mutex:
-            current = self._regions.pop(key, None)  # invalid from here until this write completes
-            pinned = self._pinned.get(key)
-            slot = 1 - pinned.slot if pinned is not None else (current.slot if current is not None else 0)
+            slot = self._versions.start_write(key)  # invalid from here until this write completes
         name = region_name(key, slot)
         with self._meter.timed("write"):
             crc = self._checksum(view)
@@ -209,20 +199,17 @@ class DiskStore:
                 self._folder.remove(name)  # a torn file must not outlive the error (removes only our own file)
                 error = exc if isinstance(exc, HplanError) else file_error(self._path(name), exc, writing=True)
                 with self._mutex:
-                    self._failed[key] = str(error)
-                    self._unsynced.discard(name)
+                    self._versions.write_failed(key, str(error), name)
                 raise error from None
         with self._mutex:
-            self._regions[key] = Region(len(view), crc, slot)
-            self._failed.pop(key, None)
-            self._unsynced.add(name)
+            self._versions.wrote(key, Region(len(view), crc, slot), name)
         self._meter.count("write", len(view), direct)
 
     def _read(self, key: str, box: list[memoryview], direct: bool, prev: Future[None] | None) -> None:
         view = box.pop()  # [Note: no buffer outlives its transfer]
         _after(prev)
         with self._mutex:
-            region = self._check_readable(key, len(view))
+            region = self._versions.readable(key, len(view))
         path = self._path(region_name(key, region.slot))
         with self._meter.timed("read"):
             try:
@@ -287,30 +274,13 @@ class DiskStore:
         if self._lock_fd < 0:
             raise HplanError(f"the DiskStore for {self.directory} is closed: open a new one to move more regions")
 
-    def _valid(self, key: str) -> Region:
-        """The key's current version, or the one-line reason there is none (caller holds the mutex)."""
-        region = self._regions.get(key)
-        if region is None:
-            if key in self._failed:
-                raise HplanError(f"region {key!r} has no valid copy: its last write failed ({self._failed[key]})")
-            raise HplanError(f"region {key!r} was never written to {self.directory}: write it before reading it")
-        return region
-
-    def _check_readable(self, key: str, nbytes: int) -> Region:
-        """The key's current version if it can be read into `nbytes` bytes (caller holds the mutex)."""
-        region = self._valid(key)
-        if region.size != nbytes:
-            raise HplanError(f"region {key!r} holds {region.size} bytes but the buffer has {nbytes}: "
-                             "read it into a buffer of the region's size")
-        return region
-
     # -- bookkeeping ----------------------------------------------------------------------------------
 
     def size(self, key: str) -> int:
         """Bytes of `key`'s current version (after pending transfers of it)."""
         self.wait(key)
         with self._mutex:
-            return self._valid(key).size
+            return self._versions.valid(key).size
 
     def commit(self) -> dict[str, Any]:
         """Finish all transfers, fsync, pin the current versions and return the manifest to save.
@@ -321,19 +291,16 @@ class DiskStore:
         """
         self.wait_all()
         with self._mutex:
-            if self._failed:
-                key, why = next(iter(sorted(self._failed.items())))
-                raise HplanError(f"cannot commit {self.directory}: region {key!r} has no valid copy ({why})")
-            for name in sorted(self._unsynced):
+            self._versions.check_committable()
+            for name in sorted(self._versions.unsynced):
                 fd = self._open(name, os.O_RDONLY)
                 try:
                     fsync_fd(fd, self._path(name))
                 finally:
                     os.close(fd)
-            self._unsynced.clear()
+            self._versions.unsynced.clear()
             fsync_fd(self._folder.fd, self._folder.path)
-            self._pinned = dict(self._regions)
-            return dump_manifest(self._regions, self.checksum_name)
+            return dump_manifest(self._versions.pin(), self.checksum_name)
 
     def check_free(self, nbytes: int) -> None:
         """Raise a one-line HplanError unless the directory's disk has `nbytes` free (check before a run)."""
