@@ -17,7 +17,8 @@ from collections.abc import Callable
 from pathlib import Path
 
 from bench.context import Context
-from bench.harness import REPO_ROOT, SectionOutput, machine_description, render_document, run_section, utc_now
+from bench.harness import REPO_ROOT, SectionOutput, render_document, run_section
+from bench.machine import machine_description, utc_now
 
 SECTIONS: tuple[tuple[str, str, str], ...] = (
     ("accuracy", "1. Tracer accuracy", "bench.accuracy"),

@@ -9,7 +9,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from bench.harness import BF16_TOO_SLOW, ChildResult, run_worker
+from bench.harness import ChildResult, run_worker
+from bench.machine import BF16_TOO_SLOW
 
 FAKE_RUNS_INDEX = "fake-runs.json"
 """In the run's work folder: the fake traces made so far, so each section's own process reuses them."""
@@ -32,9 +33,9 @@ class Context:
     _bf16: float | None = None
 
     def bf16_slowdown(self) -> float:
-        """`bench.harness.bf16_matmul_slowdown`, measured once per run."""
+        """`bench.machine.bf16_matmul_slowdown`, measured once per run."""
         if self._bf16 is None:
-            from bench.harness import bf16_matmul_slowdown
+            from bench.machine import bf16_matmul_slowdown
 
             self._bf16 = bf16_matmul_slowdown()
             self.log(f"[bench]   bf16 matmul on this CPU: {self._bf16:.1f}× the fp32 time")

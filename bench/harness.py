@@ -1,4 +1,4 @@
-"""The benchmark harness: tables, timing with medians, subprocess RSS, machine description, sections.
+"""The benchmark harness: tables, timing with medians, subprocess RSS, sections (the machine: bench.machine).
 
 Pure helpers (no torch import at module level) so `tests/test_bench.py` can check them quickly.
 Every number a section reports is computed in the run; this module only renders and measures.
@@ -6,11 +6,9 @@ Every number a section reports is computed in the run; this module only renders 
 
 from __future__ import annotations
 
-import datetime as _dt
 import json
 import math
 import os
-import platform
 import statistics
 import subprocess
 import sys
@@ -178,27 +176,6 @@ def parse_last_json(text: str) -> dict[str, Any] | None:
     return None
 
 
-BF16_TOO_SLOW = 8.0
-"""A CPU whose bf16 matmul is this many times slower than fp32 has no bf16 units (torch falls back to a scalar
-kernel for some layouts): a bf16-mixed gpt:350m step then takes minutes, so the full runs train fp32 instead."""
-
-
-def bf16_matmul_slowdown() -> float:
-    """bf16 ÷ fp32 seconds of the matmul a linear layer's backward runs (grad_out @ W, 64×1024 @ 1024×1024, both
-    row-major) on this CPU: far above 1 where the CPU has no bf16 units and torch falls back to a scalar kernel."""
-    import torch
-
-    def seconds(dtype: torch.dtype) -> float:
-        a, b = torch.randn(64, 1024, dtype=dtype), torch.randn(1024, 1024, dtype=dtype)
-        a @ b
-        start = time.perf_counter()
-        for _ in range(3):
-            a @ b
-        return (time.perf_counter() - start) / 3
-
-    return seconds(torch.bfloat16) / seconds(torch.float32)
-
-
 def self_peak_rss_bytes() -> int:
     """This process's peak RSS in bytes: VmHWM on Linux, the high-water mark of this program's own memory.
 
@@ -215,64 +192,6 @@ def self_peak_rss_bytes() -> int:
         pass
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     return int(peak if sys.platform == "darwin" else peak * 1024)
-
-
-# ----------------------------------------------------------------------------- machine
-
-def cpu_model() -> str:
-    """The CPU's marketing name from /proc/cpuinfo, falling back to platform's guess."""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.lower().startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine() or "unknown CPU"
-
-
-def machine_description() -> dict[str, str]:
-    """What the numbers were measured on; printed at the top of BENCHMARKS.md."""
-    import psutil
-
-    try:
-        import torch
-
-        torch_version = torch.__version__
-        threads = str(torch.get_num_threads())
-    except ImportError:  # the helpers stay usable without torch
-        torch_version, threads = "not installed", "—"
-    try:
-        affinity = len(os.sched_getaffinity(0))
-    except AttributeError:
-        affinity = psutil.cpu_count(logical=True) or 0
-    return {
-        "CPU": cpu_model(),
-        "cores": f"{psutil.cpu_count(logical=False) or '?'} physical / {psutil.cpu_count(logical=True) or '?'} logical "
-                 f"({affinity} usable, torch threads {threads})",
-        "RAM": fmt_bytes(psutil.virtual_memory().total) + f" ({psutil.virtual_memory().total / 2**30:.1f} GiB)",
-        "OS": f"{platform.system()} {platform.release()}",
-        "Python": platform.python_version(),
-        "torch": torch_version,
-        "hplan commit": git_commit(),
-        "load average (1 min) at start": f"{os.getloadavg()[0]:.2f}" if hasattr(os, "getloadavg") else "—",
-    }
-
-
-def git_commit() -> str:
-    try:
-        out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], check=False, cwd=REPO_ROOT, capture_output=True,
-                             text=True, timeout=10)
-        dirty = subprocess.run(["git", "status", "--porcelain"], check=False, cwd=REPO_ROOT, capture_output=True,
-                               text=True, timeout=10)
-    except (OSError, subprocess.TimeoutExpired):
-        return "unknown"
-    if out.returncode != 0:
-        return "unknown"
-    return out.stdout.strip() + (" (with uncommitted changes)" if dirty.stdout.strip() else "")
-
-
-def utc_now() -> str:
-    return _dt.datetime.now(_dt.UTC).strftime("%Y-%m-%d %H:%M UTC")
 
 
 # ----------------------------------------------------------------------------- sections

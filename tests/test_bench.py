@@ -14,6 +14,7 @@ from artifact_samples import sample_plan, sample_trace
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # `bench` lives at the repo root, not in hplan
 harness = importlib.import_module("bench.harness")
+machine = importlib.import_module("bench.machine")
 
 
 def test_render_table_pads_short_rows_and_escapes_pipes() -> None:
@@ -73,7 +74,7 @@ def test_parse_last_json_skips_progress_lines() -> None:
 
 
 def test_machine_description_names_cpu_cores_ram_and_torch() -> None:
-    info = harness.machine_description()
+    info = machine.machine_description()
     for key in ("CPU", "cores", "RAM", "OS", "Python", "torch", "hplan commit"):
         assert info[key], key
     assert "GB" in info["RAM"]

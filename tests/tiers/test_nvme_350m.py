@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from bench.harness import BF16_TOO_SLOW, bf16_matmul_slowdown
+from bench.machine import BF16_TOO_SLOW, bf16_matmul_slowdown
 from hplan.specs import load_workload
 from hplan.training import plain_losses
 
