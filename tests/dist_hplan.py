@@ -3,6 +3,9 @@ import them) and the plans they run. See tests/dist_reference.py for the referen
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -95,3 +98,23 @@ def settings_rank(info: RankInfo, spec: str, plans: list[dict[str, Any]], steps:
     out["ckpt_files"] = sorted(p.name for p in Path(ckpt).iterdir()) if info.rank == 0 else []
     return out
 
+
+def hplan_cli(*argv: str, env: dict[str, str] | None = None, timeout: float = 300) -> subprocess.CompletedProcess:
+    """`hplan ARGV` as its own process (a many-rank run's launcher, as a user starts it), output captured."""
+    return subprocess.run([sys.executable, "-c", "from hplan.cli import main; main()", *argv], capture_output=True,
+                          text=True, timeout=timeout, env={**os.environ, "COLUMNS": "300", **(env or {})})
+
+
+def error_lines(stderr: str) -> list[str]:
+    """The non-blank lines of a run's stderr: a refusal is exactly one."""
+    return [line for line in stderr.splitlines() if line.strip()]
+
+
+def finite_everywhere(folder: Path) -> bool:
+    """Every floating tensor of a many-rank step folder is finite (read with hplan's safe reader)."""
+    from hplan.executor.checkpoints.checkpoint import _read
+    from hplan.executor.checkpoints.checkpoint_dir import listed_files
+
+    state = _read(folder, listed_files(folder))
+    tensors = [t for rank in state.values() for t in rank["regions"].values()]
+    return bool(tensors) and all(torch.isfinite(t).all() for t in tensors if t.is_floating_point())
