@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from bad_input_table import (  # noqa: F401 (fixtures, used by name)
-    P, artifacts, both, check_row, edited_plan, fifo, folder, hardlink, link, _one_click_command, _release_locks,
+    artifacts, both, check_row, edited_plan, fifo, folder, hardlink, link, _one_click_command, _release_locks,
     Row, text, truncated, _unknown_chunk,
 )
 
