@@ -57,17 +57,12 @@ def make_plans(ctx: Context) -> dict[str, Path]:
     return paths
 
 
-def rounds(ctx: Context, systems: dict[str, Sequence[str]], *, steps: int, n: int,
-           rotate: bool = False) -> dict[str, list[dict[str, Any]]]:
-    """`n` rounds; in each, every system's `speed-run` (bench.speed_runs) in a fresh process, in order (with
-    `rotate`, round r starts r places further along, so no system always runs first or right after the same
-    one). A failed run raises (its error names the system)."""
+def rounds(ctx: Context, systems: dict[str, Sequence[str]], *, steps: int, n: int) -> dict[str, list[dict[str, Any]]]:
+    """`n` rounds; in each, every system's `speed-run` (bench.speed_runs) in a fresh process, in order. A failed run
+    raises (its error names the system and the round)."""
     out: dict[str, list[dict[str, Any]]] = {k: [] for k in systems}
-    keys = list(systems)
     for r in range(n):
-        shift = r % len(keys) if rotate else 0
-        for key in keys[shift:] + keys[:shift]:
-            args = systems[key]
+        for key, args in systems.items():
             res = run_worker(["speed-run", args[0], SPEC, str(steps), *args[1:]], timeout=600)
             if not res.ok:
                 raise RuntimeError(f"{key} (round {r + 1}): {res.error}")

@@ -19,9 +19,9 @@ def test_speed_round_ratios_pair_runs_of_the_same_round() -> None:
     assert round_ratios(runs, "a", "b") == [2.0, 2.0]  # first step (warm-up) left out, rounds never mixed
 
 
-def test_speed_rounds_rotate_the_order_and_keep_each_systems_runs_apart(monkeypatch, tmp_path) -> None:
-    """No system always runs first (a cold start) or right after the same one; results stay per system, per
-    round."""
+def test_speed_rounds_run_every_system_each_round_and_keep_each_systems_runs_apart(monkeypatch, tmp_path) -> None:
+    """Each round runs every system once, in the order given; results stay per system, in round order; a failed run
+    raises naming the system and the round."""
     from bench import executor_speed
     from bench.context import Context
     from bench.harness import ChildResult
@@ -30,13 +30,19 @@ def test_speed_rounds_rotate_the_order_and_keep_each_systems_runs_apart(monkeypa
 
     def fake(args, *, timeout):
         order.append(args[1])
+        if args[1] == "fail" and order.count("fail") == 2:
+            return ChildResult(ok=False, wall_seconds=0.0, peak_rss_bytes=0, payload={}, error="exit 1: boom")
         return ChildResult(ok=True, wall_seconds=0.0, peak_rss_bytes=0, payload={"system": args[1], "n": len(order)})
 
     monkeypatch.setattr(executor_speed, "run_worker", fake)
     ctx = Context(quick=True, out_dir=tmp_path, fig_dir=tmp_path, log=lambda m: None)
-    runs = executor_speed.rounds(ctx, {"a": ("a",), "b": ("b",), "c": ("c",)}, steps=1, n=3, rotate=True)
-    assert order == ["a", "b", "c", "b", "c", "a", "c", "a", "b"]
-    assert [[p["system"] for p in runs[k]] for k in "abc"] == [["a"] * 3, ["b"] * 3, ["c"] * 3]
+    runs = executor_speed.rounds(ctx, {"a": ("a",), "b": ("b",), "c": ("c",)}, steps=1, n=3)
+    assert order == ["a", "b", "c"] * 3
+    assert [[(p["system"], p["n"]) for p in runs[k]] for k in "abc"] == [[("a", 1), ("a", 4), ("a", 7)],
+                                                                        [("b", 2), ("b", 5), ("b", 8)],
+                                                                        [("c", 3), ("c", 6), ("c", 9)]]
+    with pytest.raises(RuntimeError, match=r"^f \(round 2\): exit 1: boom$"):
+        executor_speed.rounds(ctx, {"f": ("fail",)}, steps=1, n=3)
 
 
 @pytest.fixture(scope="module")
