@@ -50,11 +50,12 @@ CROSS_DEVICE = ("; a plan from a CPU or fake trace offloads what CPU kernels sav
 
 def _differs(device: torch.device) -> str:
     """Why a segment saves other tensors than traced: a loop's own autocast the workload's loss lacks (GPT-NeoX saved
-    29,184 bytes of the 49,664 planned, and the message blamed GPU kernels on a CPU run), else CROSS_DEVICE."""
+    29,184 bytes of the 49,664 planned, and the message blamed GPU kernels on a CPU run), else on a GPU
+    CROSS_DEVICE; on the CPU, the kernels a CPU or fake trace models, nothing more to name."""
     if torch.is_autocast_enabled(device.type):
         return ("; this forward runs under torch.autocast, and a step traced without it saves other tensors: put the "
                 "autocast inside the workload's loss so the trace records it, or plan with --activations keep")
-    return CROSS_DEVICE
+    return "" if device.type == "cpu" else CROSS_DEVICE
 
 
 _Packed = tuple
@@ -120,7 +121,8 @@ class Offloaded:
         bytes copied."""
         if self.packs <= max(self.route, default=-1):
             raise HplanError(f"segment {self.choice.module} saved {self.packs} tensors, fewer than the traced step "
-                             "(the run differs from the trace): re-trace and re-plan this workload")
+                             f"(the run differs from the trace{_differs(self.device)}): re-trace and re-plan this "
+                             "workload")
         total = self._down()
         for stage in self.stages:
             total += stage._down()
