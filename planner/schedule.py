@@ -165,6 +165,20 @@ def with_device_updates(seconds: list[float], trace: Trace, hardware: Hardware, 
     return out
 
 
+def busy_split(steps: tuple[Step, ...] | list[Step], sizes: dict[int, int], seconds: list[float],
+               hardware: Hardware, host_bytes: dict[int, int]) -> dict[str, float]:
+    """Busy seconds of the iteration's compute, of each link direction (a latency per copy plus its bytes at the
+    link's rate) and of the host optimizer: the split both step-time models report (this module's and the
+    many-rank one, planner.ranks.shard_time), whatever overlaps."""
+    up = [sizes[r] for s in steps for r in s.fetch]
+    down = [sizes[r] for s in steps for r in s.writeback]
+    host = sum(host_bytes[c] for s in steps for c in s.host_updates)
+    return {"compute": sum(seconds),
+            "h2d": len(up) * TRANSFER_LATENCY_S + sum(up) / (hardware.h2d_gbps * 1e9),
+            "d2h": len(down) * TRANSFER_LATENCY_S + sum(down) / (hardware.d2h_gbps * 1e9),
+            "cpu_optimizer": host / (hardware.cpu_optimizer_gbps * 1e9)}
+
+
 def predict_seconds(steps: tuple[Step, ...], sizes: dict[int, int], initial: frozenset[int], seconds: list[float],
                     hardware: Hardware, host_bytes: dict[int, int], grad_of: dict[int, int], *,
                     sync: bool = False) -> dict[str, float]:
@@ -180,11 +194,7 @@ def predict_seconds(steps: tuple[Step, ...], sizes: dict[int, int], initial: fro
     nothing runs beside anything: the step is compute + every copy + every host update."""
     h2d_bps, d2h_bps = hardware.h2d_gbps * 1e9, hardware.d2h_gbps * 1e9
     cpu_bps = hardware.cpu_optimizer_gbps * 1e9
-    up = [sizes[r] for s in steps for r in s.fetch]
-    down = [sizes[r] for s in steps for r in s.writeback]
-    host = sum(host_bytes[c] for s in steps for c in s.host_updates)
-    split = {"compute": sum(seconds), "h2d": len(up) * TRANSFER_LATENCY_S + sum(up) / h2d_bps,
-             "d2h": len(down) * TRANSFER_LATENCY_S + sum(down) / d2h_bps, "cpu_optimizer": host / cpu_bps}
+    split = busy_split(steps, sizes, seconds, hardware, host_bytes)
     if not hardware.overlap:
         return {**split, "step": sum(split.values())}
     up_free = down_free = compute_end = cpu_free = 0.0

@@ -110,16 +110,8 @@ class Sharding:
         return {"P": self.P, "G": self.G, "OS": self.OS}
 
     def check(self, ranks: int, gpus_per_node: int) -> None:
-        """Raise unless the factors fit this world (see [Note: shard layout])."""
-        allowed = allowed_factors(ranks, gpus_per_node)
-        for name, f in self.factors.items():
-            if f not in allowed:
-                raise HplanError(f"shard factor {name}={f} is neither 1, a divisor of the {gpus_per_node} GPUs per "
-                                 f"node, nor all {ranks} ranks; pick one of {allowed}")
-        if self.G % self.P or self.OS % self.G:
-            raise HplanError(f"shard factors P={self.P}, G={self.G}, OS={self.OS} must each divide the next "
-                             "(P | G | OS): gradients sharded at least as finely as parameters, optimizer state at "
-                             "least as finely as gradients")
+        """Raise unless the factors fit this world and this layout (see [Note: shard layout])."""
+        check_factors(self.factors, ranks, gpus_per_node)
         if self.P not in (1, self.G):
             raise HplanError(f"P={self.P} must be 1 or equal G={self.G} (a parameter shard inside a coarser "
                              "gradient shard does not nest); use P=1 or P=G")
@@ -195,6 +187,20 @@ class RankPieces:
 def allowed_factors(ranks: int, gpus_per_node: int) -> list[int]:
     """1, the divisors of the GPUs per node, and all ranks (AMSP's replica / partial / full)."""
     return sorted({d for d in range(1, gpus_per_node + 1) if gpus_per_node % d == 0 and d <= ranks} | {ranks})
+
+
+def check_factors(factors: dict[str, int], ranks: int, gpus_per_node: int) -> None:
+    """Raise unless each of P, G, OS is 1, a divisor of the GPUs per node, or all ranks, and P | G | OS: AMSP's
+    rules, which every sharded system priced here obeys (the executor's layout adds P in {1, G}: Sharding.check)."""
+    allowed = allowed_factors(ranks, gpus_per_node)
+    for name, f in factors.items():
+        if f not in allowed:
+            raise HplanError(f"shard factor {name}={f} is neither 1, a divisor of the {gpus_per_node} GPUs per "
+                             f"node, nor all {ranks} ranks; pick one of {allowed}")
+    p, g, os_ = factors["P"], factors["G"], factors["OS"]
+    if g % p or os_ % g:
+        raise HplanError(f"shard factors P={p}, G={g}, OS={os_} must each divide the next (P | G | OS): gradients "
+                         "sharded at least as finely as parameters, optimizer state at least as finely as gradients")
 
 
 def factor_choices(ranks: int, gpus_per_node: int) -> list[Sharding]:

@@ -54,6 +54,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from hplan.artifacts.hardware import COLLECTIVE_ALGORITHMS, Hardware
+from hplan.artifacts.shard import check_factors
 from hplan.errors import HplanError
 from hplan.planner.ranks.nccl import Choice, Latencies, nccl_time
 
@@ -110,16 +111,7 @@ class ShardFactors:
 
     def check(self, world: World) -> None:
         """Raise unless each factor is 1, a divisor of the ranks per node, or all ranks, and P | G | OS."""
-        n, gpn = world.ranks, world.gpus_per_node
-        allowed = sorted({d for d in range(1, gpn + 1) if gpn % d == 0} | {n})
-        for name, f in (("P", self.P), ("G", self.G), ("OS", self.OS)):
-            if f not in allowed:
-                raise HplanError(f"shard factor {name}={f} is neither 1, a divisor of {gpn} GPUs per node, nor all "
-                                 f"{n} ranks; pick one of {allowed}")
-        if self.G % self.P or self.OS % self.G:
-            raise HplanError(f"shard factors P={self.P}, G={self.G}, OS={self.OS} must each divide the next "
-                             "(P | G | OS); shard gradients at least as finely as parameters, "
-                             "optimizer state at least as finely as gradients")
+        check_factors({"P": self.P, "G": self.G, "OS": self.OS}, world.ranks, world.gpus_per_node)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

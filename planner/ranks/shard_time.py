@@ -66,7 +66,7 @@ from hplan.artifacts.shard import Collective, Sharding, derive
 from hplan.artifacts.trace import Trace
 from hplan.planner.ranks.collectives import CollectiveCost, World, block_group, collective_cost, strided_group
 from hplan.planner.ranks.piece_update import piece_update_bytes
-from hplan.planner.schedule import TRANSFER_LATENCY_S, event_seconds, with_device_updates
+from hplan.planner.schedule import TRANSFER_LATENCY_S, busy_split, event_seconds, with_device_updates
 from hplan.planner.search import Finished, Scored, finish
 
 REDUCTIONS = ("scatter", "sync")
@@ -177,11 +177,7 @@ def predict_shard_seconds(steps: tuple[Step, ...] | list[Step], sizes: dict[int,
     links = _Links(world, hardware, schedule)
     h2d_bps, d2h_bps = hardware.h2d_gbps * 1e9, hardware.d2h_gbps * 1e9
     cpu_bps = hardware.cpu_optimizer_gbps * 1e9
-    up = [sizes[r] for s in steps for r in s.fetch]
-    down = [sizes[r] for s in steps for r in s.writeback]
-    host = sum(host_bytes[c] for s in steps for c in s.host_updates)
-    split = {"compute": sum(seconds), "h2d": len(up) * TRANSFER_LATENCY_S + sum(up) / h2d_bps,
-             "d2h": len(down) * TRANSFER_LATENCY_S + sum(down) / d2h_bps, "cpu_optimizer": host / cpu_bps}
+    split = busy_split(steps, sizes, seconds, hardware, host_bytes)
     if not hardware.overlap:  # everything in turn: every second is exposed
         exposed = {"exposed_host": split["h2d"] + split["d2h"], "exposed_intra": 0.0, "exposed_inter": 0.0,
                    "exposed_cpu_optimizer": split["cpu_optimizer"]}
