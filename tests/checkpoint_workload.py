@@ -10,7 +10,7 @@ from __future__ import annotations
 import shutil
 from pathlib import Path
 
-from loops import plan_for
+from loops import BLOW, plan_for
 from typer.testing import CliRunner
 
 from hplan.cli import app
@@ -32,15 +32,7 @@ MARK = 12345.0
 """A batch whose first value is MARK makes the loss's gradient infinite (the loss itself stays finite)."""
 
 
-class Blow(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x):
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx, g):
-        return g * math.inf
-
+''' + BLOW + '''
 
 def workload(nan_at: int = -1, inf_lr_at: int = -1, inf_grad_at: int = -1) -> hplan.Workload:
     def model():

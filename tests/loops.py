@@ -16,6 +16,20 @@ from hplan.artifacts import Plan, replay
 from hplan.planner import PlanOptions, make_hardware, make_plan, min_gpu_bytes, trace_slack
 from hplan.tracer import trace_workload
 
+BLOW = '''class Blow(torch.autograd.Function):
+    """Identity forward; an infinite gradient backward (the loss itself stays finite)."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, g):
+        return g * math.inf
+'''
+"""Source of an autograd function for the workload files tests write (which import `math` and `torch`): a finite
+loss with an infinite gradient, the non-finite case a run must stop at without saving it."""
+
 
 def plan_for(workload: hplan.Workload, *, extra: float = 0.0, solver: str = "fast", iters: int = 3,
              trace: Any = None, activations: str = "keep") -> Plan:

@@ -13,6 +13,7 @@ import pytest
 
 import dist_hplan
 from dist_hplan import error_lines, finite_everywhere, hplan_cli
+from loops import BLOW
 from hplan.errors import HplanError
 from hplan.executor.ranks import dist_checkpoint
 from hplan.executor.ranks.dist_train import run_distributed
@@ -30,17 +31,7 @@ from hplan.specs import load_workload
 BASE = load_workload("gpt:tiny")
 
 
-class Blow(torch.autograd.Function):
-    """Identity forward; an infinite gradient backward (the loss itself stays finite)."""
-
-    @staticmethod
-    def forward(ctx, x):
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx, g):
-        return g * math.inf
-
+''' + BLOW + '''
 
 ARMED = [False]
 
