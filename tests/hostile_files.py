@@ -1,4 +1,4 @@
-"""Setups for tests/test_bad_inputs.py that forge artifacts: a trace whose metadata or timeline was edited, and
+"""Setups for tests/test_bad_inputs*.py that forge artifacts: a trace whose metadata or timeline was edited, and
 JSON files no parser should be trusted with (nested 100 000 deep, a 5000-digit integer)."""
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """Artifacts that are not what they claim (issue 22): the one bounded JSON reader, typed metadata fields, and a
-trace read column by column. tests/test_bad_inputs.py checks the same through every command."""
+trace read column by column. tests/test_bad_inputs*.py check the same through every command."""
 
 from __future__ import annotations
 
