@@ -110,6 +110,22 @@ def train_in_blocks(info: RankInfo, spec: str, plan: Plan, steps: int, per_block
             "checksum": [float(p.detach().double().sum()) for _, p in model.named_parameters()]}
 
 
+def _eval_inside(spec: str, plan: Plan) -> str:
+    """An evaluation forward inside a many-rank block: the refusal's message."""
+    from hplan.errors import HplanError
+
+    workload = load_workload(spec)
+    model = workload.build_model()
+    try:
+        with hplan.attach(model, workload.optimizer(model.parameters()), plan, batch_example=workload.batch(0)):
+            model.eval()
+            with torch.no_grad():
+                workload.loss(model, workload.batch(0))
+    except HplanError as error:
+        return str(error)
+    return "evaluated"
+
+
 def settings_rank(info: RankInfo, spec: str, plans: list[dict[str, Any]], steps: int, ckpt: str) -> dict[str, Any]:
     """Every check of the executor test in one launch: each plan for `steps` steps, then a stop at half way and a
     resume from a checkpoint under the second plan, then FSDP2 on the same model and seed."""
@@ -122,6 +138,7 @@ def settings_rank(info: RankInfo, spec: str, plans: list[dict[str, Any]], steps:
     train_attached(info, spec, plan, half, checkpoint=("save", ckpt))
     out["resumed"] = train_attached(info, spec, plan, steps, first=half, checkpoint=("load", ckpt))["losses"]
     out["blocks"] = train_in_blocks(info, spec, plan, steps, half)
+    out["eval"] = _eval_inside(spec, plan)
     out["fsdp2"] = dist_reference._fsdp2_rank(info, spec, steps)
     out["ckpt_files"] = sorted(p.name for p in Path(ckpt).iterdir()) if info.rank == 0 else []
     return out
