@@ -299,8 +299,9 @@ class DistRun(DistEvents, DistUpdates):
                          "gradient shards); train without clipping or on one rank")
 
     def sync_state(self) -> None:
-        raise HplanError("optimizer.state_dict() inside a many-rank plan: the state is sharded over ranks; save it "
-                         "with hplan.executor.ranks.dist_checkpoint.save (run_distributed's `checkpoint_dir` does)")
+        raise HplanError("optimizer.state_dict() inside a many-rank plan: the state is sharded over ranks; call it "
+                         "after the block (the optimizer then holds the whole state), or save inside it with "
+                         "hplan.executor.ranks.dist_checkpoint.save (run_distributed's `checkpoint_dir` does)")
 
     def release_state(self) -> None:
         self.optimizer.state.clear()
