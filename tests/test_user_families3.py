@@ -36,6 +36,7 @@ def test_a_loop_without_the_traced_autocast_on_offloaded_blocks_is_named(traced_
     traced, loop = traced_under_autocast
     plan = plan_for(traced, activations="offload", iters=2)
     with pytest.raises(HplanError, match=r"saved \d+ bytes to offload where the plan moves \d+ .*runs without "
-                                         r"torch\.autocast and saved more than the traced one: if the workload's loss "
-                                         r"runs under torch\.autocast, run this loop's forward under the same autocast"):
+                                         r"torch\.autocast and saved more than the traced one: if the workload's "
+                                         r"loss runs under torch\.autocast, run this loop's forward under the same "
+                                         r"autocast"):
         user_loop(loop, 1, plan)

@@ -26,8 +26,8 @@ from hplan.optimizers import scalar_tensor, state_spec
 
 
 def sliced_state(store: Any, state: dict[torch.Tensor, dict[str, Any]]) -> dict[torch.Tensor, dict[str, Any]]:
-    """The user's optimizer state (`state`) with each per-element tensor (and master) cut to this rank's piece of it (flat):
-    what the rank's ChunkUpdate adopts. Parameters this rank holds no piece of are left out."""
+    """The user's optimizer state (`state`) with each per-element tensor (and master) cut to this rank's piece of
+    it (flat): what the rank's ChunkUpdate adopts. Parameters this rank holds no piece of are left out."""
     out: dict[torch.Tensor, dict[str, Any]] = {}
     for c in store.plan.chunks:
         lay = store.layouts[c.id]
