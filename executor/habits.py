@@ -264,6 +264,8 @@ def _one_backward_per_forward(run: PlanRun) -> Iterator[None]:
             out = original(*args, **kwargs)
         except Exception as exc:
             if kept[0] != iteration:
+                if isinstance(exc, RuntimeError) and _RELEASED in str(exc):
+                    raise HplanError(released_message(iteration)) from exc
                 raise
             raise HplanError(f"a backward failed after an earlier backward of iteration {iteration} kept its graph "
                              f"(retain_graph=True) ({type(exc).__name__}: {str(exc).strip().splitlines()[0][:160]}):"
@@ -279,6 +281,23 @@ def _one_backward_per_forward(run: PlanRun) -> Iterator[None]:
         yield
     finally:
         torch.autograd.backward = original  # type: ignore[assignment]
+
+
+_RELEASED = "out of bounds for storage of size 0"
+"""How autograd fails reading a tensor whose storage the plan released (an evicted weight's is resized to 0)."""
+
+
+def released_message(iteration: int) -> str:
+    """[Note: a graph that saves what the trace did not] A backward reading a weight the plan had evicted by then,
+    which happens only when this forward saved it and the traced one did not. Seen with the workload's loss traced
+    under `torch.autocast` (the graph saves each weight's bf16 copy, so the plan frees the fp32 weight after its
+    forward) and a loop calling the model without it (the graph saves the fp32 weight): autograd failed with
+    "setStorage: ... out of bounds for storage of size 0", naming nothing of the cause, on kept and recomputed
+    blocks alike (GPT-NeoX). Re-worded in one line naming that cause, its reverse and the fix."""
+    return (f"backward of iteration {iteration} read a weight the plan had already released: this forward "
+            "saved tensors the traced step did not, most often because the traced loss ran under torch.autocast and "
+            "this loop's forward does not (or the reverse); run the forward as the workload's loss runs it (the same "
+            "autocast), or re-trace and re-plan the loop you run")
 
 
 def _no_deepcopy(memo: dict) -> Any:

@@ -15,6 +15,11 @@ global check plain PyTorch's GradScaler makes:
   before; the same element-wise arithmetic on the same inputs, bit for bit the deferred run;
 - otherwise every speculated chunk is put back from its copies, bytes and scalars, and the step runs as the
   deferred run would: skipped (overflow, or a step the loop skipped), or all updates redone.
+A backward of a loss that did not go through `run.scale(loss)` (an fp32 loop's habit) speculates nothing: each
+chunk's update starts in the iteration's last micro-step, when every micro-step should have called `scale()`, so
+fewer calls by then leave every update to `optimizer.step()`, which refuses the iteration as without speculation
+([Note: an unscaled fp16 backward]) before any weight changed (before, every host chunk was updated with gradients
+2**16 times too small on the worker, and rolled back only when the loop went on or the block ended).
 The copies are host memory (the chunk's master, weights and state once more), kept between iterations, and a
 copy costs a memcpy of those bytes per update, so only a run with the worker speculates: in line it would add
 work to the backward and save none. It is opt-in (`attach(..., speculate=True)`): on a loaded 2-core machine
@@ -69,6 +74,8 @@ class Speculation:
     def at_step(self, index: int) -> None:
         """The event of plan step `index` began: hand its chunks' updates to the worker."""
         run = self.run
+        if run._scaled < run.plan.accumulate:
+            return  # an unscaled backward: nothing is speculated, optimizer.step() refuses it (see the Note)
         for c in self.at.get(index, ()):
             update = run.updates[c]
             if self.overflow or any(slot.state is not _HOST for slot in update.slots):

@@ -76,11 +76,57 @@ def train_attached(info: RankInfo, spec: str, plan: Plan, steps: int, *, first: 
             dist_checkpoint.save(checkpoint[1], run, global_step=steps)
     weights = {name: p.detach().clone() for name, p in model.named_parameters()}
     last = iters[-1]
-    return {"losses": losses, "seconds": seconds, "peak": max(i.peak_resident_bytes for i in iters),
+    return {"losses": losses, "state": _state_checksum(optimizer), "seconds": seconds,
+            "peak": max(i.peak_resident_bytes for i in iters),
             "moved": last.h2d_bytes + last.d2h_bytes, "collective": last.collective_bytes, "wire": last.wire_bytes,
             "ahead": last.gathers_ahead, "in_flight": last.reductions_in_flight, "calls": last.collective_calls,
             "checksum": [float(w.double().sum()) for w in weights.values()],
             "weights": weights if r == 0 else None}
+
+
+def _state_checksum(optimizer: torch.optim.Optimizer) -> list[list[float]]:
+    """Per parameter with state, in the optimizer's order: each state entry's sum (the user's optimizer.state)."""
+    params = [p for g in optimizer.param_groups for p in g["params"]]
+    return [[float(v.double().sum()) for _, v in sorted(optimizer.state[p].items())]
+            for p in params if p in optimizer.state]
+
+
+def train_in_blocks(info: RankInfo, spec: str, plan: Plan, steps: int, per_block: int) -> dict[str, Any]:
+    """The loop of `train_attached` in several `hplan.attach` blocks of `per_block` steps on one model and
+    optimizer (a user evaluating or saving between blocks): [Note: optimizer state across many-rank blocks]."""
+    n, r = info.world_size, info.rank
+    workload = load_workload(spec)
+    model = workload.build_model()
+    optimizer = workload.optimizer(model.parameters())
+    losses = []
+    for start in range(0, steps, per_block):
+        with hplan.attach(model, optimizer, plan, batch_example=workload.batch(0)):
+            for step in range(start, min(steps, start + per_block)):
+                loss = workload.loss(model, workload.batch(step * n + r))
+                loss.backward()
+                optimizer.step()
+                optimizer.zero_grad()
+                total = loss.detach().clone()
+                dist.all_reduce(total)
+                losses.append(float(total) / n)
+    return {"losses": losses, "state": _state_checksum(optimizer),
+            "checksum": [float(p.detach().double().sum()) for _, p in model.named_parameters()]}
+
+
+def _eval_inside(spec: str, plan: Plan) -> str:
+    """An evaluation forward inside a many-rank block: the refusal's message."""
+    from hplan.errors import HplanError
+
+    workload = load_workload(spec)
+    model = workload.build_model()
+    try:
+        with hplan.attach(model, workload.optimizer(model.parameters()), plan, batch_example=workload.batch(0)):
+            model.eval()
+            with torch.no_grad():
+                workload.loss(model, workload.batch(0))
+    except HplanError as error:
+        return str(error)
+    return "evaluated"
 
 
 def settings_rank(info: RankInfo, spec: str, plans: list[dict[str, Any]], steps: int, ckpt: str) -> dict[str, Any]:
@@ -94,6 +140,8 @@ def settings_rank(info: RankInfo, spec: str, plans: list[dict[str, Any]], steps:
     half = steps // 2
     train_attached(info, spec, plan, half, checkpoint=("save", ckpt))
     out["resumed"] = train_attached(info, spec, plan, steps, first=half, checkpoint=("load", ckpt))["losses"]
+    out["blocks"] = train_in_blocks(info, spec, plan, steps, half)
+    out["eval"] = _eval_inside(spec, plan)
     out["fsdp2"] = dist_reference._fsdp2_rank(info, spec, steps)
     out["ckpt_files"] = sorted(p.name for p in Path(ckpt).iterdir()) if info.rank == 0 else []
     return out

@@ -8,6 +8,7 @@ import torch
 from loops import plan_for
 
 from hplan.executor import PlanRun
+from hplan.errors import HplanError
 from hplan.executor.speculate import Speculation
 from hplan.specs import load_workload
 from hplan.training import build_optimizer
@@ -128,3 +129,31 @@ def test_asking_for_speculation_gives_it_the_worker_by_default(fp16, spied):
     ours = _train(workload, plan, 2, overlap="auto")
     assert spied["saved"] > 0
     _same(ours, _train(workload, plan, 2, overlap=False))
+
+
+def test_an_unscaled_backward_speculates_nothing_and_is_refused_at_the_step(fp16, spied):
+    """[Note: an unscaled fp16 backward] with speculation: `loss.backward()` without `run.scale` (an fp32 loop's
+    habit) updates no chunk beside the backward (before, every host chunk was updated on the worker with gradients
+    2**16 times too small, and rolled back later); optimizer.step() refuses it with the deferred run's message, and
+    a loop that catches that, zeroes and goes on scaled trains as if that iteration never ran."""
+    workload, plan = fp16
+    model = workload.build_model()
+    optimizer = build_optimizer(workload, model)
+    with PlanRun(model, optimizer, plan, batch_example=workload.batch(0), overlap=True, speculate=True) as run:
+        workload.loss(model, workload.batch(0)).backward()
+        run.worker.drain()
+        assert spied["saved"] == 0
+        with pytest.raises(HplanError, match=r"^this fp16-mixed plan scales the loss: 0 of the iteration's 1 "):
+            optimizer.step()
+        assert spied["saved"] == 0 and spied["rollbacks"] == 0
+        optimizer.zero_grad()
+        losses = []
+        for i in range(2):
+            loss = workload.loss(model, workload.batch(i))
+            run.scale(loss).backward()
+            run.step()
+            losses.append(float(loss.detach()))
+        skipped, scale = run.skipped, run.loss_scale.value
+    assert spied["saved"] > 0 and skipped == 1  # the refused iteration: nothing updated, the scale kept
+    weights = {k: p.detach().clone() for k, p in model.named_parameters()}
+    _same((losses, weights, optimizer, 0, scale), _train(workload, plan, 2, overlap=False))

@@ -48,13 +48,19 @@ CROSS_DEVICE = ("; a plan from a CPU or fake trace offloads what CPU kernels sav
                 "the GPU, `hplan trace --device cuda`, or plan with --activations keep or recompute")
 
 
-def _differs(device: torch.device) -> str:
+def _differs(device: torch.device, more: bool = False) -> str:
     """Why a segment saves other tensors than traced: a loop's own autocast the workload's loss lacks (GPT-NeoX saved
-    29,184 bytes of the 49,664 planned, and the message blamed GPU kernels on a CPU run), else on a GPU
-    CROSS_DEVICE; on the CPU, the kernels a CPU or fake trace models, nothing more to name."""
+    29,184 bytes of the 49,664 planned, and the message blamed GPU kernels on a CPU run), or the reverse, a workload's
+    loss traced under autocast and a loop calling the model without it (`more`: the run saved more than planned,
+    fp32 tensors where the trace saved bf16 ones: 132,352 bytes of 119,808, blamed on GPU kernels too); else on a
+    GPU CROSS_DEVICE; on the CPU, the kernels a CPU or fake trace models, nothing more to name."""
     if torch.is_autocast_enabled(device.type):
         return ("; this forward runs under torch.autocast, and a step traced without it saves other tensors: put the "
                 "autocast inside the workload's loss so the trace records it, or plan with --activations keep")
+    if more and device.type == "cpu":
+        return ("; this forward runs without torch.autocast and saved more than the traced one: if the workload's "
+                "loss runs under torch.autocast, run this loop's forward under the same autocast (or call the "
+                "workload's loss)")
     return "" if device.type == "cpu" else CROSS_DEVICE
 
 
@@ -166,7 +172,8 @@ class Offloaded:
             self.copying, jobs = self.copier.down(jobs), []  # type: ignore[union-attr]
         if total != self.choice.moved_bytes:
             raise HplanError(f"segment {self.choice.module} saved {total} bytes to offload where the plan moves "
-                             f"{self.choice.moved_bytes} (the run differs from the trace{_differs(self.device)}): re-trace "
+                             f"{self.choice.moved_bytes} (the run differs from the trace"
+                             f"{_differs(self.device, total > self.choice.moved_bytes)}): re-trace "
                              "and re-plan")
         return total
 

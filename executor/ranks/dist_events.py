@@ -37,6 +37,15 @@ REDUCTIONS = ("scatter", "sync")
 """Purposes of the calls issued asynchronously after their step ([Note: collectives in flight])."""
 
 
+EVAL_REFUSED = ("an evaluation forward (under torch.no_grad()) inside a many-rank hplan.attach block is not "
+                "supported yet: end the block, evaluate, and attach again (the weights and the optimizer state carry "
+                "over exactly)")
+"""An evaluation between steps ran the plan's training forward (its gathers included) and the next iteration then
+failed on "event mismatch ... expected 'backward:lm_head', got 'forward:model.embed_tokens'; re-trace and
+re-plan", a fix that cannot help (Qwen2, 2 gloo ranks). Refused at its first forward, before anything moved, naming
+what works: [Note: optimizer state across many-rank blocks] in hplan.executor.ranks.full_state."""
+
+
 class DistEvents:
     """Event and collective methods of DistRun (which sets every attribute declared here)."""
 
@@ -63,6 +72,8 @@ class DistEvents:
         if self.cursor >= len(steps):
             raise HplanError(f"event {actual!r} after the plan's last step; call optimizer.step() once per iteration")
         step = steps[self.cursor]
+        if kind == "forward" and not torch.is_grad_enabled() and (self.cursor == 0 or step.event != actual):
+            raise HplanError(EVAL_REFUSED)
         if step.event != actual:
             raise HplanError(f"event mismatch at plan step {step.index}: expected {step.event!r}, got {actual!r}; "
                              "re-trace and re-plan this workload")

@@ -35,6 +35,7 @@ from hplan.artifacts.lookahead import lookahead
 from hplan.executor.ranks.dist_comm import PlanComm
 from hplan.executor.ranks.dist_events import DistEvents
 from hplan.executor.ranks.dist_updates import DistUpdates
+from hplan.executor.ranks.full_state import gathered_state, sliced_state
 from hplan.executor.gradients import move_grad, warm_nonfinite_check
 from hplan.executor.habits import intercepted, with_step_hooks
 from hplan.executor.measure import WindowMeter, make_probe, window_bytes
@@ -193,16 +194,25 @@ class DistRun(DistEvents, DistUpdates):
         self._moves = moves_table(plan, lambda c: None)  # moves only: this executor requires step.needs itself
         self.store = store = ShardStore(model, plan, self.tier, self.rank, master=self.master, state_names=state_names)
         self._ahead = lookahead(plan, self.buckets)
-        for c in plan.chunks:
-            if not c.trainable:
-                continue
-            mine = tuple(n for n in c.trainable if store.layouts[c.id].in_piece(n) is not None)
-            if mine:
-                piece = replace(c, trainable=mine)  # the update sees only this rank's piece of the chunk
-                update = ChunkUpdate(store, piece, where=plan.optimizer[c.id],  # type: ignore[arg-type]
-                                     optimizer=optimizer, opt_name=self.opt_name, master=self.master, group_of=by_name)
-                update.adopt()
-                self.updates[c.id] = update
+        given = dict(optimizer.state)  # [Note: optimizer state across many-rank blocks]: adopted as this rank's pieces
+        optimizer.state.clear()
+        optimizer.state.update(sliced_state(store, given))
+        try:
+            for c in plan.chunks:
+                if not c.trainable:
+                    continue
+                mine = tuple(n for n in c.trainable if store.layouts[c.id].in_piece(n) is not None)
+                if mine:
+                    piece = replace(c, trainable=mine)  # the update sees only this rank's piece of the chunk
+                    update = ChunkUpdate(store, piece, where=plan.optimizer[c.id],  # type: ignore[arg-type]
+                                         optimizer=optimizer, opt_name=self.opt_name, master=self.master,
+                                         group_of=by_name)
+                    update.adopt()
+                    self.updates[c.id] = update
+        except BaseException:
+            optimizer.state.clear()
+            optimizer.state.update(given)
+            raise
         optimizer.state.clear()
         self._names = names
         trainable = [n for c in plan.chunks for n in c.trainable]
@@ -226,8 +236,8 @@ class DistRun(DistEvents, DistUpdates):
 
     def __exit__(self, exc_type: object, *exc: object) -> None:
         """Remove hooks; after a clean block give every parameter its full current value (an all-gather where P
-        > 1, so every rank exits together). Optimizer state stays in this rank's pieces: save it with
-        hplan.executor.ranks.dist_checkpoint, which writes each rank's shards."""
+        > 1, so every rank exits together) and the optimizer every parameter's whole state ([Note: optimizer state
+        across many-rank blocks]), as a one-process block does."""
         self._stack.close()
         store = self.store
         if store is None:
@@ -241,6 +251,7 @@ class DistRun(DistEvents, DistUpdates):
             store.fetch(call.region)
             self.comm.run(call, store, first_scatter=False)
         values = {c.id: self.comm.gather_full(store, c.id) for c in self.plan.chunks}
+        state = gathered_state(self)
         for rid in store.resident():
             store.evict(rid, writeback=False)
         store.release_params()
@@ -249,6 +260,8 @@ class DistRun(DistEvents, DistUpdates):
                 a, b = store.layouts[c.id].offsets[n]
                 store.params[n].data = values[c.id][a:b].clone().view(store.params[n].shape)
                 store.params[n].grad = None
+        self.optimizer.state.clear()
+        self.optimizer.state.update(state)
 
     # -- gradients ------------------------------------------------------------------------------------
     def _on_grad(self, p: torch.Tensor) -> None:
@@ -286,8 +299,9 @@ class DistRun(DistEvents, DistUpdates):
                          "gradient shards); train without clipping or on one rank")
 
     def sync_state(self) -> None:
-        raise HplanError("optimizer.state_dict() inside a many-rank plan: the state is sharded over ranks; save it "
-                         "with hplan.executor.ranks.dist_checkpoint.save (run_distributed's `checkpoint_dir` does)")
+        raise HplanError("optimizer.state_dict() inside a many-rank plan: the state is sharded over ranks; call it "
+                         "after the block (the optimizer then holds the whole state), or save inside it with "
+                         "hplan.executor.ranks.dist_checkpoint.save (run_distributed's `checkpoint_dir` does)")
 
     def release_state(self) -> None:
         self.optimizer.state.clear()
