@@ -103,11 +103,11 @@ def pick(scanned: Sequence[tuple[float, int, dict[str, Any]]]) -> tuple[float, i
 def interval(ratios: Sequence[float]) -> tuple[float, float, float, float]:
     """Mean of the rounds' log ratios as a ratio, its CONFIDENCE Student-t interval (as ratios) and the log ratios'
     standard deviation."""
-    from scipy.stats import t
+    from scipy.special import stdtrit  # Student's t quantile (scipy.stats would import far more)
 
     logs = [math.log(r) for r in ratios]
     mean, sd = statistics.mean(logs), statistics.stdev(logs)
-    half = float(t.ppf((1 + CONFIDENCE) / 2, len(logs) - 1)) * sd / math.sqrt(len(logs))
+    half = float(stdtrit(len(logs) - 1, (1 + CONFIDENCE) / 2)) * sd / math.sqrt(len(logs))
     return math.exp(mean), math.exp(mean - half), math.exp(mean + half), sd
 
 
