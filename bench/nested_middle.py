@@ -47,7 +47,9 @@ MIDDLE_SCAN = 7
 MIDDLE_ROUNDS, MIDDLE_STEPS = 16, 5
 """Lockstep rounds, and steps per process (the first left out). A round costs the two processes' start-up on one
 core (~10 s) and 2 × MIDDLE_STEPS steps of ~1 s; at the per-round sd the pinned rounds showed on gpt:small (~0.024),
-16 rounds put a 1.6% gain ~2.7 standard errors from 1."""
+16 rounds would put a 1.6% gain ~2.7 standard errors from 1. Here, at load 3-10 on 2026-11-30 (other jobs on
+both cores, so on the pinned one too), the rounds' sd was 0.068 and 0.057 in two runs of the section: the verdict
+asked for ~42 and ~62 rounds."""
 SYSTEM = "hplan"
 """bench.speed_runs' system: hplan's default (`overlap="auto"`: in line on one core; gradients checked)."""
 LOSS_TOLERANCE = 1e-5
@@ -181,7 +183,7 @@ def middle_table(ctx: Context) -> Table:
     import torch
 
     from bench.cpu_rates import cpu_rates
-    from bench.nested import H, _blocks_only
+    from bench.nested import BATCH, SEQ, H, _blocks_only
     from hplan.specs import load_workload
     from hplan.tracer import trace_workload
     from hplan.training import plain_losses
@@ -215,7 +217,7 @@ def middle_table(ctx: Context) -> Table:
                            "block choices (k/o/r/s)", "predicted step (plan)", "measured CPU step (median)",
                            "bytes moved per iter: run / plan", "load", "verdict"],
                   caption=f"**Middle budget, 8-layer Llama, host memory for the model data alone** (hidden {H}, "
-                          f"batch 2 × seq 512, `--cpu-mem` = the trace's model bytes, so auto cannot offload "
+                          f"batch {BATCH} × seq {SEQ}, `--cpu-mem` = the trace's model bytes, so auto cannot offload "
                           f"activations; plans priced at this machine's rates measured in this run with one torch "
                           f"thread: {rates['tflops_32'] * 1e3:.0f} GFLOP/s of model FLOPs, link "
                           f"{rates['h2d_gbps']:.1f} GB/s, host AdamW {rates['cpu_optimizer_gbps']:.1f} GB/s; the "
@@ -239,7 +241,7 @@ def middle_table(ctx: Context) -> Table:
     mean, lo, hi, sd = interval(ratios)
     table.add("with ÷ without", "", "", f"{predicted:.3f}×",
               f"{mean:.3f}× ({CONFIDENCE:.0%}: {lo:.3f}–{hi:.3f}×; rounds {min(ratios):.3f}–{max(ratios):.3f}×, "
-              f"sd {statistics.stdev(ratios):.3f})", f"losses within {worst:.0e} of plain PyTorch",
+              f"sd {statistics.stdev(ratios):.3f})", f"losses within {worst:.1e} of plain PyTorch",
               f"{statistics.mean(loads):.1f}", verdict(predicted, ratios))
     table.notes.append("Predicted with ÷ without over the scan: " + ", ".join(
         f"{fmt_bytes(bud)} {r:.3f}×" for r, bud, _ in scanned) + f"; the largest predicted gain is "
