@@ -11,8 +11,8 @@ ConvNeXt (depths 2-2-4-2, widths 32-256): their 4 stages
 are the outermost same-class siblings, but each stage's blocks hold nearly all its weights, so the blocks are the
 segments ([Note: activation segments]); auto's minimum against keep's (goal ≤ 0.5×), beside the minimum with the
 stages as segments (the rule before issue 31, reproduced here by patching the tracer's candidates). (3) An 8-layer
-Llama at a middle budget: auto with and without child segments, predicted at this machine's rates measured in the
-run ([Note: CPU rates at bench time] in bench.cpu_rates) and measured CPU step in paired rounds. All fake
+Llama at a middle budget with host memory for the model data alone: auto with and without child segments, predicted
+at this machine's rates measured in the run and measured in pinned lockstep rounds (bench.nested_middle). All fake
 traces (the CPU trace's segments and peaks, to the byte). Then the narrow ConvNeXt and each of the five (OPT's and BART's
 minimums take staged offloads: [Note: staged offload]) are trained on this CPU at auto's minimum against plain PyTorch:
 loss difference, fast-tier peak and bytes moved against the plan.
@@ -59,15 +59,6 @@ CONVNEXT_SHAPES = {"ConvNeXt-tiny": {}, "ConvNeXt, depths 2-2-4-2, widths 32-256
 """ConvNeXt-tiny (the config class's defaults) and a narrower, shallower one, where a stage is the coarser unit."""
 CONVNEXT_BATCHES, QUICK_BATCHES = (4, 8), (2,)
 TRAIN_STEPS = 3
-MIDDLE_SCAN = 7
-"""Budgets the middle row scans: eighths of the way from auto's minimum (child segments) to keep's (blocks only);
-the row takes the one where child segments predict the largest gain, a rule fixed before measuring."""
-MIDDLE_ROUNDS = 8
-"""Paired rounds of the middle row: each runs both plans, TRAIN_STEPS steps each (the first left out), the order
-alternating; a round's ratio is its two runs' mean steps divided, and the rows show their spread."""
-GAIN_READABLE = 0.10
-"""A predicted gain this large stands clear of this shared 2-core machine's step noise: the measured ratio of the
-same two plans read 0.971× to 1.051× over five runs of this section at load 1.0-1.3, and far wider under load."""
 
 
 def _adamw(params: Any) -> Any:
@@ -76,17 +67,18 @@ def _adamw(params: Any) -> Any:
     return torch.optim.AdamW(params, lr=1e-3, foreach=False)
 
 
-def _hardware(trace: Any, gpu_bytes: int = 1, rates: dict[str, Any] | None = None) -> Any:
-    """The CPU fast tier for `trace`, at `rates` where given ([Note: CPU rates at bench time] in bench.cpu_rates)."""
+def _hardware(trace: Any, gpu_bytes: int = 1, rates: dict[str, Any] | None = None, host: int | None = None) -> Any:
+    """The CPU fast tier for `trace`, at `rates` where given ([Note: CPU rates at bench time] in bench.cpu_rates),
+    with `host` bytes of host memory (None: unbounded)."""
     from hplan.planner import make_hardware, trace_slack
 
-    return make_hardware("cpu", gpu_bytes=gpu_bytes, **(rates or {}), **trace_slack(trace))
+    return make_hardware("cpu", gpu_bytes=gpu_bytes, host_bytes=host, **(rates or {}), **trace_slack(trace))
 
 
-def _min(trace: Any, choice: str = "auto", rates: dict[str, Any] | None = None) -> Any:
+def _min(trace: Any, choice: str = "auto", rates: dict[str, Any] | None = None, host: int | None = None) -> Any:
     from hplan.planner import min_gpu_bytes
 
-    return min_gpu_bytes(trace, _hardware(trace, rates=rates), activations=choice)
+    return min_gpu_bytes(trace, _hardware(trace, rates=rates, host=host), activations=choice)
 
 
 def _checkpointed(build: Any) -> Any:
@@ -132,86 +124,6 @@ def _blocks_only() -> Iterator[None]:
 
     with mock.patch.object(nested, "children_of", lambda blocks: {}):
         yield
-
-
-def middle_table(ctx: Context) -> Table:
-    """An 8-layer Llama at a middle budget: auto with child segments against auto on blocks only, both priced at
-    this machine's measured rates ([Note: CPU rates at bench time] in bench.cpu_rates), at the scanned budget where
-    child segments predict the largest gain (MIDDLE_SCAN); predicted step against measured CPU step in paired,
-    interleaved rounds, each round's ratio and their spread beside the load."""
-    import os
-    import statistics
-
-    from bench.cpu_rates import cpu_rates
-    from hplan.errors import HplanError
-    from hplan.executor import run_training
-    from hplan.planner import PlanOptions, make_plan
-    from hplan.specs import load_workload
-    from hplan.tracer import trace_workload
-
-    spec, config = MODELS["Llama"]
-    w = dataclasses.replace(load_workload(spec, overrides={**config, "num_hidden_layers": 8}, batch_size=BATCH,
-                                          seq_len=SEQ), optimizer=_adamw)
-    traces = {"with child segments": trace_workload(w, device="fake")}
-    with _blocks_only():
-        traces["blocks only"] = trace_workload(w, device="fake")
-    rates = cpu_rates(w, traces["with child segments"])
-    (a, ta), (b, tb) = traces.items()
-    low, keep = _min(ta, rates=rates).gpu_bytes, _min(tb, "keep", rates).gpu_bytes
-    scan = []
-    for i in range(1, MIDDLE_SCAN + 1):
-        budget = low + (keep - low) * i // (MIDDLE_SCAN + 1)
-        try:
-            plans = {k: make_plan(t, _hardware(t, budget, rates), PlanOptions(activations="auto"))
-                     for k, t in traces.items()}
-        except HplanError:  # blocks only may not fit where child segments do: no ratio at this budget
-            continue
-        scan.append((plans[a].summary.predicted_step_seconds / plans[b].summary.predicted_step_seconds, budget, plans))
-    predicted, budget, plans = min(scan, key=lambda s: s[0])  # the first of equal gains
-    measured: dict[str, list[float]] = {k: [] for k in plans}
-    ratios, loads = [], []
-    for r in range(MIDDLE_ROUNDS):
-        mean = {}
-        for k in list(plans)[::1 if r % 2 == 0 else -1]:  # ABBA…: neither plan always runs first
-            steps = list(run_training(w, plans[k], steps=TRAIN_STEPS).step_seconds[1:])
-            measured[k] += steps
-            mean[k] = statistics.mean(steps)
-            loads.append(os.getloadavg()[0])
-        ratios.append(mean[a] / mean[b])
-    table = Table(headers=[f"auto at {fmt_bytes(budget)}", "choices inside blocks", "block choices (k/o/r/s)",
-                           "predicted step (plan)", "measured CPU step (median)", "load"],
-                  caption=f"**Middle budget, 8-layer Llama** (hidden {H}, batch {BATCH} × seq {SEQ}; plans priced at "
-                          f"this machine's rates measured in this run: {rates['tflops_32'] * 1e3:.0f} GFLOP/s of "
-                          f"model FLOPs, link {rates['h2d_gbps']:.1f} GB/s, host AdamW "
-                          f"{rates['cpu_optimizer_gbps']:.1f} GB/s; the budget is the one of {MIDDLE_SCAN}, evenly "
-                          f"spaced strictly between auto's minimum and keep's, where child segments predict the "
-                          f"largest gain; {MIDDLE_ROUNDS} paired rounds, the plans' order alternating, "
-                          f"{TRAIN_STEPS} steps a run, the first left out).")
-    for k, plan in plans.items():
-        inner = sum(1 for c in plan.activations if c.module.count(".") > 2 and c.choice != "keep")
-        kinds = [c.choice for c in plan.activations if c.module.count(".") <= 2]
-        table.add(k, inner, "/".join(str(kinds.count(c)) for c in ("keep", "offload", "recompute", "selective")),
-                  f"{plan.summary.predicted_step_seconds * 1e3:.1f} ms",
-                  f"{statistics.median(measured[k]) * 1e3:.0f} ms", f"{statistics.mean(loads):.1f}")
-    median, lo, hi = statistics.median(ratios), min(ratios), max(ratios)
-    table.add("with ÷ without", "", "", f"{predicted:.3f}×",
-              f"{median:.3f}× (rounds {lo:.3f}–{hi:.3f}×, sd {statistics.stdev(ratios):.3f})",
-              _verdict(predicted, lo, hi))
-    table.notes.append("Predicted with ÷ without over the scan: " + ", ".join(
-        f"{fmt_bytes(bud)} {r:.3f}×" for r, bud, _ in scan) + f"; the largest predicted gain is "
-        f"{(1 - predicted) * 100:.1f}%" + ("" if predicted <= 1 - GAIN_READABLE else
-                                           f" (no scanned budget reaches {GAIN_READABLE:.0%})") + ".")
-    return table
-
-
-def _verdict(predicted: float, lo: float, hi: float) -> str:
-    """Signs agree (or differ) only when every round's measured ratio is on one side of 1; rounds that straddle it
-    cannot tell a gain that small from this machine's noise."""
-    if predicted == 1:
-        return "same predicted step"
-    if lo >= 1 or hi <= 1:
-        return "signs agree" if (predicted < 1) == (hi <= 1) else "signs differ"
-    return f"not readable: rounds straddle 1 (predicted gain {(1 - predicted) * 100:.1f}%)"
 
 
 @contextlib.contextmanager
@@ -320,6 +232,8 @@ def run(ctx: Context) -> SectionOutput:
             f"{n} batch {b}: {v[2] / v[3]:.3f}× (stages: {v[4]:.3f}×)" for (n, b), v in conv[1].items())
             + f" (≤ {KEEP_GOAL}× asked) — plans")
     # --quick leaves the middle budget out: at seq 128 no block's children choose anything (both plans equal)
+    from bench.nested_middle import middle_table
+
     middle = None if ctx.quick else out.part("middle", lambda: middle_table(ctx), log=ctx.log)
     if middle is not None:
         out.tables.append(middle)

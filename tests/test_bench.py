@@ -247,15 +247,6 @@ def test_fit_section_says_a_boundary_is_proven_only_by_a_feasible_plan_and_the_n
     assert boundary_cell({"best": probe(8, True), "next": None, "limit": "cap"}, "batch") == ("≥ 8 (cap)", True)
 
 
-def test_nested_middle_verdict_reads_a_sign_only_when_every_round_agrees() -> None:
-    nested = importlib.import_module("bench.nested")
-    assert nested._verdict(0.9, 0.85, 0.95) == "signs agree"
-    assert nested._verdict(0.9, 1.01, 1.05) == "signs differ"
-    assert nested._verdict(1.1, 1.01, 1.05) == "signs agree"
-    assert nested._verdict(0.99, 0.97, 1.02).startswith("not readable")
-    assert nested._verdict(1.0, 0.9, 1.1) == "same predicted step"
-
-
 def test_cpu_rates_price_a_fake_trace_at_the_measured_step(monkeypatch: pytest.MonkeyPatch) -> None:
     """[Note: CPU rates at bench time]: a fake trace's FLOPs priced with the overrides take the measured forward and
     backward seconds, a device optimizer step the measured optimizer.step seconds (the "cpu" preset alone prices
