@@ -75,7 +75,7 @@ class EventDispatch:
     _watch: ParamWatch
     _writes: WriteWatch
     _frozen: dict[str, Any]
-    _collected: tuple[tuple[torch.Tensor, str, int], ...]
+    _collected: tuple[tuple[torch.Tensor, str], ...]
 
     def _unhooked_table(self) -> Any:
         """[Note: hooks only where the plan acts] The events left without a hook, or every event hooked (an

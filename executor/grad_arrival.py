@@ -48,14 +48,14 @@ class GradArrival:
     _moves: list[Moves]
     _flips: dict[int, Moves]
     _unhooked: Unhooked
-    _collected: tuple[tuple[torch.Tensor, str, int], ...]
+    _collected: tuple[tuple[torch.Tensor, str], ...]
     _grad_home: dict[int, tuple[str, int, int, Any]]
     _grad_of: dict[str, tuple[torch.Tensor, int, Any]]
     _takeable_at: dict[int, dict[int, tuple[int, int, Any, torch.dtype]]]
 
-    def _collected_params(self) -> tuple[tuple[torch.Tensor, str, int], ...]:
+    def _collected_params(self) -> tuple[tuple[torch.Tensor, str], ...]:
         """[Note: gradients collected, not hooked] The parameters whose gradients are collected at the next hooked
-        event instead of hooked at arrival (with their names and gradient regions), or none.
+        event instead of hooked at arrival (with their names), or none.
 
         A post-accumulate-grad hook runs between the backward's kernels: on a small model its Python work, cold in
         the caches each time, cost more than moving the gradient. Where the plan does nothing with a gradient
@@ -75,8 +75,8 @@ class GradArrival:
                 sum(s.event == steps[0].event for s in steps) != 1 or \
                 any(s.event.startswith("backward:") and not skip[i] for i, s in enumerate(steps)):
             return ()
-        store, home = self.store, self._grad_home
-        return tuple((store.params[n], n, home[id(store.params[n])][2]) for c in plan.chunks for n in c.trainable)
+        store = self.store
+        return tuple((store.params[n], n) for c in plan.chunks for n in c.trainable)
 
     def _collect(self) -> None:
         """[Note: gradients collected, not hooked] Autograd's gradients left in `.grad` into their regions: each
@@ -86,20 +86,16 @@ class GradArrival:
         (through `grad_target` and `RegionStore.take`), without their three Python calls nor one of its own (51
         an iteration on gpt:small), for the case that is every gradient of an all-resident iteration: a first
         write, to a region an unhooked step ahead allocates (`_takeable`), not resident yet, of a gradient no one
-        else holds, contiguous, of the region's dtype and size. The same checks, but for `is_cpu` (a gradient has
-        its parameter's device, the CPU twin's), in the same order of effect; where any fails nothing is done
-        here and `move_grad` does it, with this loop's references to the gradient dropped first (they would make
-        it copy, not adopt). Each entry carries its gradient region (no `_grad_home` lookup per gradient), and the
-        store's byte and take counters (and the iteration's zeroed mark) are added once after the loop, or before
-        `move_grad` runs, which reads them: about 0.1 ms of gpt:small's ~40 ms step (bench section 13). Nothing is
-        set up until a gradient is found: the event that starts an iteration and the optimizer event after the
-        step's own collection find none."""
+        else holds, contiguous, of the region's dtype and size. The same checks, in the same order of effect;
+        where any fails nothing is done here and `move_grad` does it, with this loop's references to the
+        gradient dropped first (they would make it copy, not adopt). Nothing is set up until a gradient is
+        found: the event that starts an iteration and the optimizer event after the step's own collection find
+        none."""
         shown = self._shown
         lazy: dict[int, tuple[int, int, Any, torch.dtype]] = {}
         grad_mode = None
-        nbytes_taken = count = 0  # added to the store's counters once, before anything else reads them
         try:
-            for p, name, rid in self._collected:
+            for p, name in self._collected:
                 grad = p.grad
                 if grad is None or name in shown:  # a shown `.grad` is its region's view already
                     continue
@@ -109,39 +105,30 @@ class GradArrival:
                     torch._C._set_grad_enabled(False)  # (a create_graph gradient requires grad)
                     if not self._pending_flips and not self._updated:
                         lazy = self._takeable()
-                    written, store, ahead = self.written, self.store, self._lazy_bytes
-                entry = lazy.get(rid)
+                    home, written, store, ahead = self._grad_home, self.written, self.store, self._lazy_bytes
+                entry = lazy.get(home[id(p)][2])
                 if entry is not None and name not in written:
                     at, nbytes, slot, dtype = entry
-                    # the CPU twin's gradients are CPU tensors (autograd gives a gradient its parameter's device)
                     if slot.state is _HOST and not grad.requires_grad and _refs(grad) == _SOLE_REFS and \
-                            grad.is_contiguous() and grad.dtype == dtype:
+                            grad.is_cpu and grad.is_contiguous() and grad.dtype == dtype:
                         theirs = grad.untyped_storage()
                         mine = slot.storage
                         if _storage_users(theirs._cdata) == 2 and theirs.nbytes() == nbytes and not mine.nbytes():
                             mine._swap_data_ptr_(theirs)  # RegionStore.take, inline
-                            nbytes_taken += nbytes
-                            count += 1
+                            store._resident_bytes += nbytes
+                            store.taken += 1
                             slot.adopted = True
                             slot.state = _DIRTY  # grad_target's dirty mark (take's RESIDENT first: nothing reads it)
                             ahead[at] = ahead.get(at, 0) + nbytes
+                            self._zeroed = False
                             written.add(name)
                             p.grad = None
                             continue
                         theirs = None
                 grad = None  # move_grad counts the gradient's references: this loop's must be gone
-                if count:  # the counters as they would be, before move_grad reads them
-                    store._resident_bytes += nbytes_taken
-                    store.taken += count
-                    self._zeroed = False
-                    nbytes_taken = count = 0
                 self._on_grad(p)
         finally:
             if grad_mode is not None:
-                if count:
-                    store._resident_bytes += nbytes_taken
-                    store.taken += count
-                    self._zeroed = False
                 torch._C._set_grad_enabled(grad_mode)
                 self._collecting = False
 

@@ -120,7 +120,7 @@ class PlanRun(EventDispatch, GradArrival, UpdateSteps, GradientOps, StateSync, B
         self._zeroed = True
         self._loaded: dict[str, Any] | None = None
         self._stack = contextlib.ExitStack()
-        self._collected: tuple[tuple[torch.Tensor, str, int], ...] = ()
+        self._collected: tuple[tuple[torch.Tensor, str], ...] = ()
         """[Note: gradients collected, not hooked] Parameters whose gradients `_collect` moves (no hook)."""
         self._collecting = False
         self._takeable_at: dict[int, dict[int, tuple[int, int, Any, torch.dtype]]] = {}
@@ -225,7 +225,7 @@ class PlanRun(EventDispatch, GradArrival, UpdateSteps, GradientOps, StateSync, B
         """name → (parameter, chunk, gradient region's Slot): _show_grads' and _hide_grads' lookups, done once."""
         self._unhooked = self._unhooked_table()
         self._collected = self._collected_params()
-        collected = {id(p) for p, _, _ in self._collected}
+        collected = {id(p) for p, _ in self._collected}
         trainable = [n for c in plan.chunks for n in c.trainable]
         for name in trainable:
             if id(store.params[name]) not in collected:
