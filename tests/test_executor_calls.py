@@ -196,3 +196,28 @@ def test_global_optimizer_step_hooks_fire_once_per_step_as_in_plain_pytorch(gpt_
         return calls
 
     assert seen(True) == seen(False) == [("pre", True), ("post", True)] * 2
+
+
+def test_the_shape_check_describes_a_batch_of_tensors_once_and_refuses_every_unseen_one(monkeypatch):
+    """The root forward's shape check (hplan.executor.habits `_shape_check`) runs describe_batch's pytree walk and
+    string (~20 µs, every forward before) once per (dtype, shape) key of a positional batch of tensors; a shape or
+    dtype not traced is described and refused every time; a batch with keyword or non-tensor arguments is described
+    every time."""
+    from hplan.executor import habits
+
+    real, calls = habits.describe_batch, []
+    monkeypatch.setattr(habits, "describe_batch", lambda batch: calls.append(1) or real(batch))
+    x = torch.zeros(4, 32, dtype=torch.int64)
+    hook = habits._shape_check((real(((x, x), {})),))
+    for _ in range(3):
+        hook(None, (x, x.clone()), {})
+    assert len(calls) == 1
+    for odd in ((x[:, :16], x[:, :16]), (x.float(), x)):
+        for _ in range(2):
+            with pytest.raises(hplan.HplanError, match="was not traced"):
+                hook(None, odd, {})
+    assert len(calls) == 5
+    hook(None, (x,), {"labels": x})
+    hook(None, (x, x, 3), {})
+    hook(None, (x, x, 3), {})
+    assert len(calls) == 8
