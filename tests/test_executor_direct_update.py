@@ -71,7 +71,7 @@ def test_direct_fused_update_is_torchs_step_bit_for_bit(tight, monkeypatch):
     losses, weights, opt = _train(workload, plan, make_optimizer)
     assert fused_calls == [], "a host batch went through torch's Optimizer.step machinery"
     assert foreach_adds == [], "the CPU step counters went through torch's foreach add (a tensor made per 1)"
-    monkeypatch.setattr(batch, "fused_adam_step", lambda *_: False)  # the optimizer's own step, every batch
+    monkeypatch.setattr(batch, "fused_adam_step", lambda *_, **__: False)  # the optimizer's own step, every batch
     ref_losses, ref_weights, ref_opt = _train(workload, plan, make_optimizer)
     assert fused_calls, "the reference run made no fused host update"
     assert losses == ref_losses
@@ -120,9 +120,39 @@ def test_kept_fused_lists_follow_a_loaded_state(tight, monkeypatch):
     losses, weights, opt = _train_with_rollback(workload, plan, workload.optimizer)
     updates = sum(len(s.host_updates) > 0 for s in plan.steps)
     assert 0 < len(gathered) < 5 * updates, "the lists were gathered at every update (none kept)"
-    monkeypatch.setattr(batch, "fused_adam_step", lambda *_: False)  # the optimizer's own step, every batch
+    monkeypatch.setattr(batch, "fused_adam_step", lambda *_, **__: False)  # the optimizer's own step, every batch
     ref_losses, ref_weights, ref_opt = _train_with_rollback(workload, plan, workload.optimizer)
     assert losses == ref_losses
     assert all(torch.equal(weights[k], ref_weights[k]) for k in ref_weights)
     for p, q in zip(opt.state.values(), ref_opt.state.values()):
+        assert all(torch.equal(p[k], q[k]) for k in q)
+
+
+LOOP_OPTIMIZERS = {
+    **OPTIMIZERS,
+    "adam-maximize": lambda ps: torch.optim.Adam(ps, lr=1e-3, maximize=True),
+}
+
+
+@pytest.mark.parametrize("name", sorted(LOOP_OPTIMIZERS))
+def test_direct_for_loop_update_is_torchs_step_bit_for_bit(name, monkeypatch):
+    """[Note: direct for-loop update]: gpt:tiny all-resident, every update on the fast tier at the optimizer step
+    with torch's default (for-loop) kernel, run by hplan itself: torch's `adam` is never called, and losses,
+    weights and optimizer state equal the optimizer's own step's, bit for bit, the LR changed every iteration."""
+    workload = dataclasses.replace(load_workload("gpt:tiny"), optimizer=LOOP_OPTIMIZERS[name])
+    plan = plan_for(workload, extra=3.0)
+    assert not any(s.host_updates for s in plan.steps)
+    module = sys.modules[torch.optim.Adam.__module__]
+    real, calls = module.adam, []
+    monkeypatch.setattr(module, "adam", lambda *a, **k: calls.append(1) or real(*a, **k))
+    losses, weights, opt = _train(workload, plan, workload.optimizer)
+    assert calls == [], "a fast-tier batch went through torch's Optimizer.step machinery"
+    monkeypatch.setattr(batch, "fused_adam_step", lambda *_, **__: False)  # the optimizer's own step, every batch
+    ref_losses, ref_weights, ref_opt = _train(workload, plan, workload.optimizer)
+    assert calls, "the reference run made no update through torch's step"
+    assert losses == ref_losses
+    assert all(torch.equal(weights[k], ref_weights[k]) for k in ref_weights)
+    assert len(opt.state) == len(ref_opt.state) > 0
+    for p, q in zip(opt.state.values(), ref_opt.state.values()):
+        assert p.keys() == q.keys()
         assert all(torch.equal(p[k], q[k]) for k in q)
