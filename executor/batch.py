@@ -5,7 +5,10 @@ every host-placed chunk too. Stepping each chunk's own optimizer costs a Python-
 chunk — on a model of small modules that is most of an iteration. So the chunks updated together are stepped
 by one optimizer per (place, user param group) over all their parameters' views, sharing each parameter's state
 dict with the chunk's own optimizer. The supported optimizers are element-wise, so this is the same arithmetic,
-bit for bit (tests/test_optimizers.py checks the result against torch).
+bit for bit (tests/test_optimizers.py checks the result against torch). Torch's Adam and AdamW are run without
+the optimizer's machinery, on the kernel torch itself would pick: the fused one where fused ([Note: direct fused
+update]: host updates), the for-loop on CPU tensors otherwise ([Note: direct for-loop update]: the CPU twin's
+fast tier, as plain PyTorch's loop runs it).
 """
 
 from __future__ import annotations
@@ -274,7 +277,8 @@ def adam_loop(lists: FusedLists, lr: float, beta1: float, beta2: float, group: d
     (tests/test_executor_direct_update.py checks weights, state and losses against the optimizer's own step).
     Measured on gpt:small's 52 tensors, one thread: 4.10 ms against the unhooked optimizer step's 4.31 ms (thread
     time, median of 60, loaded machine)."""
-    wd, eps, maximize, decoupled = group["weight_decay"], group["eps"], group["maximize"], group["decoupled_weight_decay"]
+    wd, eps, maximize = group["weight_decay"], group["eps"], group["maximize"]
+    decoupled = group["decoupled_weight_decay"]
     decay, keep1, keep2 = 1 - lr * wd, 1 - beta1, 1 - beta2
     last = None
     step_size = bias_correction2_sqrt = 0.0
