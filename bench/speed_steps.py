@@ -211,4 +211,15 @@ def paired_table(ctx: Context, plans: dict[str, Path], goals: dict[str, float]) 
                        "beyond their spreads, the difference is the processes', not the load's. The goals are the "
                        "table above's (the minimum budget's from its memcpy measurement); the verdict is the "
                        "lockstep table's.")
+    table.notes.append("Why the all-resident row reads higher here than in lockstep (measured 2026-11-30, gpt:small, "
+                       "one core, a /tmp script timing each phase's thread time and counting minor page faults per "
+                       "phase): not the order of construction (plain built first 1.036-1.089×, hplan first "
+                       "1.026-1.12×; plain beside plain 0.977-0.998×), but page faults: in one process hplan's "
+                       "backward takes 450-510 minor faults a step and plain's none, where in processes of their "
+                       "own both take about 650-720 a step (the table above). One heap serves both models: the "
+                       "memory hplan's adopted gradients give back to malloc at its optimizer step ([Note: adopted "
+                       "memory goes back to malloc] in hplan.executor.regions) is taken by plain's step in between, "
+                       "so hplan's next gradients get fresh pages (its backward 0.5-1 ms slower in the same runs). "
+                       "Plain's parameters as views into one buffer (hplan's layout), with no hplan, read "
+                       "0.99-1.03× in the same setup.")
     return table, heads

@@ -71,7 +71,7 @@ def test_direct_fused_update_is_torchs_step_bit_for_bit(tight, monkeypatch):
     losses, weights, opt = _train(workload, plan, make_optimizer)
     assert fused_calls == [], "a host batch went through torch's Optimizer.step machinery"
     assert foreach_adds == [], "the CPU step counters went through torch's foreach add (a tensor made per 1)"
-    monkeypatch.setattr(batch, "fused_adam_step", lambda *_: False)  # the optimizer's own step, every batch
+    monkeypatch.setattr(batch, "fused_adam_step", lambda *_, **__: False)  # the optimizer's own step, every batch
     ref_losses, ref_weights, ref_opt = _train(workload, plan, make_optimizer)
     assert fused_calls, "the reference run made no fused host update"
     assert losses == ref_losses
@@ -120,9 +120,78 @@ def test_kept_fused_lists_follow_a_loaded_state(tight, monkeypatch):
     losses, weights, opt = _train_with_rollback(workload, plan, workload.optimizer)
     updates = sum(len(s.host_updates) > 0 for s in plan.steps)
     assert 0 < len(gathered) < 5 * updates, "the lists were gathered at every update (none kept)"
-    monkeypatch.setattr(batch, "fused_adam_step", lambda *_: False)  # the optimizer's own step, every batch
+    monkeypatch.setattr(batch, "fused_adam_step", lambda *_, **__: False)  # the optimizer's own step, every batch
     ref_losses, ref_weights, ref_opt = _train_with_rollback(workload, plan, workload.optimizer)
     assert losses == ref_losses
     assert all(torch.equal(weights[k], ref_weights[k]) for k in ref_weights)
     for p, q in zip(opt.state.values(), ref_opt.state.values()):
+        assert all(torch.equal(p[k], q[k]) for k in q)
+
+
+LOOP_OPTIONS = {
+    "adamw": (torch.optim.AdamW, {"lr": 1e-3, "weight_decay": 0.1}),
+    "adam-amsgrad-l2": (torch.optim.Adam, {"lr": 2e-3, "betas": (0.8, 0.95), "weight_decay": 0.01, "amsgrad": True}),
+    "adam-maximize": (torch.optim.Adam, {"lr": 1e-3, "maximize": True}),
+}
+
+
+@pytest.mark.parametrize("name", sorted(LOOP_OPTIONS))
+def test_the_direct_for_loop_kernel_is_torchs_for_loop_bit_for_bit(name):
+    """[Note: direct for-loop update]: `adam_loop` over kept lists against torch's own step (its for-loop on CPU
+    tensors) on the same values: weights and state equal bit for bit over steps where one parameter has no gradient
+    at times (its step counter then lags: the bias corrections are made per step value), the LR changed between
+    steps as a scheduler would."""
+    cls, options = LOOP_OPTIONS[name]
+    gen = torch.Generator().manual_seed(0)
+    shapes = [(16, 8), (8,), (3, 5, 2)]
+    ours = [torch.randn(s, generator=gen) for s in shapes]
+    ref = [p.clone() for p in ours]
+    opt_ours, opt_ref = cls(ours, **options), cls(ref, **options)
+    for i in range(5):
+        with_grad = [k for k in range(len(shapes)) if not (i % 2 and k == 1)]
+        for k in range(len(shapes)):
+            grad = torch.randn(shapes[k], generator=gen) if k in with_grad else None
+            ours[k].grad, ref[k].grad = grad, None if grad is None else grad.clone()
+        if i == 0:  # the state made by torch's first step, as hplan adopts it
+            opt_ours.step()
+        else:
+            group, states = opt_ours.param_groups[0], [opt_ours.state[ours[k]] for k in with_grad]
+            lists = batch.FusedLists(
+                names=frozenset(), amsgrad=group["amsgrad"], chunks=(), states=tuple(states),
+                params=[ours[k] for k in with_grad], grads=[ours[k].grad for k in with_grad],
+                avgs=[s["exp_avg"] for s in states], sqs=[s["exp_avg_sq"] for s in states],
+                maxes=[s["max_exp_avg_sq"] for s in states] if group["amsgrad"] else [],
+                steps=[s["step"] for s in states])
+            with torch.no_grad():
+                batch.adam_loop(lists, group["lr"], *group["betas"], group)
+        opt_ref.step()
+        for opt in (opt_ours, opt_ref):
+            opt.param_groups[0]["lr"] *= 0.7
+    assert all(torch.equal(p, q) for p, q in zip(ours, ref))
+    for p, q in zip(ours, ref):
+        mine, theirs = opt_ours.state[p], opt_ref.state[q]
+        assert mine.keys() == theirs.keys() and all(torch.equal(mine[k], theirs[k]) for k in theirs)
+    assert float(opt_ours.state[ours[1]]["step"]) < float(opt_ours.state[ours[0]]["step"])
+
+
+def test_direct_for_loop_update_runs_in_place_of_torchs_step_bit_for_bit(monkeypatch):
+    """[Note: direct for-loop update] in a run: gpt:tiny all-resident with AdamW, every update on the fast tier at
+    the optimizer step, run by hplan itself (torch's `adam` never called), losses, weights and optimizer state
+    those of the optimizer's own step, the LR changed every iteration."""
+    workload = load_workload("gpt:tiny")
+    plan = plan_for(workload, extra=3.0, iters=2)
+    assert not any(s.host_updates for s in plan.steps)
+    module = sys.modules[torch.optim.Adam.__module__]
+    real, calls = module.adam, []
+    monkeypatch.setattr(module, "adam", lambda *a, **k: calls.append(1) or real(*a, **k))
+    losses, weights, opt = _train(workload, plan, workload.optimizer, n=2)
+    assert calls == [], "a fast-tier batch went through torch's Optimizer.step machinery"
+    monkeypatch.setattr(batch, "fused_adam_step", lambda *_, **__: False)  # the optimizer's own step, every batch
+    ref_losses, ref_weights, ref_opt = _train(workload, plan, workload.optimizer, n=2)
+    assert calls, "the reference run made no update through torch's step"
+    assert losses == ref_losses
+    assert all(torch.equal(weights[k], ref_weights[k]) for k in ref_weights)
+    assert len(opt.state) == len(ref_opt.state) > 0
+    for p, q in zip(opt.state.values(), ref_opt.state.values()):
+        assert p.keys() == q.keys()
         assert all(torch.equal(p[k], q[k]) for k in q)
