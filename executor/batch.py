@@ -14,6 +14,9 @@ fast tier, as plain PyTorch's loop runs it).
 from __future__ import annotations
 
 import functools
+import hashlib
+import inspect
+import sys
 from dataclasses import dataclass
 from collections.abc import Callable
 from typing import Any
@@ -172,7 +175,25 @@ def direct_adam(members: list[Member], group: int) -> str | None:
     if options.get("fused") or options.get("foreach"):
         return None
     works = [u.work[n] for u, n in members]
-    return "loop" if all(t.device.type == "cpu" and not t.is_complex() for t in works) else None
+    cpu = all(t.device.type == "cpu" and not t.is_complex() for t in works)
+    return "loop" if cpu and loop_mirrors_torch() else None
+
+
+LOOP_SOURCES = frozenset({"213669f311feee08"})
+"""sha256 (first 16 hex digits) of the `torch.optim.adam._single_tensor_adam` sources that adam_loop writes out:
+torch 2.13.0's."""
+
+
+@functools.cache
+def loop_mirrors_torch() -> bool:
+    """Whether this torch's for-loop Adam is the one adam_loop copies ([Note: direct for-loop update]). adam_loop
+    is torch's loop written out, so it is exact only for the source it was checked against: another torch (its
+    source changed, or not readable) gets the optimizer's own step, slower by its Python but never other bits."""
+    try:
+        source = inspect.getsource(sys.modules[torch.optim.Adam.__module__]._single_tensor_adam)
+    except (AttributeError, KeyError, OSError, TypeError):
+        return False
+    return hashlib.sha256(source.encode()).hexdigest()[:16] in LOOP_SOURCES
 
 
 @dataclass(eq=False, slots=True)
@@ -275,7 +296,9 @@ def adam_loop(lists: FusedLists, lr: float, beta1: float, beta2: float, group: d
     kept]): the same ops in the same order on the same tensors, with the same Python float scalars (each made by
     the same expression, once per step value: parameters share their step counter's value), so the same bits
     (tests/test_executor_direct_update.py checks weights, state and losses against the optimizer's own step).
-    Measured on gpt:small all-resident, one thread, in one process alternating iterations with and without it:
+    It runs only on a torch whose loop has the source it was checked against (`loop_mirrors_torch`: 2.13.0's);
+    any other gets the optimizer's own step. Measured on gpt:small all-resident, one thread, in one process
+    alternating iterations with and without it:
     `run.step()` 5.55 / 5.13 ms against 6.10 / 5.61 ms (thread time, medians of 40, two runs at load 7), and the
     loop's function calls per iteration 2014 against 2991 (plain PyTorch's: 2094; bench section 13)."""
     wd, eps, maximize = group["weight_decay"], group["eps"], group["maximize"]

@@ -195,3 +195,24 @@ def test_direct_for_loop_update_runs_in_place_of_torchs_step_bit_for_bit(monkeyp
     for p, q in zip(opt.state.values(), ref_opt.state.values()):
         assert p.keys() == q.keys()
         assert all(torch.equal(p[k], q[k]) for k in q)
+
+
+def test_the_direct_for_loop_runs_only_on_the_torch_loop_it_copies(monkeypatch):
+    """adam_loop writes out torch's `_single_tensor_adam`: on this torch (the pinned one) its source is the one
+    checked; a torch whose loop's source differs gets the optimizer's own step (`direct_adam` says None), so a
+    changed loop never trains other bits. Fails when torch is upgraded without re-checking adam_loop against its
+    loop (then add the new source's hash to LOOP_SOURCES)."""
+    assert batch.loop_mirrors_torch(), "torch's _single_tensor_adam changed: re-check adam_loop, then LOOP_SOURCES"
+    workload = load_workload("gpt:tiny")
+    plan = plan_for(workload, extra=3.0, iters=2)
+    monkeypatch.setattr(batch, "LOOP_SOURCES", frozenset())
+    batch.loop_mirrors_torch.cache_clear()
+    try:
+        assert not batch.loop_mirrors_torch()
+        module = sys.modules[torch.optim.Adam.__module__]
+        real, calls = module.adam, []
+        monkeypatch.setattr(module, "adam", lambda *a, **k: calls.append(1) or real(*a, **k))
+        _train(workload, plan, workload.optimizer, n=1)
+        assert calls, "a torch whose loop differs still ran adam_loop"
+    finally:
+        batch.loop_mirrors_torch.cache_clear()
