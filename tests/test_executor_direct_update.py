@@ -47,6 +47,17 @@ def _train(workload, plan, make_optimizer, n=3):
     return losses, weights, optimizer
 
 
+def _same_training(ours, ref) -> None:
+    """Losses, weights and optimizer state of two `_train` runs equal bit for bit (the state not empty)."""
+    (losses, weights, opt), (ref_losses, ref_weights, ref_opt) = ours, ref
+    assert losses == ref_losses
+    assert all(torch.equal(weights[k], ref_weights[k]) for k in ref_weights)
+    assert len(opt.state) == len(ref_opt.state) > 0
+    for p, q in zip(opt.state.values(), ref_opt.state.values()):
+        assert p.keys() == q.keys()
+        assert all(torch.equal(p[k], q[k]) for k in q)
+
+
 def test_direct_fused_update_is_torchs_step_bit_for_bit(tight, monkeypatch):
     workload, plan = tight
     make_optimizer = workload.optimizer
@@ -74,12 +85,7 @@ def test_direct_fused_update_is_torchs_step_bit_for_bit(tight, monkeypatch):
     monkeypatch.setattr(batch, "fused_adam_step", lambda *_, **__: False)  # the optimizer's own step, every batch
     ref_losses, ref_weights, ref_opt = _train(workload, plan, make_optimizer)
     assert fused_calls, "the reference run made no fused host update"
-    assert losses == ref_losses
-    assert all(torch.equal(weights[k], ref_weights[k]) for k in ref_weights)
-    assert len(opt.state) == len(ref_opt.state) > 0
-    for p, q in zip(opt.state.values(), ref_opt.state.values()):
-        assert p.keys() == q.keys()
-        assert all(torch.equal(p[k], q[k]) for k in q)
+    _same_training((losses, weights, opt), (ref_losses, ref_weights, ref_opt))
 
 
 def _train_with_rollback(workload, plan, make_optimizer, n=5, save_at=1, load_at=3):
@@ -189,12 +195,7 @@ def test_direct_for_loop_update_runs_in_place_of_torchs_step_bit_for_bit(monkeyp
     monkeypatch.setattr(batch, "fused_adam_step", lambda *_, **__: False)  # the optimizer's own step, every batch
     ref_losses, ref_weights, ref_opt = _train(workload, plan, workload.optimizer, n=2)
     assert calls, "the reference run made no update through torch's step"
-    assert losses == ref_losses
-    assert all(torch.equal(weights[k], ref_weights[k]) for k in ref_weights)
-    assert len(opt.state) == len(ref_opt.state) > 0
-    for p, q in zip(opt.state.values(), ref_opt.state.values()):
-        assert p.keys() == q.keys()
-        assert all(torch.equal(p[k], q[k]) for k in q)
+    _same_training((losses, weights, opt), (ref_losses, ref_weights, ref_opt))
 
 
 def test_the_direct_for_loop_runs_only_on_the_torch_loop_it_copies(monkeypatch):
