@@ -37,6 +37,7 @@ from pathlib import Path
 from typing import Any
 
 from bench.context import Context
+from bench.executor_speed import steady_median
 from bench.harness import REPO_ROOT, Table, fmt_bytes, rel_diff, worker_command
 
 SPEC = f"{Path(__file__).resolve()}:middle_workload"
@@ -132,11 +133,6 @@ def verdict(predicted: float, ratios: Sequence[float]) -> str:
             f"~{rounds_needed(predicted, sd)} rounds at this spread)")
 
 
-def steady(payload: dict[str, Any]) -> float:
-    """A process's median step, the first (set-up's allocations) left out."""
-    return statistics.median(payload["step_seconds"][1:])
-
-
 def lockstep_rounds(ctx: Context, paths: dict[str, Path], *, n: int, steps: int) -> list[dict[str, dict[str, Any]]]:
     """`n` rounds: the plans' `speed-run` children in lockstep on one core, the next round on the next core, who
     goes first alternating; each round's payloads by key. A failed round raises, naming it."""
@@ -156,9 +152,9 @@ def lockstep_rounds(ctx: Context, paths: dict[str, Path], *, n: int, steps: int)
         except RuntimeError as exc:
             raise RuntimeError(f"middle round {r + 1}: {exc}") from None
         out.append(res)
-        ctx.log(f"[bench]   middle round {r + 1}/{n} on core {cores[r % len(cores)]}: with ÷ without "
-                f"{steady(res[keys[0]]) / steady(res[keys[1]]):.3f} ({time.perf_counter() - t0:.0f} s, load "
-                f"{os.getloadavg()[0]:.2f})")
+        ratio = steady_median(res[keys[0]]) / steady_median(res[keys[1]])
+        ctx.log(f"[bench]   middle round {r + 1}/{n} on core {cores[r % len(cores)]}: with ÷ without {ratio:.3f} "
+                f"({time.perf_counter() - t0:.0f} s, load {os.getloadavg()[0]:.2f})")
     return out
 
 
@@ -211,7 +207,7 @@ def middle_table(ctx: Context) -> Table:
         plan.save(paths[k])
     rounds = lockstep_rounds(ctx, paths, n=MIDDLE_ROUNDS, steps=MIDDLE_STEPS)
     worst = checked(rounds, plans, plain)
-    ratios = [steady(res[a]) / steady(res[b]) for res in rounds]
+    ratios = [steady_median(res[a]) / steady_median(res[b]) for res in rounds]
     loads = [p["load1"] for res in rounds for p in res.values()]
     table = Table(headers=[f"auto at {fmt_bytes(budget)}, host {fmt_bytes(host)}", "choices inside blocks",
                            "block choices (k/o/r/s)", "predicted step (plan)", "measured CPU step (median)",
@@ -234,7 +230,7 @@ def middle_table(ctx: Context) -> Table:
         table.add(k, ", ".join(f"{c.module.split('.', 2)[-1]} {c.choice}" for c in inner) or "none",
                   "/".join(str(kinds.count(c)) for c in ("keep", "offload", "recompute", "selective")),
                   f"{s.predicted_step_seconds * 1e3:.1f} ms",
-                  f"{statistics.median(steady(p[k]) for p in rounds) * 1e3:.0f} ms",
+                  f"{statistics.median(steady_median(p[k]) for p in rounds) * 1e3:.0f} ms",
                   f"{' / '.join(fmt_bytes(m) for m in sorted(moved))} / "
                   f"{fmt_bytes(s.bytes_moved_per_iter + s.activation_bytes_moved_per_iter)}",
                   f"{statistics.mean(loads):.1f}", "")
