@@ -11,8 +11,10 @@ ConvNeXt (depths 2-2-4-2, widths 32-256): their 4 stages
 are the outermost same-class siblings, but each stage's blocks hold nearly all its weights, so the blocks are the
 segments ([Note: activation segments]); auto's minimum against keep's (goal ≤ 0.5×), beside the minimum with the
 stages as segments (the rule before issue 31, reproduced here by patching the tracer's candidates). (3) An 8-layer
-Llama at a middle budget with host memory for the model data alone: auto with and without child segments, predicted
-at this machine's rates measured in the run and measured in pinned lockstep rounds (bench.nested_middle). All fake
+Llama at a middle budget with host memory for the model data alone: auto with sub-block choices (selective
+checkpointing and child segments) against auto on whole blocks, and against blocks with selective checkpointing but
+no child segments, predicted at this machine's rates measured in the run and measured in pinned lockstep rounds
+(bench.nested_middle). All fake
 traces (the CPU trace's segments and peaks, to the byte). Then the narrow ConvNeXt and each of the five (OPT's and BART's
 minimums take staged offloads: [Note: staged offload]) are trained on this CPU at auto's minimum against plain PyTorch:
 loss difference, fast-tier peak and bytes moved against the plan.
@@ -127,6 +129,25 @@ def _blocks_only() -> Iterator[None]:
 
 
 @contextlib.contextmanager
+def _whole_blocks() -> Iterator[None]:
+    """The tracer without child segments and without selective checkpointing ([Note: selective segments] in
+    hplan.artifacts.segments): each block is kept, offloaded or recomputed whole, as auto chose before issue 31's
+    sub-block choices. A segment with a `selective_reason` is never offered selective (the planner) and prices no
+    selective slack figure (hplan.tracer.choice_slack)."""
+    import hplan.tracer.segment_stats as stats
+
+    priced = stats._selective
+
+    def refused(*args: Any, **kwargs: Any) -> dict[str, Any]:
+        fields = priced(*args, **kwargs)
+        fields["selective_reason"] = "; ".join(r for r in (fields["selective_reason"], "whole blocks only") if r)
+        return fields
+
+    with _blocks_only(), mock.patch.object(stats, "_selective", refused):
+        yield
+
+
+@contextlib.contextmanager
 def _stages_as_segments() -> Iterator[None]:
     """The tracer's rule before nested segments: the outermost same-class siblings, never split."""
     import hplan.tracer.segment_candidates as rule
@@ -236,7 +257,8 @@ def run(ctx: Context) -> SectionOutput:
 
     middle = None if ctx.quick else out.part("middle", lambda: middle_table(ctx), log=ctx.log)
     if middle is not None:
-        out.tables.append(middle)
+        out.tables.append(middle[0])
+        out.headline.append(middle[1] + " — CPU measured, plans priced at this CPU's rates")
     rows = []
     if conv is not None:
         n, b = max(conv[1], key=lambda k: (k[1], k[0] != "ConvNeXt-tiny"))  # the narrow one, largest batch

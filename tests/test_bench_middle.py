@@ -4,6 +4,7 @@ and moves its plan's bytes; no timing assertions on the figures."""
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 from pathlib import Path
 from types import SimpleNamespace
@@ -57,9 +58,9 @@ print(json.dumps({"turns": turns.count, "argv": sys.argv[2:], "cores": sorted(os
 """
 
 
-def test_middle_rounds_pin_a_round_to_one_core_and_alternate_who_goes_first(monkeypatch, tmp_path) -> None:
-    """Each round: both plans' children in lockstep on one core (the next round the next core), each given its
-    own plan file and the workload spec, the first key first in even rounds, the second in odd ones."""
+def test_middle_rounds_pin_a_round_to_one_core_and_rotate_who_goes_first(monkeypatch, tmp_path) -> None:
+    """Each round: the three plans' children in lockstep on one core (the next round the next core), each given
+    its own plan file and the workload spec, the first to step rotating through the three."""
     import os
 
     from bench import nested_middle
@@ -70,15 +71,40 @@ def test_middle_rounds_pin_a_round_to_one_core_and_alternate_who_goes_first(monk
 
     monkeypatch.setattr(nested_middle, "worker_command", command)
     ctx = Context(quick=False, out_dir=tmp_path, fig_dir=tmp_path, log=lambda m: None, work_dir=tmp_path)
-    paths = {"with": tmp_path / "a.plan", "without": tmp_path / "b.plan"}
-    rounds = nested_middle.lockstep_rounds(ctx, paths, n=3, steps=2)
+    keys = (nested_middle.SUB, nested_middle.WHOLE, nested_middle.BLOCKS)
+    paths = {k: tmp_path / f"{i}.plan" for i, k in enumerate(keys)}
+    rounds = nested_middle.lockstep_rounds(ctx, paths, n=4, steps=2)
     cores = sorted(os.sched_getaffinity(0))
     for r, res in enumerate(rounds):
-        assert [res[k]["cores"] for k in paths] == [[cores[r % len(cores)]]] * 2
+        assert [res[k]["cores"] for k in paths] == [[cores[r % len(cores)]]] * 3
         assert [res[k]["argv"] for k in paths] == [
             ["speed-run", nested_middle.SYSTEM, nested_middle.SPEC, "2", str(paths[k])] for k in paths]
         spans = sorted((t0, k) for k, p in res.items() for t0, _ in p["spans"])
-        assert spans[0][1] == ("with" if r % 2 == 0 else "without")
+        assert spans[0][1] == keys[r % 3]
+
+
+def test_whole_blocks_trace_offers_neither_selective_nor_child_segments() -> None:
+    """The middle row's baseline ([Note: the host-limited middle budget]): the tracer patched so every block is
+    kept, offloaded or recomputed whole; as traced without the patch the same blocks offer both."""
+    from bench.nested import _whole_blocks
+    from hplan.planner import PlanOptions, make_hardware, make_plan, min_gpu_bytes, trace_slack
+    from hplan.specs import load_workload
+    from hplan.tracer import trace_workload
+
+    w = load_workload("gpt:tiny")  # two blocks, each with child segments and selective priced
+    full = trace_workload(w, device="fake")
+    with _whole_blocks():
+        whole = trace_workload(w, device="fake")
+    assert full.nested and any(not s.selective_reason for s in full.segments)
+    assert "selective" in full.allocator_slack_by_choice
+    assert [s.module for s in whole.segments] == [s.module for s in full.segments] and not whole.nested
+    assert all("whole blocks only" in s.selective_reason for s in whole.segments)
+    assert "selective" not in whole.allocator_slack_by_choice
+    hardware = make_hardware("cpu", gpu_bytes=1, **trace_slack(whole))
+    low = min_gpu_bytes(whole, hardware, activations="auto").gpu_bytes
+    plan = make_plan(whole, dataclasses.replace(hardware, gpu_bytes=low), PlanOptions(activations="auto"))
+    assert {c.choice for c in plan.activations} <= {"keep", "offload", "recompute"}
+    assert {c.module for c in plan.activations} <= {s.module for s in whole.segments}
 
 
 def test_middle_rounds_refuse_a_child_that_trains_differently_or_moves_other_bytes() -> None:
