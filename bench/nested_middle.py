@@ -247,7 +247,7 @@ def middle_table(ctx: Context) -> tuple[Table, str]:
         moved = {p[k]["moved_bytes"] for p in rounds}
         table.add(k, ", ".join(f"{c.module.split('.', 2)[-1]} {c.choice}" for c in inner) or "none",
                   "/".join(str(kinds.count(c)) for c in ("keep", "offload", "recompute", "selective")),
-                  f"{s.predicted_step_seconds * 1e3:.1f} ms",
+                  f"{s.predicted_step_seconds * 1e3:.1f} ms (certified gap {s.gap:.1%})",
                   f"{statistics.median(steady_median(p[k]) for p in rounds) * 1e3:.0f} ms",
                   f"{' / '.join(fmt_bytes(m) for m in sorted(moved))} / "
                   f"{fmt_bytes(s.bytes_moved_per_iter + s.activation_bytes_moved_per_iter)}",
