@@ -128,7 +128,7 @@ def interval(ratios: Sequence[float]) -> tuple[float, float, float, float]:
 
 def rounds_needed(predicted: float, sd: float) -> int:
     """Rounds at which a true log ratio of log(`predicted`) would stand 1.96 standard errors of the mean from 0,
-    at the measured spread `sd` of the rounds' log ratios."""
+    at the measured spread `sd` of the rounds' log ratios (`predicted` may be the measured mean: a gain that size)."""
     gain = abs(math.log(predicted))
     return math.ceil((1.96 * sd / gain) ** 2) if gain > 0 else 0
 
@@ -138,11 +138,12 @@ def verdict(predicted: float, ratios: Sequence[float]) -> str:
     excludes 1."""
     if predicted == 1:
         return "same predicted step"
-    _, lo, hi, sd = interval(ratios)
+    mean, lo, hi, sd = interval(ratios)
     if hi < 1 or lo > 1:
         return "signs agree" if (predicted < 1) == (hi < 1) else "signs differ"
-    return (f"not readable: the {CONFIDENCE:.0%} interval holds 1 (predicted gain {(1 - predicted) * 100:.1f}%; "
-            f"~{rounds_needed(predicted, sd)} rounds at this spread)")
+    return (f"not readable: the {CONFIDENCE:.0%} interval holds 1 (predicted gain {(1 - predicted) * 100:.1f}%, "
+            f"measured {(1 - mean) * 100:.1f}%; at this spread ~{rounds_needed(predicted, sd)} rounds resolve the "
+            f"predicted gain, ~{rounds_needed(mean, sd)} the measured one)")
 
 
 def lockstep_rounds(ctx: Context, paths: dict[str, Path], *, n: int, steps: int) -> list[dict[str, dict[str, Any]]]:

@@ -35,7 +35,9 @@ def test_middle_verdict_reads_the_interval_of_the_rounds_mean_log_ratio() -> Non
     assert verdict(1.0, below) == "same predicted step"
     _, lo, hi, sd = interval(straddle)
     assert lo < 1 < hi and verdict(0.984, straddle).startswith("not readable: the 95% interval holds 1")
-    assert f"~{rounds_needed(0.984, sd)} rounds" in verdict(0.984, straddle)
+    mean = interval(straddle)[0]
+    assert f"~{rounds_needed(0.984, sd)} rounds resolve the predicted gain, ~{rounds_needed(mean, sd)} the " \
+        "measured one" in verdict(0.984, straddle)
     assert rounds_needed(0.984, 0.02) == 6 and rounds_needed(0.984, 0.04) == 24  # (1.96 sd / |log 0.984|)²
     mean, lo, hi, _ = interval([0.9, 1.0])
     assert lo < mean < hi and abs(mean - (0.9 * 1.0) ** 0.5) < 1e-12  # the geometric mean
