@@ -207,6 +207,8 @@ def _train(info: Any, job: Job, plan: Plan, resume_from: str | None) -> dict[str
                     run.agree_before_update(problem)
                 (loss / k if k > 1 else loss).backward()
                 micro.append(loss.detach())
+            if workload.max_grad_norm is not None:  # [Note: the global norm over ranks]
+                run.clip_grad_norm_(workload.max_grad_norm)
             last = run.step()
             if scheduler is not None:
                 scheduler.step()

@@ -128,9 +128,6 @@ def refused_on_ranks(plan: Plan) -> str | None:
     the fix, or None: said when the plan is written, not first at the run (the plan stays valid for pricing)."""
     if plan.sharding is None:
         return None
-    if plan.defer_updates or plan.max_grad_norm is not None:
-        return ("`hplan run` refuses this many-rank plan: clipping by global norm (or deferred updates) is not "
-                "supported on many ranks yet; re-trace without --max-grad-norm/--defer-updates, or plan for one GPU")
     if plan.fingerprint.get("precision") == "fp16-mixed":
         return ("`hplan run` refuses this many-rank plan: fp16 loss scaling is not supported on many ranks yet; "
                 "re-trace with --precision bf16-mixed or fp32, or plan for one GPU")
