@@ -171,7 +171,7 @@ def finite_everywhere(folder: Path) -> bool:
 def clip_rank(info: RankInfo, spec: str, plans: list[dict[str, Any]], steps: int, clips: list[tuple[str, float]],
               overrides: dict[str, Any] | None = None) -> list[dict[str, Any]]:
     """Per plan and per (kind, value) of `clips`, the plain loop of `train_attached` with, between backward() and
-    optimizer.step(), torch.nn.utils.clip_grad_norm_(model.parameters(), value) ("norm", its totals recorded) or
+    optimizer.step(), torch.nn.utils.clip_grad_norm_(model.parameters(), value) ("norm", its totals recorded; "norm:P": norm_type P) or
     clip_grad_value_ ("value"): what the rank measured, its weights on rank 0."""
     torch.set_num_threads(1)  # [Note: reference determinism]
     n, r = info.world_size, info.rank
@@ -187,8 +187,9 @@ def clip_rank(info: RankInfo, spec: str, plans: list[dict[str, Any]], steps: int
                 for step in range(steps):
                     loss = workload.loss(model, workload.batch(step * n + r))
                     loss.backward()
-                    if kind == "norm":
-                        norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), value)))
+                    if kind.startswith("norm"):
+                        p = float(kind[5:] or 2.0)
+                        norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), value, norm_type=p)))
                     else:
                         torch.nn.utils.clip_grad_value_(model.parameters(), value)
                     optimizer.step()

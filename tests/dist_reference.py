@@ -91,8 +91,9 @@ def _accumulated(spec: str, world: int, steps: int, clip: tuple[str, float] | No
             loss = workload.loss(model, workload.batch(step * world + r))
             (loss / world).backward()
             micro.append(loss.detach())
-        if clip is not None and clip[0] == "norm":
-            norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), clip[1])))
+        if clip is not None and clip[0].startswith("norm"):  # "norm:P": norm_type P
+            p = float(clip[0][5:] or 2.0)
+            norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), clip[1], norm_type=p)))
         elif clip is not None:
             torch.nn.utils.clip_grad_value_(model.parameters(), clip[1])
         optimizer.step()
