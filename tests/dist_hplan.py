@@ -201,4 +201,26 @@ def clip_rank(info: RankInfo, spec: str, plans: list[dict[str, Any]], steps: int
             out.append({"losses": losses, "norms": norms, "peak": max(i.peak_resident_bytes for i in iters),
                         "moved": iters[-1].h2d_bytes + iters[-1].d2h_bytes, "collective": iters[-1].collective_bytes,
                         "weights": {k: p.detach().clone() for k, p in model.named_parameters()} if r == 0 else None})
+    return [*out, _refusals(spec, Plan.from_dict(plans[0]), overrides)]
+
+
+def _refusals(spec: str, plan: Plan, overrides: dict[str, Any] | None) -> dict[str, str]:
+    """The one-line refusals of a many-rank block: a clip before the iteration's backward, a user's GradScaler."""
+    from hplan.errors import HplanError
+
+    out = {}
+    for what in ("early", "scaler"):
+        workload = load_workload(spec, overrides=overrides)
+        model = workload.build_model()
+        optimizer = workload.optimizer(model.parameters())
+        try:
+            with hplan.attach(model, optimizer, plan, batch_example=workload.batch(0)):
+                loss = workload.loss(model, workload.batch(0))
+                if what == "early":
+                    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+                else:
+                    loss.backward()
+                    torch.amp.GradScaler("cpu").unscale_(optimizer)
+        except HplanError as error:
+            out[what] = str(error)
     return out

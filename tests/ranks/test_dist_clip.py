@@ -74,6 +74,10 @@ def test_clipping_on_two_ranks_trains_as_plain_pytorch():
                   + (f", max rel norm diff {ref.max_rel_loss_diff(got[0]['norms'], expected.norms):.2g}"
                      if expected.norms else ""))
             _check(got, expected, plan, f"{f} {c}")
+    for r in results:  # refused in one line on every rank, before any collective
+        assert r[-1]["early"].startswith("clip_grad_norm_ on many ranks needs the iteration's final gradients: call "
+                                         "it after the last backward()"), r[-1]
+        assert r[-1]["scaler"].startswith("a GradScaler on many ranks: "), r[-1]
 
 
 @pytest.mark.slow  # CI time: a transformers model's two 2-rank plans; gpt:tiny's case above stays fast
