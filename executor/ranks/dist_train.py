@@ -1,8 +1,9 @@
 """run_distributed: a workload trained on N ranks with a many-rank plan — `hplan run --nproc N`, or torchrun.
 
 Rank r trains step s on the workload's micro-batches `batch((s·N + r)·k + i)`, i < k (k = accumulate; k = 1 gives
-`batch(s·N + r)`), each loss ÷ k before backward; the plan's gradient syncs sum over ranks and divide by N. So
-the reference is one process accumulating the N·k micro-batches of step s (each loss ÷ N·k) before one
+`batch(s·N + r)`), each loss ÷ k before backward; the plan's gradient syncs sum over ranks and divide by N, and
+the workload's `max_grad_norm` clips by the global norm over every rank's pieces (hplan.executor.ranks.dist_clip).
+So the reference is one process accumulating the N·k micro-batches of step s (each loss ÷ N·k), clipping, then one
 optimizer step, and the loss reported per step is the mean over ranks (an all-reduce outside the plan's calls,
 not counted in its bytes). Every number in the report is measured per rank ([Note: distributed executor step]).
 Ranks start through hplan.executor.ranks.launch: a rank that fails or dies makes the run fail with one line naming it;
