@@ -171,8 +171,9 @@ def finite_everywhere(folder: Path) -> bool:
 def clip_rank(info: RankInfo, spec: str, plans: list[dict[str, Any]], steps: int, clips: list[tuple[str, float]],
               overrides: dict[str, Any] | None = None) -> list[dict[str, Any]]:
     """Per plan and per (kind, value) of `clips`, the plain loop of `train_attached` with, between backward() and
-    optimizer.step(), torch.nn.utils.clip_grad_norm_(model.parameters(), value) ("norm", its totals recorded; "norm:P": norm_type P) or
-    clip_grad_value_ ("value"): what the rank measured, its weights on rank 0."""
+    optimizer.step(), torch.nn.utils.clip_grad_norm_(model.parameters(), value) ("norm", its totals recorded;
+    "norm:P": norm_type P) or clip_grad_value_ ("value"): what the rank measured, its weights on rank 0; last, the
+    refusals of `_refusals`."""
     torch.set_num_threads(1)  # [Note: reference determinism]
     n, r = info.world_size, info.rank
     out = []

@@ -112,7 +112,8 @@ class DistClip:
             with self._host_memory(n):
                 norms.append(torch.linalg.vector_norm(self._piece(n), p).to(self.tier.device))
         if self.plan.sharding.OS == 1:  # every rank holds every gradient, alike: torch's formula, no collective
-            total = torch.linalg.vector_norm(torch.stack(norms), p) if norms else torch.zeros((), device=self.tier.device)
+            total = torch.linalg.vector_norm(torch.stack(norms), p) if norms else \
+                torch.zeros((), device=self.tier.device)
         else:
             counted = norms if self.rank < self.plan.sharding.OS or p == math.inf else []
             dtype = norms[0].dtype if norms else torch.float32
