@@ -166,3 +166,62 @@ def finite_everywhere(folder: Path) -> bool:
     state = _read(folder, listed_files(folder))
     tensors = [t for rank in state.values() for t in rank["regions"].values()]
     return bool(tensors) and all(torch.isfinite(t).all() for t in tensors if t.is_floating_point())
+
+
+def clip_rank(info: RankInfo, spec: str, plans: list[dict[str, Any]], steps: int, clips: list[tuple[str, float]],
+              overrides: dict[str, Any] | None = None) -> list[dict[str, Any]]:
+    """Per plan and per (kind, value) of `clips`, the plain loop of `train_attached` with, between backward() and
+    optimizer.step(), torch.nn.utils.clip_grad_norm_(model.parameters(), value) ("norm", its totals recorded;
+    "norm:P": norm_type P) or clip_grad_value_ ("value"): what the rank measured, its weights on rank 0; last, the
+    refusals of `_refusals`."""
+    torch.set_num_threads(1)  # [Note: reference determinism]
+    n, r = info.world_size, info.rank
+    out = []
+    for data in plans:
+        plan = Plan.from_dict(data)
+        for kind, value in clips:
+            workload = load_workload(spec, overrides=overrides)
+            model = workload.build_model()
+            optimizer = workload.optimizer(model.parameters())
+            losses, norms, iters = [], [], []
+            with hplan.attach(model, optimizer, plan, batch_example=workload.batch(0)) as run:
+                for step in range(steps):
+                    loss = workload.loss(model, workload.batch(step * n + r))
+                    loss.backward()
+                    if kind.startswith("norm"):
+                        p = float(kind[5:] or 2.0)
+                        norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), value, norm_type=p)))
+                    else:
+                        torch.nn.utils.clip_grad_value_(model.parameters(), value)
+                    optimizer.step()
+                    optimizer.zero_grad()
+                    total = loss.detach().clone()
+                    dist.all_reduce(total)
+                    losses.append(float(total) / n)
+                    iters.append(run.last)
+            out.append({"losses": losses, "norms": norms, "peak": max(i.peak_resident_bytes for i in iters),
+                        "moved": iters[-1].h2d_bytes + iters[-1].d2h_bytes, "collective": iters[-1].collective_bytes,
+                        "weights": {k: p.detach().clone() for k, p in model.named_parameters()} if r == 0 else None})
+    return [*out, _refusals(spec, Plan.from_dict(plans[0]), overrides)]
+
+
+def _refusals(spec: str, plan: Plan, overrides: dict[str, Any] | None) -> dict[str, str]:
+    """The one-line refusals of a many-rank block: a clip before the iteration's backward, a user's GradScaler."""
+    from hplan.errors import HplanError
+
+    out = {}
+    for what in ("early", "scaler"):
+        workload = load_workload(spec, overrides=overrides)
+        model = workload.build_model()
+        optimizer = workload.optimizer(model.parameters())
+        try:
+            with hplan.attach(model, optimizer, plan, batch_example=workload.batch(0)):
+                loss = workload.loss(model, workload.batch(0))
+                if what == "early":
+                    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+                else:
+                    loss.backward()
+                    torch.amp.GradScaler("cpu").unscale_(optimizer)
+        except HplanError as error:
+            out[what] = str(error)
+    return out

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -48,6 +48,8 @@ class RefRun:
     """Wall time of each step (rank 0's for multi-rank runs): forward, backward, gradient sync, update."""
     replicas_agree: bool = True
     """Multi-rank: every rank ended with bitwise the same full weights (checked by checksum)."""
+    norms: list[float] = field(default_factory=list)
+    """Per step, the total norm clip_grad_norm_ returned (`accumulated` with a norm clip; else empty)."""
 
 
 def _workload(spec: str) -> Workload:
@@ -61,23 +63,27 @@ def _workload_checked(workload: Workload) -> Workload:
     return workload
 
 
-def accumulated(spec: str, world: int, steps: int, *, threads: int = 1) -> RefRun:
-    """Single process: per step, N micro-batches `batch(s·N + r)`, each loss ÷ N, one optimizer step.
+def accumulated(spec: str, world: int, steps: int, *, threads: int = 1, clip: tuple[str, float] | None = None,
+                overrides: dict[str, Any] | None = None) -> RefRun:
+    """Single process: per step, N micro-batches `batch(s·N + r)`, each loss ÷ N, one optimizer step (after
+    torch.nn.utils.clip_grad_norm_, clip = ("norm", max_norm), or clip_grad_value_, ("value", v), when given; the
+    totals clip_grad_norm_ returned in `norms`).
     Runs with `threads` torch threads and gives the caller's count back after: a count left behind changes
     every later run's matmul reductions in this process (and so its losses, by an ulp)."""
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        return _accumulated(spec, world, steps)
+        return _accumulated(spec, world, steps, clip, overrides)
     finally:
         torch.set_num_threads(before)
 
 
-def _accumulated(spec: str, world: int, steps: int) -> RefRun:
-    workload = _workload(spec)
+def _accumulated(spec: str, world: int, steps: int, clip: tuple[str, float] | None = None,
+                 overrides: dict[str, Any] | None = None) -> RefRun:
+    workload = _workload_checked(load_workload(spec, overrides=overrides))
     model = workload.build_model()
     optimizer = workload.optimizer(model.parameters())
-    losses, seconds = [], []
+    losses, seconds, norms = [], [], []
     for step in range(steps):
         start = time.perf_counter()
         micro = []
@@ -85,11 +91,16 @@ def _accumulated(spec: str, world: int, steps: int) -> RefRun:
             loss = workload.loss(model, workload.batch(step * world + r))
             (loss / world).backward()
             micro.append(loss.detach())
+        if clip is not None and clip[0].startswith("norm"):  # "norm:P": norm_type P
+            p = float(clip[0][5:] or 2.0)
+            norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), clip[1], norm_type=p)))
+        elif clip is not None:
+            torch.nn.utils.clip_grad_value_(model.parameters(), clip[1])
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         seconds.append(time.perf_counter() - start)
         losses.append(float(sum(micro[1:], micro[0]) / world))
-    return RefRun(losses=losses, weights=_full_weights(model), step_seconds=seconds)
+    return RefRun(losses=losses, weights=_full_weights(model), step_seconds=seconds, norms=norms)
 
 
 def fsdp2(spec: str, world: int, steps: int, *, timeout_s: float = 600.0) -> RefRun:

@@ -1,8 +1,9 @@
 """run_distributed: a workload trained on N ranks with a many-rank plan — `hplan run --nproc N`, or torchrun.
 
 Rank r trains step s on the workload's micro-batches `batch((s·N + r)·k + i)`, i < k (k = accumulate; k = 1 gives
-`batch(s·N + r)`), each loss ÷ k before backward; the plan's gradient syncs sum over ranks and divide by N. So
-the reference is one process accumulating the N·k micro-batches of step s (each loss ÷ N·k) before one
+`batch(s·N + r)`), each loss ÷ k before backward; the plan's gradient syncs sum over ranks and divide by N, and
+the workload's `max_grad_norm` clips by the global norm over every rank's pieces (hplan.executor.ranks.dist_clip).
+So the reference is one process accumulating the N·k micro-batches of step s (each loss ÷ N·k), clipping, then one
 optimizer step, and the loss reported per step is the mean over ranks (an all-reduce outside the plan's calls,
 not counted in its bytes). Every number in the report is measured per rank ([Note: distributed executor step]).
 Ranks start through hplan.executor.ranks.launch: a rank that fails or dies makes the run fail with one line naming it;
@@ -207,6 +208,8 @@ def _train(info: Any, job: Job, plan: Plan, resume_from: str | None) -> dict[str
                     run.agree_before_update(problem)
                 (loss / k if k > 1 else loss).backward()
                 micro.append(loss.detach())
+            if workload.max_grad_norm is not None:  # [Note: the global norm over ranks]
+                run.clip_grad_norm_(workload.max_grad_norm)
             last = run.step()
             if scheduler is not None:
                 scheduler.step()

@@ -13,7 +13,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from hplan.executor.batch import UpdateBatch
-from hplan.executor.gradients import first_nonfinite, nonfinite_message
+from hplan.executor.gradients import Clip, first_nonfinite, nonfinite_message
 from hplan.executor.measure import WindowMeter
 from hplan.executor.ranks.dist_comm import stop_together
 from hplan.executor.ranks.in_flight import InFlight
@@ -43,6 +43,8 @@ class DistUpdates:
     _batches: dict[tuple[int, ...], UpdateBatch]
     _agreement: tuple[Any, torch.Tensor, str | None] | None
     _replicated_grads: bool
+    master: bool
+    clips: list[Clip]
 
     def agree_before_update(self, problem: str | None) -> None:
         """[Note: ranks stop together], without the wait: this rank's verdict (`problem` in words, or None) goes out
@@ -90,7 +92,7 @@ class DistUpdates:
             if batch is None:
                 batch = self._batches[part] = UpdateBatch([self.updates[c] for c in part])
             with self._memory_of(where):
-                batch.step(self.written)
+                batch.step(self.written, clip=tuple(self.clips) if self.master else ())
         for c in mine:
             if self.updates[c].where == "gpu":
                 for kind in ("param", "master", "state"):

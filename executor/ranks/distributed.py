@@ -16,8 +16,9 @@ within the plan's room] in hplan.artifacts.lookahead): each is waited where its 
 buffer reused. Every rank runs the same steps, so every rank makes the same calls in the same order; a rank that stops
 calling makes the others' next call fail within the process group's timeout (hplan.executor.ranks.launch).
 Supported on many ranks: fp32 and bf16-mixed (unverified), element-wise optimizers, param groups, LR schedulers,
-accumulation. Refused in one line: clipping by global norm and fp16 loss scaling (they need norms over shards),
-and any plan for another number of ranks.
+accumulation, deferred updates, clipping by global norm and by value (hplan.executor.ranks.dist_clip: [Note: the
+global norm over ranks]). Refused in one line: fp16 loss scaling (its overflow verdict would span shards), a user's
+GradScaler, and any plan for another number of ranks.
 """
 
 from __future__ import annotations
@@ -32,11 +33,12 @@ import torch.distributed as dist
 from hplan.executor.device import make_tier
 from hplan.executor.ranks.in_flight import InFlight
 from hplan.artifacts.lookahead import lookahead
+from hplan.executor.ranks.dist_clip import DistClip
 from hplan.executor.ranks.dist_comm import PlanComm
 from hplan.executor.ranks.dist_events import DistEvents
 from hplan.executor.ranks.dist_updates import DistUpdates
 from hplan.executor.ranks.full_state import gathered_state, sliced_state
-from hplan.executor.gradients import move_grad, warm_nonfinite_check
+from hplan.executor.gradients import Clip, move_grad, warm_nonfinite_check
 from hplan.executor.habits import intercepted, with_step_hooks
 from hplan.executor.measure import WindowMeter, make_probe, window_bytes
 from hplan.executor.step_table import moves_table
@@ -87,14 +89,11 @@ def check_world(plan: Plan, world: int) -> None:
         raise HplanError(f"the plan was made for {hw.ranks} ranks ({hw.gpus_per_node} per node × {hw.nodes}) but this "
                          f"run has {world}; re-plan with `gpus_per_node`/`nodes` for {world} ranks or run with "
                          f"`nproc` {hw.ranks}")
-    if plan.defer_updates or plan.max_grad_norm is not None:
-        raise HplanError("clipping by global norm (or deferred updates) is not supported on many ranks yet: it needs "
-                         "the norm over every rank's gradient shards; re-trace without `max_grad_norm`")
     if plan.fingerprint.get("precision") == "fp16-mixed":
         raise HplanError("fp16 loss scaling is not supported on many ranks yet; use bf16-mixed or fp32")
 
 
-class DistRun(DistEvents, DistUpdates):
+class DistRun(DistEvents, DistUpdates, DistClip):
     """Context manager replaying a many-rank plan on this rank (torch.distributed must be initialised)."""
 
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, plan: Plan, *, device: str = "cpu",
@@ -141,6 +140,8 @@ class DistRun(DistEvents, DistUpdates):
         self.updates: dict[int, ChunkUpdate] = {}
         self.cursor = 0
         self.written: set[str] = set()
+        self.clips: list[Clip] = []
+        """A master recipe's clips of this iteration, applied to the fp32 gradients at the update."""
         self._updated: set[int] = set()
         self._batches: dict[tuple[int, ...], UpdateBatch] = {}
         """Chunks updated at one step → their batch (the same sets every iteration)."""
@@ -294,10 +295,6 @@ class DistRun(DistEvents, DistUpdates):
     def manages(self, params: list[torch.Tensor]) -> bool:
         return self.store is not None and any(id(p) in self._names for p in params)
 
-    def clip_grad_norm_(self, *args: Any, **kwargs: Any) -> torch.Tensor:
-        raise HplanError("clip_grad_norm_ inside a many-rank plan is not supported yet (the norm spans every rank's "
-                         "gradient shards); train without clipping or on one rank")
-
     def sync_state(self) -> None:
         raise HplanError("optimizer.state_dict() inside a many-rank plan: the state is sharded over ranks; call it "
                          "after the block (the optimizer then holds the whole state), or save inside it with "
@@ -328,6 +325,7 @@ class DistRun(DistEvents, DistUpdates):
                               peak_resident_bytes=self.peak, gathers_ahead=ahead, reductions_in_flight=reducing,
                               collective_calls=calls)
         self.written.clear()
+        self.clips.clear()
         self._updated.clear()
         self._scattered.clear()
         self._zeroed = False

@@ -123,6 +123,17 @@ def step_split(plan: Plan) -> dict[str, float]:
     return out
 
 
+def refused_on_ranks(plan: Plan) -> str | None:
+    """What `hplan run` will refuse in this many-rank plan (executor.ranks.distributed.check_world), in words naming
+    the fix, or None: said when the plan is written, not first at the run (the plan stays valid for pricing)."""
+    if plan.sharding is None:
+        return None
+    if plan.fingerprint.get("precision") == "fp16-mixed":
+        return ("`hplan run` refuses this many-rank plan: fp16 loss scaling is not supported on many ranks yet; "
+                "re-trace with --precision bf16-mixed or fp32, or plan for one GPU")
+    return None
+
+
 def many_rank_run(nproc: int | None, plan: Any) -> bool:
     """Does `hplan run` go to the many-rank executor? With --nproc, under torchrun, or for a plan with shard
     factors (whose run then asks for --nproc) — except a world of one with a one-GPU plan, which is one process

@@ -167,3 +167,24 @@ def test_an_update_that_overflows_is_never_saved_on_any_rank(root, tmp_path):
     assert dist_checkpoint.read_pointer(ck)["latest"] == "step-000001"
     assert sorted(p.name for p in ck.iterdir()) == [".lock", "latest.json", "step-000001"]
     assert finite_everywhere(ck / "step-000001")
+
+
+@pytest.mark.slow  # CI time: a third 2-rank plan; the unclipped case above stays fast
+def test_a_non_finite_piece_under_clipping_stops_every_rank_naming_it(root, tmp_path):
+    """Clipping with an infinite element in rank 1's piece: the total norm is inf on every rank, the coefficient 0
+    turns that element NaN as torch's clip does, and the update's check stops every rank at step 1 naming rank 1
+    and the parameter ([Note: the global norm over ranks]): nothing of step 1 is saved."""
+    trace = trace_workload(load_workload("gpt:tiny", max_grad_norm=1.0), device="cpu", iters=3)
+    plan = dist_hplan.plan_at(trace, (1, 2, 2))
+    plan.save(tmp_path / "clip.json")
+    chunk = next(c for c in plan.chunks if c.trainable and c.tensors[-1].endswith("mlp.c_proj.weight"))
+    name, ck = chunk.tensors[-1], tmp_path / "ck"
+    done = hplan_cli("run", f"{root / 'wl.py'}:workload", "--plan", str(tmp_path / "clip.json"), "--steps", "4",
+                     "--nproc", "2", "--checkpoint", str(ck), "--set", "spike_at=1", "--set", f"spike={name}",
+                     timeout=240)
+    lines = error_lines(done.stderr)
+    assert done.returncode == 2 and len(lines) == 1, done.stderr
+    assert lines[0].startswith(f"error: ranks [0, 1] of 2 failed: the gradient of {name} is not finite (inf or NaN) "
+                               "at step 1 on rank 1 (seen at plan step "), lines[0]
+    assert dist_checkpoint.read_pointer(ck)["latest"] == "step-000001"
+    assert finite_everywhere(ck / "step-000001")

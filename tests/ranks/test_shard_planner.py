@@ -294,3 +294,27 @@ def test_step_split_sums_to_the_step_and_the_cli_shows_it(tmp_path):
     assert text.exit_code == 0 and "step per rank" in text.output and "exposed inter" in text.output
     slow = CliRunner().invoke(app, [*args, "--json", "--inter-latency-us", "1000", "--network", "pcie4-100gbe"])
     assert json.loads(slow.stdout)["step_split"]["step"] > split["step"]
+
+
+@pytest.mark.parametrize("precision, defer, refused", [("fp16-mixed", False, "fp16 loss scaling"),
+                                                       ("bf16-mixed", True, None),
+                                                       ("bf16-mixed", False, None)])
+def test_plan_warns_of_what_a_many_rank_run_refuses(tmp_path, precision, defer, refused):
+    """`hplan plan --gpus 2` writes a plan the run then refuses (fp16 loss scaling): one warning line naming it and
+    the fix, exit 0 (the plan still prices the choice); nothing for a plan the run accepts (deferred updates and
+    clipping: tests/ranks/test_dist_clip.py)."""
+    from typer.testing import CliRunner
+
+    from hplan.cli import app
+
+    trace = replace(gpt_trace(n_layer=2, d_model=64, vocab=100, seq=32, n_head=4, precision=precision),
+                    defer_updates=defer)
+    trace.save(tmp_path / "t.parquet")
+    out = CliRunner().invoke(app, ["plan", str(tmp_path / "t.parquet"), "--gpu", "a100-80gb", "--gpu-mem", "1GB",
+                                   "--gpus", "2", "--solver", "fast", "-o", str(tmp_path / "p.json")])
+    assert out.exit_code == 0, out.output
+    warnings = [line for line in out.output.splitlines() if line.startswith("warning:")]
+    if refused is None:
+        assert warnings == []
+    else:
+        assert len(warnings) == 1 and refused in warnings[0] and "re-trace" in warnings[0], out.output
