@@ -169,8 +169,9 @@ def _plan_auto(trace: Trace, hardware: Hardware, options: PlanOptions, on_progre
                     plan = _settle(work, hw, options, on_progress, items, smallest, own, plan, decisions)
                 if first.activations_free and first.lower_bound_bytes < plan.summary.lower_bound_bytes:
                     sample = plan.summary.lower_bound_bytes if name == SELECTIVE_MIX else None  # [Note: the
-                    plan = descend(work, hw, options, on_progress, items, smallest, own, plan,  # selective mix
-                                   first.lower_bound_bytes, incumbent, plan_regime, sample)  # below its sample]
+                    plan, floor = descend(work, hw, options, on_progress, items, smallest, own, plan,  # selective
+                                          first.lower_bound_bytes, incumbent, plan_regime, sample)  # mix below its
+                    first = replace(first, lower_bound_bytes=floor)  # sample]; [Note: a descent's bound]
             elif incumbent is not None and mixed is not None and name != "selective" and \
                     priced_bound(*mixed, name, targets, hw.slack_bytes, incumbent) > incumbent:
                 continue  # priced by the mixed regime's LP multipliers, on every chunking: it cannot win or tie
@@ -191,9 +192,9 @@ def _plan_auto(trace: Trace, hardware: Hardware, options: PlanOptions, on_progre
                 if under is None:
                     covered = False
                 elif incumbent is not None and under <= incumbent:
+                    best, under = descend(work, hw, options, on_progress, items, smallest, own, best, under,
+                                          incumbent, plan_regime, incumbent if name == SELECTIVE_MIX else None)
                     bounds.append(under)
-                    best = descend(work, hw, options, on_progress, items, smallest, own, best, under, incumbent,
-                                   plan_regime, incumbent if name == SELECTIVE_MIX else None)
             continue
         except HostMemoryShort:
             if best is None and name == "mixed":
