@@ -19,7 +19,6 @@ import pytest
 
 from hplan.artifacts import Plan, Trace
 from hplan.planner import activation_descend, make_hardware, make_plan, min_gpu_bytes, trace_slack
-from hplan.planner.activation_descend import _bound
 from hplan.planner.make import plan_mix
 from hplan.specs import load_workload
 from hplan.tracer import trace_workload
@@ -75,6 +74,7 @@ def test_the_descents_bound_is_the_least_over_every_chunking_and_none_where_one_
     LP bound alone where the incumbent pruned it; 0 where a chunking was not searched or a candidate was scored
     without the activation items (its bound covers one mix only)."""
     import hplan.planner.exact as exact
+    from hplan.planner.activation_descend import _bound
 
     monkeypatch.setattr(exact, "lagrangian_bound", lambda model, rows, *multipliers: model)  # staged LP bound
     search = SimpleNamespace(searched=[0, 1, 2], staged={0: (100, None, ()), 1: (500, None, ()), 2: (90, None, ())},
