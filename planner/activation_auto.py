@@ -58,7 +58,9 @@ makes a choice other than keep and reserves at least the least figure, so its bo
 those plans with the room between the sample and the least figure, on every chunking a forced mix may search,
 whether the regime was solved, solved only for a tie or pruned (`floored` and `below` in
 hplan.planner.activation_bounds, [Note: a pruned mix's floor]; the children's likewise in `children_bound`, on the
-winner's chunking: no forced plan makes a child choice). Every plan therefore reserves at least its own figure, and
+winner's chunking: no forced plan makes a child choice); where the descent below the sample searches every such
+chunking with the regime's own items, its branch and bound's bound replaces that floor where higher ([Note: a
+descent's bound] in hplan.planner.activation_descend). Every plan therefore reserves at least its own figure, and
 the certificate stays a lower bound over every mix (tests/test_activation_regimes.py enumerates a 5-block model's
 mixes; tests/test_activation_pruned_floor.py overstates the sample so that keep's plan prunes the mixed regime). A
 provable floor under every mix's own figure, lower than the least figure but with no reserve added to any plan, was
