@@ -58,7 +58,9 @@ makes a choice other than keep and reserves at least the least figure, so its bo
 those plans with the room between the sample and the least figure, on every chunking a forced mix may search,
 whether the regime was solved, solved only for a tie or pruned (`floored` and `below` in
 hplan.planner.activation_bounds, [Note: a pruned mix's floor]; the children's likewise in `children_bound`, on the
-winner's chunking: no forced plan makes a child choice). Every plan therefore reserves at least its own figure, and
+winner's chunking: no forced plan makes a child choice); where the descent below the sample searches every such
+chunking with the regime's own items, its branch and bound's bound replaces that floor where higher ([Note: a
+descent's bound] in hplan.planner.activation_descend). Every plan therefore reserves at least its own figure, and
 the certificate stays a lower bound over every mix (tests/test_activation_regimes.py enumerates a 5-block model's
 mixes; tests/test_activation_pruned_floor.py overstates the sample so that keep's plan prunes the mixed regime). A
 provable floor under every mix's own figure, lower than the least figure but with no reserve added to any plan, was
@@ -169,8 +171,9 @@ def _plan_auto(trace: Trace, hardware: Hardware, options: PlanOptions, on_progre
                     plan = _settle(work, hw, options, on_progress, items, smallest, own, plan, decisions)
                 if first.activations_free and first.lower_bound_bytes < plan.summary.lower_bound_bytes:
                     sample = plan.summary.lower_bound_bytes if name == SELECTIVE_MIX else None  # [Note: the
-                    plan = descend(work, hw, options, on_progress, items, smallest, own, plan,  # selective mix
-                                   first.lower_bound_bytes, incumbent, plan_regime, sample)  # below its sample]
+                    plan, floor = descend(work, hw, options, on_progress, items, smallest, own, plan,  # selective
+                                          first.lower_bound_bytes, incumbent, plan_regime, sample)  # mix below its
+                    first = replace(first, lower_bound_bytes=floor)  # sample]; [Note: a descent's bound]
             elif incumbent is not None and mixed is not None and name != "selective" and \
                     priced_bound(*mixed, name, targets, hw.slack_bytes, incumbent) > incumbent:
                 continue  # priced by the mixed regime's LP multipliers, on every chunking: it cannot win or tie
@@ -191,9 +194,9 @@ def _plan_auto(trace: Trace, hardware: Hardware, options: PlanOptions, on_progre
                 if under is None:
                     covered = False
                 elif incumbent is not None and under <= incumbent:
+                    best, under = descend(work, hw, options, on_progress, items, smallest, own, best, under,
+                                          incumbent, plan_regime, incumbent if name == SELECTIVE_MIX else None)
                     bounds.append(under)
-                    best = descend(work, hw, options, on_progress, items, smallest, own, best, under, incumbent,
-                                   plan_regime, incumbent if name == SELECTIVE_MIX else None)
             continue
         except HostMemoryShort:
             if best is None and name == "mixed":

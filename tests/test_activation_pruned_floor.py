@@ -54,7 +54,7 @@ def test_a_pruned_mixed_regime_still_bounds_the_mixes_that_reserve_less(gpt2_5, 
     assert forced and all(p.hardware.slack_bytes < sample for p in forced)  # each reserves its own, below the sample
     best = min(forced, key=objective)
     assert objective(make_plan(trace, hw)) <= objective(best)
-    monkeypatch.setattr(activation_auto, "descend", lambda *a: a[7])  # the regime's plan (keep's) as it was
+    monkeypatch.setattr(activation_auto, "descend", lambda *a: (a[7], a[8]))  # the plan and floor as they were
     auto = make_plan(trace, hw)
     assert objective(best) < objective(auto)  # the case: a mix the pruned regime holds beats auto's plan
     assert auto.summary.lower_bound_bytes <= objective(best)  # and the certificate still covers it
