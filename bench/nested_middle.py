@@ -141,9 +141,11 @@ def verdict(predicted: float, ratios: Sequence[float]) -> str:
     mean, lo, hi, sd = interval(ratios)
     if hi < 1 or lo > 1:
         return "signs agree" if (predicted < 1) == (hi < 1) else "signs differ"
+    measured = (f"~{rounds_needed(mean, sd)} the measured one" if (mean < 1) == (predicted < 1) and mean != 1
+                and rounds_needed(mean, sd) <= 1000 else "the measured one is too small or of the other sign")
     return (f"not readable: the {CONFIDENCE:.0%} interval holds 1 (predicted gain {(1 - predicted) * 100:.1f}%, "
             f"measured {(1 - mean) * 100:.1f}%; at this spread ~{rounds_needed(predicted, sd)} rounds resolve the "
-            f"predicted gain, ~{rounds_needed(mean, sd)} the measured one)")
+            f"predicted gain, {measured})")
 
 
 def lockstep_rounds(ctx: Context, paths: dict[str, Path], *, n: int, steps: int) -> list[dict[str, dict[str, Any]]]:

@@ -38,6 +38,7 @@ def test_middle_verdict_reads_the_interval_of_the_rounds_mean_log_ratio() -> Non
     mean = interval(straddle)[0]
     assert f"~{rounds_needed(0.984, sd)} rounds resolve the predicted gain, ~{rounds_needed(mean, sd)} the " \
         "measured one" in verdict(0.984, straddle)
+    assert verdict(0.98, [0.99, 1.03, 1.01, 0.98, 1.02]).endswith("the measured one is too small or of the other sign)")
     assert rounds_needed(0.984, 0.02) == 6 and rounds_needed(0.984, 0.04) == 24  # (1.96 sd / |log 0.984|)²
     mean, lo, hi, _ = interval([0.9, 1.0])
     assert lo < mean < hi and abs(mean - (0.9 * 1.0) ** 0.5) < 1e-12  # the geometric mean
