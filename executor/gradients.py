@@ -99,9 +99,7 @@ class GradientOps:
             return torch.zeros(())
         norms = self._norms(names, lambda g: torch.linalg.vector_norm(g, norm_type))
         total = torch.linalg.vector_norm(torch.stack([n.to(norms[0].device) for n in norms]), norm_type)
-        if error_if_nonfinite and not torch.isfinite(total):
-            raise HplanError(f"the total norm of the gradients is {float(total)}; it cannot be clipped")
-        coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+        coef = clip_coefficient(total, max_norm, error_if_nonfinite)
         if self.master:
             self.clips.append(Clip(_subset(names, self.written), lambda g: g.mul_(coef.to(g.device))))
         else:
@@ -296,6 +294,14 @@ _PLAIN = torch._C.DisableTorchFunctionSubclass
 _UNWATCHED = torch._C._DisableTorchDispatch
 """A gradient's copy or sum into its region writes in place, allocating nothing the CPU twin's memory probe (a
 Python dispatch mode, hplan.probe) would count: it runs unseen, one Python call per parameter a step fewer."""
+
+
+def clip_coefficient(total: torch.Tensor, max_norm: float, error_if_nonfinite: bool) -> torch.Tensor:
+    """torch's clip_grad_norm_ coefficient for a total norm, refusing a non-finite one where asked as torch does
+    (one rank's total here; every rank's in hplan.executor.ranks.dist_clip)."""
+    if error_if_nonfinite and not torch.isfinite(total):
+        raise HplanError(f"the total norm of the gradients is {float(total)}; it cannot be clipped")
+    return torch.clamp(max_norm / (total + 1e-6), max=1.0)
 
 
 def move_grad(p: torch.Tensor, grad_target: Callable[..., tuple[torch.Tensor, bool]], *,

@@ -32,7 +32,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from hplan.executor.gradients import Clip, _subset, apply_clips
+from hplan.executor.gradients import Clip, _subset, apply_clips, clip_coefficient
 from hplan.executor.ranks.shard_store import ShardStore
 from hplan.executor.tripwires import FIX
 from hplan.executor.update import ChunkUpdate
@@ -125,9 +125,7 @@ class DistClip:
             local = local.to(self.tier.device).reshape(1)
             dist.all_reduce(local, op=dist.ReduceOp.MAX if p == math.inf else dist.ReduceOp.SUM)
             total = (local[0] if p == math.inf else local[0] ** (1.0 / p)).to(dtype)
-        if error_if_nonfinite and not torch.isfinite(total):
-            raise HplanError(f"the total norm of the gradients is {float(total)}; it cannot be clipped")
-        coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+        coef = clip_coefficient(total, max_norm, error_if_nonfinite)
         if self.master:
             self.clips.append(Clip(_subset(names, self.written), lambda g: g.mul_(coef.to(g.device))))
         else:
