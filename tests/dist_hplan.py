@@ -7,11 +7,13 @@ import os
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch import nn
 
 import hplan
 from hplan.artifacts import Hardware, Plan, Trace
@@ -46,17 +48,19 @@ def _with_bytes(hardware: Hardware, gpu_bytes: int) -> Hardware:
 
 
 def train_attached(info: RankInfo, spec: str, plan: Plan, steps: int, *, first: int = 0,
-                   checkpoint: tuple[str, str] | None = None) -> dict[str, Any]:
+                   checkpoint: tuple[str, str] | None = None, overrides: dict[str, Any] | None = None,
+                   between: Callable[[nn.Module], float | None] | None = None) -> dict[str, Any]:
     """A user's plain loop inside `hplan.attach` on this rank: batch(s·N + r), loss mean over ranks.
-    `checkpoint` = ("save", dir) saves after the last step, ("load", dir) resumes from it first."""
+    `checkpoint` = ("save", dir) saves after the last step, ("load", dir) resumes from it first. `between`: called
+    with the model between backward() and optimizer.step() (a clip), what it returns recorded in "norms"."""
     from hplan.executor.ranks import dist_checkpoint
     from hplan.executor.ranks.distributed import DistRun
 
     n, r = info.world_size, info.rank
-    workload = load_workload(spec)
+    workload = load_workload(spec, overrides=overrides)
     model = workload.build_model()
     optimizer = workload.optimizer(model.parameters())
-    losses, seconds, iters = [], [], []
+    losses, seconds, iters, norms = [], [], [], []
     setup = (lambda run: dist_checkpoint.load(checkpoint[1], run)) if checkpoint and checkpoint[0] == "load" else None
     run = DistRun(model, optimizer, plan, batch_example=workload.batch(0), on_setup=setup) if setup else \
         hplan.attach(model, optimizer, plan, batch_example=workload.batch(0))
@@ -65,6 +69,8 @@ def train_attached(info: RankInfo, spec: str, plan: Plan, steps: int, *, first: 
             start = time.perf_counter()
             loss = workload.loss(model, workload.batch(step * n + r))
             loss.backward()
+            if between is not None and (said := between(model)) is not None:
+                norms.append(said)
             optimizer.step()
             optimizer.zero_grad()
             seconds.append(time.perf_counter() - start)
@@ -76,7 +82,7 @@ def train_attached(info: RankInfo, spec: str, plan: Plan, steps: int, *, first: 
             dist_checkpoint.save(checkpoint[1], run, global_step=steps)
     weights = {name: p.detach().clone() for name, p in model.named_parameters()}
     last = iters[-1]
-    return {"losses": losses, "state": _state_checksum(optimizer), "seconds": seconds,
+    return {"losses": losses, "norms": norms, "state": _state_checksum(optimizer), "seconds": seconds,
             "peak": max(i.peak_resident_bytes for i in iters),
             "moved": last.h2d_bytes + last.d2h_bytes, "collective": last.collective_bytes, "wire": last.wire_bytes,
             "ahead": last.gathers_ahead, "in_flight": last.reductions_in_flight, "calls": last.collective_calls,
@@ -170,39 +176,21 @@ def finite_everywhere(folder: Path) -> bool:
 
 def clip_rank(info: RankInfo, spec: str, plans: list[dict[str, Any]], steps: int, clips: list[tuple[str, float]],
               overrides: dict[str, Any] | None = None) -> list[dict[str, Any]]:
-    """Per plan and per (kind, value) of `clips`, the plain loop of `train_attached` with, between backward() and
-    optimizer.step(), torch.nn.utils.clip_grad_norm_(model.parameters(), value) ("norm", its totals recorded;
-    "norm:P": norm_type P) or clip_grad_value_ ("value"): what the rank measured, its weights on rank 0; last, the
-    refusals of `_refusals`."""
+    """Per plan and per (kind, value) of `clips`, `train_attached` with, between backward() and optimizer.step(),
+    torch.nn.utils.clip_grad_norm_(model.parameters(), value) ("norm", its totals recorded; "norm:P": norm_type P)
+    or clip_grad_value_ ("value"); last, the refusals of `_refusals`."""
     torch.set_num_threads(1)  # [Note: reference determinism]
-    n, r = info.world_size, info.rank
-    out = []
-    for data in plans:
-        plan = Plan.from_dict(data)
-        for kind, value in clips:
-            workload = load_workload(spec, overrides=overrides)
-            model = workload.build_model()
-            optimizer = workload.optimizer(model.parameters())
-            losses, norms, iters = [], [], []
-            with hplan.attach(model, optimizer, plan, batch_example=workload.batch(0)) as run:
-                for step in range(steps):
-                    loss = workload.loss(model, workload.batch(step * n + r))
-                    loss.backward()
-                    if kind.startswith("norm"):
-                        p = float(kind[5:] or 2.0)
-                        norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), value, norm_type=p)))
-                    else:
-                        torch.nn.utils.clip_grad_value_(model.parameters(), value)
-                    optimizer.step()
-                    optimizer.zero_grad()
-                    total = loss.detach().clone()
-                    dist.all_reduce(total)
-                    losses.append(float(total) / n)
-                    iters.append(run.last)
-            out.append({"losses": losses, "norms": norms, "peak": max(i.peak_resident_bytes for i in iters),
-                        "moved": iters[-1].h2d_bytes + iters[-1].d2h_bytes, "collective": iters[-1].collective_bytes,
-                        "weights": {k: p.detach().clone() for k, p in model.named_parameters()} if r == 0 else None})
+    out = [train_attached(info, spec, Plan.from_dict(data), steps, overrides=overrides, between=_clip(kind, value))
+           for data in plans for kind, value in clips]
     return [*out, _refusals(spec, Plan.from_dict(plans[0]), overrides)]
+
+
+def _clip(kind: str, value: float) -> Callable[[nn.Module], float | None]:
+    """The clip `clip_rank` names: the total norm clip_grad_norm_ returns, or None (clip_grad_value_)."""
+    if kind.startswith("norm"):
+        p = float(kind[5:] or 2.0)
+        return lambda model: float(torch.nn.utils.clip_grad_norm_(model.parameters(), value, norm_type=p))
+    return lambda model: torch.nn.utils.clip_grad_value_(model.parameters(), value)
 
 
 def _refusals(spec: str, plan: Plan, overrides: dict[str, Any] | None) -> dict[str, str]:
