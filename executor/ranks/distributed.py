@@ -33,6 +33,7 @@ import torch.distributed as dist
 from hplan.executor.device import make_tier
 from hplan.executor.ranks.in_flight import InFlight
 from hplan.artifacts.lookahead import lookahead
+from hplan.artifacts.shard import refused_on_ranks
 from hplan.executor.ranks.dist_clip import DistClip
 from hplan.executor.ranks.dist_comm import PlanComm
 from hplan.executor.ranks.dist_events import DistEvents
@@ -89,8 +90,8 @@ def check_world(plan: Plan, world: int) -> None:
         raise HplanError(f"the plan was made for {hw.ranks} ranks ({hw.gpus_per_node} per node × {hw.nodes}) but this "
                          f"run has {world}; re-plan with `gpus_per_node`/`nodes` for {world} ranks or run with "
                          f"`nproc` {hw.ranks}")
-    if plan.fingerprint.get("precision") == "fp16-mixed":
-        raise HplanError("fp16 loss scaling is not supported on many ranks yet; use bf16-mixed or fp32")
+    if (why := refused_on_ranks(plan.fingerprint)) is not None:
+        raise HplanError(f"{why}; use bf16-mixed or fp32")
 
 
 class DistRun(DistEvents, DistUpdates, DistClip):

@@ -189,6 +189,14 @@ def allowed_factors(ranks: int, gpus_per_node: int) -> list[int]:
     return sorted({d for d in range(1, gpus_per_node + 1) if gpus_per_node % d == 0 and d <= ranks} | {ranks})
 
 
+def refused_on_ranks(fingerprint: dict[str, Any]) -> str | None:
+    """What a many-rank run refuses in a plan made for it, from the plan's fingerprint, or None: raised by the run
+    (hplan.executor.ranks.distributed.check_world) and said by `hplan plan --gpus` when the plan is written."""
+    if fingerprint.get("precision") == "fp16-mixed":
+        return "fp16 loss scaling is not supported on many ranks yet"
+    return None
+
+
 def check_factors(factors: dict[str, int], ranks: int, gpus_per_node: int) -> None:
     """Raise unless each of P, G, OS is 1, a divisor of the GPUs per node, or all ranks, and P | G | OS: AMSP's
     rules, which every sharded system priced here obeys (the executor's layout adds P in {1, G}: Sharding.check)."""

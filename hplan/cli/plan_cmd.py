@@ -205,10 +205,10 @@ def _run(*, trace: Path, gpu_mem: str, output: Path | None, cpu_mem: str | None,
         payload["output"] = str(output)
     if plan.sharding is not None:
         from hplan.cli.common import warn_line
-        from hplan.cli.world import refused_on_ranks, step_split
+        from hplan.cli.world import run_refusal, step_split
 
         payload["step_split"] = step_split(plan)
-        if (refused := refused_on_ranks(plan)) is not None:
+        if (refused := run_refusal(plan)) is not None:
             warn_line(refused)
     if as_json:
         emit_json(payload)

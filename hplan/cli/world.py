@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from hplan.artifacts.shard import refused_on_ranks
 from hplan.errors import HplanError
 
 if TYPE_CHECKING:
@@ -123,15 +124,15 @@ def step_split(plan: Plan) -> dict[str, float]:
     return out
 
 
-def refused_on_ranks(plan: Plan) -> str | None:
-    """What `hplan run` will refuse in this many-rank plan (executor.ranks.distributed.check_world), in words naming
-    the fix, or None: said when the plan is written, not first at the run (the plan stays valid for pricing)."""
-    if plan.sharding is None:
+def run_refusal(plan: Plan) -> str | None:
+    """What `hplan run` will refuse in this many-rank plan (hplan.artifacts.shard's `refused_on_ranks`), in words
+    naming the fix, or None: said when the plan is written, not first at the run (the plan stays valid for
+    pricing)."""
+    why = None if plan.sharding is None else refused_on_ranks(plan.fingerprint)
+    if why is None:
         return None
-    if plan.fingerprint.get("precision") == "fp16-mixed":
-        return ("`hplan run` refuses this many-rank plan: fp16 loss scaling is not supported on many ranks yet; "
-                "re-trace with --precision bf16-mixed or fp32, or plan for one GPU")
-    return None
+    return f"`hplan run` refuses this many-rank plan: {why}; re-trace with --precision bf16-mixed or fp32, or plan " \
+        "for one GPU"
 
 
 def many_rank_run(nproc: int | None, plan: Any) -> bool:
