@@ -148,6 +148,11 @@ def verdict(predicted: float, ratios: Sequence[float]) -> str:
             f"predicted gain, {measured})")
 
 
+def ratio(res: dict[str, dict[str, Any]], a: str, b: str) -> float:
+    """A round's ratio: plan `a`'s process's median steady step over plan `b`'s (the rule above)."""
+    return steady_median(res[a]) / steady_median(res[b])
+
+
 def lockstep_rounds(ctx: Context, paths: dict[str, Path], *, n: int, steps: int) -> list[dict[str, dict[str, Any]]]:
     """`n` rounds: the plans' `speed-run` children in lockstep on one core, the next round on the next core, who
     goes first rotating through the keys; each round's payloads by key. A failed round raises, naming it."""
@@ -167,7 +172,7 @@ def lockstep_rounds(ctx: Context, paths: dict[str, Path], *, n: int, steps: int)
         except RuntimeError as exc:
             raise RuntimeError(f"middle round {r + 1}: {exc}") from None
         out.append(res)
-        ratios = ", ".join(f"{k} {steady_median(res[keys[0]]) / steady_median(res[k]):.3f}" for k in keys[1:])
+        ratios = ", ".join(f"{k} {ratio(res, keys[0], k):.3f}" for k in keys[1:])
         ctx.log(f"[bench]   middle round {r + 1}/{n} on core {cores[r % len(cores)]}: {keys[0]} ÷ {ratios} "
                 f"({time.perf_counter() - t0:.0f} s, load {os.getloadavg()[0]:.2f})")
     return out
@@ -257,7 +262,7 @@ def middle_table(ctx: Context) -> tuple[Table, str]:
                   f"{statistics.mean(loads):.1f}", "")
     read = {}
     for base in (WHOLE, BLOCKS):
-        ratios = [steady_median(res[SUB]) / steady_median(res[base]) for res in rounds]
+        ratios = [ratio(res, SUB, base) for res in rounds]
         guess = plans[SUB].summary.predicted_step_seconds / plans[base].summary.predicted_step_seconds
         mean, lo, hi, sd = interval(ratios)
         read[base] = (guess, mean, lo, hi, verdict(guess, ratios))
